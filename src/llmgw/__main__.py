@@ -1,0 +1,5 @@
+"""``python -m llmgw`` is the ``llmgw`` command."""
+
+from llmgw.cli.main import main
+
+main()

@@ -1,0 +1,46 @@
+"""What every CLI command shares: the Paths from ``--root``, and turning errors into exit codes.
+
+Commands parse and print; the logic lives in the packages. An :class:`~llmgw.errors.LlmgwError`
+becomes ``Error: <message>`` on stderr and its ``exit_code``; nothing prints a traceback for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import typer
+
+from llmgw.errors import LlmgwError
+from llmgw.paths import Paths
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def paths() -> Paths:
+    """The Paths for this invocation (``--root`` sets ``LLMGW_ROOT`` before any command runs)."""
+    return Paths.from_env()
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print ``Error: message`` to stderr and return the Exit to raise."""
+    print(f"Error: {message}", file=sys.stderr)
+    return typer.Exit(code)
+
+
+def cli_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: an ``LlmgwError`` becomes ``Error: …`` and its exit code; Ctrl-C exits 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except LlmgwError as e:
+            raise fail(str(e), e.exit_code) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper

@@ -1,0 +1,215 @@
+"""``server.yaml`` and ``agent.yaml``: Pydantic models, loading, and errors that name the field.
+
+Both files reject unknown fields (a typo is an error, not a silently ignored setting). A file that
+fails to load is never rewritten: :func:`load_server_config` and :func:`load_agent_config` only
+read. ``server init`` appends blocks to ``server.yaml`` (with a timestamped backup) and never
+rewrites it; ``agent.yaml`` is never overwritten.
+
+Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces), as in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from llmgw.errors import ConfigError
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split a listen address into ``(host, port)``.
+
+    ``":8080"`` is ``("0.0.0.0", 8080)``; ``"127.0.0.1:9090"`` and ``"[::1]:9090"`` keep their host.
+
+    Raises:
+        ValueError: when there is no port, or it is not 1..65535.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"'{value}' is not HOST:PORT or :PORT")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"'{value}' has port {port}, outside 1..65535")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, port
+
+
+def _check_listen(value: str) -> str:
+    parse_listen(value)
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TLSFiles(_Strict):
+    """Paths of a CA bundle, a certificate and its key (PEM)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+class GatewayConfig(_Strict):
+    """The OpenAI-compatible gateway.
+
+    ``allow_loopback_without_key``: a single-machine install lets clients on this machine ask
+    without a key (init sets it, and says so in the file); every other client needs a key from
+    ``keys_file`` (one per line).
+    """
+
+    listen: str = ":8080"
+    keys_file: Path | None = None
+    allow_loopback_without_key: bool = False
+
+    _v = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
+
+
+class StoreConfig(_Strict):
+    """Where the control plane keeps its state: SQLite (embedded default) or PostgreSQL (HA).
+
+    ``url`` is a SQLAlchemy URL (``sqlite:////var/lib/llmgw/llmgw.db`` or
+    ``postgresql+psycopg://user@host/llmgw``); empty means the SQLite file in the state dir.
+    """
+
+    url: str = ""
+
+
+class MirrorRef(_Strict):
+    """The model mirror this control plane uses: its management API URL (``http://127.0.0.1:8082``)."""
+
+    api: str = ""
+
+
+class ServerConfig(_Strict):
+    """``/etc/llmgw/server.yaml``.
+
+    Attributes:
+        admin_listen: admin API address (bearer token), ``127.0.0.1:9090``.
+        agent_listen: agent API address (TLS, client certificates from the CA), ``:7443``.
+        admin_token_file: the admin token's file; empty means ``admin-token`` beside server.yaml.
+        tls: the server certificate for the agent API and the CA that signs agents.
+        node_lost_after_s: seconds without a heartbeat after which a node is ``lost``.
+    """
+
+    admin_listen: str = "127.0.0.1:9090"
+    agent_listen: str = ":7443"
+    admin_token_file: Path | None = None
+    tls: TLSFiles
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    mirror: MirrorRef = Field(default_factory=MirrorRef)
+    node_lost_after_s: Annotated[float, Field(gt=0)] = 30.0
+
+    _v = field_validator("admin_listen", "agent_listen")(classmethod(lambda cls, v: _check_listen(v)))
+
+    def admin_token_path(self, config_path: Path) -> Path:
+        """The admin token file: ``admin_token_file``, else ``admin-token`` beside ``config_path``."""
+        return self.admin_token_file or config_path.parent / "admin-token"
+
+
+class LlamacppEngine(_Strict):
+    """``engines.llamacpp``: ``binary`` is a llama-server to use instead of PATH or the agent's own."""
+
+    binary: Path | None = None
+
+
+class EnginesConfig(_Strict):
+    """``engines``: per-engine settings."""
+
+    llamacpp: LlamacppEngine = Field(default_factory=LlamacppEngine)
+
+
+class DiscoveryConfig(_Strict):
+    """``discovery``: ``inventory_file`` declares the inventory instead of reading it (tests, odd hardware)."""
+
+    inventory_file: Path | None = None
+
+
+class AgentConfig(_Strict):
+    """``/etc/llmgw/agent.yaml``: this node's agent.
+
+    Attributes:
+        server: the control plane's agent API, ``https://HOST:7443``.
+        node_id: this node's id; must equal the CN of ``tls.cert`` (the server believes only the cert).
+        advertise_address: the address engines bind and the gateway dials, ``127.0.0.1`` on one machine.
+        heartbeat_interval_s: seconds between heartbeats.
+        cache_max_gb: node model cache size past which least recently used files are evicted (GB).
+    """
+
+    server: str
+    node_id: str
+    tls: TLSFiles
+    labels: dict[str, str] = Field(default_factory=dict)
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    advertise_address: str = "127.0.0.1"
+    heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
+    cache_max_gb: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("server")
+    @classmethod
+    def _https(cls, v: str) -> str:
+        if not v.startswith("https://"):
+            raise ValueError(f"'{v}' must be an https:// URL of the control plane's agent API")
+        return v
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def describe_validation_error(path: Path, err: ValidationError) -> str:
+    """One line per problem: ``<file>: <dotted.field>: <what is wrong>``."""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"{path}: {field}: {msg}")
+    return "\n".join(lines)
+
+
+def load_yaml_model(path: Path, model: type[M]) -> M:
+    """Read ``path`` as YAML and validate it as ``model``.
+
+    Raises:
+        ConfigError: the file is missing, is not valid YAML, is not a mapping, or a field is wrong;
+            the message names the file and the field.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path} does not exist; run 'llmgw server init' or pass --config") from e
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror}") from e
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}; fix the file") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of fields, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(path, e)) from e
+
+
+def load_server_config(path: Path) -> ServerConfig:
+    """Load ``server.yaml``. Raises :class:`ConfigError` naming the file and field."""
+    return load_yaml_model(path, ServerConfig)
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    """Load ``agent.yaml``. Raises :class:`ConfigError` naming the file and field."""
+    return load_yaml_model(path, AgentConfig)

@@ -1,0 +1,69 @@
+"""How the gateway finds a model's engines: the :class:`Router` seam between gateway and store.
+
+The control plane keeps an in-memory routing table (refreshed from the store and on every
+heartbeat) behind this protocol, so the gateway's hot path never touches the database; tests and
+benchmarks give the gateway a :class:`StaticRouter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One ready replica: ``endpoint`` is ``host:port`` of its engine, ``key`` its ``--api-key``."""
+
+    replica_id: str
+    endpoint: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where requests for a model go.
+
+    Attributes:
+        model: the catalog name (a request may have used an alias).
+        upstreams: the ready replicas, in no particular order; empty when none is ready.
+        unavailable: when ``upstreams`` is empty, why (placement's summary or the replicas' states),
+            phrased for a client: no internal addresses.
+        context_length: the context a client may use (tokens), 0 when not set.
+        max_output: the most tokens a client may ask for, 0 when not set.
+    """
+
+    model: str
+    upstreams: tuple[Upstream, ...] = ()
+    unavailable: str = ""
+    context_length: int = 0
+    max_output: int = 0
+    created: int = 0
+
+
+class Router(Protocol):
+    """What the gateway asks of the control plane."""
+
+    def resolve(self, name: str) -> Route | None:
+        """The route for a model name or alias; None when no chat model has that name."""
+        ...
+
+    def chat_models(self) -> list[Route]:
+        """Every chat model (guard models are not offered to clients), sorted by name."""
+        ...
+
+
+@dataclass
+class StaticRouter:
+    """A fixed routing table (tests, benchmarks): ``routes`` by name, ``aliases`` name → model."""
+
+    routes: dict[str, Route] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def resolve(self, name: str) -> Route | None:
+        """See :meth:`Router.resolve`."""
+        return self.routes.get(self.aliases.get(name, name))
+
+    def chat_models(self) -> list[Route]:
+        """See :meth:`Router.chat_models`."""
+        return [self.routes[k] for k in sorted(self.routes)]

@@ -1,0 +1,103 @@
+"""The admin API's JSON views (``GET /api/v1/nodes``, ``/replicas``, ``/explain-placement``, ...).
+
+They carry at least the fields the seeds read (``NodeView``: id, state, engines,
+provision[engine, version, state, detail]; ``ReplicaView``: id, model, node, profile, state, err;
+``ExplainView``: placed, rejections[node, reason]). Views are not storage rows.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from llmgw.protocol import GPU
+
+
+class ProvisionView(BaseModel):
+    """An engine's provisioning on a node."""
+
+    engine: str
+    version: str = ""
+    state: str
+    detail: str = ""
+
+
+class ResourcesView(BaseModel):
+    """A node's resources: totals, what placed replicas reserve, and what is free (bytes, cores)."""
+
+    cores: int
+    cores_reserved: int
+    memory_total_bytes: int
+    memory_reserved_bytes: int
+    memory_available_bytes: int
+
+
+class NodeView(BaseModel):
+    """A node. ``state``: ``ready`` (heartbeats arriving), ``lost`` (none for ``node_lost_after_s``)."""
+
+    id: str
+    state: str
+    cordoned: bool = False
+    labels: dict[str, str] = Field(default_factory=dict)
+    engines: list[str] = Field(default_factory=list)
+    provision: list[ProvisionView] = Field(default_factory=list)
+    resources: ResourcesView | None = None
+    gpus: list[GPU] = Field(default_factory=list)
+    last_seen: float | None = None  # unix seconds
+
+
+class ReplicaView(BaseModel):
+    """A replica: where it runs, in which profile, its state and last error."""
+
+    id: str
+    model: str
+    node: str = ""
+    profile: str = ""
+    state: str
+    err: str = ""
+    endpoint: str = ""
+    created_at: float | None = None
+    ready_at: float | None = None
+    restarts: int = 0
+
+
+class Rejection(BaseModel):
+    """Why one node cannot take one profile of a model.
+
+    ``kind``: ``filtered`` (a rule that adding capacity does not change: state, selector, engine,
+    GPU class) or ``exhausted`` (a resource: memory, cores, GPU memory; ``need``/``free`` in GB or cores).
+    """
+
+    node: str
+    profile: str
+    kind: str
+    code: str
+    reason: str
+    need: float | None = None
+    free: float | None = None
+
+
+class ExplainView(BaseModel):
+    """Placement's explanation for one model: placed or not, a one-line summary, and every rejection."""
+
+    model: str
+    placed: bool
+    wanted: int = 0
+    replicas: int = 0
+    summary: str = ""
+    rejections: list[Rejection] = Field(default_factory=list)
+    evaluated_at: float | None = None
+
+
+class ModelView(BaseModel):
+    """A catalog entry as the admin API shows it: the model's fields plus its replicas' states."""
+
+    name: str
+    aliases: list[str] = Field(default_factory=list)
+    role: str
+    source: str
+    version: str
+    scaling_min: int
+    scaling_max: int
+    replicas_ready: int = 0
+    replicas: int = 0
+    spec: dict[str, object] = Field(default_factory=dict)

@@ -1,0 +1,123 @@
+"""What agents and the control plane say to each other over the agent API (mTLS, JSON).
+
+``POST /agent/v1/heartbeat`` (and ``/agent/v1/register``, the same exchange on start): the agent
+sends a :class:`Heartbeat`; the control plane answers with a :class:`HeartbeatReply` listing the
+replicas this node must run. The node id is never in the body: it is the CN of the agent's client
+certificate, which the control plane reads from the TLS session.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+
+class GPU(BaseModel):
+    """One GPU as discovery saw it. Memory in bytes; ``klass`` is the GPU class (``h100-80gb``)."""
+
+    index: int
+    uuid: str = ""
+    name: str
+    klass: str
+    memory_total_bytes: int
+    memory_used_bytes: int = 0
+
+
+class Inventory(BaseModel):
+    """A node's hardware: logical cores, memory in bytes, GPUs (empty is an answer, not an error)."""
+
+    hostname: str = ""
+    cores: int
+    memory_total_bytes: int
+    memory_available_bytes: int
+    gpus: list[GPU] = Field(default_factory=list)
+
+
+class ProvisionState(StrEnum):
+    """An engine's provisioning state on a node, as the nodes view shows it."""
+
+    INSTALLED = "installed"
+    INSTALLING = "installing"
+    FAILED = "failed"
+    UNSUPPORTED = "unsupported"
+
+
+class EngineStatus(BaseModel):
+    """One engine on a node: ``detail`` says where it is, or what to do when it is not there."""
+
+    engine: str
+    version: str = ""
+    state: ProvisionState
+    detail: str = ""
+    binary: str = ""
+
+
+class ReplicaState(StrEnum):
+    """A replica's state as its node reports it.
+
+    ``fetching`` (weights coming from the mirror) → ``starting`` (engine launched, loading) →
+    ``ready`` (``/health`` 200) ; ``failed`` (err says why: the engine's last log lines) ;
+    ``stopped``. The control plane adds ``pending`` for a replica placed on no node yet.
+    """
+
+    PENDING = "pending"
+    FETCHING = "fetching"
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ReplicaStatus(BaseModel):
+    """A replica as the agent reports it. ``endpoint`` is ``host:port`` of its engine."""
+
+    id: str
+    state: ReplicaState
+    err: str = ""
+    endpoint: str = ""
+    pid: int | None = None
+    started_at: float | None = None  # unix seconds
+
+
+class ReplicaSpec(BaseModel):
+    """A replica the control plane wants on this node.
+
+    Attributes:
+        source_url: the mirror's URL of the weights file.
+        sha256: the digest to verify after download (empty: use the mirror's ``X-Checksum-Sha256``).
+        args: the profile's engine args; the agent adds ``--port``, ``--threads`` and ``--api-key``.
+        cpu_cores: cores reserved for it (``--threads``); 0 means share the node's cores.
+        key: the API key the engine must require (``--api-key``); the gateway sends it.
+    """
+
+    id: str
+    model: str
+    version: str
+    profile: str
+    engine: str
+    source_url: str
+    sha256: str = ""
+    file_name: str
+    args: list[str] = Field(default_factory=list)
+    cpu_cores: int = 0
+    gpu_indexes: list[int] = Field(default_factory=list)
+    key: str
+
+
+class Heartbeat(BaseModel):
+    """What an agent reports each ``heartbeat_interval_s``."""
+
+    agent_version: str = ""
+    inventory: Inventory
+    labels: dict[str, str] = Field(default_factory=dict)
+    engines: list[EngineStatus] = Field(default_factory=list)
+    replicas: list[ReplicaStatus] = Field(default_factory=list)
+
+
+class HeartbeatReply(BaseModel):
+    """The control plane's answer: the node id it read from the certificate and the desired replicas."""
+
+    node_id: str
+    desired: list[ReplicaSpec] = Field(default_factory=list)
+    interval_s: float = 2.0

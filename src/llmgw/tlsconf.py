@@ -1,0 +1,223 @@
+"""The cluster's own PKI: a CA, the control plane's server certificate, agents' client certificates.
+
+* The CA (``ca.pem``, ``ca-key.pem`` 0600) signs everything; agents trust only it.
+* The server certificate names every ``--host``, the primary address and ``localhost``/``127.0.0.1``,
+  so agents reach the agent API by any of them.
+* An agent's client certificate has CN = node id: the agent API takes the node id from it, never
+  from a field the agent claims.
+
+Keys are EC P-256 (small, fast handshakes), written 0600. Certificates last 10 years (CA) and
+5 years (leaves): a self-hosted cluster should not stop on an expiry nobody scheduled.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmgw.errors import PkiError
+
+CA_DAYS = 3650
+LEAF_DAYS = 1825
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` mode 0600, atomically (temp name, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass
+class Leaf:
+    """An issued certificate and its key (PEM bytes)."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+    def write(self, directory: Path, stem: str) -> tuple[Path, Path]:
+        """Write ``<stem>.pem`` (0644) and ``<stem>-key.pem`` (0600) into ``directory``; return both paths."""
+        directory.mkdir(parents=True, exist_ok=True)
+        cert, key = directory / f"{stem}.pem", directory / f"{stem}-key.pem"
+        _write_private(key, self.key_pem)
+        _write_public(cert, self.cert_pem)
+        return cert, key
+
+
+@dataclass
+class CA:
+    """The cluster CA: its certificate and private key."""
+
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+    @classmethod
+    def create(cls, name: str = "llmgw cluster CA") -> CA:
+        """A new self-signed CA (EC P-256, valid ``CA_DAYS`` days)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = _now()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                    key_encipherment=False, data_encipherment=False, key_agreement=False,
+                    encipher_only=False, decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        return cls(cert, key)
+
+    @classmethod
+    def load(cls, pki_dir: Path) -> CA:
+        """Load ``ca.pem`` and ``ca-key.pem`` from ``pki_dir``.
+
+        Raises:
+            PkiError: a file is missing or not a CA certificate/key.
+        """
+        cert_path, key_path = pki_dir / "ca.pem", pki_dir / "ca-key.pem"
+        if not key_path.exists():
+            raise PkiError(
+                f"the CA key {key_path} is missing, so this machine cannot issue certificates; "
+                "run this where the CA is, or restore the key from a backup"
+            )
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        except (OSError, ValueError) as e:
+            raise PkiError(f"cannot read the cluster CA in {pki_dir}: {e}") from e
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise PkiError(f"{key_path} is not an EC private key")
+        return cls(cert, key)
+
+    def write(self, pki_dir: Path) -> None:
+        """Write ``ca.pem`` (0644) and ``ca-key.pem`` (0600) into ``pki_dir``."""
+        pki_dir.mkdir(parents=True, exist_ok=True)
+        _write_private(pki_dir / "ca-key.pem", _key_pem(self.key))
+        _write_public(pki_dir / "ca.pem", self.cert.public_bytes(serialization.Encoding.PEM))
+
+    @property
+    def cert_pem(self) -> bytes:
+        """The CA certificate, PEM."""
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def _issue(self, cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> Leaf:
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = _now()
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=LEAF_DAYS))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False
+            )
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        return Leaf(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+    def issue_server(self, hosts: list[str]) -> Leaf:
+        """A server certificate for every name/address in ``hosts`` plus ``localhost``/``127.0.0.1``/``::1``."""
+        names = list(dict.fromkeys([*hosts, "localhost", "127.0.0.1", "::1"]))
+        sans: list[x509.GeneralName] = []
+        for h in names:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                sans.append(x509.DNSName(h))
+        return self._issue(names[0], ExtendedKeyUsageOID.SERVER_AUTH, sans)
+
+    def issue_client(self, node_id: str) -> Leaf:
+        """An agent's client certificate with CN = ``node_id``."""
+        if not node_id:
+            raise PkiError("a node id is needed to issue an agent certificate")
+        return self._issue(node_id, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+
+
+def cert_hosts(cert_path: Path) -> list[str]:
+    """The DNS names and IP addresses a certificate's SAN names, as strings."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    out: list[str] = [str(v) for v in san.get_values_for_type(x509.DNSName)]
+    out += [str(v) for v in san.get_values_for_type(x509.IPAddress)]
+    return out
+
+
+def server_context(ca: Path, cert: Path, key: Path, *, require_client_cert: bool = True) -> ssl.SSLContext:
+    """The agent API's TLS context: our certificate, and client certificates required from ``ca``."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
+    ctx.load_cert_chain(str(cert), str(key))
+    ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def client_context(ca: Path, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
+    """An agent's TLS context: trust only ``ca``, present ``cert``/``key`` when given."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+    if cert is not None and key is not None:
+        ctx.load_cert_chain(str(cert), str(key))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def peer_common_name(peercert: dict[str, object] | None) -> str | None:
+    """The CN of a verified peer certificate as ``ssl`` returns it (``getpeercert()``), or None."""
+    if not peercert:
+        return None
+    for rdn in peercert.get("subject", ()):  # type: ignore[attr-defined]
+        for k, v in rdn:
+            if k == "commonName":
+                return str(v)
+    return None
