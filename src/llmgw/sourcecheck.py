@@ -1,0 +1,150 @@
+"""Model sources: which strings name weights llmgw can fetch, and how.
+
+A catalog ``source`` is one of three forms:
+
+- ``hf:ORG/REPO/FILE`` — a file in a Hugging Face model repository, at ``main``. ``FILE`` may hold
+  slashes (``hf:org/repo/q4/model.gguf``). It becomes
+  ``{HF_ENDPOINT or https://huggingface.co}/ORG/REPO/resolve/main/FILE``, with
+  ``Authorization: Bearer <token>`` when a token is found (``HF_TOKEN``, else the token file that
+  ``huggingface-cli login`` writes: ``$HF_HOME/token`` or ``~/.cache/huggingface/token``).
+  aiohttp drops the header when Hugging Face redirects to its CDN on another host.
+- ``https://…`` or ``http://…`` — fetched as is.
+- ``file:/abs/path`` (or ``file:///abs/path``) — a file already on the mirror's machine: how an
+  offline cluster carries a model in. The mirror copies it; nothing is downloaded.
+
+Anything else raises :class:`~llmgw.errors.SourceError` naming the source, the reason and the
+accepted forms. Only the form is checked here: whether the file exists or the URL answers is
+found out when the mirror fetches it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmgw.errors import SourceError
+
+HF_DEFAULT_ENDPOINT = "https://huggingface.co"
+
+FORMS = "hf:ORG/REPO/FILE, https://HOST/PATH, http://HOST/PATH or file:/ABSOLUTE/PATH"
+"""The accepted forms, as error messages quote them."""
+
+Kind = Literal["file", "http", "hf"]
+
+
+@dataclass(frozen=True)
+class Download:
+    """How to fetch one source.
+
+    Attributes:
+        kind: ``"file"`` (copy ``path``), ``"http"`` or ``"hf"`` (GET ``url`` with ``headers``).
+        url: the URL to GET; for ``file`` the path as a ``file://`` URI, for messages.
+        path: the local file for ``file``; ``None`` otherwise.
+        headers: request headers, e.g. the Hugging Face ``Authorization``; kept out of ``repr``.
+    """
+
+    kind: Kind
+    url: str
+    path: pathlib.Path | None = None
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+def is_download(source: str) -> bool:
+    """Whether ``source`` has one of the accepted forms (see the module docstring)."""
+    try:
+        to_download(source, env={}, home=pathlib.Path("/nonexistent"))
+    except SourceError:
+        return False
+    return True
+
+
+def to_download(
+    source: str, *, env: Mapping[str, str] | None = None, home: pathlib.Path | None = None
+) -> Download:
+    """Turn a catalog source into a :class:`Download`.
+
+    Args:
+        source: ``hf:ORG/REPO/FILE``, ``https://…``, ``http://…`` or ``file:/abs/path``.
+        env: the environment to read ``HF_ENDPOINT``, ``HF_TOKEN`` and ``HF_HOME`` from
+            (default ``os.environ``).
+        home: the home directory holding ``.cache/huggingface/token`` (default the user's).
+
+    Raises:
+        SourceError: "cannot turn SOURCE into a download: REASON; use one of …".
+    """
+    env = os.environ if env is None else env
+    s = source.strip()
+    if s.startswith("hf:"):
+        return _hf(source, s[3:], env, home)
+    if s.startswith("file:"):
+        return _file(source, s)
+    scheme = s.partition(":")[0].lower()
+    if scheme in ("http", "https"):
+        parts = urllib.parse.urlsplit(s)
+        if not parts.hostname:
+            raise _bad(source, "the URL has no host")
+        if not parts.path.strip("/"):
+            raise _bad(source, "the URL names no file")
+        return Download(kind="http", url=s)
+    if not s:
+        raise _bad(source, "it is empty")
+    raise _bad(source, f"'{scheme}:' is not a source scheme" if ":" in s else "it has no scheme")
+
+
+def _hf(source: str, rest: str, env: Mapping[str, str], home: pathlib.Path | None) -> Download:
+    segs = rest.split("/")
+    if len(segs) < 3:
+        raise _bad(source, "hf: needs ORG/REPO/FILE, three parts at least")
+    if any(not p for p in segs):
+        raise _bad(source, "it has an empty part between slashes")
+    if any(p in (".", "..") for p in segs):
+        raise _bad(source, "'.' and '..' are not allowed in an hf: path")
+    org, repo, file = segs[0], segs[1], "/".join(segs[2:])
+    endpoint = (env.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
+    url = f"{endpoint}/{org}/{repo}/resolve/main/{urllib.parse.quote(file, safe='/')}"
+    token = _hf_token(env, home)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return Download(kind="hf", url=url, headers=headers)
+
+
+def _hf_token(env: Mapping[str, str], home: pathlib.Path | None) -> str:
+    """HF_TOKEN, else the token file huggingface-cli writes; ``""`` when neither is there."""
+    if token := env.get("HF_TOKEN", "").strip():
+        return token
+    if hf_home := env.get("HF_HOME"):
+        candidates = [pathlib.Path(hf_home) / "token"]
+    else:
+        candidates = [(home or pathlib.Path.home()) / ".cache" / "huggingface" / "token"]
+    for path in candidates:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            continue
+    return ""
+
+
+def _file(source: str, s: str) -> Download:
+    rest = s[len("file:") :]
+    if rest.startswith("//"):
+        parts = urllib.parse.urlsplit(s)
+        if parts.netloc not in ("", "localhost"):
+            raise _bad(source, f"file: URLs name this machine only, not '{parts.netloc}'")
+        rest = parts.path
+    rest = urllib.parse.unquote(rest)
+    path = pathlib.PurePosixPath(rest)
+    if not path.is_absolute():
+        raise _bad(source, "a file: path must be absolute (file:/srv/in/model.gguf)")
+    if ".." in path.parts:
+        raise _bad(source, "'..' is not allowed in a file: path")
+    if rest.endswith("/"):
+        raise _bad(source, "it names a directory, not a file")
+    real = pathlib.Path(rest)
+    return Download(kind="file", url=real.as_uri(), path=real)
+
+
+def _bad(source: str, reason: str) -> SourceError:
+    return SourceError(f"cannot turn '{source}' into a download: {reason}; use one of {FORMS}")
