@@ -1,0 +1,257 @@
+"""The systemd unit texts of llmgw's three services, and writing them.
+
+The texts are ported from the Go original's ``server init`` (``agentUnit``, ``mirrorUnitFor``) with
+their comments, which carry the reasons. They are also the only description of a service that
+llmgw's own supervisor (:mod:`llmgw.service.supervisor`) reads on machines without systemd, so
+one text serves both.
+
+``deploy/systemd/llmgw-{server,agent,mirror}.service`` hold :func:`deploy_units`'s output (the
+default paths, ``/usr/local/bin/llmgw``); ``tests/unit/test_units.py`` keeps them equal.
+
+When ``paths.prefixed`` (``LLMGW_ROOT`` is set), every unit also carries
+``Environment=LLMGW_ROOT=<root>`` so the service sees the same layout as the command that wrote it.
+
+Words in ``ExecStart=`` are escaped for systemd (``%`` -> ``%%``, ``$`` -> ``$$``, double quotes
+around words with spaces or quotes); :func:`llmgw.service.supervisor.parse_unit` undoes exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from llmgw.errors import ServiceError
+from llmgw.paths import ROOT_ENV, Paths
+
+SERVICES = ("server", "agent", "mirror")
+"""The services llmgw runs; unit ``llmgw-<name>.service`` each."""
+
+DEFAULT_BINARY = "/usr/local/bin/llmgw"
+"""Where the install guide puts llmgw, and what ``deploy/systemd`` names."""
+
+MIRROR_LISTEN = ":8081"
+"""The mirror's bytes, for every node (DESIGN.md, "Processes and ports")."""
+
+MIRROR_API_LISTEN = "127.0.0.1:8082"
+"""The mirror's management API on loopback, for the control plane beside it."""
+
+MIRROR_ABOUT_LOCAL = (
+    "'llmgw server init'. Bytes on :8081 for every node; the\n"
+    "# management API on loopback only, for the control plane beside it."
+)
+"""``about`` for a mirror beside a single control plane (the seed's wording)."""
+
+MIRROR_ABOUT_STANDBYS = (
+    "'llmgw server init'. Bytes on :8081 for every node; the\n"
+    "# management API for the control planes only, whichever leads."
+)
+"""``about`` for a mirror whose management API answers standby control planes too."""
+
+DEPLOY_MIRROR_BASE = "http://ADDR:8081"
+"""The placeholder ``--base`` of ``deploy/systemd/llmgw-mirror.service``: ADDR is to be replaced."""
+
+DEPLOY_MIRROR_ABOUT = (
+    MIRROR_ABOUT_LOCAL + "\n"
+    "# ADDR in --base stands for the address nodes reach this machine by: replace\n"
+    "# it, or let 'llmgw server init' write this unit with it filled in."
+)
+"""``about`` of ``deploy/systemd/llmgw-mirror.service``: says what to do with the placeholder."""
+
+
+def unit_name(service: str) -> str:
+    """``llmgw-<service>``, the systemd unit name (without ``.service``).
+
+    Raises:
+        ServiceError: ``service`` is not one of :data:`SERVICES`.
+    """
+    check_service(service)
+    return f"llmgw-{service}"
+
+
+def check_service(service: str) -> None:
+    """Raise :class:`ServiceError` unless ``service`` is one of :data:`SERVICES`."""
+    if service not in SERVICES:
+        raise ServiceError(f"unknown service '{service}'; the services are {', '.join(SERVICES)}")
+
+
+def _escape(word: str, *, dollar: bool = True) -> str:
+    """One word for a unit line: ``%`` and (for ExecStart) ``$`` doubled, quoted when it has spaces."""
+    out = word.replace("%", "%%")
+    if dollar:
+        out = out.replace("$", "$$")
+    if not out or any(c.isspace() or c in "\"'\\;" for c in out):
+        out = '"' + out.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return out
+
+
+def _exec(argv: list[str]) -> str:
+    return " ".join(_escape(a) for a in argv)
+
+
+def _root_env(paths: Paths) -> str:
+    """The ``Environment=LLMGW_ROOT=…`` line (with its newline) for a prefixed install, else ``""``."""
+    if not paths.prefixed:
+        return ""
+    return "Environment=" + _escape(f"{ROOT_ENV}={paths.root}", dollar=False) + "\n"
+
+
+def agent_unit(paths: Paths, llmgw_bin: str) -> str:
+    """The node agent's unit: ``<llmgw_bin> agent --config <paths.agent_config>``.
+
+    ``KillMode=process``: engines outlive a restart of the agent and are adopted on its next
+    start. ``LimitMEMLOCK=infinity``: RDMA/NCCL pin more than systemd's default 8 MB lock limit.
+    """
+    return (
+        "[Unit]\n"
+        "Description=llmgw node agent\n"
+        "After=network-online.target\n"
+        "Wants=network-online.target\n"
+        "[Service]\n"
+        f"ExecStart={_exec([llmgw_bin, 'agent', '--config', str(paths.agent_config)])}\n"
+        f"{_root_env(paths)}"
+        "# Root, because the agent launches engines and needs device access. Engines\n"
+        "# outlive a restart of this unit and are adopted again on the next start, so\n"
+        "# KillMode must not take the whole process group with it.\n"
+        "KillMode=process\n"
+        "Restart=on-failure\n"
+        "RestartSec=2s\n"
+        "# RDMA pins the buffers it registers, and NCCL registers a great deal: with\n"
+        "# systemd's default 8 MB lock limit, an engine that drops the capability that\n"
+        "# lets root ignore it fails its first collective over InfiniBand.\n"
+        "LimitMEMLOCK=infinity\n"
+        "StateDirectory=llmgw-agent\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def server_unit(paths: Paths, llmgw_bin: str) -> str:
+    """The control plane's unit: ``<llmgw_bin> server run --config <paths.server_config>``."""
+    return (
+        "[Unit]\n"
+        "Description=llmgw control plane\n"
+        "After=network-online.target\n"
+        "Wants=network-online.target\n"
+        "[Service]\n"
+        f"ExecStart={_exec([llmgw_bin, 'server', 'run', '--config', str(paths.server_config)])}\n"
+        f"{_root_env(paths)}"
+        "# Root, like the files it reads: server.yaml, the admin token (mode 0600)\n"
+        "# and the cluster PKI in /etc/llmgw. Its state, the SQLite database by\n"
+        "# default, is in /var/lib/llmgw, which StateDirectory makes.\n"
+        "Restart=on-failure\n"
+        "RestartSec=2s\n"
+        "StateDirectory=llmgw\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def mirror_unit(
+    paths: Paths,
+    llmgw_bin: str,
+    *,
+    listen: str,
+    api_listen: str,
+    base: str,
+    allow: list[str],
+    about: str,
+) -> str:
+    """A mirror's unit (the seed's ``mirrorUnitFor``), serving ``paths.mirror_store``.
+
+    Args:
+        listen: the bytes listener, ``:8081`` (:data:`MIRROR_LISTEN`) for every node.
+        api_listen: the management API, ``127.0.0.1:8082`` (:data:`MIRROR_API_LISTEN`) on one machine.
+        base: the URL nodes fetch from, ``http://<this machine>:8081``.
+        allow: who, besides the machine itself, may use the management API (``--api-allow`` each).
+        about: the text after ``# Written by``; may span lines, each after the first starting ``# ``
+            (:data:`MIRROR_ABOUT_LOCAL`, :data:`MIRROR_ABOUT_STANDBYS`).
+    """
+    argv = [llmgw_bin, "mirror", "serve", "--dir", str(paths.mirror_store), "--listen", listen]
+    argv += ["--api-listen", api_listen, "--base", base]
+    for a in allow:
+        argv += ["--api-allow", a]
+    return (
+        "[Unit]\n"
+        "Description=llmgw model mirror\n"
+        "After=network-online.target\n"
+        "Wants=network-online.target\n"
+        "[Service]\n"
+        f"# Written by {about}\n"
+        f"ExecStart={_exec(argv)}\n"
+        f"{_root_env(paths)}"
+        "User=llmgw\n"
+        "Group=llmgw\n"
+        "Restart=on-failure\n"
+        "RestartSec=2s\n"
+        "NoNewPrivileges=true\n"
+        "ProtectSystem=strict\n"
+        "ProtectHome=true\n"
+        "PrivateTmp=true\n"
+        f"ReadWritePaths={_escape(str(paths.mirror_store), dollar=False)}\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def deploy_units() -> dict[str, str]:
+    """The texts of ``deploy/systemd/llmgw-<name>.service``, by service name.
+
+    Default paths, :data:`DEFAULT_BINARY`, and for the mirror the single-machine listeners with
+    the placeholder base :data:`DEPLOY_MIRROR_BASE` explained in its ``about`` comment.
+    """
+    paths = Paths(Path("/"))
+    return {
+        "server": server_unit(paths, DEFAULT_BINARY),
+        "agent": agent_unit(paths, DEFAULT_BINARY),
+        "mirror": mirror_unit(
+            paths,
+            DEFAULT_BINARY,
+            listen=MIRROR_LISTEN,
+            api_listen=MIRROR_API_LISTEN,
+            base=DEPLOY_MIRROR_BASE,
+            allow=[],
+            about=DEPLOY_MIRROR_ABOUT,
+        ),
+    }
+
+
+def llmgw_binary() -> str:
+    """The absolute path of the llmgw executable running now, for ``ExecStart=``.
+
+    ``sys.argv[0]`` when it is an ``llmgw`` script (a venv or pipx install names its own), else
+    ``llmgw`` on ``PATH``, else :data:`DEFAULT_BINARY`.
+    """
+    arg0 = sys.argv[0] if sys.argv else ""
+    if arg0 and Path(arg0).name == "llmgw":
+        found = arg0 if os.sep in arg0 else shutil.which(arg0)
+        if found and Path(found).is_file():
+            return os.path.abspath(found)
+    return shutil.which("llmgw") or DEFAULT_BINARY
+
+
+def write_unit(path: Path, body: str) -> bool:
+    """Install a unit when it differs from what is there, keeping somebody's edited copy beside it.
+
+    Identical text: nothing is written, returns False. Otherwise an existing different file is
+    copied to ``<path>.bak`` (replacing an older .bak), the new text is written atomically
+    (temp file + rename, mode 0644, parent directories made) and it returns True.
+
+    Raises:
+        ServiceError: the file or its directory cannot be read or written (the OSError chained).
+    """
+    try:
+        old = path.read_text() if path.exists() else None
+        if old == body:
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if old is not None:
+            path.with_name(path.name + ".bak").write_text(old)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(body)
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    except OSError as e:
+        raise ServiceError(f"writing the unit {path}: {e}; run as root, or set LLMGW_ROOT") from e
+    return True
