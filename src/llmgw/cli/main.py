@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from llmgw import __version__
-from llmgw.cli import agent, chat, ctl, mirror, server, service
+from llmgw.cli import agent, chat, ctl, mirror, server, server_init, service
 from llmgw.paths import ROOT_ENV
 
 app = typer.Typer(
@@ -46,6 +46,7 @@ def _root(
         os.environ[ROOT_ENV] = str(root.resolve())
 
 
+server.app.command("init")(server_init.init)
 app.add_typer(server.app, name="server")
 app.add_typer(agent.app, name="agent")
 app.add_typer(mirror.app, name="mirror")

@@ -1,0 +1,96 @@
+"""Files ``server init`` writes: server.yaml (written once, then only appended to with a backup),
+agent.yaml (never overwritten), tokens and keys (0600). Every write is atomic (temp name, fsync,
+rename), so a crash mid-write leaves the old file or the new one, never half of either.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+
+def write_atomic(path: Path, data: str, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` with ``mode``: temp file beside it, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def new_secret(prefix: str = "") -> str:
+    """A random token (``secrets.token_urlsafe(32)``, 256 bits) with an optional prefix."""
+    return prefix + secrets.token_urlsafe(32)
+
+
+def append_block(path: Path, block: str, *, now: float | None = None) -> Path:
+    """Append ``block`` to ``path`` without touching the rest, keeping the file as it was beside it.
+
+    The backup is ``<path>.bak-YYYYmmdd-HHMMSS`` (the seed's ``appendMirrorBlockFor``); the file
+    keeps its mode. Returns the backup's path.
+    """
+    old = path.read_text()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    backup = path.with_name(f"{path.name}.bak-{stamp}")
+    mode = path.stat().st_mode & 0o777
+    write_atomic(backup, old, 0o640)
+    sep = "" if old.endswith("\n") or not old else "\n"
+    write_atomic(path, old + sep + block, mode)
+    return backup
+
+
+def mirror_block(api: str, comment: str) -> str:
+    """The ``mirror:`` block init appends to server.yaml, after its comment lines."""
+    return f"\n{comment}\nmirror:\n  api: {api}\n"
+
+
+def server_yaml(
+    *, admin_listen: str, agent_listen: str, gateway_listen: str, pki: Path, keys_file: Path,
+) -> str:
+    """The server.yaml init writes on a new machine (a mirror block is appended by a later step)."""
+    return f"""# The llmgw control plane, written by 'llmgw server init'. init never rewrites this file: it
+# only appends blocks, keeping a timestamped backup beside it. Edit it freely.
+admin_listen: "{admin_listen}"
+agent_listen: "{agent_listen}"
+tls:
+  ca: {pki / "ca.pem"}
+  cert: {pki / "server.pem"}
+  key: {pki / "server-key.pem"}
+gateway:
+  listen: "{gateway_listen}"
+  keys_file: {keys_file}
+  # A single-machine install: clients on this machine may ask without a key; every other client
+  # needs one of the keys in keys_file. Set this to false to require a key from everyone.
+  allow_loopback_without_key: true
+"""
+
+
+def agent_yaml(
+    *, server: str, node_id: str, etc: Path, label_key: str, label_value: str, llama_server: Path | None,
+) -> str:
+    """This machine's agent.yaml as the node of its own control plane (the seed's text, plus the engine)."""
+    engine = ""
+    if llama_server is not None:
+        engine = f"engines:\n  llamacpp:\n    binary: {llama_server}\n"
+    return f"""# This machine as a node of its own control plane, written by 'llmgw server init'.
+server: "{server}"
+node_id: "{node_id}"
+tls:
+  ca: {etc / "ca.pem"}
+  cert: {etc / "agent.pem"}
+  key: {etc / "agent-key.pem"}
+labels:
+  {label_key}: "{label_value}"
+# Engines bind loopback: on one machine only the gateway beside them calls them.
+advertise_address: "127.0.0.1"
+{engine}"""

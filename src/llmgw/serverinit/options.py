@@ -1,0 +1,42 @@
+"""The choices ``server init`` is given (its flags), with the defaults DESIGN.md fixes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.serverinit.plan import STARTER_SOURCE
+
+
+@dataclass
+class InitOptions:
+    """Everything ``llmgw server init`` can be told.
+
+    Listen addresses are ``HOST:PORT`` or ``:PORT``; each is settable so a test can run beside
+    another install. Wait limits are seconds (the seed's: 20 min for a node's engine, 30 min for a
+    download, 10 min for a model to start, 90 s before believing placement's "nowhere").
+    """
+
+    hosts: list[str] = field(default_factory=list)
+    cpus: int | None = None
+    offline: bool = False
+    no_node: bool = False
+    no_guard_model: bool = False
+    starter_source: str = STARTER_SOURCE
+    starter_name: str = ""
+    starter_alias: str = ""
+    llama_server: Path | None = None
+    mirror_url: str = ""
+    judge_replicas: int | None = None
+    node_id: str = ""
+    admin_listen: str = "127.0.0.1:9090"
+    agent_listen: str = ":7443"
+    gateway_listen: str = ":8080"
+    mirror_listen: str = ":8081"
+    mirror_api_listen: str = "127.0.0.1:8082"
+    node_wait_s: float = 20 * 60
+    download_wait_s: float = 30 * 60
+    serve_wait_s: float = 10 * 60
+    unplaced_grace_s: float = 90
+    service_wait_s: float = 30
+    poll_s: float = 0.5

@@ -1,0 +1,229 @@
+"""What ``server init`` decides before it touches anything: the starter's and the judge's catalog
+entries, how many judges, and how the cores are split. Pure functions, ported from the seed
+(``serverinit_cluster.go``: ``starterModel``, ``guardModel``, ``cpuPlan``, ``judgeFor``) with its
+reasons kept.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.control.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
+
+# The starter: small enough to download in a minute and run on any CPU, real enough to answer a
+# question. Q4_K_M is about 400 MB.
+STARTER_NAME = "qwen2.5-0.5b-instruct"
+STARTER_ALIAS = "qwen-0.5b"
+STARTER_SOURCE = "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+STARTER_VERSION = "starter"
+STARTER_BYTES = 400_000_000  # about 400 MB, the seed's figure for the Q4_K_M file
+
+# The context a client may use on the starter (tokens). Each engine holds four times that, for
+# four at once (the seed's starterModel: max(16384, 4*ctx) on CPU, max(32768, 4*ctx) on a GPU).
+STARTER_CONTEXT = 4096
+
+# The guardrails' judge: Qwen3Guard-Gen 0.6B, which reads a prompt or an answer and says whether
+# it is safe, controversial or unsafe, and why. Q8_0 is 0.8 GB and judges a short text in about
+# two seconds on two CPU threads. It replaced Llama Guard 3 1B, which refused about one in two
+# ordinary coding requests ("continue").
+GUARD_MODEL_NAME = "qwen3guard-0.6b"
+GUARD_MODEL_SOURCE = "hf:mradermacher/Qwen3Guard-Gen-0.6B-GGUF/Qwen3Guard-Gen-0.6B.Q8_0.gguf"
+GUARD_MODEL_VERSION = "guard"
+
+# localLabel marks the control plane's own node, so the starter model is served where it was
+# asked for and does not wander to the first GPU node that joins later.
+LOCAL_LABEL_KEY = "llmgw.control-plane"
+LOCAL_LABEL_VALUE = "true"
+
+# judgeCores and judgeMemoryGB are what a judge replica needs: two cores for a judgment within its
+# budget, and 2 GB for its 1.6 with no prompt cache. judgeCoresAlone is what the one judge of a
+# single machine takes, past which a model this small hardly gets faster.
+JUDGE_CORES = 2
+JUDGE_CORES_ALONE = 4
+JUDGE_MEMORY_GB = 2
+
+# A starter's engine reserves its weights, its KV cache and llama-server's prompt cache
+# (``--cache-ram 1024`` MiB, which the agent passes): 1 GB on top of the file, times 1.25 for the
+# KV cache and compute buffers of a 16k context on a model this small.
+_STARTER_OVERHEAD_GB = 1.0
+
+
+@dataclass(frozen=True)
+class StarterSpec:
+    """The starter model: its catalog name, alias, source, a line about it, and its file size (bytes)."""
+
+    name: str
+    alias: str
+    source: str
+    about: str
+    size_bytes: int
+
+    def min_memory_gb(self) -> int:
+        """Memory a replica reserves (GB): ``ceil(file × 1.25 + 1)``; 2 GB for the 400 MB starter."""
+        return max(1, math.ceil(self.size_bytes / 1e9 * 1.25 + _STARTER_OVERHEAD_GB))
+
+
+def model_name_from_file(file_name: str) -> str:
+    """A catalog name from a weights file name: ``Gemma-3-270M-Q4_K_M.gguf`` → ``gemma-3-270m-q4_k_m``."""
+    stem = re.sub(r"\.gguf$", "", file_name, flags=re.IGNORECASE).lower()
+    stem = re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-._")
+    return stem[:63] or "starter"
+
+
+def starter_spec(source: str, *, name: str = "", alias: str = "", size_bytes: int = 0) -> StarterSpec:
+    """The starter for ``source``: the seed's Qwen2.5-0.5B by default, else a model named after the file.
+
+    ``name``/``alias`` override what is derived; ``size_bytes`` is the file's size when known (a
+    ``file:`` source), else the seed's 400 MB.
+    """
+    if source == STARTER_SOURCE:
+        return StarterSpec(
+            name=name or STARTER_NAME,
+            alias=STARTER_ALIAS if alias == "" else alias,
+            source=source,
+            about="Qwen2.5 0.5B Instruct, Q4_K_M, about 400 MB",
+            size_bytes=size_bytes or STARTER_BYTES,
+        )
+    file_name = source.rstrip("/").rsplit("/", 1)[-1]
+    return StarterSpec(
+        name=name or model_name_from_file(file_name),
+        alias=alias,
+        source=source,
+        about=f"{file_name}, carried in with --starter-source",
+        size_bytes=size_bytes or STARTER_BYTES,
+    )
+
+
+def starter_model(
+    spec: StarterSpec, ctx: int, cores: int, source: str, gpu_classes: list[str], pinned: bool,
+    *, sha256: str = "", version: str = STARTER_VERSION,
+) -> Model:
+    """The starter's catalog entry (the seed's ``starterModel``).
+
+    A GPU profile first (priority 200) for each class on this machine, and a CPU profile (100)
+    always, both pinned to this machine by the label ``llmgw.control-plane=true`` when ``pinned``.
+    ``ctx`` is the context a client may use; each engine holds four times that, for four at once.
+    ``cores`` is the CPU profile's reservation from :func:`cpu_plan`; scaling 1..1.
+    """
+    pin = {LOCAL_LABEL_KEY: LOCAL_LABEL_VALUE} if pinned else {}
+    profiles = [
+        Profile(
+            name=f"gpu-{klass}", engine=Engine.LLAMACPP, gpu_class=klass, priority=200,
+            min_memory_gb=spec.min_memory_gb(), node_selector=dict(pin),
+            args=["--ctx-size", str(max(32768, 4 * ctx))],
+        )
+        for klass in gpu_classes
+    ]
+    profiles.append(
+        Profile(
+            name="cpu", engine=Engine.LLAMACPP, priority=100, min_memory_gb=spec.min_memory_gb(),
+            cpu_cores=cores, node_selector=dict(pin), args=["--ctx-size", str(max(16384, 4 * ctx))],
+        )
+    )
+    return Model(
+        name=spec.name,
+        aliases=[spec.alias] if spec.alias else [],
+        description=f"The model init put here so there is something to try: {spec.about}.",
+        source=source,
+        version=version,
+        sha256=sha256,
+        routing_profile="chat",
+        context_length=ctx,
+        max_output=1024,
+        scaling=Scaling(min=1, max=1),
+        profiles=profiles,
+    )
+
+
+def guard_model(source: str, replicas: int, cores: int, *, sha256: str = "", fmt: str = "qwen3guard") -> Model:
+    """The judge's catalog entry (the seed's ``guardModel``): CPU only, so it takes no card from the
+    models people use, on whichever node has room; ``replicas`` copies of it.
+
+    About 1.6 GB with its context, which stays so with no prompt cache: llama.cpp keeps up to
+    8 GB of prompts by default, and a judge's, each a different text, are not asked again. With the
+    cache one grew to 3.2 GB over a day of traffic; reserving 4 for that left a 7 GB machine room
+    for only one of the two. Hence ``--cache-ram 0`` and 2 GB.
+    """
+    return Model(
+        name=GUARD_MODEL_NAME,
+        description="The guardrails' judge: reads prompts and answers for unsafe content. Not offered to clients.",
+        source=source,
+        version=GUARD_MODEL_VERSION,
+        sha256=sha256,
+        role=Role.GUARD,
+        guard=GuardModel(format=fmt),
+        # Every judged request waits on it, and with fail: closed a judge that is not there
+        # refuses everything.
+        scaling=Scaling(min=replicas, max=replicas),
+        profiles=[
+            Profile(
+                name="cpu", engine=Engine.LLAMACPP, priority=100, min_memory_gb=JUDGE_MEMORY_GB,
+                cpu_cores=cores, args=["--ctx-size", "8192", "--cache-ram", "0"],
+            )
+        ],
+    )
+
+
+def judge_for(*, no_node: bool, standbys: bool = False, replicas_flag: int | None = None) -> int:
+    """How many judge replicas init serves (the seed's ``judgeFor``).
+
+    One machine runs one judge, on up to four cores: a second judge replica on the same machine
+    shares its cores and is lost with it, so it bought nothing but half the speed of each. On a
+    4-core, 8 GB single-machine install, one judge on four cores passed 20 of 20 requests at about
+    3.5 s each, judged in and out; two judges on two cores each had passed 19 of 20. Two, on two
+    cores each, where there will be other nodes (HA setups, or a control plane that is not a node).
+    ``--judge-replicas`` still chooses.
+    """
+    if replicas_flag is not None:
+        return replicas_flag
+    return 2 if (no_node or standbys) else 1
+
+
+@dataclass(frozen=True)
+class CpuSplit:
+    """The cores init's models reserve: each judge replica's, and the starter's on CPU."""
+
+    judge: int
+    starter: int
+
+
+def cpu_plan(*, cpus: int, judges: int, no_node: bool = False) -> CpuSplit:
+    """Divide the CPUs between the judges and the starter (the seed's ``cpuPlan``).
+
+    Without it, two judge replicas and the starter on one 4-core control plane all ran on all
+    four: under load most judgments missed their budget and the requests were refused. A judge
+    needs cores: a judgment of about 280 tokens took 8.0 s on one, 4.2 s on two and 2.3 s on four,
+    against a 5 s budget. On one machine its one replica gets up to four; where there are two, two
+    each (one each only where two would not fit both). The starter has what is left, up to 8, or
+    no reservation at all (0) when nothing is, rather than a starter that fits nowhere. A machine
+    that is not the node reserves two a judge on whichever node takes it, and the starter, on a
+    node not known yet, none.
+
+    Args:
+        cpus: this machine's cores (``--cpus`` or the count the OS gives).
+        judges: judge replicas init serves (0 with ``--no-guard-model``).
+        no_node: this machine is not a node (``--no-node``).
+    """
+    if no_node:
+        return CpuSplit(judge=JUDGE_CORES, starter=0)
+    if cpus < 2:
+        return CpuSplit(judge=0, starter=0)
+    judge = JUDGE_CORES
+    if judges == 1:
+        judge = min(cpus, JUDGE_CORES_ALONE)
+    elif judges > 0 and judges * judge > cpus:
+        judge = max(1, cpus // judges)
+    left = max(cpus - judges * judge, 0)
+    return CpuSplit(judge=judge, starter=min(left, 8))
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+    """True when ``path`` starts with the GGUF magic bytes ``GGUF``."""
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
