@@ -1,0 +1,129 @@
+"""Store: migrations, optimistic concurrency, models/nodes/replicas/explanations round trips."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from llmgw.control.catalog import Model, Profile
+from llmgw.control.store import MIGRATIONS, Conflict, ReplicaRow, Store, StoreError, default_url
+from llmgw.control.views import ExplainView, Rejection
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
+
+
+def model(name: str = "m1", aliases: list[str] | None = None) -> Model:
+    return Model(name=name, aliases=aliases or [], source="file:/x.gguf", profiles=[Profile(name="cpu")])
+
+
+def heartbeat(**kw: object) -> Heartbeat:
+    inv = Inventory(cores=4, memory_total_bytes=8_000_000_000, memory_available_bytes=6_000_000_000)
+    return Heartbeat(inventory=inv, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store.open(default_url("", tmp_path / "state" / "llmgw.db"))
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+def test_open_creates_wal_database_and_migrations_are_idempotent(tmp_path: Path) -> None:
+    url = default_url("", tmp_path / "a" / "llmgw.db")
+    s = Store.open(url)
+    assert s.schema_versions() == [v for v, _ in MIGRATIONS]
+    assert s.migrate() == []  # nothing applied twice
+    with s.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    s.add_model(model(), now=1.0)
+    s.close()
+    again = Store.open(url)  # reopening keeps the data and applies nothing
+    assert again.migrate() == []
+    assert [m.name for m in again.list_models()] == ["m1"]
+    again.close()
+
+
+def test_bad_url_is_a_store_error() -> None:
+    with pytest.raises(StoreError, match="not a database URL"):
+        Store.open("not a url")
+
+
+def test_model_add_get_update_conflict_delete(store: Store) -> None:
+    row = store.add_model(model("m1", ["alias1"]), now=10.0)
+    assert row.revision == 1
+    got = store.get_model("m1")
+    assert got is not None
+    assert got.model == row.model
+    assert got.created_at == 10.0
+    with pytest.raises(Conflict, match="already exists"):
+        store.add_model(model("m1"), now=11.0)
+    with pytest.raises(Conflict, match="'alias1' is already a name or alias of model 'm1'"):
+        store.add_model(model("m2", ["alias1"]), now=11.0)
+    with pytest.raises(Conflict, match="'alias1'"):
+        store.add_model(model("alias1"), now=11.0)
+
+    changed = row.model.model_copy(update={"description": "new"})
+    up = store.update_model(changed, revision=1, now=12.0)
+    assert up.revision == 2
+    with pytest.raises(Conflict, match="changed since revision 1"):
+        store.update_model(changed, revision=1, now=13.0)  # a stale writer loses
+    assert store.delete_model("m1") is True
+    assert store.delete_model("m1") is False
+    assert store.get_model("m1") is None
+
+
+def test_node_heartbeat_insert_then_update_and_revision_checks(store: Store) -> None:
+    eng = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
+    n = store.upsert_node_heartbeat("node-a", heartbeat(labels={"a": "b"}, engines=[eng]), 5.0)
+    assert (n.state, n.revision, n.first_seen, n.last_seen) == ("ready", 1, 5.0, 5.0)
+    assert n.labels == {"a": "b"}
+    assert n.engines == [eng]
+    lost = store.update_node(n, state="lost")
+    assert lost.revision == 2
+    with pytest.raises(Conflict):
+        store.update_node(n, cordoned=True)  # n is revision 1: stale
+    again = store.upsert_node_heartbeat("node-a", heartbeat(), 9.0)
+    assert (again.state, again.revision, again.first_seen, again.last_seen) == ("ready", 3, 5.0, 9.0)
+    assert [x.id for x in store.list_nodes()] == ["node-a"]
+
+
+def test_replicas_crud_and_reports_only_touch_own_node(store: Store) -> None:
+    r = store.add_replica(ReplicaRow(id="m1-abc123", model="m1", node="node-a", profile="cpu", key="k"))
+    assert r.state == "pending"
+    with pytest.raises(Conflict):
+        store.add_replica(r)
+    store.add_replica(ReplicaRow(id="m1-other", model="m1", node="node-b", profile="cpu", key="k"))
+    reports = [
+        ReplicaStatus(id="m1-abc123", state=ReplicaState.READY, endpoint="127.0.0.1:5000"),
+        ReplicaStatus(id="m1-other", state=ReplicaState.FAILED, err="not yours"),
+    ]
+    res = store.apply_reports("node-a", reports, now=20.0)
+    assert res.changed == ["m1-abc123"]
+    mine = store.get_replica("m1-abc123")
+    assert mine is not None
+    assert (mine.state, mine.endpoint, mine.ready_at, mine.revision) == ("ready", "127.0.0.1:5000", 20.0, 2)
+    other = store.get_replica("m1-other")
+    assert other is not None
+    assert other.state == "pending"
+    with pytest.raises(Conflict):
+        store.update_replica(replace(r, err="stale"))
+    assert [x.id for x in store.list_replicas(node="node-b")] == ["m1-other"]
+    assert store.delete_replica("m1-other", revision=99) is False
+    assert store.delete_replica("m1-other") is True
+
+
+def test_explanations_replace(store: Store) -> None:
+    rej = Rejection(node="n", profile="cpu", kind="filtered", code="node_cordoned", reason="node is cordoned")
+    store.set_explanation(ExplainView(model="m1", placed=False, rejections=[rej]), now=1.0)
+    store.set_explanation(ExplainView(model="m1", placed=True), now=2.0)
+    got = store.get_explanation("m1")
+    assert got is not None
+    assert got.placed is True
+    assert store.get_explanation("nope") is None
+
+
+def test_schema_is_plain_sql(store: Store) -> None:
+    names = set(sa.inspect(store.engine).get_table_names())
+    assert {"models", "nodes", "replicas", "explanations", "schema_migrations"} <= names
