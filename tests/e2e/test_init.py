@@ -1,0 +1,125 @@
+"""The main job, end to end, on real processes: ``llmgw server init --offline`` under a temp
+``LLMGW_ROOT`` starts the control plane, the mirror and an agent under llmgw's supervisor; the
+agent runs a real llama-server with the real gemma-3-270m model; the gateway answers over real
+HTTP; a second init only keeps and skips; and after ``service stop --engines`` no process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import Assets
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llmgw(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LLMGW_ROOT": str(root)}
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", *args], env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+
+
+def processes_under(root: Path) -> list[psutil.Process]:
+    """Every live process started for this install: its argv or environment names the root."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "pid"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            env = p.environ() if str(root) not in cmd else {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if str(root) in cmd or env.get("LLMGW_ROOT") == str(root):
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def install(tmp_path: Path, assets: Assets) -> Iterator[tuple[Path, list[str]]]:
+    root = tmp_path / "root"
+    ports = {name: free_port() for name in ("admin", "agent", "gateway", "mirror", "mirror-api")}
+    args = [
+        "server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node",
+        "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
+        "--llama-server", str(assets.llama_server),
+        "--admin-listen", f"127.0.0.1:{ports['admin']}", "--agent-listen", f"127.0.0.1:{ports['agent']}",
+        "--gateway-listen", f"127.0.0.1:{ports['gateway']}", "--mirror-listen", f"127.0.0.1:{ports['mirror']}",
+        "--mirror-api-listen", f"127.0.0.1:{ports['mirror-api']}",
+    ]
+    try:
+        yield root, args
+    finally:
+        llmgw(root, "service", "stop", "--engines", timeout=60)
+        for p in processes_under(root):
+            p.kill()
+
+
+def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]) -> None:
+    root, args = install
+    first = llmgw(root, *args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = first.stdout
+    for line in (
+        "done cluster CA in", "done server.yaml".replace("server.yaml", str(root / "etc/llmgw/server.yaml")),
+        "done control plane started", "done server.yaml points at the mirror", "done agent certificate for e2e-node",
+        "kept node e2e-node is ready", "done gemma-3-270m-q4_k_m in the mirror",
+        "done gemma-3-270m-q4_k_m in the catalog, served here on CPU", "kept gemma-3-270m-q4_k_m is serving (profile cpu)",
+        "skip the guardrails' judge",
+    ):
+        assert line in out, f"missing {line!r} in:\n{out}"
+    assert 'chat "What is the capital of France?"' in out
+
+    gateway = re.search(r"curl -s (http://127\.0\.0\.1:\d+)/v1/chat/completions", out)
+    assert gateway, out
+    r = httpx.post(
+        f"{gateway.group(1)}/v1/chat/completions",
+        json={"model": "gemma", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    assert answer.strip()
+
+    chat = llmgw(root, "chat", "What is the capital of France?", timeout=120)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip()
+
+    # Unknown model: 404 naming the known ones.
+    r = httpx.post(f"{gateway.group(1)}/v1/chat/completions",
+                   json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 404
+    assert "gemma-3-270m-q4_k_m" in r.json()["error"]["message"]
+
+    # A second init changes nothing: every step line is kept or skip.
+    second = llmgw(root, *args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    steps = [ln.split()[0] for ln in second.stdout.splitlines() if ln.startswith("  ") and ln.split()]
+    assert steps
+    assert set(steps) <= {"kept", "skip"}, second.stdout
+
+    engines = [p for p in processes_under(root) if "llama-server" in " ".join(p.cmdline())]
+    assert len(engines) == 1
+
+    stop = llmgw(root, "service", "stop", "--engines", timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    psutil.wait_procs(processes_under(root), timeout=15)
+    assert processes_under(root) == []
