@@ -1,0 +1,91 @@
+"""The gateway's two seams: :class:`Inspector` (where the guard will plug in) and ``observe``.
+
+Flow 4 is: key → model → guard on the prompt (in) → a ready replica → proxy → guard on the answer
+(out) → response; usage and metrics. The gateway does not implement guardrails; it calls an
+optional :class:`Inspector` at the three points where the guard must decide, and an optional
+``observe`` callable with one :class:`Exchange` per chat request (usage, metrics, the overhead).
+
+Without an inspector the hot path pays one ``is None`` check per request: streams are relayed per
+network chunk, never re-parsed (STYLE item 8). With one, the stream inspector sees each chunk as it
+arrives and may change it, hold it back (return ``b""``) or stop the stream with a :class:`Refusal`;
+parsing the SSE events is the inspector's business, since only it needs the text.
+
+Refusals become OpenAI error envelopes: before the first byte as an HTTP status, mid-stream as a
+final ``data: {"error": {...}}`` event (the official ``openai`` client raises ``APIError`` on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmgw.control.routing import Route
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The inspector stops this exchange; the client gets ``status`` and an OpenAI error envelope.
+
+    Attributes:
+        message: shown to the client; name the policy, never the judge's address.
+        status: HTTP status when nothing was sent yet (400 for a refused prompt).
+        code: the envelope's ``code``.
+    """
+
+    message: str
+    status: int = 400
+    code: str = "content_policy_violation"
+
+
+class StreamInspector(Protocol):
+    """Sees one streamed answer, chunk by chunk, in the order the replica sent them."""
+
+    async def chunk(self, data: bytes) -> bytes | Refusal:
+        """The bytes to relay for ``data`` (``data`` itself when unchanged, ``b""`` to hold back)."""
+        ...
+
+    async def end(self) -> bytes | Refusal:
+        """Called after the replica's last chunk: bytes still to send (what was held back), or stop."""
+        ...
+
+
+class Inspector(Protocol):
+    """The guard's hooks. ``request`` is the client's parsed body, ``route`` the resolved model."""
+
+    async def prompt(self, route: Route, request: dict[str, Any]) -> Refusal | None:
+        """Before any replica is asked: None lets the prompt through."""
+        ...
+
+    async def answer(self, route: Route, request: dict[str, Any], response: dict[str, Any]) -> Refusal | None:
+        """A complete (non-streamed) answer, parsed, before it is sent; None lets it through."""
+        ...
+
+    def stream(self, route: Route, request: dict[str, Any]) -> StreamInspector | None:
+        """A streamed answer is about to start: an inspector for it, or None to relay it untouched."""
+        ...
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One chat request as the gateway saw it, for usage accounting and metrics.
+
+    Attributes:
+        requested: the model name the client used (an alias, or "" when the body had none).
+        model: the catalog name it resolved to ("" when it did not resolve).
+        replica: the replica that answered ("" when none was asked).
+        status: the HTTP status sent to the client (200 for a stream that started, even if it broke).
+        stream: whether the client asked for a stream.
+        overhead_ms: time in the gateway, not counting the wait on the replica (to the stream's first
+            byte, for streams).
+        upstream_ms: time waiting on the replica (whole stream included).
+        usage: the answer's ``usage`` object for non-streamed answers, else None.
+    """
+
+    requested: str
+    model: str
+    replica: str
+    status: int
+    stream: bool
+    overhead_ms: float
+    upstream_ms: float
+    usage: dict[str, Any] | None = None

@@ -1,0 +1,366 @@
+"""The gateway's side toward the engines: one pooled client, replica choice, and the two relays.
+
+Mechanism, per chat request:
+
+1. :meth:`UpstreamPool.send` picks the model's next replica round-robin and POSTs the client's body
+   bytes unchanged to ``http://{endpoint}/v1/chat/completions`` with that replica's key. When the
+   connection is refused (or the connect times out), nothing was sent, so it tries the next replica
+   once; past that the client gets 502. A replica is never retried after the request went out
+   (generation is not idempotent and may be half done).
+2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
+   and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
+   every network chunk as it arrives (``iter_any``), never re-parsing the SSE: llama-server already
+   echoes the request's ``model`` in each event, because the body is forwarded unchanged.
+3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
+   replica's address and key. Two are the gateway's problem, not the client's, and become 502: a
+   401/403 (the replica does not know the gateway's key: it was restarted with a new one) and a
+   dead replica mid-request. Mid-stream, after the 200 went out, that 502 is a final
+   ``data: {"error": ...}`` event.
+
+Why aiohttp as the client: measured here relaying SSE, aiohttp's client costs 36-70 µs of CPU per
+event, httpx 160-270 µs (reference/measured.md; ``bench/gateway_overhead.py`` repeats the
+comparison). Timeouts are LLM-sized: connect 5 s; a non-streamed answer may take
+``upstream_timeout_s`` in all (long prefill plus long generation); a stream has no total limit,
+only ``upstream_timeout_s`` of silence between chunks (which covers a long prefill).
+
+Not guaranteed: that a stream broken mid-way tells the client more than the final error event; that
+a request which the replica got before it died is not half-processed there.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from llmgw.control.gateway_inspect import Inspector, Refusal, StreamInspector
+from llmgw.control.routing import Route, Upstream
+from llmgw.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+# cpp-httplib (llama-server's HTTP server) closes idle keep-alive connections after 5 s; dropping
+# ours at 4 s avoids POSTing into a connection the engine is closing (aiohttp does not retry POSTs).
+KEEPALIVE_S = 4.0
+# Many concurrent streams are normal for an LLM gateway; the engine queues what its slots can't take.
+MAX_CONNECTIONS = 1024
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, code: str) -> dict[str, Any]:
+    """The OpenAI error envelope: ``{"error": {"message", "type", "param": null, "code"}}``.
+
+    ``type`` follows the status as OpenAI's API does: 401 ``authentication_error``, 403
+    ``permission_error``, 429 ``rate_limit_error``, other 4xx ``invalid_request_error``, 5xx ``api_error``.
+    """
+    kind = _TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, code: str) -> web.Response:
+    """An OpenAI error envelope as a JSON response with ``status``."""
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response(error_body(status, message, code), status=status, headers=headers)
+
+
+def _sse_error(status: int, message: str, code: str) -> bytes:
+    return b"data: " + json.dumps(error_body(status, message, code)).encode() + b"\n\n"
+
+
+@functools.lru_cache(maxsize=4096)
+def _chat_url(endpoint: str) -> URL:
+    # yarl parsing costs more than the rest of the request setup; endpoints repeat.
+    return URL(f"http://{endpoint}/v1/chat/completions")
+
+
+@dataclass(slots=True)
+class Trace:
+    """What one proxied request measured: filled in by :class:`UpstreamPool` and the relays.
+
+    ``upstream_ns`` is time waiting on the replica (connect, answer, body); ``setup_ns`` the
+    gateway's own time from the handler's start to the first byte (streams) or to the response
+    being ready (non-streamed), minus the upstream wait inside it.
+    """
+
+    started_ns: int
+    replica: str = ""
+    upstream_ns: int = 0
+    setup_ns: int = 0
+    usage: dict[str, Any] | None = None
+
+
+class UpstreamPool:
+    """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and round-robin choice.
+
+    Call :meth:`start` on app startup and :meth:`close` on cleanup. ``upstream_timeout_s``: see the
+    module docstring.
+    """
+
+    def __init__(self, *, upstream_timeout_s: float) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._next: dict[str, int] = {}
+        self.plain_timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=upstream_timeout_s
+        )
+        self.upstream_timeout_s = upstream_timeout_s
+
+    async def start(self) -> None:
+        """Open the shared session (inside the running loop)."""
+        connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self.plain_timeout)
+
+    async def close(self) -> None:
+        """Close the session and its pooled connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def send(
+        self, route: Route, body: bytes, trace: Trace, *, stream: bool
+    ) -> tuple[Upstream, aiohttp.ClientResponse]:
+        """POST ``body`` to the route's next replica; return it and its response once the headers arrived.
+
+        Sets ``trace.replica`` and adds the wait to ``trace.upstream_ns``. The caller must release
+        (or close) the response.
+
+        Raises:
+            ApiError: 502 ``upstream_unreachable`` when no replica tried accepted the connection;
+                504 ``upstream_timeout`` / 502 ``upstream_failed`` when the chosen one did not answer.
+        """
+        assert self._session is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
+        ups = route.upstreams
+        n = len(ups)
+        first = self._next.get(route.model, 0)
+        self._next[route.model] = first + 1
+        timeout = self.stream_timeout if stream else self.plain_timeout
+        t0 = time.perf_counter_ns()
+        try:
+            for attempt in range(min(2, n)):
+                up = ups[(first + attempt) % n]
+                trace.replica = up.replica_id
+                try:
+                    resp = await self._session.post(
+                        _chat_url(up.endpoint),
+                        data=body,
+                        headers={"Authorization": "Bearer " + up.key, "Content-Type": "application/json"},
+                        timeout=timeout,
+                    )
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                    log.warning(
+                        "replica %s of %s at %s: cannot connect: %s",
+                        up.replica_id,
+                        route.model,
+                        up.endpoint,
+                        e,
+                    )
+                except TimeoutError as e:
+                    raise self.timeout_error(route) from e
+                except aiohttp.ClientError as e:
+                    log.warning(
+                        "replica %s of %s at %s failed: %r", up.replica_id, route.model, up.endpoint, e
+                    )
+                    raise self.broken_error(route) from e
+                else:
+                    return up, resp
+        finally:
+            trace.upstream_ns += time.perf_counter_ns() - t0
+        raise ApiError(
+            f"no replica of model '{route.model}' accepts connections right now; retry shortly",
+            status=502,
+            code="upstream_unreachable",
+        )
+
+    def timeout_error(self, route: Route) -> ApiError:
+        """504 ``upstream_timeout``: the replica took longer than ``upstream_timeout_s``."""
+        return ApiError(
+            f"model '{route.model}' did not answer within {self.upstream_timeout_s:g} s",
+            status=504,
+            code="upstream_timeout",
+        )
+
+    @staticmethod
+    def broken_error(route: Route) -> ApiError:
+        """502 ``upstream_failed``: the replica's connection broke after the request went out."""
+        return ApiError(
+            f"the replica of model '{route.model}' closed the connection before answering; retry",
+            status=502,
+            code="upstream_failed",
+        )
+
+
+def _scrub(data: bytes, up: Upstream) -> bytes:
+    """Remove the replica's address and key from an error body before a client sees it."""
+    host = up.endpoint.rpartition(":")[0]
+    for secret in (up.endpoint, up.key, host):
+        if secret:
+            data = data.replace(secret.encode(), b"<replica>")
+    return data
+
+
+async def _replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
+    """The response for a replica's 4xx/5xx: passed through (scrubbed), or a 502 when it is ours."""
+    data = await resp.read()
+    if resp.status in (401, 403):
+        log.error("replica %s of %s rejected the gateway's key (%d)", up.replica_id, route.model, resp.status)
+        return error_response(
+            502, f"the replica of model '{route.model}' refused the gateway; retry shortly", "upstream_auth"
+        )
+    data = _scrub(data, up)
+    try:
+        shaped = isinstance(json.loads(data).get("error"), dict)
+    except (ValueError, AttributeError):
+        shaped = False
+    if shaped:
+        return web.Response(body=data, status=resp.status, content_type="application/json")
+    text = data.decode("utf-8", "replace").strip()[:300]
+    return error_response(
+        resp.status, f"model '{route.model}' answered {resp.status}: {text}", "upstream_error"
+    )
+
+
+async def relay_plain(
+    pool: UpstreamPool,
+    route: Route,
+    *,
+    requested: str,
+    body: bytes,
+    request_json: dict[str, Any],
+    trace: Trace,
+    inspector: Inspector | None,
+) -> web.Response:
+    """Proxy a non-streamed request: the replica's answer with ``model`` set to ``requested``.
+
+    Raises:
+        ApiError: as :meth:`UpstreamPool.send`; 502 ``upstream_invalid`` when a 200 is not JSON.
+    """
+    up, resp = await pool.send(route, body, trace, stream=False)
+    t0 = time.perf_counter_ns()
+    try:
+        if resp.status >= 400:
+            return await _replica_error(route, up, resp)
+        data = await resp.read()
+    except TimeoutError as e:
+        raise pool.timeout_error(route) from e
+    except aiohttp.ClientError as e:
+        raise pool.broken_error(route) from e
+    finally:
+        resp.release()
+        trace.upstream_ns += time.perf_counter_ns() - t0
+    try:
+        answer = json.loads(data)
+        answer["model"] = requested
+    except (ValueError, TypeError) as e:
+        raise ApiError(
+            f"the replica of model '{route.model}' sent an answer that is not JSON",
+            status=502,
+            code="upstream_invalid",
+        ) from e
+    usage = answer.get("usage")
+    trace.usage = usage if isinstance(usage, dict) else None
+    if inspector is not None:
+        refusal = await inspector.answer(route, request_json, answer)
+        if refusal is not None:
+            return error_response(refusal.status, refusal.message, refusal.code)
+    return web.Response(body=json.dumps(answer).encode(), status=resp.status, content_type="application/json")
+
+
+async def relay_stream(
+    request: web.Request,
+    pool: UpstreamPool,
+    route: Route,
+    *,
+    body: bytes,
+    request_json: dict[str, Any],
+    trace: Trace,
+    inspector: Inspector | None,
+) -> web.StreamResponse:
+    """Proxy a streamed request: ``text/event-stream``, each upstream network chunk written as it comes.
+
+    Errors before the first byte raise :class:`ApiError` (as :meth:`UpstreamPool.send`) or return the
+    replica's error; after it, a dead replica or a refusal ends the stream with an error event. A
+    client that goes away closes the upstream connection, which makes llama-server stop generating.
+    """
+    up, resp = await pool.send(route, body, trace, stream=True)
+    closed_cleanly = False
+    try:
+        if resp.status >= 400:
+            return await _replica_error(route, up, resp)
+        watcher = inspector.stream(route, request_json) if inspector is not None else None
+        out = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                "x-llmgw-replica": trace.replica,
+                "x-llmgw-overhead-ms": _ms(time.perf_counter_ns() - trace.started_ns - trace.upstream_ns),
+            }
+        )
+        trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
+        await out.prepare(request)
+        t0 = time.perf_counter_ns()
+        try:
+            closed_cleanly = await _pump(resp, out, watcher, route, pool)
+        except ConnectionResetError:  # the client went away; finally closes the upstream
+            return out
+        finally:
+            trace.upstream_ns += time.perf_counter_ns() - t0
+        await out.write_eof()
+        return out
+    finally:
+        if closed_cleanly:
+            resp.release()
+        else:
+            resp.close()
+
+
+async def _pump(
+    resp: aiohttp.ClientResponse,
+    out: web.StreamResponse,
+    watcher: StreamInspector | None,
+    route: Route,
+    pool: UpstreamPool,
+) -> bool:
+    """Copy chunks until the replica's end (True) or a break/refusal sent as an error event (False)."""
+    try:
+        if watcher is None:
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            return True
+        async for chunk in resp.content.iter_any():
+            data = await watcher.chunk(chunk)
+            if isinstance(data, Refusal):
+                await out.write(_sse_error(data.status, data.message, data.code))
+                return False
+            if data:
+                await out.write(data)
+        tail = await watcher.end()
+        if isinstance(tail, Refusal):
+            await out.write(_sse_error(tail.status, tail.message, tail.code))
+            return False
+        if tail:
+            await out.write(tail)
+    except (
+        TimeoutError,
+        aiohttp.ClientPayloadError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ClientOSError,
+    ) as e:
+        err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
+        log.warning("stream of %s broke: %r", route.model, e)
+        await out.write(_sse_error(err.status, str(err), err.code))
+        return False
+    return True
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.3f}"

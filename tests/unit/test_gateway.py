@@ -1,0 +1,381 @@
+"""The gateway over real HTTP on 127.0.0.1: keys, models, errors, relays, and the official openai client.
+
+Fake llama-servers (``test_gateway_fakes``) stand in for engines; the gateway gets a StaticRouter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from llmgw.control.gateway import build_gateway_app, is_loopback
+from llmgw.control.gateway_inspect import Exchange, Refusal, StreamInspector
+from llmgw.control.routing import Route, StaticRouter, Upstream
+from tests.unit.test_gateway_fakes import ServerThread, completion, fake_llama, free_port, stream_events
+
+KEY = "sk-good"
+
+
+@dataclass
+class _StopAtFrom:
+    """A stream inspector that refuses once it has seen the word ' from' (a guard stand-in)."""
+
+    async def chunk(self, data: bytes) -> bytes | Refusal:
+        return Refusal("answer blocked by policy 'demo'") if b" from" in data else data
+
+    async def end(self) -> bytes | Refusal:
+        return b""
+
+
+class _Guard:
+    """Refuses prompts saying 'forbidden'; inspects streams whose prompt says 'guard-stream'."""
+
+    async def prompt(self, route: Route, request: dict[str, Any]) -> Refusal | None:
+        if request["messages"][-1]["content"] == "forbidden":
+            return Refusal("prompt blocked by policy 'demo'")
+        return None
+
+    async def answer(self, route: Route, request: dict[str, Any], response: dict[str, Any]) -> Refusal | None:
+        return None
+
+    def stream(self, route: Route, request: dict[str, Any]) -> StreamInspector | None:
+        return _StopAtFrom() if request["messages"][-1]["content"] == "guard-stream" else None
+
+
+@dataclass
+class Env:
+    url: str
+    open_url: str
+    endpoints: list[str]
+    secrets: list[str]
+    exchanges: list[Exchange] = field(default_factory=list)
+
+    def post(self, body: Any, key: str | None = KEY, url: str | None = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(f"{url or self.url}/v1/chat/completions", content=content, headers=headers)
+
+    def assert_no_internals(self, text: str) -> None:
+        for secret in self.endpoints + self.secrets:
+            assert secret not in text
+
+
+def _chat(model: str, text: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    servers = ServerThread()
+    a = servers.serve(fake_llama("replica-a", "key-a"))
+    b = servers.serve(fake_llama("replica-b", "key-b"))
+    ua = Upstream("r-a", f"127.0.0.1:{a}", "key-a")
+    ub = Upstream("r-b", f"127.0.0.1:{b}", "key-b")
+    dead = Upstream("r-dead", f"127.0.0.1:{free_port()}", "key-dead")
+    dead2 = Upstream("r-dead2", f"127.0.0.1:{free_port()}", "key-dead2")
+    router = StaticRouter(
+        routes={
+            "gemma": Route("gemma", (ua,), created=1700000000),
+            "pair": Route("pair", (ua, ub)),
+            "failover": Route("failover", (dead, ub)),
+            "alldead": Route("alldead", (dead, dead2)),
+            "badkey": Route("badkey", (Upstream("r-x", ua.endpoint, "wrong-key"),)),
+            "down": Route("down", (), unavailable="no replica is ready: 1 starting on node-1"),
+        },
+        aliases={"g": "gemma"},
+    )
+    exchanges: list[Exchange] = []
+    gateway = build_gateway_app(
+        router, keys={KEY, ""}, allow_loopback_without_key=False, inspector=_Guard(), observe=exchanges.append
+    )
+    port = servers.serve(gateway)
+    open_port = servers.serve(build_gateway_app(router, keys={KEY}, allow_loopback_without_key=True))
+    yield Env(
+        url=f"http://127.0.0.1:{port}",
+        open_url=f"http://127.0.0.1:{open_port}",
+        endpoints=[u.endpoint for u in (ua, ub, dead, dead2)],
+        secrets=["key-a", "key-b", "key-dead", "wrong-key"],
+        exchanges=exchanges,
+    )
+    servers.close()
+
+
+# -- keys ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({}, 401),
+        ({"Authorization": "Bearer nope"}, 401),
+        ({"Authorization": "Bearer"}, 401),  # the empty key in `keys` must not open the door
+        ({"Authorization": f"Basic {KEY}"}, 401),
+        ({"Authorization": f"Bearer {KEY}"}, 200),
+        ({"Authorization": f"bearer {KEY}"}, 200),
+    ],
+)
+def test_key_is_required(env: Env, headers: dict[str, str], status: int) -> None:
+    r = httpx.get(f"{env.url}/v1/models", headers=headers)
+    assert r.status_code == status
+    if status == 401:
+        assert r.json() == {
+            "error": {
+                "message": r.json()["error"]["message"],
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+
+
+def test_loopback_without_key_when_allowed(env: Env) -> None:
+    assert httpx.get(f"{env.open_url}/v1/models").status_code == 200
+    # any key is fine from loopback there: the openai client always sends one
+    assert env.post(_chat("g"), key="none", url=env.open_url).status_code == 200
+    assert env.post(_chat("g"), key=None).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("remote", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.9.8.7", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("192.0.2.2", False),
+        ("::ffff:10.0.0.1", False),
+        ("1270::1", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_is_loopback(remote: str | None, loopback: bool) -> None:
+    assert is_loopback(remote) is loopback
+
+
+def _non_loopback_ipv4() -> str | None:
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def test_remote_client_needs_key_even_when_loopback_is_open() -> None:
+    address = _non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    servers = ServerThread()
+    try:
+        port = servers.serve(
+            build_gateway_app(StaticRouter(), keys={KEY}, allow_loopback_without_key=True), host=address
+        )
+        assert httpx.get(f"http://{address}:{port}/v1/models").status_code == 401
+        r = httpx.get(f"http://{address}:{port}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200
+    finally:
+        servers.close()
+
+
+# -- models and errors -----------------------------------------------------------------------------
+
+
+def test_models_list_shape(env: Env) -> None:
+    r = httpx.get(f"{env.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    body = r.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["alldead", "badkey", "down", "failover", "gemma", "pair"]
+    assert body["data"][4] == {"id": "gemma", "object": "model", "created": 1700000000, "owned_by": "llmgw"}
+
+
+def test_unknown_model_404_names_known_ones(env: Env) -> None:
+    r = env.post(_chat("nope"))
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found"
+    assert err["type"] == "invalid_request_error"
+    assert (
+        err["message"]
+        == "model 'nope' does not exist; known models: alldead, badkey, down, failover, gemma, pair"
+    )
+
+
+def test_unavailable_503_with_reason(env: Env) -> None:
+    r = env.post(_chat("down"))
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "model_unavailable"
+    assert "no replica is ready: 1 starting on node-1" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "invalid_json"),
+        (b"[1, 2]", "invalid_request"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), "missing_model"),
+        (json.dumps({"model": "g"}).encode(), "invalid_messages"),
+    ],
+)
+def test_bad_body_400(env: Env, body: bytes, code: str) -> None:
+    r = env.post(body)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == code
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_path_and_method_are_openai_errors(env: Env) -> None:
+    r = httpx.post(f"{env.url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{env.url}/v1/chat/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_healthz_needs_no_key(env: Env) -> None:
+    assert httpx.get(f"{env.url}/healthz").json() == {"status": "ok"}
+
+
+# -- proxy -----------------------------------------------------------------------------------------
+
+
+def test_alias_resolves_and_answer_keeps_the_clients_name(env: Env) -> None:
+    r = env.post(_chat("g"))
+    assert r.status_code == 200
+    assert r.json() == completion("g", "replica-a")
+    assert r.headers["x-llmgw-replica"] == "r-a"
+    assert float(r.headers["x-llmgw-overhead-ms"]) >= 0
+
+
+def test_stream_is_relayed_byte_exact(env: Env) -> None:
+    with httpx.stream(
+        "POST",
+        f"{env.url}/v1/chat/completions",
+        json=_chat("gemma", stream=True),
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream"
+        assert r.headers["x-llmgw-replica"] == "r-a"
+        got = b"".join(r.iter_raw())
+    assert got == b"".join(stream_events("gemma", "replica-a"))
+
+
+def test_round_robin_over_replicas(env: Env) -> None:
+    seen = {env.post(_chat("pair")).headers["x-llmgw-replica"] for _ in range(4)}
+    assert seen == {"r-a", "r-b"}
+
+
+def test_refused_connection_fails_over_to_the_next_replica(env: Env) -> None:
+    for _ in range(2):  # whichever replica round-robin starts with
+        r = env.post(_chat("failover"))
+        assert r.status_code == 200
+        assert r.headers["x-llmgw-replica"] == "r-b"
+
+
+def test_no_replica_answers_502_without_addresses(env: Env) -> None:
+    r = env.post(_chat("alldead"))
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_unreachable"
+    env.assert_no_internals(r.text)
+
+
+def test_replica_error_passes_through_scrubbed(env: Env) -> None:
+    r = env.post(_chat("gemma", "fail"))
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "slot failed at <replica>"
+    env.assert_no_internals(r.text)
+
+
+def test_replica_refusing_our_key_is_a_502_not_the_clients_401(env: Env) -> None:
+    r = env.post(_chat("badkey"))
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_auth"
+    env.assert_no_internals(r.text)
+
+
+def test_replica_dying_mid_request_is_a_502(env: Env) -> None:
+    r = env.post(_chat("gemma", "cut"))
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_failed"
+    env.assert_no_internals(r.text)
+
+
+def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
+    r = env.post(_chat("gemma", "cut-stream", stream=True))
+    assert r.status_code == 200
+    events = [line for line in r.text.split("\n\n") if line]
+    assert events[:2] == [e.decode().strip() for e in stream_events("gemma", "replica-a")[:2]]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "upstream_failed"
+    env.assert_no_internals(r.text)
+
+
+# -- seams -----------------------------------------------------------------------------------------
+
+
+def test_inspector_refuses_a_prompt(env: Env) -> None:
+    r = env.post(_chat("gemma", "forbidden"))
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "content_policy_violation"
+
+
+def test_stream_inspector_stops_a_stream(env: Env) -> None:
+    r = env.post(_chat("gemma", "guard-stream", stream=True))
+    assert r.status_code == 200
+    assert "Hello" in r.text
+    assert " from" not in r.text
+    assert "answer blocked by policy 'demo'" in r.text
+
+
+def test_observe_gets_one_exchange_per_request(env: Env) -> None:
+    env.exchanges.clear()
+    env.post(_chat("g"))
+    env.post(_chat("down"))
+    ok, down = env.exchanges
+    assert (ok.requested, ok.model, ok.replica, ok.status, ok.stream) == ("g", "gemma", "r-a", 200, False)
+    assert ok.usage == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert ok.overhead_ms >= 0
+    assert ok.upstream_ms > 0
+    assert (down.model, down.replica, down.status) == ("", "", 503)
+
+
+# -- the official client ---------------------------------------------------------------------------
+
+
+def test_openai_client_works_unchanged(env: Env) -> None:
+    client = openai.OpenAI(base_url=f"{env.url}/v1", api_key=KEY, max_retries=0)
+    assert "gemma" in [m.id for m in client.models.list()]
+    answer = client.chat.completions.create(model="g", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content == "Hello from replica-a!"
+    assert answer.model == "g"
+    stream = client.chat.completions.create(
+        model="gemma", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == "Hello from replica-a!"
+    client.close()
+
+
+def test_openai_client_errors(env: Env) -> None:
+    client = openai.OpenAI(base_url=f"{env.url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="known models"):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.APIError, match="closed the connection"):
+        for _ in client.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "cut-stream"}], stream=True
+        ):
+            pass
+    client.close()
+    bad = openai.OpenAI(base_url=f"{env.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    bad.close()

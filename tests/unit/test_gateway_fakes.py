@@ -1,0 +1,145 @@
+"""Helpers for the gateway and chat tests (no tests here): a fake llama-server and a server thread.
+
+The fake imitates llama-server's ``/v1/chat/completions`` as the gateway sees it: ``--api-key``
+checked (401 in llama-server's error shape otherwise), a ``chat.completion`` JSON that echoes the
+request's ``model``, and an SSE stream of several ``data:`` events ending ``data: [DONE]``, each
+written and flushed on its own so the gateway sees separate network chunks. The last user message
+picks a misbehaviour: ``fail`` (500 naming the replica's own address), ``cut`` (connection closed
+without an answer), ``cut-stream`` (stream dies after two events).
+
+:class:`ServerThread` runs aiohttp apps on 127.0.0.1 ephemeral ports in a background event loop, so
+the tests themselves are plain sync code using httpx, the ``openai`` client and the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+T = TypeVar("T")
+
+
+def stream_events(model: str, replica: str) -> list[bytes]:
+    """The exact SSE events the fake sends for a streamed answer (the relay must keep them byte-exact)."""
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": model}
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": None}]
+    deltas += [{"content": piece} for piece in ("Hello", " from", f" {replica}", "!")]
+    events = [
+        b"data: "
+        + json.dumps({**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]}).encode()
+        + b"\n\n"
+        for d in deltas
+    ]
+    done = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    events.append(b"data: " + json.dumps(done).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def completion(model: str, replica: str) -> dict[str, Any]:
+    """The fake's non-streamed answer."""
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": f"Hello from {replica}!"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+    }
+
+
+def fake_llama(replica: str, key: str) -> web.Application:
+    """A llama-server stand-in named ``replica`` that requires ``Authorization: Bearer <key>``."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {key}":
+            err = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+            return web.json_response(err, status=401)
+        body = await request.json()
+        text = body["messages"][-1]["content"]
+        model = body.get("model", "gpt-3.5-turbo")
+        if text == "fail":
+            where = f"{request.host}"
+            err = {"error": {"code": 500, "message": f"slot failed at {where}", "type": "server_error"}}
+            return web.json_response(err, status=500)
+        if text == "cut":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        if not body.get("stream"):
+            return web.json_response(completion(model, replica))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, event in enumerate(stream_events(model, replica)):
+            if text == "cut-stream" and i == 2:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            await resp.write(event)
+            await asyncio.sleep(0.003)  # separate network chunks, as tokens are
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (connecting to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+class ServerThread:
+    """An event loop in a daemon thread serving aiohttp apps; :meth:`close` cleans every one up."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._runners: list[web.AppRunner] = []
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the server loop and wait for its result (10 s at most)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def serve(self, app: web.Application, host: str = "127.0.0.1") -> int:
+        """Serve ``app`` on ``host`` at an ephemeral port; return the port."""
+
+        async def start() -> int:
+            runner = web.AppRunner(app, shutdown_timeout=0.1)
+            await runner.setup()
+            site = web.TCPSite(runner, host, 0)
+            await site.start()
+            self._runners.append(runner)
+            port: int = runner.addresses[-1][1]
+            return port
+
+        return self.run(start())
+
+    def close(self) -> None:
+        """Stop every app and the loop."""
+
+        async def stop() -> None:
+            for runner in reversed(self._runners):
+                await runner.cleanup()
+
+        self.run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
