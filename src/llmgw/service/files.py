@@ -1,0 +1,151 @@
+"""The supervisor's files for one service, and pid files that survive crashes and pid reuse.
+
+Under ``paths.supervisor`` (``/var/lib/llmgw/services``), for service ``NAME``:
+
+- ``NAME.pid``: the supervisor's pid and its start time; ``NAME.child.pid``: the child's.
+  Each holds two lines, ``<pid>`` and ``<psutil create_time>``, so the first line is what
+  tools expect of a pid file.
+- ``NAME.log``: the child's stdout and stderr, appended, with the supervisor's own lines.
+- ``NAME.state.json``: what the supervisor last said (:class:`SupervisorState`).
+- ``NAME.lock``: held (``flock``) by the one running supervisor; the kernel drops it when it dies.
+
+A pid file is believed only while its process is alive, is not a zombie, and started when the
+file says (within :data:`CREATE_TIME_SLACK`): a file left by a crash, or a pid the kernel has since
+given to another program, reads as no process at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+CREATE_TIME_SLACK = 1.0
+"""Seconds two readings of one process's start time may differ by: psutil adds the boot time,
+which the kernel reports in whole seconds and which can move by one under clock adjustment."""
+
+
+@dataclass(frozen=True)
+class ServiceFiles:
+    """Where the supervisor of service ``name`` keeps its files, in ``dir``."""
+
+    dir: Path
+    name: str
+
+    @property
+    def pid(self) -> Path:
+        """``NAME.pid``: the supervisor's own pid file."""
+        return self.dir / f"{self.name}.pid"
+
+    @property
+    def child_pid(self) -> Path:
+        """``NAME.child.pid``: the supervised program's pid file."""
+        return self.dir / f"{self.name}.child.pid"
+
+    @property
+    def log(self) -> Path:
+        """``NAME.log``: the program's output and the supervisor's lines, appended."""
+        return self.dir / f"{self.name}.log"
+
+    @property
+    def state(self) -> Path:
+        """``NAME.state.json``: the supervisor's last :class:`SupervisorState`."""
+        return self.dir / f"{self.name}.state.json"
+
+    @property
+    def lock(self) -> Path:
+        """``NAME.lock``: flocked by the running supervisor, so there is only ever one."""
+        return self.dir / f"{self.name}.lock"
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    """A process as a pid file names it: ``pid`` and its start time (unix seconds)."""
+
+    pid: int
+    create_time: float
+
+
+@dataclass(frozen=True)
+class SupervisorState:
+    """What the supervisor writes to ``NAME.state.json`` at each change.
+
+    Attributes:
+        state: ``starting``, ``running``, ``restarting`` (waiting RestartSec), ``stopping``,
+            ``stopped`` (ended cleanly or on request) or ``failed`` (gave up).
+        restarts: how many times the program was started again after it ended.
+        since: when the current program started (unix s), or None.
+        detail: how the last program ended, or why the supervisor gave up.
+    """
+
+    state: str
+    restarts: int = 0
+    since: float | None = None
+    detail: str = ""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_pid(path: Path, pid: int) -> PidRecord:
+    """Record process ``pid`` with its start time in ``path`` (atomically) and return the record.
+
+    Raises:
+        psutil.NoSuchProcess: the process has already gone.
+    """
+    record = PidRecord(pid, psutil.Process(pid).create_time())
+    _atomic_write(path, f"{record.pid}\n{record.create_time:.3f}\n")
+    return record
+
+
+def read_pid(path: Path) -> PidRecord | None:
+    """The record in ``path``, or None when the file is missing or not two numbers."""
+    try:
+        pid, created = path.read_text().split()[:2]
+        return PidRecord(int(pid), float(created))
+    except (OSError, ValueError):
+        return None
+
+
+def alive(record: PidRecord) -> psutil.Process | None:
+    """The process ``record`` names, when it still runs and is the same one; else None."""
+    try:
+        proc = psutil.Process(record.pid)
+        if abs(proc.create_time() - record.create_time) > CREATE_TIME_SLACK:
+            return None  # the pid was reused
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.Error:
+        return None
+    return proc
+
+
+def read_live(path: Path) -> psutil.Process | None:
+    """The live process ``path`` names; None for a missing, unreadable or stale pid file."""
+    record = read_pid(path)
+    return alive(record) if record else None
+
+
+def write_state(files: ServiceFiles, state: SupervisorState) -> None:
+    """Write ``state`` to ``files.state`` atomically."""
+    _atomic_write(files.state, json.dumps(asdict(state)) + "\n")
+
+
+def read_state(files: ServiceFiles) -> SupervisorState | None:
+    """The last state the supervisor wrote, or None when there is none or it is unreadable."""
+    try:
+        raw = json.loads(files.state.read_text())
+        return SupervisorState(
+            state=str(raw["state"]),
+            restarts=int(raw.get("restarts", 0)),
+            since=float(raw["since"]) if raw.get("since") is not None else None,
+            detail=str(raw.get("detail", "")),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

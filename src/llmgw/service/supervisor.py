@@ -1,0 +1,414 @@
+"""llmgw's own supervisor, for machines without systemd (containers, CI, laptops).
+
+The unit file is the single source of truth: :func:`parse_unit` reads its ``ExecStart=``,
+``Environment=``, ``Restart=``, ``RestartSec=`` and ``StartLimitBurst=``/``StartLimitIntervalSec=``
+and ignores the rest (User, Group, Protect*, limits: what systemd would enforce is not enforced).
+
+One supervisor process per service (``python -m llmgw.service.supervisor NAME --unit U --dir D``,
+started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
+
+1. take ``NAME.lock`` (flock) or exit 3: there is only ever one; write ``NAME.pid``;
+2. start the program (environment: the supervisor's own plus the unit's ``Environment=``; working
+   directory ``/``; stdin ``/dev/null``; stdout and stderr appended to ``NAME.log``); write
+   ``NAME.child.pid`` and the state ``running``;
+3. wait for the program to end or for SIGTERM/SIGINT (a signal wakes it at once through a pipe,
+   SIGCHLD included);
+4. program ended: ``Restart=`` decides as systemd does (``on-failure``: a non-zero exit or death by
+   a signal other than HUP, INT, TERM, PIPE). No restart: state ``stopped`` (clean) or ``failed``,
+   and the supervisor exits. Restart: wait ``RestartSec`` and go to 2, unless the program has
+   started ``StartLimitBurst`` times within ``StartLimitIntervalSec`` (systemd's defaults: 5 in
+   10 s), in which case it gives up as ``failed``;
+5. SIGTERM: send SIGTERM to the program itself only (``KillMode=process``: the agent's engines live
+   in their own sessions and must outlive it), wait up to :data:`STOP_TIMEOUT`, then SIGKILL;
+   remove both pid files, write ``stopped`` and exit.
+
+Not guaranteed: a supervisor killed with SIGKILL leaves its program running and its pid files
+behind; the files then read as stale (see :mod:`llmgw.service.files`) and
+``SupervisorManager.stop``/``start`` end that orphaned program first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import re
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import BinaryIO
+
+import psutil
+
+from llmgw.errors import ServiceError
+from llmgw.service.files import ServiceFiles, SupervisorState, write_pid, write_state
+
+STOP_TIMEOUT = 15.0
+"""Seconds the program has to end after SIGTERM before SIGKILL (systemd's default is 90)."""
+
+CLEAN_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE})
+"""Deaths by these signals count as a clean end, as systemd counts them for ``Restart=``."""
+
+RESTART_POLICIES = ("no", "always", "on-success", "on-failure", "on-abnormal", "on-abort", "on-watchdog")
+
+EXEC_FAILED = 203
+"""The exit status recorded when the program cannot be executed at all (systemd's EXIT_EXEC)."""
+
+ALREADY_RUNNING = 3
+"""The supervisor's exit status when another one holds the lock."""
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What the supervisor takes from a unit file.
+
+    Attributes:
+        argv: ``ExecStart=`` split into words, systemd's escapes (``%%``, ``$$``) undone.
+        env: ``Environment=`` assignments, in order.
+        restart: the ``Restart=`` policy (``no`` when absent, as in systemd).
+        restart_sec: ``RestartSec=`` in seconds (systemd's default 0.1).
+        start_limit_burst / start_limit_interval: give up after this many starts within this many
+            seconds (systemd's defaults 5 and 10 s).
+    """
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    restart: str = "no"
+    restart_sec: float = 0.1
+    start_limit_burst: int = 5
+    start_limit_interval: float = 10.0
+
+
+_SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(us|ms|seconds?|sec|s|minutes?|min|m|hours?|hr|h)?")
+_UNIT_SECONDS = {"us": 1e-6, "ms": 1e-3, "": 1.0, "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0}
+_UNIT_SECONDS |= {"m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0}
+_UNIT_SECONDS |= {"h": 3600.0, "hr": 3600.0, "hour": 3600.0, "hours": 3600.0}
+
+
+def parse_timespan(text: str, *, key: str) -> float:
+    """Seconds in a systemd time span (``2s``, ``500ms``, ``1min 30s``, a bare number = seconds).
+
+    Raises:
+        ServiceError: ``text`` is not a time span (the message names ``key``).
+    """
+    rest, total = text.strip(), 0.0
+    if not rest:
+        raise ServiceError(f"{key}= is empty; give a time span such as 2s or 500ms")
+    while rest:
+        m = _SPAN.match(rest)
+        if not m:
+            raise ServiceError(f"{key}={text!r} is not a time span; use for example 2s, 500ms or 1min")
+        total += float(m.group(1)) * _UNIT_SECONDS[m.group(2) or ""]
+        rest = rest[m.end() :].lstrip()
+    return total
+
+
+def _unescape(word: str) -> str:
+    return word.replace("%%", "%").replace("$$", "$")
+
+
+def _words(value: str, key: str) -> list[str]:
+    try:
+        return shlex.split(value)
+    except ValueError as e:
+        raise ServiceError(f"{key}={value!r}: {e}") from e
+
+
+def parse_unit(text: str) -> UnitSpec:
+    """The :class:`UnitSpec` in a unit file's ``text``.
+
+    Reads ``[Service]`` ``ExecStart=`` (the last one; a leading ``-@:+!`` prefix is dropped),
+    ``Environment=`` (quoted words ``K=V``; an empty one clears), ``Restart=``, ``RestartSec=``, and
+    ``StartLimitBurst=``/``StartLimitIntervalSec=`` from ``[Unit]`` or ``[Service]``. Comments
+    (``#``, ``;``) and line continuations (a trailing backslash) are handled; other keys ignored.
+
+    Raises:
+        ServiceError: no ``ExecStart=``, unbalanced quotes, an unknown ``Restart=`` value, or a
+            bad number or time span.
+    """
+    section, argv, env = "", list[str](), dict[str, str]()
+    restart, restart_sec, burst, interval = "no", 0.1, 5, 10.0
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line[0] in "#;"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    for line in logical:
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or section not in ("Service", "Unit"):
+            continue
+        if section == "Service" and key == "ExecStart" and value:
+            words = [_unescape(w) for w in _words(value, key)]
+            if words:
+                words[0] = words[0].lstrip("-@:+!")
+            argv = words
+        elif section == "Service" and key == "Environment":
+            if not value:
+                env.clear()
+            for word in _words(value, key):
+                name, eq, val = word.partition("=")
+                if not eq or not name:
+                    raise ServiceError(f"Environment={value!r}: {word!r} is not NAME=VALUE")
+                env[name] = val.replace("%%", "%")
+        elif section == "Service" and key == "Restart":
+            if value not in RESTART_POLICIES:
+                raise ServiceError(f"Restart={value!r}; use one of {', '.join(RESTART_POLICIES)}")
+            restart = value
+        elif section == "Service" and key == "RestartSec":
+            restart_sec = parse_timespan(value, key=key)
+        elif key == "StartLimitIntervalSec":
+            interval = parse_timespan(value, key=key)
+        elif key == "StartLimitBurst":
+            try:
+                burst = int(value)
+            except ValueError as e:
+                raise ServiceError(f"StartLimitBurst={value!r} is not a whole number") from e
+    if not argv:
+        raise ServiceError("the unit has no ExecStart= in [Service]; it does not say what to run")
+    return UnitSpec(argv, env, restart, restart_sec, burst, interval)
+
+
+def should_restart(policy: str, returncode: int) -> bool:
+    """Whether ``Restart=policy`` starts a program again that ended with ``returncode``.
+
+    ``returncode`` as :mod:`subprocess` gives it: negative for death by that signal.
+    """
+    by_signal = returncode < 0
+    clean = returncode == 0 or (by_signal and -returncode in CLEAN_SIGNALS)
+    return {
+        "no": False,
+        "always": True,
+        "on-success": clean,
+        "on-failure": not clean,
+        "on-abnormal": by_signal and not clean,
+        "on-abort": by_signal and not clean,
+        "on-watchdog": False,
+    }[policy]
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 1``, ``killed by SIGKILL``: how a program ended, for status and the log."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    if returncode == EXEC_FAILED:
+        return "could not be executed"
+    return f"exit code {returncode}"
+
+
+class Supervisor:
+    """Runs one unit's program under the loop in this module's docstring; see :meth:`run`."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: UnitSpec,
+        files: ServiceFiles,
+        *,
+        stop_timeout: float = STOP_TIMEOUT,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.files = files
+        self.stop_timeout = stop_timeout
+        self.clock = clock
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        self._restarts = 0
+        self._log: BinaryIO | None = None
+
+    # --- signals -------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self._stopping = True
+
+    def _install_signals(self) -> None:
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, woken early by any signal (a stop, or a child's end)."""
+        with contextlib.suppress(InterruptedError):
+            ready, _, _ = select.select([self._wake_r], [], [], max(seconds, 0.0))
+            if ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 512)
+
+    # --- output ----------------------------------------------------------------------------------
+
+    def say(self, message: str) -> None:
+        """Append a supervisor line, ``<time> llmgw-supervisor[pid]: message``, to the log."""
+        if self._log is None:
+            return
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.clock()))
+        self._log.write(f"{stamp} llmgw-supervisor[{os.getpid()}]: {message}\n".encode())
+        self._log.flush()
+
+    def _state(self, state: str, *, since: float | None = None, detail: str = "") -> None:
+        write_state(self.files, SupervisorState(state, self._restarts, since, detail))
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _launch(self) -> subprocess.Popen[bytes] | None:
+        try:
+            proc = subprocess.Popen(
+                self.spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=os.environ | self.spec.env,
+                cwd="/",
+            )
+        except OSError as e:
+            self.say(f"cannot start {shlex.join(self.spec.argv)}: {e}")
+            return None
+        try:
+            since: float | None = write_pid(self.files.child_pid, proc.pid).create_time
+        except psutil.Error:  # gone already; its end is read by the wait that follows
+            since = None
+        self._state("running", since=since)
+        self.say(f"started pid {proc.pid}: {shlex.join(self.spec.argv)}")
+        return proc
+
+    def _wait(self, proc: subprocess.Popen[bytes]) -> int | None:
+        """The program's return code once it ends, or None when a stop was asked first."""
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                return rc
+            if self._stopping:
+                return None
+            self._pause(1.0)
+
+    def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the program itself (not its group), SIGKILL after ``stop_timeout``; reap it."""
+        self._state("stopping")
+        if proc.poll() is None:
+            self.say(f"stopping pid {proc.pid} (SIGTERM)")
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                self._pause(min(0.2, deadline - time.monotonic()))
+            if proc.poll() is None:
+                self.say(f"pid {proc.pid} did not end in {self.stop_timeout:g}s; SIGKILL")
+                proc.kill()
+        self.say(f"pid {proc.pid} ended: {describe_exit(proc.wait())}")
+
+    def _start_limit_hit(self, starts: deque[float]) -> bool:
+        """Whether ``starts`` (monotonic times) hold StartLimitBurst within StartLimitIntervalSec."""
+        now = time.monotonic()
+        while starts and now - starts[0] > self.spec.start_limit_interval:
+            starts.popleft()
+        return len(starts) >= self.spec.start_limit_burst
+
+    def _lock(self) -> BinaryIO | None:
+        handle = self.files.lock.open("ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+        return handle
+
+    def run(self) -> int:
+        """Supervise until stopped or given up; 0, or :data:`ALREADY_RUNNING` when another holds the lock."""
+        self.files.dir.mkdir(parents=True, exist_ok=True)
+        lock = self._lock()
+        if lock is None:
+            print(f"llmgw-{self.name} is already supervised", file=sys.stderr)
+            return ALREADY_RUNNING
+        self._install_signals()
+        final = SupervisorState("failed", detail="the supervisor itself failed; see the log")
+        with lock, self.files.log.open("ab") as self._log:
+            write_pid(self.files.pid, os.getpid())
+            self._state("starting")
+            try:
+                final = self._loop()
+            finally:
+                self.files.child_pid.unlink(missing_ok=True)
+                self.files.pid.unlink(missing_ok=True)
+                write_state(self.files, final)
+                self.say(f"supervisor exits: {final.state}, {final.detail}")
+        return 0
+
+    def _loop(self) -> SupervisorState:
+        """Steps 2-5 of the module docstring; returns the state to leave behind."""
+        starts: deque[float] = deque()
+        while not self._stopping:
+            starts.append(time.monotonic())
+            proc = self._launch()
+            if proc is None:
+                rc = EXEC_FAILED
+            else:
+                waited = self._wait(proc)
+                if waited is None:
+                    self._terminate(proc)
+                    break
+                rc = waited
+            self.files.child_pid.unlink(missing_ok=True)
+            how = describe_exit(rc)
+            if not should_restart(self.spec.restart, rc):
+                self.say(f"program ended: {how}; Restart={self.spec.restart}, not restarting")
+                clean = not should_restart("on-failure", rc)
+                return SupervisorState("stopped" if clean else "failed", self._restarts, None, how)
+            if self._start_limit_hit(starts):
+                detail = (
+                    f"{how}; started {len(starts)} times within "
+                    f"{self.spec.start_limit_interval:g}s, gave up (StartLimitBurst)"
+                )
+                self.say(detail)
+                return SupervisorState("failed", self._restarts, None, detail)
+            self._restarts += 1
+            detail = f"{how}; restarting in {self.spec.restart_sec:g}s"
+            self.say(f"program ended: {detail}")
+            self._state("restarting", detail=detail)
+            deadline = time.monotonic() + self.spec.restart_sec
+            while not self._stopping and time.monotonic() < deadline:
+                self._pause(deadline - time.monotonic())
+        return SupervisorState("stopped", self._restarts, None, "stopped on request")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmgw.service.supervisor NAME --unit PATH --dir DIR``: supervise in the foreground."""
+    parser = argparse.ArgumentParser(prog="python -m llmgw.service.supervisor")
+    parser.add_argument("name", help="the service name (server, agent, mirror)")
+    parser.add_argument("--unit", required=True, type=Path, help="the unit file to run")
+    parser.add_argument("--dir", required=True, type=Path, help="where pid files, log and state go")
+    args = parser.parse_args(argv)
+    try:
+        spec = parse_unit(args.unit.read_text())
+    except (OSError, ServiceError) as e:
+        print(f"Error: {args.unit}: {e}", file=sys.stderr)
+        return 2
+    return Supervisor(args.name, spec, ServiceFiles(args.dir, args.name)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
