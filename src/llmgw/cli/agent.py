@@ -1,7 +1,72 @@
-"""`llmgw agent` commands."""
+"""`llmgw agent`: run this node's agent (``llmgw agent --config /etc/llmgw/agent.yaml``).
+
+The group's callback runs the agent when no subcommand is given, so subcommands can join later.
+SIGTERM and SIGINT stop the agent only: engines run in their own sessions and keep serving, and
+the next agent adopts them (``llmgw service stop agent --engines`` stops them too).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="agent")
+from llmgw.agent.discovery import discover_inventory
+from llmgw.agent.loop import run_agent
+from llmgw.cli.common import cli_errors, paths
+from llmgw.config import AgentConfig, load_agent_config
+from llmgw.paths import Paths
+
+app = typer.Typer(help="The node agent: reports this machine, runs the replicas the control plane asks for.")
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", help="agent.yaml to use (default: /etc/llmgw/agent.yaml under --root)."),
+]
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Log to stderr with timestamps (journald and the supervisor keep stderr)."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def _serve(cfg: AgentConfig, p: Paths) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run_agent(cfg, p, stop=stop)
+
+
+@app.callback(invoke_without_command=True)
+@cli_errors
+def agent(
+    ctx: typer.Context,
+    config: ConfigOption = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    """Run the node agent until SIGTERM/SIGINT; engines keep running after it stops."""
+    if ctx.invoked_subcommand is not None:
+        return
+    p = paths()
+    cfg = load_agent_config(config or p.agent_config)
+    setup_logging(verbose)
+    asyncio.run(_serve(cfg, p))
+
+
+@app.command("inventory")
+@cli_errors
+def inventory(config: ConfigOption = None) -> None:
+    """Print this node's inventory (cores, memory, GPUs and their classes) as JSON."""
+    p = paths()
+    cfg = load_agent_config(config or p.agent_config)
+    print(discover_inventory(cfg).model_dump_json(indent=2))

@@ -1,0 +1,183 @@
+"""The node's model cache: weights fetched from the mirror once, verified, reused by every start.
+
+Layout: ``<agent_state>/cache/<model>/<version>/<file>``, and beside each file
+``.<file>.sha256`` holding ``<sha256> <size> <mtime_ns>``: a file whose size and mtime still
+match its digest record is not rehashed on every start (a 70 GB file takes minutes to hash).
+
+:meth:`NodeCache.ensure`, in order:
+
+1. The file is there and its digest record matches its size and mtime → its recorded digest is
+   compared with the spec's (when the spec has one) → reused.
+2. The file is there without a (matching) record and the spec has a digest → hashed once; equal
+   → recorded and reused.
+3. Otherwise :func:`llmgw.mirror.download.download` fetches it (resuming a partial file, verifying
+   the spec's sha256 or the mirror's ``X-Checksum-Sha256``) and its digest is recorded.
+
+Two replicas of one file wait on one download (a lock per path). When ``cache_max_gb`` is set,
+least recently used files (by the record's mtime, touched on each use) are evicted after a
+download until the cache fits, never a file in use or the one just fetched. Not guaranteed: a
+file changed in place with the same size and mtime is not noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+
+from llmgw.errors import MirrorError
+from llmgw.mirror.download import download
+from llmgw.protocol import ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+Downloader = Callable[..., Awaitable[str]]
+"""``download(session, url, dest, *, expected_sha256=...) -> sha256 hex``."""
+
+HASH_CHUNK = 1 << 20
+
+
+def _safe_part(value: str, what: str) -> str:
+    if not value or value in {".", ".."} or "/" in value or "\\" in value or "\0" in value:
+        raise MirrorError(f"replica {what} {value!r} cannot be a file name in the node cache")
+    return value
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 (hex) of a file, read in 1 MiB blocks (blocking)."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(HASH_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digest_record_path(path: Path) -> Path:
+    """Where the digest of ``path`` is recorded: ``.<name>.sha256`` beside it."""
+    return path.parent / f".{path.name}.sha256"
+
+
+def recorded_digest(path: Path) -> str:
+    """The recorded sha256 of ``path`` if the record still matches its size and mtime, else ``""``."""
+    try:
+        digest, size, mtime_ns = digest_record_path(path).read_text().split()
+        st = path.stat()
+    except (OSError, ValueError):
+        return ""
+    if int(size) != st.st_size or int(mtime_ns) != st.st_mtime_ns:
+        return ""
+    return digest
+
+
+def record_digest(path: Path, digest: str) -> None:
+    """Record ``digest`` for ``path`` with its current size and mtime."""
+    st = path.stat()
+    digest_record_path(path).write_text(f"{digest} {st.st_size} {st.st_mtime_ns}\n")
+
+
+class NodeCache:
+    """Weights on this node, under ``root`` (``<agent_state>/cache``).
+
+    Args:
+        root: the cache directory.
+        max_bytes: evict least recently used files past this total; None keeps everything.
+        downloader: the download function (a seam for tests); defaults to the mirror's.
+    """
+
+    def __init__(
+        self, root: Path, *, max_bytes: int | None = None, downloader: Downloader = download
+    ) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._download = downloader
+        self._locks: dict[Path, asyncio.Lock] = {}
+        self.in_use: set[Path] = set()
+
+    def path_for(self, spec: ReplicaSpec) -> Path:
+        """``<root>/<model>/<version>/<file>`` for a spec.
+
+        Raises:
+            MirrorError: a part is not a plain file name (``..``, a slash).
+        """
+        return (
+            self.root
+            / _safe_part(spec.model, "model")
+            / _safe_part(spec.version, "version")
+            / _safe_part(spec.file_name, "file name")
+        )
+
+    async def ensure(self, session: aiohttp.ClientSession, spec: ReplicaSpec) -> Path:
+        """The local path of the spec's weights, fetched and verified if needed.
+
+        Raises:
+            MirrorError: the download failed or the digest does not match (message names the URL).
+        """
+        path = self.path_for(spec)
+        lock = self._locks.setdefault(path, asyncio.Lock())
+        async with lock:
+            want = spec.sha256.lower()
+            have = await asyncio.to_thread(self._present_digest, path, want)
+            if have and (not want or have == want):
+                log.info("cache: %s is present (sha256 %s), reused", path, have[:12])
+            else:
+                log.info("cache: fetching %s into %s", spec.source_url, path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                digest = await self._download(session, spec.source_url, path, expected_sha256=want)
+                await asyncio.to_thread(record_digest, path, digest)
+                log.info("cache: %s fetched (sha256 %s)", path, digest[:12])
+            with contextlib.suppress(OSError):
+                os.utime(digest_record_path(path))  # last use, for eviction
+            self.in_use.add(path)
+            if self.max_bytes is not None:
+                await asyncio.to_thread(self.evict, keep={path})
+            return path
+
+    def release(self, path: Path) -> None:
+        """Mark ``path`` as no longer used by a running replica (eviction may take it)."""
+        self.in_use.discard(path)
+
+    @staticmethod
+    def _present_digest(path: Path, want: str) -> str:
+        if not path.is_file():
+            return ""
+        digest = recorded_digest(path)
+        if digest or not want:
+            # No spec digest and no record: cannot tell a whole file from a stale one; fetch again.
+            return digest
+        digest = sha256_file(path)
+        record_digest(path, digest)
+        return digest
+
+    def evict(self, keep: set[Path]) -> list[Path]:
+        """Delete least recently used files until the cache fits ``max_bytes``; returns what went."""
+        if self.max_bytes is None:
+            return []
+        files = []
+        total = 0
+        for rec in self.root.glob("*/*/.*.sha256"):
+            f = rec.parent / rec.name[1 : -len(".sha256")]
+            try:
+                size, used = f.stat().st_size, rec.stat().st_mtime
+            except OSError:
+                continue
+            total += size
+            files.append((used, f, rec, size))
+        gone = []
+        for _, f, rec, size in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if f in keep or f in self.in_use:
+                continue
+            with contextlib.suppress(OSError):
+                f.unlink()
+                rec.unlink()
+                total -= size
+                gone.append(f)
+                log.info("cache: evicted %s (%d bytes) to stay under %d", f, size, self.max_bytes)
+        return gone

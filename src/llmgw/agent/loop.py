@@ -1,0 +1,290 @@
+"""The node agent's loop: report what this node has and runs, receive what it should run, reconcile.
+
+On start, once:
+
+1. Discover the inventory (cores, memory, GPUs; or the declared ``discovery.inventory_file``).
+2. Locate llama-server and check it runs (``--version``, ``--help``): the engine status to report.
+3. Adopt engines an earlier agent launched (record whose pid, start time and command line all
+   match; other records are dropped). They keep serving meanwhile.
+
+Each pass (every ``heartbeat_interval_s``, or at once when a replica changes state, so the control
+plane learns of ``ready`` without waiting a whole interval):
+
+1. Build a :class:`~llmgw.protocol.Heartbeat`: inventory (memory re-read every pass, GPUs and the
+   engine every :data:`REDISCOVER_S`), labels, engine statuses, every runner's status.
+2. POST it over mTLS to ``/agent/v1/register`` until one register succeeds, then to
+   ``/agent/v1/heartbeat`` (back to register after a 404: the control plane forgot this node).
+3. Reconcile with the reply's ``desired`` list: start a runner for each new spec, stop runners whose
+   id is no longer desired, and restart one whose spec changed. Stopping is a task of its own,
+   so a slow engine (SIGTERM honoured only between batches) does not hold up the heartbeat.
+
+An unreachable or erring control plane is logged (first failure, then every
+:data:`LOG_REPEAT_S`) and retried next pass; running engines are left alone: only a reply that
+no longer lists a replica stops it. Stopping the agent (``stop`` set, SIGTERM, SIGINT) detaches
+the runners and leaves every engine running, for the next agent to adopt.
+
+Not guaranteed: replicas are reported as the agent last saw them (up to one watch interval late);
+a failed replica is not retried by the agent itself, the control plane decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import ssl
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from pydantic import ValidationError
+
+from llmgw import __version__
+from llmgw.agent.cache import NodeCache
+from llmgw.agent.discovery import discover_inventory
+from llmgw.agent.engines import llamacpp
+from llmgw.agent.records import adoptable
+from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
+from llmgw.config import AgentConfig
+from llmgw.errors import ApiError, PkiError, UnreachableError
+from llmgw.paths import Paths
+from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ReplicaSpec
+from llmgw.tlsconf import client_context
+
+log = logging.getLogger("llmgw.agent")
+
+REDISCOVER_S = 60.0
+"""GPUs and the engine binary are re-read this often (nvidia-smi is too slow for every beat)."""
+
+LOG_REPEAT_S = 30.0
+"""An ongoing control-plane failure is logged again this often, not every beat."""
+
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=15, sock_connect=5)
+"""A heartbeat is small; a control plane that takes longer is treated as unreachable this pass."""
+
+
+@dataclass
+class AgentState:
+    """What the loop knows between passes (exposed for tests and ``status`` commands)."""
+
+    inventory: Inventory
+    engines: list[EngineStatus]
+    runners: dict[str, ReplicaRunner] = field(default_factory=dict)
+    registered: bool = False
+    node_id: str = ""
+    beats: int = 0
+
+
+async def post_heartbeat(
+    session: aiohttp.ClientSession, server: str, path: str, beat: Heartbeat
+) -> HeartbeatReply:
+    """POST a heartbeat and parse the reply.
+
+    Raises:
+        UnreachableError: connection, TLS or timeout failure (names the URL).
+        ApiError: a non-2xx answer (status and the ``{"error": {"code", "message"}}`` body), or a
+            2xx body that is not a HeartbeatReply.
+    """
+    url = server.rstrip("/") + path
+    try:
+        async with session.post(
+            url,
+            data=beat.model_dump_json(),
+            headers={"Content-Type": "application/json"},
+            timeout=REQUEST_TIMEOUT,
+        ) as resp:
+            body = await resp.text()
+            if resp.status >= 300:
+                code, message = "", body[:300]
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    err = json.loads(body)["error"]
+                    code, message = str(err.get("code", "")), str(err.get("message", message))
+                raise ApiError(f"{url} answered {resp.status}: {message}", status=resp.status, code=code)
+            try:
+                return HeartbeatReply.model_validate_json(body)
+            except ValidationError as e:
+                raise ApiError(
+                    f"{url} answered something that is not a heartbeat reply: {e}", status=resp.status
+                ) from e
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        raise UnreachableError(f"control plane {url} does not answer: {type(e).__name__}: {e}") from e
+
+
+class Agent:
+    """The loop of one node agent (see the module docstring); :func:`run_agent` drives it."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        paths: Paths,
+        *,
+        api: aiohttp.ClientSession,
+        plain: aiohttp.ClientSession,
+    ) -> None:
+        self.cfg = cfg
+        self.agent_state = paths.agent_state
+        self.api = api
+        self.changed = asyncio.Event()
+        max_bytes = int(cfg.cache_max_gb * 1e9) if cfg.cache_max_gb else None
+        self.cache = NodeCache(self.agent_state / "cache", max_bytes=max_bytes)
+        inventory = discover_inventory(cfg)
+        self.state = AgentState(inventory=inventory, engines=[])
+        self.env = RunnerEnv(
+            agent_state=self.agent_state,
+            advertise_address=cfg.advertise_address,
+            cores=inventory.cores,
+            has_gpus=bool(inventory.gpus),
+            cache=self.cache,
+            session=plain,
+            on_change=self.changed.set,
+        )
+        self._last_discovery = time.monotonic()
+        self._refresh_engines()
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._last_error = ("", 0.0)
+
+    def _refresh_engines(self) -> None:
+        status, server = llamacpp.probe(self.cfg, self.agent_state)
+        if server is None:
+            log.warning("llamacpp: %s", status.detail)
+        self.env.engine, self.env.engine_problem = server, status.detail
+        self.state.engines = [status]
+
+    def adopt(self) -> None:
+        """Take over the engines an earlier agent left running (records that still match)."""
+        for record in adoptable(self.agent_state):
+            log.info(
+                "replica %s: adopting llama-server pid %d on port %d", record.id, record.pid, record.port
+            )
+            self.state.runners[record.id] = ReplicaRunner.adopt(record, self.env)
+
+    def heartbeat(self) -> Heartbeat:
+        """This pass's report."""
+        if time.monotonic() - self._last_discovery > REDISCOVER_S:
+            self._last_discovery = time.monotonic()
+            self.state.inventory = discover_inventory(self.cfg)
+            self.env.has_gpus = bool(self.state.inventory.gpus)
+            self._refresh_engines()
+        elif self.cfg.discovery.inventory_file is None:
+            import psutil  # noqa: PLC0415 - cheap per-beat refresh of the one fast-moving figure
+
+            self.state.inventory.memory_available_bytes = int(psutil.virtual_memory().available)
+        return Heartbeat(
+            agent_version=__version__,
+            inventory=self.state.inventory,
+            labels=dict(self.cfg.labels),
+            engines=list(self.state.engines),
+            replicas=[r.status() for r in self.state.runners.values()],
+        )
+
+    async def beat_once(self) -> HeartbeatReply | None:
+        """One exchange with the control plane and the reconcile that follows; None when it failed."""
+        path = "/agent/v1/heartbeat" if self.state.registered else "/agent/v1/register"
+        beat = await asyncio.to_thread(self.heartbeat)
+        try:
+            reply = await post_heartbeat(self.api, self.cfg.server, path, beat)
+        except (UnreachableError, ApiError) as e:
+            if isinstance(e, ApiError) and e.status == 404:
+                self.state.registered = False
+            self._log_failure(str(e))
+            return None
+        if self._last_error[0]:
+            log.info("control plane %s answers again", self.cfg.server)
+            self._last_error = ("", 0.0)
+        if not self.state.registered:
+            log.info("registered with %s as node %s", self.cfg.server, reply.node_id)
+            if reply.node_id and reply.node_id != self.cfg.node_id:
+                log.warning(
+                    "the control plane knows this node as %s (its certificate's CN), agent.yaml says %s",
+                    reply.node_id,
+                    self.cfg.node_id,
+                )
+        self.state.registered, self.state.node_id = True, reply.node_id
+        self.state.beats += 1
+        await self.reconcile(reply.desired)
+        return reply
+
+    async def reconcile(self, desired: list[ReplicaSpec]) -> None:
+        """Start new specs, stop undesired runners, restart runners whose spec changed."""
+        wanted = {s.id: s for s in desired}
+        for rid, runner in list(self.state.runners.items()):
+            spec = wanted.get(rid)
+            if spec is None or spec != runner.spec:
+                why = "no longer desired" if spec is None else "its spec changed"
+                log.info("replica %s: stopping (%s)", rid, why)
+                del self.state.runners[rid]
+                task = asyncio.create_task(runner.stop())
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+                if spec is not None:
+                    await task  # the same id is started again below: the old one must be gone first
+        for rid, spec in wanted.items():
+            if rid not in self.state.runners:
+                log.info(
+                    "replica %s: starting %s/%s (profile %s)", rid, spec.model, spec.version, spec.profile
+                )
+                runner = ReplicaRunner(spec, self.env)
+                self.state.runners[rid] = runner
+                runner.start()
+
+    def _log_failure(self, message: str) -> None:
+        last, at = self._last_error
+        now = time.monotonic()
+        if message != last or now - at > LOG_REPEAT_S:
+            log.warning(
+                "%s; retrying every %.0f s, engines keep running", message, self.cfg.heartbeat_interval_s
+            )
+            self._last_error = (message, now)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Beat until ``stop`` is set; then detach every runner (engines keep running)."""
+        self.adopt()
+        try:
+            while not stop.is_set():
+                self.changed.clear()
+                await self.beat_once()
+                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.changed.wait())]
+                try:
+                    await asyncio.wait(
+                        waiters, timeout=self.cfg.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    for w in waiters:
+                        w.cancel()
+                # A change right after a beat is sent at once, but never more than ~10 beats/s.
+                await asyncio.sleep(min(0.1, self.cfg.heartbeat_interval_s))
+        finally:
+            if self._stopping:
+                await asyncio.gather(*self._stopping, return_exceptions=True)
+            for runner in self.state.runners.values():
+                await runner.detach()
+            log.info("agent stopped; %d engine(s) left running for the next agent", len(self.state.runners))
+
+
+async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | None = None) -> None:
+    """Run the node agent until ``stop`` is set (forever when None).
+
+    Talks to ``cfg.server`` over mTLS with this node's certificate (``cfg.tls``). Engines are left
+    running when it returns.
+
+    Raises:
+        PkiError: the CA, certificate or key in ``cfg.tls`` cannot be loaded.
+        ConfigError: ``discovery.inventory_file`` is set but unusable.
+    """
+    stop = stop or asyncio.Event()
+    try:
+        ssl_ctx = client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    except (OSError, ssl.SSLError) as e:
+        raise PkiError(
+            f"agent.yaml: tls ({cfg.tls.ca}, {cfg.tls.cert}, {cfg.tls.key}) cannot be loaded: {e}; "
+            "issue this node a certificate with 'llmgw server init' on the control plane"
+        ) from e
+    os.makedirs(paths.agent_state, exist_ok=True)
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx)) as api,
+        aiohttp.ClientSession() as plain,
+    ):
+        agent = await asyncio.to_thread(Agent, cfg, paths, api=api, plain=plain)
+        await agent.run(stop)

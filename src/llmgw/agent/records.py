@@ -1,0 +1,231 @@
+"""Replica records: what the agent writes about each engine it launched, so it can find it again.
+
+Engines outlive the agent: each runs in its own session (``start_new_session=True``), and the
+agent's unit has ``KillMode=process``, so restarting the agent leaves them serving. A restarted
+agent reads ``<agent_state>/replicas/<id>/record.json`` and *adopts* an engine only when the pid is
+alive **and** its start time (psutil ``create_time``) **and** its command line equal the record's:
+a pid alone is reused by the kernel, and killing or trusting a stranger would be worse than
+starting the replica again. A record that does not match is dropped.
+
+Layout of ``<agent_state>/replicas/<id>/``: ``record.json`` (0600: it holds the replica's key),
+``api-key`` (0600, passed with ``--api-key-file``), ``engine.log`` (the engine's stdout+stderr).
+
+Stopping (:func:`stop_process_group`): SIGTERM to the engine's process group, up to
+:data:`STOP_GRACE_S` for it to exit, then SIGKILL to the group. llama-server notices SIGTERM only
+between batches, so a long prefill on a slow CPU can delay it by minutes (LC #18237) and a wedged
+decode can ignore it (LC #27388): the grace is bounded and SIGKILL always follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from pydantic import BaseModel, ValidationError
+
+from llmgw.protocol import ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+"""Seconds between SIGTERM and SIGKILL (engines.md §1.7: ~10 s, llama-swap uses 5)."""
+
+CREATE_TIME_TOLERANCE_S = 0.005
+"""create_time comes from /proc start ticks (1/100 s): a different process differs by ≥ 0.01 s."""
+
+
+class ReplicaRecord(BaseModel):
+    """One launched engine, as ``record.json`` holds it.
+
+    Attributes:
+        id: the replica id.
+        pid: the engine's pid, also its process group id (new session).
+        create_time: psutil's ``create_time`` of that pid (unix seconds), to tell pid reuse.
+        argv: the exact command line launched.
+        host: the address it listens on; port: its port.
+        key: the API key it requires.
+        spec: the ReplicaSpec it was started for.
+        started_at: when it was launched (unix seconds).
+    """
+
+    id: str
+    pid: int
+    create_time: float
+    argv: list[str]
+    host: str
+    port: int
+    key: str
+    spec: ReplicaSpec
+    started_at: float
+
+
+def replicas_dir(agent_state: Path) -> Path:
+    """``<agent_state>/replicas``: one directory per replica."""
+    return agent_state / "replicas"
+
+
+def replica_dir(agent_state: Path, replica_id: str) -> Path:
+    """``<agent_state>/replicas/<id>``; the id must be a plain name (it comes from the control plane).
+
+    Raises:
+        ValueError: the id is empty, ``.``/``..`` or contains a path separator.
+    """
+    if not replica_id or replica_id in {".", ".."} or "/" in replica_id or "\0" in replica_id:
+        raise ValueError(f"replica id {replica_id!r} cannot be a directory name")
+    return replicas_dir(agent_state) / replica_id
+
+
+def write_private(path: Path, data: str) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename) with mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_record(agent_state: Path, record: ReplicaRecord) -> Path:
+    """Write ``record.json`` for ``record`` atomically; returns its path."""
+    path = replica_dir(agent_state, record.id) / "record.json"
+    write_private(path, record.model_dump_json(indent=2))
+    return path
+
+
+def drop_record(agent_state: Path, replica_id: str) -> None:
+    """Remove a replica's record and key file (its log stays for whoever looks into a failure)."""
+    d = replica_dir(agent_state, replica_id)
+    for name in ("record.json", "api-key"):
+        with contextlib.suppress(FileNotFoundError):
+            (d / name).unlink()
+
+
+def load_records(agent_state: Path) -> list[ReplicaRecord]:
+    """Every readable record; unreadable ones are logged and skipped (never raised)."""
+    root = replicas_dir(agent_state)
+    records = []
+    for path in sorted(root.glob("*/record.json")) if root.is_dir() else []:
+        try:
+            records.append(ReplicaRecord.model_validate_json(path.read_text()))
+        except (OSError, ValidationError) as e:
+            log.warning("replica record %s is unreadable, ignored: %s", path, e)
+    return records
+
+
+def live_process(record: ReplicaRecord) -> psutil.Process | None:
+    """The engine of ``record`` if it is still that very process, else None.
+
+    Same pid, same start time (within :data:`CREATE_TIME_TOLERANCE_S`) and same command line;
+    a zombie does not count.
+    """
+    try:
+        proc = psutil.Process(record.pid)
+        if abs(proc.create_time() - record.create_time) > CREATE_TIME_TOLERANCE_S:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if proc.cmdline() != record.argv:
+            return None
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return proc
+
+
+def adoptable(agent_state: Path) -> list[ReplicaRecord]:
+    """Records whose engine is still running; the records of the others are dropped."""
+    keep = []
+    for record in load_records(agent_state):
+        if live_process(record) is not None:
+            keep.append(record)
+        else:
+            log.info(
+                "replica %s: engine pid %d is gone (or is another process now); record dropped",
+                record.id,
+                record.pid,
+            )
+            drop_record(agent_state, record.id)
+    return keep
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(0) succeeds while any member exists, zombies included: look closer.
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, PermissionError):
+            continue
+    return False
+
+
+def stop_process_group(
+    pid: int,
+    *,
+    grace_s: float = STOP_GRACE_S,
+    reap: bool = True,
+    poll_s: float = 0.1,
+) -> bool:
+    """SIGTERM the process group led by ``pid``, SIGKILL it after ``grace_s``; True if anything was signalled.
+
+    The engine was started with ``start_new_session=True``, so its group id is its pid and the
+    group holds it and any children. ``reap``: also ``waitpid`` the leader when it is our child
+    (else it stays a zombie). Blocks up to ``grace_s`` plus a moment; run it in a thread from
+    async code.
+    """
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if reap:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        if not _group_alive(pid):
+            return True
+        time.sleep(poll_s)
+    log.warning("engine pid %d did not exit %.0f s after SIGTERM; sending SIGKILL", pid, grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        if reap:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        if not _group_alive(pid):
+            break
+        time.sleep(poll_s)
+    return True
+
+
+def stop_all_engines(agent_state: Path, *, grace_s: float = STOP_GRACE_S) -> list[int]:
+    """Stop every recorded engine that is still the process it was; returns the pids stopped.
+
+    Every record is removed afterwards, matched or not. Used by ``llmgw service stop agent
+    --engines`` and by tests to guarantee no engine is left. Records of another process (pid
+    reused) are dropped without signalling anything.
+    """
+    stopped = []
+    for record in load_records(agent_state):
+        if live_process(record) is not None and stop_process_group(record.pid, grace_s=grace_s):
+            stopped.append(record.pid)
+        drop_record(agent_state, record.id)
+    return stopped

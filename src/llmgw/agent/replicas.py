@@ -1,0 +1,463 @@
+"""One replica on this node, from weights to a serving engine: :class:`ReplicaRunner`.
+
+States (who moves each transition):
+
+- ``fetching``: the runner copies the weights from the mirror into the node cache (resumed,
+  sha256 verified; a verified file already there is reused).
+- ``starting``: the runner launched llama-server and polls ``GET /health`` every
+  :attr:`RunnerEnv.probe_interval_s`; llama-server listens before it loads and answers 503
+  ``Loading model`` until the model is in, then 200. (``/v1/models`` is *not* readiness: it answers
+  200 during load.)
+- ``ready``: ``/health`` answered 200. The runner keeps watching the process.
+- ``failed``: the weights could not be fetched, the engine is missing, it exited (before or
+  after ready), or it was not ready by :attr:`RunnerEnv.start_deadline_s`. ``err`` carries the
+  exit code or signal and the engine's own last :data:`TAIL_LINES` log lines (llama-server logs
+  ``failed to load model`` / ``error loading model: …`` and exits 1 on a bad file).
+- ``stopped``: :meth:`ReplicaRunner.stop` ended it (SIGTERM to its process group, SIGKILL after
+  the grace). A failed runner stays failed: the control plane decides whether to try again.
+
+A port is chosen free just before launch; when llama-server still finds it taken (it logs
+``couldn't bind HTTP server socket`` and exits 1 before loading) another is tried, up to
+:data:`PORT_TRIES` times.
+
+The engine runs in a new session with stdout+stderr appended to
+``<agent_state>/replicas/<id>/engine.log`` and a scrubbed environment (no ``LLAMA_ARG_*``, which
+would silently set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see
+:mod:`llmgw.agent.records`) lets a restarted agent adopt it. Cancelling a runner's task
+(:meth:`ReplicaRunner.detach`) never stops its engine: only :meth:`ReplicaRunner.stop` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from llmgw.agent.cache import NodeCache
+from llmgw.agent.engines import llamacpp
+from llmgw.agent.records import (
+    STOP_GRACE_S,
+    ReplicaRecord,
+    drop_record,
+    live_process,
+    replica_dir,
+    stop_process_group,
+    write_private,
+    write_record,
+)
+from llmgw.errors import LlmgwError
+from llmgw.protocol import ReplicaSpec, ReplicaState, ReplicaStatus
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 20
+"""Engine log lines carried in ``err``: enough for llama-server's load error and its cause."""
+
+PORT_TRIES = 3
+"""Launches with a fresh port when the chosen one was taken in between."""
+
+SCRUBBED_ENV_PREFIXES = ("LLAMA_ARG_",)
+SCRUBBED_ENV = frozenset({"LLAMA_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+
+_detached: list[subprocess.Popen[bytes]] = []
+"""Popen objects of engines left running on purpose, kept so their finaliser does not warn."""
+
+
+def engine_environment(base: Mapping[str, str], gpu_indexes: list[int]) -> dict[str, str]:
+    """The engine's environment: ``base`` without llama.cpp's flag variables and secrets.
+
+    Every llama-server flag has a ``LLAMA_ARG_*`` variable, and an inherited one changes the engine
+    without showing in its argv (a cache limit reached an engine only through the parent's
+    environment: rwlove/home-ops PR #13936). GPU replicas see only their GPUs, in PCI bus order
+    (CUDA's default order is "fastest first", nvidia-smi's is PCI).
+    """
+    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV and not k.startswith(SCRUBBED_ENV_PREFIXES)}
+    if gpu_indexes:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_indexes)
+    return env
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def describe_exit(returncode: int | None) -> str:
+    """``"with exit code 1"``, ``"killed by signal SIGKILL (9)"``, or unknown (an adopted engine)."""
+    if returncode is None:
+        return "(exit status unknown: it was started by an earlier agent)"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "signal"
+        hint = " (out of memory? see the kernel log)" if -returncode == signal.SIGKILL else ""
+        return f"killed by signal {name} ({-returncode}){hint}"
+    return f"with exit code {returncode}"
+
+
+def log_tail(path: Path, offset: int = 0, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` non-empty lines of ``path`` after byte ``offset`` (at most 64 KiB read)."""
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(offset, size - 65536))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
+
+
+@dataclass
+class RunnerEnv:
+    """What every runner on this node shares.
+
+    Attributes:
+        agent_state: ``<agent_state>``; replicas live under ``replicas/<id>``.
+        advertise_address: where engines bind and the gateway dials them.
+        cores: the node's logical cores (``--threads`` when a spec reserves none).
+        has_gpus: whether the node has GPUs (a CPU replica then gets ``--device none``).
+        cache: the node's model cache.
+        session: a plain-HTTP aiohttp session for the mirror and the engines' ``/health``.
+        engine: the usable llama-server build, or None; engine_problem: why not.
+        on_change: called when a runner changes state (the loop sends a heartbeat early).
+        probe_interval_s: seconds between ``/health`` polls while starting (0.25–0.5 s: a 270M
+            model loads in ~1.6 s here, so a coarser poll would double its time to ready).
+        start_deadline_s: a replica not ready after this long is failed.
+        watch_interval_s: seconds between checks that a ready engine still runs.
+        stop_grace_s: SIGTERM → SIGKILL grace.
+        clock: monotonic seconds (a seam).
+        base_env: the environment engines inherit before scrubbing.
+    """
+
+    agent_state: Path
+    advertise_address: str
+    cores: int
+    has_gpus: bool
+    cache: NodeCache
+    session: aiohttp.ClientSession
+    engine: llamacpp.LlamaServer | None = None
+    engine_problem: str = llamacpp.NO_BINARY
+    on_change: Callable[[], None] = lambda: None
+    probe_interval_s: float = 0.3
+    start_deadline_s: float = 300.0
+    watch_interval_s: float = 1.0
+    stop_grace_s: float = STOP_GRACE_S
+    clock: Callable[[], float] = time.monotonic
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    @property
+    def probe_host(self) -> str:
+        """The address to probe: the advertise address, loopback when that is a wildcard."""
+        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.advertise_address, self.advertise_address)
+
+
+class _Failed(Exception):
+    """The runner gives up; the message becomes ``err``."""
+
+
+class ReplicaRunner:
+    """Runs one :class:`ReplicaSpec` (see the module docstring for the states).
+
+    Use :meth:`start` (or :meth:`adopt` for an engine an earlier agent launched), read
+    :meth:`status` at will, and end with :meth:`stop` (engine stopped) or :meth:`detach` (the
+    agent exits; the engine keeps serving).
+    """
+
+    def __init__(self, spec: ReplicaSpec, env: RunnerEnv) -> None:
+        self.spec = spec
+        self.env = env
+        self.state = ReplicaState.PENDING
+        self.err = ""
+        self.port = 0
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._record: ReplicaRecord | None = None
+        self._model_path: Path | None = None
+        self._log_offset = 0
+        self._task: asyncio.Task[None] | None = None
+        self._settled = asyncio.Event()
+        self.dir = replica_dir(env.agent_state, spec.id)
+        self.log_path = self.dir / "engine.log"
+
+    # --- public -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin fetching and launching in a task of the running loop."""
+        self._task = asyncio.create_task(self._run(), name=f"replica-{self.spec.id}")
+
+    @classmethod
+    def adopt(cls, record: ReplicaRecord, env: RunnerEnv) -> ReplicaRunner:
+        """A runner for an engine an earlier agent launched (already checked by the records module)."""
+        runner = cls(record.spec, env)
+        runner._record = record
+        runner.pid, runner.port, runner.started_at = record.pid, record.port, record.started_at
+        with contextlib.suppress(LlmgwError):
+            runner._model_path = env.cache.path_for(record.spec)
+            env.cache.in_use.add(runner._model_path)
+        runner._task = asyncio.create_task(runner._run_adopted(), name=f"replica-{record.id}")
+        return runner
+
+    def status(self) -> ReplicaStatus:
+        """What the agent reports for this replica now."""
+        return ReplicaStatus(
+            id=self.spec.id,
+            state=self.state,
+            err=self.err,
+            endpoint=host_port(self.env.advertise_address, self.port) if self.port else "",
+            pid=self.pid,
+            started_at=self.started_at,
+        )
+
+    async def wait_settled(self) -> ReplicaState:
+        """Wait until the replica is ready, failed or stopped; returns that state (for callers and tests)."""
+        await self._settled.wait()
+        return self.state
+
+    async def stop(self) -> None:
+        """Stop the engine (SIGTERM its group, SIGKILL after the grace) and drop its record."""
+        await self._cancel_task()
+        await self._kill()
+        drop_record(self.env.agent_state, self.spec.id)
+        self._release()
+        if self.state != ReplicaState.FAILED:
+            self._set(ReplicaState.STOPPED)
+
+    async def detach(self) -> None:
+        """Stop watching but leave the engine running and its record in place (agent shutdown)."""
+        await self._cancel_task()
+        if self._proc is not None and self._proc.poll() is None:
+            _detached.append(self._proc)
+
+    # --- the run ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            self._set(ReplicaState.FETCHING)
+            self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
+            server = self._engine()
+            for attempt in range(1, PORT_TRIES + 1):
+                await asyncio.to_thread(self._launch, server, self._model_path)
+                if await self._wait_ready():
+                    break
+                log.warning(
+                    "replica %s: port %d was taken; trying another (%d/%d)",
+                    self.spec.id,
+                    self.port,
+                    attempt,
+                    PORT_TRIES,
+                )
+            else:
+                await self._fail(
+                    f"llama-server could not bind a port after {PORT_TRIES} tries; "
+                    f"its last lines:\n{self._tail()}"
+                )
+                return
+            await self._watch()
+        except _Failed as e:
+            await self._fail(str(e))
+        except (LlmgwError, OSError) as e:
+            await self._fail(str(e))
+
+    async def _run_adopted(self) -> None:
+        try:
+            self._set(ReplicaState.STARTING)
+            if not await self._wait_ready():
+                await self._fail(f"adopted llama-server lost its port; its last lines:\n{self._tail()}")
+                return
+            await self._watch()
+        except _Failed as e:
+            await self._fail(str(e))
+
+    def _engine(self) -> llamacpp.LlamaServer:
+        if self.spec.engine != llamacpp.ENGINE:
+            raise _Failed(
+                f"engine '{self.spec.engine}' is not run by this agent (it runs llamacpp); "
+                "place the model with a llamacpp profile"
+            )
+        if self.env.engine is None:
+            raise _Failed(f"llama-server is not usable on this node: {self.env.engine_problem}")
+        return self.env.engine
+
+    def _launch(self, server: llamacpp.LlamaServer, model_path: Path) -> None:
+        """Start the engine (blocking parts: bind probe, file writes, fork); state ``starting``."""
+        env = self.env
+        self.dir.mkdir(parents=True, exist_ok=True)
+        key_file = self.dir / "api-key"
+        write_private(key_file, self.spec.key + "\n")
+        self.port = llamacpp.free_port(env.advertise_address)
+        argv = llamacpp.build_argv(
+            server,
+            self.spec,
+            model_path=model_path,
+            host=env.advertise_address,
+            port=self.port,
+            node_cores=env.cores,
+            node_has_gpus=env.has_gpus,
+            key=self.spec.key,
+            key_file=key_file,
+        )
+        with self.log_path.open("ab") as logf:
+            self._log_offset = logf.seek(0, os.SEEK_END)
+            logf.write(f"--- llmgw agent: starting {' '.join(_redact(argv, self.spec.key))}\n".encode())
+            logf.flush()
+            try:
+                self._proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # outlives the agent; its own group to kill as one
+                    cwd=self.dir,
+                    env=engine_environment(env.base_env, self.spec.gpu_indexes),
+                )
+            except OSError as e:
+                raise _Failed(f"cannot run {server.binary}: {e}") from e
+        self.pid = self._proc.pid
+        self.started_at = time.time()
+        try:
+            create_time = psutil.Process(self._proc.pid).create_time()
+        except psutil.Error:
+            create_time = 0.0  # already gone: readiness sees the exit
+        self._record = ReplicaRecord(
+            id=self.spec.id,
+            pid=self._proc.pid,
+            create_time=create_time,
+            argv=argv,
+            host=env.advertise_address,
+            port=self.port,
+            key=self.spec.key,
+            spec=self.spec,
+            started_at=self.started_at,
+        )
+        write_record(env.agent_state, self._record)
+        log.info(
+            "replica %s: llama-server pid %d on %s loading %s",
+            self.spec.id,
+            self._proc.pid,
+            host_port(env.advertise_address, self.port),
+            model_path.name,
+        )
+        self._set(ReplicaState.STARTING)
+
+    async def _wait_ready(self) -> bool:
+        """Poll ``/health`` until 200 (True); False when the port was taken; raises _Failed otherwise."""
+        deadline = self.env.clock() + self.env.start_deadline_s
+        while True:
+            exited, code = self._exited()
+            if exited:
+                tail = self._tail()
+                drop_record(self.env.agent_state, self.spec.id)
+                if llamacpp.BIND_FAILED.search(tail):
+                    return False
+                raise _Failed(
+                    f"llama-server exited {describe_exit(code)} before it was ready; its last lines:\n{tail}"
+                )
+            if await self._health() == 200:
+                log.info(
+                    "replica %s: ready on %s", self.spec.id, host_port(self.env.advertise_address, self.port)
+                )
+                self._set(ReplicaState.READY)
+                return True
+            if self.env.clock() > deadline:
+                await self._kill()
+                drop_record(self.env.agent_state, self.spec.id)
+                raise _Failed(
+                    f"llama-server was not ready {self.env.start_deadline_s:.0f} s after it started "
+                    f"(GET /health never answered 200); stopped. Its last lines:\n{self._tail()}"
+                )
+            await asyncio.sleep(self.env.probe_interval_s)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.env.watch_interval_s)
+            exited, code = self._exited()
+            if exited:
+                drop_record(self.env.agent_state, self.spec.id)
+                raise _Failed(
+                    f"llama-server exited {describe_exit(code)} while serving; "
+                    f"its last lines:\n{self._tail()}"
+                )
+
+    async def _health(self) -> int | None:
+        url = f"http://{host_port(self.env.probe_host, self.port)}/health"
+        try:
+            async with self.env.session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    def _exited(self) -> tuple[bool, int | None]:
+        """Whether the engine is gone, and its return code when it was our child."""
+        if self._proc is not None:
+            code = self._proc.poll()
+            return code is not None, code
+        if self._record is not None:
+            return live_process(self._record) is None, None
+        return True, None
+
+    def _tail(self) -> str:
+        return log_tail(self.log_path, self._log_offset)
+
+    # --- endings ------------------------------------------------------------------------------
+
+    async def _cancel_task(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _kill(self) -> None:
+        """End the engine and its group, if it still runs; reap our own child."""
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                await asyncio.to_thread(
+                    stop_process_group, proc.pid, grace_s=self.env.stop_grace_s, reap=False
+                )
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(proc.wait, 5)
+        elif self._record is not None and live_process(self._record) is not None:
+            await asyncio.to_thread(stop_process_group, self._record.pid, grace_s=self.env.stop_grace_s)
+
+    async def _fail(self, err: str) -> None:
+        log.error("replica %s failed: %s", self.spec.id, err)
+        self.err = err
+        self._release()
+        self._set(ReplicaState.FAILED)
+
+    def _release(self) -> None:
+        if self._model_path is not None:
+            self.env.cache.release(self._model_path)
+
+    def _set(self, state: ReplicaState) -> None:
+        if state != self.state:
+            self.state = state
+            if state in (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPED):
+                self._settled.set()
+            else:
+                self._settled.clear()
+            self.env.on_change()
+
+
+def _redact(argv: list[str], key: str) -> list[str]:
+    return ["***" if key and a == key else a for a in argv]
+
+
+def new_key() -> str:
+    """A random API key for an engine (for callers that make specs, such as tests)."""
+    return secrets.token_urlsafe(24)
