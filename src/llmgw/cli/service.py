@@ -1,7 +1,124 @@
-"""`llmgw service` commands."""
+"""``llmgw service status|start|stop|restart|logs``: llmgw's services under systemd or its own supervisor.
+
+The manager is :func:`llmgw.service.manager.pick_manager`'s: systemd when it is PID 1 (and no
+``--root``), else llmgw's supervisor. Each command parses, calls the manager, prints.
+"""
 
 from __future__ import annotations
 
-import typer
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
 
-app = typer.Typer(no_args_is_help=True, help="service")
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmgw.cli.common import cli_errors, paths
+from llmgw.service.manager import ServiceManager, pick_manager
+from llmgw.service.units import SERVICES, unit_name
+
+app = typer.Typer(
+    no_args_is_help=True,
+    help="The control plane, agent and mirror as services: systemd's, or llmgw's own supervisor.",
+)
+
+Names = Annotated[list[str], typer.Argument(help=f"Services: {', '.join(SERVICES)}.", show_default=False)]
+OptionalNames = Annotated[
+    list[str] | None, typer.Argument(help=f"Services ({', '.join(SERVICES)}); all when none are given.")
+]
+
+
+def _manager() -> ServiceManager:
+    return pick_manager(paths())
+
+
+def _when(since: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "-"
+
+
+@app.command()
+@cli_errors
+def status(
+    names: OptionalNames = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Show each service's state, pid, start time and restarts."""
+    manager = _manager()
+    rows = [manager.status(n) for n in names or SERVICES]
+    if as_json:
+        print(json.dumps([asdict(r) | {"manager": manager.kind} for r in rows], indent=2))
+        return
+    table = Table("service", "manager", "state", "pid", "since", "restarts", "detail")
+    for r in rows:
+        pid = str(r.pid) if r.pid else "-"
+        since, restarts = _when(r.since), str(r.restarts)
+        table.add_row(unit_name(r.name), manager.kind, r.state, pid, since, restarts, r.detail)
+    Console().print(table)
+
+
+@app.command()
+@cli_errors
+def start(names: Names) -> None:
+    """Start services (systemd also enables them); a running one is left as it is."""
+    manager = _manager()
+    for name in names:
+        started = manager.start(name)
+        st = manager.status(name)
+        pid = f"pid {st.pid}" if st.pid else st.state
+        verb = "started" if started else "already running:"
+        print(f"{verb} {unit_name(name)} ({manager.kind}, {pid})")
+
+
+@app.command()
+@cli_errors
+def restart(names: Names) -> None:
+    """Stop and start services again (a changed unit takes effect)."""
+    manager = _manager()
+    for name in names:
+        manager.restart(name)
+        print(f"restarted {unit_name(name)} ({manager.kind})")
+
+
+@app.command()
+@cli_errors
+def stop(
+    names: OptionalNames = None,
+    engines: Annotated[
+        bool, typer.Option("--engines", help="Also stop the engines the agent left running.")
+    ] = False,
+) -> None:
+    """Stop services (all three when none are named). Engines outlive the agent unless --engines."""
+    manager = _manager()
+    for name in names or SERVICES:
+        stopped = manager.stop(name)
+        print(f"{'stopped' if stopped else 'not running:'} {unit_name(name)}")
+    if engines:
+        # Imported here: the agent package is large and only this flag needs it. Looked up by name
+        # so this module type-checks whether or not the agent's records module is present yet.
+        records = importlib.import_module("llmgw.agent.records")
+        stop_all_engines: Callable[[Path], list[int]] = records.stop_all_engines
+        pids = stop_all_engines(paths().agent_state)
+        print(f"stopped {len(pids)} engine(s)" + (f": pid {', '.join(map(str, pids))}" if pids else ""))
+
+
+@app.command()
+@cli_errors
+def logs(
+    name: Annotated[str, typer.Argument(help=f"One of {', '.join(SERVICES)}.", show_default=False)],
+    lines: Annotated[int, typer.Option("-n", "--lines", help="How many of the last lines.")] = 50,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+) -> None:
+    """Print a service's last lines of output (journalctl under systemd, its log file otherwise)."""
+    manager = _manager()
+    if not follow:
+        sys.stdout.write(manager.logs(name, lines))
+        return
+    for chunk in manager.follow(name, lines):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()

@@ -390,8 +390,9 @@ class SupervisorManager:
             if child is not None:
                 detail = f"its supervisor is gone; 'llmgw service stop {name}' ends pid {child.pid}"
                 return ServiceStatus(name, "failed", child.pid, child.create_time(), restarts, detail)
-            if not self.paths.unit(name).exists():
-                return ServiceStatus(name, "unknown", detail=f"not installed: no {self.paths.unit(name)}")
+            unit = self.paths.unit(name)
+            if not unit.exists():
+                return ServiceStatus(name, "unknown", detail=f"not installed: no {unit.name}")
             if state is not None and state.state == "failed":
                 return ServiceStatus(name, "failed", None, None, restarts, state.detail)
             return ServiceStatus(name, "stopped", None, None, restarts, state.detail if state else "")
