@@ -1,0 +1,349 @@
+"""The admin API (``admin_listen``, ``127.0.0.1:9090`` by default): the catalog, nodes, replicas and
+placement's explanations, as JSON.
+
+Every ``/api/v1`` route needs ``Authorization: Bearer <admin token>`` (the token file beside
+server.yaml, mode 0600) except ``GET /api/v1/health``. Errors are ``{"error": {"code", "message"}}``
+with the matching status: 400 (a body that is not valid, the field named), 401 (no or wrong token),
+404 (no such model/replica/route), 409 (a name or alias taken, or a write that lost a race), 500.
+
+Routes (the OpenAPI document at ``/api/v1/openapi.json`` lists them with their shapes):
+``GET/POST /api/v1/models``, ``GET/PATCH/DELETE /api/v1/models/{name}``,
+``PUT /api/v1/models/{name}/profiles``, ``GET /api/v1/nodes``, ``GET /api/v1/replicas?model=``,
+``POST /api/v1/replicas/{id}/restart``, ``GET /api/v1/explain-placement?model=``.
+
+Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
+
+from llmgw.control.catalog import Model, Profile
+from llmgw.control.leader import new_replica_id, reservations
+from llmgw.control.openapi import build_openapi
+from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
+from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
+from llmgw.protocol import ReplicaState
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+_PROFILES = TypeAdapter(list[Profile])
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpError(Exception):
+    """Raised inside handlers; the middleware turns it into the JSON error body."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    """``{"error": {"code", "message"}}`` with ``status``."""
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(text=json.dumps(data), status=status)
+
+
+def describe(err: ValidationError) -> str:
+    """The first problem of a validation error, the field named: ``profiles.0.name: Field required``."""
+    parts = []
+    for e in err.errors()[:3]:
+        where = ".".join(str(p) for p in e["loc"]) or "(body)"
+        msg = "unknown field; remove it or check its spelling" if e["type"] == "extra_forbidden" else e["msg"]
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+# --- views ---
+
+
+def model_view(row: ModelRow, replicas: list[ReplicaRow]) -> ModelView:
+    """A catalog entry with its replicas counted."""
+    m = row.model
+    mine = [r for r in replicas if r.model == m.name]
+    return ModelView(
+        name=m.name,
+        aliases=m.aliases,
+        role=m.role.value,
+        source=m.source,
+        version=m.version,
+        scaling_min=m.scaling.min,
+        scaling_max=m.scaling.max,
+        replicas=len(mine),
+        replicas_ready=sum(r.state == ReplicaState.READY for r in mine),
+        spec=m.model_dump(mode="json"),
+    )
+
+
+def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model]) -> NodeView:
+    """A node: its engines (installed ones), provisioning of each, and resources reserved/free."""
+    res = [r for r in reservations([x for x in replicas if x.node == node.id], models) if not r.gpu_class]
+    mem_reserved = int(sum(r.memory_gb for r in res) * GB)
+    cores_reserved = sum(
+        r.cpu_cores for r in reservations([x for x in replicas if x.node == node.id], models)
+    )
+    inv = node.inventory
+    return NodeView(
+        id=node.id,
+        state=node.state,
+        cordoned=node.cordoned,
+        labels=node.labels,
+        engines=sorted(e.engine for e in node.engines if e.state == "installed"),
+        provision=[
+            ProvisionView(engine=e.engine, version=e.version, state=e.state.value, detail=e.detail)
+            for e in node.engines
+        ],
+        resources=ResourcesView(
+            cores=inv.cores,
+            cores_reserved=cores_reserved,
+            memory_total_bytes=inv.memory_total_bytes,
+            memory_reserved_bytes=mem_reserved,
+            memory_available_bytes=inv.memory_available_bytes,
+        ),
+        gpus=inv.gpus,
+        last_seen=node.last_seen,
+    )
+
+
+def replica_view(r: ReplicaRow) -> ReplicaView:
+    """A replica without its key."""
+    return ReplicaView(
+        id=r.id,
+        model=r.model,
+        node=r.node,
+        profile=r.profile,
+        state=r.state,
+        err=r.err,
+        endpoint=r.endpoint,
+        created_at=r.created_at,
+        ready_at=r.ready_at,
+        restarts=r.restarts,
+    )
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """RFC 7396 JSON merge patch: objects merge, ``null`` deletes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(base) if isinstance(base, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merge(out.get(k), v)
+    return out
+
+
+def build_admin_app(
+    store: Store,
+    *,
+    token: str,
+    on_change: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> web.Application:
+    """The admin API app.
+
+    Args:
+        store: the state store.
+        token: the admin bearer token (compared in constant time).
+        on_change: called after every successful write (wakes the leader, refreshes routes).
+        clock: unix seconds.
+    """
+    if not token:
+        raise ValueError("the admin token is empty")
+    changed = on_change or (lambda: None)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/api/v1/health":
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            why = "missing" if not header else "wrong"
+            return error_response(
+                401,
+                "unauthorized",
+                f"the admin token is {why}; send 'Authorization: Bearer <token>' with the token from "
+                "the admin-token file beside server.yaml",
+            )
+        return await handler(request)
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return error_response(e.status, e.code, e.message)
+        except Conflict as e:
+            return error_response(409, "conflict", str(e))
+        except web.HTTPException as e:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "http_error")
+            return error_response(e.status, code, f"{request.method} {request.path}: {e.reason}")
+        except Exception:
+            log.exception("admin API %s %s failed", request.method, request.path)
+            return error_response(500, "internal", "the control plane failed on this request; see its log")
+
+    async def body_json(request: web.Request) -> Any:
+        try:
+            return await request.json(loads=json.loads)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HttpError(400, "invalid_json", f"the body is not JSON: {e}") from e
+
+    def must_model(name: str) -> ModelRow:
+        row = store.get_model(name)
+        if row is None:
+            raise HttpError(
+                404, "model_not_found", f"no model '{name}' in the catalog; list them with GET /api/v1/models"
+            )
+        return row
+
+    async def health(_: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def openapi(_: web.Request) -> web.Response:
+        return _json(build_openapi())
+
+    async def list_models(_: web.Request) -> web.Response:
+        replicas = store.list_replicas()
+        return _json([model_view(r, replicas).model_dump(mode="json") for r in store.list_models()])
+
+    async def add_model(request: web.Request) -> web.Response:
+        try:
+            model = Model.model_validate(await body_json(request))
+        except ValidationError as e:
+            raise HttpError(400, "invalid_model", describe(e)) from e
+        row = store.add_model(model, now=clock())
+        changed()
+        return _json(model_view(row, []).model_dump(mode="json"), status=201)
+
+    async def get_model(request: web.Request) -> web.Response:
+        row = must_model(request.match_info["name"])
+        return _json(model_view(row, store.list_replicas(model=row.name)).model_dump(mode="json"))
+
+    async def save(row: ModelRow, spec: Any) -> web.Response:
+        try:
+            model = Model.model_validate(spec)
+        except ValidationError as e:
+            raise HttpError(400, "invalid_model", describe(e)) from e
+        if model.name != row.name:
+            raise HttpError(
+                400,
+                "invalid_model",
+                f"name: a model cannot be renamed ('{row.name}' -> '{model.name}'); "
+                "add it under the new name and delete the old one",
+            )
+        new = store.update_model(model, revision=row.revision, now=clock())
+        changed()
+        return _json(model_view(new, store.list_replicas(model=new.name)).model_dump(mode="json"))
+
+    async def patch_model(request: web.Request) -> web.Response:
+        row = must_model(request.match_info["name"])
+        patch = await body_json(request)
+        if not isinstance(patch, dict):
+            raise HttpError(
+                400, "invalid_patch", "the body must be a JSON object (a JSON merge patch of the model)"
+            )
+        return await save(row, _merge(row.model.model_dump(mode="json"), patch))
+
+    async def put_profiles(request: web.Request) -> web.Response:
+        row = must_model(request.match_info["name"])
+        body = await body_json(request)
+        if isinstance(body, dict) and "profiles" in body:
+            body = body["profiles"]
+        try:
+            profiles = _PROFILES.validate_python(body)
+        except ValidationError as e:
+            raise HttpError(400, "invalid_profiles", "profiles." + describe(e)) from e
+        spec = row.model.model_dump(mode="json")
+        spec["profiles"] = [p.model_dump(mode="json") for p in profiles]
+        return await save(row, spec)
+
+    async def delete_model(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if not store.delete_model(name):
+            raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
+        changed()
+        return web.Response(status=204)
+
+    async def list_nodes(_: web.Request) -> web.Response:
+        replicas = store.list_replicas()
+        models = {m.name: m.model for m in store.list_models()}
+        return _json([node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()])
+
+    async def list_replicas(request: web.Request) -> web.Response:
+        model = request.query.get("model") or None
+        return _json([replica_view(r).model_dump(mode="json") for r in store.list_replicas(model=model)])
+
+    async def restart_replica(request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        old = store.get_replica(rid)
+        if old is None:
+            raise HttpError(
+                404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
+            )
+        now = clock()
+        # A restart is a replacement: the agent stops the id that is no longer desired and starts
+        # the new one (new key too), on the same node and profile, so nothing else moves.
+        new = replace(
+            old,
+            id=new_replica_id(old.model),
+            key=secrets.token_urlsafe(24),
+            state=ReplicaState.PENDING.value,
+            err="",
+            endpoint="",
+            revision=1,
+            created_at=now,
+            updated_at=now,
+            ready_at=None,
+            restarts=old.restarts + 1,
+        )
+        if not store.delete_replica(old.id, revision=old.revision):
+            raise Conflict(f"replica '{rid}' changed while restarting; try again")
+        store.add_replica(new)
+        changed()
+        return _json(replica_view(new).model_dump(mode="json"), status=202)
+
+    async def explain(request: web.Request) -> web.Response:
+        name = request.query.get("model", "")
+        if not name:
+            raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
+        row = must_model(name)
+        view = store.get_explanation(row.name) or ExplainView(
+            model=row.name,
+            placed=False,
+            wanted=row.model.scaling.min,
+            summary="not evaluated yet: the leader looks at new models within a few seconds",
+        )
+        return _json(view.model_dump(mode="json"))
+
+    app = web.Application(middlewares=[errors, auth])
+    r = app.router
+    r.add_get("/api/v1/health", health)
+    r.add_get("/api/v1/openapi.json", openapi)
+    r.add_get("/api/v1/models", list_models)
+    r.add_post("/api/v1/models", add_model)
+    r.add_get("/api/v1/models/{name}", get_model)
+    r.add_patch("/api/v1/models/{name}", patch_model)
+    r.add_delete("/api/v1/models/{name}", delete_model)
+    r.add_put("/api/v1/models/{name}/profiles", put_profiles)
+    r.add_get("/api/v1/nodes", list_nodes)
+    r.add_get("/api/v1/replicas", list_replicas)
+    r.add_post("/api/v1/replicas/{id}/restart", restart_replica)
+    r.add_get("/api/v1/explain-placement", explain)
+    return app

@@ -1,0 +1,132 @@
+"""The agent API: agents report their node and receive the replicas it must run (mTLS, JSON).
+
+``POST /agent/v1/register`` (an agent's first call) and ``POST /agent/v1/heartbeat`` (every
+``heartbeat_interval_s``) are the same exchange: body :class:`~llmgw.protocol.Heartbeat`, answer
+:class:`~llmgw.protocol.HeartbeatReply`.
+
+The node id is the CN of the agent's client certificate, read from the TLS session
+(``request.transport.get_extra_info("peercert")``, measured to work with aiohttp; see
+reference/measured.md). The TLS context (:func:`agent_ssl_context`) requires a certificate signed by
+the cluster CA, so a client without one never reaches a handler. A node cannot speak for another's
+replicas: only replicas placed on the CN's node take its reports.
+
+Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat, 401
+when the session carries no certificate (a server run without client verification).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from llmgw import tlsconf
+from llmgw.config import ServerConfig
+from llmgw.control.store import Store
+from llmgw.protocol import Heartbeat, HeartbeatReply, ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+#: The heartbeat interval the control plane asks agents for (seconds).
+HEARTBEAT_INTERVAL_S = 2.0
+
+STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
+
+
+def agent_ssl_context(config: ServerConfig) -> ssl.SSLContext:
+    """The agent API's TLS context from ``config.tls``: client certificates REQUIRED from its CA."""
+    return tlsconf.server_context(config.tls.ca, config.tls.cert, config.tls.key)
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
+    """The replicas placed on ``node_id``, as the agent must run them (models gone are skipped)."""
+    out = []
+    models = {m.name: m.model for m in store.list_models()}
+    for r in store.list_replicas(node=node_id):
+        model = models.get(r.model)
+        if model is None:
+            continue
+        prof = next((p for p in model.profiles if p.name == r.profile), None)
+        if prof is None:
+            continue
+        out.append(
+            ReplicaSpec(
+                id=r.id,
+                model=model.name,
+                version=model.version,
+                profile=r.profile,
+                engine=prof.engine.value,
+                source_url=model.source,
+                sha256=model.sha256,
+                file_name=model.file_name,
+                args=list(prof.args),
+                cpu_cores=prof.cpu_cores,
+                key=r.key,
+            )
+        )
+    return out
+
+
+def build_agent_app(
+    store: Store,
+    *,
+    on_heartbeat: Callable[[str, bool], None] | None = None,
+    clock: Callable[[], float] = time.time,
+    interval_s: float = HEARTBEAT_INTERVAL_S,
+) -> web.Application:
+    """The agent API app (serve it with :func:`agent_ssl_context`).
+
+    Args:
+        store: the state store.
+        on_heartbeat: called with ``(node_id, changed)`` after each heartbeat is stored;
+            ``changed`` is True when a replica's state moved or the node was new or lost (the
+            control plane refreshes its routing table and wakes the leader on it).
+        clock: unix seconds.
+        interval_s: the heartbeat interval the reply asks for.
+    """
+
+    async def heartbeat(request: web.Request) -> web.Response:
+        node_id = tlsconf.peer_common_name(
+            request.transport.get_extra_info("peercert") if request.transport else None
+        )
+        if not node_id:
+            return _error(
+                401,
+                "no_client_certificate",
+                "the agent API needs a client certificate from the cluster CA; "
+                "issue one with 'llmgw server init' on the control plane",
+            )
+        try:
+            hb = Heartbeat.model_validate_json(await request.read())
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(body)"
+            return _error(400, "invalid_heartbeat", f"{where}: {first['msg']}")
+        now = clock()
+        before = store.get_node(node_id)
+        store.upsert_node_heartbeat(node_id, hb, now)
+        changed = store.apply_reports(node_id, hb.replicas, now).changed
+        if before is None:
+            log.info("node %s registered", node_id)
+        if on_heartbeat is not None:
+            on_heartbeat(node_id, bool(changed) or before is None or before.state != "ready")
+        reply = HeartbeatReply(node_id=node_id, desired=desired_specs(store, node_id), interval_s=interval_s)
+        return web.json_response(text=reply.model_dump_json())
+
+    async def not_found(request: web.Request) -> web.Response:
+        return _error(404, "not_found", f"{request.method} {request.path} is not an agent API route")
+
+    app = web.Application()
+    app[STORE_KEY] = store
+    app.router.add_post("/agent/v1/register", heartbeat)
+    app.router.add_post("/agent/v1/heartbeat", heartbeat)
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    return app

@@ -1,0 +1,175 @@
+"""The admin API's OpenAPI 3.1 document, built from the pydantic views' JSON schemas.
+
+Served at ``GET /api/v1/openapi.json``. The operations are listed here once, beside the shapes they
+take and return, so the document cannot drift from :mod:`llmgw.control.views` and the catalog.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from llmgw import __version__
+from llmgw.control.catalog import Model, Profile
+from llmgw.control.views import ExplainView, ModelView, NodeView, ReplicaView
+
+
+class ErrorBody(BaseModel):
+    """``{"code", "message"}`` inside every error response's ``error``."""
+
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every admin API error: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorBody
+
+
+class Health(BaseModel):
+    """``GET /api/v1/health``."""
+
+    status: str
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation: method, path, summary, request body shape, response shape (``list`` of it when
+    ``many``), success status, and the error statuses it may answer."""
+
+    method: str
+    path: str
+    summary: str
+    response: type[BaseModel] | None
+    many: bool = False
+    body: type[BaseModel] | None = None
+    body_many: bool = False
+    status: int = 200
+    errors: tuple[int, ...] = ()
+    query: tuple[str, ...] = ()
+    auth: bool = True
+
+
+OPS: tuple[Op, ...] = (
+    Op("get", "/api/v1/health", "Liveness; needs no token", Health, auth=False),
+    Op("get", "/api/v1/openapi.json", "This document", None),
+    Op("get", "/api/v1/models", "The catalog", ModelView, many=True),
+    Op("post", "/api/v1/models", "Add a model", ModelView, body=Model, status=201, errors=(400, 409)),
+    Op("get", "/api/v1/models/{name}", "One model", ModelView, errors=(404,)),
+    Op(
+        "patch",
+        "/api/v1/models/{name}",
+        "Change a model (JSON merge patch of its spec)",
+        ModelView,
+        errors=(400, 404, 409),
+    ),
+    Op(
+        "delete",
+        "/api/v1/models/{name}",
+        "Remove a model; its replicas stop",
+        None,
+        status=204,
+        errors=(404,),
+    ),
+    Op(
+        "put",
+        "/api/v1/models/{name}/profiles",
+        "Replace a model's profiles",
+        ModelView,
+        body=Profile,
+        body_many=True,
+        errors=(400, 404, 409),
+    ),
+    Op("get", "/api/v1/nodes", "Nodes, their engines' provisioning and resources", NodeView, many=True),
+    Op(
+        "get",
+        "/api/v1/replicas",
+        "Replicas, optionally of one model",
+        ReplicaView,
+        many=True,
+        query=("model",),
+    ),
+    Op(
+        "post",
+        "/api/v1/replicas/{id}/restart",
+        "Replace a replica by a fresh one on the same node",
+        ReplicaView,
+        status=202,
+        errors=(404,),
+    ),
+    Op(
+        "get",
+        "/api/v1/explain-placement",
+        "Why a model is (not) placed",
+        ExplainView,
+        errors=(400, 404),
+        query=("model",),
+    ),
+)
+
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(model: type[BaseModel], many: bool) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {"type": "array", "items": ref} if many else ref
+
+
+def build_openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document as a dict (JSON-serialisable)."""
+    shapes: list[type[BaseModel]] = [
+        ErrorResponse,
+        Health,
+        Model,
+        Profile,
+        ModelView,
+        NodeView,
+        ReplicaView,
+        ExplainView,
+    ]
+    _, defs = models_json_schema([(m, "serialization") for m in shapes], ref_template=_REF)
+    schemas: dict[str, Any] = dict(defs.get("$defs", {}))
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPS:
+        params = [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+            for p in ("name", "id")
+            if "{" + p + "}" in op.path
+        ]
+        params += [
+            {"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in op.query
+        ]
+        ok: dict[str, Any] = {"description": "OK"}
+        if op.response is not None:
+            ok["content"] = {"application/json": {"schema": _ref(op.response, op.many)}}
+        elif op.status != 204:
+            ok["content"] = {"application/json": {"schema": {"type": "object"}}}
+        responses: dict[str, Any] = {str(op.status): ok}
+        err = {"content": {"application/json": {"schema": _ref(ErrorResponse, False)}}}
+        for code in (*op.errors, *((401,) if op.auth else ())):
+            responses[str(code)] = {"description": "error", **err}
+        entry: dict[str, Any] = {"summary": op.summary, "responses": responses}
+        if params:
+            entry["parameters"] = params
+        if op.body is not None:
+            entry["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(op.body, op.body_many)}},
+            }
+        if not op.auth:
+            entry["security"] = []
+        paths.setdefault(op.path, {})[op.method] = entry
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "llmgw admin API", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

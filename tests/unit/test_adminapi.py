@@ -1,0 +1,193 @@
+"""Admin API in-process (aiohttp TestServer on loopback): auth, shapes, status codes, error bodies."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from llmgw.control.adminapi import build_admin_app
+from llmgw.control.leader import Leader
+from llmgw.control.store import Store, default_url
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GB = 1_000_000_000
+
+MODEL: dict[str, Any] = {
+    "name": "chat",
+    "aliases": ["default"],
+    "source": "http://mirror:8081/chat/1/chat.gguf",
+    "scaling": {"min": 1, "max": 1},
+    "profiles": [{"name": "cpu", "min_memory_gb": 1, "cpu_cores": 2, "args": ["--ctx-size", "4096"]}],
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store.open(default_url("", tmp_path / "llmgw.db"))
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+@pytest.fixture
+async def client(store: Store) -> AsyncIterator[TestClient[Any, Any]]:
+    changes: list[int] = []
+    app = build_admin_app(store, token=TOKEN, on_change=lambda: changes.append(1), clock=lambda: 1000.0)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+async def err(resp: Any, status: int) -> dict[str, str]:
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"code", "message"}
+    return body["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/api/v1/models"),
+        ("POST", "/api/v1/models"),
+        ("DELETE", "/api/v1/models/chat"),
+        ("GET", "/api/v1/nodes"),
+        ("GET", "/api/v1/openapi.json"),
+        ("GET", "/api/v1/explain-placement?model=chat"),
+    ],
+)
+async def test_every_route_needs_the_token(client: TestClient[Any, Any], method: str, path: str) -> None:
+    e = await err(await client.request(method, path), 401)
+    assert "missing" in e["message"]
+    e = await err(await client.request(method, path, headers={"Authorization": "Bearer nope"}), 401)
+    assert e["code"] == "unauthorized"
+    assert "wrong" in e["message"]
+
+
+async def test_health_needs_no_token(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/api/v1/health")
+    assert resp.status == 200
+    assert await resp.json() == {"status": "ok"}
+
+
+async def test_models_crud(client: TestClient[Any, Any]) -> None:
+    resp = await client.post("/api/v1/models", json=MODEL, headers=AUTH)
+    assert resp.status == 201, await resp.text()
+    view = await resp.json()
+    assert (view["name"], view["scaling_min"], view["aliases"]) == ("chat", 1, ["default"])
+
+    e = await err(await client.post("/api/v1/models", json=MODEL, headers=AUTH), 409)
+    assert e["code"] == "conflict"
+    assert "already exists" in e["message"]
+    clash = {**MODEL, "name": "other", "aliases": ["default"]}
+    e = await err(await client.post("/api/v1/models", json=clash, headers=AUTH), 409)
+    assert "'default'" in e["message"]
+
+    listed = await (await client.get("/api/v1/models", headers=AUTH)).json()
+    assert [m["name"] for m in listed] == ["chat"]
+
+    resp = await client.patch(
+        "/api/v1/models/chat", json={"description": "hi", "scaling": {"max": 2}}, headers=AUTH
+    )
+    assert resp.status == 200, await resp.text()
+    got = await (await client.get("/api/v1/models/chat", headers=AUTH)).json()
+    assert got["spec"]["description"] == "hi"
+    assert got["spec"]["scaling"] == {"min": 1, "max": 2}
+
+    e = await err(await client.patch("/api/v1/models/chat", json={"name": "x"}, headers=AUTH), 400)
+    assert e["message"].startswith("name:")
+
+    profiles = [{"name": "gpu", "gpu_class": "h100-80gb", "priority": 200}, {"name": "cpu"}]
+    resp = await client.put("/api/v1/models/chat/profiles", json=profiles, headers=AUTH)
+    assert resp.status == 200, await resp.text()
+    got = await (await client.get("/api/v1/models/chat", headers=AUTH)).json()
+    assert [p["name"] for p in got["spec"]["profiles"]] == ["gpu", "cpu"]
+    e = await err(await client.put("/api/v1/models/chat/profiles", json=[{"nme": "x"}], headers=AUTH), 400)
+    assert "profiles.0" in e["message"]
+
+    assert (await client.delete("/api/v1/models/chat", headers=AUTH)).status == 204
+    await err(await client.delete("/api/v1/models/chat", headers=AUTH), 404)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**MODEL, "profiles": []}, "profiles"),
+        ({k: v for k, v in MODEL.items() if k != "source"}, "source"),
+        ({**MODEL, "name": "Bad Name"}, "name"),
+        ({**MODEL, "colour": "red"}, "colour: unknown field"),
+        ({**MODEL, "scaling": {"min": 3, "max": 1}}, "scaling"),
+    ],
+)
+async def test_invalid_model_is_400_naming_the_field(
+    client: TestClient[Any, Any], body: Any, field: str
+) -> None:
+    e = await err(await client.post("/api/v1/models", json=body, headers=AUTH), 400)
+    assert e["code"] == "invalid_model"
+    assert e["message"].startswith(field), e["message"]
+
+
+async def test_not_json_and_unknown_routes(client: TestClient[Any, Any]) -> None:
+    e = await err(await client.post("/api/v1/models", data=b"{nope", headers=AUTH), 400)
+    assert e["code"] == "invalid_json"
+    await err(await client.get("/api/v1/models/nope", headers=AUTH), 404)
+    e = await err(await client.get("/api/v1/nowhere", headers=AUTH), 404)
+    assert e["code"] == "not_found"
+    await err(await client.get("/api/v1/explain-placement?model=nope", headers=AUTH), 404)
+    await err(await client.get("/api/v1/explain-placement", headers=AUTH), 400)
+    await err(await client.post("/api/v1/replicas/nope/restart", headers=AUTH), 404)
+
+
+async def test_nodes_replicas_explain_and_restart(client: TestClient[Any, Any], store: Store) -> None:
+    inv = Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=6 * GB)
+    engines = [
+        EngineStatus(
+            engine="llamacpp", state=ProvisionState.INSTALLED, version="b1", detail="/bin/llama-server"
+        ),
+        EngineStatus(engine="vllm", state=ProvisionState.UNSUPPORTED, detail="no GPU"),
+    ]
+    store.upsert_node_heartbeat("node-a", Heartbeat(inventory=inv, engines=engines), 999.0)
+    await client.post("/api/v1/models", json=MODEL, headers=AUTH)
+    ex = await (await client.get("/api/v1/explain-placement?model=chat", headers=AUTH)).json()
+    assert ex["placed"] is False
+    assert "not evaluated yet" in ex["summary"]
+    Leader(store, node_lost_after_s=30).reconcile_once(1000.0)
+
+    nodes = await (await client.get("/api/v1/nodes", headers=AUTH)).json()
+    (n,) = nodes
+    assert (n["id"], n["state"], n["engines"]) == ("node-a", "ready", ["llamacpp"])
+    assert n["provision"][1] == {"engine": "vllm", "version": "", "state": "unsupported", "detail": "no GPU"}
+    assert n["resources"]["memory_reserved_bytes"] == GB
+    assert n["resources"]["cores_reserved"] == 2
+
+    reps = await (await client.get("/api/v1/replicas?model=chat", headers=AUTH)).json()
+    (rep,) = reps
+    assert (rep["node"], rep["profile"], rep["state"]) == ("node-a", "cpu", "pending")
+    assert "key" not in rep
+    assert await (await client.get("/api/v1/replicas?model=other", headers=AUTH)).json() == []
+
+    ex = await (await client.get("/api/v1/explain-placement?model=chat", headers=AUTH)).json()
+    assert ex["placed"] is True
+    assert ex["summary"] == "1/1 replicas placed on node-a"
+
+    resp = await client.post(f"/api/v1/replicas/{rep['id']}/restart", headers=AUTH)
+    assert resp.status == 202
+    new = await resp.json()
+    assert new["id"] != rep["id"]
+    assert (new["node"], new["restarts"], new["state"]) == ("node-a", 1, "pending")
+    assert [r.id for r in store.list_replicas()] == [new["id"]]
+
+
+async def test_openapi_document(client: TestClient[Any, Any]) -> None:
+    doc = await (await client.get("/api/v1/openapi.json", headers=AUTH)).json()
+    assert doc["openapi"].startswith("3.")
+    assert {"NodeView", "ReplicaView", "ExplainView", "Model", "ErrorResponse"} <= set(
+        doc["components"]["schemas"]
+    )
+    assert set(doc["paths"]["/api/v1/models/{name}"]) == {"get", "patch", "delete"}
+    assert doc["paths"]["/api/v1/health"]["get"]["security"] == []
