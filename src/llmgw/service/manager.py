@@ -36,6 +36,9 @@ from llmgw.service.units import check_service, unit_name, write_unit
 
 STATES = ("running", "stopped", "failed", "unknown")
 
+STOP_GRACE = 5.0
+"""Seconds a stopping supervisor has beyond its program's TimeoutStopSec before it is SIGKILLed."""
+
 
 @dataclass(frozen=True)
 class ServiceStatus:
@@ -282,17 +285,15 @@ class SupervisorManager:
     """Services under llmgw's own supervisor (:mod:`llmgw.service.supervisor`), one per service.
 
     Files (pid files, ``NAME.log``, state) live in ``paths.supervisor``; the unit is read from
-    ``paths.unit(name)``. ``stop_timeout`` bounds waiting for a supervisor to end (its program has
-    15 s, then SIGKILL); ``start_timeout`` bounds waiting for a new one to start its program.
+    ``paths.unit(name)``. A supervisor being stopped has the unit's TimeoutStopSec (15 s by
+    default) to end its program, plus :data:`STOP_GRACE`, before it is SIGKILLed itself;
+    ``start_timeout`` bounds waiting for a new one to start its program.
     """
 
     kind = "supervisor"
 
-    def __init__(
-        self, paths: Paths, *, stop_timeout: float = STOP_TIMEOUT + 5.0, start_timeout: float = 10.0
-    ) -> None:
+    def __init__(self, paths: Paths, *, start_timeout: float = 10.0) -> None:
         self.paths = paths
-        self.stop_timeout = stop_timeout
         self.start_timeout = start_timeout
 
     def files(self, name: str) -> ServiceFiles:
@@ -327,7 +328,7 @@ class SupervisorManager:
             return False
         orphan = read_live(files.child_pid)
         if orphan is not None:
-            _end(orphan, STOP_TIMEOUT)
+            _end(orphan, self._stop_timeout(name))
         files.dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "llmgw.service.supervisor", name, "--unit", str(unit)]
         argv += ["--dir", str(files.dir)]
@@ -357,22 +358,31 @@ class SupervisorManager:
     def stop(self, name: str) -> bool:
         """SIGTERM the supervisor and wait for it (it ends the program); False when none ran.
 
-        A supervisor that does not end within ``stop_timeout`` is SIGKILLed; a program whose
-        supervisor is gone is ended directly (SIGTERM, 15 s, SIGKILL). Stale pid files are removed.
+        A supervisor that does not end within TimeoutStopSec + :data:`STOP_GRACE` is SIGKILLed; a
+        program whose supervisor is gone is ended directly (SIGTERM, TimeoutStopSec, SIGKILL).
+        Stale pid files are removed.
         """
         files = self.files(name)
+        timeout = self._stop_timeout(name)
         stopped = False
         supervisor = read_live(files.pid)
         if supervisor is not None:
             stopped = True
-            _end(supervisor, self.stop_timeout)
+            _end(supervisor, timeout + STOP_GRACE)
         orphan = read_live(files.child_pid)
         if orphan is not None:
             stopped = True
-            _end(orphan, STOP_TIMEOUT)
+            _end(orphan, timeout)
         files.pid.unlink(missing_ok=True)
         files.child_pid.unlink(missing_ok=True)
         return stopped
+
+    def _stop_timeout(self, name: str) -> float:
+        """The unit's TimeoutStopSec, or :data:`STOP_TIMEOUT` when the unit is gone or unreadable."""
+        try:
+            return parse_unit(self.paths.unit(name).read_text()).stop_timeout
+        except (OSError, ServiceError):
+            return STOP_TIMEOUT
 
     def restart(self, name: str) -> None:
         """Stop, then start (which reads the unit again)."""

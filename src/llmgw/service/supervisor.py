@@ -1,8 +1,9 @@
 """llmgw's own supervisor, for machines without systemd (containers, CI, laptops).
 
 The unit file is the single source of truth: :func:`parse_unit` reads its ``ExecStart=``,
-``Environment=``, ``Restart=``, ``RestartSec=`` and ``StartLimitBurst=``/``StartLimitIntervalSec=``
-and ignores the rest (User, Group, Protect*, limits: what systemd would enforce is not enforced).
+``Environment=``, ``Restart=``, ``RestartSec=``, ``TimeoutStopSec=`` and
+``StartLimitBurst=``/``StartLimitIntervalSec=``, and ignores the rest: User, Group, Protect*,
+limits and the like are systemd's to enforce and are not enforced here.
 
 One supervisor process per service (``python -m llmgw.service.supervisor NAME --unit U --dir D``,
 started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
@@ -19,7 +20,8 @@ started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
    started ``StartLimitBurst`` times within ``StartLimitIntervalSec`` (systemd's defaults: 5 in
    10 s), in which case it gives up as ``failed``;
 5. SIGTERM: send SIGTERM to the program itself only (``KillMode=process``: the agent's engines live
-   in their own sessions and must outlive it), wait up to :data:`STOP_TIMEOUT`, then SIGKILL;
+   in their own sessions and must outlive it), wait up to ``TimeoutStopSec`` (default
+   :data:`STOP_TIMEOUT`), then SIGKILL;
    remove both pid files, write ``stopped`` and exit.
 
 Not guaranteed: a supervisor killed with SIGKILL leaves its program running and its pid files
@@ -76,6 +78,7 @@ class UnitSpec:
         env: ``Environment=`` assignments, in order.
         restart: the ``Restart=`` policy (``no`` when absent, as in systemd).
         restart_sec: ``RestartSec=`` in seconds (systemd's default 0.1).
+        stop_timeout: ``TimeoutStopSec=`` in seconds, else :data:`STOP_TIMEOUT`.
         start_limit_burst / start_limit_interval: give up after this many starts within this many
             seconds (systemd's defaults 5 and 10 s).
     """
@@ -84,6 +87,7 @@ class UnitSpec:
     env: dict[str, str] = field(default_factory=dict)
     restart: str = "no"
     restart_sec: float = 0.1
+    stop_timeout: float = STOP_TIMEOUT
     start_limit_burst: int = 5
     start_limit_interval: float = 10.0
 
@@ -127,7 +131,8 @@ def parse_unit(text: str) -> UnitSpec:
     """The :class:`UnitSpec` in a unit file's ``text``.
 
     Reads ``[Service]`` ``ExecStart=`` (the last one; a leading ``-@:+!`` prefix is dropped),
-    ``Environment=`` (quoted words ``K=V``; an empty one clears), ``Restart=``, ``RestartSec=``, and
+    ``Environment=`` (quoted words ``K=V``; an empty one clears), ``Restart=``, ``RestartSec=``,
+    ``TimeoutStopSec=``, and
     ``StartLimitBurst=``/``StartLimitIntervalSec=`` from ``[Unit]`` or ``[Service]``. Comments
     (``#``, ``;``) and line continuations (a trailing backslash) are handled; other keys ignored.
 
@@ -136,7 +141,7 @@ def parse_unit(text: str) -> UnitSpec:
             bad number or time span.
     """
     section, argv, env = "", list[str](), dict[str, str]()
-    restart, restart_sec, burst, interval = "no", 0.1, 5, 10.0
+    restart, restart_sec, stop_timeout, burst, interval = "no", 0.1, STOP_TIMEOUT, 5, 10.0
     logical: list[str] = []
     pending = ""
     for raw in text.splitlines():
@@ -175,6 +180,8 @@ def parse_unit(text: str) -> UnitSpec:
             restart = value
         elif section == "Service" and key == "RestartSec":
             restart_sec = parse_timespan(value, key=key)
+        elif section == "Service" and key == "TimeoutStopSec":
+            stop_timeout = parse_timespan(value, key=key)
         elif key == "StartLimitIntervalSec":
             interval = parse_timespan(value, key=key)
         elif key == "StartLimitBurst":
@@ -184,7 +191,7 @@ def parse_unit(text: str) -> UnitSpec:
                 raise ServiceError(f"StartLimitBurst={value!r} is not a whole number") from e
     if not argv:
         raise ServiceError("the unit has no ExecStart= in [Service]; it does not say what to run")
-    return UnitSpec(argv, env, restart, restart_sec, burst, interval)
+    return UnitSpec(argv, env, restart, restart_sec, stop_timeout, burst, interval)
 
 
 def should_restart(policy: str, returncode: int) -> bool:
@@ -226,13 +233,11 @@ class Supervisor:
         spec: UnitSpec,
         files: ServiceFiles,
         *,
-        stop_timeout: float = STOP_TIMEOUT,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = name
         self.spec = spec
         self.files = files
-        self.stop_timeout = stop_timeout
         self.clock = clock
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe()
@@ -308,16 +313,16 @@ class Supervisor:
             self._pause(1.0)
 
     def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGTERM the program itself (not its group), SIGKILL after ``stop_timeout``; reap it."""
+        """SIGTERM the program itself (not its group), SIGKILL after TimeoutStopSec; reap it."""
         self._state("stopping")
         if proc.poll() is None:
             self.say(f"stopping pid {proc.pid} (SIGTERM)")
             proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.stop_timeout
+            deadline = time.monotonic() + self.spec.stop_timeout
             while proc.poll() is None and time.monotonic() < deadline:
                 self._pause(min(0.2, deadline - time.monotonic()))
             if proc.poll() is None:
-                self.say(f"pid {proc.pid} did not end in {self.stop_timeout:g}s; SIGKILL")
+                self.say(f"pid {proc.pid} did not end in {self.spec.stop_timeout:g}s; SIGKILL")
                 proc.kill()
         self.say(f"pid {proc.pid} ended: {describe_exit(proc.wait())}")
 

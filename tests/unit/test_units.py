@@ -1,0 +1,185 @@
+"""Unit texts: the seed's fields and comments, deploy/systemd kept equal, LLMGW_ROOT, write_unit."""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmgw.errors import ServiceError
+from llmgw.paths import Paths
+from llmgw.service.supervisor import parse_unit
+from llmgw.service.units import (
+    DEFAULT_BINARY,
+    MIRROR_ABOUT_LOCAL,
+    MIRROR_API_LISTEN,
+    MIRROR_LISTEN,
+    SERVICES,
+    agent_unit,
+    deploy_units,
+    llmgw_binary,
+    mirror_unit,
+    server_unit,
+    unit_name,
+    write_unit,
+)
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+DEFAULT = Paths(Path("/"))
+
+# The seed's agentUnit, verbatim (serverinit_cluster.go).
+SEED_AGENT = """[Unit]
+Description=llmgw node agent
+After=network-online.target
+Wants=network-online.target
+[Service]
+ExecStart=/usr/local/bin/llmgw agent --config /etc/llmgw/agent.yaml
+# Root, because the agent launches engines and needs device access. Engines
+# outlive a restart of this unit and are adopted again on the next start, so
+# KillMode must not take the whole process group with it.
+KillMode=process
+Restart=on-failure
+RestartSec=2s
+# RDMA pins the buffers it registers, and NCCL registers a great deal: with
+# systemd's default 8 MB lock limit, an engine that drops the capability that
+# lets root ignore it fails its first collective over InfiniBand.
+LimitMEMLOCK=infinity
+StateDirectory=llmgw-agent
+[Install]
+WantedBy=multi-user.target
+"""
+
+# The seed's mirrorUnitFor("/srv/models", "127.0.0.1:8082", "http://10.0.0.5:8081",
+#     ["10.0.0.5", "10.0.0.6"], ...)
+SEED_MIRROR = """[Unit]
+Description=llmgw model mirror
+After=network-online.target
+Wants=network-online.target
+[Service]
+# Written by 'llmgw server init'. Bytes on :8081 for every node; the
+# management API on loopback only, for the control plane beside it.
+ExecStart=/usr/local/bin/llmgw mirror serve --dir /srv/models --listen :8081 --api-listen 127.0.0.1:8082 \
+--base http://10.0.0.5:8081 --api-allow 10.0.0.5 --api-allow 10.0.0.6
+User=llmgw
+Group=llmgw
+Restart=on-failure
+RestartSec=2s
+NoNewPrivileges=true
+ProtectSystem=strict
+ProtectHome=true
+PrivateTmp=true
+ReadWritePaths=/srv/models
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def test_agent_unit_is_the_seeds() -> None:
+    assert agent_unit(DEFAULT, DEFAULT_BINARY) == SEED_AGENT
+
+
+def test_mirror_unit_is_the_seeds() -> None:
+    got = mirror_unit(
+        DEFAULT,
+        DEFAULT_BINARY,
+        listen=MIRROR_LISTEN,
+        api_listen=MIRROR_API_LISTEN,
+        base="http://10.0.0.5:8081",
+        allow=["10.0.0.5", "10.0.0.6"],
+        about=MIRROR_ABOUT_LOCAL,
+    )
+    assert got == SEED_MIRROR.replace("\\\n", "")
+
+
+def test_server_unit_fields() -> None:
+    text = server_unit(DEFAULT, DEFAULT_BINARY)
+    assert "ExecStart=/usr/local/bin/llmgw server run --config /etc/llmgw/server.yaml\n" in text
+    for line in ("Restart=on-failure", "RestartSec=2s", "StateDirectory=llmgw", "WantedBy=multi-user.target"):
+        assert f"\n{line}\n" in text
+    assert "Environment=" not in text
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_deploy_copies_equal_the_generator(name: str) -> None:
+    path = DEPLOY / f"{unit_name(name)}.service"
+    hint = f"regenerate {path} from llmgw.service.units.deploy_units"
+    assert path.read_text() == deploy_units()[name], hint
+
+
+def test_deploy_mirror_explains_its_placeholder() -> None:
+    text = deploy_units()["mirror"]
+    assert "--base http://ADDR:8081" in text
+    assert "# ADDR in --base stands for" in text
+
+
+def test_prefixed_units_carry_the_root(tmp_path: Path) -> None:
+    paths = Paths.from_env(tmp_path)
+    units = {
+        "server": server_unit(paths, "/opt/bin/llmgw"),
+        "agent": agent_unit(paths, "/opt/bin/llmgw"),
+        "mirror": mirror_unit(
+            paths, "/opt/bin/llmgw", listen=":1", api_listen="127.0.0.1:2", base="b", allow=[], about="test"
+        ),
+    }
+    for text in units.values():
+        assert f"\nEnvironment=LLMGW_ROOT={paths.root}\n" in text
+    assert f"--config {paths.agent_config}" in units["agent"]
+    assert f"--config {paths.server_config}" in units["server"]
+    assert f"\nReadWritePaths={paths.mirror_store}\n" in units["mirror"]
+    assert f"--dir {paths.mirror_store}" in units["mirror"]
+
+
+def test_odd_paths_round_trip_through_the_supervisors_parser(tmp_path: Path) -> None:
+    paths = Paths.from_env(tmp_path / "a dir with 100% $HOME")
+    spec = parse_unit(agent_unit(paths, "/opt/my llmgw/bin/llmgw"))
+    assert spec.argv == ["/opt/my llmgw/bin/llmgw", "agent", "--config", str(paths.agent_config)]
+    assert spec.env == {"LLMGW_ROOT": str(paths.root)}
+    assert (spec.restart, spec.restart_sec) == ("on-failure", 2.0)
+
+
+def test_unknown_service_is_refused() -> None:
+    with pytest.raises(ServiceError, match="server, agent, mirror"):
+        unit_name("gateway")
+
+
+def test_write_unit_new_identical_different(tmp_path: Path) -> None:
+    path = tmp_path / "etc" / "systemd" / "system" / "llmgw-agent.service"
+    bak = path.with_name(path.name + ".bak")
+    assert write_unit(path, "one\n") is True
+    assert path.read_text() == "one\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert not bak.exists()
+
+    assert write_unit(path, "one\n") is False
+    assert not bak.exists()
+
+    path.write_text("edited by somebody\n")
+    assert write_unit(path, "two\n") is True
+    assert path.read_text() == "two\n"
+    assert bak.read_text() == "edited by somebody\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, bak.name]  # no temp file left
+
+
+def test_write_unit_error_is_a_service_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ServiceError, match="writing the unit"):
+        write_unit(blocker / "llmgw-agent.service", "x")
+
+
+def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "bin" / "llmgw"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "argv", [str(script), "server", "init"])
+    assert llmgw_binary() == str(script)
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest"])
+    monkeypatch.setenv("PATH", str(script.parent))
+    script.chmod(0o700)
+    assert llmgw_binary() == str(script)
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert llmgw_binary() == DEFAULT_BINARY
