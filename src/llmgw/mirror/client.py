@@ -1,0 +1,131 @@
+"""A synchronous client of the mirror's management API (used by ``server init`` and the CLI).
+
+Errors, translated here from httpx with the cause chained:
+
+- :class:`~llmgw.errors.UnreachableError` — nothing answers at ``api_url`` (refused, timeout).
+- :class:`~llmgw.errors.ApiError` — the mirror answered an error; ``status`` and ``code`` come from
+  its ``{"error": {"code", "message"}}`` body (``status == 404`` from :meth:`MirrorClient.status`
+  means the mirror has never been asked for that ``model/version``).
+
+Example::
+
+    with MirrorClient("http://127.0.0.1:8082") as m:
+        m.health()
+        st = m.fetch("hf:org/repo/model.gguf", "gemma-3-270m", "1")
+        while m.status("gemma-3-270m", "1").state == "fetching":
+            ...
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import httpx
+from pydantic import TypeAdapter, ValidationError
+
+from llmgw.errors import ApiError, UnreachableError
+from llmgw.mirror.models import FetchStatus
+
+_STATUS_LIST = TypeAdapter(list[FetchStatus])
+
+
+class MirrorClient:
+    """The mirror's management API at ``api_url`` (``http://127.0.0.1:8082``).
+
+    Args:
+        api_url: the management API's base URL.
+        timeout: seconds for each request (connect and read).
+        transport: an httpx transport to use instead of the network (tests, in-process apps).
+    """
+
+    def __init__(
+        self, api_url: str, *, timeout: float = 15.0, transport: httpx.BaseTransport | None = None
+    ) -> None:
+        self.api_url = api_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.api_url, timeout=timeout, transport=transport)
+
+    def __enter__(self) -> MirrorClient:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def health(self) -> None:
+        """Return when the mirror answers ``{"status": "ok"}``.
+
+        Raises:
+            UnreachableError: it does not answer, or answers something else.
+        """
+        try:
+            body = self._request("GET", "/api/v1/health")
+        except ApiError as e:
+            raise UnreachableError(f"the mirror at {self.api_url} is not healthy: {e}") from e
+        if not isinstance(body, dict) or body.get("status") != "ok":
+            raise UnreachableError(f"the mirror at {self.api_url} answered {body!r} to a health check")
+
+    def status(self, model: str, version: str) -> FetchStatus:
+        """The status of ``model/version``.
+
+        Raises:
+            ApiError: ``status == 404`` when the mirror does not know it.
+            UnreachableError: the mirror does not answer.
+        """
+        return self._status(self._request("GET", f"/api/v1/status/{model}/{version}"))
+
+    def fetch(self, source: str, model: str, version: str) -> FetchStatus:
+        """Ask the mirror to fetch ``source`` as ``model/version`` (joins a fetch already running).
+
+        Raises:
+            ApiError: 400 for a bad source or name, 409 when ``model/version`` holds another source.
+            UnreachableError: the mirror does not answer.
+        """
+        body = {"source": source, "model": model, "version": version}
+        return self._status(self._request("POST", "/api/v1/fetch", json=body))
+
+    def files(self) -> list[FetchStatus]:
+        """Every ``model/version`` the mirror knows."""
+        body = self._request("GET", "/api/v1/files")
+        try:
+            return _STATUS_LIST.validate_python(body)
+        except ValidationError as e:
+            raise ApiError(
+                f"the mirror at {self.api_url} sent a file list llmgw cannot read: {e}", status=200
+            ) from e
+
+    def _status(self, body: Any) -> FetchStatus:
+        try:
+            return FetchStatus.model_validate(body)
+        except ValidationError as e:
+            raise ApiError(
+                f"the mirror at {self.api_url} sent a status llmgw cannot read: {e}", status=200
+            ) from e
+
+    def _request(self, method: str, path: str, json: Any = None) -> Any:
+        try:
+            resp = self._http.request(method, path, json=json)
+        except httpx.TransportError as e:
+            raise UnreachableError(
+                f"the mirror at {self.api_url} does not answer ({type(e).__name__}: {e}); "
+                "is 'llmgw mirror serve' running there?"
+            ) from e
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.is_success:
+            return body
+        code, message = "", resp.text[:200]
+        if isinstance(body, dict) and isinstance(err := body.get("error"), dict):
+            code, message = str(err.get("code", "")), str(err.get("message", message))
+        raise ApiError(
+            f"the mirror at {self.api_url} answered {resp.status_code} to {method} {path}: {message}",
+            status=resp.status_code,
+            code=code,
+        )

@@ -1,0 +1,320 @@
+"""The mirror's fetcher: puts a source into the store as ``model/version``, once.
+
+Each pass of a fetch, in order:
+
+1. ``POST /api/v1/fetch`` reaches :meth:`Fetcher.fetch`. A ``model/version`` that is already
+   present is answered at once; one that is being fetched is joined (two requests share one
+   download); a failed one is tried again. Asking for an existing ``model/version`` from another
+   source is a :class:`SourceConflict`: a version names one set of bytes.
+2. The manifest is written ``fetching`` (durably) before any byte moves, so a restart knows to
+   resume it: :meth:`Fetcher.start` relaunches every ``fetching`` manifest it finds.
+3. ``file:`` sources are copied (hashing while copying, into a hidden partial name, fsync,
+   rename): how an offline cluster carries a model in. ``http``/``hf`` sources go through
+   :func:`~llmgw.mirror.download.download`, which resumes from the partial file.
+4. Free disk is checked as soon as the size is known (the local file's size, or the size the
+   server announces); too little is a :class:`~llmgw.errors.MirrorError` naming bytes needed and free.
+5. The manifest becomes ``present`` with size and sha256, or ``failed`` with the error text.
+   Progress is kept in memory and written to the manifest about once a second.
+
+It does not verify a ``file:`` or plain ``https://`` source against a known digest (none is
+given), only records the digest of what arrived; nodes then verify against that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import BinaryIO
+
+import aiohttp
+
+from llmgw.errors import LlmgwError, MirrorError
+from llmgw.mirror.download import CHUNK_BYTES, download, fsync_dir, partial_path
+from llmgw.mirror.models import FetchRequest, FetchStatus, Manifest, check_name
+from llmgw.mirror.store import Store
+from llmgw.sourcecheck import Download, to_download
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 5.0
+"""The transfer rate is measured over this many recent seconds."""
+
+PROGRESS_WRITE_S = 1.0
+"""Progress reaches the manifest at most this often; state changes are written at once."""
+
+
+class SourceConflict(MirrorError):
+    """A ``model/version`` already holds (or is fetching) a different source."""
+
+
+@dataclass
+class _Entry:
+    model: str
+    version: str
+    manifest: Manifest
+    task: asyncio.Task[None] | None = None
+    samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    last_write: float = 0.0
+
+
+class Fetcher:
+    """Fetches sources into a :class:`Store` and reports their :class:`FetchStatus`.
+
+    Args:
+        store: where files and manifests live.
+        base: the bytes server's public URL (``--base``); ``FetchStatus.url`` starts with it.
+        env: environment for source resolution (``HF_TOKEN``, ``HF_ENDPOINT``); default ``os.environ``.
+        clock: monotonic seconds, for the transfer rate and manifest write pacing.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        base: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.base = base.rstrip("/")
+        self._env = env
+        self._clock = clock
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Load every manifest and resume the fetches a previous run left ``fetching``."""
+        self._session = aiohttp.ClientSession()
+        for model, version, manifest in self.store.all():
+            entry = _Entry(model, version, manifest)
+            self._entries[model, version] = entry
+            if manifest.state == "fetching":
+                log.info("resuming %s/%s from %s", model, version, manifest.source)
+                try:
+                    self._launch(entry, to_download(manifest.source, env=self._env))
+                except LlmgwError as e:
+                    self._fail(entry, e)
+
+    async def close(self) -> None:
+        """Stop running fetches (their manifests stay ``fetching``, resumed next start)."""
+        tasks = [e.task for e in self._entries.values() if e.task and not e.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def status(self, model: str, version: str) -> FetchStatus | None:
+        """The status of ``model/version``, or None when the mirror has never been asked for it."""
+        entry = self._entries.get((model, version))
+        return None if entry is None else self._view(entry)
+
+    def files(self) -> list[FetchStatus]:
+        """Every ``model/version`` the mirror knows, sorted by model then version."""
+        return [self._view(e) for _, e in sorted(self._entries.items())]
+
+    async def fetch(self, req: FetchRequest) -> tuple[FetchStatus, bool]:
+        """Start (or join) fetching ``req.source`` as ``req.model/req.version``.
+
+        Returns:
+            ``(status, started)``: ``started`` is False when the file was already present.
+
+        Raises:
+            SourceError: the source is not an accepted form.
+            MirrorError: the source names no usable file name.
+            SourceConflict: the ``model/version`` holds or is fetching another source.
+        """
+        dl = to_download(req.source, env=self._env)
+        file = _file_name(req.source, dl)
+        entry = self._entries.get((req.model, req.version))
+        if entry is not None and entry.manifest.state != "failed":
+            if entry.manifest.source != req.source:
+                raise SourceConflict(
+                    f"{req.model}/{req.version} is already {entry.manifest.state} from "
+                    f"{entry.manifest.source}, not {req.source}; give the new source a new version"
+                )
+            return self._view(entry), entry.manifest.state != "present"
+        manifest = Manifest(file=file, source=req.source, state="fetching", updated_at=_now())
+        entry = _Entry(req.model, req.version, manifest)
+        self._entries[req.model, req.version] = entry
+        self._save(entry, durable=True)
+        self._launch(entry, dl)
+        return self._view(entry), True
+
+    # --- running one fetch ---
+
+    def _launch(self, entry: _Entry, dl: Download) -> None:
+        entry.task = asyncio.create_task(self._run(entry, dl), name=f"fetch {entry.model}/{entry.version}")
+
+    async def _run(self, entry: _Entry, dl: Download) -> None:
+        dest = self.store.version_dir(entry.model, entry.version) / entry.manifest.file
+        checked_space = False
+
+        def progress(done: int, total: int | None) -> None:
+            nonlocal checked_space
+            m = entry.manifest
+            m.bytes_done, m.bytes_total = done, total
+            now = self._clock()
+            entry.samples.append((now, done))
+            while entry.samples and entry.samples[0][0] < now - RATE_WINDOW_S:
+                entry.samples.popleft()
+            if total is not None and not checked_space:
+                checked_space = True
+                _check_space(dest.parent, total - done, f"{entry.model}/{entry.version}/{m.file}")
+            if now - entry.last_write >= PROGRESS_WRITE_S:
+                self._save(entry, durable=False)
+
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dl.kind == "file":
+                assert dl.path is not None  # noqa: S101 - to_download sets it for kind "file"
+                sha = await _copy(dl.path, dest, progress)
+            else:
+                sha = await download(self._http(), dl.url, dest, headers=dl.headers, progress=progress)
+            size = dest.stat().st_size
+        except asyncio.CancelledError:
+            self._save(entry, durable=False)
+            raise
+        except (LlmgwError, OSError) as e:
+            self._fail(entry, e)
+            return
+        except Exception as e:  # a bug must still end as "failed", never as a fetch stuck "fetching"
+            log.exception("fetching %s/%s", entry.model, entry.version)
+            self._fail(entry, e)
+            return
+        m = entry.manifest
+        m.state, m.sha256, m.size, m.err = "present", sha, size, ""
+        m.bytes_done = m.bytes_total = size
+        entry.samples.clear()
+        self._save(entry, durable=True)
+        log.info("%s/%s present: %s, %d bytes, sha256 %s", entry.model, entry.version, m.file, size, sha)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise MirrorError("the fetcher is not started; call Fetcher.start() first")
+        return self._session
+
+    def _fail(self, entry: _Entry, e: BaseException) -> None:
+        m = entry.manifest
+        m.state, m.err = "failed", str(e) or type(e).__name__
+        entry.samples.clear()
+        log.warning("fetching %s/%s failed: %s", entry.model, entry.version, m.err)
+        try:
+            self._save(entry, durable=True)
+        except OSError:
+            log.exception("cannot record the failure of %s/%s", entry.model, entry.version)
+
+    def _save(self, entry: _Entry, *, durable: bool) -> None:
+        entry.manifest.updated_at = _now()
+        entry.last_write = self._clock()
+        self.store.write(entry.model, entry.version, entry.manifest, durable=durable)
+
+    def _view(self, entry: _Entry) -> FetchStatus:
+        m = entry.manifest
+        return FetchStatus(
+            model=entry.model,
+            version=entry.version,
+            file=m.file,
+            source=m.source,
+            state=m.state,
+            bytes_done=m.bytes_done,
+            bytes_total=m.bytes_total,
+            sha256=m.sha256,
+            url=f"{self.base}/{entry.model}/{entry.version}/{m.file}",
+            err=m.err,
+            rate_bytes_per_s=self._rate(entry),
+        )
+
+    def _rate(self, entry: _Entry) -> float:
+        """Bytes per second over the last RATE_WINDOW_S seconds; 0 when nothing moved lately."""
+        if entry.manifest.state != "fetching" or len(entry.samples) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = entry.samples[0], entry.samples[-1]
+        if t1 - t0 <= 0 or self._clock() - t1 > RATE_WINDOW_S:
+            return 0.0
+        return (b1 - b0) / (t1 - t0)
+
+
+def _file_name(source: str, dl: Download) -> str:
+    """The file's name in the store: the last segment of the source's path."""
+    if dl.path is not None:
+        name = dl.path.name
+    else:
+        name = urllib.parse.unquote(urllib.parse.urlsplit(dl.url).path.rsplit("/", 1)[-1])
+    try:
+        return check_name(name, "file name")
+    except ValueError as e:
+        raise MirrorError(f"cannot store {source}: {e}") from None
+
+
+def _check_space(directory: pathlib.Path, needed: int, what: str) -> None:
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise MirrorError(
+            f"{what} needs {needed} more bytes but {directory} has {free} bytes free; "
+            "free some space or give the mirror another --dir"
+        )
+
+
+async def _copy(src: pathlib.Path, dest: pathlib.Path, progress: Callable[[int, int | None], None]) -> str:
+    """Copy ``src`` to ``dest`` via a hidden partial name, hashing as it goes; return the sha256."""
+    try:
+        fin, size = await asyncio.to_thread(_open_source, src)
+    except OSError as e:
+        raise MirrorError(
+            f"file:{src} cannot be read on the mirror's machine ({e.strerror}); copy the file there first"
+        ) from e
+    part = partial_path(dest)
+    sha = hashlib.sha256()
+    done = 0
+    try:
+        progress(0, size)
+        fout: BinaryIO = await asyncio.to_thread(open, part, "wb")
+        try:
+            while n := await asyncio.to_thread(_copy_step, fin, fout, sha):
+                done += n
+                progress(done, size)
+            await asyncio.to_thread(_sync, fout)
+        finally:
+            fout.close()
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    finally:
+        fin.close()
+    os.replace(part, dest)
+    fsync_dir(dest.parent)
+    return sha.hexdigest()
+
+
+def _open_source(src: pathlib.Path) -> tuple[BinaryIO, int]:
+    fin = open(src, "rb")  # noqa: SIM115 - the caller closes it; it spans awaits
+    return fin, os.fstat(fin.fileno()).st_size
+
+
+def _copy_step(fin: BinaryIO, fout: BinaryIO, sha: hashlib._Hash) -> int:
+    block = fin.read(CHUNK_BYTES)
+    if block:
+        sha.update(block)
+        fout.write(block)
+    return len(block)
+
+
+def _sync(fh: BinaryIO) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)

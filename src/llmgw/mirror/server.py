@@ -1,0 +1,325 @@
+"""The mirror's two HTTP servers: bytes for every node, and a management API for control planes.
+
+- **Bytes** (``--listen``, ``:8081``): ``GET``/``HEAD /<model>/<version>/<file>``, with ``Range``
+  (aiohttp's FileResponse, which uses ``sendfile``), ``ETag`` = the sha256, ``If-None-Match``,
+  ``If-Match``, ``If-Range`` on that ETag, and ``X-Checksum-Sha256``. Only files whose manifest says
+  ``present`` are served; ``..``, encoded slashes, hidden partial files and symlinks that leave
+  the store are all 404.
+- **Management** (``--api-listen``, ``127.0.0.1:8082``): ``GET /api/v1/health``,
+  ``POST /api/v1/fetch``, ``GET /api/v1/status/{model}/{version}``, ``GET /api/v1/files``. It
+  answers 127.0.0.1, ::1 and the ``--api-allow`` addresses (IPs or CIDR networks); anyone else gets
+  403. Other 127.x addresses are not loopback here: they are what a container's port
+  forwarding or another local network namespace can present, and must be allowed by name.
+  Errors are JSON ``{"error": {"code", "message"}}``.
+
+:func:`run` serves both until SIGTERM or SIGINT, then stops the fetches (their manifests stay
+``fetching`` and resume at the next start) and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import logging
+import pathlib
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from llmgw.config import parse_listen
+from llmgw.errors import ConfigError, LlmgwError, PortInUseError, SourceError
+from llmgw.mirror.download import CHECKSUM_HEADER
+from llmgw.mirror.fetch import Fetcher, SourceConflict
+from llmgw.mirror.models import FetchRequest
+from llmgw.mirror.store import Store
+
+log = logging.getLogger(__name__)
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.1/32"), ipaddress.ip_network("::1/128"))
+
+_FETCHER = web.AppKey("fetcher", Fetcher)
+_STORE = web.AppKey("store", Store)
+_ALLOW = web.AppKey("allow", tuple)
+
+
+def parse_allow(values: Sequence[str]) -> tuple[Network, ...]:
+    """``--api-allow`` values (an IP or a CIDR network each) as networks.
+
+    Raises:
+        ConfigError: a value is neither.
+    """
+    out: list[Network] = []
+    for v in values:
+        try:
+            out.append(ipaddress.ip_network(v.strip(), strict=False))
+        except ValueError:
+            raise ConfigError(
+                f"--api-allow '{v}' is not an IP address or network (10.0.0.5, 10.0.0.0/24)"
+            ) from None
+    return tuple(out)
+
+
+# --- bytes ---
+
+
+async def _serve_file(request: web.Request) -> web.StreamResponse:
+    store = request.app[_STORE]
+    raw = request.raw_path.split("?", 1)[0].lower()
+    if "%2f" in raw or "%5c" in raw or "\\" in raw:
+        raise web.HTTPNotFound
+    info = request.match_info
+    found = store.servable(info["model"], info["version"], info["file"])
+    if found is None:
+        raise web.HTTPNotFound
+    path, manifest = found
+    etag = f'"{manifest.sha256}"'
+    headers = {CHECKSUM_HEADER: manifest.sha256}
+    if (im := request.headers.get("If-Match")) is not None and not _etag_in(im, manifest.sha256):
+        raise web.HTTPPreconditionFailed(headers=headers)
+    if (inm := request.headers.get("If-None-Match")) is not None and _etag_in(inm, manifest.sha256):
+        raise web.HTTPNotModified(headers={**headers, "ETag": etag})
+    # FileResponse knows only its mtime ETag and would look for .gz/.br siblings: it is given a
+    # request without the conditions handled here, without Accept-Encoding, and without Range when
+    # If-Range names another version of the file.
+    drop = {"if-match", "if-none-match", "if-range", "accept-encoding", "if-modified-since"}
+    if (ir := request.headers.get("If-Range")) is not None and ir.strip() != etag:
+        drop.add("range")
+    clean = request.clone(headers={k: v for k, v in request.headers.items() if k.lower() not in drop})
+    resp = _ShaFileResponse(path, etag, headers=headers)
+    await resp.prepare(clean)
+    return resp
+
+
+class _ShaFileResponse(web.FileResponse):
+    """A FileResponse whose ETag is the file's sha256 (set just before the headers go out)."""
+
+    def __init__(self, path: pathlib.Path, etag: str, headers: dict[str, str]) -> None:
+        super().__init__(path, headers=headers)
+        self.sha_etag = etag
+
+
+async def _etag_hook(_: web.Request, resp: web.StreamResponse) -> None:
+    if isinstance(resp, _ShaFileResponse):
+        resp.headers["ETag"] = resp.sha_etag
+
+
+def _etag_in(header: str, sha: str) -> bool:
+    tags = [t.strip().removeprefix("W/").strip('"') for t in header.split(",")]
+    return "*" in tags or sha in tags
+
+
+def bytes_app(store: Store) -> web.Application:
+    """The bytes server's application (GET and HEAD of present files)."""
+    app = web.Application()
+    app[_STORE] = store
+    app.router.add_get("/{model}/{version}/{file}", _serve_file)  # HEAD too
+    app.on_response_prepare.append(_etag_hook)
+    return app
+
+
+# --- management API ---
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+@web.middleware
+async def _guard(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Only loopback and --api-allow addresses; errors as JSON."""
+    allowed: tuple[Network, ...] = request.app[_ALLOW]
+    peer = request.remote
+    try:
+        ip = ipaddress.ip_address(peer or "")
+    except ValueError:
+        ip = None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip is None or not any(ip in net for net in (*LOOPBACK, *allowed)):
+        return _error(
+            403,
+            "forbidden",
+            f"the mirror's management API does not answer {peer}; start the mirror with --api-allow {peer}",
+        )
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return _error(
+                e.status, e.reason.lower().replace(" ", "_"), f"{request.method} {request.path}: {e.reason}"
+            )
+        raise
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _fetch(request: web.Request) -> web.Response:
+    try:
+        req = FetchRequest.model_validate_json(await request.read())
+    except ValidationError as e:
+        msg = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        return _error(400, "invalid_request", msg)
+    try:
+        status, started = await request.app[_FETCHER].fetch(req)
+    except SourceError as e:
+        return _error(400, "bad_source", str(e))
+    except SourceConflict as e:
+        return _error(409, "conflict", str(e))
+    except LlmgwError as e:
+        return _error(400, "bad_source", str(e))
+    return web.json_response(status.model_dump(mode="json"), status=202 if started else 200)
+
+
+async def _status(request: web.Request) -> web.Response:
+    model, version = request.match_info["model"], request.match_info["version"]
+    st = request.app[_FETCHER].status(model, version)
+    if st is None:
+        return _error(
+            404, "not_found", f"{model}/{version} is not in the mirror; POST /api/v1/fetch to add it"
+        )
+    return web.json_response(st.model_dump(mode="json"))
+
+
+async def _files(request: web.Request) -> web.Response:
+    return web.json_response([s.model_dump(mode="json") for s in request.app[_FETCHER].files()])
+
+
+def api_app(fetcher: Fetcher, allow: Sequence[Network] = ()) -> web.Application:
+    """The management API's application; ``allow`` adds networks to loopback."""
+    app = web.Application(middlewares=[_guard])
+    app[_FETCHER] = fetcher
+    app[_ALLOW] = tuple(allow)
+    app.router.add_get("/api/v1/health", _health)
+    app.router.add_post("/api/v1/fetch", _fetch)
+    app.router.add_get("/api/v1/status/{model}/{version}", _status)
+    app.router.add_get("/api/v1/files", _files)
+    return app
+
+
+# --- running ---
+
+
+@dataclass
+class MirrorServer:
+    """Both servers over one store; :meth:`start` binds, :meth:`stop` ends cleanly.
+
+    Attributes after start: ``bytes_port`` and ``api_port``, the ports actually bound (useful with 0).
+    """
+
+    root: pathlib.Path
+    listen: str
+    api_listen: str
+    base: str
+    api_allow: Sequence[str] = ()
+    bytes_port: int = 0
+    api_port: int = 0
+
+    async def start(self) -> None:
+        """Load the store, resume fetches, and bind both addresses.
+
+        Raises:
+            ConfigError: a listen address or --api-allow value is malformed, or cannot be bound.
+            PortInUseError: a port is taken (names the port and its flag).
+        """
+        allow = parse_allow(self.api_allow)
+        addrs = [(self._addr(self.listen, "--listen")), self._addr(self.api_listen, "--api-listen")]
+        self.store = Store(self.root)
+        self.fetcher = Fetcher(self.store, self.base)
+        self._runners: list[web.AppRunner] = []
+        try:
+            for app, (host, port), flag in zip(
+                (bytes_app(self.store), api_app(self.fetcher, allow)),
+                addrs,
+                ("--listen", "--api-listen"),
+                strict=True,
+            ):
+                runner = web.AppRunner(app, handle_signals=False)
+                await runner.setup()
+                self._runners.append(runner)
+                await _bind(runner, host, port, flag)
+            self.bytes_port = _port(self._runners[0])
+            self.api_port = _port(self._runners[1])
+            await self.fetcher.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "mirror of %s: bytes on port %d, management API on port %d",
+            self.root,
+            self.bytes_port,
+            self.api_port,
+        )
+
+    async def stop(self) -> None:
+        """Stop fetching (manifests stay ``fetching``, resumed next start) and close both servers."""
+        if hasattr(self, "fetcher"):
+            await self.fetcher.close()
+        for runner in reversed(getattr(self, "_runners", [])):
+            await runner.cleanup()
+        self._runners = []
+
+    @staticmethod
+    def _addr(value: str, flag: str) -> tuple[str, int]:
+        """HOST:PORT or :PORT; port 0 lets the OS pick a free one (tests read it back)."""
+        host, sep, port = value.rpartition(":")
+        if sep and port == "0":
+            return host.strip("[]") or "0.0.0.0", 0
+        try:
+            return parse_listen(value)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {e}; give HOST:PORT or :PORT") from None
+
+
+async def _bind(runner: web.AppRunner, host: str, port: int, flag: str) -> None:
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"port {port} ({flag} {host}:{port}) is already in use by another program; "
+                f"stop it or give {flag} another port"
+            ) from e
+        raise ConfigError(f"cannot listen on {host}:{port} ({flag}): {e.strerror or e}") from e
+
+
+def _port(runner: web.AppRunner) -> int:
+    addr = runner.addresses[0]
+    return int(addr[1])
+
+
+async def serve(server: MirrorServer, stop: asyncio.Event) -> None:
+    """Run ``server`` until ``stop`` is set."""
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run(
+    *, root: pathlib.Path, listen: str, api_listen: str, base: str, api_allow: Sequence[str] = ()
+) -> None:
+    """Serve the mirror in this process until SIGTERM or SIGINT (``llmgw mirror serve``).
+
+    Raises:
+        ConfigError, PortInUseError: as :meth:`MirrorServer.start`.
+    """
+    server = MirrorServer(root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(server, stop)
+
+    asyncio.run(main())
