@@ -115,7 +115,9 @@ def parse_help_flags(text: str) -> frozenset[str]:
     for line in text.splitlines():
         if not line.startswith("-"):
             continue
-        head = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        # "-np,   --parallel N     number of…": spellings are comma-separated, the description
+        # starts after a run of spaces that follows no comma.
+        head = re.split(r"\s{2,}", re.sub(r",\s+", ", ", line.strip()), maxsplit=1)[0]
         for part in head.split(","):
             token = part.strip().split(" ")[0]
             if token.startswith("-"):
