@@ -388,7 +388,7 @@ class Supervisor:
                     f"{how}; started {len(starts)} times within "
                     f"{self.spec.start_limit_interval:g}s, gave up (StartLimitBurst)"
                 )
-                self.say(detail)
+                self.say(f"program ended: {detail}")
                 return SupervisorState("failed", self._restarts, None, detail)
             self._restarts += 1
             detail = f"{how}; restarting in {self.spec.restart_sec:g}s"

@@ -1,0 +1,453 @@
+"""The supervisor: unit parsing, restart policy, the real detached supervisor; SystemdManager's calls.
+
+The supervisor tests run the real thing (``python -m llmgw.service.supervisor``) on tiny
+``python -c`` programs, with RestartSec and TimeoutStopSec small so each takes well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from llmgw.errors import ServiceError
+from llmgw.paths import Paths
+from llmgw.service.files import PidRecord, read_live, read_pid
+from llmgw.service.manager import (
+    CommandResult,
+    ServiceStatus,
+    SupervisorManager,
+    SystemdManager,
+    pick_manager,
+)
+from llmgw.service.supervisor import parse_timespan, parse_unit, should_restart
+from llmgw.service.units import SERVICES
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def test_parse_unit_reads_what_it_needs_and_ignores_the_rest() -> None:
+    text = """[Unit]
+Description=x
+StartLimitBurst=3
+StartLimitIntervalSec=1min
+[Service]
+# a comment
+; another
+ExecStart=-/bin/prog --flag "two words" 100%% $$HOME \\
+    --more
+Environment=A=1 "B=two words"
+Environment=C=50%%
+User=llmgw
+ProtectSystem=strict
+Restart=always
+RestartSec=1min 30s
+TimeoutStopSec=500ms
+[Install]
+WantedBy=multi-user.target
+"""
+    spec = parse_unit(text)
+    assert spec.argv == ["/bin/prog", "--flag", "two words", "100%", "$HOME", "--more"]
+    assert spec.env == {"A": "1", "B": "two words", "C": "50%"}
+    assert (spec.restart, spec.restart_sec, spec.stop_timeout) == ("always", 90.0, 0.5)
+    assert (spec.start_limit_burst, spec.start_limit_interval) == (3, 60.0)
+
+
+def test_parse_unit_defaults_are_systemds() -> None:
+    spec = parse_unit("[Service]\nExecStart=/bin/true\n")
+    assert (spec.restart, spec.restart_sec, spec.start_limit_burst, spec.start_limit_interval) == (
+        "no",
+        0.1,
+        5,
+        10.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[Service]\nRestart=on-failure\n", "no ExecStart"),
+        ("[Unit]\nExecStart=/bin/true\n", "no ExecStart"),
+        ("[Service]\nExecStart=/bin/true\nRestart=sometimes\n", "Restart='sometimes'"),
+        ("[Service]\nExecStart=/bin/true\nRestartSec=soon\n", "RestartSec='soon' is not a time span"),
+        ('[Service]\nExecStart=/bin/echo "open\n', "ExecStart="),
+        ("[Service]\nExecStart=/bin/true\nEnvironment=JUSTNAME\n", "not NAME=VALUE"),
+    ],
+)
+def test_parse_unit_errors(text: str, match: str) -> None:
+    with pytest.raises(ServiceError, match=match):
+        parse_unit(text)
+
+
+@pytest.mark.parametrize(
+    ("span", "seconds"), [("2s", 2.0), ("2", 2.0), ("500ms", 0.5), ("1min 30s", 90.0), ("1h", 3600.0)]
+)
+def test_parse_timespan(span: str, seconds: float) -> None:
+    assert parse_timespan(span, key="RestartSec") == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("policy", "rc", "restart"),
+    [
+        ("on-failure", 0, False),
+        ("on-failure", 1, True),
+        ("on-failure", -signal.SIGKILL, True),
+        ("on-failure", -signal.SIGTERM, False),  # a clean signal, as systemd counts it
+        ("on-failure", -signal.SIGSEGV, True),
+        ("no", 1, False),
+        ("always", 0, True),
+        ("on-success", 0, True),
+        ("on-success", 1, False),
+        ("on-abnormal", 1, False),
+        ("on-abnormal", -signal.SIGKILL, True),
+    ],
+)
+def test_should_restart(policy: str, rc: int, restart: bool) -> None:
+    assert should_restart(policy, rc) is restart
+
+
+# --- the real supervisor ------------------------------------------------------------------------------
+
+
+def unit(code: str, *, restart: str = "on-failure", extra: str = "") -> str:
+    """A unit running ``python -c code``, restarting after 50 ms, with 1 s to stop."""
+    return (
+        "[Service]\n"
+        f"ExecStart={shlex.join([sys.executable, '-c', code])}\n"
+        "Environment=LLMGW_TEST_MARK=supervised\n"
+        f"Restart={restart}\nRestartSec=50ms\nTimeoutStopSec=1s\n{extra}"
+    )
+
+
+SLEEPER = "import os, time; print('up', os.environ['LLMGW_TEST_MARK'], flush=True); time.sleep(60)"
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[SupervisorManager]:
+    m = SupervisorManager(Paths.from_env(tmp_path))
+    yield m
+    for name in SERVICES:
+        m.stop(name)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_start_status_stop(manager: SupervisorManager) -> None:
+    assert manager.status("agent").state == "unknown"
+    manager.install("agent", unit(SLEEPER))
+    assert manager.status("agent").state == "stopped"
+
+    assert manager.start("agent") is True
+    st = manager.status("agent")
+    assert (st.state, st.restarts) == ("running", 0)
+    assert st.pid is not None
+    assert st.since is not None
+    assert abs(st.since - time.time()) < 30
+    child = psutil.Process(st.pid)
+    assert "time.sleep(60)" in " ".join(child.cmdline())
+    supervisor = read_live(manager.files("agent").pid)
+    assert supervisor is not None
+    assert supervisor.pid != st.pid
+    assert child.ppid() == supervisor.pid
+    assert os.getsid(supervisor.pid) == supervisor.pid  # detached: its own session
+
+    assert manager.start("agent") is False  # already running: a no-op
+    assert manager.status("agent").pid == st.pid
+    wait_for("the child's output", lambda: "up supervised" in manager.logs("agent"))
+
+    assert manager.stop("agent") is True
+    assert gone(st.pid)
+    assert gone(supervisor.pid)
+    files = manager.files("agent")
+    assert not files.pid.exists()
+    assert not files.child_pid.exists()
+    st = manager.status("agent")
+    assert (st.state, st.pid) == ("stopped", None)
+    assert manager.stop("agent") is False
+    assert "stopping pid" in manager.logs("agent")
+
+
+def test_killed_child_is_restarted(manager: SupervisorManager) -> None:
+    manager.install("server", unit(SLEEPER))
+    manager.start("server")
+    first = manager.status("server").pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+
+    def restarted() -> bool:
+        st = manager.status("server")
+        return st.state == "running" and st.pid not in (None, first)
+
+    wait_for("the restart", restarted, timeout=5.0)
+    assert manager.status("server").restarts == 1
+    assert "killed by SIGKILL; restarting in 0.05s" in manager.logs("server")
+
+
+def test_failing_program_gives_up_after_the_start_limit(manager: SupervisorManager) -> None:
+    manager.install("mirror", unit("import sys; sys.exit(1)", extra="StartLimitBurst=3\n"))
+    manager.start("mirror")
+    wait_for(
+        "the supervisor to give up",
+        lambda: manager.status("mirror").state == "failed" and read_pid(manager.files("mirror").pid) is None,
+    )
+    st = manager.status("mirror")
+    assert st.restarts == 2
+    assert "exit code 1" in st.detail
+    assert "StartLimitBurst" in st.detail
+    assert manager.logs("mirror").count("program ended: exit code 1") == 3
+
+
+def test_clean_exit_ends_the_supervisor(manager: SupervisorManager) -> None:
+    manager.install("agent", unit("print('done')"))
+    manager.start("agent")
+    wait_for("the clean end", lambda: read_pid(manager.files("agent").pid) is None)
+    st = manager.status("agent")
+    assert (st.state, st.restarts, st.detail) == ("stopped", 0, "exit code 0")
+
+
+def test_stop_kills_a_program_that_ignores_sigterm(manager: SupervisorManager) -> None:
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+        "time.sleep(60)"
+    )
+    manager.install("agent", unit(code))
+    manager.start("agent")
+    wait_for("SIGTERM to be ignored", lambda: "ready" in manager.logs("agent"))
+    pid = manager.status("agent").pid
+    assert pid is not None
+    started = time.monotonic()
+    assert manager.stop("agent") is True
+    assert time.monotonic() - started < 5  # TimeoutStopSec=1s, then SIGKILL
+    assert gone(pid)
+    assert "did not end in 1s; SIGKILL" in manager.logs("agent")
+
+
+def test_stop_signals_the_program_only(manager: SupervisorManager, tmp_path: Path) -> None:
+    """KillMode=process: a process the program started (an engine) outlives the stop."""
+    marker = tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+        f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    manager.install("agent", unit(code))
+    manager.start("agent")
+    wait_for("the grandchild", lambda: marker.exists() and marker.read_text() != "")
+    grandchild = psutil.Process(int(marker.read_text()))
+    try:
+        manager.stop("agent")
+        assert grandchild.is_running()
+        assert grandchild.status() != psutil.STATUS_ZOMBIE
+    finally:
+        grandchild.kill()
+
+
+def test_stale_pid_files_are_ignored(manager: SupervisorManager) -> None:
+    manager.install("agent", unit(SLEEPER))
+    files = manager.files("agent")
+    files.dir.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    files.pid.write_text(f"{dead.pid}\n{time.time():.3f}\n")  # crashed: the pid is gone
+    me = psutil.Process()
+    files.child_pid.write_text(f"{me.pid}\n{me.create_time() - 1000:.3f}\n")  # reused: another process
+    assert read_live(files.pid) is None
+    assert read_live(files.child_pid) is None
+    assert manager.status("agent").state == "stopped"
+
+    assert manager.start("agent") is True
+    assert manager.status("agent").state == "running"
+    record = read_pid(files.pid)
+    assert isinstance(record, PidRecord)
+    assert record.pid != dead.pid
+
+
+def test_orphan_of_a_killed_supervisor_is_reported_and_stopped(manager: SupervisorManager) -> None:
+    manager.install("agent", unit(SLEEPER))
+    manager.start("agent")
+    files = manager.files("agent")
+    supervisor = read_live(files.pid)
+    child = manager.status("agent").pid
+    assert supervisor is not None
+    assert child is not None
+    supervisor.kill()
+    wait_for("the supervisor to die", lambda: gone(supervisor.pid))
+
+    st = manager.status("agent")
+    assert (st.state, st.pid) == ("failed", child)
+    assert "supervisor is gone" in st.detail
+
+    assert manager.start("agent") is True  # ends the orphan first: never two programs
+    assert gone(child)
+    assert manager.status("agent").pid not in (None, child)
+
+
+def test_start_without_a_unit_says_what_to_do(manager: SupervisorManager) -> None:
+    with pytest.raises(ServiceError, match="'llmgw server init' writes it"):
+        manager.start("server")
+
+
+def test_start_with_a_broken_unit_names_it(manager: SupervisorManager) -> None:
+    manager.install("server", "[Service]\nRestart=no\n")
+    with pytest.raises(ServiceError, match=r"llmgw-server\.service: .*no ExecStart"):
+        manager.start("server")
+
+
+# --- systemd, through the runner seam ---------------------------------------------------------------
+
+
+class Recorder:
+    """A runner that records each argv and answers from a table of (argv prefix -> result)."""
+
+    def __init__(self, answers: dict[tuple[str, ...], CommandResult] | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.answers = answers or {}
+
+    def __call__(self, argv: list[str]) -> CommandResult:
+        self.calls.append(argv)
+        for prefix, result in self.answers.items():
+            if tuple(argv[: len(prefix)]) == prefix:
+                return result
+        return CommandResult(0, "")
+
+
+def test_systemd_install_start_restart_sequence(tmp_path: Path) -> None:
+    inactive = CommandResult(3, "")
+    runner = Recorder({("systemctl", "is-active"): inactive})
+    m = SystemdManager(Paths.from_env(tmp_path), runner)
+    assert m.install("agent", "[Service]\nExecStart=/bin/true\n") is True
+    assert m.install("agent", "[Service]\nExecStart=/bin/true\n") is False  # unchanged: no reload
+    assert m.start("agent") is True
+    m.restart("agent")
+    assert m.stop("agent") is False
+    assert runner.calls == [
+        ["systemctl", "daemon-reload"],
+        ["systemctl", "is-active", "--quiet", "llmgw-agent"],
+        ["systemctl", "enable", "--now", "llmgw-agent"],
+        ["systemctl", "restart", "llmgw-agent"],
+        ["systemctl", "is-active", "--quiet", "llmgw-agent"],
+        ["systemctl", "stop", "llmgw-agent"],
+    ]
+    assert (tmp_path / "etc/systemd/system/llmgw-agent.service").exists()
+
+
+def test_systemd_start_of_a_running_unit_says_so(tmp_path: Path) -> None:
+    m = SystemdManager(Paths.from_env(tmp_path), Recorder())
+    assert m.start("mirror") is False
+
+
+def test_systemd_failure_carries_systemctls_words(tmp_path: Path) -> None:
+    runner = Recorder({("systemctl", "enable"): CommandResult(1, "Unit llmgw-agent.service not found.\n")})
+    m = SystemdManager(Paths.from_env(tmp_path), runner)
+    with pytest.raises(
+        ServiceError, match=r"systemctl enable --now llmgw-agent: exit status 1: Unit .* not found"
+    ):
+        m.start("agent")
+
+
+def show(**props: str) -> CommandResult:
+    return CommandResult(0, "".join(f"{k}={v}\n" for k, v in props.items()))
+
+
+@pytest.mark.parametrize(
+    ("props", "expect"),
+    [
+        (
+            {
+                "LoadState": "loaded",
+                "ActiveState": "active",
+                "SubState": "running",
+                "MainPID": "42",
+                "NRestarts": "2",
+                "ExecMainStartTimestampMonotonic": "0",
+            },
+            ServiceStatus("agent", "running", 42, None, 2, ""),
+        ),
+        (
+            {
+                "LoadState": "loaded",
+                "ActiveState": "failed",
+                "SubState": "failed",
+                "MainPID": "0",
+                "Result": "exit-code",
+                "ExecMainStatus": "1",
+                "NRestarts": "5",
+            },
+            ServiceStatus("agent", "failed", None, None, 5, "exit code 1"),
+        ),
+        (
+            {
+                "LoadState": "loaded",
+                "ActiveState": "activating",
+                "SubState": "auto-restart",
+                "MainPID": "0",
+                "Result": "signal",
+            },
+            ServiceStatus("agent", "failed", None, None, 0, "signal; restarting"),
+        ),
+        (
+            {"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "MainPID": "0"},
+            ServiceStatus("agent", "stopped", None, None, 0, ""),
+        ),
+        (
+            {"LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead"},
+            ServiceStatus("agent", "unknown", None, None, 0, "not installed: no llmgw-agent.service"),
+        ),
+    ],
+)
+def test_systemd_status(tmp_path: Path, props: dict[str, str], expect: ServiceStatus) -> None:
+    runner = Recorder({("systemctl", "show"): show(**props)})
+    assert SystemdManager(Paths.from_env(tmp_path), runner).status("agent") == expect
+    assert runner.calls[0][:3] == ["systemctl", "show", "llmgw-agent"]
+
+
+def test_systemd_since_comes_from_the_monotonic_clock(tmp_path: Path) -> None:
+    started = time.monotonic() - 60
+    props = {
+        "LoadState": "loaded",
+        "ActiveState": "active",
+        "SubState": "running",
+        "MainPID": "7",
+        "ExecMainStartTimestampMonotonic": str(int(started * 1e6)),
+    }
+    st = SystemdManager(Paths.from_env(tmp_path), Recorder({("systemctl", "show"): show(**props)})).status(
+        "agent"
+    )
+    assert st.since == pytest.approx(time.time() - 60, abs=1)
+
+
+def test_systemd_logs_asks_journalctl(tmp_path: Path) -> None:
+    runner = Recorder({("journalctl",): CommandResult(0, "line\n")})
+    assert SystemdManager(Paths.from_env(tmp_path), runner).logs("server", 20) == "line\n"
+    assert runner.calls == [["journalctl", "-u", "llmgw-server", "-n", "20", "--no-pager"]]
+
+
+def test_pick_manager(tmp_path: Path) -> None:
+    systemd, other = tmp_path / "comm-systemd", tmp_path / "comm-other"
+    systemd.write_text("systemd\n")
+    other.write_text("bash\n")
+    assert pick_manager(Paths(Path("/")), init_comm=systemd).kind == "systemd"
+    assert pick_manager(Paths(Path("/")), init_comm=other).kind == "supervisor"
+    assert pick_manager(Paths(Path("/")), init_comm=tmp_path / "missing").kind == "supervisor"
+    assert pick_manager(Paths.from_env(tmp_path), init_comm=systemd).kind == "supervisor"  # LLMGW_ROOT
