@@ -1,0 +1,122 @@
+"""The node cache against a real local HTTP server: fetch once, verify, reuse without rehashing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llmgw.agent.cache import NodeCache, digest_record_path, recorded_digest
+from llmgw.errors import MirrorError
+from llmgw.protocol import ReplicaSpec
+
+BODY = os.urandom(300_000)
+SHA = hashlib.sha256(BODY).hexdigest()
+
+
+class Mirror:
+    def __init__(self) -> None:
+        self.gets = 0
+        self.base = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.gets += 1
+        return web.Response(body=BODY, headers={"X-Checksum-Sha256": SHA})
+
+
+@pytest.fixture
+async def mirror() -> AsyncIterator[Mirror]:
+    m = Mirror()
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", m.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    m.base = f"http://127.0.0.1:{port}"
+    yield m
+    await runner.cleanup()
+
+
+def spec(base: str, sha: str = SHA, **kw: object) -> ReplicaSpec:
+    fields: dict[str, object] = {
+        "id": "r1",
+        "model": "m",
+        "version": "v1",
+        "profile": "cpu",
+        "engine": "llamacpp",
+        "source_url": f"{base}/m/v1/w.gguf",
+        "sha256": sha,
+        "file_name": "w.gguf",
+        "key": "k",
+    }
+    return ReplicaSpec.model_validate(fields | kw)
+
+
+async def test_fetch_once_then_reuse(tmp_path: Path, mirror: Mirror) -> None:
+    cache = NodeCache(tmp_path / "cache")
+    async with aiohttp.ClientSession() as session:
+        path = await cache.ensure(session, spec(mirror.base))
+        assert path == tmp_path / "cache" / "m" / "v1" / "w.gguf"
+        assert path.read_bytes() == BODY
+        assert recorded_digest(path) == SHA
+        again = await cache.ensure(session, spec(mirror.base))
+        assert again == path
+        assert mirror.gets == 1  # reused: no second download
+
+
+async def test_present_file_is_hashed_once_and_reused(tmp_path: Path, mirror: Mirror) -> None:
+    cache = NodeCache(tmp_path / "cache")
+    path = cache.path_for(spec(mirror.base))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(BODY)  # copied in by hand, no digest record yet
+    async with aiohttp.ClientSession() as session:
+        assert await cache.ensure(session, spec(mirror.base)) == path
+    assert mirror.gets == 0
+    assert recorded_digest(path) == SHA
+
+
+async def test_changed_file_is_fetched_again(tmp_path: Path, mirror: Mirror) -> None:
+    cache = NodeCache(tmp_path / "cache")
+    async with aiohttp.ClientSession() as session:
+        path = await cache.ensure(session, spec(mirror.base))
+        path.write_bytes(b"corrupted")  # size/mtime no longer match the record
+        assert recorded_digest(path) == ""
+        await cache.ensure(session, spec(mirror.base))
+    assert path.read_bytes() == BODY
+    assert mirror.gets == 2
+
+
+async def test_wrong_digest_is_an_error_naming_the_url(tmp_path: Path, mirror: Mirror) -> None:
+    cache = NodeCache(tmp_path / "cache")
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(MirrorError, match=r"w\.gguf"):
+            await cache.ensure(session, spec(mirror.base, sha="0" * 64))
+    assert not cache.path_for(spec(mirror.base)).exists()
+
+
+def test_unsafe_names_are_refused(tmp_path: Path) -> None:
+    cache = NodeCache(tmp_path)
+    for kw in ({"model": ".."}, {"file_name": "../../etc/passwd"}, {"version": ""}):
+        with pytest.raises(MirrorError, match="cannot be a file name"):
+            cache.path_for(spec("http://x", **kw))
+
+
+async def test_eviction_keeps_files_in_use(tmp_path: Path, mirror: Mirror) -> None:
+    cache = NodeCache(tmp_path / "cache", max_bytes=len(BODY) + 10)
+    async with aiohttp.ClientSession() as session:
+        first = await cache.ensure(session, spec(mirror.base, version="a"))
+        second = await cache.ensure(session, spec(mirror.base, version="b"))
+        assert first.exists()  # in use: never evicted
+        cache.release(first)
+        third = await cache.ensure(session, spec(mirror.base, version="c"))
+    assert not first.exists()
+    assert not digest_record_path(first).exists()
+    assert second.exists()
+    assert third.exists()

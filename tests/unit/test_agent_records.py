@@ -1,0 +1,153 @@
+"""Replica records and adoption: only the very process that was launched is adopted or stopped.
+
+Real processes (``sleep``) in their own sessions, as engines are launched; every test leaves none.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from llmgw.agent.records import (
+    ReplicaRecord,
+    adoptable,
+    live_process,
+    load_records,
+    replica_dir,
+    stop_all_engines,
+    stop_process_group,
+    write_record,
+)
+from llmgw.protocol import ReplicaSpec
+
+SPEC = ReplicaSpec(
+    id="r1",
+    model="m",
+    version="v",
+    profile="cpu",
+    engine="llamacpp",
+    source_url="http://mirror/m/v/f.gguf",
+    file_name="f.gguf",
+    key="k",
+)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def record_for(proc: subprocess.Popen[bytes], rid: str = "r1", **kw: object) -> ReplicaRecord:
+    p = psutil.Process(proc.pid)
+    fields: dict[str, object] = {
+        "id": rid,
+        "pid": proc.pid,
+        "create_time": p.create_time(),
+        "argv": p.cmdline(),
+        "host": "127.0.0.1",
+        "port": 1234,
+        "key": "k",
+        "spec": SPEC.model_copy(update={"id": rid}),
+        "started_at": time.time(),
+    }
+    return ReplicaRecord.model_validate(fields | kw)
+
+
+def test_record_roundtrip_is_private(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
+    rec = record_for(sleeper)
+    path = write_record(tmp_path, rec)
+    assert path == tmp_path / "replicas" / "r1" / "record.json"
+    assert path.stat().st_mode & 0o777 == 0o600  # it holds the replica's key
+    assert load_records(tmp_path) == [rec]
+    assert not list(path.parent.glob(".record.json.*"))  # no temp file left
+
+
+def test_live_process_matches_pid_start_time_and_cmdline(sleeper: subprocess.Popen[bytes]) -> None:
+    rec = record_for(sleeper)
+    assert live_process(rec) is not None
+    assert live_process(rec.model_copy(update={"create_time": rec.create_time - 5})) is None
+    assert live_process(rec.model_copy(update={"argv": ["sleep", "61"]})) is None
+
+
+def test_reused_pid_is_not_adopted_nor_killed(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
+    # The record says "this pid", but the process there started at another time: pid reuse.
+    write_record(tmp_path, record_for(sleeper, create_time=psutil.Process(sleeper.pid).create_time() - 100))
+    assert adoptable(tmp_path) == []
+    assert not (replica_dir(tmp_path, "r1") / "record.json").exists()  # dropped
+    assert sleeper.poll() is None  # and the stranger lives on
+
+
+def test_matching_record_is_adopted(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
+    rec = record_for(sleeper)
+    write_record(tmp_path, rec)
+    assert adoptable(tmp_path) == [rec]
+
+
+def test_dead_engine_record_is_dropped(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["sleep", "0"], start_new_session=True)
+    rec = record_for(proc)
+    proc.wait()
+    write_record(tmp_path, rec)
+    assert adoptable(tmp_path) == []
+    assert load_records(tmp_path) == []
+
+
+def test_unreadable_record_is_skipped(tmp_path: Path) -> None:
+    d = replica_dir(tmp_path, "bad")
+    d.mkdir(parents=True)
+    (d / "record.json").write_text("{not json")
+    assert load_records(tmp_path) == []
+
+
+def test_replica_dir_refuses_paths(tmp_path: Path) -> None:
+    for bad in ("", "..", "a/b"):
+        with pytest.raises(ValueError, match="cannot be a directory name"):
+            replica_dir(tmp_path, bad)
+
+
+def test_stop_all_engines_stops_recorded_groups_only(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    # The engine and a child of it in its group (vLLM keeps workers there).
+    engine = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        time.sleep(0.2)
+        members = psutil.Process(engine.pid).children()
+        assert members
+        write_record(tmp_path, record_for(engine, "e1"))
+        write_record(tmp_path, record_for(sleeper, "stranger", create_time=0.0))
+        assert stop_all_engines(tmp_path, grace_s=5) == [engine.pid]
+        engine.wait(timeout=5)
+        assert not any(m.is_running() and m.status() != psutil.STATUS_ZOMBIE for m in members)
+        assert sleeper.poll() is None
+        assert load_records(tmp_path) == []
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+def test_sigkill_after_grace(tmp_path: Path) -> None:
+    stubborn = subprocess.Popen(
+        ["sh", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], start_new_session=True
+    )
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert stop_process_group(stubborn.pid, grace_s=0.5, reap=False)
+    assert stubborn.wait(timeout=5) == -9
+    assert time.monotonic() - started < 5
+
+
+def test_stop_of_a_gone_group_is_false() -> None:
+    proc = subprocess.Popen(["true"], start_new_session=True)
+    proc.wait()
+    assert stop_process_group(proc.pid, grace_s=0.1) is False
