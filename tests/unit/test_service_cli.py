@@ -1,0 +1,99 @@
+"""``llmgw service …`` driven through the real CLI, on llmgw's own supervisor in a temp LLMGW_ROOT."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from llmgw.cli.main import app
+from llmgw.paths import Paths
+from llmgw.service.manager import SupervisorManager
+from llmgw.service.units import SERVICES
+
+SLEEPER = "import time; print('hello from the service', flush=True); time.sleep(60)"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    manager = SupervisorManager(Paths.from_env(tmp_path))
+    for name in SERVICES:
+        manager.stop(name)
+
+
+def llmgw(root: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["service", *args], env={"LLMGW_ROOT": str(root)})
+    return result.exit_code, result.output
+
+
+def install(root: Path, name: str, code: str) -> None:
+    exec_start = shlex.join([sys.executable, "-c", code])
+    body = f"[Service]\nExecStart={exec_start}\nRestart=on-failure\nRestartSec=50ms\n"
+    SupervisorManager(Paths.from_env(root)).install(name, body)
+
+
+def test_status_of_a_fresh_root(root: Path) -> None:
+    code, out = llmgw(root, "status", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == list(SERVICES)
+    assert {(r["state"], r["manager"]) for r in rows} == {("unknown", "supervisor")}
+
+    code, out = llmgw(root, "status")
+    assert code == 0
+    assert "llmgw-mirror" in out
+    assert "supervisor" in out
+
+
+def test_start_status_logs_stop(root: Path) -> None:
+    install(root, "agent", SLEEPER)
+    code, out = llmgw(root, "start", "agent")
+    assert code == 0, out
+    assert out.startswith("started llmgw-agent (supervisor, pid ")
+
+    code, out = llmgw(root, "start", "agent")
+    assert (code, out.split(" (")[0]) == (0, "already running: llmgw-agent")
+
+    code, out = llmgw(root, "status", "agent", "--json")
+    [row] = json.loads(out)
+    assert row["state"] == "running"
+    pid = row["pid"]
+    assert psutil.pid_exists(pid)
+
+    code, out = llmgw(root, "logs", "agent", "-n", "5")
+    assert code == 0
+    assert "hello from the service" in out
+
+    code, out = llmgw(root, "stop")
+    assert code == 0
+    assert out.splitlines() == [
+        "not running: llmgw-server",
+        "stopped llmgw-agent",
+        "not running: llmgw-mirror",
+    ]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_errors_are_one_line_and_an_exit_code(root: Path) -> None:
+    code, out = llmgw(root, "start", "gateway")
+    assert code == 1
+    assert "Error: unknown service 'gateway'; the services are server, agent, mirror" in out
+
+    code, out = llmgw(root, "start", "server")
+    assert code == 1
+    assert "'llmgw server init' writes it" in out
+    assert "Traceback" not in out
+
+
+def test_stop_engines(root: Path) -> None:
+    pytest.importorskip("llmgw.agent.records")
+    code, out = llmgw(root, "stop", "agent", "--engines")
+    assert code == 0, out
+    assert out.splitlines() == ["not running: llmgw-agent", "stopped 0 engine(s)"]
