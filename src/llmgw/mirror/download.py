@@ -75,14 +75,17 @@ class _Partial:
 
     @classmethod
     def open(cls, path: pathlib.Path) -> _Partial:
-        """Open (or create) the partial file and hash what is already in it (blocking)."""
+        """Open (or create) the partial file. Opening is one quick syscall, done on the loop: a
+        file opened in a worker thread would leak if the download were cancelled meanwhile."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = cls(path, open(path, "a+b"))  # noqa: SIM115 - lives across tries, closed in close()
-        part.fh.seek(0)
-        while block := part.fh.read(CHUNK_BYTES):
-            part.sha.update(block)
-            part.done += len(block)
-        return part
+        return cls(path, open(path, "a+b"))  # lives across tries; closed by close()
+
+    def hash_existing(self) -> None:
+        """Hash the bytes an earlier run left (blocking: run in a worker thread)."""
+        self.fh.seek(0)
+        while block := self.fh.read(CHUNK_BYTES):
+            self.sha.update(block)
+            self.done += len(block)
 
     def restart(self) -> None:
         """Throw the bytes away: the server will send the file from its start."""
@@ -132,11 +135,15 @@ async def download(
             deleted), or the file cannot be written.
     """
     try:
-        part = await asyncio.to_thread(_Partial.open, partial_path(dest))
+        part = _Partial.open(partial_path(dest))
     except OSError as e:
         raise MirrorError(f"cannot write {partial_path(dest)} for {url}: {e}") from e
     server_sha = ""
     try:
+        try:
+            await asyncio.to_thread(part.hash_existing)
+        except OSError as e:
+            raise MirrorError(f"cannot read {part.path} for {url}: {e}") from e
         attempt = 0
         while True:
             try:

@@ -268,9 +268,13 @@ def _check_space(directory: pathlib.Path, needed: int, what: str) -> None:
 
 
 async def _copy(src: pathlib.Path, dest: pathlib.Path, progress: Callable[[int, int | None], None]) -> str:
-    """Copy ``src`` to ``dest`` via a hidden partial name, hashing as it goes; return the sha256."""
+    """Copy ``src`` to ``dest`` via a hidden partial name, hashing as it goes; return the sha256.
+
+    Files are opened on the loop (one quick syscall each): opened in a worker thread, they would
+    leak when the fetch is cancelled meanwhile. Reading, hashing and writing run in a thread.
+    """
     try:
-        fin, size = await asyncio.to_thread(_open_source, src)
+        fin = open(src, "rb")  # noqa: ASYNC230, SIM115 - see the docstring; closed by the with below
     except OSError as e:
         raise MirrorError(
             f"file:{src} cannot be read on the mirror's machine ({e.strerror}); copy the file there first"
@@ -279,28 +283,19 @@ async def _copy(src: pathlib.Path, dest: pathlib.Path, progress: Callable[[int, 
     sha = hashlib.sha256()
     done = 0
     try:
-        progress(0, size)
-        fout: BinaryIO = await asyncio.to_thread(open, part, "wb")
-        try:
+        with fin, open(part, "wb") as fout:  # noqa: ASYNC230 - see the docstring
+            size = os.fstat(fin.fileno()).st_size
+            progress(0, size)
             while n := await asyncio.to_thread(_copy_step, fin, fout, sha):
                 done += n
                 progress(done, size)
             await asyncio.to_thread(_sync, fout)
-        finally:
-            fout.close()
     except BaseException:
         part.unlink(missing_ok=True)
         raise
-    finally:
-        fin.close()
     os.replace(part, dest)
     fsync_dir(dest.parent)
     return sha.hexdigest()
-
-
-def _open_source(src: pathlib.Path) -> tuple[BinaryIO, int]:
-    fin = open(src, "rb")  # noqa: SIM115 - the caller closes it; it spans awaits
-    return fin, os.fstat(fin.fileno()).st_size
 
 
 def _copy_step(fin: BinaryIO, fout: BinaryIO, sha: hashlib._Hash) -> int:
