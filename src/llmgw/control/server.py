@@ -1,0 +1,205 @@
+"""The control plane process (``llmgw server run``): store, leader loop, admin API, agent API, gateway.
+
+:func:`serve` starts, in this order:
+
+1. the **store** (SQLite WAL by default, ``store.url`` otherwise; migrations applied at open);
+2. the three **listeners**: admin API on ``admin_listen`` (bearer token), agent API on
+   ``agent_listen`` (TLS, client certificates from the cluster CA), gateway on ``gateway.listen``
+   (API keys from ``gateway.keys_file``). All three bind before anything is served, so a port
+   already taken stops the process with a :class:`~llmgw.errors.PortInUseError` naming it, and
+   nothing half-started stays behind;
+3. the **leader** loop (with SQLite this process is the leader).
+
+It runs until SIGTERM/SIGINT or ``stop`` is set, then closes the listeners (in-flight requests get
+aiohttp's shutdown grace), the leader and the store.
+
+The pieces are wired with events, not timers: a heartbeat refreshes the routing table and, when
+something changed, wakes the leader; an admin write wakes the leader; a leader pass that changed
+replicas refreshes the routing table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from llmgw.config import ServerConfig, load_server_config, parse_listen
+from llmgw.control.adminapi import build_admin_app
+from llmgw.control.agentapi import agent_ssl_context, build_agent_app
+from llmgw.control.leader import Leader
+from llmgw.control.routing_table import StoreRouter
+from llmgw.control.store import Store, default_url
+from llmgw.errors import ConfigError, PkiError, PortInUseError
+from llmgw.paths import Paths
+
+log = logging.getLogger(__name__)
+
+
+def read_admin_token(config: ServerConfig, config_path: Path) -> str:
+    """The admin token (first line of its file, stripped).
+
+    Raises:
+        ConfigError: the file is missing, unreadable or empty.
+    """
+    path = config.admin_token_path(config_path)
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"the admin token file {path} does not exist; run 'llmgw server init' or set admin_token_file"
+        ) from e
+    except OSError as e:
+        raise ConfigError(f"the admin token file {path} cannot be read: {e.strerror}") from e
+    if not token:
+        raise ConfigError(f"the admin token file {path} is empty; put a long random token in it (mode 0600)")
+    return token.splitlines()[0].strip()
+
+
+def read_gateway_keys(config: ServerConfig) -> set[str]:
+    """API keys from ``gateway.keys_file``: one per line, blank lines and ``#`` comments skipped.
+    No file configured: no keys (only loopback clients, when ``allow_loopback_without_key``).
+
+    Raises:
+        ConfigError: the file is configured but cannot be read.
+    """
+    path = config.gateway.keys_file
+    if path is None:
+        return set()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(
+            f"gateway.keys_file {path} cannot be read ({e.strerror}); create it with one key per line "
+            "or remove the setting"
+        ) from e
+    return {s for line in lines if (s := line.strip()) and not s.startswith("#")}
+
+
+def _tls(config: ServerConfig) -> ssl.SSLContext:
+    try:
+        return agent_ssl_context(config)
+    except (OSError, ssl.SSLError) as e:
+        raise PkiError(
+            f"the agent API's TLS files (tls.ca {config.tls.ca}, tls.cert {config.tls.cert}, "
+            f"tls.key {config.tls.key}) cannot be loaded: {e}; run 'llmgw server init' to create them"
+        ) from e
+
+
+async def _start(
+    app: web.Application,
+    listen: str,
+    setting: str,
+    config_path: Path,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, tuple[str, int]]:
+    """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``."""
+    host, port = parse_listen(listen)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"{setting} {listen}: port {port} is already in use by another program; stop it "
+                f"(e.g. 'ss -ltnp sport = :{port}') or change {setting} in {config_path}"
+            ) from e
+        raise PortInUseError(f"{setting} {listen}: cannot listen on {host}:{port}: {e.strerror}") from e
+    bound = runner.addresses[0]
+    return runner, (str(bound[0]), int(bound[1]))
+
+
+def _gateway_app(router: StoreRouter, config: ServerConfig) -> web.Application:
+    # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
+    # listeners and the tests of this module do not need.
+    from llmgw.control.gateway import build_gateway_app  # noqa: PLC0415
+
+    return build_gateway_app(
+        router,
+        keys=read_gateway_keys(config),
+        allow_loopback_without_key=config.gateway.allow_loopback_without_key,
+    )
+
+
+async def serve(
+    config_path: Path,
+    paths: Paths,
+    *,
+    stop: asyncio.Event | None = None,
+    on_started: Callable[[dict[str, tuple[str, int]]], None] | None = None,
+) -> None:
+    """Run the control plane until SIGTERM/SIGINT or ``stop`` is set.
+
+    Args:
+        config_path: server.yaml.
+        paths: the file layout (the SQLite database is ``paths.database`` unless ``store.url`` is set).
+        stop: set it to shut down (tests); signals set it too when running in the main thread.
+        on_started: called once every listener is bound, with ``{"admin_listen": (host, port),
+            "agent_listen": …, "gateway.listen": …}`` (ports as bound: ``:0`` picks a free one).
+
+    Raises:
+        ConfigError: server.yaml, the admin token or the keys file is invalid.
+        PkiError: the TLS files cannot be loaded.
+        PortInUseError: a listen port is taken; the message names the setting.
+        StoreError: the database cannot be opened.
+    """
+    config = load_server_config(config_path)
+    token = read_admin_token(config, config_path)
+    tls = _tls(config)
+    stop = stop or asyncio.Event()
+    store = Store.open(default_url(config.store.url, paths.database))
+    router = StoreRouter(store)
+    leader = Leader(store, node_lost_after_s=config.node_lost_after_s, on_change=router.refresh)
+
+    def admin_changed() -> None:
+        router.refresh()
+        leader.wake()
+
+    def heartbeat(_node: str, changed: bool) -> None:
+        router.refresh()
+        if changed:
+            leader.wake()
+
+    runners: list[web.AppRunner] = []
+    loop = asyncio.get_running_loop()
+    signals: list[signal.Signals] = []
+    try:
+        bound: dict[str, tuple[str, int]] = {}
+        apps = [
+            (
+                "admin_listen",
+                config.admin_listen,
+                build_admin_app(store, token=token, on_change=admin_changed),
+                None,
+            ),
+            ("agent_listen", config.agent_listen, build_agent_app(store, on_heartbeat=heartbeat), tls),
+            ("gateway.listen", config.gateway.listen, _gateway_app(router, config), None),
+        ]
+        for setting, listen, app, ctx in apps:
+            runner, addr = await _start(app, listen, setting, config_path, ctx)
+            runners.append(runner)
+            bound[setting] = addr
+            log.info("%s on %s:%d", setting, *addr)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, stop.set)
+                signals.append(sig)
+        if on_started is not None:
+            on_started(bound)
+        await leader.run(stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        for runner in reversed(runners):
+            await runner.cleanup()
+        store.close()
