@@ -451,3 +451,18 @@ def test_pick_manager(tmp_path: Path) -> None:
     assert pick_manager(Paths(Path("/")), init_comm=other).kind == "supervisor"
     assert pick_manager(Paths(Path("/")), init_comm=tmp_path / "missing").kind == "supervisor"
     assert pick_manager(Paths.from_env(tmp_path), init_comm=systemd).kind == "supervisor"  # LLMGW_ROOT
+
+
+def test_logs_tail_and_follow(manager: SupervisorManager) -> None:
+    log = manager.files("agent").log
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert manager.logs("agent", 3) == "line 97\nline 98\nline 99\n"
+    assert manager.logs("server") == ""  # no log yet
+
+    follow = manager.follow("agent", 2, poll=0.01)
+    assert next(follow) == "line 98\nline 99\n"
+    with log.open("a") as f:
+        f.write("line 100\n")
+    assert next(follow) == "line 100\n"
+    follow.close()

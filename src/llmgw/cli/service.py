@@ -6,13 +6,10 @@ The manager is :func:`llmgw.service.manager.pick_manager`'s: systemd when it is 
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -99,10 +96,8 @@ def stop(
         stopped = manager.stop(name)
         print(f"{'stopped' if stopped else 'not running:'} {unit_name(name)}")
     if engines:
-        # Imported here: the agent package is large and only this flag needs it. Looked up by name
-        # so this module type-checks whether or not the agent's records module is present yet.
-        records = importlib.import_module("llmgw.agent.records")
-        stop_all_engines: Callable[[Path], list[int]] = records.stop_all_engines
+        from llmgw.agent.records import stop_all_engines  # noqa: PLC0415  (only this flag needs the agent)
+
         pids = stop_all_engines(paths().agent_state)
         print(f"stopped {len(pids)} engine(s)" + (f": pid {', '.join(map(str, pids))}" if pids else ""))
 
