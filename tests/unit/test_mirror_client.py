@@ -1,0 +1,167 @@
+"""MirrorClient (sync httpx) against a real mirror running in a background thread, plus `mirror serve`.
+
+The mirror runs its own event loop in a thread so the synchronous client can call it over real
+HTTP; malformed answers go through the client's transport seam (httpx.MockTransport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from llmgw.cli.main import app
+from llmgw.errors import ApiError, UnreachableError
+from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.models import FetchStatus
+from llmgw.mirror.server import MirrorServer
+
+DATA = os.urandom(100_000)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+class ThreadedMirror:
+    def __init__(self, root: pathlib.Path) -> None:
+        self.server = MirrorServer(
+            root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="http://m.test:8081"
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> ThreadedMirror:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.server.api_port}"
+
+
+@pytest.fixture
+def mirror(tmp_path: pathlib.Path) -> Iterator[ThreadedMirror]:
+    with ThreadedMirror(tmp_path / "store") as m:
+        yield m
+
+
+def _wait(c: MirrorClient, model: str, version: str) -> FetchStatus:
+    for _ in range(500):
+        st = c.status(model, version)
+        if st.state != "fetching":
+            return st
+        time.sleep(0.01)
+    raise AssertionError("still fetching")
+
+
+def test_fetch_status_files(mirror: ThreadedMirror, tmp_path: pathlib.Path) -> None:
+    src = tmp_path / "m.gguf"
+    src.write_bytes(DATA)
+    with MirrorClient(mirror.api) as c:
+        c.health()
+        with pytest.raises(ApiError) as ei:
+            c.status("gemma", "1")
+        assert ei.value.status == 404
+        assert ei.value.code == "not_found"
+        first = c.fetch(f"file:{src}", "gemma", "1")
+        assert first.model == "gemma"
+        st = _wait(c, "gemma", "1")
+        assert st.state == "present"
+        assert st.sha256 == SHA
+        assert st.url == "http://m.test:8081/gemma/1/m.gguf"
+        assert c.fetch(f"file:{src}", "gemma", "1").state == "present"
+        assert [f.sha256 for f in c.files()] == [SHA]
+
+
+def test_api_errors_carry_status_and_code(mirror: ThreadedMirror) -> None:
+    with MirrorClient(mirror.api) as c, pytest.raises(ApiError) as ei:
+        c.fetch("s3://bucket/m.gguf", "m", "1")
+    assert ei.value.status == 400
+    assert ei.value.code == "bad_source"
+    assert "cannot turn 's3://bucket/m.gguf' into a download" in str(ei.value)
+
+
+def test_unreachable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connection refused
+        with MirrorClient(f"http://127.0.0.1:{port}", timeout=2) as c, pytest.raises(UnreachableError) as ei:
+            c.health()
+    assert f"127.0.0.1:{port} does not answer" in str(ei.value)
+
+
+def test_malformed_answers_through_transport_seam() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/health":
+            return httpx.Response(200, json={"status": "starting"})
+        return httpx.Response(200, json={"model": "m"})
+
+    with MirrorClient("http://mirror", transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(UnreachableError, match="health check"):
+            c.health()
+        with pytest.raises(ApiError, match="cannot read"):
+            c.status("m", "1")
+
+
+def test_cli_port_in_use_is_an_error_naming_the_flag(tmp_path: pathlib.Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(
+            app,
+            ["mirror", "serve", "--dir", str(tmp_path), "--listen", f"127.0.0.1:{port}",
+             "--api-listen", "127.0.0.1:0", "--base", "http://x:8081"],
+        )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert f"Error: port {port} (--listen 127.0.0.1:{port}) is already in use" in r.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.e2e
+def test_serve_process_answers_and_exits_cleanly_on_sigterm(tmp_path: pathlib.Path) -> None:
+    api = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "mirror", "serve", "--dir", str(tmp_path / "store"),
+         "--listen", f"127.0.0.1:{_free_port()}", "--api-listen", f"127.0.0.1:{api}", "--base", "http://x:8081"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        with MirrorClient(f"http://127.0.0.1:{api}", timeout=1) as c:
+            for _ in range(100):
+                try:
+                    c.health()
+                    break
+                except UnreachableError:
+                    time.sleep(0.1)
+            else:
+                raise AssertionError("mirror serve never answered")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.decode()
