@@ -184,7 +184,7 @@ def test_store_router_caches_resolves_aliases_and_explains(tmp_path: Path) -> No
     assert route is not None
     assert route.model == "chat"
     assert route.upstreams == ()
-    assert route.unavailable == "model 'chat' has no replica: it has not been placed yet"
+    assert route.unavailable == "it has not been placed on a node yet"
 
     store.add_model(judge, now=1.0)
     store.set_explanation(
@@ -204,7 +204,7 @@ def test_store_router_caches_resolves_aliases_and_explains(tmp_path: Path) -> No
     router.refresh()  # a heartbeat arrived: no waiting for the 0.5 s
     route = router.resolve("chat")
     assert route is not None
-    assert route.unavailable == "model 'chat' has no replica: 0/1 nodes can run it: 1 node lost"
+    assert route.unavailable == "0/1 nodes can run it: 1 node lost"
     assert router.resolve("judge") is None  # guard models are not offered to clients
     judge_route = router.resolve_any("judge")
     assert judge_route is not None
@@ -225,7 +225,5 @@ def test_store_router_caches_resolves_aliases_and_explains(tmp_path: Path) -> No
     router.refresh()
     route = router.resolve("chat")
     assert route is not None
-    assert (
-        route.unavailable == "model 'chat' is not ready yet: replicas failed (error: cannot bind <internal>)"
-    )
+    assert route.unavailable == "no replica is ready yet (failed (error: cannot bind <internal>))"
     store.close()

@@ -43,19 +43,19 @@ class _Snapshot:
     built_at: float = float("-inf")
 
 
-def unavailable_reason(model: Model, replicas: list[ReplicaRow], summary: str) -> str:
+def unavailable_reason(replicas: list[ReplicaRow], summary: str) -> str:
     """Why a model has no ready replica, for a client: placement's summary when nothing is placed,
-    else the replicas' states and last errors; never an internal address."""
+    else the replicas' states and last errors; never an internal address. The gateway prefixes
+    the model's name (``model 'x' is not available: <this>``)."""
     if not replicas:
-        why = summary or "it has not been placed yet"
-        return f"model '{model.name}' has no replica: {_scrub(why)}"
+        return _scrub(summary) if summary else "it has not been placed on a node yet"
     parts = []
     for r in replicas:
         text = r.state
         if r.state == ReplicaState.FAILED and r.err:
             text += f" ({_scrub(r.err.strip().splitlines()[-1])})"
         parts.append(text)
-    return f"model '{model.name}' is not ready yet: replicas {', '.join(parts)}"
+    return f"no replica is ready yet ({', '.join(parts)})"
 
 
 def build_routes(
@@ -76,7 +76,7 @@ def build_routes(
         routes[m.name] = Route(
             model=m.name,
             upstreams=ready,
-            unavailable="" if ready else unavailable_reason(m, mine, summaries.get(m.name, "")),
+            unavailable="" if ready else unavailable_reason(mine, summaries.get(m.name, "")),
             context_length=m.context_length,
             max_output=m.max_output,
             created=int(created.get(m.name, 0)),
