@@ -466,3 +466,13 @@ def test_logs_tail_and_follow(manager: SupervisorManager) -> None:
         f.write("line 100\n")
     assert next(follow) == "line 100\n"
     follow.close()
+
+
+def test_a_program_that_cannot_be_executed_fails(manager: SupervisorManager, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-program"
+    manager.install("agent", f"[Service]\nExecStart={missing}\nRestart=no\n")
+    manager.start("agent")
+    wait_for("the supervisor to end", lambda: read_pid(manager.files("agent").pid) is None)
+    st = manager.status("agent")
+    assert (st.state, st.detail) == ("failed", "could not be executed (see the log)")
+    assert f"cannot start {missing}" in manager.logs("agent")

@@ -234,6 +234,13 @@ _launched: dict[int, subprocess.Popen[bytes]] = {}
 """Supervisors this process started, so it can reap them (a long-lived caller, such as a test)."""
 
 
+def _reap() -> None:
+    """Collect supervisors this process started that have ended since (no zombies left behind)."""
+    for pid, proc in list(_launched.items()):
+        if proc.poll() is not None:
+            del _launched[pid]
+
+
 def _gone(proc: psutil.Process) -> bool:
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
@@ -299,6 +306,7 @@ class SupervisorManager:
     def files(self, name: str) -> ServiceFiles:
         """The supervisor's files for ``name``."""
         check_service(name)
+        _reap()
         return ServiceFiles(self.paths.supervisor, name)
 
     def install(self, name: str, body: str) -> bool:

@@ -219,8 +219,6 @@ def describe_exit(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
-    if returncode == EXEC_FAILED:
-        return "could not be executed"
     return f"exit code {returncode}"
 
 
@@ -352,8 +350,8 @@ class Supervisor:
         self._install_signals()
         final = SupervisorState("failed", detail="the supervisor itself failed; see the log")
         with lock, self.files.log.open("ab") as self._log:
+            self._state("starting")  # before the pid file: a new pid never pairs with an old state
             write_pid(self.files.pid, os.getpid())
-            self._state("starting")
             try:
                 final = self._loop()
             finally:
@@ -378,7 +376,7 @@ class Supervisor:
                     break
                 rc = waited
             self.files.child_pid.unlink(missing_ok=True)
-            how = describe_exit(rc)
+            how = "could not be executed (see the log)" if proc is None else describe_exit(rc)
             if not should_restart(self.spec.restart, rc):
                 self.say(f"program ended: {how}; Restart={self.spec.restart}, not restarting")
                 clean = not should_restart("on-failure", rc)
