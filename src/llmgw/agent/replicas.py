@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -95,7 +96,7 @@ def host_port(host: str, port: int) -> str:
 
 
 def describe_exit(returncode: int | None) -> str:
-    """``"with exit code 1"``, ``"killed by signal SIGKILL (9)"``, or unknown (an adopted engine)."""
+    """``"with code 1"``, ``"on signal SIGKILL (9)"``, or unknown (an adopted engine)."""
     if returncode is None:
         return "(exit status unknown: it was started by an earlier agent)"
     if returncode < 0:
@@ -104,8 +105,32 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             name = "signal"
         hint = " (out of memory? see the kernel log)" if -returncode == signal.SIGKILL else ""
-        return f"killed by signal {name} ({-returncode}){hint}"
-    return f"with exit code {returncode}"
+        return f"on signal {name} ({-returncode}){hint}"
+    return f"with code {returncode}"
+
+
+_CAUSES = re.compile(
+    r"error loading model: .*|error while handling argument.*|couldn't bind HTTP server socket.*"
+    r"|failed to allocate .*|out of memory.*|failed to create_context.*|GGML_ASSERT.*|failed to load model.*",
+)
+
+
+def headline(tail: str) -> str:
+    """The line of an engine log that says why it failed (llama-server's own words), or ``""``."""
+    for line in tail.splitlines():
+        m = _CAUSES.search(line)
+        if m:
+            return m.group(0).strip()
+    return ""
+
+
+def _exit_message(code: int | None, when: str, tail: str) -> str:
+    cause = headline(tail)
+    return (
+        f"llama-server exited {describe_exit(code)} {when}"
+        + (f": {cause}" if cause else "")
+        + (f"; its last lines:\n{tail}")
+    )
 
 
 def log_tail(path: Path, offset: int = 0, lines: int = TAIL_LINES) -> str:
@@ -311,9 +336,9 @@ class ReplicaRunner:
             key_file=key_file,
         )
         with self.log_path.open("ab") as logf:
-            self._log_offset = logf.seek(0, os.SEEK_END)
             logf.write(f"--- llmgw agent: starting {' '.join(_redact(argv, self.spec.key))}\n".encode())
             logf.flush()
+            self._log_offset = logf.tell()
             try:
                 self._proc = subprocess.Popen(
                     argv,
@@ -363,9 +388,7 @@ class ReplicaRunner:
                 drop_record(self.env.agent_state, self.spec.id)
                 if llamacpp.BIND_FAILED.search(tail):
                     return False
-                raise _Failed(
-                    f"llama-server exited {describe_exit(code)} before it was ready; its last lines:\n{tail}"
-                )
+                raise _Failed(_exit_message(code, "before it was ready", tail))
             if await self._health() == 200:
                 log.info(
                     "replica %s: ready on %s", self.spec.id, host_port(self.env.advertise_address, self.port)
@@ -387,10 +410,7 @@ class ReplicaRunner:
             exited, code = self._exited()
             if exited:
                 drop_record(self.env.agent_state, self.spec.id)
-                raise _Failed(
-                    f"llama-server exited {describe_exit(code)} while serving; "
-                    f"its last lines:\n{self._tail()}"
-                )
+                raise _Failed(_exit_message(code, "while serving", self._tail()))
 
     async def _health(self) -> int | None:
         url = f"http://{host_port(self.env.probe_host, self.port)}/health"
