@@ -18,6 +18,12 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _group() -> None:
+    """The control plane: run it, or make this machine a whole llmgw (init)."""
+    # A callback keeps `server` a group even while `run` is its only command.
+
+
 @app.command("run")
 @cli_errors
 def run(
