@@ -360,3 +360,24 @@ async def test_port_in_use_names_port_and_flag(tmp_path: pathlib.Path) -> None:
                 await server.start()
             assert str(port) in str(ei.value)
             assert flag in str(ei.value)
+
+
+async def test_refetch_from_another_source_does_not_resume_stale_bytes(
+    tmp_path: pathlib.Path, src: pathlib.Path
+) -> None:
+    root = tmp_path / "store"
+    vdir = root / "x" / "1"
+    vdir.mkdir(parents=True)
+    (vdir / partial_path(pathlib.Path("model.gguf")).name).write_bytes(b"junk from the old source")
+    Store(root).write(
+        "x", "1",
+        Manifest(file="model.gguf", source="http://old.test/model.gguf", state="failed", err="gone",
+                 updated_at=datetime.now(UTC)),
+        durable=False,
+    )  # fmt: skip
+    async with Mirror(root) as m:
+        await m.post_fetch(f"file:{src}")
+        await m.wait()
+        status, _ = await m.post_fetch(f"{m.files}/gemma/1/model.gguf", "x", "1")
+        assert status == 202
+        assert (await m.wait("x", "1")).sha256 == SHA

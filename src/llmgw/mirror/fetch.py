@@ -4,7 +4,8 @@ Each pass of a fetch, in order:
 
 1. ``POST /api/v1/fetch`` reaches :meth:`Fetcher.fetch`. A ``model/version`` that is already
    present is answered at once; one that is being fetched is joined (two requests share one
-   download); a failed one is tried again. Asking for an existing ``model/version`` from another
+   download); a failed one is tried again (from the partial file when the source is the same,
+   from scratch when it is another). Asking for an existing ``model/version`` from another
    source is a :class:`SourceConflict`: a version names one set of bytes.
 2. The manifest is written ``fetching`` (durably) before any byte moves, so a restart knows to
    resume it: :meth:`Fetcher.start` relaunches every ``fetching`` manifest it finds.
@@ -145,6 +146,10 @@ class Fetcher:
                     f"{entry.manifest.source}, not {req.source}; give the new source a new version"
                 )
             return self._view(entry), entry.manifest.state != "present"
+        if entry is not None and entry.manifest.source != req.source:
+            # Bytes a failed fetch of another source left must not be resumed as this one.
+            stale = partial_path(self.store.version_dir(req.model, req.version) / entry.manifest.file)
+            stale.unlink(missing_ok=True)
         manifest = Manifest(file=file, source=req.source, state="fetching", updated_at=_now())
         entry = _Entry(req.model, req.version, manifest)
         self._entries[req.model, req.version] = entry
