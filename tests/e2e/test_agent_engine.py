@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,3 +197,16 @@ async def test_engine_killed_while_serving_is_reported(world: World) -> None:
     assert "while serving" in runner.err
     assert load_records(world.state) == []
     await runner.stop()
+
+
+async def test_taken_port_is_retried_with_another(world: World) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1]])
+        world.env.port_picker = lambda host: next(picks, None) or llamacpp.free_port(host)
+        runner = ReplicaRunner(gemma_spec(world, "r-port"), world.env)
+        runner.start()
+        assert await runner.wait_settled() == ReplicaState.READY, runner.err
+        assert runner.port != taken.getsockname()[1]
+        await runner.stop()

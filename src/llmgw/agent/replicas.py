@@ -164,6 +164,7 @@ class RunnerEnv:
         watch_interval_s: seconds between checks that a ready engine still runs.
         stop_grace_s: SIGTERM → SIGKILL grace.
         clock: monotonic seconds (a seam).
+        port_picker: picks the engine's port on an address (a seam; default: bind port 0).
         base_env: the environment engines inherit before scrubbing.
     """
 
@@ -181,6 +182,7 @@ class RunnerEnv:
     watch_interval_s: float = 1.0
     stop_grace_s: float = STOP_GRACE_S
     clock: Callable[[], float] = time.monotonic
+    port_picker: Callable[[str], int] = llamacpp.free_port
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
     @property
@@ -323,7 +325,7 @@ class ReplicaRunner:
         self.dir.mkdir(parents=True, exist_ok=True)
         key_file = self.dir / "api-key"
         write_private(key_file, self.spec.key + "\n")
-        self.port = llamacpp.free_port(env.advertise_address)
+        self.port = env.port_picker(env.advertise_address)
         argv = llamacpp.build_argv(
             server,
             self.spec,
