@@ -16,11 +16,9 @@ from llmgw.service.manager import pick_manager
 
 def _gpu_classes() -> list[str]:
     """This machine's GPU classes, asked of the agent's discovery; none is an answer."""
-    try:
-        from llmgw.agent.discovery import gpu_classes
-    except ImportError:
-        return []
-    return list(gpu_classes())
+    from llmgw.agent.discovery import discover_gpus
+
+    return sorted({g.klass for g in discover_gpus()})
 
 
 @cli_errors

@@ -713,8 +713,6 @@ class ServerInit:
 
 
 def _has_nvidia_device() -> bool:
-    try:
-        from llmgw.agent.discovery import has_nvidia_device
-    except ImportError:
-        return False
-    return bool(has_nvidia_device())
+    from llmgw.agent.discovery import has_nvidia_device
+
+    return has_nvidia_device()
