@@ -6,6 +6,7 @@ Fake llama-servers (``test_gateway_fakes``) stand in for engines; the gateway ge
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 
 from llmgw.control.gateway import build_gateway_app, is_loopback
 from llmgw.control.gateway_inspect import Exchange, Refusal, StreamInspector
+from llmgw.control.gateway_upstream import ModelRewriter
 from llmgw.control.routing import Route, StaticRouter, Upstream
 from tests.unit.test_gateway_fakes import ServerThread, completion, fake_llama, free_port, stream_events
 
@@ -55,6 +57,7 @@ class Env:
     open_url: str
     endpoints: list[str]
     secrets: list[str]
+    notes: list[str]
     exchanges: list[Exchange] = field(default_factory=list)
 
     def post(self, body: Any, key: str | None = KEY, url: str | None = None) -> httpx.Response:
@@ -74,8 +77,10 @@ def _chat(model: str, text: str = "hi", **extra: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
     servers = ServerThread()
-    a = servers.serve(fake_llama("replica-a", "key-a"))
+    notes: list[str] = []
+    a = servers.serve(fake_llama("replica-a", "key-a", notes))
     b = servers.serve(fake_llama("replica-b", "key-b"))
+    c = servers.serve(fake_llama("replica-c", "key-c", model_path="/srv/node/cache/c.gguf"))
     ua = Upstream("r-a", f"127.0.0.1:{a}", "key-a")
     ub = Upstream("r-b", f"127.0.0.1:{b}", "key-b")
     dead = Upstream("r-dead", f"127.0.0.1:{free_port()}", "key-dead")
@@ -87,6 +92,7 @@ def env() -> Iterator[Env]:
             "failover": Route("failover", (dead, ub)),
             "alldead": Route("alldead", (dead, dead2)),
             "badkey": Route("badkey", (Upstream("r-x", ua.endpoint, "wrong-key"),)),
+            "pathy": Route("pathy", (Upstream("r-c", f"127.0.0.1:{c}", "key-c"),)),
             "down": Route("down", (), unavailable="no replica is ready: 1 starting on node-1"),
         },
         aliases={"g": "gemma"},
@@ -101,7 +107,8 @@ def env() -> Iterator[Env]:
         url=f"http://127.0.0.1:{port}",
         open_url=f"http://127.0.0.1:{open_port}",
         endpoints=[u.endpoint for u in (ua, ub, dead, dead2)],
-        secrets=["key-a", "key-b", "key-dead", "wrong-key"],
+        secrets=["key-a", "key-b", "key-c", "key-dead", "wrong-key", ".gguf"],
+        notes=notes,
         exchanges=exchanges,
     )
     servers.close()
@@ -191,7 +198,15 @@ def test_models_list_shape(env: Env) -> None:
     r = httpx.get(f"{env.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     body = r.json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["alldead", "badkey", "down", "failover", "gemma", "pair"]
+    assert [m["id"] for m in body["data"]] == [
+        "alldead",
+        "badkey",
+        "down",
+        "failover",
+        "gemma",
+        "pair",
+        "pathy",
+    ]
     assert body["data"][4] == {"id": "gemma", "object": "model", "created": 1700000000, "owned_by": "llmgw"}
 
 
@@ -203,7 +218,7 @@ def test_unknown_model_404_names_known_ones(env: Env) -> None:
     assert err["type"] == "invalid_request_error"
     assert (
         err["message"]
-        == "model 'nope' does not exist; known models: alldead, badkey, down, failover, gemma, pair"
+        == "model 'nope' does not exist; known models: alldead, badkey, down, failover, gemma, pair, pathy"
     )
 
 
@@ -269,6 +284,31 @@ def test_stream_is_relayed_byte_exact(env: Env) -> None:
     assert got == b"".join(stream_events("gemma", "replica-a"))
 
 
+def test_model_path_of_the_engine_never_reaches_the_client(env: Env) -> None:
+    plain = env.post(_chat("pathy"))
+    assert plain.json()["model"] == "pathy"
+    r = env.post(_chat("pathy", stream=True))
+    assert ".gguf" not in r.text
+    events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e and "[DONE]" not in e]
+    assert len(events) == 6
+    assert {e["model"] for e in events} == {"pathy"}
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Hello from replica-c!"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "out"),
+    [
+        ([b'data: {"model":"/a/b.gguf","x":1}\n\n'], b'data: {"model":"gm","x":1}\n\n'),
+        ([b'data: {"mod', b'el": "/a/b', b'.gguf"}\r\n\r\n'], b'data: {"model":"gm"}\r\n\r\n'),
+        ([b'data: {"model":"a\\"b"}\n', b"\ndata: [DONE]\n\n"], b'data: {"model":"gm"}\n\ndata: [DONE]\n\n'),
+        ([b'data: {"model":"x"}'], b'data: {"model":"gm"}'),  # no newline at the end: sent at the end
+    ],
+)
+def test_model_rewriter(chunks: list[bytes], out: bytes) -> None:
+    rw = ModelRewriter("gm")
+    assert b"".join([*(rw.feed(c) for c in chunks), rw.tail()]) == out
+
+
 def test_round_robin_over_replicas(env: Env) -> None:
     seen = {env.post(_chat("pair")).headers["x-llmgw-replica"] for _ in range(4)}
     assert seen == {"r-a", "r-b"}
@@ -317,6 +357,21 @@ def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
     last = json.loads(events[-1].removeprefix("data: "))
     assert last["error"]["code"] == "upstream_failed"
     env.assert_no_internals(r.text)
+
+
+def test_client_going_away_closes_the_replica_stream(env: Env) -> None:
+    env.notes.clear()
+    with httpx.stream(
+        "POST",
+        f"{env.url}/v1/chat/completions",
+        json=_chat("gemma", "slow-stream", stream=True),
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
+        next(r.iter_raw())
+    deadline = time.monotonic() + 5
+    while not env.notes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert env.notes == ["aborted"]
 
 
 # -- seams -----------------------------------------------------------------------------------------

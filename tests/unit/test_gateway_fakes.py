@@ -26,18 +26,14 @@ T = TypeVar("T")
 
 
 def stream_events(model: str, replica: str) -> list[bytes]:
-    """The exact SSE events the fake sends for a streamed answer (the relay must keep them byte-exact)."""
+    """The exact SSE events the fake sends for a streamed answer: compact JSON, as llama-server writes."""
     base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": model}
     deltas: list[dict[str, Any]] = [{"role": "assistant", "content": None}]
     deltas += [{"content": piece} for piece in ("Hello", " from", f" {replica}", "!")]
-    events = [
-        b"data: "
-        + json.dumps({**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]}).encode()
-        + b"\n\n"
-        for d in deltas
-    ]
+    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    events = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks]
     done = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-    events.append(b"data: " + json.dumps(done).encode() + b"\n\n")
+    events.append(b"data: " + json.dumps(done, separators=(",", ":")).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
 
@@ -60,8 +56,17 @@ def completion(model: str, replica: str) -> dict[str, Any]:
     }
 
 
-def fake_llama(replica: str, key: str) -> web.Application:
-    """A llama-server stand-in named ``replica`` that requires ``Authorization: Bearer <key>``."""
+def fake_llama(
+    replica: str, key: str, notes: list[str] | None = None, model_path: str | None = None
+) -> web.Application:
+    """A llama-server stand-in named ``replica`` that requires ``Authorization: Bearer <key>``.
+
+    With ``model_path`` it reports that as every answer's ``model``, as the real llama-server does
+    with its ``-m`` path; without, it echoes the request's ``model`` (so relays can be byte-exact).
+
+    ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
+    gateway) closes the connection first, as llama-server then stops generating.
+    """
 
     async def chat(request: web.Request) -> web.StreamResponse:
         if request.headers.get("Authorization") != f"Bearer {key}":
@@ -69,7 +74,7 @@ def fake_llama(replica: str, key: str) -> web.Application:
             return web.json_response(err, status=401)
         body = await request.json()
         text = body["messages"][-1]["content"]
-        model = body.get("model", "gpt-3.5-turbo")
+        model = model_path or body.get("model", "gpt-3.5-turbo")
         if text == "fail":
             where = f"{request.host}"
             err = {"error": {"code": 500, "message": f"slot failed at {where}", "type": "server_error"}}
@@ -82,6 +87,17 @@ def fake_llama(replica: str, key: str) -> web.Application:
             return web.json_response(completion(model, replica))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if text == "slow-stream":
+            try:
+                for _ in range(500):
+                    await resp.write(stream_events(model, replica)[1])
+                    await asyncio.sleep(0.02)
+            except ConnectionResetError:
+                pass
+            finally:
+                if notes is not None and (request.transport is None or request.transport.is_closing()):
+                    notes.append("aborted")
+            return resp
         for i, event in enumerate(stream_events(model, replica)):
             if text == "cut-stream" and i == 2:
                 assert request.transport is not None

@@ -24,8 +24,13 @@ and, once a replica was asked, ``x-llmgw-overhead-ms``: the time spent in the ga
 wait on the replica, from the handler's start to the response being ready (for streams: to the
 first byte). ``observe`` receives the same figures per request, for metrics and usage.
 
-Measured with ``bench/gateway_overhead.py`` (2 cores, instant upstream, one keep-alive client):
-see that script's output; the target is <= 5 ms added at the median (LiteLLM 1.108.7 adds ~14 ms).
+Measured with ``bench/gateway_overhead.py`` (2 cores shared by client, gateway and an instant
+upstream; one keep-alive client, 5000 requests each way, alternating): p50 0.44 ms direct vs 0.99 ms
+through the gateway, **+0.54 ms** (target <= 5 ms; LiteLLM 1.108.7 adds ~14 ms here); p95 0.67 vs
+1.47 ms; at concurrency 16, 5570 vs 2100 requests/s; relaying a stream costs the gateway ~90 µs of
+CPU per SSE event. ``x-llmgw-overhead-ms`` read 0.08 ms at the median: it counts the handler's own
+work only, not aiohttp parsing the request and writing the response, nor the extra loopback hop.
+A profile shows the handler's Python is small beside aiohttp's client and the two socket sends.
 No body ever names a replica's address or key: the router's reasons are phrased for clients, and a
 replica's own error body is scrubbed before it is passed through.
 """
@@ -156,6 +161,7 @@ class _Gateway:
                         request,
                         self.pool,
                         route,
+                        requested=requested,
                         body=raw,
                         request_json=body,
                         trace=trace,

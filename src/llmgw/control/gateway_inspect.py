@@ -41,7 +41,10 @@ class StreamInspector(Protocol):
     """Sees one streamed answer, chunk by chunk, in the order the replica sent them."""
 
     async def chunk(self, data: bytes) -> bytes | Refusal:
-        """The bytes to relay for ``data`` (``data`` itself when unchanged, ``b""`` to hold back)."""
+        """The bytes to relay for ``data`` (``data`` itself when unchanged, ``b""`` to hold back).
+
+        ``data`` is one or more complete lines (a network chunk cut at its last newline).
+        """
         ...
 
     async def end(self) -> bytes | Refusal:

@@ -9,17 +9,20 @@ Mechanism, per chat request:
    (generation is not idempotent and may be half done).
 2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
    and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
-   every network chunk as it arrives (``iter_any``), never re-parsing the SSE: llama-server already
-   echoes the request's ``model`` in each event, because the body is forwarded unchanged.
+   every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
+   ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
+   llama-server writes its model file's path there.
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
    replica's address and key. Two are the gateway's problem, not the client's, and become 502: a
    401/403 (the replica does not know the gateway's key: it was restarted with a new one) and a
    dead replica mid-request. Mid-stream, after the 200 went out, that 502 is a final
    ``data: {"error": ...}`` event.
 
-Why aiohttp as the client: measured here relaying SSE, aiohttp's client costs 36-70 µs of CPU per
-event, httpx 160-270 µs (reference/measured.md; ``bench/gateway_overhead.py`` repeats the
-comparison). Timeouts are LLM-sized: connect 5 s; a non-streamed answer may take
+Why aiohttp as the client: measured here reading SSE, aiohttp's client costs 36-70 µs of CPU per
+event, httpx 160-270 µs (reference/measured.md); ``bench/gateway_overhead.py`` repeats it side by
+side: aiohttp ``iter_any`` ~90 µs vs httpx ``aiter_raw`` ~206 µs per event, 2 shared cores.
+
+Timeouts are LLM-sized: connect 5 s; a non-streamed answer may take
 ``upstream_timeout_s`` in all (long prefill plus long generation); a stream has no total limit,
 only ``upstream_timeout_s`` of silence between chunks (which covers a long prefill).
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -279,12 +283,15 @@ async def relay_stream(
     pool: UpstreamPool,
     route: Route,
     *,
+    requested: str,
     body: bytes,
     request_json: dict[str, Any],
     trace: Trace,
     inspector: Inspector | None,
 ) -> web.StreamResponse:
     """Proxy a streamed request: ``text/event-stream``, each upstream network chunk written as it comes.
+
+    Each chunk's complete lines go out with ``model`` set to ``requested`` (:class:`ModelRewriter`).
 
     Errors before the first byte raise :class:`ApiError` (as :meth:`UpstreamPool.send`) or return the
     replica's error; after it, a dead replica or a refusal ends the stream with an error event. A
@@ -309,9 +316,21 @@ async def relay_stream(
         await out.prepare(request)
         t0 = time.perf_counter_ns()
         try:
-            closed_cleanly = await _pump(resp, out, watcher, route, pool)
+            refusal = await _pump(resp, out, watcher, ModelRewriter(requested))
+            closed_cleanly = refusal is None
+            if refusal is not None:
+                await out.write(_sse_error(refusal.status, refusal.message, refusal.code))
         except ConnectionResetError:  # the client went away; finally closes the upstream
             return out
+        except (
+            TimeoutError,
+            aiohttp.ClientPayloadError,
+            aiohttp.ServerDisconnectedError,
+            aiohttp.ClientOSError,
+        ) as e:
+            err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
+            log.warning("stream of %s broke: %r", route.model, e)
+            await out.write(_sse_error(err.status, str(err), err.code))
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
         await out.write_eof()
@@ -323,43 +342,74 @@ async def relay_stream(
             resp.close()
 
 
+class ModelRewriter:
+    """Sets every SSE event's ``"model"`` to the name the client used, on bytes, line-aligned.
+
+    llama-server (this build) puts its ``-m`` path in each chunk's ``model``, not the request's name:
+    an internal path the client must not see, and not the name it asked for. A regex on bytes does
+    the swap without parsing the JSON (~1-2 µs per event beside ~90 µs of relaying). Output is cut at
+    the last newline, holding back a partial line until the rest arrives, so a field split across
+    network chunks is still replaced; a stream's events are whole lines, so nothing waits longer
+    than its own line.
+    """
+
+    __slots__ = ("_held", "_repl")
+
+    def __init__(self, requested: str) -> None:
+        self._repl = (b'"model":' + json.dumps(requested).encode()).replace(b"\\", b"\\\\")
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete lines of what arrived so far, rewritten; a trailing partial line is held."""
+        if self._held:
+            chunk = self._held + chunk
+        cut = chunk.rfind(b"\n") + 1
+        self._held = chunk[cut:]
+        return _MODEL_FIELD.sub(self._repl, chunk[:cut]) if cut else b""
+
+    def tail(self) -> bytes:
+        """What was held when the stream ended, rewritten."""
+        rest, self._held = self._held, b""
+        return _MODEL_FIELD.sub(self._repl, rest)
+
+
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"(?:[^"\\]|\\.)*"')
+
+
 async def _pump(
     resp: aiohttp.ClientResponse,
     out: web.StreamResponse,
     watcher: StreamInspector | None,
-    route: Route,
-    pool: UpstreamPool,
-) -> bool:
-    """Copy chunks until the replica's end (True) or a break/refusal sent as an error event (False)."""
-    try:
-        if watcher is None:
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            return True
+    rewriter: ModelRewriter,
+) -> Refusal | None:
+    """Copy chunks (rewritten) until the replica's end; a refusal stops it and is returned."""
+    if watcher is None:
         async for chunk in resp.content.iter_any():
-            data = await watcher.chunk(chunk)
-            if isinstance(data, Refusal):
-                await out.write(_sse_error(data.status, data.message, data.code))
-                return False
+            data = rewriter.feed(chunk)
             if data:
                 await out.write(data)
-        tail = await watcher.end()
-        if isinstance(tail, Refusal):
-            await out.write(_sse_error(tail.status, tail.message, tail.code))
-            return False
-        if tail:
+        if tail := rewriter.tail():
             await out.write(tail)
-    except (
-        TimeoutError,
-        aiohttp.ClientPayloadError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as e:
-        err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
-        log.warning("stream of %s broke: %r", route.model, e)
-        await out.write(_sse_error(err.status, str(err), err.code))
-        return False
-    return True
+        return None
+    async for chunk in resp.content.iter_any():
+        data = rewriter.feed(chunk)
+        if not data:
+            continue
+        seen = await watcher.chunk(data)
+        if isinstance(seen, Refusal):
+            return seen
+        if seen:
+            await out.write(seen)
+    last = rewriter.tail()
+    seen = await watcher.chunk(last) if last else b""
+    if isinstance(seen, Refusal):
+        return seen
+    end = await watcher.end()
+    if isinstance(end, Refusal):
+        return end
+    if seen + end:
+        await out.write(seen + end)
+    return None
 
 
 def _ms(ns: int) -> str:
