@@ -25,11 +25,12 @@ wait on the replica, from the handler's start to the response being ready (for s
 first byte). ``observe`` receives the same figures per request, for metrics and usage.
 
 Measured with ``bench/gateway_overhead.py`` (2 cores shared by client, gateway and an instant
-upstream; one keep-alive client, 5000 requests each way, alternating): p50 0.44 ms direct vs 0.99 ms
-through the gateway, **+0.54 ms** (target <= 5 ms; LiteLLM 1.108.7 adds ~14 ms here); p95 0.67 vs
-1.47 ms; at concurrency 16, 5570 vs 2100 requests/s; relaying a stream costs the gateway ~90 µs of
-CPU per SSE event. ``x-llmgw-overhead-ms`` read 0.08 ms at the median: it counts the handler's own
-work only, not aiohttp parsing the request and writing the response, nor the extra loopback hop.
+upstream, other jobs running; one keep-alive client, 5000 requests each way, alternating): p50
+0.42 ms direct vs 0.90 ms through the gateway, **+0.48 ms** (runs: +0.48..0.54; target <= 5 ms;
+LiteLLM 1.108.7 adds ~14 ms here); p95 0.53 vs 1.06 ms; at concurrency 16, 5260 vs 2010 requests/s;
+relaying a stream costs the gateway 90-140 µs of CPU per SSE event (the ``model`` rewrite ~1 µs of
+it). ``x-llmgw-overhead-ms`` read 0.08 ms at the median: it counts the handler's own work only, not
+aiohttp parsing the request and writing the response, nor the extra loopback hop.
 A profile shows the handler's Python is small beside aiohttp's client and the two socket sends.
 No body ever names a replica's address or key: the router's reasons are phrased for clients, and a
 replica's own error body is scrubbed before it is passed through.

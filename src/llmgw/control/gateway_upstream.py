@@ -20,7 +20,7 @@ Mechanism, per chat request:
 
 Why aiohttp as the client: measured here reading SSE, aiohttp's client costs 36-70 µs of CPU per
 event, httpx 160-270 µs (reference/measured.md); ``bench/gateway_overhead.py`` repeats it side by
-side: aiohttp ``iter_any`` ~90 µs vs httpx ``aiter_raw`` ~206 µs per event, 2 shared cores.
+side: aiohttp ``iter_any`` 91-105 µs vs httpx ``aiter_raw`` 206-228 µs per event, 2 busy cores.
 
 Timeouts are LLM-sized: connect 5 s; a non-streamed answer may take
 ``upstream_timeout_s`` in all (long prefill plus long generation); a stream has no total limit,
@@ -347,7 +347,7 @@ class ModelRewriter:
 
     llama-server (this build) puts its ``-m`` path in each chunk's ``model``, not the request's name:
     an internal path the client must not see, and not the name it asked for. A regex on bytes does
-    the swap without parsing the JSON (~1-2 µs per event beside ~90 µs of relaying). Output is cut at
+    the swap without parsing the JSON (~1 µs per event beside 90-140 µs of relaying). Output is cut at
     the last newline, holding back a partial line until the rest arrives, so a field split across
     network chunks is still replaced; a stream's events are whole lines, so nothing waits longer
     than its own line.
