@@ -221,6 +221,7 @@ def llmgw_binary() -> str:
     """The absolute path of the llmgw executable running now, for ``ExecStart=``.
 
     ``sys.argv[0]`` when it is an ``llmgw`` script (a venv or pipx install names its own), else
+    the ``llmgw`` script beside the running Python (``python -m llmgw`` from a venv), else
     ``llmgw`` on ``PATH``, else :data:`DEFAULT_BINARY`.
     """
     arg0 = sys.argv[0] if sys.argv else ""
@@ -228,6 +229,9 @@ def llmgw_binary() -> str:
         found = arg0 if os.sep in arg0 else shutil.which(arg0)
         if found and Path(found).is_file():
             return os.path.abspath(found)
+    beside = Path(sys.executable).parent / "llmgw"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
     return shutil.which("llmgw") or DEFAULT_BINARY
 
 
