@@ -167,16 +167,21 @@ def stream_chat(
     model: str,
     message: str,
     *,
+    max_tokens: int | None = None,
     transport: httpx.BaseTransport | None = None,
 ) -> Iterator[str]:
     """Ask ``model`` one user ``message`` with ``stream: true``; yield the answer's text deltas as they come.
+
+    ``max_tokens`` caps the answer (tokens); None leaves it to the model's ``max_output``.
 
     Raises (while iterating):
         UnreachableError: the gateway does not answer, or broke off mid-answer.
         ApiError: an error status, or an error event in the stream (the server's message).
     """
     base_url = normalize_url(base_url)
-    body = {"model": model, "messages": [{"role": "user", "content": message}], "stream": True}
+    body: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": message}], "stream": True}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     try:
         with (
             _client(base_url, key, transport) as client,

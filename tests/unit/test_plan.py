@@ -45,7 +45,10 @@ def test_cpu_plan_without_a_node_reserves_two_a_judge_and_no_starter() -> None:
 
 @pytest.mark.parametrize(
     ("no_node", "standbys", "flag", "want"),
-    [(False, False, None, 1), (True, False, None, 2), (False, True, None, 2), (False, False, 3, 3), (True, False, 0, 0)],
+    [
+        (False, False, None, 1), (True, False, None, 2), (False, True, None, 2),
+        (False, False, 3, 3), (True, False, 0, 0),
+    ],
 )
 def test_judge_for(no_node: bool, standbys: bool, flag: int | None, want: int) -> None:
     assert plan.judge_for(no_node=no_node, standbys=standbys, replicas_flag=flag) == want
@@ -53,7 +56,7 @@ def test_judge_for(no_node: bool, standbys: bool, flag: int | None, want: int) -
 
 def test_starter_entry_is_the_seeds() -> None:
     spec = plan.starter_spec(plan.STARTER_SOURCE)
-    m = plan.starter_model(spec, 4096, 6, "http://m:8081/x/starter/q.gguf", ["h100-80gb", "l4-24gb"], True)
+    m = plan.starter_model(spec, 4096, 6, "http://m:8081/x/starter/q.gguf", ["h100-80gb", "l4-24gb"], pinned=True)
     assert m.name == "qwen2.5-0.5b-instruct"
     assert m.aliases == ["qwen-0.5b"]
     assert (m.scaling.min, m.scaling.max) == (1, 1)

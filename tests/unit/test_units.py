@@ -177,9 +177,14 @@ def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: py
     assert llmgw_binary() == str(script)
 
     monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest"])
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "other-python" / "python"))
     monkeypatch.setenv("PATH", str(script.parent))
     script.chmod(0o700)
     assert llmgw_binary() == str(script)
 
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert llmgw_binary() == DEFAULT_BINARY
+
+    # python -m llmgw from a venv: the script beside that Python.
+    monkeypatch.setattr(sys, "executable", str(script.parent / "python"))
+    assert llmgw_binary() == str(script)

@@ -34,11 +34,14 @@ def chat(
             help="API key; default: the first line of this machine's gateway keys file, if readable.",
         ),
     ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="The longest answer to print, in tokens.")
+    ] = 256,
 ) -> None:
     """Ask the gateway one question and print the answer as it streams."""
     target = client.resolve_target(paths(), server=server, key=key)
     name = model or client.default_model(target.base_url, target.key)
-    for delta in client.stream_chat(target.base_url, target.key, name, message):
+    for delta in client.stream_chat(target.base_url, target.key, name, message, max_tokens=max_tokens):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from llmgw.agent.discovery import discover_gpus
 from llmgw.cli.common import cli_errors, paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.plan import STARTER_SOURCE
@@ -16,8 +17,6 @@ from llmgw.service.manager import pick_manager
 
 def _gpu_classes() -> list[str]:
     """This machine's GPU classes, asked of the agent's discovery; none is an answer."""
-    from llmgw.agent.discovery import discover_gpus
-
     return sorted({g.klass for g in discover_gpus()})
 
 

@@ -154,6 +154,7 @@ class _Gateway:
                 )
             else:
                 model = route.model
+                raw = _limit_output(body, raw, route.max_output)
                 refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
                 if refusal is not None:
                     out = error_response(refusal.status, refusal.message, refusal.code)
@@ -222,6 +223,28 @@ class _Gateway:
 
 def _model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+
+
+def _limit_output(body: dict[str, Any], raw: bytes, max_output: int) -> bytes:
+    """Hold a request to the model's ``max_output`` tokens; return the body to send upstream.
+
+    A request without ``max_tokens``/``max_completion_tokens`` gets ``max_output``, and a larger
+    ask is lowered to it: llama-server's own limit is unbounded by default (``-n -1``), so one
+    request could hold a slot until its context is full (reference/engines.md, ``--n-predict``).
+    The body is re-encoded only when it changes; ``body`` is updated in place. 0 means no limit.
+    """
+    if max_output <= 0:
+        return raw
+    changed = False
+    asked = [k for k in ("max_tokens", "max_completion_tokens") if isinstance(body.get(k), int)]
+    if not asked:
+        body["max_tokens"] = max_output
+        changed = True
+    for k in asked:
+        if body[k] > max_output:
+            body[k] = max_output
+            changed = True
+    return json.dumps(body).encode() if changed else raw
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

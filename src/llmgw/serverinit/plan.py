@@ -98,8 +98,8 @@ def starter_spec(source: str, *, name: str = "", alias: str = "", size_bytes: in
 
 
 def starter_model(
-    spec: StarterSpec, ctx: int, cores: int, source: str, gpu_classes: list[str], pinned: bool,
-    *, sha256: str = "", version: str = STARTER_VERSION,
+    spec: StarterSpec, ctx: int, cores: int, source: str, gpu_classes: list[str],
+    *, pinned: bool, sha256: str = "", version: str = STARTER_VERSION,
 ) -> Model:
     """The starter's catalog entry (the seed's ``starterModel``).
 

@@ -37,7 +37,8 @@ import psutil
 
 from llmgw import sourcecheck
 from llmgw.adminclient import AdminClient
-from llmgw.config import ServerConfig, load_server_config, parse_listen
+from llmgw.agent.discovery import has_nvidia_device
+from llmgw.config import ServerConfig, load_agent_config, load_server_config, parse_listen
 from llmgw.control.catalog import Model
 from llmgw.errors import (
     ApiError,
@@ -522,8 +523,6 @@ class ServerInit:
     def _warn_engine_differs(self, conf: Path) -> None:
         if self.opts.llama_server is None:
             return
-        from llmgw.config import load_agent_config
-
         have = load_agent_config(conf).engines.llamacpp.binary
         if have != self.opts.llama_server:
             self.say(
@@ -557,7 +556,7 @@ class ServerInit:
 
         def entry(url: str, sha256: str, classes: list[str]) -> Model:
             return plan.starter_model(
-                spec, plan.STARTER_CONTEXT, cores, url, classes, pinned, sha256=sha256
+                spec, plan.STARTER_CONTEXT, cores, url, classes, pinned=pinned, sha256=sha256
             )
 
         ok = self.ensure_served(spec.name, spec.source, plan.STARTER_VERSION, pinned, entry)
@@ -713,6 +712,4 @@ class ServerInit:
 
 
 def _has_nvidia_device() -> bool:
-    from llmgw.agent.discovery import has_nvidia_device
-
     return has_nvidia_device()
