@@ -113,7 +113,7 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     # A second init changes nothing: every step line is kept or skip.
     second = llmgw(root, *args)
     assert second.returncode == 0, second.stdout + second.stderr
-    steps = [ln.split()[0] for ln in second.stdout.splitlines() if ln.startswith("  ") and ln.split()]
+    steps = [m.group(1) for ln in second.stdout.splitlines() if (m := re.match(r"^  (\S+) ", ln))]
     assert steps
     assert set(steps) <= {"kept", "skip"}, second.stdout
 

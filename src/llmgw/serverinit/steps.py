@@ -697,10 +697,10 @@ class ServerInit:
             print("No model is served yet: add one with 'llmgw ctl' once a node has joined.", file=self.out)
             return
         print("Ask it:\n", file=self.out)
-        print(f'  llmgw {root}chat "What is the capital of France?"\n', file=self.out)
+        print(f'    llmgw {root}chat "What is the capital of France?"\n', file=self.out)
         print(
-            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
+            f"    curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"      -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"What is the capital of France?\"}}]}}'\n",
             file=self.out,
         )
