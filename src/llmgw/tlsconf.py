@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,28 +23,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from llmgw.atomicfile import write_atomic
 from llmgw.errors import PkiError
 
 CA_DAYS = 3650
 LEAF_DAYS = 1825
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` mode 0600, atomically (temp name, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_public(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -69,8 +51,8 @@ class Leaf:
         """Write ``<stem>.pem`` (0644) and ``<stem>-key.pem`` (0600) into ``directory``; return both paths."""
         directory.mkdir(parents=True, exist_ok=True)
         cert, key = directory / f"{stem}.pem", directory / f"{stem}-key.pem"
-        _write_private(key, self.key_pem)
-        _write_public(cert, self.cert_pem)
+        write_atomic(key, self.key_pem, 0o600)
+        write_atomic(cert, self.cert_pem, 0o644)
         return cert, key
 
 
@@ -134,8 +116,8 @@ class CA:
     def write(self, pki_dir: Path) -> None:
         """Write ``ca.pem`` (0644) and ``ca-key.pem`` (0600) into ``pki_dir``."""
         pki_dir.mkdir(parents=True, exist_ok=True)
-        _write_private(pki_dir / "ca-key.pem", _key_pem(self.key))
-        _write_public(pki_dir / "ca.pem", self.cert.public_bytes(serialization.Encoding.PEM))
+        write_atomic(pki_dir / "ca-key.pem", _key_pem(self.key), 0o600)
+        write_atomic(pki_dir / "ca.pem", self.cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
     @property
     def cert_pem(self) -> bytes:

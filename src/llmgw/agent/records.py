@@ -22,13 +22,13 @@ import contextlib
 import logging
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 from pydantic import BaseModel, ValidationError
 
+from llmgw.atomicfile import write_atomic
 from llmgw.protocol import ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -83,18 +83,7 @@ def replica_dir(agent_state: Path, replica_id: str) -> Path:
 
 def write_private(path: Path, data: str) -> None:
     """Write ``data`` to ``path`` atomically (temp file, fsync, rename) with mode 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, data, 0o600)
 
 
 def write_record(agent_state: Path, record: ReplicaRecord) -> Path:

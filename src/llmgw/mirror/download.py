@@ -27,7 +27,6 @@ mismatch, or a local write failure; each names the URL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import pathlib
@@ -37,6 +36,7 @@ from typing import BinaryIO
 
 import aiohttp
 
+from llmgw.atomicfile import fsync_dir
 from llmgw.errors import MirrorError
 
 CHECKSUM_HEADER = "X-Checksum-Sha256"
@@ -236,12 +236,3 @@ def _total(resp: aiohttp.ClientResponse, part: _Partial) -> int | None:
         return None
     return resp.content_length
 
-
-def fsync_dir(path: pathlib.Path) -> None:
-    """fsync a directory so a rename inside it survives a crash (a no-op where unsupported)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -39,8 +39,9 @@ from typing import BinaryIO
 
 import aiohttp
 
+from llmgw.atomicfile import fsync_dir
 from llmgw.errors import LlmgwError, MirrorError
-from llmgw.mirror.download import CHUNK_BYTES, download, fsync_dir, partial_path
+from llmgw.mirror.download import CHUNK_BYTES, download, partial_path
 from llmgw.mirror.models import FetchRequest, FetchStatus, Manifest, check_name
 from llmgw.mirror.store import Store
 from llmgw.sourcecheck import Download, to_download

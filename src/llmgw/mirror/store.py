@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pathlib
 
 from pydantic import ValidationError
 
-from llmgw.mirror.download import fsync_dir
+from llmgw.atomicfile import write_atomic
 from llmgw.mirror.models import MANIFEST, NAME_RE, Manifest
 
 log = logging.getLogger(__name__)
@@ -63,16 +62,7 @@ class Store:
             OSError: the directory cannot be written (the caller reports it).
         """
         vdir = self.version_dir(model, version)
-        vdir.mkdir(parents=True, exist_ok=True)
-        tmp = vdir / f".{MANIFEST}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(manifest.model_dump_json(indent=2).encode() + b"\n")
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, vdir / MANIFEST)
-        if durable:
-            fsync_dir(vdir)
+        write_atomic(vdir / MANIFEST, manifest.model_dump_json(indent=2) + "\n", 0o644, durable=durable)
 
     def all(self) -> list[tuple[str, str, Manifest]]:
         """Every ``(model, version, manifest)`` in the store, sorted by model then version."""

@@ -5,27 +5,13 @@ rename), so a crash mid-write leaves the old file or the new one, never half of 
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from pathlib import Path
 
+from llmgw.atomicfile import write_atomic
 
-def write_atomic(path: Path, data: str, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` with ``mode``: temp file beside it, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+__all__ = ["agent_yaml", "append_block", "mirror_block", "new_secret", "server_yaml", "write_atomic"]
 
 
 def new_secret(prefix: str = "") -> str:
