@@ -13,8 +13,20 @@ from typer.testing import CliRunner
 from llmgw.cli.main import app
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _init(root: Path, *args: str) -> tuple[int, str]:
-    r = CliRunner().invoke(app, ["--root", str(root), "server", "init", "--offline", *args])
+    """Run init with every listener on a free port (unless given), so another install on the
+    default ports cannot change what a test sees."""
+    listen = []
+    for flag in ("--admin-listen", "--agent-listen", "--gateway-listen", "--mirror-listen", "--mirror-api-listen"):
+        if flag not in args:
+            listen += [flag, f"127.0.0.1:{_free_port()}"]
+    r = CliRunner().invoke(app, ["--root", str(root), "server", "init", "--offline", *listen, *args])
     return r.exit_code, r.output
 
 
