@@ -61,6 +61,9 @@ REDISCOVER_S = 60.0
 LOG_REPEAT_S = 30.0
 """An ongoing control-plane failure is logged again this often, not every beat."""
 
+ADOPT_WAIT_S = 1.5
+"""How long the first heartbeat waits for adopted engines to answer ``/health`` (each takes ms)."""
+
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=15, sock_connect=5)
 """A heartbeat is small; a control plane that takes longer is treated as unreachable this pass."""
 
@@ -241,6 +244,14 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> None:
         """Beat until ``stop`` is set; then detach every runner (engines keep running)."""
         self.adopt()
+        if self.state.runners:
+            # The first report carries adopted replicas as ready, not as pending/starting (which
+            # would drop them from routing for a beat); an engine that does not answer in time is
+            # reported as it stands and keeps being probed.
+            settles = [asyncio.ensure_future(r.wait_settled()) for r in self.state.runners.values()]
+            _, waiting = await asyncio.wait(settles, timeout=ADOPT_WAIT_S)
+            for pending in waiting:
+                pending.cancel()
         try:
             while not stop.is_set():
                 self.changed.clear()

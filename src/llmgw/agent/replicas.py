@@ -301,6 +301,13 @@ class ReplicaRunner:
 
     async def _run_adopted(self) -> None:
         try:
+            # Straight to ready when it answers at once: reporting ``starting`` first would take a
+            # serving replica out of the routing table for a heartbeat.
+            if not self._exited()[0] and await self._health() == 200:
+                log.info("replica %s: adopted, serving on port %d", self.spec.id, self.port)
+                self._set(ReplicaState.READY)
+                await self._watch()
+                return
             self._set(ReplicaState.STARTING)
             if not await self._wait_ready():
                 await self._fail(f"adopted llama-server lost its port; its last lines:\n{self._tail()}")

@@ -7,7 +7,9 @@ lock) is not built yet, so run one control plane per database until it is.
 Each pass (:meth:`Leader.reconcile_once`), in this order:
 
 1. **Nodes**: a ``ready`` node whose last heartbeat is older than ``node_lost_after_s`` becomes
-   ``lost``. First, so that the rest of the pass does not count or place on a dead node.
+   ``lost`` (silence counts from this leader's first pass at the earliest, so restarting the control
+   plane after a long outage loses no node whose agent reports again within ``node_lost_after_s``).
+   First, so that the rest of the pass does not count or place on a dead node.
 2. **Orphans**: replicas of models no longer in the catalog, and replicas on ``lost`` nodes or on
    nodes never seen, are deleted; the agents stop what is no longer desired at their next heartbeat.
    Before placement, so the capacity they held is free again.
@@ -119,6 +121,7 @@ class Leader:
         self.interval_s = interval_s
         self.on_change = on_change
         self._wake = asyncio.Event()
+        self._first_pass: float | None = None
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
@@ -143,6 +146,8 @@ class Leader:
     def reconcile_once(self, now: float) -> PassResult:
         """One pass, as the module docstring describes; returns what it did."""
         result = PassResult()
+        if self._first_pass is None:
+            self._first_pass = now
         nodes = self._mark_lost(now, result)
         models = {m.name: m for m in self.store.list_models()}
         live = {n.id for n in nodes if n.state == "ready"}
@@ -160,7 +165,11 @@ class Leader:
     def _mark_lost(self, now: float, result: PassResult) -> list[NodeRow]:
         nodes = []
         for node in self.store.list_nodes():
-            if node.state == "ready" and now - node.last_seen > self.node_lost_after_s:
+            # Silence is counted from this leader's first pass at the earliest: a control plane that
+            # was down (restart, upgrade) did not hear heartbeats, and must not stop every engine
+            # of every node at its first pass; agents get node_lost_after_s to report again.
+            silent_since = max(node.last_seen, self._first_pass or node.last_seen)
+            if node.state == "ready" and now - silent_since > self.node_lost_after_s:
                 try:
                     lost = self.store.update_node(node, state="lost")
                 except Conflict:
