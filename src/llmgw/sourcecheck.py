@@ -8,6 +8,11 @@ A catalog ``source`` is one of three forms:
   ``Authorization: Bearer <token>`` when a token is found (``HF_TOKEN``, else the token file that
   ``huggingface-cli login`` writes: ``$HF_HOME/token`` or ``~/.cache/huggingface/token``).
   aiohttp drops the header when Hugging Face redirects to its CDN on another host.
+  Hugging Face publishes the sha256 of an LFS file: a ``HEAD`` of the resolve URL, redirects not
+  followed, answers ``X-Linked-Etag`` (else ``ETag``) holding it, and ``X-Linked-Size`` its size
+  (huggingface_hub's ``get_hf_file_metadata`` reads the same headers). A file kept in git itself
+  has a 40-hex git blob id there instead, which is no sha256: :func:`hf_published_sha256` returns
+  ``""`` for it and the download is then checked against nothing published.
 - ``https://…`` or ``http://…`` — fetched as is.
 - ``file:/abs/path`` (or ``file:///abs/path``) — a file already on the mirror's machine: how an
   offline cluster carries a model in. The mirror copies it; nothing is downloaded.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +57,30 @@ class Download:
     url: str
     path: pathlib.Path | None = None
     headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def hf_published_sha256(headers: Mapping[str, str]) -> str:
+    """The LFS sha256 (lower-case hex) a Hugging Face resolve answer publishes, or ``""``.
+
+    ``headers`` are those of a ``HEAD`` of the resolve URL without following redirects:
+    ``X-Linked-Etag``, else ``ETag``, with ``W/`` and quotes stripped. Only a 64-hex value is a
+    sha256 (a git blob id is 40 hex and is ignored). Lookups are case-insensitive when ``headers``
+    is (aiohttp's and httpx's are).
+    """
+    raw = headers.get("X-Linked-Etag") or headers.get("ETag") or ""
+    tag = raw.strip().removeprefix("W/").strip('"').lower()
+    return tag if _SHA256_HEX.fullmatch(tag) else ""
+
+
+def hf_published_size(headers: Mapping[str, str]) -> int | None:
+    """The file's size a Hugging Face resolve ``HEAD`` publishes (``X-Linked-Size``), or None."""
+    try:
+        return int(headers.get("X-Linked-Size", ""))
+    except ValueError:
+        return None
 
 
 def is_download(source: str) -> bool:

@@ -1,15 +1,20 @@
-"""`llmgw mirror` commands: serve the model mirror."""
+"""`llmgw mirror` commands: serve, init (a mirror on its own machine), add (carry a file in), rm, ls."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from llmgw.cli.common import cli_errors, paths
-from llmgw.mirror import server
+from llmgw.mirror import server, setup
+from llmgw.mirror.client import MirrorClient
+from llmgw.serverinit.steps import primary_address
+from llmgw.service.manager import pick_manager
+from llmgw.service.units import llmgw_binary
 
 app = typer.Typer(
     no_args_is_help=True, help="The model mirror: download weights once, serve them to every node."
@@ -51,3 +56,92 @@ def serve(
     root = directory if directory is not None else paths().mirror_store
     print(f"mirror of {root}: bytes on {listen}, management API on {api_listen}, served as {base}")
     server.run(root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow or [])
+
+
+API_OPTION = typer.Option("--api", help="The mirror's management API.")
+
+
+@app.command("init")
+@cli_errors
+def init(
+    control_plane: Annotated[
+        list[str],
+        typer.Option(
+            "--control-plane",
+            help="A control plane's address (or CIDR network) the management API answers; repeatable.",
+        ),
+    ],
+    address: Annotated[
+        str | None,
+        typer.Option(
+            "--address", help="This machine's address as nodes reach it. Default: the first non-loopback IPv4."
+        ),
+    ] = None,
+    listen: Annotated[str, typer.Option("--listen", help="Bytes server, for every node.")] = ":8081",
+    api_listen: Annotated[str, typer.Option("--api-listen", help="Management API.")] = ":8082",
+) -> None:
+    """Make this machine a model mirror for the control plane at --control-plane.
+
+    Writes the unit, creates the store, starts the mirror (systemd, else llmgw's supervisor), waits
+    until it answers, and prints the line to run on the control plane.
+    """
+    p = paths()
+    setup.init_mirror(
+        p,
+        pick_manager(p),
+        control_planes=control_plane,
+        address=address or primary_address(),
+        llmgw_bin=llmgw_binary(),
+        listen=listen,
+        api_listen=api_listen,
+        out=sys.stdout,
+    )
+
+
+@app.command("add")
+@cli_errors
+def add(
+    file: Annotated[Path, typer.Argument(help="The weights file, on this machine.")],
+    model: Annotated[str, typer.Option("--model", help="The model's name in the mirror.")],
+    version: Annotated[str, typer.Option("--version", help="The version it is stored as.")],
+    api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
+    directory: Annotated[
+        Path | None,
+        typer.Option("--dir", help="The store to copy into when the mirror does not answer. Default /srv/models."),
+    ] = None,
+) -> None:
+    """Carry a file into the mirror (offline clusters): copied, hashed, served as MODEL/VERSION.
+
+    Through the running mirror when its API answers; otherwise straight into the store directory.
+    """
+    root = directory if directory is not None else paths().mirror_store
+    st = setup.add_file(file, model, version, api_url=api, store_dir=root, out=sys.stdout)
+    print(f"  done {st.model}/{st.version}: {st.file}, {st.bytes_total} bytes, sha256 {st.sha256}")
+    where = st.url or f"/{st.model}/{st.version}/{st.file} on the mirror's bytes server"
+    print(f"nodes fetch it from {where}")
+
+
+@app.command("rm")
+@cli_errors
+def rm(
+    model: Annotated[str, typer.Argument(help="The model.")],
+    version: Annotated[str, typer.Argument(help="The version.")],
+    api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
+) -> None:
+    """Cancel a download if it runs and delete MODEL/VERSION from the mirror."""
+    with MirrorClient(api) as client:
+        last = client.delete(model, version)
+    print(f"deleted {model}/{version} ({last.file}, was {last.state})")
+
+
+@app.command("ls")
+@cli_errors
+def ls(api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082") -> None:
+    """Every model/version in the mirror: state, progress, sha256."""
+    with MirrorClient(api) as client:
+        rows = client.files()
+    if not rows:
+        print("the mirror holds nothing yet")
+    for st in rows:
+        detail = st.sha256[:16] if st.state == "present" else (st.progress_text() if st.state == "fetching" else st.err)
+        print(f"{st.model}/{st.version}\t{st.state}\t{st.file}\t{detail}")

@@ -89,6 +89,15 @@ class MirrorClient:
         body = {"source": source, "model": model, "version": version}
         return self._status(self._request("POST", "/api/v1/fetch", json=body))
 
+    def delete(self, model: str, version: str) -> FetchStatus:
+        """Cancel the fetch of ``model/version`` if it runs and delete its bytes; its last status.
+
+        Raises:
+            ApiError: ``status == 404`` when the mirror does not know it.
+            UnreachableError: the mirror does not answer.
+        """
+        return self._status(self._request("DELETE", f"/api/v1/files/{model}/{version}"))
+
     def files(self) -> list[FetchStatus]:
         """Every ``model/version`` the mirror knows."""
         body = self._request("GET", "/api/v1/files")

@@ -20,6 +20,9 @@ Mechanism, in order:
 It does not guarantee that a server which changes the file between two tries is noticed, unless a
 digest is known (expected or sent); the mirror always knows one.
 
+A disk that fills while writing (``ENOSPC``) ends the download with :class:`NoSpaceError` and
+deletes the partial file: the space goes back at once and no half file is left for anyone to see.
+
 Errors: :class:`~llmgw.errors.MirrorError` for a final HTTP status, retries used up, a digest
 mismatch, or a local write failure; each names the URL.
 """
@@ -27,10 +30,12 @@ mismatch, or a local write failure; each names the URL.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import pathlib
 import re
+import shutil
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -53,6 +58,23 @@ TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)")
+
+
+class NoSpaceError(MirrorError):
+    """Too little disk for a file: checked before the bytes move, or the disk filled meanwhile."""
+
+
+def no_space(directory: pathlib.Path, what: str, needed: int | None) -> NoSpaceError:
+    """A :class:`NoSpaceError` naming ``what``, the bytes ``needed`` (when known) and the bytes free."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = 0
+    need = f"needs {needed} more bytes" if needed is not None else "did not fit"
+    return NoSpaceError(
+        f"{what} {need} but {directory} has {free} bytes free; free some space there "
+        "(or give the mirror another --dir) and ask again"
+    )
 
 
 class _Retry(Exception):
@@ -158,6 +180,13 @@ async def download(
                     ) from e
                 await asyncio.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
             except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    part.close()
+                    part.path.unlink(missing_ok=True)
+                    raise no_space(
+                        dest.parent, f"{url} (the disk filled after {part.done} bytes; partial file deleted)",
+                        None,
+                    ) from e
                 raise MirrorError(f"cannot write {part.path} for {url}: {e}") from e
         digest = part.sha.hexdigest()
         want = (expected_sha256 or server_sha).lower()

@@ -9,13 +9,25 @@ Each pass of a fetch, in order:
    source is a :class:`SourceConflict`: a version names one set of bytes.
 2. The manifest is written ``fetching`` (durably) before any byte moves, so a restart knows to
    resume it: :meth:`Fetcher.start` relaunches every ``fetching`` manifest it finds.
-3. ``file:`` sources are copied (hashing while copying, into a hidden partial name, fsync,
+3. ``hf:`` sources are asked first (``HEAD``, redirects not followed) for the LFS sha256 and size
+   Hugging Face publishes (:func:`~llmgw.sourcecheck.hf_published_sha256`); the digest is kept in
+   the manifest as ``expected_sha256`` and the download is checked against it. A ``HEAD`` that
+   fails is logged and the download goes on unchecked: the GET that follows reports the real error.
+4. ``file:`` sources are copied (hashing while copying, into a hidden partial name, fsync,
    rename): how an offline cluster carries a model in. ``http``/``hf`` sources go through
-   :func:`~llmgw.mirror.download.download`, which resumes from the partial file.
-4. Free disk is checked as soon as the size is known (the local file's size, or the size the
-   server announces); too little is a :class:`~llmgw.errors.MirrorError` naming bytes needed and free.
-5. The manifest becomes ``present`` with size and sha256, or ``failed`` with the error text.
-   Progress is kept in memory and written to the manifest about once a second.
+   :func:`~llmgw.mirror.download.download`, which resumes from the partial file and retries with
+   backoff.
+5. Free disk is checked before the bytes move (the local file's size, the size Hugging Face
+   publishes, or the size the server announces before the first byte); too little is a
+   :class:`~llmgw.mirror.download.NoSpaceError` naming bytes needed and free, and so is a disk that
+   fills meanwhile. Either way the partial file is deleted: nothing half-written stays behind.
+6. The manifest becomes ``present`` with size and sha256, or ``failed`` with the error text (a
+   digest mismatch names both digests). Progress is kept in memory and written to the manifest
+   about once a second; the rate is measured over :data:`RATE_WINDOW_S` and the ETA follows from it.
+
+:meth:`Fetcher.delete` cancels a running fetch and removes the version's directory (file, partial
+file, manifest). A ``present`` manifest written into the store by another process (``llmgw mirror
+add`` while the mirror was down) is picked up the first time it is asked for or listed.
 
 It does not verify a ``file:`` or plain ``https://`` source against a known digest (none is
 given), only records the digest of what arrived; nodes then verify against that.
@@ -25,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -41,10 +55,10 @@ import aiohttp
 
 from llmgw.atomicfile import fsync_dir
 from llmgw.errors import LlmgwError, MirrorError
-from llmgw.mirror.download import CHUNK_BYTES, download, partial_path
-from llmgw.mirror.models import FetchRequest, FetchStatus, Manifest, check_name
+from llmgw.mirror.download import CHUNK_BYTES, NoSpaceError, download, no_space, partial_path
+from llmgw.mirror.models import NAME_RE, FetchRequest, FetchStatus, Manifest, check_name
 from llmgw.mirror.store import Store
-from llmgw.sourcecheck import Download, to_download
+from llmgw.sourcecheck import Download, hf_published_sha256, hf_published_size, to_download
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +67,9 @@ RATE_WINDOW_S = 5.0
 
 PROGRESS_WRITE_S = 1.0
 """Progress reaches the manifest at most this often; state changes are written at once."""
+
+HEAD_TIMEOUT = aiohttp.ClientTimeout(total=30)
+"""For the ``HEAD`` that asks Hugging Face for a file's published sha256 and size."""
 
 
 class SourceConflict(MirrorError):
@@ -94,13 +111,17 @@ class Fetcher:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._session: aiohttp.ClientSession | None = None
 
-    async def start(self) -> None:
-        """Load every manifest and resume the fetches a previous run left ``fetching``."""
+    async def start(self, *, resume: bool = True) -> None:
+        """Load every manifest and resume the fetches a previous run left ``fetching``.
+
+        ``resume=False`` loads without resuming (``llmgw mirror add`` writing into a store whose
+        mirror is down must not start that mirror's downloads).
+        """
         self._session = aiohttp.ClientSession()
         for model, version, manifest in self.store.all():
             entry = _Entry(model, version, manifest)
             self._entries[model, version] = entry
-            if manifest.state == "fetching":
+            if manifest.state == "fetching" and resume:
                 log.info("resuming %s/%s from %s", model, version, manifest.source)
                 try:
                     self._launch(entry, to_download(manifest.source, env=self._env))
@@ -119,12 +140,65 @@ class Fetcher:
 
     def status(self, model: str, version: str) -> FetchStatus | None:
         """The status of ``model/version``, or None when the mirror has never been asked for it."""
-        entry = self._entries.get((model, version))
+        entry = self._entry(model, version)
         return None if entry is None else self._view(entry)
 
     def files(self) -> list[FetchStatus]:
         """Every ``model/version`` the mirror knows, sorted by model then version."""
+        for model, version, _m in self.store.all():
+            self._entry(model, version)
         return [self._view(e) for _, e in sorted(self._entries.items())]
+
+    async def wait(self, model: str, version: str) -> FetchStatus | None:
+        """Wait until the fetch of ``model/version`` ends; its status then (None when unknown)."""
+        entry = self._entry(model, version)
+        if entry is None:
+            return None
+        if entry.task is not None:
+            await asyncio.gather(entry.task, return_exceptions=True)
+        return self._view(entry)
+
+    async def delete(self, model: str, version: str) -> FetchStatus | None:
+        """Cancel the fetch of ``model/version`` if it runs, and delete its file, partial file and
+        manifest. Returns its last status, or None when the mirror does not know it.
+
+        Nodes that already hold the file keep their copies; new GETs answer 404 at once.
+
+        Raises:
+            MirrorError: the directory cannot be removed (names it and why).
+        """
+        entry = self._entry(model, version)
+        if entry is None:
+            return None
+        last = self._view(entry)
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+            await asyncio.gather(entry.task, return_exceptions=True)
+        del self._entries[model, version]
+        vdir = self.store.version_dir(model, version)
+        try:
+            await asyncio.to_thread(shutil.rmtree, vdir, ignore_errors=False)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise MirrorError(f"cannot delete {vdir}: {e.strerror or e}") from e
+        with contextlib.suppress(OSError):
+            vdir.parent.rmdir()  # the model's directory, when no other version is left
+        log.info("%s/%s deleted (was %s)", model, version, last.state)
+        return last
+
+    def _entry(self, model: str, version: str) -> _Entry | None:
+        """The known entry, or one adopted from a ``present`` manifest another process wrote."""
+        entry = self._entries.get((model, version))
+        if entry is not None:
+            return entry
+        if not (NAME_RE.fullmatch(model) and NAME_RE.fullmatch(version)):
+            return None
+        manifest = self.store.read(model, version)
+        if manifest is None or manifest.state != "present":
+            return None
+        entry = self._entries[model, version] = _Entry(model, version, manifest)
+        return entry
 
     async def fetch(self, req: FetchRequest) -> tuple[FetchStatus, bool]:
         """Start (or join) fetching ``req.source`` as ``req.model/req.version``.
@@ -139,7 +213,7 @@ class Fetcher:
         """
         dl = to_download(req.source, env=self._env)
         file = _file_name(req.source, dl)
-        entry = self._entries.get((req.model, req.version))
+        entry = self._entry(req.model, req.version)
         if entry is not None and entry.manifest.state != "failed":
             if entry.manifest.source != req.source:
                 raise SourceConflict(
@@ -187,11 +261,20 @@ class Fetcher:
                 assert dl.path is not None  # noqa: S101 - to_download sets it for kind "file"
                 sha = await _copy(dl.path, dest, progress)
             else:
-                sha = await download(self._http(), dl.url, dest, headers=dl.headers, progress=progress)
+                if dl.kind == "hf" and not entry.manifest.expected_sha256:
+                    await self._ask_hf(entry, dl, dest)
+                sha = await download(
+                    self._http(), dl.url, dest, headers=dl.headers, progress=progress,
+                    expected_sha256=entry.manifest.expected_sha256,
+                )
             size = dest.stat().st_size
         except asyncio.CancelledError:
             self._save(entry, durable=False)
             raise
+        except NoSpaceError as e:
+            partial_path(dest).unlink(missing_ok=True)
+            self._fail(entry, e)
+            return
         except (LlmgwError, OSError) as e:
             self._fail(entry, e)
             return
@@ -205,6 +288,31 @@ class Fetcher:
         entry.samples.clear()
         self._save(entry, durable=True)
         log.info("%s/%s present: %s, %d bytes, sha256 %s", entry.model, entry.version, m.file, size, sha)
+
+    async def _ask_hf(self, entry: _Entry, dl: Download, dest: pathlib.Path) -> None:
+        """HEAD the resolve URL for the published LFS sha256 and size; keep the digest in the
+        manifest (durably, so a resumed fetch checks it too) and check the disk against the size."""
+        try:
+            async with self._http().head(
+                dl.url, headers=dl.headers, allow_redirects=False, timeout=HEAD_TIMEOUT
+            ) as resp:
+                if resp.status >= 400:
+                    log.warning("HEAD %s answered %d; the download is checked against nothing published",
+                                dl.url, resp.status)
+                    return
+                sha, size = hf_published_sha256(resp.headers), hf_published_size(resp.headers)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("HEAD %s failed (%s); the download is checked against nothing published", dl.url, e)
+            return
+        if size is None and resp.status == 200:
+            size = resp.content_length
+        if sha:
+            entry.manifest.expected_sha256 = sha
+            self._save(entry, durable=True)
+            log.info("%s publishes sha256 %s", dl.url, sha)
+        if size is not None:
+            have = partial_path(dest).stat().st_size if partial_path(dest).exists() else 0
+            _check_space(dest.parent, size - have, f"{entry.model}/{entry.version}/{entry.manifest.file}")
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -239,7 +347,9 @@ class Fetcher:
             sha256=m.sha256,
             url=f"{self.base}/{entry.model}/{entry.version}/{m.file}",
             err=m.err,
-            rate_bytes_per_s=self._rate(entry),
+            rate_bytes_per_s=(rate := self._rate(entry)),
+            eta_s=_eta(m, rate),
+            expected_sha256=m.expected_sha256,
         )
 
     def _rate(self, entry: _Entry) -> float:
@@ -250,6 +360,15 @@ class Fetcher:
         if t1 - t0 <= 0 or self._clock() - t1 > RATE_WINDOW_S:
             return 0.0
         return (b1 - b0) / (t1 - t0)
+
+
+def _eta(m: Manifest, rate: float) -> float | None:
+    """Seconds left at ``rate``: 0 once present, None while size or rate is unknown."""
+    if m.state == "present":
+        return 0.0
+    if m.state != "fetching" or not m.bytes_total or rate <= 0:
+        return None
+    return max(0.0, (m.bytes_total - m.bytes_done) / rate)
 
 
 def _file_name(source: str, dl: Download) -> str:
@@ -265,12 +384,9 @@ def _file_name(source: str, dl: Download) -> str:
 
 
 def _check_space(directory: pathlib.Path, needed: int, what: str) -> None:
-    free = shutil.disk_usage(directory).free
-    if needed > free:
-        raise MirrorError(
-            f"{what} needs {needed} more bytes but {directory} has {free} bytes free; "
-            "free some space or give the mirror another --dir"
-        )
+    """Raise :class:`NoSpaceError` when ``directory``'s filesystem has less than ``needed`` free."""
+    if needed > shutil.disk_usage(directory).free:
+        raise no_space(directory, what, needed)
 
 
 async def _copy(src: pathlib.Path, dest: pathlib.Path, progress: Callable[[int, int | None], None]) -> str:
@@ -296,6 +412,11 @@ async def _copy(src: pathlib.Path, dest: pathlib.Path, progress: Callable[[int, 
                 done += n
                 progress(done, size)
             await asyncio.to_thread(_sync, fout)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise no_space(dest.parent, f"copying {src} (the disk filled after {done} bytes)", None) from e
+        raise
     except BaseException:
         part.unlink(missing_ok=True)
         raise

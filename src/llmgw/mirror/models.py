@@ -73,6 +73,10 @@ class FetchStatus(BaseModel):
         url: where nodes GET it: ``{base}/{model}/{version}/{file}``.
         err: why it failed; empty otherwise.
         rate_bytes_per_s: recent transfer rate over the last few seconds; 0 when idle.
+        eta_s: seconds left at that rate (``bytes_total - bytes_done`` / rate); None while the
+            size or the rate is unknown, 0 once present.
+        expected_sha256: the digest the source published (the Hugging Face LFS sha256), which the
+            download is checked against; empty when the source publishes none.
     """
 
     model: str
@@ -86,6 +90,8 @@ class FetchStatus(BaseModel):
     url: str = ""
     err: str = ""
     rate_bytes_per_s: float = 0.0
+    eta_s: float | None = None
+    expected_sha256: str = ""
 
     def percent(self) -> int | None:
         """Whole percent done (0..100), 100 once present; None while the size is unknown."""
@@ -95,12 +101,33 @@ class FetchStatus(BaseModel):
             return None
         return max(0, min(100, self.bytes_done * 100 // self.bytes_total))
 
+    def eta_text(self) -> str:
+        """``eta_s`` for people: ``"45 s"``, ``"3 min 20 s"``, ``"1 h 05 min"``; ``""`` when unknown."""
+        if self.eta_s is None:
+            return ""
+        s = round(self.eta_s)
+        if s < 60:
+            return f"{s} s"
+        if s < 3600:
+            return f"{s // 60} min {s % 60:02d} s"
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+    def progress_text(self) -> str:
+        """One progress line: ``"42%, 12.3 MB/s, 20 s left"`` (parts not known are left out)."""
+        parts = [f"{p}%"] if (p := self.percent()) is not None else [f"{self.bytes_done} bytes"]
+        if self.rate_bytes_per_s:
+            parts.append(f"{self.rate_bytes_per_s / 1e6:.1f} MB/s")
+        if self.state == "fetching" and (eta := self.eta_text()):
+            parts.append(f"{eta} left")
+        return ", ".join(parts)
+
 
 class Manifest(BaseModel):
     """The on-disk record of one ``model/version`` (``manifest.json``), written atomically.
 
     ``size`` is the final size once present (``None`` before); ``bytes_done``/``bytes_total`` are
-    progress as of ``updated_at`` (written at most about once a second while fetching).
+    progress as of ``updated_at`` (written at most about once a second while fetching);
+    ``expected_sha256`` is the digest the source published, kept so a resumed fetch checks it too.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -113,4 +140,5 @@ class Manifest(BaseModel):
     err: str = ""
     bytes_done: int = 0
     bytes_total: int | None = None
+    expected_sha256: str = ""
     updated_at: datetime

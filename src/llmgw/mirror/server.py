@@ -6,7 +6,8 @@
   ``present`` are served; ``..``, encoded slashes, hidden partial files and symlinks that leave
   the store are all 404.
 - **Management** (``--api-listen``, ``127.0.0.1:8082``): ``GET /api/v1/health``,
-  ``POST /api/v1/fetch``, ``GET /api/v1/status/{model}/{version}``, ``GET /api/v1/files``. It
+  ``POST /api/v1/fetch``, ``GET /api/v1/status/{model}/{version}``, ``GET /api/v1/files``,
+  ``DELETE /api/v1/files/{model}/{version}`` (cancels a running fetch, deletes the bytes). It
   answers 127.0.0.1, ::1 and the ``--api-allow`` addresses (IPs or CIDR networks); anyone else gets
   403. Other 127.x addresses are not loopback here: they are what a container's port
   forwarding or another local network namespace can present, and must be allowed by name.
@@ -189,6 +190,17 @@ async def _status(request: web.Request) -> web.Response:
     return web.json_response(st.model_dump(mode="json"))
 
 
+async def _delete(request: web.Request) -> web.Response:
+    model, version = request.match_info["model"], request.match_info["version"]
+    try:
+        last = await request.app[_FETCHER].delete(model, version)
+    except LlmgwError as e:
+        return _error(500, "delete_failed", str(e))
+    if last is None:
+        return _error(404, "not_found", f"{model}/{version} is not in the mirror")
+    return web.json_response(last.model_dump(mode="json"))
+
+
 async def _files(request: web.Request) -> web.Response:
     return web.json_response([s.model_dump(mode="json") for s in request.app[_FETCHER].files()])
 
@@ -202,6 +214,7 @@ def api_app(fetcher: Fetcher, allow: Sequence[Network] = ()) -> web.Application:
     app.router.add_post("/api/v1/fetch", _fetch)
     app.router.add_get("/api/v1/status/{model}/{version}", _status)
     app.router.add_get("/api/v1/files", _files)
+    app.router.add_delete("/api/v1/files/{model}/{version}", _delete)
     return app
 
 

@@ -605,8 +605,7 @@ class ServerInit:
                 raise MirrorError(f"the mirror could not fetch {name}: {st.err}")
             pct = st.percent()
             if pct is not None and pct >= last_pct + 10:
-                rate = f", {st.rate_bytes_per_s / 1e6:.1f} MB/s" if st.rate_bytes_per_s else ""
-                self.progress(f"{pct}%{rate}")
+                self.progress(st.progress_text())  # percent, rate, ETA
                 last_pct = pct
             return False
 

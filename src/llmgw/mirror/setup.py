@@ -1,0 +1,194 @@
+"""Setting a mirror up from the command line: ``llmgw mirror init`` and ``llmgw mirror add``.
+
+- :func:`init_mirror` — a mirror on its own machine (the seed's ``mirror init``): the store
+  directory, the unit (:func:`~llmgw.service.units.mirror_unit`: bytes on ``:8081`` for every
+  node, the management API on ``:8082`` answering loopback and each ``--control-plane`` address
+  only), started by whichever manager runs services here (systemd, else llmgw's supervisor), a
+  wait until the API answers on loopback, and the line to run on the control plane.
+- :func:`add_file` — a file carried in by hand (an offline cluster), put into the store through the
+  same verified path a ``file:`` source takes (copy to a hidden partial name while hashing, fsync,
+  rename, manifest ``present`` with the sha256). Two ways, chosen by whether the mirror answers:
+
+  1. the running mirror's management API answers (``--api``, default ``http://127.0.0.1:8082``):
+     ``POST /api/v1/fetch`` with ``file:/abs/path``; the mirror copies the file itself, so it
+     knows the file at once, and the progress is polled and printed. The file must be readable by
+     the mirror's user (its unit has ``ProtectHome=true``: /home and /root are not visible to it).
+  2. nothing answers there: the file is copied straight into the store directory (``--dir``) by
+     this process, with no fetches resumed. A mirror started later finds it; one already running
+     on that store (its API elsewhere) picks it up the first time it is asked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from llmgw.config import parse_listen
+from llmgw.errors import ApiError, ConfigError, LlmgwError, MirrorError, ServiceError, UnreachableError
+from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.fetch import Fetcher
+from llmgw.mirror.models import FetchRequest, FetchStatus
+from llmgw.mirror.server import parse_allow
+from llmgw.mirror.store import Store
+from llmgw.paths import Paths
+from llmgw.service.manager import ServiceManager
+from llmgw.service.units import mirror_unit
+
+INIT_ABOUT = (
+    "'llmgw mirror init'. Bytes on :8081 for every node; the\n"
+    "# management API for the control planes named with --control-plane only."
+)
+"""The ``# Written by`` text of the unit :func:`init_mirror` writes."""
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def init_mirror(
+    paths: Paths,
+    manager: ServiceManager,
+    *,
+    control_planes: Sequence[str],
+    address: str,
+    llmgw_bin: str,
+    listen: str = ":8081",
+    api_listen: str = ":8082",
+    wait_s: float = 30.0,
+    out: TextIO,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """Make this machine a mirror for the control planes at ``control_planes``; returns the
+    management API URL to give ``llmgw server init --mirror``.
+
+    Args:
+        paths: where the store (``paths.mirror_store``) and the unit go.
+        manager: starts the service (``pick_manager(paths)``).
+        control_planes: addresses (or CIDR networks) the management API answers besides loopback.
+        address: this machine's address as the nodes and control planes reach it.
+        llmgw_bin: the ``ExecStart`` program (``llmgw_binary()``).
+        listen, api_listen: the bytes server and the management API (``HOST:PORT`` or ``:PORT``).
+        wait_s: how long to wait for the management API to answer on loopback.
+        out: where the step lines and the closing advice are printed.
+
+    Raises:
+        ConfigError: no control plane, a malformed address, or no ``address``.
+        ServiceError: the service did not start or did not answer within ``wait_s`` (with its log).
+    """
+    if not control_planes:
+        raise ConfigError("name the control plane: llmgw mirror init --control-plane <its address>")
+    parse_allow(control_planes)
+    if not address:
+        raise ConfigError("this machine has no non-loopback address; give --address <the address nodes reach>")
+    _h, port = parse_listen(listen)
+    api_host, api_port = parse_listen(api_listen)
+    base = f"http://{_url_host(address)}:{port}"
+    api_url = f"http://{_url_host(address)}:{api_port}"
+    store = paths.mirror_store
+    store.mkdir(parents=True, exist_ok=True)
+    print(f"  done store in {store}", file=out, flush=True)
+    body = mirror_unit(
+        paths, llmgw_bin, listen=listen, api_listen=api_listen, base=base, allow=list(control_planes),
+        about=INIT_ABOUT,
+    )
+    was_running = manager.status("mirror").state == "running"
+    changed = manager.install("mirror", body)
+    if not was_running:
+        manager.start("mirror")
+        print(f"  done mirror started ({manager.kind}): bytes at {base}", file=out, flush=True)
+    elif changed:
+        manager.restart("mirror")
+        print(f"  done mirror restarted: its unit changed ({manager.kind})", file=out, flush=True)
+    else:
+        print(f"  kept mirror ({manager.kind}, running)", file=out, flush=True)
+    local = f"http://{'127.0.0.1' if api_host in ('0.0.0.0', '::', '') else _url_host(api_host)}:{api_port}"
+    _wait_healthy(manager, local, wait_s, sleep)
+    print(f"  done management API answers {', '.join(control_planes)} and loopback", file=out, flush=True)
+    print(f"\nOn the control plane, run:\n  sudo llmgw server init --mirror {api_url}", file=out, flush=True)
+    return api_url
+
+
+def _wait_healthy(manager: ServiceManager, url: str, wait_s: float, sleep: Callable[[float], None]) -> None:
+    deadline = time.monotonic() + wait_s
+    with MirrorClient(url, timeout=2.0) as client:
+        while True:
+            try:
+                client.health()
+            except LlmgwError as e:
+                st = manager.status("mirror")
+                if st.state == "failed" or time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"the mirror did not answer at {url} ({e}); state {st.state} {st.detail}\n"
+                        f"{manager.logs('mirror', 20)}\nsee 'llmgw service logs mirror'"
+                    ) from e
+                sleep(0.2)
+            else:
+                return
+
+
+def add_file(
+    file: pathlib.Path,
+    model: str,
+    version: str,
+    *,
+    api_url: str,
+    store_dir: pathlib.Path,
+    out: TextIO,
+    poll_s: float = 0.5,
+) -> FetchStatus:
+    """Put ``file`` into the mirror as ``model/version`` (see the module docstring for the two ways).
+
+    Returns:
+        The ``present`` status (its ``sha256`` is the file's).
+
+    Raises:
+        MirrorError: the file is missing, the copy failed (disk full, unreadable), or
+            ``model/version`` already holds another source.
+        ApiError: the mirror refused the request (a bad name).
+    """
+    path = file.expanduser().resolve()
+    if not path.is_file():
+        raise MirrorError(f"{file} is not a file")
+    req = FetchRequest(source=f"file:{path}", model=model, version=version)
+    client = MirrorClient(api_url, timeout=5.0)
+    try:
+        try:
+            client.health()
+        except UnreachableError:
+            print(f"  .. the mirror at {api_url} does not answer: copying into {store_dir} directly",
+                  file=out, flush=True)
+            return asyncio.run(_add_direct(req, store_dir))
+        print(f"  .. asking the mirror at {api_url} to copy {path}", file=out, flush=True)
+        try:
+            st = client.fetch(req.source, model, version)
+        except ApiError as e:
+            raise MirrorError(str(e)) from e
+        last = ""
+        while st.state == "fetching":
+            if (line := st.progress_text()) != last:
+                print(f"  .. {line}", file=out, flush=True)
+                last = line
+            time.sleep(poll_s)
+            st = client.status(model, version)
+    finally:
+        client.close()
+    if st.state == "failed":
+        raise MirrorError(f"the mirror could not add {path} as {model}/{version}: {st.err}")
+    return st
+
+
+async def _add_direct(req: FetchRequest, store_dir: pathlib.Path) -> FetchStatus:
+    fetcher = Fetcher(Store(store_dir), base="")
+    await fetcher.start(resume=False)
+    try:
+        await fetcher.fetch(req)
+        st = await fetcher.wait(req.model, req.version)
+    finally:
+        await fetcher.close()
+    assert st is not None  # noqa: S101 - fetch just created it
+    if st.state != "present":
+        raise MirrorError(f"cannot add {req.source} as {req.model}/{req.version}: {st.err}")
+    return st
