@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw.agent.records import stop_all_engines  # noqa: E402
-from tests.e2e.agent_world import make_cluster, serve_files  # noqa: E402
+from tests.e2e.agent_world import make_cluster, serve_files
+
+from llmgw.agent.records import stop_all_engines
 
 ROUNDS = 4
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
