@@ -46,6 +46,10 @@ async def main() -> None:
         def pids() -> dict[str, int | None]:
             return {r.id: r.pid for r in cp.reported() if r.state == "ready"}
 
+        def last_seen() -> float:
+            node = cp.store.get_node("node-1") if cp.store else None
+            return node.last_seen if node else 0.0
+
         try:
             agent.start()
             first = await cp.wait(lambda: len(pids()) == 2, 120, "two replicas ready")
@@ -61,15 +65,8 @@ async def main() -> None:
                 t0 = time.monotonic()
                 agent.start()
                 # The first report after start is already the adopted one (same pids, ready).
-                beats = cp.store.get_node("node-1")
-                seen = beats.last_seen if beats else 0.0
-                await cp.wait(
-                    lambda s=seen: (n := cp.store.get_node("node-1")) is not None  # type: ignore[union-attr]
-                    and n.last_seen > s
-                    and pids() == before,
-                    10,
-                    "adopted",
-                )
+                seen = last_seen()
+                await cp.wait(lambda s=seen: last_seen() > s and pids() == before, 10, "adopted")
                 times.append(time.monotonic() - t0)
                 print(f"round {i + 1} ({'SIGTERM' if i % 2 else 'SIGKILL'}): {times[-1]:.2f} s")
             assert pids() == before, "an engine was restarted"
