@@ -9,7 +9,9 @@ Mechanism, in order:
    chunks, so a multi-gigabyte file is read once. Writing and hashing run in a worker thread
    (both release the GIL), so the event loop keeps serving while a download runs.
 3. Connection errors, cut bodies, timeouts and 5xx answers are retried up to ``retries`` times with
-   growing pauses, each try resuming where the file ends. A server that ignores ``Range`` (200
+   growing pauses, each try resuming where the file ends. A 503 with ``Retry-After`` (the mirror
+   saying the file is still arriving there) is waited out instead, for up to ``busy_wait_s`` in
+   all, without using up a retry. A server that ignores ``Range`` (200
    instead of 206) or answers for another offset starts the file over. 4xx is final.
 4. The digest is checked against ``expected_sha256``, else against the server's
    ``X-Checksum-Sha256`` header when it sends one (the llmgw mirror does). A mismatch deletes the
@@ -81,6 +83,14 @@ class _Retry(Exception):
     """One try failed in a way the next try may fix."""
 
 
+class _Busy(Exception):
+    """The server asked to come back after ``after_s`` seconds (503 with Retry-After)."""
+
+    def __init__(self, message: str, after_s: float) -> None:
+        super().__init__(message)
+        self.after_s = after_s
+
+
 def partial_path(dest: pathlib.Path) -> pathlib.Path:
     """Where the bytes of ``dest`` gather until they are whole and verified."""
     return dest.parent / f".{dest.name}.partial"
@@ -139,6 +149,7 @@ async def download(
     headers: dict[str, str] | None = None,
     progress: Callable[[int, int | None], None] | None = None,
     retries: int = 5,
+    busy_wait_s: float = 6 * 3600,
 ) -> str:
     """Download ``url`` to ``dest``, resuming a partial file, and return the file's sha256 (hex).
 
@@ -151,6 +162,8 @@ async def download(
         headers: extra request headers (for example ``Authorization`` for Hugging Face).
         progress: called as ``progress(bytes_done, bytes_total_or_None)`` after each chunk.
         retries: how many more tries after the first, on connection errors, cut bodies and 5xx.
+        busy_wait_s: how long in all to keep waiting on 503 + ``Retry-After`` answers (a mirror
+            still downloading the file); default 6 h, about a 70 GB file at 25 MB/s.
 
     Raises:
         MirrorError: a 4xx answer, retries used up, the digest does not match (the partial file is
@@ -167,10 +180,17 @@ async def download(
         except OSError as e:
             raise MirrorError(f"cannot read {part.path} for {url}: {e}") from e
         attempt = 0
+        busy_until: float | None = None
         while True:
             try:
                 server_sha = await _one_try(session, url, part, headers or {}, progress) or server_sha
                 break
+            except _Busy as e:
+                now = asyncio.get_running_loop().time()
+                busy_until = now + busy_wait_s if busy_until is None else busy_until
+                if now >= busy_until:
+                    raise MirrorError(f"{url} was still busy after {busy_wait_s:.0f} s: {e}") from e
+                await asyncio.sleep(min(e.after_s, busy_until - now))
             except _Retry as e:
                 attempt += 1
                 if attempt > retries:
@@ -232,6 +252,9 @@ async def _one_try(
                     return server_sha
                 await asyncio.to_thread(part.restart)
                 raise _Retry(f"{url} refused the range from byte {part.done}; starting over")
+            if resp.status == 503 and (after := _retry_after(resp)) is not None:
+                text = (await resp.text()).strip()[:200]
+                raise _Busy(f"{url} answered 503: {text or resp.reason}", after)
             if resp.status >= 500:
                 raise _Retry(f"{url} answered {resp.status} {resp.reason}")
             if resp.status >= 400:
@@ -250,6 +273,14 @@ async def _one_try(
             return server_sha
     except (aiohttp.ClientError, TimeoutError) as e:
         raise _Retry(f"{url}: {type(e).__name__}: {e}") from e
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    """``Retry-After`` in seconds (the delta form, capped at 60 s), or None when absent or a date."""
+    try:
+        return min(60.0, max(0.1, float(resp.headers.get("Retry-After", ""))))
+    except ValueError:
+        return None
 
 
 def _total(resp: aiohttp.ClientResponse, part: _Partial) -> int | None:

@@ -4,7 +4,8 @@
   (aiohttp's FileResponse, which uses ``sendfile``), ``ETag`` = the sha256, ``If-None-Match``,
   ``If-Match``, ``If-Range`` on that ETag, and ``X-Checksum-Sha256``. Only files whose manifest says
   ``present`` are served; ``..``, encoded slashes, hidden partial files and symlinks that leave
-  the store are all 404.
+  the store are all 404. A file still being downloaded into the mirror answers 503 with
+  ``Retry-After`` (:data:`RETRY_AFTER_S`): a node asking early waits for it instead of failing.
 - **Management** (``--api-listen``, ``127.0.0.1:8082``): ``GET /api/v1/health``,
   ``POST /api/v1/fetch``, ``GET /api/v1/status/{model}/{version}``, ``GET /api/v1/files``,
   ``DELETE /api/v1/files/{model}/{version}`` (cancels a running fetch, deletes the bytes). It
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.1/32"), ipaddress.ip_network("::1/128"))
 
+RETRY_AFTER_S = 2
+"""``Retry-After`` on a 503 for a file the mirror is still downloading; nodes wait and ask again."""
+
 _FETCHER = web.AppKey("fetcher", Fetcher)
 _STORE = web.AppKey("store", Store)
 _ALLOW = web.AppKey("allow", tuple)
@@ -76,6 +80,13 @@ async def _serve_file(request: web.Request) -> web.StreamResponse:
     info = request.match_info
     found = store.servable(info["model"], info["version"], info["file"])
     if found is None:
+        if (busy := store.fetching(info["model"], info["version"], info["file"])) is not None:
+            done, total = busy
+            of = f" of {total}" if total is not None else ""
+            raise web.HTTPServiceUnavailable(
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+                text=f"still downloading into the mirror: {done}{of} bytes; try again\n",
+            )
         raise web.HTTPNotFound
     path, manifest = found
     etag = f'"{manifest.sha256}"'

@@ -75,6 +75,15 @@ class Store:
                 out.append((model, version, m))
         return out
 
+    def fetching(self, model: str, version: str, file: str) -> tuple[int, int | None] | None:
+        """``(bytes_done, bytes_total)`` when ``model/version/file`` is being fetched, else None."""
+        if not all(NAME_RE.fullmatch(s) for s in (model, version, file)) or file == MANIFEST:
+            return None
+        manifest = self.read(model, version)
+        if manifest is None or manifest.state != "fetching" or manifest.file != file:
+            return None
+        return manifest.bytes_done, manifest.bytes_total
+
     def servable(self, model: str, version: str, file: str) -> tuple[pathlib.Path, Manifest] | None:
         """The real path and manifest of a file nodes may GET, or None (the server answers 404).
 
