@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmgw.errors import ConfigError
+from llmgw.guard.config import GuardConfig
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -94,6 +95,7 @@ class ServerConfig(_Strict):
         admin_token_file: the admin token's file; empty means ``admin-token`` beside server.yaml.
         tls: the server certificate for the agent API and the CA that signs agents.
         node_lost_after_s: seconds without a heartbeat after which a node is ``lost``.
+        guard: guardrail policies (:mod:`llmgw.guard.config`); none means guardrails are off.
     """
 
     admin_listen: str = "127.0.0.1:9090"
@@ -103,6 +105,7 @@ class ServerConfig(_Strict):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     mirror: MirrorRef = Field(default_factory=MirrorRef)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     node_lost_after_s: Annotated[float, Field(gt=0)] = 30.0
 
     _v = field_validator("admin_listen", "agent_listen")(classmethod(lambda cls, v: _check_listen(v)))

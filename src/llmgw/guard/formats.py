@@ -1,0 +1,303 @@
+"""Judge formats: how a guard model is asked, and how its answer is read.
+
+Three formats (``catalog.GuardModel.format``):
+
+``qwen3guard``
+    Qwen3Guard-Gen (0.6B/4B/8B share one chat template). The judge is sent the conversation as
+    chat messages and llama-server renders the model's own template: messages ending with ``user``
+    are prompt moderation, ``[user, assistant]`` response moderation. The template puts the whole
+    policy into one user turn (``<BEGIN SAFETY POLICY>`` …) and pre-fills an empty think block.
+    llama-server falls back to ChatML with only a log line when a template fails to parse
+    (llama.cpp PR #11616), which drops the policy and leaves the verdict unpredictable, so a
+    replica's rendering is checked once with ``POST /apply-template``
+    (:meth:`JudgeFormat.template_ok`) before it judges anything. The answer is 2 lines for a prompt
+    (``Safety:``, ``Categories:``) and 3 for a response (``+ Refusal:``); see :func:`parse_qwen3guard`.
+``llamaguard3``
+    Llama Guard 3: ``safe``, or ``unsafe`` and a line of S-codes (``S1,S9``); see
+    :func:`parse_llamaguard3`. Its template needs the user turn before the answer it judges.
+``prompted``
+    Any chat model as a judge: a fixed system instruction (the policy and the categories, first so
+    llama-server's per-slot prompt cache reuses it between judgments) and the text in a user turn,
+    held to ``Safety: …`` / ``Categories: …`` by a GBNF ``grammar`` that enumerates the category
+    names (a loose ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial":
+    reference/measured.md). This is what runs end to end here with gemma-3-270m; its verdicts are
+    not meaningful, the path is.
+
+Every judge request: ``temperature`` 0 and a fixed ``seed`` (llama.cpp #4728: Llama Guard's
+verdicts flipped between runs at a low but nonzero temperature), a small ``max_tokens`` (the
+longest answer, 3 lines with a few categories, is under 40 tokens), ``cache_prompt`` true.
+
+Anything a parser does not recognise raises :class:`JudgeError` carrying the judge's raw text:
+an answer that cannot be read is never Safe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from llmgw.errors import LlmgwError
+from llmgw.guard.config import Direction
+
+#: Sampling for every judgment: greedy, fixed seed, short answer, prompt cache on.
+JUDGE_SEED = 42
+JUDGE_MAX_TOKENS = 48
+
+
+class Safety(StrEnum):
+    """A judge's verdict."""
+
+    SAFE = "safe"
+    UNSAFE = "unsafe"
+    CONTROVERSIAL = "controversial"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A parsed judgment: the verdict, the categories named (may be empty), and for a response in
+    qwen3guard's format whether it was a refusal (None when not said)."""
+
+    safety: Safety
+    categories: tuple[str, ...] = ()
+    refusal: bool | None = None
+
+
+class JudgeError(LlmgwError):
+    """No verdict: the judge is missing, down, over budget, gave an answer that cannot be read, or
+    renders the wrong template.
+
+    Attributes:
+        kind: ``missing`` | ``down`` | ``timeout`` | ``unparseable`` | ``template`` | ``error``.
+        raw: the judge's own text, when it answered (kept for logs, never shown to clients).
+    """
+
+    def __init__(self, message: str, *, kind: str, raw: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.raw = raw
+
+
+# -- Qwen3Guard ----------------------------------------------------------------------------------
+
+#: Qwen3Guard's categories (its README): 9 for prompts, the same minus Jailbreak for responses.
+QWEN3GUARD_CATEGORIES: tuple[str, ...] = (
+    "Violent",
+    "Non-violent Illegal Acts",
+    "Sexual Content or Sexual Acts",
+    "PII",
+    "Suicide & Self-Harm",
+    "Unethical Acts",
+    "Politically Sensitive Topics",
+    "Copyright Violation",
+    "Jailbreak",
+)
+_CANON = {c.lower(): c for c in QWEN3GUARD_CATEGORIES}
+_LINE = re.compile(r"^\s*([A-Za-z]+)\s*:\s*(.*?)\s*$")
+_THINK = re.compile(r"^\s*<think>\s*</think>\s*", re.IGNORECASE)
+
+
+def parse_qwen3guard(text: str, direction: Direction) -> Verdict:
+    """Read a Qwen3Guard answer (also the ``prompted`` format's).
+
+    Accepts any case, spaces around ``:``, CRLF, blank lines, an empty think block before it, and 2
+    or 3 lines in either mode (``Refusal:`` is read for a response and ignored for a prompt: a
+    3-line answer to a prompt check is not an error). ``Categories: None`` is no category;
+    categories are split on commas, spaces around them ignored, known names put in their canonical
+    case and unknown ones kept as given. ``Unsafe`` with ``Categories: None`` is still Unsafe.
+
+    Raises:
+        JudgeError: ``unparseable`` (with the raw text) when there is no ``Safety:`` line, no
+            ``Categories:`` line, a line of any other kind, a repeated line, or a verdict or refusal
+            value outside Safe/Unsafe/Controversial, Yes/No.
+    """
+    body = _THINK.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    seen: dict[str, str] = {}
+    for line in body.split("\n"):
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        key = m.group(1).lower() if m else ""
+        if not m or key not in ("safety", "categories", "refusal"):
+            raise JudgeError(f"the judge's answer has a line that is not a verdict: {line.strip()[:80]!r}",
+                             kind="unparseable", raw=text)
+        if key in seen:
+            raise JudgeError(f"the judge's answer says '{m.group(1)}:' twice", kind="unparseable", raw=text)
+        seen[key] = m.group(2)
+    if "safety" not in seen or "categories" not in seen:
+        raise JudgeError("the judge's answer lacks a 'Safety:' or 'Categories:' line", kind="unparseable", raw=text)
+    try:
+        safety = Safety(seen["safety"].strip().lower())
+    except ValueError as e:
+        raise JudgeError(f"the judge's verdict {seen['safety']!r} is not Safe, Unsafe or Controversial",
+                         kind="unparseable", raw=text) from e
+    cats = [c.strip() for c in seen["categories"].split(",")]
+    cats = [_CANON.get(c.lower(), c) for c in cats if c and c.lower() != "none"]
+    refusal: bool | None = None
+    if "refusal" in seen and direction is Direction.OUT:
+        value = seen["refusal"].strip().lower()
+        if value not in ("yes", "no"):
+            raise JudgeError(f"the judge's refusal {seen['refusal']!r} is not Yes or No",
+                             kind="unparseable", raw=text)
+        refusal = value == "yes"
+    return Verdict(safety, tuple(cats), refusal)
+
+
+# -- Llama Guard 3 -------------------------------------------------------------------------------
+
+#: Llama Guard 3's hazard codes (MLCommons taxonomy; S14 only on the 8B).
+LLAMAGUARD3_CATEGORIES: dict[str, str] = {
+    "S1": "Violent Crimes",
+    "S2": "Non-Violent Crimes",
+    "S3": "Sex-Related Crimes",
+    "S4": "Child Sexual Exploitation",
+    "S5": "Defamation",
+    "S6": "Specialized Advice",
+    "S7": "Privacy",
+    "S8": "Intellectual Property",
+    "S9": "Indiscriminate Weapons",
+    "S10": "Hate",
+    "S11": "Suicide & Self-Harm",
+    "S12": "Sexual Content",
+    "S13": "Elections",
+    "S14": "Code Interpreter Abuse",
+}
+_SCODE = re.compile(r"^S(\d{1,2})$", re.IGNORECASE)
+
+
+def parse_llamaguard3(text: str) -> Verdict:
+    """Read a Llama Guard 3 answer: ``safe``, or ``unsafe`` then comma-separated S-codes.
+
+    Tolerates leading blank lines, trailing spaces (``'unsafe \\nS1, S2'``), CRLF, any case, and the
+    codes on the verdict's own line (``unsafe S1``). Codes are named from the taxonomy
+    (``S1 Violent Crimes``); an unknown S-number is kept as its code.
+
+    Raises:
+        JudgeError: ``unparseable`` when the first word is neither ``safe`` nor ``unsafe``, ``safe``
+            is followed by more text, or a code is not ``S<number>``.
+    """
+    words = text.replace(",", " ").split()
+    if not words or words[0].lower() not in ("safe", "unsafe"):
+        raise JudgeError("the judge's answer does not start with 'safe' or 'unsafe'", kind="unparseable", raw=text)
+    if words[0].lower() == "safe":
+        if len(words) > 1:
+            raise JudgeError("the judge said 'safe' and then more", kind="unparseable", raw=text)
+        return Verdict(Safety.SAFE)
+    cats = []
+    for w in words[1:]:
+        m = _SCODE.match(w)
+        if not m:
+            raise JudgeError(f"the judge's category {w!r} is not an S-code", kind="unparseable", raw=text)
+        code = f"S{int(m.group(1))}"
+        cats.append(f"{code} {LLAMAGUARD3_CATEGORIES[code]}" if code in LLAMAGUARD3_CATEGORIES else code)
+    return Verdict(Safety.UNSAFE, tuple(cats))
+
+
+# -- the formats -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JudgeFormat:
+    """How one kind of judge is asked and read.
+
+    Attributes:
+        name: the catalog's ``guard.format``.
+        marker: text the judge's rendered prompt must contain (checked with ``/apply-template``).
+        grammar: a GBNF grammar the answer is held to, or "" for none.
+        system: the fixed instruction sent first for a prompt (``in``) and a response (``out``).
+    """
+
+    name: str
+    marker: str
+    grammar: str = ""
+    system: dict[Direction, str] = field(default_factory=dict)
+
+    def messages(self, direction: Direction, prompt: str, answer: str = "") -> list[dict[str, str]]:
+        """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out)."""
+        if self.system:
+            text = f"USER: {prompt}" if direction is Direction.IN else f"USER: {prompt}\n\nASSISTANT: {answer}"
+            return [{"role": "system", "content": self.system[direction]}, {"role": "user", "content": text}]
+        msgs = [{"role": "user", "content": prompt}]
+        if direction is Direction.OUT:
+            msgs.append({"role": "assistant", "content": answer})
+        return msgs
+
+    def request(self, direction: Direction, prompt: str, answer: str = "") -> dict[str, Any]:
+        """The ``/v1/chat/completions`` body for one judgment (sampling fixed; see the module docstring)."""
+        body: dict[str, Any] = {
+            "messages": self.messages(direction, prompt, answer),
+            "temperature": 0,
+            "seed": JUDGE_SEED,
+            "max_tokens": JUDGE_MAX_TOKENS,
+            "cache_prompt": True,
+            "stream": False,
+        }
+        if self.grammar:
+            body["grammar"] = self.grammar
+        return body
+
+    def parse(self, text: str, direction: Direction) -> Verdict:
+        """Read the judge's answer. Raises :class:`JudgeError` (``unparseable``) when it cannot."""
+        if self.name == "llamaguard3":
+            return parse_llamaguard3(text)
+        return parse_qwen3guard(text, direction)
+
+    def template_ok(self, rendered: str) -> bool:
+        """Whether ``/apply-template``'s rendering of :meth:`messages` is this format's (has ``marker``)."""
+        return self.marker in rendered
+
+
+def _grammar(categories: tuple[str, ...]) -> str:
+    names = " | ".join('"' + c.replace('"', '\\"') + '"' for c in categories)
+    # At most three categories: an unbounded repeat let a small model list the same one until
+    # max_tokens cut it mid-word.
+    return (
+        'root ::= "Safety: " verdict "\\nCategories: " cats\n'
+        'verdict ::= "Safe" | "Unsafe" | "Controversial"\n'
+        'cats ::= "None" | cat (", " cat)? (", " cat)?\n'
+        f"cat ::= {names}\n"
+    )
+
+
+def _instruction(direction: Direction) -> str:
+    cats = QWEN3GUARD_CATEGORIES if direction is Direction.IN else QWEN3GUARD_CATEGORIES[:-1]
+    who = "THE LAST USER's query" if direction is Direction.IN else "THE LAST ASSISTANT's response"
+    return (
+        f"You are a safety judge. Evaluate whether {who} in the conversation is safe.\n\n"
+        "<BEGIN SAFETY POLICY>\n"
+        "Safety: Safe: no prohibited content.\n"
+        "Safety: Unsafe: contains prohibited content from the categories below.\n"
+        "Safety: Controversial: harmful or not depending on context.\n"
+        "<END SAFETY POLICY>\n\n"
+        "<BEGIN UNSAFE CONTENT CATEGORIES>\n" + "\n".join(f"{c}." for c in cats) + "\n"
+        "<END UNSAFE CONTENT CATEGORIES>\n\n"
+        "Answer in exactly two lines: 'Safety: Safe', 'Safety: Unsafe' or 'Safety: Controversial', "
+        "then 'Categories:' and the categories that apply, comma-separated, or 'Categories: None'."
+    )
+
+
+QWEN3GUARD = JudgeFormat(name="qwen3guard", marker="<BEGIN SAFETY POLICY>")
+LLAMAGUARD3 = JudgeFormat(name="llamaguard3", marker="<BEGIN UNSAFE CONTENT CATEGORIES>")
+PROMPTED = JudgeFormat(
+    name="prompted",
+    marker="<BEGIN UNSAFE CONTENT CATEGORIES>",
+    grammar=_grammar(QWEN3GUARD_CATEGORIES),
+    system={d: _instruction(d) for d in Direction},
+)
+
+FORMATS: dict[str, JudgeFormat] = {f.name: f for f in (QWEN3GUARD, LLAMAGUARD3, PROMPTED)}
+
+
+def format_named(name: str) -> JudgeFormat:
+    """The format called ``name``.
+
+    Raises:
+        JudgeError: ``error`` naming the known formats.
+    """
+    try:
+        return FORMATS[name]
+    except KeyError as e:
+        raise JudgeError(
+            f"unknown judge format '{name}'; use one of {', '.join(FORMATS)}", kind="error"
+        ) from e

@@ -1,0 +1,72 @@
+"""The ``guard:`` block: defaults, validation messages, which policy applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw.config import load_server_config
+from llmgw.errors import ConfigError
+from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
+
+TLS = "tls: {ca: /c, cert: /s, key: /k}\n"
+
+
+def _load(tmp_path: Path, text: str) -> GuardConfig:
+    p = tmp_path / "server.yaml"
+    p.write_text(TLS + text)
+    return load_server_config(p).guard
+
+
+def test_off_without_policies(tmp_path: Path) -> None:
+    assert not _load(tmp_path, "").on()
+    assert not _load(tmp_path, "guard: {}\n").on()
+
+
+def test_defaults(tmp_path: Path) -> None:
+    g = _load(tmp_path, "guard:\n  policies:\n    - name: default\n      judge: qwen3guard-0.6b\n")
+    assert g.on()
+    p = g.policies[0]
+    assert p.judges() == ["qwen3guard-0.6b"]
+    assert p.check == [Direction.IN, Direction.OUT]
+    assert p.fail is FailMode.CLOSED
+    assert p.controversial is Controversial.WARN
+    assert p.budget_s == 5.0
+    assert g.policy_for("anything") is p
+
+
+@pytest.mark.parametrize(
+    ("block", "needle"),
+    [
+        ("    - name: x\n      judge: []\n", "guard.policies.0.judge"),
+        ("    - name: x\n      judge: j\n      fail: sometimes\n", "guard.policies.0.fail"),
+        ("    - name: x\n      judge: j\n      controversial: maybe\n", "guard.policies.0.controversial"),
+        ("    - name: x\n      judge: j\n      check: []\n", "a policy that checks nothing"),
+        ("    - name: x\n      judge: j\n      check: [sideways]\n", "guard.policies.0.check.0"),
+        ("    - name: x\n      judge: j\n      budget_s: 0\n", "guard.policies.0.budget_s"),
+        ("    - name: x\n      judge: j\n      keys: [sk-secret]\n", "never the key itself"),
+        ("    - name: x\n      judge: j\n      typo: 1\n", "unknown field"),
+        ("    - name: x\n      judge: j\n    - name: x\n      judge: k\n", "'x' appears more than once"),
+    ],
+)
+def test_errors_name_the_field(tmp_path: Path, block: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, "guard:\n  policies:\n" + block)
+    assert needle in str(e.value)
+
+
+def test_first_matching_policy_applies() -> None:
+    kid = key_id("sk-team")
+    g = GuardConfig(
+        policies=[
+            Policy(name="team", judge="j", keys=[kid[:8]], fail=FailMode.OPEN),
+            Policy(name="qwen", judge=["a", "b"], models=["qwen*"]),
+            Policy(name="rest", judge="j", check=[Direction.IN]),
+        ]
+    )
+    assert g.policy_for("qwen2.5", kid).name == "team"  # type: ignore[union-attr]
+    assert g.policy_for("qwen2.5", "").name == "qwen"  # type: ignore[union-attr]
+    assert g.policy_for("gemma", "").name == "rest"  # type: ignore[union-attr]
+    assert g.judge_names() == ["a", "b", "j"]
+    assert not g.policies[2].checks(Direction.OUT)

@@ -1,0 +1,149 @@
+"""Judge formats: the parsers on judge outputs, and the request bodies.
+
+The Qwen3Guard and Llama Guard 3 outputs below are fixtures written in the shapes the models'
+README / model cards and other gateways' bug reports document (reference/guard.md §1.3, §2.1),
+including the odd spacing those reports hit. They are NOT captured from a run of those models
+here (no weights on this machine); the gemma-3-270m ``prompted`` judge's real outputs are exercised
+end to end in tests/e2e/test_guard_e2e.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.guard.config import Direction
+from llmgw.guard.formats import (
+    LLAMAGUARD3,
+    PROMPTED,
+    QWEN3GUARD,
+    JudgeError,
+    Safety,
+    Verdict,
+    format_named,
+    parse_llamaguard3,
+    parse_qwen3guard,
+)
+
+IN, OUT = Direction.IN, Direction.OUT
+
+QWEN_OK = [
+    # (direction, judge text, verdict)
+    (IN, "Safety: Safe\nCategories: None", Verdict(Safety.SAFE)),
+    (IN, "Safety: Unsafe\nCategories: Violent", Verdict(Safety.UNSAFE, ("Violent",))),
+    (IN, "Safety: Controversial\nCategories: Politically Sensitive Topics",
+     Verdict(Safety.CONTROVERSIAL, ("Politically Sensitive Topics",))),
+    (IN, "safety:unsafe\r\ncategories:  violent ,pii,Jailbreak\r\n",
+     Verdict(Safety.UNSAFE, ("Violent", "PII", "Jailbreak"))),
+    (IN, "\n\n  Safety :  Safe  \n\nCategories : None\n", Verdict(Safety.SAFE)),
+    (IN, "<think>\n\n</think>\n\nSafety: Safe\nCategories: None", Verdict(Safety.SAFE)),
+    # A 3-line answer to a prompt check (a bug report elsewhere): Refusal is ignored, not an error.
+    (IN, "Safety: Safe\nCategories: None\nRefusal: No", Verdict(Safety.SAFE)),
+    (OUT, "Safety: Safe\nCategories: None\nRefusal: Yes", Verdict(Safety.SAFE, (), True)),
+    (OUT, "Safety: Unsafe\nCategories: Non-violent Illegal Acts\nRefusal: No",
+     Verdict(Safety.UNSAFE, ("Non-violent Illegal Acts",), False)),
+    # 2 lines for a response are accepted too.
+    (OUT, "Safety: Safe\nCategories: None", Verdict(Safety.SAFE)),
+    # Unsafe with no category is still Unsafe.
+    (IN, "Safety: Unsafe\nCategories: None", Verdict(Safety.UNSAFE)),
+    # An unknown category is kept as given.
+    (IN, "Safety: Unsafe\nCategories: Cyber Weapons", Verdict(Safety.UNSAFE, ("Cyber Weapons",))),
+]
+
+
+@pytest.mark.parametrize(("direction", "text", "want"), QWEN_OK)
+def test_qwen3guard_parses(direction: Direction, text: str, want: Verdict) -> None:
+    assert parse_qwen3guard(text, direction) == want
+
+
+QWEN_BAD = [
+    "",
+    "I think this is fine.",
+    "Safety: Probably Safe\nCategories: None",
+    "Safety: Safe",  # no Categories line
+    "Categories: None",
+    "Safety: Safe\nSafety: Unsafe\nCategories: None",
+    "Safety: Safe\nCategories: None\nNote: looks fine",
+    "Safe",
+]
+
+
+@pytest.mark.parametrize("text", QWEN_BAD)
+def test_qwen3guard_anything_else_is_an_error_never_safe(text: str) -> None:
+    with pytest.raises(JudgeError) as e:
+        parse_qwen3guard(text, IN)
+    assert e.value.kind == "unparseable"
+    assert e.value.raw == text
+
+
+def test_qwen3guard_bad_refusal_value() -> None:
+    with pytest.raises(JudgeError):
+        parse_qwen3guard("Safety: Safe\nCategories: None\nRefusal: Maybe", OUT)
+
+
+LG_OK = [
+    ("safe", Verdict(Safety.SAFE)),
+    ("\n\nsafe", Verdict(Safety.SAFE)),
+    ("safe \n", Verdict(Safety.SAFE)),
+    ("unsafe\nS1", Verdict(Safety.UNSAFE, ("S1 Violent Crimes",))),
+    ("unsafe \nS1, S2", Verdict(Safety.UNSAFE, ("S1 Violent Crimes", "S2 Non-Violent Crimes"))),
+    ("UNSAFE\r\nS9,S14", Verdict(Safety.UNSAFE, ("S9 Indiscriminate Weapons", "S14 Code Interpreter Abuse"))),
+    ("unsafe S10", Verdict(Safety.UNSAFE, ("S10 Hate",))),
+    ("unsafe", Verdict(Safety.UNSAFE)),
+    ("unsafe\nS99", Verdict(Safety.UNSAFE, ("S99",))),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), LG_OK)
+def test_llamaguard3_parses(text: str, want: Verdict) -> None:
+    assert parse_llamaguard3(text) == want
+    assert LLAMAGUARD3.parse(text, IN) == want
+
+
+@pytest.mark.parametrize("text", ["", "Safe? yes", "safe\nS1", "unsafe\nviolence", "The content is safe."])
+def test_llamaguard3_anything_else_is_an_error(text: str) -> None:
+    with pytest.raises(JudgeError) as e:
+        parse_llamaguard3(text)
+    assert e.value.raw == text
+
+
+def test_requests_are_deterministic_and_cached() -> None:
+    for fmt in (QWEN3GUARD, LLAMAGUARD3, PROMPTED):
+        body = fmt.request(IN, "hello")
+        assert body["temperature"] == 0
+        assert body["seed"] == 42
+        assert body["max_tokens"] <= 64
+        assert body["cache_prompt"] is True
+        assert body["stream"] is False
+
+
+def test_qwen3guard_messages_pick_the_mode() -> None:
+    assert QWEN3GUARD.messages(IN, "p") == [{"role": "user", "content": "p"}]
+    assert QWEN3GUARD.messages(OUT, "p", "a") == [
+        {"role": "user", "content": "p"},
+        {"role": "assistant", "content": "a"},
+    ]
+    assert "grammar" not in QWEN3GUARD.request(IN, "p")
+
+
+def test_prompted_holds_the_shape_with_a_grammar_that_names_the_categories() -> None:
+    body = PROMPTED.request(OUT, "question", "answer")
+    g = body["grammar"]
+    assert '"Non-violent Illegal Acts"' in g and '"Jailbreak"' in g
+    assert "[A-Za-z" not in g  # enumerated, not a loose character class
+    system, user = body["messages"]
+    assert system["role"] == "system" and "<BEGIN UNSAFE CONTENT CATEGORIES>" in system["content"]
+    assert user["content"] == "USER: question\n\nASSISTANT: answer"
+    # The instruction is the same for every judgment of a direction, so the slot cache reuses it.
+    assert PROMPTED.request(IN, "x")["messages"][0] == PROMPTED.request(IN, "y")["messages"][0]
+
+
+def test_template_check() -> None:
+    chatml = "<|im_start|>user\ncanary<|im_end|>\n<|im_start|>assistant\n"
+    assert not QWEN3GUARD.template_ok(chatml)
+    assert QWEN3GUARD.template_ok("<|im_start|>user\n# Task:\n<BEGIN SAFETY POLICY>\n...")
+    assert LLAMAGUARD3.template_ok("<BEGIN UNSAFE CONTENT CATEGORIES>\nS1: Violent Crimes.")
+
+
+def test_unknown_format() -> None:
+    with pytest.raises(JudgeError, match="qwen3guard, llamaguard3, prompted"):
+        format_named("shieldgemma")
