@@ -370,7 +370,8 @@ class ServerInit:
         """Point the control plane at a mirror on another machine, set up there by ``llmgw mirror init``."""
         url = self.opts.mirror_url
         try:
-            MirrorClient(url, timeout=5.0).health()
+            with MirrorClient(url, timeout=5.0) as client:
+                client.health()
         except LlmgwError as e:
             raise MirrorError(
                 f"the mirror at {url} does not answer: {e}. On that machine: "
