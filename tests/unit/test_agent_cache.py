@@ -120,3 +120,21 @@ async def test_eviction_keeps_files_in_use(tmp_path: Path, mirror: Mirror) -> No
     assert not digest_record_path(first).exists()
     assert second.exists()
     assert third.exists()
+
+
+async def test_eviction_takes_the_least_recently_used_not_the_oldest_fetched(tmp_path: Path, mirror: Mirror) -> None:
+    cache = NodeCache(tmp_path / "cache", max_bytes=2 * len(BODY) + 10)
+    async with aiohttp.ClientSession() as session:
+        a = await cache.ensure(session, spec(mirror.base, version="a"))
+        b = await cache.ensure(session, spec(mirror.base, version="b"))
+        cache.release(a)
+        cache.release(b)
+        os.utime(digest_record_path(a), (1_000, 1_000))  # used long ago ...
+        os.utime(digest_record_path(b), (2_000, 2_000))
+        assert await cache.ensure(session, spec(mirror.base, version="a")) == a  # ... and used again now
+        cache.release(a)
+        c = await cache.ensure(session, spec(mirror.base, version="c"))
+    assert a.exists()
+    assert not b.exists()  # the least recently used one went
+    assert c.exists()
+    assert mirror.gets == 3  # a was reused, not fetched again

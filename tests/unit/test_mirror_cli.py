@@ -1,0 +1,123 @@
+"""``llmgw mirror add / rm / ls / init`` through the real CLI, and ``server init --mirror`` refusing
+a mirror that does not answer. The running mirror is a real MirrorServer in a background thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pathlib
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from llmgw.cli.main import app
+from llmgw.errors import MirrorError
+from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.store import Store
+from llmgw.paths import Paths
+from llmgw.serverinit.options import InitOptions
+from llmgw.serverinit.steps import ServerInit
+from llmgw.service.manager import SupervisorManager
+from tests.unit.test_mirror_client import ThreadedMirror
+
+DATA = os.urandom(200_000)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def weights(tmp_path: pathlib.Path) -> pathlib.Path:
+    p = tmp_path / "carried" / "w.gguf"
+    p.parent.mkdir()
+    p.write_bytes(DATA)
+    return p
+
+
+def llmgw(*args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, ["mirror", *args])
+    return r.exit_code, r.output
+
+
+def test_add_without_a_running_mirror_copies_into_the_store(
+    tmp_path: pathlib.Path, weights: pathlib.Path
+) -> None:
+    store = tmp_path / "store"
+    code, out = llmgw("add", str(weights), "--model", "m", "--version", "1",
+                      "--api", f"http://127.0.0.1:{free_port()}", "--dir", str(store))  # fmt: skip
+    assert code == 0, out
+    assert "does not answer: copying into" in out
+    assert f"sha256 {SHA}" in out
+    found = Store(store).servable("m", "1", "w.gguf")
+    assert found is not None
+    assert found[1].sha256 == SHA
+    assert found[0].read_bytes() == DATA
+    # a mirror started later serves it and reports it
+    with ThreadedMirror(store) as mirror, MirrorClient(mirror.api) as c:
+        st = c.status("m", "1")
+        assert (st.state, st.sha256) == ("present", SHA)
+        assert [f.model for f in c.files()] == ["m"]
+
+
+def test_add_through_a_running_mirror_then_ls_and_rm(tmp_path: pathlib.Path, weights: pathlib.Path) -> None:
+    with ThreadedMirror(tmp_path / "store") as mirror:
+        code, out = llmgw("add", str(weights), "--model", "m", "--version", "1", "--api", mirror.api)
+        assert code == 0, out
+        assert "asking the mirror at" in out
+        with MirrorClient(mirror.api) as c:
+            assert c.status("m", "1").sha256 == SHA
+
+        code, out = llmgw("ls", "--api", mirror.api)
+        assert code == 0, out
+        assert f"m/1\tpresent\tw.gguf\t{SHA[:16]}" in out
+
+        code, out = llmgw("rm", "m", "1", "--api", mirror.api)
+        assert code == 0, out
+        assert "deleted m/1 (w.gguf, was present)" in out
+        assert not (tmp_path / "store" / "m").exists()
+
+        code, out = llmgw("rm", "m", "1", "--api", mirror.api)
+        assert code == 1
+        assert "404" in out
+
+
+def test_add_of_a_missing_file_or_another_source_is_refused(
+    tmp_path: pathlib.Path, weights: pathlib.Path
+) -> None:
+    store, api = str(tmp_path / "store"), f"http://127.0.0.1:{free_port()}"
+    missing = str(tmp_path / "nope.gguf")
+    code, out = llmgw("add", missing, "--model", "m", "--version", "1", "--api", api, "--dir", store)
+    assert code != 0
+    assert "is not a file" in out
+    assert llmgw("add", str(weights), "--model", "m", "--version", "1", "--api", api, "--dir", store)[0] == 0
+    other = tmp_path / "w.gguf"
+    other.write_bytes(b"other")
+    code, out = llmgw("add", str(other), "--model", "m", "--version", "1", "--api", api, "--dir", store)
+    assert code != 0
+    assert "give the new source a new version" in out
+
+
+def test_init_needs_a_control_plane_address(tmp_path: pathlib.Path) -> None:
+    r = CliRunner().invoke(
+        app, ["mirror", "init", "--control-plane", "not-an-ip", "--address", "127.0.0.1"],
+        env={"LLMGW_ROOT": str(tmp_path)},
+    )  # fmt: skip
+    assert r.exit_code != 0
+    assert "--api-allow 'not-an-ip' is not an IP address" in r.output
+
+
+def test_server_init_with_a_mirror_that_does_not_answer_gives_the_seeds_advice(tmp_path: pathlib.Path) -> None:
+    paths = Paths.from_env(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}"
+    init = ServerInit(paths, InitOptions(mirror_url=url), SupervisorManager(paths), out=io.StringIO())
+    with pytest.raises(MirrorError) as e:
+        init.use_mirror()
+    assert f"the mirror at {url} does not answer" in str(e.value)
+    assert "On that machine: sudo llmgw mirror init --control-plane <this machine's address>" in str(e.value)
