@@ -128,10 +128,12 @@ def test_qwen3guard_messages_pick_the_mode() -> None:
 def test_prompted_holds_the_shape_with_a_grammar_that_names_the_categories() -> None:
     body = PROMPTED.request(OUT, "question", "answer")
     g = body["grammar"]
-    assert '"Non-violent Illegal Acts"' in g and '"Jailbreak"' in g
+    assert '"Non-violent Illegal Acts"' in g
+    assert '"Jailbreak"' in g
     assert "[A-Za-z" not in g  # enumerated, not a loose character class
     system, user = body["messages"]
-    assert system["role"] == "system" and "<BEGIN UNSAFE CONTENT CATEGORIES>" in system["content"]
+    assert system["role"] == "system"
+    assert "<BEGIN UNSAFE CONTENT CATEGORIES>" in system["content"]
     assert user["content"] == "USER: question\n\nASSISTANT: answer"
     # The instruction is the same for every judgment of a direction, so the slot cache reuses it.
     assert PROMPTED.request(IN, "x")["messages"][0] == PROMPTED.request(IN, "y")["messages"][0]

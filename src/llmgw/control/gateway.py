@@ -47,11 +47,12 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.control.gateway_inspect import Exchange, Inspector
+from llmgw.control.gateway_inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway_upstream import (
     Trace,
     UpstreamPool,
     error_response,
+    refusal_response,
     relay_plain,
     relay_stream,
 )
@@ -75,6 +76,13 @@ def is_loopback(remote: str | None) -> bool:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def _caller(request: web.Request) -> str:
+    """The bearer key's id (first 12 hex digits of its SHA-256), "" without one; for the inspector."""
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    key = key.strip()
+    return hashlib.sha256(key.encode()).hexdigest()[:12] if scheme.lower() == "bearer" and key else ""
 
 
 class _Gateway:
@@ -139,6 +147,10 @@ class _Gateway:
         if (denied := self.denied(request)) is not None:
             return denied
         requested, model, stream = "", "", False
+        call: Call | None = None
+        if self.inspector is not None:
+            call = Call(caller=_caller(request))
+            current_call.set(call)
         try:
             raw = await request.read()
             body = _parse(raw)
@@ -157,7 +169,7 @@ class _Gateway:
                 raw = _limit_output(body, raw, route.max_output)
                 refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
                 if refusal is not None:
-                    out = error_response(refusal.status, refusal.message, refusal.code)
+                    out = refusal_response(refusal)
                 elif stream:
                     out = await relay_stream(
                         request,
@@ -185,6 +197,8 @@ class _Gateway:
             )
         except ApiError as e:
             out = error_response(e.status, str(e), e.code)
+        if call is not None and not out.prepared:
+            out.headers.update(call.headers)
         if not out.prepared and trace.replica:
             out.headers["x-llmgw-replica"] = trace.replica
             trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns

@@ -16,7 +16,8 @@ final ``data: {"error": {...}}`` event (the official ``openai`` client raises ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmgw.control.routing import Route
@@ -30,11 +31,32 @@ class Refusal:
         message: shown to the client; name the policy, never the judge's address.
         status: HTTP status when nothing was sent yet (400 for a refused prompt).
         code: the envelope's ``code``.
+        extra: more fields for the envelope's ``error`` object (the guard's ``direction``,
+            ``categories``, ``policy``); never an internal address.
     """
 
     message: str
     status: int = 400
     code: str = "content_policy_violation"
+    extra: dict[str, Any] | None = None
+
+
+@dataclass
+class Call:
+    """One chat request's notes between the gateway and its inspector (set only with an inspector).
+
+    Attributes:
+        caller: the API key's id (:func:`llmgw.guard.config.key_id`), "" for a client without a key.
+        headers: response headers the inspector adds (verdicts, judge time); the gateway copies them
+            onto the response before it is sent (for a stream, those set before its first byte).
+    """
+
+    caller: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+#: The current chat request's :class:`Call` (each aiohttp handler runs in its own task and context).
+current_call: ContextVar[Call | None] = ContextVar("llmgw_current_call", default=None)
 
 
 class StreamInspector(Protocol):

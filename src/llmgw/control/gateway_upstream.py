@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from llmgw.control.gateway_inspect import Inspector, Refusal, StreamInspector
+from llmgw.control.gateway_inspect import Inspector, Refusal, StreamInspector, current_call
 from llmgw.control.routing import Route, Upstream
 from llmgw.errors import ApiError
 
@@ -76,8 +76,19 @@ def error_response(status: int, message: str, code: str) -> web.Response:
     return web.json_response(error_body(status, message, code), status=status, headers=headers)
 
 
-def _sse_error(status: int, message: str, code: str) -> bytes:
-    return b"data: " + json.dumps(error_body(status, message, code)).encode() + b"\n\n"
+def _sse_error(status: int, message: str, code: str, extra: dict[str, Any] | None = None) -> bytes:
+    body = error_body(status, message, code)
+    if extra:
+        body["error"].update(extra)
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def refusal_response(refusal: Refusal) -> web.Response:
+    """An inspector's :class:`Refusal` as an OpenAI error envelope, its ``extra`` fields included."""
+    body = error_body(refusal.status, refusal.message, refusal.code)
+    if refusal.extra:
+        body["error"].update(refusal.extra)
+    return web.json_response(body, status=refusal.status)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -274,7 +285,7 @@ async def relay_plain(
     if inspector is not None:
         refusal = await inspector.answer(route, request_json, answer)
         if refusal is not None:
-            return error_response(refusal.status, refusal.message, refusal.code)
+            return refusal_response(refusal)
     return web.Response(body=json.dumps(answer).encode(), status=resp.status, content_type="application/json")
 
 
@@ -303,15 +314,16 @@ async def relay_stream(
         if resp.status >= 400:
             return await _replica_error(route, up, resp)
         watcher = inspector.stream(route, request_json) if inspector is not None else None
-        out = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                "x-llmgw-replica": trace.replica,
-                "x-llmgw-overhead-ms": _ms(time.perf_counter_ns() - trace.started_ns - trace.upstream_ns),
-            }
-        )
+        headers = {
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "x-llmgw-replica": trace.replica,
+            "x-llmgw-overhead-ms": _ms(time.perf_counter_ns() - trace.started_ns - trace.upstream_ns),
+        }
+        if watcher is not None and (call := current_call.get()) is not None:
+            headers.update(call.headers)
+        out = web.StreamResponse(headers=headers)
         trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
         await out.prepare(request)
         t0 = time.perf_counter_ns()
@@ -319,7 +331,7 @@ async def relay_stream(
             refusal = await _pump(resp, out, watcher, ModelRewriter(requested))
             closed_cleanly = refusal is None
             if refusal is not None:
-                await out.write(_sse_error(refusal.status, refusal.message, refusal.code))
+                await out.write(_sse_error(refusal.status, refusal.message, refusal.code, refusal.extra))
         except ConnectionResetError:  # the client went away; finally closes the upstream
             return out
         except (

@@ -28,6 +28,7 @@ import signal
 import ssl
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -39,6 +40,9 @@ from llmgw.control.routing_table import StoreRouter
 from llmgw.control.store import Store, default_url
 from llmgw.errors import ConfigError, PkiError, PortInUseError
 from llmgw.paths import Paths
+
+if TYPE_CHECKING:
+    from llmgw.control.gateway_guard import GuardInspector
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +123,39 @@ async def _start(
     return runner, (str(bound[0]), int(bound[1]))
 
 
-def _gateway_app(router: StoreRouter, config: ServerConfig) -> web.Application:
+def _gateway_app(
+    router: StoreRouter, config: ServerConfig, inspector: GuardInspector | None = None
+) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
     from llmgw.control.gateway import build_gateway_app  # noqa: PLC0415
 
-    return build_gateway_app(
+    app = build_gateway_app(
         router,
         keys=read_gateway_keys(config),
         allow_loopback_without_key=config.gateway.allow_loopback_without_key,
+        inspector=inspector,
     )
+    if inspector is not None:
+
+        async def _close_judges(_: web.Application) -> None:
+            await inspector.client.close()
+
+        app.on_cleanup.append(_close_judges)
+    return app
+
+
+def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInspector | None:
+    """The guard inspector when server.yaml has a guard policy (guard.on()), else None."""
+    if not config.guard.on():
+        return None
+    from llmgw.control.gateway_guard import CatalogFormats, route_judges  # noqa: PLC0415
+    from llmgw.control.gateway_guard import GuardInspector as _GI  # noqa: PLC0415
+    from llmgw.guard.judge import JudgeClient  # noqa: PLC0415
+
+    formats = CatalogFormats(lambda: [r.model for r in store.list_models()])
+    log.info("guardrails on: %s", ", ".join(p.name for p in config.guard.policies))
+    return _GI(config.guard, JudgeClient(route_judges(router.resolve_any, formats)))
 
 
 async def serve(
@@ -160,6 +187,7 @@ async def serve(
     store = Store.open(default_url(config.store.url, paths.database))
     router = StoreRouter(store)
     leader = Leader(store, node_lost_after_s=config.node_lost_after_s, on_change=router.refresh)
+    guard = _guard(config, store, router)
 
     def admin_changed() -> None:
         router.refresh()
@@ -182,8 +210,13 @@ async def serve(
                 build_admin_app(store, token=token, on_change=admin_changed),
                 None,
             ),
-            ("agent_listen", config.agent_listen, build_agent_app(store, on_heartbeat=heartbeat), tls),
-            ("gateway.listen", config.gateway.listen, _gateway_app(router, config), None),
+            (
+                "agent_listen",
+                config.agent_listen,
+                build_agent_app(store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s),
+                tls,
+            ),
+            ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard), None),
         ]
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)

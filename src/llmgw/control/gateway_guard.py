@@ -1,0 +1,395 @@
+"""The guard in the gateway: an :class:`~llmgw.control.gateway_inspect.Inspector` that has every
+prompt and answer judged by the policy's judge (:mod:`llmgw.guard`).
+
+Per chat request (the first policy of ``guard.policies`` whose ``models``/``keys`` match; none:
+untouched):
+
+- **in**: the last user message is judged before any engine is asked.
+- **out**, not streamed: the answer (content, reasoning, tool-call arguments of every choice) is
+  judged before it is sent.
+- **out**, streamed: the answer is held until it is complete and judged, then sent as the engine
+  sent it (buffer-all: no unjudged byte reaches the client; the cost is time to first byte). A
+  blocked stream is one ``chat.completion.chunk`` with ``finish_reason: "content_filter"`` and an
+  ``llmgw_guard`` object, then ``data: [DONE]``: valid SSE the official ``openai`` client parses.
+
+Decisions: Unsafe is blocked; Controversial as the policy says (block, warn: served and logged,
+allow). Blocked → HTTP 400, OpenAI envelope, code ``content_blocked``, with ``direction``,
+``categories`` and ``policy`` fields. No verdict (judge missing, down, over budget, unparseable,
+wrong template): ``fail: closed`` → 503 ``judge_unavailable`` (mid-stream: a final error event);
+``fail: open`` → served, marked ``unjudged`` in the header and counted. A parsed block blocks under
+``fail: open`` too: only the absence of a verdict is covered by it.
+
+Headers (set before the response's first byte): ``x-llmgw-guard-in`` / ``x-llmgw-guard-out``
+(``safe``, ``controversial``, ``unsafe``, ``unjudged``), ``…-categories``, ``…-ms`` (judge time in
+the gateway), ``x-llmgw-guard-policy``. A stream's out verdict comes after its headers, so it is
+the SSE comment ``: llmgw-guard out=<verdict> categories=<…> ms=<…>`` just before the answer's
+events (SSE clients ignore comments), and its header says ``x-llmgw-guard-out: held``.
+Each judgment is logged with its verdict, categories, judge, time and, for an error, the judge's raw
+text. Bodies never carry the judge's address or raw text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.control.catalog import Model, Role
+from llmgw.control.gateway_inspect import Refusal, current_call
+from llmgw.control.routing import Route
+from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy
+from llmgw.guard.formats import JudgeError, Safety
+from llmgw.guard.judge import JudgeClient, JudgeRoute, Judgment
+
+log = logging.getLogger(__name__)
+
+#: Judge times kept per judge for p50/p95 in ``guard judge status``.
+TIMES_KEPT = 1000
+
+
+@dataclass
+class GuardStats:
+    """Counters for metrics and ``guard judge status``; all since the control plane started.
+
+    Attributes:
+        verdicts: ``"{direction} {verdict}"`` → count (``in safe``, ``out unsafe``…).
+        blocked: ``direction`` → requests refused for content.
+        unjudged: ``direction`` → requests served without a verdict under ``fail: open``.
+        refused_unavailable: ``direction`` → requests refused with 503 under ``fail: closed``.
+        errors: judge error kind → count.
+        times_ms: judge → the last :data:`TIMES_KEPT` judgment times (ms).
+    """
+
+    verdicts: dict[str, int] = field(default_factory=dict)
+    blocked: dict[str, int] = field(default_factory=dict)
+    unjudged: dict[str, int] = field(default_factory=dict)
+    refused_unavailable: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    times_ms: dict[str, deque[float]] = field(default_factory=dict)
+
+    @staticmethod
+    def _inc(d: dict[str, int], k: str) -> None:
+        d[k] = d.get(k, 0) + 1
+
+    def percentiles(self, judge: str) -> tuple[float, float] | None:
+        """``(p50, p95)`` of the judge's recent times (ms), None before its first judgment."""
+        times = sorted(self.times_ms.get(judge, ()))
+        if not times:
+            return None
+        return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.95))]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters (and p50/p95 per judge) as JSON-ready data."""
+        pct = {j: self.percentiles(j) for j in self.times_ms}
+        return {
+            "verdicts": dict(self.verdicts),
+            "blocked": dict(self.blocked),
+            "unjudged": dict(self.unjudged),
+            "refused_unavailable": dict(self.refused_unavailable),
+            "errors": dict(self.errors),
+            "judge_ms": {j: {"p50": p[0], "p95": p[1], "n": len(self.times_ms[j])} for j, p in pct.items() if p},
+        }
+
+
+def message_text(content: Any) -> str:
+    """A message's text: a string, or the ``text`` parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def prompt_text(request: dict[str, Any]) -> str:
+    """The text judged as the prompt: the last user message (the last message when none is a user's)."""
+    msgs = [m for m in request.get("messages", []) if isinstance(m, dict)]
+    users = [m for m in msgs if m.get("role") == "user"]
+    last = users[-1] if users else (msgs[-1] if msgs else {})
+    return message_text(last.get("content"))
+
+
+def _tool_args(calls: Any) -> list[str]:
+    if not isinstance(calls, list):
+        return []
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            out.append(fn["arguments"])
+    return out
+
+
+def answer_text(response: dict[str, Any]) -> str:
+    """The text judged as the answer: every choice's reasoning, content and tool-call arguments."""
+    parts: list[str] = []
+    for ch in response.get("choices") or []:
+        msg = ch.get("message") if isinstance(ch, dict) else None
+        if not isinstance(msg, dict):
+            continue
+        for key in ("reasoning_content", "content"):
+            if isinstance(msg.get(key), str) and msg[key]:
+                parts.append(msg[key])
+        parts.extend(_tool_args(msg.get("tool_calls")))
+    return "\n".join(parts)
+
+
+class GuardInspector:
+    """The gateway's :class:`~llmgw.control.gateway_inspect.Inspector` for ``guard.policies``.
+
+    Args:
+        config: the ``guard:`` block (re-read through ``config()`` when a callable is given).
+        client: sends judgments (:class:`~llmgw.guard.judge.JudgeClient`).
+    """
+
+    def __init__(self, config: GuardConfig | Callable[[], GuardConfig], client: JudgeClient) -> None:
+        if isinstance(config, GuardConfig):
+            fixed = config
+            self._config: Callable[[], GuardConfig] = lambda: fixed
+        else:
+            self._config = config
+        self.client = client
+        self.stats = GuardStats()
+
+    def config(self) -> GuardConfig:
+        """The guard configuration in force."""
+        return self._config()
+
+    def policy(self, model: str) -> Policy | None:
+        """The policy for ``model`` and the current request's caller, or None."""
+        call = current_call.get()
+        return self.config().policy_for(model, call.caller if call else "")
+
+    # -- the Inspector hooks -------------------------------------------------------------------
+    async def prompt(self, route: Route, request: dict[str, Any]) -> Refusal | None:
+        """Judge the prompt (in) before any engine is asked; a refusal or None."""
+        policy = self.policy(route.model)
+        if policy is None or not policy.checks(Direction.IN):
+            return None
+        return await self.decide(policy, Direction.IN, route.model, prompt_text(request))
+
+    async def answer(self, route: Route, request: dict[str, Any], response: dict[str, Any]) -> Refusal | None:
+        """Judge a complete answer (out) before it is sent; a refusal or None."""
+        policy = self.policy(route.model)
+        if policy is None or not policy.checks(Direction.OUT):
+            return None
+        return await self.decide(policy, Direction.OUT, route.model, prompt_text(request), answer_text(response))
+
+    def stream(self, route: Route, request: dict[str, Any]) -> HeldStream | None:
+        """A holder for a streamed answer when the policy checks ``out``."""
+        policy = self.policy(route.model)
+        if policy is None or not policy.checks(Direction.OUT):
+            return None
+        if (call := current_call.get()) is not None:
+            call.headers["x-llmgw-guard-out"] = "held"
+            call.headers["x-llmgw-guard-policy"] = policy.name
+        return HeldStream(self, policy, route.model, prompt_text(request))
+
+    # -- deciding ------------------------------------------------------------------------------
+    async def judge(self, policy: Policy, direction: Direction, prompt: str, answer: str = "") -> Judgment:
+        """One judgment under ``policy``'s judges and budget (raises :class:`JudgeError`)."""
+        return await self.client.judge(policy.judges(), direction, prompt, answer, budget_s=policy.budget_s)
+
+    async def decide(
+        self, policy: Policy, direction: Direction, model: str, prompt: str, answer: str = ""
+    ) -> Refusal | None:
+        """Judge, count, log, note the headers; the refusal to send, or None to serve."""
+        d = direction.value
+        notes = _Notes(direction)
+        notes.set("policy", policy.name)
+        t0 = time.perf_counter()
+        try:
+            j = await self.judge(policy, direction, prompt, answer)
+        except JudgeError as e:
+            ms = (time.perf_counter() - t0) * 1000
+            GuardStats._inc(self.stats.errors, e.kind)
+            log.warning(
+                "guard %s: policy %s model %s: no verdict (%s, %.0f ms): %s; judge said: %r; fail %s",
+                d, policy.name, model, e.kind, ms, e, e.raw[:500], policy.fail.value,
+            )
+            if policy.fail is FailMode.OPEN:
+                GuardStats._inc(self.stats.unjudged, d)
+                notes.verdict("unjudged", (), ms)
+                return None
+            GuardStats._inc(self.stats.refused_unavailable, d)
+            notes.verdict("unjudged", (), ms)
+            what = "prompt" if direction is Direction.IN else "answer"
+            return Refusal(
+                f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry shortly",
+                status=503,
+                code="judge_unavailable",
+                extra={"direction": d, "policy": policy.name},
+            )
+        v = j.verdict
+        GuardStats._inc(self.stats.verdicts, f"{d} {v.safety.value}")
+        self.stats.times_ms.setdefault(j.judge, deque(maxlen=TIMES_KEPT)).append(j.ms)
+        notes.verdict(v.safety.value, v.categories, j.ms)
+        block = v.safety is Safety.UNSAFE or (
+            v.safety is Safety.CONTROVERSIAL and policy.controversial is Controversial.BLOCK
+        )
+        level = logging.WARNING if block or v.safety is not Safety.SAFE else logging.INFO
+        log.log(
+            level,
+            "guard %s: policy %s model %s: %s [%s] by %s in %.0f ms (engine %s ms)%s",
+            d, policy.name, model, v.safety.value, ", ".join(v.categories), j.judge, j.ms,
+            f"{j.engine_ms:.0f}" if j.engine_ms is not None else "?", " - blocked" if block else "",
+        )
+        if not block:
+            return None
+        GuardStats._inc(self.stats.blocked, d)
+        return blocked(policy, direction, v.categories)
+
+
+def blocked(policy: Policy, direction: Direction, categories: tuple[str, ...]) -> Refusal:
+    """The 400 ``content_blocked`` refusal for content ``policy`` blocks."""
+    what = "prompt" if direction is Direction.IN else "answer"
+    cats = f" ({', '.join(categories)})" if categories else ""
+    return Refusal(
+        f"the {what} was blocked by policy '{policy.name}'{cats}",
+        status=400,
+        code="content_blocked",
+        extra={"direction": direction.value, "categories": list(categories), "policy": policy.name},
+    )
+
+
+class _Notes:
+    """Writes one direction's guard headers into the current request's :class:`Call`."""
+
+    def __init__(self, direction: Direction) -> None:
+        self.prefix = f"x-llmgw-guard-{direction.value}"
+        self.call = current_call.get()
+        self.last: tuple[str, tuple[str, ...], float] = ("", (), 0.0)
+
+    def set(self, name: str, value: str) -> None:
+        if self.call is not None:
+            self.call.headers[f"x-llmgw-guard-{name}"] = value
+
+    def verdict(self, verdict: str, categories: tuple[str, ...], ms: float) -> None:
+        self.last = (verdict, categories, ms)
+        if self.call is not None:
+            self.call.headers[self.prefix] = verdict
+            self.call.headers[self.prefix + "-categories"] = ", ".join(categories)
+            self.call.headers[self.prefix + "-ms"] = f"{ms:.1f}"
+
+
+class HeldStream:
+    """Holds a streamed answer until it is complete and judged (a :class:`StreamInspector`).
+
+    Reads each ``data:`` event's ``choices[].delta`` (content, reasoning, tool-call arguments) to
+    rebuild the answer, remembers the chunk ``id``/``created``/``model`` for the final chunk of a
+    blocked stream, and sends nothing until :meth:`end`.
+    """
+
+    def __init__(self, guard: GuardInspector, policy: Policy, model: str, prompt: str) -> None:
+        self.guard = guard
+        self.policy = policy
+        self.model = model
+        self.prompt = prompt
+        self.held: list[bytes] = []
+        self.parts: list[str] = []
+        self.meta: dict[str, Any] = {}
+
+    async def chunk(self, data: bytes) -> bytes | Refusal:
+        """Hold ``data`` (complete lines) and collect the answer's text from its events."""
+        self.held.append(data)
+        for line in data.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            for k in ("id", "created", "model", "system_fingerprint"):
+                if k in event and k not in self.meta:
+                    self.meta[k] = event[k]
+            for ch in event.get("choices") or []:
+                delta = ch.get("delta") if isinstance(ch, dict) else None
+                if not isinstance(delta, dict):
+                    continue
+                for key in ("reasoning_content", "content"):
+                    if isinstance(delta.get(key), str):
+                        self.parts.append(delta[key])
+                self.parts.extend(_tool_args(delta.get("tool_calls")))
+        return b""
+
+    async def end(self) -> bytes | Refusal:
+        """Judge the whole answer: its held bytes, a ``content_filter`` ending, or a refusal."""
+        notes_call = current_call.get()
+        refusal = await self.guard.decide(self.policy, Direction.OUT, self.model, self.prompt, "".join(self.parts))
+        verdict, cats, ms = "", "", ""
+        if notes_call is not None:
+            verdict = notes_call.headers.get("x-llmgw-guard-out", "")
+            cats = notes_call.headers.get("x-llmgw-guard-out-categories", "")
+            ms = notes_call.headers.get("x-llmgw-guard-out-ms", "")
+        comment = f": llmgw-guard out={verdict} categories={cats.replace(' ', '')} ms={ms}\n\n".encode()
+        if refusal is None:
+            return comment + b"".join(self.held)
+        if refusal.code != "content_blocked":
+            return refusal
+        final = {
+            "id": self.meta.get("id", "chatcmpl-llmgw"),
+            "object": "chat.completion.chunk",
+            "created": self.meta.get("created", int(time.time())),
+            "model": self.meta.get("model", self.model),
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "content_filter"}],
+            "llmgw_guard": refusal.extra,
+        }
+        return comment + b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def route_judges(
+    resolve_any: Callable[[str], Route | None], format_of: Callable[[str], str | None]
+) -> Callable[[str], JudgeRoute | None]:
+    """A :data:`~llmgw.guard.judge.JudgeLookup` over the routing table: a guard model's route and format.
+
+    ``format_of(name)`` is the catalog's ``guard.format`` for a guard model, None for anything else
+    (a chat model is not a judge unless the catalog says so).
+    """
+
+    def lookup(name: str) -> JudgeRoute | None:
+        fmt = format_of(name)
+        route = resolve_any(name)
+        if fmt is None or route is None:
+            return None
+        return JudgeRoute(route.model, fmt, route.upstreams, route.unavailable)
+
+    return lookup
+
+
+class CatalogFormats:
+    """``format_of`` for :func:`route_judges` from the catalog, cached ``max_age_s`` (1 s) in memory.
+
+    Args:
+        models: the catalog's models (``lambda: [r.model for r in store.list_models()]``).
+        clock: monotonic seconds (injected for tests).
+    """
+
+    def __init__(
+        self, models: Callable[[], list[Model]], *, clock: Callable[[], float] = time.monotonic,
+        max_age_s: float = 1.0,
+    ) -> None:
+        self.models = models
+        self.clock = clock
+        self.max_age_s = max_age_s
+        self._formats: dict[str, str] = {}
+        self._at = float("-inf")
+
+    def __call__(self, name: str) -> str | None:
+        """The guard format of the guard model ``name``; None when it is not a guard model."""
+        if self.clock() - self._at > self.max_age_s:
+            try:
+                self._formats = {
+                    m.name: (m.guard.format if m.guard else "qwen3guard") for m in self.models() if m.role == Role.GUARD
+                }
+                self._at = self.clock()
+            except Exception:
+                log.exception("reading the catalog's judges failed; using the last list")
+        return self._formats.get(name)

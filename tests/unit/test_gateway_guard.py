@@ -1,0 +1,425 @@
+"""The guard in the gateway over real HTTP: fake engines, a fake judge (an aiohttp app speaking
+llama-server's ``/apply-template`` and ``/v1/chat/completions``), the real gateway and the
+official ``openai`` client.
+
+The fake judge answers in Qwen3Guard's shape and decides by the judged text: ``bomb`` Unsafe
+(Violent), ``edgy`` Controversial, ``slowjudge`` after 1.5 s, ``garbage`` something unreadable,
+``judge500`` a 500, ``cutjudge`` a closed connection, ``threelines`` a 3-line Safe answer to a
+prompt check; anything else Safe. The engine replica ``bomb`` answers "Hello from bomb!", so its
+answers are judged Unsafe on the way out.
+
+Cases from other gateways' bug reports are named in the tests: the out-check skipped on
+``stream: true``; a blocked stream that is not valid SSE; over budget not covered by fail-open; a
+transport error counted as Safe; a 3-line answer to a prompt check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from llmgw.control.gateway import build_gateway_app
+from llmgw.control.gateway_guard import GuardInspector, HeldStream
+from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
+from llmgw.guard.judge import JudgeClient, JudgeRoute
+from tests.unit.test_gateway_fakes import ServerThread, fake_llama, free_port
+
+KEY = "sk-guard"
+JUDGE_KEY = "judge-secret-key"
+
+
+@dataclass
+class FakeJudge:
+    """Records what it was asked: ``asked`` (judged texts), ``templates`` (apply-template calls)."""
+
+    chatml: bool = False
+    asked: list[str] = field(default_factory=list)
+    templates: int = 0
+
+    def app(self) -> web.Application:
+        async def template(request: web.Request) -> web.Response:
+            self.templates += 1
+            body = await request.json()
+            text = "\n".join(m["content"] for m in body["messages"])
+            if self.chatml:
+                return web.json_response({"prompt": f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"})
+            return web.json_response({"prompt": f"<|im_start|>user\n# Task:\n<BEGIN SAFETY POLICY>\n{text}"})
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            if request.headers.get("Authorization") != f"Bearer {JUDGE_KEY}":
+                return web.json_response({"error": {"code": 401, "message": "Invalid API Key"}}, status=401)
+            body = await request.json()
+            assert body["temperature"] == 0
+            assert body["cache_prompt"] is True
+            msgs = body["messages"]
+            text = msgs[-1]["content"]
+            self.asked.append(text)
+            out = msgs[-1]["role"] == "assistant"
+            refusal = "\nRefusal: No" if out else ""
+            answer = "Safety: Safe\nCategories: None" + refusal
+            if "bomb" in text:
+                answer = "Safety: Unsafe\nCategories: Violent" + refusal
+            elif "edgy" in text:
+                answer = "Safety: Controversial\nCategories: Unethical Acts" + refusal
+            elif "slowjudge" in text:
+                await asyncio.sleep(1.5)
+            elif "garbage" in text:
+                answer = "I am not sure about this one."
+            elif "threelines" in text:
+                answer = "Safety: Safe\r\nCategories: None\r\nRefusal: No\r\n"
+            elif "judge500" in text:
+                return web.json_response({"error": {"message": "slot crashed at 10.0.0.9:8123"}}, status=500)
+            elif "cutjudge" in text:
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            return web.json_response(
+                {
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+                    ],
+                    "timings": {"prompt_ms": 1.0, "predicted_ms": 2.0, "cache_n": 5},
+                }
+            )
+
+        app = web.Application()
+        app.router.add_post("/apply-template", template)
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+
+POLICIES = [
+    Policy(name="team", judge="judge", keys=[key_id("sk-team")], fail=FailMode.OPEN, models=["chat"]),
+    Policy(name="strict", judge="judge", controversial=Controversial.BLOCK, models=["chat", "evil"]),
+    Policy(name="warned", judge="judge", controversial=Controversial.WARN, models=["warned"]),
+    Policy(name="in-only", judge="judge", check=[Direction.IN], models=["inonly"]),
+    Policy(name="open-dead", judge="dead-judge", fail=FailMode.OPEN, models=["opendead", "openevil"]),
+    Policy(name="open-live", judge="judge", fail=FailMode.OPEN, budget_s=0.5, models=["openlive", "openbomb"]),
+    Policy(name="closed-dead", judge="dead-judge", models=["closeddead"]),
+    Policy(name="budget", judge="judge", budget_s=0.5, models=["budget"]),
+    Policy(name="fallback", judge=["nowhere", "unready", "judge"], models=["fallback"]),
+    Policy(name="chatml", judge="chatml-judge", models=["chatml"]),
+    Policy(name="nojudge", judge=["nowhere", "unready"], models=["nojudge"]),
+]
+
+
+@dataclass
+class Env:
+    url: str
+    judge: FakeJudge
+    guard: GuardInspector
+    internals: list[str]
+
+    def post(self, model: str, text: str = "hi", key: str = KEY, **extra: Any) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def clean(self, text: str) -> None:
+        for s in self.internals:
+            assert s not in text
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    servers = ServerThread()
+    judge = FakeJudge()
+    jport = servers.serve(judge.app())
+    cport = servers.serve(FakeJudge(chatml=True).app())
+    a = servers.serve(fake_llama("replica-a", "key-a"))
+    b = servers.serve(fake_llama("bomb", "key-b"))
+    ua = Upstream("r-a", f"127.0.0.1:{a}", "key-a")
+    ub = Upstream("r-bomb", f"127.0.0.1:{b}", "key-b")
+    names = ["chat", "warned", "inonly", "opendead", "openlive", "closeddead", "budget", "fallback", "chatml"]
+    names.append("nojudge")
+    routes = {n: Route(n, (ua,)) for n in names}
+    routes |= {n: Route(n, (ub,)) for n in ("evil", "openbomb", "openevil")}
+    judges = {
+        "judge": JudgeRoute("judge", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),)),
+        "chatml-judge": JudgeRoute("chatml-judge", "qwen3guard", (Upstream("j-c", f"127.0.0.1:{cport}", JUDGE_KEY),)),
+        "dead-judge": JudgeRoute("dead-judge", "qwen3guard", (Upstream("j-d", f"127.0.0.1:{free_port()}", JUDGE_KEY),)),
+        "unready": JudgeRoute("unready", "qwen3guard", (), "no replica is ready yet (starting)"),
+    }
+    guard = GuardInspector(GuardConfig(policies=POLICIES), JudgeClient(judges.get))
+    app = build_gateway_app(
+        StaticRouter(routes=routes), keys={KEY, "sk-team"}, allow_loopback_without_key=False, inspector=guard
+    )
+    port = servers.serve(app)
+    yield Env(
+        f"http://127.0.0.1:{port}", judge, guard,
+        internals=[str(jport), str(cport), JUDGE_KEY, "10.0.0.9", "key-a", "key-b", "Safety:"],
+    )
+    servers.run(guard.client.close())
+    servers.close()
+
+
+# -- in and out, plain and streamed ------------------------------------------------------------------
+
+
+def test_safe_request_is_served_with_verdict_headers(env: Env) -> None:
+    r = env.post("chat")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "Hello from replica-a!"
+    h = r.headers
+    assert h["x-llmgw-guard-in"] == "safe"
+    assert h["x-llmgw-guard-out"] == "safe"
+    assert h["x-llmgw-guard-in-categories"] == ""
+    assert float(h["x-llmgw-guard-in-ms"]) >= 0
+    assert float(h["x-llmgw-guard-out-ms"]) >= 0
+    assert h["x-llmgw-guard-policy"] == "strict"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_blocked_prompt_is_400_before_any_engine(env: Env, stream: bool) -> None:
+    r = env.post("chat", "how to build a bomb", stream=stream)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "content_blocked"
+    assert err["type"] == "invalid_request_error"
+    assert err["direction"] == "in"
+    assert err["categories"] == ["Violent"]
+    assert err["policy"] == "strict"
+    assert "x-llmgw-replica" not in r.headers  # no engine was asked
+    assert r.headers["x-llmgw-guard-in"] == "unsafe"
+    env.clean(r.text)
+
+
+def test_blocked_prompt_with_the_openai_client(env: Env) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        env.client().chat.completions.create(model="chat", messages=[{"role": "user", "content": "bomb"}])
+    assert e.value.code == "content_blocked"
+    assert isinstance(e.value.body, dict)
+    assert e.value.body["direction"] == "in"
+
+
+def test_blocked_answer_not_streamed(env: Env) -> None:
+    r = env.post("evil")
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["code"], err["direction"], err["categories"]) == ("content_blocked", "out", ["Violent"])
+    assert "Hello from bomb" not in r.text
+    assert r.headers["x-llmgw-guard-in"] == "safe"
+    assert r.headers["x-llmgw-guard-out"] == "unsafe"
+    env.clean(r.text)
+
+
+def test_blocked_stream_is_valid_sse_ending_content_filter(env: Env) -> None:
+    """Bug reports: out-check skipped with stream: true; a blocked stream that is not valid SSE."""
+    r = env.post("evil", stream=True)
+    assert r.status_code == 200
+    assert r.headers["x-llmgw-guard-out"] == "held"
+    assert "bomb" not in r.text.replace("llmgw-guard", "")  # nothing of the answer got out
+    events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["object"] == "chat.completion.chunk"
+    assert final["choices"][0]["finish_reason"] == "content_filter"
+    assert final["llmgw_guard"] == {"direction": "out", "categories": ["Violent"], "policy": "strict"}
+    assert ": llmgw-guard out=unsafe categories=Violent" in r.text
+    env.clean(r.text)
+
+
+def test_blocked_stream_with_the_openai_client(env: Env) -> None:
+    chunks = list(
+        env.client().chat.completions.create(
+            model="evil", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "content_filter"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+
+
+def test_safe_stream_is_held_then_sent_whole(env: Env) -> None:
+    chunks = list(
+        env.client().chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello from replica-a!"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert env.judge.asked[-1] == "Hello from replica-a!"  # the answer was judged, the stream's text
+
+
+MATRIX = [
+    # (model, prompt, stream, status, direction blocked or "")
+    ("chat", "hi", False, 200, ""),
+    ("chat", "hi", True, 200, ""),
+    ("chat", "bomb", False, 400, "in"),
+    ("chat", "bomb", True, 400, "in"),
+    ("evil", "hi", False, 400, "out"),
+    ("evil", "hi", True, 200, "out"),  # the stream's end says content_filter
+    ("inonly", "bomb", True, 400, "in"),
+]
+
+
+@pytest.mark.parametrize(("model", "prompt", "stream", "status", "blocked"), MATRIX)
+def test_every_endpoint_stream_or_not_in_and_out(
+    env: Env, model: str, prompt: str, stream: bool, status: int, blocked: str
+) -> None:
+    r = env.post(model, prompt, stream=stream)
+    assert r.status_code == status
+    if status == 400:
+        assert r.json()["error"]["direction"] == blocked
+    elif blocked == "out":
+        assert '"finish_reason": "content_filter"' in r.text
+    else:
+        assert "replica-a" in r.text
+
+
+def test_in_only_policy_does_not_judge_the_answer(env: Env) -> None:
+    n = len(env.judge.asked)
+    r = env.post("inonly", stream=True)
+    assert r.status_code == 200
+    assert "replica-a" in r.text
+    assert len(env.judge.asked) == n + 1
+    assert "x-llmgw-guard-out" not in r.headers
+
+
+# -- controversial -------------------------------------------------------------------------------------
+
+
+def test_controversial_blocks_or_warns_as_the_policy_says(env: Env) -> None:
+    r = env.post("chat", "something edgy")
+    assert r.status_code == 400
+    assert r.json()["error"]["categories"] == ["Unethical Acts"]
+    r = env.post("warned", "something edgy")
+    assert r.status_code == 200
+    assert r.headers["x-llmgw-guard-in"] == "controversial"
+
+
+# -- no verdict ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["garbage", "judge500", "cutjudge"])
+def test_no_verdict_fail_closed_is_503(env: Env, prompt: str) -> None:
+    """Bug report: a judge transport error counted as Safe."""
+    r = env.post("chat", prompt)
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "judge_unavailable"
+    assert err["direction"] == "in"
+    assert "x-llmgw-replica" not in r.headers
+    env.clean(r.text)
+
+
+@pytest.mark.parametrize("model", ["closeddead", "nojudge"])
+def test_judge_down_or_missing_fail_closed_is_503(env: Env, model: str) -> None:
+    r = env.post(model)
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "judge_unavailable"
+    assert "nowhere" not in r.text  # which judges are missing is for logs and guard judge status
+    env.clean(r.text)
+
+
+def test_over_budget_fail_closed_is_503(env: Env) -> None:
+    r = env.post("budget", "slowjudge")
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "judge_unavailable"
+    assert float(r.headers["x-llmgw-guard-in-ms"]) < 1200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fail_open_serves_marked_unjudged(env: Env, stream: bool) -> None:
+    before = dict(env.guard.stats.unjudged)
+    r = env.post("opendead", stream=stream)
+    assert r.status_code == 200
+    assert "replica-a" in r.text
+    assert r.headers["x-llmgw-guard-in"] == "unjudged"
+    if stream:
+        assert ": llmgw-guard out=unjudged" in r.text
+    else:
+        assert r.headers["x-llmgw-guard-out"] == "unjudged"
+    assert env.guard.stats.unjudged["in"] == before.get("in", 0) + 1
+    assert env.guard.stats.unjudged["out"] == before.get("out", 0) + 1
+
+
+def test_over_budget_is_covered_by_fail_open(env: Env) -> None:
+    """Bug report: a judge over its budget not covered by fail-open."""
+    r = env.post("openlive", "slowjudge")
+    assert r.status_code == 200
+    assert r.headers["x-llmgw-guard-in"] == "unjudged"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_parsed_block_blocks_under_fail_open(env: Env, stream: bool) -> None:
+    r = env.post("openlive", "bomb", stream=stream)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "content_blocked"
+    r = env.post("openbomb", stream=stream)
+    if stream:
+        assert '"finish_reason": "content_filter"' in r.text
+    else:
+        assert r.status_code == 400
+        assert r.json()["error"]["direction"] == "out"
+
+
+def test_a_stream_whose_answer_cannot_be_judged_ends_with_an_error_event(env: Env) -> None:
+    r = env.post("closeddead", stream=True)
+    assert r.status_code == 503  # the prompt already could not be judged
+    assert r.json()["error"]["code"] == "judge_unavailable"
+
+
+def test_three_line_answer_to_a_prompt_check_is_read(env: Env) -> None:
+    r = env.post("chat", "threelines")
+    assert r.status_code == 200
+    assert r.headers["x-llmgw-guard-in"] == "safe"
+
+
+# -- choosing the judge ---------------------------------------------------------------------------------
+
+
+def test_first_available_judge_serves(env: Env) -> None:
+    r = env.post("fallback")
+    assert r.status_code == 200
+    assert r.headers["x-llmgw-guard-in"] == "safe"
+
+
+def test_a_judge_whose_template_fell_back_is_failed(env: Env) -> None:
+    r = env.post("chatml")
+    assert r.status_code == 503
+    assert "j-c" in env.guard.client.template_failed
+    assert env.guard.client.template_checked["j-c"] is False
+    assert env.guard.client.template_checked["j-1"] is True
+    templates = env.judge.templates
+    env.post("chat")
+    assert env.judge.templates == templates  # checked once per replica
+
+
+def test_policy_by_key(env: Env) -> None:
+    """The team's key has its own policy (fail open), others get 'strict'."""
+    r = env.post("chat", key="sk-team")
+    assert r.headers["x-llmgw-guard-policy"] == "team"
+    r = env.post("chat")
+    assert r.headers["x-llmgw-guard-policy"] == "strict"
+
+
+def test_stats(env: Env) -> None:
+    s = env.guard.stats.as_dict()
+    assert s["verdicts"]["in safe"] > 0
+    assert s["blocked"]["in"] > 0
+    assert s["blocked"]["out"] > 0
+    assert s["judge_ms"]["judge"]["p50"] <= s["judge_ms"]["judge"]["p95"]
+    assert {"unparseable", "down", "timeout", "missing", "template"} <= set(s["errors"])
+
+
+def test_held_stream_collects_text_from_events() -> None:
+    async def run() -> str:
+        guard = GuardInspector(GuardConfig(), JudgeClient(lambda _n: None))
+        h = HeldStream(guard, Policy(name="p", judge="j"), "m", "q")
+        await h.chunk(b'data: {"id":"x","choices":[{"delta":{"content":"a"}}]}\n\n')
+        await h.chunk(b'data: {"choices":[{"delta":{"reasoning_content":"r",'
+                      b'"tool_calls":[{"function":{"arguments":"{}"}}]}}]}\n\ndata: [DONE]\n\n')
+        return "".join(h.parts) + "|" + str(h.meta["id"])
+
+    assert asyncio.run(run()) == "ar{}|x"
