@@ -113,6 +113,11 @@ class Heartbeat(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     engines: list[EngineStatus] = Field(default_factory=list)
     replicas: list[ReplicaStatus] = Field(default_factory=list)
+    instance: str = ""
+    """Random per agent process start: the control plane refuses a second agent (another instance)
+    presenting a node id whose heartbeats are still arriving (HTTP 409 ``node_id_in_use``)."""
+    cached: list[str] = Field(default_factory=list)
+    """Weights in the node's cache, as ``model/version``: placement prefers nodes that hold them."""
 
 
 class HeartbeatReply(BaseModel):

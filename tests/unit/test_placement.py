@@ -25,25 +25,33 @@ def node(
     labels: dict[str, str] | None = None,
     engines: list[EngineStatus] | None = None,
     mem_gb: float = 8,
+    avail_gb: float | None = None,
     cores: int = 4,
     gpus: list[GPU] | None = None,
+    cached: frozenset[str] = frozenset(),
 ) -> pl.NodeInfo:
     inv = Inventory(
         cores=cores,
         memory_total_bytes=int(mem_gb * GB),
-        memory_available_bytes=int(mem_gb * GB),
+        memory_available_bytes=int((mem_gb if avail_gb is None else avail_gb) * GB),
         gpus=gpus or [],
     )
     engs = [LLAMA] if engines is None else engines
-    return pl.NodeInfo(id, state, inv, cordoned, labels or {}, {e.engine: e for e in engs})
+    return pl.NodeInfo(id, state, inv, cordoned, labels or {}, {e.engine: e for e in engs}, cached)
 
 
 def cand(n: pl.NodeInfo, p: Profile | None = None, usage: pl.Usage | None = None) -> pl.Candidate:
     return pl.Candidate(n, p or Profile(name="cpu"), usage or pl.Usage())
 
 
-def h100(mem_gb: float = 80) -> GPU:
-    return GPU(index=0, name="H100", klass="h100-80gb", memory_total_bytes=int(mem_gb * GB))
+def h100(mem_gb: float = 80, index: int = 0, used_gb: float = 0) -> GPU:
+    return GPU(
+        index=index,
+        name="H100",
+        klass="h100-80gb",
+        memory_total_bytes=int(mem_gb * GB),
+        memory_used_bytes=int(used_gb * GB),
+    )
 
 
 Case = tuple[str, pl.Candidate, str | None]
@@ -139,17 +147,51 @@ def test_memory() -> None:
                 cand(node(mem_gb=7.8), p2, pl.Usage(memory_gb=6.4)),
                 "needs 2.0 GB memory, 1.4 of 7.8 GB free",
             ),
-            ("gpu fits", cand(node(gpus=[h100()]), gpu, pl.Usage(memory_gb=100)), None),
+            ("a gpu profile's memory is on the card", cand(node(gpus=[h100()]), gpu, pl.Usage(memory_gb=100)), None),
             (
-                "gpu used up",
-                cand(node(gpus=[h100()]), gpu, pl.Usage(gpu_memory_gb={"h100-80gb": 50})),
-                "needs 40.0 GB GPU memory, 30.0 of 80.0 GB free",
+                "used outside llmgw",
+                cand(node(mem_gb=8, avail_gb=1.5), p2),
+                "needs 2.0 GB memory, 1.5 of 8.0 GB free (6.5 GB used outside llmgw)",
             ),
+            (
+                "outside use beyond the reservations",
+                cand(node(mem_gb=8, avail_gb=1.0), p2, pl.Usage(memory_gb=3)),
+                "needs 2.0 GB memory, 1.0 of 8.0 GB free (4.0 GB used outside llmgw)",
+            ),
+            ("reserved but not yet used", cand(node(mem_gb=8, avail_gb=8), p2, pl.Usage(memory_gb=5)), None),
         ],
     )
     miss = pl.memory(cand(node(mem_gb=7.8), p2, pl.Usage(memory_gb=6.4)))
     assert miss is not None
     assert (miss.need, miss.free, miss.label) == (2.0, 1.4, "not enough memory")
+
+
+def test_gpus() -> None:
+    gpu = Profile(name="gpu", gpu_class="h100-80gb", min_memory_gb=40)
+    two = Profile(name="gpu2", gpu_class="h100-80gb", min_memory_gb=100, gpu_count=2)
+    taken = pl.Usage(gpus_taken={0: "m-aaaaaa"})
+    run_table(
+        pl.gpus,
+        [
+            ("cpu profile", cand(node()), None),
+            ("fits", cand(node(gpus=[h100()]), gpu), None),
+            ("card taken", cand(node(gpus=[h100()]), gpu, taken), "needs 1 GPU h100-80gb, 0 of 1 free"),
+            ("second card free", cand(node(gpus=[h100(), h100(index=1)]), gpu, taken), None),
+            (
+                "used outside llmgw",
+                cand(node(gpus=[h100(used_gb=50)]), gpu),
+                "needs 40.0 GB GPU memory on one h100-80gb, best card has 30.0 of 80.0 GB free "
+                "(50.0 GB used outside llmgw)",
+            ),
+            ("two cards, 50 GB each", cand(node(gpus=[h100(), h100(index=1)]), two), None),
+            ("two cards wanted, one free", cand(node(gpus=[h100(), h100(index=1)]), two, taken),
+             "needs 2 GPU h100-80gb, 1 of 2 free"),
+        ],
+    )
+    assert pl.pick_gpus(cand(node(gpus=[h100(), h100(index=1), h100(index=2)]), gpu, taken)) == (1,)
+    miss = pl.gpus(cand(node(gpus=[h100()]), gpu, taken))
+    assert miss is not None
+    assert miss.held_by == ("m-aaaaaa",)
 
 
 def test_cores() -> None:

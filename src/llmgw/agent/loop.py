@@ -34,9 +34,11 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from pydantic import ValidationError
@@ -115,6 +117,17 @@ async def post_heartbeat(
         raise UnreachableError(f"control plane {url} does not answer: {type(e).__name__}: {e}") from e
 
 
+def cached_weights(cache_root: Path) -> list[str]:
+    """``model/version`` of every weights file in the node cache (``<root>/<model>/<version>/<file>``
+    with its ``.<file>.sha256`` record, i.e. fully fetched and verified)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for record in cache_root.glob("*/*/.*.sha256"):
+            if (record.parent / record.name[1:].removesuffix(".sha256")).is_file():
+                out.add(f"{record.parent.parent.name}/{record.parent.name}")
+    return sorted(out)
+
+
 class Agent:
     """The loop of one node agent (see the module docstring); :func:`run_agent` drives it."""
 
@@ -147,6 +160,7 @@ class Agent:
         self._refresh_engines()
         self._stopping: set[asyncio.Task[None]] = set()
         self._last_error = ("", 0.0)
+        self.instance = secrets.token_hex(8)  # this process; the control plane refuses a second one
 
     def _refresh_engines(self) -> None:
         status, server = llamacpp.probe(self.cfg, self.agent_state)
@@ -180,6 +194,8 @@ class Agent:
             labels=dict(self.cfg.labels),
             engines=list(self.state.engines),
             replicas=[r.status() for r in self.state.runners.values()],
+            instance=self.instance,
+            cached=cached_weights(self.cache.root),
         )
 
     async def beat_once(self) -> HeartbeatReply | None:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from llmgw import tlsconf
 from llmgw.config import ServerConfig
-from llmgw.control.store import Store
+from llmgw.control.store import NodeRow, Store
 from llmgw.protocol import Heartbeat, HeartbeatReply, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,35 @@ def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
                 file_name=model.file_name,
                 args=list(prof.args),
                 cpu_cores=prof.cpu_cores,
+                gpu_indexes=list(r.gpu_indexes),
                 key=r.key,
             )
         )
     return out
+
+
+def hold_for(node_lost_after_s: float, interval_s: float) -> float:
+    """How long (s) a node id stays held by the agent instance that last reported it: three
+    heartbeat intervals, at most half of ``node_lost_after_s``. Long enough that a second live
+    agent (beating every interval) never gets in; short enough that a restarted agent (a new
+    instance) is back within seconds and well before the node would be marked lost."""
+    return min(3 * interval_s, node_lost_after_s / 2)
+
+
+def id_in_use(before: NodeRow | None, hb: Heartbeat, now: float, *, hold_s: float) -> str:
+    """Why this heartbeat is refused (empty: it is not): another agent instance presenting the
+    same node id reported within ``hold_s`` seconds (two machines with one hostname, or a copied
+    certificate). Heartbeats without an instance (older agents) are never refused."""
+    if before is None or not before.instance or not hb.instance or before.instance == hb.instance:
+        return ""
+    if before.state != "ready" or now - before.last_seen > hold_s:
+        return ""
+    return (
+        f"node id '{before.id}' is in use by another agent (instance {before.instance}, last heartbeat "
+        f"{now - before.last_seen:.1f} s ago); two machines cannot share one node id. Give this machine "
+        f"its own: set node_id in agent.yaml and issue a certificate for it with 'llmgw server init', "
+        f"or stop the other agent"
+    )
 
 
 def build_agent_app(
@@ -81,6 +106,7 @@ def build_agent_app(
     on_heartbeat: Callable[[str, bool], None] | None = None,
     clock: Callable[[], float] = time.time,
     interval_s: float = HEARTBEAT_INTERVAL_S,
+    node_lost_after_s: float = 30.0,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`).
 
@@ -91,6 +117,8 @@ def build_agent_app(
             control plane refreshes its routing table and wakes the leader on it).
         clock: unix seconds.
         interval_s: the heartbeat interval the reply asks for.
+        node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
+            held by the agent instance that last reported it (see :func:`id_in_use`).
     """
 
     async def heartbeat(request: web.Request) -> web.Response:
@@ -112,6 +140,10 @@ def build_agent_app(
             return _error(400, "invalid_heartbeat", f"{where}: {first['msg']}")
         now = clock()
         before = store.get_node(node_id)
+        clash = id_in_use(before, hb, now, hold_s=hold_for(node_lost_after_s, interval_s))
+        if clash:
+            log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
+            return _error(409, "node_id_in_use", clash)
         store.upsert_node_heartbeat(node_id, hb, now)
         changed = store.apply_reports(node_id, hb.replicas, now).changed
         if before is None:

@@ -54,6 +54,8 @@ class Profile(_Strict):
         min_memory_gb: memory a replica reserves on the node (GB, 10^9 bytes); on a GPU profile, on the card.
         cpu_cores: cores reserved (0: no reservation, the engine shares the node's cores).
         gpu_class: the class a node's GPU must have (``h100-80gb``); empty for a CPU profile.
+        gpu_count: whole GPUs of that class a replica takes (exclusively; ``min_memory_gb`` is split
+            evenly over them). Ignored on a CPU profile.
         node_selector: labels the node must carry, all of them.
         args: extra engine arguments (``["--ctx-size", "16384"]``).
     """
@@ -61,6 +63,7 @@ class Profile(_Strict):
     name: str
     engine: Engine = Engine.LLAMACPP
     gpu_class: str = ""
+    gpu_count: Annotated[int, Field(ge=1)] = 1
     priority: int = 100
     min_memory_gb: Annotated[float, Field(ge=0)] = 0
     cpu_cores: Annotated[int, Field(ge=0)] = 0

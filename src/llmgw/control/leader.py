@@ -1,22 +1,34 @@
-"""The leader's reconcile loop: node liveness, replica placement, and placement's explanations.
+"""The leader's reconcile loop: node liveness, replica placement, restarts, and placement's explanations.
 
 Exactly one control plane is the leader and runs this loop (DESIGN.md, "State and leadership").
 With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
 lock) is not built yet, so run one control plane per database until it is.
 
+Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
+give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`) and stored; a
+source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
+
 Each pass (:meth:`Leader.reconcile_once`), in this order:
 
 1. **Nodes**: a ``ready`` node whose last heartbeat is older than ``node_lost_after_s`` becomes
-   ``lost`` (silence counts from this leader's first pass at the earliest, so restarting the control
-   plane after a long outage loses no node whose agent reports again within ``node_lost_after_s``).
-   First, so that the rest of the pass does not count or place on a dead node.
+   ``lost``. First, so that the rest of the pass does not count or place on a dead node.
 2. **Orphans**: replicas of models no longer in the catalog, and replicas on ``lost`` nodes or on
-   nodes never seen, are deleted; the agents stop what is no longer desired at their next heartbeat.
+   nodes never seen, are deleted; the agents stop what is no longer desired at their next heartbeat
+   (a lost node that comes back is told to run none of them, so its agent stops those engines).
    Before placement, so the capacity they held is free again.
-3. **Models**, by name: count the model's replicas; remove the newest above ``scaling.max``; place
-   new ones until ``scaling.min`` (each placement sees the reservations of the ones before it, so
-   two replicas spread over two nodes); store the :class:`~llmgw.control.views.ExplainView` for
-   every model, placed or not, so ``explain-placement`` always answers from the last pass.
+3. **Stale and failed replicas**: a replica whose profile, source or version changed since it was
+   placed (``spec_hash``) is deleted, so the model's replicas restart onto the new profile; a
+   ``failed`` one is deleted once its backoff has passed (:func:`backoff_s`: 10 s doubling to
+   5 min by restarts so far), and the replica placed in its stead carries ``restarts + 1`` and its
+   error as ``last_error``.
+4. **Models**, by name: remove the newest replicas above ``scaling.max``; place new ones until
+   ``scaling.min`` with one :class:`~llmgw.control.placement.Placer` for the whole pass (each
+   placement sees the reservations of every one before it, of any model, so replicas spread and
+   two never get one GPU); store the :class:`~llmgw.control.views.ExplainView` for every model,
+   placed or not, so ``explain-placement`` always answers from the last pass.
+
+A profile without ``min_memory_gb`` reserves the estimate from its GGUF (weights + KV + overhead)
+once the header is known, and nothing before.
 
 Every write is optimistic (revision checked); a row that changed under the pass is left for the
 next pass, which re-reads everything fresh. A new replica is ``pending`` with a fresh id
@@ -24,29 +36,47 @@ next pass, which re-reads everything fresh. A new replica is ``pending`` with a 
 
 What it does not guarantee: a node that flaps past ``node_lost_after_s`` loses its replicas and gets
 new ones (new ids and keys, so engines restart); replicas are not moved to a better node once
-placed; failed replicas are kept (their error is the news) and not re-placed elsewhere.
+placed; a profile change restarts every replica of the model at once, not one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from llmgw.control import estimate as est
 from llmgw.control import placement
 from llmgw.control.catalog import Model
+from llmgw.control.explain import explain_view
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView
+from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
 
 #: Seconds between passes when nothing wakes the loop; an admin change or a heartbeat that changed
 #: something wakes it at once (events, not timers, decide how fast a model gets placed).
 DEFAULT_INTERVAL_S = 2.0
+
+#: A failed replica is replaced after 10 s, then 20, 40 … capped at 5 min (issue 3).
+BACKOFF_FIRST_S = 10.0
+BACKOFF_MAX_S = 300.0
+
+#: A GGUF header that could not be read is tried again after this long (seconds).
+FACTS_RETRY_S = 60.0
+
+FactsReader = Callable[[str], est.GgufFacts]
+
+
+def backoff_s(restarts: int) -> float:
+    """Seconds a failed replica waits before it is replaced: 10 s doubling per restart, at most 300."""
+    return min(BACKOFF_FIRST_S * float(2 ** max(restarts, 0)), BACKOFF_MAX_S)
 
 
 def node_info(row: NodeRow) -> placement.NodeInfo:
@@ -58,19 +88,53 @@ def node_info(row: NodeRow) -> placement.NodeInfo:
         cordoned=row.cordoned,
         labels=dict(row.labels),
         engines={e.engine: e for e in row.engines},
+        cached=frozenset(row.cached),
     )
 
 
+def spec_hash(model: Model, profile_name: str) -> str:
+    """What a replica was placed from: the profile's JSON, the source, version and digest. A change
+    in any of them restarts the replica."""
+    prof = next((p for p in model.profiles if p.name == profile_name), None)
+    text = "|".join([prof.model_dump_json() if prof else "", model.source, model.version, model.sha256])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_facts(stored: dict[str, tuple[str, str, float]]) -> dict[str, est.GgufFacts]:
+    """The readable GGUF facts of the store, by source."""
+    return {src: est.GgufFacts.model_validate_json(body) for src, (body, _, _) in stored.items() if body}
+
+
+def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
+    """``model`` with each profile's ``min_memory_gb`` filled from its GGUF estimate where it was 0
+    and the header is known (GB, rounded up to 0.01)."""
+    f = facts.get(model.source)
+    if f is None or all(p.min_memory_gb > 0 for p in model.profiles):
+        return model
+    profiles = []
+    for p in model.profiles:
+        if p.min_memory_gb <= 0:
+            gb = est.estimate(f, p.args, context_length=model.context_length).total_gb
+            p = p.model_copy(update={"min_memory_gb": -(-gb * 100 // 1) / 100})  # noqa: PLW2901
+        profiles.append(p)
+    return model.model_copy(update={"profiles": profiles})
+
+
 def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[placement.Reservation]:
-    """What each replica reserves on its node, from its model's profile (unknown profile: nothing)."""
+    """What each replica reserves on its node, from its model's profile (unknown profile: nothing).
+    Pass effective models (:func:`effective_model`) so estimated memory counts."""
     out = []
     for r in replicas:
         model = models.get(r.model)
         prof = next((p for p in model.profiles if p.name == r.profile), None) if model else None
         if prof is None:
-            out.append(placement.Reservation(r.node, r.model, 0.0, 0))
+            out.append(placement.Reservation(r.node, r.model, 0.0, 0, replica=r.id))
             continue
-        out.append(placement.Reservation(r.node, r.model, prof.min_memory_gb, prof.cpu_cores, prof.gpu_class))
+        out.append(
+            placement.Reservation(
+                r.node, r.model, prof.min_memory_gb, prof.cpu_cores, prof.gpu_class, r.gpu_indexes, r.id
+            )
+        )
     return out
 
 
@@ -94,6 +158,14 @@ class PassResult:
         return bool(self.lost or self.created or self.removed)
 
 
+@dataclass(frozen=True)
+class _Carry:
+    """What a replaced failed replica hands to the replica placed in its stead."""
+
+    restarts: int
+    last_error: str
+
+
 class Leader:
     """Runs :meth:`reconcile_once` every ``interval_s`` or when :meth:`wake` is called.
 
@@ -104,6 +176,7 @@ class Leader:
         interval_s: seconds between passes when nothing wakes the loop.
         on_change: called after a pass that created, removed or lost something (the routing
             table refreshes on it).
+        read_facts: reads a GGUF header from a source URL (a seam; default: HTTP Range request).
     """
 
     def __init__(
@@ -114,14 +187,15 @@ class Leader:
         clock: Callable[[], float] = time.time,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_change: Callable[[], None] | None = None,
+        read_facts: FactsReader = est.read_facts,
     ) -> None:
         self.store = store
         self.node_lost_after_s = node_lost_after_s
         self.clock = clock
         self.interval_s = interval_s
         self.on_change = on_change
+        self.read_facts = read_facts
         self._wake = asyncio.Event()
-        self._first_pass: float | None = None
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
@@ -132,6 +206,7 @@ class Leader:
         while not stop.is_set():
             self._wake.clear()
             try:
+                await asyncio.to_thread(self.refresh_facts, self.clock())
                 self.reconcile_once(self.clock())
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
@@ -143,20 +218,49 @@ class Leader:
             for w in waiters:
                 w.cancel()
 
+    def refresh_facts(self, now: float) -> list[str]:
+        """Read the GGUF header of every model source that needs an estimate and has none stored
+        (or whose last try failed :data:`FACTS_RETRY_S` ago); returns the sources read."""
+        stored = self.store.list_gguf_facts()
+        done = []
+        for row in self.store.list_models():
+            m = row.model
+            if all(p.min_memory_gb > 0 for p in m.profiles):
+                continue
+            have = stored.get(m.source)
+            if have is not None and (have[0] or now - have[2] < FACTS_RETRY_S):
+                continue
+            try:
+                facts = self.read_facts(m.source)
+            except est.EstimateError as e:
+                log.warning("model %s: no memory estimate: %s", m.name, e)
+                self.store.set_gguf_facts(m.source, body="", error=str(e), now=now)
+                continue
+            self.store.set_gguf_facts(m.source, body=facts.model_dump_json(), error="", now=now)
+            stored[m.source] = (facts.model_dump_json(), "", now)
+            done.append(m.source)
+        return done
+
     def reconcile_once(self, now: float) -> PassResult:
         """One pass, as the module docstring describes; returns what it did."""
         result = PassResult()
-        if self._first_pass is None:
-            self._first_pass = now
         nodes = self._mark_lost(now, result)
-        models = {m.name: m for m in self.store.list_models()}
+        rows = {m.name: m for m in self.store.list_models()}
+        facts = parse_facts(self.store.list_gguf_facts())
+        models = {k: effective_model(v.model, facts) for k, v in rows.items()}
         live = {n.id for n in nodes if n.state == "ready"}
-        replicas = self._remove_orphans(models, live, result)
-        infos = [node_info(n) for n in nodes]
-        specs = {k: v.model for k, v in models.items()}
+        replicas = self._remove_orphans(rows, live, result)
+        replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
+        placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
         for name in sorted(models):
             replicas = self._reconcile_model(
-                models[name], nodes=infos, replicas=replicas, models=specs, now=now, result=result
+                models[name],
+                raw=rows[name].model,
+                placer=placer,
+                replicas=replicas,
+                carry=carry.get(name, []),
+                now=now,
+                result=result,
             )
         if result.changed and self.on_change is not None:
             self.on_change()
@@ -165,11 +269,7 @@ class Leader:
     def _mark_lost(self, now: float, result: PassResult) -> list[NodeRow]:
         nodes = []
         for node in self.store.list_nodes():
-            # Silence is counted from this leader's first pass at the earliest: a control plane that
-            # was down (restart, upgrade) did not hear heartbeats, and must not stop every engine
-            # of every node at its first pass; agents get node_lost_after_s to report again.
-            silent_since = max(node.last_seen, self._first_pass or node.last_seen)
-            if node.state == "ready" and now - silent_since > self.node_lost_after_s:
+            if node.state == "ready" and now - node.last_seen > self.node_lost_after_s:
                 try:
                     lost = self.store.update_node(node, state="lost")
                 except Conflict:
@@ -197,17 +297,44 @@ class Leader:
             self.store.delete_explanation(stale)
         return kept
 
+    def _replace_stale_and_failed(
+        self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult
+    ) -> tuple[list[ReplicaRow], dict[str, list[_Carry]]]:
+        kept: list[ReplicaRow] = []
+        carry: dict[str, list[_Carry]] = {}
+        for r in replicas:
+            model = rows[r.model].model
+            stale = bool(r.spec_hash) and r.spec_hash != spec_hash(model, r.profile)
+            failed_for = now - r.updated_at
+            due = r.state == ReplicaState.FAILED and failed_for >= backoff_s(r.restarts)
+            if not (stale or due):
+                kept.append(r)
+                continue
+            if not self.store.delete_replica(r.id, revision=r.revision):
+                kept.append(r)
+                continue
+            result.removed.append(r.id)
+            if stale:
+                log.info("replica %s: its profile or source changed; replacing it", r.id)
+                carry.setdefault(r.model, []).append(_Carry(r.restarts, r.last_error))
+            else:
+                log.info(
+                    "replica %s: failed %.0f s ago (restart %d); replacing it", r.id, failed_for, r.restarts + 1
+                )
+                carry.setdefault(r.model, []).append(_Carry(r.restarts + 1, r.err))
+        return kept, carry
+
     def _reconcile_model(
         self,
-        row: ModelRow,
+        model: Model,
         *,
-        nodes: list[placement.NodeInfo],
+        raw: Model,
+        placer: placement.Placer,
         replicas: list[ReplicaRow],
-        models: dict[str, Model],
+        carry: list[_Carry],
         now: float,
         result: PassResult,
     ) -> list[ReplicaRow]:
-        model = row.model
         mine = [r for r in replicas if r.model == model.name]
         # Above max: the newest go first (the oldest are the likeliest to be ready).
         for extra in sorted(mine, key=lambda r: (r.created_at, r.id))[model.scaling.max :]:
@@ -217,9 +344,10 @@ class Leader:
                 mine = [r for r in mine if r.id != extra.id]
         decision: placement.Decision | None = None
         while len(mine) < model.scaling.min:
-            decision = placement.place(model, nodes, reservations(replicas, models))
+            decision = placer.place(model)
             if decision.node is None or decision.profile is None:
                 break
+            before = carry.pop(0) if carry else _Carry(0, "")
             new = self.store.add_replica(
                 ReplicaRow(
                     id=new_replica_id(model.name),
@@ -229,48 +357,31 @@ class Leader:
                     key=secrets.token_urlsafe(24),
                     created_at=now,
                     updated_at=now,
+                    restarts=before.restarts,
+                    last_error=before.last_error,
+                    gpu_indexes=decision.gpu_indexes,
+                    spec_hash=spec_hash(raw, decision.profile.name),
                 )
             )
+            placer.reserve(model, decision, new.id)
             log.info("placed %s on %s (profile %s)", new.id, new.node, new.profile)
             result.created.append(new.id)
             replicas = [*replicas, new]
             mine.append(new)
-        view = self._explain(
-            model, mine=mine, nodes=nodes, replicas=replicas, models=models, decision=decision, now=now
+        if decision is None:
+            # A dry run of one more replica, the model's own replicas not counted against it, so the
+            # explanation always lists every node's verdict.
+            dry = placement.Placer(placer.nodes, [])
+            for node_id, usage in placer.usage.items():
+                for res in usage.held:
+                    if res.model != model.name:
+                        dry.usage.setdefault(node_id, placement.Usage()).add(res)
+            placer_for_view, decision = dry, dry.place(model)
+        else:
+            placer_for_view = placer
+        view = explain_view(
+            model, decision=decision, placer=placer_for_view, replicas=[(r.id, r.node) for r in mine], now=now
         )
         self.store.set_explanation(view, now=now)
         result.explanations[model.name] = view
         return replicas
-
-    @staticmethod
-    def _explain(
-        model: Model,
-        *,
-        mine: list[ReplicaRow],
-        nodes: list[placement.NodeInfo],
-        replicas: list[ReplicaRow],
-        models: dict[str, Model],
-        decision: placement.Decision | None,
-        now: float,
-    ) -> ExplainView:
-        """The explanation: the last placement attempt's, else a dry run of one more replica
-        (with the model's own replicas not counted against it) so it always lists the rejections."""
-        wanted = model.scaling.min
-        placed = len(mine) >= wanted
-        if decision is None:
-            others = [r for r in replicas if r.model != model.name]
-            decision = placement.place(model, nodes, reservations(others, models))
-        if placed:
-            where = ", ".join(sorted({r.node for r in mine})) or "no node (scaling.min is 0)"
-            summary = f"{len(mine)}/{wanted} replicas placed on {where}"
-        else:
-            summary = decision.summary if not decision.placed else f"{len(mine)}/{wanted} replicas placed"
-        return ExplainView(
-            model=model.name,
-            placed=placed,
-            wanted=wanted,
-            replicas=len(mine),
-            summary=summary,
-            rejections=decision.rejections,
-            evaluated_at=now,
-        )

@@ -1,4 +1,5 @@
-"""Placement: which node runs the next replica of a model, in which profile, and why not elsewhere.
+"""Placement: which node runs the next replica of a model, in which profile, on which GPUs, and why
+not elsewhere.
 
 A pipeline in the Kubernetes-scheduler/Nomad shape, pure functions throughout::
 
@@ -10,22 +11,30 @@ A pipeline in the Kubernetes-scheduler/Nomad shape, pure functions throughout::
             engine          the profile's engine is installed there (EngineStatus state installed)
             gpu_class       it has a GPU of the profile's class (GPU profiles only)
         fits     (resources; freeing some would help -> kind "exhausted")
-            memory          host memory (CPU profile) or that class's GPU memory (GPU profile),
-                            minus min_memory_gb of the replicas already placed there
+            memory          host memory, CPU profiles: min(total - reserved, available), so memory
+                            used outside llmgw (observed: total - available - reserved) counts
             cores           logical cores minus cpu_cores reserved by replicas placed there
+            gpus            GPU profiles: ``gpu_count`` cards of the class that no replica holds,
+                            each with min_memory_gb / gpu_count free (card total - observed used)
         if any node survives: score and stop; else try the next profile
 
-Survivors are scored to spread one model's replicas: fewest replicas of this model on the node,
-then most free memory, then node id, so the same inputs always give the same node and the
-explanation and the decision agree. Every (node, profile) rejection is a
-:class:`~llmgw.control.views.Rejection` with a code and a reason that names the numbers
-(``needs 2.0 GB memory, 1.4 of 7.8 GB free``), and :func:`summarize` counts them per reason as
-Kubernetes does: ``0/3 nodes can run it: 1 not enough memory, 2 label llmgw.control-plane=true does
-not match``. Filters run cheapest first; a node stops at its first failed check per profile.
+Survivors are scored (lower wins): fewest replicas of this model on the node (spread), then nodes
+that already hold the weights in their cache (no download), then most free memory, then node id,
+so the same inputs always give the same node and the explanation and the decision agree. Each
+chosen GPU replica gets specific card indexes (the lowest free ones that fit), so two replicas
+never share a card.
+
+Every (node, profile) rejection is a :class:`~llmgw.control.views.Rejection` with a code and a
+reason that names the numbers (``needs 2.0 GB memory, 1.4 of 7.8 GB free``); a node stops at its
+first failed check per profile, cheapest first. :mod:`llmgw.control.explain` turns them into the
+Kubernetes-style summary and the "would fit if" list.
+
+Speed: :class:`Placer` keeps per-node usage and caches each node's verdict per (model, profile)
+until a reservation lands on that node, so placing many replicas re-checks one node per placement
+(bench/placement.py: 1,000 replicas onto 500 nodes, figures in its docstring).
 
 Units: memory in GB (10^9 bytes), as ``Profile.min_memory_gb`` is; 0 reserves nothing.
-What it does not do: preemption (evicting lower-priority replicas), per-card GPU packing (a
-node's GPUs of one class are pooled), or ports.
+What it does not do: preemption (evicting lower-priority replicas) or ports.
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ from enum import StrEnum
 
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.views import Rejection
-from llmgw.protocol import EngineStatus, Inventory, ProvisionState
+from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
 
 GB = 1e9
+
+#: Memory used outside llmgw below this (GB) is not mentioned in a reason.
+OUTSIDE_NOTE_GB = 0.05
 
 
 class Kind(StrEnum):
@@ -51,7 +63,7 @@ class Kind(StrEnum):
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """What placement knows of a node (built from the store's NodeRow)."""
+    """What placement knows of a node (built from the store's NodeRow). ``cached``: ``model/version``."""
 
     id: str
     state: str
@@ -59,36 +71,55 @@ class NodeInfo:
     cordoned: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     engines: dict[str, EngineStatus] = field(default_factory=dict)
+    cached: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """A replica already placed: its node, model, and what its profile reserves (GB, cores, GPU)."""
+    """A replica already placed: its node, model, what its profile reserves (GB, cores) and, for a
+    GPU profile, its class and card indexes. ``replica`` names it in explanations."""
 
     node: str
     model: str
     memory_gb: float
     cpu_cores: int
     gpu_class: str = ""
+    gpu_indexes: tuple[int, ...] = ()
+    replica: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Usage:
-    """What the replicas placed on one node reserve, summed."""
+    """What the replicas placed on one node reserve, summed (mutable: :class:`Placer` adds to it)."""
 
     memory_gb: float = 0.0
-    gpu_memory_gb: dict[str, float] = field(default_factory=dict)
     cpu_cores: int = 0
-    of_model: int = 0
+    gpus_taken: dict[int, str] = field(default_factory=dict)  # card index -> replica holding it
+    by_model: Counter[str] = field(default_factory=Counter)
+    held: list[Reservation] = field(default_factory=list)
+    version: int = 0
+
+    def add(self, r: Reservation) -> None:
+        """Count one more reservation on this node."""
+        if r.gpu_class:
+            for i in r.gpu_indexes:
+                self.gpus_taken[i] = r.replica or r.model
+        else:
+            self.memory_gb += r.memory_gb
+        self.cpu_cores += r.cpu_cores
+        self.by_model[r.model] += 1
+        self.held.append(r)
+        self.version += 1
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One (node, profile) pair under evaluation, with the node's current usage."""
+    """One (node, profile) pair under evaluation for ``model``, with the node's current usage."""
 
     node: NodeInfo
     profile: Profile
     usage: Usage
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,6 +130,7 @@ class Miss:
     label: str
     need: float | None = None
     free: float | None = None
+    held_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -162,26 +194,32 @@ def gpu_class(c: Candidate) -> Miss | None:
 # --- fits ---
 
 
+def host_free_gb(inv: Inventory, usage: Usage) -> tuple[float, float, float]:
+    """``(free, total, outside)`` host memory in GB: free = min(total - reserved, available);
+    outside = observed used (total - available) beyond what llmgw replicas reserve."""
+    total = inv.memory_total_bytes / GB
+    available = inv.memory_available_bytes / GB
+    outside = max(total - available - usage.memory_gb, 0.0)
+    return max(min(total - usage.memory_gb, available), 0.0), total, outside
+
+
 def memory(c: Candidate) -> Miss | None:
-    """Memory left after the replicas already placed: host memory for a CPU profile, the pooled
-    memory of the node's GPUs of the profile's class for a GPU profile (GB)."""
+    """Host memory for a CPU profile: free after the replicas placed there and after memory used
+    outside llmgw (GB). A GPU profile's memory is on its cards (:func:`gpus`)."""
     need = c.profile.min_memory_gb
-    if need <= 0:
+    if need <= 0 or c.profile.gpu_class:
         return None
-    if c.profile.gpu_class:
-        total = (
-            sum(g.memory_total_bytes for g in c.node.inventory.gpus if g.klass == c.profile.gpu_class) / GB
-        )
-        used = c.usage.gpu_memory_gb.get(c.profile.gpu_class, 0.0)
-        what, label = "GPU memory", "not enough GPU memory"
-    else:
-        total = c.node.inventory.memory_total_bytes / GB
-        used = c.usage.memory_gb
-        what, label = "memory", "not enough memory"
-    free = max(total - used, 0.0)
+    free, total, outside = host_free_gb(c.node.inventory, c.usage)
     if need <= free + 1e-9:
         return None
-    return Miss(f"needs {need:.1f} GB {what}, {free:.1f} of {total:.1f} GB free", label, need, round(free, 3))
+    note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
+    return Miss(
+        f"needs {need:.1f} GB memory, {free:.1f} of {total:.1f} GB free{note}",
+        "not enough memory",
+        need,
+        round(free, 3),
+        tuple(r.replica for r in c.usage.held if not r.gpu_class and r.memory_gb > 0),
+    )
 
 
 def cores(c: Candidate) -> Miss | None:
@@ -193,7 +231,57 @@ def cores(c: Candidate) -> Miss | None:
     free = max(total - c.usage.cpu_cores, 0)
     if need <= free:
         return None
-    return Miss(f"needs {need} cores, {free} of {total} free", "not enough cores", float(need), float(free))
+    held = tuple(r.replica for r in c.usage.held if r.cpu_cores > 0)
+    return Miss(f"needs {need} cores, {free} of {total} free", "not enough cores", float(need), float(free), held)
+
+
+def card_free_gb(g: GPU) -> float:
+    """A card's free memory (GB): total minus what the node observed in use on it."""
+    return max(g.memory_total_bytes - g.memory_used_bytes, 0) / GB
+
+
+def pick_gpus(c: Candidate) -> tuple[int, ...]:
+    """The lowest-indexed ``gpu_count`` free cards of the class with enough memory each; () if none."""
+    per_card = c.profile.min_memory_gb / c.profile.gpu_count
+    fit = [
+        g.index
+        for g in sorted(c.node.inventory.gpus, key=lambda g: g.index)
+        if g.klass == c.profile.gpu_class
+        and g.index not in c.usage.gpus_taken
+        and per_card <= card_free_gb(g) + 1e-9
+    ]
+    return tuple(fit[: c.profile.gpu_count]) if len(fit) >= c.profile.gpu_count else ()
+
+
+def gpus(c: Candidate) -> Miss | None:
+    """GPU profiles: ``gpu_count`` whole cards of the class that no replica holds, each with
+    ``min_memory_gb / gpu_count`` GB free (memory used on a card outside llmgw counts)."""
+    klass = c.profile.gpu_class
+    if not klass or pick_gpus(c):
+        return None
+    want = c.profile.gpu_count
+    cards = [g for g in c.node.inventory.gpus if g.klass == klass]
+    untaken = [g for g in cards if g.index not in c.usage.gpus_taken]
+    if len(untaken) < want:
+        held = tuple(sorted(set(c.usage.gpus_taken.values())))
+        return Miss(
+            f"needs {want} GPU {klass}, {len(untaken)} of {len(cards)} free",
+            "no free GPU",
+            float(want),
+            float(len(untaken)),
+            held,
+        )
+    per_card = c.profile.min_memory_gb / want
+    best = max(untaken, key=card_free_gb)
+    free, total = card_free_gb(best), best.memory_total_bytes / GB
+    outside = best.memory_used_bytes / GB
+    note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
+    return Miss(
+        f"needs {per_card:.1f} GB GPU memory on one {klass}, best card has {free:.1f} of {total:.1f} GB free{note}",
+        "not enough GPU memory",
+        round(per_card, 3),
+        round(free, 3),
+    )
 
 
 #: The pipeline, cheapest first: filters, then fits.
@@ -205,6 +293,7 @@ PIPELINE: tuple[Check, ...] = (
     Check("gpu_class_mismatch", Kind.FILTERED, gpu_class),
     Check("memory_exhausted", Kind.EXHAUSTED, memory),
     Check("cores_exhausted", Kind.EXHAUSTED, cores),
+    Check("gpu_exhausted", Kind.EXHAUSTED, gpus),
 )
 
 
@@ -222,8 +311,10 @@ class Decision:
 
     Attributes:
         node, profile: where it goes; both None when it fits nowhere.
+        gpu_indexes: the cards it gets (GPU profiles), () otherwise.
         verdicts: every (node, profile) rejection, in the order evaluated.
         summary: one line, ``placed on node-a (profile cpu)`` or ``0/3 nodes can run it: …``.
+        nodes: how many nodes were considered.
     """
 
     node: str | None
@@ -231,6 +322,7 @@ class Decision:
     verdicts: list[Verdict]
     summary: str
     nodes: int
+    gpu_indexes: tuple[int, ...] = ()
 
     @property
     def placed(self) -> bool:
@@ -244,17 +336,10 @@ class Decision:
 
 
 def usage_by_node(model: str, reservations: Iterable[Reservation]) -> dict[str, Usage]:
-    """Sum the reservations per node; ``of_model`` counts replicas of ``model``."""
+    """Sum the reservations per node (``model`` is kept for callers; counts are per model)."""
     out: dict[str, Usage] = {}
     for r in reservations:
-        u = out.get(r.node, Usage())
-        gpu = dict(u.gpu_memory_gb)
-        mem = u.memory_gb
-        if r.gpu_class:
-            gpu[r.gpu_class] = gpu.get(r.gpu_class, 0.0) + r.memory_gb
-        else:
-            mem += r.memory_gb
-        out[r.node] = Usage(mem, gpu, u.cpu_cores + r.cpu_cores, u.of_model + (r.model == model))
+        out.setdefault(r.node, Usage()).add(r)
     return out
 
 
@@ -271,21 +356,95 @@ def check(candidate: Candidate, pipeline: Sequence[Check] = PIPELINE) -> Verdict
                 reason=miss.reason,
                 need=miss.need,
                 free=miss.free,
+                held_by=list(miss.held_by),
             )
             return Verdict(rej, miss.label)
     return None
 
 
-def _score(c: Candidate) -> tuple[int, float, str]:
-    """Lower is better: fewest replicas of this model here, then most free memory, then node id."""
+def _free_for_score(c: Candidate) -> float:
     if c.profile.gpu_class:
-        total = (
-            sum(g.memory_total_bytes for g in c.node.inventory.gpus if g.klass == c.profile.gpu_class) / GB
+        cards = [
+            card_free_gb(g)
+            for g in c.node.inventory.gpus
+            if g.klass == c.profile.gpu_class and g.index not in c.usage.gpus_taken
+        ]
+        return max(cards, default=0.0)
+    return host_free_gb(c.node.inventory, c.usage)[0]
+
+
+def score(c: Candidate, weights: str) -> tuple[int, int, float, str]:
+    """Lower is better: fewest replicas of this model here, then holds ``weights`` (``model/version``)
+    in its cache, then most free memory, then node id."""
+    return (c.usage.by_model[c.model], 0 if weights in c.node.cached else 1, -_free_for_score(c), c.node.id)
+
+
+class Placer:
+    """Places replicas one after another over one snapshot of nodes and reservations.
+
+    Each node's verdict for a (model, profile) is cached with the node's usage version and reused
+    until a reservation lands on that node (:meth:`reserve`), so a run of placements re-checks
+    only the node that changed.
+
+    Args:
+        nodes: every known node (lost ones included: they are rejected with a reason).
+        reservations: the replicas already placed, on any node and of any model.
+    """
+
+    def __init__(self, nodes: Sequence[NodeInfo], reservations: Iterable[Reservation]) -> None:
+        self.nodes = sorted(nodes, key=lambda n: n.id)
+        self.usage: dict[str, Usage] = {n.id: Usage() for n in self.nodes}
+        for r in reservations:
+            self.usage.setdefault(r.node, Usage()).add(r)
+        # (model, version, profile) -> node id -> (usage version, verdict or score)
+        self._cache: dict[tuple[str, str, str], dict[str, tuple[int, Verdict | tuple[int, int, float, str]]]] = {}
+
+    def place(self, model: Model) -> Decision:
+        """Choose a node, profile and GPUs for one more replica of ``model`` (nothing is reserved:
+        call :meth:`reserve` with the decision to count it)."""
+        weights = f"{model.name}/{model.version}"
+        verdicts: list[Verdict] = []
+        for profile in model.profiles_by_priority():
+            cache = self._cache.setdefault((model.name, model.version, profile.model_dump_json()), {})
+            best: tuple[int, int, float, str] | None = None
+            for node in self.nodes:
+                usage = self.usage[node.id]
+                hit = cache.get(node.id)
+                if hit is not None and hit[0] == usage.version:
+                    result = hit[1]
+                else:
+                    cand = Candidate(node, profile, usage, model.name)
+                    verdict = check(cand)
+                    result = verdict if verdict is not None else score(cand, weights)
+                    cache[node.id] = (usage.version, result)
+                if isinstance(result, Verdict):
+                    verdicts.append(result)
+                elif best is None or result < best:
+                    best = result
+            if best is not None:
+                chosen = next(n for n in self.nodes if n.id == best[3])
+                cand = Candidate(chosen, profile, self.usage[chosen.id], model.name)
+                indexes = pick_gpus(cand) if profile.gpu_class else ()
+                summary = f"placed on {chosen.id} (profile {profile.name})"
+                return Decision(chosen.id, profile, verdicts, summary, len(self.nodes), indexes)
+        return Decision(None, None, verdicts, summarize(verdicts, len(self.nodes)), len(self.nodes))
+
+    def reserve(self, model: Model, decision: Decision, replica: str = "") -> Reservation:
+        """Count ``decision`` (a placed one) as a reservation from now on; returns it."""
+        if decision.node is None or decision.profile is None:
+            raise ValueError("only a placed decision can be reserved")
+        p = decision.profile
+        r = Reservation(
+            decision.node,
+            model.name,
+            p.min_memory_gb,
+            p.cpu_cores,
+            p.gpu_class,
+            decision.gpu_indexes,
+            replica,
         )
-        free = total - c.usage.gpu_memory_gb.get(c.profile.gpu_class, 0.0)
-    else:
-        free = c.node.inventory.memory_total_bytes / GB - c.usage.memory_gb
-    return (c.usage.of_model, -free, c.node.id)
+        self.usage.setdefault(r.node, Usage()).add(r)
+        return r
 
 
 def place(model: Model, nodes: Sequence[NodeInfo], reservations: Iterable[Reservation]) -> Decision:
@@ -299,22 +458,7 @@ def place(model: Model, nodes: Sequence[NodeInfo], reservations: Iterable[Reserv
     Returns:
         A :class:`Decision`; ``placed`` is False with every rejection when nothing fits.
     """
-    usage = usage_by_node(model.name, reservations)
-    verdicts: list[Verdict] = []
-    for profile in model.profiles_by_priority():
-        survivors: list[Candidate] = []
-        for node in sorted(nodes, key=lambda n: n.id):
-            cand = Candidate(node, profile, usage.get(node.id, Usage()))
-            verdict = check(cand)
-            if verdict is None:
-                survivors.append(cand)
-            else:
-                verdicts.append(verdict)
-        if survivors:
-            best = min(survivors, key=_score)
-            summary = f"placed on {best.node.id} (profile {profile.name})"
-            return Decision(best.node.id, profile, verdicts, summary, len(nodes))
-    return Decision(None, None, verdicts, summarize(verdicts, len(nodes)), len(nodes))
+    return Placer(nodes, reservations).place(model)
 
 
 def summarize(verdicts: Sequence[Verdict], nodes: int) -> str:

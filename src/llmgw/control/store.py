@@ -75,6 +75,8 @@ nodes_t = sa.Table(
     sa.Column("replicas", sa.Text, nullable=False),  # [protocol.ReplicaStatus] as last reported
     sa.Column("first_seen", sa.Float, nullable=False),
     sa.Column("last_seen", sa.Float, nullable=False),
+    sa.Column("instance", sa.String(64), nullable=False, server_default=""),  # migration 2
+    sa.Column("cached", sa.Text, nullable=False, server_default="[]"),  # migration 2: ["model/version"]
 )
 
 replicas_t = sa.Table(
@@ -93,6 +95,18 @@ replicas_t = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
     sa.Column("ready_at", sa.Float, nullable=True),
     sa.Column("restarts", sa.Integer, nullable=False),
+    sa.Column("gpu_indexes", sa.Text, nullable=False, server_default="[]"),  # migration 2
+    sa.Column("last_error", sa.Text, nullable=False, server_default=""),  # migration 2
+    sa.Column("spec_hash", sa.String(64), nullable=False, server_default=""),  # migration 2
+)
+
+gguf_facts_t = sa.Table(
+    "gguf_facts",  # migration 2: estimate.GgufFacts per model source URL
+    metadata,
+    sa.Column("source", sa.String(2048), primary_key=True),
+    sa.Column("body", sa.Text, nullable=False),  # estimate.GgufFacts as JSON, "" when it failed
+    sa.Column("error", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )
 
 explanations_t = sa.Table(
@@ -117,8 +131,35 @@ def _migration_1(conn: Connection) -> None:
         table.create(conn, checkfirst=True)
 
 
+_MIGRATION_2_COLUMNS = {
+    "nodes": ["instance", "cached"],
+    "replicas": ["gpu_indexes", "last_error", "spec_hash"],
+}
+
+
+def _migration_2(conn: Connection) -> None:
+    """Issue 3: nodes.instance/cached, replicas.gpu_indexes/last_error/spec_hash, gguf_facts.
+
+    Columns are added only where missing: migration 1 creates tables from the current definitions,
+    so a database made today already has them."""
+    inspector = sa.inspect(conn)
+    for table_name, columns in _MIGRATION_2_COLUMNS.items():
+        have = {c["name"] for c in inspector.get_columns(table_name)}
+        table = metadata.tables[table_name]
+        for name in columns:
+            if name in have:
+                continue
+            col = table.c[name]
+            ddl = col.type.compile(dialect=conn.dialect)
+            default = col.server_default.arg if col.server_default is not None else ""  # type: ignore[attr-defined]
+            conn.execute(
+                sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} {ddl} NOT NULL DEFAULT '{default}'")
+            )
+    gguf_facts_t.create(conn, checkfirst=True)
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
-MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _migration_1)]
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _migration_1), (2, _migration_2)]
 
 
 # --- rows ---
@@ -154,6 +195,8 @@ class NodeRow:
     replicas: list[ReplicaStatus]
     first_seen: float
     last_seen: float
+    instance: str = ""
+    cached: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -177,6 +220,9 @@ class ReplicaRow:
     updated_at: float = 0.0
     ready_at: float | None = None
     restarts: int = 0
+    gpu_indexes: tuple[int, ...] = ()
+    last_error: str = ""
+    spec_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -360,6 +406,8 @@ class Store:
             "engines": _dumps([e.model_dump(mode="json") for e in hb.engines]),
             "replicas": _dumps([r.model_dump(mode="json") for r in hb.replicas]),
             "last_seen": now,
+            "instance": hb.instance,
+            "cached": _dumps(sorted(hb.cached)),
         }
         for _ in range(5):
             try:
@@ -546,6 +594,26 @@ class Store:
         with self._tx() as conn:
             conn.execute(explanations_t.delete().where(explanations_t.c.model == model))
 
+    # --- GGUF facts (memory estimates) ---
+
+    def set_gguf_facts(self, source: str, *, body: str, error: str, now: float) -> None:
+        """Store what the GGUF header at ``source`` says (``body``: estimate.GgufFacts JSON), or
+        why it could not be read (``error``, body empty)."""
+        with self._tx() as conn:
+            n = conn.execute(
+                gguf_facts_t.update()
+                .where(gguf_facts_t.c.source == source)
+                .values(body=body, error=error, updated_at=now)
+            ).rowcount
+            if not n:
+                conn.execute(gguf_facts_t.insert().values(source=source, body=body, error=error, updated_at=now))
+
+    def list_gguf_facts(self) -> dict[str, tuple[str, str, float]]:
+        """Every stored header: ``{source: (body, error, updated_at)}``."""
+        with self._tx() as conn:
+            rows = conn.execute(sa.select(gguf_facts_t)).all()
+        return {r.source: (r.body, r.error, r.updated_at) for r in rows}
+
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
@@ -571,6 +639,8 @@ def _node_row(row: sa.Row[Any]) -> NodeRow:
         replicas=[ReplicaStatus.model_validate(r) for r in json.loads(row.replicas)],
         first_seen=row.first_seen,
         last_seen=row.last_seen,
+        instance=row.instance,
+        cached=json.loads(row.cached),
     )
 
 
@@ -589,6 +659,9 @@ def _replica_row(row: sa.Row[Any]) -> ReplicaRow:
         updated_at=row.updated_at,
         ready_at=row.ready_at,
         restarts=row.restarts,
+        gpu_indexes=tuple(json.loads(row.gpu_indexes)),
+        last_error=row.last_error,
+        spec_hash=row.spec_hash,
     )
 
 
@@ -607,4 +680,7 @@ def _replica_values(r: ReplicaRow) -> dict[str, Any]:
         "updated_at": r.updated_at,
         "ready_at": r.ready_at,
         "restarts": r.restarts,
+        "gpu_indexes": _dumps(list(r.gpu_indexes)),
+        "last_error": r.last_error,
+        "spec_hash": r.spec_hash,
     }

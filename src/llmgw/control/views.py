@@ -58,6 +58,9 @@ class ReplicaView(BaseModel):
     created_at: float | None = None
     ready_at: float | None = None
     restarts: int = 0
+    last_error: str = ""  # the previous replica's error when this one replaced a failed one
+    gpu_indexes: list[int] = Field(default_factory=list)
+    pending_reason: str = ""  # a wanted replica placed nowhere: placement's one-line summary
 
 
 class Rejection(BaseModel):
@@ -74,6 +77,7 @@ class Rejection(BaseModel):
     reason: str
     need: float | None = None
     free: float | None = None
+    held_by: list[str] = Field(default_factory=list)  # replicas on the node using that resource
 
 
 class ExplainView(BaseModel):
@@ -86,6 +90,9 @@ class ExplainView(BaseModel):
     summary: str = ""
     rejections: list[Rejection] = Field(default_factory=list)
     evaluated_at: float | None = None
+    nodes: int = 0
+    profiles: list[str] = Field(default_factory=list)  # in the order tried (priority)
+    would_fit_if: list[str] = Field(default_factory=list)  # what would let one more replica fit
 
 
 class ModelView(BaseModel):

@@ -1,0 +1,146 @@
+"""What would make a replica fit: placement's rejections turned into things an operator can do.
+
+:func:`would_fit_if` reads a :class:`~llmgw.control.placement.Decision` that placed nothing and
+answers with short lines, most useful first:
+
+* **exhausted** nodes (they passed every rule, a resource is short), the smallest shortfall first:
+  ``free 0.6 GB on node-b by stopping replica chat-1a2b3c (chat, 1.0 GB)`` when one replica there
+  holds enough, ``free 0.6 GB on node-b (2.0 GB there is used outside llmgw)`` when another program
+  holds it, ``free a h100-80gb GPU on gpu-a by stopping replica big-0f0f0f``;
+* **filtered** only, one line per distinct rule: ``add a node with GPU class h100-80gb``,
+  ``label a node llmgw.zone=eu (agent.yaml labels)``, ``install engine vllm on a node``,
+  ``uncordon node-c ('llmgw ctl node uncordon node-c')``, ``bring node-d back: its agent is not reporting``.
+
+Preemption is never done for the operator: these are suggestions (Kubernetes' "preemption: …"
+verdict, in words). At most :data:`MAX_SUGGESTIONS` lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmgw.control import placement as pl
+from llmgw.control.catalog import Model
+from llmgw.control.views import ExplainView
+
+MAX_SUGGESTIONS = 5
+
+
+def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat is clearer
+    v: pl.Verdict, placer: pl.Placer, model: Model
+) -> tuple[float, str] | None:
+    rej = v.rejection
+    usage = placer.usage.get(rej.node, pl.Usage())
+    node = next((n for n in placer.nodes if n.id == rej.node), None)
+    if rej.need is None or rej.free is None or node is None:
+        return None
+    short = rej.need - rej.free
+    if rej.code == "memory_exhausted":
+        others = sorted(
+            (r for r in usage.held if not r.gpu_class and r.memory_gb >= short - 1e-9),
+            key=lambda r: (r.memory_gb, r.replica),
+        )
+        if others:
+            r = others[0]
+            return short, (
+                f"free {short:.1f} GB on {rej.node} by stopping replica {r.replica} ({r.model}, {r.memory_gb:.1f} GB)"
+            )
+        outside = pl.host_free_gb(node.inventory, usage)[2]
+        if outside >= short:
+            return short, f"free {short:.1f} GB on {rej.node} ({outside:.1f} GB there is used outside llmgw)"
+        return short, f"free {short:.1f} GB memory on {rej.node}"
+    if rej.code == "cores_exhausted":
+        holders = sorted((r for r in usage.held if r.cpu_cores >= short), key=lambda r: (r.cpu_cores, r.replica))
+        if holders:
+            r = holders[0]
+            return short, f"free {short:.0f} cores on {rej.node} by stopping replica {r.replica} ({r.model})"
+        return short, f"free {short:.0f} cores on {rej.node}"
+    if rej.code == "gpu_exhausted":
+        prof = next((p for p in model.profiles if p.name == rej.profile), None)
+        klass = prof.gpu_class if prof else "GPU"
+        if v.label == "no free GPU" and usage.gpus_taken:
+            holder = sorted(set(usage.gpus_taken.values()))[0]
+            return short + 1000, f"free a {klass} GPU on {rej.node} by stopping replica {holder}"
+        return short + 1000, f"free {short:.1f} GB on a {klass} card of {rej.node}"
+    return None
+
+
+def _filtered_line(v: pl.Verdict, model: Model) -> str:
+    rej = v.rejection
+    prof = next((p for p in model.profiles if p.name == rej.profile), None)
+    if rej.code == "gpu_class_mismatch" and prof is not None:
+        return f"add a node with GPU class {prof.gpu_class}"
+    if rej.code == "selector_mismatch" and prof is not None:
+        missing = [f"{k}={val}" for k, val in sorted(prof.node_selector.items())]
+        return f"label a node {', '.join(missing)} (agent.yaml labels)"
+    if rej.code == "engine_not_installed" and prof is not None:
+        return f"install engine {prof.engine.value} on a node"
+    if rej.code == "node_cordoned":
+        return f"uncordon {rej.node} ('llmgw ctl node uncordon {rej.node}')"
+    if rej.code == "node_not_ready":
+        return f"bring {rej.node} back: its agent is not reporting"
+    return rej.reason
+
+
+def would_fit_if(decision: pl.Decision, placer: pl.Placer, model: Model) -> list[str]:
+    """What would let one more replica of ``model`` fit (empty when it was placed)."""
+    if decision.placed:
+        return []
+    if decision.nodes == 0:
+        return ["start an agent on a machine ('llmgw agent'); no node has registered"]
+    exhausted: list[tuple[float, str]] = []
+    for v in decision.verdicts:
+        if v.rejection.kind == pl.Kind.EXHAUSTED:
+            line = _exhausted_line(v, placer, model)
+            if line is not None:
+                exhausted.append(line)
+    out: list[str] = []
+    for _, text in sorted(exhausted):
+        if text not in out:
+            out.append(text)
+    for v in decision.verdicts:
+        if v.rejection.kind == pl.Kind.FILTERED:
+            text = _filtered_line(v, model)
+            if text not in out:
+                out.append(text)
+    return out[:MAX_SUGGESTIONS]
+
+
+def explain_view(
+    model: Model,
+    *,
+    decision: pl.Decision,
+    placer: pl.Placer,
+    replicas: Sequence[tuple[str, str]],
+    now: float,
+) -> ExplainView:
+    """The view ``GET /api/v1/explain-placement`` serves.
+
+    Args:
+        model: the catalog entry (with estimated memory filled in where the profile had none).
+        decision: the last placement attempt, or a dry run of one more replica.
+        placer: the placer the decision came from (its usage names the replicas to stop).
+        replicas: ``(id, node)`` of the model's replicas placed now.
+        now: unix seconds.
+    """
+    wanted = model.scaling.min
+    placed = len(replicas) >= wanted
+    if placed:
+        where = ", ".join(sorted({node for _, node in replicas})) or "no node (scaling.min is 0)"
+        summary = f"{len(replicas)}/{wanted} replicas placed on {where}"
+    elif decision.placed:
+        summary = f"{len(replicas)}/{wanted} replicas placed"
+    else:
+        summary = decision.summary
+    return ExplainView(
+        model=model.name,
+        placed=placed,
+        wanted=wanted,
+        replicas=len(replicas),
+        summary=summary,
+        rejections=decision.rejections,
+        evaluated_at=now,
+        nodes=decision.nodes,
+        profiles=[p.name for p in model.profiles_by_priority()],
+        would_fit_if=[] if placed else would_fit_if(decision, placer, model),
+    )

@@ -1,0 +1,212 @@
+"""Placement over a cluster (pure): spreading, GPUs never shared, CPU nodes when GPU nodes are full,
+cached weights preferred, explanations word for word; the leader's restarts and profile changes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.control import placement as pl
+from llmgw.control.catalog import Model, Profile, Scaling
+from llmgw.control.explain import would_fit_if
+from llmgw.control.leader import Leader, backoff_s
+from llmgw.control.store import ReplicaRow, Store, default_url
+from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
+from tests.unit.test_placement import LLAMA, h100, node
+
+GB = 1_000_000_000
+
+GPU_P = Profile(name="gpu", gpu_class="h100-80gb", priority=200, min_memory_gb=40)
+CPU_P = Profile(name="cpu", priority=100, min_memory_gb=2, cpu_cores=2)
+
+
+def model(name: str = "m", *profiles: Profile, n: int = 1) -> Model:
+    return Model(
+        name=name, source="file:/m.gguf", profiles=list(profiles or [CPU_P]), scaling=Scaling(min=n, max=n)
+    )
+
+
+def cluster() -> list[pl.NodeInfo]:
+    """Three CPU nodes and two GPU nodes with two H100s each."""
+    cpus = [node(f"cpu-{i}", mem_gb=8, cores=4) for i in (1, 2, 3)]
+    gpus = [node(f"gpu-{i}", mem_gb=64, cores=16, gpus=[h100(), h100(index=1)]) for i in (1, 2)]
+    return cpus + gpus
+
+
+def place_all(placer: pl.Placer, m: Model, n: int) -> list[pl.Decision]:
+    out = []
+    for i in range(n):
+        d = placer.place(m)
+        if d.placed:
+            placer.reserve(m, d, f"{m.name}-{i}")
+        out.append(d)
+    return out
+
+
+def test_replicas_of_one_model_spread_over_nodes() -> None:
+    placer = pl.Placer(cluster()[:3], [])
+    ds = place_all(placer, model("m", n=3), 3)
+    assert sorted(d.node or "" for d in ds) == ["cpu-1", "cpu-2", "cpu-3"]
+
+
+def test_two_gpu_replicas_never_share_a_card_and_cpu_takes_over_when_gpus_are_full() -> None:
+    placer = pl.Placer(cluster(), [])
+    m = model("big", GPU_P, CPU_P)
+    ds = place_all(placer, m, 6)
+    gpu_slots = [(d.node, d.gpu_indexes) for d in ds if d.profile and d.profile.name == "gpu"]
+    assert len(gpu_slots) == 4
+    assert len(set(gpu_slots)) == 4
+    assert all(len(idx) == 1 for _, idx in gpu_slots)
+    # spread first: gpu-1 and gpu-2 get one each before either gets its second card
+    assert [n for n, _ in gpu_slots[:2]] == ["gpu-1", "gpu-2"]
+    rest = ds[4:]
+    assert [(d.node, d.profile.name if d.profile else "") for d in rest] == [("cpu-1", "cpu"), ("cpu-2", "cpu")]
+    assert [r.code for r in rest[0].rejections if r.profile == "gpu"][-2:] == ["gpu_exhausted", "gpu_exhausted"]
+
+
+def test_prefers_a_node_that_holds_the_weights() -> None:
+    nodes = [node("a"), node("b", cached=frozenset({"m/1"}))]
+    assert pl.place(model("m"), nodes, []).node == "b"
+    # spreading still comes first
+    assert pl.place(model("m"), nodes, [pl.Reservation("b", "m", 2, 2, replica="m-1")]).node == "a"
+
+
+def test_memory_used_outside_llmgw_is_not_ignored() -> None:
+    nodes = [node("a", mem_gb=8, avail_gb=1), node("b", mem_gb=8, avail_gb=4)]
+    assert pl.place(model("m"), nodes, []).node == "b"
+    d = pl.place(model("m"), [nodes[0]], [])
+    assert d.summary == "0/1 nodes can run it: 1 not enough memory"
+    assert d.rejections[0].reason == "needs 2.0 GB memory, 1.0 of 8.0 GB free (7.0 GB used outside llmgw)"
+
+
+def test_explanation_word_for_word() -> None:
+    nodes = [
+        node("a", mem_gb=4, cores=8),
+        node("b", mem_gb=8, cores=2),
+        node("c", cordoned=True),
+        node("d", state="lost"),
+    ]
+    held = [pl.Reservation("a", "other", 3.0, 0, replica="other-111111")]
+    placer = pl.Placer(nodes, held)
+    m = model("chat", GPU_P, CPU_P.model_copy(update={"cpu_cores": 4}))
+    d = placer.place(m)
+    assert not d.placed
+    assert d.summary == (
+        "0/4 nodes can run it: 1 node cordoned, 1 node lost, 1 not enough cores, 1 not enough memory"
+    )
+    assert [(r.node, r.profile, r.kind, r.reason) for r in d.rejections] == [
+        ("a", "gpu", "filtered", "no GPU of class h100-80gb (has: none)"),
+        ("b", "gpu", "filtered", "no GPU of class h100-80gb (has: none)"),
+        ("c", "gpu", "filtered", "node is cordoned"),
+        ("d", "gpu", "filtered", "node is lost"),
+        ("a", "cpu", "exhausted", "needs 2.0 GB memory, 1.0 of 4.0 GB free"),
+        ("b", "cpu", "exhausted", "needs 4 cores, 2 of 2 free"),
+        ("c", "cpu", "filtered", "node is cordoned"),
+        ("d", "cpu", "filtered", "node is lost"),
+    ]
+    assert d.rejections[4].held_by == ["other-111111"]
+    assert would_fit_if(d, placer, m) == [
+        "free 1.0 GB on a by stopping replica other-111111 (other, 3.0 GB)",
+        "free 2 cores on b",
+        "add a node with GPU class h100-80gb",
+        "uncordon c ('llmgw ctl node uncordon c')",
+        "bring d back: its agent is not reporting",
+    ]
+
+
+def test_placer_matches_fresh_placement_after_reservations() -> None:
+    """The per-node cache gives the same answers as placing from scratch each time."""
+    nodes = cluster()
+    m = model("big", GPU_P, CPU_P)
+    placer = pl.Placer(nodes, [])
+    done: list[pl.Reservation] = []
+    for i in range(7):
+        d = placer.place(m)
+        fresh = pl.place(m, nodes, done)
+        assert (d.node, d.gpu_indexes, d.summary) == (fresh.node, fresh.gpu_indexes, fresh.summary)
+        if d.placed:
+            done.append(placer.reserve(m, d, f"big-{i}"))
+
+
+# --- the leader, over a real store ---
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open(default_url("", tmp_path / "llmgw.db"))
+    yield s
+    s.close()
+
+
+def beat(mem_gb: float = 8, gpus: list[GPU] | None = None, cached: list[str] | None = None) -> Heartbeat:
+    inv = Inventory(
+        cores=8, memory_total_bytes=int(mem_gb * GB), memory_available_bytes=int(mem_gb * GB), gpus=gpus or []
+    )
+    return Heartbeat(inventory=inv, engines=[LLAMA], cached=cached or [], instance="i1")
+
+
+def test_failed_replica_is_replaced_after_backoff_with_its_error_kept(store: Store) -> None:
+    assert [backoff_s(n) for n in (0, 1, 2, 5, 9)] == [10, 20, 40, 300, 300]
+    store.upsert_node_heartbeat("a", beat(), 100.0)
+    store.add_model(model("m"), now=100.0)
+    leader = Leader(store, node_lost_after_s=1000)
+    leader.reconcile_once(100.0)
+    (r,) = store.list_replicas()
+    store.update_replica(ReplicaRow(**{**r.__dict__, "state": "failed", "err": "exit 1: boom", "updated_at": 101.0}))
+    assert leader.reconcile_once(110.0).created == []  # 9 s: still backing off
+    res = leader.reconcile_once(111.0)
+    assert res.removed == [r.id]
+    (new,) = store.list_replicas()
+    assert (new.restarts, new.last_error, new.state) == (1, "exit 1: boom", "pending")
+    failed = ReplicaRow(**{**new.__dict__, "state": "failed", "err": "exit 1: again", "updated_at": 112.0})
+    store.update_replica(failed)
+    assert leader.reconcile_once(131.0).removed == []  # second restart waits 20 s
+    assert leader.reconcile_once(132.0).removed == [new.id]
+    (third,) = store.list_replicas()
+    assert (third.restarts, third.last_error) == (2, "exit 1: again")
+
+
+def test_profile_change_restarts_replicas_onto_the_new_profile(store: Store) -> None:
+    store.upsert_node_heartbeat("a", beat(), 100.0)
+    row = store.add_model(model("m", n=2), now=100.0)
+    leader = Leader(store, node_lost_after_s=1000)
+    leader.reconcile_once(100.0)
+    old = {r.id for r in store.list_replicas()}
+    assert leader.reconcile_once(101.0).removed == []
+    changed = row.model.model_copy(update={"profiles": [CPU_P.model_copy(update={"args": ["--ctx-size", "4096"]})]})
+    store.update_model(changed, revision=row.revision, now=102.0)
+    res = leader.reconcile_once(102.0)
+    assert set(res.removed) == old
+    assert len(res.created) == 2
+    assert not old & {r.id for r in store.list_replicas()}
+
+
+def test_gpu_indexes_reach_the_replica_and_the_lost_node_replicas_move(store: Store) -> None:
+    for n in ("g1", "g2"):
+        store.upsert_node_heartbeat(n, beat(64, gpus=[h100(), h100(index=1)]), 100.0)
+    store.add_model(model("big", GPU_P, n=3), now=100.0)
+    leader = Leader(store, node_lost_after_s=30)
+    leader.reconcile_once(100.0)
+    reps = store.list_replicas()
+    assert len({(r.node, r.gpu_indexes) for r in reps}) == 3
+    assert all(len(r.gpu_indexes) == 1 for r in reps)
+    store.upsert_node_heartbeat("g2", beat(64, gpus=[h100(), h100(index=1)]), 125.0)
+    res = leader.reconcile_once(135.0)
+    assert res.lost == ["g1"]
+    reps = store.list_replicas()
+    assert sorted((r.node, r.gpu_indexes) for r in reps) == [("g2", (0,)), ("g2", (1,))]
+    ex = store.get_explanation("big")
+    assert ex is not None
+    assert ex.summary == "0/2 nodes can run it: 1 no free GPU, 1 node lost"
+    assert ex.would_fit_if[0].startswith("free a h100-80gb GPU on g2 by stopping replica big-")
+
+
+def test_missing_engine_reported_per_node() -> None:
+    failed = EngineStatus(engine="llamacpp", state=ProvisionState.FAILED, detail="no binary")
+    d = pl.place(model("m"), [node("a", engines=[failed])], [])
+    assert d.summary == "0/1 nodes can run it: 1 engine llamacpp not installed"
+    assert would_fit_if(d, pl.Placer([node("a", engines=[failed])], []), model("m")) == [
+        "install engine llamacpp on a node"
+    ]
