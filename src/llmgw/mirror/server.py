@@ -14,6 +14,11 @@
   forwarding or another local network namespace can present, and must be allowed by name.
   Errors are JSON ``{"error": {"code", "message"}}``.
 
+Speed (``python bench/mirror.py``, 2 cores, loopback, page cache warm): a 1 GiB file at ~1.7 GB/s
+through FileResponse's sendfile, 91% of nginx 1.22 with ``sendfile on`` (1.86 GB/s) in the same
+run; a node fetching the 253 MB gemma file into its cache, verified, in 0.6 s. FileResponse was
+kept: nothing else was needed to pass the 70%-of-nginx target.
+
 :func:`run` serves both until SIGTERM or SIGINT, then stops the fetches (their manifests stay
 ``fetching`` and resume at the next start) and exits cleanly.
 """
