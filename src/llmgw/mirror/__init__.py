@@ -9,4 +9,5 @@ Modules, in the order a fetch passes through them:
 - :mod:`.store` — the ``<dir>/<model>/<version>/<file>`` layout and which paths may be served.
 - :mod:`.server` — the bytes server and the management API (aiohttp); ``run`` for ``mirror serve``.
 - :mod:`.client` — MirrorClient, the synchronous client of the management API.
+- :mod:`.setup` — ``llmgw mirror init`` (a mirror on its own machine) and ``llmgw mirror add``.
 """
