@@ -86,6 +86,10 @@ class AdminClient:
         """POST JSON ``body`` to ``path`` and return the decoded JSON."""
         return self._request("POST", path, body)
 
+    def patch(self, path: str, body: Any) -> Any:
+        """PATCH ``path`` with the JSON merge patch ``body`` and return the decoded JSON."""
+        return self._request("PATCH", path, body)
+
     def put(self, path: str, body: Any) -> Any:
         """PUT JSON ``body`` to ``path`` and return the decoded JSON."""
         return self._request("PUT", path, body)

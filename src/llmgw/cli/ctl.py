@@ -1,5 +1,17 @@
 """``llmgw ctl``: what operators ask the control plane. Tables for people, ``--json`` for scripts.
 
+Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``models``, ``model add -f FILE`` (or
+flags), ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
+``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
+``explain-placement MODEL``. ``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's
+server.yaml and admin-token file.
+
+``model scale NAME N`` sets ``scaling.min`` to N (the replicas kept running); when N is above
+``scaling.max``, max is raised to N too, so the command always does what it says.
+
+``model rm --delete-weights`` deletes the model, then the weights from the mirror named in
+server.yaml (``mirror.api``); nodes keep their cached copy until their cache evicts it.
+
 Exit codes: 0 fine; 1 an API error; 2 bad input; 3 the control plane does not answer.
 ``explain-placement`` exits 0 when the model is placed and 6 when it is not, so scripts can wait on it.
 """
@@ -8,14 +20,19 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from llmgw.adminclient import AdminClient
-from llmgw.cli.common import cli_errors, paths
+from llmgw.cli.common import cli_errors, fail, paths
+from llmgw.config import load_server_config
+from llmgw.errors import ConfigError
 
 app = typer.Typer(no_args_is_help=True, help="Ask the control plane: nodes, models, replicas, placement.")
 
@@ -24,6 +41,11 @@ TokenOpt = Annotated[str | None, typer.Option("--token", envvar="LLMGW_TOKEN", h
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 NOT_PLACED_EXIT = 6
+
+node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon or drain a node.")
+model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change profiles, scale, remove, resources.")
+app.add_typer(node_app, name="node")
+app.add_typer(model_app, name="model")
 
 
 def _client(server: str | None, token: str | None) -> AdminClient:
@@ -110,13 +132,13 @@ def replicas(
     if as_json:
         _print_json(data)
         return
-    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS", "ERROR")
+    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS", "ERROR / WHY PENDING")
     for r in data:
-        err = (r.get("err") or "").strip().splitlines()
+        err = (r.get("err") or r.get("pending_reason") or r.get("last_error") or "").strip().splitlines()
         t.add_row(
             r["id"], r["model"], r.get("node") or "-", r.get("profile") or "-", r["state"],
             _ago(r.get("ready_at")) if r["state"] == "ready" else "-", str(r.get("restarts", 0)),
-            err[-1][:80] if err else "",
+            err[-1][:100] if err else "",
         )
     Console().print(t)
 
@@ -137,9 +159,200 @@ def explain_placement(
         if ex.get("summary"):
             print(ex["summary"])
         if ex.get("rejections"):
-            t = Table("NODE", "PROFILE", "KIND", "REASON")
+            t = Table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex["rejections"]:
-                t.add_row(r["node"], r["profile"], r["kind"], r["reason"])
+                t.add_row(r["profile"], r["node"], r["kind"], r["reason"])
             Console().print(t)
+        for line in ex.get("would_fit_if", []):
+            print(f"would fit if: {line}")
     if not ex.get("placed"):
         raise typer.Exit(NOT_PLACED_EXIT)
+
+
+@app.command()
+@cli_errors
+def restart(
+    replica: Annotated[str, typer.Argument(help="The replica id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Restart a replica: a new one replaces it on the same node and profile."""
+    new = _client(server, token).post(f"/api/v1/replicas/{quote(replica)}/restart", None)
+    if as_json:
+        _print_json(new)
+    else:
+        print(f"{replica} replaced by {new['id']} on {new['node']}")
+
+
+def _node_action(action: str, node: str, server: str | None, token: str | None, as_json: bool) -> None:
+    data = _client(server, token).post(f"/api/v1/nodes/{quote(node)}/{action}", None)
+    if as_json:
+        _print_json(data)
+    else:
+        print(f"{node}: {action}ed" if action != "drain" else f"{node}: cordoned and drained")
+
+
+@node_app.command("cordon")
+@cli_errors
+def node_cordon(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """No new replicas on NODE; the ones there keep running."""
+    _node_action("cordon", node, server, token, as_json)
+
+
+@node_app.command("uncordon")
+@cli_errors
+def node_uncordon(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Let placement use NODE again."""
+    _node_action("uncordon", node, server, token, as_json)
+
+
+@node_app.command("drain")
+@cli_errors
+def node_drain(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Cordon NODE and move its replicas elsewhere (they stop there at once)."""
+    _node_action("drain", node, server, token, as_json)
+
+
+def _read_doc(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+
+
+@model_app.command("add")
+@cli_errors
+def model_add(
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="model.yaml (the catalog fields).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Model name (without -f).")] = None,
+    source: Annotated[str | None, typer.Option("--source", help="Weights URL (the mirror's).")] = None,
+    version: Annotated[str, typer.Option("--version", help="Version label.")] = "1",
+    alias: Annotated[list[str] | None, typer.Option("--alias", help="An alias (repeatable).")] = None,
+    memory_gb: Annotated[float, typer.Option("--memory-gb", help="min_memory_gb (0: estimate).")] = 0,
+    cpu_cores: Annotated[int, typer.Option("--cpu-cores", help="Cores per replica.")] = 0,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", help="--ctx-size for the engine (0: leave).")] = 0,
+    replicas_n: Annotated[int, typer.Option("--replicas", help="scaling.min and max.")] = 1,
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Add a model from model.yaml, or from flags (one CPU llama.cpp profile)."""
+    if file is not None and (name or source):
+        raise fail("give either -f FILE or --name/--source, not both", 2)
+    if file is not None:
+        spec = _read_doc(file)
+    elif name and source:
+        args = ["--ctx-size", str(ctx_size)] if ctx_size else []
+        spec = {
+            "name": name, "source": source, "version": version, "aliases": alias or [],
+            "scaling": {"min": replicas_n, "max": replicas_n},
+            "profiles": [{"name": "cpu", "min_memory_gb": memory_gb, "cpu_cores": cpu_cores, "args": args}],
+        }
+    else:
+        raise fail("give -f model.yaml, or at least --name and --source", 2)
+    data = _client(server, token).post("/api/v1/models", spec)
+    if as_json:
+        _print_json(data)
+    else:
+        print(f"added {data['name']} (replicas {data['scaling_min']}..{data['scaling_max']})")
+
+
+@model_app.command("set-profiles")
+@cli_errors
+def model_set_profiles(
+    name: Annotated[str, typer.Argument(help="The model.")],
+    file: Annotated[Path, typer.Option("-f", "--file", help="YAML list of profiles (or {profiles: [...]}).")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Replace a model's profiles; its replicas restart onto the new ones."""
+    data = _client(server, token).put(f"/api/v1/models/{quote(name)}/profiles", _read_doc(file))
+    if as_json:
+        _print_json(data)
+    else:
+        print(f"{name}: profiles set; replicas restart onto them")
+
+
+@model_app.command("rm")
+@cli_errors
+def model_rm(
+    name: Annotated[str, typer.Argument(help="The model.")],
+    delete_weights: Annotated[bool, typer.Option("--delete-weights", help="Also delete it from the mirror.")] = False,
+    server: ServerOpt = None, token: TokenOpt = None,
+) -> None:
+    """Remove a model: its replicas stop; the weights stay on the mirror unless --delete-weights."""
+    client = _client(server, token)
+    spec = client.get(f"/api/v1/models/{quote(name)}").get("spec", {})
+    client.delete(f"/api/v1/models/{quote(name)}")
+    print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
+    if delete_weights:
+        from llmgw.mirror.client import MirrorClient  # noqa: PLC0415 - only this path needs it
+
+        api = load_server_config(paths().server_config).mirror.api
+        if not api:
+            raise fail("server.yaml has no mirror.api; delete the weights with 'llmgw mirror rm'", 1)
+        with MirrorClient(api) as mirror:
+            mirror.delete(name, str(spec.get("version", "1")))
+        print(f"deleted {name}/{spec.get('version', '1')} from the mirror at {api}")
+
+
+@model_app.command("scale")
+@cli_errors
+def model_scale(
+    name: Annotated[str, typer.Argument(help="The model.")],
+    n: Annotated[int, typer.Argument(min=0, help="Replicas to keep running (scaling.min).")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Keep N replicas running: scaling.min = N (max raised to N when below it)."""
+    client = _client(server, token)
+    cur = client.get(f"/api/v1/models/{quote(name)}")
+    scaling = {"min": n, "max": max(n, int(cur.get("scaling_max", n)))}
+    data = client.patch(f"/api/v1/models/{quote(name)}", {"scaling": scaling})
+    if as_json:
+        _print_json(data)
+    else:
+        print(f"{name}: scaling {data['scaling_min']}..{data['scaling_max']}")
+
+
+@model_app.command("resources")
+@cli_errors
+def model_resources(
+    name: Annotated[str, typer.Argument(help="The model.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """What one replica needs per profile (set or estimated from the GGUF), and where one could run."""
+    data = _client(server, token).get(f"/api/v1/models/{quote(name)}/resources")
+    if as_json:
+        _print_json(data)
+        return
+    f = data.get("facts")
+    if f:
+        print(
+            f"{name}: {f['architecture']}, {f['block_count']} layers, {f['file_size'] / 1e9:.2f} GB file, "
+            f"trained context {f['context_length']}, sliding window {f['sliding_window'] or '-'}"
+        )
+    elif data.get("facts_error"):
+        print(f"{name}: no estimate: {data['facts_error']}")
+    t = Table("PROFILE", "PRIORITY", "ENGINE", "GPU", "CORES", "MEMORY GB", "FROM", "CTX", "WEIGHTS+KV+OVERHEAD GB",
+              "COULD RUN ON")
+    for p in data["profiles"]:
+        fits = [n["node"] for n in p["nodes"] if n["fits"]]
+        t.add_row(
+            p["name"], str(p["priority"]), p["engine"],
+            f"{p['gpu_count']}x {p['gpu_class']}" if p["gpu_class"] else "-", str(p["cpu_cores"]),
+            f"{p['memory_gb']:.2f}", p["memory_from"], str(p["ctx"] or "-"),
+            f"{p['weights_gb']:.2f}+{p['kv_gb']:.2f}+{p['overhead_gb']:.2f}" if p["ctx"] else "-",
+            ", ".join(fits) or "nowhere now",
+        )
+    Console().print(t)
+    for p in data["profiles"]:
+        for n in p["nodes"]:
+            if not n["fits"]:
+                print(f"{p['name']} on {n['node']}: {n['reason']}")

@@ -9,7 +9,14 @@ with the matching status: 400 (a body that is not valid, the field named), 401 (
 Routes (the OpenAPI document at ``/api/v1/openapi.json`` lists them with their shapes):
 ``GET/POST /api/v1/models``, ``GET/PATCH/DELETE /api/v1/models/{name}``,
 ``PUT /api/v1/models/{name}/profiles``, ``GET /api/v1/nodes``, ``GET /api/v1/replicas?model=``,
-``POST /api/v1/replicas/{id}/restart``, ``GET /api/v1/explain-placement?model=``.
+``POST /api/v1/replicas/{id}/restart``, ``GET /api/v1/explain-placement?model=``,
+``GET /api/v1/models/{name}/resources`` (estimate, profiles, where one could run),
+``POST /api/v1/nodes/{id}/cordon|uncordon|drain``.
+
+``GET /api/v1/replicas`` also lists each wanted-but-unplaced replica as state ``pending`` with no
+node and placement's one-line summary in ``pending_reason``. A drain cordons the node and deletes
+its replicas at once; the leader places them elsewhere at its next pass (no overlap: drain
+stops before the new ones are ready).
 
 Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
 """
@@ -29,8 +36,9 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw.control.catalog import Model, Profile
-from llmgw.control.leader import new_replica_id, reservations
+from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
 from llmgw.control.openapi import build_openapi
+from llmgw.control.resources import resources_view
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
 from llmgw.protocol import ReplicaState
@@ -120,6 +128,24 @@ def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model
     )
 
 
+def pending_views(models: list[ModelRow], replicas: list[ReplicaRow], store: Store) -> list[ReplicaView]:
+    """One ``pending`` view per replica a model wants (``scaling.min``) that is placed nowhere,
+    carrying placement's summary as ``pending_reason``."""
+    out = []
+    count: dict[str, int] = {}
+    for r in replicas:
+        count[r.model] = count.get(r.model, 0) + 1
+    explanations = store.list_explanations()
+    for row in models:
+        missing = row.model.scaling.min - count.get(row.name, 0)
+        ex = explanations.get(row.name)
+        reason = ex.summary if ex is not None else "not evaluated yet"
+        for i in range(max(missing, 0)):
+            out.append(ReplicaView(id=f"{row.name}#pending-{i + 1}", model=row.name, state="pending",
+                                   pending_reason=reason))
+    return out
+
+
 def replica_view(r: ReplicaRow) -> ReplicaView:
     """A replica without its key."""
     return ReplicaView(
@@ -133,6 +159,8 @@ def replica_view(r: ReplicaRow) -> ReplicaView:
         created_at=r.created_at,
         ready_at=r.ready_at,
         restarts=r.restarts,
+        last_error=r.last_error,
+        gpu_indexes=list(r.gpu_indexes),
     )
 
 
@@ -283,12 +311,46 @@ def build_admin_app(
 
     async def list_nodes(_: web.Request) -> web.Response:
         replicas = store.list_replicas()
-        models = {m.name: m.model for m in store.list_models()}
+        facts = parse_facts(store.list_gguf_facts())
+        models = {m.name: effective_model(m.model, facts) for m in store.list_models()}
         return _json([node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()])
 
     async def list_replicas(request: web.Request) -> web.Response:
         model = request.query.get("model") or None
-        return _json([replica_view(r).model_dump(mode="json") for r in store.list_replicas(model=model)])
+        rows = store.list_replicas(model=model)
+        views = [replica_view(r) for r in rows]
+        models = [m for m in store.list_models() if model is None or m.name == model]
+        views += pending_views(models, rows, store)
+        return _json([v.model_dump(mode="json") for v in views])
+
+    def must_node(node_id: str) -> NodeRow:
+        node = store.get_node(node_id)
+        if node is None:
+            raise HttpError(404, "node_not_found", f"no node '{node_id}'; list them with GET /api/v1/nodes")
+        return node
+
+    async def node_action(request: web.Request) -> web.Response:
+        action = request.match_info["action"]
+        node = must_node(request.match_info["id"])
+        node = store.update_node(node, cordoned=action != "uncordon")
+        if action == "drain":
+            for r in store.list_replicas(node=node.id):
+                store.delete_replica(r.id, revision=r.revision)
+        changed()
+        replicas = store.list_replicas()
+        models = {m.name: m.model for m in store.list_models()}
+        return _json(node_view(node, replicas, models).model_dump(mode="json"))
+
+    async def model_resources(request: web.Request) -> web.Response:
+        row = must_model(request.match_info["name"])
+        view = resources_view(
+            row.model,
+            nodes=store.list_nodes(),
+            replicas=store.list_replicas(),
+            models={m.name: m.model for m in store.list_models()},
+            stored_facts=store.list_gguf_facts(),
+        )
+        return _json(view.model_dump(mode="json"))
 
     async def restart_replica(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
@@ -346,4 +408,6 @@ def build_admin_app(
     r.add_get("/api/v1/replicas", list_replicas)
     r.add_post("/api/v1/replicas/{id}/restart", restart_replica)
     r.add_get("/api/v1/explain-placement", explain)
+    r.add_get("/api/v1/models/{name}/resources", model_resources)
+    r.add_post("/api/v1/nodes/{id}/{action:cordon|uncordon|drain}", node_action)
     return app

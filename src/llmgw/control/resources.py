@@ -1,0 +1,96 @@
+"""``GET /api/v1/models/{name}/resources``: what one replica of a model needs, per profile, and
+which nodes could take one now.
+
+Pure functions over store rows: the memory of a profile is its ``min_memory_gb`` when set, else the
+GGUF estimate (:mod:`llmgw.control.estimate`) when the header has been read, else unknown (0,
+reserving nothing). Each node's verdict is placement's own check (:func:`placement.check`) against
+the replicas placed now, the model's own included, so "fits" means "one more would fit there".
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from llmgw.control import estimate as est
+from llmgw.control import placement as pl
+from llmgw.control.catalog import Model
+from llmgw.control.leader import effective_model, node_info, parse_facts, reservations
+from llmgw.control.store import NodeRow, ReplicaRow
+
+
+class NodeFit(BaseModel):
+    """One node for one profile: ``fits``, or the rejection's kind and reason."""
+
+    node: str
+    fits: bool
+    kind: str = ""
+    reason: str = ""
+
+
+class ProfileResources(BaseModel):
+    """One profile: what a replica reserves and where one more could run."""
+
+    name: str
+    priority: int
+    engine: str
+    gpu_class: str = ""
+    gpu_count: int = 1
+    cpu_cores: int = 0
+    memory_gb: float = 0.0
+    memory_from: str  # "min_memory_gb", "estimate" or "unknown"
+    ctx: int = 0
+    weights_gb: float = 0.0
+    kv_gb: float = 0.0
+    overhead_gb: float = 0.0
+    nodes: list[NodeFit] = Field(default_factory=list)
+
+
+class ResourcesView(BaseModel):
+    """The model's GGUF facts (or why there are none) and each profile in placement order."""
+
+    model: str
+    source: str
+    facts: est.GgufFacts | None = None
+    facts_error: str = ""
+    profiles: list[ProfileResources] = Field(default_factory=list)
+
+
+def resources_view(
+    model: Model,
+    *,
+    nodes: list[NodeRow],
+    replicas: list[ReplicaRow],
+    models: dict[str, Model],
+    stored_facts: dict[str, tuple[str, str, float]],
+) -> ResourcesView:
+    """Build the view (see the module docstring); ``models`` is the whole catalog by name."""
+    facts = parse_facts(stored_facts)
+    eff = {k: effective_model(m, facts) for k, m in models.items()}
+    placer = pl.Placer([node_info(n) for n in nodes], reservations(replicas, eff))
+    f = facts.get(model.source)
+    out = []
+    for p in effective_model(model, facts).profiles_by_priority():
+        raw = next(x for x in model.profiles if x.name == p.name)
+        item = ProfileResources(
+            name=p.name,
+            priority=p.priority,
+            engine=p.engine.value,
+            gpu_class=p.gpu_class,
+            gpu_count=p.gpu_count,
+            cpu_cores=p.cpu_cores,
+            memory_gb=p.min_memory_gb,
+            memory_from="min_memory_gb" if raw.min_memory_gb > 0 else ("estimate" if f else "unknown"),
+        )
+        if f is not None:
+            e = est.estimate(f, p.args, context_length=model.context_length)
+            item.ctx, item.weights_gb = e.ctx, round(e.weights / est.GB, 3)
+            item.kv_gb, item.overhead_gb = round(e.kv / est.GB, 3), round(e.overhead / est.GB, 3)
+        for node in placer.nodes:
+            v = pl.check(pl.Candidate(node, p, placer.usage[node.id], model.name))
+            if v is None:
+                item.nodes.append(NodeFit(node=node.id, fits=True))
+            else:
+                item.nodes.append(NodeFit(node=node.id, fits=False, kind=v.rejection.kind, reason=v.rejection.reason))
+        out.append(item)
+    _, error, _ = stored_facts.get(model.source, ("", "", 0.0))
+    return ResourcesView(model=model.name, source=model.source, facts=f, facts_error=error, profiles=out)
