@@ -7,6 +7,7 @@ One node, two CPU replicas placed by the real leader, served by a real ``llmgw a
   keeps the same replicas (no remove/replace), within 2 s of the agent's start;
 - restart the control plane after an "outage" longer than ``node_lost_after_s``: its first leader
   pass loses no node, and no engine restarts;
+- each engine is pinned to its own core with ``--threads 1``, and keeps it across adoption;
 - stopping everything leaves no engine behind.
 """
 
@@ -68,6 +69,11 @@ async def cluster(tmp_path: Path, assets: Assets) -> AsyncIterator[tuple[Control
         await file_runner.cleanup()
 
 
+def last_seen(cp: ControlPlane) -> float:
+    node = cp.store.get_node("node-1") if cp.store else None
+    return node.last_seen if node else 0.0
+
+
 def ready_pids(cp: ControlPlane) -> dict[str, int | None]:
     return {r.id: r.pid for r in cp.reported() if r.state == "ready"}
 
@@ -82,6 +88,17 @@ async def test_kill9_agent_and_restart_control_plane_restart_no_engine(
     pids = ready_pids(cp)
     started = {rid: psutil.Process(pid).create_time() for rid, pid in pids.items() if pid}
     assert len(started) == 2
+    # Pinned: one core each, not the same one, and --threads matches; the cores are recorded.
+    engines = [psutil.Process(pid) for pid in pids.values() if pid]
+    affinity = [set(p.cpu_affinity()) for p in engines]
+    assert [len(a) for a in affinity] == [1, 1]
+    assert not affinity[0] & affinity[1]
+    for p in engines:
+        argv = p.cmdline()
+        assert argv[argv.index("--threads") + 1] == "1"
+    assert sorted(c for r in load_records(agent.agent_state) for c in r.cpus) == sorted(
+        c for a in affinity for c in a
+    )
 
     async with aiohttp.ClientSession() as session:
         first, second = rows.values()
@@ -90,8 +107,10 @@ async def test_kill9_agent_and_restart_control_plane_restart_no_engine(
         await asyncio.sleep(0.3)
         agent.kill9()
         assert await stream(session, second.endpoint, second.key, 4)  # still answered, agent dead
+        seen = last_seen(cp)
         agent.start()
-        took = await cp.wait(lambda: ready_pids(cp) == pids and cp.reported() != [], 10, "adopted")
+        # A fresh report from the new agent (not the dead one's last), with the same engines.
+        took = await cp.wait(lambda: last_seen(cp) > seen and ready_pids(cp) == pids, 10, "adopted")
         assert took <= 2.0, f"adoption took {took:.2f} s"  # agent process start included (~0.6 s)
         text = await inflight
         assert len(text) > 20, text
@@ -104,6 +123,7 @@ async def test_kill9_agent_and_restart_control_plane_restart_no_engine(
         for rid, pid in pids.items():
             assert pid is not None
             assert psutil.Process(pid).create_time() == started[rid]  # the very same processes
+        assert [set(p.cpu_affinity()) for p in engines] == affinity
 
         # Restart the control plane as if it had been down for 100 s (> node_lost_after_s).
         await cp.stop()
@@ -120,6 +140,7 @@ async def test_kill9_agent_and_restart_control_plane_restart_no_engine(
         assert await inflight
 
     agent.term()
+    assert "409" not in agent.log.read_text()  # the restarted agent was never refused as a second one
     for pid in pids.values():
         assert pid is not None
         assert psutil.pid_exists(pid)  # SIGTERM to the agent leaves engines

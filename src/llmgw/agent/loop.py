@@ -34,7 +34,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from llmgw import __version__
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
-from llmgw.agent.records import adoptable
+from llmgw.agent.records import adoptable, instance_id
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, PkiError, UnreachableError
@@ -160,7 +159,8 @@ class Agent:
         self._refresh_engines()
         self._stopping: set[asyncio.Task[None]] = set()
         self._last_error = ("", 0.0)
-        self.instance = secrets.token_hex(8)  # this process; the control plane refuses a second one
+        # Kept in the state dir: a restarted agent is the same instance (no 409 while it adopts).
+        self.instance = instance_id(self.agent_state)
 
     def _refresh_engines(self) -> None:
         status, server = llamacpp.probe(self.cfg, self.agent_state)

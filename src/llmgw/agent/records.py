@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
 
 import psutil
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from llmgw.atomicfile import write_atomic
 from llmgw.protocol import ReplicaSpec
@@ -52,6 +53,7 @@ class ReplicaRecord(BaseModel):
         key: the API key it requires.
         spec: the ReplicaSpec it was started for.
         started_at: when it was launched (unix seconds).
+        cpus: the cores it is pinned to (empty: unpinned), claimed again on adoption.
     """
 
     id: str
@@ -63,6 +65,7 @@ class ReplicaRecord(BaseModel):
     key: str
     spec: ReplicaSpec
     started_at: float
+    cpus: list[int] = Field(default_factory=list)
 
 
 def replicas_dir(agent_state: Path) -> Path:
@@ -99,6 +102,25 @@ def drop_record(agent_state: Path, replica_id: str) -> None:
     for name in ("record.json", "api-key"):
         with contextlib.suppress(FileNotFoundError):
             (d / name).unlink()
+
+
+def instance_id(agent_state: Path) -> str:
+    """This node's agent instance id (``<agent_state>/instance``, created on first use).
+
+    The control plane refuses a *second* agent presenting a live node id (another machine with a
+    copied certificate, HTTP 409). The id lives with the state, not with the process, so an agent
+    restarted or upgraded on the same machine is the same instance and re-registers at once,
+    reporting the engines it adopted, instead of waiting out the hold.
+    """
+    path = agent_state / "instance"
+    try:
+        found = path.read_text().strip()
+    except FileNotFoundError:
+        found = ""
+    if not found:
+        found = secrets.token_hex(8)
+        write_private(path, found + "\n")
+    return found
 
 
 def load_records(agent_state: Path) -> list[ReplicaRecord]:

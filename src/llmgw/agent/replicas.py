@@ -47,6 +47,7 @@ import psutil
 
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
+from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
 from llmgw.agent.records import (
     STOP_GRACE_S,
     ReplicaRecord,
@@ -166,6 +167,8 @@ class RunnerEnv:
         clock: monotonic seconds (a seam).
         port_picker: picks the engine's port on an address (a seam; default: bind port 0).
         base_env: the environment engines inherit before scrubbing.
+        cpus: hands out each replica's cores (see :mod:`llmgw.agent.pinning`).
+        pin: pin engines to their cores (off only to measure what pinning buys).
     """
 
     agent_state: Path
@@ -184,6 +187,8 @@ class RunnerEnv:
     clock: Callable[[], float] = time.monotonic
     port_picker: Callable[[str], int] = llamacpp.free_port
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    cpus: CoreAllocator = field(default_factory=CoreAllocator)
+    pin: bool = True
 
     @property
     def probe_host(self) -> str:
@@ -211,6 +216,7 @@ class ReplicaRunner:
         self.port = 0
         self.pid: int | None = None
         self.started_at: float | None = None
+        self.cpus: list[int] = []
         self._proc: subprocess.Popen[bytes] | None = None
         self._record: ReplicaRecord | None = None
         self._model_path: Path | None = None
@@ -232,6 +238,7 @@ class ReplicaRunner:
         runner = cls(record.spec, env)
         runner._record = record
         runner.pid, runner.port, runner.started_at = record.pid, record.port, record.started_at
+        runner.cpus = env.cpus.claim(record.id, record.cpus)
         with contextlib.suppress(LlmgwError):
             runner._model_path = env.cache.path_for(record.spec)
             env.cache.in_use.add(runner._model_path)
@@ -333,6 +340,7 @@ class ReplicaRunner:
         key_file = self.dir / "api-key"
         write_private(key_file, self.spec.key + "\n")
         self.port = env.port_picker(env.advertise_address)
+        self.cpus = env.cpus.allocate(self.spec.id, self.spec.cpu_cores) if env.pin else []
         argv = llamacpp.build_argv(
             server,
             self.spec,
@@ -343,6 +351,7 @@ class ReplicaRunner:
             node_has_gpus=env.has_gpus,
             key=self.spec.key,
             key_file=key_file,
+            threads=len(self.cpus) or None,
         )
         with self.log_path.open("ab") as logf:
             logf.write(f"--- llmgw agent: starting {' '.join(_redact(argv, self.spec.key))}\n".encode())
@@ -362,6 +371,11 @@ class ReplicaRunner:
                 raise _Failed(f"cannot run {server.binary}: {e}") from e
         self.pid = self._proc.pid
         self.started_at = time.time()
+        if self.cpus:
+            try:
+                pin_process(self._proc.pid, self.cpus)
+            except OSError as e:
+                log.warning("replica %s: cannot pin pid %d to cores %s: %s", self.spec.id, self.pid, self.cpus, e)
         try:
             create_time = psutil.Process(self._proc.pid).create_time()
         except psutil.Error:
@@ -376,14 +390,16 @@ class ReplicaRunner:
             key=self.spec.key,
             spec=self.spec,
             started_at=self.started_at,
+            cpus=self.cpus,
         )
         write_record(env.agent_state, self._record)
         log.info(
-            "replica %s: llama-server pid %d on %s loading %s",
+            "replica %s: llama-server pid %d on %s loading %s (cores %s)",
             self.spec.id,
             self._proc.pid,
             host_port(env.advertise_address, self.port),
             model_path.name,
+            format_cpus(self.cpus) or "unpinned",
         )
         self._set(ReplicaState.STARTING)
 
@@ -470,6 +486,7 @@ class ReplicaRunner:
         self._set(ReplicaState.FAILED)
 
     def _release(self) -> None:
+        self.env.cpus.release(self.spec.id)
         if self._model_path is not None:
             self.env.cache.release(self._model_path)
 

@@ -11,7 +11,9 @@ source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never
 Each pass (:meth:`Leader.reconcile_once`), in this order:
 
 1. **Nodes**: a ``ready`` node whose last heartbeat is older than ``node_lost_after_s`` becomes
-   ``lost``. First, so that the rest of the pass does not count or place on a dead node.
+   ``lost`` (silence counts from this leader's first pass at the earliest, so a control plane
+   restarted after an outage loses no node whose agent reports within ``node_lost_after_s``).
+   First, so that the rest of the pass does not count or place on a dead node.
 2. **Orphans**: replicas of models no longer in the catalog, and replicas on ``lost`` nodes or on
    nodes never seen, are deleted; the agents stop what is no longer desired at their next heartbeat
    (a lost node that comes back is told to run none of them, so its agent stops those engines).
@@ -196,6 +198,7 @@ class Leader:
         self.on_change = on_change
         self.read_facts = read_facts
         self._wake = asyncio.Event()
+        self._first_pass: float | None = None
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
@@ -267,9 +270,15 @@ class Leader:
         return result
 
     def _mark_lost(self, now: float, result: PassResult) -> list[NodeRow]:
+        if self._first_pass is None:
+            self._first_pass = now
         nodes = []
         for node in self.store.list_nodes():
-            if node.state == "ready" and now - node.last_seen > self.node_lost_after_s:
+            # Silence counts from this leader's first pass at the earliest: a control plane that was
+            # down (restart, upgrade) heard no heartbeats and must not stop every engine of every
+            # node at its first pass; agents get node_lost_after_s to report again.
+            silent_since = max(node.last_seen, self._first_pass)
+            if node.state == "ready" and now - silent_since > self.node_lost_after_s:
                 try:
                     lost = self.store.update_node(node, state="lost")
                 except Conflict:

@@ -264,11 +264,13 @@ def build_argv(
     node_has_gpus: bool,
     key: str = "",
     key_file: Path | None = None,
+    threads: int | None = None,
 ) -> list[str]:
     """The llama-server argv of one replica.
 
     ``[binary, -m, model, *profile args, --host, --port, --threads t, --threads-batch t, key, *defaults]``
-    where ``t`` is ``spec.cpu_cores`` (0: the node's logical cores). The key goes by
+    where ``t`` is ``threads`` (the cores the replica is pinned to), else ``spec.cpu_cores``, else
+    (0) the node's logical cores. The key goes by
     ``--api-key-file`` when ``key_file`` is given and the build knows it (argv is readable by every
     user in ``/proc``), else ``--api-key``. Defaults (``--parallel 4``, ``--cache-ram 1024``,
     ``--alias <model>``, ``--no-webui``, ``--metrics``, and ``--device none`` for a CPU replica
@@ -277,12 +279,13 @@ def build_argv(
     yields to the profile's. Agent-owned flags in the profile are dropped (see :data:`AGENT_OWNED`).
     """
     profile, _ = drop_owned(spec.args)
-    threads = str(spec.cpu_cores if spec.cpu_cores > 0 else max(node_cores, 1))
+    if threads is None:
+        threads = spec.cpu_cores if spec.cpu_cores > 0 else max(node_cores, 1)
     argv = [str(server.binary), "-m", str(model_path), *profile, "--host", host, "--port", str(port)]
     if not sets(profile, "threads"):
-        argv += ["--threads", threads]
+        argv += ["--threads", str(threads)]
         if not sets(profile, "threads-batch"):
-            argv += ["--threads-batch", threads]
+            argv += ["--threads-batch", str(threads)]
     if key_file is not None and server.knows("--api-key-file"):
         argv += ["--api-key-file", str(key_file)]
     elif key:
