@@ -31,13 +31,14 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.e2e.agent_world import GEMMA_SHA256, serve_files
+
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
 from llmgw.agent.records import stop_all_engines
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv, new_key
 from llmgw.config import AgentConfig
 from llmgw.protocol import ReplicaSpec, ReplicaState
-from tests.e2e.agent_world import GEMMA_SHA256, serve_files
 
 SECONDS = float(os.environ.get("PIN_SECONDS", "12"))
 ROUNDS = int(os.environ.get("PIN_ROUNDS", "2"))
