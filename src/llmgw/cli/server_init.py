@@ -45,6 +45,12 @@ def init(
         str, typer.Option("--mirror", help="Use the mirror at this management URL instead of one here.")
     ] = "",
     judge_replicas: Annotated[int | None, typer.Option(help="Judge replicas (default: the seed's rule).")] = None,
+    judge_source: Annotated[
+        str, typer.Option(help="The judge's weights instead of Qwen3Guard-Gen-0.6B: hf:…, https://… or file:/abs.gguf.")
+    ] = "",
+    judge_format: Annotated[
+        str, typer.Option(help="The judge's format when it is not a Qwen3Guard: llamaguard3 or prompted.")
+    ] = "",
     node_id: Annotated[str, typer.Option(help="This node's id (default: the hostname).")] = "",
     admin_listen: Annotated[str, typer.Option(help="Admin API address.")] = "127.0.0.1:9090",
     agent_listen: Annotated[str, typer.Option(help="Agent API address (TLS).")] = ":7443",
@@ -57,7 +63,8 @@ def init(
         hosts=host or [], cpus=cpus, offline=offline, no_node=no_node, no_guard_model=no_guard_model,
         starter_source=starter_source, starter_name=starter_name, starter_alias=starter_alias,
         llama_server=llama_server.resolve() if llama_server else None, mirror_url=mirror,
-        judge_replicas=judge_replicas, node_id=node_id, admin_listen=admin_listen,
+        judge_replicas=judge_replicas, judge_source=judge_source, judge_format=judge_format,
+        node_id=node_id, admin_listen=admin_listen,
         agent_listen=agent_listen, gateway_listen=gateway_listen, mirror_listen=mirror_listen,
         mirror_api_listen=mirror_api_listen,
     )

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from llmgw.atomicfile import write_atomic
 
-__all__ = ["agent_yaml", "append_block", "mirror_block", "new_secret", "server_yaml", "write_atomic"]
+__all__ = [
+    "agent_yaml", "append_block", "guard_block", "mirror_block", "new_secret", "server_yaml", "write_atomic",
+]
 
 
 def new_secret(prefix: str = "") -> str:
@@ -38,6 +40,24 @@ def append_block(path: Path, block: str, *, now: float | None = None) -> Path:
 def mirror_block(api: str, comment: str) -> str:
     """The ``mirror:`` block init appends to server.yaml, after its comment lines."""
     return f"\n{comment}\nmirror:\n  api: {api}\n"
+
+
+def guard_block(judge: str) -> str:
+    """The default guard policy init appends to server.yaml: ``judge`` reads every prompt and answer,
+    and a request nothing judged is refused (``fail: closed``)."""
+    return f"""
+# Guardrails, added by 'llmgw server init': every prompt (in) and answer (out) is judged by
+# {judge}; Unsafe is refused, Controversial served with a warning in the log, and with no
+# verdict (judge down or over its budget) the request is refused (fail: closed).
+guard:
+  policies:
+    - name: default
+      judge: [{judge}]
+      check: [in, out]
+      controversial: warn
+      fail: closed
+      budget_s: 5
+"""
 
 
 def server_yaml(

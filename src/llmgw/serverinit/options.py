@@ -28,6 +28,8 @@ class InitOptions:
     llama_server: Path | None = None
     mirror_url: str = ""
     judge_replicas: int | None = None
+    judge_source: str = ""
+    judge_format: str = ""
     node_id: str = ""
     admin_listen: str = "127.0.0.1:9090"
     agent_listen: str = ":7443"

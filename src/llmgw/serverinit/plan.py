@@ -138,7 +138,9 @@ def starter_model(
     )
 
 
-def guard_model(source: str, replicas: int, cores: int, *, sha256: str = "", fmt: str = "qwen3guard") -> Model:
+def guard_model(
+    source: str, replicas: int, cores: int, *, sha256: str = "", fmt: str = "qwen3guard", name: str = GUARD_MODEL_NAME
+) -> Model:
     """The judge's catalog entry (the seed's ``guardModel``): CPU only, so it takes no card from the
     models people use, on whichever node has room; ``replicas`` copies of it.
 
@@ -148,7 +150,7 @@ def guard_model(source: str, replicas: int, cores: int, *, sha256: str = "", fmt
     for only one of the two. Hence ``--cache-ram 0`` and 2 GB.
     """
     return Model(
-        name=GUARD_MODEL_NAME,
+        name=name,
         description="The guardrails' judge: reads prompts and answers for unsafe content. Not offered to clients.",
         source=source,
         version=GUARD_MODEL_VERSION,
@@ -161,10 +163,28 @@ def guard_model(source: str, replicas: int, cores: int, *, sha256: str = "", fmt
         profiles=[
             Profile(
                 name="cpu", engine=Engine.LLAMACPP, priority=100, min_memory_gb=JUDGE_MEMORY_GB,
-                cpu_cores=cores, args=["--ctx-size", "8192", "--cache-ram", "0"],
+                cpu_cores=cores, args=judge_args(fmt),
             )
         ],
     )
+
+
+def judge_args(fmt: str) -> list[str]:
+    """The judge engine's args: an 8192 context and no prompt cache (see :func:`guard_model`); a
+    ``prompted`` judge also ``--swa-full``, without which a sliding-window model (gemma-3) reuses
+    nothing of the fixed instruction between judgments (measured: ~850 ms re-prefill vs ~330 ms)."""
+    args = ["--ctx-size", "8192", "--cache-ram", "0"]
+    return [*args, "--swa-full"] if fmt == "prompted" else args
+
+
+def judge_name(source: str, fmt: str) -> str:
+    """The judge's catalog name: ``qwen3guard-0.6b`` for the seed's file or any Qwen3Guard, else
+    ``judge-<file stem>`` (a gemma carried in as a ``prompted`` judge is not a Qwen3Guard, and must not
+    clash with the same file served as the starter)."""
+    if source == GUARD_MODEL_SOURCE or fmt in ("", "qwen3guard"):
+        return GUARD_MODEL_NAME
+    stem = model_name_from_file(source.rstrip("/").rsplit("/", 1)[-1])
+    return f"judge-{stem}"[:63]
 
 
 def judge_for(*, no_node: bool, standbys: bool = False, replicas_flag: int | None = None) -> int:

@@ -14,7 +14,8 @@ warnings ``!! …``):
 5. This machine as a node: agent certificate, agent.yaml (never overwritten), the agent service,
    and a wait until it reports an engine.
 6. The starter model: into the mirror, into the catalog, and a wait until a replica is ready.
-7. The guardrails' judge (a later release; said as skipped).
+7. The guardrails' judge (Qwen3Guard-Gen-0.6B, or ``--judge-source``) and a default guard policy
+   (in and out, ``fail: closed``); skipped offline when nothing was carried in.
 
 Before anything is written, the inputs are checked (the starter file, ``--llama-server``, the
 listen ports, a lock against a second init), so bad input leaves nothing half-written.
@@ -52,6 +53,7 @@ from llmgw.errors import (
     ServiceError,
     SourceError,
 )
+from llmgw.guard.formats import FORMATS
 from llmgw.mirror.client import MirrorClient
 from llmgw.paths import Paths
 from llmgw.serverinit import files, plan
@@ -179,6 +181,7 @@ class ServerInit:
             PortInUseError: a listen port is taken by a program that is not this install's service.
         """
         self._check_starter_source()
+        self._check_judge_source()
         ls = self.opts.llama_server
         if ls is not None and not (ls.is_file() and os.access(ls, os.X_OK)):
             raise ConfigError(
@@ -206,6 +209,21 @@ class ServerInit:
                 raise PortInUseError(
                     f"port {port} ({flag.lstrip('-')}) is already taken by another program; stop it, "
                     f"or choose another address with {flag}"
+                )
+
+    def _check_judge_source(self) -> None:
+        fmt = self.opts.judge_format
+        if fmt and fmt not in FORMATS:
+            raise ConfigError(f"--judge-format {fmt}: not a judge format; use one of {', '.join(FORMATS)}")
+        src = self.opts.judge_source
+        if not src or self.opts.no_guard_model:
+            return
+        d = sourcecheck.to_download(src)
+        if d.kind == "file":
+            path = Path(d.path or "")
+            if not path.is_file() or not plan.is_gguf(path):
+                raise SourceError(
+                    f"--judge-source {src}: {path} is not a GGUF file; give the path of the judge's .gguf"
                 )
 
     def _check_starter_source(self) -> None:
@@ -540,8 +558,24 @@ class ServerInit:
         return self.opts.cpus or os.cpu_count() or 1
 
     def judges(self) -> int:
-        """Judge replicas this init serves: none while the judge step is skipped."""
-        return 0
+        """Judge replicas this init serves (the seed's ``judgeFor``): none with ``--no-guard-model``
+        or when the judge will be skipped (offline with nothing carried in), so the starter keeps
+        the cores a judge would have had."""
+        if not self.judge_planned():
+            return 0
+        return plan.judge_for(no_node=self.opts.no_node, replicas_flag=self.opts.judge_replicas)
+
+    def judge_source(self) -> str:
+        """Where the judge's weights come from: ``--judge-source``, else the seed's Qwen3Guard file."""
+        return self.opts.judge_source or plan.GUARD_MODEL_SOURCE
+
+    def judge_planned(self) -> bool:
+        """Whether init will try to serve a judge: not with ``--no-guard-model``, nor offline with no
+        ``file:`` judge carried in (it might still be in the mirror: then it is served, and the starter
+        shares its cores)."""
+        if self.opts.no_guard_model:
+            return False
+        return not (self.opts.offline and sourcecheck.to_download(self.judge_source()).kind != "file")
 
     def ensure_starter(self) -> str:
         """Fetch the starter into the mirror and serve it here (pinned when this machine is a node)."""
@@ -675,15 +709,54 @@ class ServerInit:
     # --- 7. the judge -------------------------------------------------------------------------
 
     def ensure_judge(self) -> None:
-        """The guardrails' judge. Not in this release: said, so nobody believes prompts are judged."""
+        """The guardrails' judge (the seed's ``ensureGuardModel``), then the default policy.
+
+        The judge goes into the mirror and the catalog (role guard, CPU only, ``judge_for``
+        replicas, cores from ``cpu_plan``); when this machine is a node, init waits for it to serve.
+        Then, when server.yaml has no ``guard:`` policy, one is appended (with a backup) that judges
+        in and out with ``fail: closed``, and the control plane is restarted to read it. A judge
+        that is skipped writes no policy: a policy whose judge is missing would refuse everything.
+        """
         if self.opts.no_guard_model:
-            self.say("skip", "the guardrails' judge (--no-guard-model)")
+            self.say("skip", "the guardrails' judge (--no-guard-model): prompts and answers are not judged")
             return
-        self.say(
-            "skip",
-            "the guardrails' judge: this release has no guardrails yet, so prompts and answers are "
-            "not judged (--no-guard-model says you know)",
-        )
+        source = self.judge_source()
+        fmt = self.opts.judge_format or "qwen3guard"
+        if self.opts.offline and sourcecheck.to_download(source).kind != "file" and not self._in_mirror(source):
+            self.say(
+                "skip",
+                "the guardrails' judge: offline, and no judge was carried in; prompts and answers are not "
+                "judged (no guard policy written). Carry one in with --judge-source file:/path.gguf",
+            )
+            return
+        name = plan.judge_name(source, fmt)
+        here = not self.opts.no_node
+        cores = plan.cpu_plan(cpus=self.cpus(), judges=self.judges(), no_node=self.opts.no_node).judge
+
+        def entry(url: str, sha256: str, _classes: list[str]) -> Model:
+            return plan.guard_model(url, self.judges() or 1, cores, sha256=sha256, fmt=fmt, name=name)
+
+        if not self.ensure_served(name, source, plan.GUARD_MODEL_VERSION, here, entry):
+            self.say("skip", "the guard policy: no judge, so prompts and answers are not judged")
+            return
+        cfg = self.config()
+        if cfg.guard.on():
+            self.say("kept", f"guard policies in server.yaml ({', '.join(p.name for p in cfg.guard.policies)})")
+            return
+        files.append_block(self.paths.server_config, files.guard_block(name))
+        self.say("done", f"server.yaml judges every prompt and answer with {name} (policy 'default', fail: closed)")
+        self.manager.restart("server")
+        self._wait_service("server", "the control plane", self.admin().health)
+        self.say("done", "control plane restarted with the guard policy")
+
+    def _in_mirror(self, source: str) -> bool:
+        fmt = self.opts.judge_format or "qwen3guard"
+        try:
+            mirror = MirrorClient(self.mirror_api(), timeout=15.0)
+            st = mirror.status(plan.judge_name(source, fmt), plan.GUARD_MODEL_VERSION)
+        except LlmgwError:
+            return False
+        return st.state == "present"
 
     # --- the end --------------------------------------------------------------------------------
 
