@@ -20,6 +20,7 @@ from llmgw.config import AgentConfig
 from llmgw.protocol import ProvisionState, ReplicaSpec
 
 HELP_EXCERPT = """\
+-c,    --ctx-size N                     size of the prompt context (default: 0, 0 = loaded from model)
 -t,    --threads N                      number of CPU threads to use during generation (default: -1)
 -tb,   --threads-batch N                number of threads to use during batch and prompt processing (default:
                                         same as --threads)
@@ -54,7 +55,12 @@ def spec(**kw: object) -> ReplicaSpec:
 
 
 def argv_for(
-    s: ReplicaSpec, *, gpus: bool = False, server: LlamaServer = SERVER, key_file: Path | None = None
+    s: ReplicaSpec,
+    *,
+    gpus: bool = False,
+    server: LlamaServer = SERVER,
+    key_file: Path | None = None,
+    threads: int | None = None,
 ) -> list[str]:
     return build_argv(
         server,
@@ -66,6 +72,7 @@ def argv_for(
         node_has_gpus=gpus,
         key=s.key,
         key_file=key_file,
+        threads=threads,
     )
 
 
@@ -122,6 +129,27 @@ def test_argv_defaults() -> None:
     assert "--no-webui" in argv
     assert "--device" not in argv  # no GPUs on this node: nothing to keep the replica off
     assert value_of(argv, "--api-key") == "k3y"
+
+
+SIZING = [("-c", "--ctx-size"), ("-np", "--parallel"), ("-cram", "--cache-ram"), ("-t", "--threads")]
+
+
+@pytest.mark.parametrize(
+    "profile",
+    [[], ["-c", "512"], ["--ctx-size=512", "-np", "2"], ["-cram", "0", "-t", "1", "--parallel=1"]],
+)
+def test_every_sizing_flag_is_explicit_exactly_once(profile: list[str]) -> None:
+    for gpus in (False, True):
+        argv = argv_for(spec(args=profile), gpus=gpus)
+        for spellings in SIZING:
+            assert flag_count(argv, *spellings) == 1, (spellings, argv)
+        assert flag_count(argv, "-tb", "--threads-batch") <= 1
+    assert value_of(argv_for(spec()), "--ctx-size") == str(llamacpp.DEFAULT_CTX_SIZE)
+
+
+def test_pinned_cores_set_threads() -> None:
+    argv = argv_for(spec(cpu_cores=2), threads=1)
+    assert value_of(argv, "--threads") == value_of(argv, "--threads-batch") == "1"
 
 
 def test_argv_reserved_cores() -> None:

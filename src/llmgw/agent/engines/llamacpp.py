@@ -48,6 +48,11 @@ DEFAULT_PARALLEL = 4
 """Slots. Given explicitly so each slot gets ``-c / 4`` tokens of its own: with ``-np`` omitted,
 four slots share one unified pool and one long conversation can exhaust it for all (LC #23652)."""
 
+DEFAULT_CTX_SIZE = 4096
+"""KV cells (``--ctx-size``) when the profile gives none: llama-server's default (0) is the model's
+training context, 32k–128k+ cells and gigabytes of KV that placement did not reserve. With
+:data:`DEFAULT_PARALLEL` slots each gets 1024 tokens; profiles that need more say so."""
+
 DEFAULT_CACHE_RAM_MIB = 1024
 """Host-RAM prompt cache cap (MiB). llama-server's default is 8192 MiB per process, invisible to
 sizing by weights + KV: a 12B runner sat at 9.4 GB RSS after 25 h with it, 1.6 GB with 1024
@@ -59,6 +64,7 @@ _SPELLINGS: dict[str, tuple[str, ...]] = {
     "host": ("--host",),
     "port": ("--port",),
     "api-key": ("--api-key", "--api-key-file"),
+    "ctx-size": ("-c", "--ctx-size"),
     "threads": ("-t", "--threads"),
     "threads-batch": ("-tb", "--threads-batch"),
     "parallel": ("-np", "--parallel"),
@@ -272,7 +278,7 @@ def build_argv(
     where ``t`` is ``threads`` (the cores the replica is pinned to), else ``spec.cpu_cores``, else
     (0) the node's logical cores. The key goes by
     ``--api-key-file`` when ``key_file`` is given and the build knows it (argv is readable by every
-    user in ``/proc``), else ``--api-key``. Defaults (``--parallel 4``, ``--cache-ram 1024``,
+    user in ``/proc``), else ``--api-key``. Defaults (``--ctx-size 4096``, ``--parallel 4``, ``--cache-ram 1024``,
     ``--alias <model>``, ``--no-webui``, ``--metrics``, and ``--device none`` for a CPU replica
     on a node with GPUs, so a "CPU" profile does not quietly take VRAM) are added only when the
     profile does not set them in any spelling and the build knows the flag. ``--threads`` likewise
@@ -291,6 +297,7 @@ def build_argv(
     elif key:
         argv += ["--api-key", key]
     defaults: list[tuple[str, list[str]]] = [
+        ("ctx-size", ["--ctx-size", str(DEFAULT_CTX_SIZE)]),
         ("parallel", ["--parallel", str(DEFAULT_PARALLEL)]),
         ("cache-ram", ["--cache-ram", str(DEFAULT_CACHE_RAM_MIB)]),
         ("alias", ["--alias", spec.model]),
