@@ -8,10 +8,13 @@ States (who moves each transition):
   :attr:`RunnerEnv.probe_interval_s`; llama-server listens before it loads and answers 503
   ``Loading model`` until the model is in, then 200. (``/v1/models`` is *not* readiness: it answers
   200 during load.)
-- ``ready``: ``/health`` answered 200. The runner keeps watching the process.
+- ``ready``: ``/health`` answered 200 *and* the engine's task loop answered (``GET /slots``, or a
+  1-token completion): a wedged server still says ok on ``/health`` (LC #27388). The runner keeps
+  watching the process.
 - ``failed``: the weights could not be fetched, the engine is missing, it exited (before or
   after ready), or it was not ready by :attr:`RunnerEnv.start_deadline_s`. ``err`` carries the
-  exit code or signal and the engine's own last :data:`TAIL_LINES` log lines (llama-server logs
+  exit code or signal (a SIGKILL named as an out-of-memory kill when the cgroup or kernel log says
+  so, :mod:`llmgw.agent.engines.exits`) and the engine's own last :data:`TAIL_LINES` log lines (llama-server logs
   ``failed to load model`` / ``error loading model: …`` and exits 1 on a bad file).
 - ``stopped``: :meth:`ReplicaRunner.stop` ended it (SIGTERM to its process group, SIGKILL after
   the grace). A failed runner stays failed: the control plane decides whether to try again.
@@ -47,6 +50,7 @@ import psutil
 
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
+from llmgw.agent.engines.exits import describe_exit, oom_evidence, oom_kills
 from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
 from llmgw.agent.records import (
     STOP_GRACE_S,
@@ -63,8 +67,12 @@ from llmgw.protocol import ReplicaSpec, ReplicaState, ReplicaStatus
 
 log = logging.getLogger(__name__)
 
-TAIL_LINES = 20
-"""Engine log lines carried in ``err``: enough for llama-server's load error and its cause."""
+TAIL_LINES = 50
+"""Engine log lines carried in ``err``: llama-server's load error, its cause and the lines before."""
+
+PROBE_TIMEOUT_S = 5.0
+"""The deep readiness probe (``GET /slots``, else a 1-token completion) goes through the engine's
+task loop; a healthy one answers in milliseconds, a wedged one never (LC #27388)."""
 
 PORT_TRIES = 3
 """Launches with a fresh port when the chosen one was taken in between."""
@@ -96,20 +104,6 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def describe_exit(returncode: int | None) -> str:
-    """``"with code 1"``, ``"on signal SIGKILL (9)"``, or unknown (an adopted engine)."""
-    if returncode is None:
-        return "(exit status unknown: it was started by an earlier agent)"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "signal"
-        hint = " (out of memory? see the kernel log)" if -returncode == signal.SIGKILL else ""
-        return f"on signal {name} ({-returncode}){hint}"
-    return f"with code {returncode}"
-
-
 _CAUSES = re.compile(
     r"error loading model: .*|error while handling argument.*|couldn't bind HTTP server socket.*"
     r"|failed to allocate .*|out of memory.*|failed to create_context.*|GGML_ASSERT.*|failed to load model.*",
@@ -125,10 +119,10 @@ def headline(tail: str) -> str:
     return ""
 
 
-def _exit_message(code: int | None, when: str, tail: str) -> str:
+def _exit_message(code: int | None, when: str, tail: str, *, oom: str | None = None) -> str:
     cause = headline(tail)
     return (
-        f"llama-server exited {describe_exit(code)} {when}"
+        f"llama-server exited {describe_exit(code, oom=oom)} {when}"
         + (f": {cause}" if cause else "")
         + (f"; its last lines:\n{tail}")
     )
@@ -221,6 +215,7 @@ class ReplicaRunner:
         self._record: ReplicaRecord | None = None
         self._model_path: Path | None = None
         self._log_offset = 0
+        self._oom_before: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()
         self.dir = replica_dir(env.agent_state, spec.id)
@@ -341,6 +336,7 @@ class ReplicaRunner:
         write_private(key_file, self.spec.key + "\n")
         self.port = env.port_picker(env.advertise_address)
         self.cpus = env.cpus.allocate(self.spec.id, self.spec.cpu_cores) if env.pin else []
+        self._oom_before = oom_kills()
         argv = llamacpp.build_argv(
             server,
             self.spec,
@@ -413,8 +409,9 @@ class ReplicaRunner:
                 drop_record(self.env.agent_state, self.spec.id)
                 if llamacpp.BIND_FAILED.search(tail):
                     return False
-                raise _Failed(_exit_message(code, "before it was ready", tail))
-            if await self._health() == 200:
+                raise _Failed(_exit_message(code, "before it was ready", tail, oom=self._oom(code)))
+            health = await self._health()
+            if health == 200 and await self._deep_probe():
                 log.info(
                     "replica %s: ready on %s", self.spec.id, host_port(self.env.advertise_address, self.port)
                 )
@@ -423,9 +420,15 @@ class ReplicaRunner:
             if self.env.clock() > deadline:
                 await self._kill()
                 drop_record(self.env.agent_state, self.spec.id)
+                why = (
+                    "GET /health answered 200 but its task loop never answered GET /slots or a 1-token "
+                    "completion: the server is stuck"
+                    if health == 200
+                    else "GET /health never answered 200"
+                )
                 raise _Failed(
                     f"llama-server was not ready {self.env.start_deadline_s:.0f} s after it started "
-                    f"(GET /health never answered 200); stopped. Its last lines:\n{self._tail()}"
+                    f"({why}); stopped. Its last lines:\n{self._tail()}"
                 )
             await asyncio.sleep(self.env.probe_interval_s)
 
@@ -435,7 +438,32 @@ class ReplicaRunner:
             exited, code = self._exited()
             if exited:
                 drop_record(self.env.agent_state, self.spec.id)
-                raise _Failed(_exit_message(code, "while serving", self._tail()))
+                raise _Failed(_exit_message(code, "while serving", self._tail(), oom=self._oom(code)))
+
+    def _oom(self, code: int | None) -> str | None:
+        if code != -signal.SIGKILL or self.pid is None:
+            return ""
+        return oom_evidence(self.pid, self._oom_before)
+
+    async def _deep_probe(self) -> bool:
+        """Whether the engine's task loop answers: ``GET /slots``, or a 1-token completion when the
+        build serves no ``/slots`` (``--no-slots``: 501). ``/health`` alone never touches the loop."""
+        base = f"http://{host_port(self.env.probe_host, self.port)}"
+        headers = {"Authorization": f"Bearer {self.spec.key}"}
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        try:
+            async with self.env.session.get(f"{base}/slots", headers=headers, timeout=timeout) as resp:
+                if resp.status == 200:
+                    return True
+                if resp.status not in (404, 501):
+                    return False
+            body = {"prompt": "a", "n_predict": 1, "cache_prompt": False}
+            async with self.env.session.post(
+                f"{base}/completion", json=body, headers=headers, timeout=timeout
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def _health(self) -> int | None:
         url = f"http://{host_port(self.env.probe_host, self.port)}/health"
