@@ -396,7 +396,8 @@ class Placer:
         self.usage: dict[str, Usage] = {n.id: Usage() for n in self.nodes}
         for r in reservations:
             self.usage.setdefault(r.node, Usage()).add(r)
-        # (model, version, profile) -> node id -> (usage version, verdict or score)
+        # (model, version, profile name) -> node id -> (usage version, verdict or score); one Placer
+        # serves one snapshot, in which a profile's contents do not change
         self._cache: dict[tuple[str, str, str], dict[str, tuple[int, Verdict | tuple[int, int, float, str]]]] = {}
 
     def place(self, model: Model) -> Decision:
@@ -405,7 +406,7 @@ class Placer:
         weights = f"{model.name}/{model.version}"
         verdicts: list[Verdict] = []
         for profile in model.profiles_by_priority():
-            cache = self._cache.setdefault((model.name, model.version, profile.model_dump_json()), {})
+            cache = self._cache.setdefault((model.name, model.version, profile.name), {})
             best: tuple[int, int, float, str] | None = None
             for node in self.nodes:
                 usage = self.usage[node.id]
