@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw.adminclient import AdminClient
+from llmgw.cli import guard as guard_cli
 from llmgw.cli.common import cli_errors, fail, paths
 from llmgw.config import load_server_config
 from llmgw.errors import ConfigError
@@ -46,6 +47,7 @@ node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon or drain a n
 model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change profiles, scale, remove, resources.")
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
+app.add_typer(guard_cli.app, name="guard")
 
 
 def _client(server: str | None, token: str | None) -> AdminClient:

@@ -43,6 +43,7 @@ from llmgw.paths import Paths
 
 if TYPE_CHECKING:
     from llmgw.control.gateway_guard import GuardInspector
+    from llmgw.control.judgekeeper import JudgeKeeper
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,29 @@ def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInsp
     return _GI(config.guard, JudgeClient(route_judges(router.resolve_any, formats)))
 
 
+def _admin_app(
+    store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None
+) -> web.Application:
+    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
+    from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
+
+    app = build_admin_app(store, token=token, on_change=changed)
+    serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
+    add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
+    return app
+
+
+def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> JudgeKeeper | None:
+    """The judge keeper (leader only: with SQLite this process is the leader) when guard is on and
+    there is a mirror to fetch judges with."""
+    if not config.guard.on() or not config.mirror.api:
+        return None
+    from llmgw.control.guardapi import MirrorServe, build_keeper  # noqa: PLC0415
+
+    guard = config.guard
+    return build_keeper(store, lambda: guard, MirrorServe(store, config.mirror.api, on_added=changed), changed)
+
+
 async def serve(
     config_path: Path,
     paths: Paths,
@@ -207,7 +231,7 @@ async def serve(
             (
                 "admin_listen",
                 config.admin_listen,
-                build_admin_app(store, token=token, on_change=admin_changed),
+                _admin_app(store, token, admin_changed, config, guard),
                 None,
             ),
             (
@@ -229,7 +253,11 @@ async def serve(
                 signals.append(sig)
         if on_started is not None:
             on_started(bound)
+        keeper = _keeper(store, config, admin_changed)
+        keeping = asyncio.create_task(keeper.run(stop)) if keeper is not None else None
         await leader.run(stop)
+        if keeping is not None:
+            await keeping
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -1,0 +1,288 @@
+"""The admin API's guard routes, the judge keeper's serve jobs, and the keeper's wiring.
+
+Routes (behind the admin token, like every admin route):
+
+- ``GET /api/v1/guard/status``: each policy (checks, fail, Controversial, budget) and each judge it
+  names: in the catalog or not, its format, replicas ready, replicas failed for a wrong template,
+  p50/p95 judge time, whether llmgw knows how to fetch it, and what to do when it is missing; plus
+  the guard's counters (verdicts, blocked, unjudged, refused, errors).
+- ``POST /api/v1/guard/test`` ``{"text", "direction": "in"|"out", "prompt"?, "policy"?}``: judge a
+  text with a policy's judges, as the gateway would: ``{"verdict", "categories", "judge", "ms",
+  "engine_ms", "decision"}`` or ``{"error", "kind"}`` (the judge's raw text included: this is the
+  operator's API).
+- ``POST /api/v1/guard/judges/{name}/enable`` ``{"repo"?, "file"?, "format"?}``: serve a judge
+  (fetched into the mirror, added to the catalog if absent) as the keeper would; a judge llmgw does
+  not know needs ``repo`` and ``file``. 202 with the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.control.gateway_guard import GuardInspector
+from llmgw.control.judgekeeper import ClassUse, JudgeKeeper, ServeJob
+from llmgw.control.store import Store
+from llmgw.errors import LlmgwError
+from llmgw.guard.config import Controversial, Direction, GuardConfig
+from llmgw.guard.formats import FORMATS, JudgeError, Safety
+from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
+from llmgw.mirror.client import MirrorClient
+from llmgw.protocol import ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+class MirrorServe:
+    """Serve jobs: fetch a judge into the mirror, wait until it is there, add it to the catalog.
+
+    Each job runs in a daemon thread (the mirror client is synchronous). ``if_absent``: a model of
+    that name added meanwhile is kept, and nothing is added. ``on_added`` runs after an addition
+    (the control plane refreshes its routing table and wakes the leader).
+    """
+
+    def __init__(
+        self, store: Store, mirror_api: str, *, on_added: Callable[[], None] = lambda: None,
+        wait_s: float = 30 * 60, poll_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.mirror_api = mirror_api
+        self.on_added = on_added
+        self.wait_s = wait_s
+        self.poll_s = poll_s
+        self._jobs: dict[str, ServeJob] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def start(self, request: ServeRequest) -> ServeJob:
+        """Start fetching and adding ``request``; raises LlmgwError without a mirror."""
+        if not self.mirror_api:
+            raise LlmgwError("server.yaml has no mirror.api, so a judge cannot be fetched; run 'llmgw server init'")
+        job = ServeJob(f"serve-{next(self._ids)}", request.name, request, True)
+        with self._lock:
+            self._jobs[job.id] = job
+        threading.Thread(target=self._run, args=(job,), daemon=True, name=job.id).start()
+        return job
+
+    def jobs(self) -> list[ServeJob]:
+        """Every job started by this process."""
+        with self._lock:
+            return list(self._jobs.values())
+
+    def _fetch(self, req: ServeRequest) -> tuple[str, str]:
+        """Fetch into the mirror and wait: the mirror's URL and sha256. Raises LlmgwError."""
+        mirror = MirrorClient(self.mirror_api, timeout=15.0)
+        st = mirror.fetch(req.source, req.name, "guard")
+        deadline = time.monotonic() + self.wait_s
+        while st.state != "present":
+            if st.state == "failed":
+                raise LlmgwError(f"the mirror could not fetch {req.source}: {st.err}")
+            if time.monotonic() > deadline:
+                raise LlmgwError(f"{req.source} did not arrive in the mirror within {self.wait_s:g} s")
+            time.sleep(self.poll_s)
+            st = mirror.status(req.name, "guard")
+        return st.url, st.sha256
+
+    def _run(self, job: ServeJob) -> None:
+        req = job.request
+        try:
+            url, sha256 = self._fetch(req)
+            if req.if_absent and self.store.get_model(req.name) is not None:
+                log.info("a judge was added meanwhile; kept it: judge=%s job=%s", req.name, job.id)
+            else:
+                self.store.add_model(req.model(url, sha256), now=time.time())
+                log.info("judge in the catalog: judge=%s by=%s job=%s", req.name, req.by, job.id)
+                self.on_added()
+        except Exception as e:
+            log.error("serving judge %s failed: %s (job %s)", req.name, e, job.id)  # noqa: TRY400
+        finally:
+            with self._lock:
+                self._jobs[job.id] = ServeJob(job.id, job.model, req, False)
+
+
+def cluster_gpus(store: Store) -> list[ClassUse]:
+    """Each GPU class in the cluster's ready nodes with its free memory (GB), for the keeper."""
+    free: dict[str, float] = {}
+    for n in store.list_nodes():
+        if n.state != "ready":
+            continue
+        for g in n.inventory.gpus:
+            free[g.klass] = free.get(g.klass, 0.0) + (g.memory_total_bytes - g.memory_used_bytes) / 1e9
+    return [ClassUse(k, v) for k, v in sorted(free.items())]
+
+
+def node_cpus(store: Store) -> list[int]:
+    """Each ready node's cores, for the keeper's :func:`~llmgw.control.judgekeeper.refit_cores`."""
+    return [n.inventory.cores for n in store.list_nodes() if n.state == "ready"]
+
+
+def build_keeper(
+    store: Store, guard: Callable[[], GuardConfig], serve: MirrorServe, changed: Callable[[], None]
+) -> JudgeKeeper:
+    """The judge keeper over the store: refits write profiles, restarts delete the replicas (the
+    leader places new ones with the new profile), both followed by ``changed``."""
+
+    def set_profiles(name: str, profiles: list[Any], _by: str) -> None:
+        row = store.get_model(name)
+        if row is None:
+            raise LlmgwError(f"model {name} is gone")
+        store.update_model(row.model.model_copy(update={"profiles": profiles}), revision=row.revision, now=time.time())
+        changed()
+
+    def restart(ids: list[str]) -> None:
+        for i in ids:
+            store.delete_replica(i)
+        changed()
+
+    return JudgeKeeper(
+        library=guard,
+        models=lambda: [r.model for r in store.list_models()],
+        serve=serve,
+        gpus=lambda: cluster_gpus(store),
+        set_profiles=set_profiles,
+        restart=restart,
+        replicas=lambda name: [r.id for r in store.list_replicas(model=name)],
+        node_cpus=lambda: node_cpus(store),
+    )
+
+
+def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: Store) -> dict[str, Any]:
+    """What ``GET /api/v1/guard/status`` answers (see the module docstring)."""
+    models = {r.model.name: r.model for r in store.list_models()}
+    replicas = store.list_replicas()
+    failed = inspector.client.template_failed if inspector else {}
+    policies = []
+    for p in config.policies:
+        judges = []
+        for name in p.judges():
+            m = models.get(name)
+            mine = [r for r in replicas if r.model == name]
+            ready = [r for r in mine if r.state == ReplicaState.READY]
+            pct = inspector.stats.percentiles(name) if inspector else None
+            hint = ""
+            if m is None:
+                hint = (
+                    f"llmgw ctl guard judge enable {name}" if known_judge(name)
+                    else f"llmgw ctl guard judge enable {name} --repo ORG/REPO --file FILE.gguf"
+                )
+            elif not ready:
+                hint = f"llmgw ctl explain-placement {name}"
+            judges.append({
+                "name": name,
+                "in_catalog": m is not None,
+                "known": known_judge(name) is not None,
+                "format": (m.guard.format if m and m.guard else ""),
+                "replicas_ready": len(ready),
+                "replicas": len(mine),
+                "template_failed": sorted(i for i in failed if any(r.id == i for r in mine)),
+                "p50_ms": pct[0] if pct else None,
+                "p95_ms": pct[1] if pct else None,
+                "hint": hint,
+            })
+        policies.append({
+            "name": p.name, "check": [d.value for d in p.check], "fail": p.fail.value,
+            "controversial": p.controversial.value, "budget_s": p.budget_s, "models": p.models,
+            "keys": p.keys, "judges": judges,
+        })
+    return {
+        "on": config.on(),
+        "policies": policies,
+        "stats": inspector.stats.as_dict() if inspector else {},
+    }
+
+
+def add_guard_routes(
+    app: web.Application, *, inspector: GuardInspector | None, config: GuardConfig, store: Store,
+    serve: MirrorServe | None,
+) -> None:
+    """Register the guard routes on the admin app (before it starts)."""
+
+    def err(status: int, code: str, message: str) -> web.Response:
+        return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(guard_status(inspector, config, store))
+
+    async def test(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            text = str(body["text"])
+            direction = Direction(body.get("direction", "in"))
+        except (ValueError, KeyError, TypeError):
+            return err(400, "invalid_request", 'send {"text": "...", "direction": "in"|"out"}')
+        if inspector is None or not config.on():
+            return err(409, "guard_off", "no guard policy in server.yaml: guardrails are off")
+        name = body.get("policy")
+        policy = next((p for p in config.policies if p.name == name), None) if name else config.policies[0]
+        if policy is None:
+            return err(404, "policy_not_found", f"no policy '{name}' in server.yaml")
+        prompt = str(body.get("prompt", "")) if direction is Direction.OUT else text
+        answer = text if direction is Direction.OUT else ""
+        t0 = time.perf_counter()
+        try:
+            j = await inspector.judge(policy, direction, prompt, answer)
+        except JudgeError as e:
+            return web.json_response({
+                "policy": policy.name, "direction": direction.value, "error": str(e), "kind": e.kind,
+                "raw": e.raw, "ms": (time.perf_counter() - t0) * 1000, "decision": f"fail {policy.fail.value}",
+            })
+        v = j.verdict
+        block = v.safety is Safety.UNSAFE or (
+            v.safety is Safety.CONTROVERSIAL and policy.controversial is Controversial.BLOCK
+        )
+        return web.json_response({
+            "policy": policy.name, "direction": direction.value, "verdict": v.safety.value,
+            "categories": list(v.categories), "refusal": v.refusal, "judge": j.judge, "ms": j.ms,
+            "engine_ms": j.engine_ms, "cached_tokens": j.cached_tokens, "raw": j.raw,
+            "decision": "block" if block else "allow",
+        })
+
+    async def enable(request: web.Request) -> web.Response:  # noqa: PLR0911 - one return per refusal
+        name = request.match_info["name"]
+        body: dict[str, Any] = {}
+        if request.can_read_body:
+            with contextlib.suppress(ValueError):
+                body = await request.json()
+        if serve is None:
+            return err(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
+        if store.get_model(name) is not None:
+            return err(409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status")
+        kj = known_judge(name)
+        repo, file = body.get("repo"), body.get("file")
+        fmt = body.get("format") or "qwen3guard"
+        if fmt not in FORMATS:
+            return err(400, "invalid_format", f"format '{fmt}': use one of {', '.join(FORMATS)}")
+        if repo and file:
+            req = ServeRequest(name=name, repo=str(repo), file=str(file), format=fmt, replicas=1, cores=2)
+        elif kj is not None:
+            if kj.gpu:
+                from llmgw.control.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
+
+                klass = roomiest_gpu_class(cluster_gpus(store))
+                if not klass:
+                    return err(409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}")
+                req = kj.serve_request(gpu_class=klass)
+            else:
+                req = kj.serve_request(replicas=1, cores=2)
+        else:
+            return err(400, "unknown_judge", f"llmgw does not know '{name}': give --repo ORG/REPO and --file FILE.gguf")
+        try:
+            job = await asyncio.to_thread(
+                serve.start, replace(req, by="llmgw ctl guard judge enable", if_absent=True)
+            )
+        except LlmgwError as e:
+            return err(409, "cannot_serve", str(e))
+        return web.json_response({"job": job.id, "judge": name, "source": req.source}, status=202)
+
+    app.router.add_get("/api/v1/guard/status", status)
+    app.router.add_post("/api/v1/guard/test", test)
+    app.router.add_post("/api/v1/guard/judges/{name}/enable", enable)

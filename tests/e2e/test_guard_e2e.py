@@ -1,0 +1,146 @@
+"""The whole guard path on a real llama-server: gemma-3-270m as a ``prompted`` judge (its verdicts
+are not meaningful; the path is), the same server as the chat engine, the real gateway, the
+official ``openai`` client.
+
+What is checked: the judge's rendering passes ``/apply-template``; every judgment comes back
+parsed (the grammar holds gemma to the verdict's shape), so no request is ``unjudged``; a request is
+served or refused as ``content_blocked`` according to the verdict, never anything else; streams
+are valid SSE ending ``[DONE]``; the fixed instruction is reused from the slot's cache between
+judgments (``--swa-full``, reference/measured.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from llmgw.control.gateway import build_gateway_app
+from llmgw.control.gateway_guard import GuardInspector
+from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.guard.config import Direction, FailMode, GuardConfig, Policy
+from llmgw.guard.judge import JudgeClient, JudgeRoute
+from tests.conftest import Assets
+from tests.unit.test_gateway_fakes import ServerThread, free_port
+
+pytestmark = pytest.mark.e2e
+
+KEY = "engine-key"
+
+
+@dataclass
+class Env:
+    url: str
+    guard: GuardInspector
+    servers: ServerThread
+
+
+def start_llama(assets: Assets, port: int) -> subprocess.Popen[bytes]:
+    """gemma-3-270m on one slot, no prompt cache RAM, full SWA cache (prefix reuse), 2 threads."""
+    return subprocess.Popen(
+        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
+         "--api-key", KEY, "-np", "1", "--ctx-size", "4096", "--cache-ram", "0", "--swa-full",
+         "--threads", "2", "--no-webui"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def wait_ready(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("llama-server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def env(assets: Assets) -> Iterator[Env]:
+    port = free_port()
+    proc = start_llama(assets, port)
+    servers = ServerThread()
+    try:
+        wait_ready(port)
+        up = Upstream("r-gemma", f"127.0.0.1:{port}", KEY)
+        judge = JudgeRoute("judge-gemma", "prompted", (Upstream("j-gemma", up.endpoint, KEY),))
+        # A generous budget: two busy cores shared with the engine and other tests.
+        policy = Policy(name="e2e", judge="judge-gemma", fail=FailMode.CLOSED, budget_s=60)
+        guard = GuardInspector(GuardConfig(policies=[policy]), JudgeClient({"judge-gemma": judge}.get))
+        app = build_gateway_app(StaticRouter(routes={"gemma": Route("gemma", (up,), max_output=16)}),
+                                keys={"sk"}, allow_loopback_without_key=True, inspector=guard)
+        gport = servers.serve(app)
+        yield Env(f"http://127.0.0.1:{gport}", guard, servers)
+        servers.run(guard.client.close())
+    finally:
+        servers.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_plain_request_is_judged_in_and_out(env: Env) -> None:
+    r = httpx.post(f"{env.url}/v1/chat/completions", timeout=120,
+                   json={"model": "gemma", "messages": [{"role": "user", "content": "Say hello."}]})
+    verdicts = {"safe", "unsafe", "controversial"}
+    assert r.headers["x-llmgw-guard-in"] in verdicts
+    if r.status_code == 400:
+        assert r.json()["error"]["code"] == "content_blocked"
+    else:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-llmgw-guard-out"] in verdicts
+    assert env.guard.client.template_checked == {"j-gemma": True}
+    assert "unjudged" not in r.headers.values()
+
+
+def test_stream_is_valid_sse(env: Env) -> None:
+    client = openai.OpenAI(base_url=f"{env.url}/v1", api_key="none", max_retries=0, timeout=120)
+    code = ""
+    chunks = []
+    try:
+        chunks = list(client.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": "Name a color."}], stream=True))
+    except openai.BadRequestError as e:  # gemma judged the prompt unsafe: the path still holds
+        code = str(e.code)
+    if code:
+        assert code == "content_blocked"
+    else:
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length", "content_filter")
+
+
+def test_judgments_parse_and_reuse_the_fixed_instruction(env: Env) -> None:
+    policy = env.guard.config().policies[0]
+
+    async def judge_twice() -> list[int]:
+        out = []
+        for text in ("What is the capital of France?", "How do I sort a list in Python?"):
+            j = await env.guard.judge(policy, Direction.IN, text)
+            out.append(j.cached_tokens)
+        return out
+
+    cached = env.servers.run(judge_twice())
+    assert cached[1] > 100, cached  # the instruction (~200 tokens) came from the slot's cache
+    stats = env.guard.stats.as_dict()
+    assert stats["errors"] == {}, json.dumps(stats)
+
+
+def test_a_dead_judge_closes() -> None:
+    async def run() -> str:
+        dead = JudgeRoute("j", "prompted", (Upstream("j-x", f"127.0.0.1:{free_port()}", KEY),))
+        guard = GuardInspector(GuardConfig(policies=[Policy(name="p", judge="j")]), JudgeClient({"j": dead}.get))
+        try:
+            r = await guard.decide(guard.config().policies[0], Direction.IN, "gemma", "hi")
+        finally:
+            await guard.client.close()
+        assert r is not None
+        return r.code
+
+    assert asyncio.run(run()) == "judge_unavailable"
