@@ -210,3 +210,25 @@ def test_missing_engine_reported_per_node() -> None:
     assert would_fit_if(d, pl.Placer([node("a", engines=[failed])], []), model("m")) == [
         "install engine llamacpp on a node"
     ]
+
+
+def test_migration_2_adds_the_columns_to_a_database_made_before_it(tmp_path: Path) -> None:
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    url = default_url("", tmp_path / "old.db")
+    s = Store.open(url)
+    with s.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM schema_migrations WHERE version = 2"))
+        conn.execute(sa.text("DROP TABLE gguf_facts"))
+        added = {"nodes": ["instance", "cached"], "replicas": ["gpu_indexes", "last_error", "spec_hash"]}
+        for table, cols in added.items():
+            for col in cols:
+                conn.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN {col}"))
+    assert s.migrate() == [2]
+    s.upsert_node_heartbeat("a", beat(cached=["m/1"]), 1.0)
+    node_row = s.get_node("a")
+    assert node_row is not None
+    assert (node_row.instance, node_row.cached) == ("i1", ["m/1"])
+    s.set_gguf_facts("http://x", body="", error="boom", now=1.0)
+    assert s.list_gguf_facts() == {"http://x": ("", "boom", 1.0)}
+    s.close()
