@@ -171,7 +171,9 @@ async def test_http_source_through_download_and_shared(mirror: Mirror, src: path
         assert b1["file"] == b2["file"] == "m.gguf"
         assert (await mirror.post_fetch("file:/elsewhere/m.gguf"))[0] == 409
         async with mirror.http.get(f"{mirror.files}/gemma/1/m.gguf") as r:
-            assert r.status == 404  # still fetching: not served
+            assert r.status == 503  # still fetching: not served; the node is told to come back
+            assert r.headers["Retry-After"] == "2"
+            assert "still downloading into the mirror" in await r.text()
         gate.set()
         st = await mirror.wait()
         assert st.sha256 == SHA
@@ -300,7 +302,8 @@ async def test_half_written_file_is_not_served(tmp_path: pathlib.Path) -> None:
         durable=False,
     )
     async with Mirror(root) as m, m.http.get(f"{m.files}/m/1/w.gguf") as r:
-        assert r.status == 404
+        assert r.status == 503  # not served: "still downloading", never the bytes
+        assert await r.read() != DATA[:100]
 
 
 async def test_status_survives_restart_and_fetching_resumes(
