@@ -11,7 +11,7 @@ Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces), as in DESIGN.m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -116,9 +116,16 @@ class ServerConfig(_Strict):
 
 
 class LlamacppEngine(_Strict):
-    """``engines.llamacpp``: ``binary`` is a llama-server to use instead of PATH or the agent's own."""
+    """``engines.llamacpp``: ``binary`` is a llama-server to use instead of PATH or the agent's own.
+
+    Without one, a CPU node downloads the pinned release (:mod:`llmgw.agent.provision`):
+    ``release_url`` replaces GitHub's releases download base (a mirror), ``variant: vulkan`` takes
+    the Vulkan build instead of the CPU one.
+    """
 
     binary: Path | None = None
+    release_url: str = ""
+    variant: Literal["", "vulkan"] = ""
 
 
 class EnginesConfig(_Strict):

@@ -46,6 +46,7 @@ from llmgw import __version__
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
+from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.records import adoptable, instance_id
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
@@ -156,6 +157,13 @@ class Agent:
             on_change=self.changed.set,
         )
         self._last_discovery = time.monotonic()
+        lc = cfg.engines.llamacpp
+        self.provisioner = Provisioner(
+            self.agent_state,
+            base_url=lc.release_url or GITHUB_RELEASES,
+            variant=lc.variant,
+            on_done=self._rediscover_soon,
+        )
         self._refresh_engines()
         self._stopping: set[asyncio.Task[None]] = set()
         self._last_error = ("", 0.0)
@@ -164,10 +172,17 @@ class Agent:
 
     def _refresh_engines(self) -> None:
         status, server = llamacpp.probe(self.cfg, self.agent_state)
+        if server is None and self.cfg.engines.llamacpp.binary is None:
+            # Nothing configured, on PATH or installed: install the pinned release (CPU nodes) or
+            # say what to do (NVIDIA nodes); the next refresh finds what the install put there.
+            status = self.provisioner.status(has_nvidia=bool(self.state.inventory.gpus))
         if server is None:
             log.warning("llamacpp: %s", status.detail)
         self.env.engine, self.env.engine_problem = server, status.detail
         self.state.engines = [status]
+
+    def _rediscover_soon(self) -> None:
+        self._last_discovery = float("-inf")  # the next heartbeat re-probes the engines
 
     def adopt(self) -> None:
         """Take over the engines an earlier agent left running (records that still match)."""

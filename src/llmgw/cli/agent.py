@@ -18,6 +18,7 @@ import typer
 
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.loop import run_agent
+from llmgw.agent.provision import install_from_file
 from llmgw.cli.common import cli_errors, paths
 from llmgw.config import AgentConfig, load_agent_config
 from llmgw.paths import Paths
@@ -70,3 +71,22 @@ def inventory(config: ConfigOption = None) -> None:
     p = paths()
     cfg = load_agent_config(config or p.agent_config)
     print(discover_inventory(cfg).model_dump_json(indent=2))
+
+
+@app.command("install-engine")
+@cli_errors
+def install_engine(
+    source: Annotated[
+        Path,
+        typer.Option("--from", help="A llama-server binary (e.g. a CUDA build) or a release tarball holding one."),
+    ],
+) -> None:
+    """Install llama-server from a file as this node's engine (preferred over downloaded builds).
+
+    The agent picks it up at its next engine check (within a minute) or restart.
+    """
+    p = paths()
+    binary, version, digest = install_from_file(p.agent_state, source)
+    print(f"installed llama-server {version} at {binary}")
+    print(f"sha256 of {source}: {digest}")
+

@@ -1,0 +1,355 @@
+"""Installing llama.cpp on a node: a pinned release, verified before anything is unpacked.
+
+:data:`LLAMACPP_RELEASE` is the one table: the tag (``b<N>``, llama.cpp's build number) and the
+SHA-256 of each asset the agent may download. llama.cpp publishes no checksum files; GitHub
+computes a SHA-256 for every release asset and serves it as ``"digest"`` in
+``GET /repos/ggml-org/llama.cpp/releases/tags/<tag>`` (engines.md §1.8). Copy it from there.
+
+What a node gets (:func:`plan`):
+
+- **CPU node** (no NVIDIA GPU): ``llama-b<N>-bin-ubuntu-x64.tar.gz`` (``-vulkan-`` when asked)
+  from ``<base>/<tag>/<asset>`` (base: GitHub releases, overridable for mirrors and tests).
+- **NVIDIA node**: ``unsupported``. Upstream publishes no Linux CUDA build (LC #18748); the
+  operator provides one: ``engines.llamacpp.binary`` in agent.yaml, or
+  ``llmgw agent install-engine --from FILE``.
+
+:func:`install_release`, in this order: stream the asset to a ``.part`` file while hashing it;
+compare with the pinned digest and, on a mismatch, delete the file and fail naming both digests
+(nothing unverified is unpacked, run or left on disk); unpack with tarfile's ``data`` filter (no
+absolute paths, links out, devices) into a temporary directory; run ``llama-server --version``
+and check the build number; rename the directory to ``<agent_state>/engines/llamacpp/b<N>/``.
+A failure at any step leaves no partial install. Offline (the base URL does not answer), the
+install fails with the same advice as a GPU node, so the operator knows the two ways out.
+
+:func:`install_from_file` is ``llmgw agent install-engine --from FILE``: a llama-server binary
+or a tarball holding one, installed as ``<agent_state>/engines/llamacpp/current/`` (which the
+agent prefers over downloaded builds). The operator vouches for the file; its SHA-256 is printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from llmgw.agent.engines import llamacpp
+from llmgw.errors import EngineError
+from llmgw.protocol import EngineStatus, ProvisionState
+
+log = logging.getLogger(__name__)
+
+GITHUB_RELEASES = "https://github.com/ggml-org/llama.cpp/releases/download"
+
+UNVERIFIED_DIGEST = "0" * 64
+"""PLACEHOLDER, NOT A REAL DIGEST. This build was written without internet access, so the asset
+digests below could not be read from GitHub's release API. Until they are replaced with the
+``"digest"`` of each asset, every download fails verification (naming both digests) and nothing
+is installed: the safe failure. Replace before relying on automatic provisioning."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """A pinned llama.cpp release: ``tag`` (``b<N>``) and ``assets`` (file name → SHA-256 hex)."""
+
+    tag: str
+    assets: dict[str, str]
+
+    @property
+    def build(self) -> str:
+        """The build number ``--version`` prints (``"7312"`` for ``b7312``)."""
+        return self.tag.removeprefix("b")
+
+    def asset(self, variant: str = "") -> str:
+        """``llama-b<N>-bin-ubuntu-x64.tar.gz`` (``variant="vulkan"``: ``…-ubuntu-vulkan-x64…``)."""
+        mid = f"ubuntu-{variant}-x64" if variant else "ubuntu-x64"
+        return f"llama-{self.tag}-bin-{mid}.tar.gz"
+
+
+LLAMACPP_RELEASE = Release(
+    tag="b7312",  # Dec 2025: tarballs (not zips) from here on; `--version` prints 7312
+    assets={
+        "llama-b7312-bin-ubuntu-x64.tar.gz": UNVERIFIED_DIGEST,
+        "llama-b7312-bin-ubuntu-vulkan-x64.tar.gz": UNVERIFIED_DIGEST,
+    },
+)
+
+GPU_ADVICE = (
+    "llama.cpp publishes no Linux CUDA build: put a CUDA llama-server on this node with "
+    "'llmgw agent install-engine --from FILE' (a binary or a tarball) or set engines.llamacpp.binary "
+    "in agent.yaml"
+)
+OFFLINE_ADVICE = (
+    "install it by hand: 'llmgw agent install-engine --from FILE' with llama-server or its release "
+    "tarball, or set engines.llamacpp.binary in agent.yaml"
+)
+DOWNLOAD_TIMEOUT = httpx.Timeout(30.0, read=120.0)
+"""Connect/read limits of the download (a release tarball is ~30 MB)."""
+
+
+def install_root(agent_state: Path) -> Path:
+    """``<agent_state>/engines/llamacpp``: one directory per installed build."""
+    return agent_state / "engines" / llamacpp.ENGINE
+
+
+def plan(*, has_nvidia: bool, release: Release = LLAMACPP_RELEASE, variant: str = "") -> EngineStatus | None:
+    """None when this node can download ``release``; else the ``unsupported`` status to report."""
+    if has_nvidia:
+        return EngineStatus(engine=llamacpp.ENGINE, state=ProvisionState.UNSUPPORTED, detail=GPU_ADVICE)
+    if release.asset(variant) not in release.assets:
+        return EngineStatus(
+            engine=llamacpp.ENGINE,
+            state=ProvisionState.UNSUPPORTED,
+            detail=f"no pinned asset {release.asset(variant)} in release {release.tag}; {OFFLINE_ADVICE}",
+        )
+    return None
+
+
+def _check_version(binary: Path, build: str) -> str:
+    try:
+        done = llamacpp.run_probe([str(binary), "--version"])
+    except (OSError, subprocess.SubprocessError) as e:
+        raise EngineError(f"{binary} does not run: {e}") from e
+    version = llamacpp.parse_version(f"{done.stdout}\n{done.stderr}")
+    if build and version != build:
+        raise EngineError(f"{binary} --version says '{version or '(nothing)'}', expected build {build}")
+    return version
+
+
+def _find_binary(root: Path) -> Path | None:
+    for p in sorted(root.rglob(llamacpp.BINARY_NAME), key=lambda p: len(p.parts)):
+        if p.is_file():
+            return p
+    return None
+
+
+def _unpack(tarball: Path, into: Path) -> Path:
+    """Unpack safely into ``into``; returns the directory that holds ``llama-server`` (flattened)."""
+    try:
+        with tarfile.open(tarball) as tf:
+            tf.extractall(into, filter="data")
+    except (tarfile.TarError, OSError) as e:
+        raise EngineError(f"{tarball.name} cannot be unpacked: {e}") from e
+    binary = _find_binary(into)
+    if binary is None:
+        raise EngineError(f"{tarball.name} holds no {llamacpp.BINARY_NAME}")
+    binary.chmod(binary.stat().st_mode | 0o755)
+    return binary.parent
+
+
+def _place(src_dir: Path, dest: Path) -> None:
+    """Move ``src_dir`` to ``dest`` (replacing it) with renames only."""
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
+    src_dir.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _stream(url: str, dest: Path, client: httpx.Client) -> str:
+    """Stream ``url`` into ``dest``; returns the sha256 of what was written."""
+    h = hashlib.sha256()
+    try:
+        with client.stream("GET", url, follow_redirects=True) as resp:
+            if resp.status_code != 200:
+                raise EngineError(f"{url} answered {resp.status_code}; {OFFLINE_ADVICE}")
+            with dest.open("wb") as out:
+                for chunk in resp.iter_bytes(1 << 20):
+                    h.update(chunk)
+                    out.write(chunk)
+    except httpx.HTTPError as e:
+        raise EngineError(f"{url} cannot be downloaded: {type(e).__name__}: {e}; {OFFLINE_ADVICE}") from e
+    return h.hexdigest()
+
+
+def download_verified(url: str, dest: Path, want_sha256: str, *, client: httpx.Client) -> str:
+    """Stream ``url`` into ``dest`` while hashing; returns the digest when it equals ``want_sha256``.
+
+    Raises:
+        EngineError: HTTP error, unreachable, or a digest mismatch (naming both digests); ``dest`` is
+            removed in every failure, so no unverified byte stays on disk.
+    """
+    want = want_sha256.lower()
+    try:
+        got = _stream(url, dest, client)
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    if got != want:
+        dest.unlink(missing_ok=True)
+        raise EngineError(
+            f"{url}: sha256 {got} does not match the pinned {want}; the download was deleted, "
+            "nothing was installed"
+        )
+    return got
+
+
+def install_release(
+    agent_state: Path,
+    *,
+    release: Release = LLAMACPP_RELEASE,
+    variant: str = "",
+    base_url: str = GITHUB_RELEASES,
+    client: httpx.Client | None = None,
+) -> Path:
+    """Download, verify, unpack and check ``release`` (see the module docstring); returns the binary.
+
+    Raises:
+        EngineError: unreachable, digest mismatch, bad archive, or a binary whose ``--version``
+            is not the release's build; nothing is left behind.
+    """
+    asset = release.asset(variant)
+    want = release.assets.get(asset)
+    if want is None:
+        raise EngineError(f"no pinned digest for {asset} in release {release.tag}")
+    root = install_root(agent_state)
+    root.mkdir(parents=True, exist_ok=True)
+    part = root / f".{asset}.part"
+    work = root / f".{release.tag}.unpacking"
+    shutil.rmtree(work, ignore_errors=True)
+    url = f"{base_url.rstrip('/')}/{release.tag}/{asset}"
+    own = client is None
+    c = client or httpx.Client(timeout=DOWNLOAD_TIMEOUT)
+    try:
+        log.info("llamacpp: downloading %s", url)
+        download_verified(url, part, want, client=c)
+        try:
+            work.mkdir()
+            bindir = _unpack(part, work)
+            _check_version(bindir / llamacpp.BINARY_NAME, release.build)
+            dest = root / release.tag
+            _place(bindir, dest)
+        finally:
+            part.unlink(missing_ok=True)
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        if own:
+            c.close()
+    log.info("llamacpp: %s installed in %s", release.tag, dest)
+    return dest / llamacpp.BINARY_NAME
+
+
+def install_from_file(agent_state: Path, source: Path) -> tuple[Path, str, str]:
+    """Install a llama-server binary or a tarball holding one as ``…/llamacpp/current``.
+
+    Returns ``(binary, version, sha256 of the file)``.
+
+    Raises:
+        EngineError: the file is missing, not a llama-server, not runnable, or a bad archive.
+    """
+    if not source.is_file():
+        raise EngineError(f"{source} is not a file; give a llama-server binary or its release tarball")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    root = install_root(agent_state)
+    root.mkdir(parents=True, exist_ok=True)
+    work = root / ".current.unpacking"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        if tarfile.is_tarfile(source):
+            bindir = _unpack(source, work)
+        else:
+            bindir = work / "bin"
+            bindir.mkdir()
+            shutil.copy2(source, bindir / llamacpp.BINARY_NAME)
+            (bindir / llamacpp.BINARY_NAME).chmod(0o755)
+        version = _check_version(bindir / llamacpp.BINARY_NAME, "")
+        if not version:
+            raise EngineError(f"{source}: '--version' printed no 'version: …' line; is it llama-server?")
+        _place(bindir, root / "current")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return root / "current" / llamacpp.BINARY_NAME, version, digest
+
+
+class Provisioner:
+    """Installs llama.cpp once in a background thread and says where it stands (:meth:`status`).
+
+    Args:
+        agent_state: the agent's state dir.
+        base_url: where release assets are fetched from (GitHub releases by default).
+        on_done: called (from the thread) when an install ends, either way.
+    """
+
+    def __init__(
+        self,
+        agent_state: Path,
+        *,
+        base_url: str = GITHUB_RELEASES,
+        release: Release = LLAMACPP_RELEASE,
+        variant: str = "",
+        on_done: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.agent_state = agent_state
+        self.base_url = base_url
+        self.release = release
+        self.variant = variant
+        self.on_done = on_done
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._status: EngineStatus | None = None
+
+    def status(self, *, has_nvidia: bool) -> EngineStatus:
+        """The status to report while no llama-server is usable; starts the install the first time."""
+        refused = plan(has_nvidia=has_nvidia, release=self.release, variant=self.variant)
+        if refused is not None:
+            return refused
+        with self._lock:
+            if self._thread is None:
+                url = f"{self.base_url.rstrip('/')}/{self.release.tag}/{self.release.asset(self.variant)}"
+                self._status = EngineStatus(
+                    engine=llamacpp.ENGINE,
+                    version=self.release.build,
+                    state=ProvisionState.INSTALLING,
+                    detail=f"downloading {url}",
+                )
+                self._thread = threading.Thread(target=self._run, name="llamacpp-provision", daemon=True)
+                self._thread.start()
+            return self._status or refused_status("install not started")
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for a started install to end (tests, CLI)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            binary = install_release(
+                self.agent_state, release=self.release, variant=self.variant, base_url=self.base_url
+            )
+            status = EngineStatus(
+                engine=llamacpp.ENGINE,
+                version=self.release.build,
+                state=ProvisionState.INSTALLED,
+                detail=f"{binary} (installed by the agent)",
+                binary=str(binary),
+            )
+        except EngineError as e:
+            log.error("llamacpp: install failed: %s", e)  # noqa: TRY400 - the message is the story
+            detail = str(e) if OFFLINE_ADVICE in str(e) else f"{e}; {OFFLINE_ADVICE}"
+            status = EngineStatus(engine=llamacpp.ENGINE, state=ProvisionState.FAILED, detail=detail)
+        with self._lock:
+            self._status = status
+        with contextlib.suppress(Exception):
+            self.on_done()
+
+
+def refused_status(detail: str) -> EngineStatus:
+    """A ``failed`` llama.cpp status with ``detail``."""
+    return EngineStatus(engine=llamacpp.ENGINE, state=ProvisionState.FAILED, detail=detail)
+
+
+def installed_build(agent_state: Path, release: Release = LLAMACPP_RELEASE) -> Path | None:
+    """The binary of ``release`` if it is installed already."""
+    p = install_root(agent_state) / release.tag / llamacpp.BINARY_NAME
+    return p if p.is_file() and os.access(p, os.X_OK) else None
