@@ -128,10 +128,17 @@ class LlamacppEngine(_Strict):
     variant: Literal["", "vulkan"] = ""
 
 
+class VllmEngine(_Strict):
+    """``engines.vllm``: ``binary`` is a ``vllm`` executable to use instead of the agent's own venv."""
+
+    binary: Path | None = None
+
+
 class EnginesConfig(_Strict):
     """``engines``: per-engine settings."""
 
     llamacpp: LlamacppEngine = Field(default_factory=LlamacppEngine)
+    vllm: VllmEngine = Field(default_factory=VllmEngine)
 
 
 class DiscoveryConfig(_Strict):

@@ -1,7 +1,7 @@
 """The agent loop against a real mTLS control-plane stand-in (aiohttp, the cluster CA's certificates).
 
-No engine is launched: the desired replica asks for an engine this agent does not run, so it goes
-fetching → failed, which exercises fetch, reconcile and reporting without llama-server.
+No engine is launched: the desired replica asks for vLLM, which a node without an NVIDIA GPU cannot
+run, so it goes fetching → failed, which exercises fetch, reconcile and reporting without llama-server.
 """
 
 from __future__ import annotations
@@ -121,8 +121,10 @@ async def test_register_heartbeat_reconcile(
         assert cn == "node-1"  # the node is its certificate
         assert beat.inventory.cores == 4
         assert beat.labels == {"zone": "a"}
-        (engine,) = beat.engines
+        engine, vllm = beat.engines
         assert (engine.engine, engine.state, engine.version) == ("llamacpp", "installed", "4242")
+        assert (vllm.engine, vllm.state) == ("vllm", "unsupported")  # no NVIDIA GPU here
+        assert "needs an NVIDIA GPU" in vllm.detail
 
         await wait_for(cp, lambda c: c[0] == "/agent/v1/heartbeat")
         cp.desired = [
@@ -141,7 +143,7 @@ async def test_register_heartbeat_reconcile(
         _, _, beat = await wait_for(cp, lambda c: any(r.state == "failed" for r in c[2].replicas))
         (rep,) = beat.replicas
         assert rep.id == "r-1"
-        assert "engine 'vllm' is not run by this agent" in rep.err
+        assert "vllm is not usable on this node: vLLM needs an NVIDIA GPU" in rep.err
         cached = tmp_path / "root" / "var/lib/llmgw-agent/cache/m/v1/w.gguf"
         assert cached.read_bytes() == WEIGHTS  # fetched before the engine was looked at
 

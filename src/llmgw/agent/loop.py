@@ -46,6 +46,7 @@ from llmgw import __version__
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
+from llmgw.agent.engines.vllm import VllmProvisioner
 from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.records import adoptable, instance_id
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
@@ -164,6 +165,7 @@ class Agent:
             variant=lc.variant,
             on_done=self._rediscover_soon,
         )
+        self.vllm = VllmProvisioner(self.agent_state, configured=cfg.engines.vllm.binary)
         self._refresh_engines()
         self._stopping: set[asyncio.Task[None]] = set()
         self._last_error = ("", 0.0)
@@ -179,7 +181,9 @@ class Agent:
         if server is None:
             log.warning("llamacpp: %s", status.detail)
         self.env.engine, self.env.engine_problem = server, status.detail
-        self.state.engines = [status]
+        vstatus, vserver = self.vllm.status(has_nvidia=bool(self.state.inventory.gpus))
+        self.env.vllm, self.env.vllm_problem = vserver, vstatus.detail
+        self.state.engines = [status, vstatus]
 
     def _rediscover_soon(self) -> None:
         self._last_discovery = float("-inf")  # the next heartbeat re-probes the engines

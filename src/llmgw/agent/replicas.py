@@ -50,6 +50,7 @@ import psutil
 
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
+from llmgw.agent.engines import vllm as vllm_engine
 from llmgw.agent.engines.exits import describe_exit, oom_evidence, oom_kills
 from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
 from llmgw.agent.records import (
@@ -119,10 +120,15 @@ def headline(tail: str) -> str:
     return ""
 
 
-def _exit_message(code: int | None, when: str, tail: str, *, oom: str | None = None) -> str:
+def vllm_port_taken(engine: str, tail: str) -> bool:
+    """Whether a vLLM that exited before ready did so because its port was taken."""
+    return engine == vllm_engine.ENGINE and "address already in use" in tail.lower()
+
+
+def _exit_message(label: str, code: int | None, when: str, tail: str, *, oom: str | None = None) -> str:
     cause = headline(tail)
     return (
-        f"llama-server exited {describe_exit(code, oom=oom)} {when}"
+        f"{label} exited {describe_exit(code, oom=oom)} {when}"
         + (f": {cause}" if cause else "")
         + (f"; its last lines:\n{tail}")
     )
@@ -152,6 +158,8 @@ class RunnerEnv:
         cache: the node's model cache.
         session: a plain-HTTP aiohttp session for the mirror and the engines' ``/health``.
         engine: the usable llama-server build, or None; engine_problem: why not.
+        vllm: the usable ``vllm``, or None; vllm_problem: why not; vllm_start_deadline_s: its
+            start deadline (minutes: vLLM compiles and captures CUDA graphs before it answers).
         on_change: called when a runner changes state (the loop sends a heartbeat early).
         probe_interval_s: seconds between ``/health`` polls while starting (0.25–0.5 s: a 270M
             model loads in ~1.6 s here, so a coarser poll would double its time to ready).
@@ -173,6 +181,9 @@ class RunnerEnv:
     session: aiohttp.ClientSession
     engine: llamacpp.LlamaServer | None = None
     engine_problem: str = llamacpp.NO_BINARY
+    vllm: vllm_engine.VllmServer | None = None
+    vllm_problem: str = vllm_engine.NO_GPU
+    vllm_start_deadline_s: float = vllm_engine.START_DEADLINE_S
     on_change: Callable[[], None] = lambda: None
     probe_interval_s: float = 0.3
     start_deadline_s: float = 300.0
@@ -291,7 +302,7 @@ class ReplicaRunner:
                 )
             else:
                 await self._fail(
-                    f"llama-server could not bind a port after {PORT_TRIES} tries; "
+                    f"{self._label} could not bind a port after {PORT_TRIES} tries; "
                     f"its last lines:\n{self._tail()}"
                 )
                 return
@@ -318,17 +329,25 @@ class ReplicaRunner:
         except _Failed as e:
             await self._fail(str(e))
 
-    def _engine(self) -> llamacpp.LlamaServer:
+    @property
+    def _label(self) -> str:
+        return "vllm" if self.spec.engine == vllm_engine.ENGINE else "llama-server"
+
+    def _engine(self) -> llamacpp.LlamaServer | vllm_engine.VllmServer:
+        if self.spec.engine == vllm_engine.ENGINE:
+            if self.env.vllm is None:
+                raise _Failed(f"vllm is not usable on this node: {self.env.vllm_problem}")
+            return self.env.vllm
         if self.spec.engine != llamacpp.ENGINE:
             raise _Failed(
-                f"engine '{self.spec.engine}' is not run by this agent (it runs llamacpp); "
+                f"engine '{self.spec.engine}' is not run by this agent (it runs llamacpp and vllm); "
                 "place the model with a llamacpp profile"
             )
         if self.env.engine is None:
             raise _Failed(f"llama-server is not usable on this node: {self.env.engine_problem}")
         return self.env.engine
 
-    def _launch(self, server: llamacpp.LlamaServer, model_path: Path) -> None:
+    def _launch(self, server: llamacpp.LlamaServer | vllm_engine.VllmServer, model_path: Path) -> None:
         """Start the engine (blocking parts: bind probe, file writes, fork); state ``starting``."""
         env = self.env
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -337,18 +356,25 @@ class ReplicaRunner:
         self.port = env.port_picker(env.advertise_address)
         self.cpus = env.cpus.allocate(self.spec.id, self.spec.cpu_cores) if env.pin else []
         self._oom_before = oom_kills()
-        argv = llamacpp.build_argv(
-            server,
-            self.spec,
-            model_path=model_path,
-            host=env.advertise_address,
-            port=self.port,
-            node_cores=env.cores,
-            node_has_gpus=env.has_gpus,
-            key=self.spec.key,
-            key_file=key_file,
-            threads=len(self.cpus) or None,
-        )
+        proc_env = engine_environment(env.base_env, self.spec.gpu_indexes)
+        if isinstance(server, vllm_engine.VllmServer):
+            argv = vllm_engine.build_argv(
+                server, self.spec, model_path=model_path, host=env.advertise_address, port=self.port
+            )
+            proc_env = vllm_engine.environment(proc_env, self.spec.key)
+        else:
+            argv = llamacpp.build_argv(
+                server,
+                self.spec,
+                model_path=model_path,
+                host=env.advertise_address,
+                port=self.port,
+                node_cores=env.cores,
+                node_has_gpus=env.has_gpus,
+                key=self.spec.key,
+                key_file=key_file,
+                threads=len(self.cpus) or None,
+            )
         with self.log_path.open("ab") as logf:
             logf.write(f"--- llmgw agent: starting {' '.join(_redact(argv, self.spec.key))}\n".encode())
             logf.flush()
@@ -361,7 +387,7 @@ class ReplicaRunner:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # outlives the agent; its own group to kill as one
                     cwd=self.dir,
-                    env=engine_environment(env.base_env, self.spec.gpu_indexes),
+                    env=proc_env,
                 )
             except OSError as e:
                 raise _Failed(f"cannot run {server.binary}: {e}") from e
@@ -390,8 +416,9 @@ class ReplicaRunner:
         )
         write_record(env.agent_state, self._record)
         log.info(
-            "replica %s: llama-server pid %d on %s loading %s (cores %s)",
+            "replica %s: %s pid %d on %s loading %s (cores %s)",
             self.spec.id,
+            self._label,
             self._proc.pid,
             host_port(env.advertise_address, self.port),
             model_path.name,
@@ -401,17 +428,18 @@ class ReplicaRunner:
 
     async def _wait_ready(self) -> bool:
         """Poll ``/health`` until 200 (True); False when the port was taken; raises _Failed otherwise."""
-        deadline = self.env.clock() + self.env.start_deadline_s
+        limit = self.env.vllm_start_deadline_s if self.spec.engine == vllm_engine.ENGINE else self.env.start_deadline_s
+        deadline = self.env.clock() + limit
         while True:
             exited, code = self._exited()
             if exited:
                 tail = self._tail()
                 drop_record(self.env.agent_state, self.spec.id)
-                if llamacpp.BIND_FAILED.search(tail):
+                if llamacpp.BIND_FAILED.search(tail) or vllm_port_taken(self.spec.engine, tail):
                     return False
-                raise _Failed(_exit_message(code, "before it was ready", tail, oom=self._oom(code)))
+                raise _Failed(_exit_message(self._label, code, "before it was ready", tail, oom=self._oom(code)))
             health = await self._health()
-            if health == 200 and await self._deep_probe():
+            if health == 200 and (self.spec.engine == vllm_engine.ENGINE or await self._deep_probe()):
                 log.info(
                     "replica %s: ready on %s", self.spec.id, host_port(self.env.advertise_address, self.port)
                 )
@@ -427,7 +455,7 @@ class ReplicaRunner:
                     else "GET /health never answered 200"
                 )
                 raise _Failed(
-                    f"llama-server was not ready {self.env.start_deadline_s:.0f} s after it started "
+                    f"{self._label} was not ready {limit:.0f} s after it started "
                     f"({why}); stopped. Its last lines:\n{self._tail()}"
                 )
             await asyncio.sleep(self.env.probe_interval_s)
@@ -438,7 +466,7 @@ class ReplicaRunner:
             exited, code = self._exited()
             if exited:
                 drop_record(self.env.agent_state, self.spec.id)
-                raise _Failed(_exit_message(code, "while serving", self._tail(), oom=self._oom(code)))
+                raise _Failed(_exit_message(self._label, code, "while serving", self._tail(), oom=self._oom(code)))
 
     def _oom(self, code: int | None) -> str | None:
         if code != -signal.SIGKILL or self.pid is None:
