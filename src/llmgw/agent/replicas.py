@@ -48,10 +48,12 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from llmgw.agent import logs
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines import vllm as vllm_engine
 from llmgw.agent.engines.exits import describe_exit, oom_evidence, oom_kills
+from llmgw.agent.logs import rotate
 from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
 from llmgw.agent.records import (
     STOP_GRACE_S,
@@ -139,7 +141,7 @@ def log_tail(path: Path, offset: int = 0, lines: int = TAIL_LINES) -> str:
     try:
         with path.open("rb") as fh:
             size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(offset, size - 65536))
+            fh.seek(max(offset if offset <= size else 0, size - 65536))  # offset past the end: rotated
             text = fh.read().decode("utf-8", "replace")
     except OSError:
         return ""
@@ -171,6 +173,7 @@ class RunnerEnv:
         base_env: the environment engines inherit before scrubbing.
         cpus: hands out each replica's cores (see :mod:`llmgw.agent.pinning`).
         pin: pin engines to their cores (off only to measure what pinning buys).
+        log_max_bytes, log_keep: engine log rotation (:mod:`llmgw.agent.logs`).
     """
 
     agent_state: Path
@@ -193,6 +196,8 @@ class RunnerEnv:
     port_picker: Callable[[str], int] = llamacpp.free_port
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     cpus: CoreAllocator = field(default_factory=CoreAllocator)
+    log_max_bytes: int = logs.MAX_BYTES
+    log_keep: int = logs.KEEP
     pin: bool = True
 
     @property
@@ -463,6 +468,8 @@ class ReplicaRunner:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.env.watch_interval_s)
+            if await asyncio.to_thread(rotate, self.log_path, max_bytes=self.env.log_max_bytes, keep=self.env.log_keep):
+                self._log_offset = 0
             exited, code = self._exited()
             if exited:
                 drop_record(self.env.agent_state, self.spec.id)

@@ -1,0 +1,67 @@
+"""Engine logs: one file per replica, size-capped and rotated, readable as a tail.
+
+The engine writes ``<agent_state>/replicas/<id>/engine.log`` itself, opened ``O_APPEND`` by the
+agent and inherited as stdout/stderr: no pipe through the agent, so an agent that dies or
+restarts never blocks or kills an engine with a full or broken pipe. Because the engine holds
+the file open, rotation is *copy-truncate* (:func:`rotate`): ``engine.log.(N-1)`` → ``.N``, copy
+``engine.log`` → ``engine.log.1``, truncate ``engine.log`` to 0; with ``O_APPEND`` the engine's
+next write lands at the new end. Lines written between the copy and the truncate are lost (a
+window of microseconds per :data:`MAX_BYTES`); that is the price of not owning the pipe.
+
+The runner calls :func:`rotate` every watch interval; :func:`tail` reads the last lines across
+the current file and the rotated ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+MAX_BYTES = 10 * 1024 * 1024
+"""A log past this size is rotated (10 MiB: days of llama-server output at default verbosity)."""
+
+KEEP = 3
+"""Rotated files kept: ``engine.log.1`` … ``engine.log.3``."""
+
+
+def rotated(path: Path, keep: int = KEEP) -> list[Path]:
+    """``[path.1, …, path.keep]`` that exist, newest first."""
+    return [p for i in range(1, keep + 1) if (p := path.with_name(f"{path.name}.{i}")).exists()]
+
+
+def rotate(path: Path, *, max_bytes: int = MAX_BYTES, keep: int = KEEP) -> bool:
+    """Copy-truncate ``path`` when it is larger than ``max_bytes``; True when it rotated."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    oldest = path.with_name(f"{path.name}.{keep}")
+    oldest.unlink(missing_ok=True)
+    for i in range(keep - 1, 0, -1):
+        src = path.with_name(f"{path.name}.{i}")
+        if src.exists():
+            src.rename(path.with_name(f"{path.name}.{i + 1}"))
+    shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+    with contextlib.suppress(FileNotFoundError):
+        os.truncate(path, 0)
+    return True
+
+
+def tail(path: Path, lines: int = 100, *, keep: int = KEEP, max_read: int = 1 << 20) -> list[str]:
+    """The last ``lines`` lines of the log, older rotated files first when the current one is short."""
+    out: list[str] = []
+    for p in [path, *rotated(path, keep)]:
+        try:
+            with p.open("rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, size - max_read))
+                chunk = fh.read().decode("utf-8", "replace").splitlines()
+        except FileNotFoundError:
+            continue
+        out = chunk + out
+        if len(out) >= lines:
+            break
+    return out[-lines:] if lines > 0 else []
