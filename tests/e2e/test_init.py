@@ -124,3 +124,22 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     assert stop.returncode == 0, stop.stderr
     psutil.wait_procs(processes_under(root), timeout=15)
     assert processes_under(root) == []
+
+
+def test_init_stops_with_the_engines_reason_when_the_starter_does_not_load(
+    install: tuple[Path, list[str]], tmp_path: Path, assets: Assets
+) -> None:
+    """A file that passes the magic-bytes check but is no model: init says llama-server's own
+    error and exits non-zero, instead of waiting out its ten-minute deadline."""
+    root, args = install
+    broken = tmp_path / "broken.gguf"
+    with assets.model.open("rb") as f:
+        broken.write_bytes(f.read(1 << 20))  # the header and a little of the weights
+    i = args.index("--starter-source")
+    args = [*args[:i], "--starter-source", f"file:{broken}", *args[i + 2 :]]
+    i = args.index("--starter-alias")
+    args = [*args[:i], *args[i + 2 :]]
+    r = llmgw(root, *args, timeout=240)
+    assert r.returncode != 0, r.stdout
+    assert "broken failed to start on node e2e-node: llama-server exited" in r.stderr
+    assert "run init again" in r.stderr

@@ -699,8 +699,16 @@ class ServerInit:
                     self.say("kept", f"{name} is serving (profile {r['profile']})")
                     return True
             for r in reps:
-                line = r["state"] + (f": {r['err']}" if r.get("err") else "")
-                self.progress(f"{name} {line}")
+                err = (r.get("err") or "").strip()
+                if r["state"] == "failed":
+                    # A model that does not load will not load on the next try either: say why
+                    # now rather than wait out the deadline.
+                    raise EngineError(
+                        f"{name} failed to start on node {r.get('node') or '?'}: {err or 'no reason given'}\n"
+                        f"fix the cause and run init again; 'llmgw ctl replicas {name}' shows its state"
+                    )
+                headline = err.splitlines()[0] if err else ""
+                self.progress(f"{name} {r['state']}" + (f": {headline}" if headline else ""))
             return False
 
         wait_for(self.opts.serve_wait_s, f"{name} to start", serving,
