@@ -219,11 +219,14 @@ def test_store_router_caches_resolves_aliases_and_explains(tmp_path: Path) -> No
             profile="cpu",
             key="k",
             state="failed",
-            err="loading\nerror: cannot bind 10.0.0.5:7001",
+            # As the agent writes it: the cause first, then the engine's last lines.
+            err="llama-server exited with code 1: error: cannot bind 10.0.0.5:7001; its last lines:\nloading",
         )
     )
     router.refresh()
     route = router.resolve("chat")
     assert route is not None
-    assert route.unavailable == "no replica is ready yet (failed (error: cannot bind <internal>))"
+    assert route.unavailable == (
+        "no replica is ready yet (failed (llama-server exited with code 1: error: cannot bind <internal>))"
+    )
     store.close()

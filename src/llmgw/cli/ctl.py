@@ -140,7 +140,7 @@ def replicas(
         t.add_row(
             r["id"], r["model"], r.get("node") or "-", r.get("profile") or "-", r["state"],
             _ago(r.get("ready_at")) if r["state"] == "ready" else "-", str(r.get("restarts", 0)),
-            err[-1][:100] if err else "",
+            err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
     Console().print(t)
 

@@ -53,7 +53,8 @@ def unavailable_reason(replicas: list[ReplicaRow], summary: str) -> str:
     for r in replicas:
         text = r.state
         if r.state == ReplicaState.FAILED and r.err:
-            text += f" ({_scrub(r.err.strip().splitlines()[-1])})"
+            # The first line is the cause (the agent puts it there); the rest is the engine's log.
+            text += f" ({_scrub(r.err.strip().splitlines()[0].removesuffix('; its last lines:'))})"
         parts.append(text)
     return f"no replica is ready yet ({', '.join(parts)})"
 
