@@ -169,7 +169,13 @@ async def test_nodes_replicas_explain_and_restart(client: TestClient[Any, Any], 
     (rep,) = reps
     assert (rep["node"], rep["profile"], rep["state"]) == ("node-a", "cpu", "pending")
     assert "key" not in rep
-    assert await (await client.get("/api/v1/replicas?model=other", headers=AUTH)).json() == []
+    unknown = await client.get("/api/v1/replicas?model=other", headers=AUTH)
+    assert unknown.status == 404
+    assert "no model 'other' in the catalog (known: chat)" in (await unknown.json())["error"]["message"]
+    by_alias = await client.get("/api/v1/explain-placement?model=default", headers=AUTH)
+    assert by_alias.status == 200
+    assert (await by_alias.json())["model"] == "chat"
+    assert len(await (await client.get("/api/v1/replicas?model=default", headers=AUTH)).json()) == 1
 
     ex = await (await client.get("/api/v1/explain-placement?model=chat", headers=AUTH)).json()
     assert ex["placed"] is True

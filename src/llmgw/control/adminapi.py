@@ -234,12 +234,19 @@ def build_admin_app(
             raise HttpError(400, "invalid_json", f"the body is not JSON: {e}") from e
 
     def must_model(name: str) -> ModelRow:
+        """The model named ``name`` or carrying it as an alias; else 404 naming the known ones."""
         row = store.get_model(name)
-        if row is None:
-            raise HttpError(
-                404, "model_not_found", f"no model '{name}' in the catalog; list them with GET /api/v1/models"
-            )
-        return row
+        if row is not None:
+            return row
+        rows = store.list_models()
+        for r in rows:
+            if name in r.model.aliases:
+                return r
+        known = ", ".join(r.name for r in rows) or "none yet"
+        raise HttpError(
+            404, "model_not_found",
+            f"no model '{name}' in the catalog (known: {known}); 'llmgw ctl models' lists them",
+        )
 
     async def health(_: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -316,7 +323,8 @@ def build_admin_app(
         return _json([node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()])
 
     async def list_replicas(request: web.Request) -> web.Response:
-        model = request.query.get("model") or None
+        asked = request.query.get("model") or None
+        model = must_model(asked).name if asked else None
         rows = store.list_replicas(model=model)
         views = [replica_view(r) for r in rows]
         models = [m for m in store.list_models() if model is None or m.name == model]
