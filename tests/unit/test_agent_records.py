@@ -93,8 +93,9 @@ def test_matching_record_is_adopted(tmp_path: Path, sleeper: subprocess.Popen[by
 
 
 def test_dead_engine_record_is_dropped(tmp_path: Path) -> None:
-    proc = subprocess.Popen(["sleep", "0"], start_new_session=True)
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)  # alive while its record is made
     rec = record_for(proc)
+    proc.kill()
     proc.wait()
     write_record(tmp_path, rec)
     assert adoptable(tmp_path) == []
