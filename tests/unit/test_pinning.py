@@ -54,5 +54,5 @@ def test_pin_process_sets_every_threads_affinity(sleeper: subprocess.Popen[bytes
 def test_pin_gone_process_raises() -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
-    with pytest.raises(OSError):
+    with pytest.raises(ProcessLookupError):
         pin_process(proc.pid, [0])
