@@ -1,0 +1,82 @@
+"""The admin API's guard routes over real HTTP, with a real SQLite store and the fake judge."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp import web
+
+from llmgw.control.gateway_guard import GuardInspector
+from llmgw.control.guardapi import add_guard_routes, guard_status
+from llmgw.control.routing import Upstream
+from llmgw.control.store import Store, default_url
+from llmgw.guard.config import GuardConfig, Policy
+from llmgw.guard.judge import JudgeClient, JudgeRoute
+from llmgw.serverinit import plan
+from tests.unit.test_gateway_fakes import ServerThread
+from tests.unit.test_gateway_guard import JUDGE_KEY, FakeJudge
+
+
+@dataclass
+class Env:
+    url: str
+    store: Store
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    servers = ServerThread()
+    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+    store.add_model(plan.guard_model("http://m/q.gguf", 1, 2), now=1.0)
+    jport = servers.serve(FakeJudge().app())
+    judge = JudgeRoute("qwen3guard-0.6b", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),))
+    config = GuardConfig(policies=[Policy(name="default", judge=["qwen3guard-0.6b", "qwen3guard-4b", "mine"])])
+    guard = GuardInspector(config, JudgeClient({"qwen3guard-0.6b": judge}.get))
+    app = web.Application()
+    add_guard_routes(app, inspector=guard, config=config, store=store, serve=None)
+    port = servers.serve(app)
+    yield Env(f"http://127.0.0.1:{port}", store)
+    servers.run(guard.client.close())
+    servers.close()
+    store.close()
+
+
+def test_status_says_what_to_do_for_each_judge(env: Env) -> None:
+    data = httpx.get(f"{env.url}/api/v1/guard/status").json()
+    assert data["on"] is True
+    (p,) = data["policies"]
+    by = {j["name"]: j for j in p["judges"]}
+    assert by["qwen3guard-0.6b"]["in_catalog"] is True
+    assert by["qwen3guard-0.6b"]["format"] == "qwen3guard"
+    assert by["qwen3guard-0.6b"]["hint"] == "llmgw ctl explain-placement qwen3guard-0.6b"
+    assert by["qwen3guard-4b"]["hint"] == "llmgw ctl guard judge enable qwen3guard-4b"
+    assert "--repo" in by["mine"]["hint"]
+
+
+def test_guard_test_gives_verdict_categories_and_time(env: Env) -> None:
+    r = httpx.post(f"{env.url}/api/v1/guard/test", json={"text": "a bomb", "direction": "in"}).json()
+    want = ("unsafe", ["Violent"], "block", "qwen3guard-0.6b")
+    assert (r["verdict"], r["categories"], r["decision"], r["judge"]) == want
+    assert r["ms"] >= 0
+    r = httpx.post(f"{env.url}/api/v1/guard/test", json={"text": "garbage"}).json()
+    assert r["kind"] == "unparseable"
+    assert r["decision"] == "fail closed"
+    assert r["raw"] == "I am not sure about this one."
+    r = httpx.post(f"{env.url}/api/v1/guard/test", json={"text": "fine", "direction": "out", "prompt": "q"}).json()
+    assert (r["verdict"], r["refusal"]) == ("safe", False)
+    assert httpx.post(f"{env.url}/api/v1/guard/test", json={"nope": 1}).status_code == 400
+    assert httpx.post(f"{env.url}/api/v1/guard/test", json={"text": "x", "policy": "zz"}).status_code == 404
+
+
+def test_enable_without_a_mirror_is_refused(env: Env) -> None:
+    r = httpx.post(f"{env.url}/api/v1/guard/judges/qwen3guard-4b/enable", json={})
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "no_mirror"
+
+
+def test_status_when_off(env: Env) -> None:
+    assert guard_status(None, GuardConfig(), env.store) == {"on": False, "policies": [], "stats": {}}
