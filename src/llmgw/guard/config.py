@@ -114,7 +114,7 @@ class Policy(_Strict):
             if len(k) < 8 or any(c not in "0123456789abcdef" for c in k):
                 raise ValueError(
                     f"'{k}' is not a key id: use the first 8-64 hex digits of the key's SHA-256 "
-                    "(llmgw ctl guard prints them), never the key itself"
+                    "(printf %s KEY | sha256sum), never the key itself"
                 )
         return v
 
