@@ -100,7 +100,7 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     answer = r.json()["choices"][0]["message"]["content"]
     assert answer.strip()
 
-    chat = llmgw(root, "chat", "What is the capital of France?", timeout=120)
+    chat = llmgw(root, "chat", "--max-tokens", "16", "What is the capital of France?", timeout=120)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.strip()
 
