@@ -120,9 +120,33 @@ class Heartbeat(BaseModel):
     """Weights in the node's cache, as ``model/version``: placement prefers nodes that hold them."""
 
 
+class LogRequest(BaseModel):
+    """The control plane asks for a replica's engine log: the last ``lines`` lines, or, with
+    ``offset``, what follows that byte of the current log file (``--follow``)."""
+
+    id: str
+    replica_id: str
+    lines: int = 100
+    offset: int | None = None
+
+
+class LogReply(BaseModel):
+    """An agent's answer to a :class:`LogRequest`: the text, and the byte offset to ask from next.
+
+    ``found`` is False when the node has no log for that replica.
+    """
+
+    id: str
+    replica_id: str
+    text: str = ""
+    offset: int = 0
+    found: bool = True
+
+
 class HeartbeatReply(BaseModel):
     """The control plane's answer: the node id it read from the certificate and the desired replicas."""
 
     node_id: str
     desired: list[ReplicaSpec] = Field(default_factory=list)
     interval_s: float = 2.0
+    log_requests: list[LogRequest] = Field(default_factory=list)

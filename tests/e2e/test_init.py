@@ -6,6 +6,7 @@ HTTP; a second init only keeps and skips; and after ``service stop --engines`` n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -103,6 +104,15 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     chat = llmgw(root, "chat", "--max-tokens", "16", "What is the capital of France?", timeout=120)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.strip()
+
+    # The engine's log, read through the agent on its node.
+    reps = llmgw(root, "ctl", "replicas", "--json", timeout=60)
+    assert reps.returncode == 0, reps.stderr
+    (replica,) = [r["id"] for r in json.loads(reps.stdout) if r["state"] == "ready"]
+    logs = llmgw(root, "ctl", "replicas", "logs", replica, "-n", "400", timeout=60)
+    assert logs.returncode == 0, logs.stderr
+    assert "--- llmgw agent: starting" in logs.stdout
+    assert "llama-server" in logs.stdout
 
     # Unknown model: 404 naming the known ones.
     r = httpx.post(f"{gateway.group(1)}/v1/chat/completions",

@@ -65,3 +65,32 @@ def tail(path: Path, lines: int = 100, *, keep: int = KEEP, max_read: int = 1 <<
         if len(out) >= lines:
             break
     return out[-lines:] if lines > 0 else []
+
+
+def read_since(path: Path, offset: int, *, max_read: int = 1 << 20) -> tuple[str, int]:
+    """What the log holds after byte ``offset`` (at most ``max_read`` bytes) and the offset to ask
+    from next. A file shorter than ``offset`` was rotated: it is read from its start.
+
+    Raises:
+        FileNotFoundError: there is no log at ``path``.
+    """
+    with path.open("rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        start = offset if 0 <= offset <= size else 0
+        fh.seek(start)
+        data = fh.read(max_read)
+    return data.decode("utf-8", "replace"), start + len(data)
+
+
+def answer(path: Path, *, lines: int, offset: int | None) -> tuple[str, int, bool]:
+    """A log request's answer: ``(text, next offset, found)``; the last ``lines`` lines when
+    ``offset`` is None, else what follows ``offset`` (``llmgw ctl logs --follow``)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "", 0, False
+    if offset is None:
+        text = "\n".join(tail(path, lines))
+        return (text + "\n" if text else ""), size, True
+    text, nxt = read_since(path, offset)
+    return text, nxt, True

@@ -43,17 +43,18 @@ import aiohttp
 from pydantic import ValidationError
 
 from llmgw import __version__
+from llmgw.agent import logs
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines.vllm import VllmProvisioner
 from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
-from llmgw.agent.records import adoptable, instance_id
+from llmgw.agent.records import adoptable, instance_id, replica_dir
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, PkiError, UnreachableError
 from llmgw.paths import Paths
-from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ReplicaSpec
+from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, LogReply, LogRequest, ReplicaSpec
 from llmgw.tlsconf import client_context
 
 log = logging.getLogger("llmgw.agent")
@@ -168,6 +169,7 @@ class Agent:
         self.vllm = VllmProvisioner(self.agent_state, configured=cfg.engines.vllm.binary)
         self._refresh_engines()
         self._stopping: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._last_error = ("", 0.0)
         # Kept in the state dir: a restarted agent is the same instance (no 409 while it adopts).
         self.instance = instance_id(self.agent_state)
@@ -242,7 +244,33 @@ class Agent:
         self.state.registered, self.state.node_id = True, reply.node_id
         self.state.beats += 1
         await self.reconcile(reply.desired)
+        for req in reply.log_requests:
+            self._answer_log(req)
         return reply
+
+    def _answer_log(self, req: LogRequest) -> None:
+        """Read a replica's engine log and post it to the control plane, in the background."""
+        try:
+            path = replica_dir(self.agent_state, req.replica_id) / "engine.log"
+        except ValueError:
+            text, offset, found = "", 0, False
+        else:
+            text, offset, found = logs.answer(path, lines=req.lines, offset=req.offset)
+        body = LogReply(id=req.id, replica_id=req.replica_id, text=text, offset=offset, found=found)
+
+        async def post() -> None:
+            try:
+                async with self.api.post(
+                    self.cfg.server.rstrip("/") + "/agent/v1/logs", data=body.model_dump_json(),
+                    headers={"Content-Type": "application/json"},
+                ) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("could not send replica %s's log: %s", req.replica_id, e)
+
+        task = asyncio.get_running_loop().create_task(post())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def reconcile(self, desired: list[ReplicaSpec]) -> None:
         """Start new specs, stop undesired runners, restart runners whose spec changed."""

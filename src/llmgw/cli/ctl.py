@@ -19,6 +19,7 @@ Exit codes: 0 fine; 1 an API error; 2 bad input; 3 the control plane does not an
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,6 +41,9 @@ app = typer.Typer(no_args_is_help=True, help="Ask the control plane: nodes, mode
 ServerOpt = Annotated[str | None, typer.Option("--server", help="Admin API URL (default: this machine's).")]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="LLMGW_TOKEN", help="Admin bearer token.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+LinesOpt = Annotated[int, typer.Option("--lines", "-n", min=1, help="How many of the last lines.")]
+FollowOpt = Annotated[bool, typer.Option("--follow", "-f", help="Keep printing what the engine writes.")]
+FOLLOW_POLL_S = 1.0
 
 NOT_PLACED_EXIT = 6
 
@@ -125,10 +129,18 @@ def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = 
 @app.command()
 @cli_errors
 def replicas(
-    model: Annotated[str | None, typer.Argument(help="Only this model's replicas.")] = None,
+    model: Annotated[str | None, typer.Argument(help="Only this model's replicas (name or alias).")] = None,
+    replica: Annotated[str | None, typer.Argument(help="With 'logs': the replica whose log to read.")] = None,
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+    lines: LinesOpt = 100, follow: FollowOpt = False,
 ) -> None:
-    """Replicas: model, node, profile, state, uptime, restarts, last error."""
+    """Replicas: model, node, profile, state, uptime, restarts, last error.
+
+    ``llmgw ctl replicas logs ID [--follow]`` reads a replica's engine log (as ``ctl logs``).
+    """
+    if model == "logs" and replica:
+        logs(replica, server=server, token=token, lines=lines, follow=follow)
+        return
     path = "/api/v1/replicas" + (f"?model={model}" if model else "")
     data = _client(server, token).get(path)
     if as_json:
@@ -143,6 +155,26 @@ def replicas(
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
     Console().print(t)
+
+
+@app.command()
+@cli_errors
+def logs(
+    replica: Annotated[str, typer.Argument(help="The replica (see 'llmgw ctl replicas').")],
+    server: ServerOpt = None, token: TokenOpt = None, lines: LinesOpt = 100, follow: FollowOpt = False,
+) -> None:
+    """A replica's engine log, read through the agent on its node (at most one heartbeat away)."""
+    client = _client(server, token)
+    got = client.get(f"/api/v1/replicas/{replica}/logs?lines={lines}")
+    sys.stdout.write(got["text"])
+    sys.stdout.flush()
+    offset = got["offset"]
+    while follow:
+        time.sleep(FOLLOW_POLL_S)
+        got = client.get(f"/api/v1/replicas/{replica}/logs?offset={offset}")
+        sys.stdout.write(got["text"])
+        sys.stdout.flush()
+        offset = got["offset"]
 
 
 @app.command("explain-placement")

@@ -37,10 +37,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
+from llmgw.control.logbroker import LogBroker
 from llmgw.control.openapi import build_openapi
 from llmgw.control.resources import resources_view
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
+from llmgw.errors import UnreachableError
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,7 @@ def build_admin_app(
     token: str,
     on_change: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.time,
+    logs: LogBroker | None = None,
 ) -> web.Application:
     """The admin API app.
 
@@ -190,6 +193,7 @@ def build_admin_app(
         store: the state store.
         token: the admin bearer token (compared in constant time).
         on_change: called after every successful write (wakes the leader, refreshes routes).
+        logs: reads engine logs through the agents (``GET /api/v1/replicas/{id}/logs``).
         clock: unix seconds.
     """
     if not token:
@@ -360,6 +364,26 @@ def build_admin_app(
         )
         return _json(view.model_dump(mode="json"))
 
+    async def replica_logs(request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        rep = store.get_replica(rid)
+        if rep is None:
+            raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
+        if not rep.node or logs is None:
+            raise HttpError(409, "not_placed", f"replica '{rid}' runs on no node, so it has no engine log")
+        try:
+            lines = int(request.query.get("lines", "100"))
+            offset = int(request.query["offset"]) if "offset" in request.query else None
+        except ValueError as e:
+            raise HttpError(400, "invalid_query", "lines and offset must be whole numbers") from e
+        try:
+            got = await logs.read(rep.node, rid, lines=lines, offset=offset)
+        except UnreachableError as e:
+            raise HttpError(504, "node_silent", str(e)) from e
+        if not got.found:
+            raise HttpError(404, "no_log", f"node {rep.node} has no engine log for replica '{rid}' (yet)")
+        return _json({"replica": rid, "node": rep.node, "text": got.text, "offset": got.offset})
+
     async def restart_replica(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
         old = store.get_replica(rid)
@@ -415,6 +439,7 @@ def build_admin_app(
     r.add_get("/api/v1/nodes", list_nodes)
     r.add_get("/api/v1/replicas", list_replicas)
     r.add_post("/api/v1/replicas/{id}/restart", restart_replica)
+    r.add_get("/api/v1/replicas/{id}/logs", replica_logs)
     r.add_get("/api/v1/explain-placement", explain)
     r.add_get("/api/v1/models/{name}/resources", model_resources)
     r.add_post("/api/v1/nodes/{id}/{action:cordon|uncordon|drain}", node_action)

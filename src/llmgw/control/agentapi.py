@@ -26,8 +26,9 @@ from pydantic import ValidationError
 
 from llmgw import tlsconf
 from llmgw.config import ServerConfig
+from llmgw.control.logbroker import LogBroker
 from llmgw.control.store import NodeRow, Store
-from llmgw.protocol import Heartbeat, HeartbeatReply, ReplicaSpec
+from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def build_agent_app(
     clock: Callable[[], float] = time.time,
     interval_s: float = HEARTBEAT_INTERVAL_S,
     node_lost_after_s: float = 30.0,
+    logs: LogBroker | None = None,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`).
 
@@ -119,7 +121,13 @@ def build_agent_app(
         interval_s: the heartbeat interval the reply asks for.
         node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
             held by the agent instance that last reported it (see :func:`id_in_use`).
+        logs: log reads waiting for this node's agent (``/agent/v1/logs`` answers them).
     """
+
+    def node_of(request: web.Request) -> str | None:
+        return tlsconf.peer_common_name(
+            request.transport.get_extra_info("peercert") if request.transport else None
+        )
 
     async def heartbeat(request: web.Request) -> web.Response:
         node_id = tlsconf.peer_common_name(
@@ -150,8 +158,23 @@ def build_agent_app(
             log.info("node %s registered", node_id)
         if on_heartbeat is not None:
             on_heartbeat(node_id, bool(changed) or before is None or before.state != "ready")
-        reply = HeartbeatReply(node_id=node_id, desired=desired_specs(store, node_id), interval_s=interval_s)
+        reply = HeartbeatReply(
+            node_id=node_id, desired=desired_specs(store, node_id), interval_s=interval_s,
+            log_requests=logs.take(node_id) if logs is not None else [],
+        )
         return web.json_response(text=reply.model_dump_json())
+
+    async def log_reply(request: web.Request) -> web.Response:
+        node_id = node_of(request)
+        if not node_id:
+            return _error(401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA")
+        try:
+            answer = LogReply.model_validate_json(await request.read())
+        except ValidationError as e:
+            return _error(400, "invalid_log_reply", str(e.errors()[0]["msg"]))
+        if logs is None or not logs.answer(node_id, answer):
+            return _error(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
+        return web.json_response({"status": "ok"})
 
     async def not_found(request: web.Request) -> web.Response:
         return _error(404, "not_found", f"{request.method} {request.path} is not an agent API route")
@@ -160,5 +183,6 @@ def build_agent_app(
     app[STORE_KEY] = store
     app.router.add_post("/agent/v1/register", heartbeat)
     app.router.add_post("/agent/v1/heartbeat", heartbeat)
+    app.router.add_post("/agent/v1/logs", log_reply)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -36,6 +36,7 @@ from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.adminapi import build_admin_app
 from llmgw.control.agentapi import agent_ssl_context, build_agent_app
 from llmgw.control.leader import Leader
+from llmgw.control.logbroker import LogBroker
 from llmgw.control.routing_table import StoreRouter
 from llmgw.control.store import Store, default_url
 from llmgw.errors import ConfigError, PkiError, PortInUseError
@@ -160,12 +161,13 @@ def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInsp
 
 
 def _admin_app(
-    store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None
+    store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
+    logs: LogBroker,
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
     from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
 
-    app = build_admin_app(store, token=token, on_change=changed)
+    app = build_admin_app(store, token=token, on_change=changed, logs=logs)
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
     return app
@@ -212,6 +214,7 @@ async def serve(
     router = StoreRouter(store)
     leader = Leader(store, node_lost_after_s=config.node_lost_after_s, on_change=router.refresh)
     guard = _guard(config, store, router)
+    logs = LogBroker()
 
     def admin_changed() -> None:
         router.refresh()
@@ -231,13 +234,15 @@ async def serve(
             (
                 "admin_listen",
                 config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard),
+                _admin_app(store, token, admin_changed, config, guard, logs),
                 None,
             ),
             (
                 "agent_listen",
                 config.agent_listen,
-                build_agent_app(store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s),
+                build_agent_app(
+                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs
+                ),
                 tls,
             ),
             ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard), None),
