@@ -10,8 +10,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.control.adminapi import build_admin_app
+from llmgw.control.guardapi import add_guard_routes
 from llmgw.control.leader import Leader
+from llmgw.control.openapi import build_openapi
 from llmgw.control.store import Store, default_url
+from llmgw.guard.config import GuardConfig
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
 TOKEN = "s3cret-token"
@@ -197,3 +200,17 @@ async def test_openapi_document(client: TestClient[Any, Any]) -> None:
     )
     assert set(doc["paths"]["/api/v1/models/{name}"]) == {"get", "patch", "delete"}
     assert doc["paths"]["/api/v1/health"]["get"]["security"] == []
+
+
+def test_every_admin_route_is_in_the_openapi_document(store: Store) -> None:
+    """A route added without its operation in openapi.py fails here (guard routes included)."""
+    app = build_admin_app(store, token=TOKEN)
+    add_guard_routes(app, inspector=None, config=GuardConfig(), store=store, serve=None)
+    documented = {(m.upper(), p) for p, ops in build_openapi()["paths"].items() for m in ops}
+    routes = set()
+    for r in app.router.routes():
+        info = r.resource.get_info() if r.resource is not None else {}
+        path = info.get("formatter") or info.get("path")
+        if r.method not in ("HEAD", "*") and str(path).startswith("/api/"):
+            routes.add((r.method, path))
+    assert routes - documented == set()

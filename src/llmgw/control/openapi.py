@@ -36,6 +36,15 @@ class Health(BaseModel):
     status: str
 
 
+class LogView(BaseModel):
+    """``GET /api/v1/replicas/{id}/logs``: the text, and the byte offset to ask from next (``--follow``)."""
+
+    replica: str
+    node: str
+    text: str
+    offset: int
+
+
 @dataclass(frozen=True)
 class Op:
     """One operation: method, path, summary, request body shape, response shape (``list`` of it when
@@ -109,6 +118,21 @@ OPS: tuple[Op, ...] = (
         errors=(400, 404),
         query=("model",),
     ),
+    Op(
+        "get",
+        "/api/v1/replicas/{id}/logs",
+        "A replica's engine log, read through its node's agent (last lines, or what follows offset)",
+        LogView,
+        errors=(400, 404, 409, 504),
+        query=("lines", "offset"),
+    ),
+    Op("get", "/api/v1/models/{name}/resources", "What a replica needs per profile, and where one fits", None,
+       errors=(404,)),
+    Op("post", "/api/v1/nodes/{id}/{action}", "cordon, uncordon or drain a node", NodeView, errors=(400, 404)),
+    Op("get", "/api/v1/guard/status", "Each policy's judges: in the catalog, ready, judge time", None),
+    Op("post", "/api/v1/guard/test", "Judge a text as the gateway would", None, errors=(400, 503)),
+    Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog", None,
+       errors=(400, 404, 409)),
 )
 
 _REF = "#/components/schemas/{model}"
