@@ -36,6 +36,7 @@ from llmgw.mirror.store import Store
 from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
 from llmgw.service.units import mirror_unit
+from llmgw.service.users import MIRROR_USER, ensure_mirror_user
 
 INIT_ABOUT = (
     "'llmgw mirror init'. Bytes on :8081 for every node; the\n"
@@ -90,6 +91,8 @@ def init_mirror(
     store = paths.mirror_store
     store.mkdir(parents=True, exist_ok=True)
     print(f"  done store in {store}", file=out, flush=True)
+    if manager.kind == "systemd" and ensure_mirror_user(store):
+        print(f"  done system user {MIRROR_USER}, owner of {store}", file=out, flush=True)
     body = mirror_unit(
         paths, llmgw_bin, listen=listen, api_listen=api_listen, base=base, allow=list(control_planes),
         about=INIT_ABOUT,

@@ -61,6 +61,7 @@ from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.wait import Clock, format_duration, wait_for
 from llmgw.service.manager import ServiceManager
 from llmgw.service.units import agent_unit, llmgw_binary, mirror_unit, server_unit
+from llmgw.service.users import MIRROR_USER, ensure_mirror_user
 from llmgw.tlsconf import CA, cert_hosts
 
 
@@ -421,6 +422,9 @@ class ServerInit:
             return
         store = self.paths.mirror_store
         store.mkdir(parents=True, exist_ok=True)
+        # Under systemd the mirror runs as the llmgw user and may write only its store.
+        if self.manager.kind == "systemd" and ensure_mirror_user(store):
+            self.say("done", f"system user {MIRROR_USER}, owner of {store}")
         _h, port = parse_listen(self.opts.mirror_listen)
         base = f"http://{self._url_host(self.reachable_addr())}:{port}"
         body = mirror_unit(
