@@ -1,4 +1,4 @@
-"""`llmgw server` commands: `run` (the control plane process). `init` joins this group later."""
+"""`llmgw server` commands: `run` (the control plane process), `init`, `add-node`."""
 
 from __future__ import annotations
 
@@ -38,3 +38,27 @@ def run(
     p = paths()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(config or p.server_config, p))
+
+
+@app.command("add-node")
+@cli_errors
+def add_node(
+    node_id: Annotated[str, typer.Argument(help="The new node's id (its certificate's CN).")],
+    out: Annotated[Path, typer.Option("--out", help="An empty directory for the node's files.")],
+    address: Annotated[str, typer.Option("--address", help="The node's address the gateway dials.")],
+    server: Annotated[str, typer.Option(help="Agent API URL (default: from server.yaml and the cert).")] = "",
+    label: Annotated[list[str] | None, typer.Option("--label", help="KEY=VALUE, repeatable.")] = None,
+) -> None:
+    """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw."""
+    from llmgw.serverinit.onboard import add_node as issue  # noqa: PLC0415
+
+    labels = {}
+    for item in label or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--label {item!r} is not KEY=VALUE")
+        labels[key] = value
+    for f in issue(paths(), node_id, out, address=address, server=server, labels=labels):
+        print(f"  done {f}")
+    print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
+          "(or install deploy/systemd/llmgw-agent.service).")

@@ -1,0 +1,75 @@
+"""Another machine as a node: its identity from the cluster CA, and an agent.yaml naming the
+control plane — what ``server init`` does for its own machine, packed into a directory to carry.
+
+``llmgw server add-node NODE --out DIR`` (on the machine holding the CA key) writes
+``DIR/ca.pem``, ``DIR/agent.pem`` (CN = NODE), ``DIR/agent-key.pem`` (0600) and ``DIR/agent.yaml``
+with the paths as they will be on the node (``/etc/llmgw/...``). On the node: copy DIR to
+``/etc/llmgw`` and run ``llmgw agent`` (or install the agent unit). Nothing is written when the CA
+key is missing, the node id is not a valid name, or DIR already holds an identity.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import yaml
+
+from llmgw.atomicfile import write_atomic
+from llmgw.config import AgentConfig, load_server_config, parse_listen
+from llmgw.errors import ConfigError, PkiError
+from llmgw.paths import Paths
+from llmgw.tlsconf import CA, cert_hosts
+
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str = "",
+             labels: dict[str, str] | None = None, node_etc: Path = Path("/etc/llmgw")) -> list[Path]:
+    """Write a node's identity and agent.yaml into ``out``; return the files written.
+
+    Args:
+        node_id: the node's id, the CN of its certificate (letters, digits, ``.``, ``_``, ``-``).
+        address: the node's address that the gateway dials its engines on (``advertise_address``).
+        server: the agent API URL the node dials; default the first name of the server certificate
+            and ``agent_listen``'s port.
+        labels: the node's labels (placement's ``node_selector`` matches them).
+        node_etc: where the files will live on the node (the paths agent.yaml names).
+
+    Raises:
+        ConfigError: a bad node id, or ``out`` already holds an identity (never overwritten).
+        PkiError: the CA key is not on this machine.
+    """
+    if not NODE_ID_RE.match(node_id):
+        raise ConfigError(
+            f"'{node_id}' is not a node id: use letters, digits, '.', '_' or '-', at most 63 characters"
+        )
+    existing = [p for p in (out / "agent.pem", out / "agent.yaml") if p.exists()]
+    if existing:
+        raise ConfigError(f"{existing[0]} already exists; give an empty directory with --out")
+    ca = CA.load(paths.pki)
+    if not server:
+        cfg = load_server_config(paths.server_config)
+        _h, port = parse_listen(cfg.agent_listen)
+        names = cert_hosts(paths.pki / "server.pem")
+        if not names:
+            raise PkiError(f"{paths.pki / 'server.pem'} names no host; pass --server https://HOST:PORT")
+        host = names[0]
+        server = f"https://{'[' + host + ']' if ':' in host else host}:{port}"
+    out.mkdir(parents=True, exist_ok=True)
+    cert, key = ca.issue_client(node_id).write(out, "agent")
+    shutil.copyfile(paths.pki / "ca.pem", out / "ca.pem")
+    doc = {
+        "server": server,
+        "node_id": node_id,
+        "tls": {"ca": str(node_etc / "ca.pem"), "cert": str(node_etc / "agent.pem"),
+                "key": str(node_etc / "agent-key.pem")},
+        "labels": dict(sorted((labels or {}).items())),
+        "advertise_address": address,
+    }
+    body = "# A node of the llmgw cluster, written by 'llmgw server add-node'. Copy this directory to\n"
+    body += f"# {node_etc} on the node, then run 'llmgw agent'.\n" + yaml.safe_dump(doc, sort_keys=False)
+    AgentConfig.model_validate(doc)
+    write_atomic(out / "agent.yaml", body, 0o644)
+    return [out / "ca.pem", cert, key, out / "agent.yaml"]
