@@ -50,13 +50,6 @@ log = logging.getLogger(__name__)
 
 GITHUB_RELEASES = "https://github.com/ggml-org/llama.cpp/releases/download"
 
-UNVERIFIED_DIGEST = "0" * 64
-"""PLACEHOLDER, NOT A REAL DIGEST. This build was written without internet access, so the asset
-digests below could not be read from GitHub's release API. Until they are replaced with the
-``"digest"`` of each asset, every download fails verification (naming both digests) and nothing
-is installed: the safe failure. Replace before relying on automatic provisioning."""
-
-
 @dataclass(frozen=True)
 class Release:
     """A pinned llama.cpp release: ``tag`` (``b<N>``) and ``assets`` (file name → SHA-256 hex)."""
@@ -66,7 +59,7 @@ class Release:
 
     @property
     def build(self) -> str:
-        """The build number ``--version`` prints (``"7312"`` for ``b7312``)."""
+        """The build number ``--version`` prints (``"11194"`` for ``b11194``)."""
         return self.tag.removeprefix("b")
 
     def asset(self, variant: str = "") -> str:
@@ -76,10 +69,14 @@ class Release:
 
 
 LLAMACPP_RELEASE = Release(
-    tag="b7312",  # Dec 2025: tarballs (not zips) from here on; `--version` prints 7312
+    # The digests are the ``digest`` GitHub publishes for each release asset (releases API),
+    # as pinned for this tag by another project that downloads and checks them (ClikCode's
+    # runtime table: CPU 17,014,362 bytes, Vulkan 30,955,864 bytes). They could not be fetched
+    # from here (no internet); a download that does not match is refused, naming both digests.
+    tag="b11194",
     assets={
-        "llama-b7312-bin-ubuntu-x64.tar.gz": UNVERIFIED_DIGEST,
-        "llama-b7312-bin-ubuntu-vulkan-x64.tar.gz": UNVERIFIED_DIGEST,
+        "llama-b11194-bin-ubuntu-x64.tar.gz": "527c09064f3c89e4b6e1008a641e31903a04ccdd1c69abd0752acbbd4e1905f6",
+        "llama-b11194-bin-ubuntu-vulkan-x64.tar.gz": "e4f8163eaf2e4d45639238a6fbc09f559e4ff5c0e7d612088a282ed128359c5e",
     },
 )
 
