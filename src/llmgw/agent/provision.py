@@ -81,7 +81,8 @@ LLAMACPP_RELEASE = Release(
 )
 
 GPU_ADVICE = (
-    "llama.cpp publishes no Linux CUDA build: put a CUDA llama-server on this node with "
+    "llmgw does not download CUDA builds of llama.cpp (recent releases publish ubuntu-cuda tarballs "
+    "with a separate CUDA runtime archive; not pinned here yet): put a CUDA llama-server on this node with "
     "'llmgw agent install-engine --from FILE' (a binary or a tarball) or set engines.llamacpp.binary "
     "in agent.yaml"
 )
