@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from llmgw.config import load_server_config, parse_listen
-from llmgw.errors import ApiError, ConfigError, UnreachableError
+from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
 
 
@@ -47,13 +47,7 @@ class AdminClient:
         host, port = parse_listen(cfg.admin_listen)
         base = server or f"http://{_connect_host(host)}:{port}"
         if token is None:
-            token_path = cfg.admin_token_path(paths.server_config)
-            try:
-                token = token_path.read_text().strip()
-            except OSError as e:
-                raise ConfigError(
-                    f"cannot read the admin token {token_path}: {e.strerror}; run as root or pass --token"
-                ) from e
+            token = cfg.read_admin_token(paths.server_config)
         return cls(base.rstrip("/"), token)
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:

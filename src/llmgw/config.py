@@ -114,6 +114,27 @@ class ServerConfig(_Strict):
         """The admin token file: ``admin_token_file``, else ``admin-token`` beside ``config_path``."""
         return self.admin_token_file or config_path.parent / "admin-token"
 
+    def read_admin_token(self, config_path: Path) -> str:
+        """The admin token (first line of its file, stripped).
+
+        Raises:
+            ConfigError: the file is missing, unreadable (not root?) or empty.
+        """
+        path = self.admin_token_path(config_path)
+        try:
+            token = path.read_text().strip()
+        except FileNotFoundError as e:
+            raise ConfigError(
+                f"the admin token file {path} does not exist; run 'llmgw server init' or set admin_token_file"
+            ) from e
+        except OSError as e:
+            raise ConfigError(
+                f"the admin token file {path} cannot be read: {e.strerror}; run as root or pass --token"
+            ) from e
+        if not token:
+            raise ConfigError(f"the admin token file {path} is empty; put a long random token in it (mode 0600)")
+        return token.splitlines()[0].strip()
+
 
 class LlamacppEngine(_Strict):
     """``engines.llamacpp``: ``binary`` is a llama-server to use instead of PATH or the agent's own.

@@ -50,23 +50,8 @@ log = logging.getLogger(__name__)
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
-    """The admin token (first line of its file, stripped).
-
-    Raises:
-        ConfigError: the file is missing, unreadable or empty.
-    """
-    path = config.admin_token_path(config_path)
-    try:
-        token = path.read_text().strip()
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"the admin token file {path} does not exist; run 'llmgw server init' or set admin_token_file"
-        ) from e
-    except OSError as e:
-        raise ConfigError(f"the admin token file {path} cannot be read: {e.strerror}") from e
-    if not token:
-        raise ConfigError(f"the admin token file {path} is empty; put a long random token in it (mode 0600)")
-    return token.splitlines()[0].strip()
+    """The admin token; see :meth:`ServerConfig.read_admin_token`."""
+    return config.read_admin_token(config_path)
 
 
 def read_gateway_keys(config: ServerConfig) -> set[str]:
