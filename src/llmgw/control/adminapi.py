@@ -314,7 +314,7 @@ def build_admin_app(
         return await save(row, spec)
 
     async def delete_model(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
+        name = must_model(request.match_info["name"]).name
         if not store.delete_model(name):
             raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
         changed()

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
 import psutil
 
 from llmgw import sourcecheck
@@ -97,7 +98,8 @@ def _connect_url(listen: str, scheme: str = "http") -> str:
 class ServerInit:
     """One run of ``server init`` over ``paths`` with ``opts``, printing to ``out``.
 
-    ``manager`` starts the services (systemd or the supervisor); ``clock`` paces the waits. Call
+    ``manager`` starts the services (systemd or the supervisor); ``clock`` paces the waits;
+    ``admin_transport`` is the admin client's transport (a seam for tests). Call
     :meth:`run`; it raises an :class:`~llmgw.errors.LlmgwError` on the first step that fails,
     after printing what was done before it.
     """
@@ -106,6 +108,7 @@ class ServerInit:
         self, paths: Paths, opts: InitOptions, manager: ServiceManager, *,
         out: TextIO = sys.stdout, clock: Clock | None = None,
         gpu_probe: Callable[[], list[str]] | None = None,
+        admin_transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.paths = paths
         self.opts = opts
@@ -113,6 +116,7 @@ class ServerInit:
         self.out = out
         self.clock = clock or Clock()
         self.gpu_probe = gpu_probe or (lambda: [])
+        self.admin_transport = admin_transport
         self.bin = llmgw_binary()
         self._last_line = ""
 
@@ -337,7 +341,9 @@ class ServerInit:
 
     def admin(self) -> AdminClient:
         """The admin API of this machine's control plane."""
-        return AdminClient.from_paths(self.paths)
+        client = AdminClient.from_paths(self.paths)
+        client.transport = self.admin_transport
+        return client
 
     # --- 3. the control plane -----------------------------------------------------------------
 
@@ -680,7 +686,9 @@ class ServerInit:
             except LlmgwError:
                 return False
             # Nowhere to put it is not waited out for ten minutes: once placement has said why
-            # for the grace, that is the answer.
+            # for the grace, that is the answer. (The replicas view lists a wanted but unplaced
+            # replica as pending on no node.)
+            reps = [r for r in reps if r.get("node")]
             if not reps:
                 try:
                     ex = client.get(f"/api/v1/explain-placement?model={name}")
