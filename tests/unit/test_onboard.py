@@ -31,7 +31,8 @@ def cluster(tmp_path: Path) -> Paths:
 
 def test_a_node_gets_a_certificate_from_the_ca_and_an_agent_yaml(cluster: Paths, tmp_path: Path) -> None:
     out = tmp_path / "node-b"
-    written = add_node(cluster, "node-b", out, address="10.0.0.7", labels={"zone": "a"})
+    written = add_node(cluster, "node-b", out, address="10.0.0.7", labels={"zone": "a"},
+                       llama_server=Path("/opt/llama/llama-server"))
     assert sorted(p.name for p in written) == ["agent-key.pem", "agent.pem", "agent.yaml", "ca.pem"]
     cert = x509.load_pem_x509_certificate((out / "agent.pem").read_bytes())
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "node-b"
@@ -40,9 +41,10 @@ def test_a_node_gets_a_certificate_from_the_ca_and_an_agent_yaml(cluster: Paths,
     ctx = ssl.create_default_context(cafile=str(out / "ca.pem"))
     ctx.load_cert_chain(str(out / "agent.pem"), str(out / "agent-key.pem"))
     cfg = load_agent_config(out / "agent.yaml")
-    assert cfg.server == "https://cp.example:7443"
+    assert cfg.server == "https://cp.example:7443"  # the certificate's CN: init's first --host
     assert (cfg.node_id, cfg.advertise_address, cfg.labels) == ("node-b", "10.0.0.7", {"zone": "a"})
     assert cfg.tls.cert == Path("/etc/llmgw/agent.pem")
+    assert cfg.engines.llamacpp.binary == Path("/opt/llama/llama-server")
 
 
 def test_nothing_is_overwritten_and_bad_ids_are_named(cluster: Paths, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import typer
+from rich.console import Console
 
 from llmgw.errors import LlmgwError
 from llmgw.paths import Paths
@@ -44,3 +45,13 @@ def cli_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+PIPED_WIDTH = 200
+"""Columns a table gets when stdout is not a terminal: Rich's default of 80 cut replica ids in
+half, so a script piping ``ctl replicas`` could not pass one to ``ctl logs``."""
+
+
+def console() -> Console:
+    """The console tables print to: the terminal's width, or :data:`PIPED_WIDTH` when piped."""
+    return Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)

@@ -27,12 +27,11 @@ from urllib.parse import quote
 
 import typer
 import yaml
-from rich.console import Console
 from rich.table import Table
 
 from llmgw.adminclient import AdminClient
 from llmgw.cli import guard as guard_cli
-from llmgw.cli.common import cli_errors, fail, paths
+from llmgw.cli.common import cli_errors, console, fail, paths
 from llmgw.config import load_server_config
 from llmgw.errors import ConfigError
 
@@ -101,7 +100,7 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
             ", ".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
             _ago(n.get("last_seen")),
         )
-    Console().print(t)
+    console().print(t)
     for n in data:
         for p in n.get("provision", []):
             if p["state"] in ("failed", "unsupported") and p.get("detail"):
@@ -123,7 +122,7 @@ def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = 
             f"{m.get('scaling_min', '?')}..{m.get('scaling_max', '?')}",
             f"{m.get('replicas_ready', 0)}/{m.get('replicas', 0)}", m.get("source", ""),
         )
-    Console().print(t)
+    console().print(t)
 
 
 @app.command()
@@ -154,7 +153,7 @@ def replicas(
             _ago(r.get("ready_at")) if r["state"] == "ready" else "-", str(r.get("restarts", 0)),
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
-    Console().print(t)
+    console().print(t)
 
 
 @app.command()
@@ -196,7 +195,7 @@ def explain_placement(
             t = Table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex["rejections"]:
                 t.add_row(r["profile"], r["node"], r["kind"], r["reason"])
-            Console().print(t)
+            console().print(t)
         for line in ex.get("would_fit_if", []):
             print(f"would fit if: {line}")
     if not ex.get("placed"):
@@ -385,7 +384,7 @@ def model_resources(
             f"{p['weights_gb']:.2f}+{p['kv_gb']:.2f}+{p['overhead_gb']:.2f}" if p["ctx"] else "-",
             ", ".join(fits) or "nowhere now",
         )
-    Console().print(t)
+    console().print(t)
     for p in data["profiles"]:
         for n in p["nodes"]:
             if not n["fits"]:

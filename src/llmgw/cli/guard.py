@@ -16,11 +16,10 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from llmgw.adminclient import AdminClient
-from llmgw.cli.common import cli_errors, paths
+from llmgw.cli.common import cli_errors, console, paths
 
 app = typer.Typer(no_args_is_help=True, help="Guardrails: judges, policies, and trying a text.")
 judge_app = typer.Typer(no_args_is_help=True, help="The judges the policies name.")
@@ -64,7 +63,7 @@ def judge_status(server: ServerOpt = None, token: TokenOpt = None, as_json: Json
                 "yes" if j["in_catalog"] else "no", f"{j['replicas_ready']}/{j['replicas']}",
                 _ms(j["p50_ms"]), _ms(j["p95_ms"]), todo,
             )
-    Console().print(t)
+    console().print(t)
     s = data.get("stats") or {}
     if s:
         print(

@@ -48,6 +48,9 @@ def add_node(
     address: Annotated[str, typer.Option("--address", help="The node's address the gateway dials.")],
     server: Annotated[str, typer.Option(help="Agent API URL (default: from server.yaml and the cert).")] = "",
     label: Annotated[list[str] | None, typer.Option("--label", help="KEY=VALUE, repeatable.")] = None,
+    llama_server: Annotated[
+        Path | None, typer.Option("--llama-server", help="The llama-server binary's path on the node.")
+    ] = None,
 ) -> None:
     """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw."""
     from llmgw.serverinit.onboard import add_node as issue  # noqa: PLC0415
@@ -58,7 +61,8 @@ def add_node(
         if not sep or not key:
             raise typer.BadParameter(f"--label {item!r} is not KEY=VALUE")
         labels[key] = value
-    for f in issue(paths(), node_id, out, address=address, server=server, labels=labels):
+    for f in issue(paths(), node_id, out, address=address, server=server, labels=labels,
+                   llama_server=llama_server):
         print(f"  done {f}")
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
           "(or install deploy/systemd/llmgw-agent.service).")

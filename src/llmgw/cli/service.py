@@ -13,10 +13,9 @@ from dataclasses import asdict
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from llmgw.cli.common import cli_errors, paths
+from llmgw.cli.common import cli_errors, console, paths
 from llmgw.service.manager import ServiceManager, pick_manager
 from llmgw.service.units import SERVICES, unit_name
 
@@ -56,7 +55,7 @@ def status(
         pid = str(r.pid) if r.pid else "-"
         since, restarts = _when(r.since), str(r.restarts)
         table.add_row(unit_name(r.name), manager.kind, r.state, pid, since, restarts, r.detail)
-    Console().print(table)
+    console().print(table)
 
 
 @app.command()

@@ -15,25 +15,30 @@ import shutil
 from pathlib import Path
 
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from llmgw.atomicfile import write_atomic
 from llmgw.config import AgentConfig, load_server_config, parse_listen
 from llmgw.errors import ConfigError, PkiError
 from llmgw.paths import Paths
-from llmgw.tlsconf import CA, cert_hosts
+from llmgw.tlsconf import CA
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str = "",
-             labels: dict[str, str] | None = None, node_etc: Path = Path("/etc/llmgw")) -> list[Path]:
+             labels: dict[str, str] | None = None, node_etc: Path = Path("/etc/llmgw"),
+             llama_server: Path | None = None) -> list[Path]:
     """Write a node's identity and agent.yaml into ``out``; return the files written.
 
     Args:
         node_id: the node's id, the CN of its certificate (letters, digits, ``.``, ``_``, ``-``).
         address: the node's address that the gateway dials its engines on (``advertise_address``).
-        server: the agent API URL the node dials; default the first name of the server certificate
-            and ``agent_listen``'s port.
+        server: the agent API URL the node dials; default the server certificate's common name
+            (init's first ``--host``, the address nodes use) and ``agent_listen``'s port.
+        llama_server: the llama-server binary on the node (``engines.llamacpp.binary``); without
+            it the node finds one on PATH or downloads the pinned release.
         labels: the node's labels (placement's ``node_selector`` matches them).
         node_etc: where the files will live on the node (the paths agent.yaml names).
 
@@ -52,10 +57,11 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     if not server:
         cfg = load_server_config(paths.server_config)
         _h, port = parse_listen(cfg.agent_listen)
-        names = cert_hosts(paths.pki / "server.pem")
-        if not names:
+        server_cert = x509.load_pem_x509_certificate((paths.pki / "server.pem").read_bytes())
+        cns = server_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        host = str(cns[0].value) if cns else ""
+        if not host:
             raise PkiError(f"{paths.pki / 'server.pem'} names no host; pass --server https://HOST:PORT")
-        host = names[0]
         server = f"https://{'[' + host + ']' if ':' in host else host}:{port}"
     out.mkdir(parents=True, exist_ok=True)
     cert, key = ca.issue_client(node_id).write(out, "agent")
@@ -68,6 +74,8 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         "labels": dict(sorted((labels or {}).items())),
         "advertise_address": address,
     }
+    if llama_server is not None:
+        doc["engines"] = {"llamacpp": {"binary": str(llama_server)}}
     body = "# A node of the llmgw cluster, written by 'llmgw server add-node'. Copy this directory to\n"
     body += f"# {node_etc} on the node, then run 'llmgw agent'.\n" + yaml.safe_dump(doc, sort_keys=False)
     AgentConfig.model_validate(doc)
