@@ -61,8 +61,9 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.1f}"
+def _gb(n: float | None) -> str:
+    """Bytes as GB (10^9), the unit of ``min_memory_gb`` and of placement's reasons."""
+    return "-" if n is None else f"{n / 1e9:.1f}"
 
 
 def _ago(ts: float | None) -> str:
@@ -84,7 +85,7 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
     if as_json:
         _print_json(data)
         return
-    t = Table("NODE", "STATE", "ENGINES", "CORES (reserved/all)", "MEMORY GiB (reserved/all)", "GPUS", "LABELS",
+    t = Table("NODE", "STATE", "ENGINES", "CORES (reserved/all)", "MEMORY GB (reserved/all)", "GPUS", "LABELS",
               "SEEN")
     for n in data:
         r = n.get("resources") or {}
@@ -95,7 +96,7 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
         t.add_row(
             n["id"], state, engines or "-",
             f"{r.get('cores_reserved', 0)}/{r.get('cores', 0)}" if r else "-",
-            f"{_gib(r.get('memory_reserved_bytes'))}/{_gib(r.get('memory_total_bytes'))}" if r else "-",
+            f"{_gb(r.get('memory_reserved_bytes'))}/{_gb(r.get('memory_total_bytes'))}" if r else "-",
             ", ".join(g.get("klass", "") for g in n.get("gpus", [])) or "-",
             ", ".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
             _ago(n.get("last_seen")),
