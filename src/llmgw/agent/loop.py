@@ -183,7 +183,10 @@ class Agent:
         if server is None:
             log.warning("llamacpp: %s", status.detail)
         self.env.engine, self.env.engine_problem = server, status.detail
-        vstatus, vserver = self.vllm.status(has_nvidia=bool(self.state.inventory.gpus))
+        # Declared GPUs (tests, hardware discovery cannot see) get no multi-GB vLLM download.
+        vstatus, vserver = self.vllm.status(
+            has_nvidia=bool(self.state.inventory.gpus), install=self.cfg.discovery.inventory_file is None
+        )
         self.env.vllm, self.env.vllm_problem = vserver, vstatus.detail
         self.state.engines = [status, vstatus]
 

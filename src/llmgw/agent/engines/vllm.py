@@ -54,6 +54,12 @@ class VllmServer:
     version: str = ""
 
 
+NOT_INSTALLING = (
+    "this node's GPUs are declared (discovery.inventory_file), not discovered, so vLLM is not installed "
+    "automatically; set engines.vllm.binary in agent.yaml to a vllm you installed"
+)
+
+
 def venv_dir(agent_state: Path, version: str = VLLM_VERSION) -> Path:
     """``<agent_state>/engines/vllm/<version>/venv``."""
     return agent_state / "engines" / ENGINE / version / "venv"
@@ -121,7 +127,8 @@ class VllmProvisioner:
         self._failure = ""
 
     def status(self, *, has_nvidia: bool, install: bool = True) -> tuple[EngineStatus, VllmServer | None]:
-        """The status to report and the usable server; starts the install when due and ``install``."""
+        """The status to report and the usable server; starts the install when due and ``install``
+        (False: GPUs that were declared, not discovered — nothing is downloaded for them)."""
         found = locate(self.agent_state, self.configured)
         if found is not None:
             where = "from agent.yaml engines.vllm.binary" if found.binary == self.configured else "agent's venv"
@@ -139,6 +146,8 @@ class VllmProvisioner:
             return self._failed(f"agent.yaml: engines.vllm.binary '{self.configured}' is not an executable file"), None
         if not has_nvidia:
             return EngineStatus(engine=ENGINE, state=ProvisionState.UNSUPPORTED, detail=NO_GPU), None
+        if not install:
+            return EngineStatus(engine=ENGINE, state=ProvisionState.UNSUPPORTED, detail=NOT_INSTALLING), None
         with self._lock:
             if self._failure:
                 return self._failed(self._failure), None
