@@ -125,9 +125,9 @@ def test_vllm_status_by_node_kind(tmp_path: Path) -> None:
     status, server = prov.status(has_nvidia=False)
     assert (status.state, server) == (ProvisionState.UNSUPPORTED, None)
     assert status.detail == vllm.NO_GPU
+    # Declared GPUs: no download is started, and the status says what to do instead.
     status, _ = prov.status(has_nvidia=True, install=False)
-    assert status.state == ProvisionState.INSTALLING
-    assert f"vllm=={vllm.VLLM_VERSION}" in status.detail
+    assert (status.state, status.detail) == (ProvisionState.UNSUPPORTED, vllm.NOT_INSTALLING)
     fake = tmp_path / "my-vllm"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
