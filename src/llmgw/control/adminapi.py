@@ -102,11 +102,9 @@ def model_view(row: ModelRow, replicas: list[ReplicaRow]) -> ModelView:
 
 def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model]) -> NodeView:
     """A node: its engines (installed ones), provisioning of each, and resources reserved/free."""
-    res = [r for r in reservations([x for x in replicas if x.node == node.id], models) if not r.gpu_class]
-    mem_reserved = int(sum(r.memory_gb for r in res) * GB)
-    cores_reserved = sum(
-        r.cpu_cores for r in reservations([x for x in replicas if x.node == node.id], models)
-    )
+    held = reservations([x for x in replicas if x.node == node.id], models)
+    mem_reserved = int(sum(r.memory_gb for r in held if not r.gpu_class) * GB)
+    cores_reserved = sum(r.cpu_cores for r in held)
     inv = node.inventory
     return NodeView(
         id=node.id,
