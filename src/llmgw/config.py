@@ -94,7 +94,10 @@ class ServerConfig(_Strict):
         agent_listen: agent API address (TLS, client certificates from the CA), ``:7443``.
         admin_token_file: the admin token's file; empty means ``admin-token`` beside server.yaml.
         tls: the server certificate for the agent API and the CA that signs agents.
-        node_lost_after_s: seconds without a heartbeat after which a node is ``lost``.
+        node_lost_after_s: seconds without a heartbeat after which a node is ``lost`` (its
+            replicas stay while their engines answer the control plane's health probe).
+        backoff_reset_s: seconds a replica must have been ready for its crash count (and so its
+            restart backoff, 10 s doubling to 5 min) to go back to zero.
         guard: guardrail policies (:mod:`llmgw.guard.config`); none means guardrails are off.
     """
 
@@ -107,6 +110,7 @@ class ServerConfig(_Strict):
     mirror: MirrorRef = Field(default_factory=MirrorRef)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     node_lost_after_s: Annotated[float, Field(gt=0)] = 30.0
+    backoff_reset_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 600.0
 
     _v = field_validator("admin_listen", "agent_listen")(classmethod(lambda cls, v: _check_listen(v)))
 

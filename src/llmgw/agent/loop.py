@@ -20,8 +20,16 @@ plane learns of ``ready`` without waiting a whole interval):
 
 An unreachable or erring control plane is logged (first failure, then every
 :data:`LOG_REPEAT_S`) and retried next pass; running engines are left alone: only a reply that
-no longer lists a replica stops it. Stopping the agent (``stop`` set, SIGTERM, SIGINT) detaches
-the runners and leaves every engine running, for the next agent to adopt.
+no longer lists a replica stops it. A failure that can hide a TLS refusal (a disconnect or a reset
+right after connecting) is explained before it is logged (:mod:`llmgw.agent.tlsdiag`: a
+certificate from another CA, a server certificate this agent does not trust), with what to do.
+Stopping the agent (``stop`` set, SIGTERM, SIGINT) detaches the runners and leaves every engine
+running, for the next agent to adopt.
+
+A node removed from the cluster (``llmgw ctl node rm``) has its certificate revoked: the agent API
+answers 403 ``certificate_revoked``. The agent then stops its engines (a removed node runs
+nothing for the cluster; ``--force`` drained it already) and :func:`run_agent` raises
+:class:`NodeRemoved` with the control plane's message: how to re-join (``llmgw server add-node``).
 
 Not guaranteed: replicas are reported as the agent last saw them (up to one watch interval late);
 a failed replica is not retried by the agent itself, the control plane decides.
@@ -43,7 +51,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from llmgw import __version__
-from llmgw.agent import logs
+from llmgw.agent import logs, tlsdiag
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
@@ -52,7 +60,7 @@ from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.records import adoptable, instance_id, replica_dir
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
-from llmgw.errors import ApiError, PkiError, UnreachableError
+from llmgw.errors import ApiError, LlmgwError, PkiError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, LogReply, LogRequest, ReplicaSpec
 from llmgw.tlsconf import client_context
@@ -70,6 +78,14 @@ ADOPT_WAIT_S = 1.5
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=15, sock_connect=5)
 """A heartbeat is small; a control plane that takes longer is treated as unreachable this pass."""
+
+
+class NodeRemoved(PkiError):
+    """The control plane revoked this agent's certificate: the node was removed (``ctl node rm``).
+    The message says how to re-join. The CLI exits 0 on it, so ``Restart=on-failure`` does not
+    start a removed node's agent again and again."""
+
+    exit_code = 0
 
 
 @dataclass
@@ -229,9 +245,12 @@ class Agent:
         try:
             reply = await post_heartbeat(self.api, self.cfg.server, path, beat)
         except (UnreachableError, ApiError) as e:
+            if isinstance(e, ApiError) and e.status == 403 and e.code == "certificate_revoked":
+                raise NodeRemoved(str(e).partition(": ")[2] or str(e)) from e
             if isinstance(e, ApiError) and e.status == 404:
                 self.state.registered = False
-            self._log_failure(str(e))
+            if self._due(str(e)):
+                self._log_failure(str(e), await self._explain(e))
             return None
         if self._last_error[0]:
             log.info("control plane %s answers again", self.cfg.server)
@@ -298,14 +317,33 @@ class Agent:
                 self.state.runners[rid] = runner
                 runner.start()
 
-    def _log_failure(self, message: str) -> None:
+    def _due(self, message: str) -> bool:
+        """Whether a failure with this text is logged now (new text, or :data:`LOG_REPEAT_S` on)."""
         last, at = self._last_error
-        now = time.monotonic()
-        if message != last or now - at > LOG_REPEAT_S:
-            log.warning(
-                "%s; retrying every %.0f s, engines keep running", message, self.cfg.heartbeat_interval_s
-            )
-            self._last_error = (message, now)
+        return message != last or time.monotonic() - at > LOG_REPEAT_S
+
+    async def _explain(self, e: LlmgwError) -> str:
+        """The text to log for a failed heartbeat: the TLS diagnosis when there is one."""
+        if not tlsdiag.may_be_tls(e.__cause__):
+            return str(e)
+        tls = self.cfg.tls
+        why = await asyncio.to_thread(
+            tlsdiag.diagnose, self.cfg.server, self.cfg.node_id, tls.ca, tls.cert, tls.key
+        )
+        return f"control plane {self.cfg.server}: {why}" if why else str(e)
+
+    def _log_failure(self, message: str, text: str | None = None) -> None:
+        log.warning(
+            "%s; retrying every %.0f s, engines keep running", text or message, self.cfg.heartbeat_interval_s
+        )
+        self._last_error = (message, time.monotonic())
+
+    async def stop_all(self) -> None:
+        """Stop every engine this agent runs (the node was removed from the cluster)."""
+        runners, self.state.runners = list(self.state.runners.values()), {}
+        await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
+        if runners:
+            log.info("stopped %d engine(s)", len(runners))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Beat until ``stop`` is set; then detach every runner (engines keep running)."""
@@ -321,7 +359,12 @@ class Agent:
         try:
             while not stop.is_set():
                 self.changed.clear()
-                await self.beat_once()
+                try:
+                    await self.beat_once()
+                except NodeRemoved as e:
+                    log.error("%s", e)  # noqa: TRY400 - the message is the point; a traceback is noise
+                    await self.stop_all()
+                    raise
                 waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.changed.wait())]
                 try:
                     await asyncio.wait(
@@ -347,6 +390,7 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
     running when it returns.
 
     Raises:
+        NodeRemoved: the control plane revoked this node's certificate (its engines are stopped).
         PkiError: the CA, certificate or key in ``cfg.tls`` cannot be loaded.
         ConfigError: ``discovery.inventory_file`` is set but unusable.
     """

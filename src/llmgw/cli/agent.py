@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from llmgw.agent.discovery import discover_inventory
-from llmgw.agent.loop import run_agent
+from llmgw.agent.loop import NodeRemoved, run_agent
 from llmgw.agent.provision import install_from_file
 from llmgw.cli.common import cli_errors, paths
 from llmgw.config import AgentConfig, load_agent_config
@@ -61,7 +61,12 @@ def agent(
     p = paths()
     cfg = load_agent_config(config or p.agent_config)
     setup_logging(verbose)
-    asyncio.run(_serve(cfg, p))
+    try:
+        asyncio.run(_serve(cfg, p))
+    except NodeRemoved as e:
+        # Exit 0: a removed node is stopped on purpose, and Restart=on-failure must not start it again.
+        print(f"Stopped: {e}", file=sys.stderr)
+        raise typer.Exit(0) from None
 
 
 @app.command("inventory")

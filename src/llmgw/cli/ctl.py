@@ -1,7 +1,7 @@
 """``llmgw ctl``: what operators ask the control plane. Tables for people, ``--json`` for scripts.
 
-Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``models``, ``model add -f FILE`` (or
-flags), ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
+Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``, ``models``,
+``model add -f FILE`` (or flags), ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
 ``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
 ``explain-placement MODEL``. ``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's
 server.yaml and admin-token file.
@@ -46,7 +46,7 @@ FOLLOW_POLL_S = 1.0
 
 NOT_PLACED_EXIT = 6
 
-node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon or drain a node.")
+node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon, drain or remove a node.")
 model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change profiles, scale, remove, resources.")
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
@@ -253,6 +253,31 @@ def node_drain(
 ) -> None:
     """Cordon NODE and move its replicas elsewhere (they stop there at once)."""
     _node_action("drain", node, server, token, as_json)
+
+
+@node_app.command("rm")
+@cli_errors
+def node_rm(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    force: Annotated[bool, typer.Option("--force", help="Drain it first when replicas are placed there.")] = False,
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Remove NODE and revoke its agent's certificate; refused while replicas run there (--force drains)."""
+    path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
+    data = _client(server, token).delete(path)
+    if as_json:
+        _print_json(data)
+        return
+    if data["drained"]:
+        print(f"{node}: drained {len(data['drained'])} replica(s); they are placed elsewhere")
+    if data["revoked"]:
+        print(f"{node}: removed; certificate serial(s) {', '.join(data['revoked'])} revoked, so its agent "
+              "stops at its next heartbeat")
+    else:
+        print(f"{node}: removed; no certificate of it was seen, so nothing was revoked: stop its agent "
+              "yourself, or it registers again")
+    print(f"To re-join it: 'llmgw server add-node {node} --address ADDR --out DIR' (a new certificate), "
+          "copy DIR to its /etc/llmgw and start its agent")
 
 
 def _read_doc(path: Path) -> Any:

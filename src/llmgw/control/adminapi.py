@@ -11,12 +11,16 @@ Routes (the OpenAPI document at ``/api/v1/openapi.json`` lists them with their s
 ``PUT /api/v1/models/{name}/profiles``, ``GET /api/v1/nodes``, ``GET /api/v1/replicas?model=``,
 ``POST /api/v1/replicas/{id}/restart``, ``GET /api/v1/explain-placement?model=``,
 ``GET /api/v1/models/{name}/resources`` (estimate, profiles, where one could run),
-``POST /api/v1/nodes/{id}/cordon|uncordon|drain``.
+``POST /api/v1/nodes/{id}/cordon|uncordon|drain``, ``DELETE /api/v1/nodes/{id}[?force=true]``.
 
 ``GET /api/v1/replicas`` also lists each wanted-but-unplaced replica as state ``pending`` with no
 node and placement's one-line summary in ``pending_reason``. A drain cordons the node and deletes
 its replicas at once; the leader places them elsewhere at its next pass (no overlap: drain
 stops before the new ones are ready).
+
+``DELETE /api/v1/nodes/{id}`` removes a node and revokes the certificate serials its agent
+presented (:meth:`~llmgw.control.store.Store.remove_node`); 409 ``node_busy`` while replicas are
+placed there, unless ``?force=true``, which drains it first (as above) in the same request.
 
 Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
 """
@@ -38,7 +42,7 @@ from pydantic import TypeAdapter, ValidationError
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
 from llmgw.control.logbroker import LogBroker
-from llmgw.control.openapi import build_openapi
+from llmgw.control.openapi import NodeRemovalView, build_openapi
 from llmgw.control.resources import resources_view
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
@@ -351,6 +355,27 @@ def build_admin_app(
         models = {m.name: m.model for m in store.list_models()}
         return _json(node_view(node, replicas, models).model_dump(mode="json"))
 
+    async def remove_node(request: web.Request) -> web.Response:
+        node = must_node(request.match_info["id"])
+        force = request.query.get("force", "").lower() in ("1", "true", "yes")
+        placed = store.list_replicas(node=node.id)
+        if placed and not force:
+            ids = ", ".join(r.id for r in placed[:5]) + (", …" if len(placed) > 5 else "")
+            raise HttpError(
+                409, "node_busy",
+                f"node '{node.id}' has {len(placed)} replica(s) placed on it ({ids}); drain it first "
+                f"('llmgw ctl node drain {node.id}': they move elsewhere) or remove it with --force, "
+                "which drains it and then removes it",
+            )
+        if placed:
+            store.update_node(node, cordoned=True)  # nothing new lands there while it goes
+        revoked = store.remove_node(node.id, now=clock())
+        changed()
+        log.info("node %s removed (replicas drained: %d, certificates revoked: %s)", node.id, len(placed),
+                 ", ".join(revoked) or "none seen")
+        view = NodeRemovalView(node=node.id, drained=[r.id for r in placed], revoked=revoked)
+        return _json(view.model_dump(mode="json"))
+
     async def model_resources(request: web.Request) -> web.Response:
         row = must_model(request.match_info["name"])
         view = resources_view(
@@ -391,7 +416,8 @@ def build_admin_app(
             )
         now = clock()
         # A restart is a replacement: the agent stops the id that is no longer desired and starts
-        # the new one (new key too), on the same node and profile, so nothing else moves.
+        # the new one (new key too), on the same node and profile, so nothing else moves. It is
+        # not a crash: ``restarts`` (what the crash backoff counts) is carried over unchanged.
         new = replace(
             old,
             id=new_replica_id(old.model),
@@ -403,7 +429,7 @@ def build_admin_app(
             created_at=now,
             updated_at=now,
             ready_at=None,
-            restarts=old.restarts + 1,
+            restarts=old.restarts,
         )
         if not store.delete_replica(old.id, revision=old.revision):
             raise Conflict(f"replica '{rid}' changed while restarting; try again")
@@ -441,4 +467,5 @@ def build_admin_app(
     r.add_get("/api/v1/explain-placement", explain)
     r.add_get("/api/v1/models/{name}/resources", model_resources)
     r.add_post("/api/v1/nodes/{id}/{action:cordon|uncordon|drain}", node_action)
+    r.add_delete("/api/v1/nodes/{id}", remove_node)
     return app

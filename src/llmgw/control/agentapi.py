@@ -10,8 +10,15 @@ reference/measured.md). The TLS context (:func:`agent_ssl_context`) requires a c
 the cluster CA, so a client without one never reaches a handler. A node cannot speak for another's
 replicas: only replicas placed on the CN's node take its reports.
 
+Revocation: a node removed with ``llmgw ctl node rm`` has the serials of the certificates its agent
+presented put on a deny-list in the store (:meth:`~llmgw.control.store.Store.remove_node`). Every
+request is checked against it after the handshake: a revoked certificate gets 403
+``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
+The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
+
 Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat, 401
-when the session carries no certificate (a server run without client verification).
+when the session carries no certificate (a server run without client verification), 403 for a
+revoked certificate.
 """
 
 from __future__ import annotations
@@ -45,6 +52,27 @@ def agent_ssl_context(config: ServerConfig) -> ssl.SSLContext:
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def peer_serial(peercert: dict[str, object] | None) -> str:
+    """The serial of a verified peer certificate (``getpeercert()``) as upper-case hex without
+    leading zeros (the form the store keeps), or ``""``."""
+    raw = peercert.get("serialNumber") if peercert else None
+    try:
+        return format(int(str(raw), 16), "X") if raw else ""
+    except ValueError:
+        return ""
+
+
+def revoked_message(node_id: str, serial: str, revoked_at: float) -> str:
+    """What a removed node's agent is told (403 ``certificate_revoked``), and logs before it stops."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(revoked_at))
+    return (
+        f"node '{node_id}' was removed from the cluster ('llmgw ctl node rm') at {when}, and this agent's "
+        f"certificate (serial {serial}) was revoked with it. To re-join, run 'llmgw server add-node "
+        f"{node_id} --address ADDR --out DIR' on the control plane, copy DIR to this node's /etc/llmgw "
+        "(a new certificate, whose serial is not revoked) and start the agent again"
+    )
 
 
 def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
@@ -129,6 +157,22 @@ def build_agent_app(
             request.transport.get_extra_info("peercert") if request.transport else None
         )
 
+    seen: set[tuple[str, str]] = set()  # (node, serial) pairs already remembered by this process
+
+    def refused(request: web.Request, node_id: str) -> web.Response | None:
+        """403 when the session's certificate is revoked; else remember its serial (once) and None."""
+        serial = peer_serial(request.transport.get_extra_info("peercert") if request.transport else None)
+        if not serial:
+            return None
+        gone = store.revoked(serial)
+        if gone is not None:
+            log.warning("node %s: refused a request with revoked certificate serial %s", node_id, serial)
+            return _error(403, "certificate_revoked", revoked_message(node_id, serial, gone[1]))
+        if (node_id, serial) not in seen:
+            store.note_cert(node_id, serial, clock())
+            seen.add((node_id, serial))
+        return None
+
     async def heartbeat(request: web.Request) -> web.Response:
         node_id = tlsconf.peer_common_name(
             request.transport.get_extra_info("peercert") if request.transport else None
@@ -146,6 +190,11 @@ def build_agent_app(
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(body)"
             return _error(400, "invalid_heartbeat", f"{where}: {first['msg']}")
+        # Checked right before the write, with no await in between: a node removed meanwhile
+        # cannot be written back by a heartbeat that passed the check earlier.
+        denied = refused(request, node_id)
+        if denied is not None:
+            return denied
         now = clock()
         before = store.get_node(node_id)
         clash = id_in_use(before, hb, now, hold_s=hold_for(node_lost_after_s, interval_s))
@@ -168,6 +217,9 @@ def build_agent_app(
         node_id = node_of(request)
         if not node_id:
             return _error(401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA")
+        denied = refused(request, node_id)
+        if denied is not None:
+            return denied
         try:
             answer = LogReply.model_validate_json(await request.read())
         except ValidationError as e:

@@ -4,9 +4,12 @@ Exactly one control plane is the leader and runs this loop (DESIGN.md, "State an
 With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
 lock) is not built yet, so run one control plane per database until it is.
 
-Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
-give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`) and stored; a
-source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
+Before each pass (:meth:`Leader.pass_once`): GGUF headers of models whose profiles give no
+``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`, off the event loop) and
+stored; a source that failed is retried after :data:`FACTS_RETRY_S`. Then every ``ready`` replica
+whose node is silent (no heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine
+probed as the gateway would reach it: ``GET http://<endpoint>/health`` with the replica's key
+(:func:`probe_engine`). The pass itself never does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order:
 
@@ -17,12 +20,20 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
 2. **Orphans**: replicas of models no longer in the catalog, and replicas on ``lost`` nodes or on
    nodes never seen, are deleted; the agents stop what is no longer desired at their next heartbeat
    (a lost node that comes back is told to run none of them, so its agent stops those engines).
+   Except: a replica of a silent node whose engine answered this pass's probe is kept, and stays
+   routable. A silent agent (restarted, paused, cut off from the control plane but not from the
+   gateway) says nothing about its engines; killing and replacing a serving engine turned a 30 s
+   agent pause into ~20 s of 503s (issue 9). When the agent reports again, it keeps (or adopts)
+   the very same engine; when the probe fails too, the replica is lost and replaced.
    Before placement, so the capacity they held is free again.
 3. **Stale and failed replicas**: a replica whose profile, source or version changed since it was
    placed (``spec_hash``) is deleted, so the model's replicas restart onto the new profile; a
    ``failed`` one is deleted once its backoff has passed (:func:`backoff_s`: 10 s doubling to
-   5 min by restarts so far), and the replica placed in its stead carries ``restarts + 1`` and its
-   error as ``last_error``.
+   5 min by crashes so far), and the replica placed in its stead carries ``restarts + 1`` and its
+   error as ``last_error``. Crashes are forgiven once a replica has been ready for
+   ``backoff_reset_s`` (10 min by default): a ready replica's ``restarts`` goes back to 0, and one
+   that failed after being ready that long is replaced as after a first crash. Restarts an
+   operator asks for (``POST /api/v1/replicas/{id}/restart``) are not crashes and are not counted.
 4. **Models**, by name: remove the newest replicas above ``scaling.max``; place new ones until
    ``scaling.min`` with one :class:`~llmgw.control.placement.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
@@ -36,9 +47,11 @@ Every write is optimistic (revision checked); a row that changed under the pass 
 next pass, which re-reads everything fresh. A new replica is ``pending`` with a fresh id
 (``<model>-<6 hex>``) and key until its node reports it.
 
-What it does not guarantee: a node that flaps past ``node_lost_after_s`` loses its replicas and gets
-new ones (new ids and keys, so engines restart); replicas are not moved to a better node once
-placed; a profile change restarts every replica of the model at once, not one by one.
+What it does not guarantee: a node that flaps past ``node_lost_after_s`` while its engines do not
+answer the probe loses its replicas and gets new ones (new ids and keys, so engines restart); an
+engine kept by the probe is watched by nobody but that probe until its agent returns (a crash
+shows as a failed probe, one pass later); replicas are not moved to a better node once placed; a
+profile change restarts every replica of the model at once, not one by one.
 """
 
 from __future__ import annotations
@@ -49,8 +62,10 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field, replace
+
+import aiohttp
 
 from llmgw.control import estimate as est
 from llmgw.control import placement
@@ -70,10 +85,38 @@ DEFAULT_INTERVAL_S = 2.0
 BACKOFF_FIRST_S = 10.0
 BACKOFF_MAX_S = 300.0
 
+#: A replica ready this long has its crash count reset, so a crash after weeks of service waits
+#: 10 s again, not the 5 min its history would give it (issue 9; ``ServerConfig.backoff_reset_s``).
+BACKOFF_RESET_S = 600.0
+
 #: A GGUF header that could not be read is tried again after this long (seconds).
 FACTS_RETRY_S = 60.0
 
+#: The probe of an engine on a silent node: a healthy llama-server answers ``/health`` in
+#: milliseconds, so 2 s only ever runs out on an engine (or a network path) that is gone.
+PROBE_TIMEOUT_S = 2.0
+
 FactsReader = Callable[[str], est.GgufFacts]
+
+#: ``(endpoint, key) -> answers``: whether a replica's engine answers its health probe.
+EngineProbe = Callable[[str, str], Awaitable[bool]]
+
+
+async def probe_engine(
+    session: aiohttp.ClientSession, endpoint: str, key: str, *, timeout_s: float = PROBE_TIMEOUT_S
+) -> bool:
+    """Whether ``GET http://<endpoint>/health`` with ``Authorization: Bearer <key>`` answers 200
+    within ``timeout_s`` (``endpoint`` is ``host:port`` as the agent reported it, the address the
+    gateway dials). Any connection error, timeout or other status is False."""
+    try:
+        async with session.get(
+            f"http://{endpoint}/health",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return False
 
 
 def backoff_s(restarts: int) -> float:
@@ -153,6 +196,7 @@ class PassResult:
     created: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     explanations: dict[str, ExplainView] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)  # replicas of silent nodes whose engine answered
 
     @property
     def changed(self) -> bool:
@@ -179,6 +223,9 @@ class Leader:
         on_change: called after a pass that created, removed or lost something (the routing
             table refreshes on it).
         read_facts: reads a GGUF header from a source URL (a seam; default: HTTP Range request).
+        backoff_reset_s: ``ServerConfig.backoff_reset_s``: ready this long, a replica's crashes
+            are forgiven.
+        probe: probes an engine of a silent node (a seam; default :func:`probe_engine`).
     """
 
     def __init__(
@@ -190,6 +237,8 @@ class Leader:
         interval_s: float = DEFAULT_INTERVAL_S,
         on_change: Callable[[], None] | None = None,
         read_facts: FactsReader = est.read_facts,
+        backoff_reset_s: float = BACKOFF_RESET_S,
+        probe: EngineProbe | None = None,
     ) -> None:
         self.store = store
         self.node_lost_after_s = node_lost_after_s
@@ -197,8 +246,11 @@ class Leader:
         self.interval_s = interval_s
         self.on_change = on_change
         self.read_facts = read_facts
+        self.backoff_reset_s = backoff_reset_s
+        self.probe = probe
         self._wake = asyncio.Event()
         self._first_pass: float | None = None
+        self._vouched: set[str] = set()  # kept by the probe at the last pass (to log changes once)
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
@@ -206,11 +258,17 @@ class Leader:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconcile until ``stop`` is set. A failed pass is logged and the next one runs."""
+        async with aiohttp.ClientSession() as session:
+            if self.probe is None:
+                self.probe = lambda endpoint, key: probe_engine(session, endpoint, key)
+            await self._loop(stop)
+
+    async def _loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self._wake.clear()
             try:
                 await asyncio.to_thread(self.refresh_facts, self.clock())
-                self.reconcile_once(self.clock())
+                await self.pass_once(self.clock())
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
@@ -244,16 +302,52 @@ class Leader:
             done.append(m.source)
         return done
 
-    def reconcile_once(self, now: float) -> PassResult:
-        """One pass, as the module docstring describes; returns what it did."""
+    def silent(self, node: NodeRow, now: float) -> bool:
+        """Whether ``node`` counts as silent at ``now``: ``lost`` already, or ``ready`` with no
+        heartbeat for ``node_lost_after_s`` (counted from this leader's first pass at the earliest)."""
+        if node.state != "ready":
+            return True
+        return now - max(node.last_seen, self._first_pass or now) > self.node_lost_after_s
+
+    async def probe_silent(self, now: float) -> set[str]:
+        """Probe the engine of every ``ready`` replica whose node is silent (or gone), all at
+        once; returns the ids of those whose engine answered (:data:`PROBE_TIMEOUT_S` at most)."""
+        if self.probe is None:
+            return set()
+        nodes = {n.id: n for n in self.store.list_nodes()}
+        suspects = [
+            r
+            for r in self.store.list_replicas()
+            if r.state == ReplicaState.READY
+            and r.endpoint
+            and (r.node not in nodes or self.silent(nodes[r.node], now))
+        ]
+        if not suspects:
+            return set()
+        probe = self.probe
+        answers = await asyncio.gather(*(probe(r.endpoint, r.key) for r in suspects), return_exceptions=True)
+        return {r.id for r, ok in zip(suspects, answers, strict=True) if ok is True}
+
+    async def pass_once(self, now: float) -> PassResult:
+        """Probe the engines of silent nodes (:meth:`probe_silent`), then :meth:`reconcile_once`."""
+        answering = await self.probe_silent(now)
+        return self.reconcile_once(now, answering=answering)
+
+    def reconcile_once(self, now: float, *, answering: Collection[str] = ()) -> PassResult:
+        """One pass, as the module docstring describes; returns what it did.
+
+        ``answering``: ids of replicas on silent nodes whose engine answered its probe this pass
+        (:meth:`probe_silent`); they are kept. Without it, a silent node's replicas go.
+        """
         result = PassResult()
         nodes = self._mark_lost(now, result)
         rows = {m.name: m for m in self.store.list_models()}
         facts = parse_facts(self.store.list_gguf_facts())
         models = {k: effective_model(v.model, facts) for k, v in rows.items()}
         live = {n.id for n in nodes if n.state == "ready"}
-        replicas = self._remove_orphans(rows, live, result)
+        replicas = self._remove_orphans(rows, live, set(answering), result)
         replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
+        replicas = self._forgive_crashes(replicas, now)
         placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
         for name in sorted(models):
             replicas = self._reconcile_model(
@@ -277,8 +371,7 @@ class Leader:
             # Silence counts from this leader's first pass at the earliest: a control plane that was
             # down (restart, upgrade) heard no heartbeats and must not stop every engine of every
             # node at its first pass; agents get node_lost_after_s to report again.
-            silent_since = max(node.last_seen, self._first_pass)
-            if node.state == "ready" and now - silent_since > self.node_lost_after_s:
+            if node.state == "ready" and self.silent(node, now):
                 try:
                     lost = self.store.update_node(node, state="lost")
                 except Conflict:
@@ -291,17 +384,33 @@ class Leader:
         return nodes
 
     def _remove_orphans(
-        self, models: dict[str, ModelRow], live: set[str], result: PassResult
+        self, models: dict[str, ModelRow], live: set[str], answering: set[str], result: PassResult
     ) -> list[ReplicaRow]:
         kept = []
+        vouched = set()
         for r in self.store.list_replicas():
             if r.model in models and r.node in live:
                 kept.append(r)
                 continue
+            if r.model in models and r.id in answering and r.state == ReplicaState.READY:
+                # The node is silent but its engine serves: keep it routable (module docstring, 2).
+                if r.id not in self._vouched:
+                    log.warning(
+                        "replica %s: node %s is silent, but its engine answers its health probe; "
+                        "kept (routable) until the agent reports or the probe fails", r.id, r.node
+                    )
+                vouched.add(r.id)
+                result.kept.append(r.id)
+                kept.append(r)
+                continue
+            if r.id in self._vouched:
+                log.warning("replica %s: node %s is silent and its engine no longer answers; replacing it",
+                            r.id, r.node)
             if self.store.delete_replica(r.id, revision=r.revision):
                 result.removed.append(r.id)
             else:
                 kept.append(r)  # changed under us; the next pass sees it fresh
+        self._vouched = vouched
         for stale in set(self.store.list_explanations()) - set(models):
             self.store.delete_explanation(stale)
         return kept
@@ -315,7 +424,8 @@ class Leader:
             model = rows[r.model].model
             stale = bool(r.spec_hash) and r.spec_hash != spec_hash(model, r.profile)
             failed_for = now - r.updated_at
-            due = r.state == ReplicaState.FAILED and failed_for >= backoff_s(r.restarts)
+            crashes = self.crashes(r)
+            due = r.state == ReplicaState.FAILED and failed_for >= backoff_s(crashes)
             if not (stale or due):
                 kept.append(r)
                 continue
@@ -328,10 +438,33 @@ class Leader:
                 carry.setdefault(r.model, []).append(_Carry(r.restarts, r.last_error))
             else:
                 log.info(
-                    "replica %s: failed %.0f s ago (restart %d); replacing it", r.id, failed_for, r.restarts + 1
+                    "replica %s: failed %.0f s ago (restart %d); replacing it", r.id, failed_for, crashes + 1
                 )
-                carry.setdefault(r.model, []).append(_Carry(r.restarts + 1, r.err))
+                carry.setdefault(r.model, []).append(_Carry(crashes + 1, r.err))
         return kept, carry
+
+    def crashes(self, r: ReplicaRow) -> int:
+        """The crashes the backoff counts for ``r``: ``r.restarts``, or 0 when it failed after being
+        ready for ``backoff_reset_s`` (the reset of :meth:`_forgive_crashes` may not have run yet)."""
+        ready_long = r.ready_at is not None and r.updated_at - r.ready_at >= self.backoff_reset_s
+        return 0 if r.state == ReplicaState.FAILED and ready_long else r.restarts
+
+    def _forgive_crashes(self, replicas: list[ReplicaRow], now: float) -> list[ReplicaRow]:
+        """Reset ``restarts`` of every replica ready for ``backoff_reset_s``; a row that changed
+        meanwhile is left for the next pass."""
+        out = []
+        for r in replicas:
+            if (
+                r.restarts
+                and r.state == ReplicaState.READY
+                and r.ready_at is not None
+                and now - r.ready_at >= self.backoff_reset_s
+            ):
+                with contextlib.suppress(Conflict):
+                    r = self.store.update_replica(replace(r, restarts=0))  # noqa: PLW2901
+                    log.info("replica %s: ready for %.0f s; its crash count is reset", r.id, now - (r.ready_at or now))
+            out.append(r)
+        return out
 
     def _reconcile_model(
         self,

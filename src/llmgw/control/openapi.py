@@ -45,6 +45,15 @@ class LogView(BaseModel):
     offset: int
 
 
+class NodeRemovalView(BaseModel):
+    """``DELETE /api/v1/nodes/{id}``: the node removed, the replicas drained from it (``force``), and
+    the certificate serials (upper-case hex) now refused at the agent API."""
+
+    node: str
+    drained: list[str]
+    revoked: list[str]
+
+
 @dataclass(frozen=True)
 class Op:
     """One operation: method, path, summary, request body shape, response shape (``list`` of it when
@@ -129,6 +138,15 @@ OPS: tuple[Op, ...] = (
     Op("get", "/api/v1/models/{name}/resources", "What a replica needs per profile, and where one fits", None,
        errors=(404,)),
     Op("post", "/api/v1/nodes/{id}/{action}", "cordon, uncordon or drain a node", NodeView, errors=(400, 404)),
+    Op(
+        "delete",
+        "/api/v1/nodes/{id}",
+        "Remove a node and revoke its agent's certificates (409 while replicas are placed there, "
+        "unless force=true, which drains it first)",
+        NodeRemovalView,
+        errors=(404, 409),
+        query=("force",),
+    ),
     Op("get", "/api/v1/guard/status", "Each policy's judges: in the catalog, ready, judge time", None),
     Op("post", "/api/v1/guard/test", "Judge a text as the gateway would", None, errors=(400, 503)),
     Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog", None,
@@ -154,6 +172,7 @@ def build_openapi() -> dict[str, Any]:
         NodeView,
         ReplicaView,
         ExplainView,
+        NodeRemovalView,
     ]
     _, defs = models_json_schema([(m, "serialization") for m in shapes], ref_template=_REF)
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))

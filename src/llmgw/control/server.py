@@ -197,7 +197,12 @@ async def serve(
     stop = stop or asyncio.Event()
     store = Store.open(default_url(config.store.url, paths.database))
     router = StoreRouter(store)
-    leader = Leader(store, node_lost_after_s=config.node_lost_after_s, on_change=router.refresh)
+    leader = Leader(
+        store,
+        node_lost_after_s=config.node_lost_after_s,
+        backoff_reset_s=config.backoff_reset_s,
+        on_change=router.refresh,
+    )
     guard = _guard(config, store, router)
     logs = LogBroker()
 

@@ -117,6 +117,22 @@ explanations_t = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+node_certs_t = sa.Table(
+    "node_certs",  # migration 3: the certificate serials each node's agent presented
+    metadata,
+    sa.Column("node", sa.String(253), primary_key=True),
+    sa.Column("serial", sa.String(64), primary_key=True),  # upper-case hex, no leading zeros
+    sa.Column("first_seen", sa.Float, nullable=False),
+)
+
+revoked_certs_t = sa.Table(
+    "revoked_certs",  # migration 3: the agent API's deny-list (serials of removed nodes)
+    metadata,
+    sa.Column("serial", sa.String(64), primary_key=True),
+    sa.Column("node", sa.String(253), nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=False),
+)
+
 migrations_t = sa.Table(
     "schema_migrations",
     metadata,
@@ -158,8 +174,18 @@ def _migration_2(conn: Connection) -> None:
     gguf_facts_t.create(conn, checkfirst=True)
 
 
+def _migration_3(conn: Connection) -> None:
+    """Issue 9: node_certs (serials seen per node) and revoked_certs (the agent API's deny-list)."""
+    node_certs_t.create(conn, checkfirst=True)
+    revoked_certs_t.create(conn, checkfirst=True)
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
-MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [(1, _migration_1), (2, _migration_2)]
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
+    (1, _migration_1),
+    (2, _migration_2),
+    (3, _migration_3),
+]
 
 
 # --- rows ---
@@ -471,6 +497,71 @@ class Store:
         if not n:
             raise Conflict(f"node '{node.id}' changed since revision {node.revision} was read")
         return replace(node, revision=node.revision + 1, **changes)
+
+    # --- node removal and certificate revocation (migration 3) ---
+
+    def note_cert(self, node_id: str, serial: str, now: float) -> None:
+        """Remember that ``node_id``'s agent presented the certificate ``serial`` (upper-case hex);
+        a pair already known is left as it is. ``ctl node rm`` revokes what is remembered here."""
+        try:
+            with self._tx() as conn:
+                known = conn.scalar(
+                    sa.select(sa.func.count())
+                    .select_from(node_certs_t)
+                    .where(node_certs_t.c.node == node_id, node_certs_t.c.serial == serial)
+                )
+                if not known:
+                    conn.execute(node_certs_t.insert().values(node=node_id, serial=serial, first_seen=now))
+        except sa.exc.IntegrityError:
+            pass  # another control plane recorded it meanwhile
+
+    def node_serials(self, node_id: str) -> list[str]:
+        """The certificate serials ``node_id``'s agent presented, oldest first."""
+        with self._tx() as conn:
+            return list(
+                conn.scalars(
+                    sa.select(node_certs_t.c.serial)
+                    .where(node_certs_t.c.node == node_id)
+                    .order_by(node_certs_t.c.first_seen, node_certs_t.c.serial)
+                )
+            )
+
+    def revoked(self, serial: str) -> tuple[str, float] | None:
+        """``(node, revoked_at)`` when the certificate ``serial`` is revoked, else None."""
+        with self._tx() as conn:
+            row = conn.execute(
+                sa.select(revoked_certs_t.c.node, revoked_certs_t.c.revoked_at).where(
+                    revoked_certs_t.c.serial == serial
+                )
+            ).first()
+        return (row.node, row.revoked_at) if row else None
+
+    def remove_node(self, node_id: str, *, now: float) -> list[str]:
+        """Delete ``node_id``, the replicas placed on it and its remembered serials, and revoke those
+        serials, in one transaction; returns the serials revoked (sorted).
+
+        A node removed this way can join again only with a new certificate (``llmgw server
+        add-node``): its old ones stay on the deny-list for good.
+
+        Raises:
+            Conflict: there is no node ``node_id``.
+        """
+        with self._tx() as conn:
+            n = conn.execute(nodes_t.delete().where(nodes_t.c.id == node_id)).rowcount
+            if not n:
+                raise Conflict(f"node '{node_id}' was removed meanwhile")
+            serials = sorted(
+                conn.scalars(sa.select(node_certs_t.c.serial).where(node_certs_t.c.node == node_id))
+            )
+            known = set(
+                conn.scalars(sa.select(revoked_certs_t.c.serial).where(revoked_certs_t.c.serial.in_(serials)))
+            )
+            for serial in serials:
+                if serial not in known:
+                    conn.execute(revoked_certs_t.insert().values(serial=serial, node=node_id, revoked_at=now))
+            conn.execute(node_certs_t.delete().where(node_certs_t.c.node == node_id))
+            conn.execute(replicas_t.delete().where(replicas_t.c.node == node_id))
+        return serials
 
     # --- replicas ---
 
