@@ -1,0 +1,310 @@
+"""Node removal, certificate revocation and TLS failures, over real mTLS (issue 9, items 18 and 19).
+
+A real control plane (:func:`~llmgw.control.server.serve`: admin API, agent API with client
+certificates from the cluster CA, leader) on loopback, and real agents (:func:`run_agent`) in this
+process. The engine is a stand-in script (``--version`` answers; otherwise it sleeps like a loading
+llama-server), so a replica stays ``starting``: removal needs a running engine, not a model.
+``llmgw ctl node rm`` runs as the real CLI in a child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+from aiohttp import web
+from cryptography import x509
+
+from llmgw import tlsconf
+from llmgw.agent.loop import NodeRemoved, run_agent
+from llmgw.agent.records import load_records, stop_all_engines
+from llmgw.agent.tlsdiag import alert_name, certificate_problem
+from llmgw.config import AgentConfig
+from llmgw.control.server import serve
+from llmgw.paths import Paths
+from llmgw.protocol import Heartbeat, Inventory
+from tests.e2e.test_cluster import FAKE_ENGINE, free_port
+
+TOKEN = "trust-test-token"
+GB = 1_000_000_000
+INVENTORY = {"cores": 4, "memory_total_bytes": 8 * GB, "memory_available_bytes": 8 * GB}
+
+
+@dataclass
+class World:
+    root: Path
+    ca: tlsconf.CA
+    admin: str
+    agent_url: str
+    files: str
+    engine: Path
+
+    def issue(self, node: str, ca: tlsconf.CA | None = None, where: str = "") -> tuple[Path, Path]:
+        return (ca or self.ca).issue_client(node).write(self.root / "nodes" / (where or node) / "etc", "agent")
+
+    def config(self, node: str, cert: Path, key: Path, ca_pem: Path | None = None) -> AgentConfig:
+        root = self.root / "nodes" / node
+        inv = root / "inventory.yaml"
+        inv.parent.mkdir(parents=True, exist_ok=True)
+        inv.write_text(yaml.safe_dump(INVENTORY))
+        return AgentConfig.model_validate(
+            {
+                "server": self.agent_url,
+                "node_id": node,
+                "tls": {"ca": ca_pem or Paths(self.root).pki / "ca.pem", "cert": cert, "key": key},
+                "discovery": {"inventory_file": str(inv)},
+                "engines": {"llamacpp": {"binary": str(self.engine)}},
+                "heartbeat_interval_s": 0.2,
+            }
+        )
+
+    async def api(self, method: str, path: str, body: Any = None) -> Any:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.request(method, self.admin + path, json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+        ):
+            assert r.status < 300, await r.text()
+            return await r.json() if r.content_length != 0 else None
+
+    async def ctl(self, *args: str) -> tuple[int, str]:
+        """``llmgw ctl ARGS`` as a child process; returns its exit code and stdout+stderr."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llmgw", "ctl", *args, "--server", self.admin, "--token", TOKEN,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "LLMGW_ROOT": str(self.root), "COLUMNS": "200"},
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode()
+
+
+async def until(what: str, pred: Any, within_s: float = 20) -> Any:
+    async def loop() -> Any:
+        while True:
+            got = await pred()
+            if got:
+                return got
+            await asyncio.sleep(0.1)
+
+    try:
+        return await asyncio.wait_for(loop(), within_s)
+    except TimeoutError:
+        raise AssertionError(f"not within {within_s} s: {what}") from None
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    paths = Paths(tmp_path)
+    paths.etc.mkdir(parents=True)
+    ca = tlsconf.CA.create()
+    ca.write(paths.pki)
+    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
+    (paths.etc / "admin-token").write_text(TOKEN + "\n")
+    ports = {k: free_port() for k in ("admin", "agent", "gateway")}
+    paths.server_config.write_text(
+        yaml.safe_dump(
+            {
+                "admin_listen": f"127.0.0.1:{ports['admin']}",
+                "agent_listen": f"127.0.0.1:{ports['agent']}",
+                "tls": {
+                    "ca": str(paths.pki / "ca.pem"),
+                    "cert": str(paths.pki / "server.pem"),
+                    "key": str(paths.pki / "server-key.pem"),
+                },
+                "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True},
+            }
+        )
+    )
+    engine = tmp_path / "llama-server"
+    engine.write_text(FAKE_ENGINE)
+    engine.chmod(engine.stat().st_mode | stat.S_IXUSR)
+    files_dir = tmp_path / "files"
+    files_dir.mkdir()
+    (files_dir / "m.gguf").write_bytes(b"GGUF" + b"\0" * 1000)
+    files = web.Application()
+    files.router.add_static("/", files_dir)
+    files_runner = web.AppRunner(files)
+    await files_runner.setup()
+    await web.TCPSite(files_runner, "127.0.0.1", 0).start()
+    stop = asyncio.Event()
+    started: asyncio.Future[dict[str, tuple[str, int]]] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(paths.server_config, paths, stop=stop, on_started=started.set_result))
+    await asyncio.wait_for(asyncio.shield(started), 20)
+    w = World(
+        tmp_path, ca, f"http://127.0.0.1:{ports['admin']}", f"https://127.0.0.1:{ports['agent']}",
+        f"http://127.0.0.1:{files_runner.addresses[0][1]}", engine,
+    )
+    try:
+        yield w
+    finally:
+        for node_dir in (tmp_path / "nodes").glob("*"):
+            stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
+        stop.set()
+        await asyncio.wait_for(server, 15)
+        await files_runner.cleanup()
+
+
+def serial_of(cert: Path) -> str:
+    return format(x509.load_pem_x509_certificate(cert.read_bytes()).serial_number, "X")
+
+
+async def heartbeat_status(w: World, cert: Path, key: Path) -> tuple[int, dict[str, Any]]:
+    ctx = tlsconf.client_context(Paths(w.root).pki / "ca.pem", cert, key)
+    beat = Heartbeat(inventory=Inventory(**INVENTORY), instance="raw").model_dump_json()
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s,
+        s.post(w.agent_url + "/agent/v1/heartbeat", data=beat, headers={"Content-Type": "application/json"}) as r,
+    ):
+        return r.status, await r.json()
+
+
+async def test_node_rm_refused_while_busy_force_drains_revokes_and_the_agent_stops(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = world
+    caplog.set_level(logging.INFO)
+    cert, key = w.issue("node-1")
+    agent = asyncio.create_task(run_agent(w.config("node-1", cert, key), Paths(w.root / "nodes" / "node-1")))
+    try:
+        await until("node-1 registered", lambda: w.api("GET", "/api/v1/nodes"))
+        await w.api(
+            "POST", "/api/v1/models",
+            {"name": "m", "source": f"{w.files}/m.gguf", "profiles": [{"name": "cpu", "min_memory_gb": 1}]},
+        )
+        state = Paths(w.root / "nodes" / "node-1").agent_state
+
+        async def engine_pid() -> int:
+            recs = load_records(state)
+            return recs[0].pid if recs else 0
+
+        pid = await until("an engine runs on node-1", engine_pid)
+
+        code, out = await w.ctl("node", "rm", "node-1")
+        assert code == 1, out
+        assert "409" in out
+        assert "node 'node-1' has 1 replica(s) placed on it" in out
+        assert "--force" in out
+        assert [n["id"] for n in await w.api("GET", "/api/v1/nodes")] == ["node-1"]
+
+        code, out = await w.ctl("node", "rm", "node-1", "--force")
+        assert code == 0, out
+        assert "node-1: drained 1 replica(s)" in out
+        assert f"certificate serial(s) {serial_of(cert)} revoked" in out
+        assert "llmgw server add-node node-1" in out
+
+        # The agent hears 403 certificate_revoked at its next heartbeat, stops its engine and ends.
+        with pytest.raises(NodeRemoved) as removed:
+            await asyncio.wait_for(agent, 20)
+    finally:
+        if not agent.done():
+            agent.cancel()
+    message = str(removed.value)
+    assert "node 'node-1' was removed from the cluster" in message
+    assert f"serial {serial_of(cert)}" in message
+    assert "run 'llmgw server add-node node-1 --address ADDR --out DIR' on the control plane" in message
+    assert any(message in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert load_records(state) == []
+
+    # The old certificate stays refused (and writes nothing); a new one for the same node joins.
+    status, body = await heartbeat_status(w, cert, key)
+    assert (status, body["error"]["code"]) == (403, "certificate_revoked")
+    assert await w.api("GET", "/api/v1/nodes") == []
+    new_cert, new_key = w.issue("node-1", where="node-1-again")
+    assert serial_of(new_cert) != serial_of(cert)
+    status, body = await heartbeat_status(w, new_cert, new_key)
+    assert status == 200, body
+    assert [n["id"] for n in await w.api("GET", "/api/v1/nodes")] == ["node-1"]
+
+    # Unknown node: 404, and the CLI says so.
+    code, out = await w.ctl("node", "rm", "nope")
+    assert code == 1
+    assert "no node 'nope'" in out
+
+
+async def warnings_of(w: World, cfg: AgentConfig, node: str, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Run the agent until it has logged a failure; return the agent's warnings."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_agent(cfg, Paths(w.root / "nodes" / node), stop=stop))
+
+    async def logged() -> bool:
+        return any(r.name == "llmgw.agent" and r.levelno == logging.WARNING for r in caplog.records)
+
+    try:
+        await until("the agent logs its failure", logged)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    return [r.getMessage() for r in caplog.records if r.name == "llmgw.agent" and r.levelno == logging.WARNING]
+
+
+async def test_agent_with_a_certificate_from_another_ca_names_the_cause(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = world
+    caplog.set_level(logging.INFO)
+    stranger = tlsconf.CA.create("another cluster's CA")
+    cert, key = w.issue("node-x", ca=stranger)
+    (msg,) = await warnings_of(w, w.config("node-x", cert, key), "node-x", caplog)
+    assert "does not answer" not in msg
+    assert "Server disconnected" not in msg
+    assert "the control plane rejected this agent's certificate (unknown CA): it was not issued by this " \
+        "cluster's CA" in msg
+    assert "another cluster" in msg  # the issuer it does have
+    assert "run 'llmgw server add-node node-x --address ADDR --out DIR' on the control plane and copy the " \
+        "new files" in msg
+    assert await w.api("GET", "/api/v1/nodes") == []
+
+
+async def test_agent_that_does_not_trust_the_server_certificate_says_what_to_copy(
+    world: World, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    w = world
+    caplog.set_level(logging.INFO)
+    other = tlsconf.CA.create("an old CA")
+    other.write(tmp_path / "old")
+    cert, key = w.issue("node-y")
+    (msg,) = await warnings_of(w, w.config("node-y", cert, key, ca_pem=tmp_path / "old" / "ca.pem"), "node-y", caplog)
+    assert "this agent does not trust the control plane's certificate at " + w.agent_url in msg
+    assert "certificate verify failed" in msg or "self-signed" in msg or "local issuer" in msg
+    assert f"it is not signed by the CA in {tmp_path / 'old' / 'ca.pem'}" in msg
+    assert "copy the cluster's CA (/etc/llmgw/pki/ca.pem on the control plane)" in msg
+
+
+def test_alert_names_and_local_certificate_checks(tmp_path: Path) -> None:
+    assert alert_name("TLSV1_ALERT_UNKNOWN_CA") == "unknown CA"
+    assert alert_name("SSLV3_ALERT_CERTIFICATE_REVOKED") == "certificate revoked"
+    assert alert_name("TLSV13_ALERT_CERTIFICATE_REQUIRED") == "certificate required"
+    assert alert_name("CERTIFICATE_VERIFY_FAILED") == ""
+    ca = tlsconf.CA.create()
+    ca.write(tmp_path)
+    cert, _ = ca.issue_client("n").write(tmp_path, "good")
+    assert certificate_problem(cert, tmp_path / "ca.pem") == ("", "")
+    server_cert, _ = ca.issue_server(["h"]).write(tmp_path, "server")
+    assert certificate_problem(server_cert, tmp_path / "ca.pem")[0] == "unsupported certificate"
+
+
+async def test_revoked_serial_refused_even_on_the_log_route(world: World) -> None:
+    """A revoked agent cannot post log replies either (every agent route checks the deny-list)."""
+    w = world
+    cert, key = w.issue("node-z")
+    status, _ = await heartbeat_status(w, cert, key)
+    assert status == 200
+    assert (await w.api("DELETE", "/api/v1/nodes/node-z"))["revoked"] == [serial_of(cert)]
+    ctx = tlsconf.client_context(Paths(w.root).pki / "ca.pem", cert, key)
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as s,
+        s.post(w.agent_url + "/agent/v1/logs", data=b"{}") as r,
+    ):
+        assert r.status == 403
+        assert (await r.json())["error"]["code"] == "certificate_revoked"
