@@ -12,6 +12,8 @@ next one (pid, start time and command line match) before it can be stopped.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import stat
 from collections.abc import AsyncIterator, Callable
@@ -287,6 +289,9 @@ async def test_lost_node_replica_moves_engine_stopped_on_return_profile_change_a
     c.start("node-b", c.config("node-b", cpu_inventory(), engine=real))
     await c.stop("node-a")  # the agent goes; its engine keeps running, as after a crash
     assert psutil.pid_exists(pid)
+    # ...but no longer answers (frozen): a silent node's replica whose engine still answers the
+    # control plane's probe would stay where it is (tests/e2e/test_lost_agent.py).
+    os.kill(pid, signal.SIGSTOP)
 
     async def moved() -> list[dict[str, Any]]:
         reps = await replicas_of(c, "m")
@@ -295,6 +300,7 @@ async def test_lost_node_replica_moves_engine_stopped_on_return_profile_change_a
     (second,) = await c.until("the replica moves to node-b", moved)
     assert second["id"] != first["id"]
 
+    os.kill(pid, signal.SIGCONT)
     c.start("node-a", cfg_a)  # node-a comes back: nothing wants its engine any more
 
     async def engine_stopped() -> bool:
