@@ -8,7 +8,8 @@ The agent is frozen with SIGSTOP for well past ``node_lost_after_s``: the node g
 its engine still answers the control plane's health probe, so its replica stays and every request
 through the gateway meanwhile is answered. After SIGCONT the agent reports again and keeps the
 very same engine (same pid and start time, same replica id and key): nothing was killed or
-replaced. (Before the fix the replica was deleted as soon as the node was lost: the gateway
+replaced. Then the agent is killed and a new one starts only once the node is lost: it adopts the
+same engine. (Before the fix the replica was deleted as soon as the node was lost: the gateway
 answered 503 until a new engine had loaded, and the returning agent stopped the old one.)
 """
 
@@ -64,6 +65,10 @@ class World:
             self.gateway + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
         ) as r:
             return r.status, await r.text()
+
+
+async def lost(w: World) -> bool:
+    return bool((await w.api("/api/v1/nodes"))[0]["state"] == "lost")
 
 
 async def until(what: str, pred: Any, within_s: float) -> Any:
@@ -205,10 +210,28 @@ async def test_frozen_agent_keeps_its_engine_serving_and_adopts_it_back(world: W
         status, text = await w.ask(session)
         assert status == 200, text
 
+        reps = await w.api("/api/v1/replicas?model=m")
+        assert [(r["id"], r["state"], r["restarts"]) for r in reps] == [(replica["id"], "ready", 0)]
+        (after,) = load_records(w.agent.agent_state)
+        assert (after.id, after.pid) == (replica["id"], pid)
+        assert psutil.Process(pid).create_time() == started  # the very same engine process
+
+        # The agent dies and a new one starts only after the node was lost: it adopts the engine.
+        w.agent.kill9()
+        await until("the node is lost", lambda: lost(w), 30)
+        status, text = await w.ask(session)
+        assert status == 200, text
+        w.agent.start()
+        await until("the node reports again", back, 30)
+        await asyncio.sleep(2.0)
+        status, text = await w.ask(session)
+        assert status == 200, text
+
     reps = await w.api("/api/v1/replicas?model=m")
     assert [(r["id"], r["state"], r["restarts"]) for r in reps] == [(replica["id"], "ready", 0)]
     (after,) = load_records(w.agent.agent_state)
-    assert after.id == replica["id"]
-    assert after.pid == pid
-    assert psutil.Process(pid).create_time() == started  # the very same engine process
-    assert "stopping" not in w.agent.log.read_text()
+    assert (after.id, after.pid) == (replica["id"], pid)
+    assert psutil.Process(pid).create_time() == started
+    log = w.agent.log.read_text()
+    assert f"replica {replica['id']}: adopting llama-server pid {pid}" in log
+    assert "stopping" not in log

@@ -367,8 +367,8 @@ def build_admin_app(
                 f"('llmgw ctl node drain {node.id}': they move elsewhere) or remove it with --force, "
                 "which drains it and then removes it",
             )
-        if placed:
-            store.update_node(node, cordoned=True)  # nothing new lands there while it goes
+        # One transaction: the node, its replicas (drained: the leader places them elsewhere at its
+        # next pass) and its serials go, and those serials are revoked.
         revoked = store.remove_node(node.id, now=clock())
         changed()
         log.info("node %s removed (replicas drained: %d, certificates revoked: %s)", node.id, len(placed),
