@@ -186,7 +186,7 @@ class Agent:
         self._refresh_engines()
         self._stopping: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._last_error = ("", 0.0)
+        self._last_error = ("", "", 0.0)  # (raw failure, text logged, when logged)
         # Kept in the state dir: a restarted agent is the same instance (no 409 while it adopts).
         self.instance = instance_id(self.agent_state)
 
@@ -249,12 +249,11 @@ class Agent:
                 raise NodeRemoved(str(e).partition(": ")[2] or str(e)) from e
             if isinstance(e, ApiError) and e.status == 404:
                 self.state.registered = False
-            if self._due(str(e)):
-                self._log_failure(str(e), await self._explain(e))
+            await self._log_failure(e)
             return None
         if self._last_error[0]:
             log.info("control plane %s answers again", self.cfg.server)
-            self._last_error = ("", 0.0)
+            self._last_error = ("", "", 0.0)
         if not self.state.registered:
             log.info("registered with %s as node %s", self.cfg.server, reply.node_id)
             if reply.node_id and reply.node_id != self.cfg.node_id:
@@ -317,10 +316,19 @@ class Agent:
                 self.state.runners[rid] = runner
                 runner.start()
 
-    def _due(self, message: str) -> bool:
-        """Whether a failure with this text is logged now (new text, or :data:`LOG_REPEAT_S` on)."""
-        last, at = self._last_error
-        return message != last or time.monotonic() - at > LOG_REPEAT_S
+    async def _log_failure(self, e: LlmgwError) -> None:
+        """Log a failed heartbeat, explained, when it is new or :data:`LOG_REPEAT_S` passed since
+        the same was logged; the TLS diagnosis runs only then (one extra connection at most)."""
+        raw, now = str(e), time.monotonic()
+        last_raw, last_text, at = self._last_error
+        if raw == last_raw and now - at <= LOG_REPEAT_S:
+            return
+        text = await self._explain(e)
+        if text == last_text and now - at <= LOG_REPEAT_S:
+            self._last_error = (raw, text, at)  # the same cause in other words ("reset", "disconnected")
+            return
+        log.warning("%s; retrying every %.0f s, engines keep running", text, self.cfg.heartbeat_interval_s)
+        self._last_error = (raw, text, now)
 
     async def _explain(self, e: LlmgwError) -> str:
         """The text to log for a failed heartbeat: the TLS diagnosis when there is one."""
@@ -331,12 +339,6 @@ class Agent:
             tlsdiag.diagnose, self.cfg.server, self.cfg.node_id, tls.ca, tls.cert, tls.key
         )
         return f"control plane {self.cfg.server}: {why}" if why else str(e)
-
-    def _log_failure(self, message: str, text: str | None = None) -> None:
-        log.warning(
-            "%s; retrying every %.0f s, engines keep running", text or message, self.cfg.heartbeat_interval_s
-        )
-        self._last_error = (message, time.monotonic())
 
     async def stop_all(self) -> None:
         """Stop every engine this agent runs (the node was removed from the cluster)."""
