@@ -60,6 +60,7 @@ async def err(resp: Any, status: int) -> dict[str, str]:
         ("POST", "/api/v1/models"),
         ("DELETE", "/api/v1/models/chat"),
         ("GET", "/api/v1/nodes"),
+        ("DELETE", "/api/v1/nodes/node-a"),
         ("GET", "/api/v1/openapi.json"),
         ("GET", "/api/v1/explain-placement?model=chat"),
     ],
