@@ -13,6 +13,7 @@ and a fake clock: what is under test is init's output, not the control plane).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 from pathlib import Path
@@ -128,7 +129,7 @@ def written_by_init(tmp_path: Path, binary: Path | None) -> tuple[Paths, Path]:
 
 def reconcile(tmp_path: Path, paths: Paths, new: Path) -> tuple[str, str]:
     init = ServerInit(paths, InitOptions(llama_server=new), SupervisorManager(paths), out=io.StringIO())
-    changed = init._reconcile_agent_yaml(paths.agent_config)  # noqa: SLF001 - the step's agent.yaml part alone
+    changed = init.reconcile_agent_yaml(paths.agent_config)
     assert isinstance(init.out, io.StringIO)
     return changed, init.out.getvalue()
 
@@ -250,12 +251,13 @@ def scripted(tmp_path: Path, answers: dict[str, Any], **kw: Any) -> tuple[Server
 
 
 def waiting_lines(out: str) -> list[tuple[int, str]]:
-    return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"\.\. waiting for .*? \((\d+)s\): last state (.*)", out)]
+    found = re.finditer(r"\.\. waiting for .*? \((\d+)s\): last state (.*)", out)
+    return [(int(m.group(1)), m.group(2)) for m in found]
 
 
 def assert_never_silent(lines: list[tuple[int, str]], until: float) -> None:
     times = [0, *(t for t, _ in lines), until]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) <= 10, gaps
 
 

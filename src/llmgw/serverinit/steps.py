@@ -537,7 +537,7 @@ class ServerInit:
         conf = self.paths.agent_config
         changed = ""
         if conf.exists():
-            changed = self._reconcile_agent_yaml(conf)
+            changed = self.reconcile_agent_yaml(conf)
         else:
             _h, port = parse_listen(self.config().agent_listen)
             server = f"https://{self._url_host(self.reachable_addr())}:{port}"
@@ -593,7 +593,7 @@ class ServerInit:
         self.wait(self.opts.node_wait_s, "this node to be ready with an engine", ready, interval_s=self.opts.poll_s)
         self.say("kept", f"node {node} is ready")
 
-    def _reconcile_agent_yaml(self, conf: Path) -> str:
+    def reconcile_agent_yaml(self, conf: Path) -> str:
         """Keep agent.yaml; when ``--llama-server`` differs from its binary and init wrote that
         value, update it (see :mod:`.agentconf`). Returns what changed (``""`` when nothing did)."""
         new = self.opts.llama_server
