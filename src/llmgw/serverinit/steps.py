@@ -211,7 +211,6 @@ class ServerInit:
         self._check_judge_source()
         ls = self.opts.llama_server
         if ls is not None:
-            self.progress(f"checking --llama-server {ls} ('--version')")
             version = preflight.check_llama_server(ls)
             self.say("kept", f"--llama-server {ls} is llama.cpp build {version}")
         cfg = load_server_config(self.paths.server_config) if self.paths.server_config.exists() else None
