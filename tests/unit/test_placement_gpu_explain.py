@@ -271,3 +271,10 @@ def test_ctl_nodes_prints_the_discovery_problem(tmp_path: Path, store: Store) ->
         loop.close()
     assert r.exit_code == 0, r.output
     assert "gpu-a: GPU 0 (NVIDIA H100 80GB HBM3) reports 0 GB of memory: a GPU discovery problem" in r.output
+
+
+def test_an_unmeasured_card_of_another_product_is_not_the_reason(tmp_path: Path) -> None:
+    inv = declared(tmp_path, [{"index": 0, "name": "NVIDIA A10", "memory_total_bytes": 0}])
+    d, _ = explain(model(Profile(name="gpu", gpu_class="h100-80gb-hbm3", min_memory_gb=8)), [gpu_node(inv)])
+    (rej,) = d.rejections
+    assert (rej.code, rej.reason) == ("gpu_class_mismatch", "no GPU of class h100-80gb-hbm3 (has: a10)")

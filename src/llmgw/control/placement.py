@@ -204,14 +204,16 @@ def gpu_class(c: Candidate) -> Miss | None:
 
 
 def gpu_discovery(c: Candidate) -> Miss | None:
-    """A GPU profile on a node with cards reported with 0 GB memory (:mod:`llmgw.gpuhealth`):
-    when the measured cards of the class are too few for ``gpu_count``, the unmeasured ones are
+    """A GPU profile on a node with cards reported with 0 GB memory (:mod:`llmgw.gpuhealth`) that
+    could be of its class: when the measured cards of the class are too few for ``gpu_count``, those are
     the reason, named as a discovery problem with what to check (their class lost its memory part
     and their free memory is unknown, so "no GPU of class" or "0.0 of 0.0 GB free" would mislead)."""
     want = c.profile.gpu_class
     if not want:
         return None
-    bad = gpuhealth.unmeasured(c.node.inventory.gpus)
+    # A card counts when it could be of the class: the same class, or the class without the
+    # "-<n>gb" that an unknown memory drops ("rtx-4090" for "rtx-4090-24gb").
+    bad = [g for g in gpuhealth.unmeasured(c.node.inventory.gpus) if want == g.klass or want.startswith(f"{g.klass}-")]
     if not bad:
         return None
     measured = [g for g in c.node.inventory.gpus if g.klass == want and g.memory_total_bytes > 0]
