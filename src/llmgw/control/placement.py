@@ -211,9 +211,12 @@ def gpu_discovery(c: Candidate) -> Miss | None:
     want = c.profile.gpu_class
     if not want:
         return None
+    gpus = c.node.inventory.gpus
+    if all(g.memory_total_bytes > 0 for g in gpus):  # the common case, checked first: this is hot
+        return None
     # A card counts when it could be of the class: the same class, or the class without the
     # "-<n>gb" that an unknown memory drops ("rtx-4090" for "rtx-4090-24gb").
-    bad = [g for g in gpuhealth.unmeasured(c.node.inventory.gpus) if want == g.klass or want.startswith(f"{g.klass}-")]
+    bad = [g for g in gpuhealth.unmeasured(gpus) if want == g.klass or want.startswith(f"{g.klass}-")]
     if not bad:
         return None
     measured = [g for g in c.node.inventory.gpus if g.klass == want and g.memory_total_bytes > 0]
@@ -244,10 +247,14 @@ def gpu_size(c: Candidate) -> Miss | None:
         return None
     want = c.profile.gpu_count
     per_card = c.profile.min_memory_gb / want
-    cards = sorted((g for g in c.node.inventory.gpus if g.klass == klass), key=lambda g: g.index)
-    big = [g for g in cards if per_card <= card_total_gb(g) + 1e-9]
-    small = [g for g in cards if g not in big]
-    if len(big) >= want or not small:
+    big = sum(1 for g in c.node.inventory.gpus if g.klass == klass and per_card <= card_total_gb(g) + 1e-9)
+    if big >= want:
+        return None
+    small = sorted(
+        (g for g in c.node.inventory.gpus if g.klass == klass and per_card > card_total_gb(g) + 1e-9),
+        key=lambda g: g.index,
+    )
+    if not small:
         return None
     largest = max(card_total_gb(g) for g in small)
     if len(small) == 1:
@@ -255,7 +262,7 @@ def gpu_size(c: Candidate) -> Miss | None:
     else:
         text = f"cards {_indexes(small)} have {largest:.1f} GB in all, need {per_card:.1f} each: too small"
     if want > 1:
-        text += f" ({len(big)} of the {want} {klass} cards the profile needs are big enough)"
+        text += f" ({big} of the {want} {klass} cards the profile needs are big enough)"
     return Miss(text, "GPU too small", round(per_card, 3), gpu_index=small[0].index, total=round(largest, 3))
 
 
