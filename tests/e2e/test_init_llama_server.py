@@ -1,6 +1,6 @@
 """``--llama-server`` through real inits (issue 9, item 23), on real processes as in test_init.py:
 a shell script that is not llama-server is refused before anything is written; an init with the
-real llama-server (under one path) serves; a later init given the same binary under another path
+real llama-server (behind a wrapper script) serves; a later init given the binary's own path
 updates the value init wrote into agent.yaml (``updated …``, ``agent.yaml.bak``), restarts the agent,
 and the node is ready and answering again.
 """
@@ -38,9 +38,11 @@ def test_a_wrong_llama_server_is_refused_and_a_later_one_replaces_what_init_wrot
     assert not (root / "etc/llmgw/agent.yaml").exists()
     assert not (root / "etc/llmgw/server.yaml").exists()
 
+    # The same llama-server under another path (init resolves links, so a wrapper, not a link).
     first_path = tmp_path / "first" / "llama-server"
     first_path.parent.mkdir()
-    first_path.symlink_to(assets.llama_server)
+    first_path.write_text(f'#!/bin/sh\nexec {assets.llama_server} "$@"\n')
+    first_path.chmod(0o755)
     first = llmgw(root, *_with_llama_server(args, first_path))
     assert first.returncode == 0, first.stdout + first.stderr
     conf = root / "etc/llmgw/agent.yaml"
