@@ -24,9 +24,10 @@ from pathlib import Path
 from llmgw.config import parse_listen
 from llmgw.errors import ConfigError
 
-VERSION_TIMEOUT_S = 20.0
-"""``llama-server --version`` answers in milliseconds (a CUDA build probes its devices first, a
-second or two); a binary that hangs there is refused rather than waited on."""
+VERSION_TIMEOUT_S = 10.0
+"""``llama-server --version`` answers in milliseconds (0.04 s for the assets' build here; a CUDA
+build probes its devices first, a second or two); a binary that hangs there is refused rather than
+waited on, and init is never silent for longer than this."""
 
 _LLAMA_VERSION = re.compile(r"(?m)^version: (\S+) \(([^)]*)\)")
 """llama.cpp's ``--version`` line, e.g. ``version: 5318 (a1b2c3d4)`` (printed on stderr)."""
