@@ -3,7 +3,8 @@
 Both files reject unknown fields (a typo is an error, not a silently ignored setting). A file that
 fails to load is never rewritten: :func:`load_server_config` and :func:`load_agent_config` only
 read. ``server init`` appends blocks to ``server.yaml`` (with a timestamped backup) and never
-rewrites it; ``agent.yaml`` is never overwritten.
+rewrites it; ``agent.yaml`` is written once (only the llama-server init wrote there is updated,
+see :mod:`llmgw.serverinit.agentconf`).
 
 Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces), as in DESIGN.md.
 """

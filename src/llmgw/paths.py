@@ -65,7 +65,7 @@ class Paths:
 
     @property
     def agent_config(self) -> Path:
-        """``/etc/llmgw/agent.yaml``: this node's agent config; never overwritten."""
+        """``/etc/llmgw/agent.yaml``: this node's agent config; written once (see :mod:`llmgw.serverinit.agentconf`)."""
         return self.etc / "agent.yaml"
 
     @property

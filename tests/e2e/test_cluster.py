@@ -246,18 +246,19 @@ async def test_five_nodes_spread_gpus_exclusive_cpu_fallback_outside_memory_and_
 
     ex = await c.until("huge explained", explained)
     assert ex["placed"] is False
-    assert ex["summary"] == "0/5 nodes can run it: 5 not enough memory"
-    assert [(r["node"], r["reason"]) for r in ex["rejections"]] == [
-        ("cpu-1", "needs 100.0 GB memory, 6.0 of 8.0 GB free"),
-        ("cpu-2", "needs 100.0 GB memory, 6.0 of 8.0 GB free"),
-        ("cpu-3", "needs 100.0 GB memory, 1.0 of 8.0 GB free (7.0 GB used outside llmgw)"),
-        ("gpu-1", "needs 100.0 GB memory, 64.0 of 64.0 GB free"),
-        ("gpu-2", "needs 100.0 GB memory, 64.0 of 64.0 GB free"),
+    # 100 GB on nodes of 8 and 64: too small, whatever is freed there (issue 9, item 20)
+    assert ex["summary"] == "0/5 nodes can run it: 5 memory too small"
+    assert [(r["node"], r["code"], r["reason"]) for r in ex["rejections"]] == [
+        (n, "memory_too_small", f"needs 100.0 GB memory, the node has {gb} GB in all: too small")
+        for n, gb in (("cpu-1", "8.0"), ("cpu-2", "8.0"), ("cpu-3", "8.0"), ("gpu-1", "64.0"), ("gpu-2", "64.0"))
     ]
-    assert ex["would_fit_if"][0] == "free 36.0 GB memory on gpu-1"
+    assert ex["would_fit_if"][0] == (
+        "cpu-1 is too small (8.0 GB memory in all, needs 100.0): add a node with at least 100.0 GB"
+    )
+    assert not any(line.startswith("free") for line in ex["would_fit_if"])
     pending = [r for r in await c.api("GET", "/api/v1/replicas?model=huge") if r["state"] == "pending"]
     assert [(r["id"], r["pending_reason"]) for r in pending] == [
-        ("huge#pending-1", "0/5 nodes can run it: 5 not enough memory")
+        ("huge#pending-1", "0/5 nodes can run it: 5 memory too small")
     ]
 
 

@@ -180,8 +180,7 @@ def test_gpus() -> None:
             (
                 "used outside llmgw",
                 cand(node(gpus=[h100(used_gb=50)]), gpu),
-                "needs 40.0 GB GPU memory on one h100-80gb, best card has 30.0 of 80.0 GB free "
-                "(50.0 GB used outside llmgw)",
+                "card 0 has 30.0 of 80.0 GB free, needs 40.0 (50.0 GB used outside llmgw)",
             ),
             ("two cards, 50 GB each", cand(node(gpus=[h100(), h100(index=1)]), two), None),
             ("two cards wanted, one free", cand(node(gpus=[h100(), h100(index=1)]), two, taken),
@@ -212,6 +211,9 @@ def test_pipeline_order_first_failure_wins() -> None:
     assert v is not None
     assert (v.rejection.code, v.rejection.kind) == ("node_not_ready", "filtered")
     v = pl.check(cand(node(labels={"a": "b"}), p))
+    assert v is not None
+    assert (v.rejection.code, v.rejection.kind) == ("memory_too_small", "filtered")  # 100 GB on an 8 GB node
+    v = pl.check(cand(node(labels={"a": "b"}, avail_gb=2), p.model_copy(update={"min_memory_gb": 4})))
     assert v is not None
     assert (v.rejection.code, v.rejection.kind) == ("memory_exhausted", "exhausted")
 
@@ -244,7 +246,7 @@ def test_place_spreads_then_prefers_free_memory_then_id() -> None:
 def test_summary_counts_per_reason_sorted() -> None:
     p = Profile(name="cpu", min_memory_gb=2, node_selector={"llmgw.control-plane": "true"})
     nodes = [
-        node("a", labels={"llmgw.control-plane": "true"}, mem_gb=1),
+        node("a", labels={"llmgw.control-plane": "true"}, mem_gb=8, avail_gb=1),
         node("b"),
         node("c"),
     ]
@@ -261,8 +263,10 @@ def test_summary_counts_per_reason_sorted() -> None:
 def test_summary_counts_a_node_under_its_furthest_verdict() -> None:
     gpu = Profile(name="gpu", gpu_class="h100-80gb", priority=200)
     cpu = Profile(name="cpu", min_memory_gb=10)
-    d = pl.place(model(cpu, gpu), [node("a", mem_gb=8)], [])
+    d = pl.place(model(cpu, gpu), [node("a", mem_gb=16, avail_gb=8)], [])
     assert d.summary == "0/1 nodes can run it: 1 not enough memory"
+    d = pl.place(model(cpu, gpu), [node("a", mem_gb=8)], [])  # too small: a filter past the GPU class
+    assert d.summary == "0/1 nodes can run it: 1 memory too small"
 
 
 # --- the leader, over a real store ---
@@ -332,6 +336,7 @@ def test_leader_explains_when_nothing_fits(store: Store) -> None:
     ex = store.get_explanation("big")
     assert ex is not None
     assert not ex.placed
-    assert ex.summary == "0/1 nodes can run it: 1 not enough memory"
-    assert ex.rejections[0].reason == "needs 4.0 GB memory, 1.0 of 1.0 GB free"
+    assert ex.summary == "0/1 nodes can run it: 1 memory too small"
+    assert ex.rejections[0].reason == "needs 4.0 GB memory, the node has 1.0 GB in all: too small"
+    assert ex.would_fit_if == ["a is too small (1.0 GB memory in all, needs 4.0): add a node with at least 4.0 GB"]
     assert store.list_replicas() == []

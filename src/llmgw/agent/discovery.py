@@ -11,6 +11,8 @@ Mechanism, in order:
    no library) the ``nvidia-smi`` CSV query is the fallback; when that is missing or fails too,
    the node has no GPU. None is an answer, not an error: the node then serves on CPU.
    :func:`has_nvidia_device` tells "no card" from "a card the driver does not show".
+4. A card reported with 0 GB memory is logged as a discovery problem with what to check
+   (:mod:`llmgw.gpuhealth`); it is still reported, so the nodes view and placement name it too.
 
 The GPU class (:func:`gpu_class`) is what placement matches ``gpu_class`` profiles against: the
 product name without vendor words plus the memory *as marketed*, never the raw MiB (81559 and
@@ -33,6 +35,7 @@ import psutil
 import yaml
 from pydantic import ValidationError
 
+from llmgw import gpuhealth
 from llmgw.config import AgentConfig, describe_validation_error
 from llmgw.errors import ConfigError
 from llmgw.protocol import GPU, Inventory
@@ -253,15 +256,19 @@ def discover_inventory(
         ConfigError: ``discovery.inventory_file`` is set but unusable.
     """
     if cfg.discovery.inventory_file is not None:
-        return load_inventory_file(cfg.discovery.inventory_file)
-    mem = psutil.virtual_memory()
-    return Inventory(
-        hostname=socket.gethostname(),
-        cores=psutil.cpu_count(logical=True) or 1,
-        memory_total_bytes=int(mem.total),
-        memory_available_bytes=int(mem.available),
-        gpus=discover_gpus(nvml=nvml, smi=smi),
-    )
+        inv = load_inventory_file(cfg.discovery.inventory_file)
+    else:
+        mem = psutil.virtual_memory()
+        inv = Inventory(
+            hostname=socket.gethostname(),
+            cores=psutil.cpu_count(logical=True) or 1,
+            memory_total_bytes=int(mem.total),
+            memory_available_bytes=int(mem.available),
+            gpus=discover_gpus(nvml=nvml, smi=smi),
+        )
+    for problem in gpuhealth.discovery_problems(inv.gpus):
+        log.warning("%s", problem)
+    return inv
 
 
 def has_nvidia_device(sys_root: Path = Path("/sys")) -> bool:

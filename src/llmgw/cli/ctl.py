@@ -106,6 +106,8 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
         for p in n.get("provision", []):
             if p["state"] in ("failed", "unsupported") and p.get("detail"):
                 print(f"{n['id']}: {p['engine']}: {p['detail']}")
+        for problem in n.get("problems", []):
+            print(f"{n['id']}: {problem}")
 
 
 @app.command()

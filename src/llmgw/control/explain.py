@@ -6,10 +6,14 @@ answers with short lines, most useful first:
 * **exhausted** nodes (they passed every rule, a resource is short), the smallest shortfall first:
   ``free 0.6 GB on node-b by stopping replica chat-1a2b3c (chat, 1.0 GB)`` when one replica there
   holds enough, ``free 0.6 GB on node-b (2.0 GB there is used outside llmgw)`` when another program
-  holds it, ``free a h100-80gb GPU on gpu-a by stopping replica big-0f0f0f``;
+  holds it, ``free a h100-80gb GPU on gpu-a by stopping replica big-0f0f0f``,
+  ``free 14.0 GB on card 0 of gpu-a (18.0 GB there is used outside llmgw)`` (the card that is
+  short, by index; never a negative amount);
 * **filtered** only, one line per distinct rule: ``add a node with GPU class h100-80gb``,
   ``label a node llmgw.zone=eu (agent.yaml labels)``, ``install engine vllm on a node``,
-  ``uncordon node-c ('llmgw ctl node uncordon node-c')``, ``bring node-d back: its agent is not reporting``.
+  ``uncordon node-c ('llmgw ctl node uncordon node-c')``, ``bring node-d back: its agent is not reporting``;
+  a card or node smaller than what the profile needs is *too small*, never "free …" (no amount
+  of freeing helps); a card reported with 0 GB memory is a discovery problem to fix on the node.
 
 Preemption is never done for the operator: these are suggestions (Kubernetes' "preemption: …"
 verdict, in words). At most :data:`MAX_SUGGESTIONS` lines.
@@ -35,6 +39,8 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
     if rej.need is None or rej.free is None or node is None:
         return None
     short = rej.need - rej.free
+    if short <= 1e-9:  # nothing to free: never suggest a negative or zero amount
+        return None
     if rej.code == "memory_exhausted":
         others = sorted(
             (r for r in usage.held if not r.gpu_class and r.memory_gb >= short - 1e-9),
@@ -58,14 +64,21 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
     if rej.code == "gpu_exhausted":
         prof = next((p for p in model.profiles if p.name == rej.profile), None)
         klass = prof.gpu_class if prof else "GPU"
-        if v.label == "no free GPU" and usage.gpus_taken:
+        if v.label == "no free GPU":
+            if not usage.gpus_taken:
+                return None
             holder = sorted(set(usage.gpus_taken.values()))[0]
             return short + 1000, f"free a {klass} GPU on {rej.node} by stopping replica {holder}"
-        return short + 1000, f"free {short:.1f} GB on a {klass} card of {rej.node}"
+        if rej.gpu_index is None or short <= 0:
+            return None
+        card = next((g for g in node.inventory.gpus if g.index == rej.gpu_index), None)
+        used = card.memory_used_bytes / pl.GB if card is not None else 0.0
+        note = f" ({used:.1f} GB there is used outside llmgw)" if used >= pl.OUTSIDE_NOTE_GB else ""
+        return short + 1000, f"free {short:.1f} GB on card {rej.gpu_index} of {rej.node}{note}"
     return None
 
 
-def _filtered_line(v: pl.Verdict, model: Model) -> str:
+def _filtered_line(v: pl.Verdict, model: Model) -> str:  # noqa: PLR0911 - one answer per rule, flat is clearer
     rej = v.rejection
     prof = next((p for p in model.profiles if p.name == rej.profile), None)
     if rej.code == "gpu_class_mismatch" and prof is not None:
@@ -79,6 +92,19 @@ def _filtered_line(v: pl.Verdict, model: Model) -> str:
         return f"uncordon {rej.node} ('llmgw ctl node uncordon {rej.node}')"
     if rej.code == "node_not_ready":
         return f"bring {rej.node} back: its agent is not reporting"
+    if rej.code == "gpu_discovery_problem":
+        return f"fix GPU discovery on {rej.node}: {rej.reason}"
+    if rej.code == "gpu_too_small" and rej.need is not None and rej.total is not None:
+        return (
+            f"card {rej.gpu_index} of {rej.node} is too small ({rej.total:.1f} GB, needs {rej.need:.1f}): "
+            "no amount of freeing helps; add a node with bigger cards, or raise the profile's gpu_count "
+            "to split the model over more cards"
+        )
+    if rej.code == "memory_too_small" and rej.need is not None and rej.total is not None:
+        return (
+            f"{rej.node} is too small ({rej.total:.1f} GB memory in all, needs {rej.need:.1f}): "
+            f"add a node with at least {rej.need:.1f} GB"
+        )
     return rej.reason
 
 

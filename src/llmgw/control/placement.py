@@ -9,13 +9,19 @@ A pipeline in the Kubernetes-scheduler/Nomad shape, pure functions throughout::
             cordoned        an admin has not cordoned it
             node_selector   it carries every label the profile asks for
             engine          the profile's engine is installed there (EngineStatus state installed)
+            gpu_discovery   GPU profiles: not enough measured cards of the class while the node has
+                            cards reported with 0 GB memory (a discovery problem, named as one)
             gpu_class       it has a GPU of the profile's class (GPU profiles only)
+            gpu_size        GPU profiles: ``gpu_count`` cards of the class whose *total* memory
+                            holds min_memory_gb / gpu_count (freeing cannot make a card bigger)
+            memory_size     CPU profiles: the node's total memory holds min_memory_gb
         fits     (resources; freeing some would help -> kind "exhausted")
             memory          host memory, CPU profiles: min(total - reserved, available), so memory
                             used outside llmgw (observed: total - available - reserved) counts
             cores           logical cores minus cpu_cores reserved by replicas placed there
             gpus            GPU profiles: ``gpu_count`` cards of the class that no replica holds,
-                            each with min_memory_gb / gpu_count free (card total - observed used)
+                            each with min_memory_gb / gpu_count free (card total - observed used);
+                            the reason names the card that is short by index, never "the best card"
         if any node survives: score and stop; else try the next profile
 
 Survivors are scored (lower wins): fewest replicas of this model on the node (spread), then nodes
@@ -44,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from llmgw import gpuhealth
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.views import Rejection
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
@@ -124,13 +131,18 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Miss:
-    """A failed check: ``label`` is the summary's words (equal labels are counted together)."""
+    """A failed check: ``label`` is the summary's words (equal labels are counted together).
+
+    ``need``/``free``/``total`` are GB or cores; ``gpu_index`` names the one card the reason is
+    about (a card too small, or the card short of free memory)."""
 
     reason: str
     label: str
     need: float | None = None
     free: float | None = None
     held_by: tuple[str, ...] = ()
+    gpu_index: int | None = None
+    total: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,86 @@ def gpu_class(c: Candidate) -> Miss | None:
     if want in have:
         return None
     return Miss(f"no GPU of class {want} (has: {', '.join(have) or 'none'})", f"no GPU of class {want}")
+
+
+def gpu_discovery(c: Candidate) -> Miss | None:
+    """A GPU profile on a node with cards reported with 0 GB memory (:mod:`llmgw.gpuhealth`) that
+    could be of its class: when the measured cards of the class are too few for ``gpu_count``, those are
+    the reason, named as a discovery problem with what to check (their class lost its memory part
+    and their free memory is unknown, so "no GPU of class" or "0.0 of 0.0 GB free" would mislead)."""
+    want = c.profile.gpu_class
+    if not want:
+        return None
+    gpus = c.node.inventory.gpus
+    if all(g.memory_total_bytes > 0 for g in gpus):  # the common case, checked first: this is hot
+        return None
+    # A card counts when it could be of the class: the same class, or the class without the
+    # "-<n>gb" that an unknown memory drops ("rtx-4090" for "rtx-4090-24gb").
+    bad = [g for g in gpuhealth.unmeasured(gpus) if want == g.klass or want.startswith(f"{g.klass}-")]
+    if not bad:
+        return None
+    measured = [g for g in c.node.inventory.gpus if g.klass == want and g.memory_total_bytes > 0]
+    if len(measured) >= c.profile.gpu_count:
+        return None
+    return Miss(
+        f"{gpuhealth.describe(bad)}: a GPU discovery problem on this node; {gpuhealth.WHAT_TO_CHECK}",
+        "GPU discovery problem",
+        gpu_index=bad[0].index,
+    )
+
+
+def card_total_gb(g: GPU) -> float:
+    """A card's total memory (GB)."""
+    return g.memory_total_bytes / GB
+
+
+def _indexes(gpus: Sequence[GPU]) -> str:
+    return ", ".join(str(g.index) for g in gpus)
+
+
+def gpu_size(c: Candidate) -> Miss | None:
+    """GPU profiles: at least ``gpu_count`` cards of the class whose total memory holds the
+    per-card share ``min_memory_gb / gpu_count``. A card smaller than its share never fits however
+    much is freed on it, so this is a filter: the reason says the card is too small, by index."""
+    klass = c.profile.gpu_class
+    if not klass or c.profile.min_memory_gb <= 0:
+        return None
+    want = c.profile.gpu_count
+    per_card = c.profile.min_memory_gb / want
+    big = sum(1 for g in c.node.inventory.gpus if g.klass == klass and per_card <= card_total_gb(g) + 1e-9)
+    if big >= want:
+        return None
+    small = sorted(
+        (g for g in c.node.inventory.gpus if g.klass == klass and per_card > card_total_gb(g) + 1e-9),
+        key=lambda g: g.index,
+    )
+    if not small:
+        return None
+    largest = max(card_total_gb(g) for g in small)
+    if len(small) == 1:
+        text = f"card {small[0].index} has {largest:.1f} GB in all, needs {per_card:.1f}: too small"
+    else:
+        text = f"cards {_indexes(small)} have {largest:.1f} GB in all, need {per_card:.1f} each: too small"
+    if want > 1:
+        text += f" ({big} of the {want} {klass} cards the profile needs are big enough)"
+    return Miss(text, "GPU too small", round(per_card, 3), gpu_index=small[0].index, total=round(largest, 3))
+
+
+def memory_size(c: Candidate) -> Miss | None:
+    """CPU profiles: the node's total memory holds ``min_memory_gb`` (a node smaller than that
+    never fits however much is freed on it)."""
+    need = c.profile.min_memory_gb
+    if need <= 0 or c.profile.gpu_class:
+        return None
+    total = c.node.inventory.memory_total_bytes / GB
+    if need <= total + 1e-9:
+        return None
+    return Miss(
+        f"needs {need:.1f} GB memory, the node has {total:.1f} GB in all: too small",
+        "memory too small",
+        need,
+        total=round(total, 3),
+    )
 
 
 # --- fits ---
@@ -255,12 +347,19 @@ def pick_gpus(c: Candidate) -> tuple[int, ...]:
 
 def gpus(c: Candidate) -> Miss | None:
     """GPU profiles: ``gpu_count`` whole cards of the class that no replica holds, each with
-    ``min_memory_gb / gpu_count`` GB free (memory used on a card outside llmgw counts)."""
+    ``min_memory_gb / gpu_count`` GB free (memory used on a card outside llmgw counts).
+
+    Only cards big enough for the share are counted (:func:`gpu_size` rejected nodes without
+    enough of them). When they are free but short of memory, the reason names the card that is
+    short, by index: of the ``gpu_count`` cards with the most free memory, the lowest-indexed one
+    below the share (``card 0 has 6.0 of 24.0 GB free, needs 20.0``), never "the best card",
+    which may well have room."""
     klass = c.profile.gpu_class
     if not klass or pick_gpus(c):
         return None
     want = c.profile.gpu_count
-    cards = [g for g in c.node.inventory.gpus if g.klass == klass]
+    per_card = c.profile.min_memory_gb / want
+    cards = [g for g in c.node.inventory.gpus if g.klass == klass and per_card <= card_total_gb(g) + 1e-9]
     untaken = [g for g in cards if g.index not in c.usage.gpus_taken]
     if len(untaken) < want:
         held = tuple(sorted(set(c.usage.gpus_taken.values())))
@@ -271,16 +370,24 @@ def gpus(c: Candidate) -> Miss | None:
             float(len(untaken)),
             held,
         )
-    per_card = c.profile.min_memory_gb / want
-    best = max(untaken, key=card_free_gb)
-    free, total = card_free_gb(best), best.memory_total_bytes / GB
-    outside = best.memory_used_bytes / GB
-    note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
+    chosen = sorted(untaken, key=lambda g: (-card_free_gb(g), g.index))[:want]
+    short = sorted((g for g in chosen if card_free_gb(g) + 1e-9 < per_card), key=lambda g: g.index)
+    first = short[0]  # pick_gpus failed, so one of the best `want` cards is short
+    parts = []
+    for g in short:
+        outside = g.memory_used_bytes / GB
+        note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
+        needs = f", needs {per_card:.1f}" if g is first else ""
+        parts.append(f"card {g.index} has {card_free_gb(g):.1f} of {card_total_gb(g):.1f} GB free{needs}{note}")
+    if want > 1:
+        parts.append(f"the profile takes {want} {klass} cards")
     return Miss(
-        f"needs {per_card:.1f} GB GPU memory on one {klass}, best card has {free:.1f} of {total:.1f} GB free{note}",
+        "; ".join(parts),
         "not enough GPU memory",
         round(per_card, 3),
-        round(free, 3),
+        round(card_free_gb(first), 3),
+        gpu_index=first.index,
+        total=round(card_total_gb(first), 3),
     )
 
 
@@ -290,11 +397,18 @@ PIPELINE: tuple[Check, ...] = (
     Check("node_cordoned", Kind.FILTERED, not_cordoned),
     Check("selector_mismatch", Kind.FILTERED, node_selector),
     Check("engine_not_installed", Kind.FILTERED, engine_installed),
+    Check("gpu_discovery_problem", Kind.FILTERED, gpu_discovery),
     Check("gpu_class_mismatch", Kind.FILTERED, gpu_class),
+    Check("gpu_too_small", Kind.FILTERED, gpu_size),
+    Check("memory_too_small", Kind.FILTERED, memory_size),
     Check("memory_exhausted", Kind.EXHAUSTED, memory),
     Check("cores_exhausted", Kind.EXHAUSTED, cores),
     Check("gpu_exhausted", Kind.EXHAUSTED, gpus),
 )
+
+
+_STAGE = {stage.code: i for i, stage in enumerate(PIPELINE)}
+"""A check's position in :data:`PIPELINE`: how far a candidate got before it was rejected."""
 
 
 @dataclass(frozen=True)
@@ -357,6 +471,8 @@ def check(candidate: Candidate, pipeline: Sequence[Check] = PIPELINE) -> Verdict
                 need=miss.need,
                 free=miss.free,
                 held_by=list(miss.held_by),
+                gpu_index=miss.gpu_index,
+                total=miss.total,
             )
             return Verdict(rej, miss.label)
     return None
@@ -465,15 +581,16 @@ def place(model: Model, nodes: Sequence[NodeInfo], reservations: Iterable[Reserv
 def summarize(verdicts: Sequence[Verdict], nodes: int) -> str:
     """The Kubernetes-style line: ``0/N nodes can run it: <count> <label>, …`` (sorted).
 
-    Each node is counted once, under the verdict that got furthest: an ``exhausted`` one (the node
-    passed every filter) over a ``filtered`` one, then the first evaluated (highest-priority profile).
+    Each node is counted once, under the verdict that got furthest down :data:`PIPELINE` (an
+    ``exhausted`` one, which passed every filter, over a ``filtered`` one; a card too small over a
+    GPU class missing), then the first evaluated (highest-priority profile).
     """
     if nodes == 0:
         return "0/0 nodes can run it: no node has registered; start an agent ('llmgw agent')"
     best: dict[str, Verdict] = {}
     for v in verdicts:
         cur = best.get(v.rejection.node)
-        if cur is None or (cur.rejection.kind == Kind.FILTERED and v.rejection.kind == Kind.EXHAUSTED):
+        if cur is None or _STAGE.get(v.rejection.code, 0) > _STAGE.get(cur.rejection.code, 0):
             best[v.rejection.node] = v
     counts = Counter(v.label for v in best.values())
     parts = sorted(f"{n} {label}" for label, n in counts.items())

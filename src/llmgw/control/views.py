@@ -7,8 +7,9 @@ provision[engine, version, state, detail]; ``ReplicaView``: id, model, node, pro
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
+from llmgw import gpuhealth
 from llmgw.protocol import GPU
 
 
@@ -32,7 +33,12 @@ class ResourcesView(BaseModel):
 
 
 class NodeView(BaseModel):
-    """A node. ``state``: ``ready`` (heartbeats arriving), ``lost`` (none for ``node_lost_after_s``)."""
+    """A node. ``state``: ``ready`` (heartbeats arriving), ``lost`` (none for ``node_lost_after_s``).
+
+    ``problems`` (derived from ``gpus``, served in the JSON): what is wrong with the node that its
+    operator must fix, each line with what to check; today GPUs discovery could not measure
+    (:mod:`llmgw.gpuhealth`).
+    """
 
     id: str
     state: str
@@ -43,6 +49,12 @@ class NodeView(BaseModel):
     resources: ResourcesView | None = None
     gpus: list[GPU] = Field(default_factory=list)
     last_seen: float | None = None  # unix seconds
+
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented spelling
+    @property
+    def problems(self) -> list[str]:
+        """Node-level problems an operator must fix (a GPU reported with 0 GB memory), each with what to check."""
+        return gpuhealth.discovery_problems(self.gpus)
 
 
 class ReplicaView(BaseModel):
@@ -67,7 +79,9 @@ class Rejection(BaseModel):
     """Why one node cannot take one profile of a model.
 
     ``kind``: ``filtered`` (a rule that adding capacity does not change: state, selector, engine,
-    GPU class) or ``exhausted`` (a resource: memory, cores, GPU memory; ``need``/``free`` in GB or cores).
+    GPU class, a card or node too small, a GPU discovery problem) or ``exhausted`` (a resource:
+    memory, cores, GPU memory; ``need``/``free`` in GB or cores). ``gpu_index`` is the card the
+    reason names (too small, or short of free memory) and ``total`` its (or the node's) total GB.
     """
 
     node: str
@@ -78,6 +92,8 @@ class Rejection(BaseModel):
     need: float | None = None
     free: float | None = None
     held_by: list[str] = Field(default_factory=list)  # replicas on the node using that resource
+    gpu_index: int | None = None
+    total: float | None = None
 
 
 class ExplainView(BaseModel):

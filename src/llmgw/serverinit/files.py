@@ -1,5 +1,5 @@
 """Files ``server init`` writes: server.yaml (written once, then only appended to with a backup),
-agent.yaml (never overwritten), tokens and keys (0600). Every write is atomic (temp name, fsync,
+agent.yaml (written once, see agentconf), tokens and keys (0600). Every write is atomic (temp name, fsync,
 rename), so a crash mid-write leaves the old file or the new one, never half of either.
 """
 

@@ -11,14 +11,18 @@ warnings ``!! …``):
 2. server.yaml: written once; later runs keep it (and stop on one that does not load).
 3. The control plane service (systemd when it is PID 1, else llmgw's supervisor).
 4. The mirror on this machine (or ``--mirror URL`` on another), and server.yaml pointing at it.
-5. This machine as a node: agent certificate, agent.yaml (never overwritten), the agent service,
-   and a wait until it reports an engine.
+5. This machine as a node: agent certificate, agent.yaml (written once; only the llama-server
+   init itself put there is updated by a later ``--llama-server``, see :mod:`.agentconf`), the
+   agent service, and a wait until it reports an engine.
 6. The starter model: into the mirror, into the catalog, and a wait until a replica is ready.
 7. The guardrails' judge (Qwen3Guard-Gen-0.6B, or ``--judge-source``) and a default guard policy
    (in and out, ``fail: closed``); skipped offline when nothing was carried in.
 
-Before anything is written, the inputs are checked (the starter file, ``--llama-server``, the
-listen ports, a lock against a second init), so bad input leaves nothing half-written.
+Before anything is written, the inputs are checked (the starter file, ``--llama-server`` run
+with ``--version``, the listen ports, an agent API on loopback with nowhere for the node to
+reach it, a lock against a second init; :mod:`.preflight`), so bad input leaves nothing
+half-written. No wait is silent: each prints ``.. waiting for X (Ns): last state …`` at least
+every 10 s (:mod:`.wait`).
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ from llmgw.errors import (
 from llmgw.guard.formats import FORMATS
 from llmgw.mirror.client import MirrorClient
 from llmgw.paths import Paths
-from llmgw.serverinit import files, plan
+from llmgw.serverinit import agentconf, files, plan, preflight
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.wait import Clock, format_duration, wait_for
+from llmgw.serverinit.wait import PROBE_TIMEOUT_S, Clock, format_duration, wait_for
 from llmgw.service.manager import ServiceManager
 from llmgw.service.units import agent_unit, llmgw_binary, mirror_unit, server_unit
 from llmgw.service.users import MIRROR_USER, ensure_mirror_user
@@ -119,6 +123,7 @@ class ServerInit:
         self.admin_transport = admin_transport
         self.bin = llmgw_binary()
         self._last_line = ""
+        self._state = ""  # what the running wait's probe last saw, for its "waiting for" lines
 
     # --- output -----------------------------------------------------------------------------------
 
@@ -127,10 +132,25 @@ class ServerInit:
         print(f"  {tag} {text}", file=self.out, flush=True)
 
     def progress(self, text: str) -> None:
-        """Print a ``..`` line unless it repeats the last one."""
+        """Print a ``..`` line unless it repeats the last one; it is also the running wait's state."""
+        self._state = text
         if text != self._last_line:
             self.say("..", text)
             self._last_line = text
+
+    def note(self, text: str) -> None:
+        """Record what the running wait's probe saw, for its next ``waiting for`` line (not printed)."""
+        self._state = text
+
+    def wait(self, limit_s: float, what: str, probe: Callable[[], bool], *, interval_s: float) -> None:
+        """:func:`~llmgw.serverinit.wait.wait_for` that prints ``.. waiting for <what> (<N>s): last
+        state <…>`` every few seconds, so no wait is silent (the state is what the probe last
+        noted or printed)."""
+        self._state = ""
+        wait_for(
+            limit_s, what, probe, interval_s=interval_s, clock=self.clock,
+            report=lambda line: self.say("..", line), state=lambda: self._state or "no answer yet",
+        )
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -182,17 +202,17 @@ class ServerInit:
 
         Raises:
             SourceError: the starter source is not a download, or its file is missing or not GGUF.
-            ConfigError: ``--llama-server`` is not an executable file; a config that exists does not load.
+            ConfigError: ``--llama-server`` is not a working llama-server (it is run with
+                ``--version``); a config that exists does not load; the agent API listens on
+                loopback while this node would be pointed at another address (pass ``--host``).
             PortInUseError: a listen port is taken by a program that is not this install's service.
         """
         self._check_starter_source()
         self._check_judge_source()
         ls = self.opts.llama_server
-        if ls is not None and not (ls.is_file() and os.access(ls, os.X_OK)):
-            raise ConfigError(
-                f"--llama-server {ls} is not an executable file; give the path of a llama-server binary "
-                "(scripts/assets builds one)"
-            )
+        if ls is not None:
+            version = preflight.check_llama_server(ls)
+            self.say("kept", f"--llama-server {ls} is llama.cpp build {version}")
         cfg = load_server_config(self.paths.server_config) if self.paths.server_config.exists() else None
         listeners: list[tuple[str, str, str]] = []  # service, address, flag
         listeners += [
@@ -215,6 +235,10 @@ class ServerInit:
                     f"port {port} ({flag.lstrip('-')}) is already taken by another program; stop it, "
                     f"or choose another address with {flag}"
                 )
+        if not self.opts.no_node and not self.paths.agent_config.exists():
+            preflight.check_agent_address(
+                cfg.agent_listen if cfg else self.opts.agent_listen, self.opts.hosts, flag_given=cfg is None
+            )
 
     def _check_judge_source(self) -> None:
         fmt = self.opts.judge_format
@@ -339,15 +363,18 @@ class ServerInit:
         """server.yaml as it is now."""
         return load_server_config(self.paths.server_config)
 
-    def admin(self) -> AdminClient:
-        """The admin API of this machine's control plane."""
+    def admin(self, timeout_s: float | None = None) -> AdminClient:
+        """The admin API of this machine's control plane (a wait's probe passes
+        :data:`~llmgw.serverinit.wait.PROBE_TIMEOUT_S`, so no call makes the wait silent)."""
         client = AdminClient.from_paths(self.paths)
         client.transport = self.admin_transport
+        if timeout_s is not None:
+            client.timeout_s = timeout_s
         return client
 
     # --- 3. the control plane -----------------------------------------------------------------
 
-    def _apply_service(self, name: str, body: str, what: str) -> None:
+    def _apply_service(self, name: str, body: str, what: str, *, config_changed: str = "") -> None:
         was_running = self._running(name)
         changed = self.manager.install(name, body)
         if not was_running:
@@ -356,6 +383,9 @@ class ServerInit:
         elif changed:
             self.manager.restart(name)
             self.say("done", f"{what} restarted: its unit changed ({self.manager.kind})")
+        elif config_changed:
+            self.manager.restart(name)
+            self.say("done", f"{what} restarted: {config_changed} changed ({self.manager.kind})")
         else:
             self.say("kept", f"{what} ({self.manager.kind}, running)")
 
@@ -369,9 +399,10 @@ class ServerInit:
                     f"{what} failed to start: {st.detail}\n{self.manager.logs(name, 20)}\n"
                     f"see 'llmgw service logs {name}'"
                 )
+            self.note(f"service {name} {st.state}{': ' + st.detail if st.detail else ''}, not answering yet")
             return False
 
-        wait_for(self.opts.service_wait_s, f"{what} to answer", probe, interval_s=0.2, clock=self.clock)
+        self.wait(self.opts.service_wait_s, f"{what} to answer", probe, interval_s=0.2)
 
     def ensure_control_plane(self) -> None:
         """Install and start ``llmgw-server``; wait for its admin API to answer."""
@@ -503,9 +534,9 @@ class ServerInit:
             self.say("done", f"agent certificate for {node}")
 
         conf = self.paths.agent_config
+        changed = ""
         if conf.exists():
-            self.say("kept", f"{conf} (never overwritten)")
-            self._warn_engine_differs(conf)
+            changed = self.reconcile_agent_yaml(conf)
         else:
             _h, port = parse_listen(self.config().agent_listen)
             server = f"https://{self._url_host(self.reachable_addr())}:{port}"
@@ -517,22 +548,36 @@ class ServerInit:
                 ),
                 0o644,
             )
+            agentconf.record_binary(self.paths.state, self.opts.llama_server)
             self.say("done", f"{conf}")
 
-        self._apply_service("agent", agent_unit(self.paths, self.bin), "llmgw-agent")
+        self._apply_service("agent", agent_unit(self.paths, self.bin), "llmgw-agent", config_changed=changed)
 
-        # Registered is quick. Having an engine is not: the node may download and check its own
-        # llama.cpp, and a new machine is often busy with its own package updates first.
-        client = self.admin()
+        self.wait_node_ready(node)
+        return node
+
+    def wait_node_ready(self, node: str) -> None:
+        """Wait until ``node`` is ready with a llama.cpp engine; stop at once when its llama.cpp
+        failed. Registered is quick. Having an engine is not: the node may download and check its
+        own llama.cpp, and a new machine is often busy with its own package updates first."""
+        client = self.admin(PROBE_TIMEOUT_S)
+        try:
+            told = load_agent_config(self.paths.agent_config).server
+        except ConfigError:
+            told = "the server agent.yaml names"
 
         def ready() -> bool:
             try:
                 nodes = client.get("/api/v1/nodes")
-            except LlmgwError:
+            except LlmgwError as e:
+                self.note(f"the control plane does not answer: {e}")
                 return False
+            self.note(f"node {node} has not registered (its agent connects to {told}; "
+                      "'llmgw service logs agent' says why not)")
             for n in nodes:
                 if n["id"] != node:
                     continue
+                self.note(f"node {node} is {n['state']}, no llama.cpp engine reported yet")
                 if n["state"] == "ready" and "llamacpp" in n.get("engines", []):
                     return True
                 for p in n.get("provision", []):
@@ -544,22 +589,38 @@ class ServerInit:
                         raise EngineError(f"installing {p['engine']} on this node: {p.get('detail', '')}")
             return False
 
-        wait_for(self.opts.node_wait_s, "this node to be ready with an engine", ready,
-                 interval_s=self.opts.poll_s, clock=self.clock)
+        self.wait(self.opts.node_wait_s, "this node to be ready with an engine", ready, interval_s=self.opts.poll_s)
         self.say("kept", f"node {node} is ready")
-        return node
 
-    def _warn_engine_differs(self, conf: Path) -> None:
-        if self.opts.llama_server is None:
-            return
-        have = load_agent_config(conf).engines.llamacpp.binary
-        if have != self.opts.llama_server:
+    def reconcile_agent_yaml(self, conf: Path) -> str:
+        """Keep agent.yaml; when ``--llama-server`` differs from its binary and init wrote that
+        value, update it (see :mod:`.agentconf`). Returns what changed (``""`` when nothing did)."""
+        new = self.opts.llama_server
+        if new is None:
+            self.say("kept", f"{conf}")
+            return ""
+        out = agentconf.reconcile_binary(conf, self.paths.state, new)
+        if out.action == "kept":
+            self.say("kept", f"{conf}")
+            return ""
+        if out.action == "updated":
             self.say(
-                "!!",
-                f"{conf} says engines.llamacpp.binary: {have or '(not set)'}, not --llama-server "
-                f"{self.opts.llama_server}; init never overwrites it: edit it and run "
-                "'llmgw service restart agent' to change",
+                "updated",
+                f"{conf}: engines.llamacpp.binary {out.old or '(not set)'} -> {new} (was written by init; "
+                f"the previous file is in {out.backup})",
             )
+            return "agent.yaml"
+        why = (
+            f"init wrote {out.recorded or '(not set)'} there and it was edited since"
+            if out.known
+            else "init has no record of writing it"
+        )
+        self.say(
+            "!!",
+            f"{conf} says engines.llamacpp.binary: {out.old or '(not set)'}, not --llama-server {new}; "
+            f"{why}, so init leaves it: edit it and run 'llmgw service restart agent' to change",
+        )
+        return ""
 
     # --- 6. the starter -----------------------------------------------------------------------
 
@@ -638,12 +699,17 @@ class ServerInit:
 
         last_pct = -10
 
+        probe_mirror = MirrorClient(self.mirror_api(), timeout=PROBE_TIMEOUT_S)
+
         def present() -> bool:
             nonlocal st, last_pct
             try:
-                st = mirror.status(name, version)
-            except LlmgwError:
+                st = probe_mirror.status(name, version)
+            except LlmgwError as e:
+                self.note(f"the mirror does not answer: {e}")
                 return False
+            detail = f": {st.progress_text()}" if st.percent() is not None else ""
+            self.note(f"{name} {st.state} in the mirror{detail}")
             if st.state == "present":
                 return True
             if st.state == "failed":
@@ -654,8 +720,7 @@ class ServerInit:
                 last_pct = pct
             return False
 
-        wait_for(self.opts.download_wait_s, f"{name} to download", present,
-                 interval_s=self.opts.poll_s, clock=self.clock)
+        self.wait(self.opts.download_wait_s, f"{name} to download", present, interval_s=self.opts.poll_s)
         self.say("done", f"{name} in the mirror")
 
         classes = self.gpu_probe() if here else []
@@ -676,14 +741,15 @@ class ServerInit:
 
     def wait_serving(self, name: str) -> None:
         """Wait for a ready replica of ``name``; believe placement's "nowhere" after the grace."""
-        client = self.admin()
+        client = self.admin(PROBE_TIMEOUT_S)
         unplaced: float | None = None
 
         def serving() -> bool:
             nonlocal unplaced
             try:
                 reps = client.get(f"/api/v1/replicas?model={name}")
-            except LlmgwError:
+            except LlmgwError as e:
+                self.note(f"the control plane does not answer: {e}")
                 return False
             # Nowhere to put it is not waited out for ten minutes: once placement has said why
             # for the grace, that is the answer. (The replicas view lists a wanted but unplaced
@@ -692,8 +758,10 @@ class ServerInit:
             if not reps:
                 try:
                     ex = client.get(f"/api/v1/explain-placement?model={name}")
-                except LlmgwError:
+                except LlmgwError as e:
+                    self.note(f"the control plane does not answer: {e}")
                     return False
+                self.note(f"{name}: no replica placed yet ({ex.get('summary') or 'placement has not run'})")
                 if not ex.get("placed") and ex.get("rejections"):
                     now = self.clock.now()
                     unplaced = unplaced if unplaced is not None else now
@@ -723,8 +791,7 @@ class ServerInit:
                 self.progress(f"{name} {r['state']}" + (f": {headline}" if headline else ""))
             return False
 
-        wait_for(self.opts.serve_wait_s, f"{name} to start", serving,
-                 interval_s=self.opts.poll_s, clock=self.clock)
+        self.wait(self.opts.serve_wait_s, f"{name} to start", serving, interval_s=self.opts.poll_s)
 
     # --- 7. the judge -------------------------------------------------------------------------
 

@@ -1,0 +1,117 @@
+"""Checks ``server init`` makes before it writes anything, beyond "the file is there".
+
+* :func:`check_llama_server`: ``--llama-server`` must *be* a llama-server. An executable that is
+  not one (a script, the wrong binary, one missing its shared libraries) used to pass; init then
+  wrote agent.yaml naming it, started the agent, and failed minutes later, with agent.yaml never
+  rewritten. Now it is run (``--version``, with a timeout) and its answer must look like
+  llama.cpp's: a line ``version: <build> (<commit>)``.
+* :func:`check_agent_address`: an agent API on loopback only is reachable only at a loopback
+  address; the node on this machine is pointed at the first ``--host`` (else this machine's first
+  address), so a loopback ``--agent-listen`` without a loopback ``--host`` points the agent where
+  nothing listens, and init waited for it in silence.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from llmgw.config import parse_listen
+from llmgw.errors import ConfigError
+
+VERSION_TIMEOUT_S = 10.0
+"""``llama-server --version`` answers in milliseconds (0.04 s for the assets' build here; a CUDA
+build probes its devices first, a second or two); a binary that hangs there is refused rather than
+waited on, and init is never silent for longer than this."""
+
+_LLAMA_VERSION = re.compile(r"(?m)^version: (\S+) \(([^)]*)\)")
+"""llama.cpp's ``--version`` line, e.g. ``version: 5318 (a1b2c3d4)`` (printed on stderr)."""
+
+Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
+"""Runs an argv with a timeout and returns its completed process; raises OSError or SubprocessError."""
+
+
+def run_version(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """The real runner: text output, :data:`VERSION_TIMEOUT_S`, never raises for a non-zero exit."""
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL
+    )
+
+
+def check_llama_server(path: Path, *, runner: Runner = run_version) -> str:
+    """Run ``path --version`` and return the llama.cpp build it prints (``"5318"``).
+
+    Raises:
+        ConfigError: ``path`` is not an executable file, does not run, hangs past
+            :data:`VERSION_TIMEOUT_S`, exits non-zero, or prints no ``version: <build> (<commit>)``
+            line; the message quotes what it printed and says what to pass instead.
+    """
+    fix = "give the path of a llama-server binary (scripts/assets builds one)"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise ConfigError(f"--llama-server {path} is not an executable file; {fix}")
+    try:
+        done = runner([str(path), "--version"])
+    except subprocess.TimeoutExpired as e:
+        raise ConfigError(
+            f"--llama-server {path}: '{path.name} --version' did not answer within {VERSION_TIMEOUT_S:.0f} s, "
+            f"so it is not a working llama-server; {fix}"
+        ) from e
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"--llama-server {path} does not run: {e}; {fix}") from e
+    out = f"{done.stdout}\n{done.stderr}"
+    m = _LLAMA_VERSION.search(out)
+    if done.returncode == 0 and m:
+        return m.group(1)
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    said = f"printed '{lines[-1][:200]}'" if lines else "printed nothing"
+    raise ConfigError(
+        f"--llama-server {path} is not a working llama-server: '{path.name} --version' exited "
+        f"{done.returncode} and {said}, not llama.cpp's 'version: <build> (<commit>)'; {fix}"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost``, a loopback address, or a name that resolves to loopback addresses only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addrs = {str(info[4][0]) for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_agent_address(agent_listen: str, hosts: Sequence[str], *, flag_given: bool = True) -> None:
+    """Refuse an agent API on loopback when this machine's agent would be pointed elsewhere.
+
+    Args:
+        agent_listen: the agent API's ``HOST:PORT`` (``--agent-listen`` or server.yaml's).
+        hosts: ``--host`` values; the first is the address the node is given.
+        flag_given: False when ``agent_listen`` comes from an existing server.yaml (named so).
+
+    Raises:
+        ConfigError: the listen address is loopback and there is no ``--host``, or the first
+            ``--host`` is not a loopback name.
+    """
+    host, port = parse_listen(agent_listen)
+    if host in ("", "0.0.0.0", "::") or not is_loopback(host):
+        return
+    if hosts and is_loopback(hosts[0]):
+        return
+    source = f"--agent-listen {agent_listen}" if flag_given else f"agent_listen {agent_listen} (server.yaml)"
+    where = f"the first --host, {hosts[0]}," if hosts else "this machine's network address (no --host was given)"
+    raise ConfigError(
+        f"{source} accepts agents on loopback only, but this machine's node would be pointed at {where} "
+        f"on port {port}, where nothing listens; pass --host {host} for a one-machine cluster, or listen "
+        f"on every address (--agent-listen :{port}) so other machines' nodes can join too"
+    )

@@ -1,0 +1,69 @@
+"""``--llama-server`` through real inits (issue 9, item 23), on real processes as in test_init.py:
+a shell script that is not llama-server is refused before anything is written; an init with the
+real llama-server (behind a wrapper script) serves; a later init given the binary's own path
+updates the value init wrote into agent.yaml (``updated …``, ``agent.yaml.bak``), restarts the agent,
+and the node is ready and answering again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw.config import load_agent_config
+from tests.conftest import Assets
+from tests.e2e.test_init import install, llmgw  # noqa: F401 - install is the fixture used below
+
+pytestmark = pytest.mark.e2e
+
+
+def _with_llama_server(args: list[str], binary: Path) -> list[str]:
+    i = args.index("--llama-server")
+    return [*args[:i], "--llama-server", str(binary), *args[i + 2 :]]
+
+
+def test_a_wrong_llama_server_is_refused_and_a_later_one_replaces_what_init_wrote(
+    install: tuple[Path, list[str]], tmp_path: Path, assets: Assets  # noqa: F811 - the fixture
+) -> None:
+    root, args = install
+    fake = tmp_path / "fake" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'this is not llama-server'\n")
+    fake.chmod(0o755)
+    r = llmgw(root, *_with_llama_server(args, fake), timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--llama-server {fake} is not a working llama-server" in r.stderr
+    assert not (root / "etc/llmgw/agent.yaml").exists()
+    assert not (root / "etc/llmgw/server.yaml").exists()
+
+    # The same llama-server under another path (init resolves links, so a wrapper, not a link).
+    first_path = tmp_path / "first" / "llama-server"
+    first_path.parent.mkdir()
+    first_path.write_text(f'#!/bin/sh\nexec {assets.llama_server} "$@"\n')
+    first_path.chmod(0o755)
+    first = llmgw(root, *_with_llama_server(args, first_path))
+    assert first.returncode == 0, first.stdout + first.stderr
+    conf = root / "etc/llmgw/agent.yaml"
+    assert load_agent_config(conf).engines.llamacpp.binary == first_path
+
+    second = llmgw(root, *args)  # the fixture's --llama-server: the real binary's own path
+    assert second.returncode == 0, second.stdout + second.stderr
+    out = second.stdout
+    assert f"updated {conf}: engines.llamacpp.binary {first_path} -> {assets.llama_server}" in out
+    assert "done llmgw-agent restarted: agent.yaml changed" in out
+    assert "kept node e2e-node is ready" in out
+    assert load_agent_config(conf).engines.llamacpp.binary == assets.llama_server
+    assert load_agent_config(conf.with_name("agent.yaml.bak")).engines.llamacpp.binary == first_path
+
+    # The node serves again, through the gateway.
+    keys = (root / "etc/llmgw/client-keys").read_text().split()
+    i = args.index("--gateway-listen")
+    gateway = f"http://{args[i + 1]}"
+    r2 = httpx.post(
+        f"{gateway}/v1/chat/completions",
+        json={"model": "gemma", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+        headers={"Authorization": f"Bearer {keys[0]}"}, timeout=180,
+    )
+    assert r2.status_code == 200, r2.text
