@@ -33,6 +33,7 @@ import psutil
 import yaml
 from pydantic import ValidationError
 
+from llmgw import yamlsafe
 from llmgw.config import AgentConfig, describe_validation_error
 from llmgw.errors import ConfigError
 from llmgw.protocol import GPU, Inventory
@@ -227,7 +228,7 @@ def load_inventory_file(path: Path) -> Inventory:
             "fix the path or remove the setting to discover the hardware"
         ) from e
     try:
-        data: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data: Any = json.loads(text) if path.suffix == ".json" else yamlsafe.load(text)
     except (ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from e
     if not isinstance(data, dict):

@@ -10,8 +10,10 @@ reference/measured.md). The TLS context (:func:`agent_ssl_context`) requires a c
 the cluster CA, so a client without one never reaches a handler. A node cannot speak for another's
 replicas: only replicas placed on the CN's node take its reports.
 
-Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat, 401
-when the session carries no certificate (a server run without client verification).
+Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat (or
+not bounded JSON: :mod:`llmgw.jsonbody`; label keys per :mod:`llmgw.names`), 401 when the session
+carries no certificate (a server run without client verification), 403 when its CN is not a valid
+node id.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from collections.abc import Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from llmgw import tlsconf
+from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
 from llmgw.control.logbroker import LogBroker
 from llmgw.control.store import NodeRow, Store
+from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 2.0
 
 STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
+
+def is_name(node_id: str) -> bool:
+    """Whether a certificate's CN is a node id of :mod:`llmgw.names` (else the agent API answers 403)."""
+    return bool(NAME_RE.match(node_id))
 
 
 def agent_ssl_context(config: ServerConfig) -> ssl.SSLContext:
@@ -140,8 +147,16 @@ def build_agent_app(
                 "the agent API needs a client certificate from the cluster CA; "
                 "issue one with 'llmgw server init' on the control plane",
             )
+        if not is_name(node_id):
+            return _error(
+                403, "invalid_node_id",
+                f"the client certificate's CN {node_id[:80]!r} is not a valid node id ({NAME_RULE}); "
+                "issue a certificate for a valid id with 'llmgw server add-node'",
+            )
         try:
-            hb = Heartbeat.model_validate_json(await request.read())
+            hb = Heartbeat.model_validate(await jsonbody.read_json(request))
+        except jsonbody.JsonBodyError as e:
+            return _error(e.status, e.code, e.message)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(body)"
@@ -169,7 +184,9 @@ def build_agent_app(
         if not node_id:
             return _error(401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA")
         try:
-            answer = LogReply.model_validate_json(await request.read())
+            answer = LogReply.model_validate(await jsonbody.read_json(request))
+        except jsonbody.JsonBodyError as e:
+            return _error(e.status, e.code, e.message)
         except ValidationError as e:
             return _error(400, "invalid_log_reply", str(e.errors()[0]["msg"]))
         if logs is None or not logs.answer(node_id, answer):
