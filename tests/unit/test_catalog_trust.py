@@ -283,7 +283,7 @@ def world(tmp_path: Path) -> Iterator[World]:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tlsconf.server_context(tmp_path / "ca.pem", cert, key))
         await site.start()
-        servers._runners.append(runner)  # noqa: SLF001 - closed with the others
+        servers._runners.append(runner)
         port: int = runner.addresses[-1][1]
         return port
 

@@ -60,7 +60,7 @@ def apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apis]:
         await runner.setup()
         ctx = tlsconf.server_context(tmp / "ca.pem", cert, key)
         await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx).start()
-        servers._runners.append(runner)  # noqa: SLF001 - closed with the others
+        servers._runners.append(runner)
         port: int = runner.addresses[-1][1]
         return port
 
