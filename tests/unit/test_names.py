@@ -275,3 +275,22 @@ def test_inventory_file_duplicate_keys_are_refused(tmp_path: Path) -> None:
     path.write_text("cores: 4\ncores: 400\nmemory_total_bytes: 1\nmemory_available_bytes: 1\n")
     with pytest.raises(ConfigError, match="key 'cores' appears twice"):
         load_inventory_file(path)
+
+
+def test_a_row_stored_before_the_rule_still_loads_and_a_write_must_fix_it(admin: Admin) -> None:
+    import sqlite3  # noqa: PLC0415 - only this test writes the database by hand
+
+    spec = model(version="Q4_K_M", aliases=["Old Alias"])
+    spec["profiles"] = [{"name": "cpu", "node_selector": {"Zone": "a"}}]
+    db = admin.store.engine.url.database
+    assert db
+    with sqlite3.connect(db) as conn:
+        conn.execute("INSERT INTO models VALUES ('chat', 1, ?, 1.0, 1.0)", (json.dumps(spec),))
+    (row,) = admin.store.list_models()
+    assert (row.model.version, row.model.aliases) == ("Q4_K_M", ["Old Alias"])
+    r = httpx.patch(admin.url + "/api/v1/models/chat", json={"scaling": {"min": 0}}, headers=AUTH)
+    assert r.status_code == 400
+    assert "'Old Alias' is not a valid alias" in r.json()["error"]["message"]
+    r = httpx.patch(admin.url + "/api/v1/models/chat", headers=AUTH, json={
+        "version": "q4_k_m", "aliases": ["old-alias"], "profiles": [{"name": "cpu", "node_selector": {"zone": "a"}}]})
+    assert r.status_code == 200, r.text

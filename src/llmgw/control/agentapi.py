@@ -42,7 +42,7 @@ STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
 
 def is_name(node_id: str) -> bool:
     """Whether a certificate's CN is a node id of :mod:`llmgw.names` (else the agent API answers 403)."""
-    return bool(NAME_RE.match(node_id))
+    return bool(NAME_RE.fullmatch(node_id))
 
 
 def agent_ssl_context(config: ServerConfig) -> ssl.SSLContext:

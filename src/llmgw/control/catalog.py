@@ -6,7 +6,8 @@ These are the catalog's own objects; storage rows and API views are separate cla
 What may enter the catalog (every entry point validates these classes: the admin API, the guard
 API, ``server init``, and the store when it reads a row back):
 
-* names, aliases and versions follow :mod:`llmgw.names`; ``node_selector`` keys are label keys;
+* names, aliases and versions follow :mod:`llmgw.names`; ``node_selector`` keys are label keys
+  (rows already stored with other aliases/versions still load: :data:`STORED`);
 * every number is finite and bounded (:data:`MAX_MEMORY_GB` and the other ``MAX_`` constants):
   ``1e400`` or ``NaN`` is refused, never stored (a non-finite float serialises as ``null`` and
   the row could not be read back);
@@ -22,7 +23,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from llmgw.control.engineargs import refused_args
 from llmgw.names import check_label_key, check_name
@@ -39,6 +48,16 @@ MAX_TOKENS = 1_000_000_000
 MAX_PRIORITY = 1_000_000
 MAX_ARGS = 256
 """Engine args per profile at most, each at most 4,096 characters."""
+
+STORED = {"stored": True}
+"""Validation context for a row read back from the store: aliases, versions and selector keys
+written before :mod:`llmgw.names` existed still load (a write must then fix them); everything
+else, numbers and args included, is checked as on the way in."""
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
+
 
 _Text = Annotated[str, StringConstraints(max_length=4096)]
 _ShortText = Annotated[str, StringConstraints(max_length=253)]
@@ -108,9 +127,10 @@ class Profile(_Strict):
 
     @field_validator("node_selector")
     @classmethod
-    def _selector_keys(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            check_label_key(key)
+    def _selector_keys(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if not _stored(info):
+            for key in v:
+                check_label_key(key)
         return v
 
     @model_validator(mode="after")
@@ -159,13 +179,13 @@ class Model(_Strict):
 
     @field_validator("aliases")
     @classmethod
-    def _aliases(cls, v: list[str]) -> list[str]:
-        return [check_name(a, "alias") for a in v]
+    def _aliases(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return v if _stored(info) else [check_name(a, "alias") for a in v]
 
     @field_validator("version")
     @classmethod
-    def _version(cls, v: str) -> str:
-        return check_name(v, "version")
+    def _version(cls, v: str, info: ValidationInfo) -> str:
+        return v if _stored(info) else check_name(v, "version")
 
     @model_validator(mode="after")
     def _profiles_unique(self) -> Model:

@@ -42,7 +42,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw.control.catalog import Model
+from llmgw.control.catalog import STORED, Model
 from llmgw.control.views import ExplainView
 from llmgw.errors import LlmgwError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaState, ReplicaStatus
@@ -385,7 +385,7 @@ class Store:
         out = []
         for r in rows:
             try:
-                Model.model_validate_json(r.spec)
+                Model.model_validate_json(r.spec, context=STORED)
             except ValidationError as e:
                 out.append(BrokenModel(r.name, _first_problems(e), r.updated_at))
         return out
@@ -393,7 +393,7 @@ class Store:
     def _readable(self, name: str, spec: str) -> Model | None:
         """``spec`` as a Model, or None when it does not validate (logged once per name and spec)."""
         try:
-            return Model.model_validate_json(spec)
+            return Model.model_validate_json(spec, context=STORED)
         except ValidationError as e:
             key = (name, hash(spec))
             if key not in self._logged_broken:
