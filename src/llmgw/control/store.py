@@ -341,9 +341,10 @@ class Store:
         mine = {model.name, *model.aliases}
         with self._tx() as conn:
             for row in conn.execute(sa.select(models_t.c.name, models_t.c.spec)):
-                if row.name == model.name:
-                    raise Conflict(f"model '{model.name}' already exists; PATCH it or DELETE it first")
                 other = self._readable(row.name, row.spec)
+                if row.name == model.name:
+                    how = "PATCH it or DELETE it first" if other else "its stored row is broken: DELETE it first"
+                    raise Conflict(f"model '{model.name}' already exists; {how}")
                 if other is None:
                     continue
                 clash = sorted(mine & {other.name, *other.aliases})
