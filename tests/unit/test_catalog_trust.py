@@ -9,9 +9,7 @@ and the gateway must go on serving everything else.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import sqlite3
 import ssl
 import subprocess
@@ -36,6 +34,7 @@ from llmgw.control.gateway import build_gateway_app
 from llmgw.control.routing_table import StoreRouter
 from llmgw.control.store import ReplicaRow, Store, default_url
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
+from tests.conftest import Assets
 from tests.unit.test_gateway_fakes import ServerThread, fake_llama
 
 TOKEN = "t0ken"
@@ -145,13 +144,11 @@ def test_sizing_and_behaviour_flags_still_pass(admin: Admin, args: list[str]) ->
     assert admin.post("/api/v1/models", model(profiles=prof)).status_code == 201
 
 
-def test_every_path_taking_flag_of_the_real_llama_server_is_refused() -> None:
-    """Reads the real ``llama-server --help`` (scripts/assets; skipped without LLAMA_SERVER): every
-    option whose value is a file, path, directory or URL must be in the deny-list."""
-    binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
-    if not binary:
-        pytest.skip("no llama-server: eval \"$(scripts/assets | grep ^LLAMA_SERVER=)\"")
-    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60, check=False)
+def test_every_path_taking_flag_of_the_real_llama_server_is_refused(assets: Assets) -> None:
+    """Reads the real ``llama-server --help`` (scripts/assets): every option whose value is a file,
+    path, directory, URL or repository must be in the deny-list."""
+    out = subprocess.run([str(assets.llama_server), "--help"], capture_output=True, text=True, timeout=60,
+                         check=False)
     text = out.stdout + out.stderr
     missing, checked = [], []
     for line in text.splitlines():
