@@ -144,6 +144,7 @@ def test_sizing_and_behaviour_flags_still_pass(admin: Admin, args: list[str]) ->
     assert admin.post("/api/v1/models", model(profiles=prof)).status_code == 201
 
 
+@pytest.mark.e2e
 def test_every_path_taking_flag_of_the_real_llama_server_is_refused(assets: Assets) -> None:
     """Reads the real ``llama-server --help`` (scripts/assets): every option whose value is a file,
     path, directory, URL or repository must be in the deny-list."""
