@@ -294,3 +294,11 @@ def test_a_row_stored_before_the_rule_still_loads_and_a_write_must_fix_it(admin:
     r = httpx.patch(admin.url + "/api/v1/models/chat", headers=AUTH, json={
         "version": "q4_k_m", "aliases": ["old-alias"], "profiles": [{"name": "cpu", "node_selector": {"zone": "a"}}]})
     assert r.status_code == 200, r.text
+
+
+def test_init_does_not_append_a_second_block_of_a_key_already_there(cluster: Paths) -> None:
+    before = cluster.server_config.read_text() + "guard: {policies: []}\n"
+    cluster.server_config.write_text(before)
+    with pytest.raises(ConfigError, match="key 'guard' appears twice"):
+        files.append_block(cluster.server_config, files.guard_block("judge"))
+    assert cluster.server_config.read_text() == before
