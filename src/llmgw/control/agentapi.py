@@ -40,6 +40,7 @@ HEARTBEAT_INTERVAL_S = 2.0
 
 STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
 
+
 def is_name(node_id: str) -> bool:
     """Whether a certificate's CN is a node id of :mod:`llmgw.names` (else the agent API answers 403)."""
     return bool(NAME_RE.fullmatch(node_id))
