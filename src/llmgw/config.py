@@ -17,8 +17,10 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from llmgw import yamlsafe
 from llmgw.errors import ConfigError
 from llmgw.guard.config import GuardConfig
+from llmgw.names import check_labels, check_name
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -100,6 +102,9 @@ class ServerConfig(_Strict):
         backoff_reset_s: seconds a replica must have been ready for its crash count (and so its
             restart backoff, 10 s doubling to 5 min) to go back to zero.
         guard: guardrail policies (:mod:`llmgw.guard.config`); none means guardrails are off.
+        max_replicas_per_model: the most replicas one model may ask for (``scaling.min``/``max``);
+            the admin API refuses more with a 400. Default 1,000; at most
+            :data:`llmgw.control.catalog.MAX_REPLICAS_HARD` (100,000).
     """
 
     admin_listen: str = "127.0.0.1:9090"
@@ -112,6 +117,7 @@ class ServerConfig(_Strict):
     guard: GuardConfig = Field(default_factory=GuardConfig)
     node_lost_after_s: Annotated[float, Field(gt=0)] = 30.0
     backoff_reset_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 600.0
+    max_replicas_per_model: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 1000
 
     _v = field_validator("admin_listen", "agent_listen")(classmethod(lambda cls, v: _check_listen(v)))
 
@@ -178,7 +184,9 @@ class AgentConfig(_Strict):
 
     Attributes:
         server: the control plane's agent API, ``https://HOST:7443``.
-        node_id: this node's id; must equal the CN of ``tls.cert`` (the server believes only the cert).
+        node_id: this node's id; must equal the CN of ``tls.cert`` (the server believes only the cert);
+            a name of :mod:`llmgw.names` (lowercase letters, digits, ``.``, ``_``, ``-``, at most 63).
+        labels: placement's ``node_selector`` matches them; keys are label keys of :mod:`llmgw.names`.
         advertise_address: the address engines bind and the gateway dials, ``127.0.0.1`` on one machine.
         heartbeat_interval_s: seconds between heartbeats.
         cache_max_gb: node model cache size past which least recently used files are evicted (GB).
@@ -193,6 +201,16 @@ class AgentConfig(_Strict):
     advertise_address: str = "127.0.0.1"
     heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
     cache_max_gb: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str) -> str:
+        return check_name(v, "node id")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_labels(v)
 
     @field_validator("server")
     @classmethod
@@ -233,7 +251,9 @@ def load_yaml_model(path: Path, model: type[M]) -> M:
     except OSError as e:
         raise ConfigError(f"{path} cannot be read: {e.strerror}") from e
     try:
-        data: Any = yaml.safe_load(text)
+        data: Any = yamlsafe.load(text)
+    except yamlsafe.DuplicateKeyError as e:
+        raise ConfigError(f"{path}: {e.problem}") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from llmgw.names import check_labels
 
 
 class GPU(BaseModel):
@@ -111,6 +113,7 @@ class Heartbeat(BaseModel):
     agent_version: str = ""
     inventory: Inventory
     labels: dict[str, str] = Field(default_factory=dict)
+    """agent.yaml's labels; keys follow :mod:`llmgw.names` (a bad one is a 400 at the agent API)."""
     engines: list[EngineStatus] = Field(default_factory=list)
     replicas: list[ReplicaStatus] = Field(default_factory=list)
     instance: str = ""
@@ -118,6 +121,11 @@ class Heartbeat(BaseModel):
     presenting a node id whose heartbeats are still arriving (HTTP 409 ``node_id_in_use``)."""
     cached: list[str] = Field(default_factory=list)
     """Weights in the node's cache, as ``model/version``: placement prefers nodes that hold them."""
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_labels(v)
 
 
 class LogRequest(BaseModel):

@@ -52,7 +52,7 @@ def test_nothing_is_overwritten_and_bad_ids_are_named(cluster: Paths, tmp_path: 
     add_node(cluster, "n1", out, address="10.0.0.8")
     with pytest.raises(ConfigError, match="already exists; give an empty directory"):
         add_node(cluster, "n1", out, address="10.0.0.8")
-    with pytest.raises(ConfigError, match="is not a node id"):
+    with pytest.raises(ConfigError, match="is not a valid node id: 1-63 characters"):
         add_node(cluster, "bad id!", tmp_path / "x", address="10.0.0.8")
 
 

@@ -35,7 +35,7 @@ import psutil
 import yaml
 from pydantic import ValidationError
 
-from llmgw import gpuhealth
+from llmgw import gpuhealth, yamlsafe
 from llmgw.config import AgentConfig, describe_validation_error
 from llmgw.errors import ConfigError
 from llmgw.protocol import GPU, Inventory
@@ -230,7 +230,7 @@ def load_inventory_file(path: Path) -> Inventory:
             "fix the path or remove the setting to discover the hardware"
         ) from e
     try:
-        data: Any = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data: Any = json.loads(text) if path.suffix == ".json" else yamlsafe.load(text)
     except (ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from e
     if not isinstance(data, dict):

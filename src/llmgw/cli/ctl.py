@@ -29,6 +29,7 @@ import typer
 import yaml
 from rich.table import Table
 
+from llmgw import yamlsafe
 from llmgw.adminclient import AdminClient
 from llmgw.cli import guard as guard_cli
 from llmgw.cli.common import cli_errors, console, fail, paths
@@ -113,19 +114,26 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
 @app.command()
 @cli_errors
 def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """The catalog: each model, its aliases, role, scaling and replicas ready."""
+    """The catalog: each model, its aliases, role, scaling and replicas ready; broken rows named."""
     data = _client(server, token).get("/api/v1/models")
     if as_json:
         _print_json(data)
         return
     t = Table("MODEL", "ALIASES", "ROLE", "SCALING", "READY", "SOURCE")
     for m in data:
+        if m.get("broken"):
+            t.add_row(m["name"], "-", "BROKEN", "-", "-", m["broken"])
+            continue
         t.add_row(
             m["name"], ", ".join(m.get("aliases", [])) or "-", m.get("role", "chat"),
             f"{m.get('scaling_min', '?')}..{m.get('scaling_max', '?')}",
             f"{m.get('replicas_ready', 0)}/{m.get('replicas', 0)}", m.get("source", ""),
         )
     console().print(t)
+    for m in data:
+        if m.get("broken"):
+            print(f"{m['name']}: broken, served nowhere: {m['broken']}; "
+                  f"'llmgw ctl model rm {m['name']}' deletes it")
 
 
 @app.command()
@@ -284,9 +292,11 @@ def node_rm(
 
 def _read_doc(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yamlsafe.load(path.read_text())
     except OSError as e:
         raise ConfigError(f"{path} cannot be read: {e.strerror}") from e
+    except yamlsafe.DuplicateKeyError as e:
+        raise ConfigError(f"{path}: {e.problem}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
 

@@ -14,9 +14,17 @@ Routes (the OpenAPI document at ``/api/v1/openapi.json`` lists them with their s
 ``POST /api/v1/nodes/{id}/cordon|uncordon|drain``, ``DELETE /api/v1/nodes/{id}[?force=true]``.
 
 ``GET /api/v1/replicas`` also lists each wanted-but-unplaced replica as state ``pending`` with no
-node and placement's one-line summary in ``pending_reason``. A drain cordons the node and deletes
-its replicas at once; the leader places them elsewhere at its next pass (no overlap: drain
-stops before the new ones are ready).
+node and placement's one-line summary in ``pending_reason``; at most ``max_replicas_per_model``
+of them per model (server.yaml), so the answer's size follows what exists and the configured
+limit, never a number in a request.
+
+Bodies are read by :func:`llmgw.jsonbody.read_json` (at most 1 MiB and 64 levels deep, finite
+numbers; else 400/413 in the error shape). ``scaling.min``/``max`` above ``max_replicas_per_model``
+are refused with a 400. A stored model that cannot be read back is listed with ``broken`` set
+(the reason); GET shows it, PATCH/PUT answer 409 ``model_broken``, DELETE removes it.
+
+A drain cordons the node and deletes its replicas at once; the leader places them elsewhere at its
+next pass (no overlap: drain stops before the new ones are ready).
 
 ``DELETE /api/v1/nodes/{id}`` removes a node and revokes the certificate serials its agent
 presented (:meth:`~llmgw.control.store.Store.remove_node`); 409 ``node_busy`` while replicas are
@@ -39,12 +47,13 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
+from llmgw import jsonbody
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
 from llmgw.control.logbroker import LogBroker
 from llmgw.control.openapi import NodeRemovalView, build_openapi
 from llmgw.control.resources import resources_view
-from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
+from llmgw.control.store import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
 from llmgw.errors import UnreachableError
 from llmgw.protocol import ReplicaState
@@ -132,16 +141,24 @@ def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model
     )
 
 
-def pending_views(models: list[ModelRow], replicas: list[ReplicaRow], store: Store) -> list[ReplicaView]:
+def broken_view(b: BrokenModel) -> ModelView:
+    """A stored model row that cannot be read: its name and why, nothing else."""
+    return ModelView(name=b.name, broken=b.reason)
+
+
+def pending_views(
+    models: list[ModelRow], replicas: list[ReplicaRow], store: Store, *, limit: int = 1000
+) -> list[ReplicaView]:
     """One ``pending`` view per replica a model wants (``scaling.min``) that is placed nowhere,
-    carrying placement's summary as ``pending_reason``."""
+    carrying placement's summary as ``pending_reason``; at most ``limit`` per model
+    (``max_replicas_per_model``), whatever a stored ``scaling.min`` says."""
     out = []
     count: dict[str, int] = {}
     for r in replicas:
         count[r.model] = count.get(r.model, 0) + 1
     explanations = store.list_explanations()
     for row in models:
-        missing = row.model.scaling.min - count.get(row.name, 0)
+        missing = min(row.model.scaling.min, limit) - count.get(row.name, 0)
         ex = explanations.get(row.name)
         reason = ex.summary if ex is not None else "not evaluated yet"
         for i in range(max(missing, 0)):
@@ -188,6 +205,7 @@ def build_admin_app(
     on_change: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.time,
     logs: LogBroker | None = None,
+    max_replicas_per_model: int = 1000,
 ) -> web.Application:
     """The admin API app.
 
@@ -197,6 +215,7 @@ def build_admin_app(
         on_change: called after every successful write (wakes the leader, refreshes routes).
         logs: reads engine logs through the agents (``GET /api/v1/replicas/{id}/logs``).
         clock: unix seconds.
+        max_replicas_per_model: server.yaml's limit on ``scaling.min``/``max`` (a larger one is a 400).
     """
     if not token:
         raise ValueError("the admin token is empty")
@@ -235,12 +254,16 @@ def build_admin_app(
 
     async def body_json(request: web.Request) -> Any:
         try:
-            return await request.json(loads=json.loads)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpError(400, "invalid_json", f"the body is not JSON: {e}") from e
+            return await jsonbody.read_json(request)
+        except jsonbody.JsonBodyError as e:
+            raise HttpError(e.status, e.code, e.message) from e
+
+    def broken(name: str) -> BrokenModel | None:
+        return next((b for b in store.list_broken_models() if b.name == name), None)
 
     def must_model(name: str) -> ModelRow:
-        """The model named ``name`` or carrying it as an alias; else 404 naming the known ones."""
+        """The model named ``name`` or carrying it as an alias; else 409 when its row is broken,
+        404 naming the known ones otherwise."""
         row = store.get_model(name)
         if row is not None:
             return row
@@ -248,6 +271,13 @@ def build_admin_app(
         for r in rows:
             if name in r.model.aliases:
                 return r
+        bad = broken(name)
+        if bad is not None:
+            raise HttpError(
+                409, "model_broken",
+                f"model '{name}' is stored but cannot be read ({bad.reason}); delete it with "
+                f"'llmgw ctl model rm {name}' and add it again",
+            )
         known = ", ".join(r.name for r in rows) or "none yet"
         raise HttpError(
             404, "model_not_found",
@@ -262,11 +292,24 @@ def build_admin_app(
 
     async def list_models(_: web.Request) -> web.Response:
         replicas = store.list_replicas()
-        return _json([model_view(r, replicas).model_dump(mode="json") for r in store.list_models()])
+        views = [model_view(r, replicas) for r in store.list_models()]
+        views += [broken_view(b) for b in store.list_broken_models()]
+        views.sort(key=lambda v: v.name)
+        return _json([v.model_dump(mode="json") for v in views])
+
+    def within_limit(model: Model) -> Model:
+        top = max(model.scaling.min, model.scaling.max)
+        if top > max_replicas_per_model:
+            raise HttpError(
+                400, "invalid_model",
+                f"scaling: {top} replicas is more than this cluster's limit of {max_replicas_per_model} "
+                "per model (max_replicas_per_model in server.yaml)",
+            )
+        return model
 
     async def add_model(request: web.Request) -> web.Response:
         try:
-            model = Model.model_validate(await body_json(request))
+            model = within_limit(Model.model_validate(await body_json(request)))
         except ValidationError as e:
             raise HttpError(400, "invalid_model", describe(e)) from e
         row = store.add_model(model, now=clock())
@@ -274,12 +317,15 @@ def build_admin_app(
         return _json(model_view(row, []).model_dump(mode="json"), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
+        bad = broken(request.match_info["name"])
+        if bad is not None:
+            return _json(broken_view(bad).model_dump(mode="json"))
         row = must_model(request.match_info["name"])
         return _json(model_view(row, store.list_replicas(model=row.name)).model_dump(mode="json"))
 
     async def save(row: ModelRow, spec: Any) -> web.Response:
         try:
-            model = Model.model_validate(spec)
+            model = within_limit(Model.model_validate(spec))
         except ValidationError as e:
             raise HttpError(400, "invalid_model", describe(e)) from e
         if model.name != row.name:
@@ -316,7 +362,8 @@ def build_admin_app(
         return await save(row, spec)
 
     async def delete_model(request: web.Request) -> web.Response:
-        name = must_model(request.match_info["name"]).name
+        asked = request.match_info["name"]
+        name = asked if broken(asked) is not None else must_model(asked).name
         if not store.delete_model(name):
             raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
         changed()
@@ -334,7 +381,7 @@ def build_admin_app(
         rows = store.list_replicas(model=model)
         views = [replica_view(r) for r in rows]
         models = [m for m in store.list_models() if model is None or m.name == model]
-        views += pending_views(models, rows, store)
+        views += pending_views(models, rows, store, limit=max_replicas_per_model)
         return _json([v.model_dump(mode="json") for v in views])
 
     def must_node(node_id: str) -> NodeRow:
@@ -450,7 +497,7 @@ def build_admin_app(
         )
         return _json(view.model_dump(mode="json"))
 
-    app = web.Application(middlewares=[errors, auth])
+    app = web.Application(middlewares=[errors, auth], client_max_size=jsonbody.MAX_BYTES)
     r = app.router
     r.add_get("/api/v1/health", health)
     r.add_get("/api/v1/openapi.json", openapi)

@@ -16,9 +16,10 @@ request is checked against it after the handshake: a revoked certificate gets 40
 ``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
 The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
 
-Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat, 401
-when the session carries no certificate (a server run without client verification), 403 for a
-revoked certificate.
+Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat (or
+not bounded JSON: :mod:`llmgw.jsonbody`; label keys per :mod:`llmgw.names`), 401 when the session
+carries no certificate (a server run without client verification), 403 for a revoked certificate
+or when its CN is not a valid node id.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from collections.abc import Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from llmgw import tlsconf
+from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
 from llmgw.control.logbroker import LogBroker
 from llmgw.control.store import NodeRow, Store
+from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 2.0
 
 STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
+
+
+def is_name(node_id: str) -> bool:
+    """Whether a certificate's CN is a node id of :mod:`llmgw.names` (else the agent API answers 403)."""
+    return bool(NAME_RE.fullmatch(node_id))
 
 
 def agent_ssl_context(config: ServerConfig) -> ssl.SSLContext:
@@ -173,10 +180,9 @@ def build_agent_app(
             seen.add((node_id, serial))
         return None
 
-    async def heartbeat(request: web.Request) -> web.Response:
-        node_id = tlsconf.peer_common_name(
-            request.transport.get_extra_info("peercert") if request.transport else None
-        )
+    def identify(request: web.Request) -> str | web.Response:
+        """The node id (the certificate's CN), or the 401/403 answer for a session without a valid one."""
+        node_id = node_of(request)
         if not node_id:
             return _error(
                 401,
@@ -184,8 +190,22 @@ def build_agent_app(
                 "the agent API needs a client certificate from the cluster CA; "
                 "issue one with 'llmgw server init' on the control plane",
             )
+        if not is_name(node_id):
+            return _error(
+                403, "invalid_node_id",
+                f"the client certificate's CN {node_id[:80]!r} is not a valid node id ({NAME_RULE}); "
+                "issue a certificate for a valid id with 'llmgw server add-node'",
+            )
+        return node_id
+
+    async def heartbeat(request: web.Request) -> web.Response:
+        node_id = identify(request)
+        if isinstance(node_id, web.Response):
+            return node_id
         try:
-            hb = Heartbeat.model_validate_json(await request.read())
+            hb = Heartbeat.model_validate(await jsonbody.read_json(request))
+        except jsonbody.JsonBodyError as e:
+            return _error(e.status, e.code, e.message)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(body)"
@@ -221,7 +241,9 @@ def build_agent_app(
         if denied is not None:
             return denied
         try:
-            answer = LogReply.model_validate_json(await request.read())
+            answer = LogReply.model_validate(await jsonbody.read_json(request))
+        except jsonbody.JsonBodyError as e:
+            return _error(e.status, e.code, e.message)
         except ValidationError as e:
             return _error(400, "invalid_log_reply", str(e.errors()[0]["msg"]))
         if logs is None or not logs.answer(node_id, answer):

@@ -2,17 +2,65 @@
 
 Fields follow the seeds' ``catalog.Model``/``catalog.Profile`` (DESIGN.md, "Catalog model").
 These are the catalog's own objects; storage rows and API views are separate classes.
+
+What may enter the catalog (every entry point validates these classes: the admin API, the guard
+API, ``server init``, and the store when it reads a row back):
+
+* names, aliases and versions follow :mod:`llmgw.names`; ``node_selector`` keys are label keys
+  (rows already stored with other aliases/versions still load: :data:`STORED`);
+* every number is finite and bounded (:data:`MAX_MEMORY_GB` and the other ``MAX_`` constants):
+  ``1e400`` or ``NaN`` is refused, never stored (a non-finite float serialises as ``null`` and
+  the row could not be read back);
+* ``scaling.min``/``max`` are strict integers (``2.0`` and ``"2"`` are refused) of at most
+  :data:`MAX_REPLICAS_HARD`; the control plane's own, lower limit is ``max_replicas_per_model``
+  in server.yaml (checked by the admin API);
+* a profile's ``args`` carry no flag from :mod:`llmgw.control.engineargs` (paths, agent-owned
+  flags, network fetches, tools).
 """
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+from llmgw.control.engineargs import refused_args
+from llmgw.names import check_label_key, check_name
+
+MAX_REPLICAS_HARD = 100_000
+"""The most ``scaling.min``/``max`` can ever be; server.yaml's ``max_replicas_per_model`` (default
+1,000) is the limit in force and may not exceed this."""
+MAX_MEMORY_GB = 1_000_000.0
+"""A replica's reservation at most (GB): a petabyte, far past any node, finite."""
+MAX_CORES = 65_536
+MAX_GPUS = 1_024
+MAX_TOKENS = 1_000_000_000
+"""``context_length``/``max_output`` at most: a billion tokens."""
+MAX_PRIORITY = 1_000_000
+MAX_ARGS = 256
+"""Engine args per profile at most, each at most 4,096 characters."""
+
+STORED = {"stored": True}
+"""Validation context for a row read back from the store: aliases, versions and selector keys
+written before :mod:`llmgw.names` existed still load (a write must then fix them); everything
+else, numbers and args included, is checked as on the way in."""
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
+
+
+_Text = Annotated[str, StringConstraints(max_length=4096)]
+_ShortText = Annotated[str, StringConstraints(max_length=253)]
 
 
 class Role(StrEnum):
@@ -30,14 +78,21 @@ class Engine(StrEnum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+_Replicas = Annotated[int, Field(strict=True, ge=0, le=MAX_REPLICAS_HARD)]
 
 
 class Scaling(_Strict):
-    """How many replicas: at least ``min``, at most ``max`` (``min <= max``)."""
+    """How many replicas: at least ``min``, at most ``max`` (``min <= max``).
 
-    min: Annotated[int, Field(ge=0)] = 1
-    max: Annotated[int, Field(ge=0)] = 1
+    Strict integers: ``2.0`` and ``"2"`` are refused (a count is never a fraction, and a float
+    such as ``1e9`` must not slip in as a count); at most :data:`MAX_REPLICAS_HARD`.
+    """
+
+    min: _Replicas = 1
+    max: _Replicas = 1
 
     @model_validator(mode="after")
     def _order(self) -> Scaling:
@@ -60,21 +115,37 @@ class Profile(_Strict):
         args: extra engine arguments (``["--ctx-size", "16384"]``).
     """
 
-    name: str
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     engine: Engine = Engine.LLAMACPP
-    gpu_class: str = ""
-    gpu_count: Annotated[int, Field(ge=1)] = 1
-    priority: int = 100
-    min_memory_gb: Annotated[float, Field(ge=0)] = 0
-    cpu_cores: Annotated[int, Field(ge=0)] = 0
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    args: list[str] = Field(default_factory=list)
+    gpu_class: _ShortText = ""
+    gpu_count: Annotated[int, Field(ge=1, le=MAX_GPUS)] = 1
+    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 100
+    min_memory_gb: Annotated[float, Field(ge=0, le=MAX_MEMORY_GB)] = 0
+    cpu_cores: Annotated[int, Field(ge=0, le=MAX_CORES)] = 0
+    node_selector: dict[str, _ShortText] = Field(default_factory=dict)
+    args: Annotated[list[_Text], Field(max_length=MAX_ARGS)] = Field(default_factory=list)
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector_keys(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if not _stored(info):
+            for key in v:
+                check_label_key(key)
+        return v
+
+    @model_validator(mode="after")
+    def _args_allowed(self) -> Profile:
+        refused = refused_args(self.engine.value, self.args)
+        if refused is not None:
+            flag, reason = refused
+            raise ValueError(f"args: '{flag}' is not allowed in a profile: {reason}")
+        return self
 
 
 class GuardModel(_Strict):
     """A guard model's judge format: ``qwen3guard``, ``llamaguard3`` or ``prompted``."""
 
-    format: str = "qwen3guard"
+    format: _ShortText = "qwen3guard"
 
 
 class Model(_Strict):
@@ -88,28 +159,33 @@ class Model(_Strict):
     """
 
     name: str
-    aliases: list[str] = Field(default_factory=list)
-    description: str = ""
-    source: str
+    aliases: Annotated[list[str], Field(max_length=64)] = Field(default_factory=list)
+    description: _Text = ""
+    source: Annotated[str, StringConstraints(max_length=2048)]
     version: str = "1"
-    sha256: str = ""
+    sha256: Annotated[str, StringConstraints(max_length=64)] = ""
     role: Role = Role.CHAT
     guard: GuardModel | None = None
-    routing_profile: str = ""
-    context_length: Annotated[int, Field(ge=0)] = 0
-    max_output: Annotated[int, Field(ge=0)] = 0
+    routing_profile: Annotated[str, StringConstraints(max_length=128)] = ""
+    context_length: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
+    max_output: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     scaling: Scaling = Field(default_factory=Scaling)
-    profiles: list[Profile] = Field(min_length=1)
+    profiles: Annotated[list[Profile], Field(min_length=1, max_length=64)]
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError(
-                f"'{v}' is not a model name: use lowercase letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit, at most 63 characters"
-            )
-        return v
+        return check_name(v, "model name")
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return v if _stored(info) else [check_name(a, "alias") for a in v]
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str, info: ValidationInfo) -> str:
+        return v if _stored(info) else check_name(v, "version")
 
     @model_validator(mode="after")
     def _profiles_unique(self) -> Model:

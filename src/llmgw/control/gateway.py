@@ -47,6 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw import jsonbody
 from llmgw.control.gateway_inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway_upstream import (
     Trace,
@@ -262,11 +263,13 @@ def _limit_output(body: dict[str, Any], raw: bytes, max_output: int) -> bytes:
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
-    """The chat body as a dict with a string ``model`` and a list ``messages``; else ApiError 400."""
+    """The chat body as a dict with a string ``model`` and a list ``messages``; else ApiError 400.
+
+    Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only."""
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ApiError(f"the request body is not valid JSON: {e}", status=400, code="invalid_json") from e
+        body = jsonbody.loads(raw)
+    except jsonbody.JsonBodyError as e:
+        raise ApiError(e.message, status=e.status, code=e.code) from e
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", status=400, code="invalid_request")
     model = body.get("model")

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw import jsonbody
 from llmgw.control.gateway_guard import GuardInspector
 from llmgw.control.judgekeeper import ClassUse, JudgeKeeper, ServeJob
 from llmgw.control.store import Store
@@ -214,7 +215,7 @@ def add_guard_routes(
 
     async def test(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            body = await jsonbody.read_json(request)
             text = str(body["text"])
             direction = Direction(body.get("direction", "in"))
         except (ValueError, KeyError, TypeError):
@@ -251,7 +252,7 @@ def add_guard_routes(
         body: dict[str, Any] = {}
         if request.can_read_body:
             with contextlib.suppress(ValueError):
-                body = await request.json()
+                body = await jsonbody.read_json(request)
         if serve is None:
             return err(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
         if store.get_model(name) is not None:

@@ -152,7 +152,9 @@ def _admin_app(
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
     from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
 
-    app = build_admin_app(store, token=token, on_change=changed, logs=logs)
+    app = build_admin_app(
+        store, token=token, on_change=changed, logs=logs, max_replicas_per_model=config.max_replicas_per_model
+    )
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
     return app

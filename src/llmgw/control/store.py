@@ -11,6 +11,11 @@ Rules this module keeps:
   read-then-overwrite.
 * **Migrations, never "delete the file".** :data:`MIGRATIONS` is an ordered list applied at open;
   ``schema_migrations`` records the versions applied, so opening twice applies nothing twice.
+* **One bad row never hides the others.** A model row that no longer validates (written by an
+  older version, or by hand) is skipped by :meth:`Store.list_models` and :meth:`Store.get_model`,
+  logged once, and listed by :meth:`Store.list_broken_models` with the reason, so the admin API
+  names it and ``ctl model rm`` deletes it; heartbeats, placement and the gateway go on with the
+  rest.
 * **Separate shapes.** The rows here (:class:`ModelRow`, :class:`NodeRow`, :class:`ReplicaRow`)
   are storage shapes; API views live in :mod:`llmgw.control.views`, wire shapes in
   :mod:`llmgw.protocol`.
@@ -25,6 +30,7 @@ opened or migrated, with the driver's error chained).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,12 +39,15 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw.control.catalog import Model
+from llmgw.control.catalog import STORED, Model
 from llmgw.control.views import ExplainView
 from llmgw.errors import LlmgwError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaState, ReplicaStatus
+
+log = logging.getLogger(__name__)
 
 
 class Conflict(LlmgwError):
@@ -207,6 +216,16 @@ class ModelRow:
 
 
 @dataclass(frozen=True)
+class BrokenModel:
+    """A model row that cannot be read back as a :class:`Model`: its name, why (the first
+    validation problems), and when it was last written (unix seconds)."""
+
+    name: str
+    reason: str
+    updated_at: float
+
+
+@dataclass(frozen=True)
 class NodeRow:
     """A node as stored. ``state``: ``ready`` (heartbeats arriving) or ``lost`` (the leader saw none
     for ``node_lost_after_s``). ``replicas`` is what the node last reported, verbatim."""
@@ -278,6 +297,7 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._logged_broken: set[tuple[str, int]] = set()
 
     @classmethod
     def open(cls, url: str) -> Store:
@@ -347,9 +367,12 @@ class Store:
         mine = {model.name, *model.aliases}
         with self._tx() as conn:
             for row in conn.execute(sa.select(models_t.c.name, models_t.c.spec)):
-                other = Model.model_validate_json(row.spec)
-                if other.name == model.name:
-                    raise Conflict(f"model '{model.name}' already exists; PATCH it or DELETE it first")
+                other = self._readable(row.name, row.spec)
+                if row.name == model.name:
+                    how = "PATCH it or DELETE it first" if other else "its stored row is broken: DELETE it first"
+                    raise Conflict(f"model '{model.name}' already exists; {how}")
+                if other is None:
+                    continue
                 clash = sorted(mine & {other.name, *other.aliases})
                 if clash:
                     raise Conflict(
@@ -371,16 +394,46 @@ class Store:
         return ModelRow(model, 1, now, now)
 
     def get_model(self, name: str) -> ModelRow | None:
-        """The model named ``name`` (not an alias), or None."""
+        """The model named ``name`` (not an alias), or None (also when its row is broken)."""
         with self._tx() as conn:
             row = conn.execute(sa.select(models_t).where(models_t.c.name == name)).first()
-        return _model_row(row) if row else None
+        return self._model_row(row) if row else None
 
     def list_models(self) -> list[ModelRow]:
-        """Every catalog entry, by name."""
+        """Every readable catalog entry, by name; broken rows are skipped (:meth:`list_broken_models`)."""
         with self._tx() as conn:
             rows = conn.execute(sa.select(models_t).order_by(models_t.c.name)).all()
-        return [_model_row(r) for r in rows]
+        return [m for m in (self._model_row(r) for r in rows) if m is not None]
+
+    def list_broken_models(self) -> list[BrokenModel]:
+        """The model rows that cannot be read as a :class:`Model`, by name, with the reason."""
+        with self._tx() as conn:
+            rows = conn.execute(sa.select(models_t).order_by(models_t.c.name)).all()
+        out = []
+        for r in rows:
+            try:
+                Model.model_validate_json(r.spec, context=STORED)
+            except ValidationError as e:
+                out.append(BrokenModel(r.name, _first_problems(e), r.updated_at))
+        return out
+
+    def _readable(self, name: str, spec: str) -> Model | None:
+        """``spec`` as a Model, or None when it does not validate (logged once per name and spec)."""
+        try:
+            return Model.model_validate_json(spec, context=STORED)
+        except ValidationError as e:
+            key = (name, hash(spec))
+            if key not in self._logged_broken:
+                self._logged_broken.add(key)
+                log.warning(
+                    "model '%s' in the store cannot be read (%s); it is skipped: delete it with "
+                    "'llmgw ctl model rm %s' and add it again", name, _first_problems(e), name,
+                )
+            return None
+
+    def _model_row(self, row: sa.Row[Any]) -> ModelRow | None:
+        model = self._readable(row.name, row.spec)
+        return ModelRow(model, row.revision, row.created_at, row.updated_at) if model else None
 
     def update_model(self, model: Model, *, revision: int, now: float) -> ModelRow:
         """Replace the entry named ``model.name`` if it is still at ``revision``.
@@ -393,7 +446,9 @@ class Store:
             for row in conn.execute(
                 sa.select(models_t.c.name, models_t.c.spec).where(models_t.c.name != model.name)
             ):
-                other = Model.model_validate_json(row.spec)
+                other = self._readable(row.name, row.spec)
+                if other is None:
+                    continue
                 clash = sorted(mine & {other.name, *other.aliases})
                 if clash:
                     raise Conflict(f"'{clash[0]}' is already a name or alias of model '{other.name}'")
@@ -714,8 +769,11 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def _model_row(row: sa.Row[Any]) -> ModelRow:
-    return ModelRow(Model.model_validate_json(row.spec), row.revision, row.created_at, row.updated_at)
+def _first_problems(err: ValidationError) -> str:
+    """``profiles.0.min_memory_gb: Input should be a valid number`` (at most three problems)."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in err.errors()[:3]
+    )
 
 
 def _node_row(row: sa.Row[Any]) -> NodeRow:

@@ -112,15 +112,20 @@ class ExplainView(BaseModel):
 
 
 class ModelView(BaseModel):
-    """A catalog entry as the admin API shows it: the model's fields plus its replicas' states."""
+    """A catalog entry as the admin API shows it: the model's fields plus its replicas' states.
+
+    ``broken`` is non-empty for a stored row that cannot be read (the reason); such an entry has
+    only its name, is served nowhere, and ``DELETE /api/v1/models/{name}`` removes it.
+    """
 
     name: str
     aliases: list[str] = Field(default_factory=list)
-    role: str
-    source: str
-    version: str
-    scaling_min: int
-    scaling_max: int
+    role: str = ""
+    source: str = ""
+    version: str = ""
+    scaling_min: int = 0
+    scaling_max: int = 0
     replicas_ready: int = 0
     replicas: int = 0
     spec: dict[str, object] = Field(default_factory=dict)
+    broken: str = ""

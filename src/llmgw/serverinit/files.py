@@ -9,7 +9,11 @@ import secrets
 import time
 from pathlib import Path
 
+import yaml
+
+from llmgw import yamlsafe
 from llmgw.atomicfile import write_atomic
+from llmgw.errors import ConfigError
 
 __all__ = [
     "agent_yaml", "append_block", "guard_block", "mirror_block", "new_secret", "server_yaml", "write_atomic",
@@ -26,8 +30,21 @@ def append_block(path: Path, block: str, *, now: float | None = None) -> Path:
 
     The backup is ``<path>.bak-YYYYmmdd-HHMMSS`` (the seed's ``appendMirrorBlockFor``); the file
     keeps its mode. Returns the backup's path.
+
+    Raises:
+        ConfigError: the file already has a top-level key the block sets (an empty ``guard:`` or
+            ``mirror:``): two would make the file unreadable (:mod:`llmgw.yamlsafe`), so nothing
+            is written.
     """
     old = path.read_text()
+    try:
+        yamlsafe.load(old + "\n" + block)
+    except yamlsafe.DuplicateKeyError as e:
+        raise ConfigError(
+            f"{path}: cannot add a block: {e.problem}; fill in or remove the existing one, then run init again"
+        ) from e
+    except yaml.YAMLError:
+        pass  # the file was not valid YAML before either; loading it reports that
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     backup = path.with_name(f"{path.name}.bak-{stamp}")
     mode = path.stat().st_mode & 0o777

@@ -10,7 +10,6 @@ key is missing, the node id is not a valid name, or DIR already holds an identit
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -21,10 +20,9 @@ from cryptography.x509.oid import NameOID
 from llmgw.atomicfile import write_atomic
 from llmgw.config import AgentConfig, load_server_config, parse_listen
 from llmgw.errors import ConfigError, PkiError
+from llmgw.names import check_labels, check_name
 from llmgw.paths import Paths
 from llmgw.tlsconf import CA
-
-NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str = "",
@@ -33,7 +31,8 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     """Write a node's identity and agent.yaml into ``out``; return the files written.
 
     Args:
-        node_id: the node's id, the CN of its certificate (letters, digits, ``.``, ``_``, ``-``).
+        node_id: the node's id, the CN of its certificate (:mod:`llmgw.names`: lowercase letters,
+            digits, ``.``, ``_``, ``-``, at most 63).
         address: the node's address that the gateway dials its engines on (``advertise_address``).
         server: the agent API URL the node dials; default the server certificate's common name
             (init's first ``--host``, the address nodes use) and ``agent_listen``'s port.
@@ -46,10 +45,11 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         ConfigError: a bad node id, or ``out`` already holds an identity (never overwritten).
         PkiError: the CA key is not on this machine.
     """
-    if not NODE_ID_RE.match(node_id):
-        raise ConfigError(
-            f"'{node_id}' is not a node id: use letters, digits, '.', '_' or '-', at most 63 characters"
-        )
+    try:
+        check_name(node_id, "node id")
+        check_labels(labels or {})
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     existing = [p for p in (out / "agent.pem", out / "agent.yaml") if p.exists()]
     if existing:
         raise ConfigError(f"{existing[0]} already exists; give an empty directory with --out")

@@ -60,6 +60,7 @@ from llmgw.errors import (
 )
 from llmgw.guard.formats import FORMATS
 from llmgw.mirror.client import MirrorClient
+from llmgw.names import check_name
 from llmgw.paths import Paths
 from llmgw.serverinit import agentconf, files, plan, preflight
 from llmgw.serverinit.options import InitOptions
@@ -499,11 +500,14 @@ class ServerInit:
     # --- 5. this machine as a node --------------------------------------------------------------
 
     def node_id(self) -> str:
-        """This node's id: ``--node-id``, else the hostname."""
-        node = self.opts.node_id or socket.gethostname()
+        """This node's id: ``--node-id``, else the hostname, lowercased (:mod:`llmgw.names`)."""
+        node = self.opts.node_id or socket.gethostname().lower()
         if not node:
             raise ConfigError("this machine has no hostname to use as its node id; pass --node-id")
-        return node
+        try:
+            return check_name(node, "node id")
+        except ValueError as e:
+            raise ConfigError(f"{e}; pass --node-id NAME") from e
 
     def ensure_node(self) -> str:
         """Make this machine an agent of its own control plane and wait until it has an engine."""

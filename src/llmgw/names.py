@@ -1,0 +1,65 @@
+"""One rule for the names llmgw stores and routes on: model names, aliases, versions, node ids,
+label keys.
+
+The rule (:data:`NAME_RE`, matched whole, so a trailing newline is refused too): 1 to 63 characters,
+lowercase ASCII letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit:
+``gemma-3-270m``, ``qwen2.5-0.5b-instruct``, ``q4_k_m``, ``node-1.example``. It is a DNS label's
+length and alphabet (plus ``_``, which GGUF quantisation names use), so a name is safe in a URL
+path, a file name, a log line, a certificate's CN and a replica id without quoting, and cannot be
+``..``-like (it never starts with ``.``). Uppercase is refused rather than folded: ``Gemma`` and
+``gemma`` would otherwise be two models that look the same in a listing. Node ids are hostnames:
+``server init`` lowercases the machine's hostname, and a hostname longer than 63 characters needs an
+explicit ``--node-id``.
+
+Label keys (:data:`LABEL_KEY_RE`) are a name, optionally after a DNS-style prefix and a ``/``
+(``gpu.vendor``, ``example.com/zone``): prefix at most 253 characters of lowercase letters, digits,
+``.`` and ``-``. Label values are at most 253 printable characters.
+
+:func:`check_name` and :func:`check_label_key` raise :class:`ValueError` with a message that names
+the kind, the bad value and the rule, so pydantic validators and CLI checks can share them.
+"""
+
+from __future__ import annotations
+
+import re
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+NAME_RULE = "1-63 characters: lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+LABEL_KEY_RE = re.compile(r"(?:[a-z0-9][a-z0-9.-]{0,252}/)?[a-z0-9][a-z0-9._-]{0,62}")
+LABEL_KEY_RULE = f"an optional 'prefix/' (a DNS name such as example.com) and a name of {NAME_RULE}"
+
+LABEL_VALUE_MAX = 253
+
+
+def check_name(value: str, kind: str) -> str:
+    """Return ``value`` when it follows :data:`NAME_RE`.
+
+    Args:
+        kind: what the value is, for the message (``"model name"``, ``"node id"``).
+
+    Raises:
+        ValueError: ``"'Bad Name' is not a valid model name: 1-63 characters: …"``.
+    """
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid {kind}: {NAME_RULE}")
+    return value
+
+
+def check_label_key(value: str) -> str:
+    """Return ``value`` when it follows :data:`LABEL_KEY_RE`; else ValueError naming the rule."""
+    if not isinstance(value, str) or not LABEL_KEY_RE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid label key: {LABEL_KEY_RULE}")
+    return value
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    """Check every key of ``labels`` (:func:`check_label_key`) and every value (printable, at most
+    :data:`LABEL_VALUE_MAX` characters); return ``labels``. Raises ValueError naming the first bad one."""
+    for key, value in labels.items():
+        check_label_key(key)
+        if len(value) > LABEL_VALUE_MAX or not value.isprintable():
+            raise ValueError(
+                f"label {key}: the value must be printable text of at most {LABEL_VALUE_MAX} characters"
+            )
+    return labels
