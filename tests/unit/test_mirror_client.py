@@ -34,11 +34,11 @@ SHA = hashlib.sha256(DATA).hexdigest()
 
 
 class ThreadedMirror:
-    def __init__(self, root: pathlib.Path) -> None:
-        # file: sources from the test's directory (the store's parent), as --import-dir would allow.
+    def __init__(self, root: pathlib.Path, policy: SourcePolicy | None = None) -> None:
+        # By default file: sources from the test's directory (the store's parent), as --import-dir would allow.
         self.server = MirrorServer(
             root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="http://m.test:8081",
-            policy=SourcePolicy(import_dirs=(root.parent.resolve(),)),
+            policy=policy or SourcePolicy(import_dirs=(root.parent.resolve(),)),
         )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
