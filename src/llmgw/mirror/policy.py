@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import aiohttp
 import psutil
 from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import DefaultResolver
+from aiohttp.resolver import ThreadedResolver
 
 from llmgw.errors import ConfigError, SourceError
 from llmgw.mirror.download import RefusedConnection
@@ -252,7 +252,7 @@ class _FilteringResolver(AbstractResolver):
 
     def __init__(self, policy: SourcePolicy) -> None:
         self._policy = policy
-        self._inner = DefaultResolver()
+        self._inner = ThreadedResolver()  # holds nothing to close: the connector does not close a resolver it was given
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
