@@ -91,3 +91,15 @@ def test_mirror_add_of_a_refused_file_names_the_flag_when_it_cannot_write_the_st
     assert f"--import-dir {carried.parent}" in r.output
     assert "as a user who may write" in r.output
     assert not (tmp_path / "store" / "m").exists()
+
+
+def test_mirror_init_refuses_an_import_dir_that_is_not_there(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "root"
+    r = CliRunner().invoke(
+        app, ["mirror", "init", "--control-plane", "10.0.0.1", "--address", "127.0.0.1",
+              "--import-dir", str(tmp_path / "typo")],
+        env={"LLMGW_ROOT": str(root)},
+    )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert f"--import-dir {tmp_path / 'typo'} is not a directory; create it" in r.output
+    assert not Paths.from_env(root).unit("mirror").exists()

@@ -155,11 +155,19 @@ def test_a_symlink_swapped_in_while_opening_is_not_followed(world: World) -> Non
 @pytest.mark.parametrize(
     ("value", "says"),
     [("/", "would let anyone import"), ("/proc", "would let anyone import"), ("/dev/shm", "would let anyone"),
-     ("relative/dir", "give an absolute path"), ("/no/such/dir", "not a directory")],
+     ("relative/dir", "give an absolute path")],
 )  # fmt: skip
 def test_import_dir_values_are_checked(value: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         SourcePolicy.build(import_dirs=[value])
+
+
+def test_a_missing_import_dir_is_kept_and_listed(world: World) -> None:
+    """It may be a mount not there yet; the mirror warns and keeps serving the nodes."""
+    p = SourcePolicy.build(import_dirs=[world.imp, world.tmp / "later"])
+    assert p.missing_dirs() == [world.tmp / "later"]
+    with pytest.raises(FileNotFoundError):
+        p.open_file(world.tmp / "later" / "m.gguf", "file:later")
 
 
 # --- http(s): ---

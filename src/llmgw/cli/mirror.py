@@ -84,6 +84,9 @@ def serve(
     print(f"mirror of {root}: bytes on {listen}, management API on {api_listen}, served as {base}")
     dirs = ", ".join(map(str, policy.import_dirs)) or "none (file: sources are refused)"
     print(f"imports file: sources from {dirs}")
+    for d in policy.missing_dirs():
+        print(f"!! --import-dir {d} is not a directory here (missing, or hidden from this service by "
+              "ProtectHome=); its file: sources fail until it is")
     server.run(
         root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow or [], policy=policy
     )

@@ -112,10 +112,15 @@ class SourcePolicy:
     ) -> SourcePolicy:
         """The policy of ``mirror serve``'s flags.
 
+        An import directory that does not exist (yet, or not for this service: systemd's
+        ``ProtectHome=`` hides /home) is kept, and listed by :meth:`missing_dirs` for a warning: a
+        mirror that all nodes fetch from must not stay down over it. Its ``file:`` sources fail
+        as unreadable until it is there.
+
         Raises:
-            ConfigError: an import directory is not an absolute path to an existing directory, is
-                ``/``, or lies in ``/proc``, ``/sys`` or ``/dev``; an ``--allow-source-net`` value
-                is not an IP address or network.
+            ConfigError: an import directory is not an absolute path, is ``/``, or lies in
+                ``/proc``, ``/sys`` or ``/dev``; an ``--allow-source-net`` value is not an IP
+                address or network.
         """
         dirs: list[pathlib.Path] = []
         for d in import_dirs:
@@ -123,8 +128,6 @@ class SourcePolicy:
             if not given.is_absolute():
                 raise ConfigError(f"--import-dir {d}: give an absolute path (/srv/import)")
             real = _real(given)
-            if not real.is_dir():
-                raise ConfigError(f"--import-dir {d}: not a directory; create it or remove the flag")
             if real == pathlib.Path("/") or any(_inside(real, p) for p in PSEUDO_FS):
                 raise ConfigError(
                     f"--import-dir {d}: {real} would let anyone import the system's files or devices; "
@@ -141,6 +144,10 @@ class SourcePolicy:
                 ) from None
         return cls(tuple(dirs), tuple(_real(p) for p in deny), tuple(nets), allow_private)
 
+    def missing_dirs(self) -> list[pathlib.Path]:
+        """The import directories that are not (now) directories."""
+        return [d for d in self.import_dirs if not d.is_dir()]
+
     # --- file: ---
 
     def open_file(self, path: pathlib.Path, source: str) -> int:
@@ -152,19 +159,18 @@ class SourcePolicy:
             OSError: it cannot be opened for another reason (missing, unreadable).
         """
         real = _real(path)
-        home = next((d for d in self.import_dirs if _inside(real, d)), None)
-        if home is None:
-            where = f"{path}" if real == path else f"{path} (really {real})"
-            add = f"--import-dir {real.parent}"
-            have = ", ".join(map(str, self.import_dirs)) or "none"
-            raise SourceRefused(
-                f"{source}: {where} is not inside a directory the mirror imports from (now: {have}); "
-                f"put the file there, or start the mirror with {add}"
-            )
         if any(_inside(real, d) for d in self.deny):
             raise SourceRefused(
                 f"{source}: {real} is in llmgw's own configuration or state, which holds its secrets; "
                 "the mirror never imports from there"
+            )
+        home = next((d for d in self.import_dirs if _inside(real, d)), None)
+        if home is None:
+            where = f"{path}" if real == path else f"{path} (really {real})"
+            have = ", ".join(map(str, self.import_dirs)) or "none"
+            raise SourceRefused(
+                f"{source}: {where} is not inside a directory the mirror imports from (now: {have}); "
+                f"copy the file into one, or start the mirror with --import-dir {real.parent}"
             )
         fd = _open_below(home, real.relative_to(home).parts)
         try:

@@ -93,7 +93,8 @@ def init_mirror(
     if not control_planes:
         raise ConfigError("name the control plane: llmgw mirror init --control-plane <its address>")
     parse_allow(control_planes)
-    SourcePolicy.build(import_dirs=import_dirs, allow_nets=allow_source_nets)
+    for d in SourcePolicy.build(import_dirs=import_dirs, allow_nets=allow_source_nets).missing_dirs():
+        raise ConfigError(f"--import-dir {d} is not a directory; create it (and put the files there) first")
     if not address:
         raise ConfigError("this machine has no non-loopback address; give --address <the address nodes reach>")
     _h, port = parse_listen(listen)
