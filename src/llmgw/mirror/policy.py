@@ -201,7 +201,9 @@ class SourcePolicy:
             return "this machine's own address"
         return ""
 
-    def _refuse_message(self, source: str, host: str, ip: Address, why: str) -> str:
+    def refuse_message(self, source: str, host: str, ip: Address, why: str) -> str:
+        """The refusal text: ``source``, ``host`` (and ``ip`` when the host is a name), ``why`` (from
+        :meth:`refusal`), and the flags that would allow it."""
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         what = f"{ip} is {why}" if host == str(ip) else f"{host} resolves to {ip}, {why}"
@@ -234,7 +236,7 @@ class SourcePolicy:
             ips = [ipaddress.ip_address(str(i[4][0]).split("%", 1)[0]) for i in infos]
         for ip in ips:
             if why := self.refusal(ip):
-                raise SourceRefused(self._refuse_message(source, host.strip("[]"), ip, why))
+                raise SourceRefused(self.refuse_message(source, host.strip("[]"), ip, why))
 
     def connector(self) -> aiohttp.TCPConnector:
         """A connector that never connects to a refused address: hostnames resolve to the allowed
@@ -249,7 +251,7 @@ class SourcePolicy:
         family, type_, proto, _, sockaddr = addr_info
         ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
         if why := self.refusal(ip):
-            raise _Refused(errno.EACCES, self._refuse_message("the source", str(ip), ip, why))
+            raise _Refused(errno.EACCES, self.refuse_message("the source", str(ip), ip, why))
         return socket.socket(family=family, type=type_, proto=proto)
 
 
@@ -273,7 +275,7 @@ class _FilteringResolver(AbstractResolver):
                 kept.append(r)
         if not kept:
             ip, reason = first if first else (ipaddress.ip_address("0.0.0.0"), "no address")
-            raise _Refused(errno.EACCES, self._policy._refuse_message("the source", host, ip, reason))
+            raise _Refused(errno.EACCES, self._policy.refuse_message("the source", host, ip, reason))
         return kept
 
     async def close(self) -> None:
