@@ -34,6 +34,7 @@ import httpx
 from llmgw.agent.cache import NodeCache
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest, FetchStatus
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.store import Store
 from llmgw.protocol import ReplicaSpec
 
@@ -68,7 +69,7 @@ def make_file(path: Path) -> None:
 
 
 async def add(store: Path, src: Path, model: str) -> FetchStatus:
-    fetcher = Fetcher(Store(store), base="")
+    fetcher = Fetcher(Store(store), base="", policy=SourcePolicy.build(import_dirs=[src.parent]))
     await fetcher.start(resume=False)
     try:
         await fetcher.fetch(FetchRequest(source=f"file:{src}", model=model, version="1"))

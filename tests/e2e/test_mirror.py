@@ -74,7 +74,7 @@ def serve(store: pathlib.Path, api_port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "llmgw", "mirror", "serve", "--dir", str(store),
          "--listen", f"127.0.0.1:{free_port()}", "--api-listen", f"127.0.0.1:{api_port}",
-         "--base", "http://m.test:8081"],
+         "--base", "http://m.test:8081", "--allow-source-net", "127.0.0.1"],  # the upstream is on loopback
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -143,7 +143,8 @@ def test_mirror_init_starts_a_mirror_that_server_init_accepts(tmp_path: pathlib.
         r = CliRunner().invoke(
             app,
             ["mirror", "init", "--control-plane", "10.9.8.7", "--address", "127.0.0.1",
-             "--listen", f"127.0.0.1:{bytes_port}", "--api-listen", f"127.0.0.1:{api_port}"],
+             "--listen", f"127.0.0.1:{bytes_port}", "--api-listen", f"127.0.0.1:{api_port}",
+             "--import-dir", str(tmp_path)],
             env={"LLMGW_ROOT": str(root)},
         )  # fmt: skip
         assert r.exit_code == 0, r.output
@@ -151,6 +152,7 @@ def test_mirror_init_starts_a_mirror_that_server_init_accepts(tmp_path: pathlib.
         assert f"sudo llmgw server init --mirror {url}" in r.output
         unit = paths.unit("mirror").read_text()
         assert "--api-allow 10.9.8.7" in unit
+        assert f"--import-dir {tmp_path.resolve()}" in unit
         assert paths.mirror_store.is_dir()
         with MirrorClient(url) as c:
             c.health()

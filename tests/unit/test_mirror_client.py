@@ -26,6 +26,7 @@ from llmgw.cli.main import app
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.models import FetchStatus
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import MirrorServer
 
 DATA = os.urandom(100_000)
@@ -33,9 +34,11 @@ SHA = hashlib.sha256(DATA).hexdigest()
 
 
 class ThreadedMirror:
-    def __init__(self, root: pathlib.Path) -> None:
+    def __init__(self, root: pathlib.Path, policy: SourcePolicy | None = None) -> None:
+        # By default file: sources from the test's directory (the store's parent), as --import-dir would allow.
         self.server = MirrorServer(
-            root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="http://m.test:8081"
+            root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="http://m.test:8081",
+            policy=policy or SourcePolicy(import_dirs=(root.parent.resolve(),)),
         )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

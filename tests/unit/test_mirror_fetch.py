@@ -19,6 +19,7 @@ from aiohttp import web
 
 from llmgw.agent.cache import NodeCache
 from llmgw.mirror.models import FetchStatus
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import MirrorServer
 from llmgw.protocol import ReplicaSpec
 from llmgw.sourcecheck import hf_published_sha256, hf_published_size
@@ -86,8 +87,12 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 class Mirror:
-    def __init__(self, root: pathlib.Path) -> None:
-        self.server = MirrorServer(root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="")
+    def __init__(self, root: pathlib.Path, imports: pathlib.Path | None = None) -> None:
+        # The upstreams are on loopback; file: sources come from ``imports`` (default the store's parent).
+        policy = SourcePolicy(import_dirs=((imports or root.parent).resolve(),), allow_private=True)
+        self.server = MirrorServer(
+            root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="", policy=policy
+        )
 
     async def __aenter__(self) -> Mirror:
         await self.server.start()
@@ -270,7 +275,7 @@ async def test_file_source_larger_than_the_disk_fails_before_copying(
 ) -> None:
     big = tmp_path / "big.gguf"
     big.write_bytes(os.urandom(9 << 20))
-    async with Mirror(small_fs / "store") as mirror:
+    async with Mirror(small_fs / "store", imports=tmp_path) as mirror:
         await mirror.fetch(f"file:{big}")
         st = await mirror.until(lambda s: s.state != "fetching")
         assert st.state == "failed"

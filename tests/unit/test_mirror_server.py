@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 from llmgw.errors import PortInUseError
 from llmgw.mirror.download import partial_path
 from llmgw.mirror.models import FetchStatus, Manifest
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import MirrorServer
 from llmgw.mirror.store import Store
 
@@ -41,11 +42,21 @@ def src(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 class Mirror:
+    """A MirrorServer on 127.0.0.1 ephemeral ports. Its default policy imports ``file:`` sources
+    from ``<root's parent>/in`` and fetches from any address (the upstreams here are on loopback);
+    test_mirror_policy.py gives it the strict ones."""
+
     def __init__(
-        self, root: pathlib.Path, api_listen: str = "127.0.0.1:0", allow: tuple[str, ...] = ()
+        self,
+        root: pathlib.Path,
+        api_listen: str = "127.0.0.1:0",
+        allow: tuple[str, ...] = (),
+        policy: SourcePolicy | None = None,
     ) -> None:
+        if policy is None:
+            policy = SourcePolicy(import_dirs=(root.parent.resolve() / "in",), allow_private=True)
         self.server = MirrorServer(
-            root=root, listen="127.0.0.1:0", api_listen=api_listen, base=BASE, api_allow=allow
+            root=root, listen="127.0.0.1:0", api_listen=api_listen, base=BASE, api_allow=allow, policy=policy
         )
 
     async def __aenter__(self) -> Mirror:

@@ -9,8 +9,10 @@ server.yaml and admin-token file.
 ``model scale NAME N`` sets ``scaling.min`` to N (the replicas kept running); when N is above
 ``scaling.max``, max is raised to N too, so the command always does what it says.
 
-``model rm --delete-weights`` deletes the model, then the weights from the mirror named in
-server.yaml (``mirror.api``); nodes keep their cached copy until their cache evicts it.
+``model rm --delete-weights`` deletes the model, then the mirror entry its ``source`` points to
+(:mod:`llmgw.mirror.usage`), from the mirror named in server.yaml (``mirror.api``), unless another
+model in the catalog uses the same entry (then it says which and keeps it); nodes keep their
+cached copy until their cache evicts it.
 
 Exit codes: 0 fine; 1 an API error; 2 bad input; 3 the control plane does not answer.
 ``explain-placement`` exits 0 when the model is placed and 6 when it is not, so scripts can wait on it.
@@ -360,18 +362,22 @@ def model_rm(
 ) -> None:
     """Remove a model: its replicas stop; the weights stay on the mirror unless --delete-weights."""
     client = _client(server, token)
-    spec = client.get(f"/api/v1/models/{quote(name)}").get("spec", {})
+    source = str(client.get(f"/api/v1/models/{quote(name)}").get("source", ""))
+    others: list[tuple[str, str]] = []
+    if delete_weights:
+        others = [(str(m.get("name", "")), str(m.get("source", ""))) for m in client.get("/api/v1/models")]
+        others = [(n, s) for n, s in others if n != name]
     client.delete(f"/api/v1/models/{quote(name)}")
     print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
     if delete_weights:
         from llmgw.mirror.client import MirrorClient  # noqa: PLC0415 - only this path needs it
+        from llmgw.mirror.usage import delete_weights as delete  # noqa: PLC0415 - as above
 
         api = load_server_config(paths().server_config).mirror.api
         if not api:
             raise fail("server.yaml has no mirror.api; delete the weights with 'llmgw mirror rm'", 1)
         with MirrorClient(api) as mirror:
-            mirror.delete(name, str(spec.get("version", "1")))
-        print(f"deleted {name}/{spec.get('version', '1')} from the mirror at {api}")
+            print(delete(mirror, name=name, source=source, others=others, api=api))
 
 
 @model_app.command("scale")

@@ -12,6 +12,7 @@ import typer
 from llmgw.cli.common import cli_errors, paths
 from llmgw.mirror import server, setup
 from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.serverinit.steps import primary_address
 from llmgw.service.manager import pick_manager
 from llmgw.service.units import llmgw_binary
@@ -50,12 +51,45 @@ def serve(
             "--api-allow", help="An address or network (CIDR) the management API also answers; repeatable."
         ),
     ] = None,
+    import_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--import-dir",
+            help="A directory file: sources may come from (regular files only); repeatable. None: no file: source.",
+        ),
+    ] = None,
+    allow_source_net: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-source-net",
+            help="A private address or network (CIDR) http(s) sources may reach; repeatable.",
+        ),
+    ] = None,
+    allow_private_sources: Annotated[
+        bool,
+        typer.Option(
+            "--allow-private-sources",
+            help="Let http(s) sources reach any address, this machine's and private ones included.",
+        ),
+    ] = False,
 ) -> None:
     """Serve the mirror until SIGTERM or Ctrl-C; fetches left running resume at the next start."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    root = directory if directory is not None else paths().mirror_store
+    p = paths()
+    root = directory if directory is not None else p.mirror_store
+    policy = SourcePolicy.build(
+        import_dirs=import_dir or [], deny=[p.etc, p.state, p.agent_state],
+        allow_nets=allow_source_net or [], allow_private=allow_private_sources,
+    )
     print(f"mirror of {root}: bytes on {listen}, management API on {api_listen}, served as {base}")
-    server.run(root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow or [])
+    dirs = ", ".join(map(str, policy.import_dirs)) or "none (file: sources are refused)"
+    print(f"imports file: sources from {dirs}")
+    for d in policy.missing_dirs():
+        print(f"!! --import-dir {d} is not a directory here (missing, or hidden from this service by "
+              "ProtectHome=); its file: sources fail until it is")
+    server.run(
+        root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow or [], policy=policy
+    )
 
 
 API_OPTION = typer.Option("--api", help="The mirror's management API.")
@@ -79,6 +113,14 @@ def init(
     ] = None,
     listen: Annotated[str, typer.Option("--listen", help="Bytes server, for every node.")] = ":8081",
     api_listen: Annotated[str, typer.Option("--api-listen", help="Management API.")] = ":8082",
+    import_dir: Annotated[
+        list[Path] | None,
+        typer.Option("--import-dir", help="A directory the mirror may import file: sources from; repeatable."),
+    ] = None,
+    allow_source_net: Annotated[
+        list[str] | None,
+        typer.Option("--allow-source-net", help="A private address or network http(s) sources may reach."),
+    ] = None,
 ) -> None:
     """Make this machine a model mirror for the control plane at --control-plane.
 
@@ -94,6 +136,8 @@ def init(
         llmgw_bin=llmgw_binary(),
         listen=listen,
         api_listen=api_listen,
+        import_dirs=[str(d.resolve()) for d in import_dir or []],
+        allow_source_nets=allow_source_net or [],
         out=sys.stdout,
     )
 
@@ -114,8 +158,11 @@ def add(
 
     Through the running mirror when its API answers; otherwise straight into the store directory.
     """
-    root = directory if directory is not None else paths().mirror_store
-    st = setup.add_file(file, model, version, api_url=api, store_dir=root, out=sys.stdout)
+    p = paths()
+    root = directory if directory is not None else p.mirror_store
+    st = setup.add_file(
+        file, model, version, api_url=api, store_dir=root, out=sys.stdout, deny=[p.etc, p.state, p.agent_state]
+    )
     print(f"  done {st.model}/{st.version}: {st.file}, {st.bytes_total} bytes, sha256 {st.sha256}")
     where = st.url or f"/{st.model}/{st.version}/{st.file} on the mirror's bytes server"
     print(f"nodes fetch it from {where}")

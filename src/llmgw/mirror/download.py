@@ -26,7 +26,8 @@ A disk that fills while writing (``ENOSPC``) ends the download with :class:`NoSp
 deletes the partial file: the space goes back at once and no half file is left for anyone to see.
 
 Errors: :class:`~llmgw.errors.MirrorError` for a final HTTP status, retries used up, a digest
-mismatch, or a local write failure; each names the URL.
+mismatch, a connection the session's policy refused (:class:`RefusedConnection`, never retried),
+or a local write failure; each names the URL.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def no_space(directory: pathlib.Path, what: str, needed: int | None) -> NoSpaceE
         f"{what} {need} but {directory} has {free} bytes free; free some space there "
         "(or give the mirror another --dir) and ask again"
     )
+
+
+class RefusedConnection(OSError):
+    """A connection a policy refused before it was made (the mirror's private-address rule).
+
+    Raised from a resolver or socket factory; :func:`download` fails at once with its message
+    instead of retrying, since asking again meets the same rule.
+    """
 
 
 class _Retry(Exception):
@@ -271,6 +280,10 @@ async def _one_try(
             if total is not None and part.done != total:
                 raise _Retry(f"{url} ended at byte {part.done} of {total}")
             return server_sha
+    except aiohttp.ClientConnectorError as e:
+        if isinstance(e.os_error, RefusedConnection):
+            raise MirrorError(f"{url}: {e.os_error.strerror or e.os_error}") from e
+        raise _Retry(f"{url}: {type(e).__name__}: {e}") from e
     except (aiohttp.ClientError, TimeoutError) as e:
         raise _Retry(f"{url}: {type(e).__name__}: {e}") from e
 

@@ -6,7 +6,12 @@ Each pass of a fetch, in order:
    present is answered at once; one that is being fetched is joined (two requests share one
    download); a failed one is tried again (from the partial file when the source is the same,
    from scratch when it is another). Asking for an existing ``model/version`` from another
-   source is a :class:`SourceConflict`: a version names one set of bytes.
+   source is a :class:`SourceConflict`: a version names one set of bytes. A new fetch is first
+   checked against the :class:`~llmgw.mirror.policy.SourcePolicy` (``file:`` from an import
+   directory, ``http(s):`` to a public address): a refusal is a
+   :class:`~llmgw.mirror.policy.SourceRefused` before anything is written. The same rules hold
+   again when the bytes move (the file is opened through the policy; every connection goes
+   through its connector), so a swap, a redirect or a changed DNS answer meanwhile fails the fetch.
 2. The manifest is written ``fetching`` (durably) before any byte moves, so a restart knows to
    resume it: :meth:`Fetcher.start` relaunches every ``fetching`` manifest it finds.
 3. ``hf:`` sources are asked first (``HEAD``, redirects not followed) for the LFS sha256 and size
@@ -57,6 +62,7 @@ from llmgw.atomicfile import fsync_dir
 from llmgw.errors import LlmgwError, MirrorError
 from llmgw.mirror.download import CHUNK_BYTES, NoSpaceError, download, no_space, partial_path
 from llmgw.mirror.models import NAME_RE, FetchRequest, FetchStatus, Manifest, check_name
+from llmgw.mirror.policy import SourcePolicy, SourceRefused
 from llmgw.mirror.store import Store
 from llmgw.sourcecheck import Download, hf_published_sha256, hf_published_size, to_download
 
@@ -94,6 +100,8 @@ class Fetcher:
         base: the bytes server's public URL (``--base``); ``FetchStatus.url`` starts with it.
         env: environment for source resolution (``HF_TOKEN``, ``HF_ENDPOINT``); default ``os.environ``.
         clock: monotonic seconds, for the transfer rate and manifest write pacing.
+        policy: which sources may be fetched; the default allows no ``file:`` source and no
+            private address.
     """
 
     def __init__(
@@ -103,8 +111,10 @@ class Fetcher:
         *,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        policy: SourcePolicy | None = None,
     ) -> None:
         self.store = store
+        self.policy = policy if policy is not None else SourcePolicy()
         self.base = base.rstrip("/")
         self._env = env
         self._clock = clock
@@ -117,7 +127,7 @@ class Fetcher:
         ``resume=False`` loads without resuming (``llmgw mirror add`` writing into a store whose
         mirror is down must not start that mirror's downloads).
         """
-        self._session = aiohttp.ClientSession()
+        self._session = aiohttp.ClientSession(connector=self.policy.connector())
         for model, version, manifest in self.store.all():
             entry = _Entry(model, version, manifest)
             self._entries[model, version] = entry
@@ -210,17 +220,18 @@ class Fetcher:
             SourceError: the source is not an accepted form.
             MirrorError: the source names no usable file name.
             SourceConflict: the ``model/version`` holds or is fetching another source.
+            SourceRefused: the policy does not allow the source (outside the import directories,
+                not a regular file, a private address).
         """
         dl = to_download(req.source, env=self._env)
         file = _file_name(req.source, dl)
+        if (known := self._known(req)) is not None:
+            return known
+        await self._check(req.source, dl)
+        # Another request may have started this model/version while the check awaited DNS.
+        if (known := self._known(req)) is not None:
+            return known
         entry = self._entry(req.model, req.version)
-        if entry is not None and entry.manifest.state != "failed":
-            if entry.manifest.source != req.source:
-                raise SourceConflict(
-                    f"{req.model}/{req.version} is already {entry.manifest.state} from "
-                    f"{entry.manifest.source}, not {req.source}; give the new source a new version"
-                )
-            return self._view(entry), entry.manifest.state != "present"
         if entry is not None and entry.manifest.source != req.source:
             # Bytes a failed fetch of another source left must not be resumed as this one.
             stale = partial_path(self.store.version_dir(req.model, req.version) / entry.manifest.file)
@@ -231,6 +242,39 @@ class Fetcher:
         self._save(entry, durable=True)
         self._launch(entry, dl)
         return self._view(entry), True
+
+    def _known(self, req: FetchRequest) -> tuple[FetchStatus, bool] | None:
+        """The answer for a ``model/version`` already present or fetching; None when it is new or failed.
+
+        Raises:
+            SourceConflict: it holds or is fetching another source.
+        """
+        entry = self._entry(req.model, req.version)
+        if entry is None or entry.manifest.state == "failed":
+            return None
+        if entry.manifest.source != req.source:
+            raise SourceConflict(
+                f"{req.model}/{req.version} is already {entry.manifest.state} from "
+                f"{entry.manifest.source}, not {req.source}; give the new source a new version"
+            )
+        return self._view(entry), entry.manifest.state != "present"
+
+    async def _check(self, source: str, dl: Download) -> None:
+        """Refuse a source the policy does not allow (:class:`~llmgw.mirror.policy.SourceRefused`).
+
+        A ``file:`` that is missing or unreadable passes here: the copy reports it as ``failed``.
+        """
+        if dl.kind != "file":
+            await self.policy.check_url(dl.url, source)
+            return
+        assert dl.path is not None  # noqa: S101 - to_download sets it for kind "file"
+        try:
+            fd = self.policy.open_file(dl.path, source)
+        except SourceRefused:
+            raise
+        except OSError:
+            return
+        os.close(fd)
 
     # --- running one fetch ---
 
@@ -259,7 +303,7 @@ class Fetcher:
             dest.parent.mkdir(parents=True, exist_ok=True)
             if dl.kind == "file":
                 assert dl.path is not None  # noqa: S101 - to_download sets it for kind "file"
-                sha = await _copy(dl.path, dest, progress)
+                sha = await _copy(dl.path, dest, progress, lambda p: self.policy.open_file(p, entry.manifest.source))
             else:
                 if dl.kind == "hf" and not entry.manifest.expected_sha256:
                     await self._ask_hf(entry, dl, dest)
@@ -389,14 +433,21 @@ def _check_space(directory: pathlib.Path, needed: int, what: str) -> None:
         raise no_space(directory, what, needed)
 
 
-async def _copy(src: pathlib.Path, dest: pathlib.Path, progress: Callable[[int, int | None], None]) -> str:
-    """Copy ``src`` to ``dest`` via a hidden partial name, hashing as it goes; return the sha256.
+async def _copy(
+    src: pathlib.Path,
+    dest: pathlib.Path,
+    progress: Callable[[int, int | None], None],
+    opener: Callable[[pathlib.Path], int],
+) -> str:
+    """Copy ``src`` (opened by ``opener``, which returns a file descriptor and raises
+    :class:`~llmgw.mirror.policy.SourceRefused` or OSError) to ``dest`` via a hidden partial name,
+    hashing as it goes; return the sha256.
 
-    Files are opened on the loop (one quick syscall each): opened in a worker thread, they would
+    Files are opened on the loop (a few quick syscalls): opened in a worker thread, they would
     leak when the fetch is cancelled meanwhile. Reading, hashing and writing run in a thread.
     """
     try:
-        fin = open(src, "rb")  # noqa: ASYNC230, SIM115 - see the docstring; closed by the with below
+        fin = os.fdopen(opener(src), "rb")
     except OSError as e:
         raise MirrorError(
             f"file:{src} cannot be read on the mirror's machine ({e.strerror}); copy the file there first"

@@ -12,7 +12,10 @@
   answers 127.0.0.1, ::1 and the ``--api-allow`` addresses (IPs or CIDR networks); anyone else gets
   403. Other 127.x addresses are not loopback here: they are what a container's port
   forwarding or another local network namespace can present, and must be allowed by name.
-  Errors are JSON ``{"error": {"code", "message"}}``.
+  Errors are JSON ``{"error": {"code", "message"}}``. A source the
+  :class:`~llmgw.mirror.policy.SourcePolicy` refuses (a ``file:`` outside ``--import-dir``, a
+  special file, an ``http(s):`` host on a private or own address) is a 400 ``source_refused``
+  naming the flag that would allow it.
 
 Speed (``python bench/mirror.py``, 2 cores, loopback, page cache warm): a 1 GiB file at ~1.7 GB/s
 through FileResponse's sendfile, 91% of nginx 1.22 with ``sendfile on`` (1.86 GB/s) in the same
@@ -32,7 +35,7 @@ import logging
 import pathlib
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -42,6 +45,7 @@ from llmgw.errors import ConfigError, LlmgwError, PortInUseError, SourceError
 from llmgw.mirror.download import CHECKSUM_HEADER
 from llmgw.mirror.fetch import Fetcher, SourceConflict
 from llmgw.mirror.models import FetchRequest
+from llmgw.mirror.policy import SourcePolicy, SourceRefused
 from llmgw.mirror.store import Store
 
 log = logging.getLogger(__name__)
@@ -187,6 +191,8 @@ async def _fetch(request: web.Request) -> web.Response:
         return _error(400, "invalid_request", msg)
     try:
         status, started = await request.app[_FETCHER].fetch(req)
+    except SourceRefused as e:
+        return _error(400, "source_refused", str(e))
     except SourceError as e:
         return _error(400, "bad_source", str(e))
     except SourceConflict as e:
@@ -241,7 +247,9 @@ def api_app(fetcher: Fetcher, allow: Sequence[Network] = ()) -> web.Application:
 class MirrorServer:
     """Both servers over one store; :meth:`start` binds, :meth:`stop` ends cleanly.
 
-    Attributes after start: ``bytes_port`` and ``api_port``, the ports actually bound (useful with 0).
+    ``policy`` is what the fetcher may fetch (``--import-dir``, ``--allow-source-net``); the
+    default allows no ``file:`` source and no private address. Attributes after start:
+    ``bytes_port`` and ``api_port``, the ports actually bound (useful with 0).
     """
 
     root: pathlib.Path
@@ -249,6 +257,7 @@ class MirrorServer:
     api_listen: str
     base: str
     api_allow: Sequence[str] = ()
+    policy: SourcePolicy = field(default_factory=SourcePolicy)
     bytes_port: int = 0
     api_port: int = 0
 
@@ -262,7 +271,7 @@ class MirrorServer:
         allow = parse_allow(self.api_allow)
         addrs = [(self._addr(self.listen, "--listen")), self._addr(self.api_listen, "--api-listen")]
         self.store = Store(self.root)
-        self.fetcher = Fetcher(self.store, self.base)
+        self.fetcher = Fetcher(self.store, self.base, policy=self.policy)
         self._runners: list[web.AppRunner] = []
         try:
             for app, (host, port), flag in zip(
@@ -335,14 +344,23 @@ async def serve(server: MirrorServer, stop: asyncio.Event) -> None:
 
 
 def run(
-    *, root: pathlib.Path, listen: str, api_listen: str, base: str, api_allow: Sequence[str] = ()
+    *,
+    root: pathlib.Path,
+    listen: str,
+    api_listen: str,
+    base: str,
+    api_allow: Sequence[str] = (),
+    policy: SourcePolicy | None = None,
 ) -> None:
     """Serve the mirror in this process until SIGTERM or SIGINT (``llmgw mirror serve``).
 
     Raises:
         ConfigError, PortInUseError: as :meth:`MirrorServer.start`.
     """
-    server = MirrorServer(root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow)
+    server = MirrorServer(
+        root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow,
+        policy=policy or SourcePolicy(),
+    )
 
     async def main() -> None:
         stop = asyncio.Event()

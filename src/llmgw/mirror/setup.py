@@ -11,16 +11,21 @@
 
   1. the running mirror's management API answers (``--api``, default ``http://127.0.0.1:8082``):
      ``POST /api/v1/fetch`` with ``file:/abs/path``; the mirror copies the file itself, so it
-     knows the file at once, and the progress is polled and printed. The file must be readable by
-     the mirror's user (its unit has ``ProtectHome=true``: /home and /root are not visible to it).
-  2. nothing answers there: the file is copied straight into the store directory (``--dir``) by
-     this process, with no fetches resumed. A mirror started later finds it; one already running
-     on that store (its API elsewhere) picks it up the first time it is asked for it.
+     knows the file at once, and the progress is polled and printed. The file must be inside one
+     of the mirror's ``--import-dir`` directories and readable by the mirror's user (its unit has
+     ``ProtectHome=true``: /home and /root are not visible to it).
+  2. nothing answers there, or the mirror refuses the file (``source_refused``: not in an import
+     directory) and this user may write the store: the file is copied straight into the store
+     directory (``--dir``) by this process, with this user's rights and no fetches resumed. A
+     mirror started later finds it; one already running on that store picks it up the first time
+     it is asked for it. The copy still refuses special files, hard links and llmgw's own
+     configuration and state (``deny``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +36,7 @@ from llmgw.errors import ApiError, ConfigError, LlmgwError, MirrorError, Service
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest, FetchStatus
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import parse_allow
 from llmgw.mirror.store import Store
 from llmgw.paths import Paths
@@ -58,6 +64,8 @@ def init_mirror(
     llmgw_bin: str,
     listen: str = ":8081",
     api_listen: str = ":8082",
+    import_dirs: Sequence[str] = (),
+    allow_source_nets: Sequence[str] = (),
     wait_s: float = 30.0,
     out: TextIO,
     sleep: Callable[[float], None] = time.sleep,
@@ -72,16 +80,21 @@ def init_mirror(
         address: this machine's address as the nodes and control planes reach it.
         llmgw_bin: the ``ExecStart`` program (``llmgw_binary()``).
         listen, api_listen: the bytes server and the management API (``HOST:PORT`` or ``:PORT``).
+        import_dirs: absolute directories ``file:`` sources may come from (``--import-dir``).
+        allow_source_nets: private addresses or networks ``http(s):`` sources may reach.
         wait_s: how long to wait for the management API to answer on loopback.
         out: where the step lines and the closing advice are printed.
 
     Raises:
-        ConfigError: no control plane, a malformed address, or no ``address``.
+        ConfigError: no control plane, a malformed address, no ``address``, or an import
+            directory or source network the mirror would refuse (checked before anything is written).
         ServiceError: the service did not start or did not answer within ``wait_s`` (with its log).
     """
     if not control_planes:
         raise ConfigError("name the control plane: llmgw mirror init --control-plane <its address>")
     parse_allow(control_planes)
+    for d in SourcePolicy.build(import_dirs=import_dirs, allow_nets=allow_source_nets).missing_dirs():
+        raise ConfigError(f"--import-dir {d} is not a directory; create it (and put the files there) first")
     if not address:
         raise ConfigError("this machine has no non-loopback address; give --address <the address nodes reach>")
     _h, port = parse_listen(listen)
@@ -95,7 +108,7 @@ def init_mirror(
         print(f"  done system user {MIRROR_USER}, owner of {store}", file=out, flush=True)
     body = mirror_unit(
         paths, llmgw_bin, listen=listen, api_listen=api_listen, base=base, allow=list(control_planes),
-        about=INIT_ABOUT,
+        about=INIT_ABOUT, import_dirs=import_dirs, allow_source_nets=allow_source_nets,
     )
     was_running = manager.status("mirror").state == "running"
     changed = manager.install("mirror", body)
@@ -140,6 +153,7 @@ def add_file(
     api_url: str,
     store_dir: pathlib.Path,
     out: TextIO,
+    deny: Sequence[pathlib.Path] = (),
     poll_s: float = 0.5,
 ) -> FetchStatus:
     """Put ``file`` into the mirror as ``model/version`` (see the module docstring for the two ways).
@@ -147,15 +161,20 @@ def add_file(
     Returns:
         The ``present`` status (its ``sha256`` is the file's).
 
+    Args:
+        deny: directories no file may be copied from (llmgw's configuration and state).
+
     Raises:
-        MirrorError: the file is missing, the copy failed (disk full, unreadable), or
-            ``model/version`` already holds another source.
+        MirrorError: the file is missing, the copy failed (disk full, unreadable), the mirror
+            refused the file and this user cannot write the store, or ``model/version`` already
+            holds another source.
         ApiError: the mirror refused the request (a bad name).
     """
     path = file.expanduser().resolve()
     if not path.is_file():
         raise MirrorError(f"{file} is not a file")
     req = FetchRequest(source=f"file:{path}", model=model, version=version)
+    policy = SourcePolicy.build(import_dirs=[path.parent], deny=deny)
     client = MirrorClient(api_url, timeout=5.0)
     try:
         try:
@@ -163,12 +182,21 @@ def add_file(
         except UnreachableError:
             print(f"  .. the mirror at {api_url} does not answer: copying into {store_dir} directly",
                   file=out, flush=True)
-            return asyncio.run(_add_direct(req, store_dir))
+            return asyncio.run(_add_direct(req, store_dir, policy))
         print(f"  .. asking the mirror at {api_url} to copy {path}", file=out, flush=True)
         try:
             st = client.fetch(req.source, model, version)
         except ApiError as e:
-            raise MirrorError(str(e)) from e
+            if e.code != "source_refused":
+                raise MirrorError(str(e)) from e
+            if not (store_dir.is_dir() and os.access(store_dir, os.W_OK | os.X_OK)):
+                raise MirrorError(
+                    f"{e}; or run 'llmgw mirror add' as a user who may write {store_dir} (sudo), "
+                    "which copies the file there directly"
+                ) from e
+            print(f"  .. the mirror does not import from {path.parent}: copying into {store_dir} "
+                  "directly, as this user", file=out, flush=True)
+            return asyncio.run(_add_direct(req, store_dir, policy))
         last = ""
         while st.state == "fetching":
             if (line := st.progress_text()) != last:
@@ -183,8 +211,8 @@ def add_file(
     return st
 
 
-async def _add_direct(req: FetchRequest, store_dir: pathlib.Path) -> FetchStatus:
-    fetcher = Fetcher(Store(store_dir), base="")
+async def _add_direct(req: FetchRequest, store_dir: pathlib.Path, policy: SourcePolicy) -> FetchStatus:
+    fetcher = Fetcher(Store(store_dir), base="", policy=policy)
     await fetcher.start(resume=False)
     try:
         await fetcher.fetch(req)

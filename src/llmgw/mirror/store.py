@@ -8,8 +8,9 @@
   updates are not (losing the last second of progress in a crash costs nothing: the download
   resumes from the partial file's length, not from the manifest).
 - :meth:`Store.servable` resolves a request to a path only when every segment is a plain name,
-  the manifest says ``present`` for exactly that file, and the real path (symlinks followed) is
-  inside the store.
+  the manifest says ``present`` for exactly that file, and that file is a regular file (not a
+  symlink, device or FIFO) of the manifest's size. Nothing else in the store is ever served: not
+  the manifest, not a partial file, not a file dropped beside the listed one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pathlib
+import stat
 
 from pydantic import ValidationError
 
@@ -89,15 +91,18 @@ class Store:
 
         None when a segment is not a plain name (``..``, an encoded slash, a hidden partial file),
         when the manifest is missing or not ``present`` or names another file, when the file is
-        missing, or when its real path (after symlinks) leaves the store.
+        missing, a symlink (wherever it points, or in a symlinked directory) or not a regular
+        file, or when its size is not the manifest's.
         """
         if not all(NAME_RE.fullmatch(s) for s in (model, version, file)) or file == MANIFEST:
             return None
         manifest = self.read(model, version)
         if manifest is None or manifest.state != "present" or manifest.file != file:
             return None
+        path = self.version_dir(model, version) / file
         with contextlib.suppress(OSError):
-            real = (self.version_dir(model, version) / file).resolve(strict=True)
-            if real.is_relative_to(self.root) and real.is_file():
-                return real, manifest
+            st = path.lstat()
+            in_place = path.parent.resolve(strict=True) == path.parent  # no symlinked directory
+            if in_place and stat.S_ISREG(st.st_mode) and manifest.size in (None, st.st_size):
+                return path, manifest
         return None

@@ -467,7 +467,7 @@ class ServerInit:
         base = f"http://{self._url_host(self.reachable_addr())}:{port}"
         body = mirror_unit(
             self.paths, self.bin, listen=self.opts.mirror_listen, api_listen=self.opts.mirror_api_listen,
-            base=base, allow=[],
+            base=base, allow=[], import_dirs=self.mirror_import_dirs(),
             about="'llmgw server init'. Bytes for every node; the\n# management API on loopback only, "
             "for the control plane beside it.",
         )
@@ -492,6 +492,21 @@ class ServerInit:
             return True
 
         self._wait_service("mirror", "the mirror", up)
+
+    def mirror_import_dirs(self) -> list[str]:
+        """The directories the local mirror may import ``file:`` sources from: the real directory
+        (symlinks followed, as the mirror checks it) of a ``file:`` starter and judge, once each."""
+        sources = [self.opts.starter_source]
+        if self.opts.judge_source and not self.opts.no_guard_model:
+            sources.append(self.opts.judge_source)
+        dirs: list[str] = []
+        for src in sources:
+            d = sourcecheck.to_download(src)
+            if d.kind == "file" and d.path is not None:
+                real = str(Path(os.path.realpath(d.path)).parent)
+                if real not in dirs:
+                    dirs.append(real)
+        return dirs
 
     @staticmethod
     def _url_host(host: str) -> str:

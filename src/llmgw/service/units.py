@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from llmgw.errors import ServiceError
@@ -157,6 +158,8 @@ def mirror_unit(
     base: str,
     allow: list[str],
     about: str,
+    import_dirs: Sequence[str] = (),
+    allow_source_nets: Sequence[str] = (),
 ) -> str:
     """A mirror's unit (the seed's ``mirrorUnitFor``), serving ``paths.mirror_store``.
 
@@ -167,11 +170,19 @@ def mirror_unit(
         allow: who, besides the machine itself, may use the management API (``--api-allow`` each).
         about: the text after ``# Written by``; may span lines, each after the first starting ``# ``
             (:data:`MIRROR_ABOUT_LOCAL`, :data:`MIRROR_ABOUT_STANDBYS`).
+        import_dirs: directories ``file:`` sources may come from (``--import-dir`` each); none
+            refuses every ``file:`` source.
+        allow_source_nets: private addresses or networks ``http(s):`` sources may reach
+            (``--allow-source-net`` each).
     """
     argv = [llmgw_bin, "mirror", "serve", "--dir", str(paths.mirror_store), "--listen", listen]
     argv += ["--api-listen", api_listen, "--base", base]
     for a in allow:
         argv += ["--api-allow", a]
+    for d in import_dirs:
+        argv += ["--import-dir", d]
+    for n in allow_source_nets:
+        argv += ["--allow-source-net", n]
     return (
         "[Unit]\n"
         "Description=llmgw model mirror\n"

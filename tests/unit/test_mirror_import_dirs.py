@@ -1,0 +1,105 @@
+"""Issue 9 item 1, the setup side: what init and ``mirror add`` pass so that the import
+directories a mirror needs are the ones it is given, and nothing more.
+
+- ``server init`` gives its local mirror the real directory of a ``file:`` starter and judge.
+- The unit carries them (``--import-dir`` each), and llmgw's supervisor reads them back intact.
+- ``llmgw mirror add`` of a file the mirror refuses copies it itself when it may write the store,
+  and otherwise says which flag to add.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+
+from typer.testing import CliRunner
+
+from llmgw.cli.main import app
+from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.policy import SourcePolicy
+from llmgw.paths import Paths
+from llmgw.serverinit.options import InitOptions
+from llmgw.serverinit.steps import ServerInit
+from llmgw.service.manager import SupervisorManager
+from llmgw.service.supervisor import parse_unit
+from llmgw.service.units import mirror_unit
+from tests.unit.test_mirror_client import ThreadedMirror
+
+
+def test_the_unit_carries_import_dirs_through_the_supervisors_parser(tmp_path: pathlib.Path) -> None:
+    paths = Paths.from_env(tmp_path / "root")
+    odd = "/srv/models in/100% $HOME"
+    text = mirror_unit(
+        paths, "/opt/bin/llmgw", listen=":1", api_listen="127.0.0.1:2", base="b", allow=[], about="test",
+        import_dirs=["/srv/import", odd], allow_source_nets=["10.0.0.0/8"],
+    )  # fmt: skip
+    argv = parse_unit(text).argv
+    assert argv[-6:] == ["--import-dir", "/srv/import", "--import-dir", odd, "--allow-source-net", "10.0.0.0/8"]
+
+
+def test_server_init_imports_from_the_real_dirs_of_its_file_sources(tmp_path: pathlib.Path) -> None:
+    blobs, snap, judges = tmp_path / "blobs", tmp_path / "snapshots", tmp_path / "judges"
+    for d in (blobs, snap, judges):
+        d.mkdir()
+    (blobs / "abc").write_bytes(b"GGUF")
+    (snap / "model.gguf").symlink_to(blobs / "abc")  # as a Hugging Face cache lays files out
+    (judges / "j.gguf").write_bytes(b"GGUF")
+    paths = Paths.from_env(tmp_path / "root")
+
+    def dirs(**kw: object) -> list[str]:
+        opts = InitOptions(starter_source=f"file:{snap}/model.gguf", **kw)  # type: ignore[arg-type]
+        return ServerInit(paths, opts, SupervisorManager(paths), out=io.StringIO()).mirror_import_dirs()
+
+    assert dirs() == [str(blobs)]
+    assert dirs(judge_source=f"file:{judges}/j.gguf") == [str(blobs), str(judges)]
+    assert dirs(judge_source=f"file:{judges}/j.gguf", no_guard_model=True) == [str(blobs)]
+    assert dirs(judge_source=f"file:{blobs}/abc") == [str(blobs)]
+    opts = InitOptions(starter_source="hf:org/repo/m.gguf", judge_source="hf:org/repo/j.gguf")
+    assert ServerInit(paths, opts, SupervisorManager(paths), out=io.StringIO()).mirror_import_dirs() == []
+
+
+def test_mirror_add_of_a_refused_file_copies_it_when_the_store_is_writable(tmp_path: pathlib.Path) -> None:
+    carried = tmp_path / "carried" / "w.gguf"
+    carried.parent.mkdir()
+    carried.write_bytes(os.urandom(5000))
+    store = tmp_path / "store"
+    with ThreadedMirror(store, policy=SourcePolicy()) as mirror:
+        r = CliRunner().invoke(
+            app, ["mirror", "add", str(carried), "--model", "m", "--version", "1", "--api", mirror.api,
+                  "--dir", str(store)],
+        )  # fmt: skip
+        assert r.exit_code == 0, r.output
+        assert f"the mirror does not import from {carried.parent}: copying into {store} directly" in r.output
+        with MirrorClient(mirror.api) as c:
+            assert c.status("m", "1").state == "present"
+
+
+def test_mirror_add_of_a_refused_file_names_the_flag_when_it_cannot_write_the_store(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The store this user would copy into is not there (it is the mirror's, on its machine)."""
+    carried = tmp_path / "carried" / "w.gguf"
+    carried.parent.mkdir()
+    carried.write_bytes(b"x" * 100)
+    with ThreadedMirror(tmp_path / "store", policy=SourcePolicy()) as mirror:
+        r = CliRunner().invoke(
+            app, ["mirror", "add", str(carried), "--model", "m", "--version", "1", "--api", mirror.api,
+                  "--dir", str(tmp_path / "elsewhere")],
+        )  # fmt: skip
+    assert r.exit_code != 0
+    assert f"--import-dir {carried.parent}" in r.output
+    assert "as a user who may write" in r.output
+    assert not (tmp_path / "store" / "m").exists()
+
+
+def test_mirror_init_refuses_an_import_dir_that_is_not_there(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "root"
+    r = CliRunner().invoke(
+        app, ["mirror", "init", "--control-plane", "10.0.0.1", "--address", "127.0.0.1",
+              "--import-dir", str(tmp_path / "typo")],
+        env={"LLMGW_ROOT": str(root)},
+    )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert f"--import-dir {tmp_path / 'typo'} is not a directory; create it" in r.output
+    assert not Paths.from_env(root).unit("mirror").exists()
