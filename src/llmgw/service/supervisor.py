@@ -65,7 +65,7 @@ from typing import BinaryIO
 import psutil
 
 from llmgw.errors import ServiceError
-from llmgw.service.files import ServiceFiles, SupervisorState, write_pid, write_state
+from llmgw.service.files import ServiceFiles, SupervisorState, open_log, private_dir, write_pid, write_state
 
 STOP_TIMEOUT = 15.0
 """Seconds the program has to end after SIGTERM before SIGKILL (systemd's default is 90)."""
@@ -465,14 +465,14 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until stopped or given up; 0, or :data:`ALREADY_RUNNING` when another holds the lock."""
-        self.files.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.files.dir)
         lock = self._lock()
         if lock is None:
             print(f"llmgw-{self.name} is already supervised", file=sys.stderr)
             return ALREADY_RUNNING
         self._install_signals()
         final = SupervisorState("failed", detail="the supervisor itself failed; see the log")
-        with lock, self.files.log.open("ab") as self._log:
+        with lock, open(open_log(self.files.log), "ab") as self._log:
             self._state("starting")  # before the pid file: a new pid never pairs with an old state
             write_pid(self.files.pid, os.getpid())
             try:
@@ -530,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = parse_unit(args.unit.read_text())
+        private_dir(args.dir)
     except (OSError, ServiceError) as e:
         print(f"Error: {args.unit}: {e}", file=sys.stderr)
         return 2
