@@ -145,5 +145,6 @@ def test_sqlite_files_are_private(tmp_path: Path) -> None:
         os.umask(old)
     assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
     assert names["llmgw.db"] == 0o600
-    assert names.get("llmgw.db-wal", 0o600) == 0o600 and names.get("llmgw.db-shm", 0o600) == 0o600
+    assert names.get("llmgw.db-wal", 0o600) == 0o600
+    assert names.get("llmgw.db-shm", 0o600) == 0o600
     assert "llmgw.db-wal" in names  # WAL mode made them: the check above saw real files

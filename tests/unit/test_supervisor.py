@@ -500,11 +500,14 @@ def test_credentials_follow_systemd() -> None:
     nobody = pwd.getpwnam("nobody")
     who = credentials(parse_unit("[Service]\nExecStart=/bin/true\nUser=nobody\n"), euid=0)
     assert (who.user, who.group) == (nobody.pw_uid, nobody.pw_gid)
-    assert who.extra_groups is not None and 0 not in who.extra_groups  # nothing of root's stays
-    assert who.env["HOME"] == nobody.pw_dir and who.env["USER"] == "nobody"
+    assert who.extra_groups is not None
+    assert 0 not in who.extra_groups
+    assert who.env["HOME"] == nobody.pw_dir
+    assert who.env["USER"] == "nobody"
     # Not root: cannot switch, says so, runs as itself.
     other = credentials(parse_unit("[Service]\nExecStart=/bin/true\nUser=nobody\n"), euid=nobody.pw_uid + 1)
-    assert other.user is None and "only root can switch users" in other.note
+    assert other.user is None
+    assert "only root can switch users" in other.note
     with pytest.raises(ServiceError, match="User=no-such-user-here: no such user; 'llmgw server init' makes it"):
         credentials(parse_unit("[Service]\nExecStart=/bin/true\nUser=no-such-user-here\n"), euid=0)
 
@@ -525,9 +528,10 @@ def test_the_program_runs_as_the_units_user(manager: SupervisorManager, request:
     manager.install("mirror", "[Service]\n" f"ExecStart=/bin/sh -c {shlex.quote(shell)}\n"
                     f"Restart=on-failure\nRestartSec=50ms\nTimeoutStopSec=1s\n{extra}")
     assert manager.start("mirror") is True
-    wait_for("the program to write its file", lambda: (out / "made").exists())
+    wait_for("the program to write its file", (out / "made").exists)
     st = manager.status("mirror")
-    assert st.state == "running" and st.pid is not None
+    assert st.state == "running"
+    assert st.pid is not None
     proc = psutil.Process(st.pid)
     assert proc.uids().real == proc.uids().effective == nobody.pw_uid
     assert proc.gids().real == nobody.pw_gid
