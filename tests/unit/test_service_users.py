@@ -54,14 +54,14 @@ def test_a_user_that_cannot_run_llmgw_is_not_used_and_why_is_said(tmp_path: Path
     made: list[list[str]] = []
 
     def probe(name: str, reach: list[Path], *, systemd: bool) -> str | None:
-        return f"user {name} cannot enter {reach[0]}"
+        return f"user {name} cannot enter or read {reach[0]}"
 
     choice = choose_service_user([tmp_path], systemd=False, euid=0, runner=lambda a: made.append(a) or
                                  CommandResult(0, ""), probe=probe)
     assert choice.user is None
-    assert choice.why == f"user llmgw cannot enter {tmp_path}"
+    assert choice.why == f"user llmgw cannot enter or read {tmp_path}"
     # Under systemd the unit would fail to start: init stops with the reason instead.
-    with pytest.raises(ServiceError, match="run as the user llmgw under systemd, but user llmgw cannot enter"):
+    with pytest.raises(ServiceError, match="run as the user llmgw under systemd, but user llmgw cannot enter or read"):
         choose_service_user([tmp_path], systemd=True, euid=0, runner=lambda a: CommandResult(0, ""), probe=probe)
 
 
@@ -73,7 +73,7 @@ def test_the_probe_runs_as_the_user_for_real(tmp_path: Path) -> None:
     locked.mkdir(mode=0o700)
     why = why_user_cannot_run("nobody", [locked])
     assert why is not None
-    assert f"cannot enter {locked}" in why or "cannot run" in why
+    assert f"cannot enter or read {locked}" in why or "cannot run" in why
 
 
 def test_private_dir_refuses_someone_elses(tmp_path: Path) -> None:

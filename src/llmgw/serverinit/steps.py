@@ -396,6 +396,10 @@ class ServerInit:
         for d in (self.paths.state, self.paths.mirror_store):
             d.mkdir(mode=0o700 if d == self.paths.state else 0o755, parents=True, exist_ok=True)
         reach = [self.paths.etc, self.paths.pki, self.paths.state.parent, self.paths.mirror_store.parent]
+        for source in (self.opts.starter_source, self.opts.judge_source or ""):
+            fetch = sourcecheck.to_download(source) if source else None
+            if fetch is not None and fetch.kind == "file" and fetch.path:
+                reach.append(Path(fetch.path))  # the mirror, as this user, copies it
         choice = choose_service_user(reach, systemd=self.manager.kind == "systemd")
         self._user = choice
         if choice.made:

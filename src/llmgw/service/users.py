@@ -31,7 +31,7 @@ HIDDEN_BY_PROTECT_HOME = (Path("/home"), Path("/root"), Path("/run/user"))
 _PROBE = (
     "import os, sys\n"
     "import llmgw.control.server, llmgw.mirror.server\n"
-    "bad = [p for p in sys.argv[1:] if not os.access(p, os.X_OK)]\n"
+    "bad = [p for p in sys.argv[1:] if not os.access(p, os.X_OK if os.path.isdir(p) else os.R_OK)]\n"
     "print(' '.join(bad))\n"
     "sys.exit(3 if bad else 0)\n"
 )
@@ -86,9 +86,10 @@ def why_user_cannot_run(name: str, reach: Sequence[Path], *, systemd: bool = Fal
     """Why user ``name`` could not run this llmgw as a service, or None when it can.
 
     Runs this Python as ``name`` (uid, its group and groups, as the supervisor would) importing
-    the control plane and the mirror, and checks it may enter each directory in ``reach``
-    (``X_OK``). Under ``systemd`` the interpreter and the package must also not be where
-    ``ProtectHome=true`` hides them (:data:`HIDDEN_BY_PROTECT_HOME`). Needs root.
+    the control plane and the mirror, and checks it may enter each directory and read each file
+    in ``reach`` (a ``file:`` model source the mirror copies, say). Under ``systemd`` the
+    interpreter and the package must also not be where ``ProtectHome=true`` hides them
+    (:data:`HIDDEN_BY_PROTECT_HOME`). Needs root.
     """
     python = Path(sys.executable)  # a venv's own: its site-packages come with it
     package = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def why_user_cannot_run(name: str, reach: Sequence[Path], *, systemd: bool = Fal
     except (OSError, subprocess.SubprocessError) as e:
         return f"user {name} cannot run {python}: {getattr(e, 'strerror', None) or e}"
     if done.returncode == 3:
-        return f"user {name} cannot enter {done.stdout.strip()}"
+        return f"user {name} cannot enter or read {done.stdout.strip()}"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return f"user {name} cannot run llmgw with {python}: {last}"
@@ -151,7 +152,8 @@ def choose_service_user(
     if systemd:
         raise ServiceError(
             f"the control plane and the mirror run as the user {SERVICE_USER} under systemd, but {why}; "
-            "install llmgw where every user may run it (as root, 'pip install .' puts it in /usr/local)"
+            f"put it where {SERVICE_USER} may read it (llmgw itself: as root, 'pip install .' puts it in "
+            "/usr/local; a file: model source: outside /root and /home)"
         )
     return UserChoice(None, why, made)
 
