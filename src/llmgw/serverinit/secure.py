@@ -51,13 +51,16 @@ def database_files(paths: Paths) -> list[Path]:
     return [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
 
 
-def _set(path: Path, mode: int, uid: int = -1, gid: int = -1) -> None:
-    """chown (when asked) and chmod ``path`` without following a symlink; missing: nothing."""
+def _set(path: Path, mode: int, uid: int = -1, gid: int = -1, *, directory: bool = False) -> None:
+    """chown (when asked) and chmod ``path``; missing: nothing. It must not be a symlink (one
+    where the llmgw user may write could point root's chmod anywhere), unless it is a
+    ``directory`` in root's own tree (state moved to another disk).
+    """
     with contextlib.suppress(FileNotFoundError):
-        if path.is_symlink():
-            raise ServiceError(f"{path} is a symlink; llmgw's files must be real files: replace it")
+        if path.is_symlink() and not directory:
+            raise ServiceError(f"{path} is a symlink; llmgw's secret files must be real files: replace it")
         if uid != -1 or gid != -1:
-            os.chown(path, uid, gid, follow_symlinks=False)
+            os.chown(path, uid, gid)
         os.chmod(path, mode)
 
 
@@ -83,11 +86,11 @@ def lock_down(paths: Paths, user: str | None) -> None:
         for path in root_secrets(paths):
             _set(path, SECRET_MODE, 0 if user is not None else -1, 0 if user is not None else -1)
         _set(paths.server_config, 0o640, -1, gid)
-        _set(paths.state, PRIVATE_DIR_MODE, uid, gid)
+        _set(paths.state, PRIVATE_DIR_MODE, uid, gid, directory=True)
         for path in database_files(paths):
             _set(path, SECRET_MODE, uid, gid)
-        _set(paths.supervisor, PRIVATE_DIR_MODE)
-        _set(paths.agent_state, PRIVATE_DIR_MODE)
+        _set(paths.supervisor, PRIVATE_DIR_MODE)  # inside llmgw's directory: a symlink is refused
+        _set(paths.agent_state, PRIVATE_DIR_MODE, directory=True)
         if user is not None and paths.mirror_store.is_dir():
             chown_tree(paths.mirror_store, user)
     except OSError as e:
