@@ -115,3 +115,20 @@ def test_lock_down_sets_modes_and_owners(tmp_path: Path) -> None:
         assert paths.database.stat().st_uid == nobody.pw_uid
         assert (paths.pki / "ca-key.pem").stat().st_uid == 0
         assert paths.server_config.stat().st_gid == nobody.pw_gid
+
+
+def test_a_user_that_cannot_be_made_falls_back_under_the_supervisor_only(tmp_path: Path) -> None:
+    def runner(argv: list[str]) -> CommandResult:
+        return CommandResult(127, "useradd: not found")
+
+    def probe(name: str, reach: list[Path], *, systemd: bool) -> str | None:
+        return None
+
+    def missing(_name: str) -> bool:
+        return False
+
+    choice = choose_service_user([tmp_path], systemd=False, euid=0, runner=runner, probe=probe, exists=missing)
+    assert choice.user is None
+    assert "the user could not be made: useradd" in choice.why
+    with pytest.raises(ServiceError, match="create the user llmgw by hand"):
+        choose_service_user([tmp_path], systemd=True, euid=0, runner=runner, probe=probe, exists=missing)

@@ -131,6 +131,7 @@ def choose_service_user(
     reach: Sequence[Path], *, systemd: bool, euid: int | None = None,
     runner: Callable[[list[str]], CommandResult] = run_command,
     probe: Callable[..., str | None] = why_user_cannot_run,
+    exists: Callable[[str], bool] = user_exists,
 ) -> UserChoice:
     """The user the control plane and mirror units run as: :data:`SERVICE_USER` when it can be.
 
@@ -139,13 +140,18 @@ def choose_service_user(
     ``why``; under systemd that cannot happen (init needs root to write units).
 
     Raises:
-        ServiceError: under systemd, the user cannot run llmgw (the unit would fail to start);
-            ``useradd`` failed.
+        ServiceError: under systemd, the user cannot run llmgw (the unit would fail to start) or
+            ``useradd`` failed (under the supervisor that is a ``why``: the services run as root).
     """
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         return UserChoice(None, f"only root can switch users, and this runs as uid {euid}")
-    made = ensure_user(SERVICE_USER, runner=runner)
+    try:
+        made = ensure_user(SERVICE_USER, runner=runner, exists=exists)
+    except ServiceError as e:
+        if systemd:
+            raise
+        return UserChoice(None, f"the user could not be made: {e}")
     why = probe(SERVICE_USER, reach, systemd=systemd)
     if why is None:
         return UserChoice(SERVICE_USER, made=made)
