@@ -64,11 +64,16 @@ class GatewayConfig(_Strict):
     ``allow_loopback_without_key``: a single-machine install lets clients on this machine ask
     without a key (init sets it, and says so in the file); every other client needs a key from
     ``keys_file`` (one per line).
+
+    ``drain_s``: on SIGTERM (a stop or restart) the requests in flight may finish for this many
+    seconds before they are cut with an error event (:mod:`llmgw.control.drain`); at most 50,
+    inside the server unit's ``TimeoutStopSec=60s``.
     """
 
     listen: str = ":8080"
     keys_file: Path | None = None
     allow_loopback_without_key: bool = False
+    drain_s: Annotated[float, Field(ge=0, le=50)] = 20.0
 
     _v = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
 

@@ -54,6 +54,34 @@ def processes_under(root: Path) -> list[psutil.Process]:
     return found
 
 
+SECRET_NAMES = {"admin-token", "client-keys", "llmgw.db", "llmgw.db-wal", "llmgw.db-shm", "record.json", "api-key"}
+"""Files that hold a secret wherever they are: tokens, keys, the store (replica keys), replica records."""
+
+
+def exposed(root: Path) -> list[str]:
+    """What in an install's tree another local user could read or change (issue 9, item 3):
+    a secret (:data:`SECRET_NAMES`, ``*-key.pem``, a supervisor log) readable by group or others,
+    a state directory that is not 0700, and any directory group or others may write."""
+    found = []
+    state_dirs = {root / "var/lib/llmgw", root / "var/lib/llmgw-agent", root / "var/lib/llmgw/services"}
+    for top, dirs, names in os.walk(root):
+        for d in dirs:
+            path = Path(top) / d
+            mode = path.lstat().st_mode & 0o777
+            if mode & 0o022:
+                found.append(f"{path}: directory mode {mode:o}, writable by group or others")
+            if path in state_dirs and mode != 0o700:
+                found.append(f"{path}: state directory mode {mode:o}, not 700")
+        for n in names:
+            path = Path(top) / n
+            log = path.parent.name == "services" and n.endswith(".log")
+            secret = n in SECRET_NAMES or n.endswith("-key.pem") or log
+            mode = path.lstat().st_mode & 0o777
+            if secret and mode & 0o077:
+                found.append(f"{path}: secret with mode {mode:o}, readable by group or others")
+    return found
+
+
 @pytest.fixture
 def install(tmp_path: Path, assets: Assets) -> Iterator[tuple[Path, list[str]]]:
     root = tmp_path / "root"
@@ -89,6 +117,13 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     ):
         assert line in out, f"missing {line!r} in:\n{out}"
     assert 'chat "What is the capital of France?"' in out
+    # Every secret is its owner's alone, state directories are 0700, nothing is writable by others.
+    assert exposed(root) == []
+    # The units say who runs what: as root, llmgw when that user can run this install; here
+    # Python may be under /root (0700): then init says so, and why.
+    server_unit = (root / "etc/systemd/system/llmgw-server.service").read_text()
+    if "User=llmgw" not in server_unit:
+        assert "the control plane and the mirror run as" in out, out
 
     gateway = re.search(r"curl -s (http://127\.0\.0\.1:\d+)/v1/chat/completions", out)
     assert gateway, out

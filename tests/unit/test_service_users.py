@@ -1,14 +1,21 @@
-"""The mirror's system user under systemd, through the command runner seam (no useradd here)."""
+"""The llmgw system user (made through the command runner seam: no useradd here), the choice of
+who runs the services, the supervisor's own directory, and the owners and modes init sets."""
 
 from __future__ import annotations
 
+import os
+import pwd
+import stat
 from pathlib import Path
 
 import pytest
 
 from llmgw.errors import ServiceError
+from llmgw.paths import Paths
+from llmgw.serverinit.secure import lock_down, root_secrets, service_secrets
+from llmgw.service.files import private_dir
 from llmgw.service.manager import CommandResult
-from llmgw.service.users import ensure_mirror_user
+from llmgw.service.users import choose_service_user, ensure_mirror_user, why_user_cannot_run
 
 
 def test_a_missing_user_is_made_and_given_the_store(tmp_path: Path) -> None:
@@ -35,3 +42,93 @@ def test_a_failing_useradd_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ServiceError, match="create the user llmgw by hand"):
         ensure_mirror_user(tmp_path, runner=lambda a: CommandResult(1, "useradd: permission denied"),
                            exists=lambda _: False)
+
+
+def test_not_root_runs_as_itself_and_says_why(tmp_path: Path) -> None:
+    choice = choose_service_user([tmp_path], systemd=False, euid=1000)
+    assert choice.user is None
+    assert "only root can switch users" in choice.why
+
+
+def test_a_user_that_cannot_run_llmgw_is_not_used_and_why_is_said(tmp_path: Path) -> None:
+    made: list[list[str]] = []
+
+    def probe(name: str, reach: list[Path], *, systemd: bool) -> str | None:
+        return f"user {name} cannot enter or read {reach[0]}"
+
+    choice = choose_service_user([tmp_path], systemd=False, euid=0, runner=lambda a: made.append(a) or
+                                 CommandResult(0, ""), probe=probe)
+    assert choice.user is None
+    assert choice.why == f"user llmgw cannot enter or read {tmp_path}"
+    # Under systemd the unit would fail to start: init stops with the reason instead.
+    with pytest.raises(ServiceError, match="run as the user llmgw under systemd, but user llmgw cannot enter or read"):
+        choose_service_user([tmp_path], systemd=True, euid=0, runner=lambda a: CommandResult(0, ""), probe=probe)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a probe as another user needs root; CI runs as root")
+def test_the_probe_runs_as_the_user_for_real(tmp_path: Path) -> None:
+    """The probe really runs as the user: nobody cannot enter a 0700 directory of root's, and
+    here it may not even run this venv's Python (under /root); either way the reason names it."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    why = why_user_cannot_run("nobody", [locked])
+    assert why is not None
+    assert f"cannot enter or read {locked}" in why or "cannot run" in why
+
+
+def test_private_dir_refuses_someone_elses(tmp_path: Path) -> None:
+    """The supervisor's directory sits in a directory the llmgw user owns: one that user swapped
+    in would let it pick the pids root signals and the files root appends logs to."""
+    d = tmp_path / "services"
+    private_dir(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    d.chmod(0o777)
+    private_dir(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    with pytest.raises(ServiceError, match="not a directory"):
+        private_dir(link)
+    if os.geteuid() == 0:
+        os.chown(d, 65534, 65534)
+        with pytest.raises(ServiceError, match="belongs to uid 65534"):
+            private_dir(d)
+
+
+def test_lock_down_sets_modes_and_owners(tmp_path: Path) -> None:
+    paths = Paths(tmp_path)
+    for f in (*service_secrets(paths), *root_secrets(paths), paths.server_config, paths.database):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x")
+        f.chmod(0o644)
+    paths.agent_state.mkdir(parents=True)
+    lock_down(paths, None)
+    for f in (*service_secrets(paths), *root_secrets(paths), paths.database):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    assert stat.S_IMODE(paths.server_config.stat().st_mode) == 0o640
+    assert stat.S_IMODE(paths.state.stat().st_mode) == 0o700
+    assert stat.S_IMODE(paths.agent_state.stat().st_mode) == 0o700
+    if os.geteuid() == 0:
+        lock_down(paths, "nobody")
+        nobody = pwd.getpwnam("nobody")
+        assert paths.admin_token.stat().st_uid == nobody.pw_uid
+        assert paths.database.stat().st_uid == nobody.pw_uid
+        assert (paths.pki / "ca-key.pem").stat().st_uid == 0
+        assert paths.server_config.stat().st_gid == nobody.pw_gid
+
+
+def test_a_user_that_cannot_be_made_falls_back_under_the_supervisor_only(tmp_path: Path) -> None:
+    def runner(argv: list[str]) -> CommandResult:
+        return CommandResult(127, "useradd: not found")
+
+    def probe(name: str, reach: list[Path], *, systemd: bool) -> str | None:
+        return None
+
+    def missing(_name: str) -> bool:
+        return False
+
+    choice = choose_service_user([tmp_path], systemd=False, euid=0, runner=runner, probe=probe, exists=missing)
+    assert choice.user is None
+    assert "the user could not be made: useradd" in choice.why
+    with pytest.raises(ServiceError, match="create the user llmgw by hand"):
+        choose_service_user([tmp_path], systemd=True, euid=0, runner=runner, probe=probe, exists=missing)

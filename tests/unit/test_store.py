@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,3 +129,22 @@ def test_explanations_replace(store: Store) -> None:
 def test_schema_is_plain_sql(store: Store) -> None:
     names = set(sa.inspect(store.engine).get_table_names())
     assert {"models", "nodes", "replicas", "explanations", "schema_migrations"} <= names
+
+
+def test_sqlite_files_are_private(tmp_path: Path) -> None:
+    """The database holds replica API keys: it and its -wal/-shm are 0600, a new directory 0700
+    (issue 9, item 3; before, they were 0644 like any file under the default umask)."""
+    old = os.umask(0o022)
+    try:
+        db = tmp_path / "state" / "llmgw.db"
+        store = Store.open(f"sqlite:///{db}")
+        store.list_models()
+        names = {p.name: stat.S_IMODE(p.stat().st_mode) for p in db.parent.iterdir()}
+        store.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+    assert names["llmgw.db"] == 0o600
+    assert names.get("llmgw.db-wal", 0o600) == 0o600
+    assert names.get("llmgw.db-shm", 0o600) == 0o600
+    assert "llmgw.db-wal" in names  # WAL mode made them: the check above saw real files

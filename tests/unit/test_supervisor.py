@@ -7,10 +7,14 @@ The supervisor tests run the real thing (``python -m llmgw.service.supervisor``)
 from __future__ import annotations
 
 import os
+import pwd
 import shlex
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +32,7 @@ from llmgw.service.manager import (
     SystemdManager,
     pick_manager,
 )
-from llmgw.service.supervisor import parse_timespan, parse_unit, should_restart
+from llmgw.service.supervisor import credentials, parse_timespan, parse_unit, should_restart
 from llmgw.service.units import SERVICES
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -477,3 +481,64 @@ def test_a_program_that_cannot_be_executed_fails(manager: SupervisorManager, tmp
     st = manager.status("agent")
     assert (st.state, st.detail) == ("failed", "could not be executed (see the log)")
     assert f"cannot start {missing}" in manager.logs("agent")
+
+
+# --- User=, Group=, UMask= (issue 9, item 2) ------------------------------------------------------
+
+
+def test_parse_unit_reads_user_group_and_umask() -> None:
+    spec = parse_unit(
+        "[Service]\nExecStart=/bin/true\nUser=llmgw\nGroup=llmgw\nSupplementaryGroups=a b\n"
+        "SupplementaryGroups=c\nUMask=0077\n"
+    )
+    assert (spec.user, spec.group, spec.supplementary, spec.umask) == ("llmgw", "llmgw", ["a", "b", "c"], 0o077)
+    with pytest.raises(ServiceError, match="UMask='rw' is not an octal number"):
+        parse_unit("[Service]\nExecStart=/bin/true\nUMask=rw\n")
+
+
+def test_credentials_follow_systemd() -> None:
+    nobody = pwd.getpwnam("nobody")
+    who = credentials(parse_unit("[Service]\nExecStart=/bin/true\nUser=nobody\n"), euid=0)
+    assert (who.user, who.group) == (nobody.pw_uid, nobody.pw_gid)
+    assert who.extra_groups is not None
+    assert 0 not in who.extra_groups
+    assert who.env["HOME"] == nobody.pw_dir
+    assert who.env["USER"] == "nobody"
+    # Not root: cannot switch, says so, runs as itself.
+    other = credentials(parse_unit("[Service]\nExecStart=/bin/true\nUser=nobody\n"), euid=nobody.pw_uid + 1)
+    assert other.user is None
+    assert "only root can switch users" in other.note
+    with pytest.raises(ServiceError, match="User=no-such-user-here: no such user; 'llmgw server init' makes it"):
+        credentials(parse_unit("[Service]\nExecStart=/bin/true\nUser=no-such-user-here\n"), euid=0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root; CI runs as root")
+def test_the_program_runs_as_the_units_user(manager: SupervisorManager, request: pytest.FixtureRequest) -> None:
+    """A real supervisor started as root runs ``User=nobody``'s program as nobody: real uid,
+    gid and groups of the live process (psutil), none of root's groups, and ``UMask=`` applied.
+    Before the fix the program ran as root."""
+    nobody = pwd.getpwnam("nobody")
+    # tmp_path's parents are root's 0700: the program writes to a directory nobody can reach.
+    out = Path(tempfile.mkdtemp(prefix="llmgw-user-test-"))
+    out.chmod(0o777)
+    request.addfinalizer(lambda: shutil.rmtree(out, ignore_errors=True))
+    # The interpreter may live where nobody cannot go (/root/.pyenv): a shell and sleep do.
+    shell = f"touch {out}/made; echo home $HOME; exec sleep 60"
+    extra = f"User=nobody\nUMask=0027\nEnvironment=OUT={out}\n"
+    manager.install("mirror", "[Service]\n" f"ExecStart=/bin/sh -c {shlex.quote(shell)}\n"
+                    f"Restart=on-failure\nRestartSec=50ms\nTimeoutStopSec=1s\n{extra}")
+    assert manager.start("mirror") is True
+    wait_for("the program to write its file", (out / "made").exists)
+    st = manager.status("mirror")
+    assert st.state == "running"
+    assert st.pid is not None
+    proc = psutil.Process(st.pid)
+    assert proc.uids().real == proc.uids().effective == nobody.pw_uid
+    assert proc.gids().real == nobody.pw_gid
+    groups = {int(g) for g in Path(f"/proc/{st.pid}/status").read_text().split("Groups:")[1].split("\n")[0].split()}
+    assert 0 not in groups
+    made = (out / "made").stat()
+    assert made.st_uid == nobody.pw_uid
+    assert stat.S_IMODE(made.st_mode) == 0o640  # 0666 & ~0027
+    wait_for("the log line", lambda: f"home {nobody.pw_dir}" in manager.logs("mirror"))
+    assert f"as nobody (uid {nobody.pw_uid})" in manager.logs("mirror")

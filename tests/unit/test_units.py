@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,11 +79,17 @@ WantedBy=multi-user.target
 """
 
 
-def test_agent_unit_is_the_seeds() -> None:
-    assert agent_unit(DEFAULT, DEFAULT_BINARY) == SEED_AGENT
+def seed_lines_kept(seed: str, got: str) -> list[str]:
+    """The seed's lines missing from ``got`` (the units add sandboxing; they drop nothing of the seed's)."""
+    have = set(got.splitlines())
+    return [line for line in seed.replace("\\\n", "").splitlines() if line not in have]
 
 
-def test_mirror_unit_is_the_seeds() -> None:
+def test_agent_unit_keeps_the_seeds_lines() -> None:
+    assert seed_lines_kept(SEED_AGENT, agent_unit(DEFAULT, DEFAULT_BINARY)) == []
+
+
+def test_mirror_unit_keeps_the_seeds_lines() -> None:
     got = mirror_unit(
         DEFAULT,
         DEFAULT_BINARY,
@@ -90,7 +99,7 @@ def test_mirror_unit_is_the_seeds() -> None:
         allow=["10.0.0.5", "10.0.0.6"],
         about=MIRROR_ABOUT_LOCAL,
     )
-    assert got == SEED_MIRROR.replace("\\\n", "")
+    assert seed_lines_kept(SEED_MIRROR, got) == []
 
 
 def test_server_unit_fields() -> None:
@@ -188,3 +197,33 @@ def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: py
     # python -m llmgw from a venv: the script beside that Python.
     monkeypatch.setattr(sys, "executable", str(script.parent / "python"))
     assert llmgw_binary() == str(script)
+
+
+# --- systemd's own verdict on the units (issue 9, item 25) --------------------------------------
+
+EXPOSURE_TARGET = {"server": 4.5, "mirror": 4.5, "agent": 6.5}
+"""``systemd-analyze security`` exposure (0 safe .. 10 unsafe) each unit must stay at or under. The
+control plane and the mirror: 4.5 (issue 9). The agent is root for its engines (its unit says
+which powers of root and why); it is rated 6.1 today."""
+
+
+def _analyze(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("systemd-analyze")
+    assert exe, "systemd-analyze is missing: apt-get install -y systemd (it need not be PID 1)"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_units_pass_systemd_analyze_verify_and_security(name: str, tmp_path: Path) -> None:
+    """``deploy/systemd`` as systemd reads it: ``verify`` finds no error, and ``security
+    --offline=true`` rates the exposure at or under :data:`EXPOSURE_TARGET`. The binary is
+    substituted by one that exists (verify checks that ExecStart's program is executable).
+    Before issue 9 the units were rated 9.6 UNSAFE (server, agent) and 8.5 EXPOSED (mirror)."""
+    unit = tmp_path / f"{unit_name(name)}.service"
+    unit.write_text((DEPLOY / unit.name).read_text().replace(DEFAULT_BINARY, "/bin/true"))
+    verify = _analyze("verify", str(unit))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    security = _analyze("security", "--offline=true", str(unit))
+    m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", security.stdout + security.stderr)
+    assert m, security.stdout + security.stderr
+    assert float(m.group(1)) <= EXPOSURE_TARGET[name], security.stdout

@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from llmgw.cli.common import cli_errors, console, paths
+from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
 from llmgw.service.units import SERVICES, unit_name
 
@@ -65,6 +66,8 @@ def start(names: Names) -> None:
     manager = _manager()
     for name in names:
         started = manager.start(name)
+        if started:
+            wait_up(manager, name, probe=probe_for(paths(), name))
         st = manager.status(name)
         pid = f"pid {st.pid}" if st.pid else st.state
         verb = "started" if started else "already running:"
@@ -74,11 +77,15 @@ def start(names: Names) -> None:
 @app.command()
 @cli_errors
 def restart(names: Names) -> None:
-    """Stop and start services again (a changed unit takes effect)."""
+    """Check each service's config, stop it (the control plane drains its streams first) and start
+    it again; fails, leaving the running one up, when the config does not load, and fails when
+    the new one does not come up."""
     manager = _manager()
     for name in names:
-        manager.restart(name)
-        print(f"restarted {unit_name(name)} ({manager.kind})")
+        restart_checked(manager, paths(), name)
+        st = manager.status(name)
+        pid = f"pid {st.pid}" if st.pid else st.state
+        print(f"restarted {unit_name(name)} ({manager.kind}, {pid})")
 
 
 @app.command()

@@ -10,8 +10,10 @@
    nothing half-started stays behind;
 3. the **leader** loop (with SQLite this process is the leader).
 
-It runs until SIGTERM/SIGINT or ``stop`` is set, then closes the listeners (in-flight requests get
-aiohttp's shutdown grace), the leader and the store.
+It runs until SIGTERM/SIGINT or ``stop`` is set, then shuts down gracefully
+(:mod:`llmgw.control.drain`): every listener stops accepting, the gateway's requests in flight may
+finish for up to ``gateway.drain_s`` and are then cut with an error event and ``data: [DONE]``,
+and only then are the listeners, the leader and the store closed.
 
 The pieces are wired with events, not timers: a heartbeat refreshes the routing table and, when
 something changed, wakes the leader; an admin write wakes the leader; a leader pass that changed
@@ -35,6 +37,7 @@ from aiohttp import web
 from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.adminapi import build_admin_app
 from llmgw.control.agentapi import agent_ssl_context, build_agent_app
+from llmgw.control.drain import Drain
 from llmgw.control.leader import Leader
 from llmgw.control.logbroker import LogBroker
 from llmgw.control.routing_table import StoreRouter
@@ -47,6 +50,10 @@ if TYPE_CHECKING:
     from llmgw.control.judgekeeper import JudgeKeeper
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 3.0
+"""Seconds aiohttp gives a listener's last requests when it closes, after the gateway's drain
+(admin log streams, heartbeats): each closes within it, so the unit's TimeoutStopSec holds."""
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
@@ -93,7 +100,7 @@ async def _start(
 ) -> tuple[web.AppRunner, tuple[str, int]]:
     """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``."""
     host, port = parse_listen(listen)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
     try:
@@ -111,7 +118,8 @@ async def _start(
 
 
 def _gateway_app(
-    router: StoreRouter, config: ServerConfig, inspector: GuardInspector | None = None
+    router: StoreRouter, config: ServerConfig, inspector: GuardInspector | None = None,
+    drain: Drain | None = None,
 ) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
@@ -129,6 +137,9 @@ def _gateway_app(
             await inspector.client.close()
 
         app.on_cleanup.append(_close_judges)
+    if drain is not None:
+        app.middlewares.append(drain.middleware)
+        app.on_response_prepare.append(drain.on_prepare)
     return app
 
 
@@ -171,6 +182,22 @@ def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> 
     return build_keeper(store, lambda: guard, MirrorServe(store, config.mirror.api, on_added=changed), changed)
 
 
+def check_config(config_path: Path) -> ServerConfig:
+    """Everything :func:`serve` reads before it binds, read and checked: server.yaml, the admin
+    token, the TLS files and the gateway keys file. What ``llmgw service restart server`` checks
+    (as the service's user) before it stops the running control plane.
+
+    Raises:
+        ConfigError: server.yaml, the admin token or the keys file is invalid or unreadable.
+        PkiError: the TLS files cannot be loaded.
+    """
+    config = load_server_config(config_path)
+    read_admin_token(config, config_path)
+    _tls(config)
+    read_gateway_keys(config)
+    return config
+
+
 async def serve(
     config_path: Path,
     paths: Paths,
@@ -207,6 +234,7 @@ async def serve(
     )
     guard = _guard(config, store, router)
     logs = LogBroker()
+    drain = Drain()
 
     def admin_changed() -> None:
         router.refresh()
@@ -218,11 +246,12 @@ async def serve(
             leader.wake()
 
     runners: list[web.AppRunner] = []
+    apps: list[tuple[str, str, web.Application, ssl.SSLContext | None]] = []
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
     try:
         bound: dict[str, tuple[str, int]] = {}
-        apps = [
+        apps += [
             (
                 "admin_listen",
                 config.admin_listen,
@@ -237,7 +266,7 @@ async def serve(
                 ),
                 tls,
             ),
-            ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard), None),
+            ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard, drain), None),
         ]
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
@@ -258,6 +287,18 @@ async def serve(
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+        if stop.is_set() and len(runners) == len(apps):
+            await _drain(runners, drain, config.gateway.drain_s)
         for runner in reversed(runners):
             await runner.cleanup()
         store.close()
+
+
+async def _drain(runners: list[web.AppRunner], drain: Drain, deadline_s: float) -> None:
+    """Stop accepting on every listener, then drain the gateway (:meth:`Drain.drain`)."""
+    for runner in runners:
+        for site in list(runner.sites):
+            await site.stop()
+    finished, cut = await drain.drain(deadline_s)
+    if finished or cut:
+        log.info("shutdown: %d request(s) finished, %d cut at the %gs deadline", finished, cut, deadline_s)

@@ -29,8 +29,10 @@ opened or migrated, with the driver's error chained).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -316,7 +318,7 @@ class Store:
                 f"store.url '{url}' is not a database URL; use sqlite:///PATH or postgresql+psycopg://…"
             ) from e
         if sa_url.get_backend_name() == "sqlite" and sa_url.database not in (None, "", ":memory:"):
-            Path(sa_url.database).parent.mkdir(parents=True, exist_ok=True)
+            _private_sqlite(Path(sa_url.database))
         engine = sa.create_engine(sa_url)
         if engine.dialect.name == "sqlite":
             sa.event.listen(engine, "connect", _sqlite_pragmas)
@@ -759,6 +761,21 @@ class Store:
         with self._tx() as conn:
             rows = conn.execute(sa.select(gguf_facts_t)).all()
         return {r.source: (r.body, r.error, r.updated_at) for r in rows}
+
+
+def _private_sqlite(db: Path) -> None:
+    """Make ``db``'s directory (0700 when new) and the file itself 0600 before SQLite opens it.
+
+    The database holds replica API keys. SQLite creates ``-wal`` and ``-shm`` with the database
+    file's permissions, so a 0600 file keeps all three from other local users; files left looser
+    by an older version are narrowed here.
+    """
+    db.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(db, os.O_RDWR | os.O_CREAT, 0o600))
+    for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

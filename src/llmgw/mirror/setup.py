@@ -42,7 +42,7 @@ from llmgw.mirror.store import Store
 from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
 from llmgw.service.units import mirror_unit
-from llmgw.service.users import MIRROR_USER, ensure_mirror_user
+from llmgw.service.users import MIRROR_USER, choose_service_user, chown_tree
 
 INIT_ABOUT = (
     "'llmgw mirror init'. Bytes on :8081 for every node; the\n"
@@ -104,11 +104,16 @@ def init_mirror(
     store = paths.mirror_store
     store.mkdir(parents=True, exist_ok=True)
     print(f"  done store in {store}", file=out, flush=True)
-    if manager.kind == "systemd" and ensure_mirror_user(store):
+    # The mirror runs as the llmgw user (under systemd, and under the supervisor when root).
+    who = choose_service_user([store.parent], systemd=manager.kind == "systemd")
+    if who.user is not None:
+        chown_tree(store, who.user)
         print(f"  done system user {MIRROR_USER}, owner of {store}", file=out, flush=True)
+    else:
+        print(f"  !! the mirror runs as this user, not as {MIRROR_USER}: {who.why}", file=out, flush=True)
     body = mirror_unit(
         paths, llmgw_bin, listen=listen, api_listen=api_listen, base=base, allow=list(control_planes),
-        about=INIT_ABOUT, import_dirs=import_dirs, allow_source_nets=allow_source_nets,
+        about=INIT_ABOUT, import_dirs=import_dirs, allow_source_nets=allow_source_nets, user=who.user,
     )
     was_running = manager.status("mirror").state == "running"
     changed = manager.install("mirror", body)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import shutil
 import socket
 import sys
@@ -62,12 +63,12 @@ from llmgw.guard.formats import FORMATS
 from llmgw.mirror.client import MirrorClient
 from llmgw.names import check_name
 from llmgw.paths import Paths
-from llmgw.serverinit import agentconf, files, plan, preflight
+from llmgw.serverinit import agentconf, files, plan, preflight, secure
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.wait import PROBE_TIMEOUT_S, Clock, format_duration, wait_for
 from llmgw.service.manager import ServiceManager
-from llmgw.service.units import agent_unit, llmgw_binary, mirror_unit, server_unit
-from llmgw.service.users import MIRROR_USER, ensure_mirror_user
+from llmgw.service.units import SERVICE_USER, agent_unit, llmgw_binary, mirror_unit, server_unit
+from llmgw.service.users import UserChoice, choose_service_user, chown_tree
 from llmgw.tlsconf import CA, cert_hosts
 
 
@@ -125,6 +126,7 @@ class ServerInit:
         self.bin = llmgw_binary()
         self._last_line = ""
         self._state = ""  # what the running wait's probe last saw, for its "waiting for" lines
+        self._user: UserChoice | None = None
 
     # --- output -----------------------------------------------------------------------------------
 
@@ -179,8 +181,13 @@ class ServerInit:
     @contextmanager
     def _lock(self) -> Iterator[None]:
         """Hold ``init.lock``: two inits at once would both write server.yaml and both start services."""
-        self.paths.state.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.paths.init_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        self.paths.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # O_NOFOLLOW: the state directory may be the llmgw user's, and root must not truncate
+        # whatever a symlink planted there points at.
+        try:
+            fd = os.open(self.paths.init_lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise LockedError(f"cannot open the lock {self.paths.init_lock}: {e}; remove it if it is a symlink") from e
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -375,7 +382,13 @@ class ServerInit:
 
     # --- 3. the control plane -----------------------------------------------------------------
 
+    def _append(self, block: str) -> None:
+        """Append ``block`` to server.yaml (with a backup), keeping the file readable by the server."""
+        files.append_block(self.paths.server_config, block)
+        secure.lock_down(self.paths, self.service_user())
+
     def _apply_service(self, name: str, body: str, what: str, *, config_changed: str = "") -> None:
+        secure.lock_down(self.paths, self.service_user())
         was_running = self._running(name)
         changed = self.manager.install(name, body)
         if not was_running:
@@ -405,9 +418,37 @@ class ServerInit:
 
         self.wait(self.opts.service_wait_s, f"{what} to answer", probe, interval_s=0.2)
 
+    def service_user(self) -> str | None:
+        """The user the control plane and the mirror run as (``llmgw``), or None: see
+        :func:`llmgw.service.users.choose_service_user`. Decided once per run, and said: ``done``
+        when the user was made, ``!!`` when they run as root instead, with the reason (``skip``
+        when their units already say so, and when not root: nothing can switch users then)."""
+        if self._user is not None:
+            return self._user.user
+        for d in (self.paths.state, self.paths.mirror_store):
+            d.mkdir(mode=0o700 if d == self.paths.state else 0o755, parents=True, exist_ok=True)
+        reach = [self.paths.etc, self.paths.pki, self.paths.state.parent, self.paths.mirror_store.parent]
+        for source in (self.opts.starter_source, self.opts.judge_source or ""):
+            fetch = sourcecheck.to_download(source) if source else None
+            if fetch is not None and fetch.kind == "file" and fetch.path:
+                reach.append(Path(fetch.path))  # the mirror, as this user, copies it
+        choice = choose_service_user(reach, systemd=self.manager.kind == "systemd")
+        self._user = choice
+        if choice.made:
+            self.say("done", f"system user {SERVICE_USER}: the control plane and the mirror run as it")
+        if choice.user is None:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            text = f"the control plane and the mirror run as {me}, not as {SERVICE_USER}: {choice.why}"
+            unit = self.paths.unit("server")
+            known = unit.exists() and "\nUser=" not in unit.read_text()
+            self.say("skip" if known or os.geteuid() != 0 else "!!", text)
+        secure.lock_down(self.paths, choice.user)
+        return choice.user
+
     def ensure_control_plane(self) -> None:
         """Install and start ``llmgw-server``; wait for its admin API to answer."""
-        self._apply_service("server", server_unit(self.paths, self.bin), "control plane")
+        user = self.service_user()
+        self._apply_service("server", server_unit(self.paths, self.bin, user=user), "control plane")
         client = self.admin()
         self._wait_service("server", "the control plane", client.health)
 
@@ -441,10 +482,7 @@ class ServerInit:
         if cfg.mirror.api:
             self.say("kept", f"mirror at {cfg.mirror.api}, as server.yaml says; change it there to use {url}")
             return
-        files.append_block(
-            self.paths.server_config,
-            files.mirror_block(url, "# The model mirror, on its own machine, added by 'llmgw server init'."),
-        )
+        self._append(files.mirror_block(url, "# The model mirror, on its own machine, added by 'llmgw server init'."))
         self.say("done", f"server.yaml points at the mirror at {url}")
 
     def ensure_mirror(self) -> None:
@@ -460,21 +498,21 @@ class ServerInit:
             return
         store = self.paths.mirror_store
         store.mkdir(parents=True, exist_ok=True)
-        # Under systemd the mirror runs as the llmgw user and may write only its store.
-        if self.manager.kind == "systemd" and ensure_mirror_user(store):
-            self.say("done", f"system user {MIRROR_USER}, owner of {store}")
+        # The mirror runs as the llmgw user (when it can) and may write only its store.
+        user = self.service_user()
+        if user is not None:
+            chown_tree(store, user)
         _h, port = parse_listen(self.opts.mirror_listen)
         base = f"http://{self._url_host(self.reachable_addr())}:{port}"
         body = mirror_unit(
             self.paths, self.bin, listen=self.opts.mirror_listen, api_listen=self.opts.mirror_api_listen,
-            base=base, allow=[], import_dirs=self.mirror_import_dirs(),
+            base=base, allow=[], import_dirs=self.mirror_import_dirs(), user=user,
             about="'llmgw server init'. Bytes for every node; the\n# management API on loopback only, "
             "for the control plane beside it.",
         )
         self._apply_service("mirror", body, f"model mirror in {store}")
         if not cfg.mirror.api:
-            files.append_block(
-                self.paths.server_config,
+            self._append(
                 files.mirror_block(
                     local,
                     "# The model mirror on this machine, added by 'llmgw server init'. Its\n"
@@ -849,7 +887,7 @@ class ServerInit:
         if cfg.guard.on():
             self.say("kept", f"guard policies in server.yaml ({', '.join(p.name for p in cfg.guard.policies)})")
             return
-        files.append_block(self.paths.server_config, files.guard_block(name))
+        self._append(files.guard_block(name))
         self.say("done", f"server.yaml judges every prompt and answer with {name} (policy 'default', fail: closed)")
         self.manager.restart("server")
         self._wait_service("server", "the control plane", self.admin().health)

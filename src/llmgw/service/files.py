@@ -9,6 +9,11 @@ Under ``paths.supervisor`` (``/var/lib/llmgw/services``), for service ``NAME``:
 - ``NAME.state.json``: what the supervisor last said (:class:`SupervisorState`).
 - ``NAME.lock``: held (``flock``) by the one running supervisor; the kernel drops it when it dies.
 
+The directory is root's (or whoever runs the supervisor), mode 0700, and :func:`private_dir`
+refuses one that is not: it sits in the control plane's state directory, which the unprivileged
+``llmgw`` user owns, and a directory that user swapped in would let it name the pids root signals
+and the files root appends logs to. Logs are opened 0600 without following symlinks (:func:`open_log`).
+
 A pid file is believed only while its process is alive, is not a zombie, and started when the
 file says (within :data:`CREATE_TIME_SLACK`): a file left by a crash, or a pid the kernel has since
 given to another program, reads as no process at all.
@@ -18,10 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+from llmgw.errors import ServiceError
 
 CREATE_TIME_SLACK = 1.0
 """Seconds two readings of one process's start time may differ by: psutil adds the boot time,
@@ -85,6 +93,41 @@ class SupervisorState:
     restarts: int = 0
     since: float | None = None
     detail: str = ""
+
+
+def private_dir(path: Path) -> None:
+    """Make ``path`` (mode 0700) when missing, and check it is this process's own.
+
+    Raises:
+        ServiceError: ``path`` is a symlink or not a directory, belongs to another user, or others
+            may write to it (``chmod 700`` or remove it, as the message says).
+    """
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError as e:
+        raise ServiceError(f"the supervisor's directory {path}: {e}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise ServiceError(f"the supervisor's directory {path} is not a directory (a symlink?); remove it")
+    if st.st_uid != os.geteuid():
+        raise ServiceError(
+            f"the supervisor's directory {path} belongs to uid {st.st_uid}, not to uid {os.geteuid()} "
+            "that runs the supervisor; remove it (another user may have put it there)"
+        )
+    if st.st_mode & 0o022:
+        os.chmod(path, 0o700)
+
+
+def open_log(path: Path) -> int:
+    """Open ``path`` for appending (made 0600; a symlink is refused) and return the descriptor.
+
+    Raises:
+        OSError: it cannot be opened (ELOOP for a symlink).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
 
 
 def _atomic_write(path: Path, text: str) -> None:

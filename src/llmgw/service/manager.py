@@ -17,6 +17,7 @@ output, a missing unit, a supervisor that would not start), with the cause chain
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import psutil
 
 from llmgw.errors import ServiceError
 from llmgw.paths import Paths
-from llmgw.service.files import ServiceFiles, read_live, read_state
+from llmgw.service.files import ServiceFiles, open_log, private_dir, read_live, read_state
 from llmgw.service.supervisor import ALREADY_RUNNING, STOP_TIMEOUT, parse_unit
 from llmgw.service.units import check_service, unit_name, write_unit
 
@@ -332,18 +333,24 @@ class SupervisorManager:
             raise ServiceError(f"no unit for {name} at {unit}; 'llmgw server init' writes it") from e
         except (OSError, ServiceError) as e:
             raise ServiceError(f"{unit}: {e}") from e
+        private_dir(files.dir)
         if read_live(files.pid) is not None:
             return False
         orphan = read_live(files.child_pid)
         if orphan is not None:
             _end(orphan, self._stop_timeout(name))
-        files.dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "llmgw.service.supervisor", name, "--unit", str(unit)]
         argv += ["--dir", str(files.dir)]
-        with files.log.open("ab") as log:
+        try:
+            log = open_log(files.log)
+        except OSError as e:
+            raise ServiceError(f"the log {files.log}: {e}") from e
+        try:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/"
             )
+        finally:
+            os.close(log)
         _launched[proc.pid] = proc
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -371,6 +378,9 @@ class SupervisorManager:
         Stale pid files are removed.
         """
         files = self.files(name)
+        if not files.dir.exists():
+            return False
+        private_dir(files.dir)
         timeout = self._stop_timeout(name)
         stopped = False
         supervisor = read_live(files.pid)

@@ -1,16 +1,27 @@
 """llmgw's own supervisor, for machines without systemd (containers, CI, laptops).
 
 The unit file is the single source of truth: :func:`parse_unit` reads its ``ExecStart=``,
-``Environment=``, ``Restart=``, ``RestartSec=``, ``TimeoutStopSec=`` and
-``StartLimitBurst=``/``StartLimitIntervalSec=``, and ignores the rest: User, Group, Protect*,
-limits and the like are systemd's to enforce and are not enforced here.
+``Environment=``, ``Restart=``, ``RestartSec=``, ``TimeoutStopSec=``,
+``StartLimitBurst=``/``StartLimitIntervalSec=``, ``User=``, ``Group=``, ``SupplementaryGroups=``
+and ``UMask=``, and ignores the rest: Protect*, limits and the like are systemd's to enforce and
+are not enforced here.
+
+``User=``/``Group=`` are applied as systemd applies them (:func:`credentials`): a supervisor
+running as root starts the program with that user's uid, the group's gid (the user's own group
+when ``Group=`` is absent), the user's groups from the group database plus
+``SupplementaryGroups=`` and nothing of root's, and ``HOME``/``USER``/``LOGNAME``/``SHELL`` set
+for that user; the privileges are dropped in the child before exec (``setgroups``, ``setgid``,
+``setuid``). A supervisor that is not root cannot switch users: it runs the program as itself and
+says so in the log.
 
 One supervisor process per service (``python -m llmgw.service.supervisor NAME --unit U --dir D``,
 started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
 
 1. take ``NAME.lock`` (flock) or exit 3: there is only ever one; write ``NAME.pid``;
 2. start the program (environment: the supervisor's own plus the unit's ``Environment=``; working
-   directory ``/``; stdin ``/dev/null``; stdout and stderr appended to ``NAME.log``); write
+   directory ``/``; stdin ``/dev/null``; stdout and stderr appended to ``NAME.log``, which the
+   program inherits open, so a program running as another user needs no right to the file; user,
+   groups and umask from the unit); write
    ``NAME.child.pid`` and the state ``running``;
 3. wait for the program to end or for SIGTERM/SIGINT (a signal wakes it at once through a pipe,
    SIGCHLD included);
@@ -34,7 +45,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import grp
 import os
+import pwd
 import re
 import select
 import shlex
@@ -52,7 +65,7 @@ from typing import BinaryIO
 import psutil
 
 from llmgw.errors import ServiceError
-from llmgw.service.files import ServiceFiles, SupervisorState, write_pid, write_state
+from llmgw.service.files import ServiceFiles, SupervisorState, open_log, private_dir, write_pid, write_state
 
 STOP_TIMEOUT = 15.0
 """Seconds the program has to end after SIGTERM before SIGKILL (systemd's default is 90)."""
@@ -81,6 +94,9 @@ class UnitSpec:
         stop_timeout: ``TimeoutStopSec=`` in seconds, else :data:`STOP_TIMEOUT`.
         start_limit_burst / start_limit_interval: give up after this many starts within this many
             seconds (systemd's defaults 5 and 10 s).
+        user / group: ``User=`` and ``Group=`` (names or numbers), or None.
+        supplementary: ``SupplementaryGroups=``, in order.
+        umask: ``UMask=`` (an octal number), or None to keep the supervisor's.
     """
 
     argv: list[str]
@@ -90,6 +106,10 @@ class UnitSpec:
     stop_timeout: float = STOP_TIMEOUT
     start_limit_burst: int = 5
     start_limit_interval: float = 10.0
+    user: str | None = None
+    group: str | None = None
+    supplementary: list[str] = field(default_factory=list)
+    umask: int | None = None
 
 
 _SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(us|ms|seconds?|sec|s|minutes?|min|m|hours?|hr|h)?")
@@ -132,15 +152,20 @@ def parse_unit(text: str) -> UnitSpec:
 
     Reads ``[Service]`` ``ExecStart=`` (the last one; a leading ``-@:+!`` prefix is dropped),
     ``Environment=`` (quoted words ``K=V``; an empty one clears), ``Restart=``, ``RestartSec=``,
-    ``TimeoutStopSec=``, and
+    ``TimeoutStopSec=``, ``User=``, ``Group=``, ``SupplementaryGroups=`` (words; an empty one
+    clears), ``UMask=`` (octal), and
     ``StartLimitBurst=``/``StartLimitIntervalSec=`` from ``[Unit]`` or ``[Service]``. Comments
     (``#``, ``;``) and line continuations (a trailing backslash) are handled; other keys ignored.
 
     Raises:
         ServiceError: no ``ExecStart=``, unbalanced quotes, an unknown ``Restart=`` value, or a
-            bad number or time span.
+            bad number, time span or umask.
     """
     section, argv, env = "", list[str](), dict[str, str]()
+    user: str | None = None
+    group: str | None = None
+    supplementary: list[str] = []
+    umask: int | None = None
     restart, restart_sec, stop_timeout, burst, interval = "no", 0.1, STOP_TIMEOUT, 5, 10.0
     logical: list[str] = []
     pending = ""
@@ -182,6 +207,17 @@ def parse_unit(text: str) -> UnitSpec:
             restart_sec = parse_timespan(value, key=key)
         elif section == "Service" and key == "TimeoutStopSec":
             stop_timeout = parse_timespan(value, key=key)
+        elif section == "Service" and key == "User":
+            user = value or None
+        elif section == "Service" and key == "Group":
+            group = value or None
+        elif section == "Service" and key == "SupplementaryGroups":
+            supplementary = [*supplementary, *_words(value, key)] if value else []
+        elif section == "Service" and key == "UMask":
+            try:
+                umask = int(value, 8)
+            except ValueError as e:
+                raise ServiceError(f"UMask={value!r} is not an octal number such as 0077") from e
         elif key == "StartLimitIntervalSec":
             interval = parse_timespan(value, key=key)
         elif key == "StartLimitBurst":
@@ -191,7 +227,81 @@ def parse_unit(text: str) -> UnitSpec:
                 raise ServiceError(f"StartLimitBurst={value!r} is not a whole number") from e
     if not argv:
         raise ServiceError("the unit has no ExecStart= in [Service]; it does not say what to run")
-    return UnitSpec(argv, env, restart, restart_sec, stop_timeout, burst, interval)
+    return UnitSpec(
+        argv, env, restart, restart_sec, stop_timeout, burst, interval, user, group, supplementary, umask
+    )
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who the program runs as (:func:`credentials`).
+
+    Attributes:
+        user / group / extra_groups: for :class:`subprocess.Popen`'s ``user``, ``group`` and
+            ``extra_groups`` (all None: run as the supervisor runs).
+        env: ``HOME``, ``USER``, ``LOGNAME``, ``SHELL`` of that user (systemd sets them for ``User=``).
+        note: why ``User=`` was not applied, for the log; "" when it was, or there was none.
+    """
+
+    user: int | None = None
+    group: int | None = None
+    extra_groups: list[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+
+
+def _uid(name: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except (KeyError, ValueError) as e:
+        raise ServiceError(
+            f"User={name}: no such user; 'llmgw server init' makes it "
+            "(or: useradd --system --no-create-home --shell /usr/sbin/nologin llmgw)"
+        ) from e
+
+
+def _gid(name: str) -> int:
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError as e:
+        raise ServiceError(f"Group={name}: no such group; create it (groupadd --system {name})") from e
+
+
+def credentials(spec: UnitSpec, *, euid: int | None = None) -> Credentials:
+    """The user, groups and environment ``spec``'s ``User=``/``Group=`` give the program.
+
+    As systemd does: the gid is ``Group=``'s, else the user's primary group; the supplementary
+    groups are the user's from the group database (``getgrouplist``) plus ``SupplementaryGroups=``,
+    and never the supervisor's own (root's group 0 would otherwise stay). ``euid`` (default: this
+    process's) other than 0 cannot switch users: the result then only carries a ``note`` (empty when
+    ``User=`` already names this user).
+
+    Raises:
+        ServiceError: a user or group that does not exist.
+    """
+    euid = os.geteuid() if euid is None else euid
+    if spec.user is None and spec.group is None and not spec.supplementary:
+        return Credentials()
+    pw = _uid(spec.user) if spec.user is not None else None
+    if euid != 0:
+        if pw is not None and pw.pw_uid != euid:
+            return Credentials(note=(
+                f"User={spec.user} not applied: only root can switch users, and this supervisor runs "
+                f"as uid {euid}; the program runs as uid {euid} too"
+            ))
+        return Credentials()
+    gid = _gid(spec.group) if spec.group is not None else (pw.pw_gid if pw is not None else None)
+    groups = os.getgrouplist(pw.pw_name, gid if gid is not None else pw.pw_gid) if pw is not None else []
+    groups += [_gid(g) for g in spec.supplementary]
+    env = {}
+    if pw is not None:
+        env = {"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell}
+    return Credentials(
+        user=pw.pw_uid if pw is not None else None,
+        group=gid,
+        extra_groups=list(dict.fromkeys(groups)),
+        env=env,
+    )
 
 
 def should_restart(policy: str, returncode: int) -> bool:
@@ -281,23 +391,36 @@ class Supervisor:
 
     def _launch(self) -> subprocess.Popen[bytes] | None:
         try:
+            who = credentials(self.spec)
+        except ServiceError as e:
+            self.say(f"cannot start {shlex.join(self.spec.argv)}: {e}")
+            return None
+        if who.note:
+            self.say(who.note)
+        try:
             proc = subprocess.Popen(
                 self.spec.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
-                env=os.environ | self.spec.env,
+                env=os.environ | who.env | self.spec.env,
                 cwd="/",
+                user=who.user,
+                group=who.group,
+                extra_groups=who.extra_groups,
+                umask=-1 if self.spec.umask is None else self.spec.umask,
             )
-        except OSError as e:
-            self.say(f"cannot start {shlex.join(self.spec.argv)}: {e}")
+        except (OSError, subprocess.SubprocessError) as e:
+            as_user = f" as {self.spec.user}" if who.user is not None else ""
+            self.say(f"cannot start {shlex.join(self.spec.argv)}{as_user}: {e}")
             return None
         try:
             since: float | None = write_pid(self.files.child_pid, proc.pid).create_time
         except psutil.Error:  # gone already; its end is read by the wait that follows
             since = None
         self._state("running", since=since)
-        self.say(f"started pid {proc.pid}: {shlex.join(self.spec.argv)}")
+        as_user = f" as {self.spec.user} (uid {who.user})" if who.user is not None else ""
+        self.say(f"started pid {proc.pid}{as_user}: {shlex.join(self.spec.argv)}")
         return proc
 
     def _wait(self, proc: subprocess.Popen[bytes]) -> int | None:
@@ -342,14 +465,14 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until stopped or given up; 0, or :data:`ALREADY_RUNNING` when another holds the lock."""
-        self.files.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.files.dir)
         lock = self._lock()
         if lock is None:
             print(f"llmgw-{self.name} is already supervised", file=sys.stderr)
             return ALREADY_RUNNING
         self._install_signals()
         final = SupervisorState("failed", detail="the supervisor itself failed; see the log")
-        with lock, self.files.log.open("ab") as self._log:
+        with lock, open(open_log(self.files.log), "ab") as self._log:
             self._state("starting")  # before the pid file: a new pid never pairs with an old state
             write_pid(self.files.pid, os.getpid())
             try:
@@ -407,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = parse_unit(args.unit.read_text())
+        private_dir(args.dir)
     except (OSError, ServiceError) as e:
         print(f"Error: {args.unit}: {e}", file=sys.stderr)
         return 2

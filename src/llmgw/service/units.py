@@ -98,11 +98,69 @@ def _root_env(paths: Paths) -> str:
     return "Environment=" + _escape(f"{ROOT_ENV}={paths.root}", dollar=False) + "\n"
 
 
+SERVICE_USER = "llmgw"
+"""The unprivileged system user the control plane and the mirror run as (``User=``/``Group=``)."""
+
+_SANDBOX = (
+    "# The sandbox systemd offers, for a process that serves the network and\n"
+    "# writes only its own directory: no new privileges and no capabilities at\n"
+    "# all (it binds its ports above 1024, and runs as its own user), a private\n"
+    "# /tmp and /dev, the system read-only and /home, /root hidden, no kernel\n"
+    "# knobs, modules, logs or clock, and only the sockets and system calls a\n"
+    "# network service uses (AF_NETLINK: the interface list, for addresses).\n"
+    "NoNewPrivileges=true\n"
+    "CapabilityBoundingSet=\n"
+    "AmbientCapabilities=\n"
+    "UMask=0077\n"
+    "PrivateTmp=true\n"
+    "PrivateDevices=true\n"
+    "PrivateUsers=true\n"
+    "PrivateMounts=true\n"
+    "ProtectSystem=strict\n"
+    "ProtectHome=true\n"
+    "ProtectKernelTunables=true\n"
+    "ProtectKernelModules=true\n"
+    "ProtectKernelLogs=true\n"
+    "ProtectControlGroups=true\n"
+    "ProtectClock=true\n"
+    "ProtectHostname=true\n"
+    "ProtectProc=invisible\n"
+    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK\n"
+    "RestrictNamespaces=true\n"
+    "RestrictRealtime=true\n"
+    "RestrictSUIDSGID=true\n"
+    "LockPersonality=true\n"
+    "RemoveIPC=true\n"
+    "SystemCallArchitectures=native\n"
+    "SystemCallFilter=@system-service\n"
+    "SystemCallFilter=~@privileged @resources\n"
+    "SystemCallErrorNumber=EPERM\n"
+)
+"""Sandboxing shared by the server and mirror units (``systemd-analyze security`` rates them 1.3 OK).
+
+Not set, with the reason: ``MemoryDenyWriteExecute`` (libffi closures, which ctypes and cffi
+callbacks need, map writable+executable pages), ``PrivateNetwork``/``IPAddressDeny`` (both serve
+the network), ``ProcSubset=pid`` (psutil reads ``/proc/meminfo`` and ``/proc/stat``).
+"""
+
+
+def _user_lines(user: str | None, what: str) -> str:
+    """``User=``/``Group=`` for ``user``, or a comment saying why there are none."""
+    if user is None:
+        return (
+            f"# No User=: this install is under LLMGW_ROOT and {what} runs as whoever\n"
+            "# starts it ('llmgw server init' said why).\n"
+        )
+    return f"User={user}\nGroup={user}\n"
+
+
 def agent_unit(paths: Paths, llmgw_bin: str) -> str:
     """The node agent's unit: ``<llmgw_bin> agent --config <paths.agent_config>``.
 
-    ``KillMode=process``: engines outlive a restart of the agent and are adopted on its next
-    start. ``LimitMEMLOCK=infinity``: RDMA/NCCL pin more than systemd's default 8 MB lock limit.
+    Root, for the engines (the comment in the text names what of root they use). ``KillMode=process``:
+    engines outlive a restart of the agent and are adopted on its next start.
+    ``LimitMEMLOCK=infinity``: RDMA/NCCL pin more than systemd's default 8 MB lock limit.
+    Engines inherit this unit's sandbox, so it holds only what no engine needs.
     """
     return (
         "[Unit]\n"
@@ -123,13 +181,41 @@ def agent_unit(paths: Paths, llmgw_bin: str) -> str:
         "# lets root ignore it fails its first collective over InfiniBand.\n"
         "LimitMEMLOCK=infinity\n"
         "StateDirectory=llmgw-agent\n"
+        "StateDirectoryMode=0700\n"
+        "UMask=0077\n"
+        "# What of root the engines use, and nothing else: CAP_IPC_LOCK (the pinned\n"
+        "# memory above); CAP_SYS_MODULE and CAP_MKNOD (CUDA's setuid nvidia-modprobe\n"
+        "# loads nvidia-uvm and makes /dev/nvidia-uvm on first use when boot did not,\n"
+        "# which is also why there is no NoNewPrivileges, PrivateDevices or\n"
+        "# ProtectKernelModules here); CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH,\n"
+        "# CAP_FOWNER and CAP_CHOWN (root's files: the model cache, engine installs\n"
+        "# unpacked with their owners); CAP_SYS_NICE (llama-server --prio);\n"
+        "# CAP_SYSLOG (the agent reads the kernel log to name an out-of-memory kill).\n"
+        "CapabilityBoundingSet=CAP_IPC_LOCK CAP_SYS_MODULE CAP_MKNOD CAP_DAC_OVERRIDE "
+        "CAP_DAC_READ_SEARCH CAP_FOWNER CAP_CHOWN CAP_SYS_NICE CAP_SYSLOG\n"
+        "# Neither the agent nor an engine sets the clock or the hostname, changes\n"
+        "# cgroups (it only reads them), takes realtime priority, makes namespaces or\n"
+        "# uses sockets beyond IP, local and netlink (NCCL's RDMA uses netlink).\n"
+        "ProtectClock=true\n"
+        "ProtectHostname=true\n"
+        "ProtectControlGroups=true\n"
+        "RestrictRealtime=true\n"
+        "RestrictNamespaces=true\n"
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK\n"
+        "LockPersonality=true\n"
+        "SystemCallArchitectures=native\n"
         "[Install]\n"
         "WantedBy=multi-user.target\n"
     )
 
 
-def server_unit(paths: Paths, llmgw_bin: str) -> str:
-    """The control plane's unit: ``<llmgw_bin> server run --config <paths.server_config>``."""
+def server_unit(paths: Paths, llmgw_bin: str, *, user: str | None = SERVICE_USER) -> str:
+    """The control plane's unit: ``<llmgw_bin> server run --config <paths.server_config>``.
+
+    Runs as ``user`` (:data:`SERVICE_USER`; None: no ``User=``, see :func:`_user_lines`) in
+    :data:`_SANDBOX`. ``TimeoutStopSec=60s``: SIGTERM drains the gateway's streams for up to
+    ``gateway.drain_s`` (at most 50 s) before the store is closed.
+    """
     return (
         "[Unit]\n"
         "Description=llmgw control plane\n"
@@ -138,12 +224,19 @@ def server_unit(paths: Paths, llmgw_bin: str) -> str:
         "[Service]\n"
         f"ExecStart={_exec([llmgw_bin, 'server', 'run', '--config', str(paths.server_config)])}\n"
         f"{_root_env(paths)}"
-        "# Root, like the files it reads: server.yaml, the admin token (mode 0600)\n"
-        "# and the cluster PKI in /etc/llmgw. Its state, the SQLite database by\n"
-        "# default, is in /var/lib/llmgw, which StateDirectory makes.\n"
+        "# The unprivileged llmgw user. It reads server.yaml (group llmgw), its admin\n"
+        "# token, server key and gateway keys (owned by llmgw, mode 0600) in /etc/llmgw;\n"
+        "# the CA key stays root's. It writes only its state, the SQLite database by\n"
+        "# default, in /var/lib/llmgw (mode 0700), which StateDirectory makes.\n"
+        f"{_user_lines(user, 'the control plane')}"
         "Restart=on-failure\n"
         "RestartSec=2s\n"
+        "# SIGTERM drains the gateway's streams for up to gateway.drain_s (20 s by\n"
+        "# default, at most 50) and then closes the store: time for both.\n"
+        "TimeoutStopSec=60s\n"
         "StateDirectory=llmgw\n"
+        "StateDirectoryMode=0700\n"
+        f"{_SANDBOX}"
         "[Install]\n"
         "WantedBy=multi-user.target\n"
     )
@@ -160,6 +253,7 @@ def mirror_unit(
     about: str,
     import_dirs: Sequence[str] = (),
     allow_source_nets: Sequence[str] = (),
+    user: str | None = SERVICE_USER,
 ) -> str:
     """A mirror's unit (the seed's ``mirrorUnitFor``), serving ``paths.mirror_store``.
 
@@ -174,6 +268,9 @@ def mirror_unit(
             refuses every ``file:`` source.
         allow_source_nets: private addresses or networks ``http(s):`` sources may reach
             (``--allow-source-net`` each).
+        user: who it runs as (:data:`SERVICE_USER`, owner of the store); None: no ``User=``.
+
+    It may write only its store (``ReadWritePaths=``) inside :data:`_SANDBOX`.
     """
     argv = [llmgw_bin, "mirror", "serve", "--dir", str(paths.mirror_store), "--listen", listen]
     argv += ["--api-listen", api_listen, "--base", base]
@@ -192,15 +289,11 @@ def mirror_unit(
         f"# Written by {about}\n"
         f"ExecStart={_exec(argv)}\n"
         f"{_root_env(paths)}"
-        "User=llmgw\n"
-        "Group=llmgw\n"
+        f"{_user_lines(user, 'the mirror')}"
         "Restart=on-failure\n"
         "RestartSec=2s\n"
-        "NoNewPrivileges=true\n"
-        "ProtectSystem=strict\n"
-        "ProtectHome=true\n"
-        "PrivateTmp=true\n"
         f"ReadWritePaths={_escape(str(paths.mirror_store), dollar=False)}\n"
+        f"{_SANDBOX}"
         "[Install]\n"
         "WantedBy=multi-user.target\n"
     )

@@ -1,0 +1,187 @@
+"""Restarting a service honestly: check its config first, then say whether it came back.
+
+``llmgw service restart server`` used to stop a running control plane, start one that could not
+read its server.yaml, print ``restarted`` and exit 0, with the gateway down. Now
+(:func:`restart_checked`):
+
+1. :func:`preflight`: the config the unit names (``--config``) is read and checked by
+   ``python -m llmgw.service.check NAME CONFIG``, run as the unit's ``User=`` (the supervisor's
+   :func:`~llmgw.service.supervisor.credentials`), so a file the service could not read fails
+   here too. On failure nothing is stopped: :class:`~llmgw.errors.ServiceError` with the reason.
+2. the manager restarts it (SIGTERM: the control plane drains its streams, :mod:`llmgw.control.drain`);
+3. :func:`wait_up`: the service must answer (the control plane: its admin API's health) or, for
+   the others, run :data:`SETTLE_S` without exiting; it failing, exiting or not answering within
+   ``timeout_s`` is a ServiceError with its status and last log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from llmgw.errors import LlmgwError, ServiceError
+from llmgw.paths import Paths
+from llmgw.service.manager import ServiceManager
+from llmgw.service.supervisor import UnitSpec, credentials, parse_unit
+from llmgw.service.units import unit_name
+
+SETTLE_S = 3.0
+"""Seconds a service without a health probe must keep running after a (re)start to count as up:
+a config or import error ends a Python program well within it."""
+
+UP_TIMEOUT_S = 60.0
+"""Seconds a restarted service has to answer (the control plane opens its store and binds three
+listeners: 1-3 s here)."""
+
+
+def unit_spec(paths: Paths, name: str) -> UnitSpec:
+    """The parsed unit of ``name``.
+
+    Raises:
+        ServiceError: no unit, or one that does not parse.
+    """
+    unit = paths.unit(name)
+    try:
+        return parse_unit(unit.read_text())
+    except FileNotFoundError as e:
+        raise ServiceError(f"no unit for {name} at {unit}; 'llmgw server init' writes it") from e
+    except (OSError, ServiceError) as e:
+        raise ServiceError(f"{unit}: {e}") from e
+
+
+def config_path(spec: UnitSpec, paths: Paths, name: str) -> Path | None:
+    """The ``--config`` the unit's ExecStart gives, else the default for ``name`` (None: no config)."""
+    argv = spec.argv
+    for i, word in enumerate(argv[:-1]):
+        if word == "--config":
+            return Path(argv[i + 1])
+    return {"server": paths.server_config, "agent": paths.agent_config}.get(name)
+
+
+def preflight(paths: Paths, name: str) -> None:
+    """Check ``name``'s config as the service would read it, without touching the running one.
+
+    Raises:
+        ServiceError: the config does not load (its error, word for word), or the check could
+            not run as the unit's user.
+    """
+    spec = unit_spec(paths, name)
+    config = config_path(spec, paths, name)
+    if config is None:
+        return
+    who = credentials(spec)
+    argv = [sys.executable, "-m", "llmgw.service.check", name, str(config)]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, check=False, cwd="/",
+            env=os.environ | who.env | spec.env,
+            user=who.user, group=who.group, extra_groups=who.extra_groups,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ServiceError(f"checking {config} as the service would read it: {e}") from e
+    if done.returncode != 0:
+        reason = (done.stderr or done.stdout).strip().removeprefix("Error: ")
+        raise ServiceError(
+            f"{unit_name(name)} was not restarted, and the running one is left as it is: {reason}"
+        )
+
+
+def _server_probe(paths: Paths, config: Path | None) -> Callable[[], bool] | None:
+    from llmgw.adminclient import AdminClient  # noqa: PLC0415  (only the server's probe needs it)
+    from llmgw.config import load_server_config, parse_listen  # noqa: PLC0415
+
+    try:
+        cfg = load_server_config(config or paths.server_config)
+        host, port = parse_listen(cfg.admin_listen)
+    except LlmgwError:
+        return None
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return AdminClient(base, "").health
+
+
+def probe_for(paths: Paths, name: str) -> Callable[[], bool] | None:
+    """How to tell ``name`` answers: the control plane's admin health; None for the others."""
+    if name != "server":
+        return None
+    return _server_probe(paths, config_path(unit_spec(paths, name), paths, name))
+
+
+def wait_up(
+    manager: ServiceManager, name: str, *, probe: Callable[[], bool] | None,
+    timeout_s: float = UP_TIMEOUT_S, settle_s: float = SETTLE_S, poll_s: float = 0.2, restarts: int = 0,
+) -> None:
+    """Wait until ``name`` is up after a (re)start: ``probe`` true, or (no probe) running for ``settle_s``.
+
+    ``restarts``: its restart count right after the (re)start; more means it exited since.
+
+    Raises:
+        ServiceError: it failed, stopped, was restarted after exiting, or did not come up within
+            ``timeout_s`` (the message has its status and last log lines).
+    """
+    deadline = time.monotonic() + timeout_s
+    first: float | None = None
+    while True:
+        st = manager.status(name)
+        exited = st.state in ("failed", "stopped") or st.restarts > restarts
+        if exited:
+            detail = st.detail or st.state
+            raise ServiceError(
+                f"{unit_name(name)} did not come up: {detail}; its last lines:\n"
+                f"{manager.logs(name, 15).rstrip()}\nsee 'llmgw service logs {name}'"
+            )
+        if st.state == "running":
+            first = first if first is not None else time.monotonic()
+            if probe is not None and probe():
+                return
+            if probe is None and time.monotonic() - first >= settle_s:
+                return
+        if time.monotonic() >= deadline:
+            what = "answer" if probe is not None else "start"
+            raise ServiceError(
+                f"{unit_name(name)} did not {what} within {timeout_s:g}s (state {st.state}); its last lines:\n"
+                f"{manager.logs(name, 15).rstrip()}"
+            )
+        time.sleep(poll_s)
+
+
+def restart_checked(manager: ServiceManager, paths: Paths, name: str, *, timeout_s: float = UP_TIMEOUT_S) -> None:
+    """:func:`preflight`, restart, :func:`wait_up`; see the module docstring.
+
+    Raises:
+        ServiceError: the config does not load (nothing restarted), or the service did not come back.
+    """
+    preflight(paths, name)
+    probe = probe_for(paths, name)
+    manager.restart(name)
+    wait_up(manager, name, probe=probe, timeout_s=timeout_s, restarts=manager.status(name).restarts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmgw.service.check NAME CONFIG``: 0 when the config loads, else 2 with the error."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m llmgw.service.check server|agent CONFIG", file=sys.stderr)
+        return 2
+    name, config = args[0], Path(args[1])
+    try:
+        if name == "server":
+            from llmgw.control.server import check_config  # noqa: PLC0415
+
+            check_config(config)
+        elif name == "agent":
+            from llmgw.config import load_agent_config  # noqa: PLC0415
+
+            load_agent_config(config)
+    except LlmgwError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
