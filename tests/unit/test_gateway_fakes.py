@@ -5,7 +5,8 @@ checked (401 in llama-server's error shape otherwise), a ``chat.completion`` JSO
 request's ``model``, and an SSE stream of several ``data:`` events ending ``data: [DONE]``, each
 written and flushed on its own so the gateway sees separate network chunks. The last user message
 picks a misbehaviour: ``fail`` (500 naming the replica's own address), ``cut`` (connection closed
-without an answer), ``cut-stream`` (stream dies after two events).
+without an answer), ``cut-stream`` (stream dies after two events); ``echo-body`` answers with the
+request body it received as the message's content (to see what the gateway forwards).
 
 :class:`ServerThread` runs aiohttp apps on 127.0.0.1 ephemeral ports in a background event loop, so
 the tests themselves are plain sync code using httpx, the ``openai`` client and the CLI.
@@ -79,6 +80,10 @@ def fake_llama(
             where = f"{request.host}"
             err = {"error": {"code": 500, "message": f"slot failed at {where}", "type": "server_error"}}
             return web.json_response(err, status=500)
+        if text == "echo-body":
+            answer = completion(model, replica)
+            answer["choices"][0]["message"]["content"] = json.dumps(body)
+            return web.json_response(answer)
         if text == "cut":
             assert request.transport is not None
             request.transport.close()
