@@ -6,6 +6,7 @@ Fake llama-servers (``test_gateway_fakes``) stand in for engines; the gateway ge
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ def env() -> Iterator[Env]:
     gateway = build_gateway_app(
         router, keys={KEY, ""}, allow_loopback_without_key=False, inspector=_Guard(), observe=exchanges.append
     )
-    port = servers.serve(gateway)
+    port = servers.serve(gateway, handler_cancellation=True)
     open_port = servers.serve(build_gateway_app(router, keys={KEY}, allow_loopback_without_key=True))
     yield Env(
         url=f"http://127.0.0.1:{port}",
@@ -448,6 +449,26 @@ def test_fields_the_engine_would_misread_are_refused(env: Env, extra: dict[str, 
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert param in r.json()["error"]["message"]
+
+
+def test_client_going_away_closes_the_replica_request(env: Env) -> None:
+    """Issue 9 item 11 with a stand-in engine: a non-streamed request abandoned by its client is
+    cancelled upstream (the real llama-server case is in tests/e2e/test_gateway_engine.py)."""
+    env.notes.clear()
+    body = json.dumps(_chat("gemma", "slow-plain")).encode()
+    host, port = env.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while not env.notes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert env.notes == ["aborted"]
+    assert env.exchanges[-1].status == 499
 
 
 # -- seams -----------------------------------------------------------------------------------------
