@@ -37,7 +37,6 @@ CAP = 32
 @dataclass
 class Cluster:
     gateway: str
-    engine: str
 
     def chat(self, model: str, timeout: float = 300, **extra: Any) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, **extra}
@@ -119,7 +118,7 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         engine = subprocess.Popen(
             [
                 *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
-                *("--api-key-file", str(keys), "-c", "1024", "--threads", "2", "-np", "1", "--metrics"),
+                *("--api-key-file", str(keys), "-c", "1024", "--threads", "2", "-np", "1"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -127,13 +126,16 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         _wait("llama-server", lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200)
         ready = [ReplicaStatus(id=s.id, state=ReplicaState.READY, endpoint=f"127.0.0.1:{port}") for s in specs.values()]
         assert httpx.post(agent + "/agent/v1/heartbeat", content=heartbeat(*ready), verify=ctx).status_code == 200
-        yield Cluster(f"http://127.0.0.1:{inst.ports['gateway']}", f"127.0.0.1:{port}")
+        yield Cluster(f"http://127.0.0.1:{inst.ports['gateway']}")
     finally:
-        if engine is not None:
-            engine.terminate()
-            engine.wait(10)
-        server.terminate()
-        server.wait(15)
+        for proc, grace in ((engine, 10), (server, 15)):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         log.close()
 
 
@@ -145,7 +147,7 @@ def _completion_tokens(r: httpx.Response) -> int:
 
 def test_the_prompt_makes_a_long_answer(cluster: Cluster) -> None:
     """The control for the next test: unbounded, this prompt goes on well past the cap."""
-    assert _completion_tokens(cluster.chat("long", max_tokens=3 * CAP)) == 3 * CAP
+    assert _completion_tokens(cluster.chat("long", max_tokens=2 * CAP)) == 2 * CAP
 
 
 @pytest.mark.parametrize(
@@ -178,9 +180,10 @@ def _abandon(gateway: str, body: bytes) -> None:
 def test_abandoned_requests_free_the_engine_slot(cluster: Cluster) -> None:
     """Four abandoned 900-token requests on the one slot; a fresh request is answered at once.
 
-    Before the fix the engine generated all four answers for nobody first (4 x 900 tokens, over a
-    minute here); now each is stopped when its client goes (llama-server looks once a second).
-    The bound is generous for a loaded machine, far below the minute-plus the four would take.
+    Before the fix the engine generated all four answers for nobody first (4 x 900 tokens: the
+    fresh request had no answer after 120 s on a loaded 2-core machine); now each is stopped when its
+    client goes (llama-server looks once a second). The 30 s bound is generous for a loaded machine
+    and far below what the four would take.
     """
     body = json.dumps(
         {"model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 900, "temperature": 0}
@@ -192,5 +195,3 @@ def test_abandoned_requests_free_the_engine_slot(cluster: Cluster) -> None:
     took = time.monotonic() - t0
     assert _completion_tokens(r) == 4
     assert took < 30, f"a fresh request waited {took:.1f} s behind abandoned ones"
-    metrics = httpx.get(f"http://{cluster.engine}/metrics", headers={"Authorization": "Bearer x"}).text
-    assert metrics  # the engine still answers
