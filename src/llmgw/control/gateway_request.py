@@ -81,12 +81,12 @@ def _bad(message: str) -> ApiError:
     return ApiError(message, status=400, code="invalid_request")
 
 
-def _int_field(body: dict[str, Any], key: str) -> int | None:
+def _int_field(body: dict[str, Any], key: str, unit: str = "tokens") -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"'{key}' must be an integer (tokens), got {json.dumps(value)[:40]}")
+        raise _bad(f"'{key}' must be an integer ({unit}), got {json.dumps(value)[:40]}")
     return value
 
 
@@ -97,7 +97,7 @@ def _check(body: dict[str, Any]) -> None:
         raise _bad(f"'n' must be 1 (one choice per request), got {json.dumps(n)[:40]}; send n requests instead")
     if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
         raise _bad(f"'stream' must be true or false, got {json.dumps(body['stream'])[:40]}")
-    top = _int_field(body, "top_logprobs")
+    top = _int_field(body, "top_logprobs", "alternatives per token")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
 
