@@ -102,7 +102,7 @@ def test_plain_request_is_judged_in_and_out(env: Env) -> None:
 
 
 def test_stream_is_valid_sse(env: Env) -> None:
-    client = openai.OpenAI(base_url=f"{env.url}/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{env.url}/v1", api_key="sk", max_retries=0, timeout=120)
     code = ""
     chunks = []
     try:

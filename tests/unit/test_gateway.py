@@ -6,6 +6,7 @@ Fake llama-servers (``test_gateway_fakes``) stand in for engines; the gateway ge
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,6 +95,7 @@ def env() -> Iterator[Env]:
             "badkey": Route("badkey", (Upstream("r-x", ua.endpoint, "wrong-key"),)),
             "pathy": Route("pathy", (Upstream("r-c", f"127.0.0.1:{c}", "key-c"),)),
             "down": Route("down", (), unavailable="no replica is ready: 1 starting on node-1"),
+            "capped": Route("capped", (ua,), max_output=16),
         },
         aliases={"g": "gemma"},
     )
@@ -101,7 +103,7 @@ def env() -> Iterator[Env]:
     gateway = build_gateway_app(
         router, keys={KEY, ""}, allow_loopback_without_key=False, inspector=_Guard(), observe=exchanges.append
     )
-    port = servers.serve(gateway)
+    port = servers.serve(gateway, handler_cancellation=True)
     open_port = servers.serve(build_gateway_app(router, keys={KEY}, allow_loopback_without_key=True))
     yield Env(
         url=f"http://127.0.0.1:{port}",
@@ -144,9 +146,25 @@ def test_key_is_required(env: Env, headers: dict[str, str], status: int) -> None
 
 def test_loopback_without_key_when_allowed(env: Env) -> None:
     assert httpx.get(f"{env.open_url}/v1/models").status_code == 200
-    # any key is fine from loopback there: the openai client always sends one
-    assert env.post(_chat("g"), key="none", url=env.open_url).status_code == 200
+    assert env.post(_chat("g"), key=None, url=env.open_url).status_code == 200
+    assert env.post(_chat("g"), key=KEY, url=env.open_url).status_code == 200
+    # an empty credential is no credential (curl -H "Authorization: Bearer $UNSET")
+    r = httpx.get(f"{env.open_url}/v1/models", headers={"Authorization": "Bearer"})
+    assert r.status_code == 200
     assert env.post(_chat("g"), key=None).status_code == 401
+
+
+@pytest.mark.parametrize("header", ["Bearer none", "Bearer sk-revoked", f"Bearer {KEY}x", f"Basic {KEY}"])
+def test_a_wrong_key_from_loopback_is_refused(env: Env, header: str) -> None:
+    """Issue 9 item 12: no key from loopback is fine there, a wrong one is not (it may be a revoked one)."""
+    r = httpx.get(f"{env.open_url}/v1/models", headers={"Authorization": header})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert "send no key" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{env.open_url}/v1/chat/completions", json=_chat("g"), headers={"Authorization": header}
+    )
+    assert r.status_code == 401
 
 
 @pytest.mark.parametrize(
@@ -201,13 +219,14 @@ def test_models_list_shape(env: Env) -> None:
     assert [m["id"] for m in body["data"]] == [
         "alldead",
         "badkey",
+        "capped",
         "down",
         "failover",
         "gemma",
         "pair",
         "pathy",
     ]
-    assert body["data"][4] == {"id": "gemma", "object": "model", "created": 1700000000, "owned_by": "llmgw"}
+    assert body["data"][5] == {"id": "gemma", "object": "model", "created": 1700000000, "owned_by": "llmgw"}
 
 
 def test_unknown_model_404_names_known_ones(env: Env) -> None:
@@ -218,7 +237,7 @@ def test_unknown_model_404_names_known_ones(env: Env) -> None:
     assert err["type"] == "invalid_request_error"
     assert (
         err["message"]
-        == "model 'nope' does not exist; known models: alldead, badkey, down, failover, gemma, pair, pathy"
+        == "model 'nope' does not exist; known models: alldead, badkey, capped, down, failover, gemma, pair, pathy"
     )
 
 
@@ -374,6 +393,85 @@ def test_client_going_away_closes_the_replica_stream(env: Env) -> None:
     assert env.notes == ["aborted"]
 
 
+# -- what reaches the engine -----------------------------------------------------------------------
+
+
+def _forwarded(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 200, r.text
+    forwarded: dict[str, Any] = json.loads(r.json()["choices"][0]["message"]["content"])
+    return forwarded
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"max_tokens": -1},
+        {"max_tokens": 0},
+        {"max_tokens": 100000},
+        {"max_completion_tokens": 100000},
+        {"n_predict": 100000},
+        {"max_tokens": 8, "n_predict": -1},
+        {"n_predict": 100000, "slot_id": 0, "id_slot": 0, "cache_prompt": False, "grammar": "root ::= x*"},
+    ],
+)
+def test_engine_specific_fields_and_unbounded_limits_never_reach_the_engine(
+    env: Env, extra: dict[str, Any]
+) -> None:
+    """Issue 9 item 10: ``max_tokens: -1`` or llama-server's own ``n_predict`` bypassed max_output (16)."""
+    got = _forwarded(env.post(_chat("capped", "echo-body", temperature=0.5, **extra)))
+    asked = extra.get("max_tokens", extra.get("max_completion_tokens", 0))
+    assert got["max_tokens"] == (asked if 0 < asked <= 16 else 16)
+    assert got.get("max_completion_tokens", got["max_tokens"]) == got["max_tokens"]
+    assert got["temperature"] == 0.5
+    assert set(got) <= {"model", "messages", "max_tokens", "max_completion_tokens", "temperature"}
+
+
+def test_dropped_fields_are_named_in_a_header(env: Env) -> None:
+    r = env.post(_chat("capped", "echo-body", n_predict=5, top_k=3, stop=["x"]))
+    assert r.headers["x-llmgw-dropped"] == "n_predict, top_k"
+    assert _forwarded(r)["stop"] == ["x"]
+    assert "x-llmgw-dropped" not in env.post(_chat("capped", "echo-body")).headers
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "'n'"),
+        ({"max_tokens": "100"}, "'max_tokens'"),
+        ({"max_tokens": 1.5}, "'max_tokens'"),
+        ({"max_completion_tokens": True}, "'max_completion_tokens'"),
+        ({"stream": "yes"}, "'stream'"),
+        ({"top_logprobs": 1000}, "'top_logprobs'"),
+    ],
+)
+def test_fields_the_engine_would_misread_are_refused(env: Env, extra: dict[str, Any], param: str) -> None:
+    r = env.post(_chat("capped", "echo-body", **extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert param in r.json()["error"]["message"]
+
+
+def test_client_going_away_closes_the_replica_request(env: Env) -> None:
+    """Issue 9 item 11 with a stand-in engine: a non-streamed request abandoned by its client is
+    cancelled upstream (the real llama-server case is in tests/e2e/test_gateway_engine.py)."""
+    env.notes.clear()
+    env.exchanges.clear()
+    body = json.dumps(_chat("gemma", "slow-plain")).encode()
+    host, port = env.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while not env.notes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert env.notes == ["aborted"]
+    assert [e.status for e in env.exchanges if not e.stream] == [499]
+
+
 # -- seams -----------------------------------------------------------------------------------------
 
 
@@ -395,7 +493,8 @@ def test_observe_gets_one_exchange_per_request(env: Env) -> None:
     env.exchanges.clear()
     env.post(_chat("g"))
     env.post(_chat("down"))
-    ok, down = env.exchanges
+    # (an earlier test's abandoned stream may be recorded late, as "gemma")
+    ok, down = [e for e in env.exchanges if e.requested in ("g", "down")]
     assert (ok.requested, ok.model, ok.replica, ok.status, ok.stream) == ("g", "gemma", "r-a", 200, False)
     assert ok.usage == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     assert ok.overhead_ms >= 0

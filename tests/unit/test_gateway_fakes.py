@@ -5,7 +5,8 @@ checked (401 in llama-server's error shape otherwise), a ``chat.completion`` JSO
 request's ``model``, and an SSE stream of several ``data:`` events ending ``data: [DONE]``, each
 written and flushed on its own so the gateway sees separate network chunks. The last user message
 picks a misbehaviour: ``fail`` (500 naming the replica's own address), ``cut`` (connection closed
-without an answer), ``cut-stream`` (stream dies after two events).
+without an answer), ``cut-stream`` (stream dies after two events); ``echo-body`` answers with the
+request body it received as the message's content (to see what the gateway forwards).
 
 :class:`ServerThread` runs aiohttp apps on 127.0.0.1 ephemeral ports in a background event loop, so
 the tests themselves are plain sync code using httpx, the ``openai`` client and the CLI.
@@ -65,7 +66,8 @@ def fake_llama(
     with its ``-m`` path; without, it echoes the request's ``model`` (so relays can be byte-exact).
 
     ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
-    gateway) closes the connection first, as llama-server then stops generating.
+    gateway) closes the connection first, as llama-server then stops generating; ``slow-plain``
+    does the same for a non-streamed answer (it watches the connection while it "generates").
     """
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -79,6 +81,18 @@ def fake_llama(
             where = f"{request.host}"
             err = {"error": {"code": 500, "message": f"slot failed at {where}", "type": "server_error"}}
             return web.json_response(err, status=500)
+        if text == "echo-body":
+            answer = completion(model, replica)
+            answer["choices"][0]["message"]["content"] = json.dumps(body)
+            return web.json_response(answer)
+        if text == "slow-plain":
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if request.transport is None or request.transport.is_closing():
+                    if notes is not None:
+                        notes.append("aborted")
+                    return web.Response()
+            return web.json_response(completion(model, replica))
         if text == "cut":
             assert request.transport is not None
             request.transport.close()
@@ -134,11 +148,12 @@ class ServerThread:
         """Run ``coro`` on the server loop and wait for its result (10 s at most)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
 
-    def serve(self, app: web.Application, host: str = "127.0.0.1") -> int:
-        """Serve ``app`` on ``host`` at an ephemeral port; return the port."""
+    def serve(self, app: web.Application, host: str = "127.0.0.1", *, handler_cancellation: bool = False) -> int:
+        """Serve ``app`` on ``host`` at an ephemeral port; return the port. ``handler_cancellation``:
+        cancel a handler when its client disconnects (as the control plane serves the gateway)."""
 
         async def start() -> int:
-            runner = web.AppRunner(app, shutdown_timeout=0.1)
+            runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=handler_cancellation)
             await runner.setup()
             site = web.TCPSite(runner, host, 0)
             await site.start()

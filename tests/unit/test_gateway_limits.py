@@ -1,4 +1,4 @@
-"""The gateway holds each request to the model's max_output tokens."""
+"""What of a chat request reaches an engine (gateway_request): the allow-list and the max_output limit."""
 
 from __future__ import annotations
 
@@ -7,25 +7,70 @@ from typing import Any
 
 import pytest
 
-from llmgw.control.gateway import _limit_output
+from llmgw.control.gateway_request import FORWARDED, dropped_header, upstream_body
+from llmgw.errors import ApiError
 
 
 @pytest.mark.parametrize(
     ("body", "limit", "want"),
     [
-        ({"model": "m"}, 1024, {"max_tokens": 1024}),
-        ({"model": "m", "max_tokens": 16}, 1024, {"max_tokens": 16}),
-        ({"model": "m", "max_tokens": 5000}, 1024, {"max_tokens": 1024}),
-        ({"model": "m", "max_completion_tokens": 5000}, 1024, {"max_completion_tokens": 1024}),
-        ({"model": "m"}, 0, {}),
+        ({}, 1024, {"max_tokens": 1024}),
+        ({"max_tokens": 16}, 1024, {"max_tokens": 16}),
+        ({"max_tokens": 5000}, 1024, {"max_tokens": 1024}),
+        ({"max_tokens": -1}, 1024, {"max_tokens": 1024}),
+        ({"max_tokens": 0}, 1024, {"max_tokens": 1024}),
+        ({"max_tokens": None}, 1024, {"max_tokens": 1024}),
+        ({"max_completion_tokens": 5000}, 1024, {"max_tokens": 1024, "max_completion_tokens": 1024}),
+        ({"max_completion_tokens": 8}, 1024, {"max_tokens": 8, "max_completion_tokens": 8}),
+        ({"max_tokens": -1, "max_completion_tokens": 8}, 1024, {"max_tokens": 8, "max_completion_tokens": 8}),
+        ({"max_tokens": 8, "max_completion_tokens": 100}, 1024, {"max_tokens": 8, "max_completion_tokens": 8}),
+        ({"n_predict": 100000}, 1024, {"max_tokens": 1024}),
+        ({}, 0, {}),
+        ({"max_tokens": 5000}, 0, {"max_tokens": 5000}),
+        ({"max_tokens": -1, "n_predict": -1}, 0, {}),
     ],
 )
 def test_limit(body: dict[str, Any], limit: int, want: dict[str, int]) -> None:
-    raw = json.dumps(body).encode()
-    out = json.loads(_limit_output(dict(body), raw, limit))
-    assert {k: v for k, v in out.items() if k != "model"} == want
+    body = {"model": "m", "messages": [], **body}
+    raw, _ = upstream_body(dict(body), json.dumps(body).encode(), limit)
+    assert {k: v for k, v in json.loads(raw).items() if k not in ("model", "messages")} == want
 
 
 def test_an_unchanged_body_is_sent_as_it_came() -> None:
-    raw = b'{"model":  "m", "max_tokens": 3}'
-    assert _limit_output(json.loads(raw), raw, 100) is raw
+    raw = b'{"model":  "m", "messages": [], "max_tokens": 3, "temperature": 0}'
+    out, dropped = upstream_body(json.loads(raw), raw, 100)
+    assert out is raw
+    assert dropped == []
+
+
+def test_only_openai_fields_are_forwarded() -> None:
+    body = dict.fromkeys(FORWARDED) | {"n_predict": 9, "id_slot": 0, "cache_prompt": True, "top_k": 1}
+    body.update(model="m", messages=[], n=1, stream=False, max_tokens=4)
+    raw, dropped = upstream_body(body, b"", 64)
+    assert set(json.loads(raw)) == FORWARDED
+    assert dropped == ["n_predict", "id_slot", "cache_prompt", "top_k"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"n": 2}, "'n' must be 1"),
+        ({"n": True}, "'n' must be 1"),
+        ({"max_tokens": "9"}, "'max_tokens' must be an integer"),
+        ({"max_tokens": 2.5}, "'max_tokens' must be an integer"),
+        ({"max_completion_tokens": False}, "'max_completion_tokens' must be an integer"),
+        ({"top_logprobs": 21}, "'top_logprobs' must be between 0 and 20"),
+        ({"top_logprobs": -1}, "'top_logprobs' must be between 0 and 20"),
+        ({"stream": 1}, "'stream' must be true or false"),
+    ],
+)
+def test_fields_an_engine_would_misread_are_a_400(extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(ApiError, match=named) as e:
+        upstream_body({"model": "m", "messages": [], **extra}, b"", 64)
+    assert e.value.status == 400
+
+
+def test_the_header_names_only_plain_identifiers() -> None:
+    assert dropped_header(["n_predict", "bad\r\nname", *[f"f{i}" for i in range(12)]]) == (
+        "n_predict, f0, f1, f2, f3, f4, f5, f6, f7, f8 (+4 more)"
+    )

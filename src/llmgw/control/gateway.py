@@ -6,18 +6,30 @@ Every other path or method is an OpenAI-shaped 404/405, so clients never parse a
 A chat request goes, in order (cheap checks first, nothing awaited before the body):
 
 1. **key**: ``Authorization: Bearer <key>`` with a key from ``keys`` (compared by SHA-256 digest, so
-   the lookup takes the same time for every wrong key). When ``allow_loopback_without_key``, a
-   client whose TCP peer is 127.0.0.0/8 or ::1 needs no key, and any key it sends is accepted: the
-   ``openai`` client insists on *some* key, so people pass ``"none"``. The peer address is the
-   socket's, never ``X-Forwarded-For``; a reverse proxy on this machine would make every client
-   loopback, so don't combine the two.
+   the lookup takes the same time for every wrong key; a keys file is re-read when it changes,
+   :mod:`llmgw.control.gateway_keys`). When ``allow_loopback_without_key``, a client whose TCP peer
+   is 127.0.0.0/8 or ::1 may send *no* key (or an empty one); a key it does send must be valid like
+   anyone else's, so a revoked key is refused from loopback too (an ``openai`` client, which insists
+   on some key, is given a real one). The peer address is the socket's, never
+   ``X-Forwarded-For``; a reverse proxy on this machine would make every client loopback, so don't
+   combine the two.
 2. **body**: JSON object with a string ``model`` and a list ``messages`` (else 400
    ``invalid_request_error``).
 3. **model**: ``router.resolve`` (name or alias); unknown → 404 ``model_not_found`` naming the known
    models; no ready replica → 503 ``model_unavailable`` with ``Route.unavailable`` as the reason.
+   Then the body is cut to what an engine may see (:mod:`llmgw.control.gateway_request`: OpenAI
+   fields only, ``max_tokens`` held to the model's ``max_output``); dropped fields are named in the
+   ``x-llmgw-dropped`` header.
 4. **guard in** (optional :class:`~llmgw.control.gateway_inspect.Inspector`), then the replica
    (:mod:`llmgw.control.gateway_upstream`: round-robin, one failover on a refused connection,
    byte relay for streams), then **guard out**.
+
+A client that disconnects cancels its request: the control plane serves this app with aiohttp's
+``handler_cancellation=True``, so the handler is cancelled, which closes the upstream connection,
+and llama-server stops generating for a connection that is gone (it looks about once a second) and
+frees the slot. Without it, an abandoned non-streamed request held its slot until the answer was
+complete (issue 9: four abandoned requests blocked every later one for 60 s). Serve the app the
+same way elsewhere (tests, benchmarks) to keep that.
 
 Every response to a chat request carries ``x-llmgw-replica`` (the replica's id, not its address)
 and, once a replica was asked, ``x-llmgw-overhead-ms``: the time spent in the gateway excluding the
@@ -32,23 +44,28 @@ relaying a stream costs the gateway 90-140 µs of CPU per SSE event (the ``model
 it). ``x-llmgw-overhead-ms`` read 0.08 ms at the median: it counts the handler's own work only, not
 aiohttp parsing the request and writing the response, nor the extra loopback hop.
 A profile shows the handler's Python is small beside aiohttp's client and the two socket sends.
+The keys file check and the field allow-list (issue 9) did not move it: +0.40/+0.42 ms after vs
++0.40/+0.41 ms before, alternating runs of 2000 under other engineers' load (the allow-list costs
+~2 µs when the body passes unchanged, ~6 µs when it is re-encoded; the key check ~0.7 µs).
 No body ever names a replica's address or key: the router's reasons are phrased for clients, and a
 replica's own error body is scrubbed before it is passed through.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
 
 from llmgw import jsonbody
 from llmgw.control.gateway_inspect import Call, Exchange, Inspector, current_call
+from llmgw.control.gateway_keys import GatewayKeys, digest
+from llmgw.control.gateway_request import dropped_header, upstream_body
 from llmgw.control.gateway_upstream import (
     Trace,
     UpstreamPool,
@@ -75,10 +92,6 @@ def is_loopback(remote: str | None) -> bool:
     return remote.startswith(("127.", "::ffff:127.")) or remote == "::1"
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
 def _caller(request: web.Request) -> str:
     """The bearer key's id (first 12 hex digits of its SHA-256), "" without one; for the inspector."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -94,30 +107,40 @@ class _Gateway:
         router: Router,
         pool: UpstreamPool,
         *,
-        keys: set[str],
+        keys: GatewayKeys,
         allow_loopback_without_key: bool,
         inspector: Inspector | None,
         observe: Callable[[Exchange], None] | None,
     ) -> None:
         self.router = router
         self.pool = pool
-        self.key_digests = frozenset(_digest(k) for k in keys if k)
+        self.keys = keys
         self.allow_loopback = allow_loopback_without_key
         self.inspector = inspector
         self.observe = observe
 
     # -- key -----------------------------------------------------------------------------------
     def denied(self, request: web.Request) -> web.Response | None:
-        """None when the caller may use the gateway, else the 401 to send."""
-        if self.allow_loopback and is_loopback(request.remote):
-            return None
-        header = request.headers.get("Authorization", "")
+        """None when the caller may use the gateway, else the 401 to send.
+
+        A presented key must be valid, from loopback too; only no key (or an empty ``Bearer``) is
+        let in from loopback when ``allow_loopback_without_key``.
+        """
+        header = request.headers.get("Authorization", "").strip()
         scheme, _, key = header.partition(" ")
-        if scheme.lower() == "bearer" and key and _digest(key.strip()) in self.key_digests:
+        key = key.strip()
+        if scheme.lower() == "bearer" and key and digest(key) in self.keys.digests():
             return None
-        message = (
-            "Incorrect API key provided" if header else "Missing API key: send 'Authorization: Bearer <key>'"
-        )
+        presented = bool(key) or (bool(header) and scheme.lower() != "bearer")
+        open_here = self.allow_loopback and is_loopback(request.remote)
+        if open_here and not presented:
+            return None
+        if not presented:
+            message = "Missing API key: send 'Authorization: Bearer <key>'"
+        elif open_here:
+            message = "Incorrect API key provided; from this machine you may also send no key at all"
+        else:
+            message = "Incorrect API key provided"
         return error_response(401, message, "invalid_api_key")
 
     # -- models --------------------------------------------------------------------------------
@@ -167,7 +190,8 @@ class _Gateway:
                 )
             else:
                 model = route.model
-                raw = _limit_output(body, raw, route.max_output)
+                raw, dropped = upstream_body(body, raw, route.max_output)
+                trace.dropped = dropped_header(dropped) if dropped else ""
                 refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
                 if refusal is not None:
                     out = refusal_response(refusal)
@@ -198,26 +222,35 @@ class _Gateway:
             )
         except ApiError as e:
             out = error_response(e.status, str(e), e.code)
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            self._observe(trace, requested, model, stream, status=499)
+            raise
         if call is not None and not out.prepared:
             out.headers.update(call.headers)
         if not out.prepared and trace.replica:
             out.headers["x-llmgw-replica"] = trace.replica
             trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
             out.headers["x-llmgw-overhead-ms"] = f"{trace.setup_ns / 1e6:.3f}"
+        if not out.prepared and trace.dropped:
+            out.headers["x-llmgw-dropped"] = trace.dropped
+        self._observe(trace, requested, model, stream, status=out.status)
+        return out
+
+    def _observe(self, trace: Trace, requested: str, model: str, stream: bool, *, status: int) -> None:
+        """Hand ``observe`` the request's :class:`Exchange` (499: the client went away first)."""
         if self.observe is not None:
             self.observe(
                 Exchange(
                     requested=requested,
                     model=model,
                     replica=trace.replica,
-                    status=out.status,
+                    status=status,
                     stream=stream,
                     overhead_ms=trace.setup_ns / 1e6,
                     upstream_ms=trace.upstream_ns / 1e6,
                     usage=trace.usage,
                 )
             )
-        return out
 
     async def healthz(self, _: web.Request) -> web.Response:
         """``GET /healthz``: the gateway process answers (no key needed, says nothing about models)."""
@@ -238,28 +271,6 @@ class _Gateway:
 
 def _model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
-
-
-def _limit_output(body: dict[str, Any], raw: bytes, max_output: int) -> bytes:
-    """Hold a request to the model's ``max_output`` tokens; return the body to send upstream.
-
-    A request without ``max_tokens``/``max_completion_tokens`` gets ``max_output``, and a larger
-    ask is lowered to it: llama-server's own limit is unbounded by default (``-n -1``), so one
-    request could hold a slot until its context is full (reference/engines.md, ``--n-predict``).
-    The body is re-encoded only when it changes; ``body`` is updated in place. 0 means no limit.
-    """
-    if max_output <= 0:
-        return raw
-    changed = False
-    asked = [k for k in ("max_tokens", "max_completion_tokens") if isinstance(body.get(k), int)]
-    if not asked:
-        body["max_tokens"] = max_output
-        changed = True
-    for k in asked:
-        if body[k] > max_output:
-            body[k] = max_output
-            changed = True
-    return json.dumps(body).encode() if changed else raw
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -287,7 +298,7 @@ def _parse(raw: bytes) -> dict[str, Any]:
 def build_gateway_app(
     router: Router,
     *,
-    keys: set[str],
+    keys: Iterable[str] | GatewayKeys,
     allow_loopback_without_key: bool,
     upstream_timeout_s: float = 600.0,
     inspector: Inspector | None = None,
@@ -297,14 +308,18 @@ def build_gateway_app(
 
     Args:
         router: where models' replicas are (see :mod:`llmgw.control.routing`); read on every request.
-        keys: API keys clients may send as ``Authorization: Bearer <key>``; empty strings are ignored.
-        allow_loopback_without_key: let clients on 127.0.0.0/8 and ::1 in without a key.
+        keys: API keys clients may send as ``Authorization: Bearer <key>``: a fixed collection (empty
+            strings are ignored) or a :class:`GatewayKeys` that follows ``gateway.keys_file``.
+        allow_loopback_without_key: let clients on 127.0.0.0/8 and ::1 in without a key (a key they
+            send must still be valid).
         upstream_timeout_s: a non-streamed answer's whole time, and a stream's longest silence (s).
         inspector: the guard's hooks (prompt, answer, stream); None relays untouched.
         observe: called once per authorized chat request with its :class:`Exchange` (metrics, usage); must not
             block (it runs on the event loop).
 
-    The app opens one pooled upstream session on startup and closes it on cleanup.
+    The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
+    ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
+    engine slot (see the module docstring).
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s)
@@ -312,7 +327,7 @@ def build_gateway_app(
     gw = _Gateway(
         router,
         pool,
-        keys=keys,
+        keys=keys if isinstance(keys, GatewayKeys) else GatewayKeys(None, initial=keys),
         allow_loopback_without_key=allow_loopback_without_key,
         inspector=inspector,
         observe=observe,

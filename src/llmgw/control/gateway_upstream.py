@@ -2,10 +2,11 @@
 
 Mechanism, per chat request:
 
-1. :meth:`UpstreamPool.send` picks the model's next replica round-robin and POSTs the client's body
-   bytes unchanged to ``http://{endpoint}/v1/chat/completions`` with that replica's key. When the
-   connection is refused (or the connect times out), nothing was sent, so it tries the next replica
-   once; past that the client gets 502. A replica is never retried after the request went out
+1. :meth:`UpstreamPool.send` picks the model's next replica round-robin and POSTs the body (the
+   client's bytes, or what :mod:`llmgw.control.gateway_request` made of them) to
+   ``http://{endpoint}/v1/chat/completions`` with that replica's key. When the connection is refused
+   (or the connect times out), nothing was sent, so it tries the next replica once; past that the
+   client gets 502. A replica is never retried after the request went out
    (generation is not idempotent and may be half done).
 2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
    and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
@@ -103,7 +104,8 @@ class Trace:
 
     ``upstream_ns`` is time waiting on the replica (connect, answer, body); ``setup_ns`` the
     gateway's own time from the handler's start to the first byte (streams) or to the response
-    being ready (non-streamed), minus the upstream wait inside it.
+    being ready (non-streamed), minus the upstream wait inside it. ``dropped``: the
+    ``x-llmgw-dropped`` header's value, "" when no field was dropped.
     """
 
     started_ns: int
@@ -111,6 +113,7 @@ class Trace:
     upstream_ns: int = 0
     setup_ns: int = 0
     usage: dict[str, Any] | None = None
+    dropped: str = ""
 
 
 class UpstreamPool:
@@ -321,6 +324,8 @@ async def relay_stream(
             "x-llmgw-replica": trace.replica,
             "x-llmgw-overhead-ms": _ms(time.perf_counter_ns() - trace.started_ns - trace.upstream_ns),
         }
+        if trace.dropped:
+            headers["x-llmgw-dropped"] = trace.dropped
         if watcher is not None and (call := current_call.get()) is not None:
             headers.update(call.headers)
         out = web.StreamResponse(headers=headers)

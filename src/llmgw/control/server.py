@@ -5,7 +5,9 @@
 1. the **store** (SQLite WAL by default, ``store.url`` otherwise; migrations applied at open);
 2. the three **listeners**: admin API on ``admin_listen`` (bearer token), agent API on
    ``agent_listen`` (TLS, client certificates from the cluster CA), gateway on ``gateway.listen``
-   (API keys from ``gateway.keys_file``). All three bind before anything is served, so a port
+   (API keys from ``gateway.keys_file``, re-read when the file changes and on SIGHUP,
+   :mod:`llmgw.control.gateway_keys`; its handlers are cancelled when their client disconnects, which
+   frees the engine's slot). All three bind before anything is served, so a port
    already taken stops the process with a :class:`~llmgw.errors.PortInUseError` naming it, and
    nothing half-started stays behind;
 3. the **leader** loop (with SQLite this process is the leader).
@@ -38,11 +40,12 @@ from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.adminapi import build_admin_app
 from llmgw.control.agentapi import agent_ssl_context, build_agent_app
 from llmgw.control.drain import Drain
+from llmgw.control.gateway_keys import GatewayKeys
 from llmgw.control.leader import Leader
 from llmgw.control.logbroker import LogBroker
 from llmgw.control.routing_table import StoreRouter
 from llmgw.control.store import Store, default_url
-from llmgw.errors import ConfigError, PkiError, PortInUseError
+from llmgw.errors import PkiError, PortInUseError
 from llmgw.paths import Paths
 
 if TYPE_CHECKING:
@@ -55,30 +58,22 @@ SHUTDOWN_TIMEOUT_S = 3.0
 """Seconds aiohttp gives a listener's last requests when it closes, after the gateway's drain
 (admin log streams, heartbeats): each closes within it, so the unit's TimeoutStopSec holds."""
 
+_CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
+
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
     """The admin token; see :meth:`ServerConfig.read_admin_token`."""
     return config.read_admin_token(config_path)
 
 
-def read_gateway_keys(config: ServerConfig) -> set[str]:
-    """API keys from ``gateway.keys_file``: one per line, blank lines and ``#`` comments skipped.
+def read_gateway_keys(config: ServerConfig) -> GatewayKeys:
+    """API keys from ``gateway.keys_file`` (:mod:`llmgw.control.gateway_keys`), followed as it changes.
     No file configured: no keys (only loopback clients, when ``allow_loopback_without_key``).
 
     Raises:
-        ConfigError: the file is configured but cannot be read.
+        ConfigError: the file is configured but cannot be read, or a line is not a key.
     """
-    path = config.gateway.keys_file
-    if path is None:
-        return set()
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(
-            f"gateway.keys_file {path} cannot be read ({e.strerror}); create it with one key per line "
-            "or remove the setting"
-        ) from e
-    return {s for line in lines if (s := line.strip()) and not s.startswith("#")}
+    return GatewayKeys(config.gateway.keys_file)
 
 
 def _tls(config: ServerConfig) -> ssl.SSLContext:
@@ -101,6 +96,9 @@ async def _start(
     """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``."""
     host, port = parse_listen(listen)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+
+    # The gateway asks to have a handler cancelled when its client disconnects (_CANCEL_ON_DISCONNECT).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False))
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
     try:
@@ -118,8 +116,11 @@ async def _start(
 
 
 def _gateway_app(
-    router: StoreRouter, config: ServerConfig, inspector: GuardInspector | None = None,
+    router: StoreRouter,
+    config: ServerConfig,
+    inspector: GuardInspector | None = None,
     drain: Drain | None = None,
+    keys: GatewayKeys | None = None,
 ) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
@@ -127,10 +128,13 @@ def _gateway_app(
 
     app = build_gateway_app(
         router,
-        keys=read_gateway_keys(config),
+        keys=keys if keys is not None else read_gateway_keys(config),
         allow_loopback_without_key=config.gateway.allow_loopback_without_key,
         inspector=inspector,
     )
+    # A client that goes away cancels its handler, which closes the upstream request and frees the
+    # engine's slot (an abandoned non-streamed request would otherwise generate to its end).
+    app[_CANCEL_ON_DISCONNECT] = True
     if inspector is not None:
 
         async def _close_judges(_: web.Application) -> None:
@@ -222,6 +226,7 @@ async def serve(
     """
     config = load_server_config(config_path)
     token = read_admin_token(config, config_path)
+    keys = read_gateway_keys(config)
     tls = _tls(config)
     stop = stop or asyncio.Event()
     store = Store.open(default_url(config.store.url, paths.database))
@@ -266,7 +271,7 @@ async def serve(
                 ),
                 tls,
             ),
-            ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard, drain), None),
+            ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard, drain, keys), None),
         ]
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
@@ -277,6 +282,10 @@ async def serve(
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop.set)
                 signals.append(sig)
+        # SIGHUP re-reads gateway.keys_file now (it is also re-read within a second of a change).
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, keys.reload)
+            signals.append(signal.SIGHUP)
         if on_started is not None:
             on_started(bound)
         keeper = _keeper(store, config, admin_changed)

@@ -1,0 +1,141 @@
+"""What of a chat request reaches an engine: an allow-list of OpenAI fields and the output limit.
+
+llama-server reads its own fields from an OpenAI request body (``n_predict``, ``id_slot``,
+``cache_prompt``, ``grammar``, ``n_probs``, ...), and ``max_tokens: -1`` means "until the context is
+full" there. Passed through, any caller could ignore the model's ``max_output`` and hold a slot
+for its whole context, so :func:`upstream_body` decides, per field, before an engine is asked:
+
+**Forwarded** (:data:`FORWARDED`, OpenAI's chat-completions fields the engines understand):
+``model``, ``messages``, ``stream``, ``stream_options``, ``max_tokens``, ``max_completion_tokens``,
+``temperature``, ``top_p``, ``n``, ``stop``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
+``logit_bias``, ``logprobs``, ``top_logprobs``, ``response_format``, ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``user``.
+
+**Dropped**, silently for the answer but named in the ``x-llmgw-dropped`` response header: every
+other field (engine-specific ones such as ``n_predict``, ``id_slot``/``slot_id``, ``cache_prompt``,
+``grammar``, ``top_k``, ``min_p``; OpenAI-only ones such as ``metadata``, ``store``,
+``service_tier``). Dropping rather than refusing keeps clients written for other servers working
+(many send ``top_k`` or ``cache_prompt`` by default); none of these fields can widen what the
+request may cost once it is gone.
+
+**Limited**: ``max_tokens``/``max_completion_tokens`` absent, ``null`` or ≤ 0 become the model's
+``max_output``; a larger ask is lowered to it (the answer then ends with ``finish_reason:
+"length"``, as OpenAI's own answers do when a limit is reached; a 400 would break clients that send
+a fixed large ``max_tokens`` to every model). Both fields, when present, carry the same value, so
+the limit holds whichever one an engine reads. A model without ``max_output`` (0) has no limit:
+positive asks pass, others are removed (the engine's default applies).
+
+**Refused** (400 ``invalid_request_error``), because an engine would misread them: ``n`` other than
+1 (each choice is a whole generation; llama-server serves one), ``max_tokens`` /
+``max_completion_tokens`` / ``top_logprobs`` that are not integers, ``top_logprobs`` outside 0-20
+(OpenAI's range), ``stream`` that is not a boolean.
+
+Cost: one pass over the body's top-level keys; the body is re-encoded (once) only when something
+changed, so a request that asks within ``max_output`` with OpenAI fields only is sent byte for byte
+as it came.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from llmgw.errors import ApiError
+
+#: The top-level fields that reach an engine (see the module docstring).
+FORWARDED = frozenset(
+    {
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "user",
+    }
+)
+_LIMITS = ("max_tokens", "max_completion_tokens")
+#: OpenAI's range for ``top_logprobs``.
+MAX_TOP_LOGPROBS = 20
+# A dropped field is named in the header only when it is a plain identifier; at most this many.
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_MAX_NAMED = 10
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(message, status=400, code="invalid_request")
+
+
+def _int_field(body: dict[str, Any], key: str, unit: str = "tokens") -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{key}' must be an integer ({unit}), got {json.dumps(value)[:40]}")
+    return value
+
+
+def _check(body: dict[str, Any]) -> None:
+    """Refuse what an engine would misread (see the module docstring); ApiError 400."""
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise _bad(f"'n' must be 1 (one choice per request), got {json.dumps(n)[:40]}; send n requests instead")
+    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+        raise _bad(f"'stream' must be true or false, got {json.dumps(body['stream'])[:40]}")
+    top = _int_field(body, "top_logprobs", "alternatives per token")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+
+
+def dropped_header(dropped: list[str]) -> str:
+    """The ``x-llmgw-dropped`` value: the dropped names that are plain identifiers, at most 10."""
+    named = [k for k in dropped if _NAME.fullmatch(k)][:_MAX_NAMED]
+    more = len(dropped) - len(named)
+    return ", ".join(named) + (f" (+{more} more)" if more else "")
+
+
+def upstream_body(body: dict[str, Any], raw: bytes, max_output: int) -> tuple[bytes, list[str]]:
+    """The body to send to an engine, and the names of the fields dropped from it.
+
+    Args:
+        body: the parsed request (a dict with ``model`` and ``messages``); changed in place to what
+            is sent, so the guard judges exactly what the engine will see.
+        raw: the request's bytes, returned as they are when nothing changed.
+        max_output: the model's ``max_output`` (tokens), 0 for no limit.
+
+    Raises:
+        ApiError: 400 ``invalid_request`` for a field an engine would misread (the message names it).
+    """
+    _check(body)
+    dropped = [k for k in body if k not in FORWARDED]
+    for k in dropped:
+        del body[k]
+    asked = [v for k in _LIMITS if (v := _int_field(body, k)) is not None and v > 0]
+    want = min(asked) if asked else 0
+    if max_output > 0 and not 0 < want <= max_output:
+        want = max_output
+    changed = bool(dropped)
+    for k in _LIMITS:
+        if k == "max_tokens" or k in body:
+            if want > 0 and body.get(k) != want:
+                body[k] = want
+                changed = True
+            elif want <= 0 and k in body:
+                del body[k]
+                changed = True
+    return (json.dumps(body).encode() if changed else raw), dropped

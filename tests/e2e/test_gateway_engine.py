@@ -1,0 +1,197 @@
+"""The gateway protects a real engine (issue 9 items 10 and 11): a real ``llmgw server run`` process
+in front of a real llama-server (gemma-3-270m, one slot: ``-np 1``).
+
+The agent is played by this test over the real agent API (mTLS): it registers a node, the control
+plane places two models there, and the test starts one llama-server that accepts both replicas'
+keys (``--api-key-file``) and reports both replicas ready at its address. ``capped`` has
+``max_output: 32``; ``long`` has no limit, for long generations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from llmgw import tlsconf
+from llmgw.paths import Paths
+from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
+from tests.conftest import Assets
+from tests.unit.test_server_run import TOKEN, Install, free_port, heartbeat
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-e2e-gateway"
+CAP = 32
+
+
+@dataclass
+class Cluster:
+    gateway: str
+
+    def chat(self, model: str, timeout: float = 300, **extra: Any) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, **extra}
+        return httpx.post(
+            f"{self.gateway}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=timeout,
+        )
+
+
+PROMPT = "Count from 1 to 1000, one number per line, and nothing else."
+
+
+def _wait(what: str, check: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} not ready in {timeout:g} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    paths = Paths(root)
+    paths.etc.mkdir(parents=True)
+    ca = tlsconf.CA.create()
+    ca.write(paths.pki)
+    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
+    (paths.etc / "admin-token").write_text(TOKEN + "\n")
+    (paths.etc / "gateway-keys").write_text(KEY + "\n")
+    inst = Install(
+        root, paths, paths.server_config, {"admin": free_port(), "agent": free_port(), "gateway": free_port()}, ca
+    )
+    inst.write(
+        gateway={
+            "listen": f"127.0.0.1:{inst.ports['gateway']}",
+            "keys_file": str(paths.etc / "gateway-keys"),
+            "allow_loopback_without_key": False,
+        },
+        node_lost_after_s=3600,
+    )
+    log = (root / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "server", "run"],
+        env={**os.environ, "LLMGW_ROOT": str(root)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    engine: subprocess.Popen[bytes] | None = None
+    try:
+        admin = f"http://127.0.0.1:{inst.ports['admin']}"
+        agent = f"https://127.0.0.1:{inst.ports['agent']}"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        _wait("server run", lambda: httpx.get(admin + "/api/v1/health").status_code == 200, 30)
+        cert, key = ca.issue_client("node-1").write(root / "agent", "node-1")
+        ctx = tlsconf.client_context(paths.pki / "ca.pem", cert, key)
+        assert httpx.post(agent + "/agent/v1/register", content=heartbeat(), verify=ctx).status_code == 200
+        for name, limit in (("capped", CAP), ("long", 0)):
+            model = {"name": name, "source": f"http://m/{name}.gguf", "profiles": [{"name": "cpu"}]}
+            r = httpx.post(admin + "/api/v1/models", json={**model, "max_output": limit}, headers=auth)
+            assert r.status_code == 201, r.text
+        specs: dict[str, Any] = {}
+
+        def placed() -> bool:
+            r = httpx.post(agent + "/agent/v1/heartbeat", content=heartbeat(), verify=ctx)
+            specs.update({s.model: s for s in HeartbeatReply.model_validate_json(r.content).desired})
+            return len(specs) == 2
+
+        _wait("placement of both models", placed, 30)
+        keys = root / "replica-keys"
+        keys.write_text("".join(s.key + "\n" for s in specs.values()))
+        port = free_port()
+        engine = subprocess.Popen(
+            [
+                *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
+                *("--api-key-file", str(keys), "-c", "1024", "--threads", "2", "-np", "1"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait("llama-server", lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200)
+        ready = [ReplicaStatus(id=s.id, state=ReplicaState.READY, endpoint=f"127.0.0.1:{port}") for s in specs.values()]
+        assert httpx.post(agent + "/agent/v1/heartbeat", content=heartbeat(*ready), verify=ctx).status_code == 200
+        yield Cluster(f"http://127.0.0.1:{inst.ports['gateway']}")
+    finally:
+        for proc, grace in ((engine, 10), (server, 15)):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        log.close()
+
+
+def _completion_tokens(r: httpx.Response) -> int:
+    assert r.status_code == 200, r.text
+    tokens: int = r.json()["usage"]["completion_tokens"]
+    return tokens
+
+
+def test_the_prompt_makes_a_long_answer(cluster: Cluster) -> None:
+    """The control for the next test: unbounded, this prompt goes on well past the cap."""
+    assert _completion_tokens(cluster.chat("long", max_tokens=2 * CAP)) == 2 * CAP
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"max_tokens": -1},
+        {"n_predict": 100000},
+        {"max_tokens": 100000, "n_predict": -1},
+        {"max_completion_tokens": 100000, "id_slot": 0, "cache_prompt": False},
+    ],
+)
+def test_no_field_lets_a_request_past_max_output(cluster: Cluster, extra: dict[str, Any]) -> None:
+    r = cluster.chat("capped", **extra)
+    assert _completion_tokens(r) <= CAP
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def _abandon(gateway: str, body: bytes) -> None:
+    """Send a non-streamed request on a raw socket, then close the socket without reading."""
+    host, port = gateway.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.5)
+
+
+def test_abandoned_requests_free_the_engine_slot(cluster: Cluster) -> None:
+    """Four abandoned 900-token requests on the one slot; a fresh request is answered at once.
+
+    Before the fix the engine generated all four answers for nobody first (4 x 900 tokens: the
+    fresh request had no answer after 120 s on a loaded 2-core machine); now each is stopped when its
+    client goes (llama-server looks once a second). The 30 s bound is generous for a loaded machine
+    and far below what the four would take.
+    """
+    body = json.dumps(
+        {"model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 900, "temperature": 0}
+    ).encode()
+    for _ in range(4):
+        _abandon(cluster.gateway, body)
+    t0 = time.monotonic()
+    r = cluster.chat("long", max_tokens=4, timeout=120)
+    took = time.monotonic() - t0
+    assert _completion_tokens(r) == 4
+    assert took < 30, f"a fresh request waited {took:.1f} s behind abandoned ones"
