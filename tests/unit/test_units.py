@@ -105,6 +105,7 @@ def test_mirror_unit_keeps_the_seeds_lines() -> None:
 def test_server_unit_fields() -> None:
     text = server_unit(DEFAULT, DEFAULT_BINARY)
     assert "ExecStart=/usr/local/bin/llmgw server run --config /etc/llmgw/server.yaml\n" in text
+    assert "\nExecReload=/bin/kill -HUP $MAINPID\n" in text  # systemctl reload: the gateway's keys file
     for line in ("Restart=on-failure", "RestartSec=2s", "StateDirectory=llmgw", "WantedBy=multi-user.target"):
         assert f"\n{line}\n" in text
     assert "Environment=" not in text

@@ -223,6 +223,8 @@ def server_unit(paths: Paths, llmgw_bin: str, *, user: str | None = SERVICE_USER
         "Wants=network-online.target\n"
         "[Service]\n"
         f"ExecStart={_exec([llmgw_bin, 'server', 'run', '--config', str(paths.server_config)])}\n"
+        "# 'systemctl reload llmgw-server' re-reads the gateway's keys file (SIGHUP).\n"
+        "ExecReload=/bin/kill -HUP $MAINPID\n"
         f"{_root_env(paths)}"
         "# The unprivileged llmgw user. It reads server.yaml (group llmgw), its admin\n"
         "# token, server key and gateway keys (owned by llmgw, mode 0600) in /etc/llmgw;\n"
