@@ -41,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 import yaml
 
 from llmgw import tlsconf
@@ -55,7 +56,7 @@ from llmgw.protocol import (
     ReplicaStatus,
 )
 
-TOKEN = "bench-admin-token"
+TOKEN = "bench-admin-token"  # noqa: S105 - a throwaway install's token
 GB = 1_000_000_000
 IDLE_S = 8.0
 SETTLE_S = 6.0
@@ -77,6 +78,7 @@ class Samples:
     ms: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     ready: set[str] = field(default_factory=set)
+    lag: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, ms: float) -> None:
         self.ms.setdefault(self.phase, []).append(ms)
@@ -153,6 +155,15 @@ async def agent(i: int, ctx: ssl.SSLContext, url: str, samples: Samples, stop: a
                     await asyncio.wait_for(stop.wait(), left)
 
 
+async def lag_probe(samples: Samples, stop: asyncio.Event) -> None:
+    """This process's own event-loop lag (ms over a 10 ms sleep): what of a measured latency is the
+    simulated agents' side, not the control plane's (the machine may be shared)."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.01)
+        samples.lag.setdefault(samples.phase, []).append((time.perf_counter() - t - 0.01) * 1000)
+
+
 def model_doc(n: int) -> dict[str, object]:
     return {
         "name": f"bench-{n:02d}",
@@ -173,10 +184,10 @@ async def run(agents: int, models: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t = time.perf_counter()
-        paths, ports, contexts = install(root, agents)
+        _, ports, contexts = install(root, agents)
         print(f"pki: {agents} client certificates in {time.perf_counter() - t:.1f} s")
         log = (root / "server.log").open("wb")
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
             [sys.executable, "-m", "llmgw", "server", "run"],
             env={**os.environ, "LLMGW_ROOT": str(root)},
             stdout=log,
@@ -202,11 +213,16 @@ async def run(agents: int, models: int) -> int:
                     await asyncio.sleep(0.1)
                 url = f"https://127.0.0.1:{ports['agent']}/agent/v1/heartbeat"
                 tasks = [asyncio.create_task(agent(i, c, url, samples, stop)) for i, c in enumerate(contexts)]
+                tasks.append(asyncio.create_task(lag_probe(samples, stop)))
                 await asyncio.sleep(4.0)  # every agent registered (staggered over one interval)
+                server = psutil.Process(proc.pid)
                 samples.phase = "idle"
+                cpu0 = sum(server.cpu_times()[:2])
                 await asyncio.sleep(IDLE_S)
+                idle_cpu = (sum(server.cpu_times()[:2]) - cpu0) / IDLE_S
                 samples.phase = "burst"
                 t0 = time.perf_counter()
+                cpu0 = sum(server.cpu_times()[:2])
                 add_ms = []
                 for n in range(models):
                     t = time.perf_counter()
@@ -226,8 +242,11 @@ async def run(agents: int, models: int) -> int:
                         raise SystemExit(f"only {ready} of {want} replicas ready after {waited:.0f} s")
                     await asyncio.sleep(0.5)
                 settled_s = time.perf_counter() - t0
+                burst_cpu = (sum(server.cpu_times()[:2]) - cpu0) / settled_s
                 samples.phase = "after"
+                cpu0 = sum(server.cpu_times()[:2])
                 await asyncio.sleep(AFTER_S)
+                after_cpu = (sum(server.cpu_times()[:2]) - cpu0) / AFTER_S
                 nodes = (await client.get("/api/v1/nodes")).json()
                 lost = [nd["id"] for nd in nodes if nd["state"] != "ready"]
         finally:
@@ -250,6 +269,13 @@ async def run(agents: int, models: int) -> int:
     print(f"model_add_p50_ms: {pct(add_ms, 50):.1f} ms")
     print(f"adds_s: {adds_s:.2f} s")
     print(f"all_ready_s: {settled_s:.2f} s")
+    lag = samples.lag.get("burst", [])
+    print(f"load_average_1m: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"server_cpu_idle: {idle_cpu:.2f} cores")
+    print(f"server_cpu_burst: {burst_cpu:.2f} cores")
+    print(f"server_cpu_after: {after_cpu:.2f} cores")
+    print(f"agents_loop_lag_p50_ms: {pct(lag, 50):.1f} ms")
+    print(f"agents_loop_lag_p99_ms: {pct(lag, 99):.1f} ms")
     print(f"heartbeat_idle_p50_ms: {pct(idle, 50):.1f} ms")
     print(f"heartbeat_idle_p99_ms: {pct(idle, 99):.1f} ms")
     print(f"heartbeat_after_p50_ms: {pct(after, 50):.1f} ms")
