@@ -19,6 +19,10 @@ its replicas at once; the leader places them elsewhere at its next pass (no over
 stops before the new ones are ready).
 
 Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
+
+Every store call and every view built over all nodes or replicas runs off the event loop
+(``await db.run(...)``, :mod:`llmgw.control.offloop`): the loop also serves heartbeats and the
+gateway (issue 9, item 17).
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
 from llmgw.control.logbroker import LogBroker
+from llmgw.control.offloop import OffLoop
 from llmgw.control.openapi import build_openapi
 from llmgw.control.resources import resources_view
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
@@ -184,6 +189,7 @@ def build_admin_app(
     on_change: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.time,
     logs: LogBroker | None = None,
+    db: OffLoop | None = None,
 ) -> web.Application:
     """The admin API app.
 
@@ -193,9 +199,16 @@ def build_admin_app(
         on_change: called after every successful write (wakes the leader, refreshes routes).
         logs: reads engine logs through the agents (``GET /api/v1/replicas/{id}/logs``).
         clock: unix seconds.
+        db: runs the store calls off the event loop; default: a pool of this app's own, closed
+            with it.
     """
     if not token:
         raise ValueError("the admin token is empty")
+    own_pool = db is None
+    pool = db = db or OffLoop()
+
+    async def _close(_: web.Application) -> None:
+        pool.close()
     changed = on_change or (lambda: None)
 
     @web.middleware
@@ -235,8 +248,11 @@ def build_admin_app(
         except (ValueError, UnicodeDecodeError) as e:
             raise HttpError(400, "invalid_json", f"the body is not JSON: {e}") from e
 
-    def must_model(name: str) -> ModelRow:
+    async def must_model(name: str) -> ModelRow:
         """The model named ``name`` or carrying it as an alias; else 404 naming the known ones."""
+        return await db.run(_must_model, name)
+
+    def _must_model(name: str) -> ModelRow:
         row = store.get_model(name)
         if row is not None:
             return row
@@ -256,22 +272,25 @@ def build_admin_app(
     async def openapi(_: web.Request) -> web.Response:
         return _json(build_openapi())
 
-    async def list_models(_: web.Request) -> web.Response:
+    def _list_models() -> list[Any]:
         replicas = store.list_replicas()
-        return _json([model_view(r, replicas).model_dump(mode="json") for r in store.list_models()])
+        return [model_view(r, replicas).model_dump(mode="json") for r in store.list_models()]
+
+    async def list_models(_: web.Request) -> web.Response:
+        return _json(await db.run(_list_models))
 
     async def add_model(request: web.Request) -> web.Response:
         try:
             model = Model.model_validate(await body_json(request))
         except ValidationError as e:
             raise HttpError(400, "invalid_model", describe(e)) from e
-        row = store.add_model(model, now=clock())
+        row = await db.run(store.add_model, model, now=clock())
         changed()
         return _json(model_view(row, []).model_dump(mode="json"), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
-        return _json(model_view(row, store.list_replicas(model=row.name)).model_dump(mode="json"))
+        row = await must_model(request.match_info["name"])
+        return _json(model_view(row, await db.run(store.list_replicas, model=row.name)).model_dump(mode="json"))
 
     async def save(row: ModelRow, spec: Any) -> web.Response:
         try:
@@ -285,12 +304,12 @@ def build_admin_app(
                 f"name: a model cannot be renamed ('{row.name}' -> '{model.name}'); "
                 "add it under the new name and delete the old one",
             )
-        new = store.update_model(model, revision=row.revision, now=clock())
+        new = await db.run(store.update_model, model, revision=row.revision, now=clock())
         changed()
-        return _json(model_view(new, store.list_replicas(model=new.name)).model_dump(mode="json"))
+        return _json(model_view(new, await db.run(store.list_replicas, model=new.name)).model_dump(mode="json"))
 
     async def patch_model(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
+        row = await must_model(request.match_info["name"])
         patch = await body_json(request)
         if not isinstance(patch, dict):
             raise HttpError(
@@ -299,7 +318,7 @@ def build_admin_app(
         return await save(row, _merge(row.model.model_dump(mode="json"), patch))
 
     async def put_profiles(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
+        row = await must_model(request.match_info["name"])
         body = await body_json(request)
         if isinstance(body, dict) and "profiles" in body:
             body = body["profiles"]
@@ -312,59 +331,65 @@ def build_admin_app(
         return await save(row, spec)
 
     async def delete_model(request: web.Request) -> web.Response:
-        name = must_model(request.match_info["name"]).name
-        if not store.delete_model(name):
+        name = (await must_model(request.match_info["name"])).name
+        if not await db.run(store.delete_model, name):
             raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
         changed()
         return web.Response(status=204)
 
-    async def list_nodes(_: web.Request) -> web.Response:
+    def _list_nodes() -> list[Any]:
         replicas = store.list_replicas()
         facts = parse_facts(store.list_gguf_facts())
         models = {m.name: effective_model(m.model, facts) for m in store.list_models()}
-        return _json([node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()])
+        return [node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()]
+
+    async def list_nodes(_: web.Request) -> web.Response:
+        return _json(await db.run(_list_nodes))
 
     async def list_replicas(request: web.Request) -> web.Response:
         asked = request.query.get("model") or None
-        model = must_model(asked).name if asked else None
-        rows = store.list_replicas(model=model)
+        model = (await must_model(asked)).name if asked else None
+        rows = await db.run(store.list_replicas, model=model)
         views = [replica_view(r) for r in rows]
-        models = [m for m in store.list_models() if model is None or m.name == model]
-        views += pending_views(models, rows, store)
+        models = [m for m in await db.run(store.list_models) if model is None or m.name == model]
+        views += await db.run(pending_views, models, rows, store)
         return _json([v.model_dump(mode="json") for v in views])
 
-    def must_node(node_id: str) -> NodeRow:
-        node = store.get_node(node_id)
+    async def must_node(node_id: str) -> NodeRow:
+        node = await db.run(store.get_node, node_id)
         if node is None:
             raise HttpError(404, "node_not_found", f"no node '{node_id}'; list them with GET /api/v1/nodes")
         return node
 
     async def node_action(request: web.Request) -> web.Response:
         action = request.match_info["action"]
-        node = must_node(request.match_info["id"])
-        node = store.update_node(node, cordoned=action != "uncordon")
+        node = await must_node(request.match_info["id"])
+        node = await db.run(store.update_node, node, cordoned=action != "uncordon")
         if action == "drain":
-            for r in store.list_replicas(node=node.id):
-                store.delete_replica(r.id, revision=r.revision)
+            for r in await db.run(store.list_replicas, node=node.id):
+                await db.run(store.delete_replica, r.id, revision=r.revision)
         changed()
-        replicas = store.list_replicas()
-        models = {m.name: m.model for m in store.list_models()}
+        replicas = await db.run(store.list_replicas)
+        models = {m.name: m.model for m in await db.run(store.list_models)}
         return _json(node_view(node, replicas, models).model_dump(mode="json"))
 
     async def model_resources(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
-        view = resources_view(
-            row.model,
-            nodes=store.list_nodes(),
-            replicas=store.list_replicas(),
-            models={m.name: m.model for m in store.list_models()},
-            stored_facts=store.list_gguf_facts(),
-        )
-        return _json(view.model_dump(mode="json"))
+        row = await must_model(request.match_info["name"])
+
+        def build() -> BaseModel:
+            return resources_view(
+                row.model,
+                nodes=store.list_nodes(),
+                replicas=store.list_replicas(),
+                models={m.name: m.model for m in store.list_models()},
+                stored_facts=store.list_gguf_facts(),
+            )
+
+        return _json((await db.run(build)).model_dump(mode="json"))
 
     async def replica_logs(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        rep = store.get_replica(rid)
+        rep = await db.run(store.get_replica, rid)
         if rep is None:
             raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
         if not rep.node or logs is None:
@@ -384,7 +409,7 @@ def build_admin_app(
 
     async def restart_replica(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        old = store.get_replica(rid)
+        old = await db.run(store.get_replica, rid)
         if old is None:
             raise HttpError(
                 404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
@@ -405,9 +430,9 @@ def build_admin_app(
             ready_at=None,
             restarts=old.restarts + 1,
         )
-        if not store.delete_replica(old.id, revision=old.revision):
+        if not await db.run(store.delete_replica, old.id, revision=old.revision):
             raise Conflict(f"replica '{rid}' changed while restarting; try again")
-        store.add_replica(new)
+        await db.run(store.add_replica, new)
         changed()
         return _json(replica_view(new).model_dump(mode="json"), status=202)
 
@@ -415,8 +440,8 @@ def build_admin_app(
         name = request.query.get("model", "")
         if not name:
             raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
-        row = must_model(name)
-        view = store.get_explanation(row.name) or ExplainView(
+        row = await must_model(name)
+        view = await db.run(store.get_explanation, row.name) or ExplainView(
             model=row.name,
             placed=False,
             wanted=row.model.scaling.min,
@@ -425,6 +450,8 @@ def build_admin_app(
         return _json(view.model_dump(mode="json"))
 
     app = web.Application(middlewares=[errors, auth])
+    if own_pool:
+        app.on_cleanup.append(_close)
     r = app.router
     r.add_get("/api/v1/health", health)
     r.add_get("/api/v1/openapi.json", openapi)

@@ -4,6 +4,12 @@ Exactly one control plane is the leader and runs this loop (DESIGN.md, "State an
 With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
 lock) is not built yet, so run one control plane per database until it is.
 
+Passes run off the event loop, on the store's thread pool (:class:`~llmgw.control.offloop.OffLoop`),
+so placement over every node and the explanations never stall heartbeats or the gateway. A wake
+(an admin write, a heartbeat that changed something) starts a pass after :data:`COALESCE_S`, and
+wakes that arrive while a pass runs collapse into one more pass: adding 50 models in a burst costs a
+handful of passes, not 50 (issue 9, item 17).
+
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
 give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`) and stored; a
 source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
@@ -27,7 +33,10 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    ``scaling.min`` with one :class:`~llmgw.control.placement.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
    two never get one GPU); store the :class:`~llmgw.control.views.ExplainView` for every model,
-   placed or not, so ``explain-placement`` always answers from the last pass.
+   placed or not, so ``explain-placement`` always answers from the last pass. An explanation
+   equal to the one this leader last stored for the model (``evaluated_at`` aside) is not written
+   again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that first
+   reached the current verdict.
 
 A profile without ``min_memory_gb`` reserves the estimate from its GGUF (weights + KV + overhead)
 once the header is known, and nothing before.
@@ -56,6 +65,7 @@ from llmgw.control import estimate as est
 from llmgw.control import placement
 from llmgw.control.catalog import Model
 from llmgw.control.explain import explain_view
+from llmgw.control.offloop import OffLoop
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView
 from llmgw.protocol import ReplicaState
@@ -69,6 +79,10 @@ DEFAULT_INTERVAL_S = 2.0
 #: A failed replica is replaced after 10 s, then 20, 40 … capped at 5 min (issue 3).
 BACKOFF_FIRST_S = 10.0
 BACKOFF_MAX_S = 300.0
+
+#: How long a wake waits before its pass starts (seconds), so that a burst of admin writes or
+#: heartbeats is reconciled by one pass; small next to the seconds an engine takes to start.
+COALESCE_S = 0.2
 
 #: A GGUF header that could not be read is tried again after this long (seconds).
 FACTS_RETRY_S = 60.0
@@ -177,8 +191,10 @@ class Leader:
         clock: unix seconds (injected so tests need not sleep).
         interval_s: seconds between passes when nothing wakes the loop.
         on_change: called after a pass that created, removed or lost something (the routing
-            table refreshes on it).
+            table refreshes on it). With :meth:`run` it is called on a store thread.
         read_facts: reads a GGUF header from a source URL (a seam; default: HTTP Range request).
+        db: the pool :meth:`run` runs passes on (default: the loop's default executor).
+        coalesce_s: :data:`COALESCE_S`.
     """
 
     def __init__(
@@ -190,6 +206,8 @@ class Leader:
         interval_s: float = DEFAULT_INTERVAL_S,
         on_change: Callable[[], None] | None = None,
         read_facts: FactsReader = est.read_facts,
+        db: OffLoop | None = None,
+        coalesce_s: float = COALESCE_S,
     ) -> None:
         self.store = store
         self.node_lost_after_s = node_lost_after_s
@@ -197,20 +215,26 @@ class Leader:
         self.interval_s = interval_s
         self.on_change = on_change
         self.read_facts = read_facts
+        self.db = db
+        self.coalesce_s = coalesce_s
         self._wake = asyncio.Event()
+        self._created: dict[str, float] = {}
         self._first_pass: float | None = None
+        # model -> (its created_at, its last stored explanation without evaluated_at)
+        self._explained: dict[str, tuple[float, str]] = {}
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile until ``stop`` is set. A failed pass is logged and the next one runs."""
+        """Reconcile until ``stop`` is set, each pass on a store thread. A failed pass is logged
+        and the next one runs."""
         while not stop.is_set():
             self._wake.clear()
             try:
-                await asyncio.to_thread(self.refresh_facts, self.clock())
-                self.reconcile_once(self.clock())
+                await self._off(self.refresh_facts, self.clock())
+                await self._off(self.reconcile_once, self.clock())
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
@@ -220,6 +244,14 @@ class Leader:
                 )
             for w in waiters:
                 w.cancel()
+            if self._wake.is_set() and not stop.is_set():
+                await asyncio.sleep(self.coalesce_s)  # let the rest of a burst arrive
+
+    async def _off(self, fn: Callable[[float], object], now: float) -> None:
+        if self.db is not None:
+            await self.db.run(fn, now)
+        else:
+            await asyncio.to_thread(fn, now)
 
     def refresh_facts(self, now: float) -> list[str]:
         """Read the GGUF header of every model source that needs an estimate and has none stored
@@ -255,6 +287,8 @@ class Leader:
         replicas = self._remove_orphans(rows, live, result)
         replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
         placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
+        self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
+        self._created = {k: v.created_at for k, v in rows.items()}
         for name in sorted(models):
             replicas = self._reconcile_model(
                 models[name],
@@ -268,6 +302,15 @@ class Leader:
         if result.changed and self.on_change is not None:
             self.on_change()
         return result
+
+    def _store_explanation(self, view: ExplainView, now: float) -> None:
+        """Write ``view`` unless it is what this leader last stored for the model (same row)."""
+        created = self._created.get(view.model, 0.0)
+        body = view.model_copy(update={"evaluated_at": None}).model_dump_json()
+        if self._explained.get(view.model) == (created, body):
+            return
+        self.store.set_explanation(view, now=now)
+        self._explained[view.model] = (created, body)
 
     def _mark_lost(self, now: float, result: PassResult) -> list[NodeRow]:
         if self._first_pass is None:
@@ -391,6 +434,6 @@ class Leader:
         view = explain_view(
             model, decision=decision, placer=placer_for_view, replicas=[(r.id, r.node) for r in mine], now=now
         )
-        self.store.set_explanation(view, now=now)
+        self._store_explanation(view, now)
         result.explanations[model.name] = view
         return replicas

@@ -13,9 +13,14 @@
 It runs until SIGTERM/SIGINT or ``stop`` is set, then closes the listeners (in-flight requests get
 aiohttp's shutdown grace), the leader and the store.
 
-The pieces are wired with events, not timers: a heartbeat refreshes the routing table and, when
-something changed, wakes the leader; an admin write wakes the leader; a leader pass that changed
-replicas refreshes the routing table.
+The pieces are wired with events, not timers: a heartbeat that changed something refreshes the
+routing table and wakes the leader; an admin write does both; a leader pass that changed replicas
+refreshes the routing table.
+
+No store call and no reconcile pass runs on the event loop that serves the three listeners
+(issue 9, item 17): store calls go through one bounded pool (:class:`~llmgw.control.offloop.OffLoop`),
+routing rebuilds are coalesced (:class:`~llmgw.control.offloop.Coalescer`: a burst of events costs
+one or two rebuilds) and the leader's passes run on that pool too.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import errno
 import logging
 import signal
 import ssl
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +43,7 @@ from llmgw.control.adminapi import build_admin_app
 from llmgw.control.agentapi import agent_ssl_context, build_agent_app
 from llmgw.control.leader import Leader
 from llmgw.control.logbroker import LogBroker
+from llmgw.control.offloop import Coalescer, OffLoop
 from llmgw.control.routing_table import StoreRouter
 from llmgw.control.store import Store, default_url
 from llmgw.errors import ConfigError, PkiError, PortInUseError
@@ -47,6 +54,12 @@ if TYPE_CHECKING:
     from llmgw.control.judgekeeper import JudgeKeeper
 
 log = logging.getLogger(__name__)
+
+#: How long a thread holding the GIL may run before a waiting one gets it (CPython's default is 5 ms).
+#: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models; at 5 ms
+#: the event loop waited up to 5 ms at every one of a heartbeat's hand-offs. Measured with
+#: bench/heartbeats.py (see llmgw.control.offloop).
+SWITCH_INTERVAL_S = 0.001
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
@@ -132,7 +145,7 @@ def _gateway_app(
     return app
 
 
-def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInspector | None:
+def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
     """The guard inspector when server.yaml has a guard policy (guard.on()), else None."""
     if not config.guard.on():
         return None
@@ -140,19 +153,19 @@ def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInsp
     from llmgw.control.gateway_guard import GuardInspector as _GI  # noqa: PLC0415
     from llmgw.guard.judge import JudgeClient  # noqa: PLC0415
 
-    formats = CatalogFormats(lambda: [r.model for r in store.list_models()])
+    formats = CatalogFormats(router.catalog)  # the routing snapshot: no store read on the gateway's path
     log.info("guardrails on: %s", ", ".join(p.name for p in config.guard.policies))
     return _GI(config.guard, JudgeClient(route_judges(router.resolve_any, formats)))
 
 
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
-    logs: LogBroker,
+    logs: LogBroker, db: OffLoop,
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
     from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
 
-    app = build_admin_app(store, token=token, on_change=changed, logs=logs)
+    app = build_admin_app(store, token=token, on_change=changed, logs=logs, db=db)
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
     return app
@@ -192,41 +205,46 @@ async def serve(
         StoreError: the database cannot be opened.
     """
     config = load_server_config(config_path)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     token = read_admin_token(config, config_path)
     tls = _tls(config)
     stop = stop or asyncio.Event()
     store = Store.open(default_url(config.store.url, paths.database))
+    db = OffLoop()
     router = StoreRouter(store)
-    leader = Leader(store, node_lost_after_s=config.node_lost_after_s, on_change=router.refresh)
-    guard = _guard(config, store, router)
+    routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")
+    router.on_stale = routes.request
+    leader = Leader(store, node_lost_after_s=config.node_lost_after_s, on_change=routes.request, db=db)
+    guard = _guard(config, router)
     logs = LogBroker()
 
     def admin_changed() -> None:
-        router.refresh()
+        routes.request()
         leader.wake()
 
     def heartbeat(_node: str, changed: bool) -> None:
-        router.refresh()
         if changed:
+            routes.request()
             leader.wake()
 
     runners: list[web.AppRunner] = []
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
     try:
+        await db.run(router.refresh)  # the gateway's first requests see the catalog
         bound: dict[str, tuple[str, int]] = {}
         apps = [
             (
                 "admin_listen",
                 config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard, logs),
+                _admin_app(store, token, admin_changed, config, guard, logs, db),
                 None,
             ),
             (
                 "agent_listen",
                 config.agent_listen,
                 build_agent_app(
-                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs
+                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db
                 ),
                 tls,
             ),
@@ -253,4 +271,6 @@ async def serve(
             loop.remove_signal_handler(sig)
         for runner in reversed(runners):
             await runner.cleanup()
+        await routes.idle()
+        db.close()
         store.close()

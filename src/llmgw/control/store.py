@@ -15,8 +15,15 @@ Rules this module keeps:
   are storage shapes; API views live in :mod:`llmgw.control.views`, wire shapes in
   :mod:`llmgw.protocol`.
 
-Calls are synchronous: on SQLite each is well under a millisecond, and the gateway's hot path never
-reaches the store (it reads :class:`~llmgw.control.routing_table.StoreRouter`'s memory).
+Calls are synchronous (the control plane makes them on a thread pool, never on its event loop:
+:mod:`llmgw.control.offloop`), and the gateway's hot path never reaches the store (it reads
+:class:`~llmgw.control.routing_table.StoreRouter`'s memory).
+
+**One writer at a time, in process.** SQLite lets one transaction write; a second one waits in
+SQLite's busy handler, which *sleeps* 1, 2, 5, 10 … 100 ms between tries, so writers on several
+threads (heartbeats, a leader pass) made heartbeats wait hundreds of milliseconds behind a pass
+that wrote 50 explanations (issue 9, item 17: p99 518 ms). Write transactions therefore take a
+``threading.Lock`` first (SQLite only), which hands over at once. Reads take no lock (WAL).
 
 Errors: :class:`Conflict` (HTTP 409 at the admin API), :class:`StoreError` (the database cannot be
 opened or migrated, with the driver's error chained).
@@ -24,7 +31,9 @@ opened or migrated, with the driver's error chained).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -252,6 +261,9 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._writer: contextlib.AbstractContextManager[object] = (
+            threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        )
 
     @classmethod
     def open(cls, url: str) -> Store:
@@ -291,10 +303,16 @@ class Store:
         with self.engine.begin() as conn:
             yield conn
 
+    @contextmanager
+    def _wtx(self) -> Iterator[Connection]:
+        """A transaction that writes: one at a time in this process (see the module docstring)."""
+        with self._writer, self.engine.begin() as conn:
+            yield conn
+
     def migrate(self) -> list[int]:
         """Apply the migrations not yet recorded in ``schema_migrations``; return their versions."""
         applied_now: list[int] = []
-        with self._tx() as conn:
+        with self._wtx() as conn:
             migrations_t.create(conn, checkfirst=True)
             done = set(conn.scalars(sa.select(migrations_t.c.version)))
             for version, apply in MIGRATIONS:
@@ -319,7 +337,7 @@ class Store:
             Conflict: the name is taken, or a name or alias of it is another model's name or alias.
         """
         mine = {model.name, *model.aliases}
-        with self._tx() as conn:
+        with self._wtx() as conn:
             for row in conn.execute(sa.select(models_t.c.name, models_t.c.spec)):
                 other = Model.model_validate_json(row.spec)
                 if other.name == model.name:
@@ -363,7 +381,7 @@ class Store:
             Conflict: the row changed or went since ``revision`` was read, or an alias clashes.
         """
         mine = {model.name, *model.aliases}
-        with self._tx() as conn:
+        with self._wtx() as conn:
             for row in conn.execute(
                 sa.select(models_t.c.name, models_t.c.spec).where(models_t.c.name != model.name)
             ):
@@ -385,7 +403,7 @@ class Store:
     def delete_model(self, name: str) -> bool:
         """Delete the entry and its explanation; True when there was one. Its replicas go at the
         leader's next pass (the agents then stop them)."""
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(models_t.delete().where(models_t.c.name == name)).rowcount
             conn.execute(explanations_t.delete().where(explanations_t.c.model == name))
         return n > 0
@@ -411,7 +429,7 @@ class Store:
         }
         for _ in range(5):
             try:
-                with self._tx() as conn:
+                with self._wtx() as conn:
                     cur = conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node_id)).first()
                     if cur is None:
                         n = conn.execute(
@@ -462,7 +480,7 @@ class Store:
             changes["state"] = state
         if cordoned is not None:
             changes["cordoned"] = cordoned
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 nodes_t.update()
                 .where(nodes_t.c.id == node.id, nodes_t.c.revision == node.revision)
@@ -478,7 +496,7 @@ class Store:
         """Insert ``replica`` at revision 1. Raises :class:`Conflict` when the id exists."""
         row = replace(replica, revision=1)
         try:
-            with self._tx() as conn:
+            with self._wtx() as conn:
                 conn.execute(replicas_t.insert().values(**_replica_values(row)))
         except sa.exc.IntegrityError as e:
             raise Conflict(f"replica '{replica.id}' already exists") from e
@@ -510,7 +528,7 @@ class Store:
         new = replace(replica, revision=replica.revision + 1)
         values = _replica_values(new)
         del values["id"]
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 replicas_t.update()
                 .where(replicas_t.c.id == replica.id, replicas_t.c.revision == replica.revision)
@@ -525,7 +543,7 @@ class Store:
         q = replicas_t.delete().where(replicas_t.c.id == replica_id)
         if revision is not None:
             q = q.where(replicas_t.c.revision == revision)
-        with self._tx() as conn:
+        with self._wtx() as conn:
             return conn.execute(q).rowcount > 0
 
     def apply_reports(self, node_id: str, reports: Sequence[ReplicaStatus], now: float) -> ReportResult:
@@ -568,7 +586,7 @@ class Store:
     def set_explanation(self, view: ExplainView, *, now: float) -> None:
         """Store placement's explanation for ``view.model`` (replacing the previous one)."""
         body = view.model_dump_json()
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 explanations_t.update()
                 .where(explanations_t.c.model == view.model)
@@ -589,9 +607,17 @@ class Store:
             rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
         return {r.model: ExplainView.model_validate_json(r.body) for r in rows}
 
+    def explanation_summaries(self) -> dict[str, str]:
+        """Every stored explanation's one-line summary, by model (the routing table needs only
+        these; parsing whole explanations, a verdict per node each, cost a heartbeat's worth of
+        CPU per model with 200 nodes)."""
+        with self._tx() as conn:
+            rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
+        return {r.model: str(json.loads(r.body).get("summary", "")) for r in rows}
+
     def delete_explanation(self, model: str) -> None:
         """Forget the explanation for ``model``."""
-        with self._tx() as conn:
+        with self._wtx() as conn:
             conn.execute(explanations_t.delete().where(explanations_t.c.model == model))
 
     # --- GGUF facts (memory estimates) ---
@@ -599,7 +625,7 @@ class Store:
     def set_gguf_facts(self, source: str, *, body: str, error: str, now: float) -> None:
         """Store what the GGUF header at ``source`` says (``body``: estimate.GgufFacts JSON), or
         why it could not be read (``error``, body empty)."""
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 gguf_facts_t.update()
                 .where(gguf_facts_t.c.source == source)
