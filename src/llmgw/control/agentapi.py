@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from llmgw import tlsconf
 from llmgw.config import ServerConfig
 from llmgw.control.logbroker import LogBroker
-from llmgw.control.offloop import OffLoop
+from llmgw.control.offloop import Batcher, OffLoop
 from llmgw.control.store import NodeRow, Store
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 
@@ -137,6 +137,8 @@ def build_agent_app(
     async def _close(_: web.Application) -> None:
         pool.close()
 
+    beats = Batcher(db, store.record_heartbeats)  # one write transaction per batch of heartbeats
+
     def node_of(request: web.Request) -> str | None:
         return tlsconf.peer_common_name(
             request.transport.get_extra_info("peercert") if request.transport else None
@@ -165,7 +167,9 @@ def build_agent_app(
         if clash:
             log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
             return _error(409, "node_id_in_use", clash)
-        await db.run(store.upsert_node_heartbeat, node_id, hb, now)
+        failed = await beats.submit((node_id, hb, now))
+        if failed is not None:
+            raise failed
         changed = (await db.run(store.apply_reports, node_id, hb.replicas, now)).changed
         if before is None:
             log.info("node %s registered", node_id)

@@ -6,9 +6,10 @@ lock) is not built yet, so run one control plane per database until it is.
 
 Passes run off the event loop, on the store's thread pool (:class:`~llmgw.control.offloop.OffLoop`),
 so placement over every node and the explanations never stall heartbeats or the gateway. A wake
-(an admin write, a heartbeat that changed something) starts a pass after :data:`COALESCE_S`, and
-wakes that arrive while a pass runs collapse into one more pass: adding 50 models in a burst costs a
-handful of passes, not 50 (issue 9, item 17).
+(an admin write, a heartbeat that changed something) starts a pass after :data:`COALESCE_S`, at
+most one pass starts per :data:`MIN_GAP_S`, and wakes that arrive while a pass runs collapse into
+one more pass: adding 50 models in a burst, and the 100 heartbeats that report their replicas
+ready, cost a handful of passes, not 150 (issue 9, item 17).
 
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
 give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`) and stored; a
@@ -83,6 +84,12 @@ BACKOFF_MAX_S = 300.0
 #: How long a wake waits before its pass starts (seconds), so that a burst of admin writes or
 #: heartbeats is reconciled by one pass; small next to the seconds an engine takes to start.
 COALESCE_S = 0.2
+
+#: The shortest time between the starts of two passes when wakes keep coming (seconds). A pass over
+#: 200 nodes and 50 models is ~0.1-0.2 s of CPU on 2 cores; at most one a second leaves the rest
+#: of the CPU to heartbeats and the gateway while replicas start, and still places a new model
+#: within about a second.
+MIN_GAP_S = 1.0
 
 #: A GGUF header that could not be read is tried again after this long (seconds).
 FACTS_RETRY_S = 60.0
@@ -195,6 +202,7 @@ class Leader:
         read_facts: reads a GGUF header from a source URL (a seam; default: HTTP Range request).
         db: the pool :meth:`run` runs passes on (default: the loop's default executor).
         coalesce_s: :data:`COALESCE_S`.
+        min_gap_s: :data:`MIN_GAP_S`.
     """
 
     def __init__(
@@ -208,6 +216,7 @@ class Leader:
         read_facts: FactsReader = est.read_facts,
         db: OffLoop | None = None,
         coalesce_s: float = COALESCE_S,
+        min_gap_s: float = MIN_GAP_S,
     ) -> None:
         self.store = store
         self.node_lost_after_s = node_lost_after_s
@@ -217,6 +226,7 @@ class Leader:
         self.read_facts = read_facts
         self.db = db
         self.coalesce_s = coalesce_s
+        self.min_gap_s = min_gap_s
         self._wake = asyncio.Event()
         self._created: dict[str, float] = {}
         self._first_pass: float | None = None
@@ -232,6 +242,7 @@ class Leader:
         and the next one runs."""
         while not stop.is_set():
             self._wake.clear()
+            started = time.monotonic()
             try:
                 await self._off(self.refresh_facts, self.clock())
                 await self._off(self.reconcile_once, self.clock())
@@ -245,7 +256,8 @@ class Leader:
             for w in waiters:
                 w.cancel()
             if self._wake.is_set() and not stop.is_set():
-                await asyncio.sleep(self.coalesce_s)  # let the rest of a burst arrive
+                # Let the rest of a burst arrive, and keep passes at least min_gap_s apart.
+                await asyncio.sleep(max(self.coalesce_s, self.min_gap_s - (time.monotonic() - started)))
 
     async def _off(self, fn: Callable[[float], object], now: float) -> None:
         if self.db is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import ssl
@@ -259,6 +260,10 @@ async def serve(
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop.set)
                 signals.append(sig)
+        # Everything made at startup (modules, config, apps) lives as long as the process: keep it
+        # out of the cyclic GC's scans, which otherwise stop every thread for a full collection
+        # of ~120,000 objects (measured 70-260 ms on 2 busy cores) a few times a minute.
+        gc.freeze()
         if on_started is not None:
             on_started(bound)
         keeper = _keeper(store, config, admin_changed)

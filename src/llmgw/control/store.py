@@ -417,37 +417,45 @@ class Store:
         A racing writer (the leader marking the node lost) makes the update miss its revision; the
         row is then re-read and the heartbeat applied again (a heartbeat always wins: it is newer).
         """
-        values = {
-            "state": "ready",
-            "labels": _dumps(hb.labels),
-            "inventory": hb.inventory.model_dump_json(),
-            "engines": _dumps([e.model_dump(mode="json") for e in hb.engines]),
-            "replicas": _dumps([r.model_dump(mode="json") for r in hb.replicas]),
-            "last_seen": now,
-            "instance": hb.instance,
-            "cached": _dumps(sorted(hb.cached)),
-        }
+        values = _heartbeat_values(hb, now)
         for _ in range(5):
             try:
                 with self._wtx() as conn:
-                    cur = conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node_id)).first()
-                    if cur is None:
-                        n = conn.execute(
-                            nodes_t.insert().values(
-                                id=node_id, revision=1, cordoned=False, first_seen=now, **values
-                            )
-                        ).rowcount
-                    else:
-                        n = conn.execute(
-                            nodes_t.update()
-                            .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
-                            .values(revision=cur.revision + 1, **values)
-                        ).rowcount
+                    n = _upsert_node(conn, node_id, values, now)
             except sa.exc.IntegrityError:
                 n = 0  # inserted by another writer meanwhile: update it on the next try
             if n:
                 return self._node(node_id)
         raise Conflict(f"node '{node_id}' kept changing while its heartbeat was recorded; it will retry")
+
+    def record_heartbeats(self, beats: Sequence[tuple[str, Heartbeat, float]]) -> list[Conflict | None]:
+        """Record several heartbeats ``(node_id, heartbeat, now)`` in one write transaction, as
+        :meth:`upsert_node_heartbeat` records one; the result has one entry per heartbeat, None
+        when it was recorded, else the :class:`Conflict` it would have raised.
+
+        One transaction for a batch: with SQLite every write transaction takes the file's single
+        write lock, and 200 agents beating every 2 s made that lock the queue heartbeats waited in
+        (:mod:`llmgw.control.offloop` batches the heartbeats that arrive while one batch is written).
+        """
+        prepared = [(node_id, _heartbeat_values(hb, now), now) for node_id, hb, now in beats]
+        out: list[Conflict | None] = []
+        try:
+            with self._wtx() as conn:
+                for node_id, values, now in prepared:
+                    done = any(_upsert_node(conn, node_id, values, now) for _ in range(5))
+                    out.append(None if done else Conflict(
+                        f"node '{node_id}' kept changing while its heartbeat was recorded; it will retry"
+                    ))
+        except sa.exc.IntegrityError:
+            # Another process inserted one of these nodes meanwhile: record them one by one.
+            out = []
+            for node_id, hb, now in beats:
+                try:
+                    self.upsert_node_heartbeat(node_id, hb, now)
+                    out.append(None)
+                except Conflict as e:
+                    out.append(e)
+        return out
 
     def _node(self, node_id: str) -> NodeRow:
         row = self.get_node(node_id)
@@ -639,6 +647,38 @@ class Store:
         with self._tx() as conn:
             rows = conn.execute(sa.select(gguf_facts_t)).all()
         return {r.source: (r.body, r.error, r.updated_at) for r in rows}
+
+
+def _heartbeat_values(hb: Heartbeat, now: float) -> dict[str, Any]:
+    """The ``nodes`` columns a heartbeat sets."""
+    return {
+        "state": "ready",
+        "labels": _dumps(hb.labels),
+        "inventory": hb.inventory.model_dump_json(),
+        "engines": _dumps([e.model_dump(mode="json") for e in hb.engines]),
+        "replicas": _dumps([r.model_dump(mode="json") for r in hb.replicas]),
+        "last_seen": now,
+        "instance": hb.instance,
+        "cached": _dumps(sorted(hb.cached)),
+    }
+
+
+def _upsert_node(conn: Connection, node_id: str, values: dict[str, Any], now: float) -> int:
+    """Insert the node or update it at the revision just read; rows written (0: it raced)."""
+    cur = conn.execute(sa.select(nodes_t.c.revision).where(nodes_t.c.id == node_id)).first()
+    if cur is None:
+        return int(
+            conn.execute(
+                nodes_t.insert().values(id=node_id, revision=1, cordoned=False, first_seen=now, **values)
+            ).rowcount
+        )
+    return int(
+        conn.execute(
+            nodes_t.update()
+            .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
+            .values(revision=cur.revision + 1, **values)
+        ).rowcount
+    )
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
