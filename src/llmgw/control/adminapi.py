@@ -190,6 +190,7 @@ def build_admin_app(
     clock: Callable[[], float] = time.time,
     logs: LogBroker | None = None,
     db: OffLoop | None = None,
+    settle: Callable[[], Awaitable[None]] | None = None,
 ) -> web.Application:
     """The admin API app.
 
@@ -201,6 +202,8 @@ def build_admin_app(
         clock: unix seconds.
         db: runs the store calls off the event loop; default: a pool of this app's own, closed
             with it.
+        settle: awaited after every successful write before it is answered (the control plane
+            waits there for its routing table, so the gateway knows a model once it is added).
     """
     if not token:
         raise ValueError("the admin token is empty")
@@ -449,7 +452,14 @@ def build_admin_app(
         )
         return _json(view.model_dump(mode="json"))
 
-    app = web.Application(middlewares=[errors, auth])
+    @web.middleware
+    async def settled(request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        if settle is not None and request.method not in ("GET", "HEAD") and response.status < 400:
+            await settle()
+        return response
+
+    app = web.Application(middlewares=[errors, auth, settled])
     if own_pool:
         app.on_cleanup.append(_close)
     r = app.router

@@ -16,10 +16,11 @@ when the session carries no certificate (a server run without client verificatio
 
 from __future__ import annotations
 
+import inspect
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -109,7 +110,7 @@ def id_in_use(before: NodeRow | None, hb: Heartbeat, now: float, *, hold_s: floa
 def build_agent_app(
     store: Store,
     *,
-    on_heartbeat: Callable[[str, bool], None] | None = None,
+    on_heartbeat: Callable[[str, bool], Awaitable[None] | None] | None = None,
     clock: Callable[[], float] = time.time,
     interval_s: float = HEARTBEAT_INTERVAL_S,
     node_lost_after_s: float = 30.0,
@@ -122,7 +123,9 @@ def build_agent_app(
         store: the state store.
         on_heartbeat: called with ``(node_id, changed)`` after each heartbeat is stored;
             ``changed`` is True when a replica's state moved or the node was new or lost (the
-            control plane refreshes its routing table and wakes the leader on it).
+            control plane refreshes its routing table and wakes the leader on it). When it returns
+            an awaitable, the reply waits for it (the routing table shows what this heartbeat
+            changed by the time the agent hears back).
         clock: unix seconds.
         interval_s: the heartbeat interval the reply asks for.
         node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
@@ -174,7 +177,9 @@ def build_agent_app(
         if before is None:
             log.info("node %s registered", node_id)
         if on_heartbeat is not None:
-            on_heartbeat(node_id, bool(changed) or before is None or before.state != "ready")
+            settled = on_heartbeat(node_id, bool(changed) or before is None or before.state != "ready")
+            if inspect.isawaitable(settled):
+                await settled
         reply = HeartbeatReply(
             node_id=node_id, desired=await db.run(desired_specs, store, node_id), interval_s=interval_s,
             log_requests=logs.take(node_id) if logs is not None else [],

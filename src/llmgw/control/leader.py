@@ -161,6 +161,14 @@ def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[p
     return out
 
 
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    """True when called from ``loop``'s own thread, inside it."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def new_replica_id(model: str) -> str:
     """``<model>-<6 hex>``: short enough to read in logs, random enough not to repeat."""
     return f"{model}-{secrets.token_hex(3)}"
@@ -228,18 +236,25 @@ class Leader:
         self.coalesce_s = coalesce_s
         self.min_gap_s = min_gap_s
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._created: dict[str, float] = {}
         self._first_pass: float | None = None
         # model -> (its created_at, its last stored explanation without evaluated_at)
         self._explained: dict[str, tuple[float, str]] = {}
 
     def wake(self) -> None:
-        """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
-        self._wake.set()
+        """Ask for a pass now (an admin change, a heartbeat that changed a node). Callable from any
+        thread once :meth:`run` has started (a judge fetched by the mirror wakes it from one)."""
+        loop = self._loop
+        if loop is not None and not _on(loop):
+            loop.call_soon_threadsafe(self._wake.set)
+        else:
+            self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconcile until ``stop`` is set, each pass on a store thread. A failed pass is logged
         and the next one runs."""
+        self._loop = asyncio.get_running_loop()
         while not stop.is_set():
             self._wake.clear()
             started = time.monotonic()

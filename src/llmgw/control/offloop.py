@@ -149,6 +149,16 @@ class Coalescer:
         self._loop = asyncio.get_running_loop()
         self._wanted = False
         self._task: asyncio.Task[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def done(self) -> None:
+        """Request a run and wait until a run that started after this call has finished (a
+        heartbeat or an admin write answers only once the gateway's table shows it). Call it
+        on the loop."""
+        fut = self._loop.create_future()
+        self._waiters.append(fut)
+        self.request()
+        await fut
 
     def request(self) -> None:
         """Ask for a run: now if none is running, else once more after the current one."""
@@ -166,10 +176,15 @@ class Coalescer:
     async def _drain(self) -> None:
         while self._wanted:
             self._wanted = False
+            waiters, self._waiters = self._waiters, []
             try:
                 await self.job()
             except Exception:
                 log.exception("%s failed; the next request runs it again", self.name)
+            finally:
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
 
     async def idle(self) -> None:
         """Wait until no run is in progress or wanted (tests, shutdown)."""

@@ -33,7 +33,7 @@ import logging
 import signal
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -161,12 +161,12 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
-    logs: LogBroker, db: OffLoop,
+    logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]],
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
     from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
 
-    app = build_admin_app(store, token=token, on_change=changed, logs=logs, db=db)
+    app = build_admin_app(store, token=token, on_change=changed, logs=logs, db=db, settle=settle)
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
     return app
@@ -223,10 +223,11 @@ async def serve(
         routes.request()
         leader.wake()
 
-    def heartbeat(_node: str, changed: bool) -> None:
-        if changed:
-            routes.request()
-            leader.wake()
+    def heartbeat(_node: str, changed: bool) -> Awaitable[None] | None:
+        if not changed:
+            return None
+        leader.wake()
+        return routes.done()
 
     runners: list[web.AppRunner] = []
     loop = asyncio.get_running_loop()
@@ -238,7 +239,7 @@ async def serve(
             (
                 "admin_listen",
                 config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard, logs, db),
+                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done),
                 None,
             ),
             (
