@@ -209,3 +209,24 @@ async def test_coalescer_collapses_requests_made_during_a_run() -> None:
     release.set()
     await c.idle()
     assert runs == 2
+
+
+async def test_coalescer_done_waits_for_a_run_that_started_after_it() -> None:
+    seen: list[int] = []
+    state = {"value": 0}
+    release = asyncio.Event()
+
+    async def job() -> None:
+        value = state["value"]  # what this run reads when it starts
+        await release.wait()
+        seen.append(value)
+
+    c = Coalescer(job, name="test job")
+    c.request()
+    await asyncio.sleep(0)  # a run is in progress and has read 0
+    state["value"] = 1
+    waiting = asyncio.ensure_future(c.done())
+    await asyncio.sleep(0)
+    release.set()
+    await waiting
+    assert seen == [0, 1]  # done() returned only after a run that read the new value
