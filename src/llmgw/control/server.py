@@ -57,10 +57,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: How long a thread holding the GIL may run before a waiting one gets it (CPython's default is 5 ms).
-#: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models; at 5 ms
-#: the event loop waited up to 5 ms at every one of a heartbeat's hand-offs. Measured with
-#: bench/heartbeats.py (see llmgw.control.offloop).
-SWITCH_INTERVAL_S = 0.001
+#: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models, and a
+#: heartbeat needs the GIL at a dozen hand-offs (loop, store thread, loop ...), each waiting up to
+#: this long. bench/heartbeats.py on 2 busy cores, burst p99: 5 ms (default) 200-460 ms, 1 ms
+#: 88-137 ms, 0.2 ms 43-72 ms, with no measurable change in the process's CPU use.
+SWITCH_INTERVAL_S = 0.0002
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
