@@ -116,6 +116,7 @@ def build_agent_app(
     node_lost_after_s: float = 30.0,
     logs: LogBroker | None = None,
     db: OffLoop | None = None,
+    on_node: Callable[[str], None] | None = None,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`).
 
@@ -131,6 +132,8 @@ def build_agent_app(
         node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
             held by the agent instance that last reported it (see :func:`id_in_use`).
         logs: log reads waiting for this node's agent (``/agent/v1/logs`` answers them).
+        on_node: called with the node id when a node registers or comes back from ``lost`` (the
+            control plane wakes the leader on it: there is new capacity to place on).
         db: runs the store calls off the event loop (:mod:`llmgw.control.offloop`); default: a
             pool of this app's own, closed with it.
     """
@@ -176,8 +179,11 @@ def build_agent_app(
         changed = (await db.run(store.apply_reports, node_id, hb.replicas, now)).changed
         if before is None:
             log.info("node %s registered", node_id)
+        node_changed = before is None or before.state != "ready"
+        if on_node is not None and node_changed:
+            on_node(node_id)
         if on_heartbeat is not None:
-            settled = on_heartbeat(node_id, bool(changed) or before is None or before.state != "ready")
+            settled = on_heartbeat(node_id, bool(changed) or node_changed)
             if inspect.isawaitable(settled):
                 await settled
         reply = HeartbeatReply(

@@ -14,8 +14,10 @@ It runs until SIGTERM/SIGINT or ``stop`` is set, then closes the listeners (in-f
 aiohttp's shutdown grace), the leader and the store.
 
 The pieces are wired with events, not timers: a heartbeat that changed something refreshes the
-routing table and wakes the leader; an admin write does both; a leader pass that changed replicas
-refreshes the routing table.
+routing table, and one from a new or returning node wakes the leader (a replica that became ready
+gives the leader nothing to do; one that failed is replaced after its backoff, 10 s at least, by
+the leader's timed pass); an admin write does both; a leader pass that changed replicas refreshes
+the routing table.
 
 No store call and no reconcile pass runs on the event loop that serves the three listeners
 (issue 9, item 17): store calls go through one bounded pool (:class:`~llmgw.control.offloop.OffLoop`),
@@ -225,10 +227,10 @@ async def serve(
         leader.wake()
 
     def heartbeat(_node: str, changed: bool) -> Awaitable[None] | None:
-        if not changed:
-            return None
+        return routes.done() if changed else None
+
+    def node_came(_node: str) -> None:
         leader.wake()
-        return routes.done()
 
     runners: list[web.AppRunner] = []
     loop = asyncio.get_running_loop()
@@ -247,7 +249,8 @@ async def serve(
                 "agent_listen",
                 config.agent_listen,
                 build_agent_app(
-                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db
+                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db,
+                    on_node=node_came,
                 ),
                 tls,
             ),
