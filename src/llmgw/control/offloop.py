@@ -57,7 +57,7 @@ load from other work the figures follow, so both sides are given at similar load
   The idle phase of the same runs (no models at all) had p99 18-43 ms: the rest is the machine.
 
 The steps, in the order they were measured: store calls off the loop and routing rebuilds
-coalesced (p99 2.5 s -> 0.35-0.57 s at load 5); writers queued on an in-process lock instead of
+coalesced (p99 2.5 s -> 0.34-0.46 s at load 5); writers queued on an in-process lock instead of
 SQLite's busy handler and explanations written only when they change; heartbeats written in
 batches; GIL switch interval 1 ms, then 0.2 ms (``server.SWITCH_INTERVAL_S``); the leader woken
 by new or returning nodes only, not by every replica report, and at most once a second
