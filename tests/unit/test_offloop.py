@@ -25,7 +25,7 @@ from aiohttp import web
 from llmgw import tlsconf
 from llmgw.control.adminapi import build_admin_app
 from llmgw.control.agentapi import build_agent_app
-from llmgw.control.leader import Leader
+from llmgw.control.leader import Leader, PassResult
 from llmgw.control.offloop import Batcher, Coalescer, OffLoop
 from llmgw.control.store import ModelRow, NodeRow, Store, default_url
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
@@ -230,3 +230,44 @@ async def test_coalescer_done_waits_for_a_run_that_started_after_it() -> None:
     release.set()
     await waiting
     assert seen == [0, 1]  # done() returned only after a run that read the new value
+
+
+def test_record_heartbeats_writes_a_batch_in_one_call(tmp_path: Path) -> None:
+    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+    hb = Heartbeat.model_validate_json(heartbeat())
+    store.upsert_node_heartbeat("node-1", hb, 100.0)
+    results = store.record_heartbeats([("node-1", hb, 101.0), ("node-2", hb, 101.0), ("node-1", hb, 102.0)])
+    assert results == [None, None, None]
+    one, two = store.list_nodes()
+    assert (one.id, one.revision, one.last_seen, one.state) == ("node-1", 3, 102.0, "ready")
+    assert (two.id, two.revision, two.first_seen) == ("node-2", 1, 101.0)
+    store.close()
+
+
+class CountingLeader(Leader):
+    passes = 0
+
+    def reconcile_once(self, now: float) -> PassResult:
+        self.passes += 1
+        return super().reconcile_once(now)
+
+
+async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(tmp_path: Path) -> None:
+    """50 wakes (say 50 model adds) within ~0.5 s: the leader coalesces them (COALESCE_S, MIN_GAP_S);
+    the bound is loose on purpose (a loaded machine stretches the burst), the point is not 50."""
+    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+    db = OffLoop(workers=2)
+    leader = CountingLeader(store, node_lost_after_s=30, db=db, interval_s=60)
+    stop = asyncio.Event()
+    running = asyncio.create_task(leader.run(stop))
+    try:
+        for _ in range(50):
+            leader.wake()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.5)
+        assert 2 <= leader.passes <= 6
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, GATE_TIMEOUT_S)
+        db.close()
+        store.close()
