@@ -61,8 +61,9 @@ log = logging.getLogger(__name__)
 #: How long a thread holding the GIL may run before a waiting one gets it (CPython's default is 5 ms).
 #: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models, and a
 #: heartbeat needs the GIL at a dozen hand-offs (loop, store thread, loop ...), each waiting up to
-#: this long. bench/heartbeats.py on 2 busy cores, burst p99: 5 ms (default) 200-460 ms, 1 ms
-#: 88-137 ms, 0.2 ms 43-72 ms, with no measurable change in the process's CPU use.
+#: this long. bench/heartbeats.py, the final code at load ~2 on 2 cores, burst p99 / after p99:
+#: 5 ms (the default) 115-119 / 70-83 ms, 1 ms 30 / 72 ms, 0.2 ms 29-52 / 19-46 ms, with no
+#: measurable change in the process's CPU use (0.38-0.54 cores during the burst for all three).
 SWITCH_INTERVAL_S = 0.0002
 
 
