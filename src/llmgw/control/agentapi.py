@@ -124,7 +124,7 @@ def build_agent_app(
         store: the state store.
         on_heartbeat: called with ``(node_id, changed)`` after each heartbeat is stored;
             ``changed`` is True when a replica's state moved or the node was new or lost (the
-            control plane refreshes its routing table and wakes the leader on it). When it returns
+            control plane refreshes its routing table on it). When it returns
             an awaitable, the reply waits for it (the routing table shows what this heartbeat
             changed by the time the agent hears back).
         clock: unix seconds.
