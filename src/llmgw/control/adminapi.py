@@ -31,6 +31,10 @@ presented (:meth:`~llmgw.control.store.Store.remove_node`); 409 ``node_busy`` wh
 placed there, unless ``?force=true``, which drains it first (as above) in the same request.
 
 Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
+
+Every store call and every view built over all nodes or replicas runs off the event loop
+(``await db.run(...)``, :mod:`llmgw.control.offloop`): the loop also serves heartbeats and the
+gateway (issue 9, item 17).
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from llmgw import jsonbody
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
 from llmgw.control.logbroker import LogBroker
+from llmgw.control.offloop import OffLoop
 from llmgw.control.openapi import NodeRemovalView, build_openapi
 from llmgw.control.resources import resources_view
 from llmgw.control.store import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
@@ -206,6 +211,8 @@ def build_admin_app(
     clock: Callable[[], float] = time.time,
     logs: LogBroker | None = None,
     max_replicas_per_model: int = 1000,
+    db: OffLoop | None = None,
+    settle: Callable[[], Awaitable[None]] | None = None,
 ) -> web.Application:
     """The admin API app.
 
@@ -216,9 +223,18 @@ def build_admin_app(
         logs: reads engine logs through the agents (``GET /api/v1/replicas/{id}/logs``).
         clock: unix seconds.
         max_replicas_per_model: server.yaml's limit on ``scaling.min``/``max`` (a larger one is a 400).
+        db: runs the store calls off the event loop; default: a pool of this app's own, closed
+            with it.
+        settle: awaited after every successful write before it is answered (the control plane
+            waits there for its routing table, so the gateway knows a model once it is added).
     """
     if not token:
         raise ValueError("the admin token is empty")
+    own_pool = db is None
+    pool = db = db or OffLoop()
+
+    async def _close(_: web.Application) -> None:
+        pool.close()
     changed = on_change or (lambda: None)
 
     @web.middleware
@@ -261,9 +277,12 @@ def build_admin_app(
     def broken(name: str) -> BrokenModel | None:
         return next((b for b in store.list_broken_models() if b.name == name), None)
 
-    def must_model(name: str) -> ModelRow:
+    async def must_model(name: str) -> ModelRow:
         """The model named ``name`` or carrying it as an alias; else 409 when its row is broken,
         404 naming the known ones otherwise."""
+        return await db.run(_must_model, name)
+
+    def _must_model(name: str) -> ModelRow:
         row = store.get_model(name)
         if row is not None:
             return row
@@ -290,12 +309,15 @@ def build_admin_app(
     async def openapi(_: web.Request) -> web.Response:
         return _json(build_openapi())
 
-    async def list_models(_: web.Request) -> web.Response:
+    def _list_models() -> list[Any]:
         replicas = store.list_replicas()
         views = [model_view(r, replicas) for r in store.list_models()]
         views += [broken_view(b) for b in store.list_broken_models()]
         views.sort(key=lambda v: v.name)
-        return _json([v.model_dump(mode="json") for v in views])
+        return [v.model_dump(mode="json") for v in views]
+
+    async def list_models(_: web.Request) -> web.Response:
+        return _json(await db.run(_list_models))
 
     def within_limit(model: Model) -> Model:
         top = max(model.scaling.min, model.scaling.max)
@@ -312,16 +334,16 @@ def build_admin_app(
             model = within_limit(Model.model_validate(await body_json(request)))
         except ValidationError as e:
             raise HttpError(400, "invalid_model", describe(e)) from e
-        row = store.add_model(model, now=clock())
+        row = await db.run(store.add_model, model, now=clock())
         changed()
         return _json(model_view(row, []).model_dump(mode="json"), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
-        bad = broken(request.match_info["name"])
+        bad = await db.run(broken, request.match_info["name"])
         if bad is not None:
             return _json(broken_view(bad).model_dump(mode="json"))
-        row = must_model(request.match_info["name"])
-        return _json(model_view(row, store.list_replicas(model=row.name)).model_dump(mode="json"))
+        row = await must_model(request.match_info["name"])
+        return _json(model_view(row, await db.run(store.list_replicas, model=row.name)).model_dump(mode="json"))
 
     async def save(row: ModelRow, spec: Any) -> web.Response:
         try:
@@ -335,12 +357,12 @@ def build_admin_app(
                 f"name: a model cannot be renamed ('{row.name}' -> '{model.name}'); "
                 "add it under the new name and delete the old one",
             )
-        new = store.update_model(model, revision=row.revision, now=clock())
+        new = await db.run(store.update_model, model, revision=row.revision, now=clock())
         changed()
-        return _json(model_view(new, store.list_replicas(model=new.name)).model_dump(mode="json"))
+        return _json(model_view(new, await db.run(store.list_replicas, model=new.name)).model_dump(mode="json"))
 
     async def patch_model(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
+        row = await must_model(request.match_info["name"])
         patch = await body_json(request)
         if not isinstance(patch, dict):
             raise HttpError(
@@ -349,7 +371,7 @@ def build_admin_app(
         return await save(row, _merge(row.model.model_dump(mode="json"), patch))
 
     async def put_profiles(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
+        row = await must_model(request.match_info["name"])
         body = await body_json(request)
         if isinstance(body, dict) and "profiles" in body:
             body = body["profiles"]
@@ -363,49 +385,52 @@ def build_admin_app(
 
     async def delete_model(request: web.Request) -> web.Response:
         asked = request.match_info["name"]
-        name = asked if broken(asked) is not None else must_model(asked).name
-        if not store.delete_model(name):
+        name = asked if await db.run(broken, asked) is not None else (await must_model(asked)).name
+        if not await db.run(store.delete_model, name):
             raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
         changed()
         return web.Response(status=204)
 
-    async def list_nodes(_: web.Request) -> web.Response:
+    def _list_nodes() -> list[Any]:
         replicas = store.list_replicas()
         facts = parse_facts(store.list_gguf_facts())
         models = {m.name: effective_model(m.model, facts) for m in store.list_models()}
-        return _json([node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()])
+        return [node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()]
+
+    async def list_nodes(_: web.Request) -> web.Response:
+        return _json(await db.run(_list_nodes))
 
     async def list_replicas(request: web.Request) -> web.Response:
         asked = request.query.get("model") or None
-        model = must_model(asked).name if asked else None
-        rows = store.list_replicas(model=model)
+        model = (await must_model(asked)).name if asked else None
+        rows = await db.run(store.list_replicas, model=model)
         views = [replica_view(r) for r in rows]
-        models = [m for m in store.list_models() if model is None or m.name == model]
-        views += pending_views(models, rows, store, limit=max_replicas_per_model)
+        models = [m for m in await db.run(store.list_models) if model is None or m.name == model]
+        views += await db.run(pending_views, models, rows, store, limit=max_replicas_per_model)
         return _json([v.model_dump(mode="json") for v in views])
 
-    def must_node(node_id: str) -> NodeRow:
-        node = store.get_node(node_id)
+    async def must_node(node_id: str) -> NodeRow:
+        node = await db.run(store.get_node, node_id)
         if node is None:
             raise HttpError(404, "node_not_found", f"no node '{node_id}'; list them with GET /api/v1/nodes")
         return node
 
     async def node_action(request: web.Request) -> web.Response:
         action = request.match_info["action"]
-        node = must_node(request.match_info["id"])
-        node = store.update_node(node, cordoned=action != "uncordon")
+        node = await must_node(request.match_info["id"])
+        node = await db.run(store.update_node, node, cordoned=action != "uncordon")
         if action == "drain":
-            for r in store.list_replicas(node=node.id):
-                store.delete_replica(r.id, revision=r.revision)
+            for r in await db.run(store.list_replicas, node=node.id):
+                await db.run(store.delete_replica, r.id, revision=r.revision)
         changed()
-        replicas = store.list_replicas()
-        models = {m.name: m.model for m in store.list_models()}
+        replicas = await db.run(store.list_replicas)
+        models = {m.name: m.model for m in await db.run(store.list_models)}
         return _json(node_view(node, replicas, models).model_dump(mode="json"))
 
     async def remove_node(request: web.Request) -> web.Response:
-        node = must_node(request.match_info["id"])
+        node = await must_node(request.match_info["id"])
         force = request.query.get("force", "").lower() in ("1", "true", "yes")
-        placed = store.list_replicas(node=node.id)
+        placed = await db.run(store.list_replicas, node=node.id)
         if placed and not force:
             ids = ", ".join(r.id for r in placed[:5]) + (", …" if len(placed) > 5 else "")
             raise HttpError(
@@ -416,7 +441,7 @@ def build_admin_app(
             )
         # One transaction: the node, its replicas (drained: the leader places them elsewhere at its
         # next pass) and its serials go, and those serials are revoked.
-        revoked = store.remove_node(node.id, now=clock())
+        revoked = await db.run(store.remove_node, node.id, now=clock())
         changed()
         log.info("node %s removed (replicas drained: %d, certificates revoked: %s)", node.id, len(placed),
                  ", ".join(revoked) or "none seen")
@@ -424,19 +449,22 @@ def build_admin_app(
         return _json(view.model_dump(mode="json"))
 
     async def model_resources(request: web.Request) -> web.Response:
-        row = must_model(request.match_info["name"])
-        view = resources_view(
-            row.model,
-            nodes=store.list_nodes(),
-            replicas=store.list_replicas(),
-            models={m.name: m.model for m in store.list_models()},
-            stored_facts=store.list_gguf_facts(),
-        )
-        return _json(view.model_dump(mode="json"))
+        row = await must_model(request.match_info["name"])
+
+        def build() -> BaseModel:
+            return resources_view(
+                row.model,
+                nodes=store.list_nodes(),
+                replicas=store.list_replicas(),
+                models={m.name: m.model for m in store.list_models()},
+                stored_facts=store.list_gguf_facts(),
+            )
+
+        return _json((await db.run(build)).model_dump(mode="json"))
 
     async def replica_logs(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        rep = store.get_replica(rid)
+        rep = await db.run(store.get_replica, rid)
         if rep is None:
             raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
         if not rep.node or logs is None:
@@ -456,7 +484,7 @@ def build_admin_app(
 
     async def restart_replica(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        old = store.get_replica(rid)
+        old = await db.run(store.get_replica, rid)
         if old is None:
             raise HttpError(
                 404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
@@ -478,9 +506,9 @@ def build_admin_app(
             ready_at=None,
             restarts=old.restarts,
         )
-        if not store.delete_replica(old.id, revision=old.revision):
+        if not await db.run(store.delete_replica, old.id, revision=old.revision):
             raise Conflict(f"replica '{rid}' changed while restarting; try again")
-        store.add_replica(new)
+        await db.run(store.add_replica, new)
         changed()
         return _json(replica_view(new).model_dump(mode="json"), status=202)
 
@@ -488,8 +516,8 @@ def build_admin_app(
         name = request.query.get("model", "")
         if not name:
             raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
-        row = must_model(name)
-        view = store.get_explanation(row.name) or ExplainView(
+        row = await must_model(name)
+        view = await db.run(store.get_explanation, row.name) or ExplainView(
             model=row.name,
             placed=False,
             wanted=row.model.scaling.min,
@@ -497,7 +525,16 @@ def build_admin_app(
         )
         return _json(view.model_dump(mode="json"))
 
-    app = web.Application(middlewares=[errors, auth], client_max_size=jsonbody.MAX_BYTES)
+    @web.middleware
+    async def settled(request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        if settle is not None and request.method not in ("GET", "HEAD") and response.status < 400:
+            await settle()
+        return response
+
+    app = web.Application(middlewares=[errors, auth, settled], client_max_size=jsonbody.MAX_BYTES)
+    if own_pool:
+        app.on_cleanup.append(_close)
     r = app.router
     r.add_get("/api/v1/health", health)
     r.add_get("/api/v1/openapi.json", openapi)

@@ -211,7 +211,8 @@ def add_guard_routes(
         return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(guard_status(inspector, config, store))
+        # Store reads on a worker thread: the loop also serves heartbeats and the gateway.
+        return web.json_response(await asyncio.to_thread(guard_status, inspector, config, store))
 
     async def test(request: web.Request) -> web.Response:
         try:
@@ -255,7 +256,7 @@ def add_guard_routes(
                 body = await jsonbody.read_json(request)
         if serve is None:
             return err(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
-        if store.get_model(name) is not None:
+        if await asyncio.to_thread(store.get_model, name) is not None:
             return err(409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status")
         kj = known_judge(name)
         repo, file = body.get("repo"), body.get("file")
@@ -268,7 +269,7 @@ def add_guard_routes(
             if kj.gpu:
                 from llmgw.control.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
 
-                klass = roomiest_gpu_class(cluster_gpus(store))
+                klass = roomiest_gpu_class(await asyncio.to_thread(cluster_gpus, store))
                 if not klass:
                     return err(409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}")
                 req = kj.serve_request(gpu_class=klass)

@@ -162,10 +162,11 @@ class JudgeKeeper:
         self.first: float | None = None
 
     async def run(self, stop: asyncio.Event, every_s: float = 30.0) -> None:
-        """:meth:`check` every ``every_s`` until ``stop`` is set; a failing pass is logged, not fatal."""
+        """:meth:`check` every ``every_s`` until ``stop`` is set, on a worker thread (its store calls
+        must not stall the event loop); a failing pass is logged, not fatal."""
         while not stop.is_set():
             try:
-                self.check()
+                await asyncio.to_thread(self.check)
             except Exception:
                 log.exception("judge keeper pass failed")
             with contextlib.suppress(TimeoutError):

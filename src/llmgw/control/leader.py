@@ -4,12 +4,20 @@ Exactly one control plane is the leader and runs this loop (DESIGN.md, "State an
 With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
 lock) is not built yet, so run one control plane per database until it is.
 
-Before each pass (:meth:`Leader.pass_once`): GGUF headers of models whose profiles give no
-``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`, off the event loop) and
-stored; a source that failed is retried after :data:`FACTS_RETRY_S`. Then every ``ready`` replica
-whose node is silent (no heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine
-probed as the gateway would reach it: ``GET http://<endpoint>/health`` with the replica's key
-(:func:`probe_engine`). The pass itself never does network I/O.
+Passes run off the event loop, on the store's thread pool (:class:`~llmgw.control.offloop.OffLoop`),
+so placement over every node and the explanations never stall heartbeats or the gateway. A wake
+(an admin write, a heartbeat that changed something) starts a pass after :data:`COALESCE_S`, at
+most one pass starts per :data:`MIN_GAP_S`, and wakes that arrive while a pass runs collapse into
+one more pass: adding 50 models in a burst, and the 100 heartbeats that report their replicas
+ready, cost a handful of passes, not 150 (issue 9, item 17).
+
+Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
+give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`) and stored; a
+source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
+Then every ``ready`` replica whose node is silent (no heartbeat for ``node_lost_after_s``, or
+already ``lost``) has its engine probed as the gateway would reach it: ``GET
+http://<endpoint>/health`` with the replica's key (:func:`probe_engine`, on the loop: it is I/O
+only). The pass itself never does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order:
 
@@ -38,7 +46,10 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    ``scaling.min`` with one :class:`~llmgw.control.placement.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
    two never get one GPU); store the :class:`~llmgw.control.views.ExplainView` for every model,
-   placed or not, so ``explain-placement`` always answers from the last pass.
+   placed or not, so ``explain-placement`` always answers from the last pass. An explanation
+   equal to the one this leader last stored for the model (``evaluated_at`` aside) is not written
+   again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that first
+   reached the current verdict.
 
 A profile without ``min_memory_gb`` reserves the estimate from its GGUF (weights + KV + overhead)
 once the header is known, and nothing before.
@@ -64,6 +75,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import aiohttp
 
@@ -71,11 +83,14 @@ from llmgw.control import estimate as est
 from llmgw.control import placement
 from llmgw.control.catalog import Model
 from llmgw.control.explain import explain_view
+from llmgw.control.offloop import OffLoop
 from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.views import ExplainView
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Seconds between passes when nothing wakes the loop; an admin change or a heartbeat that changed
 #: something wakes it at once (events, not timers, decide how fast a model gets placed).
@@ -88,6 +103,16 @@ BACKOFF_MAX_S = 300.0
 #: A replica ready this long has its crash count reset, so a crash after weeks of service waits
 #: 10 s again, not the 5 min its history would give it (issue 9; ``ServerConfig.backoff_reset_s``).
 BACKOFF_RESET_S = 600.0
+
+#: How long a wake waits before its pass starts (seconds), so that a burst of admin writes or
+#: heartbeats is reconciled by one pass; small next to the seconds an engine takes to start.
+COALESCE_S = 0.2
+
+#: The shortest time between the starts of two passes when wakes keep coming (seconds). A pass over
+#: 200 nodes and 50 models is ~0.1-0.2 s of CPU on 2 cores; at most one a second leaves the rest
+#: of the CPU to heartbeats and the gateway while replicas start, and still places a new model
+#: within about a second.
+MIN_GAP_S = 1.0
 
 #: A GGUF header that could not be read is tried again after this long (seconds).
 FACTS_RETRY_S = 60.0
@@ -183,6 +208,14 @@ def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[p
     return out
 
 
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    """True when called from ``loop``'s own thread, inside it."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def new_replica_id(model: str) -> str:
     """``<model>-<6 hex>``: short enough to read in logs, random enough not to repeat."""
     return f"{model}-{secrets.token_hex(3)}"
@@ -221,11 +254,14 @@ class Leader:
         clock: unix seconds (injected so tests need not sleep).
         interval_s: seconds between passes when nothing wakes the loop.
         on_change: called after a pass that created, removed or lost something (the routing
-            table refreshes on it).
+            table refreshes on it). With :meth:`run` it is called on a store thread.
         read_facts: reads a GGUF header from a source URL (a seam; default: HTTP Range request).
         backoff_reset_s: ``ServerConfig.backoff_reset_s``: ready this long, a replica's crashes
             are forgiven.
         probe: probes an engine of a silent node (a seam; default :func:`probe_engine`).
+        db: the pool :meth:`run` runs passes on (default: the loop's default executor).
+        coalesce_s: :data:`COALESCE_S`.
+        min_gap_s: :data:`MIN_GAP_S`.
     """
 
     def __init__(
@@ -239,6 +275,10 @@ class Leader:
         read_facts: FactsReader = est.read_facts,
         backoff_reset_s: float = BACKOFF_RESET_S,
         probe: EngineProbe | None = None,
+
+        db: OffLoop | None = None,
+        coalesce_s: float = COALESCE_S,
+        min_gap_s: float = MIN_GAP_S,
     ) -> None:
         self.store = store
         self.node_lost_after_s = node_lost_after_s
@@ -248,26 +288,41 @@ class Leader:
         self.read_facts = read_facts
         self.backoff_reset_s = backoff_reset_s
         self.probe = probe
+        self.db = db
+        self.coalesce_s = coalesce_s
+        self.min_gap_s = min_gap_s
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._created: dict[str, float] = {}
         self._first_pass: float | None = None
         self._vouched: set[str] = set()  # kept by the probe at the last pass (to log changes once)
+        # model -> (its created_at, its last stored explanation without evaluated_at)
+        self._explained: dict[str, tuple[float, str]] = {}
 
     def wake(self) -> None:
-        """Ask for a pass now (an admin change, a heartbeat that changed a node)."""
-        self._wake.set()
+        """Ask for a pass now (an admin change, a heartbeat that changed a node). Callable from any
+        thread once :meth:`run` has started (a judge fetched by the mirror wakes it from one)."""
+        loop = self._loop
+        if loop is not None and not _on(loop):
+            loop.call_soon_threadsafe(self._wake.set)
+        else:
+            self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile until ``stop`` is set. A failed pass is logged and the next one runs."""
+        """Reconcile until ``stop`` is set, each pass on a store thread (engine probes on the
+        loop). A failed pass is logged and the next one runs."""
+        self._loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as session:
             if self.probe is None:
                 self.probe = lambda endpoint, key: probe_engine(session, endpoint, key)
-            await self._loop(stop)
+            await self._passes(stop)
 
-    async def _loop(self, stop: asyncio.Event) -> None:
+    async def _passes(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self._wake.clear()
+            started = time.monotonic()
             try:
-                await asyncio.to_thread(self.refresh_facts, self.clock())
+                await self._off(self.refresh_facts, self.clock())
                 await self.pass_once(self.clock())
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
@@ -278,6 +333,15 @@ class Leader:
                 )
             for w in waiters:
                 w.cancel()
+            if self._wake.is_set() and not stop.is_set():
+                # Let the rest of a burst arrive, and keep passes at least min_gap_s apart.
+                await asyncio.sleep(max(self.coalesce_s, self.min_gap_s - (time.monotonic() - started)))
+
+    async def _off(self, fn: Callable[[float], T], now: float) -> T:
+        """``fn(now)`` on the store's pool (``db``), else on the loop's default executor."""
+        if self.db is not None:
+            return await self.db.run(fn, now)
+        return await asyncio.to_thread(fn, now)
 
     def refresh_facts(self, now: float) -> list[str]:
         """Read the GGUF header of every model source that needs an estimate and has none stored
@@ -314,24 +378,29 @@ class Leader:
         once; returns the ids of those whose engine answered (:data:`PROBE_TIMEOUT_S` at most)."""
         if self.probe is None:
             return set()
-        nodes = {n.id: n for n in self.store.list_nodes()}
-        suspects = [
-            r
-            for r in self.store.list_replicas()
-            if r.state == ReplicaState.READY
-            and r.endpoint
-            and (r.node not in nodes or self.silent(nodes[r.node], now))
-        ]
+        suspects = await self._off(self.suspects, now)
         if not suspects:
             return set()
         probe = self.probe
         answers = await asyncio.gather(*(probe(r.endpoint, r.key) for r in suspects), return_exceptions=True)
         return {r.id for r, ok in zip(suspects, answers, strict=True) if ok is True}
 
+    def suspects(self, now: float) -> list[ReplicaRow]:
+        """The ``ready`` replicas (with an endpoint) whose node is silent or gone (store reads)."""
+        nodes = {n.id: n for n in self.store.list_nodes()}
+        return [
+            r
+            for r in self.store.list_replicas()
+            if r.state == ReplicaState.READY
+            and r.endpoint
+            and (r.node not in nodes or self.silent(nodes[r.node], now))
+        ]
+
     async def pass_once(self, now: float) -> PassResult:
-        """Probe the engines of silent nodes (:meth:`probe_silent`), then :meth:`reconcile_once`."""
+        """Probe the engines of silent nodes (:meth:`probe_silent`, on the loop), then
+        :meth:`reconcile_once` off it."""
         answering = await self.probe_silent(now)
-        return self.reconcile_once(now, answering=answering)
+        return await self._off(lambda t: self.reconcile_once(t, answering=answering), now)
 
     def reconcile_once(self, now: float, *, answering: Collection[str] = ()) -> PassResult:
         """One pass, as the module docstring describes; returns what it did.
@@ -349,6 +418,8 @@ class Leader:
         replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
         replicas = self._forgive_crashes(replicas, now)
         placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
+        self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
+        self._created = {k: v.created_at for k, v in rows.items()}
         for name in sorted(models):
             replicas = self._reconcile_model(
                 models[name],
@@ -362,6 +433,15 @@ class Leader:
         if result.changed and self.on_change is not None:
             self.on_change()
         return result
+
+    def _store_explanation(self, view: ExplainView, now: float) -> None:
+        """Write ``view`` unless it is what this leader last stored for the model (same row)."""
+        created = self._created.get(view.model, 0.0)
+        body = view.model_copy(update={"evaluated_at": None}).model_dump_json()
+        if self._explained.get(view.model) == (created, body):
+            return
+        self.store.set_explanation(view, now=now)
+        self._explained[view.model] = (created, body)
 
     def _mark_lost(self, now: float, result: PassResult) -> list[NodeRow]:
         if self._first_pass is None:
@@ -524,6 +604,6 @@ class Leader:
         view = explain_view(
             model, decision=decision, placer=placer_for_view, replicas=[(r.id, r.node) for r in mine], now=now
         )
-        self.store.set_explanation(view, now=now)
+        self._store_explanation(view, now)
         result.explanations[model.name] = view
         return replicas

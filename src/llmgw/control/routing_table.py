@@ -1,10 +1,14 @@
 """The control plane's routing table: a :class:`~llmgw.control.routing.Router` built from the store.
 
 The gateway asks :meth:`StoreRouter.resolve` on every request, so it answers from memory: a
-snapshot of models, replicas and explanations, rebuilt when it is older than ``max_age_s`` (0.5 s)
-and whenever :meth:`StoreRouter.refresh` is called (each heartbeat, each leader pass that changed
-something). A request therefore sees a replica at most ~0.5 s after the store does, and the
-database sees at most two reads a second from the hot path, however busy the gateway is.
+snapshot of models, replicas and explanations' summaries, rebuilt whenever :meth:`StoreRouter.refresh`
+is called (a heartbeat that changed a replica, an admin write, a leader pass that changed
+something) and when it is older than ``max_age_s`` (0.5 s).
+
+In the control plane (:mod:`llmgw.control.server`) the router is built with ``on_stale``: a stale
+snapshot then asks for a rebuild off the event loop (:class:`~llmgw.control.offloop.Coalescer`)
+and the request is answered from the snapshot it has, so the gateway's hot path never waits on
+the store (issue 9, item 17). Without ``on_stale`` (tests, tools) the rebuild runs inline.
 
 Snapshots are swapped whole (one attribute assignment), so a request never sees half a table.
 """
@@ -40,6 +44,7 @@ class _Snapshot:
     routes: dict[str, Route] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     roles: dict[str, Role] = field(default_factory=dict)
+    models: tuple[Model, ...] = ()
     built_at: float = float("-inf")
 
 
@@ -94,37 +99,54 @@ class StoreRouter:
     Args:
         store: the state store.
         clock: monotonic seconds (injected for tests).
-        max_age_s: the longest a snapshot is used before a resolve rebuilds it.
+        max_age_s: the longest a snapshot is used before a resolve asks for a rebuild.
+        on_stale: called (instead of rebuilding inline) when a resolve finds the snapshot older
+            than ``max_age_s``; it must return at once and have :meth:`refresh` run elsewhere
+            (the control plane runs it on a store thread).
     """
 
     def __init__(
-        self, store: Store, *, clock: Callable[[], float] = time.monotonic, max_age_s: float = MAX_AGE_S
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_age_s: float = MAX_AGE_S,
+        on_stale: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.max_age_s = max_age_s
+        self.on_stale = on_stale
         self._snap = _Snapshot()
 
     def refresh(self) -> None:
-        """Rebuild the snapshot from the store now (a heartbeat arrived, the leader changed something)."""
+        """Rebuild the snapshot from the store now (blocking: three reads). Thread-safe: the new
+        snapshot replaces the old one in one assignment."""
+        started = self.clock()
         rows = self.store.list_models()
-        summaries = {k: v.summary for k, v in self.store.list_explanations().items()}
         routes, aliases, roles = build_routes(
             [r.model for r in rows],
             self.store.list_replicas(),
-            summaries,
+            self.store.explanation_summaries(),
             {r.name: r.created_at for r in rows},
         )
-        self._snap = _Snapshot(routes, aliases, roles, self.clock())
+        self._snap = _Snapshot(routes, aliases, roles, tuple(r.model for r in rows), started)
 
     def _current(self) -> _Snapshot:
         if self.clock() - self._snap.built_at > self.max_age_s:
+            if self.on_stale is not None:
+                self.on_stale()
+                return self._snap
             try:
                 self.refresh()
             except Exception:
                 # The database hiccuped: serve the last table rather than fail every request.
                 log.exception("routing table refresh failed; serving the previous one")
         return self._snap
+
+    def catalog(self) -> list[Model]:
+        """Every model of the catalog as of the snapshot (the guard reads judge formats from it)."""
+        return list(self._current().models)
 
     def resolve(self, name: str) -> Route | None:
         """The route of a chat model by name or alias; None for unknown names and guard models."""

@@ -17,9 +17,16 @@ It runs until SIGTERM/SIGINT or ``stop`` is set, then shuts down gracefully
 finish for up to ``gateway.drain_s`` and are then cut with an error event and ``data: [DONE]``,
 and only then are the listeners, the leader and the store closed.
 
-The pieces are wired with events, not timers: a heartbeat refreshes the routing table and, when
-something changed, wakes the leader; an admin write wakes the leader; a leader pass that changed
-replicas refreshes the routing table.
+The pieces are wired with events, not timers: a heartbeat that changed something refreshes the
+routing table, and one from a new or returning node wakes the leader (a replica that became ready
+gives the leader nothing to do; one that failed is replaced after its backoff, 10 s at least, by
+the leader's timed pass); an admin write does both; a leader pass that changed replicas refreshes
+the routing table.
+
+No store call and no reconcile pass runs on the event loop that serves the three listeners
+(issue 9, item 17): store calls go through one bounded pool (:class:`~llmgw.control.offloop.OffLoop`),
+routing rebuilds are coalesced (:class:`~llmgw.control.offloop.Coalescer`: a burst of events costs
+one or two rebuilds) and the leader's passes run on that pool too.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import ssl
-from collections.abc import Callable
+import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +52,7 @@ from llmgw.control.drain import Drain
 from llmgw.control.gateway_keys import GatewayKeys
 from llmgw.control.leader import Leader
 from llmgw.control.logbroker import LogBroker
+from llmgw.control.offloop import Coalescer, OffLoop
 from llmgw.control.routing_table import StoreRouter
 from llmgw.control.store import Store, default_url
 from llmgw.errors import PkiError, PortInUseError
@@ -59,6 +69,14 @@ SHUTDOWN_TIMEOUT_S = 3.0
 (admin log streams, heartbeats): each closes within it, so the unit's TimeoutStopSec holds."""
 
 _CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
+
+#: How long a thread holding the GIL may run before a waiting one gets it (CPython's default is 5 ms).
+#: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models, and a
+#: heartbeat needs the GIL at a dozen hand-offs (loop, store thread, loop ...), each waiting up to
+#: this long. bench/heartbeats.py, the final code at load ~2 on 2 cores, burst p99 / after p99:
+#: 5 ms (the default) 115-119 / 70-83 ms, 1 ms 30 / 72 ms, 0.2 ms 29-52 / 19-46 ms, with no
+#: measurable change in the process's CPU use (0.38-0.54 cores during the burst for all three).
+SWITCH_INTERVAL_S = 0.0002
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
@@ -147,7 +165,7 @@ def _gateway_app(
     return app
 
 
-def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInspector | None:
+def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
     """The guard inspector when server.yaml has a guard policy (guard.on()), else None."""
     if not config.guard.on():
         return None
@@ -155,20 +173,21 @@ def _guard(config: ServerConfig, store: Store, router: StoreRouter) -> GuardInsp
     from llmgw.control.gateway_guard import GuardInspector as _GI  # noqa: PLC0415
     from llmgw.guard.judge import JudgeClient  # noqa: PLC0415
 
-    formats = CatalogFormats(lambda: [r.model for r in store.list_models()])
+    formats = CatalogFormats(router.catalog)  # the routing snapshot: no store read on the gateway's path
     log.info("guardrails on: %s", ", ".join(p.name for p in config.guard.policies))
     return _GI(config.guard, JudgeClient(route_judges(router.resolve_any, formats)))
 
 
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
-    logs: LogBroker,
+    logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]],
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
     from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
 
     app = build_admin_app(
-        store, token=token, on_change=changed, logs=logs, max_replicas_per_model=config.max_replicas_per_model
+        store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
+        max_replicas_per_model=config.max_replicas_per_model,
     )
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
@@ -225,49 +244,57 @@ async def serve(
         StoreError: the database cannot be opened.
     """
     config = load_server_config(config_path)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     token = read_admin_token(config, config_path)
     keys = read_gateway_keys(config)
     tls = _tls(config)
     stop = stop or asyncio.Event()
     store = Store.open(default_url(config.store.url, paths.database))
+    db = OffLoop()
     router = StoreRouter(store)
+    routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")
+    router.on_stale = routes.request
     leader = Leader(
         store,
         node_lost_after_s=config.node_lost_after_s,
         backoff_reset_s=config.backoff_reset_s,
-        on_change=router.refresh,
+        on_change=routes.request,
+        db=db,
     )
-    guard = _guard(config, store, router)
+    guard = _guard(config, router)
     logs = LogBroker()
     drain = Drain()
 
     def admin_changed() -> None:
-        router.refresh()
+        routes.request()
         leader.wake()
 
-    def heartbeat(_node: str, changed: bool) -> None:
-        router.refresh()
-        if changed:
-            leader.wake()
+    def heartbeat(_node: str, changed: bool) -> Awaitable[None] | None:
+        return routes.done() if changed else None
+
+    def node_came(_node: str) -> None:
+        leader.wake()
 
     runners: list[web.AppRunner] = []
     apps: list[tuple[str, str, web.Application, ssl.SSLContext | None]] = []
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
     try:
+        await db.run(router.refresh)  # the gateway's first requests see the catalog
         bound: dict[str, tuple[str, int]] = {}
         apps += [
             (
                 "admin_listen",
                 config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard, logs),
+                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done),
                 None,
             ),
             (
                 "agent_listen",
                 config.agent_listen,
                 build_agent_app(
-                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs
+                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db,
+                    on_node=node_came,
                 ),
                 tls,
             ),
@@ -286,6 +313,10 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP, keys.reload)
             signals.append(signal.SIGHUP)
+        # Everything made at startup (modules, config, apps) lives as long as the process: keep it
+        # out of the cyclic GC's scans, which otherwise stop every thread for a full collection
+        # of ~120,000 objects (measured 70-260 ms on 2 busy cores) a few times a minute.
+        gc.freeze()
         if on_started is not None:
             on_started(bound)
         keeper = _keeper(store, config, admin_changed)
@@ -300,6 +331,8 @@ async def serve(
             await _drain(runners, drain, config.gateway.drain_s)
         for runner in reversed(runners):
             await runner.cleanup()
+        await routes.idle()
+        db.close()
         store.close()
 
 

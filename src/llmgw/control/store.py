@@ -20,8 +20,15 @@ Rules this module keeps:
   are storage shapes; API views live in :mod:`llmgw.control.views`, wire shapes in
   :mod:`llmgw.protocol`.
 
-Calls are synchronous: on SQLite each is well under a millisecond, and the gateway's hot path never
-reaches the store (it reads :class:`~llmgw.control.routing_table.StoreRouter`'s memory).
+Calls are synchronous (the control plane makes them on a thread pool, never on its event loop:
+:mod:`llmgw.control.offloop`), and the gateway's hot path never reaches the store (it reads
+:class:`~llmgw.control.routing_table.StoreRouter`'s memory).
+
+**One writer at a time, in process.** SQLite lets one transaction write; a second one waits in
+SQLite's busy handler, which *sleeps* 1, 2, 5, 10 … 100 ms between tries, so writers on several
+threads (heartbeats, a leader pass) made heartbeats wait hundreds of milliseconds behind a pass
+that wrote 50 explanations (issue 9, item 17: p99 518 ms). Write transactions therefore take a
+``threading.Lock`` first (SQLite only), which hands over at once. Reads take no lock (WAL).
 
 Errors: :class:`Conflict` (HTTP 409 at the admin API), :class:`StoreError` (the database cannot be
 opened or migrated, with the driver's error chained).
@@ -33,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +63,17 @@ log = logging.getLogger(__name__)
 class Conflict(LlmgwError):
     """A write lost a race or would break uniqueness: the row changed since it was read (revision
     mismatch), or a model name/alias is taken. The admin API answers 409; re-read and try again."""
+
+
+class Revoked(Conflict):
+    """A heartbeat came with a certificate serial on the deny-list (its node was removed with
+    ``llmgw ctl node rm``); ``node`` and ``revoked_at`` (unix seconds) say when."""
+
+    def __init__(self, serial: str, node: str, revoked_at: float) -> None:
+        super().__init__(f"certificate serial {serial} of node '{node}' is revoked")
+        self.serial = serial
+        self.node = node
+        self.revoked_at = revoked_at
 
 
 class StoreError(LlmgwError):
@@ -300,6 +319,9 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._logged_broken: set[tuple[str, int]] = set()
+        self._writer: contextlib.AbstractContextManager[object] = (
+            threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        )
 
     @classmethod
     def open(cls, url: str) -> Store:
@@ -339,10 +361,16 @@ class Store:
         with self.engine.begin() as conn:
             yield conn
 
+    @contextmanager
+    def _wtx(self) -> Iterator[Connection]:
+        """A transaction that writes: one at a time in this process (see the module docstring)."""
+        with self._writer, self.engine.begin() as conn:
+            yield conn
+
     def migrate(self) -> list[int]:
         """Apply the migrations not yet recorded in ``schema_migrations``; return their versions."""
         applied_now: list[int] = []
-        with self._tx() as conn:
+        with self._wtx() as conn:
             migrations_t.create(conn, checkfirst=True)
             done = set(conn.scalars(sa.select(migrations_t.c.version)))
             for version, apply in MIGRATIONS:
@@ -367,7 +395,7 @@ class Store:
             Conflict: the name is taken, or a name or alias of it is another model's name or alias.
         """
         mine = {model.name, *model.aliases}
-        with self._tx() as conn:
+        with self._wtx() as conn:
             for row in conn.execute(sa.select(models_t.c.name, models_t.c.spec)):
                 other = self._readable(row.name, row.spec)
                 if row.name == model.name:
@@ -444,7 +472,7 @@ class Store:
             Conflict: the row changed or went since ``revision`` was read, or an alias clashes.
         """
         mine = {model.name, *model.aliases}
-        with self._tx() as conn:
+        with self._wtx() as conn:
             for row in conn.execute(
                 sa.select(models_t.c.name, models_t.c.spec).where(models_t.c.name != model.name)
             ):
@@ -468,7 +496,7 @@ class Store:
     def delete_model(self, name: str) -> bool:
         """Delete the entry and its explanation; True when there was one. Its replicas go at the
         leader's next pass (the agents then stop them)."""
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(models_t.delete().where(models_t.c.name == name)).rowcount
             conn.execute(explanations_t.delete().where(explanations_t.c.model == name))
         return n > 0
@@ -482,37 +510,62 @@ class Store:
         A racing writer (the leader marking the node lost) makes the update miss its revision; the
         row is then re-read and the heartbeat applied again (a heartbeat always wins: it is newer).
         """
-        values = {
-            "state": "ready",
-            "labels": _dumps(hb.labels),
-            "inventory": hb.inventory.model_dump_json(),
-            "engines": _dumps([e.model_dump(mode="json") for e in hb.engines]),
-            "replicas": _dumps([r.model_dump(mode="json") for r in hb.replicas]),
-            "last_seen": now,
-            "instance": hb.instance,
-            "cached": _dumps(sorted(hb.cached)),
-        }
+        values = _heartbeat_values(hb, now)
         for _ in range(5):
             try:
-                with self._tx() as conn:
-                    cur = conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node_id)).first()
-                    if cur is None:
-                        n = conn.execute(
-                            nodes_t.insert().values(
-                                id=node_id, revision=1, cordoned=False, first_seen=now, **values
-                            )
-                        ).rowcount
-                    else:
-                        n = conn.execute(
-                            nodes_t.update()
-                            .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
-                            .values(revision=cur.revision + 1, **values)
-                        ).rowcount
+                with self._wtx() as conn:
+                    n = _upsert_node(conn, node_id, values, now)
             except sa.exc.IntegrityError:
                 n = 0  # inserted by another writer meanwhile: update it on the next try
             if n:
                 return self._node(node_id)
         raise Conflict(f"node '{node_id}' kept changing while its heartbeat was recorded; it will retry")
+
+    def record_heartbeats(self, beats: Sequence[tuple[str, Heartbeat, float, str]]) -> list[Conflict | None]:
+        """Record several heartbeats ``(node_id, heartbeat, now, serial)`` in one write transaction,
+        as :meth:`upsert_node_heartbeat` records one; the result has one entry per heartbeat, None
+        when it was recorded, else the :class:`Conflict` it would have raised, or :class:`Revoked`
+        when ``serial`` (the agent certificate's, ``""`` when unknown) is on the deny-list.
+
+        The deny-list is read in the same write transaction that :meth:`remove_node` takes, so a
+        heartbeat that was in flight while its node was removed cannot write the node back.
+
+        One transaction for a batch: with SQLite every write transaction takes the file's single
+        write lock, and 200 agents beating every 2 s made that lock the queue heartbeats waited in
+        (:mod:`llmgw.control.offloop` batches the heartbeats that arrive while one batch is written).
+        """
+        prepared = [(node_id, _heartbeat_values(hb, now), now, serial) for node_id, hb, now, serial in beats]
+        out: list[Conflict | None] = []
+        try:
+            with self._wtx() as conn:
+                serials = [b[3] for b in beats if b[3]]
+                denied = {
+                    r.serial: r
+                    for r in conn.execute(sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_(serials)))
+                } if serials else {}
+                for node_id, values, now, serial in prepared:
+                    gone = denied.get(serial)
+                    if gone is not None:
+                        out.append(Revoked(serial, gone.node, gone.revoked_at))
+                        continue
+                    done = any(_upsert_node(conn, node_id, values, now) for _ in range(5))
+                    out.append(None if done else Conflict(
+                        f"node '{node_id}' kept changing while its heartbeat was recorded; it will retry"
+                    ))
+        except sa.exc.IntegrityError:
+            # Another process inserted one of these nodes meanwhile: record them one by one.
+            out = []
+            for node_id, hb, now, serial in beats:
+                was = self.revoked(serial) if serial else None
+                if was is not None:
+                    out.append(Revoked(serial, *was))
+                    continue
+                try:
+                    self.upsert_node_heartbeat(node_id, hb, now)
+                    out.append(None)
+                except Conflict as e:
+                    out.append(e)
+        return out
 
     def _node(self, node_id: str) -> NodeRow:
         row = self.get_node(node_id)
@@ -545,7 +598,7 @@ class Store:
             changes["state"] = state
         if cordoned is not None:
             changes["cordoned"] = cordoned
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 nodes_t.update()
                 .where(nodes_t.c.id == node.id, nodes_t.c.revision == node.revision)
@@ -561,7 +614,7 @@ class Store:
         """Remember that ``node_id``'s agent presented the certificate ``serial`` (upper-case hex);
         a pair already known is left as it is. ``ctl node rm`` revokes what is remembered here."""
         try:
-            with self._tx() as conn:
+            with self._wtx() as conn:
                 known = conn.scalar(
                     sa.select(sa.func.count())
                     .select_from(node_certs_t)
@@ -603,7 +656,7 @@ class Store:
         Raises:
             Conflict: there is no node ``node_id``.
         """
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(nodes_t.delete().where(nodes_t.c.id == node_id)).rowcount
             if not n:
                 raise Conflict(f"node '{node_id}' was removed meanwhile")
@@ -626,7 +679,7 @@ class Store:
         """Insert ``replica`` at revision 1. Raises :class:`Conflict` when the id exists."""
         row = replace(replica, revision=1)
         try:
-            with self._tx() as conn:
+            with self._wtx() as conn:
                 conn.execute(replicas_t.insert().values(**_replica_values(row)))
         except sa.exc.IntegrityError as e:
             raise Conflict(f"replica '{replica.id}' already exists") from e
@@ -658,7 +711,7 @@ class Store:
         new = replace(replica, revision=replica.revision + 1)
         values = _replica_values(new)
         del values["id"]
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 replicas_t.update()
                 .where(replicas_t.c.id == replica.id, replicas_t.c.revision == replica.revision)
@@ -673,7 +726,7 @@ class Store:
         q = replicas_t.delete().where(replicas_t.c.id == replica_id)
         if revision is not None:
             q = q.where(replicas_t.c.revision == revision)
-        with self._tx() as conn:
+        with self._wtx() as conn:
             return conn.execute(q).rowcount > 0
 
     def apply_reports(self, node_id: str, reports: Sequence[ReplicaStatus], now: float) -> ReportResult:
@@ -716,7 +769,7 @@ class Store:
     def set_explanation(self, view: ExplainView, *, now: float) -> None:
         """Store placement's explanation for ``view.model`` (replacing the previous one)."""
         body = view.model_dump_json()
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 explanations_t.update()
                 .where(explanations_t.c.model == view.model)
@@ -737,9 +790,17 @@ class Store:
             rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
         return {r.model: ExplainView.model_validate_json(r.body) for r in rows}
 
+    def explanation_summaries(self) -> dict[str, str]:
+        """Every stored explanation's one-line summary, by model (the routing table needs only
+        these; parsing whole explanations, a verdict per node each, cost a heartbeat's worth of
+        CPU per model with 200 nodes)."""
+        with self._tx() as conn:
+            rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
+        return {r.model: str(json.loads(r.body).get("summary", "")) for r in rows}
+
     def delete_explanation(self, model: str) -> None:
         """Forget the explanation for ``model``."""
-        with self._tx() as conn:
+        with self._wtx() as conn:
             conn.execute(explanations_t.delete().where(explanations_t.c.model == model))
 
     # --- GGUF facts (memory estimates) ---
@@ -747,7 +808,7 @@ class Store:
     def set_gguf_facts(self, source: str, *, body: str, error: str, now: float) -> None:
         """Store what the GGUF header at ``source`` says (``body``: estimate.GgufFacts JSON), or
         why it could not be read (``error``, body empty)."""
-        with self._tx() as conn:
+        with self._wtx() as conn:
             n = conn.execute(
                 gguf_facts_t.update()
                 .where(gguf_facts_t.c.source == source)
@@ -776,6 +837,38 @@ def _private_sqlite(db: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             if path.stat().st_mode & 0o077:
                 path.chmod(0o600)
+
+
+def _heartbeat_values(hb: Heartbeat, now: float) -> dict[str, Any]:
+    """The ``nodes`` columns a heartbeat sets."""
+    return {
+        "state": "ready",
+        "labels": _dumps(hb.labels),
+        "inventory": hb.inventory.model_dump_json(),
+        "engines": _dumps([e.model_dump(mode="json") for e in hb.engines]),
+        "replicas": _dumps([r.model_dump(mode="json") for r in hb.replicas]),
+        "last_seen": now,
+        "instance": hb.instance,
+        "cached": _dumps(sorted(hb.cached)),
+    }
+
+
+def _upsert_node(conn: Connection, node_id: str, values: dict[str, Any], now: float) -> int:
+    """Insert the node or update it at the revision just read; rows written (0: it raced)."""
+    cur = conn.execute(sa.select(nodes_t.c.revision).where(nodes_t.c.id == node_id)).first()
+    if cur is None:
+        return int(
+            conn.execute(
+                nodes_t.insert().values(id=node_id, revision=1, cordoned=False, first_seen=now, **values)
+            ).rowcount
+        )
+    return int(
+        conn.execute(
+            nodes_t.update()
+            .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
+            .values(revision=cur.revision + 1, **values)
+        ).rowcount
+    )
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

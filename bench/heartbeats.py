@@ -1,0 +1,298 @@
+"""Heartbeat latency while the catalog grows: issue 9, item 17.
+
+A real control plane (``python -m llmgw server run`` as its own process, SQLite store, its own CA)
+and 200 simulated agents in this process, each with its own client certificate from the cluster
+CA, beating over real mTLS every ``interval_s`` the server asks for (2 s), each on its own
+keep-alive connection like the real agent. Every agent reports its desired replicas as ``ready``
+on its next heartbeat, so the burst also drives state changes (routing refreshes, leader passes).
+
+Phases, each measured from the agents' side (request sent to reply read):
+
+1. ``idle``: all 200 registered, beating, no models (``IDLE_S``);
+2. ``burst``: 50 models (a CPU profile, ``scaling.min`` 2: 100 replicas) are added through the
+   admin API one after the other as fast as it answers, then until every replica is reported
+   ``ready`` (and at least ``SETTLE_S``);
+3. ``after``: ``AFTER_S`` more seconds of plain heartbeats with 50 models and 100 replicas.
+
+Target (issue 9): ``heartbeat_p99_ms`` (the burst's p99) <= 100 ms. The figures measured before
+the fix (store and reconcile work on the event loop) are in ``llmgw.control.offloop``'s docstring.
+Figures last, one ``name: value unit`` per line, ``heartbeat_p99_ms`` the last one.
+
+    .venv/bin/python bench/heartbeats.py [--agents 200] [--models 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+import yaml
+
+from llmgw import tlsconf
+from llmgw.paths import Paths
+from llmgw.protocol import (
+    EngineStatus,
+    Heartbeat,
+    HeartbeatReply,
+    Inventory,
+    ProvisionState,
+    ReplicaState,
+    ReplicaStatus,
+)
+
+TOKEN = "bench-admin-token"  # noqa: S105 - a throwaway install's token
+GB = 1_000_000_000
+IDLE_S = 8.0
+SETTLE_S = 6.0
+AFTER_S = 10.0
+BURST_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Samples:
+    """Latencies (ms) by phase, and errors seen."""
+
+    phase: str = "warmup"
+    ms: dict[str, list[float]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    ready: set[str] = field(default_factory=set)
+    lag: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, ms: float) -> None:
+        self.ms.setdefault(self.phase, []).append(ms)
+
+
+def install(root: Path, agents: int) -> tuple[Paths, dict[str, int], list[ssl.SSLContext]]:
+    paths = Paths(root)
+    paths.etc.mkdir(parents=True)
+    ca = tlsconf.CA.create()
+    ca.write(paths.pki)
+    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
+    paths.admin_token.write_text(TOKEN + "\n")
+    ports = {"admin": free_port(), "agent": free_port(), "gateway": free_port()}
+    doc = {
+        "admin_listen": f"127.0.0.1:{ports['admin']}",
+        "agent_listen": f"127.0.0.1:{ports['agent']}",
+        "tls": {
+            "ca": str(paths.pki / "ca.pem"),
+            "cert": str(paths.pki / "server.pem"),
+            "key": str(paths.pki / "server-key.pem"),
+        },
+        "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True},
+        "node_lost_after_s": 30,
+    }
+    paths.server_config.write_text(yaml.safe_dump(doc))
+    certs = root / "agents"
+    contexts = []
+    for i in range(agents):
+        cert, key = ca.issue_client(f"node-{i:03d}").write(certs, f"node-{i:03d}")
+        contexts.append(tlsconf.client_context(paths.pki / "ca.pem", cert, key))
+    return paths, ports, contexts
+
+
+def heartbeat(i: int, desired: list[str]) -> bytes:
+    return Heartbeat(
+        inventory=Inventory(cores=8, memory_total_bytes=32 * GB, memory_available_bytes=30 * GB),
+        labels={"zone": f"z{i % 4}"},
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+        replicas=[
+            ReplicaStatus(id=r, state=ReplicaState.READY, endpoint=f"127.0.0.1:{20000 + n}")
+            for n, r in enumerate(desired)
+        ],
+        instance=f"bench-{i:03d}",
+    ).model_dump_json().encode()
+
+
+async def agent(i: int, ctx: ssl.SSLContext, url: str, samples: Samples, stop: asyncio.Event) -> None:
+    """One simulated agent: beat, record the latency, report what it was told to run as ready."""
+    desired: list[str] = []
+    interval = 2.0
+    await asyncio.sleep(random.uniform(0, interval))  # agents do not start in lockstep
+    conn = aiohttp.TCPConnector(ssl=ctx, limit=1)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        while not stop.is_set():
+            body = heartbeat(i, desired)
+            t = time.perf_counter()
+            try:
+                async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    text = await resp.read()
+                    ms = (time.perf_counter() - t) * 1000
+                    if resp.status != 200:
+                        samples.errors.append(f"node-{i:03d}: {resp.status} {text[:200]!r}")
+                    else:
+                        reply = HeartbeatReply.model_validate_json(text)
+                        desired = [d.id for d in reply.desired]
+                        interval = reply.interval_s
+                        samples.add(ms)
+                        samples.ready.update(desired)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                samples.errors.append(f"node-{i:03d}: {e!r}")
+            left = interval - (time.perf_counter() - t)
+            if left > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), left)
+
+
+async def lag_probe(samples: Samples, stop: asyncio.Event) -> None:
+    """This process's own event-loop lag (ms over a 10 ms sleep): what of a measured latency is the
+    simulated agents' side, not the control plane's (the machine may be shared)."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.01)
+        samples.lag.setdefault(samples.phase, []).append((time.perf_counter() - t - 0.01) * 1000)
+
+
+def model_doc(n: int) -> dict[str, object]:
+    return {
+        "name": f"bench-{n:02d}",
+        "source": f"http://mirror.invalid/bench-{n:02d}/1/model.gguf",
+        "scaling": {"min": 2, "max": 2},
+        "profiles": [{"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1}],
+    }
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+async def run(agents: int, models: int) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        t = time.perf_counter()
+        _, ports, contexts = install(root, agents)
+        print(f"pki: {agents} client certificates in {time.perf_counter() - t:.1f} s")
+        log = (root / "server.log").open("wb")
+        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
+            [sys.executable, "-m", "llmgw", "server", "run"],
+            env={**os.environ, "LLMGW_ROOT": str(root)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        admin = f"http://127.0.0.1:{ports['admin']}"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        samples = Samples()
+        stop = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            async with httpx.AsyncClient(base_url=admin, headers=auth, timeout=60) as client:
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        if (await client.get("/api/v1/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        print((root / "server.log").read_text()[-3000:])
+                        raise SystemExit("the control plane did not start")
+                    await asyncio.sleep(0.1)
+                url = f"https://127.0.0.1:{ports['agent']}/agent/v1/heartbeat"
+                tasks = [asyncio.create_task(agent(i, c, url, samples, stop)) for i, c in enumerate(contexts)]
+                tasks.append(asyncio.create_task(lag_probe(samples, stop)))
+                await asyncio.sleep(4.0)  # every agent registered (staggered over one interval)
+                server = psutil.Process(proc.pid)
+                samples.phase = "idle"
+                cpu0 = sum(server.cpu_times()[:2])
+                await asyncio.sleep(IDLE_S)
+                idle_cpu = (sum(server.cpu_times()[:2]) - cpu0) / IDLE_S
+                samples.phase = "burst"
+                t0 = time.perf_counter()
+                cpu0 = sum(server.cpu_times()[:2])
+                add_ms = []
+                for n in range(models):
+                    t = time.perf_counter()
+                    r = await client.post("/api/v1/models", json=model_doc(n))
+                    add_ms.append((time.perf_counter() - t) * 1000)
+                    if r.status_code != 201:
+                        raise SystemExit(f"adding model {n}: {r.status_code} {r.text}")
+                adds_s = time.perf_counter() - t0
+                want = 2 * models
+                while True:
+                    reps = (await client.get("/api/v1/replicas")).json()
+                    ready = sum(1 for x in reps if x.get("state") == "ready")
+                    waited = time.perf_counter() - t0
+                    if ready >= want and waited >= SETTLE_S:
+                        break
+                    if waited > BURST_TIMEOUT_S:
+                        raise SystemExit(f"only {ready} of {want} replicas ready after {waited:.0f} s")
+                    await asyncio.sleep(0.5)
+                settled_s = time.perf_counter() - t0
+                burst_cpu = (sum(server.cpu_times()[:2]) - cpu0) / settled_s
+                samples.phase = "after"
+                cpu0 = sum(server.cpu_times()[:2])
+                await asyncio.sleep(AFTER_S)
+                after_cpu = (sum(server.cpu_times()[:2]) - cpu0) / AFTER_S
+                nodes = (await client.get("/api/v1/nodes")).json()
+                lost = [nd["id"] for nd in nodes if nd["state"] != "ready"]
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    for e in samples.errors[:5]:
+        print("error:", e)
+    idle, burst, after = (samples.ms.get(k, []) for k in ("idle", "burst", "after"))
+    print(f"heartbeats measured: idle {len(idle)}, burst {len(burst)}, after {len(after)}")
+    print(f"agents: {agents}")
+    print(f"models_added: {models}")
+    print(f"nodes_lost: {len(lost)}")
+    print(f"heartbeat_errors: {len(samples.errors)}")
+    print(f"model_add_p50_ms: {pct(add_ms, 50):.1f} ms")
+    print(f"adds_s: {adds_s:.2f} s")
+    print(f"all_ready_s: {settled_s:.2f} s")
+    lag = samples.lag.get("burst", [])
+    print(f"load_average_1m: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"server_cpu_idle: {idle_cpu:.2f} cores")
+    print(f"server_cpu_burst: {burst_cpu:.2f} cores")
+    print(f"server_cpu_after: {after_cpu:.2f} cores")
+    print(f"agents_loop_lag_p50_ms: {pct(lag, 50):.1f} ms")
+    print(f"agents_loop_lag_p99_ms: {pct(lag, 99):.1f} ms")
+    print(f"heartbeat_idle_p50_ms: {pct(idle, 50):.1f} ms")
+    print(f"heartbeat_idle_p99_ms: {pct(idle, 99):.1f} ms")
+    print(f"heartbeat_after_p50_ms: {pct(after, 50):.1f} ms")
+    print(f"heartbeat_after_p99_ms: {pct(after, 99):.1f} ms")
+    print(f"heartbeat_max_ms: {max(burst):.1f} ms")
+    print(f"heartbeat_p50_ms: {statistics.median(burst):.1f} ms")
+    print(f"heartbeat_p99_ms: {pct(burst, 99):.1f} ms")
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--agents", type=int, default=200)
+    ap.add_argument("--models", type=int, default=50)
+    args = ap.parse_args()
+    sys.exit(asyncio.run(run(args.agents, args.models)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The control plane's event loop stays free while the store is slow (issue 9, item 17).
+
+The admin API, the agent API (real mTLS on 127.0.0.1) and the leader share one loop and one
+:class:`~llmgw.control.offloop.OffLoop`, as :func:`llmgw.control.server.serve` wires them. A store
+call is then made *artificially slow*: it blocks on a ``threading.Event`` (a gate) until the test
+opens it. The gate stands in for a slow disk, a long SQLite lock or a CPU-heavy pass over many
+nodes, and makes "a slow call is in flight" a fact the test controls instead of a race against a
+real query's speed. The tests assert the order of events (a heartbeat answered while the slow call
+is still blocked), never a duration. Before the fix every store call ran on the loop: the blocked
+call froze the loop, the heartbeat waited for the gate's timeout, and these tests failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llmgw import tlsconf
+from llmgw.control.adminapi import build_admin_app
+from llmgw.control.agentapi import build_agent_app
+from llmgw.control.leader import Leader, PassResult
+from llmgw.control.offloop import Batcher, Coalescer, OffLoop
+from llmgw.control.store import ModelRow, NodeRow, Store, default_url
+from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
+
+TOKEN = "admin-token-for-tests"
+GB = 1_000_000_000
+#: The longest a gated call blocks when nobody opens the gate (so a failing test ends).
+GATE_TIMEOUT_S = 10.0
+
+
+class GatedStore(Store):
+    """A store whose ``list_models`` and ``list_nodes`` block on ``gate`` once ``armed`` is set."""
+
+    armed = False
+    gate: threading.Event
+    entered: threading.Event
+    timed_out = False
+
+    def _block(self) -> None:
+        if not self.armed:
+            return
+        self.entered.set()
+        if not self.gate.wait(GATE_TIMEOUT_S):
+            self.timed_out = True
+
+    def list_models(self) -> list[ModelRow]:
+        """The models, after the gate opens."""
+        self._block()
+        return super().list_models()
+
+    def list_nodes(self) -> list[NodeRow]:
+        """The nodes, after the gate opens."""
+        self._block()
+        return super().list_nodes()
+
+
+@dataclass
+class Plane:
+    store: GatedStore
+    admin: str
+    agent: str
+    client: tlsconf.CA
+    dir: Path
+
+    def agent_ctx(self, node: str) -> object:
+        cert, key = self.client.issue_client(node).write(self.dir, f"agent-{node}")
+        return tlsconf.client_context(self.dir / "ca.pem", cert, key)
+
+
+@pytest.fixture
+async def plane(tmp_path: Path) -> AsyncIterator[Plane]:
+    ca = tlsconf.CA.create()
+    ca.write(tmp_path)
+    cert, key = ca.issue_server(["127.0.0.1"]).write(tmp_path, "server")
+    store = GatedStore.open(default_url("", tmp_path / "llmgw.db"))
+    assert isinstance(store, GatedStore)
+    store.gate, store.entered = threading.Event(), threading.Event()
+    db = OffLoop()
+    runners = []
+    urls = []
+    for app, ctx in (
+        (build_admin_app(store, token=TOKEN, db=db), None),
+        (build_agent_app(store, db=db), tlsconf.server_context(tmp_path / "ca.pem", cert, key)),
+    ):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx).start()
+        runners.append(runner)
+        scheme = "https" if ctx else "http"
+        urls.append(f"{scheme}://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        yield Plane(store, urls[0], urls[1], ca, tmp_path)
+    finally:
+        store.gate.set()
+        for runner in runners:
+            await runner.cleanup()
+        db.close()
+        store.close()
+
+
+def heartbeat() -> str:
+    return Heartbeat(
+        inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+    ).model_dump_json()
+
+
+async def beat(plane: Plane, node: str) -> HeartbeatReply:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{plane.agent}/agent/v1/heartbeat", data=heartbeat(), ssl=plane.agent_ctx(node)) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return HeartbeatReply.model_validate_json(await r.read())
+
+
+async def wait_entered(store: GatedStore) -> None:
+    """Until a gated call has started (polled off the loop: the loop must stay free meanwhile)."""
+    assert await asyncio.to_thread(store.entered.wait, GATE_TIMEOUT_S), "the slow call never started"
+
+
+async def test_a_heartbeat_is_answered_while_an_admin_store_call_is_blocked(plane: Plane) -> None:
+    await beat(plane, "node-1")  # registered before the store turns slow
+    plane.store.armed = True
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+        slow = asyncio.ensure_future(s.get(f"{plane.admin}/api/v1/models"))
+        await wait_entered(plane.store)
+
+        reply = await beat(plane, "node-1")
+
+        assert reply.node_id == "node-1"
+        assert not slow.done(), "the admin call finished before the gate opened"
+        assert not plane.store.timed_out, "the heartbeat was answered only after the slow call gave up"
+        node = plane.store.get_node("node-1")
+        assert node is not None
+        assert node.revision == 2  # the heartbeat was recorded, not only answered
+        plane.store.gate.set()
+        resp = await slow
+        assert resp.status == 200
+        assert await resp.json() == []
+
+
+async def test_a_heartbeat_is_answered_while_a_leader_pass_is_blocked(plane: Plane) -> None:
+    await beat(plane, "node-1")
+    db = OffLoop(workers=2)
+    leader = Leader(plane.store, node_lost_after_s=30, db=db)
+    stop = asyncio.Event()
+    plane.store.armed = True
+    running = asyncio.create_task(leader.run(stop))
+    try:
+        await wait_entered(plane.store)  # the pass is inside list_nodes, blocked
+
+        reply = await beat(plane, "node-1")
+
+        assert reply.node_id == "node-1"
+        assert not plane.store.timed_out, "the heartbeat waited for the leader's pass"
+    finally:
+        stop.set()
+        plane.store.gate.set()
+        await asyncio.wait_for(running, GATE_TIMEOUT_S)
+        db.close()
+
+
+async def test_batcher_writes_what_arrives_meanwhile_as_one_batch() -> None:
+    db = OffLoop(workers=1)
+    gate = threading.Event()
+    batches: list[list[int]] = []
+
+    def write(items: list[int]) -> list[int]:
+        gate.wait(GATE_TIMEOUT_S)
+        batches.append(items)
+        return [i * 10 for i in items]
+
+    b: Batcher[int, int] = Batcher(db, write)
+    first = asyncio.ensure_future(b.submit(1))
+    await asyncio.sleep(0)  # the first batch is on its way to the thread, blocked at the gate
+    rest = [asyncio.ensure_future(b.submit(i)) for i in (2, 3, 4)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await first == 10
+    assert await asyncio.gather(*rest) == [20, 30, 40]
+    assert batches == [[1], [2, 3, 4]]
+    db.close()
+
+
+async def test_coalescer_collapses_requests_made_during_a_run() -> None:
+    runs = 0
+    release = asyncio.Event()
+
+    async def job() -> None:
+        nonlocal runs
+        runs += 1
+        await release.wait()
+
+    c = Coalescer(job, name="test job")
+    c.request()
+    await asyncio.sleep(0)
+    for _ in range(50):
+        c.request()
+    await asyncio.to_thread(c.request)  # from another thread too, as a leader pass calls it
+    release.set()
+    await c.idle()
+    assert runs == 2
+
+
+async def test_coalescer_done_waits_for_a_run_that_started_after_it() -> None:
+    seen: list[int] = []
+    state = {"value": 0}
+    release = asyncio.Event()
+
+    async def job() -> None:
+        value = state["value"]  # what this run reads when it starts
+        await release.wait()
+        seen.append(value)
+
+    c = Coalescer(job, name="test job")
+    c.request()
+    await asyncio.sleep(0)  # a run is in progress and has read 0
+    state["value"] = 1
+    waiting = asyncio.ensure_future(c.done())
+    await asyncio.sleep(0)
+    release.set()
+    await waiting
+    assert seen == [0, 1]  # done() returned only after a run that read the new value
+
+
+def test_record_heartbeats_writes_a_batch_in_one_call(tmp_path: Path) -> None:
+    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+    hb = Heartbeat.model_validate_json(heartbeat())
+    store.upsert_node_heartbeat("node-1", hb, 100.0)
+    results = store.record_heartbeats([("node-1", hb, 101.0, ""), ("node-2", hb, 101.0, ""), ("node-1", hb, 102.0, "")])
+    assert results == [None, None, None]
+    one, two = store.list_nodes()
+    assert (one.id, one.revision, one.last_seen, one.state) == ("node-1", 3, 102.0, "ready")
+    assert (two.id, two.revision, two.first_seen) == ("node-2", 1, 101.0)
+    store.close()
+
+
+class CountingLeader(Leader):
+    passes = 0
+
+    def reconcile_once(self, now: float) -> PassResult:
+        self.passes += 1
+        return super().reconcile_once(now)
+
+
+async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(tmp_path: Path) -> None:
+    """50 wakes (say 50 model adds) within ~0.5 s: the leader coalesces them (COALESCE_S, MIN_GAP_S);
+    the bound is loose on purpose (a loaded machine stretches the burst), the point is not 50."""
+    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+    db = OffLoop(workers=2)
+    leader = CountingLeader(store, node_lost_after_s=30, db=db, interval_s=60)
+    stop = asyncio.Event()
+    running = asyncio.create_task(leader.run(stop))
+    try:
+        for _ in range(50):
+            leader.wake()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.5)
+        assert 2 <= leader.passes <= 6
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, GATE_TIMEOUT_S)
+        db.close()
+        store.close()
