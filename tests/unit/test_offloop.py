@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,9 +247,9 @@ def test_record_heartbeats_writes_a_batch_in_one_call(tmp_path: Path) -> None:
 class CountingLeader(Leader):
     passes = 0
 
-    def reconcile_once(self, now: float) -> PassResult:
+    def reconcile_once(self, now: float, *, answering: Collection[str] = ()) -> PassResult:
         self.passes += 1
-        return super().reconcile_once(now)
+        return super().reconcile_once(now, answering=answering)
 
 
 async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(tmp_path: Path) -> None:
