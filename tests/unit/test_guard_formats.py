@@ -17,6 +17,7 @@ from llmgw.guard.formats import (
     PROMPTED,
     QWEN3GUARD,
     JudgeError,
+    JudgeFormat,
     Safety,
     Verdict,
     format_named,
@@ -111,9 +112,10 @@ def test_requests_are_deterministic_and_cached() -> None:
         body = fmt.request(IN, "hello")
         assert body["temperature"] == 0
         assert body["seed"] == 42
-        assert body["max_tokens"] <= 64
+        assert body["max_tokens"] <= 48
         assert body["cache_prompt"] is True
-        assert body["stream"] is False
+        assert body["stream"] is True  # read as it is generated, closed once the verdict is known
+        assert body["timings_per_token"] is True
 
 
 def test_qwen3guard_messages_pick_the_mode() -> None:
@@ -149,3 +151,70 @@ def test_template_check() -> None:
 def test_unknown_format() -> None:
     with pytest.raises(JudgeError, match="qwen3guard, llamaguard3, prompted"):
         format_named("shieldgemma")
+
+
+# -- deciding while the answer is generated ------------------------------------------------------------
+
+
+def _first_decision(fmt: JudgeFormat, text: str, direction: Direction = IN) -> tuple[str, Verdict | None]:
+    """Feed ``text`` one character at a time (as a stream may cut it); where the verdict was known."""
+    for i in range(1, len(text) + 1):
+        v = fmt.decided(text[:i], direction)
+        if v is not None:
+            return text[:i], v
+    return text, None
+
+
+DECIDED = [
+    # (format, direction, whole answer, where the verdict is known, verdict)
+    (QWEN3GUARD, IN, "Safety: Safe\nCategories: None", "Safety: Safe\n", Verdict(Safety.SAFE)),
+    (QWEN3GUARD, IN, "<think>\n\n</think>\n\nSafety: Safe\nCategories: None",
+     "<think>\n\n</think>\n\nSafety: Safe\n", Verdict(Safety.SAFE)),
+    (QWEN3GUARD, OUT, "Safety: Safe\nCategories: None\nRefusal: Yes", "Safety: Safe\n", Verdict(Safety.SAFE)),
+    # Unsafe and Controversial: the categories are part of the verdict, so wait for their line.
+    (QWEN3GUARD, IN, "Safety: Unsafe\nCategories: Violent, PII\n", "Safety: Unsafe\nCategories: Violent, PII\n",
+     Verdict(Safety.UNSAFE, ("Violent", "PII"))),
+    (QWEN3GUARD, OUT, "Safety: Controversial\r\nCategories: Unethical Acts\r\nRefusal: No",
+     "Safety: Controversial\r\nCategories: Unethical Acts\r", Verdict(Safety.CONTROVERSIAL, ("Unethical Acts",))),
+    # An answer that ends before its categories line does is read whole at the end (not here).
+    (QWEN3GUARD, IN, "Safety: Unsafe\nCategories: Violent", "Safety: Unsafe\nCategories: Violent", None),
+    # prompted: its grammar allows only "Categories: None" after Safe, so "Safe" settles it.
+    (PROMPTED, IN, "Safety: Safe\nCategories: None", "Safety: Safe", Verdict(Safety.SAFE)),
+    (PROMPTED, IN, "Safety: Unsafe\nCategories: Violent", "Safety: Unsafe\nCategories: Violent", None),
+    (LLAMAGUARD3, IN, "\n\nsafe\n", "\n\nsafe\n", Verdict(Safety.SAFE)),
+    (LLAMAGUARD3, IN, "unsafe\nS1,S2\n", "unsafe\nS1,S2\n", Verdict(Safety.UNSAFE, ("S1 Violent Crimes",
+                                                                                     "S2 Non-Violent Crimes"))),
+    (LLAMAGUARD3, IN, "unsafe\nS10", "unsafe\nS10", None),
+    (LLAMAGUARD3, IN, "unsafe S10\n", "unsafe S10\n", Verdict(Safety.UNSAFE, ("S10 Hate",))),
+]
+
+
+@pytest.mark.parametrize(("fmt", "direction", "text", "at", "want"), DECIDED)
+def test_the_verdict_is_known_only_once_nothing_after_it_matters(
+    fmt: JudgeFormat, direction: Direction, text: str, at: str, want: Verdict | None
+) -> None:
+    assert _first_decision(fmt, text, direction) == (at, want)
+    if want is None:  # undecided until the end: the whole answer is read as before
+        assert fmt.parse(text, direction).safety in (Safety.UNSAFE, Safety.CONTROVERSIAL)
+    else:  # the early verdict agrees with the whole answer's
+        assert fmt.parse(text, direction).safety == want.safety
+
+
+@pytest.mark.parametrize("text", ["I think this is fine.\n", "Safety: Probably Safe\n", "Categories: None\nNote: x\n"])
+def test_qwen3guard_an_unreadable_line_fails_as_soon_as_it_is_complete(text: str) -> None:
+    with pytest.raises(JudgeError) as e:
+        _first_decision(QWEN3GUARD, text)
+    assert e.value.kind == "unparseable"
+
+
+def test_llamaguard3_an_unreadable_first_word_fails_early() -> None:
+    with pytest.raises(JudgeError):
+        _first_decision(LLAMAGUARD3, "The content is safe.")
+    assert LLAMAGUARD3.decided("un", IN) is None  # "unsafe" may still come
+
+
+def test_prompted_grammar_ends_safe_at_none_and_bounds_the_answer() -> None:
+    g = PROMPTED.grammar
+    assert '"Safe\\nCategories: None"' in g
+    assert PROMPTED.max_tokens < QWEN3GUARD.max_tokens
+    assert PROMPTED.request(IN, "x")["max_tokens"] == PROMPTED.max_tokens

@@ -229,7 +229,7 @@ def add_guard_routes(
         answer = text if direction is Direction.OUT else ""
         t0 = time.perf_counter()
         try:
-            j = await inspector.judge(policy, direction, prompt, answer)
+            j = await inspector.judge(policy, direction, prompt, answer, whole=True)
         except JudgeError as e:
             return web.json_response({
                 "policy": policy.name, "direction": direction.value, "error": str(e), "kind": e.kind,

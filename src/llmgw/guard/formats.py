@@ -24,8 +24,20 @@ Three formats (``catalog.GuardModel.format``):
     not meaningful, the path is.
 
 Every judge request: ``temperature`` 0 and a fixed ``seed`` (llama.cpp #4728: Llama Guard's
-verdicts flipped between runs at a low but nonzero temperature), a small ``max_tokens`` (the
-longest answer, 3 lines with a few categories, is under 40 tokens), ``cache_prompt`` true.
+verdicts flipped between runs at a low but nonzero temperature), ``max_tokens`` as small as the
+format's longest answer (:attr:`JudgeFormat.max_tokens`), ``cache_prompt`` true, and ``stream`` with
+``timings_per_token``: the judge's answer is read as it is generated and the connection is closed as
+soon as :meth:`JudgeFormat.decided` says the verdict is known (llama-server then stops generating
+for it), so a judgment costs the uncached tail of the prompt plus the verdict's own tokens, not the
+lines after it. The verdict is known early only when nothing after it can change the decision:
+
+- ``Safe``: at the end of its line (for ``prompted``, whose grammar allows nothing but
+  ``Categories: None`` after ``Safe``, as soon as the word is out);
+- ``Unsafe`` / ``Controversial``: only once the ``Categories:`` line is complete (the categories
+  are part of the verdict: they go to the client and the logs);
+- Llama Guard 3: ``safe`` once a blank follows it; ``unsafe`` once its line of S-codes is complete.
+
+A judge that ends its answer before that is read whole by :meth:`JudgeFormat.parse`, as before.
 
 Anything a parser does not recognise raises :class:`JudgeError` carrying the judge's raw text:
 an answer that cannot be read is never Safe.
@@ -43,7 +55,12 @@ from llmgw.guard.config import Direction
 
 #: Sampling for every judgment: greedy, fixed seed, short answer, prompt cache on.
 JUDGE_SEED = 42
+#: The longest Qwen3Guard answer: 3 lines (``Safety``, ``Categories`` with a few names, ``Refusal``).
 JUDGE_MAX_TOKENS = 48
+#: ``prompted``: ``Safety: Controversial`` and at most three category names (its grammar), ~30 tokens.
+PROMPTED_MAX_TOKENS = 40
+#: Llama Guard 3: ``unsafe`` and a line of S-codes (2-3 tokens each).
+LLAMAGUARD3_MAX_TOKENS = 32
 
 
 class Safety(StrEnum):
@@ -69,14 +86,17 @@ class JudgeError(LlmgwError):
     renders the wrong template.
 
     Attributes:
-        kind: ``missing`` | ``down`` | ``timeout`` | ``unparseable`` | ``template`` | ``error``.
+        kind: ``missing`` | ``down`` | ``timeout`` | ``busy`` | ``unparseable`` | ``template`` | ``error``.
+            ``busy``: refused at once because the judge's queue would not reach it within the budget.
         raw: the judge's own text, when it answered (kept for logs, never shown to clients).
+        retry_after_s: for ``busy``, the seconds after which the queue should have room (else None).
     """
 
-    def __init__(self, message: str, *, kind: str, raw: str = "") -> None:
+    def __init__(self, message: str, *, kind: str, raw: str = "", retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.raw = raw
+        self.retry_after_s = retry_after_s
 
 
 # -- Qwen3Guard ----------------------------------------------------------------------------------
@@ -144,6 +164,77 @@ def parse_qwen3guard(text: str, direction: Direction) -> Verdict:
     return Verdict(safety, tuple(cats), refusal)
 
 
+def decided_qwen3guard(text: str, direction: Direction, *, exact_values: bool = False) -> Verdict | None:
+    """The verdict of a Qwen3Guard-shaped answer still being generated, once nothing after it matters.
+
+    ``text`` is the answer so far. ``Safe`` is decided at the end of its ``Safety:`` line (with
+    ``exact_values``, as soon as the value is exactly ``Safe``: for a grammar that allows nothing but
+    ``Categories: None`` after it); ``Unsafe`` and ``Controversial`` once the ``Categories:`` line is
+    complete too, read as :func:`parse_qwen3guard` reads it. None while undecided.
+
+    Raises:
+        JudgeError: ``unparseable`` as soon as a complete line is not a verdict line, a line repeats,
+            or the verdict is not Safe/Unsafe/Controversial (the whole answer could not be read either).
+    """
+    body = text.replace("\r\n", "\n").replace("\r", "\n")
+    if body.lstrip().startswith("<"):
+        m = _THINK.match(body)
+        if m is None:
+            return None  # a think block that is not closed yet
+        body = body[m.end():]
+    *complete, partial = body.split("\n")
+    seen: dict[str, str] = {}
+    for line in complete:
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        key = m.group(1).lower() if m else ""
+        if not m or key not in ("safety", "categories", "refusal") or key in seen:
+            raise JudgeError(f"the judge's answer has a line that is not a verdict: {line.strip()[:80]!r}",
+                             kind="unparseable", raw=text)
+        seen[key] = m.group(2)
+    if "safety" not in seen:
+        m = _LINE.match(partial)
+        if exact_values and m and m.group(1).lower() == "safety" and m.group(2) == "Safe":
+            return Verdict(Safety.SAFE)
+        return None
+    try:
+        safety = Safety(seen["safety"].strip().lower())
+    except ValueError as e:
+        raise JudgeError(f"the judge's verdict {seen['safety']!r} is not Safe, Unsafe or Controversial",
+                         kind="unparseable", raw=text) from e
+    if safety is Safety.SAFE:
+        return Verdict(Safety.SAFE)
+    if "categories" not in seen:
+        return None
+    return parse_qwen3guard("\n".join(complete), direction)
+
+
+def decided_llamaguard3(text: str) -> Verdict | None:
+    """The verdict of a Llama Guard 3 answer still being generated: ``safe`` once a blank follows
+    it, ``unsafe`` once a complete line of S-codes follows it; None while undecided.
+
+    Raises:
+        JudgeError: ``unparseable`` as soon as the first word is neither ``safe`` nor ``unsafe``.
+    """
+    body = text.replace("\r\n", "\n").lstrip()
+    first = body.split(maxsplit=1)[0] if body.split() else ""
+    if not first or first == body:
+        if first and not "unsafe".startswith(first.lower()) and not "safe".startswith(first.lower()):
+            raise JudgeError("the judge's answer does not start with 'safe' or 'unsafe'", kind="unparseable", raw=text)
+        return None  # the first word may not be complete yet
+    if first.lower() == "safe":
+        return Verdict(Safety.SAFE)
+    if first.lower() != "unsafe":
+        raise JudgeError("the judge's answer does not start with 'safe' or 'unsafe'", kind="unparseable", raw=text)
+    lines = body.split("\n")
+    complete = [ln for ln in lines[:-1] if ln.strip()]
+    codes = [ln for ln in complete if ln.strip().lower() != "unsafe"]  # "unsafe S10" on one line counts
+    if not codes:
+        return None
+    return parse_llamaguard3("\n".join(complete))
+
+
 # -- Llama Guard 3 -------------------------------------------------------------------------------
 
 #: Llama Guard 3's hazard codes (MLCommons taxonomy; S14 only on the 8B).
@@ -206,12 +297,14 @@ class JudgeFormat:
         marker: text the judge's rendered prompt must contain (checked with ``/apply-template``).
         grammar: a GBNF grammar the answer is held to, or "" for none.
         system: the fixed instruction sent first for a prompt (``in``) and a response (``out``).
+        max_tokens: the most tokens its longest answer takes (the request's ``max_tokens``).
     """
 
     name: str
     marker: str
     grammar: str = ""
     system: dict[Direction, str] = field(default_factory=dict)
+    max_tokens: int = JUDGE_MAX_TOKENS
 
     def messages(self, direction: Direction, prompt: str, answer: str = "") -> list[dict[str, str]]:
         """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out)."""
@@ -229,19 +322,30 @@ class JudgeFormat:
             "messages": self.messages(direction, prompt, answer),
             "temperature": 0,
             "seed": JUDGE_SEED,
-            "max_tokens": JUDGE_MAX_TOKENS,
+            "max_tokens": self.max_tokens,
             "cache_prompt": True,
-            "stream": False,
+            "stream": True,
+            "timings_per_token": True,
         }
         if self.grammar:
             body["grammar"] = self.grammar
         return body
 
     def parse(self, text: str, direction: Direction) -> Verdict:
-        """Read the judge's answer. Raises :class:`JudgeError` (``unparseable``) when it cannot."""
+        """Read the judge's whole answer. Raises :class:`JudgeError` (``unparseable``) when it cannot."""
         if self.name == "llamaguard3":
             return parse_llamaguard3(text)
         return parse_qwen3guard(text, direction)
+
+    def decided(self, text: str, direction: Direction) -> Verdict | None:
+        """The verdict once the answer so far (``text``) settles it, else None (see the module docstring).
+
+        Raises:
+            JudgeError: ``unparseable`` as soon as what is complete cannot be a verdict.
+        """
+        if self.name == "llamaguard3":
+            return decided_llamaguard3(text)
+        return decided_qwen3guard(text, direction, exact_values=bool(self.grammar))
 
     def template_ok(self, rendered: str) -> bool:
         """Whether ``/apply-template``'s rendering of :meth:`messages` is this format's (has ``marker``)."""
@@ -251,10 +355,12 @@ class JudgeFormat:
 def _grammar(categories: tuple[str, ...]) -> str:
     names = " | ".join('"' + c.replace('"', '\\"') + '"' for c in categories)
     # At most three categories: an unbounded repeat let a small model list the same one until
-    # max_tokens cut it mid-word.
+    # max_tokens cut it mid-word. Safe has no category (gemma-3-270m named some after Safe, and
+    # generating them cost ~40 ms a token): after "Safe" only "Categories: None" may follow, so the
+    # verdict is known as soon as "Safe" is out (JudgeFormat.decided).
     return (
-        'root ::= "Safety: " verdict "\\nCategories: " cats\n'
-        'verdict ::= "Safe" | "Unsafe" | "Controversial"\n'
+        'root ::= "Safety: " ("Safe\\nCategories: None" | flagged "\\nCategories: " cats)\n'
+        'flagged ::= "Unsafe" | "Controversial"\n'
         'cats ::= "None" | cat (", " cat)? (", " cat)?\n'
         f"cat ::= {names}\n"
     )
@@ -278,12 +384,15 @@ def _instruction(direction: Direction) -> str:
 
 
 QWEN3GUARD = JudgeFormat(name="qwen3guard", marker="<BEGIN SAFETY POLICY>")
-LLAMAGUARD3 = JudgeFormat(name="llamaguard3", marker="<BEGIN UNSAFE CONTENT CATEGORIES>")
+LLAMAGUARD3 = JudgeFormat(
+    name="llamaguard3", marker="<BEGIN UNSAFE CONTENT CATEGORIES>", max_tokens=LLAMAGUARD3_MAX_TOKENS
+)
 PROMPTED = JudgeFormat(
     name="prompted",
     marker="<BEGIN UNSAFE CONTENT CATEGORIES>",
     grammar=_grammar(QWEN3GUARD_CATEGORIES),
     system={d: _instruction(d) for d in Direction},
+    max_tokens=PROMPTED_MAX_TOKENS,
 )
 
 FORMATS: dict[str, JudgeFormat] = {f.name: f for f in (QWEN3GUARD, LLAMAGUARD3, PROMPTED)}
