@@ -186,6 +186,7 @@ def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: S
                 "template_failed": sorted(i for i in failed if any(r.id == i for r in mine)),
                 "p50_ms": pct[0] if pct else None,
                 "p95_ms": pct[1] if pct else None,
+                "queue": q.snapshot() if inspector and (q := inspector.client.queues.get(name)) else None,
                 "hint": hint,
             })
         policies.append({

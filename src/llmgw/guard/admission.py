@@ -92,6 +92,13 @@ class JudgeQueue:
         rounds = 0 if ahead < self.slots else (ahead - self.slots) // self.slots + 1
         return rounds * mean, self.time.expected()
 
+    def snapshot(self) -> dict[str, float | int | None]:
+        """For ``guard judge status``: slots, in flight, waiting, refused, mean/deviation (ms)."""
+        return {
+            "slots": self.slots, "in_flight": self.in_flight, "waiting": len(self.waiters), "refused": self.refused,
+            "mean_ms": None if self.time.mean is None else self.time.mean * 1000, "dev_ms": self.time.dev * 1000,
+        }
+
     def record(self, seconds: float) -> None:
         """One judgment took ``seconds`` at the judge (queue wait not included)."""
         self.time.add(seconds)
