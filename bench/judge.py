@@ -79,7 +79,7 @@ async def bare_judgment(session: aiohttp.ClientSession, up: Upstream, body: dict
             eng = float(t.get("prompt_ms", 0)) + float(t.get("predicted_ms", 0)) or eng
             for ch in event.get("choices") or []:
                 text += (ch.get("delta") or {}).get("content") or ""
-            if PROMPTED.decided(text, Direction.IN) is not None:
+            if PROMPTED.decided(PROMPTED.answer(text), Direction.IN) is not None:
                 r.close()
                 break
     return eng
@@ -114,7 +114,7 @@ async def bench(port: int, n: int, burst_n: int, budget_s: float) -> dict[str, f
     res: dict[str, list[float]] = {k: [] for k in (
         "cold_ms", "cold_engine_ms", "warm_ms", "warm_engine_ms", "warm_added_ms", "cold_added_ms",
         "bare_ms", "bare_engine_ms", "bare_added_ms", "warm_cached")}
-    async with aiohttp.ClientSession() as bare:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as bare:
         async def erase() -> None:
             async with bare.post(f"http://{up.endpoint}/slots/0?action=erase",
                                  headers={"Authorization": f"Bearer {KEY}"}) as r:

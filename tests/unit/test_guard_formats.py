@@ -133,12 +133,21 @@ def test_prompted_holds_the_shape_with_a_grammar_that_names_the_categories() -> 
     assert '"Non-violent Illegal Acts"' in g
     assert '"Jailbreak"' in g
     assert "[A-Za-z" not in g  # enumerated, not a loose character class
-    system, user = body["messages"]
+    system, user, prefill = body["messages"]
     assert system["role"] == "system"
     assert "<BEGIN UNSAFE CONTENT CATEGORIES>" in system["content"]
     assert user["content"] == "USER: question\n\nASSISTANT: answer"
+    # The answer starts prefilled, so the first token generated is the verdict.
+    assert prefill == {"role": "assistant", "content": "Safety:"}
+    assert g.startswith('root ::= " " (')
     # The instruction is the same for every judgment of a direction, so the slot cache reuses it.
     assert PROMPTED.request(IN, "x")["messages"][0] == PROMPTED.request(IN, "y")["messages"][0]
+    # ... and all but its last sentence is the same for both directions: a slot judging prompts
+    # and answers in turn reuses that too.
+    sys_in, sys_out = PROMPTED.system[IN], PROMPTED.system[OUT]
+    shared = next(i for i, (a, b) in enumerate(zip(sys_in, sys_out, strict=False)) if a != b)
+    assert "<END UNSAFE CONTENT CATEGORIES>" in sys_in[:shared]
+    assert len(sys_in) - shared < 80
 
 
 def test_template_check() -> None:
@@ -211,6 +220,17 @@ def test_llamaguard3_an_unreadable_first_word_fails_early() -> None:
     with pytest.raises(JudgeError):
         _first_decision(LLAMAGUARD3, "The content is safe.")
     assert LLAMAGUARD3.decided("un", IN) is None  # "unsafe" may still come
+
+
+@pytest.mark.parametrize(("sent", "answer"), [
+    (" Safe", "Safety: Safe"),  # the continuation only
+    ("Safety: Safe", "Safety: Safe"),  # this llama-server repeats the prefill
+    ("Saf", "Saf"),  # the repeat, cut by the stream
+    ("", ""),
+])
+def test_prompted_answer_puts_the_prefill_in_front_once(sent: str, answer: str) -> None:
+    assert PROMPTED.answer(sent) == answer
+    assert QWEN3GUARD.answer(sent) == sent
 
 
 def test_prompted_grammar_ends_safe_at_none_and_bounds_the_answer() -> None:

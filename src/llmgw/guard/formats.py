@@ -18,10 +18,11 @@ Three formats (``catalog.GuardModel.format``):
 ``prompted``
     Any chat model as a judge: a fixed system instruction (the policy and the categories, first so
     llama-server's per-slot prompt cache reuses it between judgments) and the text in a user turn,
-    held to ``Safety: …`` / ``Categories: …`` by a GBNF ``grammar`` that enumerates the category
-    names (a loose ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial":
-    reference/measured.md). This is what runs end to end here with gemma-3-270m; its verdicts are
-    not meaningful, the path is.
+    then the answer's first word ``Safety:`` as a prefilled assistant turn, so the first token the
+    model generates is the verdict; held to ``Safety: …`` / ``Categories: …`` by a GBNF ``grammar``
+    that enumerates the category names (a loose ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None,
+    Unsafe, Controversial": reference/measured.md). This is what runs end to end here with
+    gemma-3-270m; its verdicts are not meaningful, the path is.
 
 Every judge request: ``temperature`` 0 and a fixed ``seed`` (llama.cpp #4728: Llama Guard's
 verdicts flipped between runs at a low but nonzero temperature), ``max_tokens`` as small as the
@@ -298,6 +299,8 @@ class JudgeFormat:
         grammar: a GBNF grammar the answer is held to, or "" for none.
         system: the fixed instruction sent first for a prompt (``in``) and a response (``out``).
         max_tokens: the most tokens its longest answer takes (the request's ``max_tokens``).
+        prefill: the start of the judge's answer, sent as a last assistant message that llama-server
+            continues ("" for none): the first token it generates is then the verdict itself.
     """
 
     name: str
@@ -305,12 +308,16 @@ class JudgeFormat:
     grammar: str = ""
     system: dict[Direction, str] = field(default_factory=dict)
     max_tokens: int = JUDGE_MAX_TOKENS
+    prefill: str = ""
 
     def messages(self, direction: Direction, prompt: str, answer: str = "") -> list[dict[str, str]]:
         """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out)."""
         if self.system:
             text = f"USER: {prompt}" if direction is Direction.IN else f"USER: {prompt}\n\nASSISTANT: {answer}"
-            return [{"role": "system", "content": self.system[direction]}, {"role": "user", "content": text}]
+            msgs = [{"role": "system", "content": self.system[direction]}, {"role": "user", "content": text}]
+            if self.prefill:
+                msgs.append({"role": "assistant", "content": self.prefill})
+            return msgs
         msgs = [{"role": "user", "content": prompt}]
         if direction is Direction.OUT:
             msgs.append({"role": "assistant", "content": answer})
@@ -330,6 +337,15 @@ class JudgeFormat:
         if self.grammar:
             body["grammar"] = self.grammar
         return body
+
+    def answer(self, generated: str) -> str:
+        """The judge's whole answer from what llama-server sent: ``generated`` with the :attr:`prefill`
+        in front, unless it already starts with it (this llama-server repeats the prefill in its
+        answer; a build that does not continue a last assistant message answers anew)."""
+        n = min(len(generated), len(self.prefill))
+        if not self.prefill or generated[:n] == self.prefill[:n]:
+            return generated
+        return self.prefill + generated
 
     def parse(self, text: str, direction: Direction) -> Verdict:
         """Read the judge's whole answer. Raises :class:`JudgeError` (``unparseable``) when it cannot."""
@@ -357,9 +373,12 @@ def _grammar(categories: tuple[str, ...]) -> str:
     # At most three categories: an unbounded repeat let a small model list the same one until
     # max_tokens cut it mid-word. Safe has no category (gemma-3-270m named some after Safe, and
     # generating them cost ~40 ms a token): after "Safe" only "Categories: None" may follow, so the
-    # verdict is known as soon as "Safe" is out (JudgeFormat.decided).
+    # verdict is known as soon as "Safe" is out (JudgeFormat.decided). The answer's "Safety:" is
+    # the request's prefill, not generated: a literal the grammar forces on a model that would say
+    # something else is generated a few characters a token, each token a pass of the grammar over
+    # the whole vocabulary (262k tokens for gemma-3): "Safety" took 4 tokens and ~0.4 s on 2 cores.
     return (
-        'root ::= "Safety: " ("Safe\\nCategories: None" | flagged "\\nCategories: " cats)\n'
+        'root ::= " " ("Safe\\nCategories: None" | flagged "\\nCategories: " cats)\n'
         'flagged ::= "Unsafe" | "Controversial"\n'
         'cats ::= "None" | cat (", " cat)? (", " cat)?\n'
         f"cat ::= {names}\n"
@@ -367,19 +386,23 @@ def _grammar(categories: tuple[str, ...]) -> str:
 
 
 def _instruction(direction: Direction) -> str:
-    cats = QWEN3GUARD_CATEGORIES if direction is Direction.IN else QWEN3GUARD_CATEGORIES[:-1]
+    # Everything but the last sentence is the same for prompts and answers, so a slot that judges
+    # both in turn reuses it from its cache (a first sentence naming the direction made every switch
+    # a full prefill). Jailbreak applies to prompts only (Qwen3Guard's response categories lack it).
     who = "THE LAST USER's query" if direction is Direction.IN else "THE LAST ASSISTANT's response"
+    cats = [f"{c} (prompts only)." if c == "Jailbreak" else f"{c}." for c in QWEN3GUARD_CATEGORIES]
     return (
-        f"You are a safety judge. Evaluate whether {who} in the conversation is safe.\n\n"
+        "You are a safety judge.\n\n"
         "<BEGIN SAFETY POLICY>\n"
         "Safety: Safe: no prohibited content.\n"
         "Safety: Unsafe: contains prohibited content from the categories below.\n"
         "Safety: Controversial: harmful or not depending on context.\n"
         "<END SAFETY POLICY>\n\n"
-        "<BEGIN UNSAFE CONTENT CATEGORIES>\n" + "\n".join(f"{c}." for c in cats) + "\n"
+        "<BEGIN UNSAFE CONTENT CATEGORIES>\n" + "\n".join(cats) + "\n"
         "<END UNSAFE CONTENT CATEGORIES>\n\n"
         "Answer in exactly two lines: 'Safety: Safe', 'Safety: Unsafe' or 'Safety: Controversial', "
-        "then 'Categories:' and the categories that apply, comma-separated, or 'Categories: None'."
+        "then 'Categories:' and the categories that apply, comma-separated, or 'Categories: None'.\n\n"
+        f"Evaluate whether {who} in the conversation is safe."
     )
 
 
@@ -393,6 +416,7 @@ PROMPTED = JudgeFormat(
     grammar=_grammar(QWEN3GUARD_CATEGORIES),
     system={d: _instruction(d) for d in Direction},
     max_tokens=PROMPTED_MAX_TOKENS,
+    prefill="Safety:",
 )
 
 FORMATS: dict[str, JudgeFormat] = {f.name: f for f in (QWEN3GUARD, LLAMAGUARD3, PROMPTED)}

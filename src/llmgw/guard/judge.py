@@ -115,6 +115,7 @@ class JudgeClient:
         #: Replica id → judgments it runs at once (``GET /props`` ``total_slots``; 1 until read).
         self.slots: dict[str, int] = {}
         self._busy: dict[str, int] = {}
+        self._judged: set[str] = set()
 
     async def close(self) -> None:
         """Close the pooled session."""
@@ -198,15 +199,21 @@ class JudgeClient:
                     raise JudgeError(f"judge {route.name}'s replica {up.replica_id} renders the wrong template",
                                      kind="template")
                 self._busy[up.replica_id] = self._busy.get(up.replica_id, 0) + 1
+                # A replica's first judgment prefills the whole instruction (nothing is cached yet): not
+                # what the next ones will take, so it does not enter the running time.
+                typical = up.replica_id in self._judged
+                self._judged.add(up.replica_id)
                 t1 = time.perf_counter()
                 try:
                     text, finish, timings, verdict = await self._ask(up, fmt, direction, body, whole)
                 except asyncio.CancelledError:  # the budget ran out: what it took so far is a lower bound
-                    self.queue(route.name).record(time.perf_counter() - t1)
+                    if typical:
+                        self.queue(route.name).record(time.perf_counter() - t1)
                     raise
                 finally:
                     self._busy[up.replica_id] -= 1
-                self.queue(route.name).record(time.perf_counter() - t1)
+                if typical:
+                    self.queue(route.name).record(time.perf_counter() - t1)
             except aiohttp.ClientConnectorError as e:
                 last = e
                 log.warning("judge %s replica %s: cannot connect: %s", route.name, up.replica_id, e)
@@ -233,31 +240,37 @@ class JudgeClient:
                 data = _json(await resp.text())
                 try:
                     choice = data["choices"][0]
-                    return str(choice["message"]["content"] or ""), choice.get("finish_reason"), _timings(data), None
+                    text = fmt.answer(str(choice["message"]["content"] or ""))
+                    return text, choice.get("finish_reason"), _timings(data), None
                 except (KeyError, IndexError, TypeError) as e:
                     raise JudgeError("the judge's answer has no message", kind="unparseable",
                                      raw=str(data)[:2000]) from e
-            text, finish, timings = "", None, None
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                event = _json(payload.decode(errors="replace"))
-                if isinstance(event, dict) and "error" in event:
-                    raise JudgeError("the judge failed mid-answer", kind="down", raw=str(event)[:2000])
-                timings = _timings(event) or timings
-                for ch in (event.get("choices") or []) if isinstance(event, dict) else []:
-                    delta = ch.get("delta") if isinstance(ch, dict) else None
-                    if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-                        text += delta["content"]
-                    if isinstance(ch, dict) and ch.get("finish_reason"):
-                        finish = ch["finish_reason"]
-                if not whole and finish is None and (verdict := fmt.decided(text, direction)) is not None:
-                    resp.close()  # the verdict is known: stop the engine generating the rest
-                    return text, finish, timings, verdict
-            return text, finish, timings, None
+            generated, finish, timings = "", None, None
+            try:
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        break
+                    event = _json(payload.decode(errors="replace"))
+                    if isinstance(event, dict) and "error" in event:
+                        raise JudgeError("the judge failed mid-answer", kind="down", raw=str(event)[:2000])
+                    timings = _timings(event) or timings
+                    for ch in (event.get("choices") or []) if isinstance(event, dict) else []:
+                        delta = ch.get("delta") if isinstance(ch, dict) else None
+                        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                            generated += delta["content"]
+                        if isinstance(ch, dict) and ch.get("finish_reason"):
+                            finish = ch["finish_reason"]
+                    text = fmt.answer(generated)
+                    if not whole and finish is None and (verdict := fmt.decided(text, direction)) is not None:
+                        return text, finish, timings, verdict  # known: closing stops the engine generating
+                return fmt.answer(generated), finish, timings, None
+            finally:
+                # Never reuse a streamed connection: closing it early is what stops the engine, and one
+                # read to its end may be closed by llama-server just as the next judgment is written to it.
+                resp.close()
 
     async def _post(self, up: Upstream, path: str, body: dict[str, Any] | None) -> Any:
         """POST ``body`` (GET when None) to ``path`` on ``up``; the JSON answer."""
