@@ -79,7 +79,7 @@ async def bare_judgment(session: aiohttp.ClientSession, up: Upstream, body: dict
             eng = float(t.get("prompt_ms", 0)) + float(t.get("predicted_ms", 0)) or eng
             for ch in event.get("choices") or []:
                 text += (ch.get("delta") or {}).get("content") or ""
-            if PROMPTED.decided(PROMPTED.answer(text), Direction.IN) is not None:
+            if PROMPTED.decided(PROMPTED.answer(text, PROMPTED.prefill), Direction.IN) is not None:
                 r.close()
                 break
     return eng

@@ -141,8 +141,8 @@ def test_a_burst_is_judged_or_refused_at_once_and_none_waits_past_its_budget(env
     The chat engine is a fake (instant) so that the judge's queue is the only one; the judge is the
     real llama-server. 40 judgments are more than one slot can do in 8 s even on a quiet machine
     (~0.3 s each), so before admission the judgments queued inside llama-server and those at the
-    back got 503 after the whole budget. Now each is judged, or refused at once as busy with
-    ``Retry-After``. One timeout is tolerated: an admitted judgment can still meet a judge slower
+    back got 503 after the whole budget. Now each is judged, or refused as busy with ``Retry-After``:
+    at once, or while waiting as soon as the running judgment time says it cannot make it. One timeout is tolerated: an admitted judgment can still meet a judge slower
     than its recent average on this shared machine (the budget then bounds it, as before).
     """
     budget = 8.0
@@ -184,7 +184,7 @@ def test_a_burst_is_judged_or_refused_at_once_and_none_waits_past_its_budget(env
     for r, seconds in busy:
         assert r.json()["error"]["code"] == "judge_unavailable"
         assert int(r.headers["Retry-After"]) >= 1
-        assert seconds < budget / 2  # at once, not after the budget
+        assert seconds < budget  # at once, or as soon as the queue's pace showed it could not make it
     for _, seconds in results:
         assert seconds < budget + 2  # nobody waits past its budget (2 s for this busy machine)
     assert stats["errors"].get("busy", 0) == len(busy)

@@ -129,17 +129,15 @@ def test_qwen3guard_messages_pick_the_mode() -> None:
 
 def test_prompted_holds_the_shape_with_a_grammar_that_names_the_categories() -> None:
     body = PROMPTED.request(OUT, "question", "answer")
-    g = body["grammar"]
+    g = PROMPTED.category_grammar
     assert '"Non-violent Illegal Acts"' in g
     assert '"Jailbreak"' in g
-    assert "[A-Za-z" not in g  # enumerated, not a loose character class
     system, user, prefill = body["messages"]
     assert system["role"] == "system"
     assert "<BEGIN UNSAFE CONTENT CATEGORIES>" in system["content"]
     assert user["content"] == "USER: question\n\nASSISTANT: answer"
     # The answer starts prefilled, so the first token generated is the verdict.
     assert prefill == {"role": "assistant", "content": "Safety:"}
-    assert g.startswith('root ::= " " (')
     # The instruction is the same for every judgment of a direction, so the slot cache reuses it.
     assert PROMPTED.request(IN, "x")["messages"][0] == PROMPTED.request(IN, "y")["messages"][0]
     # ... and all but its last sentence is the same for both directions: a slot judging prompts
@@ -187,8 +185,9 @@ DECIDED = [
      "Safety: Controversial\r\nCategories: Unethical Acts\r", Verdict(Safety.CONTROVERSIAL, ("Unethical Acts",))),
     # An answer that ends before its categories line does is read whole at the end (not here).
     (QWEN3GUARD, IN, "Safety: Unsafe\nCategories: Violent", "Safety: Unsafe\nCategories: Violent", None),
-    # prompted: its grammar allows only "Categories: None" after Safe, so "Safe" settles it.
-    (PROMPTED, IN, "Safety: Safe\nCategories: None", "Safety: Safe", Verdict(Safety.SAFE)),
+    # prompted: its first step's grammar allows only the verdict word, so "Safe" settles it; a flag
+    # waits for the categories (its second step).
+    (PROMPTED, IN, "Safety: Safe", "Safety: Safe", Verdict(Safety.SAFE)),
     (PROMPTED, IN, "Safety: Unsafe\nCategories: Violent", "Safety: Unsafe\nCategories: Violent", None),
     (LLAMAGUARD3, IN, "\n\nsafe\n", "\n\nsafe\n", Verdict(Safety.SAFE)),
     (LLAMAGUARD3, IN, "unsafe\nS1,S2\n", "unsafe\nS1,S2\n", Verdict(Safety.UNSAFE, ("S1 Violent Crimes",
@@ -229,12 +228,21 @@ def test_llamaguard3_an_unreadable_first_word_fails_early() -> None:
     ("", ""),
 ])
 def test_prompted_answer_puts_the_prefill_in_front_once(sent: str, answer: str) -> None:
-    assert PROMPTED.answer(sent) == answer
-    assert QWEN3GUARD.answer(sent) == sent
+    assert PROMPTED.answer(sent, "Safety:") == answer
+    assert QWEN3GUARD.answer(sent, "") == sent
 
 
-def test_prompted_grammar_ends_safe_at_none_and_bounds_the_answer() -> None:
-    g = PROMPTED.grammar
-    assert '"Safe\\nCategories: None"' in g
-    assert PROMPTED.max_tokens < QWEN3GUARD.max_tokens
-    assert PROMPTED.request(IN, "x")["max_tokens"] == PROMPTED.max_tokens
+def test_prompted_asks_the_verdict_first_and_the_categories_only_for_a_flag() -> None:
+    body = PROMPTED.request(IN, "x")
+    # The verdict word and its newline, where the engine stops: nothing generated after it.
+    assert body["grammar"] == 'root ::= " " ("Safe" | "Unsafe" | "Controversial") "\\n"\n'
+    assert body["stop"] == ["\n"]
+    assert body["max_tokens"] <= 6
+    more = PROMPTED.category_request(IN, "x", "", "Safety: Unsafe")
+    assert more["messages"][:-1] == body["messages"][:-1]  # the same prompt: cached but its tail
+    assert more["messages"][-1] == {"role": "assistant", "content": "Safety: Unsafe\nCategories:"}
+    assert more["grammar"].startswith('root ::= " " cats "\\n"')
+    assert '"Non-violent Illegal Acts"' in more["grammar"]
+    assert "[A-Za-z" not in more["grammar"]  # enumerated, not a loose character class
+    assert more["stop"] == ["\n"]
+    assert QWEN3GUARD.category_grammar == ""  # the real formats answer in one go

@@ -202,6 +202,37 @@ def test_queue_order_and_estimate() -> None:
     assert asyncio.run(run()) == list("abcd")
 
 
+def test_a_waiter_that_can_no_longer_make_it_is_refused_as_soon_as_that_is_known() -> None:
+    async def run() -> tuple[str, int, int]:
+        q = JudgeQueue("j")
+        q.record(0.1)
+        q.record(0.1)  # judgments look quick: mean 0.1 s
+        hold = asyncio.Event()
+
+        async def first() -> None:
+            async with q.admit(10):
+                await hold.wait()
+
+        t = asyncio.create_task(first())
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(_enter(q, 2.0))
+        await asyncio.sleep(0)
+        assert len(q.waiters) == 1  # admitted: 0.1 s ahead of it
+        q.record(5.0)  # the judge turned slow: 5 s a judgment cannot fit in 2 s
+        with pytest.raises(JudgeError) as e:
+            await waiter
+        hold.set()
+        await t
+        return e.value.kind, q.in_flight, len(q.waiters)
+
+    assert asyncio.run(run()) == ("busy", 0, 0)
+
+
+async def _enter(q: JudgeQueue, left_s: float) -> None:
+    async with q.admit(left_s):
+        pass
+
+
 def test_a_waiter_that_times_out_leaves_the_queue() -> None:
     async def run() -> tuple[int, int]:
         q = JudgeQueue("j")

@@ -15,7 +15,9 @@ mean plus two mean deviations of the recent ones (RFC 6298's estimator: gains 1/
 the first judgment :data:`PRIOR_S`). A judgment is refused when ``rounds × mean + mean + 2 × dev``
 is more than the seconds left in its budget; one that finds a free slot is never refused (it gets
 its chance; the budget still bounds it). The refusal carries ``retry_after_s``: how much sooner the
-queue would have to drain, at least 1 s.
+queue would have to drain, at least 1 s. Each time a judgment ends the estimate is redone for those
+still waiting, and one that can no longer finish within its budget is refused then (a burst
+admitted on a running time that proved too short), rather than timing out at the end of it.
 
 Not guaranteed: that an admitted judgment finishes within its budget (a judge slower than its
 recent average still times out at the budget, as before), nor fairness between policies (one queue
@@ -75,7 +77,8 @@ class JudgeQueue:
         self.name = name
         self.slots = 1
         self.in_flight = 0
-        self.waiters: deque[asyncio.Future[None]] = deque()
+        #: Waiting judgments in order of arrival: (granted when set, loop time by which it must be done).
+        self.waiters: deque[tuple[asyncio.Future[None], float]] = deque()
         self.time = JudgeTime()
         #: Judgments refused at once since start.
         self.refused = 0
@@ -100,8 +103,36 @@ class JudgeQueue:
         }
 
     def record(self, seconds: float) -> None:
-        """One judgment took ``seconds`` at the judge (queue wait not included)."""
+        """One judgment took ``seconds`` at the judge (queue wait not included); waiters that the
+        new estimate says cannot finish within their budget are refused now (see :meth:`_prune`)."""
         self.time.add(seconds)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Refuse (``busy``) each waiter whose estimated finish, from its place in the queue and the
+        current running time, is past its deadline: a burst admitted on an estimate that proved
+        too low is refused as soon as that is known, not after its whole budget."""
+        if not self.waiters:
+            return
+        now = asyncio.get_running_loop().time()
+        mean = PRIOR_S if self.time.mean is None else self.time.mean
+        own = self.time.expected()
+        kept: deque[tuple[asyncio.Future[None], float]] = deque()
+        for fut, deadline in self.waiters:
+            if fut.done():
+                continue
+            ahead = self.in_flight + len(kept)
+            rounds = 0 if ahead < self.slots else (ahead - self.slots) // self.slots + 1
+            finish = now + rounds * mean + own
+            if finish > deadline:
+                self.refused += 1
+                fut.set_exception(JudgeError(
+                    f"judge {self.name} is busy: {ahead} judgments ahead on {self.slots} slot(s) would take "
+                    f"past the budget", kind="busy", retry_after_s=max(1.0, math.ceil(finish - deadline)),
+                ))
+            else:
+                kept.append((fut, deadline))
+        self.waiters = kept
 
     @asynccontextmanager
     async def admit(self, left_s: float) -> AsyncIterator[None]:
@@ -122,17 +153,20 @@ class JudgeQueue:
                     f"{wait:.1f} s to wait and {own:.1f} s to judge, over the {left_s:.1f} s left of the budget",
                     kind="busy", retry_after_s=retry,
                 )
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.waiters.append(fut)
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+            entry = (fut, loop.time() + left_s)
+            self.waiters.append(entry)
             try:
                 await fut
+            except JudgeError:  # refused while waiting (_prune): it holds no slot
+                raise
             except BaseException:
-                if not fut.done() or fut.cancelled():
-                    if fut in self.waiters:
-                        self.waiters.remove(fut)
-                else:  # granted a slot just as it was cancelled: hand the slot on
-                    self.in_flight -= 1
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self.in_flight -= 1  # granted a slot just as it was cancelled: hand the slot on
                     self._wake()
+                elif entry in self.waiters:
+                    self.waiters.remove(entry)
                 raise
         else:
             self.in_flight += 1
@@ -144,7 +178,7 @@ class JudgeQueue:
 
     def _wake(self) -> None:
         while self.waiters and self.in_flight < self.slots:
-            fut = self.waiters.popleft()
+            fut, _ = self.waiters.popleft()
             if not fut.done():
                 self.in_flight += 1
                 fut.set_result(None)

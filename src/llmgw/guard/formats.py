@@ -58,7 +58,9 @@ from llmgw.guard.config import Direction
 JUDGE_SEED = 42
 #: The longest Qwen3Guard answer: 3 lines (``Safety``, ``Categories`` with a few names, ``Refusal``).
 JUDGE_MAX_TOKENS = 48
-#: ``prompted``: ``Safety: Controversial`` and at most three category names (its grammar), ~30 tokens.
+#: ``prompted``, first step: the verdict word and its newline (`` Controversial`` is 2-3 tokens).
+PROMPTED_VERDICT_MAX_TOKENS = 6
+#: ``prompted``, second step: at most three category names (its grammar) and a newline, ~25 tokens.
 PROMPTED_MAX_TOKENS = 40
 #: Llama Guard 3: ``unsafe`` and a line of S-codes (2-3 tokens each).
 LLAMAGUARD3_MAX_TOKENS = 32
@@ -301,6 +303,11 @@ class JudgeFormat:
         max_tokens: the most tokens its longest answer takes (the request's ``max_tokens``).
         prefill: the start of the judge's answer, sent as a last assistant message that llama-server
             continues ("" for none): the first token it generates is then the verdict itself.
+        stop: strings that end the answer on the engine's side (``stop``), so it generates nothing
+            after them.
+        category_grammar: for a format that asks in two steps (``prompted``): the grammar of the
+            second request, which continues ``Safety: <verdict>\nCategories:`` when the verdict
+            is not Safe ("" for a one-step format).
     """
 
     name: str
@@ -309,14 +316,21 @@ class JudgeFormat:
     system: dict[Direction, str] = field(default_factory=dict)
     max_tokens: int = JUDGE_MAX_TOKENS
     prefill: str = ""
+    stop: tuple[str, ...] = ()
+    category_grammar: str = ""
+    category_max_tokens: int = 0
 
-    def messages(self, direction: Direction, prompt: str, answer: str = "") -> list[dict[str, str]]:
-        """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out)."""
+    def messages(
+        self, direction: Direction, prompt: str, answer: str = "", *, prefill: str | None = None
+    ) -> list[dict[str, str]]:
+        """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out),
+        ending with the assistant's ``prefill`` (default :attr:`prefill`) when there is one."""
         if self.system:
             text = f"USER: {prompt}" if direction is Direction.IN else f"USER: {prompt}\n\nASSISTANT: {answer}"
             msgs = [{"role": "system", "content": self.system[direction]}, {"role": "user", "content": text}]
-            if self.prefill:
-                msgs.append({"role": "assistant", "content": self.prefill})
+            start = self.prefill if prefill is None else prefill
+            if start:
+                msgs.append({"role": "assistant", "content": start})
             return msgs
         msgs = [{"role": "user", "content": prompt}]
         if direction is Direction.OUT:
@@ -325,32 +339,50 @@ class JudgeFormat:
 
     def request(self, direction: Direction, prompt: str, answer: str = "") -> dict[str, Any]:
         """The ``/v1/chat/completions`` body for one judgment (sampling fixed; see the module docstring)."""
+        return self._body(self.messages(direction, prompt, answer), self.grammar, self.max_tokens)
+
+    def category_request(self, direction: Direction, prompt: str, answer: str, verdict_line: str) -> dict[str, Any]:
+        """The second step's body (:attr:`category_grammar`): the judge continues ``verdict_line``
+        (``Safety: Unsafe``) with ``\nCategories:``; its prompt is the first step's, so the
+        engine's slot has all but the last few tokens cached."""
+        msgs = self.messages(direction, prompt, answer, prefill=f"{verdict_line.rstrip()}\nCategories:")
+        return self._body(msgs, self.category_grammar, self.category_max_tokens)
+
+    def _body(self, messages: list[dict[str, str]], grammar: str, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "messages": self.messages(direction, prompt, answer),
+            "messages": messages,
             "temperature": 0,
             "seed": JUDGE_SEED,
-            "max_tokens": self.max_tokens,
+            "max_tokens": max_tokens,
             "cache_prompt": True,
             "stream": True,
             "timings_per_token": True,
         }
-        if self.grammar:
-            body["grammar"] = self.grammar
+        if grammar:
+            body["grammar"] = grammar
+        if self.stop:
+            body["stop"] = list(self.stop)
         return body
 
-    def answer(self, generated: str) -> str:
-        """The judge's whole answer from what llama-server sent: ``generated`` with the :attr:`prefill`
-        in front, unless it already starts with it (this llama-server repeats the prefill in its
-        answer; a build that does not continue a last assistant message answers anew)."""
-        n = min(len(generated), len(self.prefill))
-        if not self.prefill or generated[:n] == self.prefill[:n]:
+    @staticmethod
+    def answer(generated: str, prefill: str) -> str:
+        """The judge's whole answer from what llama-server sent: ``generated`` with the request's
+        ``prefill`` in front, unless it already starts with it (this llama-server repeats the
+        prefill in its answer; a build that does not continue a last assistant message answers anew)."""
+        n = min(len(generated), len(prefill))
+        if not prefill or generated[:n] == prefill[:n]:
             return generated
-        return self.prefill + generated
+        return prefill + generated
 
     def parse(self, text: str, direction: Direction) -> Verdict:
-        """Read the judge's whole answer. Raises :class:`JudgeError` (``unparseable``) when it cannot."""
+        """Read the judge's whole answer. Raises :class:`JudgeError` (``unparseable``) when it cannot.
+
+        A two-step format's Safe answer is its verdict line alone (``Safety: Safe``).
+        """
         if self.name == "llamaguard3":
             return parse_llamaguard3(text)
+        if self.category_grammar and (v := self.decided(text.rstrip() + "\n", direction)) is not None:
+            return v
         return parse_qwen3guard(text, direction)
 
     def decided(self, text: str, direction: Direction) -> Verdict | None:
@@ -368,21 +400,27 @@ class JudgeFormat:
         return self.marker in rendered
 
 
-def _grammar(categories: tuple[str, ...]) -> str:
+def _grammars(categories: tuple[str, ...]) -> tuple[str, str]:
+    """The ``prompted`` grammars: the verdict line, and the categories line that follows a flag.
+
+    The answer's ``Safety:`` is the request's prefill, not generated: a literal the grammar forces on
+    a model that would say something else comes out a few characters a token, each token a pass of
+    the grammar over the whole vocabulary (262k tokens for gemma-3): "Safety" took 4 tokens and
+    ~0.4 s on 2 loaded cores, "Categories" as much, and a forced end of text up to 1.9 s. So the
+    first step generates only the verdict word and its newline, where ``stop`` ends it on the
+    engine's side (nothing generated after it, no end-of-text token); a Safe verdict has no
+    categories (gemma-3-270m named some after Safe). Only Unsafe and Controversial take a second
+    step for their categories, at most three (an unbounded repeat let a small model list the same
+    one until max_tokens cut it mid-word), ending in a newline as well.
+    """
     names = " | ".join('"' + c.replace('"', '\\"') + '"' for c in categories)
-    # At most three categories: an unbounded repeat let a small model list the same one until
-    # max_tokens cut it mid-word. Safe has no category (gemma-3-270m named some after Safe, and
-    # generating them cost ~40 ms a token): after "Safe" only "Categories: None" may follow, so the
-    # verdict is known as soon as "Safe" is out (JudgeFormat.decided). The answer's "Safety:" is
-    # the request's prefill, not generated: a literal the grammar forces on a model that would say
-    # something else is generated a few characters a token, each token a pass of the grammar over
-    # the whole vocabulary (262k tokens for gemma-3): "Safety" took 4 tokens and ~0.4 s on 2 cores.
-    return (
-        'root ::= " " ("Safe\\nCategories: None" | flagged "\\nCategories: " cats)\n'
-        'flagged ::= "Unsafe" | "Controversial"\n'
+    verdict = 'root ::= " " ("Safe" | "Unsafe" | "Controversial") "\\n"\n'
+    cats = (
+        'root ::= " " cats "\\n"\n'
         'cats ::= "None" | cat (", " cat)? (", " cat)?\n'
         f"cat ::= {names}\n"
     )
+    return verdict, cats
 
 
 def _instruction(direction: Direction) -> str:
@@ -410,13 +448,17 @@ QWEN3GUARD = JudgeFormat(name="qwen3guard", marker="<BEGIN SAFETY POLICY>")
 LLAMAGUARD3 = JudgeFormat(
     name="llamaguard3", marker="<BEGIN UNSAFE CONTENT CATEGORIES>", max_tokens=LLAMAGUARD3_MAX_TOKENS
 )
+_VERDICT_GRAMMAR, _CATEGORY_GRAMMAR = _grammars(QWEN3GUARD_CATEGORIES)
 PROMPTED = JudgeFormat(
     name="prompted",
     marker="<BEGIN UNSAFE CONTENT CATEGORIES>",
-    grammar=_grammar(QWEN3GUARD_CATEGORIES),
+    grammar=_VERDICT_GRAMMAR,
     system={d: _instruction(d) for d in Direction},
-    max_tokens=PROMPTED_MAX_TOKENS,
+    max_tokens=PROMPTED_VERDICT_MAX_TOKENS,
     prefill="Safety:",
+    stop=("\n",),
+    category_grammar=_CATEGORY_GRAMMAR,
+    category_max_tokens=PROMPTED_MAX_TOKENS,
 )
 
 FORMATS: dict[str, JudgeFormat] = {f.name: f for f in (QWEN3GUARD, LLAMAGUARD3, PROMPTED)}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,9 +125,13 @@ class JudgeClient:
             self._session = None
 
     def _http(self) -> aiohttp.ClientSession:
+        # One connection per request (force_close): a streamed judgment's connection is closed to stop
+        # the engine anyway, and an idle pooled one that llama-server closes as a judgment is written
+        # to it failed that judgment ("Can not write request body", seen in the e2e tests); a connect
+        # on the judge's network costs well under a millisecond.
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=4.0),
+                connector=aiohttp.TCPConnector(limit=256, force_close=True),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
             )
         return self._session
@@ -206,6 +211,11 @@ class JudgeClient:
                 t1 = time.perf_counter()
                 try:
                     text, finish, timings, verdict = await self._ask(up, fmt, direction, body, whole)
+                    if verdict is None and fmt.category_grammar and (line := _flagged(text)):
+                        # Two steps (prompted): Unsafe/Controversial, now its categories.
+                        more = fmt.category_request(direction, prompt, answer, line)
+                        text, finish, timings2, verdict = await self._ask(up, fmt, direction, more, whole)
+                        timings = _add(timings, timings2)
                 except asyncio.CancelledError:  # the budget ran out: what it took so far is a lower bound
                     if typical:
                         self.queue(route.name).record(time.perf_counter() - t1)
@@ -236,11 +246,12 @@ class JudgeClient:
         ) as resp:
             if resp.status >= 400:
                 raise JudgeError(f"the judge answered {resp.status}", kind="down", raw=(await resp.text())[:2000])
+            prefill = _prefill(body)
             if not resp.content_type.startswith("text/event-stream"):
                 data = _json(await resp.text())
                 try:
                     choice = data["choices"][0]
-                    text = fmt.answer(str(choice["message"]["content"] or ""))
+                    text = fmt.answer(str(choice["message"]["content"] or ""), prefill)
                     return text, choice.get("finish_reason"), _timings(data), None
                 except (KeyError, IndexError, TypeError) as e:
                     raise JudgeError("the judge's answer has no message", kind="unparseable",
@@ -263,14 +274,12 @@ class JudgeClient:
                             generated += delta["content"]
                         if isinstance(ch, dict) and ch.get("finish_reason"):
                             finish = ch["finish_reason"]
-                    text = fmt.answer(generated)
+                    text = fmt.answer(generated, prefill)
                     if not whole and finish is None and (verdict := fmt.decided(text, direction)) is not None:
                         return text, finish, timings, verdict  # known: closing stops the engine generating
-                return fmt.answer(generated), finish, timings, None
+                return fmt.answer(generated, prefill), finish, timings, None
             finally:
-                # Never reuse a streamed connection: closing it early is what stops the engine, and one
-                # read to its end may be closed by llama-server just as the next judgment is written to it.
-                resp.close()
+                resp.close()  # early: this is what stops the engine generating the rest
 
     async def _post(self, up: Upstream, path: str, body: dict[str, Any] | None) -> Any:
         """POST ``body`` (GET when None) to ``path`` on ``up``; the JSON answer."""
@@ -319,6 +328,28 @@ def _json(text: str) -> Any:
         raise JudgeError("the judge's answer is not JSON", kind="unparseable", raw=text[:2000]) from e
 
 
+def _prefill(body: dict[str, Any]) -> str:
+    """The assistant's prefill a request ends with ("" when its last message is not the assistant's)."""
+    last = body["messages"][-1]
+    return str(last["content"]) if last.get("role") == "assistant" else ""
+
+
+_FLAGGED = re.compile(r"^\s*Safety\s*:\s*(Unsafe|Controversial)\s*$", re.IGNORECASE)
+
+
+def _flagged(text: str) -> str:
+    """``text`` when it is a lone ``Safety: Unsafe|Controversial`` line (a two-step first answer), else ""."""
+    return text if _FLAGGED.match(text) else ""
+
+
+def _add(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two steps' timings as one: times added, the cached tokens of the first (the judgment's prompt)."""
+    if a is None or b is None:
+        return a or b
+    ms = ("prompt_ms", "predicted_ms")
+    return {**a, **{k: float(a.get(k, 0.0)) + float(b.get(k, 0.0)) for k in ms}}
+
+
 def _timings(data: Any) -> dict[str, Any] | None:
     t = data.get("timings") if isinstance(data, dict) else None
     return t if isinstance(t, dict) else None
@@ -331,7 +362,7 @@ def _judgment(
     if verdict is None:
         if finish == "length" and not text.strip():
             raise JudgeError("the judge ran out of max_tokens before saying anything", kind="unparseable", raw=text)
-        verdict = fmt.parse(text, direction)
+        verdict = fmt.decided(text, direction) or fmt.parse(text, direction)
     engine_ms = None
     cached = 0
     if timings is not None:
