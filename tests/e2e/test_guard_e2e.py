@@ -139,11 +139,12 @@ def test_a_burst_is_judged_or_refused_at_once_and_none_waits_past_its_budget(env
     """40 guarded requests at once against the real judge (one slot) with an 8 s budget.
 
     The chat engine is a fake (instant) so that the judge's queue is the only one; the judge is the
-    real llama-server. 40 judgments are more than one slot can do in 8 s even on a quiet machine
-    (~0.3 s each), so before admission the judgments queued inside llama-server and those at the
-    back got 503 after the whole budget. Now each is judged, or refused as busy with ``Retry-After``:
-    at once, or while waiting as soon as the running judgment time says it cannot make it. One timeout is tolerated: an admitted judgment can still meet a judge slower
-    than its recent average on this shared machine (the budget then bounds it, as before).
+    real llama-server. Before this change a judgment took ~1 s and they all queued inside
+    llama-server: those at the back got 503 after the whole budget (35 of 40 when checked). Now each
+    is judged, or refused as busy with ``Retry-After``: at once, or while waiting as soon as the
+    running judgment time says it cannot make it. One timeout is tolerated: an admitted judgment
+    can still meet a judge slower than its recent average on this shared machine (the budget then
+    bounds it, as before).
     """
     budget = 8.0
     port = env.servers.serve(fake_llama("engine", "engine-key"))

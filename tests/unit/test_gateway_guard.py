@@ -456,3 +456,51 @@ def test_held_stream_collects_text_from_events() -> None:
         return "".join(h.parts) + "|" + str(h.meta["id"])
 
     assert asyncio.run(run()) == "ar{}|x"
+
+
+def test_a_prompted_judge_flags_in_two_steps_and_closes_as_soon_as_it_is_safe() -> None:
+    """The prompted format over real HTTP: the verdict word first (the engine stops at its newline),
+    the categories in a second request only for a flag. This fake answers as llama-server does
+    (a few characters an event), once without repeating the prefill, once repeating it."""
+    asked: list[list[dict[str, str]]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        asked.append(body["messages"])
+        assert body["stop"] == ["\n"]
+        prefill = body["messages"][-1]["content"]
+        text = body["messages"][1]["content"]
+        if prefill == "Safety:":
+            answer = " Unsafe" if "bomb" in text else " Safe"
+        else:
+            assert prefill == "Safety: Unsafe\nCategories:"
+            answer = prefill + " Violent, PII"
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(0, len(answer), 3):
+            event = {"choices": [{"delta": {"content": answer[i:i + 3]}}]}
+            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await out.write(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        return out
+
+    async def template(_: web.Request) -> web.Response:
+        return web.json_response({"prompt": "<BEGIN UNSAFE CONTENT CATEGORIES>"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/apply-template", template)
+    servers = ServerThread()
+    port = servers.serve(app)
+    client = JudgeClient({"p": JudgeRoute("p", "prompted", (Upstream("p-1", f"127.0.0.1:{port}", "k"),))}.get)
+    try:
+        flagged = servers.run(client.judge(["p"], Direction.IN, "a bomb", budget_s=5))
+        assert len(asked) == 2
+        assert asked[1][:-1] == asked[0][:-1]  # the same prompt, so the slot has it cached
+        safe = servers.run(client.judge(["p"], Direction.IN, "hello", budget_s=5))
+        assert len(asked) == 3  # Safe: one step
+    finally:
+        servers.run(client.close())
+        servers.close()
+    assert (flagged.verdict.safety.value, flagged.verdict.categories) == ("unsafe", ("Violent", "PII"))
+    assert flagged.raw == "Safety: Unsafe\nCategories: Violent, PII"
+    assert (safe.verdict.safety.value, safe.raw) == ("safe", "Safety: Safe")

@@ -19,10 +19,13 @@ Three formats (``catalog.GuardModel.format``):
     Any chat model as a judge: a fixed system instruction (the policy and the categories, first so
     llama-server's per-slot prompt cache reuses it between judgments) and the text in a user turn,
     then the answer's first word ``Safety:`` as a prefilled assistant turn, so the first token the
-    model generates is the verdict; held to ``Safety: …`` / ``Categories: …`` by a GBNF ``grammar``
-    that enumerates the category names (a loose ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None,
-    Unsafe, Controversial": reference/measured.md). This is what runs end to end here with
-    gemma-3-270m; its verdicts are not meaningful, the path is.
+    model generates is the verdict. Asked in two steps, each held by a GBNF ``grammar`` and ended by
+    the ``stop`` string ``\n`` on the engine's side: the verdict word (``Safety: Safe`` is the whole
+    answer for Safe), then, only for Unsafe or Controversial, a second request continuing
+    ``Safety: <verdict>\nCategories:`` with a grammar that enumerates the category names (a loose
+    ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial": reference/measured.md);
+    its prompt is the first's, so it costs the few tokens of its tail and the categories. This is
+    what runs end to end here with gemma-3-270m; its verdicts are not meaningful, the path is.
 
 Every judge request: ``temperature`` 0 and a fixed ``seed`` (llama.cpp #4728: Llama Guard's
 verdicts flipped between runs at a low but nonzero temperature), ``max_tokens`` as small as the
@@ -32,8 +35,8 @@ soon as :meth:`JudgeFormat.decided` says the verdict is known (llama-server then
 for it), so a judgment costs the uncached tail of the prompt plus the verdict's own tokens, not the
 lines after it. The verdict is known early only when nothing after it can change the decision:
 
-- ``Safe``: at the end of its line (for ``prompted``, whose grammar allows nothing but
-  ``Categories: None`` after ``Safe``, as soon as the word is out);
+- ``Safe``: at the end of its line (for ``prompted``, whose first step's grammar allows nothing
+  after the word but its newline, as soon as the word is out);
 - ``Unsafe`` / ``Controversial``: only once the ``Categories:`` line is complete (the categories
   are part of the verdict: they go to the client and the logs);
 - Llama Guard 3: ``safe`` once a blank follows it; ``unsafe`` once its line of S-codes is complete.
@@ -298,7 +301,7 @@ class JudgeFormat:
     Attributes:
         name: the catalog's ``guard.format``.
         marker: text the judge's rendered prompt must contain (checked with ``/apply-template``).
-        grammar: a GBNF grammar the answer is held to, or "" for none.
+        grammar: a GBNF grammar the answer (a two-step format's first step) is held to, or "" for none.
         system: the fixed instruction sent first for a prompt (``in``) and a response (``out``).
         max_tokens: the most tokens its longest answer takes (the request's ``max_tokens``).
         prefill: the start of the judge's answer, sent as a last assistant message that llama-server
@@ -307,7 +310,7 @@ class JudgeFormat:
             after them.
         category_grammar: for a format that asks in two steps (``prompted``): the grammar of the
             second request, which continues ``Safety: <verdict>\nCategories:`` when the verdict
-            is not Safe ("" for a one-step format).
+            is not Safe ("" for a one-step format), with at most ``category_max_tokens``.
     """
 
     name: str
