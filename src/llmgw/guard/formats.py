@@ -348,8 +348,13 @@ class JudgeFormat:
         """The second step's body (:attr:`category_grammar`): the judge continues ``verdict_line``
         (``Safety: Unsafe``) with ``\nCategories:``; its prompt is the first step's, so the
         engine's slot has all but the last few tokens cached."""
-        msgs = self.messages(direction, prompt, answer, prefill=f"{verdict_line.rstrip()}\nCategories:")
+        msgs = self.messages(direction, prompt, answer, prefill=self.category_prefill(verdict_line))
         return self._body(msgs, self.category_grammar, self.category_max_tokens)
+
+    @staticmethod
+    def category_prefill(verdict_line: str) -> str:
+        """What the second step's answer starts with: ``verdict_line`` and ``\nCategories:``."""
+        return f"{verdict_line.rstrip()}\nCategories:"
 
     def _body(self, messages: list[dict[str, str]], grammar: str, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {

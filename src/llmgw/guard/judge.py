@@ -210,11 +210,13 @@ class JudgeClient:
                 self._judged.add(up.replica_id)
                 t1 = time.perf_counter()
                 try:
-                    text, finish, timings, verdict = await self._ask(up, fmt, direction, body, whole)
+                    text, finish, timings, verdict = await self._ask(up, fmt, direction, body, fmt.prefill, whole)
                     if verdict is None and fmt.category_grammar and (line := _flagged(text)):
                         # Two steps (prompted): Unsafe/Controversial, now its categories.
                         more = fmt.category_request(direction, prompt, answer, line)
-                        text, finish, timings2, verdict = await self._ask(up, fmt, direction, more, whole)
+                        text, finish, timings2, verdict = await self._ask(
+                            up, fmt, direction, more, fmt.category_prefill(line), whole
+                        )
                         timings = _add(timings, timings2)
                 except asyncio.CancelledError:  # the budget ran out: what it took so far is a lower bound
                     if typical:
@@ -234,9 +236,13 @@ class JudgeClient:
         raise JudgeError(f"no replica of judge {route.name} accepts connections ({last})", kind="down")
 
     async def _ask(
-        self, up: Upstream, fmt: JudgeFormat, direction: Direction, body: dict[str, Any], whole: bool
+        self, up: Upstream, fmt: JudgeFormat, direction: Direction, body: dict[str, Any], prefill: str,
+        whole: bool,
     ) -> tuple[str, str | None, dict[str, Any] | None, Verdict | None]:
         """Send one judgment; ``(text, finish_reason, timings, verdict known early or None)``.
+
+        ``text`` is the answer with ``prefill`` (what the request's last assistant turn began it
+        with) in front, once (:meth:`JudgeFormat.answer`).
 
         A streamed answer is read event by event and the connection closed (so the engine stops)
         once ``fmt.decided`` gives a verdict (unless ``whole``); a JSON answer is read whole.
@@ -246,7 +252,6 @@ class JudgeClient:
         ) as resp:
             if resp.status >= 400:
                 raise JudgeError(f"the judge answered {resp.status}", kind="down", raw=(await resp.text())[:2000])
-            prefill = _prefill(body)
             if not resp.content_type.startswith("text/event-stream"):
                 data = _json(await resp.text())
                 try:
@@ -328,12 +333,6 @@ def _json(text: str) -> Any:
         raise JudgeError("the judge's answer is not JSON", kind="unparseable", raw=text[:2000]) from e
 
 
-def _prefill(body: dict[str, Any]) -> str:
-    """The assistant's prefill a request ends with ("" when its last message is not the assistant's)."""
-    last = body["messages"][-1]
-    return str(last["content"]) if last.get("role") == "assistant" else ""
-
-
 _FLAGGED = re.compile(r"^\s*Safety\s*:\s*(Unsafe|Controversial)\s*$", re.IGNORECASE)
 
 
@@ -362,7 +361,7 @@ def _judgment(
     if verdict is None:
         if finish == "length" and not text.strip():
             raise JudgeError("the judge ran out of max_tokens before saying anything", kind="unparseable", raw=text)
-        verdict = fmt.decided(text, direction) or fmt.parse(text, direction)
+        verdict = fmt.parse(text, direction)
     engine_ms = None
     cached = 0
     if timings is not None:
