@@ -6,7 +6,8 @@ What is checked: the judge's rendering passes ``/apply-template``; every judgmen
 parsed (the grammar holds gemma to the verdict's shape), so no request is ``unjudged``; a request is
 served or refused as ``content_blocked`` according to the verdict, never anything else; streams
 are valid SSE ending ``[DONE]``; the fixed instruction is reused from the slot's cache between
-judgments (``--swa-full``, reference/measured.md).
+judgments (``--swa-full``, reference/measured.md); under a burst of concurrent requests each is
+judged or refused at once as busy, and none waits past its budget (issue 9 #16).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from llmgw.control.routing import Route, StaticRouter, Upstream
 from llmgw.guard.config import Direction, FailMode, GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from tests.conftest import Assets
-from tests.unit.test_gateway_fakes import ServerThread, free_port
+from tests.unit.test_gateway_fakes import ServerThread, fake_llama, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +41,7 @@ class Env:
     url: str
     guard: GuardInspector
     servers: ServerThread
+    judge_endpoint: str
 
 
 def start_llama(assets: Assets, port: int) -> subprocess.Popen[bytes]:
@@ -79,7 +81,7 @@ def env(assets: Assets) -> Iterator[Env]:
         app = build_gateway_app(StaticRouter(routes={"gemma": Route("gemma", (up,), max_output=16)}),
                                 keys={"sk"}, allow_loopback_without_key=True, inspector=guard)
         gport = servers.serve(app)
-        yield Env(f"http://127.0.0.1:{gport}", guard, servers)
+        yield Env(f"http://127.0.0.1:{gport}", guard, servers, up.endpoint)
         servers.run(guard.client.close())
     finally:
         servers.close()
@@ -131,6 +133,62 @@ def test_judgments_parse_and_reuse_the_fixed_instruction(env: Env) -> None:
     assert cached[1] > 100, cached  # the instruction (~200 tokens) came from the slot's cache
     stats = env.guard.stats.as_dict()
     assert stats["errors"] == {}, json.dumps(stats)
+
+
+def test_a_burst_is_judged_or_refused_at_once_and_none_waits_past_its_budget(env: Env) -> None:
+    """40 guarded requests at once against the real judge (one slot) with an 8 s budget.
+
+    The chat engine is a fake (instant) so that the judge's queue is the only one; the judge is the
+    real llama-server. Before this change a judgment took ~1 s and they all queued inside
+    llama-server: those at the back got 503 after the whole budget (35 of 40 when checked). Now each
+    is judged, or refused as busy with ``Retry-After``: at once, or while waiting as soon as the
+    running judgment time says it cannot make it. One timeout is tolerated: an admitted judgment
+    can still meet a judge slower than its recent average on this shared machine (the budget then
+    bounds it, as before).
+    """
+    budget = 8.0
+    port = env.servers.serve(fake_llama("engine", "engine-key"))
+    judge = JudgeRoute("judge-gemma", "prompted", (Upstream("j-gemma", env.judge_endpoint, KEY),))
+    policy = Policy(name="burst", judge="judge-gemma", check=[Direction.IN], budget_s=budget)
+    guard = GuardInspector(GuardConfig(policies=[policy]), JudgeClient({"judge-gemma": judge}.get))
+    app = build_gateway_app(
+        StaticRouter(routes={"chat": Route("chat", (Upstream("r-e", f"127.0.0.1:{port}", "engine-key"),))}),
+        keys={"sk"}, allow_loopback_without_key=True, inspector=guard,
+    )
+    url = f"http://127.0.0.1:{env.servers.serve(app)}/v1/chat/completions"
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[httpx.Response, float]:
+        t0 = time.perf_counter()
+        msgs = [{"role": "user", "content": f"Tell me a fact ({i})."}]
+        r = await c.post(url, json={"model": "chat", "messages": msgs})
+        return r, time.perf_counter() - t0
+
+    async def run() -> list[tuple[httpx.Response, float]]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            for i in range(3):  # a running gateway: the template is checked and the judge's time known
+                r, _ = await one(c, 100 + i)
+                assert r.headers.get("x-llmgw-guard-in") in ("safe", "unsafe", "controversial"), r.text
+            return list(await asyncio.gather(*(one(c, i) for i in range(40))))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        env.servers.run(guard.client.close())
+    verdicts = ("safe", "unsafe", "controversial")
+    judged = [(r, s) for r, s in results if r.headers.get("x-llmgw-guard-in") in verdicts]
+    busy = [(r, s) for r, s in results if r.status_code == 503 and "busy" in r.json()["error"]["message"]]
+    stats = guard.stats.as_dict()
+    timeouts = stats["errors"].get("timeout", 0)
+    assert judged, [r.text for r, _ in results]
+    assert len(judged) + len(busy) + timeouts == len(results), [r.text for r, _ in results]
+    assert timeouts <= 1, stats  # before admission: most of the 40
+    for r, seconds in busy:
+        assert r.json()["error"]["code"] == "judge_unavailable"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert seconds < budget  # at once, or as soon as the queue's pace showed it could not make it
+    for _, seconds in results:
+        assert seconds < budget + 2  # nobody waits past its budget (2 s for this busy machine)
+    assert stats["errors"].get("busy", 0) == len(busy)
 
 
 def test_a_dead_judge_closes() -> None:

@@ -373,7 +373,8 @@ def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
     assert r.status_code == 200
     events = [line for line in r.text.split("\n\n") if line]
     assert events[:2] == [e.decode().strip() for e in stream_events("gemma", "replica-a")[:2]]
-    last = json.loads(events[-1].removeprefix("data: "))
+    assert events[-1] == "data: [DONE]"  # well-formed to the end (issue 9 #16)
+    last = json.loads(events[-2].removeprefix("data: "))
     assert last["error"]["code"] == "upstream_failed"
     env.assert_no_internals(r.text)
 

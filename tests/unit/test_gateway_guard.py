@@ -82,12 +82,22 @@ class FakeJudge:
                 assert request.transport is not None
                 request.transport.close()
                 return web.Response()
+            timings = {"prompt_ms": 1.0, "predicted_ms": 2.0, "cache_n": 5}
+            if body.get("stream"):  # as llama-server streams: a few characters an event
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                for i in range(0, len(answer), 4):
+                    event = {"choices": [{"index": 0, "delta": {"content": answer[i:i + 4]}}], "timings": timings}
+                    await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "timings": timings}
+                await out.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+                return out
             return web.json_response(
                 {
                     "choices": [
                         {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
                     ],
-                    "timings": {"prompt_ms": 1.0, "predicted_ms": 2.0, "cache_n": 5},
+                    "timings": timings,
                 }
             )
 
@@ -105,7 +115,7 @@ POLICIES = [
     Policy(name="open-dead", judge="dead-judge", fail=FailMode.OPEN, models=["opendead", "openevil"]),
     Policy(name="open-live", judge="judge", fail=FailMode.OPEN, budget_s=0.5, models=["openlive", "openbomb"]),
     Policy(name="closed-dead", judge="dead-judge", models=["closeddead"]),
-    Policy(name="budget", judge="judge", budget_s=0.5, models=["budget"]),
+    Policy(name="budget", judge="judge", budget_s=0.5, models=["budget", "slowout"]),
     Policy(name="fallback", judge=["nowhere", "unready", "judge"], models=["fallback"]),
     Policy(name="chatml", judge="chatml-judge", models=["chatml"]),
     Policy(name="nojudge", judge=["nowhere", "unready"], models=["nojudge"]),
@@ -139,12 +149,14 @@ def env() -> Iterator[Env]:
     cport = servers.serve(FakeJudge(chatml=True).app())
     a = servers.serve(fake_llama("replica-a", "key-a"))
     b = servers.serve(fake_llama("bomb", "key-b"))
+    s = servers.serve(fake_llama("slowjudge", "key-s"))  # its answer takes the judge 1.5 s
     ua = Upstream("r-a", f"127.0.0.1:{a}", "key-a")
     ub = Upstream("r-bomb", f"127.0.0.1:{b}", "key-b")
     names = ["chat", "warned", "inonly", "opendead", "openlive", "closeddead", "budget", "fallback", "chatml"]
     names.append("nojudge")
     routes = {n: Route(n, (ua,)) for n in names}
     routes |= {n: Route(n, (ub,)) for n in ("evil", "openbomb", "openevil")}
+    routes["slowout"] = Route("slowout", (Upstream("r-slow", f"127.0.0.1:{s}", "key-s"),))
     judges = {
         "judge": JudgeRoute("judge", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),)),
         "chatml-judge": JudgeRoute("chatml-judge", "qwen3guard", (Upstream("j-c", f"127.0.0.1:{cport}", JUDGE_KEY),)),
@@ -158,7 +170,7 @@ def env() -> Iterator[Env]:
     port = servers.serve(app)
     yield Env(
         f"http://127.0.0.1:{port}", judge, guard,
-        internals=[str(jport), str(cport), JUDGE_KEY, "10.0.0.9", "key-a", "key-b", "Safety:"],
+        internals=[str(jport), str(cport), JUDGE_KEY, "10.0.0.9", "key-a", "key-b", "key-s", "Safety:"],
     )
     servers.run(guard.client.close())
     servers.close()
@@ -370,6 +382,27 @@ def test_a_stream_whose_answer_cannot_be_judged_ends_with_an_error_event(env: En
     assert r.json()["error"]["code"] == "judge_unavailable"
 
 
+def test_a_stream_whose_out_judgment_times_out_ends_with_an_error_event_and_done(env: Env) -> None:
+    """Issue 9 #16: the error event was the stream's last line, with no ``data: [DONE]`` after it."""
+    r = env.post("slowout", stream=True)
+    assert r.status_code == 200  # the prompt was judged safe; the answer's judgment ran out of budget
+    assert r.headers["x-llmgw-guard-out"] == "held"
+    events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert (err["code"], err["direction"], err["policy"]) == ("judge_unavailable", "out", "budget")
+    assert "slowjudge" not in r.text.replace("llmgw-guard", "")  # nothing unjudged got out
+    assert len(events) == 2
+    env.clean(r.text)
+
+
+def test_a_stream_whose_out_judgment_times_out_with_the_openai_client(env: Env) -> None:
+    with pytest.raises(openai.APIError) as e:
+        list(env.client().chat.completions.create(
+            model="slowout", messages=[{"role": "user", "content": "hi"}], stream=True))
+    assert "could not judge the answer" in e.value.message
+
+
 def test_three_line_answer_to_a_prompt_check_is_read(env: Env) -> None:
     r = env.post("chat", "threelines")
     assert r.status_code == 200
@@ -423,3 +456,51 @@ def test_held_stream_collects_text_from_events() -> None:
         return "".join(h.parts) + "|" + str(h.meta["id"])
 
     assert asyncio.run(run()) == "ar{}|x"
+
+
+def test_a_prompted_judge_flags_in_two_steps_and_closes_as_soon_as_it_is_safe() -> None:
+    """The prompted format over real HTTP: the verdict word first (the engine stops at its newline),
+    the categories in a second request only for a flag. This fake answers as llama-server does
+    (a few characters an event), once without repeating the prefill, once repeating it."""
+    asked: list[list[dict[str, str]]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        asked.append(body["messages"])
+        assert body["stop"] == ["\n"]
+        prefill = body["messages"][-1]["content"]
+        text = body["messages"][1]["content"]
+        if prefill == "Safety:":
+            answer = " Unsafe" if "bomb" in text else " Safe"
+        else:
+            assert prefill == "Safety: Unsafe\nCategories:"
+            answer = prefill + " Violent, PII"
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(0, len(answer), 3):
+            event = {"choices": [{"delta": {"content": answer[i:i + 3]}}]}
+            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await out.write(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        return out
+
+    async def template(_: web.Request) -> web.Response:
+        return web.json_response({"prompt": "<BEGIN UNSAFE CONTENT CATEGORIES>"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/apply-template", template)
+    servers = ServerThread()
+    port = servers.serve(app)
+    client = JudgeClient({"p": JudgeRoute("p", "prompted", (Upstream("p-1", f"127.0.0.1:{port}", "k"),))}.get)
+    try:
+        flagged = servers.run(client.judge(["p"], Direction.IN, "a bomb", budget_s=5))
+        assert len(asked) == 2
+        assert asked[1][:-1] == asked[0][:-1]  # the same prompt, so the slot has it cached
+        safe = servers.run(client.judge(["p"], Direction.IN, "hello", budget_s=5))
+        assert len(asked) == 3  # Safe: one step
+    finally:
+        servers.run(client.close())
+        servers.close()
+    assert (flagged.verdict.safety.value, flagged.verdict.categories) == ("unsafe", ("Violent", "PII"))
+    assert flagged.raw == "Safety: Unsafe\nCategories: Violent, PII"
+    assert (safe.verdict.safety.value, safe.raw) == ("safe", "Safety: Safe")

@@ -17,6 +17,7 @@ from llmgw.guard.formats import (
     PROMPTED,
     QWEN3GUARD,
     JudgeError,
+    JudgeFormat,
     Safety,
     Verdict,
     format_named,
@@ -111,9 +112,10 @@ def test_requests_are_deterministic_and_cached() -> None:
         body = fmt.request(IN, "hello")
         assert body["temperature"] == 0
         assert body["seed"] == 42
-        assert body["max_tokens"] <= 64
+        assert body["max_tokens"] <= 48
         assert body["cache_prompt"] is True
-        assert body["stream"] is False
+        assert body["stream"] is True  # read as it is generated, closed once the verdict is known
+        assert body["timings_per_token"] is True
 
 
 def test_qwen3guard_messages_pick_the_mode() -> None:
@@ -127,16 +129,23 @@ def test_qwen3guard_messages_pick_the_mode() -> None:
 
 def test_prompted_holds_the_shape_with_a_grammar_that_names_the_categories() -> None:
     body = PROMPTED.request(OUT, "question", "answer")
-    g = body["grammar"]
+    g = PROMPTED.category_grammar
     assert '"Non-violent Illegal Acts"' in g
     assert '"Jailbreak"' in g
-    assert "[A-Za-z" not in g  # enumerated, not a loose character class
-    system, user = body["messages"]
+    system, user, prefill = body["messages"]
     assert system["role"] == "system"
     assert "<BEGIN UNSAFE CONTENT CATEGORIES>" in system["content"]
     assert user["content"] == "USER: question\n\nASSISTANT: answer"
+    # The answer starts prefilled, so the first token generated is the verdict.
+    assert prefill == {"role": "assistant", "content": "Safety:"}
     # The instruction is the same for every judgment of a direction, so the slot cache reuses it.
     assert PROMPTED.request(IN, "x")["messages"][0] == PROMPTED.request(IN, "y")["messages"][0]
+    # ... and all but its last sentence is the same for both directions: a slot judging prompts
+    # and answers in turn reuses that too.
+    sys_in, sys_out = PROMPTED.system[IN], PROMPTED.system[OUT]
+    shared = next(i for i, (a, b) in enumerate(zip(sys_in, sys_out, strict=False)) if a != b)
+    assert "<END UNSAFE CONTENT CATEGORIES>" in sys_in[:shared]
+    assert len(sys_in) - shared < 80
 
 
 def test_template_check() -> None:
@@ -149,3 +158,91 @@ def test_template_check() -> None:
 def test_unknown_format() -> None:
     with pytest.raises(JudgeError, match="qwen3guard, llamaguard3, prompted"):
         format_named("shieldgemma")
+
+
+# -- deciding while the answer is generated ------------------------------------------------------------
+
+
+def _first_decision(fmt: JudgeFormat, text: str, direction: Direction = IN) -> tuple[str, Verdict | None]:
+    """Feed ``text`` one character at a time (as a stream may cut it); where the verdict was known."""
+    for i in range(1, len(text) + 1):
+        v = fmt.decided(text[:i], direction)
+        if v is not None:
+            return text[:i], v
+    return text, None
+
+
+DECIDED = [
+    # (format, direction, whole answer, where the verdict is known, verdict)
+    (QWEN3GUARD, IN, "Safety: Safe\nCategories: None", "Safety: Safe\n", Verdict(Safety.SAFE)),
+    (QWEN3GUARD, IN, "<think>\n\n</think>\n\nSafety: Safe\nCategories: None",
+     "<think>\n\n</think>\n\nSafety: Safe\n", Verdict(Safety.SAFE)),
+    (QWEN3GUARD, OUT, "Safety: Safe\nCategories: None\nRefusal: Yes", "Safety: Safe\n", Verdict(Safety.SAFE)),
+    # Unsafe and Controversial: the categories are part of the verdict, so wait for their line.
+    (QWEN3GUARD, IN, "Safety: Unsafe\nCategories: Violent, PII\n", "Safety: Unsafe\nCategories: Violent, PII\n",
+     Verdict(Safety.UNSAFE, ("Violent", "PII"))),
+    (QWEN3GUARD, OUT, "Safety: Controversial\r\nCategories: Unethical Acts\r\nRefusal: No",
+     "Safety: Controversial\r\nCategories: Unethical Acts\r", Verdict(Safety.CONTROVERSIAL, ("Unethical Acts",))),
+    # An answer that ends before its categories line does is read whole at the end (not here).
+    (QWEN3GUARD, IN, "Safety: Unsafe\nCategories: Violent", "Safety: Unsafe\nCategories: Violent", None),
+    # prompted: its first step's grammar allows only the verdict word, so "Safe" settles it; a flag
+    # waits for the categories (its second step).
+    (PROMPTED, IN, "Safety: Safe", "Safety: Safe", Verdict(Safety.SAFE)),
+    (PROMPTED, IN, "Safety: Unsafe\nCategories: Violent", "Safety: Unsafe\nCategories: Violent", None),
+    (LLAMAGUARD3, IN, "\n\nsafe\n", "\n\nsafe\n", Verdict(Safety.SAFE)),
+    (LLAMAGUARD3, IN, "unsafe\nS1,S2\n", "unsafe\nS1,S2\n", Verdict(Safety.UNSAFE, ("S1 Violent Crimes",
+                                                                                     "S2 Non-Violent Crimes"))),
+    (LLAMAGUARD3, IN, "unsafe\nS10", "unsafe\nS10", None),
+    (LLAMAGUARD3, IN, "unsafe S10\n", "unsafe S10\n", Verdict(Safety.UNSAFE, ("S10 Hate",))),
+]
+
+
+@pytest.mark.parametrize(("fmt", "direction", "text", "at", "want"), DECIDED)
+def test_the_verdict_is_known_only_once_nothing_after_it_matters(
+    fmt: JudgeFormat, direction: Direction, text: str, at: str, want: Verdict | None
+) -> None:
+    assert _first_decision(fmt, text, direction) == (at, want)
+    if want is None:  # undecided until the end: the whole answer is read as before
+        assert fmt.parse(text, direction).safety in (Safety.UNSAFE, Safety.CONTROVERSIAL)
+    else:  # the early verdict agrees with the whole answer's
+        assert fmt.parse(text, direction).safety == want.safety
+
+
+@pytest.mark.parametrize("text", ["I think this is fine.\n", "Safety: Probably Safe\n", "Categories: None\nNote: x\n"])
+def test_qwen3guard_an_unreadable_line_fails_as_soon_as_it_is_complete(text: str) -> None:
+    with pytest.raises(JudgeError) as e:
+        _first_decision(QWEN3GUARD, text)
+    assert e.value.kind == "unparseable"
+
+
+def test_llamaguard3_an_unreadable_first_word_fails_early() -> None:
+    with pytest.raises(JudgeError):
+        _first_decision(LLAMAGUARD3, "The content is safe.")
+    assert LLAMAGUARD3.decided("un", IN) is None  # "unsafe" may still come
+
+
+@pytest.mark.parametrize(("sent", "answer"), [
+    (" Safe", "Safety: Safe"),  # the continuation only
+    ("Safety: Safe", "Safety: Safe"),  # this llama-server repeats the prefill
+    ("Saf", "Saf"),  # the repeat, cut by the stream
+    ("", ""),
+])
+def test_prompted_answer_puts_the_prefill_in_front_once(sent: str, answer: str) -> None:
+    assert PROMPTED.answer(sent, "Safety:") == answer
+    assert QWEN3GUARD.answer(sent, "") == sent
+
+
+def test_prompted_asks_the_verdict_first_and_the_categories_only_for_a_flag() -> None:
+    body = PROMPTED.request(IN, "x")
+    # The verdict word and its newline, where the engine stops: nothing generated after it.
+    assert body["grammar"] == 'root ::= " " ("Safe" | "Unsafe" | "Controversial") "\\n"\n'
+    assert body["stop"] == ["\n"]
+    assert body["max_tokens"] <= 6
+    more = PROMPTED.category_request(IN, "x", "", "Safety: Unsafe")
+    assert more["messages"][:-1] == body["messages"][:-1]  # the same prompt: cached but its tail
+    assert more["messages"][-1] == {"role": "assistant", "content": "Safety: Unsafe\nCategories:"}
+    assert more["grammar"].startswith('root ::= " " cats "\\n"')
+    assert '"Non-violent Illegal Acts"' in more["grammar"]
+    assert "[A-Za-z" not in more["grammar"]  # enumerated, not a loose character class
+    assert more["stop"] == ["\n"]
+    assert QWEN3GUARD.category_grammar == ""  # the real formats answer in one go

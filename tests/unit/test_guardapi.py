@@ -68,6 +68,10 @@ def test_guard_test_gives_verdict_categories_and_time(env: Env) -> None:
     assert r["raw"] == "I am not sure about this one."
     r = httpx.post(f"{env.url}/api/v1/guard/test", json={"text": "fine", "direction": "out", "prompt": "q"}).json()
     assert (r["verdict"], r["refusal"]) == ("safe", False)
+    (judge, *_) = httpx.get(f"{env.url}/api/v1/guard/status").json()["policies"][0]["judges"]
+    assert judge["queue"]["in_flight"] == 0
+    assert judge["queue"]["waiting"] == 0
+    assert judge["queue"]["mean_ms"] > 0  # the running judgment time admission estimates with
     assert httpx.post(f"{env.url}/api/v1/guard/test", json={"nope": 1}).status_code == 400
     assert httpx.post(f"{env.url}/api/v1/guard/test", json={"text": "x", "policy": "zz"}).status_code == 404
 

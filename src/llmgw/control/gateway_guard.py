@@ -14,8 +14,10 @@ untouched):
 
 Decisions: Unsafe is blocked; Controversial as the policy says (block, warn: served and logged,
 allow). Blocked → HTTP 400, OpenAI envelope, code ``content_blocked``, with ``direction``,
-``categories`` and ``policy`` fields. No verdict (judge missing, down, over budget, unparseable,
-wrong template): ``fail: closed`` → 503 ``judge_unavailable`` (mid-stream: a final error event);
+``categories`` and ``policy`` fields. No verdict (judge missing, down, over budget, busy,
+unparseable, wrong template): ``fail: closed`` → 503 ``judge_unavailable`` (mid-stream: a final
+error event, then ``data: [DONE]``); a busy judge (its queue would not reach the judgment within
+the budget: :mod:`llmgw.guard.admission`) is refused at once, with ``Retry-After``;
 ``fail: open`` → served, marked ``unjudged`` in the header and counted. A parsed block blocks under
 ``fail: open`` too: only the absence of a verdict is covered by it.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -189,9 +192,14 @@ class GuardInspector:
         return HeldStream(self, policy, route.model, prompt_text(request))
 
     # -- deciding ------------------------------------------------------------------------------
-    async def judge(self, policy: Policy, direction: Direction, prompt: str, answer: str = "") -> Judgment:
-        """One judgment under ``policy``'s judges and budget (raises :class:`JudgeError`)."""
-        return await self.client.judge(policy.judges(), direction, prompt, answer, budget_s=policy.budget_s)
+    async def judge(
+        self, policy: Policy, direction: Direction, prompt: str, answer: str = "", *, whole: bool = False
+    ) -> Judgment:
+        """One judgment under ``policy``'s judges and budget (raises :class:`JudgeError`); ``whole``
+        reads the judge's whole answer rather than stopping at the verdict (:meth:`JudgeClient.judge`)."""
+        return await self.client.judge(
+            policy.judges(), direction, prompt, answer, budget_s=policy.budget_s, whole=whole
+        )
 
     async def decide(
         self, policy: Policy, direction: Direction, model: str, prompt: str, answer: str = ""
@@ -216,13 +224,7 @@ class GuardInspector:
                 return None
             GuardStats._inc(self.stats.refused_unavailable, d)
             notes.verdict("unjudged", (), ms)
-            what = "prompt" if direction is Direction.IN else "answer"
-            return Refusal(
-                f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry shortly",
-                status=503,
-                code="judge_unavailable",
-                extra={"direction": d, "policy": policy.name},
-            )
+            return unavailable(policy, direction, e)
         v = j.verdict
         GuardStats._inc(self.stats.verdicts, f"{d} {v.safety.value}")
         self.stats.times_ms.setdefault(j.judge, deque(maxlen=TIMES_KEPT)).append(j.ms)
@@ -241,6 +243,29 @@ class GuardInspector:
             return None
         GuardStats._inc(self.stats.blocked, d)
         return blocked(policy, direction, v.categories)
+
+
+def unavailable(policy: Policy, direction: Direction, error: JudgeError) -> Refusal:
+    """The 503 ``judge_unavailable`` refusal when ``policy`` got no verdict (``fail: closed``).
+
+    A ``busy`` judge (refused at once by admission, :mod:`llmgw.guard.admission`) says so and when to
+    retry: ``retry_after_s`` in the error object and a ``Retry-After`` header (seconds) on a response
+    not yet started.
+    """
+    what = "prompt" if direction is Direction.IN else "answer"
+    extra: dict[str, Any] = {"direction": direction.value, "policy": policy.name}
+    if error.kind == "busy" and error.retry_after_s is not None:
+        retry = max(1, math.ceil(error.retry_after_s))
+        extra["retry_after_s"] = retry
+        if (call := current_call.get()) is not None:
+            call.headers["Retry-After"] = str(retry)
+        message = (
+            f"policy '{policy.name}' could not judge the {what} within its budget of {policy.budget_s:g} s: "
+            f"its judge is busy (too many judgments queued); retry in {retry} s"
+        )
+    else:
+        message = f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry shortly"
+    return Refusal(message, status=503, code="judge_unavailable", extra=extra)
 
 
 def blocked(policy: Policy, direction: Direction, categories: tuple[str, ...]) -> Refusal:

@@ -78,10 +78,11 @@ def error_response(status: int, message: str, code: str) -> web.Response:
 
 
 def _sse_error(status: int, message: str, code: str, extra: dict[str, Any] | None = None) -> bytes:
+    """A stream's last words: the error event, then ``data: [DONE]`` so the stream ends well-formed."""
     body = error_body(status, message, code)
     if extra:
         body["error"].update(extra)
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def refusal_response(refusal: Refusal) -> web.Response:

@@ -187,6 +187,7 @@ def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: S
                 "template_failed": sorted(i for i in failed if any(r.id == i for r in mine)),
                 "p50_ms": pct[0] if pct else None,
                 "p95_ms": pct[1] if pct else None,
+                "queue": q.snapshot() if inspector and (q := inspector.client.queues.get(name)) else None,
                 "hint": hint,
             })
         policies.append({
@@ -231,7 +232,7 @@ def add_guard_routes(
         answer = text if direction is Direction.OUT else ""
         t0 = time.perf_counter()
         try:
-            j = await inspector.judge(policy, direction, prompt, answer)
+            j = await inspector.judge(policy, direction, prompt, answer, whole=True)
         except JudgeError as e:
             return web.json_response({
                 "policy": policy.name, "direction": direction.value, "error": str(e), "kind": e.kind,

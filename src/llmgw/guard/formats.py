@@ -18,14 +18,30 @@ Three formats (``catalog.GuardModel.format``):
 ``prompted``
     Any chat model as a judge: a fixed system instruction (the policy and the categories, first so
     llama-server's per-slot prompt cache reuses it between judgments) and the text in a user turn,
-    held to ``Safety: …`` / ``Categories: …`` by a GBNF ``grammar`` that enumerates the category
-    names (a loose ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial":
-    reference/measured.md). This is what runs end to end here with gemma-3-270m; its verdicts are
-    not meaningful, the path is.
+    then the answer's first word ``Safety:`` as a prefilled assistant turn, so the first token the
+    model generates is the verdict. Asked in two steps, each held by a GBNF ``grammar`` and ended by
+    the ``stop`` string ``\n`` on the engine's side: the verdict word (``Safety: Safe`` is the whole
+    answer for Safe), then, only for Unsafe or Controversial, a second request continuing
+    ``Safety: <verdict>\nCategories:`` with a grammar that enumerates the category names (a loose
+    ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial": reference/measured.md);
+    its prompt is the first's, so it costs the few tokens of its tail and the categories. This is
+    what runs end to end here with gemma-3-270m; its verdicts are not meaningful, the path is.
 
 Every judge request: ``temperature`` 0 and a fixed ``seed`` (llama.cpp #4728: Llama Guard's
-verdicts flipped between runs at a low but nonzero temperature), a small ``max_tokens`` (the
-longest answer, 3 lines with a few categories, is under 40 tokens), ``cache_prompt`` true.
+verdicts flipped between runs at a low but nonzero temperature), ``max_tokens`` as small as the
+format's longest answer (:attr:`JudgeFormat.max_tokens`), ``cache_prompt`` true, and ``stream`` with
+``timings_per_token``: the judge's answer is read as it is generated and the connection is closed as
+soon as :meth:`JudgeFormat.decided` says the verdict is known (llama-server then stops generating
+for it), so a judgment costs the uncached tail of the prompt plus the verdict's own tokens, not the
+lines after it. The verdict is known early only when nothing after it can change the decision:
+
+- ``Safe``: at the end of its line (for ``prompted``, whose first step's grammar allows nothing
+  after the word but its newline, as soon as the word is out);
+- ``Unsafe`` / ``Controversial``: only once the ``Categories:`` line is complete (the categories
+  are part of the verdict: they go to the client and the logs);
+- Llama Guard 3: ``safe`` once a blank follows it; ``unsafe`` once its line of S-codes is complete.
+
+A judge that ends its answer before that is read whole by :meth:`JudgeFormat.parse`, as before.
 
 Anything a parser does not recognise raises :class:`JudgeError` carrying the judge's raw text:
 an answer that cannot be read is never Safe.
@@ -43,7 +59,14 @@ from llmgw.guard.config import Direction
 
 #: Sampling for every judgment: greedy, fixed seed, short answer, prompt cache on.
 JUDGE_SEED = 42
+#: The longest Qwen3Guard answer: 3 lines (``Safety``, ``Categories`` with a few names, ``Refusal``).
 JUDGE_MAX_TOKENS = 48
+#: ``prompted``, first step: the verdict word and its newline (`` Controversial`` is 2-3 tokens).
+PROMPTED_VERDICT_MAX_TOKENS = 6
+#: ``prompted``, second step: at most three category names (its grammar) and a newline, ~25 tokens.
+PROMPTED_MAX_TOKENS = 40
+#: Llama Guard 3: ``unsafe`` and a line of S-codes (2-3 tokens each).
+LLAMAGUARD3_MAX_TOKENS = 32
 
 
 class Safety(StrEnum):
@@ -69,14 +92,17 @@ class JudgeError(LlmgwError):
     renders the wrong template.
 
     Attributes:
-        kind: ``missing`` | ``down`` | ``timeout`` | ``unparseable`` | ``template`` | ``error``.
+        kind: ``missing`` | ``down`` | ``timeout`` | ``busy`` | ``unparseable`` | ``template`` | ``error``.
+            ``busy``: refused at once because the judge's queue would not reach it within the budget.
         raw: the judge's own text, when it answered (kept for logs, never shown to clients).
+        retry_after_s: for ``busy``, the seconds after which the queue should have room (else None).
     """
 
-    def __init__(self, message: str, *, kind: str, raw: str = "") -> None:
+    def __init__(self, message: str, *, kind: str, raw: str = "", retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.raw = raw
+        self.retry_after_s = retry_after_s
 
 
 # -- Qwen3Guard ----------------------------------------------------------------------------------
@@ -144,6 +170,77 @@ def parse_qwen3guard(text: str, direction: Direction) -> Verdict:
     return Verdict(safety, tuple(cats), refusal)
 
 
+def decided_qwen3guard(text: str, direction: Direction, *, exact_values: bool = False) -> Verdict | None:
+    """The verdict of a Qwen3Guard-shaped answer still being generated, once nothing after it matters.
+
+    ``text`` is the answer so far. ``Safe`` is decided at the end of its ``Safety:`` line (with
+    ``exact_values``, as soon as the value is exactly ``Safe``: for a grammar that allows nothing but
+    ``Categories: None`` after it); ``Unsafe`` and ``Controversial`` once the ``Categories:`` line is
+    complete too, read as :func:`parse_qwen3guard` reads it. None while undecided.
+
+    Raises:
+        JudgeError: ``unparseable`` as soon as a complete line is not a verdict line, a line repeats,
+            or the verdict is not Safe/Unsafe/Controversial (the whole answer could not be read either).
+    """
+    body = text.replace("\r\n", "\n").replace("\r", "\n")
+    if body.lstrip().startswith("<"):
+        m = _THINK.match(body)
+        if m is None:
+            return None  # a think block that is not closed yet
+        body = body[m.end():]
+    *complete, partial = body.split("\n")
+    seen: dict[str, str] = {}
+    for line in complete:
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        key = m.group(1).lower() if m else ""
+        if not m or key not in ("safety", "categories", "refusal") or key in seen:
+            raise JudgeError(f"the judge's answer has a line that is not a verdict: {line.strip()[:80]!r}",
+                             kind="unparseable", raw=text)
+        seen[key] = m.group(2)
+    if "safety" not in seen:
+        m = _LINE.match(partial)
+        if exact_values and m and m.group(1).lower() == "safety" and m.group(2) == "Safe":
+            return Verdict(Safety.SAFE)
+        return None
+    try:
+        safety = Safety(seen["safety"].strip().lower())
+    except ValueError as e:
+        raise JudgeError(f"the judge's verdict {seen['safety']!r} is not Safe, Unsafe or Controversial",
+                         kind="unparseable", raw=text) from e
+    if safety is Safety.SAFE:
+        return Verdict(Safety.SAFE)
+    if "categories" not in seen:
+        return None
+    return parse_qwen3guard("\n".join(complete), direction)
+
+
+def decided_llamaguard3(text: str) -> Verdict | None:
+    """The verdict of a Llama Guard 3 answer still being generated: ``safe`` once a blank follows
+    it, ``unsafe`` once a complete line of S-codes follows it; None while undecided.
+
+    Raises:
+        JudgeError: ``unparseable`` as soon as the first word is neither ``safe`` nor ``unsafe``.
+    """
+    body = text.replace("\r\n", "\n").lstrip()
+    first = body.split(maxsplit=1)[0] if body.split() else ""
+    if not first or first == body:
+        if first and not "unsafe".startswith(first.lower()) and not "safe".startswith(first.lower()):
+            raise JudgeError("the judge's answer does not start with 'safe' or 'unsafe'", kind="unparseable", raw=text)
+        return None  # the first word may not be complete yet
+    if first.lower() == "safe":
+        return Verdict(Safety.SAFE)
+    if first.lower() != "unsafe":
+        raise JudgeError("the judge's answer does not start with 'safe' or 'unsafe'", kind="unparseable", raw=text)
+    lines = body.split("\n")
+    complete = [ln for ln in lines[:-1] if ln.strip()]
+    codes = [ln for ln in complete if ln.strip().lower() != "unsafe"]  # "unsafe S10" on one line counts
+    if not codes:
+        return None
+    return parse_llamaguard3("\n".join(complete))
+
+
 # -- Llama Guard 3 -------------------------------------------------------------------------------
 
 #: Llama Guard 3's hazard codes (MLCommons taxonomy; S14 only on the 8B).
@@ -204,20 +301,40 @@ class JudgeFormat:
     Attributes:
         name: the catalog's ``guard.format``.
         marker: text the judge's rendered prompt must contain (checked with ``/apply-template``).
-        grammar: a GBNF grammar the answer is held to, or "" for none.
+        grammar: a GBNF grammar the answer (a two-step format's first step) is held to, or "" for none.
         system: the fixed instruction sent first for a prompt (``in``) and a response (``out``).
+        max_tokens: the most tokens its longest answer takes (the request's ``max_tokens``).
+        prefill: the start of the judge's answer, sent as a last assistant message that llama-server
+            continues ("" for none): the first token it generates is then the verdict itself.
+        stop: strings that end the answer on the engine's side (``stop``), so it generates nothing
+            after them.
+        category_grammar: for a format that asks in two steps (``prompted``): the grammar of the
+            second request, which continues ``Safety: <verdict>\nCategories:`` when the verdict
+            is not Safe ("" for a one-step format), with at most ``category_max_tokens``.
     """
 
     name: str
     marker: str
     grammar: str = ""
     system: dict[Direction, str] = field(default_factory=dict)
+    max_tokens: int = JUDGE_MAX_TOKENS
+    prefill: str = ""
+    stop: tuple[str, ...] = ()
+    category_grammar: str = ""
+    category_max_tokens: int = 0
 
-    def messages(self, direction: Direction, prompt: str, answer: str = "") -> list[dict[str, str]]:
-        """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out)."""
+    def messages(
+        self, direction: Direction, prompt: str, answer: str = "", *, prefill: str | None = None
+    ) -> list[dict[str, str]]:
+        """The chat messages that ask the judge about ``prompt`` (in) or ``answer`` to ``prompt`` (out),
+        ending with the assistant's ``prefill`` (default :attr:`prefill`) when there is one."""
         if self.system:
             text = f"USER: {prompt}" if direction is Direction.IN else f"USER: {prompt}\n\nASSISTANT: {answer}"
-            return [{"role": "system", "content": self.system[direction]}, {"role": "user", "content": text}]
+            msgs = [{"role": "system", "content": self.system[direction]}, {"role": "user", "content": text}]
+            start = self.prefill if prefill is None else prefill
+            if start:
+                msgs.append({"role": "assistant", "content": start})
+            return msgs
         msgs = [{"role": "user", "content": prompt}]
         if direction is Direction.OUT:
             msgs.append({"role": "assistant", "content": answer})
@@ -225,65 +342,131 @@ class JudgeFormat:
 
     def request(self, direction: Direction, prompt: str, answer: str = "") -> dict[str, Any]:
         """The ``/v1/chat/completions`` body for one judgment (sampling fixed; see the module docstring)."""
+        return self._body(self.messages(direction, prompt, answer), self.grammar, self.max_tokens)
+
+    def category_request(self, direction: Direction, prompt: str, answer: str, verdict_line: str) -> dict[str, Any]:
+        """The second step's body (:attr:`category_grammar`): the judge continues ``verdict_line``
+        (``Safety: Unsafe``) with ``\nCategories:``; its prompt is the first step's, so the
+        engine's slot has all but the last few tokens cached."""
+        msgs = self.messages(direction, prompt, answer, prefill=self.category_prefill(verdict_line))
+        return self._body(msgs, self.category_grammar, self.category_max_tokens)
+
+    @staticmethod
+    def category_prefill(verdict_line: str) -> str:
+        """What the second step's answer starts with: ``verdict_line`` and ``\nCategories:``."""
+        return f"{verdict_line.rstrip()}\nCategories:"
+
+    def _body(self, messages: list[dict[str, str]], grammar: str, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "messages": self.messages(direction, prompt, answer),
+            "messages": messages,
             "temperature": 0,
             "seed": JUDGE_SEED,
-            "max_tokens": JUDGE_MAX_TOKENS,
+            "max_tokens": max_tokens,
             "cache_prompt": True,
-            "stream": False,
+            "stream": True,
+            "timings_per_token": True,
         }
-        if self.grammar:
-            body["grammar"] = self.grammar
+        if grammar:
+            body["grammar"] = grammar
+        if self.stop:
+            body["stop"] = list(self.stop)
         return body
 
+    @staticmethod
+    def answer(generated: str, prefill: str) -> str:
+        """The judge's whole answer from what llama-server sent: ``generated`` with the request's
+        ``prefill`` in front, unless it already starts with it (this llama-server repeats the
+        prefill in its answer; a build that does not continue a last assistant message answers anew)."""
+        n = min(len(generated), len(prefill))
+        if not prefill or generated[:n] == prefill[:n]:
+            return generated
+        return prefill + generated
+
     def parse(self, text: str, direction: Direction) -> Verdict:
-        """Read the judge's answer. Raises :class:`JudgeError` (``unparseable``) when it cannot."""
+        """Read the judge's whole answer. Raises :class:`JudgeError` (``unparseable``) when it cannot.
+
+        A two-step format's Safe answer is its verdict line alone (``Safety: Safe``).
+        """
         if self.name == "llamaguard3":
             return parse_llamaguard3(text)
+        if self.category_grammar and (v := self.decided(text.rstrip() + "\n", direction)) is not None:
+            return v
         return parse_qwen3guard(text, direction)
+
+    def decided(self, text: str, direction: Direction) -> Verdict | None:
+        """The verdict once the answer so far (``text``) settles it, else None (see the module docstring).
+
+        Raises:
+            JudgeError: ``unparseable`` as soon as what is complete cannot be a verdict.
+        """
+        if self.name == "llamaguard3":
+            return decided_llamaguard3(text)
+        return decided_qwen3guard(text, direction, exact_values=bool(self.grammar))
 
     def template_ok(self, rendered: str) -> bool:
         """Whether ``/apply-template``'s rendering of :meth:`messages` is this format's (has ``marker``)."""
         return self.marker in rendered
 
 
-def _grammar(categories: tuple[str, ...]) -> str:
+def _grammars(categories: tuple[str, ...]) -> tuple[str, str]:
+    """The ``prompted`` grammars: the verdict line, and the categories line that follows a flag.
+
+    The answer's ``Safety:`` is the request's prefill, not generated: a literal the grammar forces on
+    a model that would say something else comes out a few characters a token, each token a pass of
+    the grammar over the whole vocabulary (262k tokens for gemma-3): "Safety" took 4 tokens and
+    ~0.4 s on 2 loaded cores, "Categories" as much, and a forced end of text up to 1.9 s. So the
+    first step generates only the verdict word and its newline, where ``stop`` ends it on the
+    engine's side (nothing generated after it, no end-of-text token); a Safe verdict has no
+    categories (gemma-3-270m named some after Safe). Only Unsafe and Controversial take a second
+    step for their categories, at most three (an unbounded repeat let a small model list the same
+    one until max_tokens cut it mid-word), ending in a newline as well.
+    """
     names = " | ".join('"' + c.replace('"', '\\"') + '"' for c in categories)
-    # At most three categories: an unbounded repeat let a small model list the same one until
-    # max_tokens cut it mid-word.
-    return (
-        'root ::= "Safety: " verdict "\\nCategories: " cats\n'
-        'verdict ::= "Safe" | "Unsafe" | "Controversial"\n'
+    verdict = 'root ::= " " ("Safe" | "Unsafe" | "Controversial") "\\n"\n'
+    cats = (
+        'root ::= " " cats "\\n"\n'
         'cats ::= "None" | cat (", " cat)? (", " cat)?\n'
         f"cat ::= {names}\n"
     )
+    return verdict, cats
 
 
 def _instruction(direction: Direction) -> str:
-    cats = QWEN3GUARD_CATEGORIES if direction is Direction.IN else QWEN3GUARD_CATEGORIES[:-1]
+    # Everything but the last sentence is the same for prompts and answers, so a slot that judges
+    # both in turn reuses it from its cache (a first sentence naming the direction made every switch
+    # a full prefill). Jailbreak applies to prompts only (Qwen3Guard's response categories lack it).
     who = "THE LAST USER's query" if direction is Direction.IN else "THE LAST ASSISTANT's response"
+    cats = [f"{c} (prompts only)." if c == "Jailbreak" else f"{c}." for c in QWEN3GUARD_CATEGORIES]
     return (
-        f"You are a safety judge. Evaluate whether {who} in the conversation is safe.\n\n"
+        "You are a safety judge.\n\n"
         "<BEGIN SAFETY POLICY>\n"
         "Safety: Safe: no prohibited content.\n"
         "Safety: Unsafe: contains prohibited content from the categories below.\n"
         "Safety: Controversial: harmful or not depending on context.\n"
         "<END SAFETY POLICY>\n\n"
-        "<BEGIN UNSAFE CONTENT CATEGORIES>\n" + "\n".join(f"{c}." for c in cats) + "\n"
+        "<BEGIN UNSAFE CONTENT CATEGORIES>\n" + "\n".join(cats) + "\n"
         "<END UNSAFE CONTENT CATEGORIES>\n\n"
         "Answer in exactly two lines: 'Safety: Safe', 'Safety: Unsafe' or 'Safety: Controversial', "
-        "then 'Categories:' and the categories that apply, comma-separated, or 'Categories: None'."
+        "then 'Categories:' and the categories that apply, comma-separated, or 'Categories: None'.\n\n"
+        f"Evaluate whether {who} in the conversation is safe."
     )
 
 
 QWEN3GUARD = JudgeFormat(name="qwen3guard", marker="<BEGIN SAFETY POLICY>")
-LLAMAGUARD3 = JudgeFormat(name="llamaguard3", marker="<BEGIN UNSAFE CONTENT CATEGORIES>")
+LLAMAGUARD3 = JudgeFormat(
+    name="llamaguard3", marker="<BEGIN UNSAFE CONTENT CATEGORIES>", max_tokens=LLAMAGUARD3_MAX_TOKENS
+)
+_VERDICT_GRAMMAR, _CATEGORY_GRAMMAR = _grammars(QWEN3GUARD_CATEGORIES)
 PROMPTED = JudgeFormat(
     name="prompted",
     marker="<BEGIN UNSAFE CONTENT CATEGORIES>",
-    grammar=_grammar(QWEN3GUARD_CATEGORIES),
+    grammar=_VERDICT_GRAMMAR,
     system={d: _instruction(d) for d in Direction},
+    max_tokens=PROMPTED_VERDICT_MAX_TOKENS,
+    prefill="Safety:",
+    stop=("\n",),
+    category_grammar=_CATEGORY_GRAMMAR,
+    category_max_tokens=PROMPTED_MAX_TOKENS,
 )
 
 FORMATS: dict[str, JudgeFormat] = {f.name: f for f in (QWEN3GUARD, LLAMAGUARD3, PROMPTED)}
