@@ -56,7 +56,7 @@ def apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apis]:
     ))
 
     async def agent_site() -> int:
-        runner = web.AppRunner(build_agent_app(store))
+        runner = web.AppRunner(build_agent_app(store), shutdown_timeout=0.1)
         await runner.setup()
         ctx = tlsconf.server_context(tmp / "ca.pem", cert, key)
         await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx).start()
