@@ -89,8 +89,8 @@ def upstream_app(events: int) -> web.Application:
 
 def gateway_app(upstream_port: int) -> web.Application:
     """The gateway with one model, ``bench``, on the upstream."""
-    from llmgw.control.gateway import build_gateway_app  # noqa: PLC0415 - only the gateway process needs it
-    from llmgw.control.routing import Route, StaticRouter, Upstream  # noqa: PLC0415
+    from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415 - only the gateway process needs it
+    from llmgw.routing import Route, StaticRouter, Upstream  # noqa: PLC0415
 
     router = StaticRouter({"bench": Route("bench", (Upstream("r1", f"127.0.0.1:{upstream_port}", "k"),))})
     return build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False)

@@ -15,7 +15,7 @@ Phases, each measured from the agents' side (request sent to reply read):
 3. ``after``: ``AFTER_S`` more seconds of plain heartbeats with 50 models and 100 replicas.
 
 Target (issue 9): ``heartbeat_p99_ms`` (the burst's p99) <= 100 ms. The figures measured before
-the fix (store and reconcile work on the event loop) are in ``llmgw.control.offloop``'s docstring.
+the fix (store and reconcile work on the event loop) are in ``llmgw.control.store.offloop``'s docstring.
 Figures last, one ``name: value unit`` per line, ``heartbeat_p99_ms`` the last one.
 
     .venv/bin/python bench/heartbeats.py [--agents 200] [--models 50]

@@ -39,10 +39,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from llmgw.control.routing import Upstream
 from llmgw.guard.config import Direction
 from llmgw.guard.formats import PROMPTED, JudgeError
 from llmgw.guard.judge import JudgeClient, JudgeRoute
+from llmgw.routing import Upstream
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
 SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-server-0.3.36" / "bin" / "llama-server")

@@ -2,7 +2,7 @@
 
 1. ``place_1000_on_500``: 1,000 replicas (100 models x 10, a GPU profile and a CPU profile each)
    onto 500 nodes (400 CPU nodes of 32 cores / 128 GB, 100 GPU nodes with 8 x h100-80gb), one
-   :class:`~llmgw.control.placement.Placer` as the leader's pass uses it. Target <= 1 s.
+   :class:`~llmgw.control.placement.placer.Placer` as the leader's pass uses it. Target <= 1 s.
    Side by side: the same placements with a fresh :func:`placement.place` per replica (no cache:
    every node re-checked every time), on the first 100 replicas, scaled to 1,000.
 2. ``explain_500``: one explanation of a model that fits nowhere (every node rejected, the
@@ -18,9 +18,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from llmgw.control import placement as pl
-from llmgw.control.catalog import Model, Profile, Scaling
-from llmgw.control.explain import explain_view
+from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement import placer as pl
+from llmgw.control.placement.explain import explain_view
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
 
 ROUNDS = 5

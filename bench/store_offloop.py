@@ -6,8 +6,8 @@ SQLite WAL file with 200 nodes: read the node row and parse it (``NodeRow``), wr
 columns, read it back. Measured: throughput, and the lag of a probe on the event loop (a 5 ms sleep
 that wakes late by this much) -- what a heartbeat or a gateway request would wait.
 
-1. ``pool``: :class:`llmgw.control.offloop.OffLoop` running the synchronous
-   :class:`~llmgw.control.store.Store` methods (query, row parsing and all) on its threads;
+1. ``pool``: :class:`llmgw.control.store.offloop.OffLoop` running the synchronous
+   :class:`~llmgw.control.store.sql.Store` methods (query, row parsing and all) on its threads;
 2. ``asyncio``: ``sqlalchemy.ext.asyncio`` with ``aiosqlite``, the same Core statements awaited
    on the loop and the rows parsed there (skipped when aiosqlite or greenlet is not installed:
    they are not llmgw dependencies; ``pip install aiosqlite greenlet``).
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from llmgw.control import store as st
-from llmgw.control.offloop import OffLoop
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store import sql as st
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
 OPS = 2000

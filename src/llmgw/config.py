@@ -66,7 +66,7 @@ class GatewayConfig(_Strict):
     ``keys_file`` (one per line).
 
     ``drain_s``: on SIGTERM (a stop or restart) the requests in flight may finish for this many
-    seconds before they are cut with an error event (:mod:`llmgw.control.drain`); at most 50,
+    seconds before they are cut with an error event (:mod:`llmgw.control.gateway.drain`); at most 50,
     inside the server unit's ``TimeoutStopSec=60s``.
     """
 
@@ -109,7 +109,7 @@ class ServerConfig(_Strict):
         guard: guardrail policies (:mod:`llmgw.guard.config`); none means guardrails are off.
         max_replicas_per_model: the most replicas one model may ask for (``scaling.min``/``max``);
             the admin API refuses more with a 400. Default 1,000; at most
-            :data:`llmgw.control.catalog.MAX_REPLICAS_HARD` (100,000).
+            :data:`llmgw.catalog.MAX_REPLICAS_HARD` (100,000).
     """
 
     admin_listen: str = "127.0.0.1:9090"

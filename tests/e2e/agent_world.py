@@ -1,6 +1,6 @@
 """A one-node cluster on real processes, for agent tests and ``bench/adopt.py``.
 
-- :class:`ControlPlane`: the real agent API (:func:`~llmgw.control.agentapi.build_agent_app`), the
+- :class:`ControlPlane`: the real agent API (:func:`~llmgw.control.api.agent.build_agent_app`), the
   real SQLite store and the real leader, in this process, over mTLS on a fixed port, so it can be
   stopped and started again on the same address (a control-plane restart). The leader runs a
   pass at start (as ``llmgw server run`` does) and after every heartbeat.
@@ -25,10 +25,10 @@ import yaml
 from aiohttp import web
 
 from llmgw import tlsconf
-from llmgw.control.agentapi import build_agent_app
-from llmgw.control.catalog import Model, Profile, Scaling
-from llmgw.control.leader import Leader
-from llmgw.control.store import ReplicaRow, Store, default_url
+from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.api.agent import build_agent_app
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store.sql import ReplicaRow, Store, default_url
 from llmgw.paths import Paths
 from llmgw.protocol import ReplicaStatus
 

@@ -23,13 +23,13 @@ import httpx
 import openai
 import pytest
 
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.gateway_guard import GuardInspector
-from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.guard import GuardInspector
 from llmgw.guard.config import Direction, FailMode, GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
+from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
-from tests.unit.test_gateway_fakes import ServerThread, fake_llama, free_port
+from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.guardapi import add_guard_routes
-from llmgw.control.leader import Leader
-from llmgw.control.openapi import build_openapi
-from llmgw.control.store import Store, default_url
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.api.guard import add_guard_routes
+from llmgw.control.api.openapi import build_openapi
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store.sql import Store, default_url
 from llmgw.guard.config import GuardConfig
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 

@@ -24,18 +24,18 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw import tlsconf
+from llmgw.catalog import Model
 from llmgw.cli.ctl import app as ctl_app
 from llmgw.config import ServerConfig
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.agentapi import build_agent_app
-from llmgw.control.catalog import Model
-from llmgw.control.engineargs import refused_args
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.routing_table import StoreRouter
-from llmgw.control.store import ReplicaRow, Store, default_url
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.api.agent import build_agent_app
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.engineargs import refused_args
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
 from tests.conftest import Assets
-from tests.unit.test_gateway_fakes import ServerThread, fake_llama
+from tests.unit.gateway_fakes import ServerThread, fake_llama
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from llmgw import client
 from llmgw.cli import chat as chat_cli
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.control.gateway.app import build_gateway_app
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import ROOT_ENV, Paths
-from tests.unit.test_gateway_fakes import ServerThread, fake_llama, free_port
+from llmgw.routing import Route, StaticRouter, Upstream
+from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
 
 KEY = "sk-chat"
 

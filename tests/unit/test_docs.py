@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from llmgw.control.catalog import Model
+from llmgw.catalog import Model
 from llmgw.guard.config import GuardConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"

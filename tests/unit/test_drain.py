@@ -1,4 +1,4 @@
-"""The gateway's drain on shutdown (:mod:`llmgw.control.drain`), on a real aiohttp server and client:
+"""The gateway's drain on shutdown (:mod:`llmgw.control.gateway.drain`), on a real aiohttp server and client:
 requests in flight may finish; at the deadline a stream ends with an error event and ``[DONE]``,
 a plain request with a 503; while closing, new requests are refused."""
 
@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.control.drain import Drain
+from llmgw.control.gateway.drain import Drain
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.control import estimate as est
-from llmgw.control.catalog import Model, Profile
-from llmgw.control.leader import effective_model
+from llmgw.catalog import Model, Profile
+from llmgw.control.placement import estimate as est
+from llmgw.control.reconcile.leader import effective_model
 from tests.conftest import Assets
 
 

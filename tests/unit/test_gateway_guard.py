@@ -26,12 +26,12 @@ import openai
 import pytest
 from aiohttp import web
 
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.gateway_guard import GuardInspector, HeldStream
-from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.guard import GuardInspector, HeldStream
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
 from llmgw.guard.judge import JudgeClient, JudgeRoute
-from tests.unit.test_gateway_fakes import ServerThread, fake_llama, free_port
+from llmgw.routing import Route, StaticRouter, Upstream
+from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
 
 KEY = "sk-guard"
 JUDGE_KEY = "judge-secret-key"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control.gateway_keys import GatewayKeys, digest, parse_keys
+from llmgw.control.gateway.keys import GatewayKeys, digest, parse_keys
 from llmgw.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.control.gateway_request import FORWARDED, dropped_header, upstream_body
+from llmgw.control.gateway.request import FORWARDED, dropped_header, upstream_body
 from llmgw.errors import ApiError
 
 

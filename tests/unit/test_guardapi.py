@@ -10,14 +10,14 @@ import httpx
 import pytest
 from aiohttp import web
 
-from llmgw.control.gateway_guard import GuardInspector
-from llmgw.control.guardapi import add_guard_routes, guard_status
-from llmgw.control.routing import Upstream
-from llmgw.control.store import Store, default_url
+from llmgw.control.api.guard import add_guard_routes, guard_status
+from llmgw.control.gateway.guard import GuardInspector
+from llmgw.control.store.sql import Store, default_url
 from llmgw.guard.config import GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
+from llmgw.routing import Upstream
 from llmgw.serverinit import plan
-from tests.unit.test_gateway_fakes import ServerThread
+from tests.unit.gateway_fakes import ServerThread
 from tests.unit.test_gateway_guard import JUDGE_KEY, FakeJudge
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from llmgw.control.catalog import Role
+from llmgw.catalog import Role
 from llmgw.guard.config import FailMode, GuardConfig
 from llmgw.serverinit import files, plan
 

@@ -14,15 +14,15 @@ import pytest
 from aiohttp import web
 
 from llmgw import tlsconf
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.agentapi import build_agent_app
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.guardapi import add_guard_routes
-from llmgw.control.routing import Route, StaticRouter
-from llmgw.control.store import Store, default_url
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.api.agent import build_agent_app
+from llmgw.control.api.guard import add_guard_routes
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.store.sql import Store, default_url
 from llmgw.guard.config import GuardConfig
 from llmgw.jsonbody import JsonBodyError, loads, nesting_depth
-from tests.unit.test_gateway_fakes import ServerThread
+from llmgw.routing import Route, StaticRouter
+from tests.unit.gateway_fakes import ServerThread
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -24,14 +24,14 @@ import httpx
 import pytest
 from aiohttp import web
 
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.gateway_guard import GuardInspector
-from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.guard import GuardInspector
 from llmgw.guard.admission import JudgeQueue, JudgeTime
 from llmgw.guard.config import Direction, GuardConfig, Policy
 from llmgw.guard.formats import JudgeError
 from llmgw.guard.judge import JudgeClient, JudgeRoute
-from tests.unit.test_gateway_fakes import ServerThread, fake_llama
+from llmgw.routing import Route, StaticRouter, Upstream
+from tests.unit.gateway_fakes import ServerThread, fake_llama
 
 #: Seconds the fake judge takes per judgment, one at a time.
 HOLD_S = 1.0

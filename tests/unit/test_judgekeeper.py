@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from llmgw.control.catalog import Model, Profile, Role, Scaling
-from llmgw.control.judgekeeper import (
+from llmgw.catalog import Model, Profile, Role, Scaling
+from llmgw.control.reconcile.judgekeeper import (
     JUDGE_GRACE,
     JUDGE_RETRY,
     ClassUse,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent import logs
-from llmgw.control.logbroker import LogBroker
+from llmgw.control.api.logbroker import LogBroker
 from llmgw.errors import UnreachableError
 from llmgw.protocol import LogReply
 

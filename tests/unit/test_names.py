@@ -23,15 +23,15 @@ from llmgw import tlsconf, yamlsafe
 from llmgw.agent.discovery import load_inventory_file
 from llmgw.cli.ctl import app as ctl_app
 from llmgw.config import load_agent_config, load_server_config
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.agentapi import build_agent_app
-from llmgw.control.store import Store, default_url
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.api.agent import build_agent_app
+from llmgw.control.store.sql import Store, default_url
 from llmgw.errors import ConfigError
 from llmgw.names import check_label_key, check_name
 from llmgw.paths import Paths
 from llmgw.serverinit import files
 from llmgw.serverinit.onboard import add_node
-from tests.unit.test_gateway_fakes import ServerThread
+from tests.unit.gateway_fakes import ServerThread
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -20,11 +20,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.catalog import Model, Profile, Scaling
-from llmgw.control.leader import Leader, backoff_s, probe_engine
-from llmgw.control.routing_table import StoreRouter
-from llmgw.control.store import ReplicaRow, Store, default_url
+from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.reconcile.leader import Leader, backoff_s, probe_engine
+from llmgw.control.store.sql import ReplicaRow, Store, default_url
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 GB = 1_000_000_000

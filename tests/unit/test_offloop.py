@@ -1,7 +1,7 @@
 """The control plane's event loop stays free while the store is slow (issue 9, item 17).
 
 The admin API, the agent API (real mTLS on 127.0.0.1) and the leader share one loop and one
-:class:`~llmgw.control.offloop.OffLoop`, as :func:`llmgw.control.server.serve` wires them. A store
+:class:`~llmgw.control.store.offloop.OffLoop`, as :func:`llmgw.control.server.serve` wires them. A store
 call is then made *artificially slow*: it blocks on a ``threading.Event`` (a gate) until the test
 opens it. The gate stands in for a slow disk, a long SQLite lock or a CPU-heavy pass over many
 nodes, and makes "a slow call is in flight" a fact the test controls instead of a race against a
@@ -23,11 +23,11 @@ import pytest
 from aiohttp import web
 
 from llmgw import tlsconf
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.agentapi import build_agent_app
-from llmgw.control.leader import Leader, PassResult
-from llmgw.control.offloop import Batcher, Coalescer, OffLoop
-from llmgw.control.store import ModelRow, NodeRow, Store, default_url
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.api.agent import build_agent_app
+from llmgw.control.reconcile.leader import Leader, PassResult
+from llmgw.control.store.offloop import Batcher, Coalescer, OffLoop
+from llmgw.control.store.sql import ModelRow, NodeRow, Store, default_url
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
 
 TOKEN = "admin-token-for-tests"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control import placement as pl
-from llmgw.control.catalog import Engine, Model, Profile, Scaling
-from llmgw.control.leader import Leader
-from llmgw.control.store import Store, default_url
+from llmgw.catalog import Engine, Model, Profile, Scaling
+from llmgw.control.placement import placer as pl
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store.sql import Store, default_url
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
 
 GB = 1_000_000_000

@@ -18,12 +18,12 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.agent.discovery import load_inventory_file
-from llmgw.control import placement as pl
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.catalog import Model, Profile, Scaling
-from llmgw.control.explain import would_fit_if
-from llmgw.control.leader import Leader
-from llmgw.control.store import Store, default_url
+from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.placement import placer as pl
+from llmgw.control.placement.explain import would_fit_if
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store.sql import Store, default_url
 from llmgw.protocol import Heartbeat, Inventory
 from tests.unit.test_placement import LLAMA
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.control.catalog import Role
+from llmgw.catalog import Role
 from llmgw.serverinit import plan
 
 

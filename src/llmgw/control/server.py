@@ -6,14 +6,14 @@
 2. the three **listeners**: admin API on ``admin_listen`` (bearer token), agent API on
    ``agent_listen`` (TLS, client certificates from the cluster CA), gateway on ``gateway.listen``
    (API keys from ``gateway.keys_file``, re-read when the file changes and on SIGHUP,
-   :mod:`llmgw.control.gateway_keys`; its handlers are cancelled when their client disconnects, which
+   :mod:`llmgw.control.gateway.keys`; its handlers are cancelled when their client disconnects, which
    frees the engine's slot). All three bind before anything is served, so a port
    already taken stops the process with a :class:`~llmgw.errors.PortInUseError` naming it, and
    nothing half-started stays behind;
 3. the **leader** loop (with SQLite this process is the leader).
 
 It runs until SIGTERM/SIGINT or ``stop`` is set, then shuts down gracefully
-(:mod:`llmgw.control.drain`): every listener stops accepting, the gateway's requests in flight may
+(:mod:`llmgw.control.gateway.drain`): every listener stops accepting, the gateway's requests in flight may
 finish for up to ``gateway.drain_s`` and are then cut with an error event and ``data: [DONE]``,
 and only then are the listeners, the leader and the store closed.
 
@@ -24,8 +24,8 @@ the leader's timed pass); an admin write does both; a leader pass that changed r
 the routing table.
 
 No store call and no reconcile pass runs on the event loop that serves the three listeners
-(issue 9, item 17): store calls go through one bounded pool (:class:`~llmgw.control.offloop.OffLoop`),
-routing rebuilds are coalesced (:class:`~llmgw.control.offloop.Coalescer`: a burst of events costs
+(issue 9, item 17): store calls go through one bounded pool (:class:`~llmgw.control.store.offloop.OffLoop`),
+routing rebuilds are coalesced (:class:`~llmgw.control.store.offloop.Coalescer`: a burst of events costs
 one or two rebuilds) and the leader's passes run on that pool too.
 """
 
@@ -46,21 +46,21 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from llmgw.config import ServerConfig, load_server_config, parse_listen
-from llmgw.control.adminapi import build_admin_app
-from llmgw.control.agentapi import agent_ssl_context, build_agent_app
-from llmgw.control.drain import Drain
-from llmgw.control.gateway_keys import GatewayKeys
-from llmgw.control.leader import Leader
-from llmgw.control.logbroker import LogBroker
-from llmgw.control.offloop import Coalescer, OffLoop
-from llmgw.control.routing_table import StoreRouter
-from llmgw.control.store import Store, default_url
+from llmgw.control.api.admin import build_admin_app
+from llmgw.control.api.agent import agent_ssl_context, build_agent_app
+from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.gateway.drain import Drain
+from llmgw.control.gateway.keys import GatewayKeys
+from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store.offloop import Coalescer, OffLoop
+from llmgw.control.store.sql import Store, default_url
 from llmgw.errors import PkiError, PortInUseError
 from llmgw.paths import Paths
 
 if TYPE_CHECKING:
-    from llmgw.control.gateway_guard import GuardInspector
-    from llmgw.control.judgekeeper import JudgeKeeper
+    from llmgw.control.gateway.guard import GuardInspector
+    from llmgw.control.reconcile.judgekeeper import JudgeKeeper
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def read_admin_token(config: ServerConfig, config_path: Path) -> str:
 
 
 def read_gateway_keys(config: ServerConfig) -> GatewayKeys:
-    """API keys from ``gateway.keys_file`` (:mod:`llmgw.control.gateway_keys`), followed as it changes.
+    """API keys from ``gateway.keys_file`` (:mod:`llmgw.control.gateway.keys`), followed as it changes.
     No file configured: no keys (only loopback clients, when ``allow_loopback_without_key``).
 
     Raises:
@@ -142,7 +142,7 @@ def _gateway_app(
 ) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
-    from llmgw.control.gateway import build_gateway_app  # noqa: PLC0415
+    from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415
 
     app = build_gateway_app(
         router,
@@ -169,8 +169,8 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
     """The guard inspector when server.yaml has a guard policy (guard.on()), else None."""
     if not config.guard.on():
         return None
-    from llmgw.control.gateway_guard import CatalogFormats, route_judges  # noqa: PLC0415
-    from llmgw.control.gateway_guard import GuardInspector as _GI  # noqa: PLC0415
+    from llmgw.control.gateway.guard import CatalogFormats, route_judges  # noqa: PLC0415
+    from llmgw.control.gateway.guard import GuardInspector as _GI  # noqa: PLC0415
     from llmgw.guard.judge import JudgeClient  # noqa: PLC0415
 
     formats = CatalogFormats(router.catalog)  # the routing snapshot: no store read on the gateway's path
@@ -182,8 +182,8 @@ def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]],
 ) -> web.Application:
-    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.guardapi`)."""
-    from llmgw.control.guardapi import MirrorServe, add_guard_routes  # noqa: PLC0415
+    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`)."""
+    from llmgw.control.api.guard import MirrorServe, add_guard_routes  # noqa: PLC0415
 
     app = build_admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
@@ -199,7 +199,7 @@ def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> 
     there is a mirror to fetch judges with."""
     if not config.guard.on() or not config.mirror.api:
         return None
-    from llmgw.control.guardapi import MirrorServe, build_keeper  # noqa: PLC0415
+    from llmgw.control.api.guard import MirrorServe, build_keeper  # noqa: PLC0415
 
     guard = config.guard
     return build_keeper(store, lambda: guard, MirrorServe(store, config.mirror.api, on_added=changed), changed)

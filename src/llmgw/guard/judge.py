@@ -44,10 +44,10 @@ from typing import Any
 
 import aiohttp
 
-from llmgw.control.routing import Upstream
 from llmgw.guard.admission import JudgeQueue
 from llmgw.guard.config import Direction
 from llmgw.guard.formats import JudgeError, JudgeFormat, Verdict, format_named
+from llmgw.routing import Upstream
 
 log = logging.getLogger(__name__)
 

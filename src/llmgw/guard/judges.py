@@ -2,7 +2,7 @@
 catalog entry and serve request for each (the seed's ``knownJudgeNamed`` / ``serveRequest``).
 
 Naming one of these in a policy is all it takes to have it: the judge keeper
-(:mod:`llmgw.control.judgekeeper`) serves it when the catalog lacks it, and ``llmgw ctl guard judge
+(:mod:`llmgw.control.reconcile.judgekeeper`) serves it when the catalog lacks it, and ``llmgw ctl guard judge
 enable NAME`` does it by hand. A judge not in this table needs ``--repo``/``--file``.
 
 The 0.6B's file is the seed's (``serverinit_cluster.go``). The 4B and 8B files follow the same
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw.control.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
+from llmgw.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
 
 #: The judge init installs and the keeper refits (the seed's ``defaultJudge``).
 DEFAULT_JUDGE = "qwen3guard-0.6b"

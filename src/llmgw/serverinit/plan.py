@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.control.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
+from llmgw.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
 
 # The starter: small enough to download in a minute and run on any CPU, real enough to answer a
 # question. Q4_K_M is about 400 MB.

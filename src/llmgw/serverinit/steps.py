@@ -45,8 +45,8 @@ import psutil
 from llmgw import sourcecheck
 from llmgw.adminclient import AdminClient
 from llmgw.agent.discovery import has_nvidia_device
+from llmgw.catalog import Model
 from llmgw.config import ServerConfig, load_agent_config, load_server_config, parse_listen
-from llmgw.control.catalog import Model
 from llmgw.errors import (
     ApiError,
     ConfigError,

@@ -8,7 +8,7 @@ read its server.yaml, print ``restarted`` and exit 0, with the gateway down. Now
    ``python -m llmgw.service.check NAME CONFIG``, run as the unit's ``User=`` (the supervisor's
    :func:`~llmgw.service.supervisor.credentials`), so a file the service could not read fails
    here too. On failure nothing is stopped: :class:`~llmgw.errors.ServiceError` with the reason.
-2. the manager restarts it (SIGTERM: the control plane drains its streams, :mod:`llmgw.control.drain`);
+2. the manager restarts it (SIGTERM: the control plane drains its streams, :mod:`llmgw.control.gateway.drain`);
 3. :func:`wait_up`: the service must answer (the control plane: its admin API's health) or, for
    the others, run :data:`SETTLE_S` without exiting; it failing, exiting or not answering within
    ``timeout_s`` is a ServiceError with its status and last log lines.

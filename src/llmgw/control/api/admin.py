@@ -27,13 +27,13 @@ A drain cordons the node and deletes its replicas at once; the leader places the
 next pass (no overlap: drain stops before the new ones are ready).
 
 ``DELETE /api/v1/nodes/{id}`` removes a node and revokes the certificate serials its agent
-presented (:meth:`~llmgw.control.store.Store.remove_node`); 409 ``node_busy`` while replicas are
+presented (:meth:`~llmgw.control.store.sql.Store.remove_node`); 409 ``node_busy`` while replicas are
 placed there, unless ``?force=true``, which drains it first (as above) in the same request.
 
 Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
 
 Every store call and every view built over all nodes or replicas runs off the event loop
-(``await db.run(...)``, :mod:`llmgw.control.offloop`): the loop also serves heartbeats and the
+(``await db.run(...)``, :mod:`llmgw.control.store.offloop`): the loop also serves heartbeats and the
 gateway (issue 9, item 17).
 """
 
@@ -52,14 +52,14 @@ from aiohttp import web
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from llmgw import jsonbody
-from llmgw.control.catalog import Model, Profile
-from llmgw.control.leader import effective_model, new_replica_id, parse_facts, reservations
-from llmgw.control.logbroker import LogBroker
-from llmgw.control.offloop import OffLoop
-from llmgw.control.openapi import NodeRemovalView, build_openapi
-from llmgw.control.resources import resources_view
-from llmgw.control.store import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
-from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
+from llmgw.catalog import Model, Profile
+from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.api.openapi import NodeRemovalView, build_openapi
+from llmgw.control.api.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
+from llmgw.control.placement.resources import resources_view
+from llmgw.control.reconcile.leader import effective_model, new_replica_id, parse_facts, reservations
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.sql import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.errors import UnreachableError
 from llmgw.protocol import ReplicaState
 

@@ -14,7 +14,7 @@ API, ``server init``, and the store when it reads a row back):
 * ``scaling.min``/``max`` are strict integers (``2.0`` and ``"2"`` are refused) of at most
   :data:`MAX_REPLICAS_HARD`; the control plane's own, lower limit is ``max_replicas_per_model``
   in server.yaml (checked by the admin API);
-* a profile's ``args`` carry no flag from :mod:`llmgw.control.engineargs` (paths, agent-owned
+* a profile's ``args`` carry no flag from :mod:`llmgw.engineargs` (paths, agent-owned
   flags, network fetches, tools).
 """
 
@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmgw.control.engineargs import refused_args
+from llmgw.engineargs import refused_args
 from llmgw.names import check_label_key, check_name
 
 MAX_REPLICAS_HARD = 100_000

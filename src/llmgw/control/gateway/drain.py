@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from llmgw.control.gateway_upstream import error_body, error_response
+from llmgw.control.gateway.upstream import error_body, error_response
 
 log = logging.getLogger(__name__)
 

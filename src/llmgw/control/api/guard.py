@@ -30,9 +30,9 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
-from llmgw.control.gateway_guard import GuardInspector
-from llmgw.control.judgekeeper import ClassUse, JudgeKeeper, ServeJob
-from llmgw.control.store import Store
+from llmgw.control.gateway.guard import GuardInspector
+from llmgw.control.reconcile.judgekeeper import ClassUse, JudgeKeeper, ServeJob
+from llmgw.control.store.sql import Store
 from llmgw.errors import LlmgwError
 from llmgw.guard.config import Controversial, Direction, GuardConfig
 from llmgw.guard.formats import FORMATS, JudgeError, Safety
@@ -122,7 +122,7 @@ def cluster_gpus(store: Store) -> list[ClassUse]:
 
 
 def node_cpus(store: Store) -> list[int]:
-    """Each ready node's cores, for the keeper's :func:`~llmgw.control.judgekeeper.refit_cores`."""
+    """Each ready node's cores, for the keeper's :func:`~llmgw.control.reconcile.judgekeeper.refit_cores`."""
     return [n.inventory.cores for n in store.list_nodes() if n.state == "ready"]
 
 
@@ -268,7 +268,7 @@ def add_guard_routes(
             req = ServeRequest(name=name, repo=str(repo), file=str(file), format=fmt, replicas=1, cores=2)
         elif kj is not None:
             if kj.gpu:
-                from llmgw.control.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
+                from llmgw.control.reconcile.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
 
                 klass = roomiest_gpu_class(await asyncio.to_thread(cluster_gpus, store))
                 if not klass:

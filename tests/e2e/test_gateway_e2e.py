@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from llmgw.control.gateway import build_gateway_app
-from llmgw.control.routing import Route, StaticRouter, Upstream
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
-from tests.unit.test_gateway_fakes import ServerThread, free_port
+from tests.unit.gateway_fakes import ServerThread, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The guard in the gateway: an :class:`~llmgw.control.gateway_inspect.Inspector` that has every
+"""The guard in the gateway: an :class:`~llmgw.control.gateway.inspect.Inspector` that has every
 prompt and answer judged by the policy's judge (:mod:`llmgw.guard`).
 
 Per chat request (the first policy of ``guard.policies`` whose ``models``/``keys`` match; none:
@@ -41,12 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmgw.control.catalog import Model, Role
-from llmgw.control.gateway_inspect import Refusal, current_call
-from llmgw.control.routing import Route
+from llmgw.catalog import Model, Role
+from llmgw.control.gateway.inspect import Refusal, current_call
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy
 from llmgw.guard.formats import JudgeError, Safety
 from llmgw.guard.judge import JudgeClient, JudgeRoute, Judgment
+from llmgw.routing import Route
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def answer_text(response: dict[str, Any]) -> str:
 
 
 class GuardInspector:
-    """The gateway's :class:`~llmgw.control.gateway_inspect.Inspector` for ``guard.policies``.
+    """The gateway's :class:`~llmgw.control.gateway.inspect.Inspector` for ``guard.policies``.
 
     Args:
         config: the ``guard:`` block (re-read through ``config()`` when a callable is given).

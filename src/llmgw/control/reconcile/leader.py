@@ -4,7 +4,7 @@ Exactly one control plane is the leader and runs this loop (DESIGN.md, "State an
 With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
 lock) is not built yet, so run one control plane per database until it is.
 
-Passes run off the event loop, on the store's thread pool (:class:`~llmgw.control.offloop.OffLoop`),
+Passes run off the event loop, on the store's thread pool (:class:`~llmgw.control.store.offloop.OffLoop`),
 so placement over every node and the explanations never stall heartbeats or the gateway. A wake
 (an admin write, a heartbeat that changed something) starts a pass after :data:`COALESCE_S`, at
 most one pass starts per :data:`MIN_GAP_S`, and wakes that arrive while a pass runs collapse into
@@ -12,7 +12,7 @@ one more pass: adding 50 models in a burst, and the 100 heartbeats that report t
 ready, cost a handful of passes, not 150 (issue 9, item 17).
 
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
-give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.estimate`) and stored; a
+give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored; a
 source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
 Then every ``ready`` replica whose node is silent (no heartbeat for ``node_lost_after_s``, or
 already ``lost``) has its engine probed as the gateway would reach it: ``GET
@@ -43,9 +43,9 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    that failed after being ready that long is replaced as after a first crash. Restarts an
    operator asks for (``POST /api/v1/replicas/{id}/restart``) are not crashes and are not counted.
 4. **Models**, by name: remove the newest replicas above ``scaling.max``; place new ones until
-   ``scaling.min`` with one :class:`~llmgw.control.placement.Placer` for the whole pass (each
+   ``scaling.min`` with one :class:`~llmgw.control.placement.placer.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
-   two never get one GPU); store the :class:`~llmgw.control.views.ExplainView` for every model,
+   two never get one GPU); store the :class:`~llmgw.control.api.views.ExplainView` for every model,
    placed or not, so ``explain-placement`` always answers from the last pass. An explanation
    equal to the one this leader last stored for the model (``evaluated_at`` aside) is not written
    again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that first
@@ -79,13 +79,13 @@ from typing import TypeVar
 
 import aiohttp
 
-from llmgw.control import estimate as est
-from llmgw.control import placement
-from llmgw.control.catalog import Model
-from llmgw.control.explain import explain_view
-from llmgw.control.offloop import OffLoop
-from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
-from llmgw.control.views import ExplainView
+from llmgw.catalog import Model
+from llmgw.control.api.views import ExplainView
+from llmgw.control.placement import estimate as est
+from llmgw.control.placement import placer as placement
+from llmgw.control.placement.explain import explain_view
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.sql import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)

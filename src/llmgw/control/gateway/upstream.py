@@ -3,7 +3,7 @@
 Mechanism, per chat request:
 
 1. :meth:`UpstreamPool.send` picks the model's next replica round-robin and POSTs the body (the
-   client's bytes, or what :mod:`llmgw.control.gateway_request` made of them) to
+   client's bytes, or what :mod:`llmgw.control.gateway.request` made of them) to
    ``http://{endpoint}/v1/chat/completions`` with that replica's key. When the connection is refused
    (or the connect times out), nothing was sent, so it tries the next replica once; past that the
    client gets 502. A replica is never retried after the request went out
@@ -45,9 +45,9 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from llmgw.control.gateway_inspect import Inspector, Refusal, StreamInspector, current_call
-from llmgw.control.routing import Route, Upstream
+from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
 from llmgw.errors import ApiError
+from llmgw.routing import Route, Upstream
 
 log = logging.getLogger(__name__)
 

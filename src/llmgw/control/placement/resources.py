@@ -2,7 +2,7 @@
 which nodes could take one now.
 
 Pure functions over store rows: the memory of a profile is its ``min_memory_gb`` when set, else the
-GGUF estimate (:mod:`llmgw.control.estimate`) when the header has been read, else unknown (0,
+GGUF estimate (:mod:`llmgw.control.placement.estimate`) when the header has been read, else unknown (0,
 reserving nothing). Each node's verdict is placement's own check (:func:`placement.check`) against
 the replicas placed now, the model's own included, so "fits" means "one more would fit there".
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from llmgw.control import estimate as est
-from llmgw.control import placement as pl
-from llmgw.control.catalog import Model
-from llmgw.control.leader import effective_model, node_info, parse_facts, reservations
-from llmgw.control.store import NodeRow, ReplicaRow
+from llmgw.catalog import Model
+from llmgw.control.placement import estimate as est
+from llmgw.control.placement import placer as pl
+from llmgw.control.reconcile.leader import effective_model, node_info, parse_facts, reservations
+from llmgw.control.store.sql import NodeRow, ReplicaRow
 
 
 class NodeFit(BaseModel):

@@ -1,6 +1,6 @@
 """What would make a replica fit: placement's rejections turned into things an operator can do.
 
-:func:`would_fit_if` reads a :class:`~llmgw.control.placement.Decision` that placed nothing and
+:func:`would_fit_if` reads a :class:`~llmgw.control.placement.placer.Decision` that placed nothing and
 answers with short lines, most useful first:
 
 * **exhausted** nodes (they passed every rule, a resource is short), the smallest shortfall first:
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmgw.control import placement as pl
-from llmgw.control.catalog import Model
-from llmgw.control.views import ExplainView
+from llmgw.catalog import Model
+from llmgw.control.api.views import ExplainView
+from llmgw.control.placement import placer as pl
 
 MAX_SUGGESTIONS = 5
 

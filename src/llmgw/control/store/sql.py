@@ -17,12 +17,12 @@ Rules this module keeps:
   names it and ``ctl model rm`` deletes it; heartbeats, placement and the gateway go on with the
   rest.
 * **Separate shapes.** The rows here (:class:`ModelRow`, :class:`NodeRow`, :class:`ReplicaRow`)
-  are storage shapes; API views live in :mod:`llmgw.control.views`, wire shapes in
+  are storage shapes; API views live in :mod:`llmgw.control.api.views`, wire shapes in
   :mod:`llmgw.protocol`.
 
 Calls are synchronous (the control plane makes them on a thread pool, never on its event loop:
-:mod:`llmgw.control.offloop`), and the gateway's hot path never reaches the store (it reads
-:class:`~llmgw.control.routing_table.StoreRouter`'s memory).
+:mod:`llmgw.control.store.offloop`), and the gateway's hot path never reaches the store (it reads
+:class:`~llmgw.control.gateway.table.StoreRouter`'s memory).
 
 **One writer at a time, in process.** SQLite lets one transaction write; a second one waits in
 SQLite's busy handler, which *sleeps* 1, 2, 5, 10 … 100 ms between tries, so writers on several
@@ -52,8 +52,8 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw.control.catalog import STORED, Model
-from llmgw.control.views import ExplainView
+from llmgw.catalog import STORED, Model
+from llmgw.control.api.views import ExplainView
 from llmgw.errors import LlmgwError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaState, ReplicaStatus
 
@@ -532,7 +532,7 @@ class Store:
 
         One transaction for a batch: with SQLite every write transaction takes the file's single
         write lock, and 200 agents beating every 2 s made that lock the queue heartbeats waited in
-        (:mod:`llmgw.control.offloop` batches the heartbeats that arrive while one batch is written).
+        (:mod:`llmgw.control.store.offloop` batches the heartbeats that arrive while one batch is written).
         """
         prepared = [(node_id, _heartbeat_values(hb, now), now, serial) for node_id, hb, now, serial in beats]
         out: list[Conflict | None] = []

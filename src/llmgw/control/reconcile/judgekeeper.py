@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from llmgw.control.catalog import Model, Profile, Role
+from llmgw.catalog import Model, Profile, Role
 from llmgw.guard.config import GuardConfig
 from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
 from llmgw.serverinit.plan import JUDGE_CORES, JUDGE_CORES_ALONE, JUDGE_MEMORY_GB

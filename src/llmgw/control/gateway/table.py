@@ -1,4 +1,4 @@
-"""The control plane's routing table: a :class:`~llmgw.control.routing.Router` built from the store.
+"""The control plane's routing table: a :class:`~llmgw.routing.Router` built from the store.
 
 The gateway asks :meth:`StoreRouter.resolve` on every request, so it answers from memory: a
 snapshot of models, replicas and explanations' summaries, rebuilt whenever :meth:`StoreRouter.refresh`
@@ -6,7 +6,7 @@ is called (a heartbeat that changed a replica, an admin write, a leader pass tha
 something) and when it is older than ``max_age_s`` (0.5 s).
 
 In the control plane (:mod:`llmgw.control.server`) the router is built with ``on_stale``: a stale
-snapshot then asks for a rebuild off the event loop (:class:`~llmgw.control.offloop.Coalescer`)
+snapshot then asks for a rebuild off the event loop (:class:`~llmgw.control.store.offloop.Coalescer`)
 and the request is answered from the snapshot it has, so the gateway's hot path never waits on
 the store (issue 9, item 17). Without ``on_stale`` (tests, tools) the rebuild runs inline.
 
@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmgw.control.catalog import Model, Role
-from llmgw.control.routing import Route, Upstream
-from llmgw.control.store import ReplicaRow, Store
+from llmgw.catalog import Model, Role
+from llmgw.control.store.sql import ReplicaRow, Store
 from llmgw.protocol import ReplicaState
+from llmgw.routing import Route, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def build_routes(
 
 
 class StoreRouter:
-    """A :class:`~llmgw.control.routing.Router` over the store, cached in memory.
+    """A :class:`~llmgw.routing.Router` over the store, cached in memory.
 
     Args:
         store: the state store.

@@ -7,7 +7,7 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
 
 1. **key**: ``Authorization: Bearer <key>`` with a key from ``keys`` (compared by SHA-256 digest, so
    the lookup takes the same time for every wrong key; a keys file is re-read when it changes,
-   :mod:`llmgw.control.gateway_keys`). When ``allow_loopback_without_key``, a client whose TCP peer
+   :mod:`llmgw.control.gateway.keys`). When ``allow_loopback_without_key``, a client whose TCP peer
    is 127.0.0.0/8 or ::1 may send *no* key (or an empty one); a key it does send must be valid like
    anyone else's, so a revoked key is refused from loopback too (an ``openai`` client, which insists
    on some key, is given a real one). The peer address is the socket's, never
@@ -17,11 +17,11 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
    ``invalid_request_error``).
 3. **model**: ``router.resolve`` (name or alias); unknown → 404 ``model_not_found`` naming the known
    models; no ready replica → 503 ``model_unavailable`` with ``Route.unavailable`` as the reason.
-   Then the body is cut to what an engine may see (:mod:`llmgw.control.gateway_request`: OpenAI
+   Then the body is cut to what an engine may see (:mod:`llmgw.control.gateway.request`: OpenAI
    fields only, ``max_tokens`` held to the model's ``max_output``); dropped fields are named in the
    ``x-llmgw-dropped`` header.
-4. **guard in** (optional :class:`~llmgw.control.gateway_inspect.Inspector`), then the replica
-   (:mod:`llmgw.control.gateway_upstream`: round-robin, one failover on a refused connection,
+4. **guard in** (optional :class:`~llmgw.control.gateway.inspect.Inspector`), then the replica
+   (:mod:`llmgw.control.gateway.upstream`: round-robin, one failover on a refused connection,
    byte relay for streams), then **guard out**.
 
 A client that disconnects cancels its request: the control plane serves this app with aiohttp's
@@ -63,10 +63,10 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
-from llmgw.control.gateway_inspect import Call, Exchange, Inspector, current_call
-from llmgw.control.gateway_keys import GatewayKeys, digest
-from llmgw.control.gateway_request import dropped_header, upstream_body
-from llmgw.control.gateway_upstream import (
+from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
+from llmgw.control.gateway.keys import GatewayKeys, digest
+from llmgw.control.gateway.request import dropped_header, upstream_body
+from llmgw.control.gateway.upstream import (
     Trace,
     UpstreamPool,
     error_response,
@@ -74,8 +74,8 @@ from llmgw.control.gateway_upstream import (
     relay_plain,
     relay_stream,
 )
-from llmgw.control.routing import Router
 from llmgw.errors import ApiError
+from llmgw.routing import Router
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def build_gateway_app(
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
     Args:
-        router: where models' replicas are (see :mod:`llmgw.control.routing`); read on every request.
+        router: where models' replicas are (see :mod:`llmgw.routing`); read on every request.
         keys: API keys clients may send as ``Authorization: Bearer <key>``: a fixed collection (empty
             strings are ignored) or a :class:`GatewayKeys` that follows ``gateway.keys_file``.
         allow_loopback_without_key: let clients on 127.0.0.0/8 and ::1 in without a key (a key they

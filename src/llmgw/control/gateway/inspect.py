@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llmgw.control.routing import Route
+from llmgw.routing import Route
 
 
 @dataclass(frozen=True)

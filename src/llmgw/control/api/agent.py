@@ -11,7 +11,7 @@ the cluster CA, so a client without one never reaches a handler. A node cannot s
 replicas: only replicas placed on the CN's node take its reports.
 
 Revocation: a node removed with ``llmgw ctl node rm`` has the serials of the certificates its agent
-presented put on a deny-list in the store (:meth:`~llmgw.control.store.Store.remove_node`). Every
+presented put on a deny-list in the store (:meth:`~llmgw.control.store.sql.Store.remove_node`). Every
 request is checked against it after the handshake: a revoked certificate gets 403
 ``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
 The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
@@ -35,9 +35,9 @@ from pydantic import ValidationError
 
 from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
-from llmgw.control.logbroker import LogBroker
-from llmgw.control.offloop import Batcher, OffLoop
-from llmgw.control.store import NodeRow, Revoked, Store
+from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.store.offloop import Batcher, OffLoop
+from llmgw.control.store.sql import NodeRow, Revoked, Store
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 
@@ -169,7 +169,7 @@ def build_agent_app(
         logs: log reads waiting for this node's agent (``/agent/v1/logs`` answers them).
         on_node: called with the node id when a node registers or comes back from ``lost`` (the
             control plane wakes the leader on it: there is new capacity to place on).
-        db: runs the store calls off the event loop (:mod:`llmgw.control.offloop`); default: a
+        db: runs the store calls off the event loop (:mod:`llmgw.control.store.offloop`); default: a
             pool of this app's own, closed with it.
     """
     own_pool = db is None
