@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.placement import estimate as est
-from llmgw.control.reconcile.leader import effective_model
+from llmgw.control.placement.inputs import effective_model
 from tests.conftest import Assets
 
 

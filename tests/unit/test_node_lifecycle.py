@@ -23,7 +23,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.gateway.table import StoreRouter
-from llmgw.control.reconcile.leader import Leader, backoff_s, probe_engine
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.reconcile.probe import probe_engine
+from llmgw.control.reconcile.restarts import backoff_s
 from llmgw.control.store.sql import ReplicaRow, Store, default_url
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 

@@ -11,7 +11,8 @@ import pytest
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
-from llmgw.control.reconcile.leader import Leader, backoff_s
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.reconcile.restarts import backoff_s
 from llmgw.control.store.sql import ReplicaRow, Store, default_url
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
 from tests.unit.test_placement import LLAMA, h100, node

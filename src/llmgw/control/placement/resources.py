@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from llmgw.catalog import Model
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as pl
-from llmgw.control.reconcile.leader import effective_model, node_info, parse_facts, reservations
+from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, reservations
 from llmgw.control.store.sql import NodeRow, ReplicaRow
 
 

@@ -16,8 +16,8 @@ give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placemen
 source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
 Then every ``ready`` replica whose node is silent (no heartbeat for ``node_lost_after_s``, or
 already ``lost``) has its engine probed as the gateway would reach it: ``GET
-http://<endpoint>/health`` with the replica's key (:func:`probe_engine`, on the loop: it is I/O
-only). The pass itself never does network I/O.
+http://<endpoint>/health`` with the replica's key (:mod:`llmgw.control.reconcile.probe`, on the
+loop: it is I/O only). The pass itself never does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order:
 
@@ -36,12 +36,14 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    Before placement, so the capacity they held is free again.
 3. **Stale and failed replicas**: a replica whose profile, source or version changed since it was
    placed (``spec_hash``) is deleted, so the model's replicas restart onto the new profile; a
-   ``failed`` one is deleted once its backoff has passed (:func:`backoff_s`: 10 s doubling to
-   5 min by crashes so far), and the replica placed in its stead carries ``restarts + 1`` and its
-   error as ``last_error``. Crashes are forgiven once a replica has been ready for
+   ``failed`` one is deleted once its backoff has passed
+   (:func:`~llmgw.control.reconcile.restarts.backoff_s`: 10 s doubling to 5 min by crashes so far),
+   and the replica placed in its stead carries ``restarts + 1`` and its error as ``last_error``.
+   Crashes are forgiven once a replica has been ready for
    ``backoff_reset_s`` (10 min by default): a ready replica's ``restarts`` goes back to 0, and one
    that failed after being ready that long is replaced as after a first crash. Restarts an
    operator asks for (``POST /api/v1/replicas/{id}/restart``) are not crashes and are not counted.
+   The counting and the backoff live in :mod:`llmgw.control.reconcile.restarts`.
 4. **Models**, by name: remove the newest replicas above ``scaling.max``; place new ones until
    ``scaling.min`` with one :class:`~llmgw.control.placement.placer.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
@@ -52,7 +54,8 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    reached the current verdict.
 
 A profile without ``min_memory_gb`` reserves the estimate from its GGUF (weights + KV + overhead)
-once the header is known, and nothing before.
+once the header is known, and nothing before (:mod:`llmgw.control.placement.inputs` turns store rows
+into the placer's nodes, reservations and estimated models).
 
 Every write is optimistic (revision checked); a row that changed under the pass is left for the
 next pass, which re-reads everything fresh. A new replica is ``pending`` with a fresh id
@@ -73,8 +76,8 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import aiohttp
@@ -84,6 +87,11 @@ from llmgw.control.api.views import ExplainView
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
 from llmgw.control.placement.explain import explain_view
+from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, reservations
+from llmgw.control.reconcile import probe as probing
+from llmgw.control.reconcile import restarts
+from llmgw.control.reconcile.probe import EngineProbe, probe_engine
+from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.sql import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.protocol import ReplicaState
@@ -95,14 +103,6 @@ T = TypeVar("T")
 #: Seconds between passes when nothing wakes the loop; an admin change or a heartbeat that changed
 #: something wakes it at once (events, not timers, decide how fast a model gets placed).
 DEFAULT_INTERVAL_S = 2.0
-
-#: A failed replica is replaced after 10 s, then 20, 40 … capped at 5 min (issue 3).
-BACKOFF_FIRST_S = 10.0
-BACKOFF_MAX_S = 300.0
-
-#: A replica ready this long has its crash count reset, so a crash after weeks of service waits
-#: 10 s again, not the 5 min its history would give it (issue 9; ``ServerConfig.backoff_reset_s``).
-BACKOFF_RESET_S = 600.0
 
 #: How long a wake waits before its pass starts (seconds), so that a burst of admin writes or
 #: heartbeats is reconciled by one pass; small next to the seconds an engine takes to start.
@@ -117,50 +117,7 @@ MIN_GAP_S = 1.0
 #: A GGUF header that could not be read is tried again after this long (seconds).
 FACTS_RETRY_S = 60.0
 
-#: The probe of an engine on a silent node: a healthy llama-server answers ``/health`` in
-#: milliseconds, so 2 s only ever runs out on an engine (or a network path) that is gone.
-PROBE_TIMEOUT_S = 2.0
-
 FactsReader = Callable[[str], est.GgufFacts]
-
-#: ``(endpoint, key) -> answers``: whether a replica's engine answers its health probe.
-EngineProbe = Callable[[str, str], Awaitable[bool]]
-
-
-async def probe_engine(
-    session: aiohttp.ClientSession, endpoint: str, key: str, *, timeout_s: float = PROBE_TIMEOUT_S
-) -> bool:
-    """Whether ``GET http://<endpoint>/health`` with ``Authorization: Bearer <key>`` answers 200
-    within ``timeout_s`` (``endpoint`` is ``host:port`` as the agent reported it, the address the
-    gateway dials). Any connection error, timeout or other status is False."""
-    try:
-        async with session.get(
-            f"http://{endpoint}/health",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-        return False
-
-
-def backoff_s(restarts: int) -> float:
-    """Seconds a failed replica waits before it is replaced: 10 s doubling per restart, at most 300."""
-    return min(BACKOFF_FIRST_S * float(2 ** max(restarts, 0)), BACKOFF_MAX_S)
-
-
-def node_info(row: NodeRow) -> placement.NodeInfo:
-    """Placement's view of a stored node."""
-    return placement.NodeInfo(
-        id=row.id,
-        state=row.state,
-        inventory=row.inventory,
-        cordoned=row.cordoned,
-        labels=dict(row.labels),
-        engines={e.engine: e for e in row.engines},
-        cached=frozenset(row.cached),
-    )
-
 
 def spec_hash(model: Model, profile_name: str) -> str:
     """What a replica was placed from: the profile's JSON, the source, version and digest. A change
@@ -168,44 +125,6 @@ def spec_hash(model: Model, profile_name: str) -> str:
     prof = next((p for p in model.profiles if p.name == profile_name), None)
     text = "|".join([prof.model_dump_json() if prof else "", model.source, model.version, model.sha256])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def parse_facts(stored: dict[str, tuple[str, str, float]]) -> dict[str, est.GgufFacts]:
-    """The readable GGUF facts of the store, by source."""
-    return {src: est.GgufFacts.model_validate_json(body) for src, (body, _, _) in stored.items() if body}
-
-
-def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
-    """``model`` with each profile's ``min_memory_gb`` filled from its GGUF estimate where it was 0
-    and the header is known (GB, rounded up to 0.01)."""
-    f = facts.get(model.source)
-    if f is None or all(p.min_memory_gb > 0 for p in model.profiles):
-        return model
-    profiles = []
-    for p in model.profiles:
-        if p.min_memory_gb <= 0:
-            gb = est.estimate(f, p.args, context_length=model.context_length).total_gb
-            p = p.model_copy(update={"min_memory_gb": -(-gb * 100 // 1) / 100})  # noqa: PLW2901
-        profiles.append(p)
-    return model.model_copy(update={"profiles": profiles})
-
-
-def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[placement.Reservation]:
-    """What each replica reserves on its node, from its model's profile (unknown profile: nothing).
-    Pass effective models (:func:`effective_model`) so estimated memory counts."""
-    out = []
-    for r in replicas:
-        model = models.get(r.model)
-        prof = next((p for p in model.profiles if p.name == r.profile), None) if model else None
-        if prof is None:
-            out.append(placement.Reservation(r.node, r.model, 0.0, 0, replica=r.id))
-            continue
-        out.append(
-            placement.Reservation(
-                r.node, r.model, prof.min_memory_gb, prof.cpu_cores, prof.gpu_class, r.gpu_indexes, r.id
-            )
-        )
-    return out
 
 
 def _on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -235,14 +154,6 @@ class PassResult:
     def changed(self) -> bool:
         """True when nodes or replicas changed."""
         return bool(self.lost or self.created or self.removed)
-
-
-@dataclass(frozen=True)
-class _Carry:
-    """What a replaced failed replica hands to the replica placed in its stead."""
-
-    restarts: int
-    last_error: str
 
 
 class Leader:
@@ -367,34 +278,18 @@ class Leader:
         return done
 
     def silent(self, node: NodeRow, now: float) -> bool:
-        """Whether ``node`` counts as silent at ``now``: ``lost`` already, or ``ready`` with no
-        heartbeat for ``node_lost_after_s`` (counted from this leader's first pass at the earliest)."""
-        if node.state != "ready":
-            return True
-        return now - max(node.last_seen, self._first_pass or now) > self.node_lost_after_s
+        """Whether ``node`` counts as silent at ``now`` (:func:`~llmgw.control.reconcile.probe.silent`,
+        counted from this leader's first pass at the earliest)."""
+        return probing.silent(node, now, lost_after_s=self.node_lost_after_s, since=self._first_pass)
 
     async def probe_silent(self, now: float) -> set[str]:
         """Probe the engine of every ``ready`` replica whose node is silent (or gone), all at
-        once; returns the ids of those whose engine answered (:data:`PROBE_TIMEOUT_S` at most)."""
+        once; returns the ids of those whose engine answered
+        (:data:`~llmgw.control.reconcile.probe.PROBE_TIMEOUT_S` at most)."""
         if self.probe is None:
             return set()
-        suspects = await self._off(self.suspects, now)
-        if not suspects:
-            return set()
-        probe = self.probe
-        answers = await asyncio.gather(*(probe(r.endpoint, r.key) for r in suspects), return_exceptions=True)
-        return {r.id for r, ok in zip(suspects, answers, strict=True) if ok is True}
-
-    def suspects(self, now: float) -> list[ReplicaRow]:
-        """The ``ready`` replicas (with an endpoint) whose node is silent or gone (store reads)."""
-        nodes = {n.id: n for n in self.store.list_nodes()}
-        return [
-            r
-            for r in self.store.list_replicas()
-            if r.state == ReplicaState.READY
-            and r.endpoint
-            and (r.node not in nodes or self.silent(nodes[r.node], now))
-        ]
+        suspects = await self._off(lambda t: probing.suspects(self.store, lambda n: self.silent(n, t)), now)
+        return await probing.answering(self.probe, suspects)
 
     async def pass_once(self, now: float) -> PassResult:
         """Probe the engines of silent nodes (:meth:`probe_silent`, on the loop), then
@@ -416,7 +311,7 @@ class Leader:
         live = {n.id for n in nodes if n.state == "ready"}
         replicas = self._remove_orphans(rows, live, set(answering), result)
         replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
-        replicas = self._forgive_crashes(replicas, now)
+        replicas = restarts.forgive(self.store, replicas, now, self.backoff_reset_s)
         placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
         self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
         self._created = {k: v.created_at for k, v in rows.items()}
@@ -497,16 +392,15 @@ class Leader:
 
     def _replace_stale_and_failed(
         self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult
-    ) -> tuple[list[ReplicaRow], dict[str, list[_Carry]]]:
+    ) -> tuple[list[ReplicaRow], dict[str, list[Carry]]]:
         kept: list[ReplicaRow] = []
-        carry: dict[str, list[_Carry]] = {}
+        carry: dict[str, list[Carry]] = {}
         for r in replicas:
             model = rows[r.model].model
             stale = bool(r.spec_hash) and r.spec_hash != spec_hash(model, r.profile)
             failed_for = now - r.updated_at
-            crashes = self.crashes(r)
-            due = r.state == ReplicaState.FAILED and failed_for >= backoff_s(crashes)
-            if not (stale or due):
+            crashes = restarts.crashes(r, self.backoff_reset_s)
+            if not (stale or restarts.due(r, now, self.backoff_reset_s)):
                 kept.append(r)
                 continue
             if not self.store.delete_replica(r.id, revision=r.revision):
@@ -515,36 +409,13 @@ class Leader:
             result.removed.append(r.id)
             if stale:
                 log.info("replica %s: its profile or source changed; replacing it", r.id)
-                carry.setdefault(r.model, []).append(_Carry(r.restarts, r.last_error))
+                carry.setdefault(r.model, []).append(Carry(r.restarts, r.last_error))
             else:
                 log.info(
                     "replica %s: failed %.0f s ago (restart %d); replacing it", r.id, failed_for, crashes + 1
                 )
-                carry.setdefault(r.model, []).append(_Carry(crashes + 1, r.err))
+                carry.setdefault(r.model, []).append(Carry(crashes + 1, r.err))
         return kept, carry
-
-    def crashes(self, r: ReplicaRow) -> int:
-        """The crashes the backoff counts for ``r``: ``r.restarts``, or 0 when it failed after being
-        ready for ``backoff_reset_s`` (the reset of :meth:`_forgive_crashes` may not have run yet)."""
-        ready_long = r.ready_at is not None and r.updated_at - r.ready_at >= self.backoff_reset_s
-        return 0 if r.state == ReplicaState.FAILED and ready_long else r.restarts
-
-    def _forgive_crashes(self, replicas: list[ReplicaRow], now: float) -> list[ReplicaRow]:
-        """Reset ``restarts`` of every replica ready for ``backoff_reset_s``; a row that changed
-        meanwhile is left for the next pass."""
-        out = []
-        for r in replicas:
-            if (
-                r.restarts
-                and r.state == ReplicaState.READY
-                and r.ready_at is not None
-                and now - r.ready_at >= self.backoff_reset_s
-            ):
-                with contextlib.suppress(Conflict):
-                    r = self.store.update_replica(replace(r, restarts=0))  # noqa: PLW2901
-                    log.info("replica %s: ready for %.0f s; its crash count is reset", r.id, now - (r.ready_at or now))
-            out.append(r)
-        return out
 
     def _reconcile_model(
         self,
@@ -553,7 +424,7 @@ class Leader:
         raw: Model,
         placer: placement.Placer,
         replicas: list[ReplicaRow],
-        carry: list[_Carry],
+        carry: list[Carry],
         now: float,
         result: PassResult,
     ) -> list[ReplicaRow]:
@@ -569,7 +440,7 @@ class Leader:
             decision = placer.place(model)
             if decision.node is None or decision.profile is None:
                 break
-            before = carry.pop(0) if carry else _Carry(0, "")
+            before = carry.pop(0) if carry else Carry(0, "")
             new = self.store.add_replica(
                 ReplicaRow(
                     id=new_replica_id(model.name),

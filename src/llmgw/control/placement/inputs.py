@@ -1,0 +1,65 @@
+"""What the placer takes, built from store rows: nodes, reservations and the GGUF-estimated models.
+
+Shared by the leader's pass (:mod:`llmgw.control.reconcile.leader`), a model's resources
+(:mod:`llmgw.control.placement.resources`) and the admin API's restart, so each sees the cluster the
+same way: a profile without ``min_memory_gb`` reserves its GGUF estimate (weights + KV + overhead,
+:mod:`llmgw.control.placement.estimate`) once the header is known, and nothing before.
+"""
+
+from __future__ import annotations
+
+from llmgw.catalog import Model
+from llmgw.control.placement import estimate as est
+from llmgw.control.placement import placer as placement
+from llmgw.control.store.sql import NodeRow, ReplicaRow
+
+
+def node_info(row: NodeRow) -> placement.NodeInfo:
+    """Placement's view of a stored node."""
+    return placement.NodeInfo(
+        id=row.id,
+        state=row.state,
+        inventory=row.inventory,
+        cordoned=row.cordoned,
+        labels=dict(row.labels),
+        engines={e.engine: e for e in row.engines},
+        cached=frozenset(row.cached),
+    )
+
+
+def parse_facts(stored: dict[str, tuple[str, str, float]]) -> dict[str, est.GgufFacts]:
+    """The readable GGUF facts of the store, by source."""
+    return {src: est.GgufFacts.model_validate_json(body) for src, (body, _, _) in stored.items() if body}
+
+
+def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
+    """``model`` with each profile's ``min_memory_gb`` filled from its GGUF estimate where it was 0
+    and the header is known (GB, rounded up to 0.01)."""
+    f = facts.get(model.source)
+    if f is None or all(p.min_memory_gb > 0 for p in model.profiles):
+        return model
+    profiles = []
+    for p in model.profiles:
+        if p.min_memory_gb <= 0:
+            gb = est.estimate(f, p.args, context_length=model.context_length).total_gb
+            p = p.model_copy(update={"min_memory_gb": -(-gb * 100 // 1) / 100})  # noqa: PLW2901
+        profiles.append(p)
+    return model.model_copy(update={"profiles": profiles})
+
+
+def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[placement.Reservation]:
+    """What each replica reserves on its node, from its model's profile (unknown profile: nothing).
+    Pass effective models (:func:`effective_model`) so estimated memory counts."""
+    out = []
+    for r in replicas:
+        model = models.get(r.model)
+        prof = next((p for p in model.profiles if p.name == r.profile), None) if model else None
+        if prof is None:
+            out.append(placement.Reservation(r.node, r.model, 0.0, 0, replica=r.id))
+            continue
+        out.append(
+            placement.Reservation(
+                r.node, r.model, prof.min_memory_gb, prof.cpu_cores, prof.gpu_class, r.gpu_indexes, r.id
+            )
+        )
+    return out
