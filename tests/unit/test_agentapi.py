@@ -14,10 +14,10 @@ from aiohttp import web
 from llmgw import tlsconf
 from llmgw.catalog import GuardModel, Model, Profile, Role
 from llmgw.control.api.agent import build_agent_app
-from llmgw.control.api.views import ExplainView
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.control.views import ExplainView
 from llmgw.protocol import (
     EngineStatus,
     Heartbeat,

@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
-from llmgw.control.api.views import ExplainView, Rejection
 from llmgw.control.store.sql import MIGRATIONS, Conflict, ReplicaRow, Store, StoreError, default_url
+from llmgw.control.views import ExplainView, Rejection
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 

@@ -1,7 +1,7 @@
 """The admin API's OpenAPI 3.1 document, built from the pydantic views' JSON schemas.
 
 Served at ``GET /api/v1/openapi.json``. The operations are listed here once, beside the shapes they
-take and return, so the document cannot drift from :mod:`llmgw.control.api.views` and the catalog.
+take and return, so the document cannot drift from :mod:`llmgw.control.views` and the catalog.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
 from llmgw.catalog import Model, Profile
-from llmgw.control.api.views import ExplainView, ModelView, NodeView, ReplicaView
+from llmgw.control.views import ExplainView, ModelView, NodeView, ReplicaView
 
 
 class ErrorBody(BaseModel):

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmgw.catalog import Model
-from llmgw.control.api.views import ExplainView
 from llmgw.control.placement import placer as pl
+from llmgw.control.views import ExplainView
 
 MAX_SUGGESTIONS = 5
 

@@ -3,6 +3,11 @@
 They carry at least the fields the seeds read (``NodeView``: id, state, engines,
 provision[engine, version, state, detail]; ``ReplicaView``: id, model, node, profile, state, err;
 ``ExplainView``: placed, rejections[node, reason]). Views are not storage rows.
+
+They sit at the bottom of ``control/`` (below ``store/``, ``placement/`` and ``reconcile/``), not in
+``api/``: placement writes its verdicts as :class:`Rejection` and :class:`ExplainView`, and the store
+keeps the last explanation of each model, so every layer of the control plane speaks these shapes
+(the import contracts in pyproject.toml's ``[tool.importlinter]``).
 """
 
 from __future__ import annotations
