@@ -119,6 +119,7 @@ FACTS_RETRY_S = 60.0
 
 FactsReader = Callable[[str], est.GgufFacts]
 
+
 def spec_hash(model: Model, profile_name: str) -> str:
     """What a replica was placed from: the profile's JSON, the source, version and digest. A change
     in any of them restarts the replica."""
