@@ -107,6 +107,10 @@ def _exit_message(engine: Engine[Any], code: int | None, when: str, tail: str, *
 class RunnerEnv:
     """What every runner on this node shares.
 
+    Each engine has its own fields here (its build, why there is none, its start deadline: what the
+    agent loop sets after probing); :meth:`installed` is the one table that maps them to engine
+    names, so the runner itself never asks which engine it runs.
+
     Attributes:
         agent_state: ``<agent_state>``; replicas live under ``replicas/<id>``.
         advertise_address: where engines bind and the gateway dials them.
@@ -120,7 +124,7 @@ class RunnerEnv:
         on_change: called when a runner changes state (the loop sends a heartbeat early).
         probe_interval_s: seconds between ``/health`` polls while starting (0.25–0.5 s: a 270M
             model loads in ~1.6 s here, so a coarser poll would double its time to ready).
-        start_deadline_s: a replica not ready after this long is failed.
+        start_deadline_s: a llama-server replica not ready after this long is failed.
         watch_interval_s: seconds between checks that a ready engine still runs.
         stop_grace_s: SIGTERM → SIGKILL grace.
         clock: monotonic seconds (a seam).
@@ -347,17 +351,9 @@ class ReplicaRunner:
         except psutil.Error:
             create_time = 0.0  # already gone: readiness sees the exit
         self._record = ReplicaRecord(
-            id=self.spec.id,
-            pid=self._proc.pid,
-            create_time=create_time,
-            argv=argv,
-            host=env.advertise_address,
-            port=self.port,
-            key=self.spec.key,
-            spec=self.spec,
-            started_at=self.started_at,
-            cpus=self.cpus,
-        )
+            id=self.spec.id, pid=self._proc.pid, create_time=create_time, argv=argv, host=env.advertise_address,
+            port=self.port, key=self.spec.key, spec=self.spec, started_at=self.started_at, cpus=self.cpus,
+        )  # fmt: skip
         write_record(env.agent_state, self._record)
         log.info(
             "replica %s: %s pid %d on %s loading %s (cores %s)",

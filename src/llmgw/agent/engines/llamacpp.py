@@ -359,17 +359,10 @@ class LlamaCppEngine(Engine[LlamaServer]):
     def argv(self, build: LlamaServer, launch: Launch) -> list[str]:
         """:func:`build_argv` for the launch."""
         return build_argv(
-            build,
-            launch.spec,
-            model_path=launch.model_path,
-            host=launch.host,
-            port=launch.port,
-            node_cores=launch.node_cores,
-            node_has_gpus=launch.node_has_gpus,
-            key=launch.spec.key,
-            key_file=launch.key_file,
-            threads=launch.threads,
-        )
+            build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port,
+            node_cores=launch.node_cores, node_has_gpus=launch.node_has_gpus,
+            key=launch.spec.key, key_file=launch.key_file, threads=launch.threads,
+        )  # fmt: skip
 
     def port_taken(self, tail: str) -> bool:
         """Whether the log says :data:`BIND_FAILED` (llama-server exits 1 then, before loading)."""
