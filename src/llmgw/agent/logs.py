@@ -9,7 +9,7 @@ next write lands at the new end. Lines written between the copy and the truncate
 window of microseconds per :data:`MAX_BYTES`); that is the price of not owning the pipe.
 
 The runner calls :func:`rotate` every watch interval; :func:`tail` reads the last lines across
-the current file and the rotated ones.
+the current file and the rotated ones; :func:`tail_after` those of the current launch.
 """
 
 from __future__ import annotations
@@ -65,6 +65,20 @@ def tail(path: Path, lines: int = 100, *, keep: int = KEEP, max_read: int = 1 <<
         if len(out) >= lines:
             break
     return out[-lines:] if lines > 0 else []
+
+
+def tail_after(path: Path, offset: int = 0, lines: int = 50) -> str:
+    """The last ``lines`` non-empty lines of ``path`` after byte ``offset`` (at most 64 KiB read),
+    joined by newlines; ``""`` when it cannot be read. An offset past the end means the file was
+    rotated: its last 64 KiB are read. (The runner's ``err`` tail of the current launch.)"""
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(offset if offset <= size else 0, size - 65536))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
 
 
 def read_since(path: Path, offset: int, *, max_read: int = 1 << 20) -> tuple[str, int]:

@@ -1,33 +1,41 @@
 """One replica on this node, from weights to a serving engine: :class:`ReplicaRunner`.
 
+The runner is engine-neutral: what differs between llama-server and vLLM (argv, environment,
+readiness, a taken port, the cause of a failure) is asked of the :class:`~llmgw.agent.engines.base.Engine`
+the replica's ``spec.engine`` names (:func:`~llmgw.agent.engines.engine_for`); that seam is the
+one this module is split along.
+
 States (who moves each transition):
 
 - ``fetching``: the runner copies the weights from the mirror into the node cache (resumed,
   sha256 verified; a verified file already there is reused).
-- ``starting``: the runner launched llama-server and polls ``GET /health`` every
+- ``starting``: the runner launched the engine and polls its ``GET /health`` every
   :attr:`RunnerEnv.probe_interval_s`; llama-server listens before it loads and answers 503
   ``Loading model`` until the model is in, then 200. (``/v1/models`` is *not* readiness: it answers
   200 during load.)
-- ``ready``: ``/health`` answered 200 *and* the engine's task loop answered (``GET /slots``, or a
-  1-token completion): a wedged server still says ok on ``/health`` (LC #27388). The runner keeps
-  watching the process.
+- ``ready``: ``/health`` answered 200 *and* the engine says it serves
+  (:meth:`~llmgw.agent.engines.base.Engine.serving`: llama-server's task loop answered ``GET /slots``
+  or a 1-token completion, since a wedged server still says ok on ``/health``, LC #27388; vLLM does
+  not answer before it serves). The runner keeps watching the process.
 - ``failed``: the weights could not be fetched, the engine is missing, it exited (before or
-  after ready), or it was not ready by :attr:`RunnerEnv.start_deadline_s`. ``err`` carries the
-  exit code or signal (a SIGKILL named as an out-of-memory kill when the cgroup or kernel log says
-  so, :mod:`llmgw.agent.engines.exits`) and the engine's own last :data:`TAIL_LINES` log lines (llama-server logs
-  ``failed to load model`` / ``error loading model: …`` and exits 1 on a bad file).
+  after ready), or it was not ready by its start deadline (:attr:`RunnerEnv.start_deadline_s`,
+  :attr:`RunnerEnv.vllm_start_deadline_s`). ``err`` carries the exit code or signal (a SIGKILL
+  named as an out-of-memory kill when the cgroup or kernel log says so,
+  :mod:`llmgw.agent.engines.exits`) and the engine's own last :data:`TAIL_LINES` log lines
+  (llama-server logs ``failed to load model`` / ``error loading model: …`` and exits 1 on a bad file).
 - ``stopped``: :meth:`ReplicaRunner.stop` ended it (SIGTERM to its process group, SIGKILL after
   the grace). A failed runner stays failed: the control plane decides whether to try again.
 
-A port is chosen free just before launch; when llama-server still finds it taken (it logs
+A port is chosen free just before launch; when the engine still finds it taken (llama-server logs
 ``couldn't bind HTTP server socket`` and exits 1 before loading) another is tried, up to
 :data:`PORT_TRIES` times.
 
 The engine runs in a new session with stdout+stderr appended to
-``<agent_state>/replicas/<id>/engine.log`` and a scrubbed environment (no ``LLAMA_ARG_*``, which
-would silently set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see
-:mod:`llmgw.agent.records`) lets a restarted agent adopt it. Cancelling a runner's task
-(:meth:`ReplicaRunner.detach`) never stops its engine: only :meth:`ReplicaRunner.stop` does.
+``<agent_state>/replicas/<id>/engine.log`` and a scrubbed environment
+(:func:`~llmgw.agent.engines.base.engine_environment`: no ``LLAMA_ARG_*``, which would silently
+set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see :mod:`llmgw.agent.records`) lets
+a restarted agent adopt it. Cancelling a runner's task (:meth:`ReplicaRunner.detach`) never stops
+its engine: only :meth:`ReplicaRunner.stop` does.
 """
 
 from __future__ import annotations
@@ -36,7 +44,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import secrets
 import signal
 import subprocess
@@ -44,16 +51,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
 
 from llmgw.agent import logs
 from llmgw.agent.cache import NodeCache
-from llmgw.agent.engines import llamacpp
+from llmgw.agent.engines import engine_for, llamacpp
 from llmgw.agent.engines import vllm as vllm_engine
+from llmgw.agent.engines.base import Engine, Installed, Launch, engine_environment
 from llmgw.agent.engines.exits import describe_exit, oom_evidence, oom_kills
-from llmgw.agent.logs import rotate
+from llmgw.agent.logs import rotate, tail_after
 from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
 from llmgw.agent.records import (
     STOP_GRACE_S,
@@ -73,33 +82,11 @@ log = logging.getLogger(__name__)
 TAIL_LINES = 50
 """Engine log lines carried in ``err``: llama-server's load error, its cause and the lines before."""
 
-PROBE_TIMEOUT_S = 5.0
-"""The deep readiness probe (``GET /slots``, else a 1-token completion) goes through the engine's
-task loop; a healthy one answers in milliseconds, a wedged one never (LC #27388)."""
-
 PORT_TRIES = 3
 """Launches with a fresh port when the chosen one was taken in between."""
 
-SCRUBBED_ENV_PREFIXES = ("LLAMA_ARG_",)
-SCRUBBED_ENV = frozenset({"LLAMA_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
-
 _detached: list[subprocess.Popen[bytes]] = []
 """Popen objects of engines left running on purpose, kept so their finaliser does not warn."""
-
-
-def engine_environment(base: Mapping[str, str], gpu_indexes: list[int]) -> dict[str, str]:
-    """The engine's environment: ``base`` without llama.cpp's flag variables and secrets.
-
-    Every llama-server flag has a ``LLAMA_ARG_*`` variable, and an inherited one changes the engine
-    without showing in its argv (a cache limit reached an engine only through the parent's
-    environment: rwlove/home-ops PR #13936). GPU replicas see only their GPUs, in PCI bus order
-    (CUDA's default order is "fastest first", nvidia-smi's is PCI).
-    """
-    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV and not k.startswith(SCRUBBED_ENV_PREFIXES)}
-    if gpu_indexes:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_indexes)
-    return env
 
 
 def host_port(host: str, port: int) -> str:
@@ -107,50 +94,22 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-_CAUSES = re.compile(
-    r"error loading model: .*|error while handling argument.*|couldn't bind HTTP server socket.*"
-    r"|failed to allocate .*|out of memory.*|failed to create_context.*|GGML_ASSERT.*|failed to load model.*",
-)
-
-
-def headline(tail: str) -> str:
-    """The line of an engine log that says why it failed (llama-server's own words), or ``""``."""
-    for line in tail.splitlines():
-        m = _CAUSES.search(line)
-        if m:
-            return m.group(0).strip()
-    return ""
-
-
-def vllm_port_taken(engine: str, tail: str) -> bool:
-    """Whether a vLLM that exited before ready did so because its port was taken."""
-    return engine == vllm_engine.ENGINE and "address already in use" in tail.lower()
-
-
-def _exit_message(label: str, code: int | None, when: str, tail: str, *, oom: str | None = None) -> str:
-    cause = headline(tail)
+def _exit_message(engine: Engine[Any], code: int | None, when: str, tail: str, *, oom: str | None = None) -> str:
+    cause = engine.cause(tail)
     return (
-        f"{label} exited {describe_exit(code, oom=oom)} {when}"
+        f"{engine.label} exited {describe_exit(code, oom=oom)} {when}"
         + (f": {cause}" if cause else "")
         + (f"; its last lines:\n{tail}")
     )
 
 
-def log_tail(path: Path, offset: int = 0, lines: int = TAIL_LINES) -> str:
-    """The last ``lines`` non-empty lines of ``path`` after byte ``offset`` (at most 64 KiB read)."""
-    try:
-        with path.open("rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(offset if offset <= size else 0, size - 65536))  # offset past the end: rotated
-            text = fh.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
-
-
 @dataclass
 class RunnerEnv:
     """What every runner on this node shares.
+
+    Each engine has its own fields here (its build, why there is none, its start deadline: what the
+    agent loop sets after probing); :meth:`installed` is the one table that maps them to engine
+    names, so the runner itself never asks which engine it runs.
 
     Attributes:
         agent_state: ``<agent_state>``; replicas live under ``replicas/<id>``.
@@ -165,7 +124,7 @@ class RunnerEnv:
         on_change: called when a runner changes state (the loop sends a heartbeat early).
         probe_interval_s: seconds between ``/health`` polls while starting (0.25–0.5 s: a 270M
             model loads in ~1.6 s here, so a coarser poll would double its time to ready).
-        start_deadline_s: a replica not ready after this long is failed.
+        start_deadline_s: a llama-server replica not ready after this long is failed.
         watch_interval_s: seconds between checks that a ready engine still runs.
         stop_grace_s: SIGTERM → SIGKILL grace.
         clock: monotonic seconds (a seam).
@@ -199,6 +158,15 @@ class RunnerEnv:
     log_max_bytes: int = logs.MAX_BYTES
     log_keep: int = logs.KEEP
     pin: bool = True
+
+    def installed(self, engine: str) -> Installed[Any]:
+        """What this node has of ``engine`` (a registered name): its build or why none, and its
+        start deadline. The table that maps the per-engine fields above to engine names."""
+        table: dict[str, Installed[Any]] = {
+            llamacpp.ENGINE: Installed(self.engine, self.engine_problem, self.start_deadline_s),
+            vllm_engine.ENGINE: Installed(self.vllm, self.vllm_problem, self.vllm_start_deadline_s),
+        }
+        return table[engine]
 
     @property
     def probe_host(self) -> str:
@@ -293,10 +261,11 @@ class ReplicaRunner:
         try:
             self._set(ReplicaState.FETCHING)
             self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
-            server = self._engine()
+            engine = engine_for(self.spec.engine)
+            build = engine.usable(self.env.installed(engine.name))
             for attempt in range(1, PORT_TRIES + 1):
-                await asyncio.to_thread(self._launch, server, self._model_path)
-                if await self._wait_ready():
+                await asyncio.to_thread(self._launch, engine, build, self._model_path)
+                if await self._wait_ready(engine):
                     break
                 log.warning(
                     "replica %s: port %d was taken; trying another (%d/%d)",
@@ -307,52 +276,33 @@ class ReplicaRunner:
                 )
             else:
                 await self._fail(
-                    f"{self._label} could not bind a port after {PORT_TRIES} tries; "
+                    f"{engine.label} could not bind a port after {PORT_TRIES} tries; "
                     f"its last lines:\n{self._tail()}"
                 )
                 return
-            await self._watch()
-        except _Failed as e:
-            await self._fail(str(e))
-        except (LlmgwError, OSError) as e:
+            await self._watch(engine)
+        except (_Failed, LlmgwError, OSError) as e:
             await self._fail(str(e))
 
     async def _run_adopted(self) -> None:
         try:
+            engine = engine_for(self.spec.engine)
             # Straight to ready when it answers at once: reporting ``starting`` first would take a
             # serving replica out of the routing table for a heartbeat.
-            if not self._exited()[0] and await self._health() == 200:
+            if not self._exited()[0] and await self._health(engine) == 200:
                 log.info("replica %s: adopted, serving on port %d", self.spec.id, self.port)
                 self._set(ReplicaState.READY)
-                await self._watch()
+                await self._watch(engine)
                 return
             self._set(ReplicaState.STARTING)
-            if not await self._wait_ready():
-                await self._fail(f"adopted llama-server lost its port; its last lines:\n{self._tail()}")
+            if not await self._wait_ready(engine):
+                await self._fail(f"adopted {engine.label} lost its port; its last lines:\n{self._tail()}")
                 return
-            await self._watch()
-        except _Failed as e:
+            await self._watch(engine)
+        except (_Failed, LlmgwError) as e:
             await self._fail(str(e))
 
-    @property
-    def _label(self) -> str:
-        return "vllm" if self.spec.engine == vllm_engine.ENGINE else "llama-server"
-
-    def _engine(self) -> llamacpp.LlamaServer | vllm_engine.VllmServer:
-        if self.spec.engine == vllm_engine.ENGINE:
-            if self.env.vllm is None:
-                raise _Failed(f"vllm is not usable on this node: {self.env.vllm_problem}")
-            return self.env.vllm
-        if self.spec.engine != llamacpp.ENGINE:
-            raise _Failed(
-                f"engine '{self.spec.engine}' is not run by this agent (it runs llamacpp and vllm); "
-                "place the model with a llamacpp profile"
-            )
-        if self.env.engine is None:
-            raise _Failed(f"llama-server is not usable on this node: {self.env.engine_problem}")
-        return self.env.engine
-
-    def _launch(self, server: llamacpp.LlamaServer | vllm_engine.VllmServer, model_path: Path) -> None:
+    def _launch(self, engine: Engine[Any], build: Any, model_path: Path) -> None:
         """Start the engine (blocking parts: bind probe, file writes, fork); state ``starting``."""
         env = self.env
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -361,25 +311,18 @@ class ReplicaRunner:
         self.port = env.port_picker(env.advertise_address)
         self.cpus = env.cpus.allocate(self.spec.id, self.spec.cpu_cores) if env.pin else []
         self._oom_before = oom_kills()
-        proc_env = engine_environment(env.base_env, self.spec.gpu_indexes)
-        if isinstance(server, vllm_engine.VllmServer):
-            argv = vllm_engine.build_argv(
-                server, self.spec, model_path=model_path, host=env.advertise_address, port=self.port
-            )
-            proc_env = vllm_engine.environment(proc_env, self.spec.key)
-        else:
-            argv = llamacpp.build_argv(
-                server,
-                self.spec,
-                model_path=model_path,
-                host=env.advertise_address,
-                port=self.port,
-                node_cores=env.cores,
-                node_has_gpus=env.has_gpus,
-                key=self.spec.key,
-                key_file=key_file,
-                threads=len(self.cpus) or None,
-            )
+        proc_env = engine.environment(engine_environment(env.base_env, self.spec.gpu_indexes), self.spec.key)
+        launch = Launch(
+            spec=self.spec,
+            model_path=model_path,
+            host=env.advertise_address,
+            port=self.port,
+            key_file=key_file,
+            node_cores=env.cores,
+            node_has_gpus=env.has_gpus,
+            threads=len(self.cpus) or None,
+        )
+        argv = engine.argv(build, launch)
         with self.log_path.open("ab") as logf:
             logf.write(f"--- llmgw agent: starting {' '.join(_redact(argv, self.spec.key))}\n".encode())
             logf.flush()
@@ -395,7 +338,7 @@ class ReplicaRunner:
                     env=proc_env,
                 )
             except OSError as e:
-                raise _Failed(f"cannot run {server.binary}: {e}") from e
+                raise _Failed(f"cannot run {build.binary}: {e}") from e
         self.pid = self._proc.pid
         self.started_at = time.time()
         if self.cpus:
@@ -408,22 +351,14 @@ class ReplicaRunner:
         except psutil.Error:
             create_time = 0.0  # already gone: readiness sees the exit
         self._record = ReplicaRecord(
-            id=self.spec.id,
-            pid=self._proc.pid,
-            create_time=create_time,
-            argv=argv,
-            host=env.advertise_address,
-            port=self.port,
-            key=self.spec.key,
-            spec=self.spec,
-            started_at=self.started_at,
-            cpus=self.cpus,
-        )
+            id=self.spec.id, pid=self._proc.pid, create_time=create_time, argv=argv, host=env.advertise_address,
+            port=self.port, key=self.spec.key, spec=self.spec, started_at=self.started_at, cpus=self.cpus,
+        )  # fmt: skip
         write_record(env.agent_state, self._record)
         log.info(
             "replica %s: %s pid %d on %s loading %s (cores %s)",
             self.spec.id,
-            self._label,
+            engine.label,
             self._proc.pid,
             host_port(env.advertise_address, self.port),
             model_path.name,
@@ -431,20 +366,21 @@ class ReplicaRunner:
         )
         self._set(ReplicaState.STARTING)
 
-    async def _wait_ready(self) -> bool:
-        """Poll ``/health`` until 200 (True); False when the port was taken; raises _Failed otherwise."""
-        limit = self.env.vllm_start_deadline_s if self.spec.engine == vllm_engine.ENGINE else self.env.start_deadline_s
+    async def _wait_ready(self, engine: Engine[Any]) -> bool:
+        """Poll the health URL until 200 and the engine serves (True); False when the port was
+        taken; raises _Failed otherwise."""
+        limit = self.env.installed(engine.name).start_deadline_s
         deadline = self.env.clock() + limit
         while True:
             exited, code = self._exited()
             if exited:
                 tail = self._tail()
                 drop_record(self.env.agent_state, self.spec.id)
-                if llamacpp.BIND_FAILED.search(tail) or vllm_port_taken(self.spec.engine, tail):
+                if engine.port_taken(tail):
                     return False
-                raise _Failed(_exit_message(self._label, code, "before it was ready", tail, oom=self._oom(code)))
-            health = await self._health()
-            if health == 200 and (self.spec.engine == vllm_engine.ENGINE or await self._deep_probe()):
+                raise _Failed(_exit_message(engine, code, "before it was ready", tail, oom=self._oom(code)))
+            health = await self._health(engine)
+            if health == 200 and await engine.serving(self.env.session, self._base_url, self.spec.key):
                 log.info(
                     "replica %s: ready on %s", self.spec.id, host_port(self.env.advertise_address, self.port)
                 )
@@ -453,19 +389,14 @@ class ReplicaRunner:
             if self.env.clock() > deadline:
                 await self._kill()
                 drop_record(self.env.agent_state, self.spec.id)
-                why = (
-                    "GET /health answered 200 but its task loop never answered GET /slots or a 1-token "
-                    "completion: the server is stuck"
-                    if health == 200
-                    else "GET /health never answered 200"
-                )
+                why = engine.stuck if health == 200 else f"GET {engine.health_path} never answered 200"
                 raise _Failed(
-                    f"{self._label} was not ready {limit:.0f} s after it started "
+                    f"{engine.label} was not ready {limit:.0f} s after it started "
                     f"({why}); stopped. Its last lines:\n{self._tail()}"
                 )
             await asyncio.sleep(self.env.probe_interval_s)
 
-    async def _watch(self) -> None:
+    async def _watch(self, engine: Engine[Any]) -> None:
         while True:
             await asyncio.sleep(self.env.watch_interval_s)
             if await asyncio.to_thread(rotate, self.log_path, max_bytes=self.env.log_max_bytes, keep=self.env.log_keep):
@@ -473,35 +404,19 @@ class ReplicaRunner:
             exited, code = self._exited()
             if exited:
                 drop_record(self.env.agent_state, self.spec.id)
-                raise _Failed(_exit_message(self._label, code, "while serving", self._tail(), oom=self._oom(code)))
+                raise _Failed(_exit_message(engine, code, "while serving", self._tail(), oom=self._oom(code)))
 
     def _oom(self, code: int | None) -> str | None:
         if code != -signal.SIGKILL or self.pid is None:
             return ""
         return oom_evidence(self.pid, self._oom_before)
 
-    async def _deep_probe(self) -> bool:
-        """Whether the engine's task loop answers: ``GET /slots``, or a 1-token completion when the
-        build serves no ``/slots`` (``--no-slots``: 501). ``/health`` alone never touches the loop."""
-        base = f"http://{host_port(self.env.probe_host, self.port)}"
-        headers = {"Authorization": f"Bearer {self.spec.key}"}
-        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        try:
-            async with self.env.session.get(f"{base}/slots", headers=headers, timeout=timeout) as resp:
-                if resp.status == 200:
-                    return True
-                if resp.status not in (404, 501):
-                    return False
-            body = {"prompt": "a", "n_predict": 1, "cache_prompt": False}
-            async with self.env.session.post(
-                f"{base}/completion", json=body, headers=headers, timeout=timeout
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+    @property
+    def _base_url(self) -> str:
+        return f"http://{host_port(self.env.probe_host, self.port)}"
 
-    async def _health(self) -> int | None:
-        url = f"http://{host_port(self.env.probe_host, self.port)}/health"
+    async def _health(self, engine: Engine[Any]) -> int | None:
+        url = f"{self._base_url}{engine.health_path}"
         try:
             async with self.env.session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 return resp.status
@@ -518,7 +433,7 @@ class ReplicaRunner:
         return True, None
 
     def _tail(self) -> str:
-        return log_tail(self.log_path, self._log_offset)
+        return tail_after(self.log_path, self._log_offset, TAIL_LINES)
 
     # --- endings ------------------------------------------------------------------------------
 

@@ -12,6 +12,10 @@ silently replaced by another one):
 flags this build knows, so defaults a build does not understand are not passed (an unknown flag
 makes llama-server exit before it loads anything).
 
+As the replica runner's engine (:data:`LLAMACPP`, see :mod:`llmgw.agent.engines.base`): ready is
+``GET /health`` 200 *and* the task loop answering (:meth:`LlamaCppEngine.serving`); a taken port
+shows as ``couldn't bind HTTP server socket`` (:data:`BIND_FAILED`).
+
 Argv (see :func:`build_argv`): the agent owns ``-m``, ``--host``, ``--port`` and the API key, and
 passes every sizing flag explicitly, because llama-server's defaults are traps (engines.md §0):
 ``-np`` omitted means 4 slots sharing one unified KV pool; ``--cache-ram`` defaults to 8192 MiB of
@@ -30,6 +34,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+
+from llmgw.agent.engines.base import Engine, Launch
 from llmgw.config import AgentConfig
 from llmgw.protocol import EngineStatus, ProvisionState, ReplicaSpec
 
@@ -43,6 +50,10 @@ NO_BINARY = (
 
 PROBE_TIMEOUT_S = 20.0
 """``--version``/``--help`` take milliseconds; a binary that hangs there is reported, not waited on."""
+
+READY_PROBE_TIMEOUT_S = 5.0
+"""The deep readiness probe (``GET /slots``, else a 1-token completion) goes through the engine's
+task loop; a healthy one answers in milliseconds, a wedged one never (LC #27388)."""
 
 DEFAULT_PARALLEL = 4
 """Slots. Given explicitly so each slot gets ``-c / 4`` tokens of its own: with ``-np`` omitted,
@@ -327,3 +338,54 @@ def free_port(host: str) -> int:
 
 BIND_FAILED = re.compile(r"couldn't bind HTTP server socket|address already in use", re.IGNORECASE)
 """llama-server's log when its port is taken (it exits 1 within a second, before loading)."""
+
+
+class LlamaCppEngine(Engine[LlamaServer]):
+    """llama-server as the replica runner's engine.
+
+    llama-server listens before it loads and answers ``/health`` 503 ``Loading model`` until the
+    model is in, then 200; ``/v1/models`` is *not* readiness (200 during load). A wedged server
+    still says ok on ``/health`` (LC #27388), so :meth:`serving` also asks its task loop. The key
+    goes by ``--api-key-file`` when the build knows it (see :func:`build_argv`).
+    """
+
+    name = ENGINE
+    label = BINARY_NAME
+    stuck = (
+        "GET /health answered 200 but its task loop never answered GET /slots or a 1-token "
+        "completion: the server is stuck"
+    )
+
+    def argv(self, build: LlamaServer, launch: Launch) -> list[str]:
+        """:func:`build_argv` for the launch."""
+        return build_argv(
+            build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port,
+            node_cores=launch.node_cores, node_has_gpus=launch.node_has_gpus,
+            key=launch.spec.key, key_file=launch.key_file, threads=launch.threads,
+        )  # fmt: skip
+
+    def port_taken(self, tail: str) -> bool:
+        """Whether the log says :data:`BIND_FAILED` (llama-server exits 1 then, before loading)."""
+        return BIND_FAILED.search(tail) is not None
+
+    async def serving(self, session: aiohttp.ClientSession, base_url: str, key: str) -> bool:
+        """Whether the task loop answers: ``GET /slots``, or a 1-token completion when the build
+        serves no ``/slots`` (``--no-slots``: 501); each within :data:`READY_PROBE_TIMEOUT_S`.
+        ``/health`` alone never touches the loop."""
+        headers = {"Authorization": f"Bearer {key}"}
+        timeout = aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT_S)
+        try:
+            async with session.get(f"{base_url}/slots", headers=headers, timeout=timeout) as resp:
+                if resp.status == 200:
+                    return True
+                if resp.status not in (404, 501):
+                    return False
+            body = {"prompt": "a", "n_predict": 1, "cache_prompt": False}
+            async with session.post(f"{base_url}/completion", json=body, headers=headers, timeout=timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+
+LLAMACPP = LlamaCppEngine()
+"""The one llama.cpp engine (stateless; see :func:`llmgw.agent.engines.engine_for`)."""

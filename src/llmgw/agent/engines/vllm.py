@@ -12,13 +12,14 @@ Launch (:func:`build_argv`): ``vllm serve <model file> <profile args> --host H -
 variable for ``--api-key``, so it is not in the world-readable argv. Readiness is ``GET /health``
 200: vLLM does not answer at all until its engine is up (engines.md §2.2). It is stopped by
 process group: its ``VLLM::EngineCore`` / ``Worker_TP*`` children otherwise outlive the API
-process and hold the GPU (VL #55510).
+process and hold the GPU (VL #55510). As the replica runner's engine: :data:`VLLM`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw.agent.engines.base import Engine, Launch
 from llmgw.protocol import EngineStatus, ProvisionState, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -194,3 +196,31 @@ class VllmProvisioner:
         log.error("vllm: %s", msg)
         with self._lock:
             self._failure = msg
+
+
+PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
+"""uvicorn's bind error in vLLM's log when its port was taken before it bound."""
+
+
+class VllmEngine(Engine[VllmServer]):
+    """vLLM as the replica runner's engine: readiness is ``GET /health`` 200 alone (it does not
+    answer before its engine is up); the key goes in ``VLLM_API_KEY`` (:func:`environment`)."""
+
+    name = ENGINE
+    label = "vllm"
+
+    def argv(self, build: VllmServer, launch: Launch) -> list[str]:
+        """:func:`build_argv` for the launch."""
+        return build_argv(build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port)
+
+    def environment(self, base: dict[str, str], key: str) -> dict[str, str]:
+        """:func:`environment`: the key and offline hub mode."""
+        return environment(base, key)
+
+    def port_taken(self, tail: str) -> bool:
+        """Whether the log says :data:`PORT_TAKEN`."""
+        return PORT_TAKEN.search(tail) is not None
+
+
+VLLM = VllmEngine()
+"""The one vLLM engine (stateless; see :func:`llmgw.agent.engines.engine_for`)."""
