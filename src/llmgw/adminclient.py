@@ -13,16 +13,33 @@ an error answer is :class:`~llmgw.errors.ApiError` carrying the status and the b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, parse_listen
 from llmgw.control.api.openapi import LogView, NodeRemovalView
 from llmgw.control.api.views import ExplainView, ModelView, NodeView, ReplicaView
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
+
+V = TypeVar("V", bound=BaseModel)
+
+
+def _view(view: type[V], body: Any, what: str) -> V:
+    """``body`` read as the admin API's ``view``; an answer of another shape is an
+    :class:`~llmgw.errors.ApiError` (status 502) naming the call, not a pydantic traceback."""
+    try:
+        return view.model_validate(body)
+    except ValidationError as e:
+        raise ApiError(
+            f"{what}: the control plane answered a {view.__name__} this client cannot read ({e.error_count()} "
+            f"problem(s), first: {e.errors()[0]['loc']} {e.errors()[0]['msg']}); are llmgw and the server "
+            "the same version?",
+            status=502, code="bad_answer",
+        ) from e
 
 
 def _connect_host(host: str) -> str:
@@ -104,11 +121,12 @@ class AdminClient:
 
     def nodes(self) -> list[NodeView]:
         """``GET /api/v1/nodes``: every node with its state, engines, resources and problems."""
-        return [NodeView.model_validate(n) for n in self.get("/api/v1/nodes")]
+        return [_view(NodeView, n, "GET /api/v1/nodes") for n in self.get("/api/v1/nodes")]
 
     def node_action(self, node: str, action: str) -> NodeView:
         """``POST /api/v1/nodes/{node}/{action}``; ``action`` is ``cordon``, ``uncordon`` or ``drain``."""
-        return NodeView.model_validate(self.post(f"/api/v1/nodes/{quote(node)}/{action}", None))
+        path = f"/api/v1/nodes/{quote(node)}/{action}"
+        return _view(NodeView, self.post(path, None), f"POST {path}")
 
     def remove_node(self, node: str, *, force: bool = False) -> NodeRemovalView:
         """``DELETE /api/v1/nodes/{node}`` (``?force=true`` drains it first); what was drained and revoked.
@@ -117,27 +135,30 @@ class AdminClient:
             ApiError: 409 ``node_busy`` when replicas are placed there and ``force`` is False.
         """
         path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
-        return NodeRemovalView.model_validate(self.delete(path))
+        return _view(NodeRemovalView, self.delete(path), f"DELETE {path}")
 
     def models(self) -> list[ModelView]:
         """``GET /api/v1/models``: the catalog, broken rows included (``broken`` says why)."""
-        return [ModelView.model_validate(m) for m in self.get("/api/v1/models")]
+        return [_view(ModelView, m, "GET /api/v1/models") for m in self.get("/api/v1/models")]
 
     def model(self, name: str) -> ModelView:
         """``GET /api/v1/models/{name}`` (name or alias). Raises ApiError 404 when there is none."""
-        return ModelView.model_validate(self.get(f"/api/v1/models/{quote(name)}"))
+        path = f"/api/v1/models/{quote(name)}"
+        return _view(ModelView, self.get(path), f"GET {path}")
 
     def add_model(self, spec: Any) -> ModelView:
         """``POST /api/v1/models`` with a catalog entry (a JSON object); the model as added."""
-        return ModelView.model_validate(self.post("/api/v1/models", spec))
+        return _view(ModelView, self.post("/api/v1/models", spec), "POST /api/v1/models")
 
     def patch_model(self, name: str, patch: dict[str, Any]) -> ModelView:
         """``PATCH /api/v1/models/{name}`` with a JSON merge patch; the model as saved."""
-        return ModelView.model_validate(self.patch(f"/api/v1/models/{quote(name)}", patch))
+        path = f"/api/v1/models/{quote(name)}"
+        return _view(ModelView, self.patch(path, patch), f"PATCH {path}")
 
     def set_profiles(self, name: str, profiles: Any) -> ModelView:
         """``PUT /api/v1/models/{name}/profiles`` (a list of profiles, or ``{profiles: [...]}``)."""
-        return ModelView.model_validate(self.put(f"/api/v1/models/{quote(name)}/profiles", profiles))
+        path = f"/api/v1/models/{quote(name)}/profiles"
+        return _view(ModelView, self.put(path, profiles), f"PUT {path}")
 
     def remove_model(self, name: str) -> None:
         """``DELETE /api/v1/models/{name}``: its replicas stop at their nodes' next heartbeat."""
@@ -152,21 +173,23 @@ class AdminClient:
         """``GET /api/v1/replicas`` (``?model=`` for one model's), wanted-but-unplaced ones included
         as ``pending`` on no node."""
         path = "/api/v1/replicas" + (f"?model={model}" if model else "")
-        return [ReplicaView.model_validate(r) for r in self.get(path)]
+        return [_view(ReplicaView, r, f"GET {path}") for r in self.get(path)]
 
     def replica_logs(self, replica: str, *, lines: int | None = None, offset: int | None = None) -> LogView:
         """``GET /api/v1/replicas/{replica}/logs``: the last ``lines``, or what came after ``offset``."""
         query = {k: v for k, v in (("lines", lines), ("offset", offset)) if v is not None}
         path = f"/api/v1/replicas/{replica}/logs" + (f"?{urlencode(query)}" if query else "")
-        return LogView.model_validate(self.get(path))
+        return _view(LogView, self.get(path), f"GET {path}")
 
     def restart_replica(self, replica: str) -> ReplicaView:
         """``POST /api/v1/replicas/{replica}/restart``: the replica that replaces it."""
-        return ReplicaView.model_validate(self.post(f"/api/v1/replicas/{quote(replica)}/restart", None))
+        path = f"/api/v1/replicas/{quote(replica)}/restart"
+        return _view(ReplicaView, self.post(path, None), f"POST {path}")
 
     def explain(self, model: str) -> ExplainView:
         """``GET /api/v1/explain-placement?model=``: why the model runs where it does, or nowhere."""
-        return ExplainView.model_validate(self.get(f"/api/v1/explain-placement?model={model}"))
+        path = f"/api/v1/explain-placement?model={model}"
+        return _view(ExplainView, self.get(path), f"GET {path}")
 
     def guard_status(self) -> dict[str, Any]:
         """``GET /api/v1/guard/status``: each policy's judges, their replicas and judge times."""
