@@ -3,11 +3,12 @@
 Every ``/api/v1/...`` path the installer and the CLI use is a typed method here (``nodes()``,
 ``replicas(model)``, ``explain(model)``, ``add_model(spec)``, ...), returning the admin API's view
 models (:mod:`llmgw.control.api.views`, :mod:`llmgw.control.api.openapi`) where the API has one and
-the decoded JSON object where it does not (the resources, guard and restart-less answers); callers
+the decoded JSON object where it does not (a model's resources, the guard's answers); callers
 never spell a path. ``get``/``post``/``patch``/``put``/``delete`` stay for paths without a method.
 
 Errors: a connection failure is :class:`~llmgw.errors.UnreachableError` (with what to run);
-an error answer is :class:`~llmgw.errors.ApiError` carrying the status and the body's code.
+an error answer is :class:`~llmgw.errors.ApiError` carrying the status and the body's code; an
+answer that is not the view it should be is an ApiError too (status 502, code ``bad_answer``).
 """
 
 from __future__ import annotations
