@@ -1,20 +1,46 @@
 """A sync client of the control plane's admin API (used by ``server init`` and ``llmgw ctl``).
 
+Every ``/api/v1/...`` path the installer and the CLI use is a typed method here (``nodes()``,
+``replicas(model)``, ``explain(model)``, ``add_model(spec)``, ...), returning the admin API's view
+models (:mod:`llmgw.control.api.views`, :mod:`llmgw.control.api.openapi`) where the API has one and
+the decoded JSON object where it does not (a model's resources, the guard's answers); callers
+never spell a path. ``get``/``post``/``patch``/``put``/``delete`` stay for paths without a method.
+
 Errors: a connection failure is :class:`~llmgw.errors.UnreachableError` (with what to run);
-an error answer is :class:`~llmgw.errors.ApiError` carrying the status and the body's code.
+an error answer is :class:`~llmgw.errors.ApiError` carrying the status and the body's code; an
+answer that is not the view it should be is an ApiError too (status 502, code ``bad_answer``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import quote, urlencode
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, parse_listen
+from llmgw.control.api.openapi import LogView, NodeRemovalView
+from llmgw.control.api.views import ExplainView, ModelView, NodeView, ReplicaView
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
+
+V = TypeVar("V", bound=BaseModel)
+
+
+def _view(view: type[V], body: Any, what: str) -> V:
+    """``body`` read as the admin API's ``view``; an answer of another shape is an
+    :class:`~llmgw.errors.ApiError` (status 502) naming the call, not a pydantic traceback."""
+    try:
+        return view.model_validate(body)
+    except ValidationError as e:
+        raise ApiError(
+            f"{what}: the control plane answered a {view.__name__} this client cannot read ({e.error_count()} "
+            f"problem(s), first: {e.errors()[0]['loc']} {e.errors()[0]['msg']}); are llmgw and the server "
+            "the same version?",
+            status=502, code="bad_answer",
+        ) from e
 
 
 def _connect_host(host: str) -> str:
@@ -92,6 +118,95 @@ class AdminClient:
         """DELETE ``path`` and return the decoded JSON (None when empty)."""
         return self._request("DELETE", path)
 
+    # --- typed methods, one per admin API call ------------------------------------------------------
+
+    def nodes(self) -> list[NodeView]:
+        """``GET /api/v1/nodes``: every node with its state, engines, resources and problems."""
+        return [_view(NodeView, n, "GET /api/v1/nodes") for n in self.get("/api/v1/nodes")]
+
+    def node_action(self, node: str, action: str) -> NodeView:
+        """``POST /api/v1/nodes/{node}/{action}``; ``action`` is ``cordon``, ``uncordon`` or ``drain``."""
+        path = f"/api/v1/nodes/{quote(node)}/{action}"
+        return _view(NodeView, self.post(path, None), f"POST {path}")
+
+    def remove_node(self, node: str, *, force: bool = False) -> NodeRemovalView:
+        """``DELETE /api/v1/nodes/{node}`` (``?force=true`` drains it first); what was drained and revoked.
+
+        Raises:
+            ApiError: 409 ``node_busy`` when replicas are placed there and ``force`` is False.
+        """
+        path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
+        return _view(NodeRemovalView, self.delete(path), f"DELETE {path}")
+
+    def models(self) -> list[ModelView]:
+        """``GET /api/v1/models``: the catalog, broken rows included (``broken`` says why)."""
+        return [_view(ModelView, m, "GET /api/v1/models") for m in self.get("/api/v1/models")]
+
+    def model(self, name: str) -> ModelView:
+        """``GET /api/v1/models/{name}`` (name or alias). Raises ApiError 404 when there is none."""
+        path = f"/api/v1/models/{quote(name)}"
+        return _view(ModelView, self.get(path), f"GET {path}")
+
+    def add_model(self, spec: Any) -> ModelView:
+        """``POST /api/v1/models`` with a catalog entry (a JSON object); the model as added."""
+        return _view(ModelView, self.post("/api/v1/models", spec), "POST /api/v1/models")
+
+    def patch_model(self, name: str, patch: dict[str, Any]) -> ModelView:
+        """``PATCH /api/v1/models/{name}`` with a JSON merge patch; the model as saved."""
+        path = f"/api/v1/models/{quote(name)}"
+        return _view(ModelView, self.patch(path, patch), f"PATCH {path}")
+
+    def set_profiles(self, name: str, profiles: Any) -> ModelView:
+        """``PUT /api/v1/models/{name}/profiles`` (a list of profiles, or ``{profiles: [...]}``)."""
+        path = f"/api/v1/models/{quote(name)}/profiles"
+        return _view(ModelView, self.put(path, profiles), f"PUT {path}")
+
+    def remove_model(self, name: str) -> None:
+        """``DELETE /api/v1/models/{name}``: its replicas stop at their nodes' next heartbeat."""
+        self.delete(f"/api/v1/models/{quote(name)}")
+
+    def model_resources(self, name: str) -> dict[str, Any]:
+        """``GET /api/v1/models/{name}/resources``: per profile what one replica needs and where it fits."""
+        got: dict[str, Any] = self.get(f"/api/v1/models/{quote(name)}/resources")
+        return got
+
+    def replicas(self, model: str | None = None) -> list[ReplicaView]:
+        """``GET /api/v1/replicas`` (``?model=`` for one model's), wanted-but-unplaced ones included
+        as ``pending`` on no node."""
+        path = "/api/v1/replicas" + (f"?model={model}" if model else "")
+        return [_view(ReplicaView, r, f"GET {path}") for r in self.get(path)]
+
+    def replica_logs(self, replica: str, *, lines: int | None = None, offset: int | None = None) -> LogView:
+        """``GET /api/v1/replicas/{replica}/logs``: the last ``lines``, or what came after ``offset``."""
+        query = {k: v for k, v in (("lines", lines), ("offset", offset)) if v is not None}
+        path = f"/api/v1/replicas/{replica}/logs" + (f"?{urlencode(query)}" if query else "")
+        return _view(LogView, self.get(path), f"GET {path}")
+
+    def restart_replica(self, replica: str) -> ReplicaView:
+        """``POST /api/v1/replicas/{replica}/restart``: the replica that replaces it."""
+        path = f"/api/v1/replicas/{quote(replica)}/restart"
+        return _view(ReplicaView, self.post(path, None), f"POST {path}")
+
+    def explain(self, model: str) -> ExplainView:
+        """``GET /api/v1/explain-placement?model=``: why the model runs where it does, or nowhere."""
+        path = f"/api/v1/explain-placement?model={model}"
+        return _view(ExplainView, self.get(path), f"GET {path}")
+
+    def guard_status(self) -> dict[str, Any]:
+        """``GET /api/v1/guard/status``: each policy's judges, their replicas and judge times."""
+        got: dict[str, Any] = self.get("/api/v1/guard/status")
+        return got
+
+    def enable_judge(self, name: str, body: dict[str, str]) -> dict[str, Any]:
+        """``POST /api/v1/guard/judges/{name}/enable`` (``repo``/``file``/``format`` for an unknown one)."""
+        got: dict[str, Any] = self.post(f"/api/v1/guard/judges/{quote(name, safe='')}/enable", body)
+        return got
+
+    def guard_test(self, body: dict[str, str]) -> dict[str, Any]:
+        """``POST /api/v1/guard/test``: judge a text as the gateway would (verdict, categories, time)."""
+        got: dict[str, Any] = self.post("/api/v1/guard/test", body)
+        return got
+
     def health(self) -> bool:
         """True when ``GET /api/v1/health`` answers 200 (no token needed)."""
         try:
@@ -100,7 +215,3 @@ class AdminClient:
         except httpx.HTTPError:
             return False
 
-
-def read_token(path: Path) -> str:
-    """The first line of a token file."""
-    return path.read_text().strip().splitlines()[0] if path.exists() else ""

@@ -29,7 +29,8 @@ from llmgw.mirror.download import partial_path
 from llmgw.mirror.models import FetchStatus
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.steps import ServerInit
+from llmgw.serverinit.steps import ServerInit, serveryaml
+from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.manager import SupervisorManager
 from tests.unit.test_mirror_fetch import Upstream
 
@@ -159,8 +160,8 @@ def test_mirror_init_starts_a_mirror_that_server_init_accepts(tmp_path: pathlib.
 
         out = io.StringIO()
         init = ServerInit(paths, InitOptions(mirror_url=url), SupervisorManager(paths), out=out)
-        init.ensure_server_yaml()
-        init.use_mirror()
+        serveryaml.run(init.ctx)
+        mirror_step.use_remote(init.ctx)
         assert f"server.yaml points at the mirror at {url}" in out.getvalue()
         assert f"api: {url}" in paths.server_config.read_text()
     finally:

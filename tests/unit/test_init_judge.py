@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from llmgw.catalog import Role
+from llmgw.guard import sizing
 from llmgw.guard.config import FailMode, GuardConfig
 from llmgw.serverinit import files, plan
 
@@ -34,12 +35,12 @@ def test_guard_model_is_the_seeds() -> None:
 
 
 def test_judge_for_and_cpu_plan() -> None:
-    assert plan.judge_for(no_node=False) == 1
-    assert plan.judge_for(no_node=True) == 2
-    assert plan.judge_for(no_node=False, replicas_flag=3) == 3
-    assert plan.cpu_plan(cpus=2, judges=1) == plan.CpuSplit(judge=2, starter=0)
-    assert plan.cpu_plan(cpus=8, judges=1) == plan.CpuSplit(judge=4, starter=4)
-    assert plan.cpu_plan(cpus=2, judges=0) == plan.CpuSplit(judge=2, starter=2)
+    assert sizing.judge_for(no_node=False) == 1
+    assert sizing.judge_for(no_node=True) == 2
+    assert sizing.judge_for(no_node=False, replicas_flag=3) == 3
+    assert sizing.cpu_plan(cpus=2, judges=1) == sizing.CpuSplit(judge=2, starter=0)
+    assert sizing.cpu_plan(cpus=8, judges=1) == sizing.CpuSplit(judge=4, starter=4)
+    assert sizing.cpu_plan(cpus=2, judges=0) == sizing.CpuSplit(judge=2, starter=2)
 
 
 def test_guard_block_is_a_valid_closed_policy(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from llmgw.errors import ConfigError, WaitTimeout
 from llmgw.paths import Paths
 from llmgw.serverinit import agentconf, files, preflight
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.steps import ServerInit
+from llmgw.serverinit.steps import ServerInit, checks, node, serve
 from llmgw.serverinit.wait import Clock
 from llmgw.service.manager import SupervisorManager
 from tests.conftest import Assets
@@ -81,7 +81,7 @@ def test_an_executable_that_is_not_llama_server_fails_preflight(tmp_path: Path, 
     fake = script(tmp_path, "llama-server", body)
     init, _ = make(tmp_path, opts(tmp_path, llama_server=fake, hosts=["127.0.0.1"]))
     with pytest.raises(ConfigError) as e:
-        init.preflight()
+        checks.run(init.ctx)
     assert f"--llama-server {fake} is not a working llama-server: 'llama-server --version' {said}" in str(e.value)
     assert "not llama.cpp's 'version: <build> (<commit>)'" in str(e.value)
 
@@ -112,7 +112,7 @@ def test_the_real_llama_server_passes_preflight(tmp_path: Path, assets: Assets) 
     done = subprocess.run([assets.llama_server, "--version"], capture_output=True, text=True, timeout=60, check=True)
     assert build == llamacpp.parse_version(done.stderr + done.stdout) != ""  # the agent's reading of it
     init, out = make(tmp_path, opts(tmp_path, llama_server=assets.llama_server, hosts=["127.0.0.1"]))
-    init.preflight()
+    checks.run(init.ctx)
     assert f"kept --llama-server {assets.llama_server} is llama.cpp build {build}" in out.getvalue()
 
 
@@ -132,9 +132,9 @@ def written_by_init(tmp_path: Path, binary: Path | None) -> tuple[Paths, Path]:
 
 def reconcile(tmp_path: Path, paths: Paths, new: Path) -> tuple[str, str]:
     init = ServerInit(paths, InitOptions(llama_server=new), SupervisorManager(paths), out=io.StringIO())
-    changed = init.reconcile_agent_yaml(paths.agent_config)
-    assert isinstance(init.out, io.StringIO)
-    return changed, init.out.getvalue()
+    changed = node.reconcile_agent_yaml(init.ctx, paths.agent_config)
+    assert isinstance(init.ctx.out, io.StringIO)
+    return changed, init.ctx.out.getvalue()
 
 
 def test_a_llama_server_init_wrote_is_updated_with_a_backup(tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_a_loopback_agent_listen_without_host_is_refused(tmp_path: Path) -> None
     o = opts(tmp_path)
     init, _ = make(tmp_path, o)
     with pytest.raises(ConfigError) as e:
-        init.preflight()
+        checks.run(init.ctx)
     assert str(e.value) == (
         f"--agent-listen {o.agent_listen} accepts agents on loopback only, but this machine's node would be "
         f"pointed at this machine's network address (no --host was given) on port {o.agent_listen.split(':')[1]}, "
@@ -268,12 +268,12 @@ def test_waiting_for_a_node_that_never_registers_says_so(tmp_path: Path) -> None
     """The item's case: the agent points where nothing listens, so the node never registers.
     Every few seconds init says what it waits for, and the last state names where the agent connects."""
     init, out, clock = scripted(tmp_path, {"/api/v1/nodes": []}, node_wait_s=60)
-    files.write_atomic(init.paths.agent_config, files.agent_yaml(
-        server="https://10.9.9.9:7443", node_id="n1", etc=init.paths.etc, label_key="k", label_value="v",
+    files.write_atomic(init.ctx.paths.agent_config, files.agent_yaml(
+        server="https://10.9.9.9:7443", node_id="n1", etc=init.ctx.paths.etc, label_key="k", label_value="v",
         llama_server=None), 0o644)
     with pytest.raises(WaitTimeout, match=r"gave up waiting for this node to be ready with an engine after 1m0s "
                                           r"\(last state: node n1 has not registered"):
-        init.wait_node_ready("n1")
+        node.wait_node_ready(init.ctx, "n1")
     lines = waiting_lines(out.getvalue())
     assert lines, out.getvalue()
     assert_never_silent(lines, clock.t)
@@ -290,7 +290,7 @@ def test_waiting_for_a_model_placement_has_not_explained_is_not_silent(tmp_path:
         "/api/v1/explain-placement?model=m": {"model": "m", "placed": False, "summary": "", "rejections": []},
     }, serve_wait_s=45)
     with pytest.raises(WaitTimeout):
-        init.wait_serving("m")
+        serve.wait_serving(init.ctx, "m")
     lines = waiting_lines(out.getvalue())
     assert lines, out.getvalue()
     assert_never_silent(lines, clock.t)

@@ -14,7 +14,7 @@ from llmgw.errors import EngineError
 from llmgw.paths import Paths
 from llmgw.serverinit import files
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.steps import ServerInit
+from llmgw.serverinit.steps import ServerInit, serve
 from llmgw.serverinit.wait import Clock
 from llmgw.service.manager import SupervisorManager
 
@@ -57,11 +57,12 @@ def test_a_replica_pending_on_no_node_is_believed_after_the_grace(tmp_path: Path
         "/api/v1/replicas?model=judge": [{"id": "judge#pending-1", "model": "judge", "node": "", "state": "pending"}],
         "/api/v1/explain-placement?model=judge": {
             "model": "judge", "placed": False, "summary": "0/1 nodes can run it: 1 not enough cores",
-            "rejections": [{"node": "vm", "reason": "needs 2 cores, 0 of 2 free"}],
+            "rejections": [{"node": "vm", "profile": "cpu", "kind": "exhausted", "code": "cores_exhausted",
+                            "reason": "needs 2 cores, 0 of 2 free"}],
         },
     })
     with pytest.raises(EngineError, match=r"judge has nowhere to run \(vm: needs 2 cores, 0 of 2 free\)"):
-        init.wait_serving("judge")
+        serve.wait_serving(init.ctx, "judge")
     assert "0/1 nodes can run it: 1 not enough cores" in out.getvalue()
 
 
@@ -69,5 +70,5 @@ def test_a_ready_replica_ends_the_wait(tmp_path: Path) -> None:
     init, out = make_init(tmp_path, {
         "/api/v1/replicas?model=m": [{"id": "m-1", "model": "m", "node": "vm", "state": "ready", "profile": "cpu"}],
     })
-    init.wait_serving("m")
+    serve.wait_serving(init.ctx, "m")
     assert "kept m is serving (profile cpu)" in out.getvalue()

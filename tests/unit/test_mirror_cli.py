@@ -20,6 +20,7 @@ from llmgw.mirror.store import Store
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import ServerInit
+from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.manager import SupervisorManager
 from tests.unit.test_mirror_client import ThreadedMirror
 
@@ -118,6 +119,6 @@ def test_server_init_with_a_mirror_that_does_not_answer_gives_the_seeds_advice(t
     url = f"http://127.0.0.1:{free_port()}"
     init = ServerInit(paths, InitOptions(mirror_url=url), SupervisorManager(paths), out=io.StringIO())
     with pytest.raises(MirrorError) as e:
-        init.use_mirror()
+        mirror_step.use_remote(init.ctx)
     assert f"the mirror at {url} does not answer" in str(e.value)
     assert "On that machine: sudo llmgw mirror init --control-plane <this machine's address>" in str(e.value)

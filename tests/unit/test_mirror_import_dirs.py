@@ -9,7 +9,6 @@ directories a mirror needs are the ones it is given, and nothing more.
 
 from __future__ import annotations
 
-import io
 import os
 import pathlib
 
@@ -20,8 +19,7 @@ from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.steps import ServerInit
-from llmgw.service.manager import SupervisorManager
+from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.supervisor import parse_unit
 from llmgw.service.units import mirror_unit
 from tests.unit.test_mirror_client import ThreadedMirror
@@ -45,18 +43,17 @@ def test_server_init_imports_from_the_real_dirs_of_its_file_sources(tmp_path: pa
     (blobs / "abc").write_bytes(b"GGUF")
     (snap / "model.gguf").symlink_to(blobs / "abc")  # as a Hugging Face cache lays files out
     (judges / "j.gguf").write_bytes(b"GGUF")
-    paths = Paths.from_env(tmp_path / "root")
 
     def dirs(**kw: object) -> list[str]:
         opts = InitOptions(starter_source=f"file:{snap}/model.gguf", **kw)  # type: ignore[arg-type]
-        return ServerInit(paths, opts, SupervisorManager(paths), out=io.StringIO()).mirror_import_dirs()
+        return mirror_step.import_dirs(opts)
 
     assert dirs() == [str(blobs)]
     assert dirs(judge_source=f"file:{judges}/j.gguf") == [str(blobs), str(judges)]
     assert dirs(judge_source=f"file:{judges}/j.gguf", no_guard_model=True) == [str(blobs)]
     assert dirs(judge_source=f"file:{blobs}/abc") == [str(blobs)]
     opts = InitOptions(starter_source="hf:org/repo/m.gguf", judge_source="hf:org/repo/j.gguf")
-    assert ServerInit(paths, opts, SupervisorManager(paths), out=io.StringIO()).mirror_import_dirs() == []
+    assert mirror_step.import_dirs(opts) == []
 
 
 def test_mirror_add_of_a_refused_file_copies_it_when_the_store_is_writable(tmp_path: pathlib.Path) -> None:

@@ -1,10 +1,11 @@
-"""The rules server init ported from the seed: cpuPlan, judgeFor, starterModel, guardModel."""
+"""The rules server init ported from the seed: cpuPlan, judgeFor (llmgw.guard.sizing), starterModel, guardModel."""
 
 from __future__ import annotations
 
 import pytest
 
 from llmgw.catalog import Role
+from llmgw.guard import sizing
 from llmgw.serverinit import plan
 
 
@@ -20,14 +21,14 @@ from llmgw.serverinit import plan
     ],
 )
 def test_cpu_plan_table(cpus: int, judges: int, want: tuple[int, int]) -> None:
-    split = plan.cpu_plan(cpus=cpus, judges=judges)
+    split = sizing.cpu_plan(cpus=cpus, judges=judges)
     assert (split.judge, split.starter) == want
 
 
 @pytest.mark.parametrize("cpus", range(1, 17))
 @pytest.mark.parametrize("judges", range(4))
 def test_cpu_plan_never_reserves_more_than_the_machine(cpus: int, judges: int) -> None:
-    split = plan.cpu_plan(cpus=cpus, judges=judges)
+    split = sizing.cpu_plan(cpus=cpus, judges=judges)
     assert split.starter <= 8
     if cpus < 2:
         assert (split.judge, split.starter) == (0, 0)
@@ -36,11 +37,11 @@ def test_cpu_plan_never_reserves_more_than_the_machine(cpus: int, judges: int) -
     assert split.judge >= 1
     assert judges * split.judge + split.starter <= max(cpus, judges)
     if judges == 1:
-        assert split.judge == min(cpus, plan.JUDGE_CORES_ALONE)
+        assert split.judge == min(cpus, sizing.JUDGE_CORES_ALONE)
 
 
 def test_cpu_plan_without_a_node_reserves_two_a_judge_and_no_starter() -> None:
-    assert plan.cpu_plan(cpus=32, judges=2, no_node=True) == plan.CpuSplit(judge=2, starter=0)
+    assert sizing.cpu_plan(cpus=32, judges=2, no_node=True) == sizing.CpuSplit(judge=2, starter=0)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +52,7 @@ def test_cpu_plan_without_a_node_reserves_two_a_judge_and_no_starter() -> None:
     ],
 )
 def test_judge_for(no_node: bool, standbys: bool, flag: int | None, want: int) -> None:
-    assert plan.judge_for(no_node=no_node, standbys=standbys, replicas_flag=flag) == want
+    assert sizing.judge_for(no_node=no_node, standbys=standbys, replicas_flag=flag) == want
 
 
 def test_starter_entry_is_the_seeds() -> None:

@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import quote
 
 import typer
 import yaml
+from pydantic import BaseModel
 from rich.table import Table
 
 from llmgw import yamlsafe
@@ -61,6 +61,11 @@ def _client(server: str | None, token: str | None) -> AdminClient:
 
 
 def _print_json(data: Any) -> None:
+    """Print what the admin API answered, as it answered it (views are dumped as the server dumps them)."""
+    if isinstance(data, BaseModel):
+        data = data.model_dump(mode="json")
+    elif isinstance(data, list):
+        data = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in data]
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -84,58 +89,54 @@ def _ago(ts: float | None) -> str:
 @cli_errors
 def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """Nodes: state, engines, resources used and free, labels."""
-    data = _client(server, token).get("/api/v1/nodes")
+    data = _client(server, token).nodes()
     if as_json:
         _print_json(data)
         return
     t = Table("NODE", "STATE", "ENGINES", "CORES (reserved/all)", "MEMORY GB (reserved/all)", "GPUS", "LABELS",
               "SEEN")
     for n in data:
-        r = n.get("resources") or {}
-        engines = ", ".join(
-            f"{p['engine']} {p.get('version', '')} {p['state']}".replace("  ", " ") for p in n.get("provision", [])
-        )
-        state = n["state"] + (" (cordoned)" if n.get("cordoned") else "")
+        r = n.resources
+        engines = ", ".join(f"{p.engine} {p.version} {p.state}".replace("  ", " ") for p in n.provision)
+        state = n.state + (" (cordoned)" if n.cordoned else "")
         t.add_row(
-            n["id"], state, engines or "-",
-            f"{r.get('cores_reserved', 0)}/{r.get('cores', 0)}" if r else "-",
-            f"{_gb(r.get('memory_reserved_bytes'))}/{_gb(r.get('memory_total_bytes'))}" if r else "-",
-            ", ".join(g.get("klass", "") for g in n.get("gpus", [])) or "-",
-            ", ".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
-            _ago(n.get("last_seen")),
+            n.id, state, engines or "-",
+            f"{r.cores_reserved}/{r.cores}" if r else "-",
+            f"{_gb(r.memory_reserved_bytes)}/{_gb(r.memory_total_bytes)}" if r else "-",
+            ", ".join(g.klass for g in n.gpus) or "-",
+            ", ".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-",
+            _ago(n.last_seen),
         )
     console().print(t)
     for n in data:
-        for p in n.get("provision", []):
-            if p["state"] in ("failed", "unsupported") and p.get("detail"):
-                print(f"{n['id']}: {p['engine']}: {p['detail']}")
-        for problem in n.get("problems", []):
-            print(f"{n['id']}: {problem}")
+        for p in n.provision:
+            if p.state in ("failed", "unsupported") and p.detail:
+                print(f"{n.id}: {p.engine}: {p.detail}")
+        for problem in n.problems:
+            print(f"{n.id}: {problem}")
 
 
 @app.command()
 @cli_errors
 def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """The catalog: each model, its aliases, role, scaling and replicas ready; broken rows named."""
-    data = _client(server, token).get("/api/v1/models")
+    data = _client(server, token).models()
     if as_json:
         _print_json(data)
         return
     t = Table("MODEL", "ALIASES", "ROLE", "SCALING", "READY", "SOURCE")
     for m in data:
-        if m.get("broken"):
-            t.add_row(m["name"], "-", "BROKEN", "-", "-", m["broken"])
+        if m.broken:
+            t.add_row(m.name, "-", "BROKEN", "-", "-", m.broken)
             continue
         t.add_row(
-            m["name"], ", ".join(m.get("aliases", [])) or "-", m.get("role", "chat"),
-            f"{m.get('scaling_min', '?')}..{m.get('scaling_max', '?')}",
-            f"{m.get('replicas_ready', 0)}/{m.get('replicas', 0)}", m.get("source", ""),
+            m.name, ", ".join(m.aliases) or "-", m.role, f"{m.scaling_min}..{m.scaling_max}",
+            f"{m.replicas_ready}/{m.replicas}", m.source,
         )
     console().print(t)
     for m in data:
-        if m.get("broken"):
-            print(f"{m['name']}: broken, served nowhere: {m['broken']}; "
-                  f"'llmgw ctl model rm {m['name']}' deletes it")
+        if m.broken:
+            print(f"{m.name}: broken, served nowhere: {m.broken}; 'llmgw ctl model rm {m.name}' deletes it")
 
 
 @app.command()
@@ -153,17 +154,16 @@ def replicas(
     if model == "logs" and replica:
         logs(replica, server=server, token=token, lines=lines, follow=follow)
         return
-    path = "/api/v1/replicas" + (f"?model={model}" if model else "")
-    data = _client(server, token).get(path)
+    data = _client(server, token).replicas(model)
     if as_json:
         _print_json(data)
         return
     t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS", "ERROR / WHY PENDING")
     for r in data:
-        err = (r.get("err") or r.get("pending_reason") or r.get("last_error") or "").strip().splitlines()
+        err = (r.err or r.pending_reason or r.last_error).strip().splitlines()
         t.add_row(
-            r["id"], r["model"], r.get("node") or "-", r.get("profile") or "-", r["state"],
-            _ago(r.get("ready_at")) if r["state"] == "ready" else "-", str(r.get("restarts", 0)),
+            r.id, r.model, r.node or "-", r.profile or "-", r.state,
+            _ago(r.ready_at) if r.state == "ready" else "-", str(r.restarts),
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
     console().print(t)
@@ -177,16 +177,16 @@ def logs(
 ) -> None:
     """A replica's engine log, read through the agent on its node (at most one heartbeat away)."""
     client = _client(server, token)
-    got = client.get(f"/api/v1/replicas/{replica}/logs?lines={lines}")
-    sys.stdout.write(got["text"])
+    got = client.replica_logs(replica, lines=lines)
+    sys.stdout.write(got.text)
     sys.stdout.flush()
-    offset = got["offset"]
+    offset = got.offset
     while follow:
         time.sleep(FOLLOW_POLL_S)
-        got = client.get(f"/api/v1/replicas/{replica}/logs?offset={offset}")
-        sys.stdout.write(got["text"])
+        got = client.replica_logs(replica, offset=offset)
+        sys.stdout.write(got.text)
         sys.stdout.flush()
-        offset = got["offset"]
+        offset = got.offset
 
 
 @app.command("explain-placement")
@@ -196,22 +196,22 @@ def explain_placement(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Why a model runs where it does, or why it runs nowhere: every node, profile and reason."""
-    ex = _client(server, token).get(f"/api/v1/explain-placement?model={model}")
+    ex = _client(server, token).explain(model)
     if as_json:
         _print_json(ex)
     else:
-        state = "placed" if ex.get("placed") else "NOT placed"
-        print(f"{ex['model']}: {state} ({ex.get('replicas', 0)}/{ex.get('wanted', 0)} replicas)")
-        if ex.get("summary"):
-            print(ex["summary"])
-        if ex.get("rejections"):
+        state = "placed" if ex.placed else "NOT placed"
+        print(f"{ex.model}: {state} ({ex.replicas}/{ex.wanted} replicas)")
+        if ex.summary:
+            print(ex.summary)
+        if ex.rejections:
             t = Table("PROFILE", "NODE", "KIND", "REASON")
-            for r in ex["rejections"]:
-                t.add_row(r["profile"], r["node"], r["kind"], r["reason"])
+            for r in ex.rejections:
+                t.add_row(r.profile, r.node, r.kind, r.reason)
             console().print(t)
-        for line in ex.get("would_fit_if", []):
+        for line in ex.would_fit_if:
             print(f"would fit if: {line}")
-    if not ex.get("placed"):
+    if not ex.placed:
         raise typer.Exit(NOT_PLACED_EXIT)
 
 
@@ -222,15 +222,15 @@ def restart(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Restart a replica: a new one replaces it on the same node and profile."""
-    new = _client(server, token).post(f"/api/v1/replicas/{quote(replica)}/restart", None)
+    new = _client(server, token).restart_replica(replica)
     if as_json:
         _print_json(new)
     else:
-        print(f"{replica} replaced by {new['id']} on {new['node']}")
+        print(f"{replica} replaced by {new.id} on {new.node}")
 
 
 def _node_action(action: str, node: str, server: str | None, token: str | None, as_json: bool) -> None:
-    data = _client(server, token).post(f"/api/v1/nodes/{quote(node)}/{action}", None)
+    data = _client(server, token).node_action(node, action)
     if as_json:
         _print_json(data)
     else:
@@ -275,15 +275,14 @@ def node_rm(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Remove NODE and revoke its agent's certificate; refused while replicas run there (--force drains)."""
-    path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
-    data = _client(server, token).delete(path)
+    data = _client(server, token).remove_node(node, force=force)
     if as_json:
         _print_json(data)
         return
-    if data["drained"]:
-        print(f"{node}: drained {len(data['drained'])} replica(s); they are placed elsewhere")
-    if data["revoked"]:
-        print(f"{node}: removed; certificate serial(s) {', '.join(data['revoked'])} revoked, so its agent "
+    if data.drained:
+        print(f"{node}: drained {len(data.drained)} replica(s); they are placed elsewhere")
+    if data.revoked:
+        print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, so its agent "
               "stops at its next heartbeat")
     else:
         print(f"{node}: removed; no certificate of it was seen, so nothing was revoked: stop its agent "
@@ -331,11 +330,11 @@ def model_add(
         }
     else:
         raise fail("give -f model.yaml, or at least --name and --source", 2)
-    data = _client(server, token).post("/api/v1/models", spec)
+    data = _client(server, token).add_model(spec)
     if as_json:
         _print_json(data)
     else:
-        print(f"added {data['name']} (replicas {data['scaling_min']}..{data['scaling_max']})")
+        print(f"added {data.name} (replicas {data.scaling_min}..{data.scaling_max})")
 
 
 @model_app.command("set-profiles")
@@ -346,7 +345,7 @@ def model_set_profiles(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Replace a model's profiles; its replicas restart onto the new ones."""
-    data = _client(server, token).put(f"/api/v1/models/{quote(name)}/profiles", _read_doc(file))
+    data = _client(server, token).set_profiles(name, _read_doc(file))
     if as_json:
         _print_json(data)
     else:
@@ -362,12 +361,11 @@ def model_rm(
 ) -> None:
     """Remove a model: its replicas stop; the weights stay on the mirror unless --delete-weights."""
     client = _client(server, token)
-    source = str(client.get(f"/api/v1/models/{quote(name)}").get("source", ""))
+    source = client.model(name).source
     others: list[tuple[str, str]] = []
     if delete_weights:
-        others = [(str(m.get("name", "")), str(m.get("source", ""))) for m in client.get("/api/v1/models")]
-        others = [(n, s) for n, s in others if n != name]
-    client.delete(f"/api/v1/models/{quote(name)}")
+        others = [(m.name, m.source) for m in client.models() if m.name != name]
+    client.remove_model(name)
     print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
     if delete_weights:
         from llmgw.mirror.client import MirrorClient  # noqa: PLC0415 - only this path needs it
@@ -389,13 +387,13 @@ def model_scale(
 ) -> None:
     """Keep N replicas running: scaling.min = N (max raised to N when below it)."""
     client = _client(server, token)
-    cur = client.get(f"/api/v1/models/{quote(name)}")
-    scaling = {"min": n, "max": max(n, int(cur.get("scaling_max", n)))}
-    data = client.patch(f"/api/v1/models/{quote(name)}", {"scaling": scaling})
+    cur = client.model(name)
+    scaling = {"min": n, "max": max(n, cur.scaling_max)}
+    data = client.patch_model(name, {"scaling": scaling})
     if as_json:
         _print_json(data)
     else:
-        print(f"{name}: scaling {data['scaling_min']}..{data['scaling_max']}")
+        print(f"{name}: scaling {data.scaling_min}..{data.scaling_max}")
 
 
 @model_app.command("resources")
@@ -405,7 +403,7 @@ def model_resources(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """What one replica needs per profile (set or estimated from the GGUF), and where one could run."""
-    data = _client(server, token).get(f"/api/v1/models/{quote(name)}/resources")
+    data = _client(server, token).model_resources(name)
     if as_json:
         _print_json(data)
         return

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from typing import Annotated, Any
-from urllib.parse import quote
 
 import typer
 from rich.table import Table
@@ -45,7 +44,7 @@ def _ms(v: Any) -> str:
 @cli_errors
 def judge_status(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """Each policy's judges: in the catalog, replicas ready, judge time, what to do when missing."""
-    data = _client(server, token).get("/api/v1/guard/status")
+    data = _client(server, token).guard_status()
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -86,7 +85,7 @@ def judge_enable(
     if bool(repo) != bool(file):
         raise typer.BadParameter("--repo and --file go together")
     body: dict[str, str] = {k: v for k, v in (("repo", repo), ("file", file), ("format", fmt)) if v}
-    data = _client(server, token).post(f"/api/v1/guard/judges/{quote(name, safe='')}/enable", body)
+    data = _client(server, token).enable_judge(name, body)
     print(f"fetching {data['source']} as {data['judge']} (job {data['job']}); "
           "'llmgw ctl guard judge status' shows when it is ready")
 
@@ -108,7 +107,7 @@ def try_text(
         body["prompt"] = prompt
     if policy:
         body["policy"] = policy
-    data = _client(server, token).post("/api/v1/guard/test", body)
+    data = _client(server, token).guard_test(body)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
     elif "error" in data:

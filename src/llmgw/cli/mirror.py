@@ -13,7 +13,7 @@ from llmgw.cli.common import cli_errors, paths
 from llmgw.mirror import server, setup
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.policy import SourcePolicy
-from llmgw.serverinit.steps import primary_address
+from llmgw.serverinit.steps.pki import primary_address
 from llmgw.service.manager import pick_manager
 from llmgw.service.units import llmgw_binary
 

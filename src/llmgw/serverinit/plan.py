@@ -1,7 +1,8 @@
 """What ``server init`` decides before it touches anything: the starter's and the judge's catalog
 entries, how many judges, and how the cores are split. Pure functions, ported from the seed
-(``serverinit_cluster.go``: ``starterModel``, ``guardModel``, ``cpuPlan``, ``judgeFor``) with its
-reasons kept.
+(``serverinit_cluster.go``: ``starterModel``, ``guardModel``) with its reasons kept. How many judges
+and how the cores are split (``judgeFor``, ``cpuPlan``) live in :mod:`llmgw.guard.sizing`, which the
+control plane's judge keeper uses too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
+from llmgw.guard.sizing import JUDGE_MEMORY_GB
 
 # The starter: small enough to download in a minute and run on any CPU, real enough to answer a
 # question. Q4_K_M is about 400 MB.
@@ -37,13 +39,6 @@ GUARD_MODEL_VERSION = "guard"
 # asked for and does not wander to the first GPU node that joins later.
 LOCAL_LABEL_KEY = "llmgw.control-plane"
 LOCAL_LABEL_VALUE = "true"
-
-# judgeCores and judgeMemoryGB are what a judge replica needs: two cores for a judgment within its
-# budget, and 2 GB for its 1.6 with no prompt cache. judgeCoresAlone is what the one judge of a
-# single machine takes, past which a model this small hardly gets faster.
-JUDGE_CORES = 2
-JUDGE_CORES_ALONE = 4
-JUDGE_MEMORY_GB = 2
 
 # A starter's engine reserves its weights, its KV cache and llama-server's prompt cache
 # (``--cache-ram 1024`` MiB, which the agent passes): 1 GB on top of the file, times 1.25 for the
@@ -185,59 +180,6 @@ def judge_name(source: str, fmt: str) -> str:
         return GUARD_MODEL_NAME
     stem = model_name_from_file(source.rstrip("/").rsplit("/", 1)[-1])
     return f"judge-{stem}"[:63]
-
-
-def judge_for(*, no_node: bool, standbys: bool = False, replicas_flag: int | None = None) -> int:
-    """How many judge replicas init serves (the seed's ``judgeFor``).
-
-    One machine runs one judge, on up to four cores: a second judge replica on the same machine
-    shares its cores and is lost with it, so it bought nothing but half the speed of each. On a
-    4-core, 8 GB single-machine install, one judge on four cores passed 20 of 20 requests at about
-    3.5 s each, judged in and out; two judges on two cores each had passed 19 of 20. Two, on two
-    cores each, where there will be other nodes (HA setups, or a control plane that is not a node).
-    ``--judge-replicas`` still chooses.
-    """
-    if replicas_flag is not None:
-        return replicas_flag
-    return 2 if (no_node or standbys) else 1
-
-
-@dataclass(frozen=True)
-class CpuSplit:
-    """The cores init's models reserve: each judge replica's, and the starter's on CPU."""
-
-    judge: int
-    starter: int
-
-
-def cpu_plan(*, cpus: int, judges: int, no_node: bool = False) -> CpuSplit:
-    """Divide the CPUs between the judges and the starter (the seed's ``cpuPlan``).
-
-    Without it, two judge replicas and the starter on one 4-core control plane all ran on all
-    four: under load most judgments missed their budget and the requests were refused. A judge
-    needs cores: a judgment of about 280 tokens took 8.0 s on one, 4.2 s on two and 2.3 s on four,
-    against a 5 s budget. On one machine its one replica gets up to four; where there are two, two
-    each (one each only where two would not fit both). The starter has what is left, up to 8, or
-    no reservation at all (0) when nothing is, rather than a starter that fits nowhere. A machine
-    that is not the node reserves two a judge on whichever node takes it, and the starter, on a
-    node not known yet, none.
-
-    Args:
-        cpus: this machine's cores (``--cpus`` or the count the OS gives).
-        judges: judge replicas init serves (0 with ``--no-guard-model``).
-        no_node: this machine is not a node (``--no-node``).
-    """
-    if no_node:
-        return CpuSplit(judge=JUDGE_CORES, starter=0)
-    if cpus < 2:
-        return CpuSplit(judge=0, starter=0)
-    judge = JUDGE_CORES
-    if judges == 1:
-        judge = min(cpus, JUDGE_CORES_ALONE)
-    elif judges > 0 and judges * judge > cpus:
-        judge = max(1, cpus // judges)
-    left = max(cpus - judges * judge, 0)
-    return CpuSplit(judge=judge, starter=min(left, 8))
 
 
 GGUF_MAGIC = b"GGUF"

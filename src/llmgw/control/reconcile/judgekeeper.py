@@ -39,7 +39,7 @@ from typing import Protocol
 from llmgw.catalog import Model, Profile, Role
 from llmgw.guard.config import GuardConfig
 from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
-from llmgw.serverinit.plan import JUDGE_CORES, JUDGE_CORES_ALONE, JUDGE_MEMORY_GB
+from llmgw.guard.sizing import JUDGE_CORES, JUDGE_CORES_ALONE, JUDGE_MEMORY_GB
 
 log = logging.getLogger(__name__)
 

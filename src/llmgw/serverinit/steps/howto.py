@@ -1,0 +1,32 @@
+"""The end of ``server init``: how to ask. ``llmgw chat`` and the equivalent ``curl``, or, when
+no model is served yet, what to do next."""
+
+from __future__ import annotations
+
+from llmgw.serverinit.steps.context import InitContext, connect_url
+from llmgw.serverinit.wait import format_duration
+
+
+def run(ctx: InitContext, served: str, took_s: float) -> None:
+    """Print how to ask the gateway for ``served`` (a model name; ``""`` when none), and how long
+    init took (``took_s``, seconds)."""
+    out = ctx.out
+    url = connect_url(ctx.config().gateway.listen)
+    root = f"--root {ctx.paths.root} " if ctx.paths.prefixed else ""
+    print(f"\nllmgw is ready (init took {format_duration(took_s)}).", file=out)
+    if not served:
+        print("No model is served yet: add one with 'llmgw ctl' once a node has joined.", file=out)
+        return
+    print("Ask it:\n", file=out)
+    print(f'    llmgw {root}chat "What is the capital of France?"\n', file=out)
+    print(
+        f"    curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"      -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
+        f"\"content\": \"What is the capital of France?\"}}]}}'\n",
+        file=out,
+    )
+    print(
+        f"From another machine, add -H \"Authorization: Bearer $(head -1 {ctx.paths.client_keys})\" "
+        f"and use this machine's address.",
+        file=out,
+    )

@@ -1,0 +1,169 @@
+"""Step 5: this machine as a node of its own control plane. Its agent certificate, agent.yaml
+(written once; only the llama-server init itself put there is updated by a later
+``--llama-server``, see :mod:`llmgw.serverinit.agentconf`), the agent service, and a wait until
+it reports a llama.cpp engine."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+from llmgw.agent.discovery import has_nvidia_device
+from llmgw.config import load_agent_config, parse_listen
+from llmgw.errors import ConfigError, EngineError, LlmgwError, PkiError
+from llmgw.names import check_name
+from llmgw.serverinit import agentconf, files, plan
+from llmgw.serverinit.steps import services
+from llmgw.serverinit.steps.context import InitContext, url_host
+from llmgw.serverinit.steps.pki import reachable_addr
+from llmgw.serverinit.wait import PROBE_TIMEOUT_S
+from llmgw.service.units import agent_unit
+from llmgw.tlsconf import CA
+
+
+def node_id(given: str) -> str:
+    """This node's id: ``given`` (``--node-id``), else the hostname, lowercased (:mod:`llmgw.names`).
+
+    Raises:
+        ConfigError: no hostname, or not a valid name (the message says to pass ``--node-id``).
+    """
+    node = given or socket.gethostname().lower()
+    if not node:
+        raise ConfigError("this machine has no hostname to use as its node id; pass --node-id")
+    try:
+        return check_name(node, "node id")
+    except ValueError as e:
+        raise ConfigError(f"{e}; pass --node-id NAME") from e
+
+
+def run(ctx: InitContext) -> str:
+    """Make this machine an agent of its own control plane and wait until it has an engine;
+    returns the node id.
+
+    Raises:
+        PkiError: the CA key is not here to issue the agent's certificate.
+        EngineError: the node's llama.cpp failed to install.
+        WaitTimeout: the node was not ready with an engine within ``--node-wait``.
+    """
+    node = node_id(ctx.opts.node_id)
+    classes = ctx.gpu_probe()
+    if classes:
+        ctx.say("kept", f"{len(classes)} NVIDIA GPU class(es) here: {', '.join(classes)} — the node will use them")
+    elif has_nvidia_device():
+        ctx.say(
+            "!!",
+            "an NVIDIA card is on the PCI bus but nvidia-smi does not answer: install the driver and "
+            "run init again to serve on it; until then this node is CPU only",
+        )
+    else:
+        ctx.say("kept", "no NVIDIA GPU here; the node serves on CPU")
+
+    etc, pki = ctx.paths.etc, ctx.paths.pki
+    if (etc / "agent.pem").exists():
+        ctx.say("kept", f"agent certificate for {node}")
+    else:
+        if not (pki / "ca-key.pem").exists():
+            raise PkiError(
+                "the authority is not on this machine, so init cannot give it a node identity; "
+                "onboard it from where the authority is, or pass --no-node"
+            )
+        CA.load(pki).issue_client(node).write(etc, "agent")
+        shutil.copyfile(pki / "ca.pem", etc / "ca.pem")
+        ctx.say("done", f"agent certificate for {node}")
+
+    conf = ctx.paths.agent_config
+    changed = ""
+    if conf.exists():
+        changed = reconcile_agent_yaml(ctx, conf)
+    else:
+        _h, port = parse_listen(ctx.config().agent_listen)
+        server = f"https://{url_host(reachable_addr(ctx.opts.hosts))}:{port}"
+        files.write_atomic(
+            conf,
+            files.agent_yaml(
+                server=server, node_id=node, etc=etc, label_key=plan.LOCAL_LABEL_KEY,
+                label_value=plan.LOCAL_LABEL_VALUE, llama_server=ctx.opts.llama_server,
+            ),
+            0o644,
+        )
+        agentconf.record_binary(ctx.paths.state, ctx.opts.llama_server)
+        ctx.say("done", f"{conf}")
+
+    services.apply_service(ctx, "agent", agent_unit(ctx.paths, ctx.bin), "llmgw-agent", config_changed=changed)
+
+    wait_node_ready(ctx, node)
+    return node
+
+
+def wait_node_ready(ctx: InitContext, node: str) -> None:
+    """Wait until ``node`` is ready with a llama.cpp engine; stop at once when its llama.cpp
+    failed. Registered is quick. Having an engine is not: the node may download and check its
+    own llama.cpp, and a new machine is often busy with its own package updates first.
+
+    Raises:
+        EngineError: llama.cpp failed or is unsupported on the node. WaitTimeout: not in time.
+    """
+    client = ctx.admin(PROBE_TIMEOUT_S)
+    try:
+        told = load_agent_config(ctx.paths.agent_config).server
+    except ConfigError:
+        told = "the server agent.yaml names"
+
+    def ready() -> bool:
+        try:
+            nodes = client.nodes()
+        except LlmgwError as e:
+            ctx.note(f"the control plane does not answer: {e}")
+            return False
+        ctx.note(f"node {node} has not registered (its agent connects to {told}; "
+                 "'llmgw service logs agent' says why not)")
+        for n in nodes:
+            if n.id != node:
+                continue
+            ctx.note(f"node {node} is {n.state}, no llama.cpp engine reported yet")
+            if n.state == "ready" and "llamacpp" in n.engines:
+                return True
+            for p in n.provision:
+                line = f"{p.engine} {p.version}: {p.state} {p.detail}"
+                ctx.progress(" ".join(line.split()))
+                # Only llama.cpp is waited for: vLLM installs for minutes after, and one this
+                # node cannot run is not a reason to stop here.
+                if p.engine == "llamacpp" and p.state in ("failed", "unsupported"):
+                    raise EngineError(f"installing {p.engine} on this node: {p.detail}")
+        return False
+
+    ctx.wait(ctx.opts.node_wait_s, "this node to be ready with an engine", ready, interval_s=ctx.opts.poll_s)
+    ctx.say("kept", f"node {node} is ready")
+
+
+def reconcile_agent_yaml(ctx: InitContext, conf: Path) -> str:
+    """Keep agent.yaml; when ``--llama-server`` differs from its binary and init wrote that
+    value, update it (see :mod:`llmgw.serverinit.agentconf`). Returns what changed (``""`` when
+    nothing did)."""
+    new = ctx.opts.llama_server
+    if new is None:
+        ctx.say("kept", f"{conf}")
+        return ""
+    out = agentconf.reconcile_binary(conf, ctx.paths.state, new)
+    if out.action == "kept":
+        ctx.say("kept", f"{conf}")
+        return ""
+    if out.action == "updated":
+        ctx.say(
+            "updated",
+            f"{conf}: engines.llamacpp.binary {out.old or '(not set)'} -> {new} (was written by init; "
+            f"the previous file is in {out.backup})",
+        )
+        return "agent.yaml"
+    why = (
+        f"init wrote {out.recorded or '(not set)'} there and it was edited since"
+        if out.known
+        else "init has no record of writing it"
+    )
+    ctx.say(
+        "!!",
+        f"{conf} says engines.llamacpp.binary: {out.old or '(not set)'}, not --llama-server {new}; "
+        f"{why}, so init leaves it: edit it and run 'llmgw service restart agent' to change",
+    )
+    return ""

@@ -1,0 +1,155 @@
+"""Serving one of init's models (the starter in step 6, the judge in step 7): into the mirror,
+into the catalog, and, when it runs on this machine, a wait until a replica of it is ready.
+
+A model already in the catalog is kept (and waited for). Offline, a model the mirror does not
+have and that was not carried in as a ``file:`` is skipped rather than asked of the internet.
+While waiting to serve, placement's "nowhere to run" is believed after ``--unplaced-grace``, and a
+replica that failed stops the wait at once: it would not load on the next try either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmgw import sourcecheck
+from llmgw.catalog import Model
+from llmgw.errors import ApiError, EngineError, LlmgwError, MirrorError
+from llmgw.mirror.client import MirrorClient
+from llmgw.serverinit.steps.context import InitContext
+from llmgw.serverinit.wait import PROBE_TIMEOUT_S
+
+# Builds the catalog entry from the mirror's URL, the file's sha256 and this machine's GPU classes.
+EntryFn = Callable[[str, str, list[str]], Model]
+
+
+def ensure_served(ctx: InitContext, name: str, source: str, version: str, here: bool, entry: EntryFn) -> bool:
+    """Fetch a model into the mirror, add it to the catalog, and when it runs ``here``, wait for it
+    to answer. Returns False when it was skipped (offline and not in the mirror).
+
+    Raises:
+        MirrorError: the mirror could not fetch it. ApiError: the catalog refused it.
+        EngineError: it failed to start, or has nowhere to run. WaitTimeout: not in time.
+    """
+    client = ctx.admin()
+    if any(m.name == name for m in client.models()):
+        ctx.say("kept", f"{name} in the catalog")
+        if here:
+            wait_serving(ctx, name)
+        return True
+
+    kind = sourcecheck.to_download(source).kind
+    mirror = MirrorClient(ctx.mirror_api(), timeout=15.0)
+    try:
+        st = mirror.status(name, version)
+    except ApiError as e:
+        if e.status != 404:
+            raise
+        if ctx.opts.offline and kind != "file":
+            # Asked of the internet, it would fail after a timeout and stop init over a model
+            # nobody carried in.
+            ctx.say("skip", f"{name}: not in the mirror, and an offline cluster does not download it")
+            return False
+        st = mirror.fetch(source, name, version)
+        ctx.progress(f"{'copying' if kind == 'file' else 'downloading'} {name} into the mirror")
+
+    last_pct = -10
+
+    probe_mirror = MirrorClient(ctx.mirror_api(), timeout=PROBE_TIMEOUT_S)
+
+    def present() -> bool:
+        nonlocal st, last_pct
+        try:
+            st = probe_mirror.status(name, version)
+        except LlmgwError as e:
+            ctx.note(f"the mirror does not answer: {e}")
+            return False
+        detail = f": {st.progress_text()}" if st.percent() is not None else ""
+        ctx.note(f"{name} {st.state} in the mirror{detail}")
+        if st.state == "present":
+            return True
+        if st.state == "failed":
+            raise MirrorError(f"the mirror could not fetch {name}: {st.err}")
+        pct = st.percent()
+        if pct is not None and pct >= last_pct + 10:
+            ctx.progress(st.progress_text())  # percent, rate, ETA
+            last_pct = pct
+        return False
+
+    ctx.wait(ctx.opts.download_wait_s, f"{name} to download", present, interval_s=ctx.opts.poll_s)
+    ctx.say("done", f"{name} in the mirror")
+
+    classes = ctx.gpu_probe() if here else []
+    model = entry(st.url, st.sha256, classes)
+    try:
+        client.add_model(model.model_dump(mode="json"))
+    except ApiError as e:
+        raise ApiError(f"adding {name} to the catalog: {e}", status=e.status, code=e.code) from e
+    if not here:
+        ctx.say("done", f"{name} in the catalog; it runs on a node with room for it")
+        return True
+    where = "on CPU"
+    if classes:
+        where = "on " + ", ".join(classes) + ", or CPU if the card is busy"
+    ctx.say("done", f"{name} in the catalog, served here {where}")
+    wait_serving(ctx, name)
+    return True
+
+
+def wait_serving(ctx: InitContext, name: str) -> None:
+    """Wait for a ready replica of ``name``; believe placement's "nowhere" after the grace.
+
+    Raises:
+        EngineError: a replica failed to start, or placement found nowhere for it for longer
+            than ``--unplaced-grace``. WaitTimeout: no replica was ready within ``--serve-wait``.
+    """
+    client = ctx.admin(PROBE_TIMEOUT_S)
+    unplaced: float | None = None
+
+    def serving() -> bool:
+        nonlocal unplaced
+        try:
+            reps = client.replicas(name)
+        except LlmgwError as e:
+            ctx.note(f"the control plane does not answer: {e}")
+            return False
+        # Nowhere to put it is not waited out for ten minutes: once placement has said why
+        # for the grace, that is the answer. (The replicas view lists a wanted but unplaced
+        # replica as pending on no node.)
+        reps = [r for r in reps if r.node]
+        if not reps:
+            try:
+                ex = client.explain(name)
+            except LlmgwError as e:
+                ctx.note(f"the control plane does not answer: {e}")
+                return False
+            ctx.note(f"{name}: no replica placed yet ({ex.summary or 'placement has not run'})")
+            if not ex.placed and ex.rejections:
+                now = ctx.clock.now()
+                unplaced = unplaced if unplaced is not None else now
+                ctx.progress(f"{name}: {ex.summary}")
+                if now - unplaced > ctx.opts.unplaced_grace_s:
+                    why = "; ".join(f"{r.node}: {r.reason}" for r in ex.rejections)
+                    raise EngineError(
+                        f"{name} has nowhere to run ({why}); add a node with room, or free some "
+                        f"('llmgw ctl explain-placement {name}')"
+                    )
+            return False
+        unplaced = None
+        for r in reps:
+            if r.state == "ready":
+                ctx.say("kept", f"{name} is serving (profile {r.profile})")
+                return True
+        for r in reps:
+            err = r.err.strip()
+            if r.state == "failed":
+                # A model that does not load will not load on the next try either: say why
+                # now rather than wait out the deadline.
+                raise EngineError(
+                    f"{name} failed to start on node {r.node or '?'}: {err or 'no reason given'}\n"
+                    f"fix the cause and run init again; 'llmgw ctl replicas {name}' shows its state"
+                )
+            headline = err.splitlines()[0] if err else ""
+            ctx.progress(f"{name} {r.state}" + (f": {headline}" if headline else ""))
+        return False
+
+    ctx.wait(ctx.opts.serve_wait_s, f"{name} to start", serving, interval_s=ctx.opts.poll_s)
