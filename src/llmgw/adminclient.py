@@ -2,7 +2,7 @@
 
 Every ``/api/v1/...`` path the installer and the CLI use is a typed method here (``nodes()``,
 ``replicas(model)``, ``explain(model)``, ``add_model(spec)``, ...), returning the admin API's view
-models (:mod:`llmgw.control.api.views`, :mod:`llmgw.control.api.openapi`) where the API has one and
+models (:mod:`llmgw.views`, :mod:`llmgw.control.api.openapi`) where the API has one and
 the decoded JSON object where it does not (a model's resources, the guard's answers); callers
 never spell a path. ``get``/``post``/``patch``/``put``/``delete`` stay for paths without a method.
 
@@ -21,10 +21,9 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, parse_listen
-from llmgw.control.api.openapi import LogView, NodeRemovalView
-from llmgw.control.api.views import ExplainView, ModelView, NodeView, ReplicaView
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
+from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView
 
 V = TypeVar("V", bound=BaseModel)
 

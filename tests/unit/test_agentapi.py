@@ -17,7 +17,6 @@ from llmgw.control.api.agent import build_agent_app
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store.sql import ReplicaRow, Store, default_url
-from llmgw.control.views import ExplainView
 from llmgw.protocol import (
     EngineStatus,
     Heartbeat,
@@ -27,6 +26,7 @@ from llmgw.protocol import (
     ReplicaState,
     ReplicaStatus,
 )
+from llmgw.views import ExplainView
 
 GB = 1_000_000_000
 

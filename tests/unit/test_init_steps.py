@@ -14,7 +14,6 @@ import pytest
 
 from llmgw.adminclient import AdminClient
 from llmgw.config import load_server_config
-from llmgw.control.api.views import NodeView, ProvisionView
 from llmgw.errors import ApiError, PkiError
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
@@ -22,6 +21,7 @@ from llmgw.serverinit.steps import howto, judge, pki, serveryaml
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.manager import SupervisorManager
 from llmgw.tlsconf import cert_hosts
+from llmgw.views import NodeView, ProvisionView
 
 
 def context(root: Path, **kw: Any) -> tuple[InitContext, io.StringIO]:

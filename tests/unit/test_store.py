@@ -12,8 +12,8 @@ import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.store.sql import MIGRATIONS, Conflict, ReplicaRow, Store, StoreError, default_url
-from llmgw.control.views import ExplainView, Rejection
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
+from llmgw.views import ExplainView, Rejection
 
 
 def model(name: str = "m1", aliases: list[str] | None = None) -> Model:

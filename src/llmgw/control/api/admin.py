@@ -54,15 +54,15 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from llmgw import jsonbody
 from llmgw.catalog import Model, Profile
 from llmgw.control.api.logbroker import LogBroker
-from llmgw.control.api.openapi import NodeRemovalView, build_openapi
+from llmgw.control.api.openapi import build_openapi
 from llmgw.control.placement.inputs import effective_model, parse_facts, reservations
 from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.leader import new_replica_id
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.sql import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
-from llmgw.control.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
 from llmgw.errors import UnreachableError
 from llmgw.protocol import ReplicaState
+from llmgw.views import ExplainView, ModelView, NodeRemovalView, NodeView, ProvisionView, ReplicaView, ResourcesView
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The admin API's OpenAPI 3.1 document, built from the pydantic views' JSON schemas.
 
 Served at ``GET /api/v1/openapi.json``. The operations are listed here once, beside the shapes they
-take and return, so the document cannot drift from :mod:`llmgw.control.views` and the catalog.
+take and return, so the document cannot drift from :mod:`llmgw.views` and the catalog.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
 from llmgw.catalog import Model, Profile
-from llmgw.control.views import ExplainView, ModelView, NodeView, ReplicaView
+from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView
 
 
 class ErrorBody(BaseModel):
@@ -36,22 +36,6 @@ class Health(BaseModel):
     status: str
 
 
-class LogView(BaseModel):
-    """``GET /api/v1/replicas/{id}/logs``: the text, and the byte offset to ask from next (``--follow``)."""
-
-    replica: str
-    node: str
-    text: str
-    offset: int
-
-
-class NodeRemovalView(BaseModel):
-    """``DELETE /api/v1/nodes/{id}``: the node removed, the replicas drained from it (``force``), and
-    the certificate serials (upper-case hex) now refused at the agent API."""
-
-    node: str
-    drained: list[str]
-    revoked: list[str]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from llmgw.catalog import Model
 from llmgw.control.placement import placer as pl
-from llmgw.control.views import ExplainView
+from llmgw.views import ExplainView
 
 MAX_SUGGESTIONS = 5
 

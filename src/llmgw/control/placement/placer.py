@@ -30,7 +30,7 @@ so the same inputs always give the same node and the explanation and the decisio
 chosen GPU replica gets specific card indexes (the lowest free ones that fit), so two replicas
 never share a card.
 
-Every (node, profile) rejection is a :class:`~llmgw.control.views.Rejection` with a code and a
+Every (node, profile) rejection is a :class:`~llmgw.views.Rejection` with a code and a
 reason that names the numbers (``needs 2.0 GB memory, 1.4 of 7.8 GB free``); a node stops at its
 first failed check per profile, cheapest first. :mod:`llmgw.control.placement.explain` turns them into the
 Kubernetes-style summary and the "would fit if" list.
@@ -52,8 +52,8 @@ from enum import StrEnum
 
 from llmgw import gpuhealth
 from llmgw.catalog import Model, Profile
-from llmgw.control.views import Rejection
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
+from llmgw.views import Rejection
 
 GB = 1e9
 

@@ -47,7 +47,7 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
 4. **Models**, by name: remove the newest replicas above ``scaling.max``; place new ones until
    ``scaling.min`` with one :class:`~llmgw.control.placement.placer.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
-   two never get one GPU); store the :class:`~llmgw.control.views.ExplainView` for every model,
+   two never get one GPU); store the :class:`~llmgw.views.ExplainView` for every model,
    placed or not, so ``explain-placement`` always answers from the last pass. An explanation
    equal to the one this leader last stored for the model (``evaluated_at`` aside) is not written
    again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that first
@@ -93,8 +93,8 @@ from llmgw.control.reconcile.probe import EngineProbe, probe_engine
 from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.sql import Conflict, ModelRow, NodeRow, ReplicaRow, Store
-from llmgw.control.views import ExplainView
 from llmgw.protocol import ReplicaState
+from llmgw.views import ExplainView
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ Rules this module keeps:
   names it and ``ctl model rm`` deletes it; heartbeats, placement and the gateway go on with the
   rest.
 * **Separate shapes.** The rows here (:class:`ModelRow`, :class:`NodeRow`, :class:`ReplicaRow`)
-  are storage shapes; API views live in :mod:`llmgw.control.views`, wire shapes in
+  are storage shapes; API views live in :mod:`llmgw.views`, wire shapes in
   :mod:`llmgw.protocol`.
 
 Calls are synchronous (the control plane makes them on a thread pool, never on its event loop:
@@ -53,9 +53,9 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
-from llmgw.control.views import ExplainView
 from llmgw.errors import LlmgwError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaState, ReplicaStatus
+from llmgw.views import ExplainView
 
 log = logging.getLogger(__name__)
 

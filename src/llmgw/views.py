@@ -4,9 +4,9 @@ They carry at least the fields the seeds read (``NodeView``: id, state, engines,
 provision[engine, version, state, detail]; ``ReplicaView``: id, model, node, profile, state, err;
 ``ExplainView``: placed, rejections[node, reason]). Views are not storage rows.
 
-They sit at the bottom of ``control/`` (below ``store/``, ``placement/`` and ``reconcile/``), not in
-``api/``: placement writes its verdicts as :class:`Rejection` and :class:`ExplainView`, and the store
-keeps the last explanation of each model, so every layer of the control plane speaks these shapes
+They are domain types, not part of ``control/``: placement writes its verdicts as :class:`Rejection`
+and :class:`ExplainView`, the store keeps the last explanation of each model, and the admin API's
+clients (:mod:`llmgw.adminclient`, the CLI) read the same shapes back, so every layer speaks them
 (the import contracts in pyproject.toml's ``[tool.importlinter]``).
 """
 
@@ -134,3 +134,21 @@ class ModelView(BaseModel):
     replicas: int = 0
     spec: dict[str, object] = Field(default_factory=dict)
     broken: str = ""
+
+
+class LogView(BaseModel):
+    """``GET /api/v1/replicas/{id}/logs``: the text, and the byte offset to ask from next (``--follow``)."""
+
+    replica: str
+    node: str
+    text: str
+    offset: int
+
+
+class NodeRemovalView(BaseModel):
+    """``DELETE /api/v1/nodes/{id}``: the node removed, the replicas drained from it (``force``), and
+    the certificate serials (upper-case hex) now refused at the agent API."""
+
+    node: str
+    drained: list[str]
+    revoked: list[str]
