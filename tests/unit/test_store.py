@@ -12,7 +12,8 @@ import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.api.views import ExplainView, Rejection
-from llmgw.control.store.sql import MIGRATIONS, Conflict, ReplicaRow, Store, StoreError, default_url
+from llmgw.control.store import Conflict, ReplicaRow, Store, StoreError, default_url, open_store
+from llmgw.control.store.schema import MIGRATIONS
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 
@@ -25,23 +26,16 @@ def heartbeat(**kw: object) -> Heartbeat:
     return Heartbeat(inventory=inv, **kw)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store.open(default_url("", tmp_path / "state" / "llmgw.db"))
-    yield s  # type: ignore[misc]
-    s.close()
-
-
 def test_open_creates_wal_database_and_migrations_are_idempotent(tmp_path: Path) -> None:
     url = default_url("", tmp_path / "a" / "llmgw.db")
-    s = Store.open(url)
+    s = open_store(url)  # a path of its own: it is reopened below
     assert s.schema_versions() == [v for v, _ in MIGRATIONS]
     assert s.migrate() == []  # nothing applied twice
     with s.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     s.add_model(model(), now=1.0)
     s.close()
-    again = Store.open(url)  # reopening keeps the data and applies nothing
+    again = open_store(url)  # reopening keeps the data and applies nothing
     assert again.migrate() == []
     assert [m.name for m in again.list_models()] == ["m1"]
     again.close()
@@ -49,7 +43,7 @@ def test_open_creates_wal_database_and_migrations_are_idempotent(tmp_path: Path)
 
 def test_bad_url_is_a_store_error() -> None:
     with pytest.raises(StoreError, match="not a database URL"):
-        Store.open("not a url")
+        open_store("not a url")
 
 
 def test_model_add_get_update_conflict_delete(store: Store) -> None:
@@ -137,7 +131,7 @@ def test_sqlite_files_are_private(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
         db = tmp_path / "state" / "llmgw.db"
-        store = Store.open(f"sqlite:///{db}")
+        store = open_store(f"sqlite:///{db}")
         store.list_models()
         names = {p.name: stat.S_IMODE(p.stat().st_mode) for p in db.parent.iterdir()}
         store.close()

@@ -58,8 +58,8 @@ from llmgw.control.api.openapi import NodeRemovalView, build_openapi
 from llmgw.control.api.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
 from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.leader import effective_model, new_replica_id, parse_facts, reservations
+from llmgw.control.store import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.sql import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.errors import UnreachableError
 from llmgw.protocol import ReplicaState
 

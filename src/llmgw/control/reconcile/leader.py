@@ -84,8 +84,8 @@ from llmgw.control.api.views import ExplainView
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
 from llmgw.control.placement.explain import explain_view
+from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.sql import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
