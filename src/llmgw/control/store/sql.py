@@ -287,7 +287,6 @@ class SqlStore(Store):
         return row
 
     def get_node(self, node_id: str) -> NodeRow | None:
-        """The node, or None."""
         with self._tx() as conn:
             row = conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node_id)).first()
         return node_row(row) if row else None
