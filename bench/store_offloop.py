@@ -7,7 +7,7 @@ columns, read it back. Measured: throughput, and the lag of a probe on the event
 that wakes late by this much) -- what a heartbeat or a gateway request would wait.
 
 1. ``pool``: :class:`llmgw.control.store.offloop.OffLoop` running the synchronous
-   :class:`~llmgw.control.store.sql.Store` methods (query, row parsing and all) on its threads;
+   :class:`~llmgw.control.store.Store` methods (query, row parsing and all) on its threads;
 2. ``asyncio``: ``sqlalchemy.ext.asyncio`` with ``aiosqlite``, the same Core statements awaited
    on the loop and the rows parsed there (skipped when aiosqlite or greenlet is not installed:
    they are not llmgw dependencies; ``pip install aiosqlite greenlet``).
@@ -28,8 +28,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from llmgw.control.store import sql as st
+from llmgw.control.store import open_store
+from llmgw.control.store.codec import heartbeat_values, node_row
 from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.schema import nodes_t
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
 OPS = 2000
@@ -73,7 +75,7 @@ async def measure(op: Callable[[int], Awaitable[object]]) -> tuple[float, float,
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llmgw.db"
-        store = st.Store.open(f"sqlite:///{path}")
+        store = open_store(f"sqlite:///{path}")
         for i in range(NODES):
             store.upsert_node_heartbeat(f"node-{i:03d}", HB, time.time())
         db = OffLoop()
@@ -98,21 +100,21 @@ async def main() -> None:
 
             async def async_op(i: int) -> object:
                 node = f"node-{i % NODES:03d}"
-                values = st._heartbeat_values(HB, time.time())
+                values = heartbeat_values(HB, time.time())
                 async with engine.connect() as conn:
-                    row = (await conn.execute(sa.select(st.nodes_t).where(st.nodes_t.c.id == node))).first()
+                    row = (await conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node))).first()
                     assert row is not None
-                    st._node_row(row)
+                    node_row(row)
                 async with engine.begin() as conn:
                     await conn.execute(
-                        st.nodes_t.update()
-                        .where(st.nodes_t.c.id == node, st.nodes_t.c.revision == row.revision)
+                        nodes_t.update()
+                        .where(nodes_t.c.id == node, nodes_t.c.revision == row.revision)
                         .values(revision=row.revision + 1, **values)
                     )
                 async with engine.connect() as conn:
-                    again = (await conn.execute(sa.select(st.nodes_t).where(st.nodes_t.c.id == node))).first()
+                    again = (await conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node))).first()
                     assert again is not None
-                    return st._node_row(again)
+                    return node_row(again)
 
             results["asyncio"] = await measure(async_op)
             await engine.dispose()

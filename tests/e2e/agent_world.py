@@ -28,7 +28,7 @@ from llmgw import tlsconf
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.reconcile.leader import Leader
-from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.paths import Paths
 from llmgw.protocol import ReplicaStatus
 
@@ -85,7 +85,7 @@ class ControlPlane:
         self.removed += result.removed
 
     async def start(self) -> None:
-        self.store = Store.open(default_url("", self.dir / "llmgw.db"))
+        self.store = open_store(default_url("", self.dir / "llmgw.db"))
         self.leader = Leader(self.store, node_lost_after_s=self.node_lost_after_s, clock=self.clock)
         self._pass()  # ``llmgw server run`` starts its leader at once, before any agent reports
         app = build_agent_app(self.store, on_heartbeat=lambda _n, _c: self._pass(), clock=self.clock)

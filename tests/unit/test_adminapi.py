@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.guard import add_guard_routes
 from llmgw.control.api.openapi import build_openapi
 from llmgw.control.reconcile.leader import Leader
-from llmgw.control.store.sql import Store, default_url
+from llmgw.control.store import Store
 from llmgw.guard.config import GuardConfig
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
@@ -28,13 +27,6 @@ MODEL: dict[str, Any] = {
     "scaling": {"min": 1, "max": 1},
     "profiles": [{"name": "cpu", "min_memory_gb": 1, "cpu_cores": 2, "args": ["--ctx-size", "4096"]}],
 }
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store.open(default_url("", tmp_path / "llmgw.db"))
-    yield s  # type: ignore[misc]
-    s.close()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from llmgw.catalog import GuardModel, Model, Profile, Role
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.leader import Leader
-from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.control.store import ReplicaRow, Store
 from llmgw.protocol import (
     EngineStatus,
     Heartbeat,
@@ -50,11 +50,10 @@ class Running:
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[Running]:
+async def server(store: Store, tmp_path: Path) -> AsyncIterator[Running]:
     ca = tlsconf.CA.create()
     ca.write(tmp_path)
     cert, key = ca.issue_server(["127.0.0.1"]).write(tmp_path, "server")
-    store = Store.open(default_url("", tmp_path / "llmgw.db"))
     beats: list[tuple[str, bool]] = []
     app = build_agent_app(store, on_heartbeat=lambda n, c: beats.append((n, c)), clock=lambda: 1000.0)
     runner = web.AppRunner(app)
@@ -68,7 +67,6 @@ async def server(tmp_path: Path) -> AsyncIterator[Running]:
         yield Running(f"https://127.0.0.1:{port}", store, Pki(ca, tmp_path), beats)
     finally:
         await runner.cleanup()
-        store.close()
 
 
 def hb(*replicas: ReplicaStatus) -> Heartbeat:
@@ -164,8 +162,7 @@ async def test_bad_body_is_400(server: Running) -> None:
 # --- the routing table the heartbeats feed ---
 
 
-def test_store_router_caches_resolves_aliases_and_explains(tmp_path: Path) -> None:
-    store = Store.open(default_url("", tmp_path / "r.db"))
+def test_store_router_caches_resolves_aliases_and_explains(store: Store) -> None:
     now = [0.0]
     router = StoreRouter(store, clock=lambda: now[0])
     chat = Model(name="chat", aliases=["default"], source="file:/c.gguf", profiles=[Profile(name="cpu")])
@@ -229,4 +226,3 @@ def test_store_router_caches_resolves_aliases_and_explains(tmp_path: Path) -> No
     assert route.unavailable == (
         "no replica is ready yet (failed (llama-server exited with code 1: error: cannot bind <internal>))"
     )
-    store.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import ssl
 import subprocess
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from llmgw import tlsconf
@@ -31,7 +31,7 @@ from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.table import StoreRouter
-from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.control.store import ReplicaRow, Store, open_store
 from llmgw.engineargs import refused_args
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
 from tests.conftest import Assets
@@ -68,13 +68,11 @@ class Admin:
 
 
 @pytest.fixture
-def admin(tmp_path: Path) -> Iterator[Admin]:
-    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+def admin(store: Store) -> Iterator[Admin]:
     servers = ServerThread()
     port = servers.serve(build_admin_app(store, token=TOKEN, max_replicas_per_model=1000))
     yield Admin(f"http://127.0.0.1:{port}", store, servers)
     servers.close()
-    store.close()
 
 
 def error_of(resp: httpx.Response, status: int) -> dict[str, str]:
@@ -189,9 +187,8 @@ def test_scaling_is_a_bounded_strict_integer(admin: Admin, scaling: dict[str, An
     assert admin.store.list_models() == []
 
 
-def test_the_limit_comes_from_server_yaml(tmp_path: Path) -> None:
+def test_the_limit_comes_from_server_yaml(store: Store) -> None:
     assert ServerConfig.model_validate({"tls": {"ca": "a", "cert": "b", "key": "c"}}).max_replicas_per_model == 1000
-    store = Store.open(default_url("", tmp_path / "l.db"))
     servers = ServerThread()
     url = f"http://127.0.0.1:{servers.serve(build_admin_app(store, token=TOKEN, max_replicas_per_model=5))}"
     try:
@@ -203,17 +200,14 @@ def test_the_limit_comes_from_server_yaml(tmp_path: Path) -> None:
         assert "7 replicas" in error_of(r, 400)["message"]
     finally:
         servers.close()
-        store.close()
 
 
 def _write_spec(store: Store, name: str, spec: dict[str, Any]) -> None:
-    """Write a model row straight into SQLite, as an older llmgw (or a hand edit) would have."""
-    db = store.engine.url.database
-    assert db
-    with sqlite3.connect(db) as conn:
+    """Write a model row straight into the database, as an older llmgw (or a hand edit) would have."""
+    with store.engine.begin() as conn:  # type: ignore[attr-defined]  # the SQL backend's engine
         conn.execute(
-            "INSERT INTO models (name, revision, spec, created_at, updated_at) VALUES (?, 1, ?, 1.0, 1.0)",
-            (name, json.dumps(spec)),
+            sa.text("INSERT INTO models (name, revision, spec, created_at, updated_at) VALUES (:n, 1, :s, 1.0, 1.0)"),
+            {"n": name, "s": json.dumps(spec)},
         )
 
 
@@ -266,9 +260,8 @@ class World:
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
+def world(store: Store, tmp_path: Path) -> Iterator[World]:
     """Admin API, agent API (real mTLS), gateway (StoreRouter) and a fake llama-server, one store."""
-    store = Store.open(default_url("", tmp_path / "w.db"))
     ca = tlsconf.CA.create()
     ca.write(tmp_path)
     cert, key = ca.issue_server(["127.0.0.1"]).write(tmp_path, "server")
@@ -297,7 +290,6 @@ def world(tmp_path: Path) -> Iterator[World]:
     yield World(f"http://127.0.0.1:{admin}", f"https://127.0.0.1:{agent}", f"http://127.0.0.1:{gateway}", store,
                 tlsconf.client_context(tmp_path / "ca.pem", ccert, ckey))
     servers.close()
-    store.close()
 
 
 def _heartbeat(w: World) -> httpx.Response:
@@ -353,9 +345,9 @@ def test_a_broken_row_takes_nothing_else_down(world: World) -> None:
     assert [m.name for m in w.store.list_models()] == ["good", "other"]
 
 
-def test_a_restart_with_a_broken_row_still_serves(world: World, tmp_path: Path) -> None:
+def test_a_restart_with_a_broken_row_still_serves(world: World) -> None:
     _write_spec(world.store, "junk", {"name": "junk", "not": "a model"})
-    again = Store.open(default_url("", tmp_path / "w.db"))  # what a restarted control plane opens
+    again = open_store(world.store.engine.url.render_as_string(hide_password=False))  # a restarted control plane
     try:
         router = StoreRouter(again, clock=time.monotonic)
         assert [r.model for r in router.chat_models()] == ["good"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -12,7 +11,7 @@ from aiohttp import web
 
 from llmgw.control.api.guard import add_guard_routes, guard_status
 from llmgw.control.gateway.guard import GuardInspector
-from llmgw.control.store.sql import Store, default_url
+from llmgw.control.store import Store
 from llmgw.guard.config import GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Upstream
@@ -28,9 +27,8 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
+def env(store: Store) -> Iterator[Env]:
     servers = ServerThread()
-    store = Store.open(default_url("", tmp_path / "llmgw.db"))
     store.add_model(plan.guard_model("http://m/q.gguf", 1, 2), now=1.0)
     jport = servers.serve(FakeJudge().app())
     judge = JudgeRoute("qwen3guard-0.6b", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),))
@@ -42,7 +40,6 @@ def env(tmp_path: Path) -> Iterator[Env]:
     yield Env(f"http://127.0.0.1:{port}", store)
     servers.run(guard.client.close())
     servers.close()
-    store.close()
 
 
 def test_status_says_what_to_do_for_each_judge(env: Env) -> None:

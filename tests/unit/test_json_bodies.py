@@ -18,7 +18,7 @@ from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.api.guard import add_guard_routes
 from llmgw.control.gateway.app import build_gateway_app
-from llmgw.control.store.sql import Store, default_url
+from llmgw.control.store import default_url, open_store
 from llmgw.guard.config import GuardConfig
 from llmgw.jsonbody import JsonBodyError, loads, nesting_depth
 from llmgw.routing import Route, StaticRouter
@@ -42,7 +42,7 @@ class Apis:
 @pytest.fixture(scope="module")
 def apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apis]:
     tmp = tmp_path_factory.mktemp("json")
-    store = Store.open(default_url("", tmp / "j.db"))
+    store = open_store(default_url("", tmp / "j.db"))  # module scope: one store for the module's tests
     ca = tlsconf.CA.create()
     ca.write(tmp)
     cert, key = ca.issue_server(["127.0.0.1"]).write(tmp, "server")

@@ -10,9 +10,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,18 +25,11 @@ from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.probe import probe_engine
 from llmgw.control.reconcile.restarts import backoff_s
-from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.control.store import ReplicaRow, Store
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 GB = 1_000_000_000
 KEY_HEADER = "Authorization"
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(default_url("", tmp_path / "llmgw.db"))
-    yield s
-    s.close()
 
 
 def beat() -> Heartbeat:

@@ -26,8 +26,8 @@ from llmgw import tlsconf
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.reconcile.leader import Leader, PassResult
+from llmgw.control.store import ModelRow, NodeRow, SqlStore, Store, default_url
 from llmgw.control.store.offloop import Batcher, Coalescer, OffLoop
-from llmgw.control.store.sql import ModelRow, NodeRow, Store, default_url
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
 
 TOKEN = "admin-token-for-tests"
@@ -36,7 +36,7 @@ GB = 1_000_000_000
 GATE_TIMEOUT_S = 10.0
 
 
-class GatedStore(Store):
+class GatedStore(SqlStore):
     """A store whose ``list_models`` and ``list_nodes`` block on ``gate`` once ``armed`` is set."""
 
     armed = False
@@ -232,8 +232,7 @@ async def test_coalescer_done_waits_for_a_run_that_started_after_it() -> None:
     assert seen == [0, 1]  # done() returned only after a run that read the new value
 
 
-def test_record_heartbeats_writes_a_batch_in_one_call(tmp_path: Path) -> None:
-    store = Store.open(default_url("", tmp_path / "llmgw.db"))
+def test_record_heartbeats_writes_a_batch_in_one_call(store: Store) -> None:
     hb = Heartbeat.model_validate_json(heartbeat())
     store.upsert_node_heartbeat("node-1", hb, 100.0)
     results = store.record_heartbeats([("node-1", hb, 101.0, ""), ("node-2", hb, 101.0, ""), ("node-1", hb, 102.0, "")])
@@ -241,7 +240,6 @@ def test_record_heartbeats_writes_a_batch_in_one_call(tmp_path: Path) -> None:
     one, two = store.list_nodes()
     assert (one.id, one.revision, one.last_seen, one.state) == ("node-1", 3, 102.0, "ready")
     assert (two.id, two.revision, two.first_seen) == ("node-2", 1, 101.0)
-    store.close()
 
 
 class CountingLeader(Leader):
@@ -252,10 +250,9 @@ class CountingLeader(Leader):
         return super().reconcile_once(now, answering=answering)
 
 
-async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(tmp_path: Path) -> None:
+async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(store: Store) -> None:
     """50 wakes (say 50 model adds) within ~0.5 s: the leader coalesces them (COALESCE_S, MIN_GAP_S);
     the bound is loose on purpose (a loaded machine stretches the burst), the point is not 50."""
-    store = Store.open(default_url("", tmp_path / "llmgw.db"))
     db = OffLoop(workers=2)
     leader = CountingLeader(store, node_lost_after_s=30, db=db, interval_s=60)
     stop = asyncio.Event()
@@ -270,4 +267,3 @@ async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(tmp_p
         stop.set()
         await asyncio.wait_for(running, GATE_TIMEOUT_S)
         db.close()
-        store.close()

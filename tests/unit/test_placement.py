@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-
-import pytest
 
 from llmgw.catalog import Engine, Model, Profile, Scaling
 from llmgw.control.placement import placer as pl
 from llmgw.control.reconcile.leader import Leader
-from llmgw.control.store.sql import Store, default_url
+from llmgw.control.store import Store
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
 
 GB = 1_000_000_000
@@ -275,13 +272,6 @@ def test_summary_counts_a_node_under_its_furthest_verdict() -> None:
 def hb(labels: dict[str, str] | None = None, mem_gb: float = 8) -> Heartbeat:
     inv = Inventory(cores=4, memory_total_bytes=int(mem_gb * GB), memory_available_bytes=int(mem_gb * GB))
     return Heartbeat(inventory=inv, labels=labels or {}, engines=[LLAMA])
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store.open(default_url("", tmp_path / "llmgw.db"))
-    yield s  # type: ignore[misc]
-    s.close()
 
 
 def test_leader_places_min_spread_and_explains(store: Store) -> None:

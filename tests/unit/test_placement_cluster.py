@@ -3,17 +3,14 @@ cached weights preferred, explanations word for word; the leader's restarts and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.restarts import backoff_s
-from llmgw.control.store.sql import ReplicaRow, Store, default_url
+from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
 from tests.unit.test_placement import LLAMA, h100, node
 
@@ -134,13 +131,6 @@ def test_placer_matches_fresh_placement_after_reservations() -> None:
 # --- the leader, over a real store ---
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(default_url("", tmp_path / "llmgw.db"))
-    yield s
-    s.close()
-
-
 def beat(mem_gb: float = 8, gpus: list[GPU] | None = None, cached: list[str] | None = None) -> Heartbeat:
     inv = Inventory(
         cores=8, memory_total_bytes=int(mem_gb * GB), memory_available_bytes=int(mem_gb * GB), gpus=gpus or []
@@ -217,7 +207,7 @@ def test_migration_2_adds_the_columns_to_a_database_made_before_it(tmp_path: Pat
     import sqlalchemy as sa  # noqa: PLC0415
 
     url = default_url("", tmp_path / "old.db")
-    s = Store.open(url)
+    s = open_store(url)
     with s.engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM schema_migrations WHERE version = 2"))
         conn.execute(sa.text("DROP TABLE gguf_facts"))

@@ -23,7 +23,7 @@ from llmgw.control.api.admin import build_admin_app
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader
-from llmgw.control.store.sql import Store, default_url
+from llmgw.control.store import Store
 from llmgw.protocol import Heartbeat, Inventory
 from tests.unit.test_placement import LLAMA
 
@@ -180,13 +180,6 @@ def test_a_measured_card_still_serves_beside_an_unmeasured_one(tmp_path: Path) -
                               {"index": 1, "name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 81559 << 20}])
     d, _ = explain(model(Profile(name="gpu", gpu_class="h100-80gb-hbm3", min_memory_gb=8)), [gpu_node(inv)])
     assert (d.node, d.gpu_indexes) == ("gpu-a", (1,))
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store.open(default_url("", tmp_path / "llmgw.db"))
-    yield s  # type: ignore[misc]
-    s.close()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,7 +19,7 @@ from aiohttp import web
 from llmgw.catalog import Model, Profile
 from llmgw.control.placement.inputs import reservations
 from llmgw.control.reconcile import probe, restarts
-from llmgw.control.store.sql import NodeRow, ReplicaRow, Store, default_url
+from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState
 
 GB = 1_000_000_000
@@ -55,24 +54,20 @@ def test_a_failed_replica_is_due_when_its_backoff_has_passed() -> None:
     assert not restarts.due(replace(r, state=ReplicaState.READY.value), 9999.0, reset_s=600)
 
 
-def test_forgive_resets_only_replicas_ready_long_enough(tmp_path: Path) -> None:
-    store = Store.open(default_url("", tmp_path / "llmgw.db"))
-    try:
-        store.upsert_node_heartbeat(
-            "a",
-            Heartbeat(
-                inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
-                engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED)],
-            ),
-            0.0,
-        )
-        old = store.add_replica(replica(id="m-old", state=ReplicaState.READY.value, ready_at=0.0, restarts=3))
-        new = store.add_replica(replica(id="m-new", state=ReplicaState.READY.value, ready_at=500.0, restarts=2))
-        out = restarts.forgive(store, [old, new], now=600.0, reset_s=600)
-        assert {r.id: r.restarts for r in out} == {"m-old": 0, "m-new": 2}
-        assert {r.id: r.restarts for r in store.list_replicas()} == {"m-old": 0, "m-new": 2}
-    finally:
-        store.close()
+def test_forgive_resets_only_replicas_ready_long_enough(store: Store) -> None:
+    store.upsert_node_heartbeat(
+        "a",
+        Heartbeat(
+            inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
+            engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED)],
+        ),
+        0.0,
+    )
+    old = store.add_replica(replica(id="m-old", state=ReplicaState.READY.value, ready_at=0.0, restarts=3))
+    new = store.add_replica(replica(id="m-new", state=ReplicaState.READY.value, ready_at=500.0, restarts=2))
+    out = restarts.forgive(store, [old, new], now=600.0, reset_s=600)
+    assert {r.id: r.restarts for r in out} == {"m-old": 0, "m-new": 2}
+    assert {r.id: r.restarts for r in store.list_replicas()} == {"m-old": 0, "m-new": 2}
 
 
 def test_silence_counts_from_the_leaders_first_pass_at_the_earliest() -> None:

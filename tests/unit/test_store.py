@@ -11,7 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
-from llmgw.control.store.sql import MIGRATIONS, Conflict, ReplicaRow, Store, StoreError, default_url
+from llmgw.control.store import Conflict, ReplicaRow, Store, StoreError, default_url, open_store
+from llmgw.control.store.schema import MIGRATIONS
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 from llmgw.views import ExplainView, Rejection
 
@@ -25,23 +26,16 @@ def heartbeat(**kw: object) -> Heartbeat:
     return Heartbeat(inventory=inv, **kw)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store.open(default_url("", tmp_path / "state" / "llmgw.db"))
-    yield s  # type: ignore[misc]
-    s.close()
-
-
 def test_open_creates_wal_database_and_migrations_are_idempotent(tmp_path: Path) -> None:
     url = default_url("", tmp_path / "a" / "llmgw.db")
-    s = Store.open(url)
+    s = open_store(url)  # a path of its own: it is reopened below
     assert s.schema_versions() == [v for v, _ in MIGRATIONS]
     assert s.migrate() == []  # nothing applied twice
     with s.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     s.add_model(model(), now=1.0)
     s.close()
-    again = Store.open(url)  # reopening keeps the data and applies nothing
+    again = open_store(url)  # reopening keeps the data and applies nothing
     assert again.migrate() == []
     assert [m.name for m in again.list_models()] == ["m1"]
     again.close()
@@ -49,7 +43,7 @@ def test_open_creates_wal_database_and_migrations_are_idempotent(tmp_path: Path)
 
 def test_bad_url_is_a_store_error() -> None:
     with pytest.raises(StoreError, match="not a database URL"):
-        Store.open("not a url")
+        open_store("not a url")
 
 
 def test_model_add_get_update_conflict_delete(store: Store) -> None:
@@ -137,7 +131,7 @@ def test_sqlite_files_are_private(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
         db = tmp_path / "state" / "llmgw.db"
-        store = Store.open(f"sqlite:///{db}")
+        store = open_store(f"sqlite:///{db}")
         store.list_models()
         names = {p.name: stat.S_IMODE(p.stat().st_mode) for p in db.parent.iterdir()}
         store.close()
@@ -148,3 +142,77 @@ def test_sqlite_files_are_private(tmp_path: Path) -> None:
     assert names.get("llmgw.db-wal", 0o600) == 0o600
     assert names.get("llmgw.db-shm", 0o600) == 0o600
     assert "llmgw.db-wal" in names  # WAL mode made them: the check above saw real files
+
+
+# --- uniqueness by database constraint (model_names, migration 4) ---
+
+
+def test_names_and_aliases_follow_updates_and_deletes(store: Store) -> None:
+    store.add_model(model("m1", ["a"]), now=1.0)
+    m2 = store.add_model(model("m2"), now=1.0)
+    up = store.update_model(model("m1", ["b"]), revision=1, now=2.0)  # 'a' is free again, 'b' taken
+    store.add_model(model("m3", ["a"]), now=3.0)
+    with pytest.raises(Conflict, match=r"^'b' is already a name or alias of model 'm1'; pick another alias"):
+        store.add_model(model("m4", ["b"]), now=3.0)
+    with pytest.raises(Conflict, match=r"^'b' is already a name or alias of model 'm1'$"):
+        store.update_model(model("m2", ["b", "c"]), revision=m2.revision, now=4.0)
+    after = store.get_model("m2")  # the refused update wrote nothing, not even 'c'
+    assert after is not None
+    assert (after.revision, after.model.aliases) == (1, [])
+    store.add_model(model("m5", ["c"]), now=5.0)
+    assert store.delete_model("m1") is True
+    store.add_model(model("m6", ["b", "m1"]), now=6.0)  # m1's name and alias went with it
+    assert up.revision == 2
+
+
+def test_uniqueness_is_a_primary_key_in_the_schema(store: Store) -> None:
+    """Names/aliases, node ids, replica ids and certificate serials are keys the database keeps."""
+    inspector = sa.inspect(store.engine)  # type: ignore[attr-defined]
+    keys = {t: inspector.get_pk_constraint(t)["constrained_columns"] for t in inspector.get_table_names()}
+    assert keys["model_names"] == ["name"]
+    assert keys["models"] == ["name"]
+    assert keys["nodes"] == ["id"]
+    assert keys["replicas"] == ["id"]
+    assert keys["revoked_certs"] == ["serial"]
+    assert sorted(keys["node_certs"]) == ["node", "serial"]
+    store.add_model(model("m1", ["a"]), now=1.0)
+    with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(sa.text("INSERT INTO model_names (name, model) VALUES ('a', 'other')"))
+
+
+def test_migration_4_fills_model_names_and_survives_a_clash(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rows from before migration 4, two of them claiming alias 'x' (written by hand) and one not
+    JSON at all: the migration keeps every model's own name, gives 'x' to the older model, logs
+    the other, and the loser's next update is refused naming the owner."""
+    url = default_url("", tmp_path / "old.db")
+    s = open_store(url)  # a path of its own: reopened below, as an upgraded control plane
+    rows = [("b", model("b", ["x", "y"]).model_dump_json(), 2.0), ("a", model("a", ["x"]).model_dump_json(), 1.0),
+            ("junk", "not json", 3.0)]
+    with s.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(sa.text("DROP TABLE model_names"))
+        conn.execute(sa.text("DELETE FROM schema_migrations WHERE version = 4"))
+        for name, spec, t in rows:
+            conn.execute(sa.text("INSERT INTO models VALUES (:n, 1, :s, :t, :t)"), {"n": name, "s": spec, "t": t})
+    s.close()
+    with caplog.at_level("WARNING"):
+        again = open_store(url)
+    try:
+        assert 4 in again.schema_versions()
+        with again.engine.begin() as conn:  # type: ignore[attr-defined]
+            owners = dict(conn.execute(sa.text("SELECT name, model FROM model_names")).all())
+        assert owners == {"a": "a", "b": "b", "junk": "junk", "x": "a", "y": "b"}
+        assert "alias 'x' of model 'b' is already a name or alias of model 'a'" in caplog.text
+        with pytest.raises(Conflict, match=r"^'x' is already a name or alias of model 'a'$"):
+            again.update_model(model("b", ["x", "y"]), revision=1, now=4.0)
+        assert again.update_model(model("b", ["y"]), revision=1, now=4.0).revision == 2
+        with pytest.raises(Conflict, match="its stored row is broken: DELETE it first"):
+            again.add_model(model("junk"), now=5.0)
+    finally:
+        again.close()
+
+
+def test_the_store_fixture_is_the_interface(store: Store) -> None:
+    """Every backend implements the whole :class:`Store` interface (an abstract method left out
+    would make the backend impossible to instantiate)."""
+    assert isinstance(store, Store)
+    assert not getattr(type(store), "__abstractmethods__", frozenset())

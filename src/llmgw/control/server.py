@@ -53,8 +53,8 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store import Store, default_url, open_store
 from llmgw.control.store.offloop import Coalescer, OffLoop
-from llmgw.control.store.sql import Store, default_url
 from llmgw.errors import PkiError, PortInUseError
 from llmgw.paths import Paths
 
@@ -249,7 +249,7 @@ async def serve(
     keys = read_gateway_keys(config)
     tls = _tls(config)
     stop = stop or asyncio.Event()
-    store = Store.open(default_url(config.store.url, paths.database))
+    store = open_store(default_url(config.store.url, paths.database))
     db = OffLoop()
     router = StoreRouter(store)
     routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")

@@ -58,8 +58,8 @@ from llmgw.control.api.openapi import build_openapi
 from llmgw.control.placement.inputs import effective_model, parse_facts, reservations
 from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.leader import new_replica_id
+from llmgw.control.store import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.sql import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.errors import UnreachableError
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView, ModelView, NodeRemovalView, NodeView, ProvisionView, ReplicaView, ResourcesView

@@ -36,8 +36,8 @@ from pydantic import ValidationError
 from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
 from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.store import NodeRow, Revoked, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
-from llmgw.control.store.sql import NodeRow, Revoked, Store
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 

@@ -32,7 +32,7 @@ from aiohttp import web
 from llmgw import jsonbody
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.control.reconcile.judgekeeper import ClassUse, JudgeKeeper, ServeJob
-from llmgw.control.store.sql import Store
+from llmgw.control.store import Store
 from llmgw.errors import LlmgwError
 from llmgw.guard.config import Controversial, Direction, GuardConfig
 from llmgw.guard.formats import FORMATS, JudgeError, Safety

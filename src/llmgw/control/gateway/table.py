@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model, Role
-from llmgw.control.store.sql import ReplicaRow, Store
+from llmgw.control.store import ReplicaRow, Store
 from llmgw.protocol import ReplicaState
 from llmgw.routing import Route, Upstream
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from llmgw.catalog import Model
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
-from llmgw.control.store.sql import NodeRow, ReplicaRow
+from llmgw.control.store import NodeRow, ReplicaRow
 
 
 def node_info(row: NodeRow) -> placement.NodeInfo:

@@ -15,7 +15,7 @@ from llmgw.catalog import Model
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, reservations
-from llmgw.control.store.sql import NodeRow, ReplicaRow
+from llmgw.control.store import NodeRow, ReplicaRow
 
 
 class NodeFit(BaseModel):

@@ -91,8 +91,8 @@ from llmgw.control.reconcile import probe as probing
 from llmgw.control.reconcile import restarts
 from llmgw.control.reconcile.probe import EngineProbe, probe_engine
 from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
+from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.sql import Conflict, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from llmgw.control.store.sql import NodeRow, ReplicaRow, Store
+from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.protocol import ReplicaState
 
 #: The probe of an engine on a silent node: a healthy llama-server answers ``/health`` in

@@ -18,7 +18,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, replace
 
-from llmgw.control.store.sql import Conflict, ReplicaRow, Store
+from llmgw.control.store import Conflict, ReplicaRow, Store
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ by new or returning nodes only, not by every replica report, and at most once a 
 (``leader.MIN_GAP_S``).
 
 SQLite serializes writers; the pool is small (:data:`WORKERS`) so few transactions contend, and
-writers queue on the store's in-process lock (:mod:`llmgw.control.store.sql`), not in SQLite's
+writers queue on the store's in-process lock (:mod:`llmgw.control.store.sqlite`), not in SQLite's
 sleeping busy handler. Work that is long (a leader pass) takes one worker while the others keep
 serving heartbeats.
 
@@ -130,7 +130,7 @@ class Batcher(Generic[ItemT, ResultT]):
         db: the pool.
         write: takes the batch, returns one result per item, in order (it runs on a pool thread).
 
-    Used for heartbeats (:meth:`llmgw.control.store.sql.Store.record_heartbeats`): one SQLite write
+    Used for heartbeats (:meth:`llmgw.control.store.base.Store.record_heartbeats`): one SQLite write
     transaction for every heartbeat that arrived meanwhile, instead of one each.
     """
 

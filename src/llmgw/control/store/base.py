@@ -1,0 +1,283 @@
+"""The store's contract: :class:`Store`, the interface every backend implements, and its errors.
+
+Callers (the admin and agent APIs, the leader, the routing table, server init) depend on this
+interface only; :class:`~llmgw.control.store.sql.SqlStore` is today's backend (SQLAlchemy Core over
+SQLite, ready for PostgreSQL with the same schema and migrations). The model is kopf's storage ABC
+with two backends: one abstract class whose docstrings are the contract, one module per backend.
+
+Rules every backend keeps:
+
+* **Optimistic concurrency.** Every row has a ``revision`` that starts at 1. Every update is
+  conditional on the revision read (``UPDATE … WHERE <key>=? AND revision=?``) and bumps it; when
+  no row matched, the row changed (or went) since it was read and :class:`Conflict` is raised.
+  Callers re-read and decide again; no read-then-overwrite.
+* **Uniqueness is the database's.** Model names and aliases (one table of every name a model
+  answers to, with a primary key on the name), node ids, replica ids and certificate serials are
+  primary keys; a write that would break one raises :class:`Conflict`, never a Python scan.
+* **One bad row never hides the others.** A model row that no longer validates (written by an
+  older version, or by hand) is skipped by :meth:`Store.list_models` and :meth:`Store.get_model`,
+  logged once, and listed by :meth:`Store.list_broken_models` with the reason, so the admin API
+  names it and ``ctl model rm`` deletes it; heartbeats, placement and the gateway go on with the
+  rest. Its name stays taken until it is deleted.
+* **Every method is one short transaction** and synchronous. The control plane calls them on a
+  bounded thread pool, never on its event loop (:mod:`llmgw.control.store.offloop`, chosen over
+  SQLAlchemy's asyncio API by measurement: see :mod:`llmgw.control.store`), and the gateway's hot
+  path never reaches the store (it reads :class:`~llmgw.control.gateway.table.StoreRouter`'s memory).
+* **Separate shapes.** The rows (:mod:`llmgw.control.store.rows`) are storage shapes; API views
+  live in :mod:`llmgw.views`, wire shapes in :mod:`llmgw.protocol`.
+
+Errors: :class:`Conflict` (HTTP 409 at the admin API), its subclass :class:`Revoked` (a heartbeat
+with a revoked certificate), :class:`StoreError` (the database cannot be opened or migrated, with
+the driver's error chained).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import replace
+
+from llmgw.catalog import Model
+from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow, ReportResult
+from llmgw.errors import LlmgwError
+from llmgw.protocol import Heartbeat, ReplicaState, ReplicaStatus
+from llmgw.views import ExplainView
+
+
+class Conflict(LlmgwError):
+    """A write lost a race or would break uniqueness: the row changed since it was read (revision
+    mismatch), or a model name/alias is taken. The admin API answers 409; re-read and try again."""
+
+
+class Revoked(Conflict):
+    """A heartbeat came with a certificate serial on the deny-list (its node was removed with
+    ``llmgw ctl node rm``); ``node`` and ``revoked_at`` (unix seconds) say when."""
+
+    def __init__(self, serial: str, node: str, revoked_at: float) -> None:
+        super().__init__(f"certificate serial {serial} of node '{node}' is revoked")
+        self.serial = serial
+        self.node = node
+        self.revoked_at = revoked_at
+
+
+class StoreError(LlmgwError):
+    """The database cannot be opened, migrated or reached; the driver's error is chained."""
+
+
+class Store(abc.ABC):
+    """The control plane's state: models, nodes, replicas, placement explanations, GGUF facts and
+    node certificates. Open one with :func:`llmgw.control.store.open_store`.
+
+    Example::
+
+        store = open_store("sqlite:////var/lib/llmgw/llmgw.db")
+        store.add_model(model, now=time.time())
+        await db.run(store.get_node, "node-1")  # on the event loop: off it (OffLoop)
+    """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the backend's connections."""
+
+    @abc.abstractmethod
+    def migrate(self) -> list[int]:
+        """Apply the schema migrations not yet applied; return their versions (ascending)."""
+
+    @abc.abstractmethod
+    def schema_versions(self) -> list[int]:
+        """The migration versions applied, ascending."""
+
+    # --- models ---
+
+    @abc.abstractmethod
+    def add_model(self, model: Model, *, now: float) -> ModelRow:
+        """Add a catalog entry at revision 1.
+
+        Raises:
+            Conflict: the name is taken (``model 'x' already exists; …``), or a name or alias of it
+                is another model's name or alias (``'a' is already a name or alias of model 'y'; …``).
+        """
+
+    @abc.abstractmethod
+    def get_model(self, name: str) -> ModelRow | None:
+        """The model named ``name`` (not an alias), or None (also when its row is broken)."""
+
+    @abc.abstractmethod
+    def list_models(self) -> list[ModelRow]:
+        """Every readable catalog entry, by name; broken rows are skipped (:meth:`list_broken_models`)."""
+
+    @abc.abstractmethod
+    def list_broken_models(self) -> list[BrokenModel]:
+        """The model rows that cannot be read as a :class:`~llmgw.catalog.Model`, by name, with the reason."""
+
+    @abc.abstractmethod
+    def update_model(self, model: Model, *, revision: int, now: float) -> ModelRow:
+        """Replace the entry named ``model.name`` if it is still at ``revision``.
+
+        Raises:
+            Conflict: the row changed or went since ``revision`` was read, or an alias is another
+                model's name or alias.
+        """
+
+    @abc.abstractmethod
+    def delete_model(self, name: str) -> bool:
+        """Delete the entry, its names and its explanation; True when there was one. Its replicas
+        go at the leader's next pass (the agents then stop them)."""
+
+    # --- nodes ---
+
+    @abc.abstractmethod
+    def upsert_node_heartbeat(self, node_id: str, hb: Heartbeat, now: float) -> NodeRow:
+        """Record a heartbeat: the node is ``ready``, with this inventory, labels, engines and
+        reported replicas; ``last_seen`` = ``now``. Inserts the node on its first heartbeat.
+
+        A racing writer (the leader marking the node lost) makes the update miss its revision; the
+        row is then re-read and the heartbeat applied again (a heartbeat always wins: it is newer).
+
+        Raises:
+            Conflict: the node kept changing over five tries, or was removed meanwhile.
+        """
+
+    @abc.abstractmethod
+    def record_heartbeats(self, beats: Sequence[tuple[str, Heartbeat, float, str]]) -> list[Conflict | None]:
+        """Record several heartbeats ``(node_id, heartbeat, now, serial)`` at once, as
+        :meth:`upsert_node_heartbeat` records one; the result has one entry per heartbeat, None
+        when it was recorded, else the :class:`Conflict` it would have raised, or :class:`Revoked`
+        when ``serial`` (the agent certificate's, ``""`` when unknown) is on the deny-list.
+
+        The deny-list is read in the same write transaction that :meth:`remove_node` takes, so a
+        heartbeat that was in flight while its node was removed cannot write the node back.
+        """
+
+    @abc.abstractmethod
+    def get_node(self, node_id: str) -> NodeRow | None:
+        """The node, or None."""
+
+    @abc.abstractmethod
+    def list_nodes(self) -> list[NodeRow]:
+        """Every node, by id."""
+
+    @abc.abstractmethod
+    def update_node(self, node: NodeRow, *, state: str | None = None, cordoned: bool | None = None) -> NodeRow:
+        """Set ``state`` and/or ``cordoned`` on ``node`` if it is still at ``node.revision``.
+
+        Raises:
+            Conflict: the node changed (a heartbeat arrived) or went since it was read.
+        """
+
+    # --- node removal and certificate revocation ---
+
+    @abc.abstractmethod
+    def note_cert(self, node_id: str, serial: str, now: float) -> None:
+        """Remember that ``node_id``'s agent presented the certificate ``serial`` (upper-case hex);
+        a pair already known is left as it is. ``ctl node rm`` revokes what is remembered here."""
+
+    @abc.abstractmethod
+    def node_serials(self, node_id: str) -> list[str]:
+        """The certificate serials ``node_id``'s agent presented, oldest first."""
+
+    @abc.abstractmethod
+    def revoked(self, serial: str) -> tuple[str, float] | None:
+        """``(node, revoked_at)`` when the certificate ``serial`` is revoked, else None."""
+
+    @abc.abstractmethod
+    def remove_node(self, node_id: str, *, now: float) -> list[str]:
+        """Delete ``node_id``, the replicas placed on it and its remembered serials, and revoke those
+        serials, in one transaction; returns the serials revoked (sorted).
+
+        A node removed this way can join again only with a new certificate (``llmgw server
+        add-node``): its old ones stay on the deny-list for good.
+
+        Raises:
+            Conflict: there is no node ``node_id``.
+        """
+
+    # --- replicas ---
+
+    @abc.abstractmethod
+    def add_replica(self, replica: ReplicaRow) -> ReplicaRow:
+        """Insert ``replica`` at revision 1. Raises :class:`Conflict` when the id exists."""
+
+    @abc.abstractmethod
+    def get_replica(self, replica_id: str) -> ReplicaRow | None:
+        """The replica, or None."""
+
+    @abc.abstractmethod
+    def list_replicas(self, *, model: str | None = None, node: str | None = None) -> list[ReplicaRow]:
+        """Replicas, optionally of one model and/or on one node, by creation time then id."""
+
+    @abc.abstractmethod
+    def update_replica(self, replica: ReplicaRow) -> ReplicaRow:
+        """Write ``replica``'s fields if the stored row is still at ``replica.revision``.
+
+        Raises:
+            Conflict: the row changed or went since it was read.
+        """
+
+    @abc.abstractmethod
+    def delete_replica(self, replica_id: str, *, revision: int | None = None) -> bool:
+        """Delete a replica (only at ``revision`` when given); True when a row went."""
+
+    def apply_reports(self, node_id: str, reports: Sequence[ReplicaStatus], now: float) -> ReportResult:
+        """Copy a node's reported replica states (state, err, endpoint) onto the replicas placed there.
+
+        Reports for replicas not placed on ``node_id`` are ignored (a node cannot speak for another's
+        replicas). ``ready_at`` is set when a replica becomes ready. A revision race (the leader or
+        an admin touched the row) skips that replica until the next heartbeat, a couple of seconds on.
+        Written once here, over :meth:`list_replicas` and :meth:`update_replica`, for every backend.
+        """
+        mine = {r.id: r for r in self.list_replicas(node=node_id)}
+        result = ReportResult()
+        for rep in reports:
+            row = mine.get(rep.id)
+            if row is None:
+                continue
+            state = rep.state.value
+            if (row.state, row.err, row.endpoint) == (state, rep.err, rep.endpoint):
+                continue
+            ready_at = row.ready_at
+            if state == ReplicaState.READY and row.state != ReplicaState.READY:
+                ready_at = now
+            try:
+                self.update_replica(
+                    replace(row, state=state, err=rep.err, endpoint=rep.endpoint, updated_at=now, ready_at=ready_at)
+                )
+            except Conflict:
+                continue
+            result.changed.append(rep.id)
+        return result
+
+    # --- explanations ---
+
+    @abc.abstractmethod
+    def set_explanation(self, view: ExplainView, *, now: float) -> None:
+        """Store placement's explanation for ``view.model`` (replacing the previous one)."""
+
+    @abc.abstractmethod
+    def get_explanation(self, model: str) -> ExplainView | None:
+        """The last explanation stored for ``model``, or None."""
+
+    @abc.abstractmethod
+    def list_explanations(self) -> dict[str, ExplainView]:
+        """Every stored explanation, by model."""
+
+    @abc.abstractmethod
+    def explanation_summaries(self) -> dict[str, str]:
+        """Every stored explanation's one-line summary, by model (the routing table needs only
+        these; parsing whole explanations, a verdict per node each, cost a heartbeat's worth of
+        CPU per model with 200 nodes)."""
+
+    @abc.abstractmethod
+    def delete_explanation(self, model: str) -> None:
+        """Forget the explanation for ``model``."""
+
+    # --- GGUF facts (memory estimates) ---
+
+    @abc.abstractmethod
+    def set_gguf_facts(self, source: str, *, body: str, error: str, now: float) -> None:
+        """Store what the GGUF header at ``source`` says (``body``: estimate.GgufFacts JSON), or
+        why it could not be read (``error``, body empty)."""
+
+    @abc.abstractmethod
+    def list_gguf_facts(self) -> dict[str, tuple[str, str, float]]:
+        """Every stored header: ``{source: (body, error, updated_at)}``."""

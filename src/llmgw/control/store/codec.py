@@ -1,0 +1,104 @@
+"""Rows to columns and back: how the store's rows are written into the tables' columns.
+
+JSON columns (labels, inventory, engines, reported replicas, GPU indexes) are written compact with
+sorted keys so that an unchanged value is an unchanged string. Pure functions, no database.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import ValidationError
+
+from llmgw.control.store.rows import NodeRow, ReplicaRow
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaStatus
+
+
+def dumps(value: Any) -> str:
+    """``value`` as compact JSON with sorted keys."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def heartbeat_values(hb: Heartbeat, now: float) -> dict[str, Any]:
+    """The ``nodes`` columns a heartbeat sets."""
+    return {
+        "state": "ready",
+        "labels": dumps(hb.labels),
+        "inventory": hb.inventory.model_dump_json(),
+        "engines": dumps([e.model_dump(mode="json") for e in hb.engines]),
+        "replicas": dumps([r.model_dump(mode="json") for r in hb.replicas]),
+        "last_seen": now,
+        "instance": hb.instance,
+        "cached": dumps(sorted(hb.cached)),
+    }
+
+
+def first_problems(err: ValidationError) -> str:
+    """``profiles.0.min_memory_gb: Input should be a valid number`` (at most three problems)."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in err.errors()[:3]
+    )
+
+
+def node_row(row: sa.Row[Any]) -> NodeRow:
+    """A ``nodes`` row as a :class:`NodeRow`."""
+    return NodeRow(
+        id=row.id,
+        revision=row.revision,
+        state=row.state,
+        cordoned=bool(row.cordoned),
+        labels=json.loads(row.labels),
+        inventory=Inventory.model_validate_json(row.inventory),
+        engines=[EngineStatus.model_validate(e) for e in json.loads(row.engines)],
+        replicas=[ReplicaStatus.model_validate(r) for r in json.loads(row.replicas)],
+        first_seen=row.first_seen,
+        last_seen=row.last_seen,
+        instance=row.instance,
+        cached=json.loads(row.cached),
+    )
+
+
+def replica_row(row: sa.Row[Any]) -> ReplicaRow:
+    """A ``replicas`` row as a :class:`ReplicaRow`."""
+    return ReplicaRow(
+        id=row.id,
+        model=row.model,
+        node=row.node,
+        profile=row.profile,
+        key=row.key,
+        state=row.state,
+        err=row.err,
+        endpoint=row.endpoint,
+        revision=row.revision,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        ready_at=row.ready_at,
+        restarts=row.restarts,
+        gpu_indexes=tuple(json.loads(row.gpu_indexes)),
+        last_error=row.last_error,
+        spec_hash=row.spec_hash,
+    )
+
+
+def replica_values(r: ReplicaRow) -> dict[str, Any]:
+    """The ``replicas`` columns of ``r``."""
+    return {
+        "id": r.id,
+        "model": r.model,
+        "node": r.node,
+        "profile": r.profile,
+        "key": r.key,
+        "state": r.state,
+        "err": r.err,
+        "endpoint": r.endpoint,
+        "revision": r.revision,
+        "created_at": r.created_at,
+        "updated_at": r.updated_at,
+        "ready_at": r.ready_at,
+        "restarts": r.restarts,
+        "gpu_indexes": dumps(list(r.gpu_indexes)),
+        "last_error": r.last_error,
+        "spec_hash": r.spec_hash,
+    }

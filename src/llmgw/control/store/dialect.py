@@ -1,0 +1,30 @@
+"""What differs between databases under the same SQL: one :class:`DialectHooks` per backend.
+
+:class:`~llmgw.control.store.sql.SqlStore` runs the same tables, migrations and queries on every
+database SQLAlchemy speaks; the few things a database needs besides (file permissions and pragmas
+for SQLite, the in-process writer lock) live in its hooks class, picked by the URL's backend name
+(:data:`llmgw.control.store.sql.HOOKS`). A database without hooks of its own (PostgreSQL today)
+gets this base class: no preparation, no lock, the driver's defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+
+class DialectHooks:
+    """The hooks of a database with no special needs; subclass per backend and override."""
+
+    def prepare(self, url: sa.URL) -> None:
+        """Before the engine is made (e.g. create and protect a database file); may raise OSError."""
+
+    def configure(self, engine: Engine) -> None:
+        """After the engine is made, before the first connection (e.g. per-connection settings)."""
+
+    def writer(self) -> contextlib.AbstractContextManager[object]:
+        """What a write transaction holds in this process around its ``BEGIN … COMMIT``: nothing
+        here (the database queues writers itself without sleeping)."""
+        return contextlib.nullcontext()

@@ -1,0 +1,91 @@
+"""The store's rows: what a :class:`~llmgw.control.store.base.Store` reads and writes.
+
+These are storage shapes, kept apart from the API views (:mod:`llmgw.views`) and the
+wire shapes (:mod:`llmgw.protocol`) even where they look alike. Every row carries a ``revision``
+(starts at 1, bumped by every update) for optimistic concurrency; times are unix seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmgw.catalog import Model
+from llmgw.protocol import EngineStatus, Inventory, ReplicaState, ReplicaStatus
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """A catalog entry as stored: the model, its revision and times (unix seconds)."""
+
+    model: Model
+    revision: int
+    created_at: float
+    updated_at: float
+
+    @property
+    def name(self) -> str:
+        """The model's name (the primary key)."""
+        return self.model.name
+
+
+@dataclass(frozen=True)
+class BrokenModel:
+    """A model row that cannot be read back as a :class:`Model`: its name, why (the first
+    validation problems), and when it was last written (unix seconds)."""
+
+    name: str
+    reason: str
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """A node as stored. ``state``: ``ready`` (heartbeats arriving) or ``lost`` (the leader saw none
+    for ``node_lost_after_s``). ``replicas`` is what the node last reported, verbatim."""
+
+    id: str
+    revision: int
+    state: str
+    cordoned: bool
+    labels: dict[str, str]
+    inventory: Inventory
+    engines: list[EngineStatus]
+    replicas: list[ReplicaStatus]
+    first_seen: float
+    last_seen: float
+    instance: str = ""
+    cached: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """A replica the control plane wants: placed on ``node`` with ``profile``.
+
+    ``state`` is ``pending`` until the node reports it, then what the node says
+    (:class:`~llmgw.protocol.ReplicaState`). ``key`` is the engine's ``--api-key``.
+    """
+
+    id: str
+    model: str
+    node: str
+    profile: str
+    key: str
+    state: str = ReplicaState.PENDING.value
+    err: str = ""
+    endpoint: str = ""
+    revision: int = 1
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    ready_at: float | None = None
+    restarts: int = 0
+    gpu_indexes: tuple[int, ...] = ()
+    last_error: str = ""
+    spec_hash: str = ""
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """What :meth:`~llmgw.control.store.base.Store.apply_reports` changed: the replica ids whose
+    state, err or endpoint moved."""
+
+    changed: list[str] = field(default_factory=list)

@@ -1,0 +1,227 @@
+"""The store's schema and its migrations: SQLAlchemy Core tables, dialect-neutral.
+
+The same tables and the same ordered :data:`MIGRATIONS` serve every SQL backend (SQLite today,
+PostgreSQL next): nothing here names a dialect. ``schema_migrations`` records the versions applied,
+so opening twice applies nothing twice; a migration is appended, never edited or reordered once
+released ("migrations, never delete the file").
+
+Tables: ``models`` (catalog entries as JSON), ``model_names`` (every name and alias a model answers
+to, one owner each: migration 4), ``nodes``, ``replicas``, ``explanations``, ``gguf_facts``,
+``node_certs`` and ``revoked_certs`` (migration 3), ``schema_migrations``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+log = logging.getLogger(__name__)
+
+metadata = sa.MetaData()
+
+models_t = sa.Table(
+    "models",
+    metadata,
+    sa.Column("name", sa.String(63), primary_key=True),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("spec", sa.Text, nullable=False),  # catalog.Model as JSON
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+nodes_t = sa.Table(
+    "nodes",
+    metadata,
+    sa.Column("id", sa.String(253), primary_key=True),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("cordoned", sa.Boolean, nullable=False),
+    sa.Column("labels", sa.Text, nullable=False),  # {str: str}
+    sa.Column("inventory", sa.Text, nullable=False),  # protocol.Inventory
+    sa.Column("engines", sa.Text, nullable=False),  # [protocol.EngineStatus]
+    sa.Column("replicas", sa.Text, nullable=False),  # [protocol.ReplicaStatus] as last reported
+    sa.Column("first_seen", sa.Float, nullable=False),
+    sa.Column("last_seen", sa.Float, nullable=False),
+    sa.Column("instance", sa.String(64), nullable=False, server_default=""),  # migration 2
+    sa.Column("cached", sa.Text, nullable=False, server_default="[]"),  # migration 2: ["model/version"]
+)
+
+replicas_t = sa.Table(
+    "replicas",
+    metadata,
+    sa.Column("id", sa.String(80), primary_key=True),
+    sa.Column("model", sa.String(63), nullable=False, index=True),
+    sa.Column("node", sa.String(253), nullable=False, index=True),
+    sa.Column("profile", sa.String(128), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("err", sa.Text, nullable=False),
+    sa.Column("key", sa.String(128), nullable=False),
+    sa.Column("endpoint", sa.String(300), nullable=False),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("ready_at", sa.Float, nullable=True),
+    sa.Column("restarts", sa.Integer, nullable=False),
+    sa.Column("gpu_indexes", sa.Text, nullable=False, server_default="[]"),  # migration 2
+    sa.Column("last_error", sa.Text, nullable=False, server_default=""),  # migration 2
+    sa.Column("spec_hash", sa.String(64), nullable=False, server_default=""),  # migration 2
+)
+
+gguf_facts_t = sa.Table(
+    "gguf_facts",  # migration 2: estimate.GgufFacts per model source URL
+    metadata,
+    sa.Column("source", sa.String(2048), primary_key=True),
+    sa.Column("body", sa.Text, nullable=False),  # estimate.GgufFacts as JSON, "" when it failed
+    sa.Column("error", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+explanations_t = sa.Table(
+    "explanations",
+    metadata,
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("body", sa.Text, nullable=False),  # views.ExplainView
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+node_certs_t = sa.Table(
+    "node_certs",  # migration 3: the certificate serials each node's agent presented
+    metadata,
+    sa.Column("node", sa.String(253), primary_key=True),
+    sa.Column("serial", sa.String(64), primary_key=True),  # upper-case hex, no leading zeros
+    sa.Column("first_seen", sa.Float, nullable=False),
+)
+
+revoked_certs_t = sa.Table(
+    "revoked_certs",  # migration 3: the agent API's deny-list (serials of removed nodes)
+    metadata,
+    sa.Column("serial", sa.String(64), primary_key=True),
+    sa.Column("node", sa.String(253), nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=False),
+)
+
+model_names_t = sa.Table(
+    "model_names",  # migration 4: every name and alias a model answers to, each held by one model
+    metadata,
+    sa.Column("name", sa.String(253), primary_key=True),  # the uniqueness rule, kept by the database
+    sa.Column("model", sa.String(63), nullable=False, index=True),  # the owner: models.name
+)
+
+migrations_t = sa.Table(
+    "schema_migrations",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True),
+    sa.Column("applied_at", sa.Float, nullable=False),
+)
+
+
+def _migration_1(conn: Connection) -> None:
+    """The first schema: models, nodes, replicas, explanations."""
+    for table in (models_t, nodes_t, replicas_t, explanations_t):
+        table.create(conn, checkfirst=True)
+
+
+_MIGRATION_2_COLUMNS = {
+    "nodes": ["instance", "cached"],
+    "replicas": ["gpu_indexes", "last_error", "spec_hash"],
+}
+
+
+def _migration_2(conn: Connection) -> None:
+    """Issue 3: nodes.instance/cached, replicas.gpu_indexes/last_error/spec_hash, gguf_facts.
+
+    Columns are added only where missing: migration 1 creates tables from the current definitions,
+    so a database made today already has them."""
+    inspector = sa.inspect(conn)
+    for table_name, columns in _MIGRATION_2_COLUMNS.items():
+        have = {c["name"] for c in inspector.get_columns(table_name)}
+        table = metadata.tables[table_name]
+        for name in columns:
+            if name in have:
+                continue
+            col = table.c[name]
+            ddl = col.type.compile(dialect=conn.dialect)
+            default = col.server_default.arg if col.server_default is not None else ""  # type: ignore[attr-defined]
+            conn.execute(
+                sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} {ddl} NOT NULL DEFAULT '{default}'")
+            )
+    gguf_facts_t.create(conn, checkfirst=True)
+
+
+def _migration_3(conn: Connection) -> None:
+    """Issue 9: node_certs (serials seen per node) and revoked_certs (the agent API's deny-list)."""
+    node_certs_t.create(conn, checkfirst=True)
+    revoked_certs_t.create(conn, checkfirst=True)
+
+
+def _migration_4(conn: Connection) -> None:
+    """Issue 10: ``model_names``, so that a name or alias answers for one model by a PRIMARY KEY
+    instead of a scan of every model at each write; filled from the rows already stored.
+
+    The specs are read as plain JSON (``name``, ``aliases``), not as today's :class:`~llmgw.catalog.Model`:
+    a migration must not depend on validation rules that change later, and a row that is not JSON
+    at all (broken by hand) holds only its own name.
+
+    Existing data never makes this migration fail. Every model keeps its own name (``models.name``
+    is already unique); aliases are then claimed by the oldest model first (``created_at``, then
+    name). An alias another model already holds (two models that raced each other before this
+    table, or rows written by hand) is left unclaimed and logged: it stays in that model's spec,
+    and the model's next update is refused with a :class:`~llmgw.control.store.base.Conflict`
+    naming the owner, until the alias is removed from it.
+    """
+    model_names_t.create(conn, checkfirst=True)
+    rows = conn.execute(
+        sa.select(models_t.c.name, models_t.c.spec).order_by(models_t.c.created_at, models_t.c.name)
+    ).all()
+    owner: dict[str, str] = {row.name: row.name for row in rows}
+    for row in rows:
+        for alias in _spec_aliases(row.spec):
+            held = owner.setdefault(alias, row.name)
+            if held != row.name:
+                log.warning(
+                    "migration 4: alias '%s' of model '%s' is already a name or alias of model '%s'; "
+                    "it is not reserved for '%s' (remove it from that model with 'llmgw ctl model')",
+                    alias, row.name, held, row.name,
+                )
+    if owner:
+        conn.execute(model_names_t.insert(), [{"name": n, "model": m} for n, m in sorted(owner.items())])
+
+
+def _spec_aliases(spec: str) -> list[str]:
+    """The ``aliases`` of a stored spec, read as plain JSON; [] when it has none readable."""
+    try:
+        aliases = json.loads(spec).get("aliases", [])
+    except (ValueError, AttributeError):
+        return []
+    return [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+
+
+#: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
+MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
+    (1, _migration_1),
+    (2, _migration_2),
+    (3, _migration_3),
+    (4, _migration_4),
+]
+
+
+def migrate(conn: Connection) -> list[int]:
+    """Apply the :data:`MIGRATIONS` not yet recorded in ``schema_migrations``, in ``conn``'s
+    transaction; return their versions, ascending."""
+    migrations_t.create(conn, checkfirst=True)
+    done = set(conn.scalars(sa.select(migrations_t.c.version)))
+    applied_now: list[int] = []
+    for version, apply in MIGRATIONS:
+        if version in done:
+            continue
+        apply(conn)
+        conn.execute(migrations_t.insert().values(version=version, applied_at=time.time()))
+        applied_now.append(version)
+    return applied_now
+
+
