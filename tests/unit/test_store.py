@@ -12,7 +12,8 @@ import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.api.views import ExplainView, Rejection
-from llmgw.control.store.sql import MIGRATIONS, Conflict, ReplicaRow, Store, StoreError, default_url
+from llmgw.control.store.sql import MIGRATIONS, ReplicaRow, Store, default_url
+from llmgw.errors import Conflict, StoreError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 

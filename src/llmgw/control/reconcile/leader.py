@@ -85,7 +85,8 @@ from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
 from llmgw.control.placement.explain import explain_view
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.sql import Conflict, ModelRow, NodeRow, ReplicaRow, Store
+from llmgw.control.store.sql import ModelRow, NodeRow, ReplicaRow, Store
+from llmgw.errors import Conflict, EstimateError
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -357,7 +358,7 @@ class Leader:
                 continue
             try:
                 facts = self.read_facts(m.source)
-            except est.EstimateError as e:
+            except EstimateError as e:
                 log.warning("model %s: no memory estimate: %s", m.name, e)
                 self.store.set_gguf_facts(m.source, body="", error=str(e), now=now)
                 continue

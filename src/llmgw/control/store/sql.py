@@ -54,30 +54,10 @@ from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
 from llmgw.control.api.views import ExplainView
-from llmgw.errors import LlmgwError
+from llmgw.errors import Conflict, Revoked, StoreError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaState, ReplicaStatus
 
 log = logging.getLogger(__name__)
-
-
-class Conflict(LlmgwError):
-    """A write lost a race or would break uniqueness: the row changed since it was read (revision
-    mismatch), or a model name/alias is taken. The admin API answers 409; re-read and try again."""
-
-
-class Revoked(Conflict):
-    """A heartbeat came with a certificate serial on the deny-list (its node was removed with
-    ``llmgw ctl node rm``); ``node`` and ``revoked_at`` (unix seconds) say when."""
-
-    def __init__(self, serial: str, node: str, revoked_at: float) -> None:
-        super().__init__(f"certificate serial {serial} of node '{node}' is revoked")
-        self.serial = serial
-        self.node = node
-        self.revoked_at = revoked_at
-
-
-class StoreError(LlmgwError):
-    """The database cannot be opened, migrated or reached; the driver's error is chained."""
 
 
 metadata = sa.MetaData()
