@@ -39,8 +39,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from llmgw.errors import JudgeError
 from llmgw.guard.config import Direction
-from llmgw.guard.formats import PROMPTED, JudgeError
+from llmgw.guard.formats import PROMPTED
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Upstream
 

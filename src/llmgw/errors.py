@@ -9,15 +9,39 @@ CLI turns an ``LlmgwError`` into ``Error: <message>`` and its ``exit_code``, nev
     LlmgwError                     exit 1
     ├── ConfigError                exit 2   a config file or flag is invalid (names file, field, rule)
     ├── PkiError                   exit 2   the cluster CA or a certificate is missing or unusable
+    │   └── NodeRemoved            exit 0   the control plane revoked this agent's certificate (node removed)
     ├── SourceError                exit 2   a model source cannot become a download (sourcecheck)
-    ├── ApiError                   exit 1   an llmgw HTTP API answered with an error (status, code)
+    │   └── SourceRefused          exit 2   the mirror's policy refuses a source (names the flag allowing it)
+    ├── ApiError                   exit 1   an llmgw HTTP API answered with an error (status, code): client side
+    ├── HttpError                  exit 1   a handler refuses a request (status, code, message): server side
+    │   └── JsonBodyError          exit 1   a request body is not bounded JSON (400/413); also a ValueError
     ├── UnreachableError           exit 3   an llmgw service does not answer at its address
     ├── MirrorError                exit 1   the mirror could not fetch or serve a file
+    │   ├── SourceConflict         exit 1   a model/version already holds (or fetches) another source
+    │   └── NoSpaceError           exit 1   too little disk for a file (bytes needed and free named)
     ├── EngineError                exit 1   an engine is missing, failed to start, or exited
+    ├── EstimateError              exit 1   a GGUF header cannot be read for placement's estimate
+    ├── JudgeError                 exit 1   a guard judge gave no verdict (``kind`` says why)
+    ├── StoreError                 exit 1   the state database cannot be opened, migrated or reached
+    ├── Conflict                   exit 1   a store write lost a race or breaks uniqueness (HTTP 409)
+    │   └── Revoked                exit 1   a heartbeat's certificate serial is on the deny-list
     ├── PortInUseError             exit 2   a listen port is already taken by another program
     ├── LockedError                exit 4   another process holds a lock (two inits at once)
     ├── ServiceError               exit 1   a service could not be started, stopped or read
     └── WaitTimeout                exit 5   a wait gave up at its deadline (run again to keep waiting)
+
+Client and server side: :class:`ApiError` is what a client of an llmgw API (the CLI, the agent,
+the mirror client) raises on an error answer; :class:`HttpError` is what a server's handler raises
+to refuse a request. :mod:`llmgw.httperrors` turns it into the wire shape of its listener (OpenAI's
+at the gateway, ``{"error": {"code", "message"}}`` at the admin, agent and mirror APIs).
+
+Not in the tree, on purpose: exceptions private to one module's control flow
+(``agent.replicas._Failed``, ``mirror.download._Retry`` and ``_Busy``), and two that must be a
+library's own type to work and are translated where they leave llmgw's code:
+``mirror.download.RefusedConnection`` (an ``OSError``, so aiohttp reports a refused connect; the
+policy's private ``_Refused`` subclasses it) and
+``yamlsafe.DuplicateKeyError`` (a PyYAML ``ConstructorError``; its callers raise
+:class:`ConfigError`).
 
 Messages name the thing, the bad value, the rule, and the next step.
 """
@@ -43,10 +67,23 @@ class PkiError(LlmgwError):
     exit_code = 2
 
 
+class NodeRemoved(PkiError):
+    """The control plane revoked this agent's certificate: the node was removed (``ctl node rm``).
+    The message says how to re-join. The CLI exits 0 on it, so ``Restart=on-failure`` does not
+    start a removed node's agent again and again."""
+
+    exit_code = 0
+
+
 class SourceError(LlmgwError):
     """A model source (``hf:``, ``https://``, ``file:``) cannot become a download."""
 
     exit_code = 2
+
+
+class SourceRefused(SourceError):
+    """The mirror's policy refuses a source (a file outside the import directories, a special
+    file, a private address); the message says which flag would allow it."""
 
 
 class ApiError(LlmgwError):
@@ -63,6 +100,34 @@ class ApiError(LlmgwError):
         self.code = code
 
 
+class HttpError(LlmgwError):
+    """Raised inside a server's request handler to refuse the request; the listener's middleware
+    (:func:`llmgw.httperrors.error_middleware`) or handler answers it in its wire shape.
+
+    Args:
+        status: the HTTP status (4xx/5xx).
+        code: a short ``snake_case`` reason, stable for clients (``model_not_found``).
+        message: what was wrong and what to do, for the client.
+        headers: extra response headers (``Retry-After``), or None.
+    """
+
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+        self.headers = headers
+
+
+class JsonBodyError(HttpError, ValueError):
+    """A request body that is not acceptable JSON (:mod:`llmgw.jsonbody`); a ``ValueError`` too, so
+    a handler that treats any unreadable body alike catches it with the rest.
+
+    Attributes:
+        status: 400 (not JSON, too deep, a number out of range) or 413 (too large).
+        code: ``invalid_json``, ``json_too_deep`` or ``body_too_large``.
+        message: what was wrong and the rule, for the client.
+    """
+
+
 class UnreachableError(LlmgwError):
     """An llmgw service does not answer at its address (connection refused, timeout, TLS failure)."""
 
@@ -73,8 +138,58 @@ class MirrorError(LlmgwError):
     """The mirror could not fetch, verify or serve a file."""
 
 
+class SourceConflict(MirrorError):
+    """A ``model/version`` already holds (or is fetching) a different source."""
+
+
+class NoSpaceError(MirrorError):
+    """Too little disk for a file: checked before the bytes move, or the disk filled meanwhile."""
+
+
 class EngineError(LlmgwError):
     """An engine binary is missing, does not start, or exited; the message carries its last log lines."""
+
+
+class EstimateError(LlmgwError):
+    """The GGUF header cannot be read or is not a GGUF; the message names the source."""
+
+
+class JudgeError(LlmgwError):
+    """No verdict: the judge is missing, down, over budget, gave an answer that cannot be read, or
+    renders the wrong template.
+
+    Attributes:
+        kind: ``missing`` | ``down`` | ``timeout`` | ``busy`` | ``unparseable`` | ``template`` | ``error``.
+            ``busy``: refused at once because the judge's queue would not reach it within the budget.
+        raw: the judge's own text, when it answered (kept for logs, never shown to clients).
+        retry_after_s: for ``busy``, the seconds after which the queue should have room (else None).
+    """
+
+    def __init__(self, message: str, *, kind: str, raw: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.raw = raw
+        self.retry_after_s = retry_after_s
+
+
+class StoreError(LlmgwError):
+    """The database cannot be opened, migrated or reached; the driver's error is chained."""
+
+
+class Conflict(LlmgwError):
+    """A write lost a race or would break uniqueness: the row changed since it was read (revision
+    mismatch), or a model name/alias is taken. The admin API answers 409; re-read and try again."""
+
+
+class Revoked(Conflict):
+    """A heartbeat came with a certificate serial on the deny-list (its node was removed with
+    ``llmgw ctl node rm``); ``node`` and ``revoked_at`` (unix seconds) say when."""
+
+    def __init__(self, serial: str, node: str, revoked_at: float) -> None:
+        super().__init__(f"certificate serial {serial} of node '{node}' is revoked")
+        self.serial = serial
+        self.node = node
+        self.revoked_at = revoked_at
 
 
 class PortInUseError(LlmgwError):

@@ -11,9 +11,10 @@ a plain-text 500 with a traceback. And ``1e400`` parses as ``inf``, which pydant
 * integers of more than 4,300 digits (Python's own limit) and anything else ``json`` rejects.
 
 :func:`read_json` also bounds the size (the app's ``client_max_size`` or ``max_bytes``). Both
-raise :class:`JsonBodyError`, carrying the HTTP status (400 or 413), a short code and a message
-that says what was wrong; each API wraps it in its own error shape (OpenAI's at the gateway,
-``{"error": {"code", "message"}}`` at the admin and agent APIs).
+raise :class:`~llmgw.errors.JsonBodyError` (an :class:`~llmgw.errors.HttpError`), carrying the HTTP
+status (400 or 413), a short code and a message that says what was wrong; each API answers it in
+its own error shape (:mod:`llmgw.httperrors`: OpenAI's at the gateway, ``{"error": {"code",
+"message"}}`` at the admin and agent APIs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from itertools import accumulate
 from typing import Any
 
 from aiohttp import web
+
+from llmgw.errors import JsonBodyError
 
 MAX_DEPTH = 64
 """Nesting levels a body may have. A chat request is about 6 deep (messages, content parts, image
@@ -40,20 +43,6 @@ for _c in b"[{":
     _STEP[_c] = 1
 for _c in b"]}":
     _STEP[_c] = -1
-
-
-class JsonBodyError(ValueError):
-    """A request body that is not acceptable JSON.
-
-    Attributes:
-        status: 400 (not JSON, too deep, a number out of range) or 413 (too large).
-        code: ``invalid_json``, ``json_too_deep`` or ``body_too_large``.
-        message: what was wrong and the rule, for the client.
-    """
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 def nesting_depth(raw: bytes, *, limit: int = MAX_DEPTH) -> int:

@@ -12,6 +12,7 @@ import pytest
 from llmgw.catalog import Model, Profile
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement.inputs import effective_model
+from llmgw.errors import EstimateError
 from tests.conftest import Assets
 
 
@@ -62,9 +63,9 @@ def test_fallbacks_per_layer_heads_and_errors() -> None:
     f = est.parse_header(io.BytesIO(gguf_bytes(kv)), source="x", file_size=1)
     assert (f.key_length, len(f.head_count_kv)) == (0, 28)
     assert est.estimate(f, ["-c", "100"]).kv == 100 * 14 * 8 * (64 + 64) * 2  # 1024/16 = 64
-    with pytest.raises(est.EstimateError, match="not a GGUF file"):
+    with pytest.raises(EstimateError, match="not a GGUF file"):
         est.parse_header(io.BytesIO(b"PK\3\4" + b"\0" * 50), source="zip", file_size=1)
-    with pytest.raises(est.EstimateError, match="the GGUF header ends early"):
+    with pytest.raises(EstimateError, match="the GGUF header ends early"):
         est.parse_header(io.BytesIO(gguf_bytes(QWEN)[:60]), source="cut", file_size=1)
 
 
@@ -102,5 +103,5 @@ def test_real_gemma3_sliding_window(assets: Assets, tmp_path: Path) -> None:
     assert est.estimate(f, ["--ctx-size", "32768", "--swa-full"]).kv_cells == 18 * 32768
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(assets.model.read_bytes()[: 1 << 20])
-    with pytest.raises(est.EstimateError, match="ends early"):
+    with pytest.raises(EstimateError, match="ends early"):
         est.read_facts(f"file:{cut}")

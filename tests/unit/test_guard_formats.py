@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from llmgw.errors import JudgeError
 from llmgw.guard.config import Direction
 from llmgw.guard.formats import (
     LLAMAGUARD3,
     PROMPTED,
     QWEN3GUARD,
-    JudgeError,
     JudgeFormat,
     Safety,
     Verdict,

@@ -19,8 +19,9 @@ from llmgw.control.api.agent import build_agent_app
 from llmgw.control.api.guard import add_guard_routes
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.store import default_url, open_store
+from llmgw.errors import JsonBodyError
 from llmgw.guard.config import GuardConfig
-from llmgw.jsonbody import JsonBodyError, loads, nesting_depth
+from llmgw.jsonbody import loads, nesting_depth
 from llmgw.routing import Route, StaticRouter
 from tests.unit.gateway_fakes import ServerThread
 

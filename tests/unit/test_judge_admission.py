@@ -26,9 +26,9 @@ from aiohttp import web
 
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.guard import GuardInspector
+from llmgw.errors import JudgeError
 from llmgw.guard.admission import JudgeQueue, JudgeTime
 from llmgw.guard.config import Direction, GuardConfig, Policy
-from llmgw.guard.formats import JudgeError
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.unit.gateway_fakes import ServerThread, fake_llama

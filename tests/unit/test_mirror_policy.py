@@ -28,11 +28,11 @@ import psutil
 import pytest
 from aiohttp import web
 
-from llmgw.errors import ConfigError, UnreachableError
+from llmgw.errors import ConfigError, SourceRefused, UnreachableError
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.download import partial_path
 from llmgw.mirror.models import Manifest
-from llmgw.mirror.policy import SourcePolicy, SourceRefused, _open_below
+from llmgw.mirror.policy import SourcePolicy, _open_below
 from llmgw.mirror.store import Store
 from tests.unit.test_mirror_server import Mirror, raw_status
 

@@ -27,11 +27,12 @@ from aiohttp import web
 from cryptography import x509
 
 from llmgw import tlsconf
-from llmgw.agent.loop import NodeRemoved, run_agent
+from llmgw.agent.loop import run_agent
 from llmgw.agent.records import load_records, stop_all_engines
 from llmgw.agent.tlsdiag import alert_name, certificate_problem
 from llmgw.config import AgentConfig
 from llmgw.control.server import serve
+from llmgw.errors import NodeRemoved
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
 from tests.e2e.test_cluster import FAKE_ENGINE, free_port

@@ -11,8 +11,9 @@ import pytest
 import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
-from llmgw.control.store import Conflict, ReplicaRow, Store, StoreError, default_url, open_store
+from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.control.store.schema import MIGRATIONS
+from llmgw.errors import Conflict, StoreError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 from llmgw.views import ExplainView, Rejection
 

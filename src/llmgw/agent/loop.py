@@ -60,7 +60,7 @@ from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.records import adoptable, instance_id, replica_dir
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
-from llmgw.errors import ApiError, LlmgwError, PkiError, UnreachableError
+from llmgw.errors import ApiError, LlmgwError, NodeRemoved, PkiError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, LogReply, LogRequest, ReplicaSpec
 from llmgw.tlsconf import client_context
@@ -78,14 +78,6 @@ ADOPT_WAIT_S = 1.5
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=15, sock_connect=5)
 """A heartbeat is small; a control plane that takes longer is treated as unreachable this pass."""
-
-
-class NodeRemoved(PkiError):
-    """The control plane revoked this agent's certificate: the node was removed (``ctl node rm``).
-    The message says how to re-join. The CLI exits 0 on it, so ``Restart=on-failure`` does not
-    start a removed node's agent again and again."""
-
-    exit_code = 0
 
 
 @dataclass

@@ -17,10 +17,11 @@ from typing import Annotated
 import typer
 
 from llmgw.agent.discovery import discover_inventory
-from llmgw.agent.loop import NodeRemoved, run_agent
+from llmgw.agent.loop import run_agent
 from llmgw.agent.provision import install_from_file
 from llmgw.cli.common import cli_errors, paths
 from llmgw.config import AgentConfig, load_agent_config
+from llmgw.errors import NodeRemoved
 from llmgw.paths import Paths
 
 app = typer.Typer(help="The node agent: reports this machine, runs the replicas the control plane asks for.")

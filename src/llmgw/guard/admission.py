@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from llmgw.guard.formats import JudgeError
+from llmgw.errors import JudgeError
 
 #: Seconds a judgment is assumed to take before the judge's first one is measured (a warm
 #: judgment with a 270M model on 2 cores was ~1 s: reference/measured.md).

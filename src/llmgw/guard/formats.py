@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import JudgeError
 from llmgw.guard.config import Direction
 
 #: Sampling for every judgment: greedy, fixed seed, short answer, prompt cache on.
@@ -85,24 +85,6 @@ class Verdict:
     safety: Safety
     categories: tuple[str, ...] = ()
     refusal: bool | None = None
-
-
-class JudgeError(LlmgwError):
-    """No verdict: the judge is missing, down, over budget, gave an answer that cannot be read, or
-    renders the wrong template.
-
-    Attributes:
-        kind: ``missing`` | ``down`` | ``timeout`` | ``busy`` | ``unparseable`` | ``template`` | ``error``.
-            ``busy``: refused at once because the judge's queue would not reach it within the budget.
-        raw: the judge's own text, when it answered (kept for logs, never shown to clients).
-        retry_after_s: for ``busy``, the seconds after which the queue should have room (else None).
-    """
-
-    def __init__(self, message: str, *, kind: str, raw: str = "", retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.raw = raw
-        self.retry_after_s = retry_after_s
 
 
 # -- Qwen3Guard ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Mechanism, per judgment (:meth:`JudgeClient.judge`):
 
 1. The policy's judges are looked up in order (``lookup``: the routing table, guard models
    included); the first with a ready replica whose rendering has not failed serves. None: a
-   ``missing`` :class:`~llmgw.guard.formats.JudgeError` naming each judge and why.
+   ``missing`` :class:`~llmgw.errors.JudgeError` naming each judge and why.
 2. Admission (:mod:`llmgw.guard.admission`): at most as many judgments at once as the judge's
    replicas have slots; the rest wait in order of arrival; one whose estimated wait would not fit
    in its budget is refused at once (``busy``, with ``retry_after_s``).
@@ -44,9 +44,10 @@ from typing import Any
 
 import aiohttp
 
+from llmgw.errors import JudgeError
 from llmgw.guard.admission import JudgeQueue
 from llmgw.guard.config import Direction
-from llmgw.guard.formats import JudgeError, JudgeFormat, Verdict, format_named
+from llmgw.guard.formats import JudgeFormat, Verdict, format_named
 from llmgw.routing import Upstream
 
 log = logging.getLogger(__name__)

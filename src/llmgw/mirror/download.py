@@ -45,7 +45,7 @@ from typing import BinaryIO
 import aiohttp
 
 from llmgw.atomicfile import fsync_dir
-from llmgw.errors import MirrorError
+from llmgw.errors import MirrorError, NoSpaceError
 
 CHECKSUM_HEADER = "X-Checksum-Sha256"
 """Response header carrying the file's sha256 (hex); the mirror sends it, and it is verified."""
@@ -61,10 +61,6 @@ TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)")
-
-
-class NoSpaceError(MirrorError):
-    """Too little disk for a file: checked before the bytes move, or the disk filled meanwhile."""
 
 
 def no_space(directory: pathlib.Path, what: str, needed: int | None) -> NoSpaceError:

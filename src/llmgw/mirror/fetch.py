@@ -9,7 +9,7 @@ Each pass of a fetch, in order:
    source is a :class:`SourceConflict`: a version names one set of bytes. A new fetch is first
    checked against the :class:`~llmgw.mirror.policy.SourcePolicy` (``file:`` from an import
    directory, ``http(s):`` to a public address): a refusal is a
-   :class:`~llmgw.mirror.policy.SourceRefused` before anything is written. The same rules hold
+   :class:`~llmgw.errors.SourceRefused` before anything is written. The same rules hold
    again when the bytes move (the file is opened through the policy; every connection goes
    through its connector), so a swap, a redirect or a changed DNS answer meanwhile fails the fetch.
 2. The manifest is written ``fetching`` (durably) before any byte moves, so a restart knows to
@@ -24,7 +24,7 @@ Each pass of a fetch, in order:
    backoff.
 5. Free disk is checked before the bytes move (the local file's size, the size Hugging Face
    publishes, or the size the server announces before the first byte); too little is a
-   :class:`~llmgw.mirror.download.NoSpaceError` naming bytes needed and free, and so is a disk that
+   :class:`~llmgw.errors.NoSpaceError` naming bytes needed and free, and so is a disk that
    fills meanwhile. Either way the partial file is deleted: nothing half-written stays behind.
 6. The manifest becomes ``present`` with size and sha256, or ``failed`` with the error text (a
    digest mismatch names both digests). Progress is kept in memory and written to the manifest
@@ -59,10 +59,10 @@ from typing import BinaryIO
 import aiohttp
 
 from llmgw.atomicfile import fsync_dir
-from llmgw.errors import LlmgwError, MirrorError
-from llmgw.mirror.download import CHUNK_BYTES, NoSpaceError, download, no_space, partial_path
+from llmgw.errors import LlmgwError, MirrorError, NoSpaceError, SourceConflict, SourceRefused
+from llmgw.mirror.download import CHUNK_BYTES, download, no_space, partial_path
 from llmgw.mirror.models import NAME_RE, FetchRequest, FetchStatus, Manifest, check_name
-from llmgw.mirror.policy import SourcePolicy, SourceRefused
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.store import Store
 from llmgw.sourcecheck import Download, hf_published_sha256, hf_published_size, to_download
 
@@ -76,10 +76,6 @@ PROGRESS_WRITE_S = 1.0
 
 HEAD_TIMEOUT = aiohttp.ClientTimeout(total=30)
 """For the ``HEAD`` that asks Hugging Face for a file's published sha256 and size."""
-
-
-class SourceConflict(MirrorError):
-    """A ``model/version`` already holds (or is fetching) a different source."""
 
 
 @dataclass
@@ -260,7 +256,7 @@ class Fetcher:
         return self._view(entry), entry.manifest.state != "present"
 
     async def _check(self, source: str, dl: Download) -> None:
-        """Refuse a source the policy does not allow (:class:`~llmgw.mirror.policy.SourceRefused`).
+        """Refuse a source the policy does not allow (:class:`~llmgw.errors.SourceRefused`).
 
         A ``file:`` that is missing or unreadable passes here: the copy reports it as ``failed``.
         """
@@ -440,7 +436,7 @@ async def _copy(
     opener: Callable[[pathlib.Path], int],
 ) -> str:
     """Copy ``src`` (opened by ``opener``, which returns a file descriptor and raises
-    :class:`~llmgw.mirror.policy.SourceRefused` or OSError) to ``dest`` via a hidden partial name,
+    :class:`~llmgw.errors.SourceRefused` or OSError) to ``dest`` via a hidden partial name,
     hashing as it goes; return the sha256.
 
     Files are opened on the loop (a few quick syscalls): opened in a worker thread, they would

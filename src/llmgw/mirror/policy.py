@@ -55,7 +55,7 @@ import psutil
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
-from llmgw.errors import ConfigError, SourceError
+from llmgw.errors import ConfigError, SourceRefused
 from llmgw.mirror.download import RefusedConnection
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -66,11 +66,6 @@ PSEUDO_FS = (pathlib.Path("/proc"), pathlib.Path("/sys"), pathlib.Path("/dev"))
 
 RESOLVE_TIMEOUT_S = 5.0
 """How long :meth:`SourcePolicy.check_url` waits for DNS; past it the connect-time check decides."""
-
-
-class SourceRefused(SourceError):
-    """The mirror's policy refuses a source (a file outside the import directories, a special
-    file, a private address); the message says which flag would allow it."""
 
 
 class _Refused(RefusedConnection):

@@ -41,11 +41,20 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from llmgw.config import parse_listen
-from llmgw.errors import ConfigError, LlmgwError, PortInUseError, SourceError
+from llmgw.errors import (
+    ConfigError,
+    HttpError,
+    LlmgwError,
+    PortInUseError,
+    SourceConflict,
+    SourceError,
+    SourceRefused,
+)
+from llmgw.httperrors import error_json, error_middleware
 from llmgw.mirror.download import CHECKSUM_HEADER
-from llmgw.mirror.fetch import Fetcher, SourceConflict
+from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest
-from llmgw.mirror.policy import SourcePolicy, SourceRefused
+from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.store import Store
 
 log = logging.getLogger(__name__)
@@ -146,15 +155,11 @@ def bytes_app(store: Store) -> web.Application:
 # --- management API ---
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
 @web.middleware
 async def _guard(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Only loopback and --api-allow addresses; errors as JSON."""
+    """Only loopback and --api-allow addresses (403 for the others)."""
     allowed: tuple[Network, ...] = request.app[_ALLOW]
     peer = request.remote
     try:
@@ -164,19 +169,12 @@ async def _guard(
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if ip is None or not any(ip in net for net in (*LOOPBACK, *allowed)):
-        return _error(
+        raise HttpError(
             403,
             "forbidden",
             f"the mirror's management API does not answer {peer}; start the mirror with --api-allow {peer}",
         )
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return _error(
-                e.status, e.reason.lower().replace(" ", "_"), f"{request.method} {request.path}: {e.reason}"
-            )
-        raise
+    return await handler(request)
 
 
 async def _health(_: web.Request) -> web.Response:
@@ -188,17 +186,17 @@ async def _fetch(request: web.Request) -> web.Response:
         req = FetchRequest.model_validate_json(await request.read())
     except ValidationError as e:
         msg = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        return _error(400, "invalid_request", msg)
+        return error_json(400, "invalid_request", msg)
     try:
         status, started = await request.app[_FETCHER].fetch(req)
     except SourceRefused as e:
-        return _error(400, "source_refused", str(e))
+        return error_json(400, "source_refused", str(e))
     except SourceError as e:
-        return _error(400, "bad_source", str(e))
+        return error_json(400, "bad_source", str(e))
     except SourceConflict as e:
-        return _error(409, "conflict", str(e))
+        return error_json(409, "conflict", str(e))
     except LlmgwError as e:
-        return _error(400, "bad_source", str(e))
+        return error_json(400, "bad_source", str(e))
     return web.json_response(status.model_dump(mode="json"), status=202 if started else 200)
 
 
@@ -206,7 +204,7 @@ async def _status(request: web.Request) -> web.Response:
     model, version = request.match_info["model"], request.match_info["version"]
     st = request.app[_FETCHER].status(model, version)
     if st is None:
-        return _error(
+        return error_json(
             404, "not_found", f"{model}/{version} is not in the mirror; POST /api/v1/fetch to add it"
         )
     return web.json_response(st.model_dump(mode="json"))
@@ -217,9 +215,9 @@ async def _delete(request: web.Request) -> web.Response:
     try:
         last = await request.app[_FETCHER].delete(model, version)
     except LlmgwError as e:
-        return _error(500, "delete_failed", str(e))
+        return error_json(500, "delete_failed", str(e))
     if last is None:
-        return _error(404, "not_found", f"{model}/{version} is not in the mirror")
+        return error_json(404, "not_found", f"{model}/{version} is not in the mirror")
     return web.json_response(last.model_dump(mode="json"))
 
 
@@ -229,7 +227,7 @@ async def _files(request: web.Request) -> web.Response:
 
 def api_app(fetcher: Fetcher, allow: Sequence[Network] = ()) -> web.Application:
     """The management API's application; ``allow`` adds networks to loopback."""
-    app = web.Application(middlewares=[_guard])
+    app = web.Application(middlewares=[error_middleware(service="the mirror"), _guard])
     app[_FETCHER] = fetcher
     app[_ALLOW] = tuple(allow)
     app.router.add_get("/api/v1/health", _health)

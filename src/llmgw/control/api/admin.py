@@ -58,9 +58,10 @@ from llmgw.control.api.openapi import build_openapi
 from llmgw.control.placement.inputs import effective_model, parse_facts, reservations
 from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.leader import new_replica_id
-from llmgw.control.store import BrokenModel, Conflict, ModelRow, NodeRow, ReplicaRow, Store
+from llmgw.control.store import BrokenModel, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.errors import UnreachableError
+from llmgw.errors import Conflict, HttpError, UnreachableError
+from llmgw.httperrors import error_json, error_middleware
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView, ModelView, NodeRemovalView, NodeView, ProvisionView, ReplicaView, ResourcesView
 
@@ -69,19 +70,6 @@ log = logging.getLogger(__name__)
 GB = 1e9
 _PROFILES = TypeAdapter(list[Profile])
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class HttpError(Exception):
-    """Raised inside handlers; the middleware turns it into the JSON error body."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    """``{"error": {"code", "message"}}`` with ``status``."""
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -246,7 +234,7 @@ def build_admin_app(
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
             why = "missing" if not header else "wrong"
-            return error_response(
+            return error_json(
                 401,
                 "unauthorized",
                 f"the admin token is {why}; send 'Authorization: Bearer <token>' with the token from "
@@ -254,26 +242,7 @@ def build_admin_app(
             )
         return await handler(request)
 
-    @web.middleware
-    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except HttpError as e:
-            return error_response(e.status, e.code, e.message)
-        except Conflict as e:
-            return error_response(409, "conflict", str(e))
-        except web.HTTPException as e:
-            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "http_error")
-            return error_response(e.status, code, f"{request.method} {request.path}: {e.reason}")
-        except Exception:
-            log.exception("admin API %s %s failed", request.method, request.path)
-            return error_response(500, "internal", "the control plane failed on this request; see its log")
-
-    async def body_json(request: web.Request) -> Any:
-        try:
-            return await jsonbody.read_json(request)
-        except jsonbody.JsonBodyError as e:
-            raise HttpError(e.status, e.code, e.message) from e
+    errors = error_middleware(service="the control plane", known={Conflict: (409, "conflict")})
 
     def broken(name: str) -> BrokenModel | None:
         return next((b for b in store.list_broken_models() if b.name == name), None)
@@ -332,7 +301,7 @@ def build_admin_app(
 
     async def add_model(request: web.Request) -> web.Response:
         try:
-            model = within_limit(Model.model_validate(await body_json(request)))
+            model = within_limit(Model.model_validate(await jsonbody.read_json(request)))
         except ValidationError as e:
             raise HttpError(400, "invalid_model", describe(e)) from e
         row = await db.run(store.add_model, model, now=clock())
@@ -364,7 +333,7 @@ def build_admin_app(
 
     async def patch_model(request: web.Request) -> web.Response:
         row = await must_model(request.match_info["name"])
-        patch = await body_json(request)
+        patch = await jsonbody.read_json(request)
         if not isinstance(patch, dict):
             raise HttpError(
                 400, "invalid_patch", "the body must be a JSON object (a JSON merge patch of the model)"
@@ -373,7 +342,7 @@ def build_admin_app(
 
     async def put_profiles(request: web.Request) -> web.Response:
         row = await must_model(request.match_info["name"])
-        body = await body_json(request)
+        body = await jsonbody.read_json(request)
         if isinstance(body, dict) and "profiles" in body:
             body = body["profiles"]
         try:

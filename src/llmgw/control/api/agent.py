@@ -19,7 +19,8 @@ The serials a node presents are remembered as its heartbeats arrive (one write p
 Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat (or
 not bounded JSON: :mod:`llmgw.jsonbody`; label keys per :mod:`llmgw.names`), 401 when the session
 carries no certificate (a server run without client verification), 403 for a revoked certificate
-or when its CN is not a valid node id.
+or when its CN is not a valid node id, 409 ``node_id_in_use``, 500 ``internal`` for anything else
+(handlers raise :class:`~llmgw.errors.HttpError`; :mod:`llmgw.httperrors` answers it).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from pydantic import ValidationError
 from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
 from llmgw.control.api.logbroker import LogBroker
-from llmgw.control.store import NodeRow, Revoked, Store
+from llmgw.control.store import NodeRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
+from llmgw.errors import HttpError, Revoked
+from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
 
@@ -57,10 +60,6 @@ def is_name(node_id: str) -> bool:
 def agent_ssl_context(config: ServerConfig) -> ssl.SSLContext:
     """The agent API's TLS context from ``config.tls``: client certificates REQUIRED from its CA."""
     return tlsconf.server_context(config.tls.ca, config.tls.cert, config.tls.key)
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
 def peer_serial(peercert: dict[str, object] | None) -> str:
@@ -190,9 +189,9 @@ def build_agent_app(
     def serial_of(request: web.Request) -> str:
         return peer_serial(request.transport.get_extra_info("peercert") if request.transport else None)
 
-    def revoked_answer(node_id: str, serial: str, revoked_at: float) -> web.Response:
+    def revoked_error(node_id: str, serial: str, revoked_at: float) -> HttpError:
         log.warning("node %s: refused a request with revoked certificate serial %s", node_id, serial)
-        return _error(403, "certificate_revoked", revoked_message(node_id, serial, revoked_at))
+        return HttpError(403, "certificate_revoked", revoked_message(node_id, serial, revoked_at))
 
     def check_serial(node_id: str, serial: str) -> tuple[str, float] | None:
         """On a store thread: the revocation of ``serial``, else remember it for the node (once)."""
@@ -202,64 +201,57 @@ def build_agent_app(
             seen.add((node_id, serial))
         return gone
 
-    async def refused(request: web.Request, node_id: str) -> web.Response | None:
-        """403 when the session's certificate is revoked; else remember its serial (once) and None."""
+    async def check_revoked(request: web.Request, node_id: str) -> None:
+        """Raise 403 when the session's certificate is revoked; else remember its serial (once)."""
         serial = serial_of(request)
         if not serial:
-            return None
+            return
         gone = await db.run(check_serial, node_id, serial)
-        return revoked_answer(node_id, serial, gone[1]) if gone is not None else None
+        if gone is not None:
+            raise revoked_error(node_id, serial, gone[1])
 
-    def identify(request: web.Request) -> str | web.Response:
-        """The node id (the certificate's CN), or the 401/403 answer for a session without a valid one."""
+    def identify(request: web.Request) -> str:
+        """The node id (the certificate's CN); raises 401/403 for a session without a valid one."""
         node_id = node_of(request)
         if not node_id:
-            return _error(
+            raise HttpError(
                 401,
                 "no_client_certificate",
                 "the agent API needs a client certificate from the cluster CA; "
                 "issue one with 'llmgw server init' on the control plane",
             )
         if not is_name(node_id):
-            return _error(
+            raise HttpError(
                 403, "invalid_node_id",
                 f"the client certificate's CN {node_id[:80]!r} is not a valid node id ({NAME_RULE}); "
                 "issue a certificate for a valid id with 'llmgw server add-node'",
             )
         return node_id
 
-    async def read_heartbeat(request: web.Request) -> Heartbeat | web.Response:
-        """The body as a Heartbeat, or the 400/413 answer naming what is wrong with it."""
+    async def read_heartbeat(request: web.Request) -> Heartbeat:
+        """The body as a Heartbeat; raises the 400/413 naming what is wrong with it."""
         try:
             return Heartbeat.model_validate(await jsonbody.read_json(request))
-        except jsonbody.JsonBodyError as e:
-            return _error(e.status, e.code, e.message)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(body)"
-            return _error(400, "invalid_heartbeat", f"{where}: {first['msg']}")
+            raise HttpError(400, "invalid_heartbeat", f"{where}: {first['msg']}") from e
 
     async def heartbeat(request: web.Request) -> web.Response:
         node_id = identify(request)
-        if isinstance(node_id, web.Response):
-            return node_id
         hb = await read_heartbeat(request)
-        if isinstance(hb, web.Response):
-            return hb
         # Checked here, and again inside the batched write (Store.record_heartbeats, in the write
         # transaction node removal takes): a node removed meanwhile is never written back.
-        denied = await refused(request, node_id)
-        if denied is not None:
-            return denied
+        await check_revoked(request, node_id)
         now = clock()
         before = await db.run(store.get_node, node_id)
         clash = id_in_use(before, hb, now, hold_s=hold_for(node_lost_after_s, interval_s))
         if clash:
             log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
-            return _error(409, "node_id_in_use", clash)
+            raise HttpError(409, "node_id_in_use", clash)
         failed = await beats.submit((node_id, hb, now, serial_of(request)))
         if isinstance(failed, Revoked):
-            return revoked_answer(node_id, failed.serial, failed.revoked_at)
+            raise revoked_error(node_id, failed.serial, failed.revoked_at)
         if failed is not None:
             raise failed
         changed = (await db.run(store.apply_reports, node_id, hb.replicas, now)).changed
@@ -281,24 +273,22 @@ def build_agent_app(
     async def log_reply(request: web.Request) -> web.Response:
         node_id = node_of(request)
         if not node_id:
-            return _error(401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA")
-        denied = await refused(request, node_id)
-        if denied is not None:
-            return denied
+            raise HttpError(
+                401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA"
+            )
+        await check_revoked(request, node_id)
         try:
             answer = LogReply.model_validate(await jsonbody.read_json(request))
-        except jsonbody.JsonBodyError as e:
-            return _error(e.status, e.code, e.message)
         except ValidationError as e:
-            return _error(400, "invalid_log_reply", str(e.errors()[0]["msg"]))
+            raise HttpError(400, "invalid_log_reply", str(e.errors()[0]["msg"])) from e
         if logs is None or not logs.answer(node_id, answer):
-            return _error(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
+            raise HttpError(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
         return web.json_response({"status": "ok"})
 
     async def not_found(request: web.Request) -> web.Response:
-        return _error(404, "not_found", f"{request.method} {request.path} is not an agent API route")
+        raise HttpError(404, "not_found", f"{request.method} {request.path} is not an agent API route")
 
-    app = web.Application()
+    app = web.Application(middlewares=[error_middleware(service="the agent API")])
     app[STORE_KEY] = store
     if own_pool:
         app.on_cleanup.append(_close)

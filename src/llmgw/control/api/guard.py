@@ -33,10 +33,11 @@ from llmgw import jsonbody
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.control.reconcile.judgekeeper import ClassUse, JudgeKeeper, ServeJob
 from llmgw.control.store import Store
-from llmgw.errors import LlmgwError
+from llmgw.errors import ConfigError, Conflict, JudgeError, LlmgwError, MirrorError, WaitTimeout
 from llmgw.guard.config import Controversial, Direction, GuardConfig
-from llmgw.guard.formats import FORMATS, JudgeError, Safety
+from llmgw.guard.formats import FORMATS, Safety
 from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
+from llmgw.httperrors import error_json
 from llmgw.mirror.client import MirrorClient
 from llmgw.protocol import ReplicaState
 
@@ -65,9 +66,9 @@ class MirrorServe:
         self._lock = threading.Lock()
 
     def start(self, request: ServeRequest) -> ServeJob:
-        """Start fetching and adding ``request``; raises LlmgwError without a mirror."""
+        """Start fetching and adding ``request``; raises ConfigError without a mirror."""
         if not self.mirror_api:
-            raise LlmgwError("server.yaml has no mirror.api, so a judge cannot be fetched; run 'llmgw server init'")
+            raise ConfigError("server.yaml has no mirror.api, so a judge cannot be fetched; run 'llmgw server init'")
         job = ServeJob(f"serve-{next(self._ids)}", request.name, request, True)
         with self._lock:
             self._jobs[job.id] = job
@@ -80,15 +81,21 @@ class MirrorServe:
             return list(self._jobs.values())
 
     def _fetch(self, req: ServeRequest) -> tuple[str, str]:
-        """Fetch into the mirror and wait: the mirror's URL and sha256. Raises LlmgwError."""
+        """Fetch into the mirror and wait: the mirror's URL and sha256.
+
+        Raises:
+            MirrorError: the mirror could not fetch it.
+            WaitTimeout: it did not arrive within ``wait_s``.
+            ApiError, UnreachableError: the mirror refused the request or does not answer.
+        """
         mirror = MirrorClient(self.mirror_api, timeout=15.0)
         st = mirror.fetch(req.source, req.name, "guard")
         deadline = time.monotonic() + self.wait_s
         while st.state != "present":
             if st.state == "failed":
-                raise LlmgwError(f"the mirror could not fetch {req.source}: {st.err}")
+                raise MirrorError(f"the mirror could not fetch {req.source}: {st.err}")
             if time.monotonic() > deadline:
-                raise LlmgwError(f"{req.source} did not arrive in the mirror within {self.wait_s:g} s")
+                raise WaitTimeout(f"{req.source} did not arrive in the mirror within {self.wait_s:g} s")
             time.sleep(self.poll_s)
             st = mirror.status(req.name, "guard")
         return st.url, st.sha256
@@ -135,7 +142,7 @@ def build_keeper(
     def set_profiles(name: str, profiles: list[Any], _by: str) -> None:
         row = store.get_model(name)
         if row is None:
-            raise LlmgwError(f"model {name} is gone")
+            raise Conflict(f"model {name} is gone")
         store.update_model(row.model.model_copy(update={"profiles": profiles}), revision=row.revision, now=time.time())
         changed()
 
@@ -208,9 +215,6 @@ def add_guard_routes(
 ) -> None:
     """Register the guard routes on the admin app (before it starts)."""
 
-    def err(status: int, code: str, message: str) -> web.Response:
-        return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
     async def status(_: web.Request) -> web.Response:
         # Store reads on a worker thread: the loop also serves heartbeats and the gateway.
         return web.json_response(await asyncio.to_thread(guard_status, inspector, config, store))
@@ -221,13 +225,13 @@ def add_guard_routes(
             text = str(body["text"])
             direction = Direction(body.get("direction", "in"))
         except (ValueError, KeyError, TypeError):
-            return err(400, "invalid_request", 'send {"text": "...", "direction": "in"|"out"}')
+            return error_json(400, "invalid_request", 'send {"text": "...", "direction": "in"|"out"}')
         if inspector is None or not config.on():
-            return err(409, "guard_off", "no guard policy in server.yaml: guardrails are off")
+            return error_json(409, "guard_off", "no guard policy in server.yaml: guardrails are off")
         name = body.get("policy")
         policy = next((p for p in config.policies if p.name == name), None) if name else config.policies[0]
         if policy is None:
-            return err(404, "policy_not_found", f"no policy '{name}' in server.yaml")
+            return error_json(404, "policy_not_found", f"no policy '{name}' in server.yaml")
         prompt = str(body.get("prompt", "")) if direction is Direction.OUT else text
         answer = text if direction is Direction.OUT else ""
         t0 = time.perf_counter()
@@ -256,14 +260,16 @@ def add_guard_routes(
             with contextlib.suppress(ValueError):
                 body = await jsonbody.read_json(request)
         if serve is None:
-            return err(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
+            return error_json(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
         if await asyncio.to_thread(store.get_model, name) is not None:
-            return err(409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status")
+            return error_json(
+                409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status"
+            )
         kj = known_judge(name)
         repo, file = body.get("repo"), body.get("file")
         fmt = body.get("format") or "qwen3guard"
         if fmt not in FORMATS:
-            return err(400, "invalid_format", f"format '{fmt}': use one of {', '.join(FORMATS)}")
+            return error_json(400, "invalid_format", f"format '{fmt}': use one of {', '.join(FORMATS)}")
         if repo and file:
             req = ServeRequest(name=name, repo=str(repo), file=str(file), format=fmt, replicas=1, cores=2)
         elif kj is not None:
@@ -272,18 +278,22 @@ def add_guard_routes(
 
                 klass = roomiest_gpu_class(await asyncio.to_thread(cluster_gpus, store))
                 if not klass:
-                    return err(409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}")
+                    return error_json(
+                        409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}"
+                    )
                 req = kj.serve_request(gpu_class=klass)
             else:
                 req = kj.serve_request(replicas=1, cores=2)
         else:
-            return err(400, "unknown_judge", f"llmgw does not know '{name}': give --repo ORG/REPO and --file FILE.gguf")
+            return error_json(
+                400, "unknown_judge", f"llmgw does not know '{name}': give --repo ORG/REPO and --file FILE.gguf"
+            )
         try:
             job = await asyncio.to_thread(
                 serve.start, replace(req, by="llmgw ctl guard judge enable", if_absent=True)
             )
         except LlmgwError as e:
-            return err(409, "cannot_serve", str(e))
+            return error_json(409, "cannot_serve", str(e))
         return web.json_response({"job": job.id, "judge": name, "source": req.source}, status=202)
 
     app.router.add_get("/api/v1/guard/status", status)

@@ -66,15 +66,9 @@ from llmgw import jsonbody
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys, digest
 from llmgw.control.gateway.request import dropped_header, upstream_body
-from llmgw.control.gateway.upstream import (
-    Trace,
-    UpstreamPool,
-    error_response,
-    refusal_response,
-    relay_plain,
-    relay_stream,
-)
-from llmgw.errors import ApiError
+from llmgw.control.gateway.upstream import Trace, UpstreamPool, refusal_response, relay_plain, relay_stream
+from llmgw.errors import HttpError
+from llmgw.httperrors import openai_error_json
 from llmgw.routing import Router
 
 log = logging.getLogger(__name__)
@@ -141,7 +135,7 @@ class _Gateway:
             message = "Incorrect API key provided; from this machine you may also send no key at all"
         else:
             message = "Incorrect API key provided"
-        return error_response(401, message, "invalid_api_key")
+        return openai_error_json(401, "invalid_api_key", message)
 
     # -- models --------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -162,7 +156,7 @@ class _Gateway:
 
     def _not_found(self, name: str) -> web.Response:
         known = ", ".join(r.model for r in self.router.chat_models()) or "(none yet)"
-        return error_response(404, f"model '{name}' does not exist; known models: {known}", "model_not_found")
+        return openai_error_json(404, "model_not_found", f"model '{name}' does not exist; known models: {known}")
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -185,8 +179,8 @@ class _Gateway:
                 out: web.StreamResponse = self._not_found(requested)
             elif not route.upstreams:
                 reason = route.unavailable or "no replica is ready yet"
-                out = error_response(
-                    503, f"model '{route.model}' is not available: {reason}", "model_unavailable"
+                out = openai_error_json(
+                    503, "model_unavailable", f"model '{route.model}' is not available: {reason}"
                 )
             else:
                 model = route.model
@@ -217,11 +211,11 @@ class _Gateway:
                         inspector=self.inspector,
                     )
         except web.HTTPRequestEntityTooLarge:
-            out = error_response(
-                413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", "request_too_large"
+            out = openai_error_json(
+                413, "request_too_large", f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
             )
-        except ApiError as e:
-            out = error_response(e.status, str(e), e.code)
+        except HttpError as e:  # JsonBodyError included
+            out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
             self._observe(trace, requested, model, stream, status=499)
             raise
@@ -259,13 +253,13 @@ class _Gateway:
     async def unknown(self, request: web.Request) -> web.Response:
         """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page."""
         if request.path in ("/v1/chat/completions", "/v1/models", "/healthz"):
-            return error_response(
-                405, f"{request.method} is not allowed on {request.path}", "method_not_allowed"
+            return openai_error_json(
+                405, "method_not_allowed", f"{request.method} is not allowed on {request.path}"
             )
-        return error_response(
+        return openai_error_json(
             404,
-            f"unknown path {request.path}; this gateway serves /v1/chat/completions and /v1/models",
             "not_found",
+            f"unknown path {request.path}; this gateway serves /v1/chat/completions and /v1/models",
         )
 
 
@@ -274,24 +268,18 @@ def _model_object(name: str, created: int) -> dict[str, Any]:
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
-    """The chat body as a dict with a string ``model`` and a list ``messages``; else ApiError 400.
+    """The chat body as a dict with a string ``model`` and a list ``messages``; else HttpError 400.
 
-    Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only."""
-    try:
-        body = jsonbody.loads(raw)
-    except jsonbody.JsonBodyError as e:
-        raise ApiError(e.message, status=e.status, code=e.code) from e
+    Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only (else its
+    :class:`~llmgw.errors.JsonBodyError`, an HttpError too)."""
+    body = jsonbody.loads(raw)
     if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object", status=400, code="invalid_request")
+        raise HttpError(400, "invalid_request", "the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise ApiError(
-            "'model' is required: a model name from GET /v1/models", status=400, code="missing_model"
-        )
+        raise HttpError(400, "missing_model", "'model' is required: a model name from GET /v1/models")
     if not isinstance(body.get("messages"), list) or not body["messages"]:
-        raise ApiError(
-            "'messages' is required: a non-empty list of messages", status=400, code="invalid_messages"
-        )
+        raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
     return body
 
 

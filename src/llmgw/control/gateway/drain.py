@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from llmgw.control.gateway.upstream import error_body, error_response
+from llmgw.httperrors import openai_error_event, openai_error_json
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +43,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _cut_event(message: str) -> bytes:
-    body = json.dumps(error_body(503, message, SHUTTING_DOWN)).encode()
     # The blank line first: an event the cut interrupted between its lines is ended, not joined.
-    return b"\ndata: " + body + b"\n\ndata: [DONE]\n\n"
+    return b"\n" + openai_error_event(503, SHUTTING_DOWN, message)
 
 
 class Drain:
@@ -78,7 +76,7 @@ class Drain:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Refuse new requests while closing; track the others; end a cut one well-formed."""
         if self.closing:
-            out = error_response(503, "the gateway is shutting down; retry in a few seconds", SHUTTING_DOWN)
+            out = openai_error_json(503, SHUTTING_DOWN, "the gateway is shutting down; retry in a few seconds")
             out.force_close()
             return out
         task = asyncio.current_task()
@@ -103,7 +101,7 @@ class Drain:
         message = "the gateway is restarting and this request ran past its drain deadline; ask again"
         stream: web.StreamResponse | None = request.get(_SSE)
         if stream is None or not stream.prepared:
-            out = error_response(503, message, SHUTTING_DOWN)
+            out = openai_error_json(503, SHUTTING_DOWN, message)
             out.force_close()
             return out
         with contextlib.suppress(ConnectionError, RuntimeError):

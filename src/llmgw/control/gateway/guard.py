@@ -43,8 +43,9 @@ from typing import Any
 
 from llmgw.catalog import Model, Role
 from llmgw.control.gateway.inspect import Refusal, current_call
+from llmgw.errors import JudgeError
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy
-from llmgw.guard.formats import JudgeError, Safety
+from llmgw.guard.formats import Safety
 from llmgw.guard.judge import JudgeClient, JudgeRoute, Judgment
 from llmgw.routing import Route
 

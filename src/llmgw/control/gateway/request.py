@@ -41,7 +41,7 @@ import json
 import re
 from typing import Any
 
-from llmgw.errors import ApiError
+from llmgw.errors import HttpError
 
 #: The top-level fields that reach an engine (see the module docstring).
 FORWARDED = frozenset(
@@ -77,8 +77,8 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_NAMED = 10
 
 
-def _bad(message: str) -> ApiError:
-    return ApiError(message, status=400, code="invalid_request")
+def _bad(message: str) -> HttpError:
+    return HttpError(400, "invalid_request", message)
 
 
 def _int_field(body: dict[str, Any], key: str, unit: str = "tokens") -> int | None:
@@ -91,7 +91,7 @@ def _int_field(body: dict[str, Any], key: str, unit: str = "tokens") -> int | No
 
 
 def _check(body: dict[str, Any]) -> None:
-    """Refuse what an engine would misread (see the module docstring); ApiError 400."""
+    """Refuse what an engine would misread (see the module docstring); HttpError 400."""
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or n != 1):
         raise _bad(f"'n' must be 1 (one choice per request), got {json.dumps(n)[:40]}; send n requests instead")
@@ -119,7 +119,7 @@ def upstream_body(body: dict[str, Any], raw: bytes, max_output: int) -> tuple[by
         max_output: the model's ``max_output`` (tokens), 0 for no limit.
 
     Raises:
-        ApiError: 400 ``invalid_request`` for a field an engine would misread (the message names it).
+        HttpError: 400 ``invalid_request`` for a field an engine would misread (the message names it).
     """
     _check(body)
     dropped = [k for k in body if k not in FORWARDED]

@@ -46,7 +46,8 @@ from aiohttp import web
 from yarl import URL
 
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
-from llmgw.errors import ApiError
+from llmgw.errors import HttpError
+from llmgw.httperrors import openai_error_event, openai_error_json
 from llmgw.routing import Route, Upstream
 
 log = logging.getLogger(__name__)
@@ -58,39 +59,11 @@ KEEPALIVE_S = 4.0
 # Many concurrent streams are normal for an LLM gateway; the engine queues what its slots can't take.
 MAX_CONNECTIONS = 1024
 
-_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
-
-
-def error_body(status: int, message: str, code: str) -> dict[str, Any]:
-    """The OpenAI error envelope: ``{"error": {"message", "type", "param": null, "code"}}``.
-
-    ``type`` follows the status as OpenAI's API does: 401 ``authentication_error``, 403
-    ``permission_error``, 429 ``rate_limit_error``, other 4xx ``invalid_request_error``, 5xx ``api_error``.
-    """
-    kind = _TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-
-def error_response(status: int, message: str, code: str) -> web.Response:
-    """An OpenAI error envelope as a JSON response with ``status``."""
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return web.json_response(error_body(status, message, code), status=status, headers=headers)
-
-
-def _sse_error(status: int, message: str, code: str, extra: dict[str, Any] | None = None) -> bytes:
-    """A stream's last words: the error event, then ``data: [DONE]`` so the stream ends well-formed."""
-    body = error_body(status, message, code)
-    if extra:
-        body["error"].update(extra)
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def refusal_response(refusal: Refusal) -> web.Response:
     """An inspector's :class:`Refusal` as an OpenAI error envelope, its ``extra`` fields included."""
-    body = error_body(refusal.status, refusal.message, refusal.code)
-    if refusal.extra:
-        body["error"].update(refusal.extra)
-    return web.json_response(body, status=refusal.status)
+    return openai_error_json(refusal.status, refusal.code, refusal.message, extra=refusal.extra)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -153,7 +126,7 @@ class UpstreamPool:
         (or close) the response.
 
         Raises:
-            ApiError: 502 ``upstream_unreachable`` when no replica tried accepted the connection;
+            HttpError: 502 ``upstream_unreachable`` when no replica tried accepted the connection;
                 504 ``upstream_timeout`` / 502 ``upstream_failed`` when the chosen one did not answer.
         """
         assert self._session is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
@@ -193,27 +166,25 @@ class UpstreamPool:
                     return up, resp
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
-        raise ApiError(
+        raise HttpError(
+            502,
+            "upstream_unreachable",
             f"no replica of model '{route.model}' accepts connections right now; retry shortly",
-            status=502,
-            code="upstream_unreachable",
         )
 
-    def timeout_error(self, route: Route) -> ApiError:
+    def timeout_error(self, route: Route) -> HttpError:
         """504 ``upstream_timeout``: the replica took longer than ``upstream_timeout_s``."""
-        return ApiError(
-            f"model '{route.model}' did not answer within {self.upstream_timeout_s:g} s",
-            status=504,
-            code="upstream_timeout",
+        return HttpError(
+            504, "upstream_timeout", f"model '{route.model}' did not answer within {self.upstream_timeout_s:g} s"
         )
 
     @staticmethod
-    def broken_error(route: Route) -> ApiError:
+    def broken_error(route: Route) -> HttpError:
         """502 ``upstream_failed``: the replica's connection broke after the request went out."""
-        return ApiError(
+        return HttpError(
+            502,
+            "upstream_failed",
             f"the replica of model '{route.model}' closed the connection before answering; retry",
-            status=502,
-            code="upstream_failed",
         )
 
 
@@ -231,8 +202,8 @@ async def _replica_error(route: Route, up: Upstream, resp: aiohttp.ClientRespons
     data = await resp.read()
     if resp.status in (401, 403):
         log.error("replica %s of %s rejected the gateway's key (%d)", up.replica_id, route.model, resp.status)
-        return error_response(
-            502, f"the replica of model '{route.model}' refused the gateway; retry shortly", "upstream_auth"
+        return openai_error_json(
+            502, "upstream_auth", f"the replica of model '{route.model}' refused the gateway; retry shortly"
         )
     data = _scrub(data, up)
     try:
@@ -242,8 +213,8 @@ async def _replica_error(route: Route, up: Upstream, resp: aiohttp.ClientRespons
     if shaped:
         return web.Response(body=data, status=resp.status, content_type="application/json")
     text = data.decode("utf-8", "replace").strip()[:300]
-    return error_response(
-        resp.status, f"model '{route.model}' answered {resp.status}: {text}", "upstream_error"
+    return openai_error_json(
+        resp.status, "upstream_error", f"model '{route.model}' answered {resp.status}: {text}"
     )
 
 
@@ -260,7 +231,7 @@ async def relay_plain(
     """Proxy a non-streamed request: the replica's answer with ``model`` set to ``requested``.
 
     Raises:
-        ApiError: as :meth:`UpstreamPool.send`; 502 ``upstream_invalid`` when a 200 is not JSON.
+        HttpError: as :meth:`UpstreamPool.send`; 502 ``upstream_invalid`` when a 200 is not JSON.
     """
     up, resp = await pool.send(route, body, trace, stream=False)
     t0 = time.perf_counter_ns()
@@ -279,10 +250,8 @@ async def relay_plain(
         answer = json.loads(data)
         answer["model"] = requested
     except (ValueError, TypeError) as e:
-        raise ApiError(
-            f"the replica of model '{route.model}' sent an answer that is not JSON",
-            status=502,
-            code="upstream_invalid",
+        raise HttpError(
+            502, "upstream_invalid", f"the replica of model '{route.model}' sent an answer that is not JSON"
         ) from e
     usage = answer.get("usage")
     trace.usage = usage if isinstance(usage, dict) else None
@@ -308,7 +277,7 @@ async def relay_stream(
 
     Each chunk's complete lines go out with ``model`` set to ``requested`` (:class:`ModelRewriter`).
 
-    Errors before the first byte raise :class:`ApiError` (as :meth:`UpstreamPool.send`) or return the
+    Errors before the first byte raise :class:`HttpError` (as :meth:`UpstreamPool.send`) or return the
     replica's error; after it, a dead replica or a refusal ends the stream with an error event. A
     client that goes away closes the upstream connection, which makes llama-server stop generating.
     """
@@ -337,7 +306,7 @@ async def relay_stream(
             refusal = await _pump(resp, out, watcher, ModelRewriter(requested))
             closed_cleanly = refusal is None
             if refusal is not None:
-                await out.write(_sse_error(refusal.status, refusal.message, refusal.code, refusal.extra))
+                await out.write(openai_error_event(refusal.status, refusal.code, refusal.message, extra=refusal.extra))
         except ConnectionResetError:  # the client went away; finally closes the upstream
             return out
         except (
@@ -348,7 +317,7 @@ async def relay_stream(
         ) as e:
             err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
             log.warning("stream of %s broke: %r", route.model, e)
-            await out.write(_sse_error(err.status, str(err), err.code))
+            await out.write(openai_error_event(err.status, err.code, err.message))
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
         await out.write_eof()

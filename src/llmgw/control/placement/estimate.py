@@ -51,7 +51,7 @@ import httpx
 from gguf.constants import GGUF_MAGIC, GGUFValueType
 from pydantic import BaseModel, Field
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import EstimateError
 
 GB = 1e9
 
@@ -78,10 +78,6 @@ CACHE_TYPE_BYTES = {
     "iq4_nl": 18 / 32,
 }
 """Bytes per element of a KV cache type (block size / elements per block, as ggml lays them out)."""
-
-
-class EstimateError(LlmgwError):
-    """The GGUF header cannot be read or is not a GGUF; the message names the source."""
 
 
 class GgufFacts(BaseModel):

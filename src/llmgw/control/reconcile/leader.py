@@ -91,8 +91,9 @@ from llmgw.control.reconcile import probe as probing
 from llmgw.control.reconcile import restarts
 from llmgw.control.reconcile.probe import EngineProbe, probe_engine
 from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
-from llmgw.control.store import Conflict, ModelRow, NodeRow, ReplicaRow, Store
+from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
+from llmgw.errors import Conflict, EstimateError
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView
 
@@ -269,7 +270,7 @@ class Leader:
                 continue
             try:
                 facts = self.read_facts(m.source)
-            except est.EstimateError as e:
+            except EstimateError as e:
                 log.warning("model %s: no memory estimate: %s", m.name, e)
                 self.store.set_gguf_facts(m.source, body="", error=str(e), now=now)
                 continue

@@ -18,7 +18,8 @@ import contextlib
 import logging
 from dataclasses import dataclass, replace
 
-from llmgw.control.store import Conflict, ReplicaRow, Store
+from llmgw.control.store import ReplicaRow, Store
+from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)

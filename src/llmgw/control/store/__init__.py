@@ -2,7 +2,7 @@
 
 Import from here::
 
-    from llmgw.control.store import Conflict, ModelRow, Store, default_url, open_store
+    from llmgw.control.store import ModelRow, Store, default_url, open_store
 
     store = open_store(default_url(config.store.url, paths.database))
 
@@ -10,7 +10,8 @@ The package, by module:
 
 * :mod:`~llmgw.control.store.base` -- :class:`Store`, the interface (its docstrings are the
   contract: optimistic concurrency by revision, uniqueness by database constraint, one bad row
-  never hides the others), and the errors :class:`Conflict`, :class:`Revoked`, :class:`StoreError`;
+  never hides the others); the errors it raises are in :mod:`llmgw.errors`
+  (:class:`~llmgw.errors.Conflict`, :class:`~llmgw.errors.Revoked`, :class:`~llmgw.errors.StoreError`);
 * :mod:`~llmgw.control.store.rows` -- the storage shapes (:class:`ModelRow`, :class:`NodeRow`,
   :class:`ReplicaRow`, :class:`BrokenModel`, :class:`ReportResult`);
 * :mod:`~llmgw.control.store.schema` -- the tables and the ordered migrations, dialect-neutral;
@@ -46,21 +47,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmgw.control.store.base import Conflict, Revoked, Store, StoreError
+from llmgw.control.store.base import Store
 from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow, ReportResult
 from llmgw.control.store.sql import SqlStore
 
 __all__ = [
     "BrokenModel",
-    "Conflict",
     "ModelRow",
     "NodeRow",
     "ReplicaRow",
     "ReportResult",
-    "Revoked",
     "SqlStore",
     "Store",
-    "StoreError",
     "default_url",
     "open_store",
 ]

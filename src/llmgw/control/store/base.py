@@ -39,29 +39,9 @@ from dataclasses import replace
 
 from llmgw.catalog import Model
 from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow, ReportResult
-from llmgw.errors import LlmgwError
+from llmgw.errors import Conflict
 from llmgw.protocol import Heartbeat, ReplicaState, ReplicaStatus
 from llmgw.views import ExplainView
-
-
-class Conflict(LlmgwError):
-    """A write lost a race or would break uniqueness: the row changed since it was read (revision
-    mismatch), or a model name/alias is taken. The admin API answers 409; re-read and try again."""
-
-
-class Revoked(Conflict):
-    """A heartbeat came with a certificate serial on the deny-list (its node was removed with
-    ``llmgw ctl node rm``); ``node`` and ``revoked_at`` (unix seconds) say when."""
-
-    def __init__(self, serial: str, node: str, revoked_at: float) -> None:
-        super().__init__(f"certificate serial {serial} of node '{node}' is revoked")
-        self.serial = serial
-        self.node = node
-        self.revoked_at = revoked_at
-
-
-class StoreError(LlmgwError):
-    """The database cannot be opened, migrated or reached; the driver's error is chained."""
 
 
 class Store(abc.ABC):

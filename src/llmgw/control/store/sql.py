@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
-from llmgw.control.store.base import Conflict, Revoked, Store, StoreError
+from llmgw.control.store.base import Store
 from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.dialect import DialectHooks
 from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow
@@ -44,6 +44,7 @@ from llmgw.control.store.schema import (
     revoked_certs_t,
 )
 from llmgw.control.store.sqlite import SqliteHooks
+from llmgw.errors import Conflict, Revoked, StoreError
 from llmgw.protocol import Heartbeat
 from llmgw.views import ExplainView
 

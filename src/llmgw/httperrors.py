@@ -1,0 +1,126 @@
+"""The server side of llmgw's HTTP error edge: one error type, two wire shapes, one middleware.
+
+Every llmgw listener refuses a request the same way: a handler raises
+:class:`~llmgw.errors.HttpError` ``(status, code, message)``, or returns what :func:`error_json` /
+:func:`openai_error_json` build from the same three values, in that order. Two wire shapes, each
+fixed by the clients that read it:
+
+- llmgw's own APIs (the admin API and its guard routes, the agent API, the mirror's management
+  API): ``{"error": {"code", "message"}}`` (:func:`error_json`); llmgw's clients turn it into an
+  :class:`~llmgw.errors.ApiError` carrying ``status`` and ``code``.
+- the gateway: OpenAI's ``{"error": {"message", "type", "param": null, "code"}}``
+  (:func:`openai_error_json`; :func:`openai_error_event` for a stream's last event), which the
+  official ``openai`` clients parse.
+
+:func:`error_middleware` answers, in the first shape, whatever a handler of an llmgw API raises:
+an :class:`~llmgw.errors.HttpError` (:class:`~llmgw.errors.JsonBodyError` included), aiohttp's own
+``HTTPException`` (a path or method no route takes), the errors its app maps in ``known`` (the
+admin API: a store :class:`~llmgw.errors.Conflict` is a 409), and anything else as a logged 500
+``internal`` that names no detail. The gateway does not use it: its chat handler answers its own
+errors, because it records each answer's status and headers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from llmgw.errors import HttpError
+
+log = logging.getLogger(__name__)
+
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def error_json(status: int, code: str, message: str, *, headers: Mapping[str, str] | None = None) -> web.Response:
+    """``{"error": {"code", "message"}}`` as a JSON response with ``status`` (llmgw's own APIs)."""
+    return web.json_response({"error": {"code": code, "message": message}}, status=status, headers=headers)
+
+
+def openai_error_body(
+    status: int, code: str, message: str, *, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The OpenAI error envelope: ``{"error": {"message", "type", "param": null, "code", **extra}}``.
+
+    ``type`` follows the status as OpenAI's API does: 401 ``authentication_error``, 403
+    ``permission_error``, 429 ``rate_limit_error``, other 4xx ``invalid_request_error``, 5xx
+    ``api_error``. ``extra`` adds fields to the ``error`` object (the guard's ``policy``,
+    ``categories``); never an internal address.
+    """
+    kind = _OPENAI_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    error: dict[str, Any] = {"message": message, "type": kind, "param": None, "code": code}
+    if extra:
+        error.update(extra)
+    return {"error": error}
+
+
+def openai_error_json(
+    status: int, code: str, message: str, *, extra: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """:func:`openai_error_body` as a JSON response with ``status``; a 401 also carries
+    ``WWW-Authenticate: Bearer`` (RFC 6750), as OpenAI's API answers a missing key."""
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer", **(headers or {})}
+    return web.json_response(openai_error_body(status, code, message, extra=extra), status=status, headers=headers)
+
+
+def openai_error_event(status: int, code: str, message: str, *, extra: Mapping[str, Any] | None = None) -> bytes:
+    """A stream's last words after its 200 went out: the OpenAI error envelope as an SSE event,
+    then ``data: [DONE]``, so the stream ends well-formed (the ``openai`` client raises an
+    ``APIError`` carrying the message)."""
+    body = openai_error_body(status, code, message, extra=extra)
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def routing_code(e: web.HTTPException) -> str:
+    """The ``code`` for aiohttp's own refusal: ``not_found`` (no route), ``method_not_allowed``,
+    else its reason phrase in ``snake_case`` (``request_entity_too_large``)."""
+    return _ROUTING_CODES.get(e.status) or e.reason.lower().replace(" ", "_")
+
+
+def error_middleware(
+    *, service: str, known: Mapping[type[Exception], tuple[int, str]] | None = None
+) -> Middleware:
+    """An aiohttp middleware answering a handler's errors as ``{"error": {"code", "message"}}``.
+
+    Put it first in the app's ``middlewares`` so it also answers what the others raise.
+
+    Args:
+        service: what the 500 answer and the log line call this listener (``the control plane``,
+            ``the mirror``, ``the agent API``).
+        known: more exception types and the ``(status, code)`` each is answered with, its message
+            being ``str(error)``; the first type that matches wins, so name subclasses first.
+
+    What it answers: :class:`~llmgw.errors.HttpError` with its own status, code, message and
+    headers; an aiohttp ``HTTPException`` of status 400 or more with :func:`routing_code` and
+    ``"<METHOD> <path>: <reason>"`` (a lower one, a redirect, passes through); a ``known`` type;
+    anything else with 500 ``internal``, logged with its traceback (the client learns nothing
+    internal).
+    """
+    table = tuple((known or {}).items())
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return error_json(e.status, e.code, e.message, headers=e.headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error_json(e.status, routing_code(e), f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:
+            for kind, (status, code) in table:
+                if isinstance(e, kind):
+                    return error_json(status, code, str(e))
+            log.exception("%s: %s %s failed", service, request.method, request.path)
+            return error_json(500, "internal", f"{service} failed on this request; see its log")
+
+    return errors
