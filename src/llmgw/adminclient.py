@@ -206,6 +206,16 @@ class AdminClient:
         got: dict[str, Any] = self.post("/api/v1/guard/test", body)
         return got
 
+    def health_pid(self) -> int | None:
+        """The control plane's pid from ``GET /api/v1/health``; None when nothing (or no llmgw) answers."""
+        try:
+            with httpx.Client(timeout=2.0, transport=self.transport) as c:
+                r = c.get(self.base_url + "/api/v1/health")
+                pid = r.json().get("pid") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
     def health(self) -> bool:
         """True when ``GET /api/v1/health`` answers 200 (no token needed)."""
         try:

@@ -301,3 +301,31 @@ def test_restart_that_does_not_come_up_fails_with_the_reason(install: Install) -
     assert "restarted" not in done.stdout
     assert "llmgw-server did not come up" in done.stderr
     assert "is already in use by another program" in done.stderr
+
+
+def test_restart_does_not_take_another_programs_health_for_its_own(install: Install) -> None:
+    """admin_listen now names a port where another program answers ``/api/v1/health`` 200 (a
+    second install's control plane): the new control plane cannot bind it and crash-loops. Before,
+    the restart took that other program's 200 for its own, printed ``restarted`` and exited 0."""
+    app = web.Application()
+    app.router.add_get("/api/v1/health", lambda _: web.json_response({"status": "ok", "pid": 1}))
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        install.doc["admin_listen"] = f"127.0.0.1:{runner.addresses[0][1]}"
+        install.write()
+        done = install.cli("service", "restart", "server")
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    assert done.returncode != 0, done.stdout
+    assert "restarted" not in done.stdout
+    assert "llmgw-server did not come up" in done.stderr
+    assert "is already in use by another program" in done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,7 +69,7 @@ async def test_every_route_needs_the_token(client: TestClient[Any, Any], method:
 async def test_health_needs_no_token(client: TestClient[Any, Any]) -> None:
     resp = await client.get("/api/v1/health")
     assert resp.status == 200
-    assert await resp.json() == {"status": "ok"}
+    assert await resp.json() == {"status": "ok", "pid": os.getpid()}
 
 
 async def test_models_crud(client: TestClient[Any, Any]) -> None:

@@ -15,8 +15,11 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +96,29 @@ def test_a_llama_server_that_hangs_is_refused_after_the_timeout(
     fake = script(tmp_path, "llama-server", "exec sleep 30\n")
     with pytest.raises(ConfigError, match=r"'llama-server --version' did not answer within 1 s"):
         preflight.check_llama_server(fake)
+
+
+def test_a_hanging_llama_server_leaves_no_process_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrapper script that starts a child and hangs: the timeout kills its whole process group
+    (before, only the script was killed and its child was left running, reparented to init)."""
+    monkeypatch.setattr(preflight, "VERSION_TIMEOUT_S", 1.0)
+    pidfile = tmp_path / "child.pid"
+    fake = script(tmp_path, "llama-server", f"sleep 300 &\necho $! > {pidfile}\nwait\n")
+    with pytest.raises(ConfigError, match="did not answer within 1 s"):
+        preflight.check_llama_server(fake)
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail(f"the --version probe's child {child} outlived the timeout")
 
 
 def test_a_fake_llama_server_leaves_nothing_written(tmp_path: Path) -> None:

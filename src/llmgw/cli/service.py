@@ -67,7 +67,7 @@ def start(names: Names) -> None:
     for name in names:
         started = manager.start(name)
         if started:
-            wait_up(manager, name, probe=probe_for(paths(), name))
+            wait_up(manager, name, probe=probe_for(paths(), name, manager))
         st = manager.status(name)
         pid = f"pid {st.pid}" if st.pid else st.state
         verb = "started" if started else "already running:"

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Sequence
@@ -37,10 +39,30 @@ Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
 
 
 def run_version(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    """The real runner: text output, :data:`VERSION_TIMEOUT_S`, never raises for a non-zero exit."""
-    return subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL
-    )
+    """The real runner: text output, :data:`VERSION_TIMEOUT_S`, never raises for a non-zero exit.
+
+    The binary runs in its own process group, and the whole group is killed when it is done or
+    hangs: a wrapper script's children (``sleep 1000 &``) would otherwise outlive the probe.
+    """
+    with subprocess.Popen(
+        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=VERSION_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=2)
+            raise
+        finally:
+            _kill_group(proc.pid)
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def check_llama_server(path: Path, *, runner: Runner = run_version) -> str:

@@ -90,7 +90,7 @@ def preflight(paths: Paths, name: str) -> None:
         )
 
 
-def _server_probe(paths: Paths, config: Path | None) -> Callable[[], bool] | None:
+def _server_probe(paths: Paths, config: Path | None, manager: ServiceManager) -> Callable[[], bool] | None:
     from llmgw.adminclient import AdminClient  # noqa: PLC0415  (only the server's probe needs it)
     from llmgw.config import load_server_config, parse_listen  # noqa: PLC0415
 
@@ -101,14 +101,23 @@ def _server_probe(paths: Paths, config: Path | None) -> Callable[[], bool] | Non
         return None
     host = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
     base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    return AdminClient(base, "").health
+    client = AdminClient(base, "")
+
+    def probe() -> bool:
+        # The answer must come from the service's own process: another program on admin_listen
+        # (a second install, the port server.yaml now names by mistake) answered 200 while the
+        # restarted control plane could not bind and crash-looped, and restart said "restarted".
+        pid = client.health_pid()
+        return pid is not None and pid == manager.status("server").pid
+
+    return probe
 
 
-def probe_for(paths: Paths, name: str) -> Callable[[], bool] | None:
-    """How to tell ``name`` answers: the control plane's admin health; None for the others."""
+def probe_for(paths: Paths, name: str, manager: ServiceManager) -> Callable[[], bool] | None:
+    """How to tell ``name`` answers: the control plane's admin health, from its own pid; None for the others."""
     if name != "server":
         return None
-    return _server_probe(paths, config_path(unit_spec(paths, name), paths, name))
+    return _server_probe(paths, config_path(unit_spec(paths, name), paths, name), manager)
 
 
 def wait_up(
@@ -156,7 +165,7 @@ def restart_checked(manager: ServiceManager, paths: Paths, name: str, *, timeout
         ServiceError: the config does not load (nothing restarted), or the service did not come back.
     """
     preflight(paths, name)
-    probe = probe_for(paths, name)
+    probe = probe_for(paths, name, manager)
     manager.restart(name)
     wait_up(manager, name, probe=probe, timeout_s=timeout_s, restarts=manager.status(name).restarts)
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -274,7 +275,7 @@ def build_admin_app(
         )
 
     async def health(_: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+        return _json({"status": "ok", "pid": os.getpid()})
 
     async def openapi(_: web.Request) -> web.Response:
         return _json(build_openapi())

@@ -31,9 +31,11 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    """``GET /api/v1/health``."""
+    """``GET /api/v1/health``: ``pid`` lets ``service restart`` tell its own control plane from
+    another program answering on the same address."""
 
     status: str
+    pid: int
 
 
 
