@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import shutil
 import subprocess
 import tarfile
@@ -345,9 +344,3 @@ class Provisioner:
 def refused_status(detail: str) -> EngineStatus:
     """A ``failed`` llama.cpp status with ``detail``."""
     return EngineStatus(engine=llamacpp.ENGINE, state=ProvisionState.FAILED, detail=detail)
-
-
-def installed_build(agent_state: Path, release: Release = LLAMACPP_RELEASE) -> Path | None:
-    """The binary of ``release`` if it is installed already."""
-    p = install_root(agent_state) / release.tag / llamacpp.BINARY_NAME
-    return p if p.is_file() and os.access(p, os.X_OK) else None

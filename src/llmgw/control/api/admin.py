@@ -55,7 +55,7 @@ from llmgw import jsonbody
 from llmgw.catalog import Model, Profile
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.openapi import NodeRemovalView, build_openapi
-from llmgw.control.api.views import ExplainView, ModelView, NodeView, ProvisionView, ReplicaView, ResourcesView
+from llmgw.control.api.views import ExplainView, ModelView, NodeResourcesView, NodeView, ProvisionView, ReplicaView
 from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.leader import effective_model, new_replica_id, parse_facts, reservations
 from llmgw.control.store.offloop import OffLoop
@@ -134,7 +134,7 @@ def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model
             ProvisionView(engine=e.engine, version=e.version, state=e.state.value, detail=e.detail)
             for e in node.engines
         ],
-        resources=ResourcesView(
+        resources=NodeResourcesView(
             cores=inv.cores,
             cores_reserved=cores_reserved,
             memory_total_bytes=inv.memory_total_bytes,

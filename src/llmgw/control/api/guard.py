@@ -126,32 +126,13 @@ def node_cpus(store: Store) -> list[int]:
     return [n.inventory.cores for n in store.list_nodes() if n.state == "ready"]
 
 
-def build_keeper(
-    store: Store, guard: Callable[[], GuardConfig], serve: MirrorServe, changed: Callable[[], None]
-) -> JudgeKeeper:
-    """The judge keeper over the store: refits write profiles, restarts delete the replicas (the
-    leader places new ones with the new profile), both followed by ``changed``."""
-
-    def set_profiles(name: str, profiles: list[Any], _by: str) -> None:
-        row = store.get_model(name)
-        if row is None:
-            raise LlmgwError(f"model {name} is gone")
-        store.update_model(row.model.model_copy(update={"profiles": profiles}), revision=row.revision, now=time.time())
-        changed()
-
-    def restart(ids: list[str]) -> None:
-        for i in ids:
-            store.delete_replica(i)
-        changed()
-
+def build_keeper(store: Store, guard: Callable[[], GuardConfig], serve: MirrorServe) -> JudgeKeeper:
+    """The judge keeper over the store: the catalog's models, the ready nodes' GPUs and cores."""
     return JudgeKeeper(
         library=guard,
         models=lambda: [r.model for r in store.list_models()],
         serve=serve,
         gpus=lambda: cluster_gpus(store),
-        set_profiles=set_profiles,
-        restart=restart,
-        replicas=lambda name: [r.id for r in store.list_replicas(model=name)],
         node_cpus=lambda: node_cpus(store),
     )
 
