@@ -28,8 +28,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store import sql as st
+from llmgw.control.store.offloop import OffLoop
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
 OPS = 2000

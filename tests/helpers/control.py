@@ -4,12 +4,17 @@ free ports and server.yaml under one ``LLMGW_ROOT``, and ``serve`` running it in
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import httpx
 import yaml
 
 from llmgw import tlsconf
@@ -20,6 +25,16 @@ from tests.helpers.net import free_port
 
 TOKEN = "admin-token-for-tests"
 GB = 1_000_000_000
+FAKE_ENGINE = """#!/bin/sh
+case "$1" in
+  --version) echo "version: 4242 (feedbee)"; exit 0;;
+  --help) echo "-m, --model FNAME"; exit 0;;
+esac
+exec sleep 120
+"""
+"""A stand-in llama-server: answers ``--version`` and ``--help``, otherwise sleeps like one loading
+a model, so placement and GPU assignment run on real agents without a model (replicas stay
+``starting``)."""
 
 
 @dataclass
@@ -116,3 +131,29 @@ def heartbeat(*replicas: ReplicaStatus, cores: int = 4, memory_gb: int = 8) -> s
         engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
         replicas=list(replicas),
     ).model_dump_json()
+
+
+def start_server_run(inst: Install, out: IO[bytes] | int = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """``llmgw server run`` over ``inst`` as a child process, stdout and stderr to ``out``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "server", "run"],
+        env={**os.environ, "LLMGW_ROOT": str(inst.root)},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_admin_health(inst: Install, proc: subprocess.Popen[bytes], within_s: float = 30) -> None:
+    """Wait until the admin API answers ``/api/v1/health`` with 200; fails with the process's output
+    if it exits first, or after ``within_s`` seconds."""
+    url = f"{inst.admin}/api/v1/health"
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "server run exited"
+        assert time.monotonic() < deadline, f"server run did not answer /api/v1/health in {within_s:g} s"
+        time.sleep(0.1)

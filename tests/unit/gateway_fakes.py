@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -125,14 +124,6 @@ def fake_llama(
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     return app
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (connecting to it is refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 class ServerThread:

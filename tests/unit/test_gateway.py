@@ -21,7 +21,8 @@ from llmgw.control.gateway.app import build_gateway_app, is_loopback
 from llmgw.control.gateway.inspect import Exchange, Refusal, StreamInspector
 from llmgw.control.gateway.upstream import ModelRewriter
 from llmgw.routing import Route, StaticRouter, Upstream
-from tests.unit.gateway_fakes import ServerThread, completion, fake_llama, free_port, stream_events
+from tests.helpers.net import free_port
+from tests.unit.gateway_fakes import ServerThread, completion, fake_llama, stream_events
 
 KEY = "sk-good"
 

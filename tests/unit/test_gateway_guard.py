@@ -31,7 +31,8 @@ from llmgw.control.gateway.guard import GuardInspector, HeldStream
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
-from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
+from tests.helpers.net import free_port
+from tests.unit.gateway_fakes import ServerThread, fake_llama
 
 KEY = "sk-guard"
 JUDGE_KEY = "judge-secret-key"

@@ -18,10 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw import tlsconf
-from llmgw.control.server import serve
-from llmgw.paths import Paths
-from tests.unit.test_server_run import TOKEN, Install, free_port
+from tests.helpers.control import Install, make_install, serving
 
 ALICE = "sk-alice-0123456789"
 BOB = "sk-bob-0123456789"
@@ -30,20 +27,8 @@ BOB = "sk-bob-0123456789"
 @pytest.fixture
 def keyed(tmp_path: Path) -> Install:
     """An install whose gateway needs a key from ``etc/gateway-keys`` (alice's and bob's)."""
-    paths = Paths(tmp_path)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    (paths.etc / "admin-token").write_text(TOKEN + "\n")
-    inst = Install(
-        tmp_path,
-        paths,
-        paths.server_config,
-        {"admin": free_port(), "agent": free_port(), "gateway": free_port()},
-        ca,
-    )
-    keys = paths.etc / "gateway-keys"
+    inst = make_install(tmp_path)
+    keys = inst.paths.etc / "gateway-keys"
     keys.write_text(f"# the gateway's keys\n{ALICE}\n{BOB}\n")
     inst.write(
         gateway={
@@ -57,15 +42,8 @@ def keyed(tmp_path: Path) -> Install:
 
 @pytest.fixture
 async def gateway(keyed: Install) -> AsyncIterator[str]:
-    stop = asyncio.Event()
-    started: asyncio.Future[dict[str, tuple[str, int]]] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(keyed.config, keyed.paths, stop=stop, on_started=started.set_result))
-    done, _ = await asyncio.wait([task, started], timeout=20, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    yield f"http://127.0.0.1:{keyed.ports['gateway']}/v1/models"
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving(keyed, stop_s=10):
+        yield f"http://127.0.0.1:{keyed.ports['gateway']}/v1/models"
 
 
 async def _status(client: httpx.AsyncClient, url: str, key: str) -> int:
