@@ -31,7 +31,7 @@ from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import ServerInit
 from llmgw.service.manager import SupervisorManager
-from tests.unit.test_mirror_fetch import Upstream
+from tests.helpers.mirrors import Upstream
 
 pytestmark = pytest.mark.e2e
 

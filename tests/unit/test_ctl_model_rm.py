@@ -24,7 +24,7 @@ from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.models import FetchStatus
 from llmgw.mirror.usage import entry_for
 from tests.helpers.control import TOKEN, Install, make_install
-from tests.unit.test_mirror_client import ThreadedMirror
+from tests.helpers.mirrors import ThreadedMirror
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ HTTP; malformed answers go through the client's transport seam (httpx.MockTransp
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import pathlib
@@ -14,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -26,37 +24,10 @@ from llmgw.cli.main import app
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.models import FetchStatus
-from llmgw.mirror.policy import SourcePolicy
-from llmgw.mirror.server import MirrorServer
+from tests.helpers.mirrors import ThreadedMirror
 
 DATA = os.urandom(100_000)
 SHA = hashlib.sha256(DATA).hexdigest()
-
-
-class ThreadedMirror:
-    def __init__(self, root: pathlib.Path, policy: SourcePolicy | None = None) -> None:
-        # By default file: sources from the test's directory (the store's parent), as --import-dir would allow.
-        self.server = MirrorServer(
-            root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="http://m.test:8081",
-            policy=policy or SourcePolicy(import_dirs=(root.parent.resolve(),)),
-        )
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> ThreadedMirror:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.server.api_port}"
 
 
 @pytest.fixture
