@@ -22,7 +22,7 @@ from llmgw.control.store.sql import Store, default_url
 from llmgw.guard.config import GuardConfig
 from llmgw.jsonbody import JsonBodyError, loads, nesting_depth
 from llmgw.routing import Route, StaticRouter
-from tests.unit.gateway_fakes import ServerThread
+from tests.helpers.gateway import ServerThread
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
