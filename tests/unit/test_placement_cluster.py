@@ -14,7 +14,7 @@ from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader, backoff_s
 from llmgw.control.store.sql import ReplicaRow, Store, default_url
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
-from tests.unit.test_placement import LLAMA, h100, node
+from tests.helpers.nodes import LLAMA, h100, node
 
 GB = 1_000_000_000
 
