@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -43,6 +43,7 @@ from llmgw.protocol import ReplicaState
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class MirrorServe:
     """Serve jobs: fetch a judge into the mirror, wait until it is there, add it to the catalog.
 
@@ -51,18 +52,15 @@ class MirrorServe:
     (the control plane refreshes its routing table and wakes the leader).
     """
 
-    def __init__(
-        self, store: Store, mirror_api: str, *, on_added: Callable[[], None] = lambda: None,
-        wait_s: float = 30 * 60, poll_s: float = 2.0,
-    ) -> None:
-        self.store = store
-        self.mirror_api = mirror_api
-        self.on_added = on_added
-        self.wait_s = wait_s
-        self.poll_s = poll_s
-        self._jobs: dict[str, ServeJob] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+    store: Store
+    mirror_api: str
+    _: KW_ONLY
+    on_added: Callable[[], None] = lambda: None
+    wait_s: float = 30 * 60
+    poll_s: float = 2.0
+    _jobs: dict[str, ServeJob] = field(default_factory=dict, init=False)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def start(self, request: ServeRequest) -> ServeJob:
         """Start fetching and adding ``request``; raises LlmgwError without a mirror."""

@@ -98,7 +98,7 @@ def refit_cores(replicas: int, cpus: list[int]) -> int:
     return cores
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class JudgeKeeper:
     """See the module docstring. Every dependency is a callable, so tests drive each branch.
 
