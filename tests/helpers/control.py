@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -131,6 +131,34 @@ def heartbeat(*replicas: ReplicaStatus, cores: int = 4, memory_gb: int = 8) -> s
         engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
         replicas=list(replicas),
     ).model_dump_json()
+
+
+def make_keyed_install(root: Path, *keys: str) -> Install:
+    """:func:`make_install` whose gateway takes only ``keys`` (written to ``etc/gateway-keys``),
+    loopback clients included."""
+    inst = make_install(root)
+    keys_file = inst.paths.etc / "gateway-keys"
+    keys_file.write_text("# the gateway's keys\n" + "".join(k + "\n" for k in keys))
+    inst.write(
+        gateway={
+            "listen": f"127.0.0.1:{inst.ports['gateway']}",
+            "keys_file": str(keys_file),
+            "allow_loopback_without_key": False,
+        }
+    )
+    return inst
+
+
+@contextmanager
+def server_run(inst: Install) -> Iterator[subprocess.Popen[bytes]]:
+    """:func:`start_server_run` with its output piped; killed at the end if it still runs."""
+    proc = start_server_run(inst)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def start_server_run(inst: Install, out: IO[bytes] | int = subprocess.PIPE) -> subprocess.Popen[bytes]:

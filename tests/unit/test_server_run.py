@@ -1,13 +1,12 @@
 """The control plane process: serve() wiring in-process (all three listeners, a heartbeat through to a
-proxied chat answer), port clashes named, and `llmgw server run` as a real process stopped by SIGTERM."""
+proxied chat answer) and port clashes named; `llmgw server run` as a real process is in
+tests/e2e/test_processes.py."""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -30,8 +29,6 @@ from tests.helpers.control import (
     heartbeat,
     make_install,
     serving,
-    start_server_run,
-    wait_admin_health,
 )
 
 
@@ -150,24 +147,3 @@ def test_cli_run_reports_a_missing_config(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli_app, ["--root", str(tmp_path), "server", "run"])
     assert result.exit_code == 2
     assert "server.yaml does not exist" in result.output
-
-
-@pytest.fixture
-def process(install: Install) -> Iterator[subprocess.Popen[bytes]]:
-    proc = start_server_run(install)
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
-
-
-@pytest.mark.e2e
-def test_server_run_process_serves_and_stops_on_sigterm(
-    install: Install, process: subprocess.Popen[bytes]
-) -> None:
-    wait_admin_health(install, process)
-    assert install.paths.database.exists()
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=15) == 0
