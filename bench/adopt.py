@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.e2e.agent_world import make_cluster, serve_files
+from tests.e2e.agent_world import make_cluster
+from tests.helpers.net import serve_files
 
 from llmgw.agent.records import stop_all_engines
 

@@ -29,7 +29,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -42,7 +41,6 @@ from pathlib import Path
 import aiohttp
 import httpx
 import psutil
-import yaml
 
 from llmgw import tlsconf
 from llmgw.paths import Paths
@@ -56,18 +54,14 @@ from llmgw.protocol import (
     ReplicaStatus,
 )
 
-TOKEN = "bench-admin-token"  # noqa: S105 - a throwaway install's token
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.helpers.control import TOKEN, make_install
+
 GB = 1_000_000_000
 IDLE_S = 8.0
 SETTLE_S = 6.0
 AFTER_S = 10.0
 BURST_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -85,31 +79,13 @@ class Samples:
 
 
 def install(root: Path, agents: int) -> tuple[Paths, dict[str, int], list[ssl.SSLContext]]:
-    paths = Paths(root)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    paths.admin_token.write_text(TOKEN + "\n")
-    ports = {"admin": free_port(), "agent": free_port(), "gateway": free_port()}
-    doc = {
-        "admin_listen": f"127.0.0.1:{ports['admin']}",
-        "agent_listen": f"127.0.0.1:{ports['agent']}",
-        "tls": {
-            "ca": str(paths.pki / "ca.pem"),
-            "cert": str(paths.pki / "server.pem"),
-            "key": str(paths.pki / "server-key.pem"),
-        },
-        "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True},
-        "node_lost_after_s": 30,
-    }
-    paths.server_config.write_text(yaml.safe_dump(doc))
+    inst = make_install(root)
     certs = root / "agents"
     contexts = []
     for i in range(agents):
-        cert, key = ca.issue_client(f"node-{i:03d}").write(certs, f"node-{i:03d}")
-        contexts.append(tlsconf.client_context(paths.pki / "ca.pem", cert, key))
-    return paths, ports, contexts
+        cert, key = inst.ca.issue_client(f"node-{i:03d}").write(certs, f"node-{i:03d}")
+        contexts.append(tlsconf.client_context(inst.paths.pki / "ca.pem", cert, key))
+    return inst.paths, inst.ports, contexts
 
 
 def heartbeat(i: int, desired: list[str]) -> bytes:

@@ -31,7 +31,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.e2e.agent_world import GEMMA_SHA256, serve_files
+from tests.e2e.agent_world import GEMMA_SHA256
+from tests.helpers.net import serve_files
 
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp

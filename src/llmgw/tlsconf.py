@@ -176,11 +176,11 @@ def cert_hosts(cert_path: Path) -> list[str]:
     return out
 
 
-def server_context(ca: Path, cert: Path, key: Path, *, require_client_cert: bool = True) -> ssl.SSLContext:
+def server_context(ca: Path, cert: Path, key: Path) -> ssl.SSLContext:
     """The agent API's TLS context: our certificate, and client certificates required from ``ca``."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
     ctx.load_cert_chain(str(cert), str(key))
-    ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_NONE
+    ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
 

@@ -27,7 +27,7 @@ class ProvisionView(BaseModel):
     detail: str = ""
 
 
-class ResourcesView(BaseModel):
+class NodeResourcesView(BaseModel):
     """A node's resources: totals, what placed replicas reserve, and what is free (bytes, cores)."""
 
     cores: int
@@ -51,7 +51,7 @@ class NodeView(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     engines: list[str] = Field(default_factory=list)
     provision: list[ProvisionView] = Field(default_factory=list)
-    resources: ResourcesView | None = None
+    resources: NodeResourcesView | None = None
     gpus: list[GPU] = Field(default_factory=list)
     last_seen: float | None = None  # unix seconds
 

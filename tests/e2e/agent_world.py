@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,27 +30,10 @@ from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.paths import Paths
 from llmgw.protocol import ReplicaStatus
+from tests.helpers.net import free_port
 
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # scripts/assets pins it
 NODE = "node-1"
-
-
-def free_port() -> int:
-    """A loopback port free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def serve_files(files_dir: Path) -> tuple[web.AppRunner, str]:
-    """A static file server over ``files_dir``; returns its runner and base URL."""
-    app = web.Application()
-    app.router.add_static("/", files_dir, follow_symlinks=True)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 @dataclass

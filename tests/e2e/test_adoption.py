@@ -25,7 +25,8 @@ import pytest
 
 from llmgw.agent.records import load_records, stop_all_engines
 from tests.conftest import Assets
-from tests.e2e.agent_world import AgentProcess, ControlPlane, make_cluster, serve_files
+from tests.e2e.agent_world import AgentProcess, ControlPlane, make_cluster
+from tests.helpers.net import serve_files
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import stat
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,34 +24,20 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from aiohttp import web
 
 from llmgw import tlsconf
 from llmgw.agent.loop import run_agent
 from llmgw.agent.records import load_records, stop_all_engines
 from llmgw.config import AgentConfig
-from llmgw.control.server import serve
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
 from tests.conftest import Assets
+from tests.helpers.control import FAKE_ENGINE, TOKEN, make_install, serving
+from tests.helpers.net import serve_files
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "cluster-test-token"
 GB = 1_000_000_000
-FAKE_ENGINE = """#!/bin/sh
-case "$1" in
-  --version) echo "version: 4242 (feedbee)"; exit 0;;
-  --help) echo "-m, --model FNAME"; exit 0;;
-esac
-exec sleep 120
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gpu(index: int) -> dict[str, Any]:
@@ -123,28 +108,7 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    paths = Paths(tmp_path)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    (paths.etc / "admin-token").write_text(TOKEN + "\n")
-    ports = {k: free_port() for k in ("admin", "agent", "gateway")}
-    paths.server_config.write_text(
-        yaml.safe_dump(
-            {
-                "admin_listen": f"127.0.0.1:{ports['admin']}",
-                "agent_listen": f"127.0.0.1:{ports['agent']}",
-                "tls": {
-                    "ca": str(paths.pki / "ca.pem"),
-                    "cert": str(paths.pki / "server.pem"),
-                    "key": str(paths.pki / "server-key.pem"),
-                },
-                "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True},
-                "node_lost_after_s": 1.5,
-            }
-        )
-    )
+    inst = make_install(tmp_path, node_lost_after_s=1.5)
     engine = tmp_path / "llama-server"
     engine.write_text(FAKE_ENGINE)
     engine.chmod(engine.stat().st_mode | stat.S_IXUSR)
@@ -152,32 +116,18 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     files_dir.mkdir()
     for name in ("big.gguf", "huge.gguf"):
         (files_dir / name).write_bytes(b"GGUF" + b"\0" * 1000)
-    files = web.Application()
-    files.router.add_static("/", files_dir, follow_symlinks=True)
-    files_runner = web.AppRunner(files)
-    await files_runner.setup()
-    await web.TCPSite(files_runner, "127.0.0.1", 0).start()
-    stop = asyncio.Event()
-    started: asyncio.Future[dict[str, tuple[str, int]]] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(paths.server_config, paths, stop=stop, on_started=started.set_result))
-    await asyncio.wait_for(asyncio.shield(started), 20)
-    c = Cluster(
-        tmp_path,
-        ca,
-        f"http://127.0.0.1:{ports['admin']}",
-        f"https://127.0.0.1:{ports['agent']}",
-        f"http://127.0.0.1:{files_runner.addresses[0][1]}",
-        engine,
-    )
+    files_runner, files_url = await serve_files(files_dir)
     try:
-        yield c
+        async with serving(inst):
+            c = Cluster(tmp_path, inst.ca, inst.admin, inst.agent_url, files_url, engine)
+            try:
+                yield c
+            finally:
+                for node in list(c.agents):
+                    await c.stop(node)
+                for node_dir in (tmp_path / "nodes").glob("*"):
+                    stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
     finally:
-        for node in list(c.agents):
-            await c.stop(node)
-        for node_dir in (tmp_path / "nodes").glob("*"):
-            stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
-        stop.set()
-        await asyncio.wait_for(server, 15)
         await files_runner.cleanup()
 
 

@@ -13,7 +13,8 @@ import pytest
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
-from tests.unit.gateway_fakes import ServerThread, free_port
+from tests.helpers.gateway import ServerThread
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -10,10 +10,8 @@ keys (``--api-key-file``) and reports both replicas ready at its address. ``capp
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,10 +21,10 @@ import httpx
 import pytest
 
 from llmgw import tlsconf
-from llmgw.paths import Paths
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.conftest import Assets
-from tests.unit.test_server_run import TOKEN, Install, free_port, heartbeat
+from tests.helpers.control import TOKEN, heartbeat, make_install, start_server_run, wait_admin_health
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -66,16 +64,9 @@ def _wait(what: str, check: Any, timeout: float = 60) -> None:
 @pytest.fixture(scope="module")
 def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
-    paths = Paths(root)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    (paths.etc / "admin-token").write_text(TOKEN + "\n")
+    inst = make_install(root)
+    paths, ca = inst.paths, inst.ca
     (paths.etc / "gateway-keys").write_text(KEY + "\n")
-    inst = Install(
-        root, paths, paths.server_config, {"admin": free_port(), "agent": free_port(), "gateway": free_port()}, ca
-    )
     inst.write(
         gateway={
             "listen": f"127.0.0.1:{inst.ports['gateway']}",
@@ -84,19 +75,14 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         },
         node_lost_after_s=3600,
     )
-    log = (root / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "server", "run"],
-        env={**os.environ, "LLMGW_ROOT": str(root)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    log = (root / "server.log").open("wb")
+    server = start_server_run(inst, log)
     engine: subprocess.Popen[bytes] | None = None
     try:
         admin = f"http://127.0.0.1:{inst.ports['admin']}"
         agent = f"https://127.0.0.1:{inst.ports['agent']}"
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        _wait("server run", lambda: httpx.get(admin + "/api/v1/health").status_code == 200, 30)
+        wait_admin_health(inst, server)
         cert, key = ca.issue_client("node-1").write(root / "agent", "node-1")
         ctx = tlsconf.client_context(paths.pki / "ca.pem", cert, key)
         assert httpx.post(agent + "/agent/v1/register", content=heartbeat(), verify=ctx).status_code == 200

@@ -29,7 +29,8 @@ from llmgw.guard.config import Direction, FailMode, GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
-from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
+from tests.helpers.gateway import ServerThread, fake_llama
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -7,11 +7,7 @@ HTTP; a second init only keeps and skips; and after ``service stop --engines`` n
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,86 +16,15 @@ import psutil
 import pytest
 
 from tests.conftest import Assets
+from tests.helpers.processes import exposed, llmgw, offline_init, processes_under
 
 pytestmark = pytest.mark.e2e
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def llmgw(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LLMGW_ROOT": str(root)}
-    return subprocess.run(
-        [sys.executable, "-m", "llmgw", *args], env=env, capture_output=True, text=True, timeout=timeout,
-        check=False,
-    )
-
-
-def processes_under(root: Path) -> list[psutil.Process]:
-    """Every live process started for this install: its argv or environment names the root."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "pid"]):
-        if p.pid == os.getpid():
-            continue
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            env = p.environ() if str(root) not in cmd else {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        if str(root) in cmd or env.get("LLMGW_ROOT") == str(root):
-            found.append(p)
-    return found
-
-
-SECRET_NAMES = {"admin-token", "client-keys", "llmgw.db", "llmgw.db-wal", "llmgw.db-shm", "record.json", "api-key"}
-"""Files that hold a secret wherever they are: tokens, keys, the store (replica keys), replica records."""
-
-
-def exposed(root: Path) -> list[str]:
-    """What in an install's tree another local user could read or change (issue 9, item 3):
-    a secret (:data:`SECRET_NAMES`, ``*-key.pem``, a supervisor log) readable by group or others,
-    a state directory that is not 0700, and any directory group or others may write."""
-    found = []
-    state_dirs = {root / "var/lib/llmgw", root / "var/lib/llmgw-agent", root / "var/lib/llmgw/services"}
-    for top, dirs, names in os.walk(root):
-        for d in dirs:
-            path = Path(top) / d
-            mode = path.lstat().st_mode & 0o777
-            if mode & 0o022:
-                found.append(f"{path}: directory mode {mode:o}, writable by group or others")
-            if path in state_dirs and mode != 0o700:
-                found.append(f"{path}: state directory mode {mode:o}, not 700")
-        for n in names:
-            path = Path(top) / n
-            log = path.parent.name == "services" and n.endswith(".log")
-            secret = n in SECRET_NAMES or n.endswith("-key.pem") or log
-            mode = path.lstat().st_mode & 0o777
-            if secret and mode & 0o077:
-                found.append(f"{path}: secret with mode {mode:o}, readable by group or others")
-    return found
-
-
 @pytest.fixture
 def install(tmp_path: Path, assets: Assets) -> Iterator[tuple[Path, list[str]]]:
-    root = tmp_path / "root"
-    ports = {name: free_port() for name in ("admin", "agent", "gateway", "mirror", "mirror-api")}
-    args = [
-        "server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node",
-        "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
-        "--llama-server", str(assets.llama_server),
-        "--admin-listen", f"127.0.0.1:{ports['admin']}", "--agent-listen", f"127.0.0.1:{ports['agent']}",
-        "--gateway-listen", f"127.0.0.1:{ports['gateway']}", "--mirror-listen", f"127.0.0.1:{ports['mirror']}",
-        "--mirror-api-listen", f"127.0.0.1:{ports['mirror-api']}",
-    ]
-    try:
-        yield root, args
-    finally:
-        llmgw(root, "service", "stop", "--engines", timeout=60)
-        for p in processes_under(root):
-            p.kill()
+    with offline_init(tmp_path, assets) as got:
+        yield got
 
 
 def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]) -> None:

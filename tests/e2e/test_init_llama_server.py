@@ -7,6 +7,7 @@ and the node is ready and answering again.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,9 +15,15 @@ import pytest
 
 from llmgw.config import load_agent_config
 from tests.conftest import Assets
-from tests.e2e.test_init import install, llmgw  # noqa: F401 - install is the fixture used below
+from tests.helpers.processes import llmgw, offline_init
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def install(tmp_path: Path, assets: Assets) -> Iterator[tuple[Path, list[str]]]:
+    with offline_init(tmp_path, assets) as got:
+        yield got
 
 
 def _with_llama_server(args: list[str], binary: Path) -> list[str]:
@@ -25,7 +32,7 @@ def _with_llama_server(args: list[str], binary: Path) -> list[str]:
 
 
 def test_a_wrong_llama_server_is_refused_and_a_later_one_replaces_what_init_wrote(
-    install: tuple[Path, list[str]], tmp_path: Path, assets: Assets  # noqa: F811 - the fixture
+    install: tuple[Path, list[str]], tmp_path: Path, assets: Assets
 ) -> None:
     root, args = install
     fake = tmp_path / "fake" / "llama-server"

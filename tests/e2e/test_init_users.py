@@ -31,7 +31,7 @@ import llmgw
 from llmgw.paths import Paths
 from llmgw.service.manager import SupervisorManager
 from tests.conftest import Assets
-from tests.e2e.test_init import exposed, free_port, processes_under
+from tests.helpers.processes import exposed, listen_args, stop_install
 
 pytestmark = [
     pytest.mark.e2e,
@@ -66,26 +66,17 @@ def system_install(assets: Assets) -> Iterator[Path]:
         (base / "models/starter.gguf").chmod(0o644)
         yield base
     finally:
-        root = base / "root"
-        env = {**os.environ, "LLMGW_ROOT": str(root)}
-        subprocess.run([sys.executable, "-m", "llmgw", "service", "stop", "--engines"], env=env,
-                       capture_output=True, timeout=120, check=False)
-        for p in processes_under(root):
-            p.kill()
+        stop_install(base / "root")
         shutil.rmtree(base, ignore_errors=True)
 
 
 def test_init_runs_the_control_plane_and_mirror_as_llmgw(system_install: Path, assets: Assets) -> None:
     root = system_install / "root"
-    ports = {name: free_port() for name in ("admin", "agent", "gateway", "mirror", "mirror-api")}
     argv = [
         str(system_install / "venv/bin/llmgw"), "server", "init", "--offline", "--host", "127.0.0.1",
         "--node-id", "users-node", "--no-guard-model",
         "--starter-source", f"file:{system_install / 'models/starter.gguf'}", "--starter-alias", "gemma",
-        "--llama-server", str(assets.llama_server),
-        "--admin-listen", f"127.0.0.1:{ports['admin']}", "--agent-listen", f"127.0.0.1:{ports['agent']}",
-        "--gateway-listen", f"127.0.0.1:{ports['gateway']}", "--mirror-listen", f"127.0.0.1:{ports['mirror']}",
-        "--mirror-api-listen", f"127.0.0.1:{ports['mirror-api']}",
+        "--llama-server", str(assets.llama_server), *listen_args(),
     ]
     env = {**os.environ, "LLMGW_ROOT": str(root)}
     env.pop("VIRTUAL_ENV", None)

@@ -28,18 +28,15 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from aiohttp import web
 
-from llmgw import tlsconf
 from llmgw.agent.records import load_records, stop_all_engines
-from llmgw.control.server import serve
-from llmgw.paths import Paths
 from tests.conftest import Assets
-from tests.e2e.agent_world import GEMMA_SHA256, AgentProcess, free_port
+from tests.e2e.agent_world import GEMMA_SHA256, AgentProcess
+from tests.helpers.control import TOKEN, make_install, serving
+from tests.helpers.net import serve_files
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "lost-agent-token"
 GB = 1_000_000_000
 LOST_AFTER_S = 2.0
 FROZEN_S = 9.0  # > 4 x node_lost_after_s: the node is surely lost, and several leader passes run
@@ -84,37 +81,12 @@ async def until(what: str, pred: Any, within_s: float) -> Any:
 
 @pytest.fixture
 async def world(tmp_path: Path, assets: Assets) -> AsyncIterator[World]:
-    paths = Paths(tmp_path)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    (paths.etc / "admin-token").write_text(TOKEN + "\n")
-    ports = {k: free_port() for k in ("admin", "agent", "gateway")}
-    paths.server_config.write_text(
-        yaml.safe_dump(
-            {
-                "admin_listen": f"127.0.0.1:{ports['admin']}",
-                "agent_listen": f"127.0.0.1:{ports['agent']}",
-                "tls": {
-                    "ca": str(paths.pki / "ca.pem"),
-                    "cert": str(paths.pki / "server.pem"),
-                    "key": str(paths.pki / "server-key.pem"),
-                },
-                "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True},
-                "node_lost_after_s": LOST_AFTER_S,
-            }
-        )
-    )
+    inst = make_install(tmp_path, node_lost_after_s=LOST_AFTER_S)
+    paths, ca, ports = inst.paths, inst.ca, inst.ports
     files_dir = tmp_path / "files"
     files_dir.mkdir()
     os.symlink(assets.model, files_dir / "gemma.gguf")
-    files = web.Application()
-    files.router.add_static("/", files_dir, follow_symlinks=True)
-    files_runner = web.AppRunner(files)
-    await files_runner.setup()
-    await web.TCPSite(files_runner, "127.0.0.1", 0).start()
-    files_url = f"http://127.0.0.1:{files_runner.addresses[0][1]}"
+    files_runner, files_url = await serve_files(files_dir)
 
     node_root = tmp_path / "node"
     cert, key = ca.issue_client("node-1").write(node_root / "etc", "agent")
@@ -135,37 +107,32 @@ async def world(tmp_path: Path, assets: Assets) -> AsyncIterator[World]:
     )
     agent = AgentProcess(node_root, config, tmp_path / "agent.log")
 
-    stop = asyncio.Event()
-    started: asyncio.Future[dict[str, tuple[str, int]]] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(paths.server_config, paths, stop=stop, on_started=started.set_result))
-    await asyncio.wait_for(asyncio.shield(started), 20)
-    w = World(f"http://127.0.0.1:{ports['admin']}", f"http://127.0.0.1:{ports['gateway']}", agent)
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(
-            w.admin + "/api/v1/models",
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            json={
-                "name": "m",
-                "source": f"{files_url}/gemma.gguf",
-                "sha256": GEMMA_SHA256,
-                "profiles": [
-                    {"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1, "args": ["--ctx-size", "512", "-np", "1"]}
-                ],
-            },
-        ) as r,
-    ):
-        assert r.status == 201, await r.text()
-    try:
-        yield w
-    finally:
-        if agent.proc is not None and agent.proc.poll() is None:
-            agent.proc.send_signal(signal.SIGCONT)
-        agent.term()
-        stop_all_engines(agent.agent_state, grace_s=5)
-        stop.set()
-        await asyncio.wait_for(server, 15)
-        await files_runner.cleanup()
+    async with serving(inst):
+        w = World(inst.admin, f"http://127.0.0.1:{ports['gateway']}", agent)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                w.admin + "/api/v1/models",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                json={
+                    "name": "m",
+                    "source": f"{files_url}/gemma.gguf",
+                    "sha256": GEMMA_SHA256,
+                    "profiles": [
+                        {"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1, "args": ["--ctx-size", "512", "-np", "1"]}
+                    ],
+                },
+            ) as r,
+        ):
+            assert r.status == 201, await r.text()
+        try:
+            yield w
+        finally:
+            if agent.proc is not None and agent.proc.poll() is None:
+                agent.proc.send_signal(signal.SIGCONT)
+            agent.term()
+            stop_all_engines(agent.agent_state, grace_s=5)
+    await files_runner.cleanup()
 
 
 async def test_frozen_agent_keeps_its_engine_serving_and_adopts_it_back(world: World) -> None:

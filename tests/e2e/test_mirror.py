@@ -32,7 +32,7 @@ from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import ServerInit, serveryaml
 from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.manager import SupervisorManager
-from tests.unit.test_mirror_fetch import Upstream
+from tests.helpers.mirrors import Upstream
 
 pytestmark = pytest.mark.e2e
 

@@ -31,27 +31,16 @@ from aiohttp import web
 from llmgw import tlsconf
 from llmgw.paths import Paths
 from llmgw.protocol import (
-    EngineStatus,
-    Heartbeat,
     HeartbeatReply,
-    Inventory,
-    ProvisionState,
     ReplicaState,
     ReplicaStatus,
 )
 from llmgw.service.manager import SupervisorManager
 from llmgw.service.units import server_unit
+from tests.helpers.control import TOKEN, heartbeat, make_install
 
 pytestmark = pytest.mark.e2e
 
-TOKEN = "admin-token-for-restart-tests"
-GB = 1_000_000_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SlowEngine:
@@ -138,14 +127,6 @@ def wait(what: str, check: Any, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def heartbeat(*replicas: ReplicaStatus) -> str:
-    return Heartbeat(
-        inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
-        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
-        replicas=list(replicas),
-    ).model_dump_json()
-
-
 def serve_model(inst: Install, endpoint: str) -> None:
     """A node over the real agent API, the model ``chat`` in the catalog, its replica ready at ``endpoint``."""
     cert, key = inst.ca.issue_client("node-1").write(inst.root / "agent", "node-1")
@@ -200,22 +181,12 @@ class Stream:
 
 @pytest.fixture
 def install(tmp_path: Path) -> Iterator[Install]:
-    paths = Paths.from_env(tmp_path)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    paths.admin_token.write_text(TOKEN + "\n")
-    paths.admin_token.chmod(0o600)
-    ports = {"admin": free_port(), "agent": free_port(), "gateway": free_port()}
-    pki = paths.pki
-    doc = {
-        "admin_listen": f"127.0.0.1:{ports['admin']}",
-        "agent_listen": f"127.0.0.1:{ports['agent']}",
-        "tls": {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
-        "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True, "drain_s": 20},
-    }
-    inst = Install(tmp_path, paths, ports, ca, doc)
+    base = make_install(tmp_path.resolve())
+    base.paths.admin_token.chmod(0o600)
+    doc = yaml.safe_load(base.config.read_text())
+    doc["gateway"]["drain_s"] = 20
+    paths = base.paths
+    inst = Install(base.root, paths, base.ports, base.ca, doc)
     inst.write()
     manager = SupervisorManager(paths)
     manager.install("server", server_unit(paths, str(Path(sys.executable).parent / "llmgw"), user=None))

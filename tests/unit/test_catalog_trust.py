@@ -35,7 +35,7 @@ from llmgw.control.store import ReplicaRow, Store, open_store
 from llmgw.engineargs import refused_args
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
 from tests.conftest import Assets
-from tests.unit.gateway_fakes import ServerThread, fake_llama
+from tests.helpers.gateway import ServerThread, fake_llama
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

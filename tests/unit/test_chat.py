@@ -16,7 +16,8 @@ from llmgw.control.gateway.app import build_gateway_app
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import ROOT_ENV, Paths
 from llmgw.routing import Route, StaticRouter, Upstream
-from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
+from tests.helpers.gateway import ServerThread, fake_llama
+from tests.helpers.net import free_port
 
 KEY = "sk-chat"
 

@@ -23,10 +23,13 @@ from llmgw.control.server import serve
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.models import FetchStatus
 from llmgw.mirror.usage import entry_for
-from tests.unit.test_mirror_client import ThreadedMirror
-from tests.unit.test_server_run import TOKEN, Install, install
+from tests.helpers.control import TOKEN, Install, make_install
+from tests.helpers.mirrors import ThreadedMirror
 
-__all__ = ["install"]  # the fixture, used by name below
+
+@pytest.fixture
+def install(tmp_path: pathlib.Path) -> Install:
+    return make_install(tmp_path)
 
 
 class ThreadedControlPlane:

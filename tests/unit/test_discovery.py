@@ -19,17 +19,15 @@ import pytest
 
 from llmgw.agent.discovery import (
     MIB,
-    SMI_QUERY,
-    SmiRunner,
     discover_gpus,
     discover_inventory,
     gpu_class,
     gpus_from_smi_csv,
     has_nvidia_device,
 )
-from llmgw.config import AgentConfig
 from llmgw.errors import ConfigError
 from llmgw.protocol import GPU
+from tests.helpers.nodes import agent_cfg, no_nvml, smi
 
 H100_NODE = """\
 0, GPU-5a3c1f0e-8b2d-4c7e-9f10-2b3d4e5f6a7b, NVIDIA H100 80GB HBM3, 81559, 4
@@ -44,20 +42,6 @@ NO_DRIVER = (
     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
     "Make sure that the latest NVIDIA driver is installed and running.\n"
 )
-
-
-def smi(stdout: str = "", returncode: int = 0, stderr: str = "") -> SmiRunner:
-    """An smi runner that answers with a recorded output and checks it was asked the right query."""
-
-    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        assert list(argv) == SMI_QUERY
-        return subprocess.CompletedProcess(list(argv), returncode, stdout, stderr)
-
-    return run
-
-
-def no_nvml() -> list[GPU] | None:
-    return None
 
 
 @pytest.mark.parametrize(
@@ -129,17 +113,6 @@ def test_nvml_answer_wins_over_smi() -> None:
         raise AssertionError("nvidia-smi must not be asked when NVML answered")
 
     assert discover_gpus(nvml=lambda: [gpu], smi=never) == [gpu]
-
-
-def agent_cfg(tmp_path: Path, **extra: object) -> AgentConfig:
-    return AgentConfig.model_validate(
-        {
-            "server": "https://cp:7443",
-            "node_id": "n1",
-            "tls": {"ca": tmp_path / "ca.pem", "cert": tmp_path / "a.pem", "key": tmp_path / "k.pem"},
-            **extra,
-        }
-    )
 
 
 def test_discover_inventory_probes_this_machine(tmp_path: Path) -> None:

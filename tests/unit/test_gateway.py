@@ -1,6 +1,6 @@
 """The gateway over real HTTP on 127.0.0.1: keys, models, errors, relays, and the official openai client.
 
-Fake llama-servers (``gateway_fakes``) stand in for engines; the gateway gets a StaticRouter.
+Fake llama-servers (``tests.helpers.gateway``) stand in for engines; the gateway gets a StaticRouter.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from llmgw.control.gateway.app import build_gateway_app, is_loopback
 from llmgw.control.gateway.inspect import Exchange, Refusal, StreamInspector
 from llmgw.control.gateway.upstream import ModelRewriter
 from llmgw.routing import Route, StaticRouter, Upstream
-from tests.unit.gateway_fakes import ServerThread, completion, fake_llama, free_port, stream_events
+from tests.helpers.gateway import ServerThread, completion, fake_llama, stream_events
+from tests.helpers.net import free_port
 
 KEY = "sk-good"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -31,82 +31,10 @@ from llmgw.control.gateway.guard import GuardInspector, HeldStream
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
-from tests.unit.gateway_fakes import ServerThread, fake_llama, free_port
+from tests.helpers.gateway import JUDGE_KEY, FakeJudge, ServerThread, fake_llama
+from tests.helpers.net import free_port
 
 KEY = "sk-guard"
-JUDGE_KEY = "judge-secret-key"
-
-
-@dataclass
-class FakeJudge:
-    """Records what it was asked: ``asked`` (judged texts), ``templates`` (apply-template calls)."""
-
-    chatml: bool = False
-    asked: list[str] = field(default_factory=list)
-    templates: int = 0
-
-    def app(self) -> web.Application:
-        async def template(request: web.Request) -> web.Response:
-            self.templates += 1
-            body = await request.json()
-            text = "\n".join(m["content"] for m in body["messages"])
-            if self.chatml:
-                return web.json_response({"prompt": f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"})
-            return web.json_response({"prompt": f"<|im_start|>user\n# Task:\n<BEGIN SAFETY POLICY>\n{text}"})
-
-        async def chat(request: web.Request) -> web.StreamResponse:
-            if request.headers.get("Authorization") != f"Bearer {JUDGE_KEY}":
-                return web.json_response({"error": {"code": 401, "message": "Invalid API Key"}}, status=401)
-            body = await request.json()
-            assert body["temperature"] == 0
-            assert body["cache_prompt"] is True
-            msgs = body["messages"]
-            text = msgs[-1]["content"]
-            self.asked.append(text)
-            out = msgs[-1]["role"] == "assistant"
-            refusal = "\nRefusal: No" if out else ""
-            answer = "Safety: Safe\nCategories: None" + refusal
-            if "bomb" in text:
-                answer = "Safety: Unsafe\nCategories: Violent" + refusal
-            elif "edgy" in text:
-                answer = "Safety: Controversial\nCategories: Unethical Acts" + refusal
-            elif "slowjudge" in text:
-                await asyncio.sleep(1.5)
-            elif "garbage" in text:
-                answer = "I am not sure about this one."
-            elif "threelines" in text:
-                answer = "Safety: Safe\r\nCategories: None\r\nRefusal: No\r\n"
-            elif "judge500" in text:
-                return web.json_response({"error": {"message": "slot crashed at 10.0.0.9:8123"}}, status=500)
-            elif "cutjudge" in text:
-                assert request.transport is not None
-                request.transport.close()
-                return web.Response()
-            timings = {"prompt_ms": 1.0, "predicted_ms": 2.0, "cache_n": 5}
-            if body.get("stream"):  # as llama-server streams: a few characters an event
-                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await out.prepare(request)
-                for i in range(0, len(answer), 4):
-                    event = {"choices": [{"index": 0, "delta": {"content": answer[i:i + 4]}}], "timings": timings}
-                    await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "timings": timings}
-                await out.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
-                return out
-            return web.json_response(
-                {
-                    "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
-                    ],
-                    "timings": timings,
-                }
-            )
-
-        app = web.Application()
-        app.router.add_post("/apply-template", template)
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
-
-
 POLICIES = [
     Policy(name="team", judge="judge", keys=[key_id("sk-team")], fail=FailMode.OPEN, models=["chat"]),
     Policy(name="strict", judge="judge", controversial=Controversial.BLOCK, models=["chat", "evil"]),

@@ -1,27 +1,19 @@
 """Issue 9 item 4 on a real control plane: a key removed from ``gateway.keys_file`` stops working
 without a restart (re-read within a second of a change, and on SIGHUP), and a broken keys file
-keeps the last good keys. ``serve()`` runs in-process with its real listeners (real HTTP); the
-SIGHUP test runs ``llmgw server run`` as a process."""
+keeps the last good keys. ``serve()`` runs in-process with its real listeners (real HTTP); SIGHUP
+to ``llmgw server run`` as a process is in tests/e2e/test_processes.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from llmgw import tlsconf
-from llmgw.control.server import serve
-from llmgw.paths import Paths
-from tests.unit.test_server_run import TOKEN, Install, free_port
+from tests.helpers.control import Install, make_keyed_install, serving
 
 ALICE = "sk-alice-0123456789"
 BOB = "sk-bob-0123456789"
@@ -30,42 +22,13 @@ BOB = "sk-bob-0123456789"
 @pytest.fixture
 def keyed(tmp_path: Path) -> Install:
     """An install whose gateway needs a key from ``etc/gateway-keys`` (alice's and bob's)."""
-    paths = Paths(tmp_path)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    (paths.etc / "admin-token").write_text(TOKEN + "\n")
-    inst = Install(
-        tmp_path,
-        paths,
-        paths.server_config,
-        {"admin": free_port(), "agent": free_port(), "gateway": free_port()},
-        ca,
-    )
-    keys = paths.etc / "gateway-keys"
-    keys.write_text(f"# the gateway's keys\n{ALICE}\n{BOB}\n")
-    inst.write(
-        gateway={
-            "listen": f"127.0.0.1:{inst.ports['gateway']}",
-            "keys_file": str(keys),
-            "allow_loopback_without_key": False,
-        }
-    )
-    return inst
+    return make_keyed_install(tmp_path, ALICE, BOB)
 
 
 @pytest.fixture
 async def gateway(keyed: Install) -> AsyncIterator[str]:
-    stop = asyncio.Event()
-    started: asyncio.Future[dict[str, tuple[str, int]]] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(keyed.config, keyed.paths, stop=stop, on_started=started.set_result))
-    done, _ = await asyncio.wait([task, started], timeout=20, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    yield f"http://127.0.0.1:{keyed.ports['gateway']}/v1/models"
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving(keyed, stop_s=10):
+        yield f"http://127.0.0.1:{keyed.ports['gateway']}/v1/models"
 
 
 async def _status(client: httpx.AsyncClient, url: str, key: str) -> int:
@@ -118,48 +81,3 @@ async def test_a_broken_keys_file_keeps_the_last_good_keys(
         await asyncio.sleep(1.1)
         assert await _status(client, gateway, ALICE) == 401
         assert await _status(client, gateway, BOB) == 200
-
-
-@pytest.fixture
-def process(keyed: Install) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "server", "run"],
-        env={**os.environ, "LLMGW_ROOT": str(keyed.root)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-    proc.communicate()
-
-
-@pytest.mark.e2e
-def test_sighup_rereads_the_keys_file_in_a_running_server(
-    keyed: Install, process: subprocess.Popen[str]
-) -> None:
-    url = f"http://127.0.0.1:{keyed.ports['gateway']}/v1/models"
-    auth = {"Authorization": f"Bearer {ALICE}"}
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(url, headers=auth, timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None, process.communicate()[0]
-        assert time.monotonic() < deadline, "server run did not answer in 30 s"
-        time.sleep(0.1)
-    (keyed.paths.etc / "gateway-keys").write_text(f"{BOB}\n")
-    process.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while httpx.get(url, headers=auth, timeout=5).status_code != 401:
-        assert process.poll() is None, "SIGHUP stopped the server: " + process.communicate()[0]
-        assert time.monotonic() < deadline, "alice's removed key still works 10 s after SIGHUP"
-        time.sleep(0.05)
-    assert httpx.get(url, headers={"Authorization": f"Bearer {BOB}"}, timeout=5).status_code == 200
-    process.send_signal(signal.SIGTERM)
-    output = process.communicate(timeout=15)[0]
-    assert process.returncode == 0, output
-    assert "reloaded (SIGHUP): 1 keys" in output

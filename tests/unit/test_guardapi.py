@@ -16,8 +16,7 @@ from llmgw.guard.config import GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Upstream
 from llmgw.serverinit import plan
-from tests.unit.gateway_fakes import ServerThread
-from tests.unit.test_gateway_guard import JUDGE_KEY, FakeJudge
+from tests.helpers.gateway import JUDGE_KEY, FakeJudge, ServerThread
 
 
 @dataclass

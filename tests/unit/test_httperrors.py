@@ -20,7 +20,7 @@ from llmgw.httperrors import (
     openai_error_event,
     openai_error_json,
 )
-from tests.unit.gateway_fakes import ServerThread
+from tests.helpers.gateway import ServerThread
 
 
 def test_error_json_is_code_and_message_only() -> None:

@@ -8,50 +8,28 @@ import socket
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from llmgw.cli.main import app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _init(root: Path, *args: str) -> tuple[int, str]:
-    """Run init with every listener on a free port (unless given), so another install on the
-    default ports cannot change what a test sees."""
-    listen = []
-    for flag in ("--admin-listen", "--agent-listen", "--gateway-listen", "--mirror-listen", "--mirror-api-listen"):
-        if flag not in args:
-            listen += [flag, f"127.0.0.1:{_free_port()}"]
-    r = CliRunner().invoke(app, ["--root", str(root), "server", "init", "--offline", *listen, *args])
-    return r.exit_code, r.output
-
-
-def _written(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "init.lock")
+from tests.helpers.init import init_cli, written
 
 
 def test_a_starter_that_is_not_gguf_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"<html>not a model</html>")
     root = tmp_path / "root"
-    code, out = _init(root, "--starter-source", f"file:{bad}")
+    code, out = init_cli(root, "--starter-source", f"file:{bad}")
     assert code == 2
     assert "is not a GGUF file (it does not start with the bytes 'GGUF')" in out
-    assert _written(root) == []
+    assert written(root) == []
 
 
 def test_a_missing_starter_file_is_named(tmp_path: Path) -> None:
-    code, out = _init(tmp_path / "root", "--starter-source", f"file:{tmp_path}/nope.gguf")
+    code, out = init_cli(tmp_path / "root", "--starter-source", f"file:{tmp_path}/nope.gguf")
     assert code == 2
     assert f"{tmp_path}/nope.gguf does not exist" in out
 
 
 def test_a_source_that_cannot_be_downloaded_is_refused(tmp_path: Path) -> None:
-    code, out = _init(tmp_path / "root", "--starter-source", "ftp://x/y.gguf")
+    code, out = init_cli(tmp_path / "root", "--starter-source", "ftp://x/y.gguf")
     assert code == 2
     assert "cannot turn" in out
 
@@ -59,7 +37,7 @@ def test_a_source_that_cannot_be_downloaded_is_refused(tmp_path: Path) -> None:
 def test_a_llama_server_that_is_not_there_is_named(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 100)
-    code, out = _init(tmp_path / "root", "--starter-source", f"file:{model}", "--llama-server", "/no/llama-server")
+    code, out = init_cli(tmp_path / "root", "--starter-source", f"file:{model}", "--llama-server", "/no/llama-server")
     assert code == 2
     assert "--llama-server /no/llama-server is not an executable file" in out
 
@@ -71,12 +49,12 @@ def test_a_taken_port_is_named_with_its_flag(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        code, out = _init(tmp_path / "root", "--starter-source", f"file:{model}",
+        code, out = init_cli(tmp_path / "root", "--starter-source", f"file:{model}",
                           "--gateway-listen", f"127.0.0.1:{port}")
     assert code == 2
     assert f"port {port} (gateway-listen) is already taken by another program" in out
     assert "--gateway-listen" in out
-    assert _written(tmp_path / "root") == []
+    assert written(tmp_path / "root") == []
 
 
 def test_two_inits_at_once_are_refused(tmp_path: Path) -> None:
@@ -89,7 +67,7 @@ def test_two_inits_at_once_are_refused(tmp_path: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, b"4242")
-        code, out = _init(root, "--starter-source", f"file:{model}")
+        code, out = init_cli(root, "--starter-source", f"file:{model}")
     finally:
         os.close(fd)
     assert code == 4
@@ -103,7 +81,7 @@ def test_a_broken_server_yaml_stops_init_and_is_left_as_it_was(tmp_path: Path) -
     conf = root / "etc/llmgw/server.yaml"
     conf.parent.mkdir(parents=True)
     conf.write_text("admin_listen: [\n")
-    code, out = _init(root, "--starter-source", f"file:{model}")
+    code, out = init_cli(root, "--starter-source", f"file:{model}")
     assert code == 2
     assert "server.yaml: not valid YAML" in out
     assert conf.read_text() == "admin_listen: [\n"
@@ -117,6 +95,6 @@ def test_an_unknown_field_is_named(tmp_path: Path, field: str) -> None:
     conf = root / "etc/llmgw/server.yaml"
     conf.parent.mkdir(parents=True)
     conf.write_text("tls: {ca: a, cert: b, key: c}\n" + field)
-    code, out = _init(root, "--starter-source", f"file:{model}")
+    code, out = init_cli(root, "--starter-source", f"file:{model}")
     assert code == 2
     assert "server.yaml: bogus: unknown field; remove it or check its spelling" in out

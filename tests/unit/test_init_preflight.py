@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from llmgw.agent.engines import llamacpp
@@ -33,11 +32,10 @@ from llmgw.paths import Paths
 from llmgw.serverinit import agentconf, files, preflight
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import ServerInit, checks, node, serve
-from llmgw.serverinit.wait import Clock
 from llmgw.service.manager import SupervisorManager
 from tests.conftest import Assets
-from tests.unit.test_init_errors import _free_port, _init, _written
-from tests.unit.test_init_wait_serving import FakeClock
+from tests.helpers.init import FakeClock, init_cli, scripted_init, written
+from tests.helpers.net import free_port
 
 
 def script(tmp_path: Path, name: str, body: str) -> Path:
@@ -55,7 +53,7 @@ def gguf(tmp_path: Path) -> Path:
 
 def opts(tmp_path: Path, **kw: Any) -> InitOptions:
     """Options whose every listener is a free loopback port and whose starter is a local GGUF."""
-    ports = {f: f"127.0.0.1:{_free_port()}" for f in
+    ports = {f: f"127.0.0.1:{free_port()}" for f in
              ("admin_listen", "agent_listen", "gateway_listen", "mirror_listen", "mirror_api_listen")}
     return InitOptions(offline=True, starter_source=f"file:{gguf(tmp_path)}", **{**ports, **kw})
 
@@ -126,11 +124,11 @@ def test_a_fake_llama_server_leaves_nothing_written(tmp_path: Path) -> None:
     server.yaml, agent.yaml and the PKI and started services with it)."""
     fake = script(tmp_path, "llama-server", 'echo "hello"\n')
     root = tmp_path / "root"
-    code, out = _init(root, "--host", "127.0.0.1", "--starter-source", f"file:{gguf(tmp_path)}",
+    code, out = init_cli(root, "--host", "127.0.0.1", "--starter-source", f"file:{gguf(tmp_path)}",
                       "--llama-server", str(fake))
     assert code == 2, out
     assert "is not a working llama-server" in out
-    assert _written(root) == []
+    assert written(root) == []
 
 
 def test_the_real_llama_server_passes_preflight(tmp_path: Path, assets: Assets) -> None:
@@ -251,32 +249,18 @@ def test_check_agent_address(listen: str, hosts: list[str], refused: bool) -> No
 
 def test_the_cli_refuses_it_and_writes_nothing(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    code, out = _init(root, "--starter-source", f"file:{gguf(tmp_path)}")
+    code, out = init_cli(root, "--starter-source", f"file:{gguf(tmp_path)}")
     assert code == 2, out
     assert "accepts agents on loopback only" in out
     assert "pass --host 127.0.0.1" in out
-    assert _written(root) == []
+    assert written(root) == []
 
 
 # --- 24: no wait is silent ---
 
 
 def scripted(tmp_path: Path, answers: dict[str, Any], **kw: Any) -> tuple[ServerInit, io.StringIO, FakeClock]:
-    paths = Paths(tmp_path)
-    files.write_atomic(paths.server_config, files.server_yaml(
-        admin_listen="127.0.0.1:9", agent_listen=":7443", gateway_listen=":8080", pki=paths.pki,
-        keys_file=paths.client_keys))
-    files.write_atomic(paths.admin_token, "t\n", 0o600)
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        key = request.url.path + ("?" + request.url.query.decode() if request.url.query else "")
-        return httpx.Response(200, json=answers[key])
-
-    out = io.StringIO()
-    c = FakeClock()
-    init = ServerInit(paths, InitOptions(poll_s=0.5, **kw), SupervisorManager(paths), out=out,
-                      clock=Clock(c.now, c.sleep), admin_transport=httpx.MockTransport(handler))
-    return init, out, c
+    return scripted_init(tmp_path, answers, InitOptions(poll_s=0.5, **kw))
 
 
 def waiting_lines(out: str) -> list[tuple[int, str]]:

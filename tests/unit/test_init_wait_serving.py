@@ -7,46 +7,17 @@ import io
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from llmgw.errors import EngineError
-from llmgw.paths import Paths
-from llmgw.serverinit import files
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import ServerInit, serve
-from llmgw.serverinit.wait import Clock
-from llmgw.service.manager import SupervisorManager
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
+from tests.helpers.init import scripted_init
 
 
 def make_init(tmp_path: Path, answers: dict[str, Any]) -> tuple[ServerInit, io.StringIO]:
-    paths = Paths(tmp_path)
-    files.write_atomic(paths.server_config, files.server_yaml(
-        admin_listen="127.0.0.1:9", agent_listen=":7443", gateway_listen=":8080", pki=paths.pki,
-        keys_file=paths.client_keys))
-    files.write_atomic(paths.admin_token, "t\n", 0o600)
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        key = request.url.path + ("?" + request.url.query.decode() if request.url.query else "")
-        return httpx.Response(200, json=answers[key])
-
-    out = io.StringIO()
-    c = FakeClock()
-    init = ServerInit(
-        paths, InitOptions(unplaced_grace_s=90, serve_wait_s=600, poll_s=2), SupervisorManager(paths),
-        out=out, clock=Clock(c.now, c.sleep), admin_transport=httpx.MockTransport(handler),
-    )
+    options = InitOptions(unplaced_grace_s=90, serve_wait_s=600, poll_s=2)
+    init, out, _clock = scripted_init(tmp_path, answers, options)
     return init, out
 
 

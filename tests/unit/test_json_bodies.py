@@ -23,7 +23,7 @@ from llmgw.errors import JsonBodyError
 from llmgw.guard.config import GuardConfig
 from llmgw.jsonbody import loads, nesting_depth
 from llmgw.routing import Route, StaticRouter
-from tests.unit.gateway_fakes import ServerThread
+from tests.helpers.gateway import ServerThread
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

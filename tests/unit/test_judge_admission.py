@@ -31,7 +31,7 @@ from llmgw.guard.admission import JudgeQueue, JudgeTime
 from llmgw.guard.config import Direction, GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
-from tests.unit.gateway_fakes import ServerThread, fake_llama
+from tests.helpers.gateway import ServerThread, fake_llama
 
 #: Seconds the fake judge takes per judgment, one at a time.
 HOLD_S = 1.0

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from llmgw.catalog import Model, Profile, Role, Scaling
+from llmgw.catalog import Model
 from llmgw.control.reconcile.judgekeeper import (
     JUDGE_GRACE,
     JUDGE_RETRY,
     ClassUse,
     JudgeKeeper,
     ServeJob,
-    earlier_init_judge,
     refit_cores,
     roomiest_gpu_class,
 )
@@ -149,128 +148,6 @@ def test_a_serve_that_cannot_start_is_logged(caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.ERROR):
         k.check()
     assert "could not start serving" in caplog.text
-
-
-# -- refit ---------------------------------------------------------------------------------------------
-
-
-def old_judge(**profile: object) -> Model:
-    p = {"name": "cpu", "engine": "llamacpp", "min_memory_gb": 4, "cpu_cores": 1, "args": ["--ctx-size", "8192"]}
-    p.update(profile)
-    return Model(name="qwen3guard-0.6b", source="http://m/q.gguf", role=Role.GUARD, scaling=Scaling(min=2, max=2),
-                 profiles=[Profile.model_validate(p)])
-
-
-@dataclass
-class Refits:
-    profiles: list[tuple[str, list[Profile], str]] = field(default_factory=list)
-    restarted: list[list[str]] = field(default_factory=list)
-    fail_set: bool = False
-    fail_restart: bool = False
-    ids: list[str] = field(default_factory=lambda: ["r1", "r2"])
-
-    def set_profiles(self, name: str, profiles: list[Profile], by: str) -> None:
-        if self.fail_set:
-            raise RuntimeError("store busy")
-        self.profiles.append((name, profiles, by))
-
-    def restart(self, ids: list[str]) -> None:
-        if self.fail_restart:
-            raise RuntimeError("node gone")
-        self.restarted.append(ids)
-
-
-def refit_keeper(m: Model, r: Refits) -> JudgeKeeper:
-    k, _, _ = keeper(models=[m], set_profiles=r.set_profiles, restart=r.restart,
-                     replicas=lambda _n: list(r.ids), node_cpus=lambda: [8])
-    return k
-
-
-def test_refits_an_earlier_init_judge_and_restarts_it() -> None:
-    r = Refits()
-    k = refit_keeper(old_judge(), r)
-    k.check()
-    k.check()
-    ((name, (p,), by),) = r.profiles  # once
-    assert name == "qwen3guard-0.6b"
-    assert (p.min_memory_gb, p.cpu_cores, p.args) == (2, 2, ["--ctx-size", "8192", "--cache-ram", "0"])
-    assert "earlier init" in by
-    assert r.restarted == [["r1", "r2"]]
-
-
-def test_refit_without_replicas_restarts_nothing() -> None:
-    r = Refits(ids=[])
-    refit_keeper(old_judge(), r).check()
-    assert len(r.profiles) == 1
-    assert r.restarted == []
-
-
-def test_refit_that_fails_is_tried_again() -> None:
-    r = Refits(fail_set=True)
-    k = refit_keeper(old_judge(), r)
-    k.check()
-    r.fail_set = False
-    k.check()
-    assert len(r.profiles) == 1
-
-
-def test_refit_whose_restart_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    r = Refits(fail_restart=True)
-    with caplog.at_level(logging.WARNING):
-        refit_keeper(old_judge(), r).check()
-    assert "could not restart it" in caplog.text
-
-
-def test_hand_edited_judge_is_left_alone_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    r = Refits()
-    k = refit_keeper(old_judge(cpu_cores=6), r)
-    with caplog.at_level(logging.INFO):
-        k.check()
-        k.check()
-    assert r.profiles == []
-    assert caplog.text.count("not one init wrote") == 1
-
-
-def test_judge_init_writes_now_is_not_said(caplog: pytest.LogCaptureFixture) -> None:
-    r = Refits()
-    with caplog.at_level(logging.INFO):
-        refit_keeper(plan.guard_model("http://m/q.gguf", 1, 4), r).check()
-    assert r.profiles == []
-    assert "not one init wrote" not in caplog.text
-
-
-def test_no_refit_without_its_callables_or_for_other_models() -> None:
-    r = Refits()
-    k, _, _ = keeper(models=[old_judge()])
-    k.check()  # no set_profiles/restart/replicas
-    other = old_judge().model_copy(update={"name": "other-judge"})
-    refit_keeper(other, r).check()
-    chat = old_judge().model_copy(update={"role": Role.CHAT})
-    refit_keeper(chat, r).check()
-    assert r.profiles == []
-
-
-@pytest.mark.parametrize(
-    ("profile", "want"),
-    [
-        ({}, True),
-        ({"min_memory_gb": 2, "cpu_cores": 0}, True),
-        ({"cpu_cores": 3}, False),
-        ({"min_memory_gb": 3}, False),
-        ({"args": ["--ctx-size", "8192", "--cache-ram", "0"]}, False),
-        ({"name": "gpu"}, False),
-        ({"gpu_class": "l4-24gb"}, False),
-        ({"node_selector": {"a": "b"}}, False),
-    ],
-)
-def test_earlier_init_judge(profile: dict[str, object], want: bool) -> None:
-    assert earlier_init_judge(old_judge(**profile)) is want
-
-
-def test_two_profiles_is_not_an_earlier_init_judge() -> None:
-    m = old_judge()
-    m = m.model_copy(update={"profiles": [*m.profiles, m.profiles[0].model_copy(update={"name": "b"})]})
-    assert not earlier_init_judge(m)
 
 
 @pytest.mark.parametrize(

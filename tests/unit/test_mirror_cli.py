@@ -22,7 +22,7 @@ from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import ServerInit
 from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.manager import SupervisorManager
-from tests.unit.test_mirror_client import ThreadedMirror
+from tests.helpers.mirrors import ThreadedMirror
 
 DATA = os.urandom(200_000)
 SHA = hashlib.sha256(DATA).hexdigest()

@@ -6,15 +6,10 @@ HTTP; malformed answers go through the client's transport seam (httpx.MockTransp
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import pathlib
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -26,37 +21,10 @@ from llmgw.cli.main import app
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.models import FetchStatus
-from llmgw.mirror.policy import SourcePolicy
-from llmgw.mirror.server import MirrorServer
+from tests.helpers.mirrors import ThreadedMirror
 
 DATA = os.urandom(100_000)
 SHA = hashlib.sha256(DATA).hexdigest()
-
-
-class ThreadedMirror:
-    def __init__(self, root: pathlib.Path, policy: SourcePolicy | None = None) -> None:
-        # By default file: sources from the test's directory (the store's parent), as --import-dir would allow.
-        self.server = MirrorServer(
-            root=root, listen="127.0.0.1:0", api_listen="127.0.0.1:0", base="http://m.test:8081",
-            policy=policy or SourcePolicy(import_dirs=(root.parent.resolve(),)),
-        )
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> ThreadedMirror:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.server.api_port}"
 
 
 @pytest.fixture
@@ -135,36 +103,3 @@ def test_cli_port_in_use_is_an_error_naming_the_flag(tmp_path: pathlib.Path) -> 
         )  # fmt: skip
     assert r.exit_code == 2, r.output
     assert f"Error: port {port} (--listen 127.0.0.1:{port}) is already in use" in r.output
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.mark.e2e
-def test_serve_process_answers_and_exits_cleanly_on_sigterm(tmp_path: pathlib.Path) -> None:
-    api = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw", "mirror", "serve", "--dir", str(tmp_path / "store"),
-         "--listen", f"127.0.0.1:{_free_port()}", "--api-listen", f"127.0.0.1:{api}", "--base", "http://x:8081"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        with MirrorClient(f"http://127.0.0.1:{api}", timeout=1) as c:
-            for _ in range(100):
-                try:
-                    c.health()
-                    break
-                except UnreachableError:
-                    time.sleep(0.1)
-            else:
-                raise AssertionError("mirror serve never answered")
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out.decode()

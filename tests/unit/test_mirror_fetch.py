@@ -23,57 +23,15 @@ from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import MirrorServer
 from llmgw.protocol import ReplicaSpec
 from llmgw.sourcecheck import hf_published_sha256, hf_published_size
+from tests.helpers.mirrors import Upstream
 
 DATA = os.urandom(1_500_000)
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
-class Upstream:
-    """A local HTTP server: a Hugging Face-style resolve route and throttled plain files.
-
-    ``published`` is the ``X-Linked-Etag`` the HEAD answers; ``body`` what GET sends; ``delay_s``
-    the pause after each 64 KiB (throttling); ``length`` whether Content-Length is sent.
-    """
-
-    def __init__(self, body: bytes = DATA) -> None:
-        self.body = body
-        self.published = f'"{SHA}"'
-        self.delay_s = 0.0
-        self.length = True
-        self.ranges: list[str] = []
-        self.base = ""
-
-    async def head(self, _: web.Request) -> web.Response:
-        # As Hugging Face answers a resolve HEAD for an LFS file, redirects not followed.
-        return web.Response(
-            status=302,
-            headers={"X-Linked-Etag": self.published, "X-Linked-Size": str(len(self.body)),
-                     "Location": f"{self.base}/cdn/blob"},
-        )  # fmt: skip
-
-    async def get(self, request: web.Request) -> web.StreamResponse:
-        rng = request.headers.get("Range", "")
-        self.ranges.append(rng)
-        start = int(rng.removeprefix("bytes=").rstrip("-")) if rng else 0
-        resp = web.StreamResponse(status=206 if start else 200)
-        if start:
-            resp.headers["Content-Range"] = f"bytes {start}-{len(self.body) - 1}/{len(self.body)}"
-        if self.length:
-            resp.content_length = len(self.body) - start
-        else:
-            resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        for i in range(start, len(self.body), 1 << 16):
-            await resp.write(self.body[i : i + (1 << 16)])
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-        await resp.write_eof()
-        return resp
-
-
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
-    up = Upstream()
+    up = Upstream(DATA)
     app = web.Application()
     app.router.add_route("HEAD", "/{org}/{repo}/resolve/main/{file}", up.head)
     app.router.add_get("/{org}/{repo}/resolve/main/{file}", up.get, allow_head=False)

@@ -22,7 +22,7 @@ from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.supervisor import parse_unit
 from llmgw.service.units import mirror_unit
-from tests.unit.test_mirror_client import ThreadedMirror
+from tests.helpers.mirrors import ThreadedMirror
 
 
 def test_the_unit_carries_import_dirs_through_the_supervisors_parser(tmp_path: pathlib.Path) -> None:

@@ -34,7 +34,7 @@ from llmgw.mirror.download import partial_path
 from llmgw.mirror.models import Manifest
 from llmgw.mirror.policy import SourcePolicy, _open_below
 from llmgw.mirror.store import Store
-from tests.unit.test_mirror_server import Mirror, raw_status
+from tests.helpers.mirrors import Mirror, raw_status
 
 DATA = os.urandom(200_000)
 SHA = hashlib.sha256(DATA).hexdigest()

@@ -14,7 +14,6 @@ import pathlib
 import socket
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
 
 import aiohttp
 import pytest
@@ -24,13 +23,12 @@ from aiohttp.test_utils import TestServer
 from llmgw.errors import PortInUseError
 from llmgw.mirror.download import partial_path
 from llmgw.mirror.models import FetchStatus, Manifest
-from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import MirrorServer
 from llmgw.mirror.store import Store
+from tests.helpers.mirrors import BASE, Mirror, raw_status
 
 DATA = os.urandom(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
-BASE = "http://mirror.test:8081"
 
 
 @pytest.fixture
@@ -41,73 +39,10 @@ def src(tmp_path: pathlib.Path) -> pathlib.Path:
     return p
 
 
-class Mirror:
-    """A MirrorServer on 127.0.0.1 ephemeral ports. Its default policy imports ``file:`` sources
-    from ``<root's parent>/in`` and fetches from any address (the upstreams here are on loopback);
-    test_mirror_policy.py gives it the strict ones."""
-
-    def __init__(
-        self,
-        root: pathlib.Path,
-        api_listen: str = "127.0.0.1:0",
-        allow: tuple[str, ...] = (),
-        policy: SourcePolicy | None = None,
-    ) -> None:
-        if policy is None:
-            policy = SourcePolicy(import_dirs=(root.parent.resolve() / "in",), allow_private=True)
-        self.server = MirrorServer(
-            root=root, listen="127.0.0.1:0", api_listen=api_listen, base=BASE, api_allow=allow, policy=policy
-        )
-
-    async def __aenter__(self) -> Mirror:
-        await self.server.start()
-        self.http = aiohttp.ClientSession()
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self.http.close()
-        await self.server.stop()
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.server.api_port}/api/v1"
-
-    @property
-    def files(self) -> str:
-        return f"http://127.0.0.1:{self.server.bytes_port}"
-
-    async def post_fetch(self, source: str, model: str = "gemma", version: str = "1") -> tuple[int, Any]:
-        body = {"source": source, "model": model, "version": version}
-        async with self.http.post(f"{self.api}/fetch", json=body) as r:
-            return r.status, await r.json()
-
-    async def wait(self, model: str = "gemma", version: str = "1", state: str = "present") -> FetchStatus:
-        for _ in range(500):
-            async with self.http.get(f"{self.api}/status/{model}/{version}") as r:
-                if r.status == 200:
-                    st = FetchStatus.model_validate(await r.json())
-                    if st.state == state:
-                        return st
-                    assert st.state == "fetching", st
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{model}/{version} never became {state}")
-
-
 @pytest.fixture
 async def mirror(tmp_path: pathlib.Path) -> AsyncIterator[Mirror]:
     async with Mirror(tmp_path / "store") as m:
         yield m
-
-
-async def raw_status(port: int, target: str, host: str = "127.0.0.1") -> int:
-    """Send ``GET target`` exactly as written; return the status code."""
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-    await writer.drain()
-    line = await reader.readline()
-    writer.close()
-    await writer.wait_closed()
-    return int(line.split()[1])
 
 
 async def test_fetch_file_source_then_serve_with_range(mirror: Mirror, src: pathlib.Path) -> None:

@@ -32,7 +32,7 @@ from llmgw.names import check_label_key, check_name
 from llmgw.paths import Paths
 from llmgw.serverinit import files
 from llmgw.serverinit.onboard import add_node
-from tests.unit.gateway_fakes import ServerThread
+from tests.helpers.gateway import ServerThread
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

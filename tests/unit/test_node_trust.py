@@ -23,7 +23,6 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from aiohttp import web
 from cryptography import x509
 
 from llmgw import tlsconf
@@ -31,13 +30,12 @@ from llmgw.agent.loop import run_agent
 from llmgw.agent.records import load_records, stop_all_engines
 from llmgw.agent.tlsdiag import alert_name, certificate_problem
 from llmgw.config import AgentConfig
-from llmgw.control.server import serve
 from llmgw.errors import NodeRemoved
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
-from tests.e2e.test_cluster import FAKE_ENGINE, free_port
+from tests.helpers.control import FAKE_ENGINE, TOKEN, make_install, serving
+from tests.helpers.net import serve_files
 
-TOKEN = "trust-test-token"
 GB = 1_000_000_000
 INVENTORY = {"cores": 4, "memory_total_bytes": 8 * GB, "memory_available_bytes": 8 * GB}
 
@@ -105,53 +103,22 @@ async def until(what: str, pred: Any, within_s: float = 20) -> Any:
 
 @pytest.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    paths = Paths(tmp_path)
-    paths.etc.mkdir(parents=True)
-    ca = tlsconf.CA.create()
-    ca.write(paths.pki)
-    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
-    (paths.etc / "admin-token").write_text(TOKEN + "\n")
-    ports = {k: free_port() for k in ("admin", "agent", "gateway")}
-    paths.server_config.write_text(
-        yaml.safe_dump(
-            {
-                "admin_listen": f"127.0.0.1:{ports['admin']}",
-                "agent_listen": f"127.0.0.1:{ports['agent']}",
-                "tls": {
-                    "ca": str(paths.pki / "ca.pem"),
-                    "cert": str(paths.pki / "server.pem"),
-                    "key": str(paths.pki / "server-key.pem"),
-                },
-                "gateway": {"listen": f"127.0.0.1:{ports['gateway']}", "allow_loopback_without_key": True},
-            }
-        )
-    )
+    inst = make_install(tmp_path)
     engine = tmp_path / "llama-server"
     engine.write_text(FAKE_ENGINE)
     engine.chmod(engine.stat().st_mode | stat.S_IXUSR)
     files_dir = tmp_path / "files"
     files_dir.mkdir()
     (files_dir / "m.gguf").write_bytes(b"GGUF" + b"\0" * 1000)
-    files = web.Application()
-    files.router.add_static("/", files_dir)
-    files_runner = web.AppRunner(files)
-    await files_runner.setup()
-    await web.TCPSite(files_runner, "127.0.0.1", 0).start()
-    stop = asyncio.Event()
-    started: asyncio.Future[dict[str, tuple[str, int]]] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(paths.server_config, paths, stop=stop, on_started=started.set_result))
-    await asyncio.wait_for(asyncio.shield(started), 20)
-    w = World(
-        tmp_path, ca, f"http://127.0.0.1:{ports['admin']}", f"https://127.0.0.1:{ports['agent']}",
-        f"http://127.0.0.1:{files_runner.addresses[0][1]}", engine,
-    )
+    files_runner, files_url = await serve_files(files_dir)
     try:
-        yield w
+        async with serving(inst):
+            try:
+                yield World(tmp_path, inst.ca, inst.admin, inst.agent_url, files_url, engine)
+            finally:
+                for node_dir in (tmp_path / "nodes").glob("*"):
+                    stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
     finally:
-        for node_dir in (tmp_path / "nodes").glob("*"):
-            stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
-        stop.set()
-        await asyncio.wait_for(server, 15)
         await files_runner.cleanup()
 
 

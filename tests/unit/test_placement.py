@@ -8,47 +8,14 @@ from llmgw.catalog import Engine, Model, Profile, Scaling
 from llmgw.control.placement import placer as pl
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store
-from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
+from tests.helpers.nodes import LLAMA, h100, node
 
 GB = 1_000_000_000
-LLAMA = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
-
-
-def node(
-    id: str = "n1",
-    *,
-    state: str = "ready",
-    cordoned: bool = False,
-    labels: dict[str, str] | None = None,
-    engines: list[EngineStatus] | None = None,
-    mem_gb: float = 8,
-    avail_gb: float | None = None,
-    cores: int = 4,
-    gpus: list[GPU] | None = None,
-    cached: frozenset[str] = frozenset(),
-) -> pl.NodeInfo:
-    inv = Inventory(
-        cores=cores,
-        memory_total_bytes=int(mem_gb * GB),
-        memory_available_bytes=int((mem_gb if avail_gb is None else avail_gb) * GB),
-        gpus=gpus or [],
-    )
-    engs = [LLAMA] if engines is None else engines
-    return pl.NodeInfo(id, state, inv, cordoned, labels or {}, {e.engine: e for e in engs}, cached)
 
 
 def cand(n: pl.NodeInfo, p: Profile | None = None, usage: pl.Usage | None = None) -> pl.Candidate:
     return pl.Candidate(n, p or Profile(name="cpu"), usage or pl.Usage())
-
-
-def h100(mem_gb: float = 80, index: int = 0, used_gb: float = 0) -> GPU:
-    return GPU(
-        index=index,
-        name="H100",
-        klass="h100-80gb",
-        memory_total_bytes=int(mem_gb * GB),
-        memory_used_bytes=int(used_gb * GB),
-    )
 
 
 Case = tuple[str, pl.Candidate, str | None]

@@ -12,7 +12,7 @@ from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.restarts import backoff_s
 from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
-from tests.unit.test_placement import LLAMA, h100, node
+from tests.helpers.nodes import LLAMA, h100, node
 
 GB = 1_000_000_000
 

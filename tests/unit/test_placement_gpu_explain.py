@@ -25,7 +25,7 @@ from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store
 from llmgw.protocol import Heartbeat, Inventory
-from tests.unit.test_placement import LLAMA
+from tests.helpers.nodes import LLAMA
 
 GB = 1_000_000_000
 TOKEN = "t0ken"
@@ -222,7 +222,7 @@ def test_the_agent_logs_an_unmeasured_gpu_with_what_to_check(
     """nvidia-smi's answer on a card whose memory it could not read (``[N/A]``), through the
     agent's discovery: the card is still reported, and the agent's log says what to check."""
     from llmgw.agent.discovery import discover_inventory  # noqa: PLC0415
-    from tests.unit.test_discovery import agent_cfg, no_nvml, smi  # noqa: PLC0415
+    from tests.helpers.nodes import agent_cfg, no_nvml, smi  # noqa: PLC0415
 
     csv = "0, GPU-1, NVIDIA GeForce RTX 4090, [N/A], [N/A]\n"
     with caplog.at_level("WARNING", logger="llmgw.agent.discovery"):

@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -36,9 +35,6 @@ from llmgw.mirror.download import download
 from llmgw.protocol import ReplicaSpec
 
 log = logging.getLogger(__name__)
-
-Downloader = Callable[..., Awaitable[str]]
-"""``download(session, url, dest, *, expected_sha256=...) -> sha256 hex``."""
 
 HASH_CHUNK = 1 << 20
 
@@ -87,15 +83,11 @@ class NodeCache:
     Args:
         root: the cache directory.
         max_bytes: evict least recently used files past this total; None keeps everything.
-        downloader: the download function (a seam for tests); defaults to the mirror's.
     """
 
-    def __init__(
-        self, root: Path, *, max_bytes: int | None = None, downloader: Downloader = download
-    ) -> None:
+    def __init__(self, root: Path, *, max_bytes: int | None = None) -> None:
         self.root = root
         self.max_bytes = max_bytes
-        self._download = downloader
         self._locks: dict[Path, asyncio.Lock] = {}
         self.in_use: set[Path] = set()
 
@@ -128,7 +120,7 @@ class NodeCache:
             else:
                 log.info("cache: fetching %s into %s", spec.source_url, path)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                digest = await self._download(session, spec.source_url, path, expected_sha256=want)
+                digest = await download(session, spec.source_url, path, expected_sha256=want)
                 await asyncio.to_thread(record_digest, path, digest)
                 log.info("cache: %s fetched (sha256 %s)", path, digest[:12])
             with contextlib.suppress(OSError):

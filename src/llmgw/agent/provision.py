@@ -31,13 +31,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import shutil
 import subprocess
 import tarfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -270,6 +269,7 @@ def install_from_file(agent_state: Path, source: Path) -> tuple[Path, str, str]:
     return root / "current" / llamacpp.BINARY_NAME, version, digest
 
 
+@dataclass(eq=False)
 class Provisioner:
     """Installs llama.cpp once in a background thread and says where it stands (:meth:`status`).
 
@@ -279,23 +279,15 @@ class Provisioner:
         on_done: called (from the thread) when an install ends, either way.
     """
 
-    def __init__(
-        self,
-        agent_state: Path,
-        *,
-        base_url: str = GITHUB_RELEASES,
-        release: Release = LLAMACPP_RELEASE,
-        variant: str = "",
-        on_done: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.agent_state = agent_state
-        self.base_url = base_url
-        self.release = release
-        self.variant = variant
-        self.on_done = on_done
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._status: EngineStatus | None = None
+    agent_state: Path
+    _: KW_ONLY
+    base_url: str = GITHUB_RELEASES
+    release: Release = LLAMACPP_RELEASE
+    variant: str = ""
+    on_done: Callable[[], None] = lambda: None
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _status: EngineStatus | None = field(default=None, init=False)
 
     def status(self, *, has_nvidia: bool) -> EngineStatus:
         """The status to report while no llama-server is usable; starts the install the first time."""
@@ -345,9 +337,3 @@ class Provisioner:
 def refused_status(detail: str) -> EngineStatus:
     """A ``failed`` llama.cpp status with ``detail``."""
     return EngineStatus(engine=llamacpp.ENGINE, state=ProvisionState.FAILED, detail=detail)
-
-
-def installed_build(agent_state: Path, release: Release = LLAMACPP_RELEASE) -> Path | None:
-    """The binary of ``release`` if it is installed already."""
-    p = install_root(agent_state) / release.tag / llamacpp.BINARY_NAME
-    return p if p.is_file() and os.access(p, os.X_OK) else None

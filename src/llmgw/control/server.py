@@ -202,7 +202,7 @@ def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> 
     from llmgw.control.api.guard import MirrorServe, build_keeper  # noqa: PLC0415
 
     guard = config.guard
-    return build_keeper(store, lambda: guard, MirrorServe(store, config.mirror.api, on_added=changed), changed)
+    return build_keeper(store, lambda: guard, MirrorServe(store, config.mirror.api, on_added=changed))
 
 
 def check_config(config_path: Path) -> ServerConfig:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from llmgw.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
 
-#: The judge init installs and the keeper refits (the seed's ``defaultJudge``).
+#: The judge init installs, and the one the keeper names when a policy asks for a GPU judge on a cluster without GPUs.
 DEFAULT_JUDGE = "qwen3guard-0.6b"
 
 

@@ -28,7 +28,7 @@ import asyncio
 import os
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TextIO
 
 from llmgw.config import parse_listen
@@ -68,7 +68,6 @@ def init_mirror(
     allow_source_nets: Sequence[str] = (),
     wait_s: float = 30.0,
     out: TextIO,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> str:
     """Make this machine a mirror for the control planes at ``control_planes``; returns the
     management API URL to give ``llmgw server init --mirror``.
@@ -126,13 +125,13 @@ def init_mirror(
     else:
         print(f"  kept mirror ({manager.kind}, running)", file=out, flush=True)
     local = f"http://{'127.0.0.1' if api_host in ('0.0.0.0', '::', '') else _url_host(api_host)}:{api_port}"
-    _wait_healthy(manager, local, wait_s, sleep)
+    _wait_healthy(manager, local, wait_s)
     print(f"  done management API answers {', '.join(control_planes)} and loopback", file=out, flush=True)
     print(f"\nOn the control plane, run:\n  sudo llmgw server init --mirror {api_url}", file=out, flush=True)
     return api_url
 
 
-def _wait_healthy(manager: ServiceManager, url: str, wait_s: float, sleep: Callable[[float], None]) -> None:
+def _wait_healthy(manager: ServiceManager, url: str, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     with MirrorClient(url, timeout=2.0) as client:
         while True:
@@ -145,7 +144,7 @@ def _wait_healthy(manager: ServiceManager, url: str, wait_s: float, sleep: Calla
                         f"the mirror did not answer at {url} ({e}); state {st.state} {st.detail}\n"
                         f"{manager.logs('mirror', 20)}\nsee 'llmgw service logs mirror'"
                     ) from e
-                sleep(0.2)
+                time.sleep(0.2)
             else:
                 return
 

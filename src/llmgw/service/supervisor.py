@@ -57,7 +57,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import BinaryIO
@@ -332,25 +332,21 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+@dataclass(eq=False)
 class Supervisor:
     """Runs one unit's program under the loop in this module's docstring; see :meth:`run`."""
 
-    def __init__(
-        self,
-        name: str,
-        spec: UnitSpec,
-        files: ServiceFiles,
-        *,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.name = name
-        self.spec = spec
-        self.files = files
-        self.clock = clock
-        self._stopping = False
+    name: str
+    spec: UnitSpec
+    files: ServiceFiles
+    _: KW_ONLY
+    clock: Callable[[], float] = time.time
+    _stopping: bool = field(default=False, init=False)
+    _restarts: int = field(default=0, init=False)
+    _log: BinaryIO | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
         self._wake_r, self._wake_w = os.pipe()
-        self._restarts = 0
-        self._log: BinaryIO | None = None
 
     # --- signals -------------------------------------------------------------------------------
 

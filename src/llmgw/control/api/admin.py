@@ -64,7 +64,7 @@ from llmgw.control.store.offloop import OffLoop
 from llmgw.errors import Conflict, HttpError, UnreachableError
 from llmgw.httperrors import error_json, error_middleware
 from llmgw.protocol import ReplicaState
-from llmgw.views import ExplainView, ModelView, NodeRemovalView, NodeView, ProvisionView, ReplicaView, ResourcesView
+from llmgw.views import ExplainView, ModelView, NodeRemovalView, NodeResourcesView, NodeView, ProvisionView, ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model
             ProvisionView(engine=e.engine, version=e.version, state=e.state.value, detail=e.detail)
             for e in node.engines
         ],
-        resources=ResourcesView(
+        resources=NodeResourcesView(
             cores=inv.cores,
             cores_reserved=cores_reserved,
             memory_total_bytes=inv.memory_total_bytes,

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +33,7 @@ from llmgw import jsonbody
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.control.reconcile.judgekeeper import ClassUse, JudgeKeeper, ServeJob
 from llmgw.control.store import Store
-from llmgw.errors import ConfigError, Conflict, JudgeError, LlmgwError, MirrorError, WaitTimeout
+from llmgw.errors import ConfigError, JudgeError, LlmgwError, MirrorError, WaitTimeout
 from llmgw.guard.config import Controversial, Direction, GuardConfig
 from llmgw.guard.formats import FORMATS, Safety
 from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
@@ -44,6 +44,7 @@ from llmgw.protocol import ReplicaState
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class MirrorServe:
     """Serve jobs: fetch a judge into the mirror, wait until it is there, add it to the catalog.
 
@@ -52,18 +53,15 @@ class MirrorServe:
     (the control plane refreshes its routing table and wakes the leader).
     """
 
-    def __init__(
-        self, store: Store, mirror_api: str, *, on_added: Callable[[], None] = lambda: None,
-        wait_s: float = 30 * 60, poll_s: float = 2.0,
-    ) -> None:
-        self.store = store
-        self.mirror_api = mirror_api
-        self.on_added = on_added
-        self.wait_s = wait_s
-        self.poll_s = poll_s
-        self._jobs: dict[str, ServeJob] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+    store: Store
+    mirror_api: str
+    _: KW_ONLY
+    on_added: Callable[[], None] = lambda: None
+    wait_s: float = 30 * 60
+    poll_s: float = 2.0
+    _jobs: dict[str, ServeJob] = field(default_factory=dict, init=False)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def start(self, request: ServeRequest) -> ServeJob:
         """Start fetching and adding ``request``; raises ConfigError without a mirror."""
@@ -133,32 +131,13 @@ def node_cpus(store: Store) -> list[int]:
     return [n.inventory.cores for n in store.list_nodes() if n.state == "ready"]
 
 
-def build_keeper(
-    store: Store, guard: Callable[[], GuardConfig], serve: MirrorServe, changed: Callable[[], None]
-) -> JudgeKeeper:
-    """The judge keeper over the store: refits write profiles, restarts delete the replicas (the
-    leader places new ones with the new profile), both followed by ``changed``."""
-
-    def set_profiles(name: str, profiles: list[Any], _by: str) -> None:
-        row = store.get_model(name)
-        if row is None:
-            raise Conflict(f"model {name} is gone")
-        store.update_model(row.model.model_copy(update={"profiles": profiles}), revision=row.revision, now=time.time())
-        changed()
-
-    def restart(ids: list[str]) -> None:
-        for i in ids:
-            store.delete_replica(i)
-        changed()
-
+def build_keeper(store: Store, guard: Callable[[], GuardConfig], serve: MirrorServe) -> JudgeKeeper:
+    """The judge keeper over the store: the catalog's models, the ready nodes' GPUs and cores."""
     return JudgeKeeper(
         library=guard,
         models=lambda: [r.model for r in store.list_models()],
         serve=serve,
         gpus=lambda: cluster_gpus(store),
-        set_profiles=set_profiles,
-        restart=restart,
-        replicas=lambda name: [r.id for r in store.list_replicas(model=name)],
         node_cpus=lambda: node_cpus(store),
     )
 

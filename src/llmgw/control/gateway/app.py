@@ -58,6 +58,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from aiohttp import web
@@ -93,25 +94,17 @@ def _caller(request: web.Request) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12] if scheme.lower() == "bearer" and key else ""
 
 
+@dataclass(eq=False)
 class _Gateway:
     """The handlers, bound to one router, key set and upstream pool."""
 
-    def __init__(
-        self,
-        router: Router,
-        pool: UpstreamPool,
-        *,
-        keys: GatewayKeys,
-        allow_loopback_without_key: bool,
-        inspector: Inspector | None,
-        observe: Callable[[Exchange], None] | None,
-    ) -> None:
-        self.router = router
-        self.pool = pool
-        self.keys = keys
-        self.allow_loopback = allow_loopback_without_key
-        self.inspector = inspector
-        self.observe = observe
+    router: Router
+    pool: UpstreamPool
+    _: KW_ONLY
+    keys: GatewayKeys
+    allow_loopback_without_key: bool
+    inspector: Inspector | None
+    observe: Callable[[Exchange], None] | None
 
     # -- key -----------------------------------------------------------------------------------
     def denied(self, request: web.Request) -> web.Response | None:
@@ -126,7 +119,7 @@ class _Gateway:
         if scheme.lower() == "bearer" and key and digest(key) in self.keys.digests():
             return None
         presented = bool(key) or (bool(header) and scheme.lower() != "bearer")
-        open_here = self.allow_loopback and is_loopback(request.remote)
+        open_here = self.allow_loopback_without_key and is_loopback(request.remote)
         if open_here and not presented:
             return None
         if not presented:

@@ -449,14 +449,6 @@ class Decision:
         return [v.rejection for v in self.verdicts]
 
 
-def usage_by_node(model: str, reservations: Iterable[Reservation]) -> dict[str, Usage]:
-    """Sum the reservations per node (``model`` is kept for callers; counts are per model)."""
-    out: dict[str, Usage] = {}
-    for r in reservations:
-        out.setdefault(r.node, Usage()).add(r)
-    return out
-
-
 def check(candidate: Candidate, pipeline: Sequence[Check] = PIPELINE) -> Verdict | None:
     """Run ``candidate`` through the pipeline; the first failed check's verdict, or None (it fits)."""
     for stage in pipeline:

@@ -45,7 +45,7 @@ class ProfileResources(BaseModel):
     nodes: list[NodeFit] = Field(default_factory=list)
 
 
-class ResourcesView(BaseModel):
+class ModelResourcesView(BaseModel):
     """The model's GGUF facts (or why there are none) and each profile in placement order."""
 
     model: str
@@ -62,7 +62,7 @@ def resources_view(
     replicas: list[ReplicaRow],
     models: dict[str, Model],
     stored_facts: dict[str, tuple[str, str, float]],
-) -> ResourcesView:
+) -> ModelResourcesView:
     """Build the view (see the module docstring); ``models`` is the whole catalog by name."""
     facts = parse_facts(stored_facts)
     eff = {k: effective_model(m, facts) for k, m in models.items()}
@@ -93,4 +93,4 @@ def resources_view(
                 item.nodes.append(NodeFit(node=node.id, fits=False, kind=v.rejection.kind, reason=v.rejection.reason))
         out.append(item)
     _, error, _ = stored_facts.get(model.source, ("", "", 0.0))
-    return ResourcesView(model=model.name, source=model.source, facts=f, facts_error=error, profiles=out)
+    return ModelResourcesView(model=model.name, source=model.source, facts=f, facts_error=error, profiles=out)

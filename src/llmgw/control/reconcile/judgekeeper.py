@@ -8,14 +8,11 @@ comes back. A judge it does not know is left to ``llmgw ctl guard judge enable -
 Each pass (:meth:`JudgeKeeper.check`), in this order:
 
 1. Only the leader acts; with guardrails off (no policy) nothing is done.
-2. Every catalog model is looked at for a refit (:meth:`JudgeKeeper.refit`): a judge an earlier
-   ``server init`` wrote (:func:`earlier_init_judge`) is moved to what init installs now and its
-   replicas restarted; a judge whose profile was set by somebody is left alone, said once.
-3. A grace of :data:`JUDGE_GRACE` (10 minutes) after the keeper's first look: init adds its own
+2. A grace of :data:`JUDGE_GRACE` (10 minutes) after the keeper's first look: init adds its own
    judge just after the control plane starts, sized and placed as the install says, and one the
    leader added first was what init then kept (found on a fresh HA install: a second judge ran off
    the judge machine).
-4. For each judge the policies name (sorted): skipped when the catalog has it, when it is not a
+3. For each judge the policies name (sorted): skipped when the catalog has it, when it is not a
    known judge, when a serve job for it is running, or when it was asked for less than
    :data:`JUDGE_RETRY` (10 minutes) ago. A CPU judge gets 2 replicas on init's cores
    (:func:`refit_cores`); a GPU judge the roomiest GPU class, and without GPUs a warning naming the
@@ -33,13 +30,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from llmgw.catalog import Model, Profile, Role
+from llmgw.catalog import Model
 from llmgw.guard.config import GuardConfig
 from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
-from llmgw.guard.sizing import JUDGE_CORES, JUDGE_CORES_ALONE, JUDGE_MEMORY_GB
+from llmgw.guard.sizing import JUDGE_CORES, JUDGE_CORES_ALONE
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +83,6 @@ def roomiest_gpu_class(classes: list[ClassUse]) -> str:
     return sorted(classes, key=lambda c: (-c.free_gb, c.gpu_class))[0].gpu_class
 
 
-def earlier_init_judge(m: Model) -> bool:
-    """Whether a judge's entry is exactly what ``server init`` before v0.14.7 wrote: one llama.cpp
-    profile on CPUs, an 8192 context and no other args, 2 or 4 GB, none to two cores."""
-    if len(m.profiles) != 1:
-        return False
-    p = m.profiles[0]
-    return (
-        p.name == "cpu" and p.engine == "llamacpp" and p.gpu_class == "" and not p.node_selector
-        and p.args == ["--ctx-size", "8192"] and p.min_memory_gb in (2, 4) and 0 <= p.cpu_cores <= 2
-    )
-
-
 def refit_cores(replicas: int, cpus: list[int]) -> int:
     """A judge replica's cores by init's rule: up to four for the one judge of a cluster, two each
     where there are more, fewer where the smallest node cannot hold them all (``cpus``: each node's)."""
@@ -113,6 +98,7 @@ def refit_cores(replicas: int, cpus: list[int]) -> int:
     return cores
 
 
+@dataclass(kw_only=True, eq=False)
 class JudgeKeeper:
     """See the module docstring. Every dependency is a callable, so tests drive each branch.
 
@@ -124,42 +110,20 @@ class JudgeKeeper:
         gpus: the cluster's GPU classes and their free memory.
         now: wall-clock seconds (injected).
         grace: seconds after the first look during which no judge is served (0 waits for nothing).
-        set_profiles: ``(name, profiles, by)``: replace a model's profiles (refit); None: no refits.
-        restart: restart replicas by id; ``replicas``: a model's replica ids; ``node_cpus``: each
-            node's cores. Any of the refit callables None leaves judges as they are.
+        node_cpus: each ready node's cores, for a CPU judge's :func:`refit_cores` (None: none known).
     """
 
-    def __init__(
-        self,
-        *,
-        library: Callable[[], GuardConfig],
-        models: Callable[[], list[Model]],
-        serve: Serve,
-        leader: Callable[[], bool] | None = None,
-        gpus: Callable[[], list[ClassUse]] = list,
-        now: Callable[[], float] = time.time,
-        grace: float = JUDGE_GRACE,
-        set_profiles: Callable[[str, list[Profile], str], object] | None = None,
-        restart: Callable[[list[str]], object] | None = None,
-        replicas: Callable[[str], list[str]] | None = None,
-        node_cpus: Callable[[], list[int]] | None = None,
-    ) -> None:
-        self.library = library
-        self.models = models
-        self.serve = serve
-        self.leader = leader
-        self.gpus = gpus
-        self.now = now
-        self.grace = grace
-        self.set_profiles = set_profiles
-        self.restart = restart
-        self.replicas = replicas
-        self.node_cpus = node_cpus
-        #: When each judge was last asked for, so one that cannot be fetched is not asked every look.
-        self.tried: dict[str, float] = {}
-        #: Each judge already refitted or found changed by hand, so each is said once.
-        self.looked: dict[str, bool] = {}
-        self.first: float | None = None
+    library: Callable[[], GuardConfig]
+    models: Callable[[], list[Model]]
+    serve: Serve
+    leader: Callable[[], bool] | None = None
+    gpus: Callable[[], list[ClassUse]] = list
+    now: Callable[[], float] = time.time
+    grace: float = JUDGE_GRACE
+    node_cpus: Callable[[], list[int]] | None = None
+    #: When each judge was last asked for, so one that cannot be fetched is not asked every look.
+    tried: dict[str, float] = field(default_factory=dict, init=False)
+    first: float | None = field(default=None, init=False)
 
     async def run(self, stop: asyncio.Event, every_s: float = 30.0) -> None:
         """:meth:`check` every ``every_s`` until ``stop`` is set, on a worker thread (its store calls
@@ -179,10 +143,7 @@ class JudgeKeeper:
         lib = self.library()
         if not lib.on():
             return
-        have = set()
-        for m in self.models():
-            have.add(m.name)
-            self.refit(m)
+        have = {m.name for m in self.models()}
         now = self.now()
         if self.first is None:
             self.first = now
@@ -225,50 +186,3 @@ class JudgeKeeper:
                 "serving a judge a policy names, which the catalog did not have: judge=%s repo=%s file=%s job=%s",
                 name, kj.repo, kj.file, job.id,
             )
-
-    def refit(self, m: Model) -> None:
-        """Move a judge an earlier ``server init`` installed to what init installs now, and restart
-        its replicas onto it. Those judges reserved no cores or one, 2 or 4 GB, and ran llama.cpp's
-        prompt cache: on fewer than eight cores every judgment missed its 5 s budget and
-        ``fail: closed`` refused every request, until fixed by hand. A judge whose profile differs in
-        any other way was set by somebody, and is left as it is, said once."""
-        if (
-            self.set_profiles is None or self.restart is None or self.replicas is None
-            or m.name != DEFAULT_JUDGE or m.role is not Role.GUARD
-        ):
-            return
-        if self.looked.get(m.name):
-            return
-        self.looked[m.name] = True
-        if not earlier_init_judge(m):
-            if len(m.profiles) != 1 or "--cache-ram" not in m.profiles[0].args:
-                log.info(
-                    "the judge's profile is not one init wrote; left as it is: judge=%s see='llmgw ctl model "
-                    "resources %s'", m.name, m.name,
-                )
-            return
-        cpus = self.node_cpus() if self.node_cpus is not None else []
-        p = m.profiles[0].model_copy(
-            update={
-                "min_memory_gb": JUDGE_MEMORY_GB,
-                "cpu_cores": refit_cores(m.scaling.min, cpus),
-                "args": ["--ctx-size", "8192", "--cache-ram", "0"],
-            }
-        )
-        try:
-            self.set_profiles(m.name, [p], "llmgw (the judge an earlier init installed)")
-        except Exception as e:
-            log.warning("could not refit the judge an earlier init installed: judge=%s err=%s", m.name, e)
-            self.looked[m.name] = False
-            return
-        ids = self.replicas(m.name)
-        if ids:
-            try:
-                self.restart(ids)
-            except Exception as e:
-                log.warning("refitted the judge, but could not restart it: judge=%s err=%s", m.name, e)
-        log.info(
-            "refitted the judge an earlier init installed: judge=%s memory_gb=%s cpu_cores=%d replicas_restarted=%d",
-            m.name, p.min_memory_gb, p.cpu_cores, len(ids),
-        )
-

@@ -10,15 +10,18 @@ request body it received as the message's content (to see what the gateway forwa
 
 :class:`ServerThread` runs aiohttp apps on 127.0.0.1 ephemeral ports in a background event loop, so
 the tests themselves are plain sync code using httpx, the ``openai`` client and the CLI.
+
+:class:`FakeJudge` imitates a Qwen3Guard judge served by llama-server (its ``Safety:`` lines; a word
+in the text picks the verdict or a failure) and records what it was asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -127,14 +130,6 @@ def fake_llama(
     return app
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on (connecting to it is refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 class ServerThread:
     """An event loop in a daemon thread serving aiohttp apps; :meth:`close` cleans every one up."""
 
@@ -174,3 +169,76 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
+
+
+JUDGE_KEY = "judge-secret-key"
+
+
+@dataclass
+class FakeJudge:
+    """Records what it was asked: ``asked`` (judged texts), ``templates`` (apply-template calls)."""
+
+    chatml: bool = False
+    asked: list[str] = field(default_factory=list)
+    templates: int = 0
+
+    def app(self) -> web.Application:
+        async def template(request: web.Request) -> web.Response:
+            self.templates += 1
+            body = await request.json()
+            text = "\n".join(m["content"] for m in body["messages"])
+            if self.chatml:
+                return web.json_response({"prompt": f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"})
+            return web.json_response({"prompt": f"<|im_start|>user\n# Task:\n<BEGIN SAFETY POLICY>\n{text}"})
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            if request.headers.get("Authorization") != f"Bearer {JUDGE_KEY}":
+                return web.json_response({"error": {"code": 401, "message": "Invalid API Key"}}, status=401)
+            body = await request.json()
+            assert body["temperature"] == 0
+            assert body["cache_prompt"] is True
+            msgs = body["messages"]
+            text = msgs[-1]["content"]
+            self.asked.append(text)
+            out = msgs[-1]["role"] == "assistant"
+            refusal = "\nRefusal: No" if out else ""
+            answer = "Safety: Safe\nCategories: None" + refusal
+            if "bomb" in text:
+                answer = "Safety: Unsafe\nCategories: Violent" + refusal
+            elif "edgy" in text:
+                answer = "Safety: Controversial\nCategories: Unethical Acts" + refusal
+            elif "slowjudge" in text:
+                await asyncio.sleep(1.5)
+            elif "garbage" in text:
+                answer = "I am not sure about this one."
+            elif "threelines" in text:
+                answer = "Safety: Safe\r\nCategories: None\r\nRefusal: No\r\n"
+            elif "judge500" in text:
+                return web.json_response({"error": {"message": "slot crashed at 10.0.0.9:8123"}}, status=500)
+            elif "cutjudge" in text:
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            timings = {"prompt_ms": 1.0, "predicted_ms": 2.0, "cache_n": 5}
+            if body.get("stream"):  # as llama-server streams: a few characters an event
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                for i in range(0, len(answer), 4):
+                    event = {"choices": [{"index": 0, "delta": {"content": answer[i:i + 4]}}], "timings": timings}
+                    await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "timings": timings}
+                await out.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+                return out
+            return web.json_response(
+                {
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+                    ],
+                    "timings": timings,
+                }
+            )
+
+        app = web.Application()
+        app.router.add_post("/apply-template", template)
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
