@@ -3,7 +3,7 @@ seeing both replicas ``ready`` again with the same engine pids (nothing restarte
 
 One node, two CPU replicas of gemma-3-270m (1 core each) on the real llama-server, the real agent
 API + store + leader in this process (tests/e2e/agent_world.py). The agent is restarted
-``ROUNDS`` times, alternating SIGKILL and SIGTERM. Target (issue 5): <= 2 s. Figures last, one
+``ROUNDS`` times, alternating SIGKILL and SIGTERM. Target: <= 2 s. Figures last, one
 ``name: value unit`` per line.
 
     .venv/bin/python bench/adopt.py

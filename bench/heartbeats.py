@@ -1,4 +1,4 @@
-"""Heartbeat latency while the catalog grows: issue 9, item 17.
+"""Heartbeat latency while the catalog grows.
 
 A real control plane (``python -m llmgw server run`` as its own process, SQLite store, its own CA)
 and 200 simulated agents in this process, each with its own client certificate from the cluster
@@ -14,7 +14,7 @@ Phases, each measured from the agents' side (request sent to reply read):
    ``ready`` (and at least ``SETTLE_S``);
 3. ``after``: ``AFTER_S`` more seconds of plain heartbeats with 50 models and 100 replicas.
 
-Target (issue 9): ``heartbeat_p99_ms`` (the burst's p99) <= 100 ms. The figures measured before
+Target: ``heartbeat_p99_ms`` (the burst's p99) <= 100 ms. The figures measured before
 the fix (store and reconcile work on the event loop) are in ``llmgw.control.store.offloop``'s docstring.
 Figures last, one ``name: value unit`` per line, ``heartbeat_p99_ms`` the last one.
 

@@ -2,7 +2,7 @@
 
 Runs ``llmgw server init --offline`` under a fresh temp ``LLMGW_ROOT`` (control plane, mirror,
 agent, a real llama-server with gemma-3-270m), then asks the gateway one question; prints the
-time of each phase, then stops everything. Target (issue 2): init to first answer <= 60 s on a
+time of each phase, then stops everything. Target: init to first answer <= 60 s on a
 2-core machine. Prints its figures last, one ``name: value unit`` per line.
 
     python bench/init.py

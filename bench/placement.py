@@ -1,4 +1,4 @@
-"""Placement speed, pure (no processes, no store): issue 3's targets.
+"""Placement speed, pure (no processes, no store), against its targets.
 
 1. ``place_1000_on_500``: 1,000 replicas (100 models x 10, a GPU profile and a CPU profile each)
    onto 500 nodes (400 CPU nodes of 32 cores / 128 GB, 100 GPU nodes with 8 x h100-80gb), one

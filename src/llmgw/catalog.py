@@ -1,6 +1,6 @@
 """The model catalog: what a model is, how it may be served (profiles), and how many replicas.
 
-Fields follow the seeds' ``catalog.Model``/``catalog.Profile`` (DESIGN.md, "Catalog model").
+docs/operating.md ("Adding a model") shows the fields as model.yaml spells them.
 These are the catalog's own objects; storage rows and API views are separate classes.
 
 What may enter the catalog (every entry point validates these classes: the admin API, the guard
@@ -105,7 +105,7 @@ class Profile(_Strict):
     """One way to serve a model: an engine, the resources it needs, and the engine's args.
 
     Attributes:
-        priority: higher is tried first (the seed: GPU profiles 200, CPU 100).
+        priority: higher is tried first (init's starter: GPU profiles 200, CPU 100).
         min_memory_gb: memory a replica reserves on the node (GB, 10^9 bytes); on a GPU profile, on the card.
         cpu_cores: cores reserved (0: no reservation, the engine shares the node's cores).
         gpu_class: the class a node's GPU must have (``h100-80gb``); empty for a CPU profile.

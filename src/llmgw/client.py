@@ -1,6 +1,7 @@
 """Asking the gateway from a terminal, as any OpenAI client would: the logic behind ``llmgw chat``.
 
-Sync httpx (the CLI is sync; see reference/measured.md for why servers use aiohttp instead). Every
+Sync httpx (the CLI is sync; docs/architecture.md, "Rules the code keeps", says why servers use
+aiohttp instead). Every
 function takes an optional httpx ``transport`` so tests can point it anywhere without patching.
 
 Where to ask (:func:`local_target`): this machine's ``server.yaml`` — ``gateway.listen`` becomes

@@ -6,7 +6,7 @@ read. ``server init`` appends blocks to ``server.yaml`` (with a timestamped back
 rewrites it; ``agent.yaml`` is written once (only the llama-server init wrote there is updated,
 see :mod:`llmgw.serverinit.agentconf`).
 
-Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces), as in DESIGN.md.
+Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ serves, the key that guards it), flags that fetch weights or work from elsewhere
 only source), and flags that let clients run tools on the node.
 
 The lists come from llama.cpp's ``common/arg.cpp`` (the build in ``scripts/assets``, every option
-whose value is ``FNAME``/``FILE``/``PATH``/``DIR``/``URL``) and vLLM's ``vllm serve --help``
-(reference/engines.md §2). Spellings: llama-server turns ``_`` into ``-`` in a ``--`` flag,
+whose value is ``FNAME``/``FILE``/``PATH``/``DIR``/``URL``) and vLLM's ``vllm serve --help``.
+Spellings: llama-server turns ``_`` into ``-`` in a ``--`` flag,
 vLLM's parser does the same and also reads ``--flag=value``, ``--flag.key=value`` and unambiguous
 prefixes (argparse abbreviations), so a token is reduced to its flag before the lookup, and for
 vLLM a long flag that is a prefix of a refused one is refused too.

@@ -1,7 +1,9 @@
 """Every file path llmgw uses, from one :class:`Paths` object.
 
 ``LLMGW_ROOT=/some/dir`` (or ``llmgw --root DIR``) prefixes all of them, so tests and unprivileged
-users run the whole system inside a directory. The layout is fixed by DESIGN.md ("Files").
+users run the whole system inside a directory. The layout (``/etc/llmgw``, ``/var/lib/llmgw``,
+``/var/lib/llmgw-agent``, ``/srv/models``, ``/etc/systemd/system``) is the properties below;
+docs/install.md says which step of ``server init`` writes what.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The admin API's JSON views (``GET /api/v1/nodes``, ``/replicas``, ``/explain-placement``, ...).
 
-They carry at least the fields the seeds read (``NodeView``: id, state, engines,
+They carry at least the fields init and ``ctl`` read (``NodeView``: id, state, engines,
 provision[engine, version, state, detail]; ``ReplicaView``: id, model, node, profile, state, err;
 ``ExplainView``: placed, rejections[node, reason]). Views are not storage rows.
 

@@ -196,7 +196,7 @@ async def test_five_nodes_spread_gpus_exclusive_cpu_fallback_outside_memory_and_
 
     ex = await c.until("huge explained", explained)
     assert ex["placed"] is False
-    # 100 GB on nodes of 8 and 64: too small, whatever is freed there (issue 9, item 20)
+    # 100 GB on nodes of 8 and 64: too small, whatever is freed there
     assert ex["summary"] == "0/5 nodes can run it: 5 memory too small"
     assert [(r["node"], r["code"], r["reason"]) for r in ex["rejections"]] == [
         (n, "memory_too_small", f"needs 100.0 GB memory, the node has {gb} GB in all: too small")

@@ -1,4 +1,4 @@
-"""The gateway protects a real engine (issue 9 items 10 and 11): a real ``llmgw server run`` process
+"""The gateway protects a real engine: a real ``llmgw server run`` process
 in front of a real llama-server (gemma-3-270m, one slot: ``-np 1``).
 
 The agent is played by this test over the real agent API (mTLS): it registers a node, the control

@@ -1,4 +1,4 @@
-"""``--llama-server`` through real inits (issue 9, item 23), on real processes as in test_init.py:
+"""``--llama-server`` through real inits, on real processes as in test_init.py:
 a shell script that is not llama-server is refused before anything is written; an init with the
 real llama-server (behind a wrapper script) serves; a later init given the binary's own path
 updates the value init wrote into agent.yaml (``updated …``, ``agent.yaml.bak``), restarts the agent,

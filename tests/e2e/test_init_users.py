@@ -1,4 +1,4 @@
-"""``server init`` as root, where the ``llmgw`` user can run llmgw (issue 9, items 2 and 3): the
+"""``server init`` as root, where the ``llmgw`` user can run llmgw: the
 control plane and the mirror run as ``llmgw`` under llmgw's own supervisor (their live processes'
 real uid, read with psutil), the agent stays root, the gateway still answers (so the control
 plane, as ``llmgw``, read its config, token, keys and server key and wrote its store), and no

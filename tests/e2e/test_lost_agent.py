@@ -1,4 +1,4 @@
-"""An agent that goes silent does not take its healthy engine down (issue 9, item 13).
+"""An agent that goes silent does not take its healthy engine down.
 
 Real processes: the control plane (:func:`~llmgw.control.server.serve`: agent API over mTLS,
 leader, gateway) in this process, ``llmgw agent`` as a child process, and the real llama-server

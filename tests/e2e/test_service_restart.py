@@ -1,4 +1,4 @@
-"""``llmgw service restart server`` on real processes (issue 9, item 15): a real control plane under
+"""``llmgw service restart server`` on real processes: a real control plane under
 llmgw's own supervisor in a temp LLMGW_ROOT, a stand-in engine streaming slowly (an aiohttp
 server in this process: the stream's timing is what matters, not a model), a replica made ready
 through the real agent API (mTLS), and a client streaming through the real gateway while the CLI

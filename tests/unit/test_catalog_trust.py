@@ -1,4 +1,4 @@
-"""Issue 9, items 5-7: what may enter the catalog, over the real admin API on 127.0.0.1.
+"""What may enter the catalog, over the real admin API on 127.0.0.1.
 
 Profile args that make an engine (root on a node) touch files anywhere; scaling values that make
 one GET build millions of rows; numbers that are stored as null and poison every later read; and
@@ -82,7 +82,7 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, str]:
     return body["error"]  # type: ignore[no-any-return]
 
 
-# --- item 5: profile args ----------------------------------------------------------------------
+# --- profile args ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -165,7 +165,7 @@ def test_every_path_taking_flag_of_the_real_llama_server_is_refused(assets: Asse
     assert not missing, f"path-taking llama-server flags not refused: {missing}"
 
 
-# --- item 6: scaling -------------------------------------------------------------------------------
+# --- scaling ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -221,7 +221,7 @@ def test_pending_rows_are_bounded_by_the_limit_not_by_a_stored_number(admin: Adm
     assert {x["state"] for x in rows} == {"pending"}
 
 
-# --- item 7: finite numbers, and one broken row ----------------------------------------------------
+# --- finite numbers, and one broken row ----------------------------------------------------
 
 
 @pytest.mark.parametrize("number", [b"1e400", b"-1e400", b"Infinity", b"NaN", b"1e100"])

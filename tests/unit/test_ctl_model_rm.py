@@ -1,4 +1,4 @@
-"""Issue 9 item 22: ``llmgw ctl model rm NAME --delete-weights`` deletes the mirror entry the
+"""``llmgw ctl model rm NAME --delete-weights`` deletes the mirror entry the
 model's source points to, and only when no other catalog model uses it.
 
 A real control plane (``serve`` in a thread, its admin API on 127.0.0.1) and a real mirror

@@ -50,7 +50,7 @@ def test_qwen3_kv_uses_key_length_not_embd_over_heads() -> None:
     data = gguf_bytes(QWEN)
     f = est.parse_header(io.BytesIO(data), source="x", file_size=800_000_000)
     e = est.estimate(f, ["--ctx-size", "8192"])
-    assert e.kv == 8192 * 28 * 8 * (128 + 128) * 2  # 112 KiB/token (engines.md §3.2)
+    assert e.kv == 8192 * 28 * 8 * (128 + 128) * 2  # 112 KiB/token: 28 layers, 8 KV heads, 128-wide K and V, f16
     assert e.total == 800_000_000 + e.kv + est.OVERHEAD_BYTES
     assert est.estimate(f, ["-c", "8192", "-ctk", "q8_0", "-ctv", "q8_0"]).kv == int(8192 * 28 * 8 * 256 * 34 / 32)
     assert est.estimate(f, []).ctx == 40960  # llama-server's -c 0: the trained context

@@ -157,7 +157,7 @@ def test_loopback_without_key_when_allowed(env: Env) -> None:
 
 @pytest.mark.parametrize("header", ["Bearer none", "Bearer sk-revoked", f"Bearer {KEY}x", f"Basic {KEY}"])
 def test_a_wrong_key_from_loopback_is_refused(env: Env, header: str) -> None:
-    """Issue 9 item 12: no key from loopback is fine there, a wrong one is not (it may be a revoked one)."""
+    """No key from loopback is fine there, a wrong one is not (it may be a revoked one)."""
     r = httpx.get(f"{env.open_url}/v1/models", headers={"Authorization": header})
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
@@ -374,7 +374,7 @@ def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
     assert r.status_code == 200
     events = [line for line in r.text.split("\n\n") if line]
     assert events[:2] == [e.decode().strip() for e in stream_events("gemma", "replica-a")[:2]]
-    assert events[-1] == "data: [DONE]"  # well-formed to the end (issue 9 #16)
+    assert events[-1] == "data: [DONE]"  # well-formed to the end
     last = json.loads(events[-2].removeprefix("data: "))
     assert last["error"]["code"] == "upstream_failed"
     env.assert_no_internals(r.text)
@@ -419,7 +419,7 @@ def _forwarded(r: httpx.Response) -> dict[str, Any]:
 def test_engine_specific_fields_and_unbounded_limits_never_reach_the_engine(
     env: Env, extra: dict[str, Any]
 ) -> None:
-    """Issue 9 item 10: ``max_tokens: -1`` or llama-server's own ``n_predict`` bypassed max_output (16)."""
+    """``max_tokens: -1`` or llama-server's own ``n_predict`` used to bypass max_output (16)."""
     got = _forwarded(env.post(_chat("capped", "echo-body", temperature=0.5, **extra)))
     asked = extra.get("max_tokens", extra.get("max_completion_tokens", 0))
     assert got["max_tokens"] == (asked if 0 < asked <= 16 else 16)
@@ -454,7 +454,7 @@ def test_fields_the_engine_would_misread_are_refused(env: Env, extra: dict[str, 
 
 
 def test_client_going_away_closes_the_replica_request(env: Env) -> None:
-    """Issue 9 item 11 with a stand-in engine: a non-streamed request abandoned by its client is
+    """With a stand-in engine: a non-streamed request abandoned by its client is
     cancelled upstream (the real llama-server case is in tests/e2e/test_gateway_engine.py)."""
     env.notes.clear()
     env.exchanges.clear()

@@ -311,7 +311,7 @@ def test_a_stream_whose_answer_cannot_be_judged_ends_with_an_error_event(env: En
 
 
 def test_a_stream_whose_out_judgment_times_out_ends_with_an_error_event_and_done(env: Env) -> None:
-    """Issue 9 #16: the error event was the stream's last line, with no ``data: [DONE]`` after it."""
+    """The error event used to be the stream's last line, with no ``data: [DONE]`` after it."""
     r = env.post("slowout", stream=True)
     assert r.status_code == 200  # the prompt was judged safe; the answer's judgment ran out of budget
     assert r.headers["x-llmgw-guard-out"] == "held"

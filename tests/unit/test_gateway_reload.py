@@ -1,4 +1,4 @@
-"""Issue 9 item 4 on a real control plane: a key removed from ``gateway.keys_file`` stops working
+"""On a real control plane: a key removed from ``gateway.keys_file`` stops working
 without a restart (re-read within a second of a change, and on SIGHUP), and a broken keys file
 keeps the last good keys. ``serve()`` runs in-process with its real listeners (real HTTP); SIGHUP
 to ``llmgw server run`` as a process is in tests/e2e/test_processes.py."""

@@ -1,7 +1,8 @@
 """Judge formats: the parsers on judge outputs, and the request bodies.
 
 The Qwen3Guard and Llama Guard 3 outputs below are fixtures written in the shapes the models'
-README / model cards and other gateways' bug reports document (reference/guard.md §1.3, §2.1),
+README / model cards (GitHub QwenLM/Qwen3Guard, Hugging Face Qwen/Qwen3Guard-Gen-*; Meta's Llama Guard 3
+prompt-format page) and other gateways' bug reports document,
 including the odd spacing those reports hit. They are NOT captured from a run of those models
 here (no weights on this machine); the gemma-3-270m ``prompted`` judge's real outputs are exercised
 end to end in tests/e2e/test_guard_e2e.py.

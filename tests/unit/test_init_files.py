@@ -1,4 +1,4 @@
-"""server init's files and waits: the server.yaml append with its backup, atomic writes, waitFor."""
+"""server init's files and waits: the server.yaml append with its backup, atomic writes, waits."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_wait_for_stops_at_once_on_an_error() -> None:
     assert c.slept == []
 
 
-def test_durations_read_like_the_seeds() -> None:
+def test_durations_read_like_go_durations() -> None:
     assert format_duration(90) == "1m30s"
     assert format_duration(1200) == "20m0s"
     assert format_duration(30) == "30s"

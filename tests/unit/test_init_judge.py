@@ -18,7 +18,7 @@ def test_judge_name() -> None:
     assert plan.judge_name("file:/m/gemma-3-270m-q4_k_m.gguf", "prompted") == "judge-gemma-3-270m-q4_k_m"
 
 
-def test_guard_model_is_the_seeds() -> None:
+def test_guard_model_entry() -> None:
     m = plan.guard_model("http://mirror/q.gguf", 1, 4)
     assert m.name == "qwen3guard-0.6b"
     assert m.role is Role.GUARD

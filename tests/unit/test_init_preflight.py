@@ -1,11 +1,11 @@
-"""init's preflight and waits (issue 9, items 23 and 24).
+"""init's preflight and waits.
 
-23: an executable ``--llama-server`` that is not llama-server is run (``--version``) and refused
+``--llama-server``: an executable ``--llama-server`` that is not llama-server is run (``--version``) and refused
 before anything is written, and the llama-server init itself wrote into agent.yaml is updated by a
 later init (``updated …``, a ``.bak``), while one the operator edited is left alone. The "not a
 llama-server" binaries are real shell scripts, run for real; the real one is the assets'.
 
-24: a loopback ``--agent-listen`` without a loopback ``--host`` is refused, and every wait prints a
+Waits: a loopback ``--agent-listen`` without a loopback ``--host`` is refused, and every wait prints a
 ``waiting for …`` line at least every 10 s (against a scripted admin API, httpx.MockTransport,
 and a fake clock: what is under test is init's output, not the control plane).
 """
@@ -64,7 +64,7 @@ def make(tmp_path: Path, o: InitOptions) -> tuple[ServerInit, io.StringIO]:
     return ServerInit(paths, o, SupervisorManager(paths), out=out), out
 
 
-# --- 23: --llama-server is run before anything is written ---
+# --- --llama-server is run before anything is written ---
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_the_real_llama_server_passes_preflight(tmp_path: Path, assets: Assets) 
     assert f"kept --llama-server {assets.llama_server} is llama.cpp build {build}" in out.getvalue()
 
 
-# --- 23: the llama-server init wrote into agent.yaml may be corrected by a later init ---
+# --- the llama-server init wrote into agent.yaml may be corrected by a later init ---
 
 
 def written_by_init(tmp_path: Path, binary: Path | None) -> tuple[Paths, Path]:
@@ -209,7 +209,7 @@ def test_an_agent_yaml_init_has_no_record_of_is_left_alone(tmp_path: Path) -> No
     assert "init has no record of writing it" in out
 
 
-# --- 24: a loopback agent API needs a loopback --host ---
+# --- a loopback agent API needs a loopback --host ---
 
 
 def test_a_loopback_agent_listen_without_host_is_refused(tmp_path: Path) -> None:
@@ -256,7 +256,7 @@ def test_the_cli_refuses_it_and_writes_nothing(tmp_path: Path) -> None:
     assert written(root) == []
 
 
-# --- 24: no wait is silent ---
+# --- no wait is silent ---
 
 
 def scripted(tmp_path: Path, answers: dict[str, Any], **kw: Any) -> tuple[ServerInit, io.StringIO, FakeClock]:

@@ -1,4 +1,4 @@
-"""Each of server init's steps run alone over an :class:`InitContext` (issue 10 item 6): the
+"""Each of server init's steps run alone over an :class:`InitContext`: the
 PKI, server.yaml and the "how to ask" ending, on a temporary root with real files and real
 certificates; no services are started. And the typed admin client the steps read the control
 plane with, over an in-process transport."""

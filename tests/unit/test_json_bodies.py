@@ -1,4 +1,4 @@
-"""Issue 9, item 8: deeply nested or oversized JSON bodies get a JSON 400/413 in each API's error
+"""Deeply nested or oversized JSON bodies get a JSON 400/413 in each API's error
 shape, never a plain-text 500 and a traceback: gateway, admin API (with its guard routes) and agent
 API (real mTLS), all over real HTTP on 127.0.0.1."""
 

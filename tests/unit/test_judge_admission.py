@@ -1,4 +1,4 @@
-"""Judgments queue with admission (issue 9 #16), on the real gateway app over real HTTP.
+"""Judgments queue with admission, on the real gateway app over real HTTP.
 
 The judge here is a FAKE on purpose: an aiohttp app speaking llama-server's ``/apply-template``,
 ``/props`` and streamed ``/v1/chat/completions`` that takes exactly :data:`HOLD_S` per judgment on

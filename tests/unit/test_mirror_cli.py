@@ -114,7 +114,7 @@ def test_init_needs_a_control_plane_address(tmp_path: pathlib.Path) -> None:
     assert "--api-allow 'not-an-ip' is not an IP address" in r.output
 
 
-def test_server_init_with_a_mirror_that_does_not_answer_gives_the_seeds_advice(tmp_path: pathlib.Path) -> None:
+def test_server_init_with_a_mirror_that_does_not_answer_says_how_to_set_one_up(tmp_path: pathlib.Path) -> None:
     paths = Paths.from_env(tmp_path)
     url = f"http://127.0.0.1:{free_port()}"
     init = ServerInit(paths, InitOptions(mirror_url=url), SupervisorManager(paths), out=io.StringIO())

@@ -1,4 +1,4 @@
-"""Issue 9 item 1, the setup side: what init and ``mirror add`` pass so that the import
+"""The mirror's import directories, the setup side: what init and ``mirror add`` pass so that the import
 directories a mirror needs are the ones it is given, and nothing more.
 
 - ``server init`` gives its local mirror the real directory of a ``file:`` starter and judge.

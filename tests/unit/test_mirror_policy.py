@@ -1,4 +1,4 @@
-"""Issue 9 item 1: the attacks on the mirror's management API, over real HTTP against a real
+"""The attacks on the mirror's management API, over real HTTP against a real
 MirrorServer (127.0.0.1 ephemeral ports, in-process) and a real ``llmgw mirror serve`` process.
 
 Each attack asks the mirror to fetch something it must not (a secret outside the import

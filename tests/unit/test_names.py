@@ -1,4 +1,4 @@
-"""Issue 9, item 9: one rule for names (llmgw.names) at every entry point, and duplicate YAML keys
+"""One rule for names (llmgw.names) at every entry point, and duplicate YAML keys
 refused in every file llmgw reads.
 
 Entry points: the admin API (real HTTP), model.yaml through ``ctl model add -f`` (the real CLI

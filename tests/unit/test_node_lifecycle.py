@@ -1,4 +1,4 @@
-"""The leader and silent nodes, and the crash backoff (issue 9, items 13 and 14).
+"""The leader and silent nodes, and the crash backoff.
 
 - A replica of a node that stopped heartbeating stays (and stays routable) while its engine answers
   the control plane's health probe, over real HTTP (an aiohttp stand-in for the engine's

@@ -1,4 +1,4 @@
-"""Node removal, certificate revocation and TLS failures, over real mTLS (issue 9, items 18 and 19).
+"""Node removal, certificate revocation and TLS failures, over real mTLS.
 
 A real control plane (:func:`~llmgw.control.server.serve`: admin API, agent API with client
 certificates from the cluster CA, leader) on loopback, and real agents (:func:`run_agent`) in this

@@ -1,4 +1,4 @@
-"""The control plane's event loop stays free while the store is slow (issue 9, item 17).
+"""The control plane's event loop stays free while the store is slow.
 
 The admin API, the agent API (real mTLS on 127.0.0.1) and the leader share one loop and one
 :class:`~llmgw.control.store.offloop.OffLoop`, as :func:`llmgw.control.server.serve` wires them. A store

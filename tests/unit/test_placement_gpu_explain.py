@@ -1,4 +1,4 @@
-"""GPU explanations (issue 9, items 20 and 21): the card that is short is named by index with its
+"""GPU explanations: the card that is short is named by index with its
 free memory, a card or node too small is called too small (never "free a negative amount"), and a
 GPU reported with 0 GB memory is a discovery problem on the node, in the explanation and the nodes
 view.

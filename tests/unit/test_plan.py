@@ -1,4 +1,4 @@
-"""The rules server init ported from the seed: cpuPlan, judgeFor (llmgw.guard.sizing), starterModel, guardModel."""
+"""The rules server init decides by: cpu_plan, judge_for (llmgw.guard.sizing), starter_model, guard_model."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_judge_for(no_node: bool, standbys: bool, flag: int | None, want: int) -
     assert sizing.judge_for(no_node=no_node, standbys=standbys, replicas_flag=flag) == want
 
 
-def test_starter_entry_is_the_seeds() -> None:
+def test_starter_entry() -> None:
     spec = plan.starter_spec(plan.STARTER_SOURCE)
     m = plan.starter_model(spec, 4096, 6, "http://m:8081/x/starter/q.gguf", ["h100-80gb", "l4-24gb"], pinned=True)
     assert m.name == "qwen2.5-0.5b-instruct"
@@ -96,7 +96,7 @@ def test_starter_from_a_carried_in_file_is_named_after_it() -> None:
     assert (named.name, named.alias) == ("tiny", "t")
 
 
-def test_guard_entry_is_the_seeds() -> None:
+def test_guard_entry() -> None:
     g = plan.guard_model("http://m/g.gguf", 1, 4)
     assert g.name == "qwen3guard-0.6b"
     assert g.role is Role.GUARD

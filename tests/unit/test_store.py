@@ -128,7 +128,7 @@ def test_schema_is_plain_sql(store: Store) -> None:
 
 def test_sqlite_files_are_private(tmp_path: Path) -> None:
     """The database holds replica API keys: it and its -wal/-shm are 0600, a new directory 0700
-    (issue 9, item 3; before, they were 0644 like any file under the default umask)."""
+    (before, they were 0644 like any file under the default umask)."""
     old = os.umask(0o022)
     try:
         db = tmp_path / "state" / "llmgw.db"

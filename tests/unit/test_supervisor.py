@@ -483,7 +483,7 @@ def test_a_program_that_cannot_be_executed_fails(manager: SupervisorManager, tmp
     assert f"cannot start {missing}" in manager.logs("agent")
 
 
-# --- User=, Group=, UMask= (issue 9, item 2) ------------------------------------------------------
+# --- User=, Group=, UMask= --------------------------------------------------------------------
 
 
 def test_parse_unit_reads_user_group_and_umask() -> None:

@@ -1,4 +1,4 @@
-"""Unit texts: the seed's fields and comments, deploy/systemd kept equal, LLMGW_ROOT, write_unit."""
+"""Unit texts: the original llmgw's fields and comments, deploy/systemd kept equal, LLMGW_ROOT, write_unit."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from llmgw.service.units import (
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 DEFAULT = Paths(Path("/"))
 
-# The seed's agentUnit, verbatim (serverinit_cluster.go).
-SEED_AGENT = """[Unit]
+# The agent unit the original (Go) llmgw's server init wrote, verbatim.
+ORIGINAL_AGENT = """[Unit]
 Description=llmgw node agent
 After=network-online.target
 Wants=network-online.target
@@ -54,9 +54,9 @@ StateDirectory=llmgw-agent
 WantedBy=multi-user.target
 """
 
-# The seed's mirrorUnitFor("/srv/models", "127.0.0.1:8082", "http://10.0.0.5:8081",
-#     ["10.0.0.5", "10.0.0.6"], ...)
-SEED_MIRROR = """[Unit]
+# The original's mirror unit for the store /srv/models, the API on 127.0.0.1:8082, base
+# http://10.0.0.5:8081 and control planes 10.0.0.5 and 10.0.0.6.
+ORIGINAL_MIRROR = """[Unit]
 Description=llmgw model mirror
 After=network-online.target
 Wants=network-online.target
@@ -79,17 +79,17 @@ WantedBy=multi-user.target
 """
 
 
-def seed_lines_kept(seed: str, got: str) -> list[str]:
-    """The seed's lines missing from ``got`` (the units add sandboxing; they drop nothing of the seed's)."""
+def original_lines_kept(original: str, got: str) -> list[str]:
+    """The original's lines missing from ``got`` (the units add sandboxing; they drop none of its lines)."""
     have = set(got.splitlines())
-    return [line for line in seed.replace("\\\n", "").splitlines() if line not in have]
+    return [line for line in original.replace("\\\n", "").splitlines() if line not in have]
 
 
-def test_agent_unit_keeps_the_seeds_lines() -> None:
-    assert seed_lines_kept(SEED_AGENT, agent_unit(DEFAULT, DEFAULT_BINARY)) == []
+def test_agent_unit_keeps_the_originals_lines() -> None:
+    assert original_lines_kept(ORIGINAL_AGENT, agent_unit(DEFAULT, DEFAULT_BINARY)) == []
 
 
-def test_mirror_unit_keeps_the_seeds_lines() -> None:
+def test_mirror_unit_keeps_the_originals_lines() -> None:
     got = mirror_unit(
         DEFAULT,
         DEFAULT_BINARY,
@@ -99,7 +99,7 @@ def test_mirror_unit_keeps_the_seeds_lines() -> None:
         allow=["10.0.0.5", "10.0.0.6"],
         about=MIRROR_ABOUT_LOCAL,
     )
-    assert seed_lines_kept(SEED_MIRROR, got) == []
+    assert original_lines_kept(ORIGINAL_MIRROR, got) == []
 
 
 def test_server_unit_fields() -> None:
@@ -200,11 +200,11 @@ def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: py
     assert llmgw_binary() == str(script)
 
 
-# --- systemd's own verdict on the units (issue 9, item 25) --------------------------------------
+# --- systemd's own verdict on the units ----------------------------------------------------
 
 EXPOSURE_TARGET = {"server": 4.5, "mirror": 4.5, "agent": 6.5}
 """``systemd-analyze security`` exposure (0 safe .. 10 unsafe) each unit must stay at or under. The
-control plane and the mirror: 4.5 (issue 9). The agent is root for its engines (its unit says
+control plane and the mirror: 4.5. The agent is root for its engines (its unit says
 which powers of root and why); it is rated 6.1 today."""
 
 
@@ -219,7 +219,7 @@ def test_units_pass_systemd_analyze_verify_and_security(name: str, tmp_path: Pat
     """``deploy/systemd`` as systemd reads it: ``verify`` finds no error, and ``security
     --offline=true`` rates the exposure at or under :data:`EXPOSURE_TARGET`. The binary is
     substituted by one that exists (verify checks that ExecStart's program is executable).
-    Before issue 9 the units were rated 9.6 UNSAFE (server, agent) and 8.5 EXPOSED (mirror)."""
+    Before their sandboxing the units were rated 9.6 UNSAFE (server, agent) and 8.5 EXPOSED (mirror)."""
     unit = tmp_path / f"{unit_name(name)}.service"
     unit.write_text((DEPLOY / unit.name).read_text().replace(DEFAULT_BINARY, "/bin/true"))
     verify = _analyze("verify", str(unit))

@@ -85,7 +85,7 @@ def marketed_gb(memory_total_bytes: int) -> int:
 
 
 def gpu_class(name: str, memory_total_bytes: int) -> str:
-    """The GPU class of a card: product slug plus marketed memory (engines.md §4.4).
+    """The GPU class of a card: product slug plus marketed memory (``rtx-4090-24gb``).
 
     Vendor words (NVIDIA, GeForce, Tesla, Quadro) are dropped, the rest lowercased with runs of
     non-alphanumerics turned into ``-``; ``-<n>gb`` is appended unless the name already carries a

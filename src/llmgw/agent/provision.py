@@ -3,7 +3,7 @@
 :data:`LLAMACPP_RELEASE` is the one table: the tag (``b<N>``, llama.cpp's build number) and the
 SHA-256 of each asset the agent may download. llama.cpp publishes no checksum files; GitHub
 computes a SHA-256 for every release asset and serves it as ``"digest"`` in
-``GET /repos/ggml-org/llama.cpp/releases/tags/<tag>`` (engines.md §1.8). Copy it from there.
+``GET /repos/ggml-org/llama.cpp/releases/tags/<tag>``. Copy it from there.
 
 What a node gets (:func:`plan`):
 

@@ -35,7 +35,7 @@ from llmgw.protocol import ReplicaSpec
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
-"""Seconds between SIGTERM and SIGKILL (engines.md §1.7: ~10 s, llama-swap uses 5)."""
+"""Seconds between SIGTERM and SIGKILL (llama-server stops only between batches; llama-swap waits 5 s)."""
 
 CREATE_TIME_TOLERANCE_S = 0.005
 """create_time comes from /proc start ticks (1/100 s): a different process differs by ≥ 0.01 s."""

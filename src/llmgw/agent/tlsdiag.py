@@ -5,7 +5,8 @@ peer``, never as what happened: Python's asyncio TLS server drops the connection
 handshake without flushing the TLS alert it made (``sslproto._fatal_error`` force-closes the
 transport), and with TLS 1.3 the client has finished its side of the handshake before the server
 checks the client's certificate. An agent with a certificate from another CA therefore retried
-forever, logging "control plane does not answer: Server disconnected" (issue 9).
+forever, logging "control plane does not answer: Server disconnected", and
+nobody could tell why.
 
 So when a heartbeat fails that way (:func:`may_be_tls`), :func:`diagnose` looks for itself (it
 blocks; run it in a thread): one handshake of its own with the agent's TLS files and a tiny HTTP

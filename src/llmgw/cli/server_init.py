@@ -44,7 +44,9 @@ def init(
     mirror: Annotated[
         str, typer.Option("--mirror", help="Use the mirror at this management URL instead of one here.")
     ] = "",
-    judge_replicas: Annotated[int | None, typer.Option(help="Judge replicas (default: the seed's rule).")] = None,
+    judge_replicas: Annotated[
+        int | None, typer.Option(help="Judge replicas (default: 1 when this machine is a node, else 2).")
+    ] = None,
     judge_source: Annotated[
         str, typer.Option(help="The judge's weights instead of Qwen3Guard-Gen-0.6B: hf:…, https://… or file:/abs.gguf.")
     ] = "",

@@ -24,9 +24,10 @@ the leader's timed pass); an admin write does both; a leader pass that changed r
 the routing table.
 
 No store call and no reconcile pass runs on the event loop that serves the three listeners
-(issue 9, item 17): store calls go through one bounded pool (:class:`~llmgw.control.store.offloop.OffLoop`),
-routing rebuilds are coalesced (:class:`~llmgw.control.store.offloop.Coalescer`: a burst of events costs
-one or two rebuilds) and the leader's passes run on that pool too.
+(done there, a burst of admin writes made heartbeats wait 2 s at p50): store calls go through one
+bounded pool (:class:`~llmgw.control.store.offloop.OffLoop`), routing rebuilds are coalesced
+(:class:`~llmgw.control.store.offloop.Coalescer`: a burst of events costs one or two rebuilds) and
+the leader's passes run on that pool too.
 """
 
 from __future__ import annotations

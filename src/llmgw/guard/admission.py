@@ -3,8 +3,8 @@ rest wait in the gateway in order of arrival, and one that could not be judged w
 of its budget is refused at once (``busy``) instead of timing out after it.
 
 Why in the gateway: llama-server queues what it cannot start, out of sight; under load every
-judgment then waited there until the budget ran out (issue 9 #16: most guarded requests got 503
-after 5 s on 2 cores), and abandoned non-streamed judgments kept the slot busy for a while after.
+judgment then waited there until the budget ran out (most guarded requests got 503 after 5 s
+on 2 cores), and abandoned non-streamed judgments kept the slot busy for a while after.
 Here the queue is visible, so the wait can be estimated and refused early.
 
 The estimate, for a judgment arriving now: ``ahead`` = judgments in flight + waiting; with ``slots``
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from llmgw.errors import JudgeError
 
 #: Seconds a judgment is assumed to take before the judge's first one is measured (a warm
-#: judgment with a 270M model on 2 cores was ~1 s: reference/measured.md).
+#: judgment with a 270M model on 2 cores was measured at ~1 s).
 PRIOR_S = 1.0
 #: RFC 6298's gains for the smoothed mean and the mean deviation.
 MEAN_GAIN = 1 / 8

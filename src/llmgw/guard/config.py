@@ -1,12 +1,12 @@
-"""The ``guard:`` block of server.yaml: guardrail policies (the seed's ``guard.Config``).
+"""The ``guard:`` block of server.yaml: guardrail policies.
 
 A policy says which judges read the text (the first of them that is available serves), what is
 checked (``in``: the prompt, before any engine is asked; ``out``: the answer, before the client
 sees it), what happens to a Controversial verdict (``block``, ``warn`` or ``allow``: Qwen3Guard's
 own report evaluates both the strict and the loose reading, and which wins depends on the traffic),
 what happens when no verdict comes (``fail: closed`` refuses with 503, ``fail: open`` serves the
-request marked unjudged), the time one judgment may take (``budget_s``, 5 s by default: the seed
-measured a ~280-token judgment at 4.2 s on two cores and 2.3 s on four), and which models and API
+request marked unjudged), the time one judgment may take (``budget_s``, 5 s by default: a
+~280-token judgment was measured at 4.2 s on two cores and 2.3 s on four), and which models and API
 keys it applies to. Unsafe is always blocked; a parsed block blocks even under ``fail: open``.
 
 Example::
@@ -150,7 +150,7 @@ class GuardConfig(_Strict):
         return self
 
     def on(self) -> bool:
-        """Whether any policy is set (the seed's ``lib.On()``)."""
+        """Whether any policy is set."""
         return bool(self.policies)
 
     def policy_for(self, model: str, caller: str = "") -> Policy | None:

@@ -23,7 +23,7 @@ Three formats (``catalog.GuardModel.format``):
     the ``stop`` string ``\n`` on the engine's side: the verdict word (``Safety: Safe`` is the whole
     answer for Safe), then, only for Unsafe or Controversial, a second request continuing
     ``Safety: <verdict>\nCategories:`` with a grammar that enumerates the category names (a loose
-    ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial": reference/measured.md);
+    ``[A-Za-z &,-]+`` let gemma-3-270m ramble "None, Unsafe, Controversial" here);
     its prompt is the first's, so it costs the few tokens of its tail and the categories. This is
     what runs end to end here with gemma-3-270m; its verdicts are not meaningful, the path is.
 

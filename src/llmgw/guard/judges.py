@@ -1,11 +1,11 @@
 """The judges llmgw knows by name: where their weights are, whether they need a GPU, and the
-catalog entry and serve request for each (the seed's ``knownJudgeNamed`` / ``serveRequest``).
+catalog entry and serve request for each.
 
 Naming one of these in a policy is all it takes to have it: the judge keeper
 (:mod:`llmgw.control.reconcile.judgekeeper`) serves it when the catalog lacks it, and ``llmgw ctl guard judge
 enable NAME`` does it by hand. A judge not in this table needs ``--repo``/``--file``.
 
-The 0.6B's file is the seed's (``serverinit_cluster.go``). The 4B and 8B files follow the same
+The 0.6B's file is the one ``server init`` serves by default. The 4B and 8B files follow the same
 uploader's naming (``mradermacher/Qwen3Guard-Gen-{4B,8B}-GGUF``, Q8_0); they were not fetched here.
 """
 
@@ -104,5 +104,5 @@ KNOWN_JUDGES: dict[str, KnownJudge] = {
 
 
 def known_judge(name: str) -> KnownJudge | None:
-    """The known judge called ``name``, or None (the seed's ``knownJudgeNamed``)."""
+    """The known judge called ``name``, or None."""
     return KNOWN_JUDGES.get(name)

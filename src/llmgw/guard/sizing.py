@@ -1,6 +1,5 @@
 """Judge sizing, one home: how many judge replicas init serves, the cores and memory each one
-reserves, and how a machine's cores are split between the judges and the starter (the seed's
-``judgeFor`` and ``cpuPlan`` in ``serverinit_cluster.go``).
+reserves, and how a machine's cores are split between the judges and the starter.
 
 Both the installer (:mod:`llmgw.serverinit.plan`, which writes the judge's catalog entry) and the
 control plane (:mod:`llmgw.control.reconcile.judgekeeper`, which re-fits a judge's cores when the
@@ -12,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# judgeCores and judgeMemoryGB are what a judge replica needs: two cores for a judgment within its
-# budget, and 2 GB for its 1.6 with no prompt cache. judgeCoresAlone is what the one judge of a
+# JUDGE_CORES and JUDGE_MEMORY_GB are what a judge replica needs: two cores for a judgment within its
+# budget, and 2 GB for its 1.6 with no prompt cache. JUDGE_CORES_ALONE is what the one judge of a
 # single machine takes, past which a model this small hardly gets faster.
 JUDGE_CORES = 2
 JUDGE_CORES_ALONE = 4
@@ -21,7 +20,7 @@ JUDGE_MEMORY_GB = 2
 
 
 def judge_for(*, no_node: bool, standbys: bool = False, replicas_flag: int | None = None) -> int:
-    """How many judge replicas init serves (the seed's ``judgeFor``).
+    """How many judge replicas init serves.
 
     One machine runs one judge, on up to four cores: a second judge replica on the same machine
     shares its cores and is lost with it, so it bought nothing but half the speed of each. On a
@@ -44,7 +43,7 @@ class CpuSplit:
 
 
 def cpu_plan(*, cpus: int, judges: int, no_node: bool = False) -> CpuSplit:
-    """Divide the CPUs between the judges and the starter (the seed's ``cpuPlan``).
+    """Divide the CPUs between the judges and the starter.
 
     Without it, two judge replicas and the starter on one 4-core control plane all ran on all
     four: under load most judgments missed their budget and the requests were refused. A judge

@@ -1,6 +1,6 @@
 """Setting a mirror up from the command line: ``llmgw mirror init`` and ``llmgw mirror add``.
 
-- :func:`init_mirror` — a mirror on its own machine (the seed's ``mirror init``): the store
+- :func:`init_mirror` — a mirror on its own machine: the store
   directory, the unit (:func:`~llmgw.service.units.mirror_unit`: bytes on ``:8081`` for every
   node, the management API on ``:8082`` answering loopback and each ``--control-plane`` address
   only), started by whichever manager runs services here (systemd, else llmgw's supervisor), a

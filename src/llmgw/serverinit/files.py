@@ -28,8 +28,8 @@ def new_secret(prefix: str = "") -> str:
 def append_block(path: Path, block: str, *, now: float | None = None) -> Path:
     """Append ``block`` to ``path`` without touching the rest, keeping the file as it was beside it.
 
-    The backup is ``<path>.bak-YYYYmmdd-HHMMSS`` (the seed's ``appendMirrorBlockFor``); the file
-    keeps its mode. Returns the backup's path.
+    The backup is ``<path>.bak-YYYYmmdd-HHMMSS``; the file keeps its mode.
+    Returns the backup's path.
 
     Raises:
         ConfigError: the file already has a top-level key the block sets (an empty ``guard:`` or
@@ -101,7 +101,7 @@ gateway:
 def agent_yaml(
     *, server: str, node_id: str, etc: Path, label_key: str, label_value: str, llama_server: Path | None,
 ) -> str:
-    """This machine's agent.yaml as the node of its own control plane (the seed's text, plus the engine)."""
+    """This machine's agent.yaml as the node of its own control plane (plus the engine when one is given)."""
     engine = ""
     if llama_server is not None:
         engine = f"engines:\n  llamacpp:\n    binary: {llama_server}\n"

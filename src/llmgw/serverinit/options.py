@@ -1,4 +1,4 @@
-"""The choices ``server init`` is given (its flags), with the defaults DESIGN.md fixes."""
+"""The choices ``server init`` is given (its flags), with their defaults (docs/install.md, "The steps")."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ class InitOptions:
     """Everything ``llmgw server init`` can be told.
 
     Listen addresses are ``HOST:PORT`` or ``:PORT``; each is settable so a test can run beside
-    another install. Wait limits are seconds (the seed's: 20 min for a node's engine, 30 min for a
-    download, 10 min for a model to start, 90 s before believing placement's "nowhere").
+    another install. Wait limits are seconds: 20 min for a node's engine (a new node fetches and
+    checks its own llama.cpp, often while busy with its own package updates), 30 min for a
+    download, 10 min for a model to start, and 90 s before believing placement's "nowhere" (long
+    enough for a node still installing its engine).
     """
 
     hosts: list[str] = field(default_factory=list)

@@ -1,8 +1,7 @@
 """What ``server init`` decides before it touches anything: the starter's and the judge's catalog
-entries, how many judges, and how the cores are split. Pure functions, ported from the seed
-(``serverinit_cluster.go``: ``starterModel``, ``guardModel``) with its reasons kept. How many judges
-and how the cores are split (``judgeFor``, ``cpuPlan``) live in :mod:`llmgw.guard.sizing`, which the
-control plane's judge keeper uses too.
+entries, how many judges, and how the cores are split. Pure functions, each rule with its reason.
+How many judges and how the cores are split (``judge_for``, ``cpu_plan``) live in
+:mod:`llmgw.guard.sizing`, which the control plane's judge keeper uses too.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ STARTER_NAME = "qwen2.5-0.5b-instruct"
 STARTER_ALIAS = "qwen-0.5b"
 STARTER_SOURCE = "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
 STARTER_VERSION = "starter"
-STARTER_BYTES = 400_000_000  # about 400 MB, the seed's figure for the Q4_K_M file
+STARTER_BYTES = 400_000_000  # about 400 MB: the Q4_K_M file's size, before it is downloaded
 
 # The context a client may use on the starter (tokens). Each engine holds four times that, for
-# four at once (the seed's starterModel: max(16384, 4*ctx) on CPU, max(32768, 4*ctx) on a GPU).
+# four at once: max(16384, 4*ctx) on CPU, max(32768, 4*ctx) on a GPU.
 STARTER_CONTEXT = 4096
 
 # The guardrails' judge: Qwen3Guard-Gen 0.6B, which reads a prompt or an answer and says whether
@@ -69,10 +68,10 @@ def model_name_from_file(file_name: str) -> str:
 
 
 def starter_spec(source: str, *, name: str = "", alias: str = "", size_bytes: int = 0) -> StarterSpec:
-    """The starter for ``source``: the seed's Qwen2.5-0.5B by default, else a model named after the file.
+    """The starter for ``source``: Qwen2.5-0.5B-Instruct by default, else a model named after the file.
 
     ``name``/``alias`` override what is derived; ``size_bytes`` is the file's size when known (a
-    ``file:`` source), else the seed's 400 MB.
+    ``file:`` source), else 400 MB.
     """
     if source == STARTER_SOURCE:
         return StarterSpec(
@@ -96,7 +95,7 @@ def starter_model(
     spec: StarterSpec, ctx: int, cores: int, source: str, gpu_classes: list[str],
     *, pinned: bool, sha256: str = "", version: str = STARTER_VERSION,
 ) -> Model:
-    """The starter's catalog entry (the seed's ``starterModel``).
+    """The starter's catalog entry.
 
     A GPU profile first (priority 200) for each class on this machine, and a CPU profile (100)
     always, both pinned to this machine by the label ``llmgw.control-plane=true`` when ``pinned``.
@@ -136,7 +135,7 @@ def starter_model(
 def guard_model(
     source: str, replicas: int, cores: int, *, sha256: str = "", fmt: str = "qwen3guard", name: str = GUARD_MODEL_NAME
 ) -> Model:
-    """The judge's catalog entry (the seed's ``guardModel``): CPU only, so it takes no card from the
+    """The judge's catalog entry: CPU only, so it takes no card from the
     models people use, on whichever node has room; ``replicas`` copies of it.
 
     About 1.6 GB with its context, which stays so with no prompt cache: llama.cpp keeps up to
@@ -173,7 +172,7 @@ def judge_args(fmt: str) -> list[str]:
 
 
 def judge_name(source: str, fmt: str) -> str:
-    """The judge's catalog name: ``qwen3guard-0.6b`` for the seed's file or any Qwen3Guard, else
+    """The judge's catalog name: ``qwen3guard-0.6b`` for the default file or any Qwen3Guard, else
     ``judge-<file stem>`` (a gemma carried in as a ``prompted`` judge is not a Qwen3Guard, and must not
     clash with the same file served as the starter)."""
     if source == GUARD_MODEL_SOURCE or fmt in ("", "qwen3guard"):

@@ -1,8 +1,8 @@
 """Owners and modes of the files ``server init`` leaves: secrets 0600, state directories 0700.
 
 Every file holding a secret is readable by one user only, and no directory llmgw makes is
-writable by its group or by others (issue 9: the database with the replica keys was readable by
-every local user). The control plane runs as the ``llmgw`` user when it can
+writable by its group or by others (under the default umask the database with the replica keys was
+readable by every local user). The control plane runs as the ``llmgw`` user when it can
 (:func:`llmgw.service.users.choose_service_user`); then what it reads is that user's, and the rest
 stays root's:
 

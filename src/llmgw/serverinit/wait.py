@@ -1,4 +1,4 @@
-"""Waiting for something with a deadline, as the seed's ``waitFor`` does.
+"""Waiting for something with a deadline.
 
 ``server init`` never waits silently: each wait has a deadline, the probe prints its own progress
 lines, every :data:`REPORT_EVERY_S` seconds a ``waiting for <what> (<N>s): last state <state>``
@@ -7,8 +7,8 @@ that running init again keeps waiting. The clock and the sleep are injected so t
 
 Silence is bounded by :data:`REPORT_EVERY_S` plus one poll interval plus one probe: init's probes
 make HTTP calls of at most :data:`PROBE_TIMEOUT_S` and poll every 0.5 s or less, so no wait is
-silent for more than 5 + 0.5 + 4 < 10 s (issue 9, item 24: an agent pointed at an address where
-nothing listens made init wait twenty minutes without a word).
+silent for more than 5 + 0.5 + 4 < 10 s (an agent pointed at an address where nothing
+listens once made init wait twenty minutes without a word).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Clock:
 
 
 def format_duration(seconds: float) -> str:
-    """``90`` → ``1m30s``, ``1200`` → ``20m0s``, ``30`` → ``30s`` (the seed prints Go durations)."""
+    """``90`` → ``1m30s``, ``1200`` → ``20m0s``, ``30`` → ``30s`` (Go's format, as the original llmgw printed)."""
     s = round(seconds)
     return f"{s // 60}m{s % 60}s" if s >= 60 else f"{s}s"
 

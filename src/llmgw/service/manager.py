@@ -4,7 +4,7 @@
 else :class:`SupervisorManager` (containers, CI, laptops, tests). Both read the same unit file,
 ``paths.unit(name)``, so a service is described once.
 
-The seed's sequence for putting a service in place works on either::
+The sequence for putting a service in place works on either::
 
     changed = manager.install("agent", agent_unit(paths, llmgw_binary()))
     manager.start("agent")            # systemd: enable --now; supervisor: no-op when running

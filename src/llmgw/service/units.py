@@ -1,9 +1,9 @@
 """The systemd unit texts of llmgw's three services, and writing them.
 
-The texts are ported from the Go original's ``server init`` (``agentUnit``, ``mirrorUnitFor``) with
-their comments, which carry the reasons. They are also the only description of a service that
-llmgw's own supervisor (:mod:`llmgw.service.supervisor`) reads on machines without systemd, so
-one text serves both.
+The agent's and the mirror's texts keep every line of the units the original (Go) llmgw's ``server
+init`` wrote, comments included, which carry the reasons (``tests/unit/test_units.py`` holds those
+lines). They are also the only description of a service that llmgw's own supervisor
+(:mod:`llmgw.service.supervisor`) reads on machines without systemd, so one text serves both.
 
 ``deploy/systemd/llmgw-{server,agent,mirror}.service`` hold :func:`deploy_units`'s output (the
 default paths, ``/usr/local/bin/llmgw``); ``tests/unit/test_units.py`` keeps them equal.
@@ -33,7 +33,7 @@ DEFAULT_BINARY = "/usr/local/bin/llmgw"
 """Where the install guide puts llmgw, and what ``deploy/systemd`` names."""
 
 MIRROR_LISTEN = ":8081"
-"""The mirror's bytes, for every node (DESIGN.md, "Processes and ports")."""
+"""The mirror's bytes, for every node (docs/operating.md, "The mirror")."""
 
 MIRROR_API_LISTEN = "127.0.0.1:8082"
 """The mirror's management API on loopback, for the control plane beside it."""
@@ -42,7 +42,7 @@ MIRROR_ABOUT_LOCAL = (
     "'llmgw server init'. Bytes on :8081 for every node; the\n"
     "# management API on loopback only, for the control plane beside it."
 )
-"""``about`` for a mirror beside a single control plane (the seed's wording)."""
+"""``about`` for a mirror beside a single control plane (the original llmgw's wording)."""
 
 MIRROR_ABOUT_STANDBYS = (
     "'llmgw server init'. Bytes on :8081 for every node; the\n"
@@ -257,7 +257,7 @@ def mirror_unit(
     allow_source_nets: Sequence[str] = (),
     user: str | None = SERVICE_USER,
 ) -> str:
-    """A mirror's unit (the seed's ``mirrorUnitFor``), serving ``paths.mirror_store``.
+    """A mirror's unit, serving ``paths.mirror_store``.
 
     Args:
         listen: the bytes listener, ``:8081`` (:data:`MIRROR_LISTEN`) for every node.

@@ -2,8 +2,8 @@
 
 Under systemd, and under llmgw's own supervisor when it runs as root (which applies ``User=`` as
 systemd does, :func:`llmgw.service.supervisor.credentials`), both run unprivileged: the user
-must exist and be able to run llmgw and reach its files before the units start (the seed's
-``useradd`` and ``chown``). :func:`choose_service_user` decides, and says why when it cannot be
+must exist and be able to run llmgw and reach its files before the units start (``useradd``
+and ``chown``). :func:`choose_service_user` decides, and says why when it cannot be
 done: not root (only root switches users; the program then runs as whoever started it), or the
 user cannot run this llmgw (a Python under ``/root``, a directory it cannot enter).
 """

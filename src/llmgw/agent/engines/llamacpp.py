@@ -17,7 +17,7 @@ As the replica runner's engine (:data:`LLAMACPP`, see :mod:`llmgw.agent.engines.
 shows as ``couldn't bind HTTP server socket`` (:data:`BIND_FAILED`).
 
 Argv (see :func:`build_argv`): the agent owns ``-m``, ``--host``, ``--port`` and the API key, and
-passes every sizing flag explicitly, because llama-server's defaults are traps (engines.md §0):
+passes every sizing flag explicitly, because llama-server's defaults are traps:
 ``-np`` omitted means 4 slots sharing one unified KV pool; ``--cache-ram`` defaults to 8192 MiB of
 host RAM per process on top of weights and KV; ``-t`` omitted means physical cores. The profile's
 args win over the agent's defaults and ``--threads``, without a flag appearing twice.

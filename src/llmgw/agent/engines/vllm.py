@@ -10,7 +10,7 @@ Launch (:func:`build_argv`): ``vllm serve <model file> <profile args> --host H -
 --served-model-name <model>``; the agent owns ``--host``, ``--port``, ``--api-key`` and
 ``--served-model-name`` (a profile's are dropped). The key goes in ``VLLM_API_KEY``, vLLM's own
 variable for ``--api-key``, so it is not in the world-readable argv. Readiness is ``GET /health``
-200: vLLM does not answer at all until its engine is up (engines.md §2.2). It is stopped by
+200: vLLM does not answer at all until its engine is up. It is stopped by
 process group: its ``VLLM::EngineCore`` / ``Worker_TP*`` children otherwise outlive the API
 process and hold the GPU (VL #55510). As the replica runner's engine: :data:`VLLM`.
 """
@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 
 ENGINE = "vllm"
 VLLM_VERSION = "0.33.0"
-"""The pinned vLLM (PyPI, 2026-11; engines.md §1.8)."""
+"""The pinned vLLM (PyPI, 2026-11)."""
 
 START_DEADLINE_S = 1200.0
 """vLLM start: weights, torch.compile (15–45 s first time), CUDA graphs (10–37 s) and ~30 s of
-imports; "init engine took 14–90 s" for 8B models with warm caches (engines.md §2.3). Minutes."""
+imports; "init engine took 14–90 s" for 8B models with warm caches (VL #11005, #20264). Minutes."""
 
 PIP_TIMEOUT_S = 3600.0
 

@@ -34,7 +34,7 @@ Writes call ``on_change`` so the leader runs a pass at once instead of at its ne
 
 Every store call and every view built over all nodes or replicas runs off the event loop
 (``await db.run(...)``, :mod:`llmgw.control.store.offloop`): the loop also serves heartbeats and the
-gateway (issue 9, item 17).
+gateway, which waited seconds behind admin writes when store calls ran on it.
 """
 
 from __future__ import annotations

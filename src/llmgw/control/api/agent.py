@@ -5,8 +5,8 @@
 :class:`~llmgw.protocol.HeartbeatReply`.
 
 The node id is the CN of the agent's client certificate, read from the TLS session
-(``request.transport.get_extra_info("peercert")``, measured to work with aiohttp; see
-reference/measured.md). The TLS context (:func:`agent_ssl_context`) requires a certificate signed by
+(``request.transport.get_extra_info("peercert")``, measured to work with aiohttp, which is why
+every server is aiohttp). The TLS context (:func:`agent_ssl_context`) requires a certificate signed by
 the cluster CA, so a client without one never reaches a handler. A node cannot speak for another's
 replicas: only replicas placed on the CN's node take its reports.
 

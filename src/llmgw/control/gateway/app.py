@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway (DESIGN.md Flow 4): an aiohttp app the control plane mounts.
+"""The OpenAI-compatible gateway (docs/architecture.md, "A gateway request"): an aiohttp app the control plane mounts.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``, ``GET /healthz``.
 Every other path or method is an OpenAI-shaped 404/405, so clients never parse an HTML page.
@@ -28,7 +28,7 @@ A client that disconnects cancels its request: the control plane serves this app
 ``handler_cancellation=True``, so the handler is cancelled, which closes the upstream connection,
 and llama-server stops generating for a connection that is gone (it looks about once a second) and
 frees the slot. Without it, an abandoned non-streamed request held its slot until the answer was
-complete (issue 9: four abandoned requests blocked every later one for 60 s). Serve the app the
+complete (four abandoned requests blocked every later one for 60 s). Serve the app the
 same way elsewhere (tests, benchmarks) to keep that.
 
 Every response to a chat request carries ``x-llmgw-replica`` (the replica's id, not its address)
@@ -44,7 +44,7 @@ relaying a stream costs the gateway 90-140 µs of CPU per SSE event (the ``model
 it). ``x-llmgw-overhead-ms`` read 0.08 ms at the median: it counts the handler's own work only, not
 aiohttp parsing the request and writing the response, nor the extra loopback hop.
 A profile shows the handler's Python is small beside aiohttp's client and the two socket sends.
-The keys file check and the field allow-list (issue 9) did not move it: +0.40/+0.42 ms after vs
+The keys file check and the field allow-list did not move it: +0.40/+0.42 ms after vs
 +0.40/+0.41 ms before, alternating runs of 2000 under other engineers' load (the allow-list costs
 ~2 µs when the body passes unchanged, ~6 µs when it is re-encoded; the key check ~0.7 µs).
 No body ever names a replica's address or key: the router's reasons are phrased for clients, and a

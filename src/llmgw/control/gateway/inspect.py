@@ -6,7 +6,7 @@ optional :class:`Inspector` at the three points where the guard must decide, and
 ``observe`` callable with one :class:`Exchange` per chat request (usage, metrics, the overhead).
 
 Without an inspector the hot path pays one ``is None`` check per request: streams are relayed per
-network chunk, never re-parsed (STYLE item 8). With one, the stream inspector sees each chunk as it
+network chunk, never re-parsed. With one, the stream inspector sees each chunk as it
 arrives and may change it, hold it back (return ``b""``) or stop the stream with a :class:`Refusal`;
 parsing the SSE events is the inspector's business, since only it needs the text.
 

@@ -8,7 +8,8 @@ something) and when it is older than ``max_age_s`` (0.5 s).
 In the control plane (:mod:`llmgw.control.server`) the router is built with ``on_stale``: a stale
 snapshot then asks for a rebuild off the event loop (:class:`~llmgw.control.store.offloop.Coalescer`)
 and the request is answered from the snapshot it has, so the gateway's hot path never waits on
-the store (issue 9, item 17). Without ``on_stale`` (tests, tools) the rebuild runs inline.
+the store, which is slow under a burst of writes. Without ``on_stale`` (tests, tools) the rebuild
+runs inline.
 
 Snapshots are swapped whole (one attribute assignment), so a request never sees half a table.
 """

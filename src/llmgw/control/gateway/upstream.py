@@ -20,7 +20,7 @@ Mechanism, per chat request:
    ``data: {"error": ...}`` event.
 
 Why aiohttp as the client: measured here reading SSE, aiohttp's client costs 36-70 µs of CPU per
-event, httpx 160-270 µs (reference/measured.md); ``bench/gateway_overhead.py`` repeats it side by
+event, httpx 160-270 µs; ``bench/gateway_overhead.py`` repeats it side by
 side: aiohttp ``iter_any`` 91-105 µs vs httpx ``aiter_raw`` 206-228 µs per event, 2 busy cores.
 
 Timeouts are LLM-sized: connect 5 s; a non-streamed answer may take

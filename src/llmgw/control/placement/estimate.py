@@ -9,7 +9,7 @@ Mechanism:
    The value types come from the ``gguf`` package (``gguf.constants.GGUFValueType``). Its
    ``GGUFReader`` is not used: it maps the whole file, cannot read a truncated one ("cannot reshape
    array"), and took 13.7 s here on gemma-3-270m, parsing every vocabulary entry into numpy views.
-2. :func:`estimate` turns the facts and a profile's engine args into bytes (engines.md §3.2)::
+2. :func:`estimate` turns the facts and a profile's engine args into bytes::
 
        weights  = the file's size (tensor data ≈ file − header; the header counts too, it is small)
        kv       = Σ over layers  cells(l) × head_count_kv × (key_length + value_length) × bytes(cache type)
@@ -56,7 +56,7 @@ from llmgw.errors import EstimateError
 GB = 1e9
 
 OVERHEAD_BYTES = 300_000_000
-"""Compute buffers, output logits and the engine's heap on top of weights and KV (engines.md §3.2:
+"""Compute buffers, output logits and the engine's heap on top of weights and KV (llama.cpp:
 "a few hundred MiB", growing with ``--ubatch-size``; llama-server measured here with gemma-3-270m
 at ``-c 2048``: model 253 MB + KV 37.7 MB + compute ≈ 0.25 GB)."""
 

@@ -1,4 +1,4 @@
-"""The judge keeper (the seed's ``judgekeeper.go``): on the leader, fetch and serve each judge llmgw
+"""The judge keeper: on the leader, fetch and serve each judge llmgw
 knows that a policy names and the catalog does not have.
 
 Naming ``qwen3guard-4b`` in a policy is all it takes to have one, and a judge removed by mistake

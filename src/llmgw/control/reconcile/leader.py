@@ -1,6 +1,6 @@
 """The leader's reconcile loop: node liveness, replica placement, restarts, and placement's explanations.
 
-Exactly one control plane is the leader and runs this loop (DESIGN.md, "State and leadership").
+Exactly one control plane is the leader and runs this loop.
 With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
 lock) is not built yet, so run one control plane per database until it is.
 
@@ -9,7 +9,7 @@ so placement over every node and the explanations never stall heartbeats or the 
 (an admin write, a heartbeat that changed something) starts a pass after :data:`COALESCE_S`, at
 most one pass starts per :data:`MIN_GAP_S`, and wakes that arrive while a pass runs collapse into
 one more pass: adding 50 models in a burst, and the 100 heartbeats that report their replicas
-ready, cost a handful of passes, not 150 (issue 9, item 17).
+ready, cost a handful of passes, not 150.
 
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
 give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored; a
@@ -31,7 +31,7 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    Except: a replica of a silent node whose engine answered this pass's probe is kept, and stays
    routable. A silent agent (restarted, paused, cut off from the control plane but not from the
    gateway) says nothing about its engines; killing and replacing a serving engine turned a 30 s
-   agent pause into ~20 s of 503s (issue 9). When the agent reports again, it keeps (or adopts)
+   agent pause into ~20 s of 503s. When the agent reports again, it keeps (or adopts)
    the very same engine; when the probe fails too, the replica is lost and replaced.
    Before placement, so the capacity they held is free again.
 3. **Stale and failed replicas**: a replica whose profile, source or version changed since it was

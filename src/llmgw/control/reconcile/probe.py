@@ -5,7 +5,7 @@ replica whose node is silent (:func:`silent`: ``lost`` already, or no heartbeat 
 ``node_lost_after_s``) or gone, as the gateway would reach it: ``GET http://<endpoint>/health`` with
 the replica's key (:func:`probe_engine`), all at once (:func:`answering`). A replica whose engine
 answers is kept and stays routable; killing and replacing a serving engine turned a 30 s agent
-pause into ~20 s of 503s (issue 9). The probes are I/O only and run on the event loop; the store
+pause into ~20 s of 503s. The probes are I/O only and run on the event loop; the store
 reads (:func:`suspects`) run off it.
 """
 

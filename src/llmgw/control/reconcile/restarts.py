@@ -24,12 +24,13 @@ from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
 
-#: A failed replica is replaced after 10 s, then 20, 40 … capped at 5 min (issue 3).
+#: A failed replica is replaced after 10 s, then 20, 40 … capped at 5 min: a single crash is
+#: retried soon, and an engine that keeps crashing is not reloaded every 10 s.
 BACKOFF_FIRST_S = 10.0
 BACKOFF_MAX_S = 300.0
 
 #: A replica ready this long has its crash count reset, so a crash after weeks of service waits
-#: 10 s again, not the 5 min its history would give it (issue 9; ``ServerConfig.backoff_reset_s``).
+#: 10 s again, not the 5 min its history would give it (``ServerConfig.backoff_reset_s``).
 BACKOFF_RESET_S = 600.0
 
 

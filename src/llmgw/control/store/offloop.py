@@ -3,7 +3,7 @@
 The control plane serves heartbeats, the admin API and the gateway on one asyncio loop. Every
 store call (SQLAlchemy Core over SQLite or PostgreSQL) blocks the thread that makes it, and the
 reconcile work around it (placement over all nodes, explanations, parsing catalog rows) is plain
-CPU. Done on the loop, each stalls every connection the loop serves: issue 9 measured 2.0 s p50 /
+CPU. Done on the loop, each stalls every connection the loop serves: measured, 2.0 s p50 /
 3.1 s p99 heartbeat latency with 200 agents while 50 models were added (``bench/heartbeats.py``).
 
 Three pieces, used the same way everywhere:

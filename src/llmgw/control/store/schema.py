@@ -133,7 +133,7 @@ _MIGRATION_2_COLUMNS = {
 
 
 def _migration_2(conn: Connection) -> None:
-    """Issue 3: nodes.instance/cached, replicas.gpu_indexes/last_error/spec_hash, gguf_facts.
+    """nodes.instance/cached, replicas.gpu_indexes/last_error/spec_hash, gguf_facts.
 
     Columns are added only where missing: migration 1 creates tables from the current definitions,
     so a database made today already has them."""
@@ -154,13 +154,13 @@ def _migration_2(conn: Connection) -> None:
 
 
 def _migration_3(conn: Connection) -> None:
-    """Issue 9: node_certs (serials seen per node) and revoked_certs (the agent API's deny-list)."""
+    """node_certs (serials seen per node) and revoked_certs (the agent API's deny-list)."""
     node_certs_t.create(conn, checkfirst=True)
     revoked_certs_t.create(conn, checkfirst=True)
 
 
 def _migration_4(conn: Connection) -> None:
-    """Issue 10: ``model_names``, so that a name or alias answers for one model by a PRIMARY KEY
+    """``model_names``, so that a name or alias answers for one model by a PRIMARY KEY
     instead of a scan of every model at each write; filled from the rows already stored.
 
     The specs are read as plain JSON (``name``, ``aliases``), not as today's :class:`~llmgw.catalog.Model`:

@@ -51,7 +51,7 @@ from llmgw.views import ExplainView
 log = logging.getLogger(__name__)
 
 #: The hooks class per SQLAlchemy backend name; any other backend gets :class:`DialectHooks`.
-#: Issue 11 adds ``"postgresql"`` here.
+#: A PostgreSQL backend adds ``"postgresql"`` here.
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks}
 
 

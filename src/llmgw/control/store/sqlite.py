@@ -3,13 +3,13 @@
 * **Private file.** The database holds replica API keys. Its directory is made 0700 when new and
   the file 0600 before SQLite opens it; SQLite creates ``-wal`` and ``-shm`` with the database
   file's permissions, so all three are kept from other local users, and files left looser by an
-  older version are narrowed (issue 9, item 3: they were 0644 under the default umask).
+  older version are narrowed (they were 0644 under the default umask).
 * **Pragmas.** WAL (readers never wait for the writer), a 5 s busy timeout (a second process, such
   as ``server init`` reading, waits instead of failing), ``synchronous=NORMAL`` (safe in WAL).
 * **One writer at a time, in process.** SQLite lets one transaction write; a second one waits in
   SQLite's busy handler, which *sleeps* 1, 2, 5, 10 … 100 ms between tries, so writers on several
   threads (heartbeats, a leader pass) made heartbeats wait hundreds of milliseconds behind a pass
-  that wrote 50 explanations (issue 9, item 17: p99 518 ms). Write transactions therefore take a
+  that wrote 50 explanations (p99 518 ms). Write transactions therefore take a
   ``threading.Lock`` first (:meth:`SqliteHooks.writer`), which hands over at once. Reads take no
   lock (WAL).
 """

@@ -1,5 +1,5 @@
 """``llmgw server init``: turn this machine into a control plane, a model mirror and a node serving
-a starter model, so the first thing anyone sees is an answer (the seed's ``serverinit_cluster.go``).
+a starter model, so the first thing anyone sees is an answer.
 
 A control plane on its own serves nothing: it needs a node, weights, and a model, and the install
 guide made each of those a separate afternoon. init makes the machine all three. The steps, in

@@ -17,7 +17,7 @@ from llmgw.serverinit.steps.serve import ensure_served
 
 
 def source(opts: InitOptions) -> str:
-    """Where the judge's weights come from: ``--judge-source``, else the seed's Qwen3Guard file."""
+    """Where the judge's weights come from: ``--judge-source``, else Qwen3Guard-Gen-0.6B Q8_0 from Hugging Face."""
     return opts.judge_source or plan.GUARD_MODEL_SOURCE
 
 
@@ -31,7 +31,7 @@ def planned(opts: InitOptions) -> bool:
 
 
 def replicas(opts: InitOptions) -> int:
-    """Judge replicas this init serves (the seed's ``judgeFor``): none with ``--no-guard-model``
+    """Judge replicas this init serves (``sizing.judge_for``): none with ``--no-guard-model``
     or when the judge will be skipped (offline with nothing carried in), so the starter keeps
     the cores a judge would have had."""
     if not planned(opts):
@@ -40,7 +40,7 @@ def replicas(opts: InitOptions) -> int:
 
 
 def run(ctx: InitContext) -> None:
-    """The guardrails' judge (the seed's ``ensureGuardModel``), then the default policy.
+    """The guardrails' judge, then the default policy.
 
     The judge goes into the mirror and the catalog (role guard, CPU only, ``judge_for``
     replicas, cores from ``cpu_plan``); when this machine is a node, init waits for it to serve.
