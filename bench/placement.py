@@ -19,6 +19,7 @@ import statistics
 import time
 
 from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import explain_view
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
@@ -28,18 +29,18 @@ GB = 1_000_000_000
 LLAMA = {"llamacpp": EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")}
 
 
-def nodes() -> list[pl.NodeInfo]:
+def nodes() -> list[checks.NodeInfo]:
     out = []
     for i in range(400):
         inv = Inventory(cores=32, memory_total_bytes=128 * GB, memory_available_bytes=120 * GB)
-        out.append(pl.NodeInfo(f"cpu-{i:03d}", "ready", inv, labels={"zone": f"z{i % 4}"}, engines=LLAMA))
+        out.append(checks.NodeInfo(f"cpu-{i:03d}", "ready", inv, labels={"zone": f"z{i % 4}"}, engines=LLAMA))
     for i in range(100):
         gpus = [
             GPU(index=g, name="NVIDIA H100 80GB HBM3", klass="h100-80gb", memory_total_bytes=80 * GB)
             for g in range(8)
         ]
         inv = Inventory(cores=96, memory_total_bytes=1000 * GB, memory_available_bytes=990 * GB, gpus=gpus)
-        out.append(pl.NodeInfo(f"gpu-{i:03d}", "ready", inv, engines=LLAMA))
+        out.append(checks.NodeInfo(f"gpu-{i:03d}", "ready", inv, engines=LLAMA))
     return out
 
 
@@ -58,7 +59,7 @@ def models() -> list[Model]:
     ]
 
 
-def place_all(ns: list[pl.NodeInfo], ms: list[Model]) -> tuple[float, int]:
+def place_all(ns: list[checks.NodeInfo], ms: list[Model]) -> tuple[float, int]:
     t = time.perf_counter()
     placer = pl.Placer(ns, [])
     placed = 0
@@ -71,9 +72,9 @@ def place_all(ns: list[pl.NodeInfo], ms: list[Model]) -> tuple[float, int]:
     return time.perf_counter() - t, placed
 
 
-def place_fresh(ns: list[pl.NodeInfo], ms: list[Model], limit: int) -> float:
+def place_fresh(ns: list[checks.NodeInfo], ms: list[Model], limit: int) -> float:
     t = time.perf_counter()
-    done: list[pl.Reservation] = []
+    done: list[checks.Reservation] = []
     n = 0
     for m in ms:
         for _ in range(m.scaling.min):
@@ -82,12 +83,14 @@ def place_fresh(ns: list[pl.NodeInfo], ms: list[Model], limit: int) -> float:
             d = pl.place(m, ns, done)
             if d.node is not None and d.profile is not None:
                 p = d.profile
-                done.append(pl.Reservation(d.node, m.name, p.min_memory_gb, p.cpu_cores, p.gpu_class, d.gpu_indexes))
+                done.append(
+                    checks.Reservation(d.node, m.name, p.min_memory_gb, p.cpu_cores, p.gpu_class, d.gpu_indexes)
+                )
             n += 1
     return (time.perf_counter() - t) * 1000 / max(n, 1)
 
 
-def explain_once(ns: list[pl.NodeInfo]) -> tuple[float, str]:
+def explain_once(ns: list[checks.NodeInfo]) -> tuple[float, str]:
     huge = Model(
         name="huge",
         source="http://mirror/huge/1/h.gguf",

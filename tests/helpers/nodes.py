@@ -9,7 +9,7 @@ from pathlib import Path
 
 from llmgw.agent.discovery import SMI_QUERY, SmiRunner
 from llmgw.config import AgentConfig
-from llmgw.control.placement import placer as pl
+from llmgw.control.placement import checks
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
 
 GB = 1_000_000_000
@@ -29,7 +29,7 @@ def node(
     cores: int = 4,
     gpus: list[GPU] | None = None,
     cached: frozenset[str] = frozenset(),
-) -> pl.NodeInfo:
+) -> checks.NodeInfo:
     """A node as placement sees it: 4 cores, 8 GB, llama.cpp installed, unless told otherwise."""
     inv = Inventory(
         cores=cores,
@@ -38,7 +38,7 @@ def node(
         gpus=gpus or [],
     )
     engs = [LLAMA] if engines is None else engines
-    return pl.NodeInfo(id, state, inv, cordoned, labels or {}, {e.engine: e for e in engs}, cached)
+    return checks.NodeInfo(id, state, inv, cordoned, labels or {}, {e.engine: e for e in engs}, cached)
 
 
 def h100(mem_gb: float = 80, index: int = 0, used_gb: float = 0) -> GPU:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llmgw.catalog import Engine, Model, Profile, Scaling
+from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store
@@ -14,14 +15,14 @@ from tests.helpers.nodes import LLAMA, h100, node
 GB = 1_000_000_000
 
 
-def cand(n: pl.NodeInfo, p: Profile | None = None, usage: pl.Usage | None = None) -> pl.Candidate:
-    return pl.Candidate(n, p or Profile(name="cpu"), usage or pl.Usage())
+def cand(n: checks.NodeInfo, p: Profile | None = None, usage: checks.Usage | None = None) -> checks.Candidate:
+    return checks.Candidate(n, p or Profile(name="cpu"), usage or checks.Usage())
 
 
-Case = tuple[str, pl.Candidate, str | None]
+Case = tuple[str, checks.Candidate, str | None]
 
 
-def run_table(fit: Callable[[pl.Candidate], pl.Miss | None], cases: list[Case]) -> None:
+def run_table(fit: Callable[[checks.Candidate], checks.Miss | None], cases: list[Case]) -> None:
     for name, c, want in cases:
         miss = fit(c)
         got = miss.reason if miss else None
@@ -30,14 +31,14 @@ def run_table(fit: Callable[[pl.Candidate], pl.Miss | None], cases: list[Case]) 
 
 def test_node_ready() -> None:
     run_table(
-        pl.node_ready,
+        checks.node_ready,
         [("ready", cand(node()), None), ("lost", cand(node(state="lost")), "node is lost")],
     )
 
 
 def test_not_cordoned() -> None:
     run_table(
-        pl.not_cordoned,
+        checks.not_cordoned,
         [("open", cand(node()), None), ("cordoned", cand(node(cordoned=True)), "node is cordoned")],
     )
 
@@ -45,7 +46,7 @@ def test_not_cordoned() -> None:
 def test_node_selector() -> None:
     sel = Profile(name="cpu", node_selector={"llmgw.control-plane": "true"})
     run_table(
-        pl.node_selector,
+        checks.node_selector,
         [
             ("no selector", cand(node()), None),
             ("match", cand(node(labels={"llmgw.control-plane": "true", "x": "y"}), sel), None),
@@ -66,7 +67,7 @@ def test_engine_installed() -> None:
     installing = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLING)
     vllm = Profile(name="gpu", engine=Engine.VLLM)
     run_table(
-        pl.engine_installed,
+        checks.engine_installed,
         [
             ("installed", cand(node()), None),
             (
@@ -83,7 +84,7 @@ def test_engine_installed() -> None:
 def test_gpu_class() -> None:
     gpu = Profile(name="gpu", gpu_class="h100-80gb")
     run_table(
-        pl.gpu_class,
+        checks.gpu_class,
         [
             ("cpu profile", cand(node()), None),
             ("has it", cand(node(gpus=[h100()]), gpu), None),
@@ -101,17 +102,21 @@ def test_memory() -> None:
     p2 = Profile(name="cpu", min_memory_gb=2)
     gpu = Profile(name="gpu", gpu_class="h100-80gb", min_memory_gb=40)
     run_table(
-        pl.memory,
+        checks.memory,
         [
             ("zero reserves nothing", cand(node(mem_gb=0.5)), None),
             ("fits", cand(node(mem_gb=8), p2), None),
-            ("exactly fits", cand(node(mem_gb=8), p2, pl.Usage(memory_gb=6)), None),
+            ("exactly fits", cand(node(mem_gb=8), p2, checks.Usage(memory_gb=6)), None),
             (
                 "used up",
-                cand(node(mem_gb=7.8), p2, pl.Usage(memory_gb=6.4)),
+                cand(node(mem_gb=7.8), p2, checks.Usage(memory_gb=6.4)),
                 "needs 2.0 GB memory, 1.4 of 7.8 GB free",
             ),
-            ("a gpu profile's memory is on the card", cand(node(gpus=[h100()]), gpu, pl.Usage(memory_gb=100)), None),
+            (
+                "a gpu profile's memory is on the card",
+                cand(node(gpus=[h100()]), gpu, checks.Usage(memory_gb=100)),
+                None,
+            ),
             (
                 "used outside llmgw",
                 cand(node(mem_gb=8, avail_gb=1.5), p2),
@@ -119,13 +124,13 @@ def test_memory() -> None:
             ),
             (
                 "outside use beyond the reservations",
-                cand(node(mem_gb=8, avail_gb=1.0), p2, pl.Usage(memory_gb=3)),
+                cand(node(mem_gb=8, avail_gb=1.0), p2, checks.Usage(memory_gb=3)),
                 "needs 2.0 GB memory, 1.0 of 8.0 GB free (4.0 GB used outside llmgw)",
             ),
-            ("reserved but not yet used", cand(node(mem_gb=8, avail_gb=8), p2, pl.Usage(memory_gb=5)), None),
+            ("reserved but not yet used", cand(node(mem_gb=8, avail_gb=8), p2, checks.Usage(memory_gb=5)), None),
         ],
     )
-    miss = pl.memory(cand(node(mem_gb=7.8), p2, pl.Usage(memory_gb=6.4)))
+    miss = checks.memory(cand(node(mem_gb=7.8), p2, checks.Usage(memory_gb=6.4)))
     assert miss is not None
     assert (miss.need, miss.free, miss.label) == (2.0, 1.4, "not enough memory")
 
@@ -133,9 +138,9 @@ def test_memory() -> None:
 def test_gpus() -> None:
     gpu = Profile(name="gpu", gpu_class="h100-80gb", min_memory_gb=40)
     two = Profile(name="gpu2", gpu_class="h100-80gb", min_memory_gb=100, gpu_count=2)
-    taken = pl.Usage(gpus_taken={0: "m-aaaaaa"})
+    taken = checks.Usage(gpus_taken={0: "m-aaaaaa"})
     run_table(
-        pl.gpus,
+        checks.gpus,
         [
             ("cpu profile", cand(node()), None),
             ("fits", cand(node(gpus=[h100()]), gpu), None),
@@ -151,8 +156,8 @@ def test_gpus() -> None:
              "needs 2 GPU h100-80gb, 1 of 2 free"),
         ],
     )
-    assert pl.pick_gpus(cand(node(gpus=[h100(), h100(index=1), h100(index=2)]), gpu, taken)) == (1,)
-    miss = pl.gpus(cand(node(gpus=[h100()]), gpu, taken))
+    assert checks.pick_gpus(cand(node(gpus=[h100(), h100(index=1), h100(index=2)]), gpu, taken)) == (1,)
+    miss = checks.gpus(cand(node(gpus=[h100()]), gpu, taken))
     assert miss is not None
     assert miss.held_by == ("m-aaaaaa",)
 
@@ -160,24 +165,24 @@ def test_gpus() -> None:
 def test_cores() -> None:
     p2 = Profile(name="cpu", cpu_cores=2)
     run_table(
-        pl.cores,
+        checks.cores,
         [
-            ("zero reserves nothing", cand(node(cores=1), Profile(name="cpu"), pl.Usage(cpu_cores=9)), None),
-            ("fits", cand(node(cores=4), p2, pl.Usage(cpu_cores=2)), None),
-            ("used up", cand(node(cores=4), p2, pl.Usage(cpu_cores=3)), "needs 2 cores, 1 of 4 free"),
+            ("zero reserves nothing", cand(node(cores=1), Profile(name="cpu"), checks.Usage(cpu_cores=9)), None),
+            ("fits", cand(node(cores=4), p2, checks.Usage(cpu_cores=2)), None),
+            ("used up", cand(node(cores=4), p2, checks.Usage(cpu_cores=3)), "needs 2 cores, 1 of 4 free"),
         ],
     )
 
 
 def test_pipeline_order_first_failure_wins() -> None:
     p = Profile(name="cpu", min_memory_gb=100, node_selector={"a": "b"})
-    v = pl.check(cand(node(state="lost", cordoned=True), p))
+    v = checks.check(cand(node(state="lost", cordoned=True), p))
     assert v is not None
     assert (v.rejection.code, v.rejection.kind) == ("node_not_ready", "filtered")
-    v = pl.check(cand(node(labels={"a": "b"}), p))
+    v = checks.check(cand(node(labels={"a": "b"}), p))
     assert v is not None
     assert (v.rejection.code, v.rejection.kind) == ("memory_too_small", "filtered")  # 100 GB on an 8 GB node
-    v = pl.check(cand(node(labels={"a": "b"}, avail_gb=2), p.model_copy(update={"min_memory_gb": 4})))
+    v = checks.check(cand(node(labels={"a": "b"}, avail_gb=2), p.model_copy(update={"min_memory_gb": 4})))
     assert v is not None
     assert (v.rejection.code, v.rejection.kind) == ("memory_exhausted", "exhausted")
 
@@ -201,9 +206,9 @@ def test_place_spreads_then_prefers_free_memory_then_id() -> None:
     m = model(Profile(name="cpu", min_memory_gb=1))
     nodes = [node("b", mem_gb=8), node("a", mem_gb=8), node("c", mem_gb=16)]
     assert pl.place(m, nodes, []).node == "c"  # most free memory
-    res = [pl.Reservation("c", "m", 1, 0)]
+    res = [checks.Reservation("c", "m", 1, 0)]
     assert pl.place(m, nodes, res).node == "a"  # fewest of this model, then id
-    other = [pl.Reservation("c", "other", 10, 0)]
+    other = [checks.Reservation("c", "other", 10, 0)]
     assert pl.place(m, nodes, other).node == "a"  # c has 6 GB free now, a and b 8: a by id
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader
@@ -26,14 +27,14 @@ def model(name: str = "m", *profiles: Profile, n: int = 1) -> Model:
     )
 
 
-def cluster() -> list[pl.NodeInfo]:
+def cluster() -> list[checks.NodeInfo]:
     """Three CPU nodes and two GPU nodes with two H100s each."""
     cpus = [node(f"cpu-{i}", mem_gb=8, cores=4) for i in (1, 2, 3)]
     gpus = [node(f"gpu-{i}", mem_gb=64, cores=16, gpus=[h100(), h100(index=1)]) for i in (1, 2)]
     return cpus + gpus
 
 
-def place_all(placer: pl.Placer, m: Model, n: int) -> list[pl.Decision]:
+def place_all(placer: pl.Placer, m: Model, n: int) -> list[checks.Decision]:
     out = []
     for i in range(n):
         d = placer.place(m)
@@ -68,7 +69,7 @@ def test_prefers_a_node_that_holds_the_weights() -> None:
     nodes = [node("a"), node("b", cached=frozenset({"m/1"}))]
     assert pl.place(model("m"), nodes, []).node == "b"
     # spreading still comes first
-    assert pl.place(model("m"), nodes, [pl.Reservation("b", "m", 2, 2, replica="m-1")]).node == "a"
+    assert pl.place(model("m"), nodes, [checks.Reservation("b", "m", 2, 2, replica="m-1")]).node == "a"
 
 
 def test_memory_used_outside_llmgw_is_not_ignored() -> None:
@@ -86,7 +87,7 @@ def test_explanation_word_for_word() -> None:
         node("c", cordoned=True),
         node("d", state="lost"),
     ]
-    held = [pl.Reservation("a", "other", 3.0, 0, replica="other-111111")]
+    held = [checks.Reservation("a", "other", 3.0, 0, replica="other-111111")]
     placer = pl.Placer(nodes, held)
     m = model("chat", GPU_P, CPU_P.model_copy(update={"cpu_cores": 4}))
     d = placer.place(m)
@@ -119,7 +120,7 @@ def test_placer_matches_fresh_placement_after_reservations() -> None:
     nodes = cluster()
     m = model("big", GPU_P, CPU_P)
     placer = pl.Placer(nodes, [])
-    done: list[pl.Reservation] = []
+    done: list[checks.Reservation] = []
     for i in range(7):
         d = placer.place(m)
         fresh = pl.place(m, nodes, done)

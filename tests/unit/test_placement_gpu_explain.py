@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from llmgw.agent.discovery import load_inventory_file
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.api.admin import build_admin_app
+from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader
@@ -48,15 +49,15 @@ def rtx4090(index: int, used_gb: float = 0, total_mib: int = 24564) -> dict[str,
             "memory_used_bytes": int(used_gb * GB)}
 
 
-def gpu_node(inv: Inventory, node_id: str = "gpu-a") -> pl.NodeInfo:
-    return pl.NodeInfo(node_id, "ready", inv, engines={"llamacpp": LLAMA})
+def gpu_node(inv: Inventory, node_id: str = "gpu-a") -> checks.NodeInfo:
+    return checks.NodeInfo(node_id, "ready", inv, engines={"llamacpp": LLAMA})
 
 
 def model(*profiles: Profile) -> Model:
     return Model(name="big", source="file:/m.gguf", profiles=list(profiles), scaling=Scaling(min=1, max=1))
 
 
-def explain(m: Model, nodes: list[pl.NodeInfo]) -> tuple[pl.Decision, list[str]]:
+def explain(m: Model, nodes: list[checks.NodeInfo]) -> tuple[checks.Decision, list[str]]:
     placer = pl.Placer(nodes, [])
     d = placer.place(m)
     return d, would_fit_if(d, placer, m)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmgw.catalog import Model
+from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.views import ExplainView
 
@@ -31,10 +32,10 @@ MAX_SUGGESTIONS = 5
 
 
 def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat is clearer
-    v: pl.Verdict, placer: pl.Placer, model: Model
+    v: checks.Verdict, placer: pl.Placer, model: Model
 ) -> tuple[float, str] | None:
     rej = v.rejection
-    usage = placer.usage.get(rej.node, pl.Usage())
+    usage = placer.usage.get(rej.node, checks.Usage())
     node = next((n for n in placer.nodes if n.id == rej.node), None)
     if rej.need is None or rej.free is None or node is None:
         return None
@@ -51,7 +52,7 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
             return short, (
                 f"free {short:.1f} GB on {rej.node} by stopping replica {r.replica} ({r.model}, {r.memory_gb:.1f} GB)"
             )
-        outside = pl.host_free_gb(node.inventory, usage)[2]
+        outside = checks.host_free_gb(node.inventory, usage)[2]
         if outside >= short:
             return short, f"free {short:.1f} GB on {rej.node} ({outside:.1f} GB there is used outside llmgw)"
         return short, f"free {short:.1f} GB memory on {rej.node}"
@@ -72,13 +73,13 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
         if rej.gpu_index is None or short <= 0:
             return None
         card = next((g for g in node.inventory.gpus if g.index == rej.gpu_index), None)
-        used = card.memory_used_bytes / pl.GB if card is not None else 0.0
-        note = f" ({used:.1f} GB there is used outside llmgw)" if used >= pl.OUTSIDE_NOTE_GB else ""
+        used = card.memory_used_bytes / checks.GB if card is not None else 0.0
+        note = f" ({used:.1f} GB there is used outside llmgw)" if used >= checks.OUTSIDE_NOTE_GB else ""
         return short + 1000, f"free {short:.1f} GB on card {rej.gpu_index} of {rej.node}{note}"
     return None
 
 
-def _filtered_line(v: pl.Verdict, model: Model) -> str:  # noqa: PLR0911 - one answer per rule, flat is clearer
+def _filtered_line(v: checks.Verdict, model: Model) -> str:  # noqa: PLR0911 - one answer per rule, flat is clearer
     rej = v.rejection
     prof = next((p for p in model.profiles if p.name == rej.profile), None)
     if rej.code == "gpu_class_mismatch" and prof is not None:
@@ -108,7 +109,7 @@ def _filtered_line(v: pl.Verdict, model: Model) -> str:  # noqa: PLR0911 - one a
     return rej.reason
 
 
-def would_fit_if(decision: pl.Decision, placer: pl.Placer, model: Model) -> list[str]:
+def would_fit_if(decision: checks.Decision, placer: pl.Placer, model: Model) -> list[str]:
     """What would let one more replica of ``model`` fit (empty when it was placed)."""
     if decision.placed:
         return []
@@ -116,7 +117,7 @@ def would_fit_if(decision: pl.Decision, placer: pl.Placer, model: Model) -> list
         return ["start an agent on a machine ('llmgw agent'); no node has registered"]
     exhausted: list[tuple[float, str]] = []
     for v in decision.verdicts:
-        if v.rejection.kind == pl.Kind.EXHAUSTED:
+        if v.rejection.kind == checks.Kind.EXHAUSTED:
             line = _exhausted_line(v, placer, model)
             if line is not None:
                 exhausted.append(line)
@@ -125,7 +126,7 @@ def would_fit_if(decision: pl.Decision, placer: pl.Placer, model: Model) -> list
         if text not in out:
             out.append(text)
     for v in decision.verdicts:
-        if v.rejection.kind == pl.Kind.FILTERED:
+        if v.rejection.kind == checks.Kind.FILTERED:
             text = _filtered_line(v, model)
             if text not in out:
                 out.append(text)
@@ -135,7 +136,7 @@ def would_fit_if(decision: pl.Decision, placer: pl.Placer, model: Model) -> list
 def explain_view(
     model: Model,
     *,
-    decision: pl.Decision,
+    decision: checks.Decision,
     placer: pl.Placer,
     replicas: Sequence[tuple[str, str]],
     now: float,

@@ -9,14 +9,14 @@ same way: a profile without ``min_memory_gb`` reserves its GGUF estimate (weight
 from __future__ import annotations
 
 from llmgw.catalog import Model
+from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
-from llmgw.control.placement import placer as placement
 from llmgw.control.store import NodeRow, ReplicaRow
 
 
-def node_info(row: NodeRow) -> placement.NodeInfo:
+def node_info(row: NodeRow) -> checks.NodeInfo:
     """Placement's view of a stored node."""
-    return placement.NodeInfo(
+    return checks.NodeInfo(
         id=row.id,
         state=row.state,
         inventory=row.inventory,
@@ -47,7 +47,7 @@ def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
     return model.model_copy(update={"profiles": profiles})
 
 
-def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[placement.Reservation]:
+def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[checks.Reservation]:
     """What each replica reserves on its node, from its model's profile (unknown profile: nothing).
     Pass effective models (:func:`effective_model`) so estimated memory counts."""
     out = []
@@ -55,10 +55,10 @@ def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[p
         model = models.get(r.model)
         prof = next((p for p in model.profiles if p.name == r.profile), None) if model else None
         if prof is None:
-            out.append(placement.Reservation(r.node, r.model, 0.0, 0, replica=r.id))
+            out.append(checks.Reservation(r.node, r.model, 0.0, 0, replica=r.id))
             continue
         out.append(
-            placement.Reservation(
+            checks.Reservation(
                 r.node, r.model, prof.min_memory_gb, prof.cpu_cores, prof.gpu_class, r.gpu_indexes, r.id
             )
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from llmgw.catalog import Model
+from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, reservations
@@ -86,7 +87,7 @@ def resources_view(
             item.ctx, item.weights_gb = e.ctx, round(e.weights / est.GB, 3)
             item.kv_gb, item.overhead_gb = round(e.kv / est.GB, 3), round(e.overhead / est.GB, 3)
         for node in placer.nodes:
-            v = pl.check(pl.Candidate(node, p, placer.usage[node.id], model.name))
+            v = checks.check(checks.Candidate(node, p, placer.usage[node.id], model.name))
             if v is None:
                 item.nodes.append(NodeFit(node=node.id, fits=True))
             else:

@@ -83,6 +83,7 @@ from typing import TypeVar
 import aiohttp
 
 from llmgw.catalog import Model
+from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
 from llmgw.control.placement.explain import explain_view
@@ -437,7 +438,7 @@ class Leader:
                 result.removed.append(extra.id)
                 replicas = [r for r in replicas if r.id != extra.id]
                 mine = [r for r in mine if r.id != extra.id]
-        decision: placement.Decision | None = None
+        decision: checks.Decision | None = None
         while len(mine) < model.scaling.min:
             decision = placer.place(model)
             if decision.node is None or decision.profile is None:
@@ -470,7 +471,7 @@ class Leader:
             for node_id, usage in placer.usage.items():
                 for res in usage.held:
                     if res.model != model.name:
-                        dry.usage.setdefault(node_id, placement.Usage()).add(res)
+                        dry.usage.setdefault(node_id, checks.Usage()).add(res)
             placer_for_view, decision = dry, dry.place(model)
         else:
             placer_for_view = placer
