@@ -20,7 +20,7 @@ from llmgw.mirror.policy import SourcePolicy
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import mirror as mirror_step
-from llmgw.service.supervisor import parse_unit
+from llmgw.service.unitfile import parse_unit
 from llmgw.service.units import mirror_unit
 from tests.helpers.mirrors import ThreadedMirror
 

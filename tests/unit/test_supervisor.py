@@ -32,7 +32,8 @@ from llmgw.service.manager import (
     SystemdManager,
     pick_manager,
 )
-from llmgw.service.supervisor import credentials, parse_timespan, parse_unit, should_restart
+from llmgw.service.supervisor import should_restart
+from llmgw.service.unitfile import credentials, parse_timespan, parse_unit
 from llmgw.service.units import SERVICES
 
 # --- parsing -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from llmgw.errors import ServiceError
 from llmgw.paths import Paths
-from llmgw.service.supervisor import parse_unit
+from llmgw.service.unitfile import parse_unit
 from llmgw.service.units import (
     DEFAULT_BINARY,
     MIRROR_ABOUT_LOCAL,

@@ -6,7 +6,7 @@ read its server.yaml, print ``restarted`` and exit 0, with the gateway down. Now
 
 1. :func:`preflight`: the config the unit names (``--config``) is read and checked by
    ``python -m llmgw.service.check NAME CONFIG``, run as the unit's ``User=`` (the supervisor's
-   :func:`~llmgw.service.supervisor.credentials`), so a file the service could not read fails
+   :func:`~llmgw.service.unitfile.credentials`), so a file the service could not read fails
    here too. On failure nothing is stopped: :class:`~llmgw.errors.ServiceError` with the reason.
 2. the manager restarts it (SIGTERM: the control plane drains its streams, :mod:`llmgw.control.gateway.drain`);
 3. :func:`wait_up`: the service must answer (the control plane: its admin API's health) or, for
@@ -26,7 +26,7 @@ from pathlib import Path
 from llmgw.errors import LlmgwError, ServiceError
 from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
-from llmgw.service.supervisor import UnitSpec, credentials, parse_unit
+from llmgw.service.unitfile import UnitSpec, credentials, parse_unit
 from llmgw.service.units import unit_name
 
 SETTLE_S = 3.0

@@ -32,7 +32,8 @@ import psutil
 from llmgw.errors import ServiceError
 from llmgw.paths import Paths
 from llmgw.service.files import ServiceFiles, open_log, private_dir, read_live, read_state
-from llmgw.service.supervisor import ALREADY_RUNNING, STOP_TIMEOUT, parse_unit
+from llmgw.service.supervisor import ALREADY_RUNNING
+from llmgw.service.unitfile import STOP_TIMEOUT, parse_unit
 from llmgw.service.units import check_service, unit_name, write_unit
 
 STATES = ("running", "stopped", "failed", "unknown")

@@ -12,7 +12,7 @@ When ``paths.prefixed`` (``LLMGW_ROOT`` is set), every unit also carries
 ``Environment=LLMGW_ROOT=<root>`` so the service sees the same layout as the command that wrote it.
 
 Words in ``ExecStart=`` are escaped for systemd (``%`` -> ``%%``, ``$`` -> ``$$``, double quotes
-around words with spaces or quotes); :func:`llmgw.service.supervisor.parse_unit` undoes exactly that.
+around words with spaces or quotes); :func:`llmgw.service.unitfile.parse_unit` undoes exactly that.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``llmgw`` system user the control plane and the mirror run as (``User=llmgw`` in their units).
 
 Under systemd, and under llmgw's own supervisor when it runs as root (which applies ``User=`` as
-systemd does, :func:`llmgw.service.supervisor.credentials`), both run unprivileged: the user
+systemd does, :func:`llmgw.service.unitfile.credentials`), both run unprivileged: the user
 must exist and be able to run llmgw and reach its files before the units start (``useradd``
 and ``chown``). :func:`choose_service_user` decides, and says why when it cannot be
 done: not root (only root switches users; the program then runs as whoever started it), or the

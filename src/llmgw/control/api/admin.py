@@ -35,6 +35,10 @@ Writes call ``on_change`` so the leader runs a pass at once instead of at its ne
 Every store call and every view built over all nodes or replicas runs off the event loop
 (``await db.run(...)``, :mod:`llmgw.control.store.offloop`): the loop also serves heartbeats and the
 gateway, which waited seconds behind admin writes when store calls ran on it.
+
+Seam: the module is the routes (:func:`build_admin_app`) plus the pure builders that turn store
+rows into views (:func:`model_view`, :func:`node_view`, :func:`replica_view`, :func:`pending_views`);
+when it grows past its ~500 lines those builders are what moves out, to a module of their own.
 """
 
 from __future__ import annotations
