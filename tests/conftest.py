@@ -6,8 +6,11 @@ tests skip on a developer's machine but FAIL when ``LLMGW_REQUIRE_ASSETS=1`` (as
 an end-to-end test never skips silently in CI.
 
 ``store`` is a fresh, migrated :class:`~llmgw.control.store.Store` per test, once per backend in
-:data:`STORE_BACKENDS`; every test that needs a store takes it (a test that needs the database at
-a path of its own, to reopen it or to look at the file, opens it there on purpose).
+:data:`STORE_BACKENDS` (SQLite, and PostgreSQL on a throwaway cluster started once per session:
+:mod:`tests.helpers.postgres`); every test that needs a store takes it (a test that needs the
+database at a path of its own, to reopen it or to look at the file, opens it there on purpose).
+When PostgreSQL cannot start, the ``postgresql`` tests skip with the reason on a developer's
+machine and FAIL under ``LLMGW_REQUIRE_ASSETS=1``, as the end-to-end tests do.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.control.store import Store, default_url, open_store
+from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
 DEFAULT_SERVER = CACHE / "llama-server-0.3.36" / "bin" / "llama-server"
@@ -41,23 +45,50 @@ def assets() -> Assets:
     model = Path(os.environ.get("MODEL") or DEFAULT_MODEL)
     missing = [str(p) for p in (server, model) if not p.exists()]
     if missing:
-        msg = f"test assets missing: {', '.join(missing)}; run scripts/assets"
-        if os.environ.get("LLMGW_REQUIRE_ASSETS") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        skip_or_fail(f"test assets missing: {', '.join(missing)}; run scripts/assets")
     return Assets(server, model)
 
 
+def skip_or_fail(msg: str) -> None:
+    """Skip with ``msg``, or fail with it under ``LLMGW_REQUIRE_ASSETS=1`` (CI: nothing skips silently)."""
+    if os.environ.get("LLMGW_REQUIRE_ASSETS") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster_or_reason() -> Iterator[Cluster | str]:
+    """The session's throwaway PostgreSQL cluster, or why it could not start (asked once per session,
+    not once per test); stopped and removed at the end of the session."""
+    try:
+        cluster = start_cluster()
+    except ClusterUnavailable as e:
+        yield f"PostgreSQL could not start: {e}"
+        return
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_cluster(pg_cluster_or_reason: Cluster | str) -> Cluster:
+    """The running cluster, or a skip (a failure under ``LLMGW_REQUIRE_ASSETS=1``) with the reason."""
+    if isinstance(pg_cluster_or_reason, str):
+        skip_or_fail(pg_cluster_or_reason)
+        raise AssertionError("unreachable")
+    return pg_cluster_or_reason
+
+
 #: The store backends every store test runs on: name -> the URL of a fresh, empty database for a
-#: test, given its ``tmp_path``. A PostgreSQL backend is one more line here.
-STORE_BACKENDS: dict[str, Callable[[Path], str]] = {
-    "sqlite": lambda tmp: default_url("", tmp / "state" / "llmgw.db"),
+#: test, given the test's request (for the fixtures a backend needs) and its ``tmp_path``.
+STORE_BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
+    "sqlite": lambda _req, tmp: default_url("", tmp / "state" / "llmgw.db"),
+    "postgresql": lambda req, _tmp: req.getfixturevalue("pg_cluster").new_database(),
 }
 
 
 @pytest.fixture(params=sorted(STORE_BACKENDS))
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A fresh store on the backend ``request.param``, closed after the test."""
-    s = open_store(STORE_BACKENDS[request.param](tmp_path))
+    s = open_store(STORE_BACKENDS[request.param](request, tmp_path))
     yield s
     s.close()

@@ -2,17 +2,19 @@
 
 :class:`~llmgw.control.store.sql.SqlStore` runs the same tables, migrations and queries on every
 database SQLAlchemy speaks; the few things a database needs besides (file permissions and pragmas
-for SQLite, the in-process writer lock) live in its hooks class, picked by the URL's backend name
-(:data:`llmgw.control.store.sql.HOOKS`). A database without hooks of its own (PostgreSQL today)
-gets this base class: no preparation, no lock, the driver's defaults.
+for SQLite, the in-process writer lock; timeouts, keepalives, pre-ping and a migration lock for
+PostgreSQL) live in its hooks class, picked by the URL's backend name
+(:data:`llmgw.control.store.sql.HOOKS`). A database without hooks of its own gets this base class:
+no preparation, no lock, the driver's defaults.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 
 class DialectHooks:
@@ -21,6 +23,11 @@ class DialectHooks:
     def prepare(self, url: sa.URL) -> None:
         """Before the engine is made (e.g. create and protect a database file); may raise OSError."""
 
+    def engine_options(self, url: sa.URL) -> tuple[sa.URL, dict[str, Any]]:
+        """The URL and the keyword arguments :func:`sqlalchemy.create_engine` is called with
+        (e.g. driver timeouts, pool pre-ping); here the URL as given and no arguments."""
+        return url, {}
+
     def configure(self, engine: Engine) -> None:
         """After the engine is made, before the first connection (e.g. per-connection settings)."""
 
@@ -28,3 +35,7 @@ class DialectHooks:
         """What a write transaction holds in this process around its ``BEGIN … COMMIT``: nothing
         here (the database queues writers itself without sleeping)."""
         return contextlib.nullcontext()
+
+    def lock_migrations(self, conn: Connection) -> None:
+        """Called first in the migration transaction: keep other processes from migrating the same
+        database at once. Nothing here (SQLite's write transaction already excludes them)."""

@@ -43,6 +43,7 @@ from llmgw.control.store.schema import (
     replicas_t,
     revoked_certs_t,
 )
+from llmgw.control.store.postgres import PostgresHooks
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.errors import Conflict, Revoked, StoreError
 from llmgw.protocol import Heartbeat
@@ -51,8 +52,7 @@ from llmgw.views import ExplainView
 log = logging.getLogger(__name__)
 
 #: The hooks class per SQLAlchemy backend name; any other backend gets :class:`DialectHooks`.
-#: A PostgreSQL backend adds ``"postgresql"`` here.
-HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks}
+HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
 class SqlStore(Store):
@@ -74,7 +74,8 @@ class SqlStore(Store):
         """Connect to ``url`` and apply pending migrations.
 
         SQLite: the parent directory is created, the file runs in WAL mode with a 5 s busy timeout
-        (:mod:`llmgw.control.store.sqlite`).
+        (:mod:`llmgw.control.store.sqlite`). PostgreSQL: driver timeouts, keepalives and pool
+        pre-ping (:mod:`llmgw.control.store.postgres`).
 
         Raises:
             StoreError: ``url`` is not a database URL, or the database cannot be opened or migrated.
@@ -87,7 +88,11 @@ class SqlStore(Store):
             ) from e
         hooks = HOOKS.get(sa_url.get_backend_name(), DialectHooks)()
         hooks.prepare(sa_url)
-        engine = sa.create_engine(sa_url)
+        sa_url, options = hooks.engine_options(sa_url)
+        try:
+            engine = sa.create_engine(sa_url, **options)
+        except (ImportError, sa.exc.ArgumentError) as e:  # no driver installed, a bad parameter
+            raise StoreError(f"cannot use the store at {sa_url.render_as_string()}: {e}") from e
         hooks.configure(engine)
         store = cls(engine, hooks)
         try:
@@ -115,6 +120,7 @@ class SqlStore(Store):
 
     def migrate(self) -> list[int]:
         with self._wtx() as conn:
+            self.hooks.lock_migrations(conn)
             return migrate(conn)
 
     def schema_versions(self) -> list[int]:
