@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -49,7 +50,7 @@ def assets() -> Assets:
     return Assets(server, model)
 
 
-def skip_or_fail(msg: str) -> None:
+def skip_or_fail(msg: str) -> NoReturn:
     """Skip with ``msg``, or fail with it under ``LLMGW_REQUIRE_ASSETS=1`` (CI: nothing skips silently)."""
     if os.environ.get("LLMGW_REQUIRE_ASSETS") == "1":
         pytest.fail(msg)
@@ -74,7 +75,6 @@ def pg_cluster(pg_cluster_or_reason: Cluster | str) -> Cluster:
     """The running cluster, or a skip (a failure under ``LLMGW_REQUIRE_ASSETS=1``) with the reason."""
     if isinstance(pg_cluster_or_reason, str):
         skip_or_fail(pg_cluster_or_reason)
-        raise AssertionError("unreachable")
     return pg_cluster_or_reason
 
 
@@ -87,8 +87,15 @@ STORE_BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
 
 
 @pytest.fixture(params=sorted(STORE_BACKENDS))
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """A fresh store on the backend ``request.param``, closed after the test."""
-    s = open_store(STORE_BACKENDS[request.param](request, tmp_path))
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of a fresh, empty database on the backend ``request.param``, for a test that opens
+    (and reopens) the store itself."""
+    return STORE_BACKENDS[request.param](request, tmp_path)
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    """A fresh store on each backend of :data:`STORE_BACKENDS`, closed after the test."""
+    s = open_store(store_url)
     yield s
     s.close()

@@ -79,7 +79,8 @@ class Cluster:
 
     def restart(self) -> None:
         """Stop the server (fast: open sessions are ended) and start it again on the same port."""
-        self.pg_ctl("-m", "fast", "restart")
+        # -l: without a log file the new server would keep our stdout pipe open (and run() waiting)
+        self.pg_ctl("-l", str(self.root / "server.log"), "-m", "fast", "restart")
 
     def stop(self) -> None:
         """Stop the server immediately and remove the cluster's directory."""

@@ -27,19 +27,23 @@ def heartbeat(**kw: object) -> Heartbeat:
     return Heartbeat(inventory=inv, **kw)  # type: ignore[arg-type]
 
 
-def test_open_creates_wal_database_and_migrations_are_idempotent(tmp_path: Path) -> None:
-    url = default_url("", tmp_path / "a" / "llmgw.db")
-    s = open_store(url)  # a path of its own: it is reopened below
+def test_open_migrates_once_and_reopening_keeps_the_data(store_url: str) -> None:
+    s = open_store(store_url)  # opened here: it is reopened below
     assert s.schema_versions() == [v for v, _ in MIGRATIONS]
     assert s.migrate() == []  # nothing applied twice
-    with s.engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     s.add_model(model(), now=1.0)
     s.close()
-    again = open_store(url)  # reopening keeps the data and applies nothing
+    again = open_store(store_url)  # reopening keeps the data and applies nothing
     assert again.migrate() == []
     assert [m.name for m in again.list_models()] == ["m1"]
     again.close()
+
+
+def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
+    s = open_store(default_url("", tmp_path / "a" / "llmgw.db"))
+    with s.engine.connect() as conn:  # type: ignore[attr-defined]
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    s.close()
 
 
 def test_bad_url_is_a_store_error() -> None:
@@ -181,11 +185,11 @@ def test_uniqueness_is_a_primary_key_in_the_schema(store: Store) -> None:
         conn.execute(sa.text("INSERT INTO model_names (name, model) VALUES ('a', 'other')"))
 
 
-def test_migration_4_fills_model_names_and_survives_a_clash(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_migration_4_fills_model_names_and_survives_a_clash(store_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """Rows from before migration 4, two of them claiming alias 'x' (written by hand) and one not
     JSON at all: the migration keeps every model's own name, gives 'x' to the older model, logs
     the other, and the loser's next update is refused naming the owner."""
-    url = default_url("", tmp_path / "old.db")
+    url = store_url
     s = open_store(url)  # a path of its own: reopened below, as an upgraded control plane
     rows = [("b", model("b", ["x", "y"]).model_dump_json(), 2.0), ("a", model("a", ["x"]).model_dump_json(), 1.0),
             ("junk", "not json", 3.0)]

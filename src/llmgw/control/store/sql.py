@@ -30,6 +30,7 @@ from llmgw.catalog import STORED, Model
 from llmgw.control.store.base import Store
 from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.dialect import DialectHooks
+from llmgw.control.store.postgres import PostgresHooks
 from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow
 from llmgw.control.store.schema import (
     explanations_t,
@@ -43,7 +44,6 @@ from llmgw.control.store.schema import (
     replicas_t,
     revoked_certs_t,
 )
-from llmgw.control.store.postgres import PostgresHooks
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.errors import Conflict, Revoked, StoreError
 from llmgw.protocol import Heartbeat
@@ -424,14 +424,7 @@ class SqlStore(Store):
 
     def set_explanation(self, view: ExplainView, *, now: float) -> None:
         body = view.model_dump_json()
-        with self._wtx() as conn:
-            n = conn.execute(
-                explanations_t.update()
-                .where(explanations_t.c.model == view.model)
-                .values(body=body, updated_at=now)
-            ).rowcount
-            if not n:
-                conn.execute(explanations_t.insert().values(model=view.model, body=body, updated_at=now))
+        self._put(explanations_t, explanations_t.c.model, view.model, body=body, updated_at=now)
 
     def get_explanation(self, model: str) -> ExplainView | None:
         with self._tx() as conn:
@@ -455,14 +448,23 @@ class SqlStore(Store):
     # --- GGUF facts (memory estimates) ---
 
     def set_gguf_facts(self, source: str, *, body: str, error: str, now: float) -> None:
-        with self._wtx() as conn:
-            n = conn.execute(
-                gguf_facts_t.update()
-                .where(gguf_facts_t.c.source == source)
-                .values(body=body, error=error, updated_at=now)
-            ).rowcount
-            if not n:
-                conn.execute(gguf_facts_t.insert().values(source=source, body=body, error=error, updated_at=now))
+        self._put(gguf_facts_t, gguf_facts_t.c.source, source, body=body, error=error, updated_at=now)
+
+    def _put(self, table: sa.Table, key: sa.Column[Any], value: str, **values: Any) -> None:
+        """Write ``values`` into the row whose ``key`` is ``value``, inserting it when there is none
+        (last writer wins). Two writers that both find no row both insert; the one refused by the
+        primary key (PostgreSQL, where writers do not queue on one lock as SQLite's do) updates
+        on its second try, in a new transaction."""
+        for attempt in range(2):
+            try:
+                with self._wtx() as conn:
+                    if conn.execute(table.update().where(key == value).values(**values)).rowcount:
+                        return
+                    conn.execute(table.insert().values({key.name: value, **values}))
+                    return
+            except sa.exc.IntegrityError:
+                if attempt:
+                    raise
 
     def list_gguf_facts(self) -> dict[str, tuple[str, str, float]]:
         with self._tx() as conn:
