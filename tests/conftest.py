@@ -82,7 +82,7 @@ def pg_cluster(pg_cluster_or_reason: Cluster | str) -> Cluster:
 #: test, given the test's request (for the fixtures a backend needs) and its ``tmp_path``.
 STORE_BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
     "sqlite": lambda _req, tmp: default_url("", tmp / "state" / "llmgw.db"),
-    "postgresql": lambda req, _tmp: req.getfixturevalue("pg_cluster").new_database(),
+    "postgresql": lambda req, _tmp: req.getfixturevalue("pg_cluster").new_schema(),
 }
 
 

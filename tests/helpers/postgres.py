@@ -8,8 +8,9 @@ throwaway data, which is fine, and each test's ``CREATE DATABASE`` takes ~20 ms 
 hundreds). PostgreSQL refuses to run as root, so as root every command runs as the ``postgres``
 user (``runuser -u postgres --``) in a directory that user owns.
 
-Each test gets a fresh database (:meth:`Cluster.new_database`), so tests never see each other's
-rows and the cluster is made once.
+Each test gets a fresh, empty schema as its database (:meth:`Cluster.new_schema`: under a
+millisecond, where ``CREATE DATABASE`` takes 0.1-0.3 s here), so tests never see each other's rows
+and the cluster is made once; a test that needs a whole database takes :meth:`Cluster.new_database`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from pathlib import Path
 import psycopg
 
 from tests.helpers.net import free_port
+
+#: The database holding one schema per test (:meth:`Cluster.new_schema`).
+SHARED_DB = "llmgw_tests"
 
 #: Seconds ``pg_ctl`` waits for the server to start or stop.
 PG_CTL_WAIT_S = 30
@@ -65,12 +69,24 @@ class Cluster:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
 
     def new_database(self) -> str:
-        """Create an empty database (``t1``, ``t2``, …) and return its SQLAlchemy URL."""
+        """Create an empty database (``t1``, ``t2``, …) and return its SQLAlchemy URL (0.1-0.3 s:
+        for tests that need a database of their own, e.g. to name it in a multi-host URL)."""
         name = f"t{next(self._names)}"
-        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres",
-                             autocommit=True, connect_timeout=5) as conn:
-            conn.execute(f"CREATE DATABASE {name} TEMPLATE template0")  # name is ours: t<int>
+        self._admin("postgres", f"CREATE DATABASE {name} TEMPLATE template0")  # name is ours: t<int>
         return self.url(name)
+
+    def new_schema(self) -> str:
+        """Create an empty schema (``s1``, ``s2``, …) in the shared database :data:`SHARED_DB` and
+        return a SQLAlchemy URL whose ``search_path`` is that schema alone: the store sees an empty
+        database of its own, for under a millisecond instead of a ``CREATE DATABASE``."""
+        name = f"s{next(self._names)}"
+        self._admin(SHARED_DB, f"CREATE SCHEMA {name}")  # name is ours: s<int>
+        return f"{self.url(SHARED_DB)}?options=-c%20search_path%3D{name}"
+
+    def _admin(self, dbname: str, sql: str) -> None:
+        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname=dbname,
+                             autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql)  # type: ignore[arg-type]  # our own statements, never from input
 
     def pg_ctl(self, *args: str) -> None:
         """Run ``pg_ctl -D DATA -w -t 30 ARGS`` (as postgres when we are root); raises
@@ -118,7 +134,8 @@ def start_cluster() -> Cluster:
               "--no-locale", "--no-sync", "--no-instructions"], as_postgres, root)
         opts = " ".join([f"-p {cluster.port}", f"-k {root}", *(f"-c {k}={v}" for k, v in SETTINGS.items())])
         cluster.pg_ctl("-l", str(root / "server.log"), "-o", opts, "start")
-    except ClusterUnavailable as e:
+        cluster._admin("postgres", f"CREATE DATABASE {SHARED_DB}")
+    except (ClusterUnavailable, psycopg.Error) as e:
         log = root / "server.log"
         tail = log.read_text(errors="replace").splitlines()[-10:] if log.exists() else []
         cluster.stop()

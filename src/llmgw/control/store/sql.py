@@ -87,19 +87,20 @@ class SqlStore(Store):
                 f"store.url '{url}' is not a database URL; use sqlite:///PATH or postgresql+psycopg://…"
             ) from e
         hooks = HOOKS.get(sa_url.get_backend_name(), DialectHooks)()
+        shown = sa_url.render_as_string()  # as given (the password hidden), without the hooks' defaults
         hooks.prepare(sa_url)
-        sa_url, options = hooks.engine_options(sa_url)
+        engine_url, options = hooks.engine_options(sa_url)
         try:
-            engine = sa.create_engine(sa_url, **options)
+            engine = sa.create_engine(engine_url, **options)
         except (ImportError, sa.exc.ArgumentError) as e:  # no driver installed, a bad parameter
-            raise StoreError(f"cannot use the store at {sa_url.render_as_string()}: {e}") from e
+            raise StoreError(f"cannot use the store at {shown}: {e}") from e
         hooks.configure(engine)
         store = cls(engine, hooks)
         try:
             store.migrate()
         except sa.exc.SQLAlchemyError as e:
             engine.dispose()
-            raise StoreError(f"cannot open the store at {sa_url.render_as_string()}: {e}") from e
+            raise StoreError(f"cannot open the store at {shown}: {e}") from e
         return store
 
     def close(self) -> None:
