@@ -82,7 +82,10 @@ class StoreConfig(_Strict):
     """Where the control plane keeps its state: SQLite (embedded default) or PostgreSQL (HA).
 
     ``url`` is a SQLAlchemy URL (``sqlite:////var/lib/llmgw/llmgw.db`` or
-    ``postgresql+psycopg://user@host/llmgw``); empty means the SQLite file in the state dir.
+    ``postgresql+psycopg://user:password@host:5432/llmgw``, libpq multi-host as
+    ``postgresql+psycopg://user:password@/llmgw?host=a:5432&host=b:5432&target_session_attrs=read-write``;
+    timeouts and keepalives default as :mod:`llmgw.control.store.postgres` says); empty means the
+    SQLite file in the state dir.
     """
 
     url: str = ""

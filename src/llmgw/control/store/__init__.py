@@ -17,9 +17,10 @@ The package, by module:
 * :mod:`~llmgw.control.store.schema` -- the tables and the ordered migrations, dialect-neutral;
 * :mod:`~llmgw.control.store.sql` -- :class:`SqlStore`, the SQLAlchemy Core backend, with
   :mod:`~llmgw.control.store.codec` (rows to columns and back);
-* :mod:`~llmgw.control.store.dialect` and :mod:`~llmgw.control.store.sqlite` -- what a database
-  needs besides the shared SQL (SQLite: a private file, WAL pragmas, an in-process writer lock);
-  a PostgreSQL backend adds its hooks there and runs the same schema and migrations;
+* :mod:`~llmgw.control.store.dialect`, :mod:`~llmgw.control.store.sqlite` and
+  :mod:`~llmgw.control.store.postgres` -- what a database needs besides the shared SQL (SQLite: a
+  private file, WAL pragmas, an in-process writer lock; PostgreSQL: libpq timeouts and keepalives,
+  pool pre-ping, a migration lock), over the same schema and migrations;
 * :mod:`~llmgw.control.store.offloop` -- how the asyncio control plane calls the synchronous store.
 
 **Off the event loop, by a bounded thread pool.** Store calls block; the control plane's one

@@ -2,7 +2,7 @@
 
 Callers (the admin and agent APIs, the leader, the routing table, server init) depend on this
 interface only; :class:`~llmgw.control.store.sql.SqlStore` is today's backend (SQLAlchemy Core over
-SQLite, ready for PostgreSQL with the same schema and migrations). The model is kopf's storage ABC
+SQLite or PostgreSQL, with the same schema and migrations). The model is kopf's storage ABC
 with two backends: one abstract class whose docstrings are the contract, one module per backend.
 
 Rules every backend keeps:

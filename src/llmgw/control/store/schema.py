@@ -1,7 +1,7 @@
 """The store's schema and its migrations: SQLAlchemy Core tables, dialect-neutral.
 
-The same tables and the same ordered :data:`MIGRATIONS` serve every SQL backend (SQLite today,
-PostgreSQL next): nothing here names a dialect. ``schema_migrations`` records the versions applied,
+The same tables and the same ordered :data:`MIGRATIONS` serve every SQL backend (SQLite and
+PostgreSQL): nothing here names a dialect. ``schema_migrations`` records the versions applied,
 so opening twice applies nothing twice; a migration is appended, never edited or reordered once
 released ("migrations, never delete the file").
 
