@@ -32,6 +32,12 @@ from tests.helpers.net import free_port
 #: The database holding one schema per test (:meth:`Cluster.new_schema`).
 SHARED_DB = "llmgw_tests"
 
+#: Where Debian's postgresql-15 package puts the binaries (not on PATH), tried after PATH.
+DEBIAN_BIN_DIRS = ("/usr/lib/postgresql/15/bin",)
+
+#: The binaries found by :func:`start_cluster`: tool name -> path.
+_BIN: dict[str, str] = {}
+
 #: Seconds ``pg_ctl`` waits for the server to start or stop.
 PG_CTL_WAIT_S = 30
 
@@ -112,12 +118,16 @@ def start_cluster() -> Cluster:
         ClusterUnavailable: ``initdb``/``pg_ctl`` are not on PATH, there is no ``postgres`` user to
             run them as root, or the server did not start (its log's last lines are included).
     """
-    missing = [tool for tool in ("initdb", "pg_ctl") if shutil.which(tool) is None]
+    path = os.pathsep.join([os.environ.get("PATH", ""), *DEBIAN_BIN_DIRS])
+    tools = {tool: shutil.which(tool, path=path) for tool in ("initdb", "pg_ctl")}
+    missing = [tool for tool, found in tools.items() if found is None]
     if missing:
         raise ClusterUnavailable(
-            f"{' and '.join(missing)} not on PATH: install PostgreSQL 15 (apt-get install postgresql-15) "
-            "and put its bin directory on PATH"
+            f"{' and '.join(missing)} not on PATH nor in {', '.join(DEBIAN_BIN_DIRS)}: "
+            "install PostgreSQL 15 (apt-get install postgresql-15)"
         )
+    global _BIN  # noqa: PLW0603 - found once per session, used by every pg_ctl call
+    _BIN = {tool: str(found) for tool, found in tools.items()}
     as_postgres = os.geteuid() == 0
     root = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
     if as_postgres:
@@ -145,6 +155,7 @@ def start_cluster() -> Cluster:
 
 def _run(argv: list[str], as_postgres: bool, cwd: Path) -> None:
     """Run ``argv`` in ``cwd`` (a directory the postgres user can enter: initdb and pg_ctl check theirs)."""
+    argv = [_BIN.get(argv[0], argv[0]), *argv[1:]]
     cmd = ["runuser", "-u", "postgres", "--", *argv] if as_postgres else argv
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=PG_CTL_WAIT_S + 30, cwd=cwd)
     if proc.returncode != 0:
