@@ -1,6 +1,6 @@
 """The store on PostgreSQL: driver defaults, multi-host URLs, timeouts, reconnecting after a
-restart, and concurrent writers (on both backends) where SQLite's in-process lock no longer
-serializes them.
+restart, concurrent writers (on both backends) where SQLite's in-process lock no longer
+serializes them, and ``llmgw server migrate-store`` (SQLite into PostgreSQL).
 
 Everything runs against the session's real, throwaway PostgreSQL cluster
 (:mod:`tests.helpers.postgres`); no mocks.
@@ -13,13 +13,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 import sqlalchemy as sa
+from typer.testing import CliRunner
 
 from llmgw.catalog import Model, Profile
-from llmgw.control.store import Store, open_store
+from llmgw.cli.main import app as cli_app
+from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.control.store.postgres import with_defaults
 from llmgw.control.store.schema import MIGRATIONS
 from llmgw.errors import Conflict, StoreError
@@ -214,3 +217,61 @@ def test_racing_first_writes_of_explanations_and_facts(store: Store) -> None:
     assert list(store.list_gguf_facts()) == ["hf:x"]
     assert at_once(6, lambda _i: store.note_cert("n", "AB", 1.0)) == [None] * 6
     assert store.node_serials("n") == ["AB"]
+
+
+# --- llmgw server migrate-store ---
+
+
+def test_migrate_store_copies_a_sqlite_install_into_postgresql(tmp_path: Path, pg_cluster: Cluster) -> None:
+    """Every table, row for row, through the CLI; a second run is refused (the target is not empty)."""
+    sqlite_url = default_url("", tmp_path / "llmgw.db")
+    src = open_store(sqlite_url)
+    src.add_model(model("m1", ["a1", "a2"]), now=1.0)
+    src.add_model(model("m2"), now=2.0)
+    src.record_heartbeats([("n1", heartbeat(), 3.0, "AA"), ("n2", heartbeat(), 3.5, "")])
+    src.update_node(src.get_node("n2"), cordoned=True)  # type: ignore[arg-type]
+    src.add_replica(ReplicaRow(id="r1", model="m1", node="n1", profile="cpu", state="starting", err="",
+                               key="k", endpoint="", revision=0, created_at=4.0, updated_at=4.0))
+    src.set_explanation(ExplainView(model="m1", placed=True, summary="placed"), now=5.0)
+    src.set_gguf_facts("file:/x.gguf", body="{}", error="", now=6.0)
+    src.note_cert("n1", "AA", 7.0)
+    src.record_heartbeats([("gone", heartbeat(), 8.0, "")])
+    src.note_cert("gone", "BB", 8.0)
+    assert src.remove_node("gone", now=9.0) == ["BB"]
+    src.close()
+
+    target = pg_cluster.new_database()
+    runner = CliRunner()
+    out = runner.invoke(cli_app, ["--root", str(tmp_path / "root"), "server", "migrate-store",
+                                  "--from", sqlite_url, "--to", target])
+    assert out.exit_code == 0, out.output
+    assert "done models: 2 rows" in out.output
+    assert "done model_names: 4 rows" in out.output
+
+    a, b = open_store(sqlite_url), open_store(target)
+    try:
+        assert a.list_models() == b.list_models()
+        assert a.list_nodes() == b.list_nodes()
+        assert b.get_node("n2").cordoned  # type: ignore[union-attr]
+        assert a.list_replicas() == b.list_replicas()
+        assert a.list_explanations() == b.list_explanations()
+        assert a.list_gguf_facts() == b.list_gguf_facts()
+        assert b.node_serials("n1") == ["AA"]
+        assert b.revoked("BB") == a.revoked("BB") == ("gone", 9.0)
+        with pytest.raises(Conflict, match="'a1' is already a name or alias of model 'm1'"):
+            b.add_model(model("m3", ["a1"]), now=10.0)
+    finally:
+        a.close()
+        b.close()
+
+    again = runner.invoke(cli_app, ["--root", str(tmp_path / "root"), "server", "migrate-store",
+                                    "--from", sqlite_url, "--to", target])
+    assert again.exit_code != 0
+    assert "the target store is not empty: table" in again.output
+
+
+def test_migrate_store_without_a_source_says_so(tmp_path: Path) -> None:
+    out = CliRunner().invoke(cli_app, ["--root", str(tmp_path), "server", "migrate-store",
+                                       "--to", "postgresql+psycopg://u@127.0.0.1:1/x"])
+    assert out.exit_code == 1
+    assert "there is no store to copy at sqlite:///" in out.output

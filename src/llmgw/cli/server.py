@@ -1,4 +1,4 @@
-"""`llmgw server` commands: `run` (the control plane process), `init`, `add-node`."""
+"""`llmgw server` commands: `run` (the control plane process), `init`, `add-node`, `migrate-store`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from llmgw.cli.common import cli_errors, paths
+from llmgw.cli.common import cli_errors, fail, paths
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -66,3 +66,46 @@ def add_node(
         print(f"  done {f}")
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
           "(or install deploy/systemd/llmgw-agent.service).")
+
+
+@app.command("migrate-store")
+@cli_errors
+def migrate_store(
+    to: Annotated[str, typer.Option("--to", help="The new store's URL: postgresql+psycopg://USER:PW@HOST/DB.")],
+    source: Annotated[
+        str, typer.Option("--from", help="The store to copy (default: server.yaml's store.url, else the SQLite file).")
+    ] = "",
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="server.yaml (default: /etc/llmgw/server.yaml under --root)."),
+    ] = None,
+) -> None:
+    """Copy this install's store (SQLite) into an empty database (PostgreSQL), in one transaction.
+
+    Stop the control plane first (llmgw service stop); afterwards set store.url in server.yaml to
+    the new URL and start it again.
+    """
+    from llmgw.config import load_server_config  # noqa: PLC0415
+    from llmgw.control.store import SqlStore, default_url  # noqa: PLC0415
+    from llmgw.control.store.copy import copy_store  # noqa: PLC0415
+
+    p = paths()
+    cfg_path = config or p.server_config
+    if not source:
+        source = default_url(load_server_config(cfg_path).store.url if cfg_path.exists() else "", p.database)
+    if source == to:
+        raise fail("--from and --to are the same store")
+    if source.startswith("sqlite:///") and not Path(source.removeprefix("sqlite:///")).is_file():
+        raise fail(f"there is no store to copy at {source}; name it with --from")
+    src = SqlStore.open(source)
+    try:
+        dst = SqlStore.open(to)
+        try:
+            copied = copy_store(src, dst)
+        finally:
+            dst.close()
+    finally:
+        src.close()
+    for table, n in copied.items():
+        print(f"  done {table}: {n} rows")
+    print(f"\nSet store.url in {cfg_path} to the new URL, then start the control plane again.")
