@@ -60,7 +60,7 @@ def test_a_wrong_llama_server_is_refused_and_a_later_one_replaces_what_init_wrot
     out = second.stdout
     assert f"updated {conf}: engines.llamacpp.binary {first_path} -> {assets.llama_server}" in out
     assert "done llmgw-agent restarted: agent.yaml changed" in out
-    assert "kept node e2e-node is ready" in out
+    assert "done node e2e-node is ready" in out
     assert load_agent_config(conf).engines.llamacpp.binary == assets.llama_server
     assert load_agent_config(conf.with_name("agent.yaml.bak")).engines.llamacpp.binary == first_path
 

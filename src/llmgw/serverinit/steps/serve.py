@@ -104,9 +104,12 @@ def wait_serving(ctx: InitContext, name: str) -> None:
     """
     client = ctx.admin(PROBE_TIMEOUT_S)
     unplaced: float | None = None
+    retried: set[str] = set()
+    first = True  # "kept" only when it was serving before this run looked
 
     def serving() -> bool:
-        nonlocal unplaced
+        nonlocal unplaced, first
+        was_first, first = first, False
         try:
             reps = client.replicas(name)
         except LlmgwError as e:
@@ -137,10 +140,22 @@ def wait_serving(ctx: InitContext, name: str) -> None:
         unplaced = None
         for r in reps:
             if r.state == "ready":
-                ctx.say("kept", f"{name} is serving (profile {r.profile})")
+                ctx.say("kept" if was_first else "done", f"{name} is serving (profile {r.profile})")
                 return True
         for r in reps:
             err = r.err.strip()
+            if r.state == "failed" and (r.created_at or 0.0) < ctx.started_at and r.id not in retried:
+                # It failed before this run changed anything (a new --llama-server, the agent
+                # restarted): that failure says nothing about now, so start it afresh once.
+                retried.add(r.id)
+                try:
+                    fresh = client.restart_replica(r.id)
+                except LlmgwError as e:
+                    ctx.note(f"restarting replica {r.id}, which failed before this run: {e}")
+                    return False
+                retried.add(fresh.id)
+                ctx.progress(f"{name}: replica {r.id} had failed before this run; restarted it as {fresh.id}")
+                return False
             if r.state == "failed":
                 # A model that does not load will not load on the next try either: say why
                 # now rather than wait out the deadline.
