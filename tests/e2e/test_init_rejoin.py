@@ -52,4 +52,5 @@ def test_init_after_node_rm_issues_a_new_certificate_and_the_node_rejoins(instal
     assert "done node e2e-node is ready" in out
     assert (root / "etc/llmgw/agent.pem").read_bytes() != old
     nodes = llmgw(root, "ctl", "nodes", timeout=60)
-    assert "e2e-node" in nodes.stdout and "ready" in nodes.stdout, nodes.stdout
+    assert "e2e-node" in nodes.stdout, nodes.stdout
+    assert "ready" in nodes.stdout, nodes.stdout

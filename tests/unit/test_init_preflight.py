@@ -244,7 +244,7 @@ def test_a_loopback_agent_listen_without_host_is_refused(tmp_path: Path) -> None
 )
 def test_check_agent_address(listen: str, hosts: list[str], refused: bool) -> None:
     if refused:
-        with pytest.raises(ConfigError, match="nothing (listens|would answer it); pass --host"):
+        with pytest.raises(ConfigError, match=r"nothing (listens|would answer it); pass --host"):
             preflight.check_agent_address(listen, hosts)
     else:
         preflight.check_agent_address(listen, hosts)
@@ -257,7 +257,8 @@ def test_a_loopback_host_the_loopback_listener_does_not_accept_is_refused(tmp_pa
     code, out = init_cli(root, "--host", "127.0.0.2", "--agent-listen", f"127.0.0.1:{free_port()}",
                          "--starter-source", f"file:{gguf(tmp_path)}")
     assert code == 2, out
-    assert "accepts agents at 127.0.0.1 only, but this machine's node would be pointed at the first --host, 127.0.0.2" in out
+    assert "accepts agents at 127.0.0.1 only, but this machine's node would be pointed at the first --host, " \
+        "127.0.0.2" in out
     assert "pass --host 127.0.0.1 first" in out
     assert written(root) == []
 

@@ -79,8 +79,9 @@ def run(ctx: InitContext) -> None:
 
 def _agent_yaml_names(ctx: InitContext, binary: Path) -> bool:
     """True when agent.yaml already names ``binary`` as its llama-server (it was so before this run)."""
+    conf = ctx.paths.agent_config
     try:
-        return ctx.paths.agent_config.exists() and load_agent_config(ctx.paths.agent_config).engines.llamacpp.binary == binary
+        return conf.exists() and load_agent_config(conf).engines.llamacpp.binary == binary
     except ConfigError:
         return False
 

@@ -17,6 +17,7 @@ from llmgw.errors import ApiError, EngineError, LlmgwError, MirrorError
 from llmgw.mirror.client import MirrorClient
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.serverinit.wait import PROBE_TIMEOUT_S
+from llmgw.views import ReplicaView
 
 # Builds the catalog entry from the mirror's URL, the file's sha256 and this machine's GPU classes.
 EntryFn = Callable[[str, str, list[str]], Model]
@@ -107,6 +108,21 @@ def wait_serving(ctx: InitContext, name: str) -> None:
     retried: set[str] = set()
     first = True  # "kept" only when it was serving before this run looked
 
+    def restart_old_failure(r: ReplicaView) -> bool:
+        """Restart ``r`` once when it failed before this run changed anything (a new
+        --llama-server, the agent restarted): that failure says nothing about now."""
+        if r.state != "failed" or (r.created_at or 0.0) >= ctx.started_at or r.id in retried:
+            return False
+        retried.add(r.id)
+        try:
+            fresh = client.restart_replica(r.id)
+        except LlmgwError as e:
+            ctx.note(f"restarting replica {r.id}, which failed before this run: {e}")
+            return True
+        retried.add(fresh.id)
+        ctx.progress(f"{name}: replica {r.id} had failed before this run; restarted it as {fresh.id}")
+        return True
+
     def serving() -> bool:
         nonlocal unplaced, first
         was_first, first = first, False
@@ -142,20 +158,10 @@ def wait_serving(ctx: InitContext, name: str) -> None:
             if r.state == "ready":
                 ctx.say("kept" if was_first else "done", f"{name} is serving (profile {r.profile})")
                 return True
+        if any(restart_old_failure(r) for r in reps):
+            return False
         for r in reps:
             err = r.err.strip()
-            if r.state == "failed" and (r.created_at or 0.0) < ctx.started_at and r.id not in retried:
-                # It failed before this run changed anything (a new --llama-server, the agent
-                # restarted): that failure says nothing about now, so start it afresh once.
-                retried.add(r.id)
-                try:
-                    fresh = client.restart_replica(r.id)
-                except LlmgwError as e:
-                    ctx.note(f"restarting replica {r.id}, which failed before this run: {e}")
-                    return False
-                retried.add(fresh.id)
-                ctx.progress(f"{name}: replica {r.id} had failed before this run; restarted it as {fresh.id}")
-                return False
             if r.state == "failed":
                 # A model that does not load will not load on the next try either: say why
                 # now rather than wait out the deadline.
