@@ -13,7 +13,7 @@ from cryptography import x509
 
 from llmgw.agent.discovery import has_nvidia_device
 from llmgw.config import load_agent_config, parse_listen
-from llmgw.errors import ConfigError, EngineError, LlmgwError, PkiError
+from llmgw.errors import ApiError, ConfigError, EngineError, LlmgwError, PkiError
 from llmgw.names import check_name
 from llmgw.serverinit import agentconf, files, plan
 from llmgw.serverinit.steps import services
@@ -109,13 +109,19 @@ def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
     for it in vain. False when there is no certificate, or it does not load.
 
     Raises:
-        ApiError, UnreachableError: the admin API did not answer the question.
+        ApiError, UnreachableError: the admin API did not answer the question (a 404 from a
+            control plane without the route counts as "not revoked").
     """
     try:
         serial = format(x509.load_pem_x509_certificate(cert.read_bytes()).serial_number, "X")
     except (OSError, ValueError):
         return False
-    return ctx.admin().revocation(serial) is not None
+    try:
+        return ctx.admin().revocation(serial) is not None
+    except ApiError as e:
+        if e.status == 404:  # a control plane from before the route: it cannot say
+            return False
+        raise
 
 
 def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False) -> None:
