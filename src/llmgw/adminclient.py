@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from llmgw.config import load_server_config, parse_listen
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
-from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView
+from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView, RevocationView
 
 V = TypeVar("V", bound=BaseModel)
 
@@ -136,6 +136,17 @@ class AdminClient:
         """
         path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
         return _view(NodeRemovalView, self.delete(path), f"DELETE {path}")
+
+    def revocation(self, serial: str) -> RevocationView | None:
+        """``GET /api/v1/revocations/{serial}``: the revocation of agent certificate ``serial``
+        (upper-case hex), or None when it is not revoked (404)."""
+        path = f"/api/v1/revocations/{quote(serial)}"
+        try:
+            return _view(RevocationView, self.get(path), f"GET {path}")
+        except ApiError as e:
+            if e.status == 404 and e.code == "not_revoked":
+                return None
+            raise
 
     def models(self) -> list[ModelView]:
         """``GET /api/v1/models``: the catalog, broken rows included (``broken`` says why)."""

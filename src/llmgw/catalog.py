@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from llmgw.engineargs import refused_args
-from llmgw.names import check_label_key, check_name
+from llmgw.names import check_labels, check_name
 
 MAX_REPLICAS_HARD = 100_000
 """The most ``scaling.min``/``max`` can ever be; server.yaml's ``max_replicas_per_model`` (default
@@ -129,8 +129,7 @@ class Profile(_Strict):
     @classmethod
     def _selector_keys(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
         if not _stored(info):
-            for key in v:
-                check_label_key(key)
+            check_labels(v)
         return v
 
     @model_validator(mode="after")

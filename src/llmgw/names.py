@@ -13,7 +13,7 @@ explicit ``--node-id``.
 
 Label keys (:data:`LABEL_KEY_RE`) are a name, optionally after a DNS-style prefix and a ``/``
 (``gpu.vendor``, ``example.com/zone``): prefix at most 253 characters of lowercase letters, digits,
-``.`` and ``-``. Label values are at most 253 printable characters.
+``.`` and ``-``. Label values follow Kubernetes' rule (:data:`LABEL_VALUE_RE`).
 
 :func:`check_name` and :func:`check_label_key` raise :class:`ValueError` with a message that names
 the kind, the bad value and the rule, so pydantic validators and CLI checks can share them.
@@ -29,7 +29,14 @@ NAME_RULE = "1-63 characters: lowercase letters, digits, '.', '_' or '-', starti
 LABEL_KEY_RE = re.compile(r"(?:[a-z0-9][a-z0-9.-]{0,252}/)?[a-z0-9][a-z0-9._-]{0,62}")
 LABEL_KEY_RULE = f"an optional 'prefix/' (a DNS name such as example.com) and a name of {NAME_RULE}"
 
-LABEL_VALUE_MAX = 253
+LABEL_VALUE_MAX = 63
+"""Kubernetes' label value rule: at most 63 characters (``LABEL_VALUE_RE``)."""
+
+LABEL_VALUE_RE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+LABEL_VALUE_RULE = (
+    f"empty, or at most {LABEL_VALUE_MAX} characters: letters, digits, '-', '_' or '.', starting and "
+    "ending with a letter or digit (Kubernetes' label value rule)"
+)
 
 
 def check_name(value: str, kind: str) -> str:
@@ -53,13 +60,19 @@ def check_label_key(value: str) -> str:
     return value
 
 
+def check_label_value(value: str, key: str) -> str:
+    """Return ``value`` when it follows :data:`LABEL_VALUE_RE` and :data:`LABEL_VALUE_MAX`; else
+    ValueError naming the key, the value and the rule."""
+    if not isinstance(value, str) or len(value) > LABEL_VALUE_MAX or not LABEL_VALUE_RE.fullmatch(value):
+        shown = repr(value[:80]) if isinstance(value, str) else repr(value)
+        raise ValueError(f"label {key}: {shown} is not a valid label value: {LABEL_VALUE_RULE}")
+    return value
+
+
 def check_labels(labels: dict[str, str]) -> dict[str, str]:
-    """Check every key of ``labels`` (:func:`check_label_key`) and every value (printable, at most
-    :data:`LABEL_VALUE_MAX` characters); return ``labels``. Raises ValueError naming the first bad one."""
+    """Check every key of ``labels`` (:func:`check_label_key`) and every value
+    (:func:`check_label_value`); return ``labels``. Raises ValueError naming the first bad one."""
     for key, value in labels.items():
         check_label_key(key)
-        if len(value) > LABEL_VALUE_MAX or not value.isprintable():
-            raise ValueError(
-                f"label {key}: the value must be printable text of at most {LABEL_VALUE_MAX} characters"
-            )
+        check_label_value(value, key)
     return labels

@@ -152,3 +152,12 @@ class NodeRemovalView(BaseModel):
     node: str
     drained: list[str]
     revoked: list[str]
+
+
+class RevocationView(BaseModel):
+    """``GET /api/v1/revocations/{serial}``: a revoked agent certificate (``serial`` upper-case hex),
+    the node it was issued to, and when ``ctl node rm`` revoked it (seconds since the epoch)."""
+
+    serial: str
+    node: str
+    revoked_at: float

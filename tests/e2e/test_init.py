@@ -35,9 +35,9 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     for line in (
         "done cluster CA in", "done server.yaml".replace("server.yaml", str(root / "etc/llmgw/server.yaml")),
         "done control plane started", "done server.yaml points at the mirror", "done agent certificate for e2e-node",
-        "kept node e2e-node is ready", "done gemma-3-270m-q4_k_m in the mirror",
+        "done node e2e-node is ready", "done gemma-3-270m-q4_k_m in the mirror",
         "done gemma-3-270m-q4_k_m in the catalog, served here on CPU",
-        "kept gemma-3-270m-q4_k_m is serving (profile cpu)",
+        "done gemma-3-270m-q4_k_m is serving (profile cpu)",
         "skip the guardrails' judge",
     ):
         assert line in out, f"missing {line!r} in:\n{out}"

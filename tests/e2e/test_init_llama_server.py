@@ -7,6 +7,7 @@ and the node is ready and answering again.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def test_a_wrong_llama_server_is_refused_and_a_later_one_replaces_what_init_wrot
     out = second.stdout
     assert f"updated {conf}: engines.llamacpp.binary {first_path} -> {assets.llama_server}" in out
     assert "done llmgw-agent restarted: agent.yaml changed" in out
-    assert "kept node e2e-node is ready" in out
+    assert "done node e2e-node is ready" in out
     assert load_agent_config(conf).engines.llamacpp.binary == assets.llama_server
     assert load_agent_config(conf.with_name("agent.yaml.bak")).engines.llamacpp.binary == first_path
 
@@ -74,3 +75,36 @@ def test_a_wrong_llama_server_is_refused_and_a_later_one_replaces_what_init_wrot
         headers={"Authorization": f"Bearer {keys[0]}"}, timeout=180,
     )
     assert r2.status_code == 200, r2.text
+
+
+def test_init_with_the_real_llama_server_after_a_failed_replica_serves(
+    install: tuple[Path, list[str]], tmp_path: Path, assets: Assets
+) -> None:
+    """A new user's report on item 23: after an install whose replica failed with a bad
+    llama-server (one that passes ``--version`` but serves nothing), init with the real one
+    updated agent.yaml, restarted the agent, and at once stopped on the replica's failure from
+    before (exit 1). That failure is from before this run: init restarts the replica and serves,
+    and ``ctl replicas`` shows no error on the ready replica."""
+    root, args = install
+    bad = tmp_path / "bad" / "llama-server"
+    bad.parent.mkdir()
+    bad.write_text(
+        '#!/bin/sh\nif [ "$1" = "--version" ]; then echo "version: 1 (abc)" >&2; exit 0; fi\n'
+        'echo "error: this llama-server cannot load models" >&2\nexit 1\n'
+    )
+    bad.chmod(0o755)
+    first = llmgw(root, *_with_llama_server(args, bad))
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "failed to start" in first.stderr
+
+    second = llmgw(root, *args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "done llmgw-agent restarted: agent.yaml changed" in second.stdout
+    assert "had failed before this run; restarted it as" in second.stdout
+    assert "done gemma-3-270m-q4_k_m is serving (profile cpu)" in second.stdout
+
+    reps = llmgw(root, "ctl", "replicas", "--json", timeout=60)
+    assert reps.returncode == 0, reps.stderr
+    ready = [r for r in json.loads(reps.stdout) if r["state"] == "ready"]
+    assert len(ready) == 1, reps.stdout
+    assert (ready[0]["err"], ready[0]["last_error"]) == ("", "")

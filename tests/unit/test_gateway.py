@@ -168,6 +168,19 @@ def test_a_wrong_key_from_loopback_is_refused(env: Env, header: str) -> None:
     assert r.status_code == 401
 
 
+@pytest.mark.parametrize("x_key", ["none", f"{KEY}x"])
+def test_a_wrong_x_api_key_from_loopback_is_refused(env: Env, x_key: str) -> None:
+    """A new user's report: a wrong key sent as ``x-api-key`` (Anthropic's clients' header) from
+    loopback was ignored, as if no key had been sent. It is refused like a wrong bearer key."""
+    r = httpx.get(f"{env.open_url}/v1/models", headers={"x-api-key": x_key})
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(f"{env.open_url}/v1/models", headers={"x-api-key": x_key, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 401, r.text
+    assert httpx.get(f"{env.open_url}/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(f"{env.url}/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("remote", "loopback"),
     [

@@ -137,7 +137,7 @@ def test_the_real_llama_server_passes_preflight(tmp_path: Path, assets: Assets) 
     assert build == llamacpp.parse_version(done.stderr + done.stdout) != ""  # the agent's reading of it
     init, out = make(tmp_path, opts(tmp_path, llama_server=assets.llama_server, hosts=["127.0.0.1"]))
     checks.run(init.ctx)
-    assert f"kept --llama-server {assets.llama_server} is llama.cpp build {build}" in out.getvalue()
+    assert f"done --llama-server {assets.llama_server} is llama.cpp build {build}" in out.getvalue()
 
 
 # --- the llama-server init wrote into agent.yaml may be corrected by a later init ---
@@ -237,14 +237,30 @@ def test_a_loopback_agent_listen_without_host_is_refused(tmp_path: Path) -> None
         (":7443", [], False),
         ("0.0.0.0:7443", [], False),
         ("10.1.2.3:7443", [], False),
+        ("127.0.0.1:7443", ["127.0.0.2"], True),
+        ("127.0.0.1:7443", ["::1"], True),
+        ("[::1]:7443", ["::1"], False),
     ],
 )
 def test_check_agent_address(listen: str, hosts: list[str], refused: bool) -> None:
     if refused:
-        with pytest.raises(ConfigError, match="where nothing listens; pass --host"):
+        with pytest.raises(ConfigError, match=r"nothing (listens|would answer it); pass --host"):
             preflight.check_agent_address(listen, hosts)
     else:
         preflight.check_agent_address(listen, hosts)
+
+
+def test_a_loopback_host_the_loopback_listener_does_not_accept_is_refused(tmp_path: Path) -> None:
+    """A new user's item 24: ``--host 127.0.0.2 --agent-listen 127.0.0.1:P`` passed preflight, and
+    init then waited for an agent pointed at 127.0.0.2, where nothing listens."""
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--host", "127.0.0.2", "--agent-listen", f"127.0.0.1:{free_port()}",
+                         "--starter-source", f"file:{gguf(tmp_path)}")
+    assert code == 2, out
+    assert "accepts agents at 127.0.0.1 only, but this machine's node would be pointed at the first --host, " \
+        "127.0.0.2" in out
+    assert "pass --host 127.0.0.1 first" in out
+    assert written(root) == []
 
 
 def test_the_cli_refuses_it_and_writes_nothing(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from llmgw.errors import EngineError
@@ -43,3 +44,44 @@ def test_a_ready_replica_ends_the_wait(tmp_path: Path) -> None:
     })
     serve.wait_serving(init.ctx, "m")
     assert "kept m is serving (profile cpu)" in out.getvalue()
+
+
+def _restarting_init(tmp_path: Path, created_at: float) -> tuple[ServerInit, io.StringIO, list[str]]:
+    """An init whose admin API lists one failed replica of ``m`` created at ``created_at``
+    (seconds relative to the init's start) and answers a restart with a fresh replica that is ready."""
+    init, out = make_init(tmp_path, {})
+    failed = {"id": "m-old", "model": "m", "node": "vm", "state": "failed", "profile": "cpu",
+              "created_at": init.ctx.started_at + created_at,
+              "err": "llama-server exited 1: version: 1 (abc)"}
+    fresh = {"id": "m-new", "model": "m", "node": "vm", "state": "ready", "profile": "cpu",
+             "created_at": init.ctx.started_at + 1}
+    restarted: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path == "/api/v1/replicas/m-old/restart":
+            restarted.append("m-old")
+            return httpx.Response(202, json={**fresh, "state": "pending"})
+        assert request.url.path == "/api/v1/replicas"
+        return httpx.Response(200, json=[fresh] if restarted else [failed])
+
+    init.ctx.admin_transport = httpx.MockTransport(handler)
+    return init, out, restarted
+
+
+def test_a_failure_from_before_this_run_is_not_final_the_replica_is_restarted(tmp_path: Path) -> None:
+    """A new user's item 23: after an install whose replica failed with a bad llama-server, init
+    with the real one restarted the agent and then at once stopped on the old failure ("fix the
+    cause and run init again", exit 1). A failure recorded before this run is restarted once."""
+    init, out, restarted = _restarting_init(tmp_path, created_at=-60)
+    serve.wait_serving(init.ctx, "m")
+    assert restarted == ["m-old"]
+    text = out.getvalue()
+    assert "m: replica m-old had failed before this run; restarted it as m-new" in text
+    assert "done m is serving (profile cpu)" in text
+
+
+def test_a_failure_during_this_run_is_final(tmp_path: Path) -> None:
+    init, _out, restarted = _restarting_init(tmp_path, created_at=5)
+    with pytest.raises(EngineError, match=r"m failed to start on node vm: llama-server exited 1"):
+        serve.wait_serving(init.ctx, "m")
+    assert restarted == []

@@ -28,7 +28,7 @@ from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.store import Store
 from llmgw.errors import ConfigError
-from llmgw.names import check_label_key, check_name
+from llmgw.names import check_label_key, check_labels, check_name
 from llmgw.paths import Paths
 from llmgw.serverinit import files
 from llmgw.serverinit.onboard import add_node
@@ -61,6 +61,18 @@ def test_good_label_keys(key: str) -> None:
 def test_bad_label_keys(key: str) -> None:
     with pytest.raises(ValueError, match="is not a valid label key"):
         check_label_key(key)
+
+
+@pytest.mark.parametrize("value", ["", "true", "x", "A1", "a.b_c-d", "a" * 63])
+def test_good_label_values(value: str) -> None:
+    assert check_labels({"zone": value}) == {"zone": value}
+
+
+@pytest.mark.parametrize("value", ["x\ny", "x\n", "-a", "a.", "has space", "a" * 64, "é", "a/b"])
+def test_bad_label_values(value: str) -> None:
+    """A new user's report: ``{"k": "x\ny"}`` was accepted as a label value."""
+    with pytest.raises(ValueError, match="is not a valid label value"):
+        check_labels({"zone": value})
 
 
 # --- the admin API and ctl ---------------------------------------------------------------------
@@ -96,6 +108,7 @@ def model(**over: Any) -> dict[str, Any]:
         ({"version": "Q4_K_M"}, "version"),
         ({"version": "a" * 64}, "version"),
         ({"profiles": [{"name": "cpu", "node_selector": {"Bad Key": "x"}}]}, "node_selector"),
+        ({"profiles": [{"name": "cpu", "node_selector": {"k": "x\ny"}}]}, "node_selector"),
     ],
 )
 def test_admin_api_refuses_bad_names(admin: Admin, over: dict[str, Any], field: str) -> None:
@@ -103,7 +116,7 @@ def test_admin_api_refuses_bad_names(admin: Admin, over: dict[str, Any], field: 
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert field in msg
-    assert "1-63 characters" in msg or "label key" in msg
+    assert "1-63 characters" in msg or "label key" in msg or "label value" in msg
     assert admin.store.list_models() == []
 
 

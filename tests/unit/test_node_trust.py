@@ -276,3 +276,23 @@ async def test_revoked_serial_refused_even_on_the_log_route(world: World) -> Non
     ):
         assert r.status == 403
         assert (await r.json())["error"]["code"] == "certificate_revoked"
+
+
+async def test_the_admin_api_says_whether_a_serial_is_revoked(world: World) -> None:
+    """``server init`` asks this before keeping an agent certificate (a new user's report: after
+    ``ctl node rm``, init kept the revoked one and waited 20 minutes for a node that had exited)."""
+    w = world
+    cert, key = w.issue("node-r")
+    status, _ = await heartbeat_status(w, cert, key)
+    assert status == 200
+    serial = serial_of(cert)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{w.admin}/api/v1/revocations/{serial}", headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+    ):
+        assert r.status == 404
+        assert (await r.json())["error"]["code"] == "not_revoked"
+    await w.api("DELETE", "/api/v1/nodes/node-r")
+    got = await w.api("GET", f"/api/v1/revocations/{serial.lower()}")
+    assert (got["serial"], got["node"]) == (serial, "node-r")
+    assert got["revoked_at"] > 0

@@ -280,7 +280,8 @@ def node_rm(
         _print_json(data)
         return
     if data.drained:
-        print(f"{node}: drained {len(data.drained)} replica(s); they are placed elsewhere")
+        print(f"{node}: drained {len(data.drained)} replica(s); they will be placed when a node can run "
+              "them ('llmgw ctl replicas' shows where)")
     if data.revoked:
         print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, so its agent "
               "stops at its next heartbeat")

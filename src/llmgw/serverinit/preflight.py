@@ -113,6 +113,25 @@ def is_loopback(host: str) -> bool:
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
+def _addresses(host: str) -> set[str]:
+    """The IP addresses ``host`` (a name or an address, IPv6 maybe in brackets) stands for; empty when it
+    does not resolve."""
+    bare = host.strip("[]")
+    try:
+        return {str(ipaddress.ip_address(bare))}
+    except ValueError:
+        pass
+    try:
+        return {str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(bare, None)}
+    except OSError:
+        return set()
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes before ``:PORT``: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def check_agent_address(agent_listen: str, hosts: Sequence[str], *, flag_given: bool = True) -> None:
     """Refuse an agent API on loopback when this machine's agent would be pointed elsewhere.
 
@@ -123,13 +142,21 @@ def check_agent_address(agent_listen: str, hosts: Sequence[str], *, flag_given: 
 
     Raises:
         ConfigError: the listen address is loopback and there is no ``--host``, or the first
-            ``--host`` is not a loopback name.
+            ``--host`` is not a loopback name, or is a loopback address the listener does not
+            accept (``--host 127.0.0.2`` with ``--agent-listen 127.0.0.1:PORT``).
     """
     host, port = parse_listen(agent_listen)
     if host in ("", "0.0.0.0", "::") or not is_loopback(host):
         return
     if hosts and is_loopback(hosts[0]):
-        return
+        if _addresses(hosts[0]) & _addresses(host):
+            return
+        source = f"--agent-listen {agent_listen}" if flag_given else f"agent_listen {agent_listen} (server.yaml)"
+        raise ConfigError(
+            f"{source} accepts agents at {host} only, but this machine's node would be pointed at the first "
+            f"--host, {hosts[0]}, a loopback address the agent API does not listen on, so nothing would "
+            f"answer it; pass --host {host} first, or make --agent-listen {url_host(hosts[0])}:{port}"
+        )
     source = f"--agent-listen {agent_listen}" if flag_given else f"agent_listen {agent_listen} (server.yaml)"
     where = f"the first --host, {hosts[0]}," if hosts else "this machine's network address (no --host was given)"
     raise ConfigError(

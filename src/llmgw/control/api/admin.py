@@ -11,7 +11,8 @@ Routes (the OpenAPI document at ``/api/v1/openapi.json`` lists them with their s
 ``PUT /api/v1/models/{name}/profiles``, ``GET /api/v1/nodes``, ``GET /api/v1/replicas?model=``,
 ``POST /api/v1/replicas/{id}/restart``, ``GET /api/v1/explain-placement?model=``,
 ``GET /api/v1/models/{name}/resources`` (estimate, profiles, where one could run),
-``POST /api/v1/nodes/{id}/cordon|uncordon|drain``, ``DELETE /api/v1/nodes/{id}[?force=true]``.
+``POST /api/v1/nodes/{id}/cordon|uncordon|drain``, ``DELETE /api/v1/nodes/{id}[?force=true]``,
+``GET /api/v1/revocations/{serial}`` (whether an agent certificate was revoked; 404 when not).
 
 ``GET /api/v1/replicas`` also lists each wanted-but-unplaced replica as state ``pending`` with no
 node and placement's one-line summary in ``pending_reason``; at most ``max_replicas_per_model``
@@ -68,7 +69,16 @@ from llmgw.control.store.offloop import OffLoop
 from llmgw.errors import Conflict, HttpError, UnreachableError
 from llmgw.httperrors import error_json, error_middleware
 from llmgw.protocol import ReplicaState
-from llmgw.views import ExplainView, ModelView, NodeRemovalView, NodeResourcesView, NodeView, ProvisionView, ReplicaView
+from llmgw.views import (
+    ExplainView,
+    ModelView,
+    NodeRemovalView,
+    NodeResourcesView,
+    NodeView,
+    ProvisionView,
+    ReplicaView,
+    RevocationView,
+)
 
 log = logging.getLogger(__name__)
 
@@ -423,6 +433,14 @@ def build_admin_app(
         view = NodeRemovalView(node=node.id, drained=[r.id for r in placed], revoked=revoked)
         return _json(view.model_dump(mode="json"))
 
+    async def revocation(request: web.Request) -> web.Response:
+        serial = request.match_info["serial"].upper().lstrip("0") or "0"
+        gone = await db.run(store.revoked, serial)
+        if gone is None:
+            raise HttpError(404, "not_revoked", f"certificate serial {serial} is not revoked")
+        view = RevocationView(serial=serial, node=gone[0], revoked_at=gone[1])
+        return _json(view.model_dump(mode="json"))
+
     async def model_resources(request: web.Request) -> web.Response:
         row = await must_model(request.match_info["name"])
 
@@ -522,6 +540,7 @@ def build_admin_app(
     r.add_get("/api/v1/nodes", list_nodes)
     r.add_get("/api/v1/replicas", list_replicas)
     r.add_post("/api/v1/replicas/{id}/restart", restart_replica)
+    r.add_get("/api/v1/revocations/{serial}", revocation)
     r.add_get("/api/v1/replicas/{id}/logs", replica_logs)
     r.add_get("/api/v1/explain-placement", explain)
     r.add_get("/api/v1/models/{name}/resources", model_resources)

@@ -14,7 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
 from llmgw.catalog import Model, Profile
-from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView
+from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView, RevocationView
 
 
 class ErrorBody(BaseModel):
@@ -133,6 +133,13 @@ OPS: tuple[Op, ...] = (
         errors=(404, 409),
         query=("force",),
     ),
+    Op(
+        "get",
+        "/api/v1/revocations/{serial}",
+        "Whether an agent certificate serial (hex) was revoked by a node's removal (404 when not)",
+        RevocationView,
+        errors=(404,),
+    ),
     Op("get", "/api/v1/guard/status", "Each policy's judges: in the catalog, ready, judge time", None),
     Op("post", "/api/v1/guard/test", "Judge a text as the gateway would", None, errors=(400, 503)),
     Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog", None,
@@ -159,6 +166,7 @@ def build_openapi() -> dict[str, Any]:
         ReplicaView,
         ExplainView,
         NodeRemovalView,
+        RevocationView,
     ]
     _, defs = models_json_schema([(m, "serialization") for m in shapes], ref_template=_REF)
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
@@ -166,7 +174,7 @@ def build_openapi() -> dict[str, Any]:
     for op in OPS:
         params = [
             {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-            for p in ("name", "id")
+            for p in ("name", "id", "serial")
             if "{" + p + "}" in op.path
         ]
         params += [

@@ -110,15 +110,23 @@ class _Gateway:
     def denied(self, request: web.Request) -> web.Response | None:
         """None when the caller may use the gateway, else the 401 to send.
 
-        A presented key must be valid, from loopback too; only no key (or an empty ``Bearer``) is
-        let in from loopback when ``allow_loopback_without_key``.
+        A presented key (``Authorization: Bearer`` or ``x-api-key``) must be valid, from loopback
+        too; only no key (or an empty ``Bearer``) is let in from loopback when
+        ``allow_loopback_without_key``.
         """
         header = request.headers.get("Authorization", "").strip()
         scheme, _, key = header.partition(" ")
         key = key.strip()
-        if scheme.lower() == "bearer" and key and digest(key) in self.keys.digests():
+        # ``x-api-key`` is how Anthropic's (and other) clients send a key: one sent that way must be
+        # valid too, or a wrong key from loopback would be ignored as "no key".
+        x_key = request.headers.get("x-api-key", "").strip()
+        valid = self.keys.digests()
+        bearer_ok = scheme.lower() == "bearer" and bool(key) and digest(key) in valid
+        bad_bearer = (bool(key) or (bool(header) and scheme.lower() != "bearer")) and not bearer_ok
+        x_ok = bool(x_key) and digest(x_key) in valid
+        if (bearer_ok or x_ok) and not bad_bearer and (x_ok or not x_key):
             return None
-        presented = bool(key) or (bool(header) and scheme.lower() != "bearer")
+        presented = bool(key) or bool(header and scheme.lower() != "bearer") or bool(x_key)
         open_here = self.allow_loopback_without_key and is_loopback(request.remote)
         if open_here and not presented:
             return None

@@ -215,12 +215,15 @@ class Store(abc.ABC):
             state = rep.state.value
             if (row.state, row.err, row.endpoint) == (state, rep.err, rep.endpoint):
                 continue
-            ready_at = row.ready_at
+            ready_at, last_error = row.ready_at, row.last_error
             if state == ReplicaState.READY and row.state != ReplicaState.READY:
-                ready_at = now
+                # Serving now: the failure it replaced is history, not its error (ctl replicas
+                # showed it on a ready replica).
+                ready_at, last_error = now, ""
             try:
                 self.update_replica(
-                    replace(row, state=state, err=rep.err, endpoint=rep.endpoint, updated_at=now, ready_at=ready_at)
+                    replace(row, state=state, err=rep.err, endpoint=rep.endpoint, updated_at=now, ready_at=ready_at,
+                            last_error=last_error)
                 )
             except Conflict:
                 continue

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 from llmgw import sourcecheck
-from llmgw.config import load_server_config, parse_listen
+from llmgw.config import load_agent_config, load_server_config, parse_listen
 from llmgw.errors import ConfigError, PortInUseError, SourceError
 from llmgw.guard.formats import FORMATS
 from llmgw.serverinit import plan, preflight
@@ -48,7 +48,7 @@ def run(ctx: InitContext) -> None:
     ls = opts.llama_server
     if ls is not None:
         version = preflight.check_llama_server(ls)
-        ctx.say("kept", f"--llama-server {ls} is llama.cpp build {version}")
+        ctx.say("kept" if _agent_yaml_names(ctx, ls) else "done", f"--llama-server {ls} is llama.cpp build {version}")
     cfg = load_server_config(paths.server_config) if paths.server_config.exists() else None
     listeners: list[tuple[str, str, str]] = []  # service, address, flag
     listeners += [
@@ -75,6 +75,15 @@ def run(ctx: InitContext) -> None:
         preflight.check_agent_address(
             cfg.agent_listen if cfg else opts.agent_listen, opts.hosts, flag_given=cfg is None
         )
+
+
+def _agent_yaml_names(ctx: InitContext, binary: Path) -> bool:
+    """True when agent.yaml already names ``binary`` as its llama-server (it was so before this run)."""
+    conf = ctx.paths.agent_config
+    try:
+        return conf.exists() and load_agent_config(conf).engines.llamacpp.binary == binary
+    except ConfigError:
+        return False
 
 
 def check_judge_source(src: str, fmt: str, *, no_guard_model: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -59,6 +60,9 @@ class InitContext:
     gpu_probe: Callable[[], list[str]] = field(default=lambda: [])
     admin_transport: httpx.BaseTransport | None = None
     bin: str = field(default_factory=llmgw_binary)
+    # Wall-clock start of this run (seconds since the epoch, the store's clock): a replica created
+    # before it failed before anything this run changed, so its failure is not final.
+    started_at: float = field(default_factory=time.time, init=False)
     user: UserChoice | None = field(default=None, init=False)
     _last_line: str = field(default="", init=False, repr=False)
     # What the running wait's probe last saw, for its "waiting for" lines.

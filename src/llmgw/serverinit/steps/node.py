@@ -9,9 +9,11 @@ import shutil
 import socket
 from pathlib import Path
 
+from cryptography import x509
+
 from llmgw.agent.discovery import has_nvidia_device
 from llmgw.config import load_agent_config, parse_listen
-from llmgw.errors import ConfigError, EngineError, LlmgwError, PkiError
+from llmgw.errors import ApiError, ConfigError, EngineError, LlmgwError, PkiError
 from llmgw.names import check_name
 from llmgw.serverinit import agentconf, files, plan
 from llmgw.serverinit.steps import services
@@ -60,7 +62,9 @@ def run(ctx: InitContext) -> str:
         ctx.say("kept", "no NVIDIA GPU here; the node serves on CPU")
 
     etc, pki = ctx.paths.etc, ctx.paths.pki
-    if (etc / "agent.pem").exists():
+    changed = ""
+    revoked = revoked_by_node_rm(ctx, etc / "agent.pem")
+    if (etc / "agent.pem").exists() and not revoked:
         ctx.say("kept", f"agent certificate for {node}")
     else:
         if not (pki / "ca-key.pem").exists():
@@ -70,12 +74,15 @@ def run(ctx: InitContext) -> str:
             )
         CA.load(pki).issue_client(node).write(etc, "agent")
         shutil.copyfile(pki / "ca.pem", etc / "ca.pem")
-        ctx.say("done", f"agent certificate for {node}")
+        if revoked:
+            ctx.say("updated", f"agent certificate for {node}: the old one was revoked by 'ctl node rm'")
+            changed = "its certificate"
+        else:
+            ctx.say("done", f"agent certificate for {node}")
 
     conf = ctx.paths.agent_config
-    changed = ""
     if conf.exists():
-        changed = reconcile_agent_yaml(ctx, conf)
+        changed = reconcile_agent_yaml(ctx, conf) or changed
     else:
         _h, port = parse_listen(ctx.config().agent_listen)
         server = f"https://{url_host(reachable_addr(ctx.opts.hosts))}:{port}"
@@ -90,13 +97,34 @@ def run(ctx: InitContext) -> str:
         agentconf.record_binary(ctx.paths.state, ctx.opts.llama_server)
         ctx.say("done", f"{conf}")
 
-    services.apply_service(ctx, "agent", agent_unit(ctx.paths, ctx.bin), "llmgw-agent", config_changed=changed)
+    kept = services.apply_service(ctx, "agent", agent_unit(ctx.paths, ctx.bin), "llmgw-agent", config_changed=changed)
 
-    wait_node_ready(ctx, node)
+    wait_node_ready(ctx, node, kept=kept)
     return node
 
 
-def wait_node_ready(ctx: InitContext, node: str) -> None:
+def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
+    """True when the agent certificate ``cert`` is on the control plane's revoked list (the node was
+    removed with ``llmgw ctl node rm``): its agent would be refused and exit, and init would wait
+    for it in vain. False when there is no certificate, or it does not load.
+
+    Raises:
+        ApiError, UnreachableError: the admin API did not answer the question (a 404 from a
+            control plane without the route counts as "not revoked").
+    """
+    try:
+        serial = format(x509.load_pem_x509_certificate(cert.read_bytes()).serial_number, "X")
+    except (OSError, ValueError):
+        return False
+    try:
+        return ctx.admin().revocation(serial) is not None
+    except ApiError as e:
+        if e.status == 404:  # a control plane from before the route: it cannot say
+            return False
+        raise
+
+
+def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False) -> None:
     """Wait until ``node`` is ready with a llama.cpp engine; stop at once when its llama.cpp
     failed. Registered is quick. Having an engine is not: the node may download and check its
     own llama.cpp, and a new machine is often busy with its own package updates first.
@@ -133,8 +161,17 @@ def wait_node_ready(ctx: InitContext, node: str) -> None:
                     raise EngineError(f"installing {p.engine} on this node: {p.detail}")
         return False
 
-    ctx.wait(ctx.opts.node_wait_s, "this node to be ready with an engine", ready, interval_s=ctx.opts.poll_s)
-    ctx.say("kept", f"node {node} is ready")
+    first = True  # "kept" only when its agent ran as it was and the node was ready at once
+    was_ready = False
+
+    def probe() -> bool:
+        nonlocal first, was_ready
+        got = ready()
+        was_ready, first = got and first, False
+        return got
+
+    ctx.wait(ctx.opts.node_wait_s, "this node to be ready with an engine", probe, interval_s=ctx.opts.poll_s)
+    ctx.say("kept" if kept and was_ready else "done", f"node {node} is ready")
 
 
 def reconcile_agent_yaml(ctx: InitContext, conf: Path) -> str:

@@ -17,6 +17,7 @@ from llmgw.errors import ApiError, EngineError, LlmgwError, MirrorError
 from llmgw.mirror.client import MirrorClient
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.serverinit.wait import PROBE_TIMEOUT_S
+from llmgw.views import ReplicaView
 
 # Builds the catalog entry from the mirror's URL, the file's sha256 and this machine's GPU classes.
 EntryFn = Callable[[str, str, list[str]], Model]
@@ -104,9 +105,27 @@ def wait_serving(ctx: InitContext, name: str) -> None:
     """
     client = ctx.admin(PROBE_TIMEOUT_S)
     unplaced: float | None = None
+    retried: set[str] = set()
+    first = True  # "kept" only when it was serving before this run looked
+
+    def restart_old_failure(r: ReplicaView) -> bool:
+        """Restart ``r`` once when it failed before this run changed anything (a new
+        --llama-server, the agent restarted): that failure says nothing about now."""
+        if r.state != "failed" or (r.created_at or 0.0) >= ctx.started_at or r.id in retried:
+            return False
+        retried.add(r.id)
+        try:
+            fresh = client.restart_replica(r.id)
+        except LlmgwError as e:
+            ctx.note(f"restarting replica {r.id}, which failed before this run: {e}")
+            return True
+        retried.add(fresh.id)
+        ctx.progress(f"{name}: replica {r.id} had failed before this run; restarted it as {fresh.id}")
+        return True
 
     def serving() -> bool:
-        nonlocal unplaced
+        nonlocal unplaced, first
+        was_first, first = first, False
         try:
             reps = client.replicas(name)
         except LlmgwError as e:
@@ -137,8 +156,10 @@ def wait_serving(ctx: InitContext, name: str) -> None:
         unplaced = None
         for r in reps:
             if r.state == "ready":
-                ctx.say("kept", f"{name} is serving (profile {r.profile})")
+                ctx.say("kept" if was_first else "done", f"{name} is serving (profile {r.profile})")
                 return True
+        if any(restart_old_failure(r) for r in reps):
+            return False
         for r in reps:
             err = r.err.strip()
             if r.state == "failed":

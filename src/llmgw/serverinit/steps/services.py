@@ -54,9 +54,10 @@ def append_to_server_yaml(ctx: InitContext, block: str) -> None:
     secure.lock_down(ctx.paths, service_user(ctx))
 
 
-def apply_service(ctx: InitContext, name: str, body: str, what: str, *, config_changed: str = "") -> None:
+def apply_service(ctx: InitContext, name: str, body: str, what: str, *, config_changed: str = "") -> bool:
     """Install unit ``name`` with ``body``; start it when stopped, restart it when its unit (or
-    ``config_changed``, a file name) changed, else keep it. Prints one line saying which."""
+    ``config_changed``, a file name) changed, else keep it. Prints one line saying which; returns
+    True when it was kept running as it was."""
     secure.lock_down(ctx.paths, service_user(ctx))
     manager = ctx.manager
     was_running = ctx.running(name)
@@ -72,6 +73,8 @@ def apply_service(ctx: InitContext, name: str, body: str, what: str, *, config_c
         ctx.say("done", f"{what} restarted: {config_changed} changed ({manager.kind})")
     else:
         ctx.say("kept", f"{what} ({manager.kind}, running)")
+        return True
+    return False
 
 
 def wait_service(ctx: InitContext, name: str, what: str, up: Callable[[], bool]) -> None:
