@@ -34,6 +34,7 @@ from llmgw.protocol import Heartbeat, Inventory
 from tests.conftest import Assets
 from tests.helpers.control import FAKE_ENGINE, TOKEN, make_install, serving
 from tests.helpers.net import serve_files
+from tests.helpers.waits import until
 
 pytestmark = pytest.mark.e2e
 
@@ -93,17 +94,8 @@ class Cluster:
             return await r.json() if r.content_length != 0 else None
 
     async def until(self, what: str, pred: Callable[[], Any], within_s: float = 20) -> Any:
-        async def loop() -> Any:
-            while True:
-                got = await pred()
-                if got:
-                    return got
-                await asyncio.sleep(0.1)
-
-        try:
-            return await asyncio.wait_for(loop(), within_s)
-        except TimeoutError:
-            raise AssertionError(f"not within {within_s} s: {what}") from None
+        """:func:`tests.helpers.waits.until`."""
+        return await until(what, pred, within_s)
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from tests.conftest import Assets
 from tests.e2e.agent_world import GEMMA_SHA256, AgentProcess
 from tests.helpers.control import TOKEN, make_install, serving
 from tests.helpers.net import serve_files
+from tests.helpers.waits import until
 
 pytestmark = pytest.mark.e2e
 
@@ -68,15 +69,6 @@ async def lost(w: World) -> bool:
     return bool((await w.api("/api/v1/nodes"))[0]["state"] == "lost")
 
 
-async def until(what: str, pred: Any, within_s: float) -> Any:
-    t0 = time.monotonic()
-    while True:
-        got = await pred()
-        if got:
-            return got
-        if time.monotonic() - t0 > within_s:
-            raise AssertionError(f"not within {within_s} s: {what}")
-        await asyncio.sleep(0.2)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
 from tests.helpers.control import FAKE_ENGINE, TOKEN, make_install, serving
 from tests.helpers.net import serve_files
+from tests.helpers.waits import until
 
 GB = 1_000_000_000
 INVENTORY = {"cores": 4, "memory_total_bytes": 8 * GB, "memory_available_bytes": 8 * GB}
@@ -87,18 +88,6 @@ class World:
         return proc.returncode or 0, out.decode()
 
 
-async def until(what: str, pred: Any, within_s: float = 20) -> Any:
-    async def loop() -> Any:
-        while True:
-            got = await pred()
-            if got:
-                return got
-            await asyncio.sleep(0.1)
-
-    try:
-        return await asyncio.wait_for(loop(), within_s)
-    except TimeoutError:
-        raise AssertionError(f"not within {within_s} s: {what}") from None
 
 
 @pytest.fixture
