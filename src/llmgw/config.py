@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmgw import yamlsafe
 from llmgw.errors import ConfigError
@@ -91,6 +91,29 @@ class StoreConfig(_Strict):
     url: str = ""
 
 
+class ClusterConfig(_Strict):
+    """``cluster``: this control plane as one member of an HA cluster (several control planes
+    sharing one PostgreSQL database; :mod:`llmgw.control.reconcile.election`).
+
+    Attributes:
+        name: this control plane's name in ``llmgw ctl cluster`` (default: the host name).
+        agent_url: how agents reach this control plane's agent API, ``https://HOST:7443``; sent to
+            agents in heartbeat replies so they learn every member. Default: derived from
+            ``agent_listen`` (the host name when it listens on every interface).
+        patroni: the REST API URLs of the Patroni members (``http://HOST:8008``), read by
+            ``llmgw ctl cluster`` to show the database's primary, replicas and lag.
+        lease_s: a leader whose last successful renewal (a write) is older than this stops acting
+            (seconds; ha.md §3.3: 5 s stopped a leader on a frozen primary 4.3 s after the freeze).
+        renew_s: seconds between the leader's renewals, and between a follower's tries.
+    """
+
+    name: str = ""
+    agent_url: str = ""
+    patroni: list[str] = Field(default_factory=list)
+    lease_s: Annotated[float, Field(gt=0, le=60)] = 5.0
+    renew_s: Annotated[float, Field(gt=0, le=10)] = 1.0
+
+
 class MirrorRef(_Strict):
     """The model mirror this control plane uses: its management API URL (``http://127.0.0.1:8082``)."""
 
@@ -122,6 +145,7 @@ class ServerConfig(_Strict):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     mirror: MirrorRef = Field(default_factory=MirrorRef)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     node_lost_after_s: Annotated[float, Field(gt=0)] = 30.0
     backoff_reset_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 600.0
@@ -192,6 +216,9 @@ class AgentConfig(_Strict):
 
     Attributes:
         server: the control plane's agent API, ``https://HOST:7443``.
+        servers: more control planes' agent APIs (HA): the agent sticks to one that answers and
+            rotates through ``server`` then ``servers`` (then the members heartbeat replies name)
+            when it fails. Either field may be empty, not both.
         node_id: this node's id; must equal the CN of ``tls.cert`` (the server believes only the cert);
             a name of :mod:`llmgw.names` (lowercase letters, digits, ``.``, ``_``, ``-``, at most 63).
         labels: placement's ``node_selector`` matches them; keys are label keys of :mod:`llmgw.names`.
@@ -200,7 +227,8 @@ class AgentConfig(_Strict):
         cache_max_gb: node model cache size past which least recently used files are evicted (GB).
     """
 
-    server: str
+    server: str = ""
+    servers: list[str] = Field(default_factory=list)
     node_id: str
     tls: TLSFiles
     labels: dict[str, str] = Field(default_factory=dict)
@@ -223,9 +251,27 @@ class AgentConfig(_Strict):
     @field_validator("server")
     @classmethod
     def _https(cls, v: str) -> str:
-        if not v.startswith("https://"):
+        if v and not v.startswith("https://"):
             raise ValueError(f"'{v}' must be an https:// URL of the control plane's agent API")
         return v
+
+    @field_validator("servers")
+    @classmethod
+    def _https_all(cls, v: list[str]) -> list[str]:
+        for url in v:
+            cls._https(url)
+        return v
+
+    @model_validator(mode="after")
+    def _some_server(self) -> AgentConfig:
+        if not self.server and not self.servers:
+            raise ValueError("give the control plane's agent API as 'server' (or several as 'servers')")
+        return self
+
+    @property
+    def control_planes(self) -> list[str]:
+        """``server`` then ``servers``, each once, in that order: the agent's starting list."""
+        return list(dict.fromkeys(u for u in [self.server, *self.servers] if u))
 
 
 M = TypeVar("M", bound=BaseModel)

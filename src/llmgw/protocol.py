@@ -152,9 +152,24 @@ class LogReply(BaseModel):
 
 
 class HeartbeatReply(BaseModel):
-    """The control plane's answer: the node id it read from the certificate and the desired replicas."""
+    """The control plane's answer: the node id it read from the certificate, the desired replicas,
+    and what the agent needs to follow an HA cluster.
+
+    Attributes:
+        term: the leadership term the answering control plane read from the database with
+            ``desired`` (the fencing token: bumped on every leader change). An agent keeps the
+            highest term it has seen and ignores a reply carrying a lower one (a control plane left
+            on a stale database); 0 means the control plane knows no term yet.
+        leader: the agent-API URL (``https://HOST:7443``) of the leading control plane, "" when
+            none leads now.
+        control_planes: the agent-API URLs of every live control plane; the agent adds them to
+            the list it rotates through (agent.yaml's ``servers`` stay first).
+    """
 
     node_id: str
     desired: list[ReplicaSpec] = Field(default_factory=list)
     interval_s: float = 2.0
     log_requests: list[LogRequest] = Field(default_factory=list)
+    term: int = 0
+    leader: str = ""
+    control_planes: list[str] = Field(default_factory=list)
