@@ -23,6 +23,8 @@ CLI turns an ``LlmgwError`` into ``Error: <message>`` and its ``exit_code``, nev
     ├── EstimateError              exit 1   a GGUF header cannot be read for placement's estimate
     ├── JudgeError                 exit 1   a guard judge gave no verdict (``kind`` says why)
     ├── StoreError                 exit 1   the state database cannot be opened, migrated or reached
+    │   ├── StoreUnavailable       exit 1   the database did not answer in time (HTTP 503)
+    │   └── Fenced                 exit 1   a leader's write carried a term no longer current
     ├── Conflict                   exit 1   a store write lost a race or breaks uniqueness (HTTP 409)
     │   └── Revoked                exit 1   a heartbeat's certificate serial is on the deny-list
     ├── PortInUseError             exit 2   a listen port is already taken by another program
@@ -174,6 +176,16 @@ class JudgeError(LlmgwError):
 
 class StoreError(LlmgwError):
     """The database cannot be opened, migrated or reached; the driver's error is chained."""
+
+
+class StoreUnavailable(StoreError):
+    """The database did not answer a call within its deadline, or refused the connection; the
+    message names the database and what to check. The APIs answer 503 ``store_unavailable``."""
+
+
+class Fenced(StoreError):
+    """A leader's write was refused because the leadership term in the database is no longer the
+    term it was granted (another control plane leads now); the write was rolled back."""
 
 
 class Conflict(LlmgwError):

@@ -38,7 +38,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from llmgw.catalog import Model
-from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow, ReportResult
+from llmgw.control.store.rows import (
+    BrokenModel,
+    ControlPlaneRow,
+    LeaderRow,
+    ModelRow,
+    NodeRow,
+    ReplicaRow,
+    ReportResult,
+)
 from llmgw.errors import Conflict
 from llmgw.protocol import Heartbeat, ReplicaState, ReplicaStatus
 from llmgw.views import ExplainView
@@ -264,3 +272,30 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_gguf_facts(self) -> dict[str, tuple[str, str, float]]:
         """Every stored header: ``{source: (body, error, updated_at)}``."""
+
+    # --- leadership and membership (migration 5) ---
+
+    @abc.abstractmethod
+    def fenced(self, term: int) -> Store:
+        """A store sharing this one's connections whose every write transaction first reads the
+        term (``SELECT term FROM cp_leader WHERE id=1 FOR SHARE``) and aborts with
+        :class:`~llmgw.errors.Fenced`, writing nothing, when it is not ``term``. The leader's
+        reconcilers write through it, so a control plane that lost leadership cannot write."""
+
+    @abc.abstractmethod
+    def leader(self) -> LeaderRow:
+        """The ``cp_leader`` row (term 0 and holder "" before anyone led)."""
+
+    @abc.abstractmethod
+    def take_term(self, holder: str, *, now: float) -> int:
+        """Bump the term and record ``holder`` as its leader; the new term. Only for a process that
+        leads by construction (SQLite: the one process that owns the file); on PostgreSQL the
+        election takes the term on its own connection (:mod:`llmgw.control.reconcile.election`)."""
+
+    @abc.abstractmethod
+    def upsert_control_plane(self, row: ControlPlaneRow) -> None:
+        """Insert or replace the row of control plane ``row.name`` (membership heartbeat)."""
+
+    @abc.abstractmethod
+    def list_control_planes(self) -> list[ControlPlaneRow]:
+        """Every control plane that ever wrote its row, by name."""

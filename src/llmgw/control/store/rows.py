@@ -89,3 +89,28 @@ class ReportResult:
     state, err or endpoint moved."""
 
     changed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LeaderRow:
+    """The ``cp_leader`` row: the leadership ``term`` (the fencing token, 0 = never led), the
+    ``holder`` that was granted it (a control plane's name, "" = none yet), when it was granted
+    (``since``) and last renewed (``renewed_at``), unix seconds."""
+
+    term: int
+    holder: str
+    since: float
+    renewed_at: float
+
+
+@dataclass(frozen=True)
+class ControlPlaneRow:
+    """A control plane sharing this database: its ``name``, the URL agents reach its agent API at,
+    when it last wrote its row (``last_seen``) and started (``started_at``), unix seconds, and the
+    llmgw ``version`` it runs."""
+
+    name: str
+    agent_url: str
+    last_seen: float
+    started_at: float
+    version: str

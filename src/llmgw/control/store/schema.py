@@ -7,7 +7,9 @@ released ("migrations, never delete the file").
 
 Tables: ``models`` (catalog entries as JSON), ``model_names`` (every name and alias a model answers
 to, one owner each: migration 4), ``nodes``, ``replicas``, ``explanations``, ``gguf_facts``,
-``node_certs`` and ``revoked_certs`` (migration 3), ``schema_migrations``.
+``node_certs`` and ``revoked_certs`` (migration 3), ``cp_leader`` and ``control_planes`` (migration 5:
+leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.election`),
+``schema_migrations``.
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ model_names_t = sa.Table(
     sa.Column("model", sa.String(63), nullable=False, index=True),  # the owner: models.name
 )
 
+cp_leader_t = sa.Table(
+    "cp_leader",  # migration 5: one row (id 1): the leadership term, the fencing token
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("term", sa.BigInteger, nullable=False),  # bumped by every acquisition; 0: never led
+    sa.Column("holder", sa.String(253), nullable=False),  # the leading control plane's name
+    sa.Column("since", sa.Float, nullable=False),  # unix seconds of the acquisition
+    sa.Column("renewed_at", sa.Float, nullable=False),  # unix seconds of the last renewal (a write)
+)
+
+control_planes_t = sa.Table(
+    "control_planes",  # migration 5: every control plane sharing this database, upserted every few s
+    metadata,
+    sa.Column("name", sa.String(253), primary_key=True),
+    sa.Column("agent_url", sa.String(300), nullable=False),
+    sa.Column("last_seen", sa.Float, nullable=False),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("version", sa.String(64), nullable=False),
+)
+
 migrations_t = sa.Table(
     "schema_migrations",
     metadata,
@@ -201,12 +223,21 @@ def _spec_aliases(spec: str) -> list[str]:
     return [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
 
 
+def _migration_5(conn: Connection) -> None:
+    """``cp_leader`` with its one row (term 0, no holder) and ``control_planes``."""
+    cp_leader_t.create(conn, checkfirst=True)
+    control_planes_t.create(conn, checkfirst=True)
+    if conn.scalar(sa.select(sa.func.count()).select_from(cp_leader_t)) == 0:
+        conn.execute(cp_leader_t.insert().values(id=1, term=0, holder="", since=0.0, renewed_at=0.0))
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
     (2, _migration_2),
     (3, _migration_3),
     (4, _migration_4),
+    (5, _migration_5),
 ]
 
 

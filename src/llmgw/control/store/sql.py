@@ -15,6 +15,7 @@ on PostgreSQL, where a failed statement aborts its transaction).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -31,8 +32,10 @@ from llmgw.control.store.base import Store
 from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.dialect import DialectHooks
 from llmgw.control.store.postgres import PostgresHooks
-from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow
+from llmgw.control.store.rows import BrokenModel, ControlPlaneRow, LeaderRow, ModelRow, NodeRow, ReplicaRow
 from llmgw.control.store.schema import (
+    control_planes_t,
+    cp_leader_t,
     explanations_t,
     gguf_facts_t,
     migrate,
@@ -45,7 +48,7 @@ from llmgw.control.store.schema import (
     revoked_certs_t,
 )
 from llmgw.control.store.sqlite import SqliteHooks
-from llmgw.errors import Conflict, Revoked, StoreError
+from llmgw.errors import Conflict, Fenced, Revoked, StoreError
 from llmgw.protocol import Heartbeat
 from llmgw.views import ExplainView
 
@@ -68,6 +71,7 @@ class SqlStore(Store):
         self.engine = engine
         self.hooks = hooks or DialectHooks()
         self._logged_broken: set[tuple[str, int]] = set()
+        self.term: int | None = None  # set on the stores fenced() returns
 
     @classmethod
     def open(cls, url: str) -> SqlStore:
@@ -106,6 +110,13 @@ class SqlStore(Store):
     def close(self) -> None:
         self.engine.dispose()
 
+    def fenced(self, term: int) -> SqlStore:
+        """This store's engine, hooks and log memory, with every write transaction checking ``term``
+        first (:meth:`_wtx`). Closing it closes the shared engine: close only the original."""
+        out = copy.copy(self)
+        out.term = term
+        return out
+
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
         """A transaction that only reads."""
@@ -117,7 +128,21 @@ class SqlStore(Store):
         """A transaction that writes, inside the dialect's writer hold (SQLite: one at a time in
         this process)."""
         with self.hooks.writer(), self.engine.begin() as conn:
+            if self.term is not None:
+                self._check_term(conn, self.term)
             yield conn
+
+    @staticmethod
+    def _check_term(conn: Connection, term: int) -> None:
+        """Raise :class:`Fenced` unless the database's term is ``term``. ``FOR SHARE`` (PostgreSQL;
+        SQLite has one writer at a time anyway) makes a new leader's term bump wait for this
+        transaction, and this transaction see a bump that committed before it (ha.md §3.3 step 5)."""
+        now = conn.scalar(sa.select(cp_leader_t.c.term).where(cp_leader_t.c.id == 1).with_for_update(read=True))
+        if now != term:
+            raise Fenced(
+                f"this control plane's leadership (term {term}) has ended: the database's term is {now}; "
+                "its reconcilers stop and the write was not made"
+            )
 
     def migrate(self) -> list[int]:
         with self._wtx() as conn:
@@ -471,6 +496,36 @@ class SqlStore(Store):
         with self._tx() as conn:
             rows = conn.execute(sa.select(gguf_facts_t)).all()
         return {r.source: (r.body, r.error, r.updated_at) for r in rows}
+
+    # --- leadership and membership (migration 5) ---
+
+    def leader(self) -> LeaderRow:
+        with self._tx() as conn:
+            row = conn.execute(sa.select(cp_leader_t).where(cp_leader_t.c.id == 1)).first()
+        if row is None:
+            return LeaderRow(0, "", 0.0, 0.0)
+        return LeaderRow(int(row.term), row.holder, row.since, row.renewed_at)
+
+    def take_term(self, holder: str, *, now: float) -> int:
+        with self._wtx() as conn:
+            return int(
+                conn.execute(
+                    cp_leader_t.update()
+                    .where(cp_leader_t.c.id == 1)
+                    .values(term=cp_leader_t.c.term + 1, holder=holder, since=now, renewed_at=now)
+                    .returning(cp_leader_t.c.term)
+                ).scalar_one()
+            )
+
+    def upsert_control_plane(self, row: ControlPlaneRow) -> None:
+        values = {"agent_url": row.agent_url, "last_seen": row.last_seen, "started_at": row.started_at,
+                  "version": row.version}
+        self._put(control_planes_t, control_planes_t.c.name, row.name, **values)
+
+    def list_control_planes(self) -> list[ControlPlaneRow]:
+        with self._tx() as conn:
+            rows = conn.execute(sa.select(control_planes_t).order_by(control_planes_t.c.name)).all()
+        return [ControlPlaneRow(r.name, r.agent_url, r.last_seen, r.started_at, r.version) for r in rows]
 
 
 def _claim_names(conn: Connection, model: Model) -> None:
