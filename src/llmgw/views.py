@@ -161,3 +161,57 @@ class RevocationView(BaseModel):
     serial: str
     node: str
     revoked_at: float
+
+
+class ControlPlaneView(BaseModel):
+    """A control plane sharing the database (``GET /api/v1/cluster``): its ``name``, the URL agents
+    reach it at, whether it ``leader``-s, whether it is ``alive`` (wrote its row within three
+    membership periods, 6 s), and how long ago it last wrote (``last_seen_s_ago``, seconds)."""
+
+    name: str
+    agent_url: str
+    leader: bool
+    alive: bool
+    last_seen_s_ago: float
+
+
+class DatabaseView(BaseModel):
+    """Whether the answering control plane reaches the database now, and if not why (``error``)."""
+
+    reachable: bool
+    error: str = ""
+
+
+class PatroniMemberView(BaseModel):
+    """A member of the Patroni cluster (Patroni's ``GET /cluster``): ``role`` (``leader``,
+    ``sync_standby``, ``replica``, ...), ``state`` (``running``, ``streaming``, ...), ``host`` and
+    replication ``lag`` (bytes behind the primary, as Patroni reports it; None for the primary or
+    when Patroni gives none, a string such as ``"unknown"`` when Patroni says so)."""
+
+    name: str
+    role: str
+    state: str
+    host: str
+    lag: int | str | None = None
+
+
+class ClusterView(BaseModel):
+    """``GET /api/v1/cluster``: the HA cluster as the answering control plane (``me``) sees it.
+
+    Attributes:
+        me: the answering control plane's name.
+        term: the leadership term (the fencing token; 0 before anyone led).
+        leader: the leading control plane's name, "" when none leads now.
+        database: whether ``me`` reaches the database.
+        control_planes: every control plane that wrote its row, by name.
+        patroni: the database's members from the first ``cluster.patroni`` URL that answered.
+        patroni_error: why there are none ("" when Patroni answered or none is configured).
+    """
+
+    me: str
+    term: int
+    leader: str
+    database: DatabaseView
+    control_planes: list[ControlPlaneView] = Field(default_factory=list)
+    patroni: list[PatroniMemberView] = Field(default_factory=list)
+    patroni_error: str = ""

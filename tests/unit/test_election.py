@@ -113,7 +113,8 @@ async def test_a_stale_term_write_is_refused(pg_url: str) -> None:
             fenced = store.fenced(leader.term)
             fenced.delete_explanation("nothing")  # the current term writes
             stale = store.fenced(leader.term - 1)
-            with pytest.raises(Fenced, match=rf"term {leader.term - 1}\) has ended: the database's term is {leader.term}"):
+            refused = rf"term {leader.term - 1}\) has ended: the database's term is {leader.term}"
+            with pytest.raises(Fenced, match=refused):
                 stale.delete_explanation("nothing")
     finally:
         store.close()
@@ -169,9 +170,9 @@ async def test_sqlite_leads_alone_with_a_new_term_per_start(tmp_path: Path) -> N
     for _ in range(2):
         store: Store = open_store(url)
         stop = asyncio.Event()
-        el = SoloElection(store, "solo", lambda fn: asyncio.to_thread(fn))
+        el = SoloElection(store, "solo", asyncio.to_thread)
         task = asyncio.create_task(el.run(stop))
-        await until("SQLite leads", lambda: _async(el.leading), every_s=0.01)
+        await until("SQLite leads", lambda e=el: _async(e.leading), every_s=0.01)  # type: ignore[misc]
         terms.append(el.term)
         stop.set()
         await task

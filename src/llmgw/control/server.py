@@ -10,7 +10,18 @@
    frees the engine's slot). All three bind before anything is served, so a port
    already taken stops the process with a :class:`~llmgw.errors.PortInUseError` naming it, and
    nothing half-started stays behind;
-3. the **leader** loop (with SQLite this process is the leader).
+3. the **election** (:mod:`llmgw.control.reconcile.election`: PostgreSQL, a session advisory lock
+   with a written lease and a term; SQLite, this process) and **membership**
+   (:mod:`llmgw.control.reconcile.membership`: this control plane's row, the others', the term);
+4. while, and only while, this control plane leads: the **leader** loop and the judge keeper, on a
+   store fenced by the term (:meth:`~llmgw.control.store.base.Store.fenced`), cancelled at once
+   when leadership ends.
+
+Every control plane serves the three listeners, leader or not. Store calls of the APIs and the
+routing refresh have a deadline (:data:`~llmgw.control.store.offloop.STORE_DEADLINE_S`): with the
+database down, the admin API and heartbeats answer 503 ``store_unavailable`` within it, and the
+gateway keeps routing from its last table. The leader's passes run on a pool of their own without
+a deadline (a pass reads GGUF headers over the network).
 
 It runs until SIGTERM/SIGINT or ``stop`` is set, then shuts down gracefully
 (:mod:`llmgw.control.gateway.drain`): every listener stops accepting, the gateway's requests in flight may
@@ -38,6 +49,7 @@ import errno
 import gc
 import logging
 import signal
+import socket
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
@@ -46,16 +58,20 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from llmgw import __version__
 from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
+from llmgw.control.api.cluster import add_cluster_routes, health_fields
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.reconcile.election import Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
-from llmgw.control.store import Store, default_url, open_store
-from llmgw.control.store.offloop import Coalescer, OffLoop
+from llmgw.control.reconcile.membership import Membership, default_agent_url
+from llmgw.control.store import SqlStore, Store, default_url, open_store
+from llmgw.control.store.offloop import STORE_DEADLINE_S, Coalescer, OffLoop
 from llmgw.errors import PkiError, PortInUseError
 from llmgw.paths import Paths
 
@@ -181,18 +197,27 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
-    logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]],
+    logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
 ) -> web.Application:
-    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`)."""
+    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`)
+    and the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`)."""
     from llmgw.control.api.guard import MirrorServe, add_guard_routes  # noqa: PLC0415
 
     app = build_admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
-        max_replicas_per_model=config.max_replicas_per_model,
+        max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
     )
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
+    add_cluster_routes(app, members, config.cluster.patroni)
     return app
+
+
+def _election(store: Store, url: str, config: ServerConfig, name: str, db: OffLoop) -> Election:
+    """PostgreSQL: :class:`PgElection` on the store's URL; any other database leads alone."""
+    if url.startswith("postgresql"):
+        return PgElection(url, name, lease_s=config.cluster.lease_s, renew_s=config.cluster.renew_s)
+    return SoloElection(store, name, db.run)
 
 
 def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> JudgeKeeper | None:
@@ -250,36 +275,59 @@ async def serve(
     keys = read_gateway_keys(config)
     tls = _tls(config)
     stop = stop or asyncio.Event()
-    store = open_store(default_url(config.store.url, paths.database))
-    db = OffLoop()
+    url = default_url(config.store.url, paths.database)
+    store = open_store(url)
+    where = store.where if isinstance(store, SqlStore) else "the database"
+    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where)  # the APIs' and the routing table's calls
+    work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
     routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")
     router.on_stale = routes.request
-    leader = Leader(
-        store,
-        node_lost_after_s=config.node_lost_after_s,
-        backoff_reset_s=config.backoff_reset_s,
-        on_change=routes.request,
-        db=db,
-    )
+    name = config.cluster.name or socket.gethostname()
+    election = _election(store, url, config, name, db)
+    leaders: list[Leader] = []  # the leader of the current term, while this control plane leads
     guard = _guard(config, router)
     logs = LogBroker()
     drain = Drain()
 
     def admin_changed() -> None:
         routes.request()
-        leader.wake()
+        for leader in leaders:
+            leader.wake()
+
+    async def lead(term: int, ended: asyncio.Event) -> None:
+        """The reconcilers of one term, on the store fenced by it; cancelled when leadership ends."""
+        fenced = store.fenced(term)
+        leader = Leader(
+            fenced,
+            node_lost_after_s=config.node_lost_after_s,
+            backoff_reset_s=config.backoff_reset_s,
+            on_change=routes.request,
+            db=work,
+        )
+        leaders[:] = [leader]
+        keeper = _keeper(fenced, config, admin_changed)
+        try:
+            await asyncio.gather(leader.run(ended), *([keeper.run(ended)] if keeper is not None else []))
+        finally:
+            leaders.clear()
 
     def heartbeat(_node: str, changed: bool) -> Awaitable[None] | None:
         return routes.done() if changed else None
 
     def node_came(_node: str) -> None:
-        leader.wake()
+        for leader in leaders:
+            leader.wake()
 
     runners: list[web.AppRunner] = []
     apps: list[tuple[str, str, web.Application, ssl.SSLContext | None]] = []
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
+    agent_port = parse_listen(config.agent_listen)[1]
+    members = Membership(
+        store, db, election, name=name, version=__version__,
+        agent_url=config.cluster.agent_url or default_agent_url(config.agent_listen, agent_port),
+    )
     try:
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         bound: dict[str, tuple[str, int]] = {}
@@ -287,7 +335,7 @@ async def serve(
             (
                 "admin_listen",
                 config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done),
+                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members),
                 None,
             ),
             (
@@ -295,7 +343,7 @@ async def serve(
                 config.agent_listen,
                 build_agent_app(
                     store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db,
-                    on_node=node_came,
+                    on_node=node_came, cluster=members.reply_fields,
                 ),
                 tls,
             ),
@@ -320,11 +368,8 @@ async def serve(
         gc.freeze()
         if on_started is not None:
             on_started(bound)
-        keeper = _keeper(store, config, admin_changed)
-        keeping = asyncio.create_task(keeper.run(stop)) if keeper is not None else None
-        await leader.run(stop)
-        if keeping is not None:
-            await keeping
+        await members.tick()  # the first heartbeat replies name this control plane
+        await asyncio.gather(election.run(stop), members.run(stop), while_leading(election, lead, stop))
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
@@ -334,6 +379,7 @@ async def serve(
             await runner.cleanup()
         await routes.idle()
         db.close()
+        work.close()
         store.close()
 
 

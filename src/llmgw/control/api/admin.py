@@ -66,7 +66,7 @@ from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.leader import new_replica_id
 from llmgw.control.store import BrokenModel, ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.errors import Conflict, HttpError, UnreachableError
+from llmgw.errors import Conflict, HttpError, StoreUnavailable, UnreachableError
 from llmgw.httperrors import error_json, error_middleware
 from llmgw.protocol import ReplicaState
 from llmgw.views import (
@@ -217,6 +217,7 @@ def build_admin_app(
     max_replicas_per_model: int = 1000,
     db: OffLoop | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
+    health_fields: Callable[[], dict[str, Any]] | None = None,
 ) -> web.Application:
     """The admin API app.
 
@@ -231,6 +232,12 @@ def build_admin_app(
             with it.
         settle: awaited after every successful write before it is answered (the control plane
             waits there for its routing table, so the gateway knows a model once it is added).
+        health_fields: more fields for ``GET /api/v1/health``, read from memory (the control plane
+            adds ``leader``, ``term`` and ``database``: ``"ok"`` or ``"unreachable"``).
+
+    A store call that fails because the database is down or does not answer within the pool's
+    deadline (:data:`~llmgw.control.store.offloop.STORE_DEADLINE_S`) is answered 503
+    ``store_unavailable``, naming the database and what to check.
     """
     if not token:
         raise ValueError("the admin token is empty")
@@ -257,7 +264,10 @@ def build_admin_app(
             )
         return await handler(request)
 
-    errors = error_middleware(service="the control plane", known={Conflict: (409, "conflict")})
+    errors = error_middleware(
+        service="the control plane",
+        known={StoreUnavailable: (503, "store_unavailable"), Conflict: (409, "conflict")},
+    )
 
     def broken(name: str) -> BrokenModel | None:
         return next((b for b in store.list_broken_models() if b.name == name), None)
@@ -289,7 +299,7 @@ def build_admin_app(
         )
 
     async def health(_: web.Request) -> web.Response:
-        return _json({"status": "ok", "pid": os.getpid()})
+        return _json({"status": "ok", "pid": os.getpid(), **(health_fields() if health_fields else {})})
 
     async def openapi(_: web.Request) -> web.Response:
         return _json(build_openapi())

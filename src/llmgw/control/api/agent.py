@@ -39,7 +39,7 @@ from llmgw.config import ServerConfig
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.store import NodeRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
-from llmgw.errors import HttpError, Revoked
+from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
@@ -151,6 +151,7 @@ def build_agent_app(
     logs: LogBroker | None = None,
     db: OffLoop | None = None,
     on_node: Callable[[str], None] | None = None,
+    cluster: Callable[[], tuple[int, str, list[str]]] | None = None,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`).
 
@@ -170,6 +171,12 @@ def build_agent_app(
             control plane wakes the leader on it: there is new capacity to place on).
         db: runs the store calls off the event loop (:mod:`llmgw.control.store.offloop`); default: a
             pool of this app's own, closed with it.
+        cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply
+            (:meth:`~llmgw.control.reconcile.membership.Membership.reply_fields`, read from memory);
+            default: term 0, no leader, no members.
+
+    A heartbeat whose store calls fail (the database is down or does not answer within the pool's
+    deadline) is answered 503 ``store_unavailable``: the agent tries another control plane.
     """
     own_pool = db is None
     pool = db = db or OffLoop()
@@ -264,9 +271,11 @@ def build_agent_app(
             settled = on_heartbeat(node_id, bool(changed) or node_changed)
             if inspect.isawaitable(settled):
                 await settled
+        term, leader, members = cluster() if cluster is not None else (0, "", [])
         reply = HeartbeatReply(
             node_id=node_id, desired=await db.run(desired_specs, store, node_id), interval_s=interval_s,
             log_requests=logs.take(node_id) if logs is not None else [],
+            term=term, leader=leader, control_planes=members,
         )
         return web.json_response(text=reply.model_dump_json())
 
@@ -288,7 +297,9 @@ def build_agent_app(
     async def not_found(request: web.Request) -> web.Response:
         raise HttpError(404, "not_found", f"{request.method} {request.path} is not an agent API route")
 
-    app = web.Application(middlewares=[error_middleware(service="the agent API")])
+    app = web.Application(
+        middlewares=[error_middleware(service="the agent API", known={StoreUnavailable: (503, "store_unavailable")})]
+    )
     app[STORE_KEY] = store
     if own_pool:
         app.on_cleanup.append(_close)

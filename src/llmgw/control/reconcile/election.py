@@ -250,7 +250,8 @@ class PgElection(_Changes):
     async def _op(self, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """One statement on the election connection under the client-side timeout; its first row."""
         conn = self._conn
-        assert conn is not None
+        if conn is None:
+            raise RuntimeError("the election connection was closed (lease lapsed)")
 
         async def go() -> tuple[Any, ...] | None:
             cur = await conn.execute(sql, params)  # our constant statements

@@ -68,6 +68,16 @@ writers queue on the store's in-process lock (:mod:`llmgw.control.store.sqlite`)
 sleeping busy handler. Work that is long (a leader pass) takes one worker while the others keep
 serving heartbeats.
 
+**A deadline on every call** (``deadline_s``; the control plane's API pool uses
+:data:`STORE_DEADLINE_S`): a call that has not answered by then raises
+:class:`~llmgw.errors.StoreUnavailable` naming the database and what to check (the APIs answer 503
+``store_unavailable``), and one the driver refuses (connection refused, a pool with no free
+connection) raises it at once. The call itself cannot be interrupted in its thread: it keeps the
+thread until the driver gives up (PostgreSQL: ``statement_timeout``, ``tcp_user_timeout`` and
+``connect_timeout``, 2-5 s, :mod:`llmgw.control.store.postgres`; a frozen server can hold it
+longer). While every thread holds such an overdue call, new calls fail at once instead of queueing
+behind them, so a hung database costs each request at most the deadline, never a pile-up.
+
 What it does not guarantee: a cancelled ``await`` does not stop the call in its thread (it runs to
 the end of its own transaction, which is why every store method is one short transaction); the
 order of two calls made concurrently is not defined (the store's revisions decide races, as
@@ -82,7 +92,11 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import sqlalchemy as sa
+
+from llmgw.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +108,21 @@ ResultT = TypeVar("ResultT")
 #: Threads for store calls. Four: one for a long leader pass, one for a routing rebuild, two for
 #: heartbeats and admin calls; more only adds writers contending for SQLite's single write lock.
 WORKERS = 4
+
+#: Seconds an API's store call may take before it answers 503 ``store_unavailable``. Every store
+#: method is one short transaction (a few ms); a PostgreSQL failover makes writes wait ~20 s
+#: (ha.md §1.4: Patroni's floor), during which an API answering 503 after 5 s lets its client
+#: retry instead of holding its request.
+STORE_DEADLINE_S = 5.0
+
+#: The driver's errors that mean "the database cannot be reached", not "this call is wrong".
+_UNREACHABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+
+
+_CHECK = (
+    "check that the database runs and that this control plane reaches it (store.url in server.yaml; "
+    "'llmgw ctl cluster' shows the database's members)"
+)
 
 
 class OffLoop:
@@ -109,13 +138,47 @@ class OffLoop:
         db.close()
     """
 
-    def __init__(self, workers: int = WORKERS) -> None:
+    def __init__(
+        self, workers: int = WORKERS, *, deadline_s: float | None = None, database: str = "the database"
+    ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmgw-store")
+        self.workers = workers
+        self.deadline_s = deadline_s
+        self.database = database
+        self._overdue = 0  # calls past their deadline still holding a thread
 
     async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """``fn(*args, **kwargs)`` on a pool thread; its return value, or its exception raised here."""
+        """``fn(*args, **kwargs)`` on a pool thread; its return value, or its exception raised here.
+
+        Raises:
+            StoreUnavailable: the call did not answer within ``deadline_s`` (when set), every thread
+                holds an overdue call, or the driver could not reach the database.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        if self.deadline_s is not None and self._overdue >= self.workers:
+            raise StoreUnavailable(
+                f"{self.database} has not answered the last {self._overdue} calls within {self.deadline_s:g} s; "
+                f"{_CHECK}"
+            )
+        fut = loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        try:
+            if self.deadline_s is None:
+                return await fut
+            return await asyncio.wait_for(asyncio.shield(fut), self.deadline_s)
+        except TimeoutError:
+            self._overdue += 1
+            fut.add_done_callback(self._answered)
+            raise StoreUnavailable(f"{self.database} did not answer within {self.deadline_s:g} s; {_CHECK}") from None
+        except _UNREACHABLE as e:
+            first = str(e.orig if isinstance(e, sa.exc.DBAPIError) else e).strip().splitlines()
+            raise StoreUnavailable(
+                f"{self.database} cannot be reached ({first[0] if first else e.__class__.__name__}); {_CHECK}"
+            ) from e
+
+    def _answered(self, fut: asyncio.Future[Any]) -> None:
+        self._overdue -= 1
+        if not fut.cancelled():
+            fut.exception()  # retrieved: an overdue call's failure was already answered as a 503
 
     def close(self) -> None:
         """Wait for the calls in flight, then stop the threads."""
@@ -166,6 +229,7 @@ class Batcher(Generic[ItemT, ResultT]):
 
 class Coalescer:
     """Runs ``job`` on request, never twice at once; requests during a run collapse into one rerun.
+    A failing job is logged at its first failure and when it works again, not at every try.
 
     Args:
         job: the coroutine function to run (e.g. ``lambda: db.run(router.refresh)``).
@@ -182,6 +246,7 @@ class Coalescer:
         self._wanted = False
         self._task: asyncio.Task[None] | None = None
         self._waiters: list[asyncio.Future[None]] = []
+        self._failing = ""  # why the runs fail, "" while they succeed (logged once per outage)
 
     async def done(self) -> None:
         """Request a run and wait until a run that started after this call has finished (a
@@ -211,8 +276,16 @@ class Coalescer:
             waiters, self._waiters = self._waiters, []
             try:
                 await self.job()
-            except Exception:
-                log.exception("%s failed; the next request runs it again", self.name)
+            except Exception as e:
+                # Logged once per run of failures (a database outage fails every request for as long
+                # as it lasts); the caller keeps what the last good run made.
+                if not self._failing:
+                    log.exception("%s failed; the next request runs it again", self.name)
+                self._failing = self._failing or str(e) or e.__class__.__name__
+            else:
+                if self._failing:
+                    log.info("%s works again", self.name)
+                self._failing = ""
             finally:
                 for fut in waiters:
                     if not fut.done():

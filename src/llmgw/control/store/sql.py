@@ -72,6 +72,7 @@ class SqlStore(Store):
         self.hooks = hooks or DialectHooks()
         self._logged_broken: set[tuple[str, int]] = set()
         self.term: int | None = None  # set on the stores fenced() returns
+        self.where = describe_url(engine.url)
 
     @classmethod
     def open(cls, url: str) -> SqlStore:
@@ -526,6 +527,20 @@ class SqlStore(Store):
         with self._tx() as conn:
             rows = conn.execute(sa.select(control_planes_t).order_by(control_planes_t.c.name)).all()
         return [ControlPlaneRow(r.name, r.agent_url, r.last_seen, r.started_at, r.version) for r in rows]
+
+
+def describe_url(url: sa.URL) -> str:
+    """The database in words for error messages, without the password: ``the SQLite database
+    /var/lib/llmgw/llmgw.db``, ``PostgreSQL at 10.0.0.1:5432,10.0.0.2:5432 (database llmgw)``."""
+    if url.get_backend_name() == "sqlite":
+        return f"the SQLite database {url.database}"
+    hosts = url.query.get("host")
+    if hosts:
+        where = ",".join(hosts) if isinstance(hosts, tuple) else hosts
+    else:
+        where = f"{url.host or 'localhost'}:{url.port or 5432}"
+    name = "PostgreSQL" if url.get_backend_name() == "postgresql" else url.get_backend_name()
+    return f"{name} at {where} (database {url.database})"
 
 
 def _claim_names(conn: Connection, model: Model) -> None:

@@ -1,0 +1,180 @@
+"""Which control planes share the database, who leads, and the term: written and read every second.
+
+Every control plane (leader or not) runs :class:`Membership`: each :data:`WRITE_EVERY_S` it upserts
+its own ``control_planes`` row (name, agent URL, version, last seen), and each :data:`READ_EVERY_S`
+it reads every row and the ``cp_leader`` row, off the event loop (the store's
+:class:`~llmgw.control.store.offloop.OffLoop`, whose deadline bounds a hung call). What it read is
+kept in memory, so heartbeat replies (``term``, ``leader``, ``control_planes``), ``GET
+/api/v1/health`` and ``GET /api/v1/cluster`` answer without a store call, database down or not.
+
+A member is **alive** when it wrote its row within :data:`ALIVE_S` (three writes). The leader is
+the ``cp_leader`` holder while it is alive (this control plane: while its own election says it
+leads); none otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from llmgw.config import parse_listen
+from llmgw.control.reconcile.election import Election
+from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.rows import ControlPlaneRow, LeaderRow
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two writes of this control plane's row.
+WRITE_EVERY_S = 2.0
+
+#: Seconds between two reads of the members and the term (heartbeat replies carry a term at most
+#: this old).
+READ_EVERY_S = 1.0
+
+#: A member that has not written its row for this long (three writes) is not alive.
+ALIVE_S = 3 * WRITE_EVERY_S
+
+
+def default_agent_url(agent_listen: str, port: int | None = None) -> str:
+    """How agents reach this control plane when ``cluster.agent_url`` is not set:
+    ``https://HOST:PORT`` from ``agent_listen`` (the machine's host name when it listens on every
+    interface), ``port`` overriding the configured one (``:0`` binds a free port).
+
+    Example::
+
+        >>> default_agent_url("10.0.0.5:7443")
+        'https://10.0.0.5:7443'
+    """
+    host, listen_port = parse_listen(agent_listen)
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"https://{host}:{port or listen_port}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the last successful read saw.
+
+    Attributes:
+        read_at: unix seconds of that read (0: none yet).
+        leader: the ``cp_leader`` row.
+        members: every ``control_planes`` row, by name.
+    """
+
+    read_at: float = 0.0
+    leader: LeaderRow = field(default_factory=lambda: LeaderRow(0, "", 0.0, 0.0))
+    members: tuple[ControlPlaneRow, ...] = field(default_factory=tuple)
+
+
+class Membership:
+    """This control plane's row, and the cluster as last read (module docstring).
+
+    Args:
+        store: the (unfenced) store.
+        db: the pool with a deadline that store calls run on.
+        election: this control plane's election (whether it leads now).
+        name: ``cluster.name``.
+        agent_url: ``cluster.agent_url`` (or :func:`default_agent_url`).
+        version: the llmgw version this control plane runs.
+        clock: unix seconds.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        db: OffLoop,
+        election: Election,
+        *,
+        name: str,
+        agent_url: str,
+        version: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.db = db
+        self.election = election
+        self.name = name
+        self.agent_url = agent_url
+        self.version = version
+        self.clock = clock
+        self.started_at = clock()
+        self.snapshot = Snapshot()
+        self.database_error = ""  # "" while the last store call succeeded
+        self._written = 0.0
+
+    @property
+    def database_ok(self) -> bool:
+        """Whether the last read or write of the database succeeded."""
+        return not self.database_error
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Write and read (:meth:`tick`) every :data:`READ_EVERY_S` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.tick()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), READ_EVERY_S)
+
+    async def tick(self) -> None:
+        """One write (when due) and read; a failure is kept as :attr:`database_error` (logged on change)."""
+        now = self.clock()
+        try:
+            if now - self._written >= WRITE_EVERY_S:
+                row = ControlPlaneRow(self.name, self.agent_url, now, self.started_at, self.version)
+                await self.db.run(self.store.upsert_control_plane, row)
+                self._written = now
+            leader, members = await self.db.run(self._read)
+        except Exception as e:
+            why = str(e) or e.__class__.__name__
+            if why != self.database_error:
+                log.warning("control plane %s: the database cannot be read: %s", self.name, why)
+            self.database_error = why
+            return
+        if self.database_error:
+            log.info("control plane %s: the database answers again", self.name)
+        self.database_error = ""
+        self.snapshot = Snapshot(now, leader, tuple(members))
+
+    def _read(self) -> tuple[LeaderRow, list[ControlPlaneRow]]:
+        return self.store.leader(), self.store.list_control_planes()
+
+    def alive(self, row: ControlPlaneRow, now: float | None = None) -> bool:
+        """Whether ``row``'s control plane wrote its row within :data:`ALIVE_S` (this one: always)."""
+        if row.name == self.name:
+            return True
+        return (now if now is not None else self.clock()) - row.last_seen <= ALIVE_S
+
+    def leader_name(self) -> str:
+        """The leading control plane's name, "" when none leads (as far as this one knows)."""
+        if self.election.leading:
+            return self.name
+        holder = self.snapshot.leader.holder
+        if not holder or holder == self.name:
+            return ""
+        row = next((m for m in self.snapshot.members if m.name == holder), None)
+        return holder if row is not None and self.alive(row) else ""
+
+    def term(self) -> int:
+        """The newest term known: this control plane's own while it leads, else the database's as last read."""
+        return max(self.election.term if self.election.leading else 0, self.snapshot.leader.term)
+
+    def members(self) -> list[ControlPlaneRow]:
+        """Every member as last read, this control plane included (even before its first write)."""
+        rows = [m for m in self.snapshot.members if m.name != self.name]
+        me = ControlPlaneRow(self.name, self.agent_url, self._written or self.started_at, self.started_at, self.version)
+        return sorted([*rows, me], key=lambda r: r.name)
+
+    def reply_fields(self) -> tuple[int, str, list[str]]:
+        """What a heartbeat reply carries: ``(term, leader's agent URL or "", alive members' agent URLs)``."""
+        now = self.clock()
+        leader = self.leader_name()
+        members = self.members()
+        leader_url = next((m.agent_url for m in members if m.name == leader), "") if leader else ""
+        return self.term(), leader_url, [m.agent_url for m in members if self.alive(m, now)]
