@@ -23,7 +23,16 @@ from pydantic import BaseModel, ValidationError
 from llmgw.config import load_server_config, parse_listen
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
-from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView, RevocationView
+from llmgw.views import (
+    ClusterView,
+    ExplainView,
+    LogView,
+    ModelView,
+    NodeRemovalView,
+    NodeView,
+    ReplicaView,
+    RevocationView,
+)
 
 V = TypeVar("V", bound=BaseModel)
 
@@ -201,6 +210,11 @@ class AdminClient:
         """``GET /api/v1/explain-placement?model=``: why the model runs where it does, or nowhere."""
         path = f"/api/v1/explain-placement?model={model}"
         return _view(ExplainView, self.get(path), f"GET {path}")
+
+    def cluster(self) -> ClusterView:
+        """``GET /api/v1/cluster``: the control planes, which one leads, the term, whether the
+        answering one reaches the database, and the database's members from Patroni."""
+        return _view(ClusterView, self.get("/api/v1/cluster"), "GET /api/v1/cluster")
 
     def guard_status(self) -> dict[str, Any]:
         """``GET /api/v1/guard/status``: each policy's judges, their replicas and judge times."""

@@ -3,7 +3,8 @@
 Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``, ``models``,
 ``model add -f FILE`` (or flags), ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
 ``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
-``explain-placement MODEL``. ``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's
+``explain-placement MODEL``, ``cluster`` (the control planes, which leads, the term, the
+database's members). ``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's
 server.yaml and admin-token file.
 
 ``model scale NAME N`` sets ``scaling.min`` to N (the replicas kept running); when N is above
@@ -114,6 +115,32 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
                 print(f"{n.id}: {p.engine}: {p.detail}")
         for problem in n.problems:
             print(f"{n.id}: {problem}")
+
+
+@app.command()
+@cli_errors
+def cluster(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """The HA cluster: control planes (which one leads), the term, the database's members and lag."""
+    view = _client(server, token).cluster()
+    if as_json:
+        _print_json(view)
+        return
+    db = "reachable" if view.database.reachable else f"UNREACHABLE: {view.database.error}"
+    console().print(f"term {view.term}, leader {view.leader or '(none)'}; answered by {view.me}, database {db}")
+    t = Table("CONTROL PLANE", "AGENT URL", "LEADER", "ALIVE", "SEEN")
+    for cp in view.control_planes:
+        t.add_row(cp.name, cp.agent_url, "yes" if cp.leader else "", "yes" if cp.alive else "NO",
+                  f"{cp.last_seen_s_ago:.0f}s ago")
+    console().print(t)
+    if view.patroni:
+        p = Table("DATABASE MEMBER", "ROLE", "STATE", "HOST", "LAG (bytes)")
+        for m in view.patroni:
+            p.add_row(m.name, m.role, m.state, m.host, "-" if m.lag is None else str(m.lag))
+        console().print(p)
+    elif view.patroni_error:
+        print(f"database members: {view.patroni_error}")
+    else:
+        print("database members: no Patroni REST URL in server.yaml (cluster.patroni)")
 
 
 @app.command()

@@ -67,7 +67,7 @@ from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.table import StoreRouter
-from llmgw.control.reconcile.election import Election, PgElection, SoloElection, while_leading
+from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
@@ -216,7 +216,10 @@ def _admin_app(
 def _election(store: Store, url: str, config: ServerConfig, name: str, db: OffLoop) -> Election:
     """PostgreSQL: :class:`PgElection` on the store's URL; any other database leads alone."""
     if url.startswith("postgresql"):
-        return PgElection(url, name, lease_s=config.cluster.lease_s, renew_s=config.cluster.renew_s)
+        lease = config.cluster.lease_s
+        return PgElection(
+            url, name, lease_s=lease, renew_s=config.cluster.renew_s, op_timeout_s=min(OP_TIMEOUT_S, lease / 2)
+        )
     return SoloElection(store, name, db.run)
 
 

@@ -9,12 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
 from llmgw.catalog import Model, Profile
-from llmgw.views import ExplainView, LogView, ModelView, NodeRemovalView, NodeView, ReplicaView, RevocationView
+from llmgw.views import (
+    ClusterView,
+    ExplainView,
+    LogView,
+    ModelView,
+    NodeRemovalView,
+    NodeView,
+    ReplicaView,
+    RevocationView,
+)
 
 
 class ErrorBody(BaseModel):
@@ -36,8 +45,9 @@ class Health(BaseModel):
 
     status: str
     pid: int
-
-
+    leader: bool = Field(False, description="whether this control plane leads (runs the reconcilers)")
+    term: int = Field(0, description="the leadership term (fencing token) it knows; 0 before anyone led")
+    database: str = Field("ok", description="'ok', or 'unreachable' while its store calls fail")
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,12 @@ OPS: tuple[Op, ...] = (
         RevocationView,
         errors=(404,),
     ),
+    Op(
+        "get",
+        "/api/v1/cluster",
+        "The control planes, which one leads, the term, database reachability, Patroni's members",
+        ClusterView,
+    ),
     Op("get", "/api/v1/guard/status", "Each policy's judges: in the catalog, ready, judge time", None),
     Op("post", "/api/v1/guard/test", "Judge a text as the gateway would", None, errors=(400, 503)),
     Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog", None,
@@ -167,6 +183,7 @@ def build_openapi() -> dict[str, Any]:
         ExplainView,
         NodeRemovalView,
         RevocationView,
+        ClusterView,
     ]
     _, defs = models_json_schema([(m, "serialization") for m in shapes], ref_template=_REF)
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
