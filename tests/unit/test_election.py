@@ -34,10 +34,10 @@ def _libpq(url: str) -> dict[str, object]:
 
 
 @contextlib.asynccontextmanager
-async def running(url: str, *names: str) -> AsyncIterator[list[PgElection]]:
+async def running(url: str, *names: str, op_s: float = OP_S) -> AsyncIterator[list[PgElection]]:
     """``PgElection`` objects named ``names`` contending on ``url`` until the block ends."""
     stop = asyncio.Event()
-    els = [PgElection(url, n, lease_s=LEASE_S, renew_s=RENEW_S, op_timeout_s=OP_S) for n in names]
+    els = [PgElection(url, n, lease_s=LEASE_S, renew_s=RENEW_S, op_timeout_s=op_s) for n in names]
     tasks = [asyncio.create_task(e.run(stop)) for e in els]
     try:
         yield els
@@ -120,8 +120,11 @@ async def test_a_stale_term_write_is_refused(pg_url: str) -> None:
         store.close()
 
 
-async def test_a_leader_whose_renewals_hang_steps_down_within_its_lease(pg_url: str) -> None:
-    async with running(pg_url, "a", "b") as els:
+@pytest.mark.parametrize("op_s", [OP_S, LEASE_S - 0.1], ids=["op-timeout", "watchdog"])
+async def test_a_leader_whose_renewals_hang_steps_down_within_its_lease(pg_url: str, op_s: float) -> None:
+    """With a statement timeout well below the lease the timeout ends the hung renewal; with one
+    just below it, the watchdog stops the leader first (the lease counts from the last success)."""
+    async with running(pg_url, "a", "b", op_s=op_s) as els:
         leader = await one_leader(els)
         term = leader.term
         with psycopg.connect(**_libpq(pg_url)) as blocker:  # type: ignore[arg-type]

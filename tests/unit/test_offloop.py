@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 
 from llmgw import tlsconf
@@ -28,6 +30,7 @@ from llmgw.control.api.agent import build_agent_app
 from llmgw.control.reconcile.leader import Leader, PassResult
 from llmgw.control.store import ModelRow, NodeRow, SqlStore, Store, default_url
 from llmgw.control.store.offloop import Batcher, Coalescer, OffLoop
+from llmgw.errors import StoreUnavailable
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
 
 TOKEN = "admin-token-for-tests"
@@ -267,3 +270,37 @@ async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(store
         stop.set()
         await asyncio.wait_for(running, GATE_TIMEOUT_S)
         db.close()
+
+
+async def test_a_call_past_its_deadline_is_store_unavailable_and_stuck_threads_do_not_queue_calls() -> None:
+    """A call that hangs answers StoreUnavailable at the deadline; while every thread holds one, the
+    next call fails at once instead of queueing; when they return, calls run again."""
+    release = threading.Event()
+    db = OffLoop(workers=2, deadline_s=0.2, database="PostgreSQL at db1:5432 (database llmgw)")
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=r"PostgreSQL at db1:5432 \(database llmgw\) did not answer"):
+                await db.run(release.wait, 30)
+            assert 0.15 < time.monotonic() - started < 1.0
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="has not answered the last 2 calls"):
+            await db.run(lambda: 1)
+        assert time.monotonic() - started < 0.05
+        release.set()
+        await asyncio.sleep(0.1)
+        assert await db.run(lambda: 42) == 42
+    finally:
+        release.set()
+        db.close()
+
+
+async def test_a_database_that_refuses_connections_is_store_unavailable_at_once() -> None:
+    db = OffLoop(deadline_s=5, database="the SQLite database x")
+
+    def refuse() -> None:
+        raise sa.exc.OperationalError("SELECT 1", {}, Exception("connection refused\nmore"))
+
+    with pytest.raises(StoreUnavailable, match=r"the SQLite database x cannot be reached \(connection refused\)"):
+        await db.run(refuse)
+    db.close()

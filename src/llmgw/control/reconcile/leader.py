@@ -1,8 +1,9 @@
 """The leader's reconcile loop: node liveness, replica placement, restarts, and placement's explanations.
 
-Exactly one control plane is the leader and runs this loop.
-With SQLite the process that owns the file is the leader; PostgreSQL leadership (a session advisory
-lock) is not built yet, so run one control plane per database until it is.
+Exactly one control plane is the leader and runs this loop (:mod:`llmgw.control.reconcile.election`:
+with SQLite the process that owns the file; with PostgreSQL the holder of a session advisory lock
+and its term). The control plane runs it on a store fenced by that term, so a pass still running
+after leadership moved cannot write, and cancels it on step-down.
 
 Passes run off the event loop, on the store's thread pool (:class:`~llmgw.control.store.offloop.OffLoop`),
 so placement over every node and the explanations never stall heartbeats or the gateway. A wake
