@@ -88,10 +88,10 @@ REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=2)
 """A heartbeat is small; a control plane that takes longer is treated as unreachable and the next
 one is tried (ha.md §5: request 5 s, connect 2 s)."""
 
-
-class StaleTerm(LlmgwError):
-    """A control plane answered with a term below the highest this agent has seen (it is on a
-    stale or orphaned database): its reply is not applied and the agent rotates."""
+STALE_TERM = "stale_term"
+"""The :class:`~llmgw.errors.ApiError` code (status 200) of a reply whose term is below the highest
+this agent has seen: the control plane is on a stale or orphaned database; its reply is not applied
+and the agent rotates."""
 
 
 def _reason(e: LlmgwError) -> str:
@@ -280,11 +280,6 @@ class Agent:
         for url in self.control_planes.order():
             try:
                 reply = await self._exchange(url, beat)
-            except StaleTerm as e:
-                log.warning("%s", e)
-                failures.append((url, e))
-                self.control_planes.failed(url)
-                continue
             except UnreachableError as e:
                 failures.append((url, e))
                 self.control_planes.failed(url)
@@ -292,7 +287,9 @@ class Agent:
             except ApiError as e:
                 if e.status == 403 and e.code == "certificate_revoked":
                     raise NodeRemoved(str(e).partition(": ")[2] or str(e)) from e
-                if e.status >= 500 or e.status < 300:  # 5xx, or a 2xx that is no heartbeat reply
+                if e.code == STALE_TERM:
+                    log.warning("%s", e)
+                if e.status >= 500 or e.status < 300:  # 5xx, a stale term, a 2xx that is no heartbeat reply
                     failures.append((url, e))
                     self.control_planes.failed(url)
                     continue
@@ -312,7 +309,7 @@ class Agent:
     async def _exchange(self, url: str, beat: Heartbeat) -> HeartbeatReply:
         """Register or heartbeat with ``url``; a 404 to a heartbeat (``url`` does not know this
         node) is followed by a register at once. Raises what :func:`post_heartbeat` raises, and
-        :class:`StaleTerm` for a reply with a term below the highest seen."""
+        ApiError with code :data:`STALE_TERM` for a reply with a term below the highest seen."""
         path = "/agent/v1/heartbeat" if self.state.registered else "/agent/v1/register"
         try:
             reply = await post_heartbeat(self.api, url, path, beat)
@@ -323,9 +320,11 @@ class Agent:
             self.state.registered = False
             reply = await post_heartbeat(self.api, url, "/agent/v1/register", beat)
         if not self.terms.accept(reply.term):
-            raise StaleTerm(
+            raise ApiError(
                 f"control plane {url} answered with term {reply.term}, older than term "
-                f"{self.terms.highest} seen before: it is on a stale database; its reply is not applied"
+                f"{self.terms.highest} seen before: it is on a stale database; its reply is not applied",
+                status=200,
+                code=STALE_TERM,
             )
         return reply
 
