@@ -294,9 +294,9 @@ async def test_a_reply_with_a_lower_term_is_not_applied(
     assert set(run.agent.state.runners) == {"r-1"}  # not stopped, r-2 not started
     assert run.agent.terms.highest == 5
     assert run.agent.state.term == 5
-    stale = [w for w in warnings(caplog) if "answered with term 3, older than term 5" in w]
-    assert stale
-    assert a.url in stale[0]
+    stale = [w for w in warnings(caplog) if w.startswith(f"control plane {a.url} answered with term 3, older")]
+    assert len(stale) == 1, warnings(caplog)  # two stale replies, logged once
+    assert "older than term 5 seen before: it is on a stale database; its reply is not applied" in stale[0]
     assert run.agent.failed_cycles >= 1  # no usable answer: a stale term is a failure, backed off
 
     # A newer term (a new leader wrote it) is applied: r-1 stops, r-2 starts.

@@ -25,11 +25,11 @@ plane learns of ``ready`` without waiting a whole interval):
 
 A pass in which no control plane answered is logged (first failure, then every
 :data:`LOG_REPEAT_S`) and the next pass waits 1, 2, 5, then 10 s
-(:data:`~llmgw.agent.controlplanes.BACKOFF_S`); a switch to another control plane is logged once; running engines are
-left alone: only an applied reply that no longer lists a replica stops it. A failure that can hide a
-TLS refusal (a disconnect or a reset right after connecting) is explained before it is logged
-(:mod:`llmgw.agent.tlsdiag`: a certificate from another CA, a server certificate this agent does not
-trust), with what to do.
+(:data:`~llmgw.agent.controlplanes.BACKOFF_S`); a switch to another control plane is logged once,
+a stale term once per control plane and term; running engines are left alone: only an applied
+reply that no longer lists a replica stops it. A failure that can hide a TLS refusal (a disconnect
+or a reset right after connecting) is explained before it is logged (:mod:`llmgw.agent.tlsdiag`: a
+certificate from another CA, a server certificate this agent does not trust), with what to do.
 Stopping the agent (``stop`` set, SIGTERM, SIGINT) detaches the runners and leaves every engine
 running, for the next agent to adopt.
 
@@ -212,6 +212,7 @@ class Agent:
         self.control_planes = ControlPlanes(cfg.control_planes)
         self.terms = Terms()
         self.failed_cycles = 0  # consecutive beats in which no control plane answered
+        self._stale_logged: dict[str, str] = {}  # control plane -> the stale-term line last logged
         # Kept in the state dir: a restarted agent is the same instance (no 409 while it adopts).
         self.instance = instance_id(self.agent_state)
 
@@ -287,7 +288,8 @@ class Agent:
             except ApiError as e:
                 if e.status == 403 and e.code == "certificate_revoked":
                     raise NodeRemoved(str(e).partition(": ")[2] or str(e)) from e
-                if e.code == STALE_TERM:
+                if e.code == STALE_TERM and self._stale_logged.get(url) != str(e):
+                    self._stale_logged[url] = str(e)
                     log.warning("%s", e)
                 if e.status >= 500 or e.status < 300:  # 5xx, a stale term, a 2xx that is no heartbeat reply
                     failures.append((url, e))
