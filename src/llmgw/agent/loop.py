@@ -13,15 +13,22 @@ plane learns of ``ready`` without waiting a whole interval):
 1. Build a :class:`~llmgw.protocol.Heartbeat`: inventory (memory re-read every pass, GPUs and the
    engine every :data:`REDISCOVER_S`), labels, engine statuses, every runner's status.
 2. POST it over mTLS to ``/agent/v1/register`` until one register succeeds, then to
-   ``/agent/v1/heartbeat`` (back to register after a 404: the control plane forgot this node).
+   ``/agent/v1/heartbeat`` (a 404 re-registers at once: the control plane forgot this node). The
+   control plane is the current one of :class:`~llmgw.agent.controlplanes.ControlPlanes`; one that
+   does not answer (connect error, TLS failure, timeout, 5xx) or answers with a term below the
+   highest seen is moved to the end of the list and the next is tried in the same pass.
 3. Reconcile with the reply's ``desired`` list: start a runner for each new spec, stop runners whose
    id is no longer desired, and restart one whose spec changed. Stopping is a task of its own,
    so a slow engine (SIGTERM honoured only between batches) does not hold up the heartbeat.
+   Only a reply whose term is at least the highest seen is applied; its ``control_planes`` are
+   added to the list the agent rotates through.
 
-An unreachable or erring control plane is logged (first failure, then every
-:data:`LOG_REPEAT_S`) and retried next pass; running engines are left alone: only a reply that
-no longer lists a replica stops it. A failure that can hide a TLS refusal (a disconnect or a reset
-right after connecting) is explained before it is logged (:mod:`llmgw.agent.tlsdiag`: a
+A pass in which no control plane answered is logged (first failure, then every
+:data:`LOG_REPEAT_S`) and the next pass waits 1, 2, 5, then 10 s
+(:data:`~llmgw.agent.controlplanes.BACKOFF_S`); a switch to another control plane is logged once,
+a stale term once per control plane and term; running engines are left alone: only an applied
+reply that no longer lists a replica stops it. A failure that can hide a TLS refusal (a disconnect
+or a reset right after connecting) is explained before it is logged (:mod:`llmgw.agent.tlsdiag`: a
 certificate from another CA, a server certificate this agent does not trust), with what to do.
 Stopping the agent (``stop`` set, SIGTERM, SIGINT) detaches the runners and leaves every engine
 running, for the next agent to adopt.
@@ -53,6 +60,7 @@ from pydantic import ValidationError
 from llmgw import __version__
 from llmgw.agent import logs, tlsdiag
 from llmgw.agent.cache import NodeCache
+from llmgw.agent.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines.vllm import VllmProvisioner
@@ -76,13 +84,33 @@ LOG_REPEAT_S = 30.0
 ADOPT_WAIT_S = 1.5
 """How long the first heartbeat waits for adopted engines to answer ``/health`` (each takes ms)."""
 
-REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=15, sock_connect=5)
-"""A heartbeat is small; a control plane that takes longer is treated as unreachable this pass."""
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=2)
+"""A heartbeat is small; a control plane that takes longer is treated as unreachable and the next
+one is tried (ha.md §5: request 5 s, connect 2 s)."""
+
+STALE_TERM = "stale_term"
+"""The :class:`~llmgw.errors.ApiError` code (status 200) of a reply whose term is below the highest
+this agent has seen: the control plane is on a stale or orphaned database; its reply is not applied
+and the agent rotates."""
+
+
+def _reason(e: LlmgwError) -> str:
+    """A failure in a few words for a switch line: the text after the URL's "does not answer: "."""
+    text = str(e)
+    if " does not answer: " in text:
+        return text.partition(" does not answer: ")[2]
+    if " answered " in text:
+        return "answered " + text.partition(" answered ")[2]
+    return text
 
 
 @dataclass
 class AgentState:
-    """What the loop knows between passes (exposed for tests and ``status`` commands)."""
+    """What the loop knows between passes (exposed for tests and ``status`` commands).
+
+    ``term`` and ``leader`` are the last applied reply's (the leadership term, the leading control
+    plane's agent-API URL or "").
+    """
 
     inventory: Inventory
     engines: list[EngineStatus]
@@ -90,6 +118,8 @@ class AgentState:
     registered: bool = False
     node_id: str = ""
     beats: int = 0
+    term: int = 0
+    leader: str = ""
 
 
 async def post_heartbeat(
@@ -179,6 +209,10 @@ class Agent:
         self._stopping: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_error = ("", "", 0.0)  # (raw failure, text logged, when logged)
+        self.control_planes = ControlPlanes(cfg.control_planes)
+        self.terms = Terms()
+        self.failed_cycles = 0  # consecutive beats in which no control plane answered
+        self._stale_logged: dict[str, str] = {}  # control plane -> the stale-term line last logged
         # Kept in the state dir: a restarted agent is the same instance (no 409 while it adopts).
         self.instance = instance_id(self.agent_state)
 
@@ -231,23 +265,93 @@ class Agent:
         )
 
     async def beat_once(self) -> HeartbeatReply | None:
-        """One exchange with the control plane and the reconcile that follows; None when it failed."""
-        path = "/agent/v1/heartbeat" if self.state.registered else "/agent/v1/register"
+        """One exchange with a control plane and the reconcile that follows; None when no control
+        plane gave a usable answer this beat.
+
+        Tries :attr:`control_planes`' order in turn, at once (:mod:`llmgw.agent.controlplanes`): a
+        connect error, TLS failure, timeout, 5xx, unreadable body or stale term moves to the next.
+        A 4xx is an answer (logged; a 404 re-registers with the same control plane at once).
+
+        Raises:
+            NodeRemoved: the control plane answered 403 ``certificate_revoked``.
+        """
         beat = await asyncio.to_thread(self.heartbeat)
+        was = self.control_planes.current
+        failures: list[tuple[str, LlmgwError]] = []
+        for url in self.control_planes.order():
+            try:
+                reply = await self._exchange(url, beat)
+            except UnreachableError as e:
+                failures.append((url, e))
+                self.control_planes.failed(url)
+                continue
+            except ApiError as e:
+                if e.status == 403 and e.code == "certificate_revoked":
+                    raise NodeRemoved(str(e).partition(": ")[2] or str(e)) from e
+                if e.code == STALE_TERM and self._stale_logged.get(url) != str(e):
+                    self._stale_logged[url] = str(e)
+                    log.warning("%s", e)
+                if e.status >= 500 or e.status < 300:  # 5xx, a stale term, a 2xx that is no heartbeat reply
+                    failures.append((url, e))
+                    self.control_planes.failed(url)
+                    continue
+                self.failed_cycles = 0  # a 4xx: it answered, the request is what is wrong
+                self.control_planes.succeeded(url)
+                if e.status == 404:
+                    self.state.registered = False
+                await self._log_failure([(url, e)])
+                return None
+            self._answered(url, was, failures)
+            await self._apply(url, reply)
+            return reply
+        self.failed_cycles += 1
+        await self._log_failure(failures)
+        return None
+
+    async def _exchange(self, url: str, beat: Heartbeat) -> HeartbeatReply:
+        """Register or heartbeat with ``url``; a 404 to a heartbeat (``url`` does not know this
+        node) is followed by a register at once. Raises what :func:`post_heartbeat` raises, and
+        ApiError with code :data:`STALE_TERM` for a reply with a term below the highest seen."""
+        path = "/agent/v1/heartbeat" if self.state.registered else "/agent/v1/register"
         try:
-            reply = await post_heartbeat(self.api, self.cfg.server, path, beat)
-        except (UnreachableError, ApiError) as e:
-            if isinstance(e, ApiError) and e.status == 403 and e.code == "certificate_revoked":
-                raise NodeRemoved(str(e).partition(": ")[2] or str(e)) from e
-            if isinstance(e, ApiError) and e.status == 404:
-                self.state.registered = False
-            await self._log_failure(e)
-            return None
-        if self._last_error[0]:
-            log.info("control plane %s answers again", self.cfg.server)
-            self._last_error = ("", "", 0.0)
+            reply = await post_heartbeat(self.api, url, path, beat)
+        except ApiError as e:
+            if e.status != 404 or not self.state.registered:
+                raise
+            log.info("control plane %s does not know this node: registering again", url)
+            self.state.registered = False
+            reply = await post_heartbeat(self.api, url, "/agent/v1/register", beat)
+        if not self.terms.accept(reply.term):
+            raise ApiError(
+                f"control plane {url} answered with term {reply.term}, older than term "
+                f"{self.terms.highest} seen before: it is on a stale database; its reply is not applied",
+                status=200,
+                code=STALE_TERM,
+            )
+        return reply
+
+    def _answered(self, url: str, was: str, failures: list[tuple[str, LlmgwError]]) -> None:
+        """Bookkeeping and the log lines for an answer from ``url`` (``was`` was current before)."""
+        self.failed_cycles = 0
+        self.control_planes.succeeded(url)
+        if url != was:
+            why = "; ".join(f"{u}: {_reason(e)}" for u, e in failures if u != was)
+            first = next((e for u, e in failures if u == was), None)
+            log.warning(
+                "control plane %s does not answer (%s); using %s%s",
+                was,
+                _reason(first) if first else "not tried",
+                url,
+                f" (also failed: {why})" if why else "",
+            )
+        elif self._last_error[0]:
+            log.info("control plane %s answers again", url)
+        self._last_error = ("", "", 0.0)
+
+    async def _apply(self, url: str, reply: HeartbeatReply) -> None:
+        """Take a reply whose term is current: registration, members, leader, desired, log requests."""
         if not self.state.registered:
-            log.info("registered with %s as node %s", self.cfg.server, reply.node_id)
+            log.info("registered with %s as node %s", url, reply.node_id)
             if reply.node_id and reply.node_id != self.cfg.node_id:
                 log.warning(
                     "the control plane knows this node as %s (its certificate's CN), agent.yaml says %s",
@@ -256,10 +360,13 @@ class Agent:
                 )
         self.state.registered, self.state.node_id = True, reply.node_id
         self.state.beats += 1
+        self.state.term, self.state.leader = reply.term, reply.leader
+        added = self.control_planes.learn(reply.control_planes)
+        if added:
+            log.info("control plane(s) learned from %s: %s", url, ", ".join(added))
         await self.reconcile(reply.desired)
         for req in reply.log_requests:
             self._answer_log(req)
-        return reply
 
     def _answer_log(self, req: LogRequest) -> None:
         """Read a replica's engine log and post it to the control plane, in the background."""
@@ -274,8 +381,8 @@ class Agent:
         async def post() -> None:
             try:
                 async with self.api.post(
-                    self.cfg.server.rstrip("/") + "/agent/v1/logs", data=body.model_dump_json(),
-                    headers={"Content-Type": "application/json"},
+                    self.control_planes.current + "/agent/v1/logs", data=body.model_dump_json(),
+                    headers={"Content-Type": "application/json"}, timeout=REQUEST_TIMEOUT,
                 ) as resp:
                     await resp.read()
             except (aiohttp.ClientError, TimeoutError) as e:
@@ -308,29 +415,37 @@ class Agent:
                 self.state.runners[rid] = runner
                 runner.start()
 
-    async def _log_failure(self, e: LlmgwError) -> None:
-        """Log a failed heartbeat, explained, when it is new or :data:`LOG_REPEAT_S` passed since
-        the same was logged; the TLS diagnosis runs only then (one extra connection at most)."""
-        raw, now = str(e), time.monotonic()
+    async def _log_failure(self, failures: list[tuple[str, LlmgwError]]) -> None:
+        """Log a beat that got no usable answer (one ``(url, error)`` per control plane tried),
+        explained, when it is new or :data:`LOG_REPEAT_S` passed since the same was logged; the TLS
+        diagnosis runs only then (one extra connection per control plane at most)."""
+        raw, now = "; ".join(f"{u}: {e}" for u, e in failures), time.monotonic()
         last_raw, last_text, at = self._last_error
         if raw == last_raw and now - at <= LOG_REPEAT_S:
             return
-        text = await self._explain(e)
+        texts = [await self._explain(url, e) for url, e in failures]
+        many = f"no control plane answers ({len(texts)} tried): "
+        text = texts[0] if len(texts) == 1 else many + "; ".join(texts)
         if text == last_text and now - at <= LOG_REPEAT_S:
             self._last_error = (raw, text, at)  # the same cause in other words ("reset", "disconnected")
             return
-        log.warning("%s; retrying every %.0f s, engines keep running", text, self.cfg.heartbeat_interval_s)
+        if self.failed_cycles:
+            wait = backoff_s(self.failed_cycles)
+            log.warning(
+                "%s; trying again in %g s (backing off to every %g s), engines keep running",
+                text, wait, BACKOFF_S[-1],
+            )
+        else:
+            log.warning("%s; retrying every %.0f s, engines keep running", text, self.cfg.heartbeat_interval_s)
         self._last_error = (raw, text, now)
 
-    async def _explain(self, e: LlmgwError) -> str:
-        """The text to log for a failed heartbeat: the TLS diagnosis when there is one."""
+    async def _explain(self, url: str, e: LlmgwError) -> str:
+        """The text to log for a failed exchange with ``url``: the TLS diagnosis when there is one."""
         if not tlsdiag.may_be_tls(e.__cause__):
             return str(e)
         tls = self.cfg.tls
-        why = await asyncio.to_thread(
-            tlsdiag.diagnose, self.cfg.server, self.cfg.node_id, tls.ca, tls.cert, tls.key
-        )
-        return f"control plane {self.cfg.server}: {why}" if why else str(e)
+        why = await asyncio.to_thread(tlsdiag.diagnose, url, self.cfg.node_id, tls.ca, tls.cert, tls.key)
+        return f"control plane {url}: {why}" if why else str(e)
 
     async def stop_all(self) -> None:
         """Stop every engine this agent runs (the node was removed from the cluster)."""
@@ -359,11 +474,13 @@ class Agent:
                     log.error("%s", e)  # noqa: TRY400 - the message is the point; a traceback is noise
                     await self.stop_all()
                     raise
-                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.changed.wait())]
+                # After a cycle no control plane answered: back off (a replica's change waits too).
+                wait = backoff_s(self.failed_cycles) or self.cfg.heartbeat_interval_s
+                waiters = [asyncio.ensure_future(stop.wait())]
+                if not self.failed_cycles:
+                    waiters.append(asyncio.ensure_future(self.changed.wait()))
                 try:
-                    await asyncio.wait(
-                        waiters, timeout=self.cfg.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for w in waiters:
                         w.cancel()
@@ -380,8 +497,9 @@ class Agent:
 async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | None = None) -> None:
     """Run the node agent until ``stop`` is set (forever when None).
 
-    Talks to ``cfg.server`` over mTLS with this node's certificate (``cfg.tls``). Engines are left
-    running when it returns.
+    Talks to one of ``cfg.control_planes`` at a time (rotating on failure, see
+    :mod:`llmgw.agent.controlplanes`) over mTLS with this node's certificate (``cfg.tls``). Engines
+    are left running when it returns.
 
     Raises:
         NodeRemoved: the control plane revoked this node's certificate (its engines are stopped).

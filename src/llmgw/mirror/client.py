@@ -29,13 +29,23 @@ from llmgw.mirror.models import FetchStatus
 
 _STATUS_LIST = TypeAdapter(list[FetchStatus])
 
+CONNECT_TIMEOUT_S = 2.0
+"""Seconds to open a connection: a mirror on another machine that is down costs this, not the whole
+request timeout (``../shared/reference/ha.md`` §5: connect 2 s)."""
+
 
 class MirrorClient:
     """The mirror's management API at ``api_url`` (``http://127.0.0.1:8082``).
 
+    The mirror may be on another machine and serve several control planes: each control plane's
+    address must be among the mirror's ``--api-allow`` values (``llmgw mirror init
+    --control-plane ADDR``, repeatable); another address is answered 403 ``forbidden``, raised as
+    :class:`~llmgw.errors.ApiError` naming the flag.
+
     Args:
         api_url: the management API's base URL.
-        timeout: seconds for each request (connect and read).
+        timeout: seconds for each request (read, write, pool); connecting takes at most
+            :data:`CONNECT_TIMEOUT_S` (or ``timeout`` when smaller).
         transport: an httpx transport to use instead of the network (tests, in-process apps).
     """
 
@@ -43,7 +53,8 @@ class MirrorClient:
         self, api_url: str, *, timeout: float = 15.0, transport: httpx.BaseTransport | None = None
     ) -> None:
         self.api_url = api_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.api_url, timeout=timeout, transport=transport)
+        limits = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
+        self._http = httpx.Client(base_url=self.api_url, timeout=limits, transport=transport)
 
     def __enter__(self) -> MirrorClient:
         return self

@@ -1,0 +1,148 @@
+"""Which control plane the agent talks to: a list it rotates through, and the highest term seen.
+
+An HA cluster has several control planes on one database; each serves the agent API (register,
+heartbeat, logs), so the agent need not reach the leader, only one that answers. The rules
+(``../shared/reference/ha.md`` §5, after Nomad's client RPC proxy):
+
+- the list starts as agent.yaml's ``server`` then ``servers`` (:attr:`AgentConfig.control_planes`);
+- the agent keeps using the last control plane that worked (:meth:`ControlPlanes.order` puts it
+  first);
+- on a connect error, a TLS failure, a timeout, a 5xx or a reply with a stale term, that one moves
+  to the end (:meth:`ControlPlanes.failed`) and the next is tried at once, in the same beat;
+- a full cycle with no answer backs off :data:`BACKOFF_S` (1 → 2 → 5 → 10 s, then 10 s);
+- members named in replies' ``control_planes`` are added after agent.yaml's own; a learned member
+  that replies stop naming is dropped once it has gone unnamed for :data:`FORGET_S` (agent.yaml's
+  own are never dropped).
+
+Terms (:class:`Terms`): the agent keeps the highest ``term`` a reply carried. A reply with a lower
+term comes from a control plane left on a stale or orphaned database: its ``desired`` list is not
+applied (no engine is started or stopped from it) and the agent rotates to the next control plane.
+
+Not guaranteed: the order of learned members is the order replies named them; a control plane that
+answers with a stale term stays in the list (it may catch up) and is tried again in its turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+log = logging.getLogger("llmgw.agent")
+
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+"""Seconds to wait after the 1st, 2nd, 3rd, 4th and later consecutive cycle in which no control
+plane answered (ha.md §5 "Agent client rules")."""
+
+FORGET_S = 60.0
+"""A member learned from replies is dropped once replies have not named it for this long (seconds);
+30 heartbeats at the default 2 s interval, long enough to ride out a restarting control plane."""
+
+
+def backoff_s(failed_cycles: int) -> float:
+    """Seconds to wait after ``failed_cycles`` consecutive cycles without an answer (≥ 1):
+    1, 2, 5, then 10 s for every later one. 0 for ``failed_cycles`` ≤ 0."""
+    if failed_cycles <= 0:
+        return 0.0
+    return BACKOFF_S[min(failed_cycles, len(BACKOFF_S)) - 1]
+
+
+def _norm(url: str) -> str:
+    return url.strip().rstrip("/")
+
+
+class ControlPlanes:
+    """The agent-API URLs of the control planes, in the order the agent tries them.
+
+    Args:
+        configured: agent.yaml's list (``https://HOST:7443`` each, at least one); never dropped.
+        forget_s: seconds a learned member may go unnamed by replies before it is dropped.
+        clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        ValueError: ``configured`` is empty.
+    """
+
+    def __init__(
+        self,
+        configured: Iterable[str],
+        *,
+        forget_s: float = FORGET_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.configured = list(dict.fromkeys(_norm(u) for u in configured if u.strip()))
+        if not self.configured:
+            raise ValueError("no control plane to talk to: give agent.yaml 'server' or 'servers'")
+        self._order = list(self.configured)
+        self._learned: set[str] = set()
+        self._unnamed_since: dict[str, float] = {}
+        self._forget_s = forget_s
+        self._clock = clock
+
+    @property
+    def current(self) -> str:
+        """The control plane the agent uses now: the last one that worked (agent.yaml's first at start)."""
+        return self._order[0]
+
+    def order(self) -> list[str]:
+        """One cycle's attempts: :attr:`current` first, then the others in rotation order."""
+        return list(self._order)
+
+    def failed(self, url: str) -> None:
+        """``url`` did not answer usefully: move it to the end (the next one becomes current)."""
+        url = _norm(url)
+        if url in self._order:
+            self._order.remove(url)
+            self._order.append(url)
+
+    def succeeded(self, url: str) -> None:
+        """``url`` answered: it becomes :attr:`current` (the others keep their order)."""
+        url = _norm(url)
+        if url in self._order:
+            self._order.remove(url)
+        self._order.insert(0, url)
+
+    def learn(self, members: Iterable[str]) -> list[str]:
+        """Take a reply's ``control_planes``: add the members not known yet (at the end) and drop
+        learned members unnamed for ``forget_s``. An empty list (a control plane that does not
+        know its peers) changes nothing. URLs that are not ``https://`` are ignored.
+
+        Returns:
+            The members added by this call (for the log).
+        """
+        named = [u for u in dict.fromkeys(_norm(m) for m in members) if u.startswith("https://")]
+        if not named:
+            return []
+        now = self._clock()
+        added = []
+        for url in named:
+            self._unnamed_since.pop(url, None)
+            if url not in self._order:
+                self._order.append(url)
+                self._learned.add(url)
+                added.append(url)
+        for url in list(self._learned):
+            if url in named:
+                continue
+            since = self._unnamed_since.setdefault(url, now)
+            if now - since >= self._forget_s and url != self.current:
+                self._order.remove(url)
+                self._learned.discard(url)
+                del self._unnamed_since[url]
+                log.info("control plane %s is no longer a member: dropped from the list", url)
+        return added
+
+
+class Terms:
+    """The highest leadership term seen in replies (the fencing token; 0 = none yet)."""
+
+    def __init__(self) -> None:
+        self.highest = 0
+
+    def accept(self, term: int) -> bool:
+        """Whether a reply carrying ``term`` may be applied: True when ``term`` ≥ the highest seen
+        (which it then becomes); False for a lower term (a stale control plane), which changes nothing."""
+        if term < self.highest:
+            return False
+        self.highest = term
+        return True
