@@ -9,6 +9,7 @@ machine and FAILS under ``LLMGW_REQUIRE_ASSETS=1``. Nothing is mocked.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -24,7 +25,7 @@ import sqlalchemy
 from llmgw.errors import LlmgwError
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.patroni import PG_BIN_DIR, HaPlan, Member, PatroniRest, venv_ok
+from llmgw.serverinit.patroni import PG_BIN_DIR, HaPlan, PatroniRest, venv_ok
 from llmgw.serverinit.steps import database
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.manager import SupervisorManager
@@ -74,10 +75,8 @@ def roots() -> Iterator[list[Path]]:
     yield made
     for r in made:
         mgr = SupervisorManager(Paths(r))
-        try:
+        with contextlib.suppress(LlmgwError):
             mgr.stop("patroni")
-        except LlmgwError:
-            pass
         shutil.rmtree(r, ignore_errors=True)
 
 

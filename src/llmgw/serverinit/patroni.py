@@ -361,8 +361,9 @@ def patroni_yml(plan: HaPlan, me: Member) -> str:
     """Member ``me``'s ``patroni.yml`` (ha.md §1.3, with §0's tuned settings).
 
     Raft when ``plan.etcd`` is empty (``self_addr`` this member's raft port, ``partner_addrs`` the
-    others', none on the first member), else ``etcd3: {hosts: …}``. Passwords are SCRAM over TCP from anywhere (the members
-    and the control planes are on other machines), trust over the member's own unix socket. The
+    others', none on the first member), else ``etcd3: {hosts: …}``. Passwords are SCRAM over TCP
+    from anywhere (the members and the control planes are on other machines), trust over the
+    member's own unix socket. The
     watchdog is off: none in VMs and containers (ha.md §0 says turn ``softdog`` on in production).
     """
     dirs = member_dirs(plan)
@@ -497,7 +498,7 @@ class PatroniRest:
             doc = r.json()
         except ValueError:
             return False
-        return doc.get("role") == "replica" and doc.get("replication_state") == "streaming"
+        return bool(doc.get("role") == "replica" and doc.get("replication_state") == "streaming")
 
     def state(self) -> str:
         """``GET /patroni``'s ``role``/``state`` as ``role state`` (``replica streaming``), or why not."""
