@@ -134,7 +134,7 @@ class Member:
         for label, port in (("PostgreSQL", self.pg_port), ("REST API", self.rest_port), ("raft", self.raft_port)):
             if not 1024 <= port <= 65535:
                 raise ConfigError(
-                    f"{what}: the {label} port would be {port}; choose a PostgreSQL port from "
+                    f"{what}: the {label} port is {port}, outside 1024-65535; choose a PostgreSQL port from "
                     f"{1024 - RAFT_OFFSET} to {65535 - REST_OFFSET} (REST API = port+{REST_OFFSET}, "
                     f"raft = port{RAFT_OFFSET})"
                 )
@@ -236,7 +236,8 @@ class HaPlan:
                 if other is not None:
                     raise ConfigError(
                         f"{m.name} and {other} would both use {m.url_host}:{port}; give members on one "
-                        "host different PostgreSQL ports at least 3 apart (NAME=HOST:PORT)"
+                        "host PostgreSQL ports whose REST API (+2576) and raft (-421) ports differ too "
+                        "(NAME=HOST:PORT, for example 5432, 5433, 5434)"
                     )
                 seen_ports[(m.host, port)] = m.name
         for url in self.etcd:
