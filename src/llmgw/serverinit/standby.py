@@ -54,20 +54,30 @@ def agent_url(host: str, agent_listen: str) -> str:
     return f"https://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def standby_server_yaml(first: ServerConfig, plan: HaPlan, me: Member, etc: Path) -> str:
+def standby_server_yaml(
+    first: ServerConfig, plan: HaPlan, me: Member, etc: Path, listen: dict[str, str] | None = None,
+) -> str:
     """The standby's server.yaml: the first control plane's, with this member's cluster name and
-    agent URL, and every path under ``etc``."""
+    agent URL, and every path under ``etc``. ``listen`` replaces listen addresses (keys
+    ``admin_listen``, ``agent_listen``, ``gateway_listen``: init's flags, when given on the standby)."""
     doc: dict[str, Any] = first.model_dump(mode="json", exclude_defaults=True)
+    listen = listen or {}
+    for key in ("admin_listen", "agent_listen"):
+        if listen.get(key):
+            doc[key] = listen[key]
     doc["tls"] = {"ca": str(etc / "pki" / "ca.pem"), "cert": str(etc / "pki" / "server.pem"),
                   "key": str(etc / "pki" / "server-key.pem")}
     doc.pop("admin_token_file", None)
     gateway = doc.setdefault("gateway", {})
     gateway["keys_file"] = str(etc / "client-keys")
+    if listen.get("gateway_listen"):
+        gateway["listen"] = listen["gateway_listen"]
     # A standby serves clients from elsewhere: each needs a key.
     gateway["allow_loopback_without_key"] = False
     doc["store"] = {"url": plan.store_url()}
     cluster = doc.setdefault("cluster", {})
-    cluster.update(name=me.name, agent_url=agent_url(me.host, first.agent_listen), patroni=plan.rest_urls())
+    cluster.update(name=me.name, agent_url=agent_url(me.host, doc.get("agent_listen") or first.agent_listen),
+                   patroni=plan.rest_urls())
     head = (f"# Standby control plane {me.name} of an llmgw HA cluster, written by "
             "'llmgw server add-control-plane'.\n# Edit it freely; 'llmgw server init --join' writes it once.\n")
     body = head + yaml.safe_dump(doc, sort_keys=False)
@@ -189,10 +199,10 @@ def load_bundle_yaml(path: Path) -> ServerConfig:
         raise ConfigError(f"{path} does not load: {e}") from e
 
 
-def install_bundle(b: Bundle, paths: Paths) -> list[tuple[str, Path]]:
+def install_bundle(b: Bundle, paths: Paths, listen: dict[str, str] | None = None) -> list[tuple[str, Path]]:
     """Copy the bundle into ``paths.etc`` (``pki/`` for the certificates; server.yaml with this
-    machine's paths). A file already there with the same content is kept; server.yaml, once
-    written, is kept. Returns ``(tag, path)`` for each: ``done`` or ``kept``.
+    machine's paths and ``listen`` addresses, see :func:`standby_server_yaml`). A file already
+    there with the same content is kept; server.yaml, once written, is kept. Returns ``(tag, path)`` for each: ``done`` or ``kept``.
 
     Raises:
         ConfigError: a file there differs from the bundle's (another cluster's, or an older bundle).
@@ -217,7 +227,7 @@ def install_bundle(b: Bundle, paths: Paths) -> list[tuple[str, Path]]:
         result.append(("kept", yml))
     else:
         first = load_bundle_yaml(b.dir / "server.yaml")
-        write_atomic(yml, standby_server_yaml(first, b.plan, b.me, paths.etc), 0o640)
+        write_atomic(yml, standby_server_yaml(first, b.plan, b.me, paths.etc, listen), 0o640)
         result.append(("done", yml))
     return result
 

@@ -2,7 +2,8 @@
 
 In order: the bundle checked (:func:`llmgw.serverinit.standby.check_bundle`: a server certificate
 the bundle's CA did not sign, or a CA other than this machine's, refuses before anything is
-written), its files copied into ``/etc/llmgw`` (``kept`` when there already), this machine's
+written), its files copied into ``/etc/llmgw`` (``kept`` when there already; ``--admin-listen``,
+``--agent-listen``, ``--gateway-listen`` when given replace the first control plane's), this machine's
 database member started as a streaming replica (:mod:`.database`), then the control plane against
 the shared database (:mod:`.controlplane`). No mirror, starter or judge: those are the cluster's,
 served by the first control plane and placed on the nodes by whichever control plane leads.
@@ -11,7 +12,7 @@ served by the first control plane and placed on the nodes by whichever control p
 from __future__ import annotations
 
 from llmgw.errors import ConfigError
-from llmgw.serverinit import secure
+from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.standby import check_bundle, install_bundle
 from llmgw.serverinit.steps import controlplane, database
 from llmgw.serverinit.steps.context import InitContext
@@ -32,8 +33,10 @@ def run(ctx: InitContext) -> None:
     b = check_bundle(bundle_dir, ctx.paths)
     ctx.say("done", f"bundle {bundle_dir}: control plane {b.me.name} of {len(b.plan.members)}, "
                     "signed by this cluster's CA")
-    for tag, path in install_bundle(b, ctx.paths):
+    defaults = InitOptions()
+    listen = {k: getattr(ctx.opts, k) for k in ("admin_listen", "agent_listen", "gateway_listen")
+              if getattr(ctx.opts, k) != getattr(defaults, k)}
+    for tag, path in install_bundle(b, ctx.paths, listen):
         ctx.say(tag, str(path))
-    secure.lock_down(ctx.paths, None)
     database.run(ctx, role="replica")
     controlplane.run(ctx)
