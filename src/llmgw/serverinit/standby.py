@@ -202,7 +202,8 @@ def load_bundle_yaml(path: Path) -> ServerConfig:
 def install_bundle(b: Bundle, paths: Paths, listen: dict[str, str] | None = None) -> list[tuple[str, Path]]:
     """Copy the bundle into ``paths.etc`` (``pki/`` for the certificates; server.yaml with this
     machine's paths and ``listen`` addresses, see :func:`standby_server_yaml`). A file already
-    there with the same content is kept; server.yaml, once written, is kept. Returns ``(tag, path)`` for each: ``done`` or ``kept``.
+    there with the same content is kept; server.yaml, once written, is kept. Returns ``(tag, path)``
+    for each: ``done`` or ``kept``.
 
     Raises:
         ConfigError: a file there differs from the bundle's (another cluster's, or an older bundle).
