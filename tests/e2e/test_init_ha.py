@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 
+from llmgw.config import load_server_config
 from llmgw.errors import LlmgwError
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
@@ -29,7 +31,9 @@ from llmgw.serverinit.patroni import PG_BIN_DIR, HaPlan, PatroniRest, venv_ok
 from llmgw.serverinit.steps import database
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.manager import SupervisorManager
-from tests.conftest import skip_or_fail
+from llmgw.tlsconf import CA
+from tests.conftest import Assets, skip_or_fail
+from tests.helpers.processes import listen_args, llmgw, stop_install
 
 pytestmark = pytest.mark.e2e
 
@@ -157,3 +161,72 @@ def test_a_patroni_that_cannot_start_stops_init_with_its_log_and_leaves_nothing(
     assert not (roots[0] / "patroni").exists()
     assert not database.ha_yaml(ctx.paths).exists()
     assert not ctx.paths.unit("patroni").exists()
+
+
+def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
+    patroni_venv: Path, roots: list[Path], assets: Assets
+) -> None:
+    """The whole of HA init through the CLI, as two machines on loopback: the first control plane
+    (Patroni primary, the llmgw database, the control plane on it, mirror, node, the starter
+    served), add-control-plane's bundle, and the standby joining (streaming replica, its own
+    control plane on the shared database); a machine of another cluster refuses the bundle."""
+    first, standby, foreign = roots
+    ports = pg_ports(2)
+    members = ["--control-plane", f"cp1=127.0.0.1:{ports[0]}", "--control-plane", f"cp2=127.0.0.1:{ports[1]}"]
+    args = ["server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node", "--no-guard-model",
+            "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
+            "--llama-server", str(assets.llama_server), "--patroni-venv", str(patroni_venv), *listen_args(),
+            *members]
+    try:
+        t0 = time.monotonic()
+        r = llmgw(first, *args)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stdout + r.stderr
+        for line in ("done database member cp1 is the primary", "done database llmgw (owner llmgw)",
+                     "done server.yaml: store on PostgreSQL (2 members), cluster cp1", "done control plane started",
+                     "done gemma-3-270m-q4_k_m is serving"):
+            assert line in r.stdout, f"missing {line!r} in:\n{r.stdout}"
+        cfg = load_server_config(Paths(first).server_config)
+        assert cfg.store.url.startswith("postgresql+psycopg://llmgw:")
+        assert cfg.cluster.patroni == [f"http://127.0.0.1:{ports[0] + 2576}", f"http://127.0.0.1:{ports[1] + 2576}"]
+        gateway = re.search(r"curl -s (http://127\.0\.0\.1:\d+)/v1/chat/completions", r.stdout)
+        assert gateway, r.stdout
+        print(f"HA init of the first control plane took {took:.1f} s")
+
+        bundle = first / "bundle-cp2"
+        r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.1", "--out", str(bundle))
+        assert r.returncode == 0, r.stdout + r.stderr
+
+        # A machine already in another cluster refuses it, before writing anything of it.
+        Paths(foreign).pki.mkdir(parents=True)
+        CA.create().write(Paths(foreign).pki)
+        r = llmgw(foreign, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv))
+        assert r.returncode != 0
+        assert "refusing to join: this machine already has another cluster's CA" in r.stdout + r.stderr
+        assert not (Paths(foreign).etc / "ha.yaml").exists()
+
+        t0 = time.monotonic()
+        r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
+                  *listen_args(skip=("--mirror-listen", "--mirror-api-listen")))
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stdout + r.stderr
+        for line in ("done database member cp2 is the replica", "done control plane started"):
+            assert line in r.stdout, f"missing {line!r} in:\n{r.stdout}"
+        print(f"--join took {took:.1f} s")
+        roles = {m["name"]: m["role"] for m in PatroniRest(f"http://127.0.0.1:{ports[0] + 2576}").cluster()["members"]}
+        assert roles["cp1"] == "leader"
+        assert roles["cp2"] in ("replica", "sync_standby")  # sync once Patroni's next loop (2 s) picks it
+        assert PatroniRest(f"http://127.0.0.1:{ports[1] + 2576}").is_streaming()
+        # The standby's control plane reads the catalog the first one wrote, from the shared database.
+        models = llmgw(standby, "ctl", "models", timeout=60)
+        assert models.returncode == 0, models.stderr
+        assert "gemma-3-270m-q4_k_m" in models.stdout
+
+        # A second init on the first control plane keeps everything.
+        r = llmgw(first, *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "kept database role llmgw" in r.stdout
+        assert "kept server.yaml's store" in r.stdout
+    finally:
+        for root in (standby, first):
+            stop_install(root)

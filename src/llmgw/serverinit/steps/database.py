@@ -64,6 +64,17 @@ class Member1:
     me: Member
 
 
+def local_dirs(ctx: InitContext, plan: HaPlan) -> HaPlan:
+    """Where Patroni's venv, this member's files and PostgreSQL's binaries are on this machine:
+    the flags, else the defaults under the install's root. Each machine's own choice, so a
+    standby does not take the first control plane's from ha.yaml. Sets them on ``plan``, returns it."""
+    opts, root = ctx.opts, ctx.paths.root
+    plan.venv = opts.patroni_venv or (root / str(DEFAULT_VENV).lstrip("/"))
+    plan.bin_dir = opts.pg_bin_dir or PG_BIN_DIR
+    plan.dir = opts.patroni_dir or (root / "var/lib/llmgw-patroni")
+    return plan
+
+
 def plan_from_options(ctx: InitContext) -> HaPlan:
     """The plan the flags describe (new passwords), or the one in ha.yaml when it is there and the
     flags agree with it.
@@ -73,13 +84,7 @@ def plan_from_options(ctx: InitContext) -> HaPlan:
             there with other members or another DCS (the message says which, and how to start over).
     """
     opts = ctx.opts
-    root = ctx.paths.root
-    want = HaPlan(
-        members=[Member.parse(s) for s in opts.control_planes], etcd=list(opts.etcd),
-        venv=opts.patroni_venv or (root / str(DEFAULT_VENV).lstrip("/")),
-        bin_dir=opts.pg_bin_dir or PG_BIN_DIR,
-        dir=opts.patroni_dir or (root / "var/lib/llmgw-patroni"),
-    )
+    want = local_dirs(ctx, HaPlan(members=[Member.parse(s) for s in opts.control_planes], etcd=list(opts.etcd)))
     path = ha_yaml(ctx.paths)
     if not path.exists():
         return want
@@ -90,7 +95,7 @@ def plan_from_options(ctx: InitContext) -> HaPlan:
             f"{path} already sets up another HA cluster: {'; '.join(diffs)}. Give init the same "
             f"--control-plane and --etcd flags, or remove {path} and {have.dir} to start over"
         )
-    return have
+    return local_dirs(ctx, have)
 
 
 def run(ctx: InitContext, *, role: str = "primary") -> Member1:
@@ -110,9 +115,7 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
         plan = HaPlan.load(ha_yaml(paths))
         me = plan.member(me_yaml(paths).read_text().strip())
         # Where Patroni and its files are is this machine's choice, not the first control plane's.
-        plan.venv = ctx.opts.patroni_venv or plan.venv
-        plan.dir = ctx.opts.patroni_dir or plan.dir
-        plan.bin_dir = ctx.opts.pg_bin_dir or plan.bin_dir
+        local_dirs(ctx, plan)
     if not (plan.bin_dir / "postgres").exists():
         raise ConfigError(f"PostgreSQL 15 is not in {plan.bin_dir}: apt-get install postgresql-15, "
                           "or give --pg-bin-dir")
