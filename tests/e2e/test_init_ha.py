@@ -141,7 +141,9 @@ def test_three_members_bootstrap_a_primary_and_two_streaming_replicas(
     # A second run keeps everything.
     again, out = ctx_for(roots[0], control_planes=specs, patroni_venv=patroni_venv)
     database.run(again)
-    assert [ln.split()[0] for ln in out.getvalue().splitlines()].count("done") == 1  # "is the primary"
+    tags = [ln.split()[0] for ln in out.getvalue().splitlines()]
+    assert "done" not in tags, out.getvalue()
+    assert tags.count("kept") == 7, out.getvalue()  # venv, ha.yaml, patroni.yml, unit, primary, role, database
 
 
 def test_a_patroni_that_cannot_start_stops_init_with_its_log_and_leaves_nothing(

@@ -143,8 +143,9 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
         ctx.say("done", f"{plan_path}: control planes {', '.join(m.spec for m in plan.members)}, "
                         f"DCS {'etcd ' + ', '.join(plan.etcd) if plan.etcd else 'raft'}")
     try:
-        made += write_member(ctx, plan, me)
-        wait_member(ctx, plan, me, role)
+        new, kept = write_member(ctx, plan, me)
+        made += new
+        wait_member(ctx, plan, me, role, kept=kept)
     except (LlmgwError, KeyboardInterrupt) as e:
         undo(ctx, made)
         if isinstance(e, KeyboardInterrupt):
@@ -157,9 +158,9 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
     return Member1(plan, me)
 
 
-def write_member(ctx: InitContext, plan: HaPlan, me: Member) -> list[Path]:
+def write_member(ctx: InitContext, plan: HaPlan, me: Member) -> tuple[list[Path], bool]:
     """The member's directory (``postgres``'s, 0700), its ``patroni.yml`` (0600) and the unit, started.
-    Returns what it made (for :func:`undo`)."""
+    Returns what it made (for :func:`undo`), and whether Patroni was kept running as it was."""
     made: list[Path] = []
     if not plan.dir.exists():
         made.append(plan.dir)
@@ -180,11 +181,11 @@ def write_member(ctx: InitContext, plan: HaPlan, me: Member) -> list[Path]:
     unit = ctx.paths.unit(SERVICE)
     if not unit.exists():
         made.append(unit)
-    services.apply_service(
+    kept = services.apply_service(
         ctx, SERVICE, patroni_unit(ctx.paths, plan.venv, cfg), "database member (Patroni)",
         config_changed=cfg.name if changed and cfg not in made else "",
     )
-    return made
+    return made, kept
 
 
 def _reachable_by_postgres(path: Path) -> None:
@@ -198,9 +199,9 @@ def _reachable_by_postgres(path: Path) -> None:
             parent.chmod(mode | 0o001)
 
 
-def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str) -> None:
+def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: bool = False) -> None:
     """Wait until Patroni says ``me`` is ``role``: ``GET /primary`` answers 200, or ``GET /patroni``
-    says a replica, streaming.
+    says a replica, streaming. Says ``kept`` when Patroni was ``kept`` running as it was.
 
     Raises:
         ServiceError: Patroni's process failed (with its last log lines).
@@ -223,7 +224,7 @@ def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str) -> None:
         if "Patroni failed" in str(e):
             raise
         raise type(e)(f"{e}\nPatroni's last lines:\n{ctx.manager.logs(SERVICE, 20)}") from e
-    ctx.say("done", f"database member {me.name} is the {role} ({rest.state()})")
+    ctx.say("kept" if kept else "done", f"database member {me.name} is the {role} ({rest.state()})")
 
 
 def undo(ctx: InitContext, made: list[Path]) -> None:
