@@ -214,7 +214,7 @@ def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: 
         if not ok:
             st = ctx.manager.status(SERVICE)
             if st.state == "failed":
-                raise ServiceError(f"Patroni failed to start: {st.detail}\n{ctx.manager.logs(SERVICE, 20)}")
+                raise ServiceError(f"Patroni failed to start: {st.detail}\n{last_lines(ctx)}")
             ctx.note(f"Patroni says {rest.state()}")
         return ok
 
@@ -223,8 +223,16 @@ def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: 
     except LlmgwError as e:
         if "Patroni failed" in str(e):
             raise
-        raise type(e)(f"{e}\nPatroni's last lines:\n{ctx.manager.logs(SERVICE, 20)}") from e
+        raise type(e)(f"{e}\nPatroni's last lines:\n{last_lines(ctx)}") from e
     ctx.say("kept" if kept else "done", f"database member {me.name} is the {role} ({rest.state()})")
+
+
+def last_lines(ctx: InitContext, n: int = 15) -> str:
+    """Patroni's (and PostgreSQL's) last ``n`` log lines, Python traceback frames left out: the
+    line saying why is above a traceback that fills the tail otherwise."""
+    kept = [ln for ln in ctx.manager.logs(SERVICE, 200).splitlines()
+            if ln.strip() and not ln.startswith((" ", "\t", "Traceback"))]
+    return "\n".join(kept[-n:])
 
 
 def undo(ctx: InitContext, made: list[Path]) -> None:
