@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.manager import SupervisorManager
 from llmgw.tlsconf import CA
 from tests.conftest import Assets, skip_or_fail
-from tests.helpers.processes import listen_args, llmgw, stop_install
+from tests.helpers.processes import exposed, listen_args, llmgw, stop_install
 
 pytestmark = pytest.mark.e2e
 
@@ -196,6 +197,9 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         gateway = re.search(r"curl -s (http://127\.0\.0\.1:\d+)/v1/chat/completions", r.stdout)
         assert gateway, r.stdout
         print(f"HA init of the first control plane took {took:.1f} s")
+        # Every secret is its owner's alone (ha.yaml and patroni.yml hold the database passwords).
+        assert exposed(first) == []
+        assert stat.S_IMODE((Paths(first).etc / "ha.yaml").stat().st_mode) == 0o600
 
         bundle = first / "bundle-cp2"
         r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.1", "--out", str(bundle))

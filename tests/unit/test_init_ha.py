@@ -23,13 +23,14 @@ from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.patroni import HaPlan, Member, patroni_yml
 from llmgw.serverinit.standby import add_control_plane, check_bundle, install_bundle
-from llmgw.serverinit.steps import database, pki, serveryaml
+from llmgw.serverinit.steps import database, ha, pki, serveryaml
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.haunits import patroni_unit
 from llmgw.service.manager import SupervisorManager
 from llmgw.service.unitfile import parse_unit
 from llmgw.service.units import check_service
 from llmgw.tlsconf import CA, cert_hosts
+from tests.conftest import skip_or_fail
 from tests.helpers.init import init_cli, written
 
 SPECS = ["cp1=10.0.0.1", "cp2=10.0.0.2", "cp3=10.0.0.3:6432"]
@@ -86,8 +87,8 @@ def test_the_store_url_is_libpq_multi_host_over_every_member() -> None:
         "&target_session_attrs=read-write&connect_timeout=2"
     )
     assert p.rest_urls() == ["http://10.0.0.1:8008", "http://10.0.0.2:8008", "http://10.0.0.3:9008"]
-    assert set(p.passwords) == {"superuser", "replication", "rewind", "llmgw"}
-    assert len(set(p.passwords.values())) == 4
+    assert set(p.passwords) == {"superuser", "replication", "rewind", "llmgw", "restapi"}
+    assert len(set(p.passwords.values())) == 5
 
 
 def test_the_plan_round_trips_through_ha_yaml(tmp_path: Path) -> None:
@@ -112,7 +113,8 @@ def test_patroni_yml_has_ha_md_s_settings_and_raft_partners() -> None:
     assert dcs["postgresql"]["use_pg_rewind"] is True
     assert dcs["postgresql"]["parameters"]["tcp_keepalives_idle"] == 5
     assert (first["name"], first["scope"]) == ("cp1", "llmgw")
-    assert first["restapi"] == {"listen": "10.0.0.1:8008", "connect_address": "10.0.0.1:8008"}
+    assert first["restapi"] == {"listen": "10.0.0.1:8008", "connect_address": "10.0.0.1:8008",
+                                "authentication": {"username": "llmgw", "password": p.passwords["restapi"]}}
     assert first["postgresql"]["listen"] == "10.0.0.1:5432"
     assert first["postgresql"]["bin_dir"] == "/usr/lib/postgresql/15/bin"
     assert first["postgresql"]["authentication"]["superuser"]["password"] == p.passwords["superuser"]
@@ -253,3 +255,38 @@ def test_add_control_plane_cli_on_a_machine_without_ha_says_what_to_run(tmp_path
                                  "--address", "10.0.0.2", "--out", str(tmp_path / "b")])
     assert r.exit_code != 0
     assert "not the first control plane of an HA cluster" in r.output
+
+
+def test_missing_postgresql_binaries_are_named_before_anything_is_written(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--pg-bin-dir", str(tmp_path / "nopg"))
+    assert code == 2
+    assert f"PostgreSQL 15 is not in {tmp_path / 'nopg'}: apt-get install postgresql-15, or give --pg-bin-dir" in out
+    assert written(root) == []
+
+
+def test_offline_without_a_patroni_venv_says_to_carry_one_in(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
+        skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--patroni-venv", str(tmp_path / "novenv"))
+    assert code == 2
+    assert f"--offline and no Patroni at {tmp_path / 'novenv'}/bin/patroni" in out
+    assert written(root) == []
+
+
+def test_ha_prepare_names_every_control_plane_and_opens_the_mirror_to_them(tmp_path: Path) -> None:
+    """What HA changes in the other steps: certificate names, the mirror's API and its allow list,
+    two judges. Runs only the checks (no file is written)."""
+    if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
+        skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    paths = Paths(tmp_path)
+    opts = InitOptions(control_planes=SPECS, hosts=["cp1.example"], patroni_venv=Path("/nonexistent"))
+    ctx = InitContext(paths, opts, SupervisorManager(paths), out=io.StringIO())
+    me = ha.prepare(ctx)
+    assert me.name == "cp1"
+    assert opts.hosts == ["10.0.0.1", "cp1.example", "10.0.0.2", "10.0.0.3"]
+    assert (opts.mirror_api_listen, ctx.local_mirror_api()) == (":8082", "http://10.0.0.1:8082")
+    assert ctx.mirror_allow == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert opts.judge_replicas == 2
+    assert list(tmp_path.iterdir()) == []

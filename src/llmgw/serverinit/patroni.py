@@ -91,6 +91,11 @@ PG_PARAMETERS = {
 }
 """PostgreSQL settings every member shares (``bootstrap.dcs.postgresql.parameters``)."""
 
+REST_KEY = "restapi"
+PASSWORD_KEYS = ("superuser", "replication", "rewind", DB_USER, REST_KEY)
+"""The passwords an HA plan holds: Patroni's three PostgreSQL users, the store's, and the one
+that guards Patroni's REST API's writes (user ``llmgw``)."""
+
 _SPEC = re.compile(r"^(?P<name>[^=]+)=(?P<addr>.+)$")
 
 
@@ -202,7 +207,8 @@ class HaPlan:
         members: every control plane's database member, the first control plane first.
         etcd: etcd v3 URLs (``http://HOST:2379``) for Patroni's DCS; empty means Patroni's raft
             (small installs and tests; documented "deprecated" but tested in 4.1.5, ha.md §1.1).
-        passwords: ``superuser``, ``replication``, ``rewind`` (Patroni's) and ``llmgw`` (the store's).
+        passwords: ``superuser``, ``replication``, ``rewind`` (Patroni's), ``llmgw`` (the store's) and
+            ``restapi`` (Patroni's REST API's writes: switchover, restart, config), each 192 random bits.
         venv: Patroni's venv on every member.
         bin_dir: PostgreSQL 15's binaries.
         dir: where each member keeps ``patroni.yml``, ``data``, ``raft``, ``run`` (owned by ``postgres``).
@@ -217,7 +223,7 @@ class HaPlan:
     dir: Path = Path("/var/lib/llmgw-patroni")
 
     def __post_init__(self) -> None:
-        for key in ("superuser", "replication", "rewind", DB_USER):
+        for key in PASSWORD_KEYS:
             self.passwords.setdefault(key, _new_password())
         self.check()
 
@@ -305,7 +311,7 @@ class HaPlan:
         try:
             members = [Member.parse(str(s)) for s in doc["members"]]
             passwords = {str(k): str(v) for k, v in doc["passwords"].items()}
-            missing = [k for k in ("superuser", "replication", "rewind", DB_USER) if k not in passwords]
+            missing = [k for k in PASSWORD_KEYS if k not in passwords]
             if missing:
                 raise ConfigError(f"{where}: passwords lacks {', '.join(missing)}")
             return cls(
@@ -372,7 +378,10 @@ def patroni_yml(plan: HaPlan, me: Member) -> str:
     doc: dict[str, Any] = {
         "scope": plan.scope,
         "name": me.name,
-        "restapi": {"listen": f"{bind}:{me.rest_port}", "connect_address": f"{me.host}:{me.rest_port}"},
+        # Reads (GET /cluster, /primary) stay open for 'llmgw ctl cluster' and health checks;
+        # what changes the cluster (switchover, restart, config) needs this password.
+        "restapi": {"listen": f"{bind}:{me.rest_port}", "connect_address": f"{me.host}:{me.rest_port}",
+                    "authentication": {"username": "llmgw", "password": plan.passwords[REST_KEY]}},
     }
     if plan.etcd:
         doc["etcd3"] = {"hosts": [u.split("://", 1)[-1].rstrip("/") for u in plan.etcd],

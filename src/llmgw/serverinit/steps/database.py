@@ -98,6 +98,25 @@ def plan_from_options(ctx: InitContext) -> HaPlan:
     return local_dirs(ctx, have)
 
 
+def check_machine(ctx: InitContext, plan: HaPlan) -> None:
+    """What this machine needs for a database member, checked before anything is written.
+
+    Raises:
+        ConfigError: no PostgreSQL 15 in ``plan.bin_dir``, no ``postgres`` user, or ``--offline``
+            with no Patroni venv (each says what to install or pass).
+    """
+    if not (plan.bin_dir / "postgres").exists():
+        raise ConfigError(f"PostgreSQL 15 is not in {plan.bin_dir}: apt-get install postgresql-15, "
+                          "or give --pg-bin-dir")
+    try:
+        pwd.getpwnam(DB_OS_USER)
+    except KeyError as e:
+        raise ConfigError(f"there is no user {DB_OS_USER}: apt-get install postgresql-15 makes it") from e
+    if ctx.opts.offline and not venv_ok(plan.venv):
+        raise ConfigError(f"--offline and no Patroni at {plan.venv}/bin/patroni: carry a venv in "
+                          "(made with /usr/bin/python3) and give --patroni-venv")
+
+
 def run(ctx: InitContext, *, role: str = "primary") -> Member1:
     """This machine's database member, up as ``role`` (``primary`` on the first control plane,
     ``replica`` on a standby); the llmgw database on the primary. Returns the plan and member.
@@ -116,13 +135,7 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
         me = plan.member(me_yaml(paths).read_text().strip())
         # Where Patroni and its files are is this machine's choice, not the first control plane's.
         local_dirs(ctx, plan)
-    if not (plan.bin_dir / "postgres").exists():
-        raise ConfigError(f"PostgreSQL 15 is not in {plan.bin_dir}: apt-get install postgresql-15, "
-                          "or give --pg-bin-dir")
-    try:
-        pwd.getpwnam(DB_OS_USER)
-    except KeyError as e:
-        raise ConfigError(f"there is no user {DB_OS_USER}: apt-get install postgresql-15 makes it") from e
+    check_machine(ctx, plan)
 
     made: list[Path] = []  # what this run made, removed again when Patroni does not come up
     if venv_ok(plan.venv):

@@ -38,9 +38,11 @@ def prepare(ctx: InitContext) -> Member:
     """Check the HA flags and set what HA changes in the other steps; returns this machine's member.
 
     Raises:
-        ConfigError: the flags do not describe a cluster (see :func:`.database.plan_from_options`).
+        ConfigError: the flags do not describe a cluster (see :func:`.database.plan_from_options`),
+            or this machine lacks PostgreSQL 15 or Patroni (:func:`.database.check_machine`).
     """
     plan = database.plan_from_options(ctx)
+    database.check_machine(ctx, plan)
     me = plan.members[0]
     opts = ctx.opts
     opts.hosts = list(dict.fromkeys([me.host, *opts.hosts, *(m.host for m in plan.members)]))
