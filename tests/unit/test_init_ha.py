@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,10 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app
 from llmgw.config import load_server_config
-from llmgw.errors import ConfigError, PkiError
+from llmgw.errors import ConfigError, PkiError, ServiceError
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.patroni import HaPlan, Member, patroni_yml
+from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
 from llmgw.serverinit.standby import add_control_plane, check_bundle, install_bundle
 from llmgw.serverinit.steps import database, ha, pki, serveryaml
 from llmgw.serverinit.steps.context import InitContext
@@ -290,3 +291,25 @@ def test_ha_prepare_names_every_control_plane_and_opens_the_mirror_to_them(tmp_p
     assert ctx.mirror_allow == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     assert opts.judge_replicas == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_venv_that_pip_cannot_make_is_removed_and_pip_s_words_shown(tmp_path: Path) -> None:
+    """pip's failure is simulated (no network is needed to show what init says about it)."""
+    venv = tmp_path / "patroni"
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        if argv[1:3] == ["-m", "venv"]:
+            venv.joinpath("bin").mkdir(parents=True)
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution found for patroni")
+
+    with pytest.raises(ServiceError, match="No matching distribution found for patroni"):
+        ensure_venv(venv, run=run)
+    assert calls[1] == [str(venv / "bin" / "pip"), "install", "-q", "patroni[psycopg3,raft,etcd3]==4.1.5"]
+    assert not venv.exists()
+    with pytest.raises(ServiceError, match="under /root, which the postgres user cannot read"):
+        ensure_venv(Path("/root/patroni"), run=run)
+    with pytest.raises(ServiceError, match="--offline"):
+        ensure_venv(venv, offline=True, run=run)
