@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy
 
@@ -144,7 +145,22 @@ def test_three_members_bootstrap_a_primary_and_two_streaming_replicas(
     database.run(again)
     tags = [ln.split()[0] for ln in out.getvalue().splitlines()]
     assert "done" not in tags, out.getvalue()
-    assert tags.count("kept") == 7, out.getvalue()  # venv, ha.yaml, patroni.yml, unit, primary, role, database
+    assert tags.count("kept") == 7, out.getvalue()  # venv, ha.yaml, patroni.yml, unit, member, role, database
+    assert "  kept database member cp1 is up (primary running)" in out.getvalue()
+
+    # After a switchover cp1 is a replica: init on it again accepts that, and stops nothing.
+    rest = PatroniRest(got.me.rest_url)
+    r = httpx.post(f"{got.me.rest_url}/switchover", json={"leader": "cp1"}, timeout=30,
+                   auth=("llmgw", plan.passwords["restapi"]))
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while not rest.is_streaming() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    again, out = ctx_for(roots[0], control_planes=specs, patroni_venv=patroni_venv)
+    database.run(again)
+    assert "  kept database member cp1 is up (replica running streaming)" in out.getvalue()
+    assert "  kept database llmgw: made when cp1 led; another member leads now" in out.getvalue()
+    assert rest.is_streaming()
 
 
 def test_a_patroni_that_cannot_start_stops_init_with_its_log_and_leaves_nothing(

@@ -10,7 +10,9 @@ same member setup waits until the member is a replica instead.
 
 A Patroni that fails to start or to lead in ``patroni_wait_s`` stops init with Patroni's own last
 log lines, and what this run made (the unit, the member's directory, ha.yaml) is removed, so
-running init again starts clean. A second run keeps each piece (``kept …``).
+running init again starts clean. A second run keeps each piece (``kept …``), and accepts its member
+as a streaming replica too (after a failover another member leads); it never stops a member that
+was there before.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from llmgw.errors import ConfigError, LlmgwError, ServiceError
 from llmgw.paths import Paths
 from llmgw.serverinit import files
 from llmgw.serverinit.patroni import (
+    DB_NAME,
     DB_OS_USER,
     DEFAULT_VENV,
     PG_BIN_DIR,
@@ -155,19 +158,25 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
         made += [plan_path, me_yaml(paths)]
         ctx.say("done", f"{plan_path}: control planes {', '.join(m.spec for m in plan.members)}, "
                         f"DCS {'etcd ' + ', '.join(plan.etcd) if plan.etcd else 'raft'}")
+    # A member that was there before may since have failed over: on the first control plane it
+    # is then a replica, which is as good (and it must never be stopped for not leading).
+    fresh = not patroni_yml_path(plan).exists()
+    want = role if fresh else "member"
     try:
         new, kept = write_member(ctx, plan, me)
         made += new
-        wait_member(ctx, plan, me, role, kept=kept)
+        wait_member(ctx, plan, me, want, kept=kept)
     except (LlmgwError, KeyboardInterrupt) as e:
-        undo(ctx, made)
-        if isinstance(e, KeyboardInterrupt):
+        if not fresh or isinstance(e, KeyboardInterrupt):
             raise
+        undo(ctx, made)
         raise type(e)(f"{e}\nnothing of the database member is left; fix the cause and run init again") from e
-    if role == "primary":
+    if role == "primary" and PatroniRest(me.rest_url).is_primary():
         for line in create_database(plan, me):
             tag, _, text = line.partition(" ")
             ctx.say(tag, text)
+    elif role == "primary":
+        ctx.say("kept", f"database {DB_NAME}: made when {me.name} led; another member leads now")
     return Member1(plan, me)
 
 
@@ -213,8 +222,9 @@ def _reachable_by_postgres(path: Path) -> None:
 
 
 def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: bool = False) -> None:
-    """Wait until Patroni says ``me`` is ``role``: ``GET /primary`` answers 200, or ``GET /patroni``
-    says a replica, streaming. Says ``kept`` when Patroni was ``kept`` running as it was.
+    """Wait until Patroni says ``me`` is ``role``: ``primary`` (``GET /primary`` answers 200),
+    ``replica`` (``GET /patroni`` says a replica, streaming) or ``member`` (either). Says ``kept``
+    when Patroni was ``kept`` running as it was.
 
     Raises:
         ServiceError: Patroni's process failed (with its last log lines).
@@ -222,8 +232,13 @@ def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: 
     """
     rest = PatroniRest(me.rest_url)
 
+    def healthy() -> bool:
+        return rest.is_primary() or rest.is_streaming()
+
+    probe = {"primary": rest.is_primary, "replica": rest.is_streaming, "member": healthy}[role]
+
     def up() -> bool:
-        ok = rest.is_primary() if role == "primary" else rest.is_streaming()
+        ok = probe()
         if not ok:
             st = ctx.manager.status(SERVICE)
             if st.state == "failed":
@@ -237,7 +252,8 @@ def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: 
         if "Patroni failed" in str(e):
             raise
         raise type(e)(f"{e}\nPatroni's last lines:\n{last_lines(ctx)}") from e
-    ctx.say("kept" if kept else "done", f"database member {me.name} is the {role} ({rest.state()})")
+    ctx.say("kept" if kept else "done", f"database member {me.name} is up ({rest.state()})" if role == "member"
+            else f"database member {me.name} is the {role} ({rest.state()})")
 
 
 def last_lines(ctx: InitContext, n: int = 15) -> str:
