@@ -282,7 +282,8 @@ def test_ha_prepare_names_every_control_plane_and_opens_the_mirror_to_them(tmp_p
     if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
         skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
     paths = Paths(tmp_path)
-    opts = InitOptions(control_planes=SPECS, hosts=["cp1.example"], patroni_venv=Path("/nonexistent"))
+    opts = InitOptions(control_planes=SPECS, hosts=["cp1.example"], patroni_venv=Path("/nonexistent"),
+                       patroni_dir=Path("/nonexistent/patroni"))
     ctx = InitContext(paths, opts, SupervisorManager(paths), out=io.StringIO())
     me = ha.prepare(ctx)
     assert me.name == "cp1"
@@ -313,3 +314,21 @@ def test_a_venv_that_pip_cannot_make_is_removed_and_pip_s_words_shown(tmp_path: 
         ensure_venv(Path("/root/patroni"), run=run)
     with pytest.raises(ServiceError, match="--offline"):
         ensure_venv(venv, offline=True, run=run)
+
+
+def test_a_patroni_dir_the_postgres_user_cannot_reach_is_refused(tmp_path: Path) -> None:
+    if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
+        skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "patroni").write_text("#!/bin/sh\n")
+    (venv / "bin" / "patroni").chmod(0o755)
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--patroni-venv", str(venv),
+                         "--patroni-dir", str(closed / "patroni"))
+    assert code == 2
+    assert f"the postgres user cannot reach {closed / 'patroni'}" in out
+    assert "is not searchable by others" in out
+    assert written(root) == []

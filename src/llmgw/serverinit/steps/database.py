@@ -118,6 +118,23 @@ def check_machine(ctx: InitContext, plan: HaPlan) -> None:
     if ctx.opts.offline and not venv_ok(plan.venv):
         raise ConfigError(f"--offline and no Patroni at {plan.venv}/bin/patroni: carry a venv in "
                           "(made with /usr/bin/python3) and give --patroni-venv")
+    for path, flag in ((plan.dir, "--patroni-dir"), (plan.venv, "--patroni-venv"), (plan.bin_dir, "--pg-bin-dir")):
+        closed = closed_parent(path)
+        if closed is not None:
+            raise ConfigError(
+                f"the {DB_OS_USER} user cannot reach {path}: {closed} is not searchable by others "
+                f"(mode {closed.stat().st_mode & 0o777:o}); Patroni and PostgreSQL run as {DB_OS_USER} "
+                f"(ha.md §1.5). Choose {flag} outside it, or chmod o+x {closed}"
+            )
+
+
+def closed_parent(path: Path) -> Path | None:
+    """The first existing directory above ``path`` that others may not search (no ``o+x``),
+    where a process of another user (``postgres``) cannot pass; None when there is none."""
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.stat().st_mode & 0o001:
+            return parent
+    return None
 
 
 def run(ctx: InitContext, *, role: str = "primary") -> Member1:
@@ -191,7 +208,6 @@ def write_member(ctx: InitContext, plan: HaPlan, me: Member) -> tuple[list[Path]
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chown(d, pw.pw_uid, pw.pw_gid)
         d.chmod(0o700)
-    _reachable_by_postgres(plan.dir)
     cfg = patroni_yml_path(plan)
     body = patroni_yml(plan, me)
     changed = not cfg.exists() or cfg.read_text() != body
@@ -208,17 +224,6 @@ def write_member(ctx: InitContext, plan: HaPlan, me: Member) -> tuple[list[Path]
         config_changed=cfg.name if changed and cfg not in made else "",
     )
     return made, kept
-
-
-def _reachable_by_postgres(path: Path) -> None:
-    """Give every directory above ``path`` search permission for others (``o+x``) when it lacks it,
-    so the ``postgres`` user can reach its own directory (ha.md §1.5)."""
-    for parent in path.parents:
-        if parent == Path("/"):
-            break
-        mode = parent.stat().st_mode
-        if not mode & 0o001:
-            parent.chmod(mode | 0o001)
 
 
 def wait_member(ctx: InitContext, plan: HaPlan, me: Member, role: str, *, kept: bool = False) -> None:
