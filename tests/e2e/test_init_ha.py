@@ -246,6 +246,12 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         assert models.returncode == 0, models.stderr
         assert "gemma-3-270m-q4_k_m" in models.stdout
 
+        # A second --join keeps everything.
+        r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
+                  *listen_args(skip=("--mirror-listen", "--mirror-api-listen")))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not [ln for ln in r.stdout.splitlines() if ln.startswith("  done")], r.stdout
+
         # A second init on the first control plane keeps everything.
         r = llmgw(first, *args)
         assert r.returncode == 0, r.stdout + r.stderr

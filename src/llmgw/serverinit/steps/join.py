@@ -31,8 +31,8 @@ def run(ctx: InitContext) -> None:
     if ctx.opts.control_planes:
         raise ConfigError("--join and --control-plane do not go together: the bundle names the control planes")
     b = check_bundle(bundle_dir, ctx.paths)
-    ctx.say("done", f"bundle {bundle_dir}: control plane {b.me.name} of {len(b.plan.members)}, "
-                    "signed by this cluster's CA")
+    ctx.say("kept" if (ctx.paths.etc / "ha-me").exists() else "done",
+            f"bundle {bundle_dir}: control plane {b.me.name} of {len(b.plan.members)}, signed by this cluster's CA")
     defaults = InitOptions()
     listen = {k: getattr(ctx.opts, k) for k in ("admin_listen", "agent_listen", "gateway_listen")
               if getattr(ctx.opts, k) != getattr(defaults, k)}
