@@ -1,4 +1,5 @@
-"""`llmgw server` commands: `run` (the control plane process), `init`, `add-node`, `migrate-store`."""
+"""`llmgw server` commands: `run` (the control plane process), `init`, `add-node`, `add-control-plane`,
+`migrate-store`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,23 @@ def add_node(
         print(f"  done {f}")
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
           "(or install deploy/systemd/llmgw-agent.service).")
+
+
+@app.command("add-control-plane")
+@cli_errors
+def add_control_plane(
+    name: Annotated[str, typer.Argument(help="The standby's name, as init's --control-plane NAME=… gave it.")],
+    out: Annotated[Path, typer.Option("--out", help="An empty directory for the standby's files (made 0700).")],
+    address: Annotated[str, typer.Option("--address", help="The standby's address, as --control-plane gave it.")],
+) -> None:
+    """Write what a standby control plane needs (CA, its certificate, tokens, the database's
+    member config and passwords, server.yaml) into --out, to carry to it for 'server init --join'."""
+    from llmgw.serverinit.standby import add_control_plane as issue  # noqa: PLC0415
+
+    for f in issue(paths(), name, out, address=address):
+        print(f"  done {f}")
+    print(f"\nOn {name}: copy {out} there (it holds the CA key and database passwords: keep it 0700), "
+          f"then run 'llmgw server init --join {out}'.")
 
 
 @app.command("migrate-store")

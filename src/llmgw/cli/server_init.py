@@ -59,8 +59,39 @@ def init(
     gateway_listen: Annotated[str, typer.Option(help="Gateway address (OpenAI-compatible).")] = ":8080",
     mirror_listen: Annotated[str, typer.Option(help="Mirror bytes address.")] = ":8081",
     mirror_api_listen: Annotated[str, typer.Option(help="Mirror management API address.")] = "127.0.0.1:8082",
+    control_plane: Annotated[
+        list[str] | None,
+        typer.Option("--control-plane", help="HA: a control plane as NAME=HOST[:PORT] (PORT: PostgreSQL's, 5432; "
+                     "Patroni's REST API +2576, raft -421), repeatable; this machine first, then each standby."),
+    ] = None,
+    etcd: Annotated[
+        list[str] | None,
+        typer.Option("--etcd", help="HA: an etcd v3 URL for Patroni (http://HOST:2379), repeatable; "
+                     "none: Patroni's raft (small installs, tests)."),
+    ] = None,
+    patroni_venv: Annotated[
+        Path | None, typer.Option("--patroni-venv", help="HA: Patroni's venv (default /opt/llmgw/patroni-4.1.5; "
+                                  "made from /usr/bin/python3 when missing).")
+    ] = None,
+    patroni_dir: Annotated[
+        Path | None, typer.Option("--patroni-dir", help="HA: this member's patroni.yml and data "
+                                  "(default /var/lib/llmgw-patroni).")
+    ] = None,
+    pg_bin_dir: Annotated[
+        Path | None,
+        typer.Option("--pg-bin-dir", help="HA: PostgreSQL 15's binaries (default /usr/lib/postgresql/15/bin)."),
+    ] = None,
+    join: Annotated[
+        Path | None, typer.Option("--join", help="HA: make this machine a standby control plane from the "
+                                  "directory 'llmgw server add-control-plane' wrote.")
+    ] = None,
 ) -> None:
-    """Make this machine a control plane, a model mirror and a node serving a starter model."""
+    """Make this machine a control plane, a model mirror and a node serving a starter model.
+
+    HA: with --control-plane (this machine first, then each standby) PostgreSQL runs under Patroni
+    here and the control plane uses it; each standby then runs 'init --join DIR' with what
+    'llmgw server add-control-plane' wrote for it.
+    """
     opts = InitOptions(
         hosts=host or [], cpus=cpus, offline=offline, no_node=no_node, no_guard_model=no_guard_model,
         starter_source=starter_source, starter_name=starter_name, starter_alias=starter_alias,
@@ -68,7 +99,13 @@ def init(
         judge_replicas=judge_replicas, judge_source=judge_source, judge_format=judge_format,
         node_id=node_id, admin_listen=admin_listen,
         agent_listen=agent_listen, gateway_listen=gateway_listen, mirror_listen=mirror_listen,
-        mirror_api_listen=mirror_api_listen,
+        mirror_api_listen=mirror_api_listen, control_planes=control_plane or [], etcd=etcd or [],
+        patroni_venv=patroni_venv.resolve() if patroni_venv else None,
+        patroni_dir=patroni_dir.resolve() if patroni_dir else None,
+        pg_bin_dir=pg_bin_dir.resolve() if pg_bin_dir else None, join=join.resolve() if join else None,
     )
+    if opts.join is not None:
+        opts.no_node = True
+        opts.no_guard_model = True
     p = paths()
     ServerInit(p, opts, pick_manager(p), gpu_probe=_gpu_classes).run()

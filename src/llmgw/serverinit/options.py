@@ -17,6 +17,13 @@ class InitOptions:
     checks its own llama.cpp, often while busy with its own package updates), 30 min for a
     download, 10 min for a model to start, and 90 s before believing placement's "nowhere" (long
     enough for a node still installing its engine).
+
+    HA (issue 11; :mod:`llmgw.serverinit.steps.database`): ``control_planes`` are the members as
+    ``NAME=HOST[:PORT]`` (this machine first) and switch HA on; ``etcd`` the etcd v3 URLs Patroni
+    uses (none: Patroni's raft); ``patroni_venv``/``patroni_dir``/``pg_bin_dir`` where Patroni, its
+    member's files and PostgreSQL 15 are; ``join`` a standby's bundle from ``server
+    add-control-plane``. ``patroni_wait_s``: 90 s for a member to lead or stream (ha.md §1.4: a
+    bootstrap took 15-18 s, a rejoin 5-9 s).
     """
 
     hosts: list[str] = field(default_factory=list)
@@ -38,9 +45,21 @@ class InitOptions:
     gateway_listen: str = ":8080"
     mirror_listen: str = ":8081"
     mirror_api_listen: str = "127.0.0.1:8082"
+    control_planes: list[str] = field(default_factory=list)
+    etcd: list[str] = field(default_factory=list)
+    patroni_venv: Path | None = None
+    patroni_dir: Path | None = None
+    pg_bin_dir: Path | None = None
+    join: Path | None = None
+    patroni_wait_s: float = 90
     node_wait_s: float = 20 * 60
     download_wait_s: float = 30 * 60
     serve_wait_s: float = 10 * 60
     unplaced_grace_s: float = 90
     service_wait_s: float = 30
     poll_s: float = 0.5
+
+    @property
+    def ha(self) -> bool:
+        """True when init sets up (or joins) an HA cluster rather than a single machine."""
+        return bool(self.control_planes) or self.join is not None

@@ -29,6 +29,11 @@ from llmgw.paths import ROOT_ENV, Paths
 SERVICES = ("server", "agent", "mirror")
 """The services llmgw runs; unit ``llmgw-<name>.service`` each."""
 
+HA_SERVICES = ("patroni",)
+"""The services an HA control plane runs besides (:mod:`llmgw.service.haunits`): PostgreSQL under
+Patroni. Not in :data:`SERVICES`, so ``llmgw service status`` on a single machine lists what it has;
+name them (``llmgw service status patroni``) on an HA one."""
+
 DEFAULT_BINARY = "/usr/local/bin/llmgw"
 """Where the install guide puts llmgw, and what ``deploy/systemd`` names."""
 
@@ -72,9 +77,12 @@ def unit_name(service: str) -> str:
 
 
 def check_service(service: str) -> None:
-    """Raise :class:`ServiceError` unless ``service`` is one of :data:`SERVICES`."""
-    if service not in SERVICES:
-        raise ServiceError(f"unknown service '{service}'; the services are {', '.join(SERVICES)}")
+    """Raise :class:`ServiceError` unless ``service`` is one of :data:`SERVICES` or :data:`HA_SERVICES`."""
+    if service not in SERVICES and service not in HA_SERVICES:
+        raise ServiceError(
+            f"unknown service '{service}'; the services are {', '.join(SERVICES)}, "
+            f"and on an HA control plane {', '.join(HA_SERVICES)}"
+        )
 
 
 def _escape(word: str, *, dollar: bool = True) -> str:

@@ -17,6 +17,12 @@ run and tested alone:
    init itself put there is updated by a later ``--llama-server``, see :mod:`llmgw.serverinit.agentconf`), the
    agent service, and a wait until it reports an engine.
 6. :mod:`.starter`: the starter model: into the mirror, into the catalog, and a wait until a replica is ready.
+With ``--control-plane NAME=HOST[:PORT]`` (HA, :mod:`.ha`), step 1b is :mod:`.database`: PostgreSQL
+under Patroni on this machine, the llmgw database, and server.yaml's ``store``/``cluster`` pointing
+at every member; the server certificate names every control plane, the mirror's management API
+answers them all, and two judges are served. With ``--join DIR`` (:mod:`.join`) a standby checks
+and copies its bundle, joins Patroni as a replica and starts a control plane; nothing else.
+
 7. :mod:`.judge`: the guardrails' judge (Qwen3Guard-Gen-0.6B, or ``--judge-source``) and a default guard policy
    (in and out, ``fail: closed``); skipped offline when nothing was carried in.
 
@@ -46,7 +52,10 @@ from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import (
     checks,
     controlplane,
+    database,
+    ha,
     howto,
+    join,
     judge,
     mirror,
     node,
@@ -88,9 +97,17 @@ class ServerInit:
         ctx = self.ctx
         with self.lock():
             started = time.monotonic()
+            if ctx.opts.join is not None:
+                join.run(ctx)
+                howto.run(ctx, "", time.monotonic() - started)
+                return ""
+            me = ha.prepare(ctx) if ctx.opts.ha else None
             checks.run(ctx)
             pki.run(ctx)
             serveryaml.run(ctx)
+            if me is not None:
+                got = database.run(ctx)
+                database.point_server_yaml(ctx, got.plan, got.me, ha.own_agent_url(ctx, got.me))
             controlplane.run(ctx)
             mirror.run(ctx)
             if ctx.opts.no_node:

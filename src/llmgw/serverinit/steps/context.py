@@ -64,6 +64,10 @@ class InitContext:
     # before it failed before anything this run changed, so its failure is not final.
     started_at: float = field(default_factory=time.time, init=False)
     user: UserChoice | None = field(default=None, init=False)
+    # HA (steps/ha.py): the addresses the mirror's management API answers besides loopback, and
+    # the host its URL names when it listens on every interface.
+    mirror_allow: list[str] = field(default_factory=list, init=False)
+    mirror_api_host: str = field(default="", init=False)
     _last_line: str = field(default="", init=False, repr=False)
     # What the running wait's probe last saw, for its "waiting for" lines.
     _state: str = field(default="", init=False, repr=False)
@@ -126,7 +130,11 @@ class InitContext:
         return self.opts.cpus or os.cpu_count() or 1
 
     def local_mirror_api(self) -> str:
-        """The management API of the mirror beside this control plane (on loopback)."""
+        """The management API of the mirror beside this control plane: on loopback, or in HA at
+        this control plane's address, which the others reach too."""
+        if self.mirror_api_host:
+            _h, port = parse_listen(self.opts.mirror_api_listen)
+            return f"http://{url_host(self.mirror_api_host)}:{port}"
         return connect_url(self.opts.mirror_api_listen)
 
     def mirror_api(self) -> str:

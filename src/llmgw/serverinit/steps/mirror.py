@@ -16,7 +16,7 @@ from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import services
 from llmgw.serverinit.steps.context import InitContext, url_host
 from llmgw.serverinit.steps.pki import reachable_addr
-from llmgw.service.units import mirror_unit
+from llmgw.service.units import MIRROR_ABOUT_STANDBYS, mirror_unit
 from llmgw.service.users import chown_tree
 
 
@@ -80,9 +80,9 @@ def ensure_local(ctx: InitContext) -> None:
     base = f"http://{url_host(reachable_addr(ctx.opts.hosts))}:{port}"
     body = mirror_unit(
         ctx.paths, ctx.bin, listen=ctx.opts.mirror_listen, api_listen=ctx.opts.mirror_api_listen,
-        base=base, allow=[], import_dirs=import_dirs(ctx.opts), user=user,
-        about="'llmgw server init'. Bytes for every node; the\n# management API on loopback only, "
-        "for the control plane beside it.",
+        base=base, allow=ctx.mirror_allow, import_dirs=import_dirs(ctx.opts), user=user,
+        about=MIRROR_ABOUT_STANDBYS if ctx.opts.ha else "'llmgw server init'. Bytes for every node; the\n"
+        "# management API on loopback only, for the control plane beside it.",
     )
     services.apply_service(ctx, "mirror", body, f"model mirror in {store}")
     if not cfg.mirror.api:
@@ -91,7 +91,8 @@ def ensure_local(ctx: InitContext) -> None:
             files.mirror_block(
                 local,
                 "# The model mirror on this machine, added by 'llmgw server init'. Its\n"
-                "# management API is on loopback, so it needs no certificate.",
+                + ("# management API answers the control planes' addresses only." if ctx.opts.ha else
+                   "# management API is on loopback, so it needs no certificate."),
             ),
         )
         ctx.say("done", "server.yaml points at the mirror")

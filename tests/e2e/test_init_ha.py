@@ -1,0 +1,262 @@
+"""``server init``'s database step for HA on real processes: Patroni 4.1.5 members with PostgreSQL 15,
+each run as ``postgres`` by llmgw's supervisor on loopback (raft as the DCS), one per install root
+as if each were its own machine.
+
+Needs Patroni's venv (``LLMGW_PATRONI_VENV``, default ``/var/cache/llmgw/patroni-4.1.5``, made by
+scripts/assets) and the PostgreSQL 15 binaries; without them the test skips on a developer's
+machine and FAILS under ``LLMGW_REQUIRE_ASSETS=1``. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy
+
+from llmgw.config import load_server_config
+from llmgw.errors import LlmgwError
+from llmgw.paths import Paths
+from llmgw.serverinit.options import InitOptions
+from llmgw.serverinit.patroni import PG_BIN_DIR, HaPlan, PatroniRest, venv_ok
+from llmgw.serverinit.steps import database
+from llmgw.serverinit.steps.context import InitContext
+from llmgw.service.manager import SupervisorManager
+from llmgw.tlsconf import CA
+from tests.conftest import Assets, skip_or_fail
+from tests.helpers.processes import exposed, listen_args, llmgw, stop_install
+
+pytestmark = pytest.mark.e2e
+
+VENV = Path(os.environ.get("LLMGW_PATRONI_VENV", "/var/cache/llmgw/patroni-4.1.5"))
+
+
+@pytest.fixture
+def patroni_venv() -> Path:
+    """Patroni's venv, or a skip (a failure under LLMGW_REQUIRE_ASSETS=1) naming what is missing."""
+    missing = [str(p) for p in (VENV / "bin" / "patroni", PG_BIN_DIR / "postgres") if not p.exists()]
+    if missing or os.geteuid() != 0:
+        skip_or_fail(f"HA init needs root, Patroni and PostgreSQL 15: missing {', '.join(missing) or 'root'}; "
+                     "run scripts/assets (or set LLMGW_PATRONI_VENV)")
+    assert venv_ok(VENV)
+    return VENV
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pg_ports(n: int) -> list[int]:
+    """``n`` PostgreSQL ports 3 apart whose REST (+2576) and raft (-421) ports are free too."""
+    base = 20000 + (os.getpid() * 7) % 9000
+    while True:
+        ports = [base + 3 * i for i in range(n)]
+        if all(_free(p) and _free(p + 2576) and _free(p - 421) for p in ports):
+            return ports
+        base += 3 * n
+
+
+@pytest.fixture
+def roots() -> Iterator[list[Path]]:
+    """Three install roots the postgres user can traverse (pytest's tmp_path is root's 0700)."""
+    made = [Path(tempfile.mkdtemp(prefix="llmgw-ha-")) for _ in range(3)]
+    for r in made:
+        r.chmod(0o755)
+    yield made
+    for r in made:
+        mgr = SupervisorManager(Paths(r))
+        with contextlib.suppress(LlmgwError):
+            mgr.stop("patroni")
+        shutil.rmtree(r, ignore_errors=True)
+
+
+def ctx_for(root: Path, **kw: object) -> tuple[InitContext, io.StringIO]:
+    paths = Paths(root)
+    out = io.StringIO()
+    opts = InitOptions(patroni_dir=root / "patroni", patroni_wait_s=60, **kw)  # type: ignore[arg-type]
+    return InitContext(paths, opts, SupervisorManager(paths), out=out), out
+
+
+def test_three_members_bootstrap_a_primary_and_two_streaming_replicas(
+    patroni_venv: Path, roots: list[Path]
+) -> None:
+    ports = pg_ports(3)
+    specs = [f"cp{i + 1}=127.0.0.1:{p}" for i, p in enumerate(ports)]
+    t0 = time.monotonic()
+    ctx1, out1 = ctx_for(roots[0], control_planes=specs, patroni_venv=patroni_venv)
+    got = database.run(ctx1)
+    first_s = time.monotonic() - t0
+    assert got.me.name == "cp1"
+    assert "  done database llmgw (owner llmgw)" in out1.getvalue()
+    assert PatroniRest(got.me.rest_url).is_primary()
+
+    # The standbys: the plan carried over as add-control-plane's bundle would (ha.yaml + ha-me).
+    for i in (1, 2):
+        etc = Paths(roots[i]).etc
+        etc.mkdir(parents=True)
+        shutil.copy(database.ha_yaml(ctx1.paths), etc / "ha.yaml")
+        (etc / "ha-me").write_text(f"cp{i + 1}\n")
+        ctx, out = ctx_for(roots[i], patroni_venv=patroni_venv)
+        database.run(ctx, role="replica")
+        assert f"  done database member cp{i + 1} is the replica" in out.getvalue()
+
+    # /cluster shows what the members last wrote to the DCS (every loop_wait, 2 s).
+    deadline = time.monotonic() + 15
+    while True:
+        cluster = PatroniRest(got.me.rest_url).cluster()
+        roles = {m["name"]: (m["role"], m["state"]) for m in cluster["members"]}
+        if all(roles.get(n, ("", ""))[1] == "streaming" for n in ("cp2", "cp3")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert roles["cp1"] == ("leader", "running")
+    # synchronous_mode: true makes one replica the synchronous standby.
+    assert sorted(roles[n][0] for n in ("cp2", "cp3")) == ["replica", "sync_standby"]
+    assert all(roles[n][1] == "streaming" for n in ("cp2", "cp3")), roles
+
+    # The store URL reaches the primary through libpq's multi-host list, as the llmgw user.
+    plan = HaPlan.load(database.ha_yaml(ctx1.paths))
+    engine = sqlalchemy.create_engine(plan.store_url())
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(sqlalchemy.text("SELECT current_user, current_database(), pg_is_in_recovery()")).one()
+            assert tuple(row) == ("llmgw", "llmgw", False)
+    finally:
+        engine.dispose()
+    print(f"member 1 up in {first_s:.1f} s, all three in {time.monotonic() - t0:.1f} s")
+
+    # A second run keeps everything.
+    again, out = ctx_for(roots[0], control_planes=specs, patroni_venv=patroni_venv)
+    database.run(again)
+    tags = [ln.split()[0] for ln in out.getvalue().splitlines()]
+    assert "done" not in tags, out.getvalue()
+    assert tags.count("kept") == 7, out.getvalue()  # venv, ha.yaml, patroni.yml, unit, member, role, database
+    assert "  kept database member cp1 is up (primary running)" in out.getvalue()
+
+    # After a switchover cp1 is a replica: init on it again accepts that, and stops nothing.
+    rest = PatroniRest(got.me.rest_url)
+    r = httpx.post(f"{got.me.rest_url}/switchover", json={"leader": "cp1"}, timeout=30,
+                   auth=("llmgw", plan.passwords["restapi"]))
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while not rest.is_streaming() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    again, out = ctx_for(roots[0], control_planes=specs, patroni_venv=patroni_venv)
+    database.run(again)
+    assert "  kept database member cp1 is up (replica running streaming)" in out.getvalue()
+    assert "  kept database llmgw: made when cp1 led; another member leads now" in out.getvalue()
+    assert rest.is_streaming()
+
+
+def test_a_patroni_that_cannot_start_stops_init_with_its_log_and_leaves_nothing(
+    patroni_venv: Path, roots: list[Path]
+) -> None:
+    port = pg_ports(1)[0]
+    with socket.socket() as taken:  # PostgreSQL's port is taken: its postmaster cannot start
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        ctx, _out = ctx_for(roots[0], control_planes=[f"cp1=127.0.0.1:{port}"], patroni_venv=patroni_venv)
+        ctx.opts.patroni_wait_s = 25
+        with pytest.raises(LlmgwError) as err:
+            database.run(ctx)
+    text = str(err.value)
+    assert "nothing of the database member is left" in text
+    # Patroni's own lines, saying why.
+    assert "ERROR: postmaster is not running" in text
+    assert "Failed to bootstrap cluster" in text
+    assert not (roots[0] / "patroni").exists()
+    assert not database.ha_yaml(ctx.paths).exists()
+    assert not ctx.paths.unit("patroni").exists()
+
+
+def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
+    patroni_venv: Path, roots: list[Path], assets: Assets
+) -> None:
+    """The whole of HA init through the CLI, as two machines on loopback: the first control plane
+    (Patroni primary, the llmgw database, the control plane on it, mirror, node, the starter
+    served), add-control-plane's bundle, and the standby joining (streaming replica, its own
+    control plane on the shared database); a machine of another cluster refuses the bundle."""
+    first, standby, foreign = roots
+    ports = pg_ports(2)
+    members = ["--control-plane", f"cp1=127.0.0.1:{ports[0]}", "--control-plane", f"cp2=127.0.0.1:{ports[1]}"]
+    args = ["server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node", "--no-guard-model",
+            "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
+            "--llama-server", str(assets.llama_server), "--patroni-venv", str(patroni_venv), *listen_args(),
+            *members]
+    try:
+        t0 = time.monotonic()
+        r = llmgw(first, *args)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stdout + r.stderr
+        for line in ("done database member cp1 is the primary", "done database llmgw (owner llmgw)",
+                     "done server.yaml: store on PostgreSQL (2 members), cluster cp1", "done control plane started",
+                     "done gemma-3-270m-q4_k_m is serving"):
+            assert line in r.stdout, f"missing {line!r} in:\n{r.stdout}"
+        cfg = load_server_config(Paths(first).server_config)
+        assert cfg.store.url.startswith("postgresql+psycopg://llmgw:")
+        assert cfg.cluster.patroni == [f"http://127.0.0.1:{ports[0] + 2576}", f"http://127.0.0.1:{ports[1] + 2576}"]
+        gateway = re.search(r"curl -s (http://127\.0\.0\.1:\d+)/v1/chat/completions", r.stdout)
+        assert gateway, r.stdout
+        print(f"HA init of the first control plane took {took:.1f} s")
+        # Every secret is its owner's alone (ha.yaml and patroni.yml hold the database passwords).
+        assert exposed(first) == []
+        assert stat.S_IMODE((Paths(first).etc / "ha.yaml").stat().st_mode) == 0o600
+
+        bundle = first / "bundle-cp2"
+        r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.1", "--out", str(bundle))
+        assert r.returncode == 0, r.stdout + r.stderr
+
+        # A machine already in another cluster refuses it, before writing anything of it.
+        Paths(foreign).pki.mkdir(parents=True)
+        CA.create().write(Paths(foreign).pki)
+        r = llmgw(foreign, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv))
+        assert r.returncode != 0
+        assert "refusing to join: this machine already has another cluster's CA" in r.stdout + r.stderr
+        assert not (Paths(foreign).etc / "ha.yaml").exists()
+
+        t0 = time.monotonic()
+        r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
+                  *listen_args(skip=("--mirror-listen", "--mirror-api-listen")))
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stdout + r.stderr
+        for line in ("done database member cp2 is the replica", "done control plane started"):
+            assert line in r.stdout, f"missing {line!r} in:\n{r.stdout}"
+        print(f"--join took {took:.1f} s")
+        roles = {m["name"]: m["role"] for m in PatroniRest(f"http://127.0.0.1:{ports[0] + 2576}").cluster()["members"]}
+        assert roles["cp1"] == "leader"
+        assert roles["cp2"] in ("replica", "sync_standby")  # sync once Patroni's next loop (2 s) picks it
+        assert PatroniRest(f"http://127.0.0.1:{ports[1] + 2576}").is_streaming()
+        # The standby's control plane reads the catalog the first one wrote, from the shared database.
+        models = llmgw(standby, "ctl", "models", timeout=60)
+        assert models.returncode == 0, models.stderr
+        assert "gemma-3-270m-q4_k_m" in models.stdout
+
+        # A second --join keeps everything.
+        r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
+                  *listen_args(skip=("--mirror-listen", "--mirror-api-listen")))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not [ln for ln in r.stdout.splitlines() if ln.startswith("  done")], r.stdout
+
+        # A second init on the first control plane keeps everything.
+        r = llmgw(first, *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "kept database role llmgw" in r.stdout
+        assert "kept server.yaml's store" in r.stdout
+    finally:
+        for root in (standby, first):
+            stop_install(root)

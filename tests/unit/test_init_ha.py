@@ -1,0 +1,334 @@
+"""HA ``server init`` without starting Patroni: member specs, the plan, ``patroni.yml``, the store
+URL, the Patroni unit, the standby's bundle (``server add-control-plane``) and ``--join``'s checks,
+on temporary roots with real files and real certificates. Bad flags: a clear error, nothing written.
+Patroni itself runs in tests/e2e/test_init_ha.py."""
+
+from __future__ import annotations
+
+import io
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+from typer.testing import CliRunner
+
+from llmgw.cli.main import app
+from llmgw.config import load_server_config
+from llmgw.errors import ConfigError, PkiError, ServiceError
+from llmgw.paths import Paths
+from llmgw.serverinit.options import InitOptions
+from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
+from llmgw.serverinit.standby import add_control_plane, check_bundle, install_bundle
+from llmgw.serverinit.steps import database, ha, pki, serveryaml
+from llmgw.serverinit.steps.context import InitContext
+from llmgw.service.haunits import patroni_unit
+from llmgw.service.manager import SupervisorManager
+from llmgw.service.unitfile import parse_unit
+from llmgw.service.units import check_service
+from llmgw.tlsconf import CA, cert_hosts
+from tests.conftest import skip_or_fail
+from tests.helpers.init import init_cli, written
+
+SPECS = ["cp1=10.0.0.1", "cp2=10.0.0.2", "cp3=10.0.0.3:6432"]
+
+
+def plan(**kw: Any) -> HaPlan:
+    return HaPlan(members=[Member.parse(s) for s in SPECS], **kw)
+
+
+# --- members and the plan ---------------------------------------------------------------------
+
+
+def test_a_member_spec_gives_the_three_ports_from_postgresql_s() -> None:
+    m = Member.parse("cp3=10.0.0.3:6432")
+    assert (m.name, m.host, m.pg_port, m.rest_port, m.raft_port) == ("cp3", "10.0.0.3", 6432, 9008, 6011)
+    assert Member.parse("cp1=db1.example").pg_port == 5432
+    assert Member.parse("cp1=db1.example").rest_url == "http://db1.example:8008"
+    v6 = Member.parse("cp2=[fd00::2]:5433")
+    assert (v6.host, v6.pg_port, v6.rest_url) == ("fd00::2", 5433, "http://[fd00::2]:8009")
+    assert v6.spec == "cp2=[fd00::2]:5433"
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("10.0.0.1", "is not NAME=HOST[:PORT]"),
+    ("CP1=10.0.0.1", "control plane name"),
+    ("cp1=10.0.0.1:x", "the port 'x' is not a number"),
+    ("cp1=fd00::1", "an IPv6 address goes in brackets"),
+    ("cp1=10.0.0.1:80", "the PostgreSQL port is 80, outside 1024-65535"),
+    ("cp1=10.0.0.1:64000", "the REST API port is 66576"),
+])
+def test_a_bad_member_spec_says_what_is_wrong(spec: str, says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Member.parse(spec)
+    assert says in str(e.value)
+
+
+def test_a_plan_refuses_a_name_or_a_port_used_twice_and_a_bad_etcd_url() -> None:
+    with pytest.raises(ConfigError, match="'cp1' is given twice"):
+        HaPlan(members=[Member.parse("cp1=a"), Member.parse("cp1=b")])
+    with pytest.raises(ConfigError, match=r"cp2 and cp1 would both use 127\.0\.0\.1:8008"):
+        HaPlan(members=[Member.parse("cp1=127.0.0.1:5432"), Member.parse("cp2=127.0.0.1:8008")])
+    HaPlan(members=[Member.parse("cp1=127.0.0.1:5432"), Member.parse("cp2=127.0.0.1:5433")])  # 1 apart is fine
+    with pytest.raises(ConfigError, match="not an etcd v3 client URL"):
+        plan(etcd=["10.0.0.1:2379"])
+    with pytest.raises(ConfigError, match="needs its control planes"):
+        HaPlan(members=[])
+
+
+def test_the_store_url_is_libpq_multi_host_over_every_member() -> None:
+    p = plan()
+    pw = p.passwords["llmgw"]
+    assert p.store_url() == (
+        f"postgresql+psycopg://llmgw:{pw}@/llmgw?host=10.0.0.1:5432&host=10.0.0.2:5432&host=10.0.0.3:6432"
+        "&target_session_attrs=read-write&connect_timeout=2"
+    )
+    assert p.rest_urls() == ["http://10.0.0.1:8008", "http://10.0.0.2:8008", "http://10.0.0.3:9008"]
+    assert set(p.passwords) == {"superuser", "replication", "rewind", "llmgw", "restapi"}
+    assert len(set(p.passwords.values())) == 5
+
+
+def test_the_plan_round_trips_through_ha_yaml(tmp_path: Path) -> None:
+    p = plan(etcd=["http://10.0.0.9:2379"])
+    (tmp_path / "ha.yaml").write_text(p.to_yaml())
+    back = HaPlan.load(tmp_path / "ha.yaml")
+    assert back.to_doc() == p.to_doc()
+    assert back.same_cluster(p) == []
+    other = HaPlan(members=[Member.parse("cp1=10.0.0.1")])
+    assert back.same_cluster(other)[0].startswith("control planes cp1=10.0.0.1:5432, cp2=")
+
+
+# --- patroni.yml and the unit -------------------------------------------------------------------
+
+
+def test_patroni_yml_has_ha_md_s_settings_and_raft_partners() -> None:
+    p = plan()
+    first = yaml.safe_load(patroni_yml(p, p.members[0]))
+    second = yaml.safe_load(patroni_yml(p, p.members[1]))
+    dcs = first["bootstrap"]["dcs"]
+    assert (dcs["ttl"], dcs["loop_wait"], dcs["retry_timeout"], dcs["synchronous_mode"]) == (20, 2, 4, True)
+    assert dcs["postgresql"]["use_pg_rewind"] is True
+    assert dcs["postgresql"]["parameters"]["tcp_keepalives_idle"] == 5
+    assert (first["name"], first["scope"]) == ("cp1", "llmgw")
+    assert first["restapi"] == {"listen": "10.0.0.1:8008", "connect_address": "10.0.0.1:8008",
+                                "authentication": {"username": "llmgw", "password": p.passwords["restapi"]}}
+    assert first["postgresql"]["listen"] == "10.0.0.1:5432"
+    assert first["postgresql"]["bin_dir"] == "/usr/lib/postgresql/15/bin"
+    assert first["postgresql"]["authentication"]["superuser"]["password"] == p.passwords["superuser"]
+    assert first["postgresql"]["basebackup"] == [{"checkpoint": "fast"}]
+    # The first member's raft leads alone; the others join it.
+    assert first["raft"]["partner_addrs"] == []
+    assert second["raft"] == {"data_dir": "/var/lib/llmgw-patroni/raft", "self_addr": "10.0.0.2:5011",
+                              "partner_addrs": ["10.0.0.1:5011", "10.0.0.3:6011"]}
+    assert "etcd3" not in first
+    assert first["watchdog"] == {"mode": "off"}
+
+
+def test_patroni_yml_with_etcd_names_its_hosts_and_no_raft() -> None:
+    p = plan(etcd=["http://10.0.0.9:2379", "http://10.0.0.8:2379"])
+    doc = yaml.safe_load(patroni_yml(p, Member.parse("cp2=db2.example")))
+    assert doc["etcd3"] == {"hosts": ["10.0.0.9:2379", "10.0.0.8:2379"], "protocol": "http"}
+    assert "raft" not in doc
+    assert doc["postgresql"]["listen"] == "0.0.0.0:5432"  # a name: bind every interface
+    assert doc["postgresql"]["connect_address"] == "db2.example:5432"
+
+
+def test_the_patroni_unit_runs_patroni_as_postgres() -> None:
+    body = patroni_unit(Paths(Path("/")), Path("/opt/llmgw/patroni-4.1.5"), Path("/var/lib/llmgw-patroni/patroni.yml"))
+    spec = parse_unit(body)
+    assert spec.argv == ["/opt/llmgw/patroni-4.1.5/bin/patroni", "/var/lib/llmgw-patroni/patroni.yml"]
+    assert (spec.user, spec.group, spec.restart, spec.restart_sec, spec.stop_timeout) == (
+        "postgres", "postgres", "on-failure", 2.0, 60.0)
+    check_service("patroni")  # a service the manager and 'llmgw service' take by name
+
+
+# --- bad flags -----------------------------------------------------------------------------------
+
+
+def test_a_bad_control_plane_flag_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--control-plane", "cp1=10.0.0.2")
+    assert code == 2
+    assert "the control plane name 'cp1' is given twice" in out
+    assert written(root) == []
+
+
+def test_join_with_no_bundle_says_what_to_copy(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--join", str(tmp_path / "nope"))
+    assert code == 2
+    assert "no such directory; copy there what 'llmgw server add-control-plane' wrote" in out
+    assert written(root) == []
+
+
+# --- the bundle and --join -----------------------------------------------------------------------
+
+
+def first_control_plane(root: Path) -> Paths:
+    """A first control plane's files as HA init leaves them (no services)."""
+    paths = Paths(root)
+    ctx = InitContext(paths, InitOptions(hosts=["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+                      SupervisorManager(paths), out=io.StringIO())
+    pki.run(ctx)
+    serveryaml.run(ctx)
+    p = plan()
+    (paths.etc / "ha.yaml").write_text(p.to_yaml())
+    with paths.server_config.open("a") as f:
+        f.write(database.server_yaml_block(p, p.members[0], "https://10.0.0.1:7443"))
+    return paths
+
+
+def test_add_control_plane_writes_a_private_bundle_for_the_standby(tmp_path: Path) -> None:
+    paths = first_control_plane(tmp_path / "cp1")
+    assert load_server_config(paths.server_config).cluster.name == "cp1"
+    out = tmp_path / "bundle"
+    files = add_control_plane(paths, "cp2", out, address="10.0.0.2")
+    assert [f.name for f in files] == ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "admin-token",
+                                       "client-keys", "ha.yaml", "ha-me", "server.yaml"]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+    assert {"10.0.0.1", "10.0.0.2", "10.0.0.3"} <= set(cert_hosts(out / "server.pem"))
+    cert = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "10.0.0.2"
+    assert (out / "ha-me").read_text() == "cp2\n"
+    assert (out / "admin-token").read_bytes() == paths.admin_token.read_bytes()
+    doc = yaml.safe_load((out / "server.yaml").read_text())
+    assert doc["cluster"]["name"] == "cp2"
+    assert doc["cluster"]["agent_url"].startswith("https://10.0.0.2:")
+    assert doc["store"]["url"] == HaPlan.load(paths.etc / "ha.yaml").store_url()
+    assert doc["tls"]["ca"] == "/etc/llmgw/pki/ca.pem"
+
+    with pytest.raises(ConfigError, match="is not empty"):
+        add_control_plane(paths, "cp2", out, address="10.0.0.2")
+    with pytest.raises(ConfigError, match=r"cp3 is at 10\.0\.0\.3 .* not 10\.9\.9\.9"):
+        add_control_plane(paths, "cp3", tmp_path / "b3", address="10.9.9.9")
+    with pytest.raises(ConfigError, match="no control plane 'cp9'"):
+        add_control_plane(paths, "cp9", tmp_path / "b9", address="10.0.0.9")
+    with pytest.raises(ConfigError, match="the first control plane itself"):
+        add_control_plane(paths, "cp1", tmp_path / "b1", address="10.0.0.1")
+
+
+def test_join_installs_the_bundle_with_this_machine_s_paths_then_keeps_it(tmp_path: Path) -> None:
+    first = first_control_plane(tmp_path / "cp1")
+    add_control_plane(first, "cp2", tmp_path / "bundle", address="10.0.0.2")
+    standby = Paths(tmp_path / "cp2")
+    b = check_bundle(tmp_path / "bundle", standby)
+    assert (b.me.name, len(b.plan.members)) == ("cp2", 3)
+    tags = install_bundle(b, standby)
+    assert {t for t, _ in tags} == {"done"}
+    cfg = load_server_config(standby.server_config)
+    assert cfg.tls.ca == standby.pki / "ca.pem"
+    assert cfg.cluster.name == "cp2"
+    assert (standby.pki / "ca.pem").read_bytes() == (first.pki / "ca.pem").read_bytes()
+    assert stat.S_IMODE((standby.pki / "ca-key.pem").stat().st_mode) == 0o600
+    again = install_bundle(check_bundle(tmp_path / "bundle", standby), standby)
+    assert {t for t, _ in again} == {"kept"}
+
+
+def test_join_refuses_a_bundle_from_another_cluster_s_ca(tmp_path: Path) -> None:
+    first = first_control_plane(tmp_path / "cp1")
+    add_control_plane(first, "cp2", tmp_path / "bundle", address="10.0.0.2")
+    other = first_control_plane(tmp_path / "elsewhere")  # a machine already in another cluster
+    with pytest.raises(PkiError, match="this machine already has another cluster's CA"):
+        check_bundle(tmp_path / "bundle", other)
+    assert not (other.etc / "ha-me").exists()
+
+
+def test_join_refuses_a_bundle_whose_certificate_another_ca_signed(tmp_path: Path) -> None:
+    first = first_control_plane(tmp_path / "cp1")
+    bundle = tmp_path / "bundle"
+    add_control_plane(first, "cp2", bundle, address="10.0.0.2")
+    CA.create().issue_server(["10.0.0.2"]).write(bundle, "server")
+    with pytest.raises(PkiError, match=r"was not signed by .*ca\.pem"):
+        check_bundle(bundle, Paths(tmp_path / "cp2"))
+    code, out = init_cli(tmp_path / "cp2", "--join", str(bundle))
+    assert code != 0
+    assert "refusing to join" in out
+    assert written(tmp_path / "cp2") == []
+
+
+def test_add_control_plane_cli_on_a_machine_without_ha_says_what_to_run(tmp_path: Path) -> None:
+    r = CliRunner().invoke(app, ["--root", str(tmp_path), "server", "add-control-plane", "cp2",
+                                 "--address", "10.0.0.2", "--out", str(tmp_path / "b")])
+    assert r.exit_code != 0
+    assert "not the first control plane of an HA cluster" in r.output
+
+
+def test_missing_postgresql_binaries_are_named_before_anything_is_written(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--pg-bin-dir", str(tmp_path / "nopg"))
+    assert code == 2
+    assert f"PostgreSQL 15 is not in {tmp_path / 'nopg'}: apt-get install postgresql-15, or give --pg-bin-dir" in out
+    assert written(root) == []
+
+
+def test_offline_without_a_patroni_venv_says_to_carry_one_in(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
+        skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--patroni-venv", str(tmp_path / "novenv"))
+    assert code == 2
+    assert f"--offline and no Patroni at {tmp_path / 'novenv'}/bin/patroni" in out
+    assert written(root) == []
+
+
+def test_ha_prepare_names_every_control_plane_and_opens_the_mirror_to_them(tmp_path: Path) -> None:
+    """What HA changes in the other steps: certificate names, the mirror's API and its allow list,
+    two judges. Runs only the checks (no file is written)."""
+    if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
+        skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    paths = Paths(tmp_path)
+    opts = InitOptions(control_planes=SPECS, hosts=["cp1.example"], patroni_venv=Path("/nonexistent"),
+                       patroni_dir=Path("/nonexistent/patroni"))
+    ctx = InitContext(paths, opts, SupervisorManager(paths), out=io.StringIO())
+    me = ha.prepare(ctx)
+    assert me.name == "cp1"
+    assert opts.hosts == ["10.0.0.1", "cp1.example", "10.0.0.2", "10.0.0.3"]
+    assert (opts.mirror_api_listen, ctx.local_mirror_api()) == (":8082", "http://10.0.0.1:8082")
+    assert ctx.mirror_allow == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert opts.judge_replicas == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_venv_that_pip_cannot_make_is_removed_and_pip_s_words_shown(tmp_path: Path) -> None:
+    """pip's failure is simulated (no network is needed to show what init says about it)."""
+    venv = tmp_path / "patroni"
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        if argv[1:3] == ["-m", "venv"]:
+            venv.joinpath("bin").mkdir(parents=True)
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution found for patroni")
+
+    with pytest.raises(ServiceError, match="No matching distribution found for patroni"):
+        ensure_venv(venv, run=run)
+    assert calls[1] == [str(venv / "bin" / "pip"), "install", "-q", "patroni[psycopg3,raft,etcd3]==4.1.5"]
+    assert not venv.exists()
+    with pytest.raises(ServiceError, match="under /root, which the postgres user cannot read"):
+        ensure_venv(Path("/root/patroni"), run=run)
+    with pytest.raises(ServiceError, match="--offline"):
+        ensure_venv(venv, offline=True, run=run)
+
+
+def test_a_patroni_dir_the_postgres_user_cannot_reach_is_refused(tmp_path: Path) -> None:
+    if not (Path("/usr/lib/postgresql/15/bin/postgres")).exists():
+        skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "patroni").write_text("#!/bin/sh\n")
+    (venv / "bin" / "patroni").chmod(0o755)
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--control-plane", "cp1=10.0.0.1", "--patroni-venv", str(venv),
+                         "--patroni-dir", str(closed / "patroni"))
+    assert code == 2
+    assert f"the postgres user cannot reach {closed / 'patroni'}" in out
+    assert "is not searchable by others" in out
+    assert written(root) == []
