@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psycopg
 import yaml
 
 from llmgw.paths import Paths
@@ -91,7 +92,7 @@ def patroni_binary() -> Path:
     try:
         pwd.getpwnam("postgres")
     except KeyError:
-        raise HAUnavailable("there is no 'postgres' user to run PostgreSQL as (apt-get install postgresql-15)") from None
+        raise HAUnavailable("no 'postgres' user to run PostgreSQL as (apt-get install postgresql-15)") from None
     return patroni
 
 
@@ -339,10 +340,8 @@ class PatroniCluster:
         return (f"postgresql+psycopg://postgres:{SUPERUSER_PASSWORD}@/{database}?{hosts}"
                 "&target_session_attrs=read-write")
 
-    def connect(self, database: str = "postgres", member: Member | None = None) -> Any:
+    def connect(self, database: str = "postgres", member: Member | None = None) -> psycopg.Connection[Any]:
         """A psycopg autocommit connection to the primary (any host that takes writes), or to ``member``."""
-        import psycopg
-
         ports = [member.pg_port] if member else [m.pg_port for m in self.members]
         return psycopg.connect(
             host=",".join("127.0.0.1" for _ in ports), port=",".join(map(str, ports)), dbname=database,
