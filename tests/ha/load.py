@@ -80,7 +80,9 @@ class _Loop(threading.Thread):
 class Writer(_Loop):
     """Catalog writes (module docstring). ``acked``: name -> monotonic time of its 201;
     ``unknown``: names whose outcome is unknown; ``refused``: (time, status) of each clear refusal
-    (503 ``store_unavailable`` while there is no primary)."""
+    (503 ``store_unavailable`` while there is no primary); ``hung``: (control plane, start) of each
+    write with no answer in ``timeout_s`` (PREAMBLE: a write while the database is unreachable answers
+    503 within a few seconds); ``slowest_s``: the longest answer or timeout."""
 
     def __init__(self, rotation: Rotation, every_s: float = 0.1, timeout_s: float = 10) -> None:
         super().__init__(every_s)
@@ -90,6 +92,8 @@ class Writer(_Loop):
         self.acked: dict[str, float] = {}
         self.unknown: list[str] = []
         self.refused: list[tuple[float, int]] = []
+        self.hung: list[tuple[str, float]] = []
+        self.slowest_s = 0.0
         self.lock = threading.Lock()
 
     def step(self) -> None:
@@ -98,14 +102,24 @@ class Writer(_Loop):
             return
         cp = random.choice(cps)
         name = f"w-{next(self.seq)}"
-        body = {"name": name, "source": f"http://mirror.invalid/{name}.gguf", "profiles": [{"name": "cpu"}],
+        # a file the file server does not have: the reconcilers' memory estimate fails at once (404)
+        files = self.rotation.cluster.files.url if self.rotation.cluster.files else "http://127.0.0.1:9"
+        body = {"name": name, "source": f"{files}/absent/{name}.gguf", "profiles": [{"name": "cpu"}],
                 "scaling": {"min": 0, "max": 1}}
+        t0 = time.monotonic()
         try:
             r = httpx.post(f"{cp.admin}/api/v1/models", json=body, headers=AUTH, timeout=self.timeout_s)
+        except httpx.TimeoutException:
+            with self.lock:
+                self.unknown.append(name)
+                self.hung.append((cp.name, t0))
+            return
         except httpx.HTTPError:
             with self.lock:
                 self.unknown.append(name)
             return
+        finally:
+            self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
         with self.lock:
             if r.status_code == 201:
                 self.acked[name] = time.monotonic()

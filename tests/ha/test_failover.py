@@ -108,11 +108,18 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
     load = Load.start(ha, "gemma")
     terms: list[tuple[str, int]] = []
 
+    measured: list[str] = []
+    election = True  # GET /api/v1/cluster answers (else one finding, and no waiting for leaders)
+
     def after(fault: str, t0: float, not_leader: str = "") -> None:
         """After a fault at ``t0``: writes again, the database healthy, one agreed leader, term up."""
         first = wait_for(f"{fault}: an acknowledged write", lambda: load.writer.first_ack_after(t0), 60, 0.2)
         f.check(first - t0 <= WRITE_OUTAGE_MAX_S, f"{fault}: writes out for {first - t0:.1f} s")
+        measured.append(f"{fault}: write outage {first - t0:.1f} s")
         ha.patroni.wait_healthy(90)
+        measured.append(f"{fault}: healed at +{time.monotonic() - t0:.1f} s")
+        if not election:
+            return
         got = _leader(ha, AGREE_MAX_S, not_leader)
         if f.check(got, f"{fault}: no agreed leader in {AGREE_MAX_S} s: {dump(cluster_views(ha))}") and got:
             if terms:
@@ -122,30 +129,38 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
     try:
         time.sleep(3)
         start = _leader(ha, 10)
-        f.check(start, f"start: no agreed leader: {dump(cluster_views(ha))}")
+        views = cluster_views(ha)
+        f.check(start, f"start: no agreed leader: {dump(views)}")
         if start:
             terms.append(start)
+        elif all(v == "HTTP 404" for v in views.values()):
+            election = False  # not merged: every leader check below would only repeat this finding
+            f.check(False, "GET /api/v1/cluster answers 404: the leader checks could not run")
 
         # 1. the leading control plane (cp1 when no leader is known: then the check above failed)
         victim = ha.cp(start[0] if start else "cp1")
         load.rotation.take_out(victim.name)
         t0 = time.monotonic()
         victim.kill9()
-        took = _leader(ha, 10, not_=victim.name)
-        if f.check(took, f"leader kill: no new leader in 10 s: {dump(cluster_views(ha))}") and took:
+        took = _leader(ha, 10, not_=victim.name) if election else None
+        if election and f.check(took, f"leader kill: no new leader in 10 s: {dump(cluster_views(ha))}") and took:
             takeover = time.monotonic() - t0
+            measured.append(f"leader kill: new leader {took[0]} in term {took[1]} after {takeover:.2f} s")
             f.check(takeover <= TAKEOVER_MAX_S + 0.5, f"leader kill: takeover took {takeover:.2f} s")
             if terms:
                 f.check(took[1] > terms[-1][1], f"leader kill: term {took[1]} not above {terms[-1][1]}")
             terms.append(took)
+        time.sleep(1)
         victim.start()
         victim.wait_health()
         wait_for(f"{victim.name} serving gemma again", lambda: chat(victim, "gemma").status_code == 200, 60, 0.5)
         load.rotation.put_back(victim.name)
-        time.sleep(2)  # the restarted one must follow, not take over (a second leader is impossible)
-        again = _leader(ha, 10)
-        f.check(again and terms and again == terms[-1],
-                f"leader kill: after the restart {again}, expected {terms[-1] if terms else None}")
+        measured.append(f"leader kill: {victim.name} back in rotation at +{time.monotonic() - t0:.1f} s")
+        if election:
+            time.sleep(2)  # the restarted one must follow, not take over (a second leader is impossible)
+            again = _leader(ha, 10)
+            f.check(again and terms and again == terms[-1],
+                    f"leader kill: after the restart {again}, expected {terms[-1] if terms else None}")
 
         faults: list[tuple[str, Callable[[], None]]] = [
             ("postmaster kill", postmaster_kill_of(ha)),
@@ -166,13 +181,20 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
     lost = sorted(set(load.writer.acked) - names)
     f.check(not lost, f"{len(lost)} acknowledged writes lost: {lost[:20]}")
     f.check(len(load.writer.acked) > 200, f"only {len(load.writer.acked)} writes acknowledged")
+    w = load.writer
+    f.check(not w.hung, f"{len(w.hung)} writes had no answer in {w.timeout_s:g} s (expected a fast 503): {w.hung[:5]}")
     gw = load.gateway
+    measured.append(f"writes: {len(w.acked)} acknowledged, {len(w.unknown)} unknown ({len(w.refused)} 5xx, "
+                    f"{len(w.hung)} hung), slowest answer {w.slowest_s:.1f} s; lost {len(lost)}")
+    measured.append(f"gateway: {gw.ok} ok, {gw.failed} failed ({gw.success_pct:.2f}%); terms {terms}")
+    print("\n".join(measured))  # shown with -s, and with the failure
     f.check(gw.success_pct >= 99, f"gateway {gw.success_pct:.2f}% of {gw.ok + gw.failed}: {gw.failures[:10]}")
     f.check(gw.ok > 100, f"only {gw.ok} gateway requests answered")
     doubles = load.watch.double_claims()
     f.check(not doubles, f"two leaders in one term: {doubles[:3]}")
     f.check(load.watch.overlap_s() <= LEASE_S + 1, f"two leaders at once for {load.watch.overlap_s():.1f} s")
-    f.check(not load.watch.errors, f"GET /api/v1/cluster failed: {load.watch.errors[:5]}")
+    if election:
+        f.check(not load.watch.errors, f"GET /api/v1/cluster failed: {load.watch.errors[:5]}")
     assert not f.items, "\n".join(f.items)
 
 
