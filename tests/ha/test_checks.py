@@ -3,9 +3,8 @@ the HA test's own checker must catch a second leader, so it is tested on a made-
 
 from __future__ import annotations
 
-from typing import Any
-
 from tests.ha.load import Claim, LeaderWatch
+
 
 def watch(*rounds: list[tuple[float, str, int, str]]) -> LeaderWatch:
     w = LeaderWatch(cluster=None)  # type: ignore[arg-type]  # never sampled: the samples are given
