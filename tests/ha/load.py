@@ -78,7 +78,7 @@ class _Loop(threading.Thread):
 
 
 class Writer(_Loop):
-    """Catalog writes (module docstring). ``acked``: name -> monotonic time of its 201;
+    """Catalog writes (module docstring). ``acked``: name -> monotonic times (sent, answered 201);
     ``unknown``: names whose outcome is unknown; ``refused``: (time, status) of each clear refusal
     (503 ``store_unavailable`` while there is no primary); ``hung``: (control plane, start) of each
     write with no answer in ``timeout_s`` (PREAMBLE: a write while the database is unreachable answers
@@ -89,7 +89,7 @@ class Writer(_Loop):
         self.rotation = rotation
         self.timeout_s = timeout_s
         self.seq = itertools.count(1)
-        self.acked: dict[str, float] = {}
+        self.acked: dict[str, tuple[float, float]] = {}
         self.unknown: list[str] = []
         self.refused: list[tuple[float, int]] = []
         self.hung: list[tuple[str, float]] = []
@@ -122,7 +122,7 @@ class Writer(_Loop):
             self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
         with self.lock:
             if r.status_code == 201:
-                self.acked[name] = time.monotonic()
+                self.acked[name] = (t0, time.monotonic())
             elif r.status_code >= 500:
                 self.unknown.append(name)
                 self.refused.append((time.monotonic(), r.status_code))
@@ -130,9 +130,10 @@ class Writer(_Loop):
                 raise AssertionError(f"POST /api/v1/models {name} on {cp.name}: {r.status_code} {r.text[:300]}")
 
     def first_ack_after(self, t: float) -> float | None:
-        """The monotonic time of the first acknowledged write after ``t``, or None."""
+        """The monotonic time of the first acknowledgement of a write sent after ``t``, or None (a
+        write sent before ``t`` may have committed before it: it says nothing about the outage)."""
         with self.lock:
-            after = [a for a in self.acked.values() if a > t]
+            after = [acked for sent, acked in self.acked.values() if sent > t]
         return min(after) if after else None
 
 

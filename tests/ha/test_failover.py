@@ -204,7 +204,8 @@ def postmaster_kill_of(ha: HACluster) -> Callable[[], None]:
     def fault() -> None:
         p = ha.patroni.primary()
         assert p is not None, "no primary"
-        p.kill9_postmaster()
+        old = p.kill9_postmaster()
+        wait_for(f"Patroni restarting {p.name}'s PostgreSQL", lambda: p.postmaster_pid() not in (None, old), 30)
 
     return fault
 
