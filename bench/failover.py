@@ -46,24 +46,28 @@ MODEL = Path(os.environ.get("MODEL") or CACHE / "models" / "gemma-3-270m-q4_k_m.
 MIB = 1024 * 1024
 
 
-def idle_memory_mib(cluster: HACluster) -> float:
-    """PSS in MiB of Patroni, PostgreSQL (postmaster and every child) and the control planes."""
-    pids: set[int] = set()
+def idle_memory_mib(cluster: HACluster) -> dict[str, float]:
+    """PSS in MiB of ``patroni`` (the three Patroni processes), ``postgresql`` (each postmaster and
+    every child of it) and ``control_planes`` (the three ``server run`` processes)."""
+    pids: dict[str, set[int]] = {"patroni": set(), "postgresql": set(), "control_planes": set()}
     for m in cluster.patroni.members:
         if m.proc is not None and m.proc.poll() is None:
-            pids.add(m.proc.pid)
+            pids["patroni"].add(m.proc.pid)
         pm = m.postmaster_pid()
         if pm is not None:
-            pids.add(pm)
-            pids.update(c.pid for c in psutil.Process(pm).children(recursive=True))
+            pids["postgresql"].add(pm)
+            pids["postgresql"].update(c.pid for c in psutil.Process(pm).children(recursive=True))
     for cp in cluster.control_planes:
         if cp.proc is not None and cp.proc.poll() is None:
-            pids.add(cp.proc.pid)
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            total += psutil.Process(pid).memory_full_info().pss
-    return total / MIB
+            pids["control_planes"].add(cp.proc.pid)
+    out: dict[str, float] = {}
+    for part, group in pids.items():
+        total = 0
+        for pid in group:
+            with contextlib.suppress(psutil.Error):
+                total += psutil.Process(pid).memory_full_info().pss
+        out[part] = total / MIB
+    return out
 
 
 def main() -> int:
@@ -79,7 +83,9 @@ def main() -> int:
             for cp in cluster.control_planes:
                 wait_for(f"gemma through {cp.name}", lambda cp=cp: chat(cp, "gemma").status_code == 200, 240, 1)
             time.sleep(5)
-            figures["cluster_idle_memory_mib"] = f"{idle_memory_mib(cluster):.0f}"
+            memory = idle_memory_mib(cluster)
+            print("idle PSS MiB: " + ", ".join(f"{part} {mib:.0f}" for part, mib in memory.items()))
+            figures["cluster_idle_memory_mib"] = f"{sum(memory.values()):.0f}"
             load = Load.start(cluster, "gemma")
             try:
                 time.sleep(3)
