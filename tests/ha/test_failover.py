@@ -162,16 +162,14 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
             f.check(again and terms and again == terms[-1],
                     f"leader kill: after the restart {again}, expected {terms[-1] if terms else None}")
 
-        faults: list[tuple[str, Callable[[], None]]] = [
+        faults: list[tuple[str, Callable[[], float]]] = [
             ("postmaster kill", postmaster_kill_of(ha)),
             ("node crash", node_crash_of(ha)),
             ("orphaned primary", orphan_of(ha)),
             ("switchover", switchover_of(ha)),
         ]
         for name, fault in faults:
-            t0 = time.monotonic()
-            fault()
-            after(name, t0)
+            after(name, fault())
             time.sleep(2)  # settle: the gateway snapshot, a sync standby named again
     finally:
         load.stop()
@@ -198,52 +196,63 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
     assert not f.items, "\n".join(f.items)
 
 
-def postmaster_kill_of(ha: HACluster) -> Callable[[], None]:
-    """kill -9 the primary's postmaster (Patroni restarts it in place)."""
+def postmaster_kill_of(ha: HACluster) -> Callable[[], float]:
+    """kill -9 the primary's postmaster (Patroni restarts it in place); the fault returns the kill's
+    monotonic time."""
 
-    def fault() -> None:
+    def fault() -> float:
         p = ha.patroni.primary()
         assert p is not None, "no primary"
         old = p.kill9_postmaster()
+        t0 = time.monotonic()
         wait_for(f"Patroni restarting {p.name}'s PostgreSQL", lambda: p.postmaster_pid() not in (None, old), 30)
+        return t0
 
     return fault
 
 
-def switchover_of(ha: HACluster) -> Callable[[], None]:
-    """``patronictl switchover`` to the sync standby."""
+def switchover_of(ha: HACluster) -> Callable[[], float]:
+    """``patronictl switchover`` to the sync standby; returns when it was asked."""
 
-    def fault() -> None:
+    def fault() -> float:
+        t0 = time.monotonic()
         ha.patroni.switchover()
+        return t0
 
     return fault
 
 
-def node_crash_of(ha: HACluster) -> Callable[[], None]:
+def node_crash_of(ha: HACluster) -> Callable[[], float]:
     """kill -9 Patroni and the postmaster of the primary together, restart the member when another
-    member is promoted (so the heal is timed by the writes, as a rebooted node would be)."""
+    member is promoted (as a rebooted node would come back); returns the kill's time."""
 
-    def fault() -> None:
+    def fault() -> float:
         p = ha.patroni.primary()
         assert p is not None
         pm = p.postmaster_pid()
         p.kill9_patroni()
         if pm is not None:
             p.kill9_postmaster()
+        t0 = time.monotonic()
         ha.patroni.wait_primary(60, not_=p)
         p.start(ha.patroni.patroni)
+        return t0
 
     return fault
 
 
-def orphan_of(ha: HACluster) -> Callable[[], None]:
-    """kill -9 the primary's Patroni alone and restart it :data:`ORPHAN_S` seconds later."""
+def orphan_of(ha: HACluster) -> Callable[[], float]:
+    """kill -9 the primary's Patroni alone and restart it :data:`ORPHAN_S` seconds later; returns the
+    kill's time. (Writes go on to the orphan until a replica is promoted: its sync standby still
+    confirms them.)"""
 
-    def fault() -> None:
+    def fault() -> float:
         p = ha.patroni.primary()
         assert p is not None
         p.kill9_patroni()
+        t0 = time.monotonic()
         time.sleep(ORPHAN_S)
         p.start(ha.patroni.patroni)
+        return t0
 
     return fault
