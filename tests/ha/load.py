@@ -129,6 +129,14 @@ class Writer(_Loop):
             else:
                 raise AssertionError(f"POST /api/v1/models {name} on {cp.name}: {r.status_code} {r.text[:300]}")
 
+    def longest_gap_s(self, start: float, end: float) -> float:
+        """The longest time between ``start`` and ``end`` (monotonic) with no write acknowledged:
+        the write outage a fault in that window caused (0.1 s when writes never stopped)."""
+        with self.lock:
+            times = sorted(acked for _sent, acked in self.acked.values() if start < acked <= end)
+        edges = [start, *times]
+        return max((b - a for a, b in itertools.pairwise(edges)), default=end - start)
+
     def first_ack_after(self, t: float) -> float | None:
         """The monotonic time of the first acknowledgement of a write sent after ``t``, or None (a
         write sent before ``t`` may have committed before it: it says nothing about the outage)."""

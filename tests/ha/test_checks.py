@@ -3,7 +3,9 @@ the HA test's own checker must catch a second leader, so it is tested on a made-
 
 from __future__ import annotations
 
-from tests.ha.load import Claim, LeaderWatch
+import pytest
+
+from tests.ha.load import Claim, LeaderWatch, Writer
 
 
 def watch(*rounds: list[tuple[float, str, int, str]]) -> LeaderWatch:
@@ -33,3 +35,10 @@ def test_a_stale_leader_in_a_lower_term_counts_as_overlap_only() -> None:
     )
     assert w.double_claims() == []
     assert w.overlap_s() == 2.5
+
+
+def test_the_longest_write_gap_is_measured_from_the_fault() -> None:
+    w = Writer(rotation=None)  # type: ignore[arg-type]  # never run: the acknowledgements are given
+    w.acked = {"a": (9.0, 9.5), "b": (10.0, 10.2), "c": (10.1, 31.0), "d": (31.0, 31.1)}
+    assert w.longest_gap_s(10.0, 40.0) == pytest.approx(20.8)  # 10.2 -> 31.0
+    assert w.longest_gap_s(31.05, 40.0) == pytest.approx(0.05)
