@@ -79,9 +79,11 @@ def patroni_binary() -> Path:
     """The Patroni binary (env ``PATRONI``, else :data:`DEFAULT_PATRONI`).
 
     Raises:
-        HAUnavailable: it is missing, or ``setpriv``, the PostgreSQL 15 binaries or the ``postgres``
-            user are (each named, with what to install).
+        HAUnavailable: not root, or it is missing, or ``setpriv``, the PostgreSQL 15 binaries or the
+            ``postgres`` user are (each named, with what to install).
     """
+    if os.geteuid() != 0:
+        raise HAUnavailable("the HA cluster runs PostgreSQL as user postgres through setpriv: run the tests as root")
     patroni = Path(os.environ.get("PATRONI") or DEFAULT_PATRONI)
     if not os.access(patroni, os.X_OK):
         raise HAUnavailable(f"no Patroni at {patroni}: run scripts/assets (it builds the Patroni venv)")
