@@ -18,7 +18,7 @@ Measured, in this order:
    Target ≥ 99%.
 
 Needs ``scripts/assets`` (llama-server, the model, the Patroni venv) and root (PostgreSQL runs as
-user postgres through setpriv). About 2 minutes on 2 cores. Figures last, one ``name: value`` per
+user postgres through setpriv). About 1.5 minutes on 2 cores (84 s measured). Figures last, one ``name: value`` per
 line; exits 1 when a figure could not be measured (named in its line) or misses its target.
 
     .venv/bin/python bench/failover.py

@@ -20,7 +20,7 @@ requests through surviving control planes, and at no moment did two control plan
 
 The leader checks read ``GET /api/v1/cluster`` (the election's admin API, PREAMBLE); every finding is
 collected and the test fails at the end with all of them, so one run reports every broken property.
-About 4 minutes on 2 cores.
+About 2.5 minutes on 2 cores (142-150 s measured, 3 other test runs sharing the cores).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
         if election and f.check(took, f"leader kill: no new leader in 10 s: {dump(cluster_views(ha))}") and took:
             takeover = time.monotonic() - t0
             measured.append(f"leader kill: new leader {took[0]} in term {took[1]} after {takeover:.2f} s")
+            # + 0.5 s: one round of agreed_leader (3 control planes, each asking Patroni) is in the figure
             f.check(takeover <= TAKEOVER_MAX_S + 0.5, f"leader kill: takeover took {takeover:.2f} s")
             if terms:
                 f.check(took[1] > terms[-1][1], f"leader kill: term {took[1]} not above {terms[-1][1]}")
