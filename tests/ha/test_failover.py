@@ -1,0 +1,260 @@
+"""HA under faults, on real processes (issue 11 item 6): three Patroni members with PostgreSQL 15
+(raft, sync mode), three ``llmgw server run`` control planes on the multi-host URL, and one real
+agent serving gemma-3-270m on the real llama-server (tests/helpers/hacluster.py). Nothing is mocked.
+
+While :mod:`tests.ha.load` writes catalog entries and chats through the gateway, five faults run one
+at a time, each healed before the next:
+
+1. ``kill -9`` the leading control plane (restarted after the new leader is checked);
+2. ``kill -9`` the primary's postmaster (Patroni restarts it in place: ha.md §1.4 r3);
+3. ``kill -9`` the primary's Patroni and postmaster together: a node crash (the member restarted);
+4. ``kill -9`` the primary's Patroni alone: the orphan, its PostgreSQL still a primary; restarted
+   after 25 s as a supervisor would (ha.md §1.4 s5/r5);
+5. ``patronictl switchover``.
+
+After each: one leader every control plane agrees on, in a term above the last one; an
+acknowledged catalog write again (within Patroni's ~20 s floor plus 10 s); the database healthy.
+At the end: every acknowledged write is on the final primary, the gateway answered ≥ 99% of the
+requests through surviving control planes, and at no moment did two control planes lead in one term
+(nor two at once for longer than the 5 s lease).
+
+The leader checks read ``GET /api/v1/cluster`` (the election's admin API, PREAMBLE); every finding is
+collected and the test fails at the end with all of them, so one run reports every broken property.
+About 2.5 minutes on 2 cores (142-150 s measured, 3 other test runs sharing the cores).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.conftest import Assets, skip_or_fail
+from tests.ha.load import Load, agreed_leader, cluster_views
+from tests.helpers.hacluster import (
+    HACluster,
+    HAUnavailable,
+    catalog_names,
+    chat,
+    dump,
+    gemma_model,
+    post_model,
+    start_ha_cluster,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.ha, pytest.mark.e2e]
+
+#: Seconds a database fault may keep writes out: Patroni's promotion floor (~20 s, ha.md §1.4) + 10.
+WRITE_OUTAGE_MAX_S = 30
+#: Seconds to a new control-plane leader after the leading one is killed (issue 11 target: 2 s).
+TAKEOVER_MAX_S = 2
+#: Seconds the views may take to agree on one leader after a database fault heals.
+AGREE_MAX_S = 30
+#: Seconds the orphaned primary's Patroni stays dead (a supervisor's restart; > ttl 20).
+ORPHAN_S = 25
+#: The control planes' lease (ClusterConfig.lease_s): a stale leader stops acting within it.
+LEASE_S = 5
+
+
+@pytest.fixture(scope="module")
+def ha(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HACluster]:
+    """The cluster with gemma served (``scaling.min`` 1) and answering through every control plane."""
+    try:
+        cluster = start_ha_cluster(
+            tmp_path_factory.mktemp("ha"), llama_server=assets.llama_server, model=assets.model
+        )
+    except HAUnavailable as e:
+        skip_or_fail(str(e))
+    try:
+        assert cluster.files is not None
+        r = post_model(cluster.control_planes[0], gemma_model(cluster.files.url))
+        assert r.status_code == 201, r.text
+        for cp in cluster.control_planes:
+            wait_for(f"gemma answering through {cp.name}", lambda cp=cp: chat(cp, "gemma").status_code == 200, 240, 1)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class Findings:
+    """What went wrong, collected over the whole test."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def check(self, ok: object, what: str) -> bool:
+        """Record ``what`` unless ``ok``."""
+        if not ok:
+            self.items.append(what)
+        return bool(ok)
+
+
+def _leader(ha: HACluster, within_s: float, not_: str = "") -> tuple[str, int] | None:
+    """The agreed (leader, term), other than ``not_``, within ``within_s`` seconds, or None."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        got = agreed_leader(ha)
+        if got and got[0] != not_:
+            return got
+        time.sleep(0.1)
+    return None
+
+
+def test_faults_one_at_a_time(ha: HACluster) -> None:
+    """The five faults of the module docstring under load; all findings reported together."""
+    f = Findings()
+    load = Load.start(ha, "gemma")
+    terms: list[tuple[str, int]] = []
+
+    measured: list[str] = []
+    election = True  # GET /api/v1/cluster answers (else one finding, and no waiting for leaders)
+
+    def after(fault: str, t0: float, not_leader: str = "") -> None:
+        """After a fault at ``t0``: writes again, the database healthy, one agreed leader, term up."""
+        wait_for(f"{fault}: an acknowledged write", lambda: load.writer.first_ack_after(t0), 60, 0.2)
+        ha.patroni.wait_healthy(90)
+        healed = time.monotonic()
+        gap = load.writer.longest_gap_s(t0, healed)
+        f.check(gap <= WRITE_OUTAGE_MAX_S, f"{fault}: writes out for {gap:.1f} s")
+        measured.append(f"{fault}: longest write outage {gap:.1f} s; healed at +{healed - t0:.1f} s")
+        if not election:
+            return
+        got = _leader(ha, AGREE_MAX_S, not_leader)
+        if f.check(got, f"{fault}: no agreed leader in {AGREE_MAX_S} s: {dump(cluster_views(ha))}") and got:
+            if terms:
+                f.check(got[1] > terms[-1][1], f"{fault}: term {got[1]} not above {terms[-1][1]}")
+            terms.append(got)
+
+    try:
+        time.sleep(3)
+        start = _leader(ha, 10)
+        views = cluster_views(ha)
+        f.check(start, f"start: no agreed leader: {dump(views)}")
+        if start:
+            terms.append(start)
+        elif all(v == "HTTP 404" for v in views.values()):
+            election = False  # not merged: every leader check below would only repeat this finding
+            f.check(False, "GET /api/v1/cluster answers 404: the leader checks could not run")
+
+        # 1. the leading control plane (cp1 when no leader is known: then the check above failed)
+        victim = ha.cp(start[0] if start else "cp1")
+        load.rotation.take_out(victim.name)
+        t0 = time.monotonic()
+        victim.kill9()
+        took = _leader(ha, 10, not_=victim.name) if election else None
+        if election and f.check(took, f"leader kill: no new leader in 10 s: {dump(cluster_views(ha))}") and took:
+            takeover = time.monotonic() - t0
+            measured.append(f"leader kill: new leader {took[0]} in term {took[1]} after {takeover:.2f} s")
+            # + 0.5 s: one round of agreed_leader (3 control planes, each asking Patroni) is in the figure
+            f.check(takeover <= TAKEOVER_MAX_S + 0.5, f"leader kill: takeover took {takeover:.2f} s")
+            if terms:
+                f.check(took[1] > terms[-1][1], f"leader kill: term {took[1]} not above {terms[-1][1]}")
+            terms.append(took)
+        time.sleep(1)
+        victim.start()
+        victim.wait_health()
+        wait_for(f"{victim.name} serving gemma again", lambda: chat(victim, "gemma").status_code == 200, 60, 0.5)
+        load.rotation.put_back(victim.name)
+        measured.append(f"leader kill: {victim.name} back in rotation at +{time.monotonic() - t0:.1f} s")
+        if election:
+            time.sleep(2)  # the restarted one must follow, not take over (a second leader is impossible)
+            again = _leader(ha, 10)
+            f.check(again and terms and again == terms[-1],
+                    f"leader kill: after the restart {again}, expected {terms[-1] if terms else None}")
+
+        faults: list[tuple[str, Callable[[], float]]] = [
+            ("postmaster kill", postmaster_kill_of(ha)),
+            ("node crash", node_crash_of(ha)),
+            ("orphaned primary", orphan_of(ha)),
+            ("switchover", switchover_of(ha)),
+        ]
+        for name, fault in faults:
+            after(name, fault())
+            time.sleep(2)  # settle: the gateway snapshot, a sync standby named again
+    finally:
+        load.stop()
+
+    # every acknowledged write is on the final primary
+    names = catalog_names(ha.patroni)
+    lost = sorted(set(load.writer.acked) - names)
+    f.check(not lost, f"{len(lost)} acknowledged writes lost: {lost[:20]}")
+    f.check(len(load.writer.acked) > 200, f"only {len(load.writer.acked)} writes acknowledged")
+    w = load.writer
+    f.check(not w.hung, f"{len(w.hung)} writes had no answer in {w.timeout_s:g} s (expected a fast 503): {w.hung[:5]}")
+    gw = load.gateway
+    measured.append(f"writes: {len(w.acked)} acknowledged, {len(w.unknown)} unknown ({len(w.refused)} 5xx, "
+                    f"{len(w.hung)} hung), slowest answer {w.slowest_s:.1f} s; lost {len(lost)}")
+    measured.append(f"gateway: {gw.ok} ok, {gw.failed} failed ({gw.success_pct:.2f}%); terms {terms}")
+    print("\n".join(measured))  # shown with -s, and with the failure
+    f.check(gw.success_pct >= 99, f"gateway {gw.success_pct:.2f}% of {gw.ok + gw.failed}: {gw.failures[:10]}")
+    f.check(gw.ok > 100, f"only {gw.ok} gateway requests answered")
+    doubles = load.watch.double_claims()
+    f.check(not doubles, f"two leaders in one term: {doubles[:3]}")
+    f.check(load.watch.overlap_s() <= LEASE_S + 1, f"two leaders at once for {load.watch.overlap_s():.1f} s")
+    if election:
+        f.check(not load.watch.errors, f"GET /api/v1/cluster failed: {load.watch.errors[:5]}")
+    assert not f.items, "\n".join(f.items)
+
+
+def postmaster_kill_of(ha: HACluster) -> Callable[[], float]:
+    """kill -9 the primary's postmaster (Patroni restarts it in place); the fault returns the kill's
+    monotonic time."""
+
+    def fault() -> float:
+        p = ha.patroni.primary()
+        assert p is not None, "no primary"
+        old = p.kill9_postmaster()
+        t0 = time.monotonic()
+        wait_for(f"Patroni restarting {p.name}'s PostgreSQL", lambda: p.postmaster_pid() not in (None, old), 30)
+        return t0
+
+    return fault
+
+
+def switchover_of(ha: HACluster) -> Callable[[], float]:
+    """``patronictl switchover`` to the sync standby; returns when it was asked."""
+
+    def fault() -> float:
+        t0 = time.monotonic()
+        ha.patroni.switchover()
+        return t0
+
+    return fault
+
+
+def node_crash_of(ha: HACluster) -> Callable[[], float]:
+    """kill -9 Patroni and the postmaster of the primary together, restart the member when another
+    member is promoted (as a rebooted node would come back); returns the kill's time."""
+
+    def fault() -> float:
+        p = ha.patroni.primary()
+        assert p is not None
+        pm = p.postmaster_pid()
+        p.kill9_patroni()
+        if pm is not None:
+            p.kill9_postmaster()
+        t0 = time.monotonic()
+        ha.patroni.wait_primary(60, not_=p)
+        p.start(ha.patroni.patroni)
+        return t0
+
+    return fault
+
+
+def orphan_of(ha: HACluster) -> Callable[[], float]:
+    """kill -9 the primary's Patroni alone and restart it :data:`ORPHAN_S` seconds later; returns the
+    kill's time. (Writes go on to the orphan until a replica is promoted: its sync standby still
+    confirms them.)"""
+
+    def fault() -> float:
+        p = ha.patroni.primary()
+        assert p is not None
+        p.kill9_patroni()
+        t0 = time.monotonic()
+        time.sleep(ORPHAN_S)
+        p.start(ha.patroni.patroni)
+        return t0
+
+    return fault
