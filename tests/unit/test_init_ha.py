@@ -18,9 +18,10 @@ from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app
-from llmgw.config import load_server_config
+from llmgw.config import load_agent_config, load_server_config
 from llmgw.errors import ConfigError, PkiError, ServiceError
 from llmgw.paths import Paths
+from llmgw.serverinit.onboard import add_node
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
 from llmgw.serverinit.standby import add_control_plane, check_bundle, install_bundle
@@ -210,6 +211,25 @@ def test_add_control_plane_writes_a_private_bundle_for_the_standby(tmp_path: Pat
         add_control_plane(paths, "cp9", tmp_path / "b9", address="10.0.0.9")
     with pytest.raises(ConfigError, match="the first control plane itself"):
         add_control_plane(paths, "cp1", tmp_path / "b1", address="10.0.0.1")
+
+
+def test_add_node_on_an_ha_cluster_names_every_control_plane(tmp_path: Path) -> None:
+    """A node added on an HA cluster can reach any control plane before its first reply: agent.yaml's
+    ``server`` is this one, ``servers`` the others (the agent rotates through them)."""
+    paths = first_control_plane(tmp_path / "cp1")
+    add_node(paths, "gpu-1", tmp_path / "node", address="10.0.0.7")
+    cfg = load_agent_config(tmp_path / "node" / "agent.yaml")
+    port = cfg.server.rsplit(":", 1)[1]
+    assert cfg.server == f"https://10.0.0.1:{port}"
+    assert cfg.servers == [f"https://10.0.0.2:{port}", f"https://10.0.0.3:{port}"]
+    assert cfg.control_planes == [cfg.server, *cfg.servers]
+
+
+def test_add_node_on_a_single_machine_install_names_one_control_plane(tmp_path: Path) -> None:
+    paths = first_control_plane(tmp_path / "cp1")
+    (paths.etc / "ha.yaml").unlink()
+    add_node(paths, "cpu-1", tmp_path / "node", address="10.0.0.7")
+    assert load_agent_config(tmp_path / "node" / "agent.yaml").servers == []
 
 
 def test_join_installs_the_bundle_with_this_machine_s_paths_then_keeps_it(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ from llmgw.config import AgentConfig, load_server_config, parse_listen
 from llmgw.errors import ConfigError, PkiError
 from llmgw.names import check_labels, check_name
 from llmgw.paths import Paths
+from llmgw.serverinit.patroni import HaPlan
+from llmgw.serverinit.standby import agent_url
 from llmgw.tlsconf import CA
 
 
@@ -54,8 +56,10 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     if existing:
         raise ConfigError(f"{existing[0]} already exists; give an empty directory with --out")
     ca = CA.load(paths.pki)
+    cfg = load_server_config(paths.server_config) if paths.server_config.exists() else None
     if not server:
-        cfg = load_server_config(paths.server_config)
+        if cfg is None:
+            raise ConfigError(f"{paths.server_config} does not exist; run 'llmgw server init' or pass --server")
         _h, port = parse_listen(cfg.agent_listen)
         server_cert = x509.load_pem_x509_certificate((paths.pki / "server.pem").read_bytes())
         cns = server_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
@@ -74,6 +78,9 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         "labels": dict(sorted((labels or {}).items())),
         "advertise_address": address,
     }
+    others = ha_servers(paths, cfg.agent_listen if cfg else "", server)
+    if others:
+        doc["servers"] = others
     if llama_server is not None:
         doc["engines"] = {"llamacpp": {"binary": str(llama_server)}}
     body = "# A node of the llmgw cluster, written by 'llmgw server add-node'. Copy this directory to\n"
@@ -81,3 +88,19 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     AgentConfig.model_validate(doc)
     write_atomic(out / "agent.yaml", body, 0o644)
     return [out / "ca.pem", cert, key, out / "agent.yaml"]
+
+
+def ha_servers(paths: Paths, agent_listen: str, server: str) -> list[str]:
+    """The agent-API URLs of an HA cluster's other control planes (``agent.yaml``'s ``servers``),
+    from ``/etc/llmgw/ha.yaml`` (:class:`~llmgw.serverinit.patroni.HaPlan`) with ``agent_listen``'s
+    port; [] on a single-machine install (no ha.yaml) or without ``agent_listen``. The agent also
+    learns the members from its heartbeat replies; these are the ones it can try before any reply.
+
+    Raises:
+        ConfigError: ha.yaml is there but does not parse.
+    """
+    plan_path = paths.etc / "ha.yaml"
+    if not agent_listen or not plan_path.exists():
+        return []
+    urls = [agent_url(m.host, agent_listen) for m in HaPlan.load(plan_path).members]
+    return [u for u in dict.fromkeys(urls) if u != server]

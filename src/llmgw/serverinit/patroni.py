@@ -294,7 +294,7 @@ class HaPlan:
     def to_yaml(self) -> str:
         """``ha.yaml``'s text, with a comment saying what it is."""
         head = (
-            "# The HA cluster, written by 'llmgw server init --ha'. It holds the database passwords:\n"
+            "# The HA cluster, written by 'llmgw server init --control-plane …'. It holds the database passwords:\n"
             "# keep it 0600. 'llmgw server add-control-plane' copies it into each standby's bundle.\n"
         )
         return head + yaml.safe_dump(self.to_doc(), sort_keys=False)
