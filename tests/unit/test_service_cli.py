@@ -24,7 +24,7 @@ SLEEPER = "import time; print('hello from the service', flush=True); time.sleep(
 def root(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
     manager = SupervisorManager(Paths.from_env(tmp_path))
-    for name in SERVICES:
+    for name in (*SERVICES, "patroni"):
         manager.stop(name)
 
 
@@ -79,6 +79,30 @@ def test_start_status_logs_stop(root: Path) -> None:
         "not running: llmgw-mirror",
     ]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_service_may_be_named_as_status_shows_it(root: Path) -> None:
+    """``service status`` prints ``llmgw-agent``; that name (and the systemd unit's) works everywhere."""
+    install(root, "agent", SLEEPER)
+    code, out = llmgw(root, "start", "llmgw-agent")
+    assert code == 0, out
+    code, out = llmgw(root, "logs", "llmgw-agent.service", "-n", "5")
+    assert (code, "hello from the service" in out) == (0, True), out
+    code, out = llmgw(root, "stop", "llmgw-agent")
+    assert out.splitlines() == ["stopped llmgw-agent"]
+
+
+def test_an_installed_patroni_unit_is_shown_and_stopped_last(root: Path) -> None:
+    """On an HA control plane the database member is one of the services: ``status`` shows it and a
+    bare ``stop`` stops it after the control plane."""
+    install(root, "patroni", SLEEPER)
+    code, out = llmgw(root, "start", "patroni")
+    assert code == 0, out
+    code, out = llmgw(root, "status", "--json")
+    assert [r["name"] for r in json.loads(out)] == [*SERVICES, "patroni"]
+    assert json.loads(out)[-1]["state"] == "running"
+    code, out = llmgw(root, "stop")
+    assert out.splitlines()[-1] == "stopped llmgw-patroni"
 
 
 def test_errors_are_one_line_and_an_exit_code(root: Path) -> None:

@@ -18,16 +18,28 @@ from rich.table import Table
 from llmgw.cli.common import cli_errors, console, paths
 from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
-from llmgw.service.units import SERVICES, unit_name
+from llmgw.service.units import SERVICES, installed_services, service_name, unit_name
 
 app = typer.Typer(
     no_args_is_help=True,
     help="The control plane, agent and mirror as services: systemd's, or llmgw's own supervisor.",
 )
 
-Names = Annotated[list[str], typer.Argument(help=f"Services: {', '.join(SERVICES)}.", show_default=False)]
+def _names(given: list[str] | None) -> list[str]:
+    """Each name as :func:`service_name` reads it (``llmgw-agent`` is ``agent``); with none given,
+    every installed service (:func:`installed_services`)."""
+    return [service_name(n) for n in given] if given else installed_services(paths())
+
+
+Names = Annotated[
+    list[str],
+    typer.Argument(help=f"Services: {', '.join(SERVICES)} (and patroni on an HA control plane).",
+                   show_default=False),
+]
 OptionalNames = Annotated[
-    list[str] | None, typer.Argument(help=f"Services ({', '.join(SERVICES)}); all when none are given.")
+    list[str] | None,
+    typer.Argument(help=f"Services ({', '.join(SERVICES)}, and patroni where installed); all when none are given.",
+)
 ]
 
 
@@ -47,7 +59,7 @@ def status(
 ) -> None:
     """Show each service's state, pid, start time and restarts."""
     manager = _manager()
-    rows = [manager.status(n) for n in names or SERVICES]
+    rows = [manager.status(n) for n in _names(names)]
     if as_json:
         print(json.dumps([asdict(r) | {"manager": manager.kind} for r in rows], indent=2))
         return
@@ -64,7 +76,7 @@ def status(
 def start(names: Names) -> None:
     """Start services (systemd also enables them); a running one is left as it is."""
     manager = _manager()
-    for name in names:
+    for name in _names(names):
         started = manager.start(name)
         if started:
             wait_up(manager, name, probe=probe_for(paths(), name, manager))
@@ -81,7 +93,7 @@ def restart(names: Names) -> None:
     it again; fails, leaving the running one up, when the config does not load, and fails when
     the new one does not come up."""
     manager = _manager()
-    for name in names:
+    for name in _names(names):
         restart_checked(manager, paths(), name)
         st = manager.status(name)
         pid = f"pid {st.pid}" if st.pid else st.state
@@ -96,9 +108,10 @@ def stop(
         bool, typer.Option("--engines", help="Also stop the engines the agent left running.")
     ] = False,
 ) -> None:
-    """Stop services (all three when none are named). Engines outlive the agent unless --engines."""
+    """Stop services (when none are named: server, agent, mirror, then patroni where installed).
+    Engines outlive the agent unless --engines."""
     manager = _manager()
-    for name in names or SERVICES:
+    for name in _names(names):
         stopped = manager.stop(name)
         print(f"{'stopped' if stopped else 'not running:'} {unit_name(name)}")
     if engines:
@@ -111,11 +124,14 @@ def stop(
 @app.command()
 @cli_errors
 def logs(
-    name: Annotated[str, typer.Argument(help=f"One of {', '.join(SERVICES)}.", show_default=False)],
+    name: Annotated[
+        str, typer.Argument(help=f"One of {', '.join(SERVICES)} (or patroni).", show_default=False),
+    ],
     lines: Annotated[int, typer.Option("-n", "--lines", help="How many of the last lines.")] = 50,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
 ) -> None:
     """Print a service's last lines of output (journalctl under systemd, its log file otherwise)."""
+    name = service_name(name)
     manager = _manager()
     if not follow:
         sys.stdout.write(manager.logs(name, lines))

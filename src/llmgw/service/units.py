@@ -85,6 +85,25 @@ def check_service(service: str) -> None:
         )
 
 
+def service_name(given: str) -> str:
+    """A service as an operator may type it: ``agent``, ``llmgw-agent`` (as ``service status`` and
+    systemd show it) or ``llmgw-agent.service`` are all ``agent``.
+
+    Raises:
+        ServiceError: it names none of :data:`SERVICES` or :data:`HA_SERVICES`.
+    """
+    name = given.strip().removesuffix(".service").removeprefix("llmgw-")
+    check_service(name)
+    return name
+
+
+def installed_services(paths: Paths) -> list[str]:
+    """What ``service status`` and ``service stop`` act on when given no names: :data:`SERVICES`,
+    then each of :data:`HA_SERVICES` whose unit is installed (an HA control plane's database member
+    is stopped after its control plane, and shown beside it)."""
+    return [*SERVICES, *(s for s in HA_SERVICES if paths.unit(s).exists())]
+
+
 def _escape(word: str, *, dollar: bool = True) -> str:
     """One word for a unit line: ``%`` and (for ExecStart) ``$`` doubled, quoted when it has spaces."""
     out = word.replace("%", "%%")
