@@ -1,7 +1,8 @@
 """The main job, end to end, on real processes: ``llmgw server init --offline`` under a temp
 ``LLMGW_ROOT`` starts the control plane, the mirror and an agent under llmgw's supervisor; the
 agent runs a real llama-server with the real gemma-3-270m model; the gateway answers over real
-HTTP; a second init only keeps and skips; and after ``service stop --engines`` no process is left.
+HTTP; a second init only keeps and skips; after ``service stop --engines`` no process is left; and an
+init after that serves again (not "kept" from the stopped engine's stale state).
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     engines = [p for p in processes_under(root) if "llama-server" in " ".join(p.cmdline())]
     assert len(engines) == 1
 
+    stop = llmgw(root, "service", "stop", "--engines", timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    psutil.wait_procs(processes_under(root), timeout=15)
+    assert processes_under(root) == []
+
+    # Init again after everything was stopped: the store still says the replica was ready, but its
+    # engine is gone; init waits for what runs now and the gateway answers as soon as it returns.
+    third = llmgw(root, *args)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "done gemma-3-270m-q4_k_m is serving" in third.stdout, third.stdout
+    r = httpx.post(
+        f"{gateway.group(1)}/v1/chat/completions",
+        json={"model": "gemma", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
     stop = llmgw(root, "service", "stop", "--engines", timeout=60)
     assert stop.returncode == 0, stop.stderr
     psutil.wait_procs(processes_under(root), timeout=15)

@@ -115,6 +115,25 @@ def test_replicas_crud_and_reports_only_touch_own_node(store: Store) -> None:
     assert store.delete_replica("m1-other") is True
 
 
+def test_a_running_replica_its_node_no_longer_reports_goes_back_to_pending(store: Store) -> None:
+    """A heartbeat lists every replica its agent runs: one that was ready and is missing (its engine
+    was stopped while the agent was down) loses its endpoint, so the gateway stops routing to it;
+    a pending one (placed, not yet picked up) and another node's are left alone."""
+    for rid, node in (("m1-ready", "node-a"), ("m1-placed", "node-a"), ("m1-b", "node-b")):
+        store.add_replica(ReplicaRow(id=rid, model="m1", node=node, profile="cpu", key="k"))
+    store.apply_reports("node-a", [ReplicaStatus(id="m1-ready", state=ReplicaState.READY, endpoint="h:1")], 5.0)
+    store.apply_reports("node-b", [ReplicaStatus(id="m1-b", state=ReplicaState.READY, endpoint="h:2")], 5.0)
+
+    res = store.apply_reports("node-a", [], now=9.0)  # the agent came back without that engine
+    assert res.changed == ["m1-ready"]
+    gone = store.get_replica("m1-ready")
+    assert gone is not None
+    assert (gone.state, gone.endpoint, gone.updated_at) == ("pending", "", 9.0)
+    assert {r.id: r.state for r in store.list_replicas()} == {"m1-ready": "pending", "m1-placed": "pending",
+                                                              "m1-b": "ready"}
+    assert store.apply_reports("node-a", [], now=10.0).changed == []  # nothing more to say
+
+
 def test_explanations_replace(store: Store) -> None:
     rej = Rejection(node="n", profile="cpu", kind="filtered", code="node_cordoned", reason="node is cordoned")
     store.set_explanation(ExplainView(model="m1", placed=False, rejections=[rej]), now=1.0)

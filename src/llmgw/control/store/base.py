@@ -51,6 +51,9 @@ from llmgw.errors import Conflict
 from llmgw.protocol import Heartbeat, ReplicaState, ReplicaStatus
 from llmgw.views import ExplainView
 
+#: States in which a replica's node runs something for it (what a heartbeat must report).
+_RUNNING = frozenset({ReplicaState.FETCHING.value, ReplicaState.STARTING.value, ReplicaState.READY.value})
+
 
 class Store(abc.ABC):
     """The control plane's state: models, nodes, replicas, placement explanations, GGUF facts and
@@ -213,9 +216,26 @@ class Store(abc.ABC):
         replicas). ``ready_at`` is set when a replica becomes ready. A revision race (the leader or
         an admin touched the row) skips that replica until the next heartbeat, a couple of seconds on.
         Written once here, over :meth:`list_replicas` and :meth:`update_replica`, for every backend.
+
+        A heartbeat lists every replica its agent runs (adopted engines included: the agent adopts
+        before its first heartbeat), so a replica placed here that was ``fetching``, ``starting`` or
+        ``ready`` and is missing from ``reports`` is not running on this node any more (its engine
+        was stopped with ``service stop --engines``, the machine rebooted): it goes back to
+        ``pending`` with no endpoint, so the gateway stops routing to it at once instead of
+        answering 503s from a dead port until the agent starts it again.
         """
         mine = {r.id: r for r in self.list_replicas(node=node_id)}
         result = ReportResult()
+        reported = {rep.id for rep in reports}
+        for gone in mine.values():
+            if gone.id in reported or gone.state not in _RUNNING:
+                continue
+            try:
+                self.update_replica(replace(gone, state=ReplicaState.PENDING.value, err="", endpoint="",
+                                            updated_at=now))
+            except Conflict:
+                continue
+            result.changed.append(gone.id)
         for rep in reports:
             row = mine.get(rep.id)
             if row is None:

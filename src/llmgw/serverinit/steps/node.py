@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from cryptography import x509
@@ -97,9 +98,10 @@ def run(ctx: InitContext) -> str:
         agentconf.record_binary(ctx.paths.state, ctx.opts.llama_server)
         ctx.say("done", f"{conf}")
 
+    started = time.time()  # the store's clock (heartbeats' last_seen), not the waits' monotonic one
     kept = services.apply_service(ctx, "agent", agent_unit(ctx.paths, ctx.bin), "llmgw-agent", config_changed=changed)
 
-    wait_node_ready(ctx, node, kept=kept)
+    wait_node_ready(ctx, node, kept=kept, since=None if kept else started)
     return node
 
 
@@ -124,10 +126,16 @@ def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
         raise
 
 
-def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False) -> None:
+def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False, since: float | None = None) -> None:
     """Wait until ``node`` is ready with a llama.cpp engine; stop at once when its llama.cpp
     failed. Registered is quick. Having an engine is not: the node may download and check its
     own llama.cpp, and a new machine is often busy with its own package updates first.
+
+    ``since`` (unix seconds): when this run started the agent; the node counts as ready only after
+    a heartbeat from then on. The store still says ``ready`` for a node (and its replicas) from
+    before the agent stopped, and only the new agent's first heartbeat says what runs now
+    (:meth:`~llmgw.control.store.base.Store.apply_reports`); believing the old state printed
+    "kept … is serving" for an engine that ``service stop --engines`` had stopped.
 
     Raises:
         EngineError: llama.cpp failed or is unsupported on the node. WaitTimeout: not in time.
@@ -148,6 +156,9 @@ def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False) -> None:
                  "'llmgw service logs agent' says why not)")
         for n in nodes:
             if n.id != node:
+                continue
+            if since is not None and (n.last_seen or 0.0) < since:
+                ctx.note(f"node {node}: waiting for its agent's first heartbeat since it was started")
                 continue
             ctx.note(f"node {node} is {n.state}, no llama.cpp engine reported yet")
             if n.state == "ready" and "llamacpp" in n.engines:
