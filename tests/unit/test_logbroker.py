@@ -51,9 +51,14 @@ async def pool() -> AsyncIterator[OffLoop]:
 async def test_a_read_asked_on_one_broker_is_answered_through_another(store: Store, pool: OffLoop) -> None:
     """Two brokers on one store are two control planes: B asks, the node beats to A, whose heartbeat
     hands the request out and whose /agent/v1/logs stores the answer; B finds it by polling."""
-    a, b = LogBroker(store=store, db=pool), LogBroker(store=store, db=pool, poll_s=0.05)
+    a, b = LogBroker(store=store, db=pool, poll_s=0.05), LogBroker(store=store, db=pool, poll_s=0.05)
+    assert await pool.run(a.take_stored, "node-a", 1.0) == []  # nothing queued: no store call either
+    stop = asyncio.Event()
+    watching = asyncio.create_task(a.watch(stop))  # A learns which nodes have requests queued
     task = asyncio.create_task(b.read("node-a", "r1", lines=7, offset=None, timeout_s=5))
     (req,) = await handed_out(a, "node-a")
+    stop.set()
+    await asyncio.wait_for(watching, 2)
     assert (req.replica_id, req.lines, req.offset) == ("r1", 7, None)
     assert a.take("node-a") == []  # nothing queued in memory in store mode
     assert b.take("node-a") == []
@@ -83,6 +88,10 @@ async def test_a_silent_node_is_named_and_its_stored_request_forgotten(store: St
     await b.idle()
     assert b.waiting == {}
     assert store.take_log_requests("node-a", now=0.0) == []  # nobody hands out a request given up
+
+
+async def test_watch_returns_at_once_in_memory_mode() -> None:
+    await asyncio.wait_for(LogBroker().watch(asyncio.Event()), 1)
 
 
 def test_store_mode_needs_a_pool(store: Store) -> None:

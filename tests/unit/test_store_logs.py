@@ -18,7 +18,9 @@ def test_a_request_is_handed_out_once_answered_and_popped(store: Store) -> None:
     store.add_log_request("node-a", LogRequest(id="q2", replica_id="r2", lines=1, offset=1234), now=11.0)
     store.add_log_request("node-b", LogRequest(id="q3", replica_id="r3"), now=11.5)
     assert store.pop_log_answer("q1") is None  # not answered yet: the row stays
+    assert store.log_request_nodes() == {"node-a", "node-b"}
     got = store.take_log_requests("node-a", now=12.0)
+    assert store.log_request_nodes() == {"node-b"}
     assert got == [LogRequest(id="q1", replica_id="r1", lines=5, offset=None),
                    LogRequest(id="q2", replica_id="r2", lines=1, offset=1234)]
     assert store.take_log_requests("node-a", now=13.0) == []  # handed out once

@@ -374,7 +374,9 @@ async def serve(
         if on_started is not None:
             on_started(bound)
         await members.tick()  # the first heartbeat replies name this control plane
-        await asyncio.gather(election.run(stop), members.run(stop), while_leading(election, lead, stop))
+        await asyncio.gather(
+            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop)
+        )
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

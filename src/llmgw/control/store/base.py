@@ -317,8 +317,12 @@ class Store(abc.ABC):
     def take_log_requests(self, node: str, *, now: float) -> list[LogRequest]:
         """The requests queued for ``node`` not yet handed out, oldest first, marked handed out: each
         is returned once, by one control plane (a conditional update, so two control planes racing
-        for the same row cannot both get it). One indexed read when there are none (every heartbeat
-        calls it)."""
+        for the same row cannot both get it). One indexed read when there are none."""
+
+    @abc.abstractmethod
+    def log_request_nodes(self) -> set[str]:
+        """The nodes that have requests not yet handed out (one small read; each control plane polls
+        it a few times a second so that its heartbeats call :meth:`take_log_requests` only for them)."""
 
     @abc.abstractmethod
     def answer_log_request(self, node: str, reply: LogReply, *, now: float) -> bool:

@@ -560,6 +560,11 @@ class SqlStore(Store):
         rows = sorted(rows, key=lambda r: (r.created_at, r.id))
         return [LogRequest(id=r.id, replica_id=r.replica_id, lines=r.lines, offset=r.start) for r in rows]
 
+    def log_request_nodes(self) -> set[str]:
+        q = log_requests_t.c
+        with self._tx() as conn:
+            return set(conn.scalars(sa.select(q.node).where(q.handed_at.is_(None)).distinct()))
+
     def answer_log_request(self, node: str, reply: LogReply, *, now: float) -> bool:
         q = log_requests_t.c
         with self._wtx() as conn:
