@@ -291,7 +291,7 @@ async def serve(
     leaders: list[Leader] = []  # the leader of the current term, while this control plane leads
     guard = _guard(config, router)
     # PostgreSQL: the agents beat to any control plane, so log reads cross them through the store;
-    # SQLite: one control plane, reads stay in memory (no store call per heartbeat).
+    # SQLite: one control plane, reads stay in memory (no store call for them at all).
     logs = LogBroker(store=store, db=db) if url.startswith("postgresql") else LogBroker()
     drain = Drain()
 

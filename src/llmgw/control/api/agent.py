@@ -276,8 +276,8 @@ def build_agent_app(
         term, leader, members = cluster() if cluster is not None else (0, "", [])
 
         def outgoing() -> tuple[list[ReplicaSpec], list[LogRequest]]:
-            # One trip to a store thread for both: the log requests other control planes queued for
-            # this node in the shared store (none, and no store call, with the in-memory broker).
+            # One trip to a store thread for both: the log requests queued for this node in the
+            # shared store (no store call with the in-memory broker, or when none is queued for it).
             return desired_specs(store, node_id), logs.take_stored(node_id, now) if logs is not None else []
 
         desired, stored_logs = await db.run(outgoing)
