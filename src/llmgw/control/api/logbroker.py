@@ -14,17 +14,19 @@ Two ways to queue, chosen when the broker is made (:mod:`llmgw.control.server`):
 * **Through the store** (``LogBroker(store=..., db=...)``; PostgreSQL, where several control planes
   share the database and an agent heartbeats to any one of them): the request is a row of
   ``log_requests`` (:meth:`~llmgw.control.store.base.Store.add_log_request`); whichever control
-  plane the node heartbeats to hands it out (:meth:`take_stored`). A heartbeat makes no store call
-  for that unless its node is among those with requests queued, which each control plane reads
-  every :data:`POLL_S` (:meth:`LogBroker.watch`: one small query, whatever the number of nodes).
-  Measured with ``bench/heartbeats.py`` on PostgreSQL (200 agents), a read per heartbeat instead
-  raised ``heartbeat_p99_ms`` from 56-76 ms to 117-120 ms. The control plane the agent posts the
-  answer to resolves its own waiting future when it asked, else stores the answer in the row,
-  which the asker polls every
-  :data:`POLL_S` (:meth:`~llmgw.control.store.base.Store.pop_log_answer`). A read asked on one
-  control plane for a node beating to another thus costs one heartbeat interval plus at most
-  twice ``POLL_S`` more. Rows are deleted once read, when the asker gives up, and after a minute in any
-  case (a control plane that stopped mid-read).
+  plane the node heartbeats to hands it out (:meth:`LogBroker.take_stored`). The agent posts its
+  answer to the control plane it uses: that one resolves its own waiting read when it asked, else
+  stores the answer in the row, which the asker polls every :data:`POLL_S`
+  (:meth:`~llmgw.control.store.base.Store.pop_log_answer`). A read asked on one control plane for a
+  node beating to another thus takes one heartbeat interval plus at most twice ``POLL_S`` more.
+  Rows are deleted once read, when the asker gives up, and after a minute in any case (a control
+  plane that stopped mid-read).
+
+  A heartbeat reads ``log_requests`` only when its node is among those with requests queued, which
+  each control plane reads every :data:`POLL_S` (:meth:`LogBroker.watch`: one small query a poll,
+  whatever the number of nodes). Measured with ``bench/heartbeats.py`` on a PostgreSQL store (200
+  agents, 2 cores, two runs each at load 0.4-1.0), an indexed SELECT in every heartbeat instead took
+  ``heartbeat_p99_ms`` from 56-76 ms to 117-120 ms.
 
 What it does not guarantee: a request queued for a node that is lost is answered by nobody and
 times out; a heartbeat reply that carried a request but never reached its agent loses that request
@@ -48,9 +50,9 @@ from llmgw.protocol import LogReply, LogRequest
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two reads of a stored request's answer while a read waits (store mode). An
-#: answer stored by another control plane reaches the caller within this; 200 ms against a 2 s
-#: heartbeat interval adds at most a tenth to the read's latency for 5 reads/s of one indexed SELECT.
+#: Seconds between two reads of the queued nodes (:meth:`LogBroker.watch`) and, while a read waits,
+#: of its stored answer (store mode). 200 ms against the 2 s heartbeat interval adds at most a fifth
+#: to a cross-control-plane read's latency, for 5 small queries a second per control plane.
 POLL_S = 0.2
 
 
