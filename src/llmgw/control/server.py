@@ -290,7 +290,9 @@ async def serve(
     election = _election(store, url, config, name, db)
     leaders: list[Leader] = []  # the leader of the current term, while this control plane leads
     guard = _guard(config, router)
-    logs = LogBroker()
+    # PostgreSQL: the agents beat to any control plane, so log reads cross them through the store;
+    # SQLite: one control plane, reads stay in memory (no store call for them at all).
+    logs = LogBroker(store=store, db=db) if url.startswith("postgresql") else LogBroker()
     drain = Drain()
 
     def admin_changed() -> None:
@@ -372,7 +374,9 @@ async def serve(
         if on_started is not None:
             on_started(bound)
         await members.tick()  # the first heartbeat replies name this control plane
-        await asyncio.gather(election.run(stop), members.run(stop), while_leading(election, lead, stop))
+        await asyncio.gather(
+            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop)
+        )
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
@@ -381,6 +385,7 @@ async def serve(
         for runner in reversed(runners):
             await runner.cleanup()
         await routes.idle()
+        await logs.idle()  # the rows of log reads just finished (store mode)
         db.close()
         work.close()
         store.close()

@@ -31,6 +31,11 @@ next pass (no overlap: drain stops before the new ones are ready).
 presented (:meth:`~llmgw.control.store.sql.Store.remove_node`); 409 ``node_busy`` while replicas are
 placed there, unless ``?force=true``, which drains it first (as above) in the same request.
 
+``GET /api/v1/replicas/{id}/logs[?lines=N|offset=B]`` reads the engine's log through the node's
+agent (:mod:`llmgw.control.api.logbroker`; on any control plane of an HA cluster, through the
+shared store): 504 ``node_silent`` when the agent does not answer within 10 s, 404 ``no_log`` when
+the node has none, 503 ``store_unavailable`` when the database does not take the request.
+
 Writes call ``on_change`` so the leader runs a pass at once instead of at its next tick.
 
 Every store call and every view built over all nodes or replicas runs off the event loop

@@ -42,7 +42,7 @@ from llmgw.control.store.offloop import Batcher, OffLoop
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
-from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, ReplicaSpec
+from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,9 @@ def build_agent_app(
         interval_s: the heartbeat interval the reply asks for.
         node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
             held by the agent instance that last reported it (see :func:`id_in_use`).
-        logs: log reads waiting for this node's agent (``/agent/v1/logs`` answers them).
+        logs: log reads waiting for this node's agent, in memory or, in an HA cluster, in the shared
+            store (:mod:`llmgw.control.api.logbroker`): each reply carries the node's pending ones and
+            ``/agent/v1/logs`` answers them, whichever control plane asked.
         on_node: called with the node id when a node registers or comes back from ``lost`` (the
             control plane wakes the leader on it: there is new capacity to place on).
         db: runs the store calls off the event loop (:mod:`llmgw.control.store.offloop`); default: a
@@ -272,9 +274,16 @@ def build_agent_app(
             if inspect.isawaitable(settled):
                 await settled
         term, leader, members = cluster() if cluster is not None else (0, "", [])
+
+        def outgoing() -> tuple[list[ReplicaSpec], list[LogRequest]]:
+            # One trip to a store thread for both: the log requests queued for this node in the
+            # shared store (no store call with the in-memory broker, or when none is queued for it).
+            return desired_specs(store, node_id), logs.take_stored(node_id, now) if logs is not None else []
+
+        desired, stored_logs = await db.run(outgoing)
         reply = HeartbeatReply(
-            node_id=node_id, desired=await db.run(desired_specs, store, node_id), interval_s=interval_s,
-            log_requests=logs.take(node_id) if logs is not None else [],
+            node_id=node_id, desired=desired, interval_s=interval_s,
+            log_requests=(logs.take(node_id) if logs is not None else []) + stored_logs,
             term=term, leader=leader, control_planes=members,
         )
         return web.json_response(text=reply.model_dump_json())
@@ -290,7 +299,7 @@ def build_agent_app(
             answer = LogReply.model_validate(await jsonbody.read_json(request))
         except ValidationError as e:
             raise HttpError(400, "invalid_log_reply", str(e.errors()[0]["msg"])) from e
-        if logs is None or not logs.answer(node_id, answer):
+        if logs is None or not await logs.answer(node_id, answer):
             raise HttpError(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
         return web.json_response({"status": "ok"})
 

@@ -48,7 +48,7 @@ from llmgw.control.store.rows import (
     ReportResult,
 )
 from llmgw.errors import Conflict
-from llmgw.protocol import Heartbeat, ReplicaState, ReplicaStatus
+from llmgw.protocol import Heartbeat, LogReply, LogRequest, ReplicaState, ReplicaStatus
 from llmgw.views import ExplainView
 
 #: States in which a replica's node runs something for it (what a heartbeat must report).
@@ -319,3 +319,42 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_control_planes(self) -> list[ControlPlaneRow]:
         """Every control plane that ever wrote its row, by name."""
+
+    # --- engine-log reads between control planes (migration 6) ---
+
+    @abc.abstractmethod
+    def add_log_request(self, node: str, request: LogRequest, *, now: float, keep_s: float = 60.0) -> None:
+        """Queue ``request`` for ``node``'s agent in the store, so that whichever control plane the
+        agent heartbeats to hands it out (:meth:`take_log_requests`). Rows created more than
+        ``keep_s`` seconds before ``now`` (asked by a control plane that stopped before reading the
+        answer) are deleted in the same transaction, so the table holds only reads in flight.
+
+        Raises:
+            Conflict: a request with this id exists (ids are 64 random bits: a caller's bug).
+        """
+
+    @abc.abstractmethod
+    def take_log_requests(self, node: str, *, now: float) -> list[LogRequest]:
+        """The requests queued for ``node`` not yet handed out, oldest first, marked handed out: each
+        is returned once, by one control plane (a conditional update, so two control planes racing
+        for the same row cannot both get it). One indexed read when there are none."""
+
+    @abc.abstractmethod
+    def log_request_nodes(self) -> set[str]:
+        """The nodes that have requests not yet handed out (one small read; each control plane polls
+        it a few times a second so that its heartbeats call :meth:`take_log_requests` only for them)."""
+
+    @abc.abstractmethod
+    def answer_log_request(self, node: str, reply: LogReply, *, now: float) -> bool:
+        """Store ``node``'s agent's answer in the request row; False when there is no unanswered
+        request ``reply.id`` for ``node`` (expired, already answered, or another node's)."""
+
+    @abc.abstractmethod
+    def pop_log_answer(self, request_id: str) -> LogReply | None:
+        """The stored answer to ``request_id``, deleting its row; None (and the row kept) while it is
+        unanswered, or when there is no such row."""
+
+    @abc.abstractmethod
+    def forget_log_request(self, request_id: str) -> None:
+        """Delete the request row ``request_id``, answered or not (the asker gave up or was answered
+        another way); nothing when it is gone already."""

@@ -9,7 +9,8 @@ Tables: ``models`` (catalog entries as JSON), ``model_names`` (every name and al
 to, one owner each: migration 4), ``nodes``, ``replicas``, ``explanations``, ``gguf_facts``,
 ``node_certs`` and ``revoked_certs`` (migration 3), ``cp_leader`` and ``control_planes`` (migration 5:
 leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.election`),
-``schema_migrations``.
+``log_requests`` (migration 6: engine-log reads that cross control planes,
+:mod:`llmgw.control.api.logbroker`), ``schema_migrations``.
 """
 
 from __future__ import annotations
@@ -134,6 +135,22 @@ control_planes_t = sa.Table(
     sa.Column("version", sa.String(64), nullable=False),
 )
 
+log_requests_t = sa.Table(
+    "log_requests",  # migration 6: engine-log reads in flight between control planes (kept ~1 min)
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # protocol.LogRequest.id
+    sa.Column("node", sa.String(253), nullable=False, index=True),  # the node whose agent reads the file
+    sa.Column("replica_id", sa.String(80), nullable=False),
+    sa.Column("lines", sa.Integer, nullable=False),
+    sa.Column("start", sa.BigInteger, nullable=True),  # LogRequest.offset (a byte); None: the last lines
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("handed_at", sa.Float, nullable=True),  # put in a heartbeat reply; None: not yet
+    sa.Column("answered_at", sa.Float, nullable=True),  # the agent's LogReply stored; None: not yet
+    sa.Column("text", sa.Text, nullable=False, server_default=""),
+    sa.Column("next_offset", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("found", sa.Boolean, nullable=False, server_default=sa.true()),
+)
+
 migrations_t = sa.Table(
     "schema_migrations",
     metadata,
@@ -231,6 +248,11 @@ def _migration_5(conn: Connection) -> None:
         conn.execute(cp_leader_t.insert().values(id=1, term=0, holder="", since=0.0, renewed_at=0.0))
 
 
+def _migration_6(conn: Connection) -> None:
+    """``log_requests``: engine-log reads asked on one control plane and answered through another."""
+    log_requests_t.create(conn, checkfirst=True)
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -238,6 +260,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (3, _migration_3),
     (4, _migration_4),
     (5, _migration_5),
+    (6, _migration_6),
 ]
 
 
