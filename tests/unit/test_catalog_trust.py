@@ -33,7 +33,15 @@ from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.store import ReplicaRow, Store, open_store
 from llmgw.engineargs import refused_args
-from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
+from llmgw.protocol import (
+    EngineStatus,
+    Heartbeat,
+    HeartbeatReply,
+    Inventory,
+    ProvisionState,
+    ReplicaState,
+    ReplicaStatus,
+)
 from tests.conftest import Assets
 from tests.helpers.gateway import ServerThread, fake_llama
 
@@ -293,9 +301,14 @@ def world(store: Store, tmp_path: Path) -> Iterator[World]:
 
 
 def _heartbeat(w: World) -> httpx.Response:
+    """node-1's heartbeat, reporting its ready replica as its agent would (a replica a heartbeat
+    leaves out is not running there: Store.apply_reports)."""
+    ready = [ReplicaStatus(id=r.id, state=ReplicaState.READY, endpoint=r.endpoint)
+             for r in w.store.list_replicas(node="node-1") if r.state == "ready"]
     hb = Heartbeat(
         inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
         engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+        replicas=ready,
     )
     with httpx.Client(verify=w.ctx) as c:
         return c.post(w.agent + "/agent/v1/heartbeat", content=hb.model_dump_json(), timeout=30)
