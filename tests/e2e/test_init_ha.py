@@ -26,7 +26,7 @@ import pytest
 import sqlalchemy
 
 from llmgw.config import load_server_config
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, PortInUseError
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.patroni import PG_BIN_DIR, HaPlan, PatroniRest, venv_ok
@@ -163,10 +163,34 @@ def test_three_members_bootstrap_a_primary_and_two_streaming_replicas(
     assert rest.is_streaming()
 
 
-def test_a_patroni_that_cannot_start_stops_init_with_its_log_and_leaves_nothing(
-    patroni_venv: Path, roots: list[Path]
-) -> None:
+def test_a_taken_member_port_is_refused_before_anything_is_written(patroni_venv: Path, roots: list[Path]) -> None:
+    """Another cluster's PostgreSQL (or Patroni) on this member's port would answer init's waits in
+    its stead (a new operator saw init wait on another cluster's replica, then fail on its primary
+    leaving Patroni running): the ports are checked first."""
     port = pg_ports(1)[0]
+    for taken_port, what in ((port, "PostgreSQL port"), (port + 2576, "Patroni's REST API"),
+                             (port - 421, "Patroni's raft")):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", taken_port))
+            taken.listen()
+            ctx, _out = ctx_for(roots[0], control_planes=[f"cp1=127.0.0.1:{port}"], patroni_venv=patroni_venv)
+            with pytest.raises(PortInUseError) as err:
+                database.run(ctx)
+        assert what in str(err.value)
+        assert f"127.0.0.1:{taken_port} is already in use" in str(err.value)
+        assert "--control-plane cp1=127.0.0.1:PORT" in str(err.value)
+        assert not (roots[0] / "patroni").exists()
+        assert not database.ha_yaml(ctx.paths).exists()
+        assert not ctx.paths.unit("patroni").exists()
+
+
+def test_a_patroni_that_cannot_start_stops_init_with_its_log_and_leaves_nothing(
+    patroni_venv: Path, roots: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's port taken after init's check (another program started meanwhile): its
+    postmaster cannot start, and Patroni says so. The check is skipped here to make that happen."""
+    port = pg_ports(1)[0]
+    monkeypatch.setattr(database, "check_member_ports", lambda plan, me: None)
     with socket.socket() as taken:  # PostgreSQL's port is taken: its postmaster cannot start
         taken.bind(("127.0.0.1", port))
         taken.listen()

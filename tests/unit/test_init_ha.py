@@ -5,9 +5,14 @@ Patroni itself runs in tests/e2e/test_init_ha.py."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import socket
+import ssl
 import stat
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +24,19 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app
 from llmgw.config import load_agent_config, load_server_config
-from llmgw.errors import ConfigError, PkiError, ServiceError
+from llmgw.errors import ConfigError, PkiError, ServiceError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.serverinit.onboard import add_node
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
-from llmgw.serverinit.standby import add_control_plane, check_bundle, install_bundle
+from llmgw.serverinit.standby import Bundle, add_control_plane, check_bundle, check_cluster_ca, install_bundle
 from llmgw.serverinit.steps import database, ha, pki, serveryaml
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.haunits import patroni_unit
 from llmgw.service.manager import SupervisorManager
 from llmgw.service.unitfile import parse_unit
 from llmgw.service.units import check_service
-from llmgw.tlsconf import CA, cert_hosts
+from llmgw.tlsconf import CA, cert_hosts, server_context
 from tests.conftest import skip_or_fail
 from tests.helpers.init import init_cli, written
 
@@ -269,6 +274,69 @@ def test_join_refuses_a_bundle_whose_certificate_another_ca_signed(tmp_path: Pat
     assert code != 0
     assert "refusing to join" in out
     assert written(tmp_path / "cp2") == []
+
+
+@contextlib.contextmanager
+def tls_server(ca: CA, tmp: Path) -> Iterator[int]:
+    """A TLS listener on 127.0.0.1 presenting a server certificate of ``ca`` (as a control plane's
+    agent API does); yields its port. Handshakes until the block ends."""
+    tmp.mkdir(parents=True)
+    cert, key = ca.issue_server(["127.0.0.1"]).write(tmp, "server")
+    ca.write(tmp / "pki")
+    ctx = server_context(tmp / "pki" / "ca.pem", cert, key)
+    ctx.verify_mode = ssl.CERT_NONE  # the agent API wants client certs; the join check sends none
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with contextlib.suppress(OSError), ctx.wrap_socket(conn, server_side=True):
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        done.set()
+        t.join()
+        srv.close()
+
+
+def loopback_bundle(tmp: Path, ca: CA, agent_port: int) -> Bundle:
+    """A standby bundle for cp2 of a cluster whose first control plane is on 127.0.0.1:``agent_port``."""
+    d = tmp / "bundle"
+    d.mkdir(parents=True)
+    ca.write(d / "x")
+    (d / "ca.pem").write_bytes((d / "x" / "ca.pem").read_bytes())
+    ca.issue_server(["127.0.0.1"]).write(d, "server")
+    (d / "server.yaml").write_text(yaml.safe_dump({
+        "agent_listen": f"127.0.0.1:{agent_port}",
+        "tls": {"ca": str(d / "ca.pem"), "cert": str(d / "server.pem"), "key": str(d / "server-key.pem")},
+    }))
+    p = HaPlan(members=[Member.parse("cp1=127.0.0.1:5432"), Member.parse("cp2=127.0.0.2:5432")])
+    return Bundle(d, p, p.members[1])
+
+
+def test_join_asks_the_first_control_plane_whether_the_bundle_is_its_cluster_s(tmp_path: Path) -> None:
+    """A bundle whose four PKI files all come from another CA is consistent in itself (a new
+    operator's bundle joined and started a control plane the cluster's CA does not accept): the
+    first control plane's agent API must verify with the bundle's CA, over real TLS."""
+    cluster = CA.create()
+    with tls_server(cluster, tmp_path / "cp1") as port:
+        ours = loopback_bundle(tmp_path / "ours", cluster, port)
+        assert check_cluster_ca(ours) == f"127.0.0.1:{port}"
+        foreign = loopback_bundle(tmp_path / "foreign", CA.create(), port)
+        with pytest.raises(PkiError, match=r"refusing to join: the first control plane cp1 at 127\.0\.0\.1:\d+ "
+                                           r"presents a certificate that .* does not accept"):
+            check_cluster_ca(foreign)
+    with pytest.raises(UnreachableError, match=r"the first control plane cp1 does not answer .* start it"):
+        check_cluster_ca(ours, timeout_s=1.0)
 
 
 def test_add_control_plane_cli_on_a_machine_without_ha_says_what_to_run(tmp_path: Path) -> None:

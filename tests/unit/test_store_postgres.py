@@ -275,3 +275,29 @@ def test_migrate_store_without_a_source_says_so(tmp_path: Path) -> None:
                                        "--to", "postgresql+psycopg://u@127.0.0.1:1/x"])
     assert out.exit_code == 1
     assert "there is no store to copy at sqlite:///" in out.output
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql+psycopg://llmgw:S3cretPW@127.0.0.1:notaport/llmgw", "is not a database URL"),
+        ("postgresql+psycopg://llmgw:S3cretPW@[::1/llmgw", "is not a database URL"),
+        ("postgres://llmgw:S3cretPW@db/llmgw", r"write postgresql\+psycopg://"),
+    ],
+)
+def test_a_store_url_that_does_not_parse_says_so_without_its_password(url: str, says: str) -> None:
+    """A new operator's typos ended in a Python traceback, or printed the password."""
+    with pytest.raises(StoreError, match=says) as err:
+        open_store(url)
+    assert "S3cretPW" not in str(err.value)
+    assert "llmgw:***@" in str(err.value)
+
+
+def test_a_database_that_does_not_answer_is_named_with_what_to_check() -> None:
+    port = free_port()
+    with pytest.raises(StoreError) as err:
+        open_store(f"postgresql+psycopg://llmgw:S3cretPW@127.0.0.1:{port}/llmgw")
+    text = str(err.value)
+    assert f"port {port} failed" in text
+    assert "check that PostgreSQL runs there" in text
+    assert "S3cretPW" not in text

@@ -22,6 +22,8 @@ whose key does not match its certificate, or whose CA is not the one this machin
 
 from __future__ import annotations
 
+import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw.atomicfile import write_atomic
 from llmgw.config import ServerConfig, load_server_config, parse_listen
-from llmgw.errors import ConfigError, PkiError
+from llmgw.errors import ConfigError, PkiError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.serverinit.patroni import HaPlan, Member
 from llmgw.tlsconf import CA
@@ -189,6 +191,41 @@ def check_bundle(bundle: Path, paths: Paths) -> Bundle:
     me = plan.member((bundle / "ha-me").read_text().strip())
     load_bundle_yaml(bundle / "server.yaml")
     return Bundle(bundle, plan, me)
+
+
+def check_cluster_ca(b: Bundle, *, timeout_s: float = 3.0) -> str:
+    """Ask the first control plane whether the bundle is its cluster's: a TLS handshake with its
+    agent API (the bundle server.yaml's ``agent_listen`` port, on the plan's first member's host)
+    that must verify with the bundle's CA, the host name included. A bundle whose four PKI files
+    all come from another CA is consistent in itself; only the running cluster can tell. Returns
+    ``HOST:PORT`` as checked.
+
+    Raises:
+        PkiError: the first control plane presents a certificate the bundle's CA did not sign (the
+            bundle is another cluster's), or one that does not name its host.
+        UnreachableError: it does not answer within ``timeout_s`` (start it first: the standby's
+            database member replicates from the cluster anyway).
+    """
+    first = b.plan.members[0]
+    _h, port = parse_listen(load_bundle_yaml(b.dir / "server.yaml").agent_listen)
+    where = f"{first.url_host}:{port}"
+    ctx = ssl.create_default_context(cafile=str(b.dir / "ca.pem"))
+    try:
+        with socket.create_connection((first.host.strip("[]"), port), timeout=timeout_s) as sock, \
+                ctx.wrap_socket(sock, server_hostname=first.host.strip("[]")):
+            pass
+    except ssl.SSLCertVerificationError as e:
+        raise PkiError(
+            f"refusing to join: the first control plane {first.name} at {where} presents a certificate that "
+            f"{b.dir / 'ca.pem'} does not accept ({e.verify_message}); the bundle is from another cluster. "
+            "Write it again on the first control plane with 'llmgw server add-control-plane'"
+        ) from e
+    except (OSError, ssl.SSLError) as e:
+        raise UnreachableError(
+            f"--join: the first control plane {first.name} does not answer at {where} ({e}); start it "
+            "(llmgw service start server, on it) and check this machine can reach it, then join again"
+        ) from e
+    return where
 
 
 def load_bundle_yaml(path: Path) -> ServerConfig:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -88,10 +89,17 @@ class SqlStore(Store):
         """
         try:
             sa_url = sa.make_url(url)
-        except sa.exc.ArgumentError as e:
+            sa_url.port  # noqa: B018 - parses the port: "HOST:notaport" raises ValueError here
+        except (sa.exc.ArgumentError, ValueError) as e:
             raise StoreError(
-                f"store.url '{url}' is not a database URL; use sqlite:///PATH or postgresql+psycopg://…"
+                f"store.url '{_masked(url)}' is not a database URL ({e}); use sqlite:///PATH or "
+                "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
             ) from e
+        if sa_url.drivername.split("+")[0] in ("postgres", "pgsql", "psql"):
+            raise StoreError(
+                f"store.url '{sa_url.render_as_string()}': '{sa_url.drivername}' is not a database SQLAlchemy "
+                "knows; write postgresql+psycopg://… (or postgresql://…)"
+            )
         hooks = HOOKS.get(sa_url.get_backend_name(), DialectHooks)()
         shown = sa_url.render_as_string()  # as given (the password hidden), without the hooks' defaults
         hooks.prepare(sa_url)
@@ -106,7 +114,12 @@ class SqlStore(Store):
             store.migrate()
         except sa.exc.SQLAlchemyError as e:
             engine.dispose()
-            raise StoreError(f"cannot open the store at {shown}: {e}") from e
+            hint = ""
+            if isinstance(e, sa.exc.OperationalError) and sa_url.get_backend_name() == "postgresql":
+                hint = ("; check that PostgreSQL runs there and accepts this user and password (HA: "
+                        "'llmgw service status patroni' on the database's machines), and store.url in server.yaml")
+            raise StoreError(f"cannot open the store at {shown}: {str(e.orig if hasattr(e, 'orig') else e).strip()}"
+                             f"{hint}") from e
         return store
 
     def close(self) -> None:
@@ -633,3 +646,9 @@ def _upsert_node(conn: Connection, node_id: str, values: dict[str, Any], now: fl
             .values(revision=cur.revision + 1, **values)
         ).rowcount
     )
+
+
+def _masked(url: str) -> str:
+    """``url`` with the password of ``scheme://user:password@…`` as ``***`` (for a URL too broken
+    for SQLAlchemy to render): a store URL in an error message must not show the password."""
+    return re.sub(r"^([^:/]+://[^:@/]*):[^@/]*@", r"\1:***@", url)

@@ -17,14 +17,16 @@ was there before.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.config import load_server_config
-from llmgw.errors import ConfigError, LlmgwError, ServiceError
+from llmgw.errors import ConfigError, LlmgwError, PortInUseError, ServiceError
 from llmgw.paths import Paths
 from llmgw.serverinit import files
 from llmgw.serverinit.patroni import (
@@ -156,6 +158,9 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
         # Where Patroni and its files are is this machine's choice, not the first control plane's.
         local_dirs(ctx, plan)
     check_machine(ctx, plan)
+    fresh = not patroni_yml_path(plan).exists()
+    if fresh:
+        check_member_ports(plan, me)
 
     made: list[Path] = []  # what this run made, removed again when Patroni does not come up
     if venv_ok(plan.venv):
@@ -177,24 +182,52 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
                         f"DCS {'etcd ' + ', '.join(plan.etcd) if plan.etcd else 'raft'}")
     # A member that was there before may since have failed over: on the first control plane it
     # is then a replica, which is as good (and it must never be stopped for not leading).
-    fresh = not patroni_yml_path(plan).exists()
     want = role if fresh else "member"
     try:
         new, kept = write_member(ctx, plan, me)
         made += new
         wait_member(ctx, plan, me, want, kept=kept)
+        if role == "primary" and PatroniRest(me.rest_url).is_primary():
+            for line in create_database(plan, me):
+                tag, _, text = line.partition(" ")
+                ctx.say(tag, text)
+        elif role == "primary":
+            ctx.say("kept", f"database {DB_NAME}: made when {me.name} led; another member leads now")
     except (LlmgwError, KeyboardInterrupt) as e:
         if not fresh or isinstance(e, KeyboardInterrupt):
             raise
         undo(ctx, made)
         raise type(e)(f"{e}\nnothing of the database member is left; fix the cause and run init again") from e
-    if role == "primary" and PatroniRest(me.rest_url).is_primary():
-        for line in create_database(plan, me):
-            tag, _, text = line.partition(" ")
-            ctx.say(tag, text)
-    elif role == "primary":
-        ctx.say("kept", f"database {DB_NAME}: made when {me.name} led; another member leads now")
     return Member1(plan, me)
+
+
+def check_member_ports(plan: HaPlan, me: Member) -> None:
+    """Before a new member is written: PostgreSQL's, Patroni's REST API's and (with raft) raft's
+    ports must be free on its host. Another program there (another cluster's PostgreSQL or Patroni)
+    would otherwise answer init's waits in this member's stead.
+
+    Raises:
+        PortInUseError: a port is taken (named, with the flag that sets it), or cannot be listened on.
+    """
+    ports = [("PostgreSQL", me.pg_port), ("Patroni's REST API (PostgreSQL's + 2576)", me.rest_port)]
+    if not plan.etcd:
+        ports.append(("Patroni's raft (PostgreSQL's - 421)", me.raft_port))
+    host = me.host.strip("[]")
+    for what, port in ports:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                where = f"control plane {me.name}: {what} port {me.url_host}:{port}"
+                if e.errno == errno.EADDRINUSE:
+                    why = (f"is already in use by another program (another PostgreSQL or Patroni?); "
+                           f"'ss -ltnp sport = :{port}' names it. Stop it, or give this member another "
+                           f"PostgreSQL port: --control-plane {me.name}={me.url_host}:PORT")
+                else:
+                    why = f"cannot be listened on ({e.strerror}); is {me.url_host} an address of this machine?"
+                raise PortInUseError(f"{where} {why}") from e
 
 
 def write_member(ctx: InitContext, plan: HaPlan, me: Member) -> tuple[list[Path], bool]:

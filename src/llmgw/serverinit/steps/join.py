@@ -2,7 +2,9 @@
 
 In order: the bundle checked (:func:`llmgw.serverinit.standby.check_bundle`: a server certificate
 the bundle's CA did not sign, or a CA other than this machine's, refuses before anything is
-written), its files copied into ``/etc/llmgw`` (``kept`` when there already; ``--admin-listen``,
+written; on a first join :func:`~llmgw.serverinit.standby.check_cluster_ca` also has the first
+control plane's agent API verify with the bundle's CA, so a bundle from another cluster is
+refused), its files copied into ``/etc/llmgw`` (``kept`` when there already; ``--admin-listen``,
 ``--agent-listen``, ``--gateway-listen`` when given replace the first control plane's), this machine's
 database member started as a streaming replica (:mod:`.database`), then the control plane against
 the shared database (:mod:`.controlplane`). No mirror, starter or judge: those are the cluster's,
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from llmgw.errors import ConfigError
 from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.standby import check_bundle, install_bundle
+from llmgw.serverinit.standby import check_bundle, check_cluster_ca, install_bundle
 from llmgw.serverinit.steps import controlplane, database
 from llmgw.serverinit.steps.context import InitContext
 
@@ -31,8 +33,12 @@ def run(ctx: InitContext) -> None:
     if ctx.opts.control_planes:
         raise ConfigError("--join and --control-plane do not go together: the bundle names the control planes")
     b = check_bundle(bundle_dir, ctx.paths)
-    ctx.say("kept" if (ctx.paths.etc / "ha-me").exists() else "done",
-            f"bundle {bundle_dir}: control plane {b.me.name} of {len(b.plan.members)}, signed by this cluster's CA")
+    if (ctx.paths.etc / "ha-me").exists():
+        ctx.say("kept", f"bundle {bundle_dir}: control plane {b.me.name} of {len(b.plan.members)}")
+    else:
+        where = check_cluster_ca(b)
+        ctx.say("done", f"bundle {bundle_dir}: control plane {b.me.name} of {len(b.plan.members)}; the first "
+                        f"control plane at {where} is of the bundle's CA")
     defaults = InitOptions()
     listen = {k: getattr(ctx.opts, k) for k in ("admin_listen", "agent_listen", "gateway_listen")
               if getattr(ctx.opts, k) != getattr(defaults, k)}
