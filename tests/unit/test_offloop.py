@@ -30,8 +30,10 @@ from llmgw.control.api.agent import build_agent_app
 from llmgw.control.reconcile.leader import Leader, PassResult
 from llmgw.control.store import ModelRow, NodeRow, SqlStore, Store, default_url
 from llmgw.control.store.offloop import Batcher, Coalescer, OffLoop
+from llmgw.control.store.postgres import with_defaults
 from llmgw.errors import StoreUnavailable
 from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, ProvisionState
+from tests.helpers.postgres import Cluster
 
 TOKEN = "admin-token-for-tests"
 GB = 1_000_000_000
@@ -304,3 +306,25 @@ async def test_a_database_that_refuses_connections_is_store_unavailable_at_once(
     with pytest.raises(StoreUnavailable, match=r"the SQLite database x cannot be reached \(connection refused\)"):
         await db.run(refuse)
     db.close()
+
+
+async def test_a_database_with_no_writable_primary_is_named_as_such(pg_cluster: Cluster) -> None:
+    """During a failover libpq (``target_session_attrs=read-write``) finds only standbys: that is a
+    failover under way, not "cannot be reached" (what a new operator saw). A real PostgreSQL whose
+    sessions are read-only (``default_transaction_read_only``) stands in for the standbys."""
+    url = with_defaults(sa.make_url(pg_cluster.url()))
+    url = url.update_query_dict({"target_session_attrs": "read-write",
+                                 "options": "-c default_transaction_read_only=on"})
+    engine = sa.create_engine(url)
+    db = OffLoop(deadline_s=5, database="the PostgreSQL database at 127.0.0.1")
+
+    def write() -> None:
+        with engine.connect():
+            pass
+
+    try:
+        with pytest.raises(StoreUnavailable, match=r"has no writable primary now: the members that answer are"):
+            await db.run(write)
+    finally:
+        db.close()
+        engine.dispose()

@@ -170,7 +170,14 @@ class OffLoop:
             fut.add_done_callback(self._answered)
             raise StoreUnavailable(f"{self.database} did not answer within {self.deadline_s:g} s; {_CHECK}") from None
         except _UNREACHABLE as e:
-            first = str(e.orig if isinstance(e, sa.exc.DBAPIError) else e).strip().splitlines()
+            text = str(e.orig if isinstance(e, sa.exc.DBAPIError) else e).strip()
+            first = text.splitlines()
+            if "read-only" in text:  # libpq's target_session_attrs=read-write found only standbys
+                raise StoreUnavailable(
+                    f"{self.database} has no writable primary now: the members that answer are standbys "
+                    "(a failover is under way; Patroni promotes one within about 20-30 s); "
+                    "'llmgw ctl cluster' shows the database's members"
+                ) from e
             raise StoreUnavailable(
                 f"{self.database} cannot be reached ({first[0] if first else e.__class__.__name__}); {_CHECK}"
             ) from e
