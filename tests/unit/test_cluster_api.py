@@ -23,7 +23,7 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app as cli_app
-from llmgw.control.api.cluster import parse_patroni
+from llmgw.control.api.cluster import parse_patroni, read_patroni
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from llmgw.views import ClusterView
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
@@ -253,3 +253,14 @@ def test_parse_patroni_refuses_what_is_not_patroni() -> None:
     with pytest.raises(ValueError, match="no 'members' list"):
         parse_patroni({"status": "ok"})
     assert [m.name for m in parse_patroni(PATRONI_CLUSTER)] == ["pg1", "pg2", "pg3"]
+
+
+async def test_a_configured_member_missing_from_patroni_s_list_is_said(patroni_stand_in: str) -> None:
+    """A member that is down drops out of Patroni's own list: ``ctl cluster`` says how many of the
+    configured members are missing rather than showing a shorter table with no word."""
+    four = [patroni_stand_in, *(f"http://127.0.0.1:{free_port()}" for _ in range(3))]  # 3 answer in the list
+    members, error = await read_patroni(four)
+    assert [m.name for m in members] == ["pg1", "pg2", "pg3"]
+    assert error == "1 of the 4 members in cluster.patroni are not in Patroni's list (down, or not joined yet)"
+    members, error = await read_patroni(four[:3])
+    assert (len(members), error) == (3, "")

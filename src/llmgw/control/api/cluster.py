@@ -58,7 +58,8 @@ def parse_patroni(body: Any) -> list[PatroniMemberView]:
 async def read_patroni(
     urls: Sequence[str], timeout_s: float = PATRONI_TIMEOUT_S
 ) -> tuple[list[PatroniMemberView], str]:
-    """Patroni's members from the first of ``urls`` that answers, and ""; or none, and why each failed."""
+    """Patroni's members from the first of ``urls`` that answers, and "" (or how many configured
+    members its list lacks: a member that is down drops out of it); or none, and why each failed."""
     if not urls:
         return [], ""
     errors = []
@@ -71,7 +72,12 @@ async def read_patroni(
                     if resp.status != 200:
                         errors.append(f"{target}: HTTP {resp.status}")
                         continue
-                    return parse_patroni(await resp.json(content_type=None)), ""
+                    got = parse_patroni(await resp.json(content_type=None))
+                    missing = len(urls) - len(got)
+                    return got, (
+                        f"{missing} of the {len(urls)} members in cluster.patroni are not in Patroni's list "
+                        "(down, or not joined yet)" if missing > 0 else ""
+                    )
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 errors.append(f"{target}: {e.__class__.__name__} {e}".strip())
     return [], "Patroni does not answer: " + "; ".join(errors)

@@ -99,7 +99,7 @@ class ServerInit:
             started = time.monotonic()
             if ctx.opts.join is not None:
                 join.run(ctx)
-                howto.run(ctx, "", time.monotonic() - started)
+                howto.standby(ctx, time.monotonic() - started)
                 return ""
             me = ha.prepare(ctx) if ctx.opts.ha else None
             checks.run(ctx)

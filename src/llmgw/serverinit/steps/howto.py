@@ -30,3 +30,17 @@ def run(ctx: InitContext, served: str, took_s: float) -> None:
         f"and use this machine's address.",
         file=out,
     )
+
+
+def standby(ctx: InitContext, took_s: float) -> None:
+    """The end of ``server init --join``: this control plane serves the cluster's models (the
+    catalog is the shared database's), and every gateway client needs a key, loopback ones too
+    (a standby's server.yaml sets ``allow_loopback_without_key: false``)."""
+    out = ctx.out
+    url = connect_url(ctx.config().gateway.listen)
+    root = f"--root {ctx.paths.root} " if ctx.paths.prefixed else ""
+    print(f"\nThis control plane has joined the cluster (init took {format_duration(took_s)}).", file=out)
+    print(f"It serves the cluster's models ('llmgw {root}ctl models'); 'llmgw {root}ctl cluster' shows the "
+          "control planes and the leader.", file=out)
+    print(f"Its gateway ({url}) asks every client for a key, this machine's too: "
+          f"-H \"Authorization: Bearer $(head -1 {ctx.paths.client_keys})\".", file=out)
