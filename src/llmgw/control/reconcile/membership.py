@@ -109,6 +109,7 @@ class Membership:
         self.snapshot = Snapshot()
         self.database_error = ""  # "" while the last store call succeeded
         self._written = 0.0
+        self._intruder = ""  # the agent URL of another control plane last seen writing our row
 
     @property
     def database_ok(self) -> bool:
@@ -141,6 +142,22 @@ class Membership:
             log.info("control plane %s: the database answers again", self.name)
         self.database_error = ""
         self.snapshot = Snapshot(now, leader, tuple(members))
+        self._check_name(members, now)
+
+    def _check_name(self, members: list[ControlPlaneRow], now: float) -> None:
+        """Log (once per intruder) when another live process wrote this control plane's row: two
+        control planes with one ``cluster.name`` overwrite each other's agent URL, and agents learn
+        whichever wrote last."""
+        row = next((m for m in members if m.name == self.name), None)
+        if row is None or now - row.last_seen > ALIVE_S:
+            return
+        if (row.started_at, row.agent_url) != (self.started_at, self.agent_url) and row.agent_url != self._intruder:
+            self._intruder = row.agent_url
+            log.error(
+                "control plane %s: another control plane uses the same cluster.name (its agent URL %s, this "
+                "one's %s); give each control plane its own name in server.yaml (cluster.name)",
+                self.name, row.agent_url, self.agent_url,
+            )
 
     def _read(self) -> tuple[LeaderRow, list[ControlPlaneRow]]:
         return self.store.leader(), self.store.list_control_planes()
