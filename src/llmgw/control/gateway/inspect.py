@@ -92,18 +92,34 @@ class Inspector(Protocol):
 
 @dataclass(frozen=True)
 class Exchange:
-    """One chat request as the gateway saw it, for usage accounting and metrics.
+    """One gateway request (chat, completions or embeddings) as the gateway saw it, for usage
+    accounting, rate limits, metrics and the access log. Never holds a prompt, an answer or a secret.
 
     Attributes:
         requested: the model name the client used (an alias, or "" when the body had none).
         model: the catalog name it resolved to ("" when it did not resolve).
         replica: the replica that answered ("" when none was asked).
-        status: the HTTP status sent to the client (200 for a stream that started, even if it broke).
+        status: the HTTP status sent to the client (200 for a stream that started, even if it broke;
+            499 when the client went away first).
         stream: whether the client asked for a stream.
         overhead_ms: time in the gateway, not counting the wait on the replica (to the stream's first
             byte, for streams).
         upstream_ms: time waiting on the replica (whole stream included).
-        usage: the answer's ``usage`` object for non-streamed answers, else None.
+        usage: the answer's ``usage`` object (``prompt_tokens``, ``completion_tokens``,
+            ``total_tokens``) when known, for streams too (asked of the engine with
+            ``stream_options.include_usage``, or counted from the events relayed when the client left
+            early); None when no replica answered.
+        key: the caller's name: an API key's name from the store, ``keys-file`` for a key from
+            ``gateway.keys_file``, ``loopback`` for a loopback client without a key, "" when the key
+            was refused. A label value for metrics: it comes from the store, never from request text.
+        kind: ``chat``, ``completions`` or ``embeddings`` (the endpoint).
+        request_id: the ``x-request-id`` sent back (the client's, or one the gateway made).
+        code: the OpenAI error ``code`` sent when ``status`` >= 400 (e.g. ``rate_limit_exceeded``,
+            ``content_blocked``, ``model_not_found``), or the code of an error event that ended a stream;
+            "" otherwise.
+        blocked: the guard refused the prompt or the answer (before or during a stream).
+        ttft_ms: time from the handler's start to the first byte of the answer sent to the client (ms);
+            for a non-streamed answer, until the response was ready.
     """
 
     requested: str
@@ -114,3 +130,9 @@ class Exchange:
     overhead_ms: float
     upstream_ms: float
     usage: dict[str, Any] | None = None
+    key: str = ""
+    kind: str = "chat"
+    request_id: str = ""
+    code: str = ""
+    blocked: bool = False
+    ttft_ms: float = 0.0
