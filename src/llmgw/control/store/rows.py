@@ -114,3 +114,53 @@ class ControlPlaneRow:
     last_seen: float
     started_at: float
     version: str
+
+
+@dataclass(frozen=True)
+class ApiKeyRow:
+    """A gateway API key as stored: never the secret, only its SHA-256 (hex) and first 16 characters.
+
+    ``models`` lists the names or aliases the key may use (``()``: every model); ``rpm``/``tpm`` are
+    requests and tokens per minute, ``budget_tokens`` per ``budget_period`` (``day`` or ``month``,
+    UTC; ``""`` for no budget); None is no limit. Times are unix seconds.
+    """
+
+    name: str
+    prefix: str
+    digest: str
+    models: tuple[str, ...] = ()
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_tokens: int | None = None
+    budget_period: str = ""
+    expires_at: float | None = None
+    created_at: float = 0.0
+    revoked_at: float | None = None
+    last_used_at: float | None = None
+    revision: int = 1
+
+
+@dataclass(frozen=True)
+class UsageDelta:
+    """Counts to add to one ``usage_daily`` row (key, model, UTC day ``YYYY-MM-DD``); also the shape
+    a usage row is read back in."""
+
+    key: str
+    model: str
+    day: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    guard_blocks: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class RateDelta:
+    """Counts to add for one key, one control plane and one minute (``window``: unix seconds of the
+    minute's start, a multiple of 60): admitted requests and tokens."""
+
+    key: str
+    window: int
+    requests: int = 0
+    tokens: int = 0
