@@ -56,6 +56,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import KW_ONLY, dataclass
@@ -64,10 +66,19 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
+from llmgw.control.gateway.callers import LOOPBACK_CALLER, Caller, Callers
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
-from llmgw.control.gateway.keys import GatewayKeys, digest
-from llmgw.control.gateway.request import dropped_header, upstream_body
-from llmgw.control.gateway.upstream import Trace, UpstreamPool, refusal_response, relay_plain, relay_stream
+from llmgw.control.gateway.keys import GatewayKeys
+from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.request import dropped_header, upstream_body, with_stream_usage
+from llmgw.control.gateway.upstream import (
+    StreamTally,
+    Trace,
+    UpstreamPool,
+    refusal_response,
+    relay_plain,
+    relay_stream,
+)
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_json
 from llmgw.routing import Router
@@ -78,6 +89,25 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 _POOL = web.AppKey("llmgw_gateway_pool", UpstreamPool)
+_REQUEST_ID = web.RequestKey("llmgw_request_id", str)
+#: A client's ``x-request-id`` is kept when it is 1-128 of these characters; else the gateway makes one.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+def request_id(request: web.Request) -> str:
+    """The request's id: the client's ``x-request-id`` when it is plain (see ``_CLIENT_ID``), else 24 new
+    hex digits; kept on the request so every response to it carries the same one."""
+    rid = request.get(_REQUEST_ID)
+    if rid is None:
+        sent = request.headers.get("x-request-id", "")
+        rid = sent if sent and _CLIENT_ID.fullmatch(sent) else secrets.token_hex(12)
+        request[_REQUEST_ID] = rid
+    return rid
+
+
+async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: every response carries ``x-request-id``."""
+    response.headers.setdefault("x-request-id", request_id(request))
 
 
 def is_loopback(remote: str | None) -> bool:
@@ -101,71 +131,92 @@ class _Gateway:
     router: Router
     pool: UpstreamPool
     _: KW_ONLY
-    keys: GatewayKeys
+    callers: Callers
     allow_loopback_without_key: bool
     inspector: Inspector | None
     observe: Callable[[Exchange], None] | None
+    limiter: Limiter | None = None
 
     # -- key -----------------------------------------------------------------------------------
-    def denied(self, request: web.Request) -> web.Response | None:
-        """None when the caller may use the gateway, else the 401 to send.
+    def authenticate(self, request: web.Request) -> Caller | web.Response:
+        """The :class:`Caller` when the client may use the gateway, else the 401 to send.
 
-        A presented key (``Authorization: Bearer`` or ``x-api-key``) must be valid, from loopback
-        too; only no key (or an empty ``Bearer``) is let in from loopback when
-        ``allow_loopback_without_key``.
+        A presented key (``Authorization: Bearer`` or ``x-api-key``) must be valid (known, not revoked,
+        not expired), from loopback too; only no key (or an empty ``Bearer``) is let in from loopback
+        when ``allow_loopback_without_key``. An ``Authorization`` header of another scheme, or of no
+        scheme, is a wrong key (401), never an error.
         """
         header = request.headers.get("Authorization", "").strip()
         scheme, _, key = header.partition(" ")
         key = key.strip()
+        bearer = scheme.lower() == "bearer"
         # ``x-api-key`` is how Anthropic's (and other) clients send a key: one sent that way must be
         # valid too, or a wrong key from loopback would be ignored as "no key".
         x_key = request.headers.get("x-api-key", "").strip()
-        valid = self.keys.digests()
-        bearer_ok = scheme.lower() == "bearer" and bool(key) and digest(key) in valid
-        bad_bearer = (bool(key) or (bool(header) and scheme.lower() != "bearer")) and not bearer_ok
-        x_ok = bool(x_key) and digest(x_key) in valid
-        if (bearer_ok or x_ok) and not bad_bearer and (x_ok or not x_key):
-            return None
-        presented = bool(key) or bool(header and scheme.lower() != "bearer") or bool(x_key)
+        malformed = bool(header) and not bearer
+        lookup = self.callers.lookup
+        caller = lookup(key) if bearer and key else None
+        x_caller = lookup(x_key) if x_key else None
+        presented = bool(key) or malformed or bool(x_key)
+        bad = ((bool(key) or malformed) and caller is None) or (bool(x_key) and x_caller is None)
+        if presented and not bad:
+            return caller or x_caller or LOOPBACK_CALLER
         open_here = self.allow_loopback_without_key and is_loopback(request.remote)
         if open_here and not presented:
-            return None
+            return LOOPBACK_CALLER
         if not presented:
             message = "Missing API key: send 'Authorization: Bearer <key>'"
         elif open_here:
             message = "Incorrect API key provided; from this machine you may also send no key at all"
         else:
-            message = "Incorrect API key provided"
+            message = "Incorrect API key provided (unknown, revoked or expired)"
         return openai_error_json(401, "invalid_api_key", message)
 
     # -- models --------------------------------------------------------------------------------
+    def _visible(self, caller: Caller) -> list[str]:
+        """The chat models ``caller`` may use, by catalog name."""
+        names = [r.model for r in self.router.chat_models()]
+        if caller.models is None:
+            return names
+        return [n for n in names if self.callers.may_use(caller, n, n, self._resolve_name)]
+
+    def _resolve_name(self, name: str) -> str | None:
+        route = self.router.resolve(name)
+        return route.model if route is not None else None
+
     async def models(self, request: web.Request) -> web.Response:
-        """``GET /v1/models``: the chat models, OpenAI list shape."""
-        if (denied := self.denied(request)) is not None:
-            return denied
-        data = [_model_object(r.model, r.created) for r in self.router.chat_models()]
+        """``GET /v1/models``: the chat models this key may use, OpenAI list shape."""
+        caller = self.authenticate(request)
+        if isinstance(caller, web.Response):
+            return caller
+        visible = set(self._visible(caller))
+        data = [_model_object(r.model, r.created) for r in self.router.chat_models() if r.model in visible]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
-        """``GET /v1/models/{id}``: one model (aliases resolve to their model)."""
-        if (denied := self.denied(request)) is not None:
-            return denied
-        route = self.router.resolve(request.match_info["id"])
-        if route is None:
-            return self._not_found(request.match_info["id"])
+        """``GET /v1/models/{id}``: one model (aliases resolve to their model); 404 for one the key
+        may not use, as if it did not exist."""
+        caller = self.authenticate(request)
+        if isinstance(caller, web.Response):
+            return caller
+        name = request.match_info["id"]
+        route = self.router.resolve(name)
+        if route is None or not self.callers.may_use(caller, name, route.model, self._resolve_name):
+            return self._not_found(name, caller)
         return web.json_response(_model_object(route.model, route.created))
 
-    def _not_found(self, name: str) -> web.Response:
-        known = ", ".join(r.model for r in self.router.chat_models()) or "(none yet)"
+    def _not_found(self, name: str, caller: Caller) -> web.Response:
+        known = ", ".join(self._visible(caller)) or "(none yet)"
         return openai_error_json(404, "model_not_found", f"model '{name}' does not exist; known models: {known}")
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``: see the module docstring for the order of checks."""
-        trace = Trace(started_ns=time.perf_counter_ns())
-        if (denied := self.denied(request)) is not None:
-            return denied
-        requested, model, stream = "", "", False
+        trace = Trace(started_ns=time.perf_counter_ns(), request_id=request_id(request))
+        caller = self.authenticate(request)
+        if isinstance(caller, web.Response):
+            return caller
+        requested, model, stream, code, blocked = "", "", False, "", False
         call: Call | None = None
         if self.inspector is not None:
             call = Call(caller=_caller(request))
@@ -176,76 +227,113 @@ class _Gateway:
             requested = body["model"]
             stream = body.get("stream") is True
             route = self.router.resolve(requested)
-            if route is None:
-                out: web.StreamResponse = self._not_found(requested)
+            if route is None or not self.callers.may_use(caller, requested, route.model, self._resolve_name):
+                out: web.StreamResponse = self._not_found(requested, caller)
             elif not route.upstreams:
+                model = route.model
                 reason = route.unavailable or "no replica is ready yet"
                 out = openai_error_json(
                     503, "model_unavailable", f"model '{route.model}' is not available: {reason}"
                 )
             else:
                 model = route.model
-                raw, dropped = upstream_body(body, raw, route.max_output)
-                trace.dropped = dropped_header(dropped) if dropped else ""
-                refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
-                if refusal is not None:
-                    out = refusal_response(refusal)
-                elif stream:
-                    out = await relay_stream(
-                        request,
-                        self.pool,
-                        route,
-                        requested=requested,
-                        body=raw,
-                        request_json=body,
-                        trace=trace,
-                        inspector=self.inspector,
-                    )
+                refused, limit_headers = self.limiter.admit(caller) if self.limiter is not None else (None, {})
+                if refused is not None:
+                    out = openai_error_json(429, refused.code, refused.message, headers=refused.headers)
+                    code = refused.code
                 else:
-                    out = await relay_plain(
-                        self.pool,
-                        route,
-                        requested=requested,
-                        body=raw,
-                        request_json=body,
-                        trace=trace,
-                        inspector=self.inspector,
-                    )
+                    trace.headers = limit_headers
+                    raw, dropped = upstream_body(body, raw, route.max_output)
+                    trace.dropped = dropped_header(dropped) if dropped else ""
+                    if stream:
+                        raw, asked = with_stream_usage(body, raw)
+                        trace.tally = StreamTally(hide=not asked, prompt_chars=_prompt_chars(body))
+                    refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
+                    if refusal is not None:
+                        out = refusal_response(refusal)
+                        code, blocked = refusal.code, refusal.code == "content_blocked"
+                    elif stream:
+                        out = await relay_stream(
+                            request,
+                            self.pool,
+                            route,
+                            requested=requested,
+                            body=raw,
+                            request_json=body,
+                            trace=trace,
+                            inspector=self.inspector,
+                        )
+                    else:
+                        out = await relay_plain(
+                            self.pool,
+                            route,
+                            requested=requested,
+                            body=raw,
+                            request_json=body,
+                            trace=trace,
+                            inspector=self.inspector,
+                        )
         except web.HTTPRequestEntityTooLarge:
+            code = "request_too_large"
             out = openai_error_json(
-                413, "request_too_large", f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
+                413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
             )
         except HttpError as e:  # JsonBodyError included
+            code = e.code
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
-            self._observe(trace, requested, model, stream, status=499)
+            self._observe(trace, caller, requested, model, stream, status=499, code="client_closed")
             raise
         if call is not None and not out.prepared:
             out.headers.update(call.headers)
-        if not out.prepared and trace.replica:
-            out.headers["x-llmgw-replica"] = trace.replica
-            trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
-            out.headers["x-llmgw-overhead-ms"] = f"{trace.setup_ns / 1e6:.3f}"
-        if not out.prepared and trace.dropped:
-            out.headers["x-llmgw-dropped"] = trace.dropped
-        self._observe(trace, requested, model, stream, status=out.status)
+        if not out.prepared:
+            if trace.replica:
+                out.headers["x-llmgw-replica"] = trace.replica
+                trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
+                out.headers["x-llmgw-overhead-ms"] = f"{trace.setup_ns / 1e6:.3f}"
+            if trace.dropped:
+                out.headers["x-llmgw-dropped"] = trace.dropped
+            if trace.headers:
+                out.headers.update(trace.headers)
+            if out.status >= 400 and not code:
+                code = _answer_code(out)
+                blocked = blocked or code == "content_blocked"
+        elif trace.error_code:
+            code = trace.error_code
+            blocked = code == "content_blocked"
+        self._observe(trace, caller, requested, model, stream, status=out.status, code=code, blocked=blocked)
         return out
 
-    def _observe(self, trace: Trace, requested: str, model: str, stream: bool, *, status: int) -> None:
+    def _observe(
+        self, trace: Trace, caller: Caller, requested: str, model: str, stream: bool, *,
+        status: int, code: str = "", blocked: bool = False,
+    ) -> None:
         """Hand ``observe`` the request's :class:`Exchange` (499: the client went away first)."""
-        if self.observe is not None:
-            self.observe(
-                Exchange(
-                    requested=requested,
-                    model=model,
-                    replica=trace.replica,
-                    status=status,
-                    stream=stream,
-                    overhead_ms=trace.setup_ns / 1e6,
-                    upstream_ms=trace.upstream_ns / 1e6,
-                    usage=trace.usage,
-                )
+        if self.observe is None:
+            return
+        usage = trace.usage
+        if usage is None and trace.tally is not None and trace.first_byte_ns:
+            usage = trace.tally.usage()
+        now = time.perf_counter_ns()
+        first = trace.first_byte_ns or now
+        self.observe(
+            Exchange(
+                requested=requested,
+                model=model,
+                replica=trace.replica,
+                status=status,
+                stream=stream,
+                overhead_ms=trace.setup_ns / 1e6,
+                upstream_ms=trace.upstream_ns / 1e6,
+                usage=usage,
+                key=caller.name,
+                kind="chat",
+                request_id=trace.request_id,
+                code=code,
+                blocked=blocked,
+                ttft_ms=(first - trace.started_ns) / 1e6,
             )
+        )
 
     async def healthz(self, _: web.Request) -> web.Response:
         """``GET /healthz``: the gateway process answers (no key needed, says nothing about models)."""
@@ -262,6 +350,30 @@ class _Gateway:
             "not_found",
             f"unknown path {request.path}; this gateway serves /v1/chat/completions and /v1/models",
         )
+
+
+def _prompt_chars(body: dict[str, Any]) -> int:
+    """Characters of text in a chat body's messages (for a stream's prompt-token estimate)."""
+    n = 0
+    for m in body.get("messages", ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p.get("text", "")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
+def _answer_code(out: web.StreamResponse) -> str:
+    """The ``code`` of an OpenAI error envelope already in ``out``'s body ("" when there is none)."""
+    body = out.body if isinstance(out, web.Response) else None
+    if not isinstance(body, bytes | bytearray):
+        return ""
+    try:
+        err = jsonbody.loads(bytes(body)).get("error")
+    except (HttpError, AttributeError):
+        return ""
+    return str(err.get("code") or "") if isinstance(err, dict) else ""
 
 
 def _model_object(name: str, created: int) -> dict[str, Any]:
@@ -292,6 +404,8 @@ def build_gateway_app(
     upstream_timeout_s: float = 600.0,
     inspector: Inspector | None = None,
     observe: Callable[[Exchange], None] | None = None,
+    callers: Callers | None = None,
+    limiter: Limiter | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
@@ -305,6 +419,9 @@ def build_gateway_app(
         inspector: the guard's hooks (prompt, answer, stream); None relays untouched.
         observe: called once per authorized chat request with its :class:`Exchange` (metrics, usage); must not
             block (it runs on the event loop).
+        callers: the keys clients may send (stored keys and ``keys``), when the store's keys are used
+            (:mod:`llmgw.control.gateway.callers`); None: ``keys`` only.
+        limiter: rate limits and budgets per key (:mod:`llmgw.control.gateway.limits`); None: no limits.
 
     The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
     ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
@@ -316,10 +433,11 @@ def build_gateway_app(
     gw = _Gateway(
         router,
         pool,
-        keys=keys if isinstance(keys, GatewayKeys) else GatewayKeys(None, initial=keys),
+        callers=callers or Callers(keys if isinstance(keys, GatewayKeys) else GatewayKeys(None, initial=keys)),
         allow_loopback_without_key=allow_loopback_without_key,
         inspector=inspector,
         observe=observe,
+        limiter=limiter,
     )
 
     async def _lifecycle(_: web.Application) -> AsyncIterator[None]:
@@ -328,6 +446,7 @@ def build_gateway_app(
         await pool.close()
 
     app.cleanup_ctx.append(_lifecycle)
+    app.on_response_prepare.append(_send_request_id)
     app.router.add_post("/v1/chat/completions", gw.chat)
     app.router.add_get("/v1/models", gw.models, allow_head=False)
     app.router.add_get("/v1/models/{id}", gw.model, allow_head=False)

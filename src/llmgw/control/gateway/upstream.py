@@ -79,7 +79,11 @@ class Trace:
     ``upstream_ns`` is time waiting on the replica (connect, answer, body); ``setup_ns`` the
     gateway's own time from the handler's start to the first byte (streams) or to the response
     being ready (non-streamed), minus the upstream wait inside it. ``dropped``: the
-    ``x-llmgw-dropped`` header's value, "" when no field was dropped.
+    ``x-llmgw-dropped`` header's value, "" when no field was dropped. ``request_id`` is sent to the
+    replica as ``x-request-id``; ``headers`` are added to the client's response (rate-limit headers);
+    ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the answer's first byte went out
+    (``perf_counter_ns``), 0 before; ``error_code`` is the code of the error event that ended a
+    stream after its 200 (a refusal, a broken replica), "" otherwise.
     """
 
     started_ns: int
@@ -88,6 +92,11 @@ class Trace:
     setup_ns: int = 0
     usage: dict[str, Any] | None = None
     dropped: str = ""
+    request_id: str = ""
+    headers: dict[str, str] | None = None
+    tally: StreamTally | None = None
+    first_byte_ns: int = 0
+    error_code: str = ""
 
 
 class UpstreamPool:
@@ -144,7 +153,11 @@ class UpstreamPool:
                     resp = await self._session.post(
                         _chat_url(up.endpoint),
                         data=body,
-                        headers={"Authorization": "Bearer " + up.key, "Content-Type": "application/json"},
+                        headers={
+                            "Authorization": "Bearer " + up.key,
+                            "Content-Type": "application/json",
+                            "x-request-id": trace.request_id,
+                        },
                         timeout=timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
@@ -296,16 +309,19 @@ async def relay_stream(
         }
         if trace.dropped:
             headers["x-llmgw-dropped"] = trace.dropped
+        if trace.headers:
+            headers.update(trace.headers)
         if watcher is not None and (call := current_call.get()) is not None:
             headers.update(call.headers)
         out = web.StreamResponse(headers=headers)
         trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
         await out.prepare(request)
-        t0 = time.perf_counter_ns()
+        t0 = trace.first_byte_ns = time.perf_counter_ns()
         try:
-            refusal = await _pump(resp, out, watcher, ModelRewriter(requested))
+            refusal = await _pump(resp, out, watcher, ModelRewriter(requested), trace.tally)
             closed_cleanly = refusal is None
             if refusal is not None:
+                trace.error_code = refusal.code
                 await out.write(openai_error_event(refusal.status, refusal.code, refusal.message, extra=refusal.extra))
         except ConnectionResetError:  # the client went away; finally closes the upstream
             return out
@@ -317,6 +333,7 @@ async def relay_stream(
         ) as e:
             err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
             log.warning("stream of %s broke: %r", route.model, e)
+            trace.error_code = err.code
             await out.write(openai_error_event(err.status, err.code, err.message))
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
@@ -368,18 +385,27 @@ async def _pump(
     out: web.StreamResponse,
     watcher: StreamInspector | None,
     rewriter: ModelRewriter,
+    tally: StreamTally | None = None,
 ) -> Refusal | None:
-    """Copy chunks (rewritten) until the replica's end; a refusal stops it and is returned."""
+    """Copy chunks (rewritten, counted by ``tally``) until the replica's end; a refusal stops it and
+    is returned."""
     if watcher is None:
         async for chunk in resp.content.iter_any():
             data = rewriter.feed(chunk)
+            if data and tally is not None:
+                data = tally.feed(data)
             if data:
                 await out.write(data)
-        if tail := rewriter.tail():
+        tail = rewriter.tail()
+        if tail and tally is not None:
+            tail = tally.feed(tail)
+        if tail:
             await out.write(tail)
         return None
     async for chunk in resp.content.iter_any():
         data = rewriter.feed(chunk)
+        if data and tally is not None:
+            data = tally.feed(data)
         if not data:
             continue
         seen = await watcher.chunk(data)
@@ -388,6 +414,8 @@ async def _pump(
         if seen:
             await out.write(seen)
     last = rewriter.tail()
+    if last and tally is not None:
+        last = tally.feed(last)
     seen = await watcher.chunk(last) if last else b""
     if isinstance(seen, Refusal):
         return seen
@@ -397,6 +425,68 @@ async def _pump(
     if seen + end:
         await out.write(seen + end)
     return None
+
+
+class StreamTally:
+    """Counts a relayed stream's tokens, for usage and limits, without parsing every event.
+
+    Per line-aligned chunk it counts events (``data: {``: llama-server and vLLM send one token per
+    content event) and looks for ``"usage"`` (a bytes search, ~0.1 µs per event); only the event that
+    holds it is parsed. That event comes when the engine was asked for it
+    (:func:`~llmgw.control.gateway.request.with_stream_usage`): it has ``"choices": []`` and the
+    answer's ``usage``, and is removed from what the client gets when the client did not ask for it
+    (``hide``). :meth:`usage` is the engine's ``usage`` when it came, else an estimate for a stream
+    the client left early: completion tokens = content events relayed, prompt tokens = the
+    messages' characters / 4 (OpenAI's rule of thumb for English text), marked ``"estimated": true``.
+    """
+
+    __slots__ = ("events", "hide", "prompt_chars", "seen")
+
+    def __init__(self, *, hide: bool, prompt_chars: int) -> None:
+        self.hide = hide
+        self.prompt_chars = prompt_chars
+        self.events = 0
+        self.seen: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """Count ``data`` (complete lines); return it, less the usage event when it is hidden."""
+        self.events += data.count(b"data: {")
+        if b'"usage"' not in data:
+            return data
+        kept: list[bytes] = []
+        lines = data.split(b"\n")
+        drop_blank = False
+        for line in lines:
+            if drop_blank and not line.strip():
+                drop_blank = False
+                continue
+            drop_blank = False
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:
+                    event = None
+                if isinstance(event, dict) and isinstance(event.get("usage"), dict):
+                    self.seen = event["usage"]
+                    self.events -= 1
+                    if self.hide and event.get("choices") == []:
+                        drop_blank = True
+                        continue
+            kept.append(line)
+        return b"\n".join(kept)
+
+    def usage(self) -> dict[str, Any]:
+        """The stream's ``usage``: the engine's, or the estimate (see the class docstring)."""
+        if self.seen is not None:
+            return self.seen
+        completion = max(0, self.events - 1)  # the first event carries the role, not a token
+        prompt = self.prompt_chars // 4
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "estimated": True,
+        }
 
 
 def _ms(ns: int) -> str:

@@ -1,0 +1,198 @@
+"""Usage and limit counts, written in batches off the request path, and the stored keys read back.
+
+The gateway's hot path only touches memory: :meth:`Accounting.observe` (called once per request with
+its :class:`~llmgw.control.gateway.inspect.Exchange`, ~2 µs) adds the request to this control plane's
+pending usage per (key, model, UTC day) and its tokens to the key's limits. :meth:`Accounting.run`
+wakes every ``SYNC_S`` and, in one store call on the store's thread pool
+(:class:`~llmgw.control.store.offloop.OffLoop`):
+
+1. writes what is pending in one transaction (:meth:`~llmgw.control.store.base.Store.record_accounting`:
+   usage rows, this control plane's rate-window counts, each key's last use);
+2. reads the other control planes' counts for this minute (:meth:`~llmgw.control.store.base.Store.rate_totals`),
+   the tokens per key and day of this month (:meth:`~llmgw.control.store.base.Store.key_tokens_by_day`)
+   and the keys (:meth:`~llmgw.control.store.base.Store.list_keys`), and hands them to the
+   :class:`~llmgw.control.gateway.limits.Limiter` and :class:`~llmgw.control.gateway.callers.Callers`.
+
+``SYNC_S`` = 0.5 s gives the issue's two bounds: a revoked key is refused on every control plane
+within a second, and a limit holds cluster-wide within about a second of traffic. With the database
+down the writes are kept (and merged into the next try), limits go on from what this control plane
+counts, the keys in memory stay in use, and the failure is logged once until it recovers. Rate
+windows older than ten minutes are deleted once a minute.
+
+Usage counts ``requests``, ``prompt_tokens`` and ``completion_tokens`` (from the answer's ``usage``,
+streams included), ``guard_blocks`` (the guard refused the prompt or the answer) and ``errors``
+(a status >= 400 other than a guard block or a limit; 499, the client leaving, is not an error).
+Requests refused at the key check are not counted (there is no key to count them for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from llmgw.control.gateway.callers import Callers
+from llmgw.control.gateway.inspect import Exchange
+from llmgw.control.gateway.limits import Limiter, day_of, period_start, window_of
+from llmgw.control.store.base import Store
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.rows import ApiKeyRow, RateDelta, UsageDelta
+
+log = logging.getLogger(__name__)
+
+#: Seconds between syncs: "a revoked key is refused within a second on every control plane".
+SYNC_S = 0.5
+#: Rate windows kept (s) before they are pruned.
+KEEP_WINDOWS_S = 600
+PRUNE_EVERY_S = 60.0
+
+_LIMIT_CODES = frozenset({"rate_limit_exceeded", "insufficient_quota"})
+
+
+@dataclass(frozen=True)
+class _Read:
+    keys: list[ApiKeyRow]
+    others: dict[tuple[str, int], tuple[int, int]]
+    day_tokens: dict[tuple[str, str], int]
+
+
+class Accounting:
+    """This control plane's usage and limit counts, synced with the store (see the module docstring).
+
+    Args:
+        store: the store (its calls run on ``db``).
+        db: the store's thread pool, with the store deadline.
+        cp: this control plane's name (``cluster.name``): its rows in ``rate_windows``.
+        callers: the key table to refresh from the store.
+        limiter: the limiter to feed.
+        sync_s: seconds between syncs.
+        clock: wall-clock seconds (injected for tests).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        db: OffLoop,
+        cp: str,
+        callers: Callers,
+        limiter: Limiter,
+        *,
+        sync_s: float = SYNC_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.db = db
+        self.cp = cp
+        self.callers = callers
+        self.limiter = limiter
+        self.sync_s = sync_s
+        self.clock = clock
+        self._usage: dict[tuple[str, str, str], list[int]] = {}
+        self._last_used: dict[str, float] = {}
+        self._pruned = 0.0
+        self._failing = ""
+        self.syncs = 0
+
+    # -- the request path ------------------------------------------------------------------------
+    def observe(self, ex: Exchange) -> None:
+        """Count one request (on the event loop; memory only)."""
+        if not ex.key:
+            return
+        now = self.clock()
+        usage = ex.usage
+        prompt = completion = 0
+        if usage is not None:
+            prompt = _int(usage.get("prompt_tokens"))
+            completion = _int(usage.get("completion_tokens"))
+        if ex.code in _LIMIT_CODES:  # refused by a limit: counted by metrics, not as usage
+            return
+        counts = self._usage.get((ex.key, ex.model, day_of(now)))
+        if counts is None:
+            counts = self._usage[(ex.key, ex.model, day_of(now))] = [0, 0, 0, 0, 0]
+        counts[0] += 1
+        counts[1] += prompt
+        counts[2] += completion
+        if ex.blocked:
+            counts[3] += 1
+        elif ex.status >= 400 and ex.status != 499:
+            counts[4] += 1
+        self._last_used[ex.key] = now
+        caller = self.callers.by_name.get(ex.key)
+        if caller is not None and prompt + completion:
+            self.limiter.spend(caller, prompt + completion)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sync every ``sync_s`` until ``stop``; one last sync on the way out (what is pending is written)."""
+        while not stop.is_set():
+            await self.sync()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.sync_s)
+        await self.sync()
+
+    async def sync(self) -> bool:
+        """One sync (see the module docstring); False when the store call failed (nothing is lost)."""
+        usage, last_used = self._usage, self._last_used
+        self._usage, self._last_used = {}, {}
+        rates = self.limiter.take_deltas()
+        now = self.clock()
+        prune = now - self._pruned >= PRUNE_EVERY_S
+        try:
+            read = await self.db.run(self._write_read, usage, rates, last_used, now, prune)
+        except Exception as e:  # any store failure: keep the counts, say it once
+            self._give_back(usage, last_used)
+            self.limiter.give_back(rates)
+            if str(e) != self._failing:
+                log.warning("usage and limits cannot be written to the store (%s); kept in memory, retrying", e)
+                self._failing = str(e)
+            return False
+        if self._failing:
+            log.info("usage and limits are written to the store again")
+            self._failing = ""
+        if prune:
+            self._pruned = now
+        self.callers.set_rows(read.keys)
+        self.limiter.set_others(read.others)
+        self.limiter.set_budget_base(read.day_tokens)
+        self.syncs += 1
+        return True
+
+    def _write_read(
+        self,
+        usage: Mapping[tuple[str, str, str], list[int]],
+        rates: Sequence[tuple[str, int, int, int]],
+        last_used: Mapping[str, float],
+        now: float,
+        prune: bool,
+    ) -> _Read:
+        """The store side of a sync (on the store's thread)."""
+        if usage or rates or last_used:
+            self.store.record_accounting(
+                self.cp,
+                [UsageDelta(k, m, d, *c) for (k, m, d), c in usage.items()],
+                [RateDelta(k, w, r, t) for k, w, r, t in rates],
+                last_used,
+            )
+        window = window_of(now)
+        if prune:
+            self.store.prune_rate_windows(before_window=window - KEEP_WINDOWS_S)
+        return _Read(
+            keys=self.store.list_keys(),
+            others=self.store.rate_totals(since_window=window, exclude_cp=self.cp),
+            day_tokens=self.store.key_tokens_by_day(since_day=period_start("month", now)),
+        )
+
+    def _give_back(self, usage: dict[tuple[str, str, str], list[int]], last_used: dict[str, float]) -> None:
+        for k, c in usage.items():
+            mine = self._usage.setdefault(k, [0, 0, 0, 0, 0])
+            for i, v in enumerate(c):
+                mine[i] += v
+        for name, t in last_used.items():
+            self._last_used[name] = max(t, self._last_used.get(name, 0.0))
+
+
+def _int(v: object) -> int:
+    return v if isinstance(v, int) and v > 0 else 0

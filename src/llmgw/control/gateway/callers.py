@@ -1,0 +1,123 @@
+"""Who is calling the gateway: API keys from the store and from ``gateway.keys_file``, as :class:`Caller`\\ s.
+
+The hot path never reaches the database. :class:`Callers` holds a dict from a key's SHA-256 to its
+:class:`Caller`, rebuilt by the accounting loop (:mod:`llmgw.control.gateway.accounting`) from
+:meth:`~llmgw.control.store.base.Store.list_keys` every ``SYNC_S`` (0.5 s): a key revoked or rotated on
+any control plane is refused on every one within about a second (the poll plus the store call). An
+expired key is refused from the first request after ``expires_at`` (checked against the wall clock
+on each lookup, ~0.1 µs). A lookup is one SHA-256 of the presented key (~0.7 µs) and one dict probe,
+so it takes the same time for every wrong key.
+
+Keys from ``gateway.keys_file`` keep working (installs from before keys were stored): they have no
+limits and are named ``keys-file`` in usage, metrics and the access log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from llmgw.control.gateway.keys import GatewayKeys, digest
+from llmgw.control.store.rows import ApiKeyRow
+
+#: The caller name of a key from gateway.keys_file, and of a loopback client without a key.
+FILE_CALLER_NAME = "keys-file"
+LOOPBACK_CALLER_NAME = "loopback"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated client: its name and what it may do.
+
+    Attributes:
+        name: the key's name (a label value for usage and metrics; from the store, never request text).
+        models: the model names or aliases it may use; None for every model.
+        rpm: requests per minute, None for no limit.
+        tpm: tokens (prompt + completion) per minute, None for no limit.
+        budget_tokens: tokens per ``budget_period`` (``day`` or ``month``, UTC), None for no budget.
+        expires_at: unix seconds after which the key is refused; None never.
+    """
+
+    name: str
+    models: frozenset[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_tokens: int | None = None
+    budget_period: str = ""
+    expires_at: float | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit or budget applies (the limiter skips callers without one)."""
+        return self.rpm is not None or self.tpm is not None or self.budget_tokens is not None
+
+
+FILE_CALLER = Caller(FILE_CALLER_NAME)
+LOOPBACK_CALLER = Caller(LOOPBACK_CALLER_NAME)
+
+
+def caller_of(row: ApiKeyRow) -> Caller:
+    """The :class:`Caller` of a stored key."""
+    return Caller(
+        name=row.name,
+        models=frozenset(row.models) if row.models else None,
+        rpm=row.rpm,
+        tpm=row.tpm,
+        budget_tokens=row.budget_tokens,
+        budget_period=row.budget_period if row.budget_tokens is not None else "",
+        expires_at=row.expires_at,
+    )
+
+
+class Callers:
+    """Key digest → :class:`Caller`, for the stored keys and the keys file.
+
+    Args:
+        file_keys: ``gateway.keys_file``'s keys (followed as the file changes), or a fixed set.
+        clock: wall-clock seconds, for expiry (injected for tests).
+    """
+
+    def __init__(self, file_keys: GatewayKeys, *, clock: Callable[[], float] = time.time) -> None:
+        self.file_keys = file_keys
+        self._clock = clock
+        self._stored: dict[bytes, Caller] = {}
+        self._seen: tuple[tuple[str, int], ...] = ()
+        self.by_name: dict[str, Caller] = {}
+
+    def set_rows(self, rows: Iterable[ApiKeyRow]) -> bool:
+        """Use these stored keys from now on (revoked ones left out); True when anything changed.
+
+        Cheap when nothing changed: rows are compared by (name, revision) first.
+        """
+        rows = list(rows)
+        seen = tuple((r.name, r.revision) for r in rows)
+        if seen == self._seen:
+            return False
+        live = [r for r in rows if r.revoked_at is None]
+        self._stored = {bytes.fromhex(r.digest): caller_of(r) for r in live}
+        self.by_name = {r.name: caller_of(r) for r in live}
+        self._seen = seen
+        return True
+
+    def lookup(self, key: str) -> Caller | None:
+        """The caller presenting ``key`` (a bearer key as sent), or None when it is not a valid key:
+        unknown, revoked, or expired."""
+        d = digest(key)
+        caller = self._stored.get(d)
+        if caller is not None:
+            if caller.expires_at is not None and caller.expires_at <= self._clock():
+                return None
+            return caller
+        return FILE_CALLER if d in self.file_keys.digests() else None
+
+    def may_use(self, caller: Caller, requested: str, model: str, resolve: Callable[[str], str | None]) -> bool:
+        """Whether ``caller`` may use the model the client asked as ``requested`` (resolved to ``model``).
+
+        A key's ``models`` may hold names or aliases: the request is allowed when it names one of them
+        or when one of them resolves (``resolve``: name or alias → catalog name) to the same model.
+        """
+        allowed = caller.models
+        if allowed is None or requested in allowed or model in allowed:
+            return True
+        return any(resolve(m) == model for m in allowed)

@@ -1,0 +1,255 @@
+"""Rate limits and token budgets per key, held cluster-wide: the gateway's admission step.
+
+Per key with limits (:class:`~llmgw.control.gateway.callers.Caller`): ``rpm`` requests and ``tpm``
+tokens (prompt + completion) per minute, and ``budget_tokens`` per UTC day or month.
+
+Mechanism. Minutes are fixed windows (unix seconds // 60): a key limited to 600 rpm is admitted 600
+requests per calendar minute, however fast it is driven (``bench/limits.py``). The count a decision
+reads is this control plane's own count, exact and in memory, plus what the *other* control planes
+had written to the store at the last sync (:mod:`llmgw.control.gateway.accounting`, every 0.5 s:
+each control plane adds its deltas to ``rate_windows`` and reads the others' sums). So with several
+control planes a limit holds within what the others admitted since their last flush, about one
+second of traffic, as the issue asks ("within 10% plus one second"). Tokens are known only when an
+answer ends, so ``tpm`` and budgets refuse the request *after* the one that went over: a request is
+admitted while the tokens used are below the limit (OpenAI's own limiter also counts the tokens
+of requests in flight from ``max_tokens``; llmgw does not guess them).
+
+Admitted requests count, refused ones do not. Budgets read ``usage_daily`` (every control plane's
+tokens, as of the last sync) plus this control plane's tokens not yet synced.
+
+Over a limit: 429 in OpenAI's shape (``code`` ``rate_limit_exceeded``; a spent budget is
+``insufficient_quota``, as OpenAI says for an exhausted quota), ``Retry-After`` (whole seconds to the
+window's or period's end), and the headers OpenAI's clients read, on every answer to a limited key:
+``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests``
+(e.g. ``12s``, ``1m0s``) and the same three for ``-tokens`` (``tpm``, or the budget when no ``tpm``).
+
+Cost: a key without limits costs one attribute test; one with limits ~3 µs (two dict probes and the
+header strings).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from llmgw.control.gateway.callers import Caller
+
+WINDOW_S = 60
+
+
+def window_of(now: float) -> int:
+    """The unix second the minute holding ``now`` starts at."""
+    return int(now // WINDOW_S) * WINDOW_S
+
+
+def day_of(now: float) -> str:
+    """The UTC day of ``now`` as ``YYYY-MM-DD`` (the usage table's key)."""
+    return time.strftime("%Y-%m-%d", time.gmtime(now))
+
+
+def period_start(period: str, now: float) -> str:
+    """The first UTC day (``YYYY-MM-DD``) of the ``day`` or ``month`` holding ``now``."""
+    day = day_of(now)
+    return day[:8] + "01" if period == "month" else day
+
+
+def period_end(period: str, now: float) -> float:
+    """Unix seconds at which the ``day`` or ``month`` holding ``now`` ends (UTC)."""
+    t = datetime.fromtimestamp(now, UTC)
+    if period == "month":
+        return datetime(t.year + (t.month == 12), t.month % 12 + 1, 1, tzinfo=UTC).timestamp()
+    return datetime(t.year, t.month, t.day, tzinfo=UTC).timestamp() + 86400
+
+
+def reset_text(seconds: float) -> str:
+    """A reset delay the way OpenAI writes it: ``850ms``, ``12s``, ``1m30s``, ``3h2m0s``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    s = math.ceil(seconds)
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    if h:
+        return f"{h}h{m}m{sec}s"
+    return f"{m}m{sec}s" if m else f"{sec}s"
+
+
+@dataclass(slots=True)
+class _Minute:
+    """One key's counts in one minute window: this control plane's own, and the others' as last read."""
+
+    window: int
+    requests: int = 0
+    tokens: int = 0
+    others_requests: int = 0
+    others_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a request is not admitted: the 429's ``code``, message and headers (Retry-After included)."""
+
+    code: str
+    message: str
+    headers: dict[str, str]
+
+
+@dataclass
+class Limiter:
+    """Counts per key and decides admission (see the module docstring).
+
+    Args:
+        clock: wall-clock seconds (injected for tests).
+
+    The accounting loop feeds it: :meth:`set_others` (the other control planes' counts per window)
+    and :meth:`set_budget_base` (tokens per key and day from the store), and takes :meth:`take_deltas`
+    (this control plane's counts since the last take) to write them.
+    """
+
+    clock: Callable[[], float] = time.time
+    _minutes: dict[str, _Minute] = field(default_factory=dict)
+    _pending: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (key, window) -> [req, tok]
+    _day_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (key, day) -> tokens, store
+    _unsynced: dict[str, int] = field(default_factory=dict)  # key -> tokens not yet in _day_tokens
+    _syncing: dict[str, int] = field(default_factory=dict)  # key -> tokens being written now
+
+    def _minute(self, key: str, now: float) -> _Minute:
+        w = window_of(now)
+        m = self._minutes.get(key)
+        if m is None or m.window != w:
+            m = self._minutes[key] = _Minute(w)
+        return m
+
+    def admit(self, caller: Caller) -> tuple[Refused | None, dict[str, str]]:
+        """Admit (and count) one request of ``caller``, or refuse it.
+
+        Returns ``(None, headers)`` when admitted (``headers``: the ``x-ratelimit-*`` to send, empty
+        for a caller without limits), or ``(Refused, {})``.
+        """
+        if not caller.limited:
+            return None, {}
+        now = self.clock()
+        m = self._minute(caller.name, now)
+        reset = m.window + WINDOW_S - now
+        used_req = m.requests + m.others_requests
+        used_tok = m.tokens + m.others_tokens
+        headers: dict[str, str] = {}
+        if caller.rpm is not None:
+            if used_req >= caller.rpm:
+                return self._refuse(
+                    "rate_limit_exceeded",
+                    f"Rate limit reached for key '{caller.name}' on requests per minute (RPM): limit "
+                    f"{caller.rpm}, used {used_req}. Please try again in {reset_text(reset)}.",
+                    reset, caller, used_req, used_tok,
+                ), {}
+            headers["x-ratelimit-limit-requests"] = str(caller.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(caller.rpm - used_req - 1)
+            headers["x-ratelimit-reset-requests"] = reset_text(reset)
+        if caller.tpm is not None:
+            if used_tok >= caller.tpm:
+                return self._refuse(
+                    "rate_limit_exceeded",
+                    f"Rate limit reached for key '{caller.name}' on tokens per minute (TPM): limit "
+                    f"{caller.tpm}, used {used_tok}. Please try again in {reset_text(reset)}.",
+                    reset, caller, used_req, used_tok,
+                ), {}
+            headers["x-ratelimit-limit-tokens"] = str(caller.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(caller.tpm - used_tok)
+            headers["x-ratelimit-reset-tokens"] = reset_text(reset)
+        if caller.budget_tokens is not None:
+            spent = self.budget_used(caller, now)
+            ends = period_end(caller.budget_period, now) - now
+            if spent >= caller.budget_tokens:
+                return self._refuse(
+                    "insufficient_quota",
+                    f"key '{caller.name}' has used its budget of {caller.budget_tokens} tokens per "
+                    f"{caller.budget_period} ({spent} used); it renews in {reset_text(ends)} (UTC), or "
+                    "ask an operator to raise it ('llmgw ctl key')",
+                    ends, caller, used_req, used_tok,
+                ), {}
+            if caller.tpm is None:
+                headers["x-ratelimit-limit-tokens"] = str(caller.budget_tokens)
+                headers["x-ratelimit-remaining-tokens"] = str(caller.budget_tokens - spent)
+                headers["x-ratelimit-reset-tokens"] = reset_text(ends)
+        m.requests += 1
+        p = self._pending.get((caller.name, m.window))
+        if p is None:
+            self._pending[(caller.name, m.window)] = [1, 0]
+        else:
+            p[0] += 1
+        return None, headers
+
+    def _refuse(
+        self, code: str, message: str, reset: float, caller: Caller, used_req: int, used_tok: int
+    ) -> Refused:
+        headers = {"Retry-After": str(max(1, math.ceil(reset)))}
+        if caller.rpm is not None:
+            headers["x-ratelimit-limit-requests"] = str(caller.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, caller.rpm - used_req))
+            headers["x-ratelimit-reset-requests"] = reset_text(reset if code != "insufficient_quota" else 0)
+        if caller.tpm is not None:
+            headers["x-ratelimit-limit-tokens"] = str(caller.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, caller.tpm - used_tok))
+            headers["x-ratelimit-reset-tokens"] = reset_text(reset)
+        return Refused(code, message, headers)
+
+    def budget_used(self, caller: Caller, now: float) -> int:
+        """Tokens ``caller`` used in its budget period so far: the store's sums (every control plane,
+        as of the last sync) plus this control plane's tokens not yet written."""
+        since = period_start(caller.budget_period, now)
+        base = sum(t for (k, d), t in self._day_tokens.items() if k == caller.name and d >= since)
+        return base + self._unsynced.get(caller.name, 0) + self._syncing.get(caller.name, 0)
+
+    def spend(self, caller: Caller, tokens: int) -> None:
+        """Count ``tokens`` (prompt + completion) that a request of ``caller`` used, when it ended."""
+        if not caller.limited or tokens <= 0:
+            return
+        now = self.clock()
+        m = self._minute(caller.name, now)
+        m.tokens += tokens
+        p = self._pending.get((caller.name, m.window))
+        if p is None:
+            self._pending[(caller.name, m.window)] = [0, tokens]
+        else:
+            p[1] += tokens
+        if caller.budget_tokens is not None:
+            self._unsynced[caller.name] = self._unsynced.get(caller.name, 0) + tokens
+
+    # -- the accounting loop's side ---------------------------------------------------------------
+    def take_deltas(self) -> list[tuple[str, int, int, int]]:
+        """This control plane's counts since the last take, as ``(key, window, requests, tokens)``;
+        its unsynced budget tokens move to "being written" until :meth:`set_budget_base`."""
+        out = [(k, w, r, t) for (k, w), (r, t) in self._pending.items()]
+        self._pending = {}
+        for k, t in self._unsynced.items():
+            self._syncing[k] = self._syncing.get(k, 0) + t
+        self._unsynced = {}
+        return out
+
+    def give_back(self, deltas: list[tuple[str, int, int, int]]) -> None:
+        """Deltas from :meth:`take_deltas` that could not be written: keep them for the next sync."""
+        for k, w, r, t in deltas:
+            p = self._pending.setdefault((k, w), [0, 0])
+            p[0] += r
+            p[1] += t
+        for k, t in self._syncing.items():
+            self._unsynced[k] = self._unsynced.get(k, 0) + t
+        self._syncing = {}
+
+    def set_others(self, totals: Mapping[tuple[str, int], tuple[int, int]]) -> None:
+        """The other control planes' ``(requests, tokens)`` per ``(key, window)`` as just read."""
+        now = self.clock()
+        w = window_of(now)
+        for key, m in self._minutes.items():
+            if m.window == w:
+                m.others_requests, m.others_tokens = totals.get((key, w), (0, 0))
+        for (key, win), (r, t) in totals.items():
+            if win == w and key not in self._minutes:
+                self._minutes[key] = _Minute(w, others_requests=r, others_tokens=t)
+
+    def set_budget_base(self, day_tokens: Mapping[tuple[str, str], int]) -> None:
+        """Tokens per ``(key, day)`` over every control plane, read after this one's deltas were written."""
+        self._day_tokens = dict(day_tokens)
+        self._syncing = {}
