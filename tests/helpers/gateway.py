@@ -68,7 +68,8 @@ def fake_llama(
     With ``model_path`` it reports that as every answer's ``model``, as the real llama-server does
     with its ``-m`` path; without, it echoes the request's ``model`` (so relays can be byte-exact).
 
-    ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
+    A stream asked with ``stream_options.include_usage`` ends with llama-server's usage event;
+    ``echo-request-id`` answers the ``x-request-id`` header it got. ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
     gateway) closes the connection first, as llama-server then stops generating; ``slow-plain``
     does the same for a non-streamed answer (it watches the connection while it "generates").
     """
@@ -84,6 +85,10 @@ def fake_llama(
             where = f"{request.host}"
             err = {"error": {"code": 500, "message": f"slot failed at {where}", "type": "server_error"}}
             return web.json_response(err, status=500)
+        if text == "echo-request-id":
+            answer = completion(model, replica)
+            answer["choices"][0]["message"]["content"] = request.headers.get("x-request-id", "")
+            return web.json_response(answer)
         if text == "echo-body":
             answer = completion(model, replica)
             answer["choices"][0]["message"]["content"] = json.dumps(body)
@@ -120,6 +125,11 @@ def fake_llama(
                 assert request.transport is not None
                 request.transport.close()
                 return resp
+            if event == b"data: [DONE]\n\n" and (body.get("stream_options") or {}).get("include_usage"):
+                # llama-server's usage event: no choices, the answer's usage (asked with include_usage)
+                usage = {"choices": [], "model": model, "object": "chat.completion.chunk",
+                         "usage": {"completion_tokens": 4, "prompt_tokens": 5, "total_tokens": 9}}
+                await resp.write(b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n")
             await resp.write(event)
             await asyncio.sleep(0.003)  # separate network chunks, as tokens are
         await resp.write_eof()

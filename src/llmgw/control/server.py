@@ -64,8 +64,13 @@ from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
 from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.gateway.accesslog import log_exchange
+from llmgw.control.gateway.accounting import Accounting
+from llmgw.control.gateway.callers import Callers
 from llmgw.control.gateway.drain import Drain
+from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
+from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
@@ -156,16 +161,25 @@ def _gateway_app(
     inspector: GuardInspector | None = None,
     drain: Drain | None = None,
     keys: GatewayKeys | None = None,
+    accounting: Accounting | None = None,
+    observers: tuple[Callable[[Exchange], None], ...] = (),
 ) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
     from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415
+
+    def observe(ex: Exchange) -> None:
+        for each in observers:
+            each(ex)
 
     app = build_gateway_app(
         router,
         keys=keys if keys is not None else read_gateway_keys(config),
         allow_loopback_without_key=config.gateway.allow_loopback_without_key,
         inspector=inspector,
+        observe=observe if observers else None,
+        callers=accounting.callers if accounting is not None else None,
+        limiter=accounting.limiter if accounting is not None else None,
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).
@@ -294,6 +308,12 @@ async def serve(
     # SQLite: one control plane, reads stay in memory (no store call for them at all).
     logs = LogBroker(store=store, db=db) if url.startswith("postgresql") else LogBroker()
     drain = Drain()
+    # Keys from the store and the keys file, limits, usage: memory on the request path, synced with
+    # the store every 0.5 s (control/gateway/accounting.py).
+    accounting = Accounting(store, db, name, Callers(keys), Limiter())
+    observers = (accounting.observe, log_exchange)
+    counted = asyncio.Event()
+    counting: asyncio.Task[None] | None = None
 
     def admin_changed() -> None:
         routes.request()
@@ -335,6 +355,8 @@ async def serve(
     )
     try:
         await db.run(router.refresh)  # the gateway's first requests see the catalog
+        await accounting.sync()  # ... and the stored keys
+        counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
         bound: dict[str, tuple[str, int]] = {}
         apps += [
             (
@@ -352,7 +374,12 @@ async def serve(
                 ),
                 tls,
             ),
-            ("gateway.listen", config.gateway.listen, _gateway_app(router, config, guard, drain, keys), None),
+            (
+                "gateway.listen",
+                config.gateway.listen,
+                _gateway_app(router, config, guard, drain, keys, accounting, observers),
+                None,
+            ),
         ]
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
@@ -384,6 +411,9 @@ async def serve(
             await _drain(runners, drain, config.gateway.drain_s)
         for runner in reversed(runners):
             await runner.cleanup()
+        if counting is not None:
+            counted.set()
+            await counting  # the last sync writes what the last requests used
         await routes.idle()
         await logs.idle()  # the rows of log reads just finished (store mode)
         db.close()

@@ -2,7 +2,8 @@
 
 The gateway's hot path only touches memory: :meth:`Accounting.observe` (called once per request with
 its :class:`~llmgw.control.gateway.inspect.Exchange`, ~2 µs) adds the request to this control plane's
-pending usage per (key, model, UTC day) and its tokens to the key's limits. :meth:`Accounting.run`
+pending usage per (key, model, UTC day); the gateway itself counts its tokens against the key's
+limits (:meth:`~llmgw.control.gateway.limits.Limiter.spend`). :meth:`Accounting.run`
 wakes every ``SYNC_S`` and, in one store call on the store's thread pool
 (:class:`~llmgw.control.store.offloop.OffLoop`):
 
@@ -120,9 +121,6 @@ class Accounting:
         elif ex.status >= 400 and ex.status != 499:
             counts[4] += 1
         self._last_used[ex.key] = now
-        caller = self.callers.by_name.get(ex.key)
-        if caller is not None and prompt + completion:
-            self.limiter.spend(caller, prompt + completion)
 
     # -- the loop ----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:

@@ -308,12 +308,18 @@ class _Gateway:
         self, trace: Trace, caller: Caller, requested: str, model: str, stream: bool, *,
         status: int, code: str = "", blocked: bool = False,
     ) -> None:
-        """Hand ``observe`` the request's :class:`Exchange` (499: the client went away first)."""
-        if self.observe is None:
-            return
+        """Count the request's tokens against ``caller``'s limits and hand ``observe`` its
+        :class:`Exchange` (499: the client went away first)."""
         usage = trace.usage
         if usage is None and trace.tally is not None and trace.first_byte_ns:
             usage = trace.tally.usage()
+        if self.limiter is not None and usage is not None and caller.limited:
+            tokens = usage.get("total_tokens")
+            if not isinstance(tokens, int):
+                tokens = sum(v for k in ("prompt_tokens", "completion_tokens") if isinstance(v := usage.get(k), int))
+            self.limiter.spend(caller, tokens)
+        if self.observe is None:
+            return
         now = time.perf_counter_ns()
         first = trace.first_byte_ns or now
         self.observe(

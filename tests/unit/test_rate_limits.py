@@ -1,0 +1,278 @@
+"""Keys, limits and accounting on the gateway's hot path: the limiter's arithmetic with a fixed clock,
+then the real gateway over HTTP with stored keys (revoked, expired, model-restricted), 429s with
+OpenAI's headers, stream usage asked of the engine and hidden, x-request-id, and the access log.
+Fake llama-servers (``tests.helpers.gateway``) stand in for engines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from llmgw.control.gateway.accesslog import log_exchange
+from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.callers import Caller, Callers
+from llmgw.control.gateway.inspect import Exchange
+from llmgw.control.gateway.keys import GatewayKeys, digest
+from llmgw.control.gateway.limits import Limiter, period_end, reset_text
+from llmgw.control.gateway.upstream import StreamTally
+from llmgw.control.store.rows import ApiKeyRow
+from llmgw.routing import Route, StaticRouter, Upstream
+from tests.helpers.gateway import ServerThread, fake_llama
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# -- the limiter's arithmetic --------------------------------------------------------------------
+
+
+def test_rpm_admits_the_limit_per_minute_then_429_with_openai_headers() -> None:
+    clock = Clock(1_800_000_000.0 + 15)  # 15 s into a minute
+    lim = Limiter(clock=clock)
+    c = Caller("app", rpm=3)
+    seen = [lim.admit(c) for _ in range(3)]
+    assert all(r is None for r, _ in seen)
+    assert [h["x-ratelimit-remaining-requests"] for _, h in seen] == ["2", "1", "0"]
+    assert seen[0][1]["x-ratelimit-limit-requests"] == "3"
+    assert seen[0][1]["x-ratelimit-reset-requests"] == "45s"
+    refused, _ = lim.admit(c)
+    assert refused is not None
+    assert refused.code == "rate_limit_exceeded"
+    assert "requests per minute" in refused.message and "limit 3" in refused.message
+    assert refused.headers["Retry-After"] == "45"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    clock.t += 45  # the next minute
+    assert lim.admit(c)[0] is None
+
+
+def test_tpm_refuses_after_the_tokens_are_spent_and_other_control_planes_count() -> None:
+    clock = Clock(1_800_000_000.0)
+    lim = Limiter(clock=clock)
+    c = Caller("app", tpm=100)
+    assert lim.admit(c)[0] is None
+    lim.spend(c, 60)
+    _, h = lim.admit(c)
+    assert h["x-ratelimit-remaining-tokens"] == "40"
+    lim.set_others({("app", 1_800_000_000 // 60 * 60): (5, 40)})  # another control plane's 40 tokens
+    refused, _ = lim.admit(c)
+    assert refused is not None and "tokens per minute" in refused.message
+    # what this control plane wrote is taken once, and given back when the write failed
+    deltas = lim.take_deltas()
+    assert deltas == [("app", 1_800_000_000 // 60 * 60, 2, 60)]
+    assert lim.take_deltas() == []
+    lim.give_back(deltas)
+    assert lim.take_deltas() == deltas
+
+
+def test_budget_per_day_counts_the_store_and_what_is_not_synced() -> None:
+    now = 1_800_000_000.0  # 2027-01-15 08:00 UTC
+    clock = Clock(now)
+    lim = Limiter(clock=clock)
+    c = Caller("app", budget_tokens=1000, budget_period="day")
+    lim.set_budget_base({("app", "2027-01-15"): 900, ("app", "2027-01-14"): 5000, ("other", "2027-01-15"): 9})
+    _, h = lim.admit(c)
+    assert h["x-ratelimit-remaining-tokens"] == "100"
+    lim.spend(c, 60)
+    lim.take_deltas()  # being written: still counted
+    lim.spend(c, 50)
+    refused, _ = lim.admit(c)
+    assert refused is not None and refused.code == "insufficient_quota"
+    assert "1000 tokens per day" in refused.message
+    assert int(refused.headers["Retry-After"]) == int(period_end("day", now) - now)
+    clock.t = period_end("day", now) + 1  # a new day
+    assert lim.admit(c)[0] is None
+    month = Caller("m", budget_tokens=10, budget_period="month")
+    lim.set_budget_base({("m", "2027-01-01"): 4, ("m", "2027-01-10"): 5, ("m", "2026-12-31"): 99})
+    clock.t = now
+    assert lim.admit(month)[0] is None  # 9 this month; December's 99 do not count
+    assert lim.budget_used(month, now) == 9
+
+
+@pytest.mark.parametrize(("s", "text"), [(0.25, "250ms"), (12, "12s"), (12.2, "13s"), (90, "1m30s"), (3725, "1h2m5s")])
+def test_reset_text_is_openais(s: float, text: str) -> None:
+    assert reset_text(s) == text
+
+
+def test_callers_refuse_revoked_and_expired_keys() -> None:
+    clock = Clock(1000.0)
+    callers = Callers(GatewayKeys(None, initial={"sk-file"}), clock=clock)
+    live = ApiKeyRow("alice", "sk-llmgw-alice00", digest("sk-a").hex(), models=("gemma",), rpm=5, expires_at=1500.0)
+    gone = ApiKeyRow("bob", "sk-llmgw-bob0000", digest("sk-b").hex(), revoked_at=900.0)
+    assert callers.set_rows([live, gone])
+    assert not callers.set_rows([live, gone])  # same revisions: nothing to rebuild
+    a = callers.lookup("sk-a")
+    assert a is not None and (a.name, a.rpm, a.models) == ("alice", 5, frozenset({"gemma"}))
+    assert callers.lookup("sk-b") is None
+    file_caller = callers.lookup("sk-file")
+    assert file_caller is not None and file_caller.name == "keys-file" and not file_caller.limited
+    clock.t = 1500.0
+    assert callers.lookup("sk-a") is None
+
+
+def test_stream_tally_hides_the_usage_event_it_asked_for() -> None:
+    events = (
+        b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+        b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":26,"completion_tokens":5,"total_tokens":31}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    hidden = StreamTally(hide=True, prompt_chars=40)
+    out = hidden.feed(events)
+    assert b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n") and b'"Hi"' in out
+    assert hidden.usage() == {"prompt_tokens": 26, "completion_tokens": 5, "total_tokens": 31}
+    shown = StreamTally(hide=False, prompt_chars=40)
+    assert shown.feed(events) == events
+    left = StreamTally(hide=True, prompt_chars=40)
+    left.feed(events.split(b'data: {"choices":[]')[0])  # the client left before the end
+    assert left.usage() == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11, "estimated": True}
+
+
+# -- the gateway with stored keys ---------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    url: str
+    callers: Callers
+    exchanges: list[Exchange] = field(default_factory=list)
+
+    def chat(self, key: str | None, model: str = "gemma", text: str = "hi", **extra: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        body = {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers)
+
+
+ROWS = [
+    ApiKeyRow("limited", "sk-llmgw-limite", digest("sk-limited").hex(), rpm=2),
+    ApiKeyRow("only-g", "sk-llmgw-only-g", digest("sk-only").hex(), models=("g",)),
+    ApiKeyRow("old", "sk-llmgw-old000", digest("sk-old").hex(), expires_at=time.time() - 1),
+    ApiKeyRow("tokens", "sk-llmgw-tokens", digest("sk-tokens").hex(), tpm=10),
+]
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    servers = ServerThread()
+    port = servers.serve(fake_llama("replica-a", "key-a"))
+    up = Upstream("r-a", f"127.0.0.1:{port}", "key-a")
+    router = StaticRouter(
+        routes={"gemma": Route("gemma", (up,), created=1), "other": Route("other", (up,), created=2)},
+        aliases={"g": "gemma"},
+    )
+    callers = Callers(GatewayKeys(None, initial={"sk-file"}))
+    callers.set_rows(ROWS)
+    exchanges: list[Exchange] = []
+    app = build_gateway_app(
+        router, keys=(), allow_loopback_without_key=False, observe=exchanges.append,
+        callers=callers, limiter=Limiter(),
+    )
+    gw = servers.serve(app, handler_cancellation=True)
+    yield Env(f"http://127.0.0.1:{gw}", callers, exchanges)
+    servers.close()
+
+
+def test_rate_limited_key_gets_429_in_openai_shape(env: Env) -> None:
+    ok = [env.chat("sk-limited") for _ in range(2)]
+    assert [r.status_code for r in ok] == [200, 200]
+    assert ok[1].headers["x-ratelimit-remaining-requests"] == "0"
+    r = env.chat("sk-limited")
+    if r.status_code == 200:  # the minute turned between the requests
+        r = env.chat("sk-limited")
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(r.headers["Retry-After"]) <= 60
+    assert r.headers["x-ratelimit-limit-requests"] == "2"
+    assert env.exchanges[-1].code == "rate_limit_exceeded" and env.exchanges[-1].key == "limited"
+    client = openai.OpenAI(base_url=f"{env.url}/v1", api_key="sk-limited", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}])
+    client.close()
+
+
+def test_tokens_per_minute_counted_for_streams_too(env: Env) -> None:
+    r = env.chat("sk-tokens", stream=True)  # 9 tokens, asked of the engine with include_usage
+    assert r.status_code == 200
+    assert '"usage"' not in r.text  # the client did not ask for it: hidden
+    assert env.exchanges[-1].usage == {"completion_tokens": 4, "prompt_tokens": 5, "total_tokens": 9}
+    shown = env.chat("sk-tokens", stream=True, stream_options={"include_usage": True})  # 9 < 10: admitted
+    assert '"usage"' in shown.text
+    r = env.chat("sk-tokens")
+    assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"]
+
+
+def test_model_outside_a_keys_list_is_404_as_if_absent(env: Env) -> None:
+    assert env.chat("sk-only", model="gemma").status_code == 200  # its alias 'g' names gemma
+    r = env.chat("sk-only", model="other")
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "model 'other' does not exist; known models: gemma"
+    models = httpx.get(f"{env.url}/v1/models", headers={"Authorization": "Bearer sk-only"}).json()
+    assert [m["id"] for m in models["data"]] == ["gemma"]
+    every = httpx.get(f"{env.url}/v1/models", headers={"Authorization": "Bearer sk-file"}).json()
+    assert sorted(m["id"] for m in every["data"]) == ["gemma", "other"]
+    assert httpx.get(f"{env.url}/v1/models/other", headers={"Authorization": "Bearer sk-only"}).status_code == 404
+
+
+def test_expired_and_revoked_keys_are_401(env: Env) -> None:
+    assert env.chat("sk-old").status_code == 401
+    env.callers.set_rows([*ROWS[:3], ApiKeyRow("tokens", "x", digest("sk-tokens").hex(), revoked_at=1.0, revision=2)])
+    try:
+        r = env.chat("sk-tokens")
+        assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
+    finally:
+        env.callers.set_rows(ROWS)
+
+
+@pytest.mark.parametrize(
+    "header", ["Bearer", "Basic dXNlcjpwYXNz", "sk-limited", "Bearer sk-limited extra", "Token x", "bearer sk-wrong"]
+)
+def test_malformed_authorization_is_401_never_500(env: Env, header: str) -> None:
+    r = httpx.post(
+        f"{env.url}/v1/chat/completions",
+        json={"model": "gemma", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": header},
+    )
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_request_id_on_every_response_and_sent_to_the_engine(env: Env) -> None:
+    r = env.chat("sk-file", text="echo-request-id")
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 24 and r.json()["choices"][0]["message"]["content"] == rid
+    mine = httpx.post(
+        f"{env.url}/v1/chat/completions",
+        json={"model": "gemma", "messages": [{"role": "user", "content": "echo-request-id"}]},
+        headers={"Authorization": "Bearer sk-file", "x-request-id": "trace-42"},
+    )
+    assert mine.headers["x-request-id"] == "trace-42"
+    assert mine.json()["choices"][0]["message"]["content"] == "trace-42"
+    odd = httpx.get(f"{env.url}/v1/nothing", headers={"x-request-id": "has space"})
+    assert odd.status_code == 404 and len(odd.headers["x-request-id"]) == 24
+    assert env.chat("wrong").headers["x-request-id"]
+    assert httpx.get(f"{env.url}/healthz").headers["x-request-id"]
+
+
+def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    env.exchanges.clear()
+    env.chat("sk-file", text="my secret prompt sk-limited", stream=True)
+    ex = env.exchanges[-1]
+    with caplog.at_level(logging.INFO, logger="llmgw.access"):
+        log_exchange(ex)
+    line = caplog.records[-1].getMessage()
+    assert f"request_id={ex.request_id} key=keys-file kind=chat model=gemma replica=r-a status=200 stream=true" in line
+    assert "prompt_tokens=5 completion_tokens=4" in line
+    assert "secret" not in line and "sk-" not in line
+    json.dumps(line)
