@@ -69,7 +69,9 @@ def fake_llama(
     with its ``-m`` path; without, it echoes the request's ``model`` (so relays can be byte-exact).
 
     A stream asked with ``stream_options.include_usage`` ends with llama-server's usage event;
-    ``echo-request-id`` answers the ``x-request-id`` header it got. ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
+    ``echo-request-id`` answers the ``x-request-id`` header it got.
+
+    ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
     gateway) closes the connection first, as llama-server then stops generating; ``slow-plain``
     does the same for a non-streamed answer (it watches the connection while it "generates").
     """

@@ -516,7 +516,8 @@ def test_observe_gets_one_exchange_per_request(env: Env) -> None:
     assert ok.upstream_ms > 0
     assert (down.model, down.replica, down.status, down.code) == ("down", "", 503, "model_unavailable")
     assert ok.key == down.key != ""
-    assert len(ok.request_id) == 24 and ok.request_id != down.request_id
+    assert len(ok.request_id) == 24
+    assert ok.request_id != down.request_id
 
 
 # -- the official client ---------------------------------------------------------------------------

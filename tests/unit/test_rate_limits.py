@@ -51,7 +51,8 @@ def test_rpm_admits_the_limit_per_minute_then_429_with_openai_headers() -> None:
     refused, _ = lim.admit(c)
     assert refused is not None
     assert refused.code == "rate_limit_exceeded"
-    assert "requests per minute" in refused.message and "limit 3" in refused.message
+    assert "requests per minute" in refused.message
+    assert "limit 3" in refused.message
     assert refused.headers["Retry-After"] == "45"
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     clock.t += 45  # the next minute
@@ -68,7 +69,8 @@ def test_tpm_refuses_after_the_tokens_are_spent_and_other_control_planes_count()
     assert h["x-ratelimit-remaining-tokens"] == "40"
     lim.set_others({("app", 1_800_000_000 // 60 * 60): (5, 40)})  # another control plane's 40 tokens
     refused, _ = lim.admit(c)
-    assert refused is not None and "tokens per minute" in refused.message
+    assert refused is not None
+    assert "tokens per minute" in refused.message
     # what this control plane wrote is taken once, and given back when the write failed
     deltas = lim.take_deltas()
     assert deltas == [("app", 1_800_000_000 // 60 * 60, 2, 60)]
@@ -89,7 +91,8 @@ def test_budget_per_day_counts_the_store_and_what_is_not_synced() -> None:
     lim.take_deltas()  # being written: still counted
     lim.spend(c, 50)
     refused, _ = lim.admit(c)
-    assert refused is not None and refused.code == "insufficient_quota"
+    assert refused is not None
+    assert refused.code == "insufficient_quota"
     assert "1000 tokens per day" in refused.message
     assert int(refused.headers["Retry-After"]) == int(period_end("day", now) - now)
     clock.t = period_end("day", now) + 1  # a new day
@@ -114,10 +117,13 @@ def test_callers_refuse_revoked_and_expired_keys() -> None:
     assert callers.set_rows([live, gone])
     assert not callers.set_rows([live, gone])  # same revisions: nothing to rebuild
     a = callers.lookup("sk-a")
-    assert a is not None and (a.name, a.rpm, a.models) == ("alice", 5, frozenset({"gemma"}))
+    assert a is not None
+    assert (a.name, a.rpm, a.models) == ("alice", 5, frozenset({"gemma"}))
     assert callers.lookup("sk-b") is None
     file_caller = callers.lookup("sk-file")
-    assert file_caller is not None and file_caller.name == "keys-file" and not file_caller.limited
+    assert file_caller is not None
+    assert file_caller.name == "keys-file"
+    assert not file_caller.limited
     clock.t = 1500.0
     assert callers.lookup("sk-a") is None
 
@@ -131,7 +137,9 @@ def test_stream_tally_hides_the_usage_event_it_asked_for() -> None:
     )
     hidden = StreamTally(hide=True, prompt_chars=40)
     out = hidden.feed(events)
-    assert b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n") and b'"Hi"' in out
+    assert b'"usage"' not in out
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert b'"Hi"' in out
     assert hidden.usage() == {"prompt_tokens": 26, "completion_tokens": 5, "total_tokens": 31}
     shown = StreamTally(hide=False, prompt_chars=40)
     assert shown.feed(events) == events
@@ -195,7 +203,8 @@ def test_rate_limited_key_gets_429_in_openai_shape(env: Env) -> None:
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(r.headers["Retry-After"]) <= 60
     assert r.headers["x-ratelimit-limit-requests"] == "2"
-    assert env.exchanges[-1].code == "rate_limit_exceeded" and env.exchanges[-1].key == "limited"
+    assert env.exchanges[-1].code == "rate_limit_exceeded"
+    assert env.exchanges[-1].key == "limited"
     client = openai.OpenAI(base_url=f"{env.url}/v1", api_key="sk-limited", max_retries=0)
     with pytest.raises(openai.RateLimitError):
         client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}])
@@ -210,7 +219,8 @@ def test_tokens_per_minute_counted_for_streams_too(env: Env) -> None:
     shown = env.chat("sk-tokens", stream=True, stream_options={"include_usage": True})  # 9 < 10: admitted
     assert '"usage"' in shown.text
     r = env.chat("sk-tokens")
-    assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"]
+    assert r.status_code == 429
+    assert "tokens per minute" in r.json()["error"]["message"]
 
 
 def test_model_outside_a_keys_list_is_404_as_if_absent(env: Env) -> None:
@@ -230,7 +240,8 @@ def test_expired_and_revoked_keys_are_401(env: Env) -> None:
     env.callers.set_rows([*ROWS[:3], ApiKeyRow("tokens", "x", digest("sk-tokens").hex(), revoked_at=1.0, revision=2)])
     try:
         r = env.chat("sk-tokens")
-        assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
+        assert r.status_code == 401
+        assert "revoked" in r.json()["error"]["message"]
     finally:
         env.callers.set_rows(ROWS)
 
@@ -251,7 +262,8 @@ def test_malformed_authorization_is_401_never_500(env: Env, header: str) -> None
 def test_request_id_on_every_response_and_sent_to_the_engine(env: Env) -> None:
     r = env.chat("sk-file", text="echo-request-id")
     rid = r.headers["x-request-id"]
-    assert len(rid) == 24 and r.json()["choices"][0]["message"]["content"] == rid
+    assert len(rid) == 24
+    assert r.json()["choices"][0]["message"]["content"] == rid
     mine = httpx.post(
         f"{env.url}/v1/chat/completions",
         json={"model": "gemma", "messages": [{"role": "user", "content": "echo-request-id"}]},
@@ -260,7 +272,8 @@ def test_request_id_on_every_response_and_sent_to_the_engine(env: Env) -> None:
     assert mine.headers["x-request-id"] == "trace-42"
     assert mine.json()["choices"][0]["message"]["content"] == "trace-42"
     odd = httpx.get(f"{env.url}/v1/nothing", headers={"x-request-id": "has space"})
-    assert odd.status_code == 404 and len(odd.headers["x-request-id"]) == 24
+    assert odd.status_code == 404
+    assert len(odd.headers["x-request-id"]) == 24
     assert env.chat("wrong").headers["x-request-id"]
     assert httpx.get(f"{env.url}/healthz").headers["x-request-id"]
 
@@ -274,5 +287,6 @@ def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCap
     line = caplog.records[-1].getMessage()
     assert f"request_id={ex.request_id} key=keys-file kind=chat model=gemma replica=r-a status=200 stream=true" in line
     assert "prompt_tokens=5 completion_tokens=4" in line
-    assert "secret" not in line and "sk-" not in line
+    assert "secret" not in line
+    assert "sk-" not in line
     json.dumps(line)
