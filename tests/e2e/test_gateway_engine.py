@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,6 +36,7 @@ CAP = 32
 @dataclass
 class Cluster:
     gateway: str
+    log: Path
 
     def chat(self, model: str, timeout: float = 300, **extra: Any) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, **extra}
@@ -112,7 +114,7 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         _wait("llama-server", lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200)
         ready = [ReplicaStatus(id=s.id, state=ReplicaState.READY, endpoint=f"127.0.0.1:{port}") for s in specs.values()]
         assert httpx.post(agent + "/agent/v1/heartbeat", content=heartbeat(*ready), verify=ctx).status_code == 200
-        yield Cluster(f"http://127.0.0.1:{inst.ports['gateway']}")
+        yield Cluster(f"http://127.0.0.1:{inst.ports['gateway']}", root / "server.log")
     finally:
         for proc, grace in ((engine, 10), (server, 15)):
             if proc is not None:
@@ -181,3 +183,59 @@ def test_abandoned_requests_free_the_engine_slot(cluster: Cluster) -> None:
     took = time.monotonic() - t0
     assert _completion_tokens(r) == 4
     assert took < 30, f"a fresh request waited {took:.1f} s behind abandoned ones"
+
+
+def _access_line(cluster: Cluster, request_id: str) -> str:
+    lines: list[str] = []
+
+    def logged() -> bool:
+        lines[:] = [ln for ln in cluster.log.read_text().splitlines() if f"request_id={request_id} " in ln]
+        return bool(lines)
+
+    _wait(f"the access log line of {request_id}", logged, 10)
+    return lines[0]
+
+
+def test_stream_tokens_are_counted_from_the_engine_and_its_usage_event_hidden(cluster: Cluster) -> None:
+    """The gateway asks llama-server for a stream's usage (include_usage) and hides the event from a
+    client that did not ask; the access log has the engine's counts."""
+    body = {"model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "x-request-id": "e2e-stream-1"}
+    r = httpx.post(f"{cluster.gateway}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "e2e-stream-1"
+    assert '"usage"' not in r.text
+    assert r.text.rstrip().endswith("data: [DONE]")
+    line = _access_line(cluster, "e2e-stream-1")
+    assert "key=keys-file kind=chat model=long" in line
+    assert "status=200 stream=true" in line
+    assert "completion_tokens=8 " in line
+    assert "estimated" not in line
+    assert PROMPT not in line
+    assert KEY not in line
+    asked = httpx.post(
+        f"{cluster.gateway}/v1/chat/completions",
+        json={**body, "stream_options": {"include_usage": True}},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    )
+    usage = [json.loads(ln[6:])["usage"] for ln in asked.text.splitlines() if '"usage"' in ln]
+    assert usage[-1]["completion_tokens"] == 8
+
+
+def test_a_client_that_leaves_a_stream_is_charged_what_was_generated(cluster: Cluster) -> None:
+    body = {"model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 600, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "x-request-id": "e2e-left-1"}
+    events = 0
+    with httpx.stream(
+        "POST", f"{cluster.gateway}/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        for ln in r.iter_lines():
+            events += ln.startswith("data: {")
+            if events >= 12:
+                break
+    line = _access_line(cluster, "e2e-left-1")
+    assert "status=499" in line
+    assert "estimated=true" in line
+    completion = int(line.split("completion_tokens=")[1].split()[0])
+    assert 11 <= completion < 600
