@@ -1,10 +1,10 @@
 """Usage and limit counts, written in batches off the request path, and the stored keys read back.
 
-The gateway's hot path only touches memory: :meth:`Accounting.observe` (called once per request with
-its :class:`~llmgw.control.gateway.inspect.Exchange`; 1.3 µs, timeit on this 2-core machine) adds the request to this control plane's
-pending usage per (key, model, UTC day); the gateway itself counts its tokens against the key's
-limits (:meth:`~llmgw.control.gateway.limits.Limiter.spend`). :meth:`Accounting.run`
-wakes every ``SYNC_S`` and, in one store call on the store's thread pool
+The gateway's hot path only touches memory: :meth:`Accounting.observe` (called once per request
+with its :class:`~llmgw.control.gateway.inspect.Exchange`; 1.3 µs, timeit on this 2-core machine)
+adds the request to this control plane's pending usage per (key, model, UTC day); the gateway itself
+counts its tokens against the key's limits (:meth:`~llmgw.control.gateway.limits.Limiter.spend`).
+:meth:`Accounting.run` wakes every ``SYNC_S`` and, in one store call on the store's thread pool
 (:class:`~llmgw.control.store.offloop.OffLoop`):
 
 1. writes what is pending in one transaction (:meth:`~llmgw.control.store.base.Store.record_accounting`:
