@@ -34,18 +34,21 @@ the driver's error chained).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from llmgw.catalog import Model
 from llmgw.control.store.rows import (
+    ApiKeyRow,
     BrokenModel,
     ControlPlaneRow,
     LeaderRow,
     ModelRow,
     NodeRow,
+    RateDelta,
     ReplicaRow,
     ReportResult,
+    UsageDelta,
 )
 from llmgw.errors import Conflict
 from llmgw.protocol import Heartbeat, LogReply, LogRequest, ReplicaState, ReplicaStatus
@@ -358,3 +361,51 @@ class Store(abc.ABC):
     def forget_log_request(self, request_id: str) -> None:
         """Delete the request row ``request_id``, answered or not (the asker gave up or was answered
         another way); nothing when it is gone already."""
+
+    # --- gateway keys, usage and rate counts (migration 7) ---
+
+    @abc.abstractmethod
+    def add_key(self, row: ApiKeyRow) -> ApiKeyRow:
+        """Store a new key (revision 1). Raises :class:`Conflict` when the name (or the digest) exists."""
+
+    @abc.abstractmethod
+    def get_key(self, name: str) -> ApiKeyRow | None:
+        """The key named ``name``, or None."""
+
+    @abc.abstractmethod
+    def list_keys(self) -> list[ApiKeyRow]:
+        """Every key, revoked ones included, by name."""
+
+    @abc.abstractmethod
+    def update_key(self, row: ApiKeyRow, *, revision: int) -> ApiKeyRow:
+        """Write ``row`` over the key of its name if its revision is still ``revision``; returns it
+        with the revision bumped. Raises :class:`Conflict` when it changed or went."""
+
+    @abc.abstractmethod
+    def record_accounting(
+        self, cp: str, usage: Sequence[UsageDelta], rates: Sequence[RateDelta], last_used: Mapping[str, float]
+    ) -> None:
+        """In one transaction: add ``usage`` to ``usage_daily`` (per key, model, day), add ``rates`` to
+        control plane ``cp``'s ``rate_windows`` rows, and raise each key's ``last_used_at`` to the time
+        given (without bumping its revision: a use is not an edit). Batched: one statement per table."""
+
+    @abc.abstractmethod
+    def rate_totals(self, *, since_window: int, exclude_cp: str) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(key, window) -> (requests, tokens)`` summed over every control plane but ``exclude_cp``,
+        for windows from ``since_window`` on."""
+
+    @abc.abstractmethod
+    def key_tokens_by_day(self, *, since_day: str) -> dict[tuple[str, str], int]:
+        """``(key, day) -> prompt + completion tokens`` over every control plane, days from ``since_day``
+        (``YYYY-MM-DD``) on."""
+
+    @abc.abstractmethod
+    def prune_rate_windows(self, *, before_window: int) -> int:
+        """Delete rate counts of windows before ``before_window``; how many rows went."""
+
+    @abc.abstractmethod
+    def usage(
+        self, *, key: str | None = None, model: str | None = None, since_day: str, until_day: str | None = None
+    ) -> list[UsageDelta]:
+        """Usage rows from ``since_day`` to ``until_day`` (inclusive; None: no end), of one key and/or one
+        model when given; ordered by day, key, model."""

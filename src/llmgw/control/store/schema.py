@@ -10,7 +10,8 @@ to, one owner each: migration 4), ``nodes``, ``replicas``, ``explanations``, ``g
 ``node_certs`` and ``revoked_certs`` (migration 3), ``cp_leader`` and ``control_planes`` (migration 5:
 leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.election`),
 ``log_requests`` (migration 6: engine-log reads that cross control planes,
-:mod:`llmgw.control.api.logbroker`), ``schema_migrations``.
+:mod:`llmgw.control.api.logbroker`), ``api_keys``, ``usage_daily`` and ``rate_windows`` (migration 7:
+the gateway's keys, usage and cluster-wide rate counts), ``schema_migrations``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,47 @@ log_requests_t = sa.Table(
     sa.Column("found", sa.Boolean, nullable=False, server_default=sa.true()),
 )
 
+api_keys_t = sa.Table(
+    "api_keys",  # migration 7: gateway API keys (never the secret: its SHA-256 and first 16 characters)
+    metadata,
+    sa.Column("name", sa.String(63), primary_key=True),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("prefix", sa.String(16), nullable=False),
+    sa.Column("digest", sa.String(64), nullable=False, unique=True),
+    sa.Column("models", sa.Text, nullable=False),  # JSON list of names or aliases; [] = every model
+    sa.Column("rpm", sa.Integer, nullable=True),
+    sa.Column("tpm", sa.BigInteger, nullable=True),
+    sa.Column("budget_tokens", sa.BigInteger, nullable=True),
+    sa.Column("budget_period", sa.String(8), nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=True),
+    sa.Column("last_used_at", sa.Float, nullable=True),
+)
+
+usage_daily_t = sa.Table(
+    "usage_daily",  # migration 7: per key, model and UTC day, added to by every control plane
+    metadata,
+    sa.Column("key", sa.String(63), primary_key=True),
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("day", sa.String(10), primary_key=True),  # YYYY-MM-DD
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False),
+    sa.Column("guard_blocks", sa.BigInteger, nullable=False),
+    sa.Column("errors", sa.BigInteger, nullable=False),
+)
+
+rate_windows_t = sa.Table(
+    "rate_windows",  # migration 7: per key, control plane and minute; pruned after ten minutes
+    metadata,
+    sa.Column("key", sa.String(63), primary_key=True),
+    sa.Column("cp", sa.String(253), primary_key=True),
+    sa.Column("window", sa.BigInteger, primary_key=True),  # unix seconds of the minute's start
+    sa.Column("requests", sa.BigInteger, nullable=False),
+    sa.Column("tokens", sa.BigInteger, nullable=False),
+)
+
 migrations_t = sa.Table(
     "schema_migrations",
     metadata,
@@ -253,6 +295,13 @@ def _migration_6(conn: Connection) -> None:
     log_requests_t.create(conn, checkfirst=True)
 
 
+def _migration_7(conn: Connection) -> None:
+    """``api_keys``, ``usage_daily`` and ``rate_windows``: the gateway's stored keys, usage and
+    cluster-wide rate counts (:mod:`llmgw.control.gateway.accounting`)."""
+    for table in (api_keys_t, usage_daily_t, rate_windows_t):
+        table.create(conn, checkfirst=True)
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -261,6 +310,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (4, _migration_4),
     (5, _migration_5),
     (6, _migration_6),
+    (7, _migration_7),
 ]
 
 

@@ -50,6 +50,7 @@ from llmgw.control.store.schema import (
     revoked_certs_t,
 )
 from llmgw.control.store.sqlite import SqliteHooks
+from llmgw.control.store.sqlkeys import SqlKeys
 from llmgw.errors import Conflict, Fenced, Revoked, StoreError
 from llmgw.protocol import Heartbeat, LogReply, LogRequest
 from llmgw.views import ExplainView
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
-class SqlStore(Store):
+class SqlStore(SqlKeys, Store):
     """The store on a SQLAlchemy engine. Open with :meth:`open` (or
     :func:`llmgw.control.store.open_store`).
 
