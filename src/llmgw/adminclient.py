@@ -26,12 +26,15 @@ from llmgw.paths import Paths
 from llmgw.views import (
     ClusterView,
     ExplainView,
+    KeyView,
     LogView,
     ModelView,
+    NewKeyView,
     NodeRemovalView,
     NodeView,
     ReplicaView,
     RevocationView,
+    UsageView,
 )
 
 V = TypeVar("V", bound=BaseModel)
@@ -215,6 +218,31 @@ class AdminClient:
         """``GET /api/v1/cluster``: the control planes, which one leads, the term, whether the
         answering one reaches the database, and the database's members from Patroni."""
         return _view(ClusterView, self.get("/api/v1/cluster"), "GET /api/v1/cluster")
+
+    def create_key(self, spec: dict[str, Any]) -> NewKeyView:
+        """``POST /api/v1/keys`` (an :class:`~llmgw.apikeys.KeySpec` as JSON): the key and its secret."""
+        return _view(NewKeyView, self.post("/api/v1/keys", spec), "POST /api/v1/keys")
+
+    def keys(self) -> list[KeyView]:
+        """``GET /api/v1/keys``: every key (never a secret), its limits, state and usage."""
+        return [_view(KeyView, k, "GET /api/v1/keys") for k in self.get("/api/v1/keys")]
+
+    def revoke_key(self, name: str) -> KeyView:
+        """``POST /api/v1/keys/{name}/revoke``."""
+        path = f"/api/v1/keys/{quote(name, safe='')}/revoke"
+        return _view(KeyView, self.post(path, None), f"POST {path}")
+
+    def rotate_key(self, name: str) -> NewKeyView:
+        """``POST /api/v1/keys/{name}/rotate``: the key with its new secret."""
+        path = f"/api/v1/keys/{quote(name, safe='')}/rotate"
+        return _view(NewKeyView, self.post(path, None), f"POST {path}")
+
+    def usage(self, *, key: str | None = None, model: str | None = None, since: str = "7d",
+              until: str | None = None) -> list[UsageView]:
+        """``GET /api/v1/usage``: rows per key, model and UTC day."""
+        query = {"key": key, "model": model, "since": since, "until": until}
+        path = "/api/v1/usage?" + urlencode({k: v for k, v in query.items() if v})
+        return [_view(UsageView, u, f"GET {path}") for u in self.get(path)]
 
     def guard_status(self) -> dict[str, Any]:
         """``GET /api/v1/guard/status``: each policy's judges, their replicas and judge times."""

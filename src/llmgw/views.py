@@ -215,3 +215,47 @@ class ClusterView(BaseModel):
     control_planes: list[ControlPlaneView] = Field(default_factory=list)
     patroni: list[PatroniMemberView] = Field(default_factory=list)
     patroni_error: str = ""
+
+
+class KeyView(BaseModel):
+    """A gateway API key as the admin API shows it: never the secret, its first 16 characters.
+
+    ``state`` is ``active``, ``revoked`` or ``expired``; ``tokens_today``/``tokens_this_month`` and
+    ``requests_today`` are its usage (UTC) as written by every control plane (synced every 0.5 s).
+    """
+
+    name: str
+    prefix: str
+    models: list[str]
+    rpm: int | None
+    tpm: int | None
+    budget_tokens: int | None
+    budget_period: str | None
+    expires_at: float | None
+    created_at: float
+    revoked_at: float | None
+    last_used_at: float | None
+    state: str
+    requests_today: int = 0
+    tokens_today: int = 0
+    tokens_this_month: int = 0
+
+
+class NewKeyView(BaseModel):
+    """A key just made or rotated, and its secret: the only time the secret is shown."""
+
+    key: KeyView
+    secret: str
+
+
+class UsageView(BaseModel):
+    """Usage of one key and model on one UTC day (``YYYY-MM-DD``)."""
+
+    key: str
+    model: str
+    day: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    guard_blocks: int
+    errors: int

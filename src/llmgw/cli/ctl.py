@@ -4,8 +4,8 @@ Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--forc
 ``model add -f FILE`` (or flags), ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
 ``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
 ``explain-placement MODEL``, ``cluster`` (the control planes, which leads, the term, the
-database's members). ``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's
-server.yaml and admin-token file.
+database's members), ``key create|ls|revoke|rotate`` and ``usage`` (:mod:`llmgw.cli.keys`).
+``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's server.yaml and admin-token file.
 
 ``model scale NAME N`` sets ``scaling.min`` to N (the replicas kept running); when N is above
 ``scaling.max``, max is raised to N too, so the command always does what it says.
@@ -35,6 +35,7 @@ from rich.table import Table
 from llmgw import yamlsafe
 from llmgw.adminclient import AdminClient
 from llmgw.cli import guard as guard_cli
+from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import cli_errors, console, fail, paths
 from llmgw.config import load_server_config
 from llmgw.errors import ConfigError
@@ -55,6 +56,8 @@ model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change pro
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
 app.add_typer(guard_cli.app, name="guard")
+app.add_typer(keys_cli.app, name="key")
+app.command("usage")(cli_errors(keys_cli.usage))
 
 
 def _client(server: str | None, token: str | None) -> AdminClient:

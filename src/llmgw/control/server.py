@@ -63,6 +63,7 @@ from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
+from llmgw.control.api.keys import add_key_routes
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.gateway.accesslog import log_exchange
 from llmgw.control.gateway.accounting import Accounting
@@ -213,8 +214,9 @@ def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
 ) -> web.Application:
-    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`)
-    and the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`)."""
+    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`),
+    the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the gateway keys' and
+    usage (``/api/v1/keys``, ``/api/v1/usage``, :mod:`llmgw.control.api.keys`)."""
     from llmgw.control.api.guard import MirrorServe, add_guard_routes  # noqa: PLC0415
 
     app = build_admin_app(
@@ -224,6 +226,7 @@ def _admin_app(
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
     add_cluster_routes(app, members, config.cluster.patroni)
+    add_key_routes(app, store, db, on_change=changed)
     return app
 
 

@@ -13,16 +13,20 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
+from llmgw.apikeys import KeySpec
 from llmgw.catalog import Model, Profile
 from llmgw.views import (
     ClusterView,
     ExplainView,
+    KeyView,
     LogView,
     ModelView,
+    NewKeyView,
     NodeRemovalView,
     NodeView,
     ReplicaView,
     RevocationView,
+    UsageView,
 )
 
 
@@ -156,6 +160,15 @@ OPS: tuple[Op, ...] = (
         "The control planes, which one leads, the term, database reachability, Patroni's members",
         ClusterView,
     ),
+    Op("post", "/api/v1/keys", "Make a gateway API key; the secret is in this answer only", NewKeyView,
+       body=KeySpec, status=201, errors=(400, 409)),
+    Op("get", "/api/v1/keys", "The gateway API keys (never their secrets), their limits and usage", KeyView, many=True),
+    Op("post", "/api/v1/keys/{name}/revoke", "Revoke a key: refused by every control plane within a second",
+       KeyView, errors=(404,)),
+    Op("post", "/api/v1/keys/{name}/rotate", "A new secret for a key; the old one stops working", NewKeyView,
+       errors=(404, 409)),
+    Op("get", "/api/v1/usage", "Usage per key, model and UTC day (since/until: 7d or YYYY-MM-DD)", UsageView,
+       many=True, errors=(400,), query=("key", "model", "since", "until")),
     Op("get", "/api/v1/guard/status", "Each policy's judges: in the catalog, ready, judge time", None),
     Op("post", "/api/v1/guard/test", "Judge a text as the gateway would", None, errors=(400, 503)),
     Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog", None,
@@ -184,6 +197,10 @@ def build_openapi() -> dict[str, Any]:
         NodeRemovalView,
         RevocationView,
         ClusterView,
+        KeySpec,
+        KeyView,
+        NewKeyView,
+        UsageView,
     ]
     _, defs = models_json_schema([(m, "serialization") for m in shapes], ref_template=_REF)
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))

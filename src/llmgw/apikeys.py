@@ -1,0 +1,105 @@
+"""Gateway API keys as the admin API takes them: secrets, digests, the create request, durations.
+
+A secret is ``sk-llmgw-`` + 43 URL-safe characters (32 random bytes, :func:`secrets.token_urlsafe`);
+the store keeps only its SHA-256 (hex) and its first 16 characters (:func:`key_prefix`), enough to
+tell keys apart in ``llmgw ctl key ls`` and never enough to use one. A secret is shown once, when it
+is made (``ctl key create``, ``ctl key rotate``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmgw.names import check_name
+
+SECRET_PREFIX = "sk-llmgw-"  # noqa: S105 - the public prefix of every key, not a secret
+PREFIX_CHARS = 16
+#: The longest ``expires`` or usage range: ten years (s).
+MAX_DURATION_S = 10 * 366 * 86400
+
+_DURATION = re.compile(r"(\d{1,6})([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def new_secret() -> str:
+    """A new key: ``sk-llmgw-`` and 43 URL-safe characters (256 random bits)."""
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_digest(secret: str) -> str:
+    """The SHA-256 of ``secret`` (UTF-8) as 64 hex digits: what the store keeps."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def key_prefix(secret: str) -> str:
+    """The first 16 characters of ``secret`` (``sk-llmgw-`` and 7 more): shown, never usable."""
+    return secret[:PREFIX_CHARS]
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Seconds in ``text``: a number and a unit, ``90s``, ``30m``, ``12h``, ``30d`` or ``2w``.
+
+    Raises:
+        ValueError: not that shape, zero, or longer than ten years; the message names ``what``.
+    """
+    m = _DURATION.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"{what} {text!r} is not a duration: a number and a unit, e.g. 90m, 12h, 30d or 2w")
+    seconds = float(int(m.group(1)) * _UNIT_S[m.group(2)])
+    if not 0 < seconds <= MAX_DURATION_S:
+        raise ValueError(f"{what} {text!r} must be more than 0 and at most ten years")
+    return seconds
+
+
+class KeySpec(BaseModel):
+    """``POST /api/v1/keys``: a new key's name and limits (``llmgw ctl key create``).
+
+    ``models`` lists the model names or aliases the key may use ([] = every model); ``rpm`` and ``tpm``
+    are requests and tokens (prompt + completion) per minute; ``budget_tokens`` is tokens per
+    ``budget_period`` (``day`` or ``month``, UTC); ``expires`` a duration from now (``30d``). Absent
+    limits are no limits.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="1-63 characters: lower-case letters, digits and '-', as model names")
+    models: list[str] = Field(default_factory=list, max_length=100)
+    rpm: int | None = Field(None, gt=0, le=10**9, description="requests per minute")
+    tpm: int | None = Field(None, gt=0, le=10**12, description="tokens per minute")
+    budget_tokens: int | None = Field(None, gt=0, le=10**15, description="tokens per budget_period")
+    budget_period: Literal["day", "month"] | None = None
+    expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "key name")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[str]) -> list[str]:
+        return sorted({check_name(m, "model name") for m in v})
+
+    @field_validator("expires")
+    @classmethod
+    def _expires(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v, "expires")
+        return v
+
+    @model_validator(mode="after")
+    def _budget(self) -> KeySpec:
+        if (self.budget_tokens is None) != (self.budget_period is None):
+            raise ValueError(
+                "budget_tokens and budget_period go together: e.g. budget_tokens 1000000, budget_period day"
+            )
+        return self
+
+    def expires_at(self, now: float) -> float | None:
+        """Unix seconds the key expires at, made at ``now``; None when it does not."""
+        return now + parse_duration(self.expires, "expires") if self.expires else None

@@ -1,0 +1,140 @@
+"""``llmgw ctl key …`` and ``llmgw ctl usage``: the gateway's API keys, their limits, and who used how much.
+
+- ``key create NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N --budget-period day|month]
+  [--expires 30d]``: prints the secret once (the store keeps its SHA-256).
+- ``key ls``: name, prefix, models, limits, usage today / this month, last use, state and expiry.
+- ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once).
+- ``usage [--key K] [--model M] [--since 7d] [--until …]``: requests, tokens, guard blocks and errors per
+  key, model and UTC day, with a total.
+
+Exit codes as ``llmgw ctl``: 0 fine, 1 an API error (a bad name or limit is a 400 that says what was
+wrong), 3 the control plane does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from llmgw.adminclient import AdminClient
+from llmgw.cli.common import cli_errors, console, paths
+from llmgw.views import KeyView, NewKeyView
+
+app = typer.Typer(no_args_is_help=True, help="The gateway's API keys: create, list, revoke, rotate.")
+
+ServerOpt = Annotated[str | None, typer.Option("--server", help="Admin API URL (default: this machine's).")]
+TokenOpt = Annotated[str | None, typer.Option("--token", envvar="LLMGW_TOKEN", help="Admin bearer token.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _client(server: str | None, token: str | None) -> AdminClient:
+    return AdminClient.from_paths(paths(), server=server, token=token)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts))
+
+
+def _limits(k: KeyView) -> str:
+    parts = [f"{k.rpm} rpm" if k.rpm else "", f"{k.tpm} tpm" if k.tpm else ""]
+    if k.budget_tokens:
+        parts.append(f"{k.budget_tokens}/{k.budget_period}")
+    return ", ".join(p for p in parts if p) or "-"
+
+
+def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
+    if as_json:
+        print(json.dumps(made.model_dump(mode="json"), indent=2, sort_keys=True))
+        return
+    models = ", ".join(made.key.models) or "all"
+    console().print(f"{what} key '{made.key.name}' ({_limits(made.key)}; models: {models})")
+    print(made.secret)
+    console().print("This secret is not shown again: give it to its user now (Authorization: Bearer <secret>).")
+
+
+@app.command("create")
+@cli_errors
+def create(
+    name: Annotated[str, typer.Argument(help="The key's name (shown in usage, metrics and the access log).")],
+    models: Annotated[str | None, typer.Option("--models", help="Comma-separated models or aliases.")] = None,
+    rpm: Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")] = None,
+    tpm: Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")] = None,
+    budget_tokens: Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")] = None,
+    budget_period: Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")] = None,
+    expires: Annotated[str | None, typer.Option("--expires", help="A duration from now: 12h, 30d, 2w.")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Make a key; its secret is printed once."""
+    spec: dict[str, Any] = {"name": name}
+    if models:
+        spec["models"] = [m.strip() for m in models.split(",") if m.strip()]
+    for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_tokens", budget_tokens),
+                         ("budget_period", budget_period), ("expires", expires)):
+        if value is not None:
+            spec[field] = value
+    _print_secret(_client(server, token).create_key(spec), as_json, "made")
+
+
+@app.command("ls")
+@cli_errors
+def ls(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """Every key: prefix, models, limits, usage today and this month, last use, state."""
+    keys = _client(server, token).keys()
+    if as_json:
+        print(json.dumps([k.model_dump(mode="json") for k in keys], indent=2, sort_keys=True))
+        return
+    t = Table("NAME", "PREFIX", "MODELS", "LIMITS", "TODAY (req/tok)", "MONTH (tok)", "LAST USED", "STATE",
+              "EXPIRES")
+    for k in keys:
+        t.add_row(k.name, k.prefix + "…", ", ".join(k.models) or "all", _limits(k),
+                  f"{k.requests_today}/{k.tokens_today}", str(k.tokens_this_month), _when(k.last_used_at),
+                  k.state, _when(k.expires_at))
+    console().print(t if keys else "no keys yet: 'llmgw ctl key create NAME'")
+
+
+@app.command("revoke")
+@cli_errors
+def revoke(name: str, server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """Revoke a key: every control plane refuses it within a second."""
+    k = _client(server, token).revoke_key(name)
+    if as_json:
+        print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))
+        return
+    console().print(f"key '{k.name}' revoked at {_when(k.revoked_at)} UTC")
+
+
+@app.command("rotate")
+@cli_errors
+def rotate(name: str, server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """A new secret for a key (same name, limits and usage); the old secret stops working."""
+    _print_secret(_client(server, token).rotate_key(name), as_json, "rotated")
+
+
+def usage(
+    key: Annotated[str | None, typer.Option("--key", help="One key's usage.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="One model's usage.")] = None,
+    since: Annotated[str, typer.Option("--since", help="7d, 12h, or a UTC day YYYY-MM-DD.")] = "7d",
+    until: Annotated[str | None, typer.Option("--until", help="Like --since; default today.")] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Requests, tokens, guard blocks and errors per key, model and UTC day."""
+    rows = _client(server, token).usage(key=key, model=model, since=since, until=until)
+    if as_json:
+        print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2, sort_keys=True))
+        return
+    t = Table("DAY", "KEY", "MODEL", "REQUESTS", "PROMPT TOK", "COMPLETION TOK", "GUARD BLOCKS", "ERRORS")
+    sums = [0, 0, 0, 0, 0]
+    for r in rows:
+        counts = [r.requests, r.prompt_tokens, r.completion_tokens, r.guard_blocks, r.errors]
+        sums = [a + b for a, b in zip(sums, counts, strict=True)]
+        t.add_row(r.day, r.key, r.model or "-", *map(str, counts))
+    t.add_row("total", "", "", *map(str, sums), style="bold")
+    console().print(t if rows else "no usage in that range")

@@ -1,0 +1,164 @@
+"""The admin API's gateway keys and usage (bearer token, like every admin route).
+
+- ``POST /api/v1/keys`` (:class:`~llmgw.apikeys.KeySpec`) → 201 :class:`~llmgw.views.NewKeyView`: the
+  secret, shown this once; the store keeps its SHA-256.
+- ``GET /api/v1/keys`` → [:class:`~llmgw.views.KeyView`], with each key's usage today and this month.
+- ``POST /api/v1/keys/{name}/revoke`` → KeyView (again on a revoked key: the same answer).
+- ``POST /api/v1/keys/{name}/rotate`` → NewKeyView: a new secret; the old one stops working.
+- ``GET /api/v1/usage?key=&model=&since=7d&until=`` → [:class:`~llmgw.views.UsageView`]: ``since`` and
+  ``until`` are a duration back from now (``7d``, ``12h``) or a UTC day (``YYYY-MM-DD``); ``since``
+  defaults to 7 days, ``until`` to today; at most 400 days.
+
+Every control plane reads the keys from the store every 0.5 s
+(:mod:`llmgw.control.gateway.accounting`), so a change here holds on all of them within a second.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from llmgw import jsonbody
+from llmgw.apikeys import KeySpec, key_digest, key_prefix, new_secret, parse_duration
+from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.rows import ApiKeyRow
+from llmgw.errors import HttpError
+from llmgw.views import KeyView, NewKeyView, UsageView
+
+#: The longest usage range a query may ask (days).
+MAX_USAGE_DAYS = 400
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _day(t: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(t))
+
+
+def key_view(row: ApiKeyRow, now: float, tokens: dict[tuple[str, str], int] | None = None,
+             requests_today: int = 0) -> KeyView:
+    """``row`` as the API shows it; ``tokens``: (key, day) → tokens this month, for its usage."""
+    today = _day(now)
+    mine = {d: n for (k, d), n in (tokens or {}).items() if k == row.name}
+    state = "revoked" if row.revoked_at is not None else (
+        "expired" if row.expires_at is not None and row.expires_at <= now else "active")
+    return KeyView(
+        name=row.name, prefix=row.prefix, models=list(row.models), rpm=row.rpm, tpm=row.tpm,
+        budget_tokens=row.budget_tokens, budget_period=row.budget_period or None, expires_at=row.expires_at,
+        created_at=row.created_at, revoked_at=row.revoked_at, last_used_at=row.last_used_at, state=state,
+        requests_today=requests_today, tokens_today=mine.get(today, 0), tokens_this_month=sum(mine.values()),
+    )
+
+
+def usage_day(text: str, now: float, what: str) -> str:
+    """A usage query's ``since``/``until``: a duration back from ``now`` or a ``YYYY-MM-DD`` day.
+
+    Raises:
+        HttpError: 400 naming ``what`` and the two forms.
+    """
+    if _DAY.fullmatch(text):
+        try:
+            time.strptime(text, "%Y-%m-%d")
+        except ValueError:
+            raise HttpError(400, "invalid_range", f"{what} {text!r} is not a date (YYYY-MM-DD)") from None
+        return text
+    try:
+        return _day(now - parse_duration(text, what))
+    except ValueError as e:
+        raise HttpError(400, "invalid_range", f"{e}; or give a UTC day as YYYY-MM-DD") from None
+
+
+def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change: Callable[[], None],
+                   clock: Callable[[], float] = time.time) -> None:
+    """Add the key and usage routes (see the module docstring) to the admin API ``app``."""
+
+    def _views(rows: list[ApiKeyRow]) -> list[KeyView]:
+        now = clock()
+        tokens = store.key_tokens_by_day(since_day=_day(now)[:8] + "01")
+        today = store.usage(since_day=_day(now))
+        reqs: dict[str, int] = {}
+        for u in today:
+            reqs[u.key] = reqs.get(u.key, 0) + u.requests
+        return [key_view(r, now, tokens, reqs.get(r.name, 0)) for r in rows]
+
+    async def must_key(name: str) -> ApiKeyRow:
+        row = await db.run(store.get_key, name)
+        if row is None:
+            raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
+        return row
+
+    async def create(request: web.Request) -> web.Response:
+        try:
+            spec = KeySpec.model_validate(await jsonbody.read_json(request))
+        except ValidationError as e:
+            raise HttpError(400, "invalid_key", _describe(e)) from e
+        secret, now = new_secret(), clock()
+        row = ApiKeyRow(
+            name=spec.name, prefix=key_prefix(secret), digest=key_digest(secret), models=tuple(spec.models),
+            rpm=spec.rpm, tpm=spec.tpm, budget_tokens=spec.budget_tokens, budget_period=spec.budget_period or "",
+            expires_at=spec.expires_at(now), created_at=now,
+        )
+        row = await db.run(store.add_key, row)
+        on_change()
+        return _json(NewKeyView(key=key_view(row, now), secret=secret).model_dump(mode="json"), 201)
+
+    async def list_keys(_: web.Request) -> web.Response:
+        views = await db.run(lambda: _views(store.list_keys()))
+        return _json([v.model_dump(mode="json") for v in views])
+
+    async def revoke(request: web.Request) -> web.Response:
+        row = await must_key(request.match_info["name"])
+        if row.revoked_at is None:
+            row = await db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
+            on_change()
+        return _json(key_view(row, clock()).model_dump(mode="json"))
+
+    async def rotate(request: web.Request) -> web.Response:
+        row = await must_key(request.match_info["name"])
+        if row.revoked_at is not None:
+            raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
+        secret = new_secret()
+        new = replace(row, prefix=key_prefix(secret), digest=key_digest(secret))
+        new = await db.run(lambda: store.update_key(new, revision=row.revision))
+        on_change()
+        return _json(NewKeyView(key=key_view(new, clock()), secret=secret).model_dump(mode="json"))
+
+    async def usage(request: web.Request) -> web.Response:
+        q, now = request.query, clock()
+        since = usage_day(q.get("since") or "7d", now, "since")
+        until = usage_day(q["until"], now, "until") if q.get("until") else _day(now)
+        if since > until:
+            raise HttpError(400, "invalid_range", f"since ({since}) is after until ({until})")
+        span = (time.mktime(time.strptime(until, "%Y-%m-%d")) - time.mktime(time.strptime(since, "%Y-%m-%d"))) / 86400
+        if span > MAX_USAGE_DAYS:
+            raise HttpError(400, "invalid_range", f"since..until spans {span:.0f} days; at most {MAX_USAGE_DAYS}")
+        rows = await db.run(
+            lambda: store.usage(key=q.get("key") or None, model=q.get("model") or None, since_day=since,
+                                until_day=until)
+        )
+        return _json([UsageView(**vars(u)).model_dump(mode="json") for u in rows])
+
+    app.router.add_post("/api/v1/keys", create)
+    app.router.add_get("/api/v1/keys", list_keys)
+    app.router.add_post("/api/v1/keys/{name}/revoke", revoke)
+    app.router.add_post("/api/v1/keys/{name}/rotate", rotate)
+    app.router.add_get("/api/v1/usage", usage)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(text=json.dumps(data), status=status)
+
+
+def _describe(err: ValidationError) -> str:
+    """The first problem, the field named: ``rpm: Input should be greater than 0``."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
