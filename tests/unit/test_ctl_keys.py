@@ -1,0 +1,128 @@
+"""``llmgw ctl key …`` and ``llmgw ctl usage`` through the real CLI against a real control plane
+(``serve`` in a thread, SQLite), and the gateway taking the keys they make; bad input gets clear 400s."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from llmgw.cli.main import app
+from tests.helpers.control import TOKEN, Install, make_install
+from tests.unit.test_ctl_model_rm import ThreadedControlPlane
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def cp(tmp_path: pathlib.Path) -> Iterator[Install]:
+    inst = make_install(tmp_path)
+    inst.write(gateway={"listen": f"127.0.0.1:{inst.ports['gateway']}", "allow_loopback_without_key": False})
+    with ThreadedControlPlane(inst):
+        yield inst
+
+
+def _ctl(inst: Install, *args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, ["--root", str(inst.root), "ctl", *args])
+    return r.exit_code, r.output
+
+
+def _gateway_models(inst: Install, secret: str) -> httpx.Response:
+    url = f"http://127.0.0.1:{inst.ports['gateway']}/v1/models"
+    return httpx.get(url, headers={"Authorization": f"Bearer {secret}"})
+
+
+def test_create_list_rotate_revoke_through_the_cli(cp: Install) -> None:
+    code, out = _ctl(cp, "key", "create", "team-a", "--models", "chat,gemma", "--rpm", "60",
+                     "--budget-tokens", "100000", "--budget-period", "day", "--expires", "30d")
+    assert code == 0, out
+    secret = next(ln for ln in out.splitlines() if ln.startswith("sk-llmgw-"))
+    assert len(secret) == 9 + 43
+    assert "not shown again" in out
+    code, out = _ctl(cp, "key", "ls", "--json")
+    (key,) = json.loads(out)
+    assert key["prefix"] == secret[:16]
+    assert secret not in out
+    assert (key["models"], key["rpm"], key["budget_tokens"], key["budget_period"], key["state"]) == (
+        ["chat", "gemma"], 60, 100000, "day", "active")
+    assert 29.9 * 86400 < key["expires_at"] - time.time() <= 30 * 86400
+    code, out = _ctl(cp, "key", "ls")
+    assert "team-a" in out
+    assert "60 rpm" in out
+
+    t0 = time.monotonic()
+    while _gateway_models(cp, secret).status_code != 200:  # the gateway reads stored keys every 0.5 s
+        assert time.monotonic() - t0 < 3
+        time.sleep(0.1)
+    code, out = _ctl(cp, "key", "rotate", "team-a")
+    assert code == 0, out
+    new = next(ln for ln in out.splitlines() if ln.startswith("sk-llmgw-"))
+    assert new != secret
+    t0 = time.monotonic()
+    while _gateway_models(cp, new).status_code != 200:
+        assert time.monotonic() - t0 < 1.5, "a rotated key's new secret was not taken within 1.5 s"
+        time.sleep(0.05)
+    assert _gateway_models(cp, secret).status_code == 401
+    code, out = _ctl(cp, "key", "revoke", "team-a")
+    assert code == 0
+    assert "revoked" in out
+    t0 = time.monotonic()
+    while _gateway_models(cp, new).status_code != 401:
+        assert time.monotonic() - t0 < 1.5, "a revoked key was still taken after 1.5 s"
+        time.sleep(0.05)
+    code, out = _ctl(cp, "key", "rotate", "team-a")
+    assert code == 1
+    assert "revoked" in out
+    code, out = _ctl(cp, "usage", "--json")
+    assert code == 0
+    assert json.loads(out) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"name": "Bad Name"}, "name: 'Bad Name' is not a valid key name"),
+        ({"name": "k", "rpm": 0}, "rpm: Input should be greater than 0"),
+        ({"name": "k", "rpm": "many"}, "rpm: Input should be a valid integer"),
+        ({"name": "k", "budget_tokens": 10}, "budget_tokens and budget_period go together"),
+        ({"name": "k", "budget_tokens": 10, "budget_period": "week"}, "Input should be 'day' or 'month'"),
+        ({"name": "k", "expires": "soon"}, "expires 'soon' is not a duration"),
+        ({"name": "k", "models": ["Not A Model"]}, "is not a valid model name"),
+        ({"name": "k", "secret": "mine"}, "secret: Extra inputs are not permitted"),
+        ([1, 2], "Input should be a valid dictionary"),
+    ],
+)
+def test_bad_key_specs_are_400_saying_what_is_wrong(cp: Install, body: object, says: str) -> None:
+    r = httpx.post(cp.admin + "/api/v1/keys", json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("since=yesterday", "since 'yesterday' is not a duration"),
+        ("since=2027-02-30", "is not a date"),
+        ("since=2026-12-01&until=2026-11-01", "is after until"),
+        ("since=2020-01-01", "at most 400"),
+    ],
+)
+def test_bad_usage_ranges_are_400(cp: Install, query: str, says: str) -> None:
+    r = httpx.get(cp.admin + "/api/v1/usage?" + query, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+
+
+def test_duplicate_and_unknown_keys(cp: Install) -> None:
+    assert httpx.post(cp.admin + "/api/v1/keys", json={"name": "dup"}, headers=AUTH).status_code == 201
+    r = httpx.post(cp.admin + "/api/v1/keys", json={"name": "dup"}, headers=AUTH)
+    assert r.status_code == 409
+    assert "already exists" in r.json()["error"]["message"]
+    r = httpx.post(cp.admin + "/api/v1/keys/nobody/revoke", headers=AUTH)
+    assert r.status_code == 404
+    assert "ctl key ls" in r.json()["error"]["message"]
