@@ -175,7 +175,7 @@ async def _phase(name: str, installs: list[Install], args: Any) -> dict[str, flo
 
 
 def _start(insts: list[Install]) -> list[subprocess.Popen[bytes]]:
-    procs = [start_server_run(i, subprocess.DEVNULL) for i in insts]
+    procs = [start_server_run(i, (i.root / "server.log").open("wb")) for i in insts]
     for i, p in zip(insts, procs, strict=True):
         wait_admin_health(i, p)
     return procs
@@ -218,7 +218,7 @@ def main() -> int:
                 print(f"FAIL: no PostgreSQL for the two-control-plane phase: {e}", file=sys.stderr)
                 return 1
             try:
-                url = cluster.url(cluster.new_database()).replace("postgresql://", "postgresql+psycopg://", 1)
+                url = cluster.new_database()
                 insts = []
                 for n in ("cp1", "cp2"):
                     i = make_install(Path(tmp) / n)

@@ -173,3 +173,12 @@ class HeartbeatReply(BaseModel):
     term: int = 0
     leader: str = ""
     control_planes: list[str] = Field(default_factory=list)
+
+
+class EngineMetricsText(BaseModel):
+    """One engine's ``/metrics`` page as its agent read it (Prometheus text format), for the control
+    plane to relay with ``replica``, ``model`` and ``node`` labels (``POST /agent/v1/metrics``)."""
+
+    replica: str = Field(max_length=80)
+    model: str = Field(max_length=63)
+    text: str = Field(max_length=256 * 1024)

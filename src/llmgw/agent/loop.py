@@ -64,6 +64,7 @@ from llmgw.agent.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
 from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines.vllm import VllmProvisioner
+from llmgw.agent.metrics import push_loop
 from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.records import adoptable, instance_id, replica_dir
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
@@ -465,6 +466,13 @@ class Agent:
             _, waiting = await asyncio.wait(settles, timeout=ADOPT_WAIT_S)
             for pending in waiting:
                 pending.cancel()
+        pushing = asyncio.create_task(
+            push_loop(
+                self.env.session, self.api,
+                lambda: [(r.status(), r.spec.model, r.spec.key) for r in self.state.runners.values()],
+                lambda: self.control_planes.current, stop,
+            )
+        )
         try:
             while not stop.is_set():
                 self.changed.clear()
@@ -487,6 +495,7 @@ class Agent:
                 # A change right after a beat is sent at once, but never more than ~10 beats/s.
                 await asyncio.sleep(min(0.1, self.cfg.heartbeat_interval_s))
         finally:
+            pushing.cancel()
             if self._stopping:
                 await asyncio.gather(*self._stopping, return_exceptions=True)
             for runner in self.state.runners.values():

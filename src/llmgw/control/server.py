@@ -63,8 +63,10 @@ from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
+from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.keys import add_key_routes
 from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.api.metrics import ControlPlaneMetrics, add_metrics_route
 from llmgw.control.gateway.accesslog import log_exchange
 from llmgw.control.gateway.accounting import Accounting
 from llmgw.control.gateway.callers import Callers
@@ -213,6 +215,7 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
+    metrics: ControlPlaneMetrics,
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`),
     the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the gateway keys' and
@@ -227,6 +230,7 @@ def _admin_app(
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
     add_cluster_routes(app, members, config.cluster.patroni)
     add_key_routes(app, store, db, on_change=changed)
+    add_metrics_route(app, metrics, token)
     return app
 
 
@@ -314,7 +318,8 @@ async def serve(
     # Keys from the store and the keys file, limits, usage: memory on the request path, synced with
     # the store every 0.5 s (control/gateway/accounting.py).
     accounting = Accounting(store, db, name, Callers(keys), Limiter())
-    observers = (accounting.observe, log_exchange)
+    engines = EngineMetrics()
+    observers: tuple[Callable[[Exchange], None], ...] = (accounting.observe, log_exchange)
     counted = asyncio.Event()
     counting: asyncio.Task[None] | None = None
 
@@ -356,6 +361,10 @@ async def serve(
         store, db, election, name=name, version=__version__,
         agent_url=config.cluster.agent_url or default_agent_url(config.agent_listen, agent_port),
     )
+    metrics = ControlPlaneMetrics(
+        store, db, members=members, guard=guard.stats if guard is not None else None, engines=engines
+    )
+    observers = (*observers, metrics.observe)
     try:
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
@@ -365,7 +374,7 @@ async def serve(
             (
                 "admin_listen",
                 config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members),
+                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics),
                 None,
             ),
             (
@@ -373,7 +382,7 @@ async def serve(
                 config.agent_listen,
                 build_agent_app(
                     store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db,
-                    on_node=node_came, cluster=members.reply_fields,
+                    on_node=node_came, cluster=members.reply_fields, engines=engines,
                 ),
                 tls,
             ),

@@ -255,7 +255,7 @@ def build_admin_app(
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == "/api/v1/health":
+        if request.path in ("/api/v1/health", "/metrics"):  # /metrics checks its own (control/api/metrics.py)
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")

@@ -16,6 +16,10 @@ request is checked against it after the handshake: a revoked certificate gets 40
 ``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
 The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
 
+``POST /agent/v1/metrics`` (a list of :class:`~llmgw.protocol.EngineMetricsText`): the node's engines'
+``/metrics`` pages, relayed on the control plane's ``GET /metrics``
+(:mod:`llmgw.control.api.enginemetrics`).
+
 Errors are JSON ``{"error": {"code", "message"}}``: 400 for a body that is not a Heartbeat (or
 not bounded JSON: :mod:`llmgw.jsonbody`; label keys per :mod:`llmgw.names`), 401 when the session
 carries no certificate (a server run without client verification), 403 for a revoked certificate
@@ -32,19 +36,22 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
+from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.store import NodeRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
-from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec
+from llmgw.protocol import EngineMetricsText, Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec
 
 log = logging.getLogger(__name__)
+
+_PAGES = TypeAdapter(list[EngineMetricsText])
 
 #: The heartbeat interval the control plane asks agents for (seconds).
 HEARTBEAT_INTERVAL_S = 2.0
@@ -152,6 +159,7 @@ def build_agent_app(
     db: OffLoop | None = None,
     on_node: Callable[[str], None] | None = None,
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None,
+    engines: EngineMetrics | None = None,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`).
 
@@ -175,6 +183,8 @@ def build_agent_app(
             pool of this app's own, closed with it.
         cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply
             (:meth:`~llmgw.control.reconcile.membership.Membership.reply_fields`, read from memory);
+        engines: keeps the engine metrics pages agents post to ``/agent/v1/metrics``
+            (:mod:`llmgw.control.api.enginemetrics`); None: posts are accepted and dropped.
             default: term 0, no leader, no members.
 
     A heartbeat whose store calls fail (the database is down or does not answer within the pool's
@@ -303,6 +313,21 @@ def build_agent_app(
             raise HttpError(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
         return web.json_response({"status": "ok"})
 
+    async def engine_metrics(request: web.Request) -> web.Response:
+        node_id = node_of(request)
+        if not node_id:
+            raise HttpError(
+                401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA"
+            )
+        await check_revoked(request, node_id)
+        try:
+            pages = _PAGES.validate_python(await jsonbody.read_json(request))
+        except ValidationError as e:
+            raise HttpError(400, "invalid_metrics", str(e.errors()[0]["msg"])) from e
+        if engines is not None:
+            engines.put(node_id, pages)
+        return web.json_response({"status": "ok"})
+
     async def not_found(request: web.Request) -> web.Response:
         raise HttpError(404, "not_found", f"{request.method} {request.path} is not an agent API route")
 
@@ -315,5 +340,6 @@ def build_agent_app(
     app.router.add_post("/agent/v1/register", heartbeat)
     app.router.add_post("/agent/v1/heartbeat", heartbeat)
     app.router.add_post("/agent/v1/logs", log_reply)
+    app.router.add_post("/agent/v1/metrics", engine_metrics)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

@@ -66,6 +66,7 @@ class GuardStats:
         refused_unavailable: ``direction`` → requests refused with 503 under ``fail: closed``.
         errors: judge error kind → count.
         times_ms: judge → the last :data:`TIMES_KEPT` judgment times (ms).
+        on_judgment: called with (judge, ms) for every verdict (the metrics' histogram), if set.
     """
 
     verdicts: dict[str, int] = field(default_factory=dict)
@@ -74,6 +75,7 @@ class GuardStats:
     refused_unavailable: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     times_ms: dict[str, deque[float]] = field(default_factory=dict)
+    on_judgment: Callable[[str, float], None] | None = None
 
     @staticmethod
     def _inc(d: dict[str, int], k: str) -> None:
@@ -229,6 +231,8 @@ class GuardInspector:
         v = j.verdict
         GuardStats._inc(self.stats.verdicts, f"{d} {v.safety.value}")
         self.stats.times_ms.setdefault(j.judge, deque(maxlen=TIMES_KEPT)).append(j.ms)
+        if self.stats.on_judgment is not None:
+            self.stats.on_judgment(j.judge, j.ms)
         notes.verdict(v.safety.value, v.categories, j.ms)
         block = v.safety is Safety.UNSAFE or (
             v.safety is Safety.CONTROVERSIAL and policy.controversial is Controversial.BLOCK

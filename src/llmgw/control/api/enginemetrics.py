@@ -1,0 +1,75 @@
+"""Engines' own metrics, relayed: what agents post to ``POST /agent/v1/metrics``, re-exposed on the
+control plane's ``GET /metrics`` (:mod:`llmgw.control.api.metrics`).
+
+Each agent reads its ready replicas' ``/metrics`` (llama-server runs with ``--metrics``) every
+``agent.metrics.PUSH_EVERY_S`` (15 s) and posts the pages here, over the agent API's mTLS (the node is
+the client certificate's CN). The control plane keeps the latest pages per node in memory and drops
+a node's after :data:`STALE_S` without a post (its agent moved to another control plane, or went).
+So each control plane exposes the engines of the agents that beat to it: scrape every control
+plane (one target each) and the sum covers the cluster without double counting.
+
+At scrape time the pages are parsed (``prometheus_client.parser``), every sample gets ``replica``,
+``model`` and ``node`` labels, and families of the same name from several replicas are merged into
+one (one HELP and TYPE each, as the text format requires). Bounds: 256 KiB per page, 64 replicas per
+node, :data:`MAX_FAMILIES` families per page; a page that does not parse is skipped and counted in
+``llmgw_engine_metrics_errors_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from llmgw.protocol import EngineMetricsText
+
+log = logging.getLogger(__name__)
+
+#: Seconds after which a node's pages are dropped (four missed pushes).
+STALE_S = 60.0
+MAX_REPLICAS_PER_NODE = 64
+MAX_FAMILIES = 200
+
+
+class EngineMetrics(Collector):
+    """The latest engine pages per node, exposed as one merged set of families (module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._pages: dict[str, tuple[float, list[EngineMetricsText]]] = {}
+        self.errors = 0
+
+    def put(self, node: str, pages: list[EngineMetricsText]) -> None:
+        """Keep ``node``'s pages (its last post replaces the one before)."""
+        self._pages[node] = (self.clock(), pages[:MAX_REPLICAS_PER_NODE])
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.clock()
+        for node in [n for n, (t, _) in self._pages.items() if now - t > STALE_S]:
+            del self._pages[node]
+        merged: dict[str, Metric] = {}
+        for node, (_, pages) in sorted(self._pages.items()):
+            for page in pages:
+                try:
+                    families = list(text_string_to_metric_families(page.text))[:MAX_FAMILIES]
+                except (ValueError, TypeError, IndexError) as e:
+                    self.errors += 1
+                    log.debug("replica %s on %s: its /metrics page does not parse: %s", page.replica, node, e)
+                    continue
+                extra = {"replica": page.replica, "model": page.model, "node": node}
+                for fam in families:
+                    out = merged.get(fam.name)
+                    if out is None:
+                        out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    elif out.type != fam.type:
+                        continue  # two engines disagree on a family's type: keep the first's
+                    for s in fam.samples:
+                        out.add_sample(s.name, {**s.labels, **extra}, s.value, s.timestamp, s.exemplar)
+        yield from merged.values()
+        errors = CounterMetricFamily("llmgw_engine_metrics_errors", "Relayed engine pages that did not parse")
+        errors.add_metric([], self.errors)
+        yield errors
