@@ -1,4 +1,4 @@
-"""``GET /metrics`` on the admin listener: the control plane's Prometheus metrics (text format 0.0.4).
+"""``GET /metrics`` on the admin listener: the control plane's Prometheus metrics (Prometheus text format).
 
 What it exports (``prometheus-client``, one registry per control plane, never the global one):
 

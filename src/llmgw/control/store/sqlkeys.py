@@ -3,7 +3,8 @@
 
 Counts are added with one ``INSERT … ON CONFLICT … DO UPDATE SET n = n + excluded.n`` statement per
 table and batch (SQLite 3.24+ and PostgreSQL share the syntax; SQLAlchemy builds it per dialect), so
-two control planes adding to one row at once both count, with no read-modify-write race.
+two control planes adding to one row at once both count, with no read-modify-write race. Rows are
+written in key order, so two control planes' batches lock shared rows in the same order (no deadlock).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class SqlKeys:
             _add_counts(
                 conn, usage_daily_t, ("key", "model", "day"), _USAGE_COUNTS,
                 [{"key": u.key, "model": u.model, "day": u.day, **{c: getattr(u, c) for c in _USAGE_COUNTS}}
-                 for u in usage],
+                 for u in sorted(usage, key=lambda u: (u.key, u.model, u.day))],  # one lock order: no deadlock
             )
             _add_counts(
                 conn, rate_windows_t, ("key", "cp", "window"), ("requests", "tokens"),
@@ -137,7 +138,7 @@ class SqlKeys:
                                 else_=sa.bindparam("t")),
                         sa.bindparam("t"),
                     )),
-                    [{"k": k, "t": t} for k, t in last_used.items()],
+                    [{"k": k, "t": t} for k, t in sorted(last_used.items())],
                 )
 
     def rate_totals(self, *, since_window: int, exclude_cp: str) -> dict[tuple[str, int], tuple[int, int]]:
