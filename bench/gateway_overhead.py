@@ -1,42 +1,57 @@
-"""What the gateway adds to a request: direct vs through the gateway, side by side in one run.
+"""What the gateway adds to a request: direct, through llmgw's gateway, and through LiteLLM's proxy,
+side by side in one run against the same instant upstream.
 
-    python bench/gateway_overhead.py [--n 5000] [--seconds 10] [--events 1000]
+    python bench/gateway_overhead.py [--n 5000] [--seconds 10] [--events 1000] [--no-litellm]
 
-Starts two subprocesses on loopback: an *instant upstream* (an aiohttp app answering a fixed
-``chat.completion`` JSON, or an SSE stream when the body asks ``"stream": true``) and the *gateway*
-(``build_gateway_app`` with a StaticRouter pointing at it). Then, from this process:
+Starts on loopback: an *instant upstream* (an aiohttp app answering a fixed ``chat.completion``
+JSON, or an SSE stream when the body asks ``"stream": true``), the *gateway* as the control plane
+builds it, with everything on (:func:`gateway_app_for_bench`: a stored key with limits looked up in
+memory, the limiter, usage accounting synced to a SQLite store every 0.5 s, Prometheus metrics and the
+access log written to a file), and *LiteLLM's proxy* (``litellm[proxy]`` ==:data:`LITELLM_VERSION` in its
+own venv under ``~/.cache/llmgw/bench``, made on first use; one worker, a master key, the upstream as an
+``openai/`` model). Then, from this process:
 
 1. latency: ``--n`` non-streamed requests to each, alternating direct/gateway, over one keep-alive
    aiohttp client each (after a warm-up); p50/p95 of both, the added median, and the gateway's own
-   ``x-llmgw-overhead-ms`` median;
-2. throughput: requests/s at concurrency 16 for ``--seconds`` each (the load generator is Python on
-   the same cores, so both figures are bounded by it; compare them, don't quote them alone);
+   ``x-llmgw-overhead-ms`` median; LiteLLM's added median from ``--n``/10 requests the same way;
+2. throughput: requests/s at concurrency 16 for ``--seconds`` each, driven by ``wrk`` (a C load
+   generator; ``apt-get install wrk`` when missing, a failure when that fails), ``-t2 -c16``: direct,
+   gateway, LiteLLM; and ``rps_vs_litellm_ratio``;
 3. streams: CPU per SSE event of the gateway process relaying ``--events`` events (from
    ``/proc``-backed psutil counters), and, for the choice of upstream client, CPU per event of an
    aiohttp vs an httpx (async) client reading the same stream in this process.
 
-Figures are printed last, one ``name: value unit`` per line. The target is <= 5 ms added at p50.
+Targets (issue 12): added p50 <= 1 ms and gateway requests/s >= 30x LiteLLM's; each is printed as
+PASS/FAIL and a FAIL exits 1. Figures are printed last, one ``name: value unit`` per line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import httpx
 import psutil
+import yaml
 from aiohttp import web
 
 KEY = "sk-bench"
+LITELLM_VERSION = "1.108.7"  # what PyPI (as this machine reaches it) installs with [proxy]
+LITELLM_KEY = "sk-bench-master"
+CACHE = Path.home() / ".cache" / "llmgw" / "bench"
 ANSWER = json.dumps(
     {
         "id": "chatcmpl-bench",
@@ -87,13 +102,54 @@ def upstream_app(events: int) -> web.Application:
     return app
 
 
-def gateway_app(upstream_port: int) -> web.Application:
-    """The gateway with one model, ``bench``, on the upstream."""
-    from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415 - only the gateway process needs it
+def gateway_app_for_bench(upstream_port: int, state: Path) -> web.Application:
+    """The gateway with one model, ``bench``, on the upstream, and what the control plane adds around it:
+    :data:`KEY` as a stored key (``rpm``/``tpm`` limits set high enough never to refuse, so the limiter
+    runs on every request), usage accounting synced to a SQLite store in ``state`` every 0.5 s, the
+    Prometheus metrics, and the access log (to ``state/access.log``)."""
+    import logging  # noqa: PLC0415 - only the gateway process needs these
+
+    from llmgw.apikeys import key_digest, key_prefix  # noqa: PLC0415
+    from llmgw.control.api.metrics import ControlPlaneMetrics  # noqa: PLC0415
+    from llmgw.control.gateway.accesslog import log_exchange  # noqa: PLC0415
+    from llmgw.control.gateway.accounting import Accounting  # noqa: PLC0415
+    from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415
+    from llmgw.control.gateway.callers import Callers  # noqa: PLC0415
+    from llmgw.control.gateway.inspect import Exchange  # noqa: PLC0415
+    from llmgw.control.gateway.keys import GatewayKeys  # noqa: PLC0415
+    from llmgw.control.gateway.limits import Limiter  # noqa: PLC0415
+    from llmgw.control.store import open_store  # noqa: PLC0415
+    from llmgw.control.store.offloop import OffLoop  # noqa: PLC0415
+    from llmgw.control.store.rows import ApiKeyRow  # noqa: PLC0415
     from llmgw.routing import Route, StaticRouter, Upstream  # noqa: PLC0415
 
+    logging.basicConfig(filename=state / "access.log", level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = open_store(f"sqlite:///{state / 'bench.db'}")
+    store.add_key(ApiKeyRow("bench", key_prefix(KEY), key_digest(KEY), rpm=10**9, tpm=10**12, created_at=time.time()))
+    callers, limiter = Callers(GatewayKeys(None)), Limiter()
+    accounting = Accounting(store, OffLoop(), "bench", callers, limiter)
+    metrics = ControlPlaneMetrics()
+    observers = (accounting.observe, log_exchange, metrics.observe)
+
+    def observe(ex: Exchange) -> None:
+        for each in observers:
+            each(ex)
+
     router = StaticRouter({"bench": Route("bench", (Upstream("r1", f"127.0.0.1:{upstream_port}", "k"),))})
-    return build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False)
+    app = build_gateway_app(router, keys=(), allow_loopback_without_key=False, observe=observe,
+                            callers=callers, limiter=limiter)
+
+    async def _accounting(_: web.Application) -> AsyncIterator[None]:
+        await accounting.sync()
+        stop = asyncio.Event()
+        task = asyncio.create_task(accounting.run(stop))
+        yield
+        stop.set()
+        await task
+
+    app.cleanup_ctx.append(_accounting)
+    return app
 
 
 def _spawn(args: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -114,9 +170,11 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def latency(direct: str, gateway: str, n: int) -> tuple[list[float], list[float], list[float]]:
+async def latency(
+    direct: str, gateway: str, n: int, key: str = KEY
+) -> tuple[list[float], list[float], list[float]]:
     """Alternating sequential requests; returns (direct ms, gateway ms, gateway self-reported ms)."""
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     d_ms: list[float] = []
     g_ms: list[float] = []
     own: list[float] = []
@@ -130,7 +188,7 @@ async def latency(direct: str, gateway: str, n: int) -> tuple[list[float], list[
                 took = (time.perf_counter() - t0) * 1000
                 if i >= 200:  # warm-up
                     out.append(took)
-                    if session is sg:
+                    if session is sg and "x-llmgw-overhead-ms" in r.headers:
                         own.append(float(r.headers["x-llmgw-overhead-ms"]))
     return d_ms, g_ms, own
 
@@ -152,6 +210,97 @@ async def throughput(url: str, seconds: float, concurrency: int = 16) -> float:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return done / (time.perf_counter() - t0)
+
+
+def ensure_wrk() -> str:
+    """The ``wrk`` binary; installed with apt-get when missing. Exits with a message when that fails."""
+    found = shutil.which("wrk")
+    if found:
+        return found
+    print("wrk is missing: apt-get install -y wrk", flush=True)
+    r = subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], capture_output=True, text=True, check=False)
+    found = shutil.which("wrk")
+    if r.returncode or not found:
+        raise SystemExit(f"FAIL: wrk (the load generator) cannot be installed: {r.stderr.strip()[-300:]}")
+    return found
+
+
+_WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def wrk_run(wrk: str, url: str, key: str, seconds: float, tmp: Path) -> tuple[float, float]:
+    """``wrk -t2 -c16`` POSTing :data:`BODY` to ``url`` with ``key``: (requests/s, p50 ms)."""
+    script = tmp / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(BODY.decode())}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+    )
+    out = subprocess.run(
+        [wrk, "-t2", "-c16", f"-d{seconds:g}s", "--latency", "-s", str(script), url],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50 = re.search(r"\s50%\s+([\d.]+)(us|ms|s)\b", out)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if rps is None or p50 is None:
+        raise SystemExit(f"FAIL: cannot read wrk's output:\n{out}")
+    if bad:
+        raise SystemExit(f"FAIL: {url} answered {bad.group(1)} non-2xx responses under wrk:\n{out}")
+    return float(rps.group(1)), float(p50.group(1)) * _WRK_UNITS[p50.group(2)]
+
+
+def litellm_venv() -> Path:
+    """LiteLLM's proxy in a venv of its own (made once, kept in :data:`CACHE`); its ``litellm`` binary."""
+    venv = CACHE / f"litellm-{LITELLM_VERSION}"
+    binary = venv / "bin" / "litellm"
+    if binary.exists():
+        return binary
+    print(f"installing litellm[proxy]=={LITELLM_VERSION} into {venv} (once; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"],
+                       capture_output=True, text=True, check=False)
+    if r.returncode or not binary.exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        raise SystemExit(f"FAIL: litellm[proxy]=={LITELLM_VERSION} cannot be installed: {r.stderr.strip()[-500:]}")
+    return binary
+
+
+def start_litellm(binary: Path, upstream_port: int, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """LiteLLM's proxy, one worker, model ``bench`` on the upstream, master key :data:`LITELLM_KEY`."""
+    port = _free_port()
+    config = tmp / "litellm.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_list": [{"model_name": "bench", "litellm_params": {
+            "model": "openai/bench", "api_base": f"http://127.0.0.1:{upstream_port}/v1", "api_key": "k"}}],
+        "general_settings": {"master_key": LITELLM_KEY},
+        "litellm_settings": {"telemetry": False},
+    }))
+    log = (tmp / "litellm.log").open("wb")
+    proc = subprocess.Popen(
+        [str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"FAIL: LiteLLM's proxy did not start; its log: {tmp / 'litellm.log'}")
+        time.sleep(0.5)
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 STREAM_BODY = json.dumps(
@@ -197,6 +346,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=5000, help="sequential requests to each side")
     ap.add_argument("--seconds", type=float, default=10.0, help="throughput run per side (s)")
     ap.add_argument("--events", type=int, default=1000, help="SSE events per stream")
+    ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM column (no ratio)")
     ap.add_argument("--role", choices=["upstream", "gateway"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
@@ -205,44 +355,81 @@ def main() -> None:
         asyncio.run(_serve(upstream_app(args.events), args.port_file))
         return
     if args.role == "gateway":
-        asyncio.run(_serve(gateway_app(args.upstream_port), args.port_file))
+        asyncio.run(_serve(gateway_app_for_bench(args.upstream_port, args.port_file.parent), args.port_file))
         return
 
-    with tempfile.TemporaryDirectory() as tmp:
-        up, up_port = _spawn(["--role", "upstream", "--events", str(args.events)], Path(tmp) / "up")
-        gw, gw_port = _spawn(["--role", "gateway", "--upstream-port", str(up_port)], Path(tmp) / "gw")
+    wrk = ensure_wrk()
+    litellm = None if args.no_litellm else litellm_venv()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        up, up_port = _spawn(["--role", "upstream", "--events", str(args.events)], tmp / "up")
+        (tmp / "gw").mkdir()
+        gw, gw_port = _spawn(["--role", "gateway", "--upstream-port", str(up_port)], tmp / "gw" / "port")
+        procs = [gw, up]
         try:
             direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
             gateway = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
             print(f"cores: {os.cpu_count()}; {args.n} requests each side, alternating", flush=True)
             d_ms, g_ms, own = asyncio.run(latency(direct, gateway, args.n))
-            print(f"throughput, concurrency 16, {args.seconds:g} s each", flush=True)
-            d_rps = asyncio.run(throughput(direct, args.seconds))
-            g_rps = asyncio.run(throughput(gateway, args.seconds))
+            print(f"throughput with wrk -t2 -c16, {args.seconds:g} s each", flush=True)
+            d_rps, _ = wrk_run(wrk, direct, KEY, args.seconds, tmp)
+            g_rps, _ = wrk_run(wrk, gateway, KEY, args.seconds, tmp)
+            l_rps = l_added = float("nan")
+            if litellm is not None:
+                print("starting LiteLLM's proxy (one worker)", flush=True)
+                lp, l_port = start_litellm(litellm, up_port, tmp)
+                procs.append(lp)
+                proxy = f"http://127.0.0.1:{l_port}/v1/chat/completions"
+                ld_ms, l_ms, _ = asyncio.run(latency(direct, proxy, max(100, args.n // 10), key=LITELLM_KEY))
+                l_added = statistics.median(l_ms) - statistics.median(ld_ms)
+                l_rps, _ = wrk_run(wrk, proxy, LITELLM_KEY, args.seconds, tmp)
             print(f"streams of {args.events} events", flush=True)
             relay_us = asyncio.run(relay_cpu(gateway, gw.pid, args.events))
             aio_us, httpx_us = asyncio.run(client_cpu(direct, args.events))
+            usage_rows = _usage_rows(tmp / "gw" / "bench.db")
         finally:
-            for p in (gw, up):
+            for p in procs:
                 p.terminate()
-                p.wait(10)
+                p.wait(15)
 
     d50, g50 = statistics.median(d_ms), statistics.median(g_ms)
+    added = g50 - d50
+    ratio = g_rps / l_rps if litellm is not None else float("nan")
     figures = [
         ("direct_p50", d50, "ms"),
         ("direct_p95", _pct(d_ms, 0.95), "ms"),
         ("gateway_p50", g50, "ms"),
         ("gateway_p95", _pct(g_ms, 0.95), "ms"),
-        ("overhead_p50", g50 - d50, "ms"),
+        ("added_p50_ms", added, "ms"),
         ("gateway_self_reported_overhead_p50", statistics.median(own), "ms"),
+        ("litellm_added_p50_ms", l_added, "ms"),
         ("direct_rps_c16", d_rps, "req/s"),
         ("gateway_rps_c16", g_rps, "req/s"),
+        ("litellm_rps_c16", l_rps, "req/s"),
+        ("usage_requests_written", float(usage_rows), "requests"),
         ("gateway_relay_cpu_per_event", relay_us, "us"),
         ("client_cpu_per_event_aiohttp", aio_us, "us"),
         ("client_cpu_per_event_httpx", httpx_us, "us"),
     ]
+    ok = added <= 1.0
+    print(f"{'PASS' if added <= 1.0 else 'FAIL'}: added p50 {added:.3f} ms (target <= 1 ms)")
+    if litellm is not None:
+        ok &= ratio >= 30
+        print(f"{'PASS' if ratio >= 30 else 'FAIL'}: gateway {g_rps:.0f} req/s = {ratio:.1f}x LiteLLM's {l_rps:.0f} "
+              "(target >= 30x)")
     for name, value, unit in figures:
         print(f"{name}: {value:.3f} {unit}" if unit == "ms" else f"{name}: {value:.0f} {unit}")
+    print(f"rps_vs_litellm_ratio: {ratio:.1f}")
+    sys.exit(0 if ok else 1)
+
+
+def _usage_rows(db: Path) -> int:
+    """Requests the gateway's accounting wrote to its store (proof that usage was on)."""
+    import sqlite3  # noqa: PLC0415
+
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        row = conn.execute("SELECT COALESCE(SUM(requests), 0) FROM usage_daily").fetchone()
+    return int(row[0])
 
 
 if __name__ == "__main__":
