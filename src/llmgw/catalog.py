@@ -64,10 +64,13 @@ _ShortText = Annotated[str, StringConstraints(max_length=253)]
 
 
 class Role(StrEnum):
-    """What a model is for: ``chat`` is offered to clients; ``guard`` judges, and is not offered."""
+    """What a model is for: ``chat`` is offered to clients (``/v1/chat/completions``, ``/v1/completions``);
+    ``embedding`` too, on ``/v1/embeddings`` (its engine runs with embeddings on); ``guard`` judges, and is
+    not offered."""
 
     CHAT = "chat"
     GUARD = "guard"
+    EMBEDDING = "embedding"
 
 
 class Engine(StrEnum):

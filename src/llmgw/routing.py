@@ -31,6 +31,8 @@ class Route:
             phrased for a client: no internal addresses.
         context_length: the context a client may use (tokens), 0 when not set.
         max_output: the most tokens a client may ask for, 0 when not set.
+        created: unix seconds the model was added (``/v1/models``' ``created``).
+        role: the catalog role, ``chat`` or ``embedding`` (which endpoints serve it).
     """
 
     model: str
@@ -39,6 +41,7 @@ class Route:
     context_length: int = 0
     max_output: int = 0
     created: int = 0
+    role: str = "chat"
 
 
 class Router(Protocol):
@@ -49,7 +52,7 @@ class Router(Protocol):
         ...
 
     def chat_models(self) -> list[Route]:
-        """Every chat model (guard models are not offered to clients), sorted by name."""
+        """Every model offered to clients, chat and embedding (guard models are not), sorted by name."""
         ...
 
 

@@ -33,12 +33,13 @@ import inspect
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
+from llmgw.catalog import Role
 from llmgw.config import ServerConfig
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
@@ -115,13 +116,22 @@ def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
                 source_url=model.source,
                 sha256=model.sha256,
                 file_name=model.file_name,
-                args=list(prof.args),
+                args=list(prof.args) + role_args(model.role, prof.engine.value, prof.args),
                 cpu_cores=prof.cpu_cores,
                 gpu_indexes=list(r.gpu_indexes),
                 key=r.key,
             )
         )
     return out
+
+
+def role_args(role: Role, engine: str, args: Sequence[str]) -> list[str]:
+    """Engine flags a model's role needs: an ``embedding`` model's engine serves embeddings
+    (llama-server ``--embeddings``; vLLM ``--task embed``), unless its profile's args say so already."""
+    if role != Role.EMBEDDING:
+        return []
+    flag = ["--embeddings"] if engine == "llamacpp" else ["--task", "embed"]
+    return [] if flag[0] in args or "--embedding" in args else flag
 
 
 def hold_for(node_lost_after_s: float, interval_s: float) -> float:

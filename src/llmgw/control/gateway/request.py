@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from llmgw.errors import HttpError
@@ -69,6 +70,44 @@ FORWARDED = frozenset(
         "user",
     }
 )
+#: ``/v1/completions``' fields that reach an engine (OpenAI's legacy completions API).
+COMPLETIONS_FORWARDED = frozenset(
+    {
+        "model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
+        "presence_penalty", "frequency_penalty", "seed", "logit_bias", "logprobs", "echo", "suffix", "user",
+    }
+)
+#: ``/v1/embeddings``' fields that reach an engine.
+EMBEDDINGS_FORWARDED = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One OpenAI endpoint the gateway serves: every one goes through the same pipeline
+    (:meth:`llmgw.control.gateway.app._Gateway.serve`), differing only in these.
+
+    Attributes:
+        kind: ``chat``, ``completions`` or ``embeddings`` (``Exchange.kind``, metrics, the access log).
+        path: the path on the gateway and on the engine.
+        role: the catalog role of the models it serves (``chat`` or ``embedding``).
+        text_field: the body field that carries the input: ``messages``, ``prompt`` or ``input``.
+        forwarded: the top-level fields that reach an engine; others are dropped (``x-llmgw-dropped``).
+        limits_output: whether ``max_tokens`` is held to the model's ``max_output`` (not for embeddings).
+    """
+
+    kind: str
+    path: str
+    role: str
+    text_field: str
+    forwarded: frozenset[str]
+    limits_output: bool = True
+
+
+CHAT = Endpoint("chat", "/v1/chat/completions", "chat", "messages", FORWARDED)
+COMPLETIONS = Endpoint("completions", "/v1/completions", "chat", "prompt", COMPLETIONS_FORWARDED)
+EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "embedding", "input", EMBEDDINGS_FORWARDED, limits_output=False)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+
 _LIMITS = ("max_tokens", "max_completion_tokens")
 #: OpenAI's range for ``top_logprobs``.
 MAX_TOP_LOGPROBS = 20
@@ -109,7 +148,9 @@ def dropped_header(dropped: list[str]) -> str:
     return ", ".join(named) + (f" (+{more} more)" if more else "")
 
 
-def upstream_body(body: dict[str, Any], raw: bytes, max_output: int) -> tuple[bytes, list[str]]:
+def upstream_body(
+    body: dict[str, Any], raw: bytes, max_output: int, forwarded: frozenset[str] = FORWARDED
+) -> tuple[bytes, list[str]]:
     """The body to send to an engine, and the names of the fields dropped from it.
 
     Args:
@@ -117,12 +158,13 @@ def upstream_body(body: dict[str, Any], raw: bytes, max_output: int) -> tuple[by
             is sent, so the guard judges exactly what the engine will see.
         raw: the request's bytes, returned as they are when nothing changed.
         max_output: the model's ``max_output`` (tokens), 0 for no limit.
+        forwarded: the endpoint's fields (:data:`FORWARDED` for chat; :class:`Endpoint`).
 
     Raises:
         HttpError: 400 ``invalid_request`` for a field an engine would misread (the message names it).
     """
     _check(body)
-    dropped = [k for k in body if k not in FORWARDED]
+    dropped = [k for k in body if k not in forwarded]
     for k in dropped:
         del body[k]
     asked = [v for k in _LIMITS if (v := _int_field(body, k)) is not None and v > 0]

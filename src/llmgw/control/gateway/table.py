@@ -29,6 +29,9 @@ from llmgw.routing import Route, Upstream
 
 log = logging.getLogger(__name__)
 
+#: The roles clients may ask for (guard models are only for the guard).
+_OFFERED = frozenset({Role.CHAT, Role.EMBEDDING})
+
 #: Longest a snapshot is used before the next resolve rebuilds it (seconds).
 MAX_AGE_S = 0.5
 
@@ -87,6 +90,7 @@ def build_routes(
             context_length=m.context_length,
             max_output=m.max_output,
             created=int(created.get(m.name, 0)),
+            role=m.role.value,
         )
         roles[m.name] = m.role
         for a in m.aliases:
@@ -150,10 +154,10 @@ class StoreRouter:
         return list(self._current().models)
 
     def resolve(self, name: str) -> Route | None:
-        """The route of a chat model by name or alias; None for unknown names and guard models."""
+        """The route of a chat or embedding model by name or alias; None for unknown names and guard models."""
         snap = self._current()
         real = snap.aliases.get(name, name)
-        if snap.roles.get(real) != Role.CHAT:
+        if snap.roles.get(real) not in _OFFERED:
             return None
         return snap.routes.get(real)
 
@@ -163,6 +167,6 @@ class StoreRouter:
         return snap.routes.get(snap.aliases.get(name, name))
 
     def chat_models(self) -> list[Route]:
-        """Every chat model's route, sorted by name."""
+        """Every chat and embedding model's route (what clients may ask for), sorted by name."""
         snap = self._current()
-        return [snap.routes[k] for k in sorted(snap.routes) if snap.roles.get(k) == Role.CHAT]
+        return [snap.routes[k] for k in sorted(snap.routes) if snap.roles.get(k) in _OFFERED]

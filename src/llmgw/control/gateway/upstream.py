@@ -67,9 +67,9 @@ def refusal_response(refusal: Refusal) -> web.Response:
 
 
 @functools.lru_cache(maxsize=4096)
-def _chat_url(endpoint: str) -> URL:
+def _url(endpoint: str, path: str) -> URL:
     # yarl parsing costs more than the rest of the request setup; endpoints repeat.
-    return URL(f"http://{endpoint}/v1/chat/completions")
+    return URL(f"http://{endpoint}{path}")
 
 
 @dataclass(slots=True)
@@ -83,7 +83,8 @@ class Trace:
     replica as ``x-request-id``; ``headers`` are added to the client's response (rate-limit headers);
     ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the answer's first byte went out
     (``perf_counter_ns``), 0 before; ``error_code`` is the code of the error event that ended a
-    stream after its 200 (a refusal, a broken replica), "" otherwise.
+    stream after its 200 (a refusal, a broken replica), "" otherwise; ``path`` is the endpoint's path
+    on the engine.
     """
 
     started_ns: int
@@ -97,6 +98,7 @@ class Trace:
     tally: StreamTally | None = None
     first_byte_ns: int = 0
     error_code: str = ""
+    path: str = "/v1/chat/completions"
 
 
 class UpstreamPool:
@@ -151,7 +153,7 @@ class UpstreamPool:
                 trace.replica = up.replica_id
                 try:
                     resp = await self._session.post(
-                        _chat_url(up.endpoint),
+                        _url(up.endpoint, trace.path),
                         data=body,
                         headers={
                             "Authorization": "Bearer " + up.key,
