@@ -280,7 +280,7 @@ def test_bad_body_400(env: Env, body: bytes, code: str) -> None:
 
 
 def test_unknown_path_and_method_are_openai_errors(env: Env) -> None:
-    r = httpx.post(f"{env.url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(f"{env.url}/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "not_found"
     r = httpx.get(f"{env.url}/v1/chat/completions")

@@ -126,12 +126,16 @@ def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
 
 
 def role_args(role: Role, engine: str, args: Sequence[str]) -> list[str]:
-    """Engine flags a model's role needs: an ``embedding`` model's engine serves embeddings
-    (llama-server ``--embeddings``; vLLM ``--task embed``), unless its profile's args say so already."""
+    """Engine flags a model's role needs, beyond its profile's ``args``: an ``embedding`` model's
+    engine serves embeddings. llama-server: ``--embeddings`` and, unless the profile sets one,
+    ``--pooling mean`` (its default for decoder models like gemma-3 is ``none``, which it refuses on
+    ``/v1/embeddings``: "Pooling type 'none' is not OAI compatible"). vLLM: ``--task embed``."""
     if role != Role.EMBEDDING:
         return []
-    flag = ["--embeddings"] if engine == "llamacpp" else ["--task", "embed"]
-    return [] if flag[0] in args or "--embedding" in args else flag
+    if engine != "llamacpp":
+        return [] if "--task" in args else ["--task", "embed"]
+    out = [] if "--embeddings" in args or "--embedding" in args else ["--embeddings"]
+    return out + ([] if "--pooling" in args else ["--pooling", "mean"])
 
 
 def hold_for(node_lost_after_s: float, interval_s: float) -> float:

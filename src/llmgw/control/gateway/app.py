@@ -70,7 +70,15 @@ from llmgw.control.gateway.callers import LOOPBACK_CALLER, Caller, Callers
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
-from llmgw.control.gateway.request import dropped_header, upstream_body, with_stream_usage
+from llmgw.control.gateway.request import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    Endpoint,
+    dropped_header,
+    upstream_body,
+    with_stream_usage,
+)
 from llmgw.control.gateway.upstream import (
     StreamTally,
     Trace,
@@ -81,7 +89,7 @@ from llmgw.control.gateway.upstream import (
 )
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_json
-from llmgw.routing import Router
+from llmgw.routing import Route, Router
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +217,22 @@ class _Gateway:
         known = ", ".join(self._visible(caller)) or "(none yet)"
         return openai_error_json(404, "model_not_found", f"model '{name}' does not exist; known models: {known}")
 
-    # -- chat ----------------------------------------------------------------------------------
+    # -- chat, completions, embeddings ------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/chat/completions``: see the module docstring for the order of checks."""
-        trace = Trace(started_ns=time.perf_counter_ns(), request_id=request_id(request))
+        """``POST /v1/chat/completions``."""
+        return await self.serve(request, CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self.serve(request, COMPLETIONS)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/embeddings``."""
+        return await self.serve(request, EMBEDDINGS)
+
+    async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """One request of any endpoint: see the module docstring for the order of checks."""
+        trace = Trace(started_ns=time.perf_counter_ns(), request_id=request_id(request), path=endpoint.path)
         caller = self.authenticate(request)
         if isinstance(caller, web.Response):
             return caller
@@ -223,12 +243,16 @@ class _Gateway:
             current_call.set(call)
         try:
             raw = await request.read()
-            body = _parse(raw)
+            body = _parse(raw, endpoint)
             requested = body["model"]
             stream = body.get("stream") is True
             route = self.router.resolve(requested)
             if route is None or not self.callers.may_use(caller, requested, route.model, self._resolve_name):
                 out: web.StreamResponse = self._not_found(requested, caller)
+            elif route.role != endpoint.role:
+                model = route.model
+                out = _wrong_endpoint(route, endpoint)
+                code = "wrong_endpoint"
             elif not route.upstreams:
                 model = route.model
                 reason = route.unavailable or "no replica is ready yet"
@@ -243,7 +267,8 @@ class _Gateway:
                     code = refused.code
                 else:
                     trace.headers = limit_headers
-                    raw, dropped = upstream_body(body, raw, route.max_output)
+                    limit = route.max_output if endpoint.limits_output else 0
+                    raw, dropped = upstream_body(body, raw, limit, endpoint.forwarded)
                     trace.dropped = dropped_header(dropped) if dropped else ""
                     if stream:
                         raw, asked = with_stream_usage(body, raw)
@@ -282,7 +307,9 @@ class _Gateway:
             code = e.code
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
-            self._observe(trace, caller, requested, model, stream, status=499, code="client_closed")
+            self._observe(
+                trace, caller, requested, model, stream, status=499, code="client_closed", kind=endpoint.kind
+            )
             raise
         if call is not None and not out.prepared:
             out.headers.update(call.headers)
@@ -301,12 +328,14 @@ class _Gateway:
         elif trace.error_code:
             code = trace.error_code
             blocked = code == "content_blocked"
-        self._observe(trace, caller, requested, model, stream, status=out.status, code=code, blocked=blocked)
+        self._observe(
+            trace, caller, requested, model, stream, status=out.status, code=code, blocked=blocked, kind=endpoint.kind
+        )
         return out
 
     def _observe(
         self, trace: Trace, caller: Caller, requested: str, model: str, stream: bool, *,
-        status: int, code: str = "", blocked: bool = False,
+        status: int, code: str = "", blocked: bool = False, kind: str = "chat",
     ) -> None:
         """Count the request's tokens against ``caller``'s limits and hand ``observe`` its
         :class:`Exchange` (499: the client went away first)."""
@@ -333,7 +362,7 @@ class _Gateway:
                 upstream_ms=trace.upstream_ns / 1e6,
                 usage=usage,
                 key=caller.name,
-                kind="chat",
+                kind=kind,
                 request_id=trace.request_id,
                 code=code,
                 blocked=blocked,
@@ -347,19 +376,25 @@ class _Gateway:
 
     async def unknown(self, request: web.Request) -> web.Response:
         """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page."""
-        if request.path in ("/v1/chat/completions", "/v1/models", "/healthz"):
+        if request.path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/healthz"):
             return openai_error_json(
                 405, "method_not_allowed", f"{request.method} is not allowed on {request.path}"
             )
         return openai_error_json(
             404,
             "not_found",
-            f"unknown path {request.path}; this gateway serves /v1/chat/completions and /v1/models",
+            f"unknown path {request.path}; this gateway serves /v1/chat/completions, /v1/completions, "
+            "/v1/embeddings and /v1/models",
         )
 
 
 def _prompt_chars(body: dict[str, Any]) -> int:
-    """Characters of text in a chat body's messages (for a stream's prompt-token estimate)."""
+    """Characters of text in a body's messages or prompt (for a stream's prompt-token estimate)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
     n = 0
     for m in body.get("messages", ()):
         content = m.get("content") if isinstance(m, dict) else None
@@ -386,8 +421,10 @@ def _model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
-    """The chat body as a dict with a string ``model`` and a list ``messages``; else HttpError 400.
+def _parse(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The body as a dict with a string ``model`` and the endpoint's input (``messages``: a non-empty
+    list; ``prompt``: a string or a non-empty list of strings or token ids; ``input``: the same);
+    else HttpError 400.
 
     Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only (else its
     :class:`~llmgw.errors.JsonBodyError`, an HttpError too)."""
@@ -397,9 +434,29 @@ def _parse(raw: bytes) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise HttpError(400, "missing_model", "'model' is required: a model name from GET /v1/models")
-    if not isinstance(body.get("messages"), list) or not body["messages"]:
-        raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
+    field = endpoint.text_field
+    value = body.get(field)
+    if field == "messages":
+        if not isinstance(value, list) or not value:
+            raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
+    elif not (isinstance(value, str) or (isinstance(value, list) and value)):
+        raise HttpError(
+            400, f"invalid_{field}",
+            f"'{field}' is required: a string, or a non-empty list of strings (or of token ids)",
+        )
+    if endpoint is EMBEDDINGS and body.get("stream") is True:
+        raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
     return body
+
+
+def _wrong_endpoint(route: Route, endpoint: Endpoint) -> web.Response:
+    """400 for a model asked on an endpoint of another role, naming the right one."""
+    right = "/v1/embeddings" if route.role == "embedding" else "/v1/chat/completions or /v1/completions"
+    return openai_error_json(
+        400, "wrong_endpoint",
+        f"model '{route.model}' is a{'n' if route.role == 'embedding' else ''} {route.role} model; "
+        f"{endpoint.path} does not serve it: use {right}",
+    )
 
 
 def build_gateway_app(
@@ -454,6 +511,8 @@ def build_gateway_app(
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_send_request_id)
     app.router.add_post("/v1/chat/completions", gw.chat)
+    app.router.add_post("/v1/completions", gw.completions)
+    app.router.add_post("/v1/embeddings", gw.embeddings)
     app.router.add_get("/v1/models", gw.models, allow_head=False)
     app.router.add_get("/v1/models/{id}", gw.model, allow_head=False)
     app.router.add_get("/healthz", gw.healthz)

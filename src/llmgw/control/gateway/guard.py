@@ -111,7 +111,15 @@ def message_text(content: Any) -> str:
 
 
 def prompt_text(request: dict[str, Any]) -> str:
-    """The text judged as the prompt: the last user message (the last message when none is a user's)."""
+    """The text judged as the prompt: the last user message (the last message when none is a user's);
+    for ``/v1/completions`` its ``prompt``, for ``/v1/embeddings`` its ``input`` (the strings of a list,
+    joined; token ids are not text and are not judged)."""
+    for name in ("prompt", "input"):
+        value = request.get(name)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return "\n".join(v for v in value if isinstance(v, str))
     msgs = [m for m in request.get("messages", []) if isinstance(m, dict)]
     users = [m for m in msgs if m.get("role") == "user"]
     last = users[-1] if users else (msgs[-1] if msgs else {})
@@ -133,6 +141,8 @@ def answer_text(response: dict[str, Any]) -> str:
     """The text judged as the answer: every choice's reasoning, content and tool-call arguments."""
     parts: list[str] = []
     for ch in response.get("choices") or []:
+        if isinstance(ch, dict) and isinstance(ch.get("text"), str):  # /v1/completions
+            parts.append(ch["text"])
         msg = ch.get("message") if isinstance(ch, dict) else None
         if not isinstance(msg, dict):
             continue
@@ -341,6 +351,8 @@ class HeldStream:
                 if k in event and k not in self.meta:
                     self.meta[k] = event[k]
             for ch in event.get("choices") or []:
+                if isinstance(ch, dict) and isinstance(ch.get("text"), str):  # a /v1/completions stream
+                    self.parts.append(ch["text"])
                 delta = ch.get("delta") if isinstance(ch, dict) else None
                 if not isinstance(delta, dict):
                     continue
