@@ -280,7 +280,8 @@ def start_litellm(binary: Path, upstream_port: int, tmp: Path) -> tuple[subproce
     log = (tmp / "litellm.log").open("wb")
     proc = subprocess.Popen(
         [str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},  # offline: no fetch
     )
     deadline = time.monotonic() + 240
     while True:
