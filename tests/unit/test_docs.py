@@ -16,11 +16,13 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
 
 def test_the_model_and_guard_examples_validate() -> None:
-    model_yaml, guard_yaml = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    model_yaml, guard_yaml, *others = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
     model = Model.model_validate(yaml.safe_load(model_yaml))
     assert [p.name for p in model.profiles_by_priority()] == ["gpu-l4", "cpu"]
     guard = GuardConfig.model_validate(yaml.safe_load(guard_yaml)["guard"])
     assert guard.on()
+    scrape = yaml.safe_load(others[0])  # the Prometheus scrape config in "Metrics"
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(":9090")
 
 
 ARCH = DOC.parent / "architecture.md"
