@@ -54,7 +54,9 @@ def _view(view: type[V], body: Any, what: str) -> V:
         ) from e
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
+    """The host to connect to for a listener bound to ``host``: loopback for the wildcard addresses
+    (``0.0.0.0``, ``::``, empty), an IPv6 literal in brackets, else ``host`` itself."""
     if host in ("0.0.0.0", ""):
         return "127.0.0.1"
     if host == "::":
@@ -82,7 +84,7 @@ class AdminClient:
             return cls(server.rstrip("/"), token)
         cfg = load_server_config(paths.server_config)
         host, port = parse_listen(cfg.admin_listen)
-        base = server or f"http://{_connect_host(host)}:{port}"
+        base = server or f"http://{connect_host(host)}:{port}"
         if token is None:
             token = cfg.read_admin_token(paths.server_config)
         return cls(base.rstrip("/"), token)

@@ -120,6 +120,47 @@ class MirrorRef(_Strict):
     api: str = ""
 
 
+class UiConfig(_Strict):
+    """``ui``: the web dashboard (:mod:`llmgw.control.ui`).
+
+    It is always at ``/ui/`` on the admin listener (loopback by default: reach it over SSH, e.g.
+    ``ssh -L 9090:127.0.0.1:9090 HOST``). ``listen`` serves it on one more address too, over TLS
+    with the cluster's server certificate (``tls.cert``/``tls.key``), e.g. ``":9443"``.
+
+    Attributes:
+        listen: an extra ``HOST:PORT`` for the dashboard alone (TLS); empty: none.
+        session_ttl_s: seconds a login lasts (default 8 hours); then the page goes back to login.
+        viewer_token_file: a token that logs in read-only (no actions); empty means
+            ``viewer-token`` beside server.yaml when that file exists, else no read-only logins.
+    """
+
+    listen: str = ""
+    session_ttl_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 8 * 3600.0
+    viewer_token_file: Path | None = None
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        return _check_listen(v) if v else v
+
+    def viewer_token(self, config_path: Path) -> str | None:
+        """The read-only token, or None when there is no such file (or it is empty).
+
+        Raises:
+            ConfigError: ``viewer_token_file`` is set but cannot be read.
+        """
+        path = self.viewer_token_file or config_path.parent / "viewer-token"
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            if self.viewer_token_file is None:
+                return None
+            raise ConfigError(f"ui.viewer_token_file {path} does not exist; create it or remove the setting") from None
+        except OSError as e:
+            raise ConfigError(f"ui.viewer_token_file {path} cannot be read: {e.strerror}") from e
+        return text.splitlines()[0].strip() if text else None
+
+
 class ServerConfig(_Strict):
     """``/etc/llmgw/server.yaml``.
 
@@ -136,6 +177,7 @@ class ServerConfig(_Strict):
         max_replicas_per_model: the most replicas one model may ask for (``scaling.min``/``max``);
             the admin API refuses more with a 400. Default 1,000; at most
             :data:`llmgw.catalog.MAX_REPLICAS_HARD` (100,000).
+        ui: the web dashboard (:class:`UiConfig`).
     """
 
     admin_listen: str = "127.0.0.1:9090"
@@ -147,6 +189,7 @@ class ServerConfig(_Strict):
     mirror: MirrorRef = Field(default_factory=MirrorRef)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    ui: UiConfig = Field(default_factory=UiConfig)
     node_lost_after_s: Annotated[float, Field(gt=0)] = 30.0
     backoff_reset_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 600.0
     max_replicas_per_model: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 1000

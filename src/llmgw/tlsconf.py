@@ -185,6 +185,15 @@ def server_context(ca: Path, cert: Path, key: Path) -> ssl.SSLContext:
     return ctx
 
 
+def web_server_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A TLS listener for browsers (the dashboard's ``ui.listen``): our certificate, no client
+    certificate asked for; TLS 1.2 at least."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(cert), str(key))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
 def client_context(ca: Path, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
     """An agent's TLS context: trust only ``ca``, present ``cert``/``key`` when given."""
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))

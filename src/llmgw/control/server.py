@@ -58,7 +58,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from llmgw import __version__
+from llmgw import __version__, tlsconf
+from llmgw.adminclient import connect_host
 from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
@@ -80,6 +81,10 @@ from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
 from llmgw.control.store.offloop import STORE_DEADLINE_S, Coalescer, OffLoop
+from llmgw.control.ui.adminapi import AdminApi
+from llmgw.control.ui.app import build_ui_app
+from llmgw.control.ui.auth import Tokens
+from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.errors import PkiError, PortInUseError
 from llmgw.paths import Paths
 
@@ -268,6 +273,9 @@ def check_config(config_path: Path) -> ServerConfig:
     read_admin_token(config, config_path)
     _tls(config)
     read_gateway_keys(config)
+    config.ui.viewer_token(config_path)
+    if config.ui.listen:
+        _ui_tls(config)
     return config
 
 
@@ -365,18 +373,18 @@ async def serve(
         store, db, members=members, guard=guard.stats if guard is not None else None, engines=engines
     )
     observers = (*observers, metrics.observe)
+    # The dashboard calls this process's own admin API (same checks as ctl) once it is bound.
+    ui_tokens = Tokens(token, config.ui.viewer_token(config_path))
+    ui_api = AdminApi(lambda: _admin_base(bound), token)
+    bound: dict[str, tuple[str, int]] = {}
     try:
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
-        bound: dict[str, tuple[str, int]] = {}
+        admin = _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics)
+        mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False))
         apps += [
-            (
-                "admin_listen",
-                config.admin_listen,
-                _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics),
-                None,
-            ),
+            ("admin_listen", config.admin_listen, admin, None),
             (
                 "agent_listen",
                 config.agent_listen,
@@ -393,6 +401,9 @@ async def serve(
                 None,
             ),
         ]
+        if config.ui.listen:  # the dashboard alone, over TLS with the server certificate
+            ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True)
+            apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
@@ -428,9 +439,26 @@ async def serve(
             await counting  # the last sync writes what the last requests used
         await routes.idle()
         await logs.idle()  # the rows of log reads just finished (store mode)
+        await ui_api.close()
         db.close()
         work.close()
         store.close()
+
+
+def _admin_base(bound: dict[str, tuple[str, int]]) -> str:
+    """The admin API's URL on this machine, from the address it is bound to."""
+    host, port = bound["admin_listen"]
+    return f"http://{connect_host(host)}:{port}"
+
+
+def _ui_tls(config: ServerConfig) -> ssl.SSLContext:
+    try:
+        return tlsconf.web_server_context(config.tls.cert, config.tls.key)
+    except (OSError, ssl.SSLError) as e:
+        raise PkiError(
+            f"ui.listen: the server certificate (tls.cert {config.tls.cert}, tls.key {config.tls.key}) cannot be "
+            f"loaded: {e}; run 'llmgw server init' to create it"
+        ) from e
 
 
 async def _drain(runners: list[web.AppRunner], drain: Drain, deadline_s: float) -> None:

@@ -255,7 +255,8 @@ def build_admin_app(
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in ("/api/v1/health", "/metrics"):  # /metrics checks its own (control/api/metrics.py)
+        # /metrics checks its own (control/api/metrics.py); the dashboard (/ui) its session (control/ui).
+        if request.path in ("/api/v1/health", "/metrics", "/ui") or request.path.startswith("/ui/"):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")

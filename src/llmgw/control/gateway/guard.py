@@ -38,7 +38,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llmgw.catalog import Model, Role
@@ -55,6 +55,26 @@ log = logging.getLogger(__name__)
 TIMES_KEPT = 1000
 
 
+RECENT_KEPT = 50  # verdicts kept for the dashboard's "recent verdicts" (control/ui)
+
+
+@dataclass(frozen=True)
+class RecentVerdict:
+    """One verdict as the dashboard lists it: when (unix seconds), which way (``in``/``out``), the
+    policy, the model asked for, the verdict, its categories, the judge, its time (ms) and whether
+    the request was refused. Never any text of the prompt or the answer."""
+
+    at: float
+    direction: str
+    policy: str
+    model: str
+    verdict: str
+    categories: tuple[str, ...]
+    judge: str
+    ms: float
+    blocked: bool
+
+
 @dataclass
 class GuardStats:
     """Counters for metrics and ``guard judge status``; all since the control plane started.
@@ -66,6 +86,9 @@ class GuardStats:
         refused_unavailable: ``direction`` → requests refused with 503 under ``fail: closed``.
         errors: judge error kind → count.
         times_ms: judge → the last :data:`TIMES_KEPT` judgment times (ms).
+        categories: ``"{direction} {category}"`` → verdicts naming that category (``in S1``…).
+        recent: the last :data:`RECENT_KEPT` verdicts, newest last, as :class:`RecentVerdict` (no
+            text: never the prompt or the answer).
         on_judgment: called with (judge, ms) for every verdict (the metrics' histogram), if set.
     """
 
@@ -75,6 +98,8 @@ class GuardStats:
     refused_unavailable: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     times_ms: dict[str, deque[float]] = field(default_factory=dict)
+    categories: dict[str, int] = field(default_factory=dict)
+    recent: deque[RecentVerdict] = field(default_factory=lambda: deque(maxlen=RECENT_KEPT))
     on_judgment: Callable[[str, float], None] | None = None
 
     @staticmethod
@@ -98,6 +123,8 @@ class GuardStats:
             "refused_unavailable": dict(self.refused_unavailable),
             "errors": dict(self.errors),
             "judge_ms": {j: {"p50": p[0], "p95": p[1], "n": len(self.times_ms[j])} for j, p in pct.items() if p},
+            "categories": dict(self.categories),
+            "recent": [asdict(v) for v in self.recent],
         }
 
 
@@ -247,6 +274,11 @@ class GuardInspector:
         block = v.safety is Safety.UNSAFE or (
             v.safety is Safety.CONTROVERSIAL and policy.controversial is Controversial.BLOCK
         )
+        for c in v.categories:
+            GuardStats._inc(self.stats.categories, f"{d} {c}")
+        self.stats.recent.append(RecentVerdict(
+            time.time(), d, policy.name, model, v.safety.value, tuple(v.categories), j.judge, round(j.ms, 1), block
+        ))
         level = logging.WARNING if block or v.safety is not Safety.SAFE else logging.INFO
         log.log(
             level,

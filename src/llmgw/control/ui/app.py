@@ -1,0 +1,382 @@
+"""The dashboard's routes (``/ui/``), mounted on the admin listener and, with ``ui.listen``, on a
+TLS listener of its own.
+
+Pages (full HTML; ``?part=live`` answers only the part that updates, polled by htmx every 2 s):
+``/ui/`` overview, ``/ui/models/{name}``, ``/ui/nodes/{id}``, ``/ui/guard``, ``/ui/keys``.
+Fragments: ``/ui/replicas/{id}/log`` (the engine log's last lines, through the agent as ``ctl
+logs`` reads them), ``/ui/usage.json?days=N`` (the usage plot's data). Actions (POST forms, CSRF
+token, admin role; each is one admin API call, whose 400/409 message is shown on the page after the
+redirect): ``/ui/models/{name}/scale``, ``/ui/replicas/{id}/restart``,
+``/ui/nodes/{id}/cordon|uncordon|drain``. ``/ui/login`` (GET form, POST token), ``/ui/logout``.
+
+Not logged in (or the session expired): a page redirects to ``/ui/login``; an htmx poll gets 401
+with ``HX-Redirect`` so the browser goes there too. Every answer carries a Content-Security-Policy
+allowing scripts only from ``/ui/static`` (no inline script), ``X-Frame-Options: DENY`` and
+``Cache-Control: no-store``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+from aiohttp import web
+
+from llmgw.control.ui import auth, pages
+from llmgw.control.ui.adminapi import AdminApi, UiApiError
+from llmgw.views import ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+POLL_S = 2  # how often live parts refresh (the issue: at most 2 s)
+LOG_LINES = 60
+USAGE_DAYS = (7, 14, 30, 90)
+API_KEY = web.AppKey("api", AdminApi)
+TOKENS_KEY = web.AppKey("tokens", auth.Tokens)
+ROLE_KEY = web.RequestKey("role", auth.Role)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
+)
+OPEN = ("/ui/login", "/ui/static/")
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(HERE / "templates"),
+    autoescape=True,  # every {{ }} is escaped: model names, labels, log lines, API messages
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+_ENV.globals.update(ago=pages.ago, until=pages.until, poll_s=POLL_S)
+_ENV.filters["gib"] = lambda b: f"{(b or 0) / pages.GIB:.1f} GiB"
+_ENV.filters["urlpart"] = lambda s: quote(str(s), safe="")
+
+
+def _page(name: str, status: int = 200, **context: Any) -> web.Response:
+    html = _ENV.get_template(name).render(**context)
+    return web.Response(text=html, status=status, content_type="text/html")
+
+
+def build_ui_app(api: AdminApi, tokens: auth.Tokens, *, ttl_s: float, secure: bool) -> web.Application:
+    """The dashboard as an aiohttp app to mount at ``/ui``.
+
+    Args:
+        api: the admin API client (with the admin token; :mod:`.adminapi`).
+        tokens: what a login may give (the admin token; the viewer token or None).
+        ttl_s: seconds a login lasts (``ui.session_ttl_s``).
+        secure: mark the cookie ``Secure`` (the TLS listener).
+    """
+    app = web.Application(middlewares=[_headers])
+    auth.install(app, ttl_s=ttl_s, secure=secure)
+    app.middlewares.append(_errors)
+    app[API_KEY] = api
+    app[TOKENS_KEY] = tokens
+
+    r = app.router
+    r.add_get("/login", login_form)
+    r.add_post("/login", login)
+    r.add_post("/logout", logout)
+    r.add_get("/", overview)
+    r.add_get("/models/{name}", model)
+    r.add_post("/models/{name}/scale", scale)
+    r.add_post("/replicas/{id}/restart", restart)
+    r.add_get("/replicas/{id}/log", replica_log)
+    r.add_get("/nodes/{id}", node)
+    r.add_post("/nodes/{id}/{action:cordon|uncordon|drain}", node_action)
+    r.add_get("/guard", guard)
+    r.add_get("/keys", keys)
+    r.add_get("/usage.json", usage_json)
+    r.add_static("/static/", HERE / "static", follow_symlinks=False)
+    return app
+
+
+# --- middlewares ---
+
+
+@web.middleware
+async def _headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except web.HTTPException as e:
+        response = e
+    response.headers.setdefault("Content-Security-Policy", CSP)
+    response.headers.setdefault("X-Frame-Options", "DENY")
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    response.headers.setdefault("Referrer-Policy", "same-origin")
+    if not request.path.startswith("/ui/static/"):
+        response.headers.setdefault("Cache-Control", "no-store")
+    if isinstance(response, web.HTTPException):
+        raise response
+    return response
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Login check (inside the session middleware), then: an admin API error on a page is that page
+    with the API's status and message; an action's error goes back to the page as a message; a 4xx
+    raised here (a bad CSRF token) is a page too, answered rather than raised, so the admin app's
+    JSON error middleware never turns it into JSON."""
+    if not request.path.startswith(OPEN):
+        role = await auth.role(request)
+        if role is None:
+            if request.headers.get("HX-Request"):
+                return web.Response(status=401, text="log in again", headers={"HX-Redirect": "/ui/login"})
+            target = "/ui/login"
+            if request.method == "GET" and request.path != "/ui/":
+                target += "?next=" + quote(request.path_qs, safe="")
+            raise web.HTTPSeeOther(target)
+        request[ROLE_KEY] = role
+        if request.method == "POST" and request.path != "/ui/logout" and role is not auth.Role.ADMIN:
+            return _page("error.html", 403, **await _base(request, "Read-only"),
+                         message="this login is read-only (the viewer token); log in with the admin token to act")
+    try:
+        return await handler(request)
+    except UiApiError as e:
+        if request.method == "POST":
+            await auth.flash(request, e.args[0], error=True)
+            raise web.HTTPSeeOther(_back(request)) from e
+        status = e.status if 400 <= e.status < 600 else 502
+        return _page("error.html", status, **await _base(request, "Error"), message=str(e))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _page("error.html", e.status, **await _base(request, e.reason), message=e.text or e.reason)
+
+
+def _back(request: web.Request) -> str:
+    """Where an action returns: the page it was posted from (same origin), else the overview."""
+    ref = request.headers.get("Referer", "")
+    host = f"//{request.host}/ui/"
+    if host in ref:
+        return "/ui/" + ref.split(host, 1)[1].split("#", 1)[0]
+    return "/ui/"
+
+
+async def _base(request: web.Request, title: str) -> dict[str, Any]:
+    role = request.get(ROLE_KEY)
+    return {
+        "title": title,
+        "role": role.value if role else "",
+        "can_act": role is auth.Role.ADMIN,
+        "csrf": await auth.csrf_token(request),
+        "flash": await auth.take_flash(request),
+        "path": request.path,
+    }
+
+
+def _api(request: web.Request) -> AdminApi:
+    return request.app[API_KEY]
+
+
+def _live(request: web.Request) -> bool:
+    return request.query.get("part") == "live"
+
+
+# --- login ---
+
+
+async def login_form(request: web.Request) -> web.Response:
+    """The login page (a new CSRF token is made for its form)."""
+    nxt = request.query.get("next", "")
+    return _page("login.html", **await _base(request, "Log in"), next=nxt, error="")
+
+
+async def login(request: web.Request) -> web.Response:
+    """Check the CSRF token and the token given; a wrong one is the form again with a message (401)."""
+    await auth.check_csrf(request)
+    form = await request.post()
+    role = request.app[TOKENS_KEY].role_of(str(form.get("token", "")))
+    nxt = str(form.get("next", ""))
+    if role is None:
+        await asyncio.sleep(0.2)  # a guesser's pace; the token itself is 32+ random bytes
+        return _page("login.html", 401, **await _base(request, "Log in"), next=nxt,
+                     error="that token is not the admin token (or the viewer token); it is in the admin-token "
+                     "file beside server.yaml")
+    await auth.log_in(request, role)
+    raise web.HTTPSeeOther(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/")
+
+
+async def logout(request: web.Request) -> web.Response:
+    """End the session and go to the login page."""
+    await auth.check_csrf(request)
+    await auth.log_out(request)
+    raise web.HTTPSeeOther("/ui/login")
+
+
+# --- pages ---
+
+
+async def overview(request: web.Request) -> web.Response:
+    """Nodes with their bars, models ready/wanted, replicas by state, the leader and the database,
+    and what needs looking at."""
+    api = _api(request)
+    nodes_j, models_j, replicas_j, cluster_j = await asyncio.gather(
+        api.get("/api/v1/nodes"), api.get("/api/v1/models"), api.get("/api/v1/replicas"),
+        api.get("/api/v1/cluster"),
+    )
+    nodes = [NodeView.model_validate(n) for n in nodes_j]
+    models = [ModelView.model_validate(m) for m in models_j]
+    replicas = [ReplicaView.model_validate(r) for r in replicas_j]
+    cluster = ClusterView.model_validate(cluster_j)
+    context: dict[str, Any] = {
+        "nodes": [(n, pages.node_bars(n)) for n in nodes],
+        "models": models,
+        "counts": pages.replica_counts(replicas),
+        "cluster": cluster,
+        "ha": len(cluster.control_planes) > 1 or bool(cluster.patroni),
+        "problems": pages.problems(nodes, replicas, models),
+    }
+    if _live(request):
+        return _page("overview_live.html", **context)
+    return _page("overview.html", **await _base(request, "Overview"), **context)
+
+
+async def model(request: web.Request) -> web.Response:
+    """A model: its profiles, replicas, placement's explanation, scale and restart, a log tail."""
+    name = request.match_info["name"]
+    api = _api(request)
+    m = ModelView.model_validate(await api.get(f"/api/v1/models/{quote(name, safe='')}"))
+    replicas_j, explain_j = await asyncio.gather(
+        api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name)
+    )
+    replicas = [ReplicaView.model_validate(r) for r in replicas_j]
+    placed = [r for r in replicas if r.node]
+    chosen = request.query.get("replica", "")
+    if chosen not in {r.id for r in placed}:
+        chosen = placed[0].id if placed else ""
+    context: dict[str, Any] = {
+        "model": m,
+        "profiles": (m.spec or {}).get("profiles", []) if isinstance(m.spec, dict) else [],
+        "replicas": replicas,
+        "explain": ExplainView.model_validate(explain_j),
+        "log_replica": chosen,
+        "placed": placed,
+    }
+    if _live(request):
+        return _page("model_live.html", **context)
+    return _page("model.html", **await _base(request, m.name), **context)
+
+
+async def scale(request: web.Request) -> web.Response:
+    """Set ``scaling.min`` (and raise ``scaling.max`` to it when lower) through ``PATCH /api/v1/models``."""
+    await auth.check_csrf(request)
+    name = request.match_info["name"]
+    form = await request.post()
+    raw = str(form.get("min", "")).strip()
+    if not raw.isdigit():
+        await auth.flash(request, f"replicas: '{raw}' is not a whole number of replicas (0 or more)", error=True)
+        raise web.HTTPSeeOther(f"/ui/models/{quote(name, safe='')}")
+    want = int(raw)
+    api = _api(request)
+    m = ModelView.model_validate(await api.get(f"/api/v1/models/{quote(name, safe='')}"))
+    patch: dict[str, Any] = {"scaling": {"min": want}}
+    if m.scaling_max < want:
+        patch["scaling"]["max"] = want
+    await api.call("PATCH", f"/api/v1/models/{quote(name, safe='')}", patch)
+    await auth.flash(request, f"{m.name}: {want} replica(s) wanted")
+    raise web.HTTPSeeOther(f"/ui/models/{quote(m.name, safe='')}")
+
+
+async def restart(request: web.Request) -> web.Response:
+    """Restart a replica (``POST /api/v1/replicas/{id}/restart``)."""
+    await auth.check_csrf(request)
+    rid = request.match_info["id"]
+    new = ReplicaView.model_validate(await _api(request).post(f"/api/v1/replicas/{quote(rid, safe='')}/restart"))
+    await auth.flash(request, f"{rid} replaced by {new.id} on {new.node}")
+    raise web.HTTPSeeOther(f"/ui/models/{quote(new.model, safe='')}")
+
+
+async def replica_log(request: web.Request) -> web.Response:
+    """The last lines of a replica's engine log, as a fragment (an error is shown in its place)."""
+    rid = request.match_info["id"]
+    try:
+        got = await _api(request).get(f"/api/v1/replicas/{quote(rid, safe='')}/logs", lines=str(LOG_LINES))
+        text, error = str(got.get("text", "")), ""
+    except UiApiError as e:
+        text, error = "", str(e)
+    return _page("log.html", replica=rid, text=text, error=error)
+
+
+async def node(request: web.Request) -> web.Response:
+    """A node: inventory, GPUs, replicas, engines, labels; cordon/uncordon/drain."""
+    nid = request.match_info["id"]
+    api = _api(request)
+    nodes_j, replicas_j = await asyncio.gather(api.get("/api/v1/nodes"), api.get("/api/v1/replicas"))
+    found = [NodeView.model_validate(n) for n in nodes_j if n.get("id") == nid]
+    if not found:
+        raise UiApiError(f"no node '{nid}'; the overview lists the nodes", status=404, code="node_not_found")
+    n = found[0]
+    context: dict[str, Any] = {
+        "node": n,
+        "gauges": pages.node_bars(n),
+        "replicas": [ReplicaView.model_validate(r) for r in replicas_j if r.get("node") == nid],
+    }
+    if _live(request):
+        return _page("node_live.html", **context)
+    return _page("node.html", **await _base(request, n.id), **context)
+
+
+async def node_action(request: web.Request) -> web.Response:
+    """Cordon, uncordon or drain a node (``POST /api/v1/nodes/{id}/{action}``)."""
+    await auth.check_csrf(request)
+    nid, action = request.match_info["id"], request.match_info["action"]
+    await _api(request).post(f"/api/v1/nodes/{quote(nid, safe='')}/{action}")
+    done = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained (cordoned, replicas moved)"}
+    await auth.flash(request, f"node {nid} {done[action]}")
+    raise web.HTTPSeeOther(f"/ui/nodes/{quote(nid, safe='')}")
+
+
+async def guard(request: web.Request) -> web.Response:
+    """Policies and their judges (state, p50/p95), verdict counts by category, recent verdicts (no
+    text: :class:`llmgw.control.gateway.guard.RecentVerdict`)."""
+    status = await _api(request).get("/api/v1/guard/status")
+    stats = status.get("stats") or {}
+    stats = {k: stats.get(k) or {} for k in ("blocked", "unjudged", "refused_unavailable", "errors")} | stats
+    context: dict[str, Any] = {
+        "guard": status,
+        "stats": stats,
+        "verdicts": sorted((stats.get("verdicts") or {}).items()),
+        "categories": sorted((stats.get("categories") or {}).items(), key=lambda kv: (-kv[1], kv[0])),
+        "recent": list(reversed(stats.get("recent") or []))[:20],
+    }
+    if _live(request):
+        return _page("guard_live.html", **context)
+    return _page("guard.html", **await _base(request, "Guard"), **context)
+
+
+async def keys(request: web.Request) -> web.Response:
+    """The keys (limits, usage today, last used) and the usage plot (drawn from ``usage.json``)."""
+    days = _days(request)
+    api = _api(request)
+    keys_j, usage_j = await asyncio.gather(api.get("/api/v1/keys"), api.get("/api/v1/usage", since=f"{days - 1}d"))
+    context: dict[str, Any] = {
+        "keys": [KeyView.model_validate(k) for k in keys_j],
+        "usage": sorted((UsageView.model_validate(u) for u in usage_j), key=lambda u: (u.day, u.key, u.model),
+                        reverse=True),
+        "days": days,
+        "day_choices": USAGE_DAYS,
+    }
+    if _live(request):
+        return _page("keys_live.html", **context)
+    return _page("keys.html", **await _base(request, "Keys and usage"), **context)
+
+
+def _days(request: web.Request) -> int:
+    raw = request.query.get("days", "14")
+    return int(raw) if raw.isdigit() and int(raw) in USAGE_DAYS else 14
+
+
+async def usage_json(request: web.Request) -> web.Response:
+    """The plot's data (:func:`llmgw.control.ui.pages.usage_series`) over ``?days=`` (7/14/30/90)."""
+    days = _days(request)
+    rows = [UsageView.model_validate(u) for u in await _api(request).get("/api/v1/usage", since=f"{days - 1}d")]
+    return web.json_response(text=json.dumps(pages.usage_series(rows, days)))
+

@@ -1,0 +1,126 @@
+"""Who is logged in to the dashboard: the session cookie, the roles, the CSRF token.
+
+- **Login** takes the admin token (role ``admin``) or, when one is configured, the viewer token
+  (role ``viewer``: every page, no action). Tokens are compared in constant time.
+- **The session** lives in one cookie (``llmgw_ui``, path ``/ui``), encrypted and signed with
+  Fernet by ``aiohttp-session`` under a key made at startup (a restart logs everyone out), marked
+  ``HttpOnly`` and ``SameSite=Strict`` (``Secure`` on the TLS listener). It carries the role, the
+  login time and the CSRF token; it is refused once older than ``ui.session_ttl_s`` (the Fernet
+  token's own timestamp is checked), and the page goes back to login.
+- **CSRF**: every form carries the session's random token in a hidden field; a POST without the
+  right one is a 403 (the synchronizer-token pattern of OWASP's CSRF cheat sheet; SameSite=Strict
+  is the second layer).
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+from aiohttp import web
+from aiohttp_session import Session, get_session, new_session
+from aiohttp_session import setup as setup_session
+from aiohttp_session.cookie_storage import EncryptedCookieStorage
+from cryptography.fernet import Fernet
+
+COOKIE = "llmgw_ui"
+CSRF_FIELD = "csrf"
+
+
+class Role(StrEnum):
+    """What a login may do: ``admin`` everything the admin API allows, ``viewer`` only look."""
+
+    ADMIN = "admin"
+    VIEWER = "viewer"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens a login may give: the admin token, and the read-only one (None: no viewers)."""
+
+    admin: str
+    viewer: str | None = None
+
+    def role_of(self, given: str) -> Role | None:
+        """The role ``given`` logs in as, or None when it is neither token."""
+        given_b = given.strip().encode()
+        if given_b and hmac.compare_digest(given_b, self.admin.encode()):
+            return Role.ADMIN
+        if self.viewer and given_b and hmac.compare_digest(given_b, self.viewer.encode()):
+            return Role.VIEWER
+        return None
+
+
+def install(app: web.Application, *, ttl_s: float, secure: bool) -> None:
+    """Add the session middleware to ``app``: a fresh Fernet key, the cookie's flags, ``ttl_s``
+    (seconds) as both the cookie's Max-Age and the token's accepted age."""
+    storage = EncryptedCookieStorage(
+        Fernet(Fernet.generate_key()),
+        cookie_name=COOKIE,
+        path="/ui",
+        max_age=int(ttl_s),
+        httponly=True,
+        samesite="Strict",
+        secure=secure,
+    )
+    setup_session(app, storage)
+
+
+async def csrf_token(request: web.Request) -> str:
+    """The session's CSRF token, made (and the session saved) on first use, logged in or not."""
+    session = await get_session(request)
+    token = session.get(CSRF_FIELD)
+    if not isinstance(token, str):
+        token = secrets.token_urlsafe(24)
+        session[CSRF_FIELD] = token
+    return token
+
+
+async def check_csrf(request: web.Request) -> None:
+    """Refuse a POST whose form does not carry this session's CSRF token.
+
+    Raises:
+        web.HTTPForbidden: the token is missing or wrong (an old tab, another site's form).
+    """
+    session = await get_session(request)
+    form = await request.post()
+    given = str(form.get(CSRF_FIELD, ""))
+    want = session.get(CSRF_FIELD)
+    if not isinstance(want, str) or not hmac.compare_digest(given.encode(), want.encode()):
+        raise web.HTTPForbidden(text="the form has expired or did not come from this dashboard; reload the page")
+
+
+async def role(request: web.Request) -> Role | None:
+    """The logged-in role, or None (not logged in, or the session expired)."""
+    session = await get_session(request)
+    value = session.get("role")
+    return Role(value) if value in (Role.ADMIN.value, Role.VIEWER.value) else None
+
+
+async def log_in(request: web.Request, as_role: Role) -> None:
+    """Start a new session (a new id and CSRF token: no fixation) with ``as_role``."""
+    session: Session = await new_session(request)
+    session["role"] = as_role.value
+    session["at"] = time.time()
+    session[CSRF_FIELD] = secrets.token_urlsafe(24)
+
+
+async def log_out(request: web.Request) -> None:
+    """End the session (the cookie is cleared)."""
+    (await get_session(request)).invalidate()
+
+
+async def flash(request: web.Request, message: str, *, error: bool = False) -> None:
+    """Keep ``message`` for the next page this session shows (after an action's redirect)."""
+    session = await get_session(request)
+    session["flash"] = {"text": message, "error": error}
+
+
+async def take_flash(request: web.Request) -> dict[str, object] | None:
+    """The message kept by :func:`flash`, once."""
+    session = await get_session(request)
+    got = session.pop("flash", None)
+    return got if isinstance(got, dict) else None

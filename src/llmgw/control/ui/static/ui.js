@@ -1,0 +1,29 @@
+// llmgw dashboard: the one script of its own. It draws the usage plot (uPlot) from the JSON the
+// element names, and redraws it when the range changes. Everything else is htmx attributes.
+(function () {
+  "use strict";
+  var palette = ["#0550ae", "#a40e26", "#116329", "#7d4e00", "#8250df", "#1b7c83", "#bc4c00", "#57606a"];
+
+  function draw(el) {
+    fetch(el.dataset.src, { credentials: "same-origin" })
+      .then(function (r) { return r.ok ? r.json() : Promise.reject(r.status); })
+      .then(function (data) {
+        var keys = Object.keys(data.series);
+        var series = [{}].concat(keys.map(function (k, i) {
+          return { label: k, stroke: palette[i % palette.length], width: 2 };
+        }));
+        var rows = [data.days].concat(keys.map(function (k) { return data.series[k]; }));
+        el.textContent = "";
+        if (!keys.length) { el.textContent = "No usage in this range."; return; }
+        new uPlot({ width: Math.min(el.clientWidth || 900, 1200), height: 300, series: series,
+                    axes: [{}, { label: "tokens" }], scales: { x: { time: true } } }, rows, el);
+        el.dataset.drawn = String(keys.length);
+      })
+      .catch(function (err) { el.textContent = "The usage plot could not be loaded (" + err + ")."; });
+  }
+
+  document.addEventListener("DOMContentLoaded", function () {
+    var el = document.getElementById("usage-plot");
+    if (el && window.uPlot) { draw(el); }
+  });
+})();

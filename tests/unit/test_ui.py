@@ -1,0 +1,169 @@
+"""The dashboard over real HTTP on a control plane served in-process (no browser: tests/browser
+drives Chromium): login and its cookie, CSRF, the pages' content, actions going through the admin
+API's checks, escaping, the read-only role, an expired session, htmx's live parts."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.helpers.control import TOKEN, Install, Served, heartbeat, make_install, serving
+
+VIEWER = "viewer-token-for-tests"
+
+
+@pytest.fixture
+def install(tmp_path: Path) -> Install:
+    inst = make_install(tmp_path, ui={"session_ttl_s": 2})
+    (inst.paths.etc / "viewer-token").write_text(VIEWER + "\n")
+    return inst
+
+
+@pytest.fixture
+async def served(install: Install) -> AsyncIterator[Served]:
+    async with serving(install) as s:
+        async with aiohttp.ClientSession() as c:
+            r = await c.post(install.agent_url + "/agent/v1/register", data=heartbeat(), ssl=install.agent_ctx("node-1"))
+            assert r.status == 200, await r.text()
+            model = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
+            big = {"name": "huge", "source": "http://m/huge.gguf",
+                   "profiles": [{"name": "cpu", "min_memory_gb": 500}]}
+            for m in (model, big):
+                r = await c.post(install.admin + "/api/v1/models", json=m, headers={"Authorization": f"Bearer {TOKEN}"})
+                assert r.status == 201, await r.text()
+        yield s
+
+
+def _csrf(html: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found, html[:500]
+    return found.group(1)
+
+
+async def _login(c: aiohttp.ClientSession, base: str, token: str = TOKEN) -> str:
+    r = await c.get(base + "/ui/login")
+    r = await c.post(base + "/ui/login", data={"csrf": _csrf(await r.text()), "token": token, "next": ""})
+    assert r.status == 200, await r.text()
+    return await r.text()
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))  # cookies for 127.0.0.1
+
+
+async def test_login_cookie_and_the_overview(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        r = await c.get(base + "/ui/", allow_redirects=False)
+        assert r.status == 303 and r.headers["Location"] == "/ui/login"
+        r = await c.get(base + "/ui/login")
+        csrf = _csrf(await r.text())
+        r = await c.post(base + "/ui/login", data={"csrf": csrf, "token": "wrong", "next": ""})
+        assert r.status == 401
+        page = await r.text()
+        assert "that token is not the admin token" in page and "Traceback" not in page
+        r = await c.post(base + "/ui/login", data={"csrf": csrf, "token": TOKEN, "next": ""}, allow_redirects=False)
+        assert r.status == 303 and r.headers["Location"] == "/ui/"
+        cookie = r.headers["Set-Cookie"]
+        assert "llmgw_ui=" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        assert "Path=/ui" in cookie and "Max-Age=2" in cookie
+        r = await c.get(base + "/ui/")
+        page = await r.text()
+        assert r.status == 200
+        assert "default-src 'self'" in r.headers["Content-Security-Policy"]
+        assert r.headers["Cache-Control"] == "no-store"
+        assert '<a href="/ui/nodes/node-1">node-1</a>' in page
+        assert '<a href="/ui/models/chat">chat</a>' in page
+        assert "huge</a>: not placed" in page  # "Needs a look"
+        assert "4 cores" in page or "of 4 cores reserved" in page
+        # The live part alone, as htmx polls it.
+        r = await c.get(base + "/ui/?part=live", headers={"HX-Request": "true"})
+        live = await r.text()
+        assert "<html" not in live and "node-1" in live
+
+
+async def test_the_explanation_and_the_escaping(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        await _login(c, base)
+        for _ in range(50):  # the leader evaluates new models within a pass
+            page = await (await c.get(base + "/ui/models/huge")).text()
+            if "NOT placed" in page and "would fit if" in page:
+                break
+            await asyncio.sleep(0.1)
+        assert "huge: NOT placed</strong> (0/1 replicas)" in page
+        assert "0/1 nodes can run it: 1 memory too small" in page
+        assert "<td>cpu</td><td>node-1</td><td>filtered</td><td>needs 500.0 GB memory, the node has 8.0 GB" in page
+        assert "would fit if: node-1 is too small (8.0 GB memory in all, needs 500.0)" in page
+        r = await c.get(base + "/ui/models/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
+        page = await r.text()
+        assert r.status == 404
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<script>alert" not in page
+
+
+async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        page = await _login(c, base)
+        csrf = _csrf(page)
+        r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": "forged"})
+        assert r.status == 403 and "did not come from this dashboard" in await r.text()
+        r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": csrf},
+                         headers={"Referer": base + "/ui/nodes/node-1"})
+        page = await r.text()
+        assert r.status == 200 and "node node-1 cordoned" in page
+        assert '<span class="state state-cordoned">cordoned</span>' in page
+        r = await c.post(base + "/ui/nodes/node-1/uncordon", data={"csrf": csrf})
+        assert "schedulable" in await r.text()
+        # The admin API's own 400 comes back as the page's message.
+        r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "5000"},
+                         headers={"Referer": base + "/ui/models/chat"})
+        page = await r.text()
+        assert 'class="flash error"' in page and "more than this cluster&#39;s limit of 1000" in page
+        r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "two"})
+        assert "&#39;two&#39; is not a whole number" in await r.text()
+        r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "2"})
+        assert "chat: 2 replica(s) wanted" in await r.text()
+        async with c.get(install.admin + "/api/v1/models/chat", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            assert (await r.json())["scaling_min"] == 2
+
+
+async def test_viewer_is_read_only_and_sessions_expire(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        page = await _login(c, base, VIEWER)
+        assert "viewer" in page and "Cordon" not in (await (await c.get(base + "/ui/nodes/node-1")).text())
+        r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": _csrf(page)})
+        assert r.status == 403 and "read-only" in await r.text()
+        await asyncio.sleep(3.1)  # ui.session_ttl_s: 2
+        r = await c.get(base + "/ui/nodes/node-1", allow_redirects=False)
+        assert r.status == 303 and r.headers["Location"].startswith("/ui/login?next=")
+        r = await c.get(base + "/ui/?part=live", headers={"HX-Request": "true"})
+        assert r.status == 401 and r.headers["HX-Redirect"] == "/ui/login"
+
+
+async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        await _login(c, base)
+        r = await c.post(install.admin + "/api/v1/keys", json={"name": "alice", "rpm": 60},
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status == 201
+        page = await (await c.get(base + "/ui/keys")).text()
+        assert "<td>alice</td>" in page and "60 rpm" in page
+        data = await (await c.get(base + "/ui/usage.json?days=7")).json()
+        assert len(data["days"]) == 7 and data["series"] == {}
+        page = await (await c.get(base + "/ui/guard")).text()
+        assert "Guardrails are off" in page
+
+
+async def test_the_admin_api_still_wants_its_token(install: Install, served: Served) -> None:
+    async with _session() as c:
+        await _login(c, install.admin)
+        r = await c.get(install.admin + "/api/v1/nodes")  # the UI cookie is not an admin token
+        assert r.status == 401
