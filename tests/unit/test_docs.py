@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from llmgw.catalog import Model
+from llmgw.config import UiConfig
 from llmgw.guard.config import GuardConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
@@ -23,6 +24,8 @@ def test_the_model_and_guard_examples_validate() -> None:
     assert guard.on()
     scrape = yaml.safe_load(others[0])  # the Prometheus scrape config in "Metrics"
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(":9090")
+    ui = UiConfig.model_validate(yaml.safe_load(others[1])["ui"])  # "The dashboard"
+    assert (ui.listen, ui.session_ttl_s) == (":9443", 8 * 3600)
 
 
 ARCH = DOC.parent / "architecture.md"

@@ -14,6 +14,7 @@ def run(ctx: InitContext, served: str, took_s: float) -> None:
     url = connect_url(ctx.config().gateway.listen)
     root = f"--root {ctx.paths.root} " if ctx.paths.prefixed else ""
     print(f"\nllmgw is ready (init took {format_duration(took_s)}).", file=out)
+    dashboard(ctx)
     if not served:
         print("No model is served yet: add one with 'llmgw ctl' once a node has joined.", file=out)
         return
@@ -30,6 +31,16 @@ def run(ctx: InitContext, served: str, took_s: float) -> None:
         f"and use this machine's address.",
         file=out,
     )
+
+
+def dashboard(ctx: InitContext) -> None:
+    """Where the web dashboard is (``/ui/`` on the admin listener) and what logs in to it."""
+    cfg = ctx.config()
+    url = connect_url(cfg.admin_listen)
+    port = url.rsplit(":", 1)[1]
+    token = cfg.admin_token_path(ctx.paths.server_config)
+    print(f"Dashboard: {url}/ui/ (log in with the token in {token}; from another machine: "
+          f"ssh -L {port}:127.0.0.1:{port} THIS-HOST, then the same URL).", file=ctx.out)
 
 
 def standby(ctx: InitContext, took_s: float) -> None:
