@@ -81,6 +81,8 @@ def test_the_how_to_ask_step_alone_names_the_model_and_the_gateway(tmp_path: Pat
     assert "llmgw is ready (init took 1m15s)." in text
     assert "curl -s http://127.0.0.1:8099/v1/chat/completions" in text
     assert '"model": "gemma"' in text
+    token = ctx.paths.server_config.parent / "admin-token"
+    assert f"Dashboard: http://127.0.0.1:9090/ui/ (log in with the token in {token};" in text
     ctx2, out2 = context(tmp_path)
     howto.run(ctx2, "", 3.0)
     assert out2.getvalue().endswith("No model is served yet: add one with 'llmgw ctl' once a node has joined.\n")
