@@ -28,7 +28,8 @@ def install(tmp_path: Path) -> Install:
 async def served(install: Install) -> AsyncIterator[Served]:
     async with serving(install) as s:
         async with aiohttp.ClientSession() as c:
-            r = await c.post(install.agent_url + "/agent/v1/register", data=heartbeat(), ssl=install.agent_ctx("node-1"))
+            ctx = install.agent_ctx("node-1")
+            r = await c.post(install.agent_url + "/agent/v1/register", data=heartbeat(), ssl=ctx)
             assert r.status == 200, await r.text()
             model = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
             big = {"name": "huge", "source": "http://m/huge.gguf",
@@ -60,18 +61,24 @@ async def test_login_cookie_and_the_overview(install: Install, served: Served) -
     base = install.admin
     async with _session() as c:
         r = await c.get(base + "/ui/", allow_redirects=False)
-        assert r.status == 303 and r.headers["Location"] == "/ui/login"
+        assert r.status == 303
+        assert r.headers["Location"] == "/ui/login"
         r = await c.get(base + "/ui/login")
         csrf = _csrf(await r.text())
         r = await c.post(base + "/ui/login", data={"csrf": csrf, "token": "wrong", "next": ""})
         assert r.status == 401
         page = await r.text()
-        assert "that token is not the admin token" in page and "Traceback" not in page
+        assert "that token is not the admin token" in page
+        assert "Traceback" not in page
         r = await c.post(base + "/ui/login", data={"csrf": csrf, "token": TOKEN, "next": ""}, allow_redirects=False)
-        assert r.status == 303 and r.headers["Location"] == "/ui/"
+        assert r.status == 303
+        assert r.headers["Location"] == "/ui/"
         cookie = r.headers["Set-Cookie"]
-        assert "llmgw_ui=" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
-        assert "Path=/ui" in cookie and "Max-Age=2" in cookie
+        assert "llmgw_ui=" in cookie
+        assert "HttpOnly" in cookie
+        assert "SameSite=Strict" in cookie
+        assert "Path=/ui" in cookie
+        assert "Max-Age=2" in cookie
         r = await c.get(base + "/ui/")
         page = await r.text()
         assert r.status == 200
@@ -84,7 +91,8 @@ async def test_login_cookie_and_the_overview(install: Install, served: Served) -
         # The live part alone, as htmx polls it.
         r = await c.get(base + "/ui/?part=live", headers={"HX-Request": "true"})
         live = await r.text()
-        assert "<html" not in live and "node-1" in live
+        assert "<html" not in live
+        assert "node-1" in live
 
 
 async def test_the_explanation_and_the_escaping(install: Install, served: Served) -> None:
@@ -103,7 +111,8 @@ async def test_the_explanation_and_the_escaping(install: Install, served: Served
         r = await c.get(base + "/ui/models/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
         page = await r.text()
         assert r.status == 404
-        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<script>alert" not in page
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+        assert "<script>alert" not in page
 
 
 async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, served: Served) -> None:
@@ -112,11 +121,13 @@ async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, serve
         page = await _login(c, base)
         csrf = _csrf(page)
         r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": "forged"})
-        assert r.status == 403 and "did not come from this dashboard" in await r.text()
+        assert r.status == 403
+        assert "did not come from this dashboard" in await r.text()
         r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": csrf},
                          headers={"Referer": base + "/ui/nodes/node-1"})
         page = await r.text()
-        assert r.status == 200 and "node node-1 cordoned" in page
+        assert r.status == 200
+        assert "node node-1 cordoned" in page
         assert '<span class="state state-cordoned">cordoned</span>' in page
         r = await c.post(base + "/ui/nodes/node-1/uncordon", data={"csrf": csrf})
         assert "schedulable" in await r.text()
@@ -124,7 +135,8 @@ async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, serve
         r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "5000"},
                          headers={"Referer": base + "/ui/models/chat"})
         page = await r.text()
-        assert 'class="flash error"' in page and "more than this cluster&#39;s limit of 1000" in page
+        assert 'class="flash error"' in page
+        assert "more than this cluster&#39;s limit of 1000" in page
         r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "two"})
         assert "&#39;two&#39; is not a whole number" in await r.text()
         r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "2"})
@@ -137,14 +149,18 @@ async def test_viewer_is_read_only_and_sessions_expire(install: Install, served:
     base = install.admin
     async with _session() as c:
         page = await _login(c, base, VIEWER)
-        assert "viewer" in page and "Cordon" not in (await (await c.get(base + "/ui/nodes/node-1")).text())
+        assert "viewer" in page
+        assert "Cordon" not in (await (await c.get(base + "/ui/nodes/node-1")).text())
         r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": _csrf(page)})
-        assert r.status == 403 and "read-only" in await r.text()
+        assert r.status == 403
+        assert "read-only" in await r.text()
         await asyncio.sleep(3.1)  # ui.session_ttl_s: 2
         r = await c.get(base + "/ui/nodes/node-1", allow_redirects=False)
-        assert r.status == 303 and r.headers["Location"].startswith("/ui/login?next=")
+        assert r.status == 303
+        assert r.headers["Location"].startswith("/ui/login?next=")
         r = await c.get(base + "/ui/?part=live", headers={"HX-Request": "true"})
-        assert r.status == 401 and r.headers["HX-Redirect"] == "/ui/login"
+        assert r.status == 401
+        assert r.headers["HX-Redirect"] == "/ui/login"
 
 
 async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
@@ -155,9 +171,11 @@ async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
                          headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status == 201
         page = await (await c.get(base + "/ui/keys")).text()
-        assert "<td>alice</td>" in page and "60 rpm" in page
+        assert "<td>alice</td>" in page
+        assert "60 rpm" in page
         data = await (await c.get(base + "/ui/usage.json?days=7")).json()
-        assert len(data["days"]) == 7 and data["series"] == {}
+        assert len(data["days"]) == 7
+        assert data["series"] == {}
         page = await (await c.get(base + "/ui/guard")).text()
         assert "Guardrails are off" in page
 
