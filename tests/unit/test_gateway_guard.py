@@ -372,6 +372,13 @@ def test_stats(env: Env) -> None:
     assert s["blocked"]["out"] > 0
     assert s["judge_ms"]["judge"]["p50"] <= s["judge_ms"]["judge"]["p95"]
     assert {"unparseable", "down", "timeout", "missing", "template"} <= set(s["errors"])
+    # The dashboard's counts by category and its recent verdicts: the verdict, never the text.
+    assert s["categories"]["in Violent"] > 0
+    assert s["categories"]["out Violent"] > 0
+    recent = s["recent"]
+    assert recent
+    assert set(recent[0]) == {"at", "direction", "policy", "model", "verdict", "categories", "judge", "ms", "blocked"}
+    assert any(v["blocked"] and list(v["categories"]) == ["Violent"] for v in recent)
 
 
 def test_held_stream_collects_text_from_events() -> None:

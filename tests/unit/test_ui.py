@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
 from tests.helpers.control import TOKEN, Install, Served, heartbeat, make_install, serving
 
 VIEWER = "viewer-token-for-tests"
@@ -163,6 +164,20 @@ async def test_viewer_is_read_only_and_sessions_expire(install: Install, served:
         assert r.headers["HX-Redirect"] == "/ui/login"
 
 
+async def test_the_guard_page_names_each_policys_judges_and_what_to_do(tmp_path: Path) -> None:
+    inst = make_install(tmp_path, guard={"policies": [{"name": "strict", "judge": ["qwen3guard-0.6b"],
+                                                       "check": ["in", "out"], "fail": "closed"}]})
+    async with serving(inst), _session() as c:
+        await _login(c, inst.admin)
+        page = await (await c.get(inst.admin + "/ui/guard")).text()
+    assert "Guardrails are off" not in page
+    assert "<h3>Policy strict</h3>" in page
+    assert "Checks in and out" in page
+    assert "on judge failure: closed" in page
+    assert "<td>qwen3guard-0.6b</td>" in page
+    assert "<code>llmgw ctl guard judge enable qwen3guard-0.6b</code>" in page  # not in the catalog yet
+
+
 async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
     base = install.admin
     async with _session() as c:
@@ -178,6 +193,25 @@ async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
         assert data["series"] == {}
         page = await (await c.get(base + "/ui/guard")).text()
         assert "Guardrails are off" in page
+
+
+async def test_a_gpu_nodes_cards_each_get_a_bar_and_a_row(install: Install, served: Served) -> None:
+    gib = 1024**3
+    cards = [GPU(index=i, name="NVIDIA L4", klass="l4-24gb", memory_total_bytes=24 * gib,
+                 memory_used_bytes=(6 if i else 12) * gib) for i in range(2)]
+    beat = Heartbeat(
+        inventory=Inventory(cores=16, memory_total_bytes=64 * gib, memory_available_bytes=60 * gib, gpus=cards),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+    ).model_dump_json()
+    async with _session() as c:
+        r = await c.post(install.agent_url + "/agent/v1/register", data=beat, ssl=install.agent_ctx("gpu-1"))
+        assert r.status == 200, await r.text()
+        await _login(c, install.admin)
+        page = await (await c.get(install.admin + "/ui/nodes/gpu-1")).text()
+    assert 'aria-label="GPU 0 (NVIDIA L4): 12.0 of 24.0 GiB in use"' in page
+    assert 'aria-label="GPU 1 (NVIDIA L4): 6.0 of 24.0 GiB in use"' in page
+    assert "<td>1</td><td>NVIDIA L4</td><td>l4-24gb</td><td>6.0 GiB</td><td>24.0 GiB</td>" in page
+    assert "16 cores, 64.0 GiB memory (60.0 GiB available)" in page
 
 
 async def test_the_admin_api_still_wants_its_token(install: Install, served: Served) -> None:
