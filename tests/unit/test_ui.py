@@ -12,8 +12,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from llmgw import tlsconf
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
 from tests.helpers.control import TOKEN, Install, Served, heartbeat, make_install, serving
+from tests.helpers.net import free_port
 
 VIEWER = "viewer-token-for-tests"
 
@@ -219,3 +221,25 @@ async def test_the_admin_api_still_wants_its_token(install: Install, served: Ser
         await _login(c, install.admin)
         r = await c.get(install.admin + "/api/v1/nodes")  # the UI cookie is not an admin token
         assert r.status == 401
+
+
+async def test_ui_listen_serves_the_dashboard_alone_over_tls(tmp_path: Path) -> None:
+    port = free_port()
+    inst = make_install(tmp_path, ui={"listen": f"127.0.0.1:{port}"})
+    base = f"https://127.0.0.1:{port}"
+    ctx = tlsconf.client_context(inst.paths.pki / "ca.pem")  # the cluster CA signs the server certificate
+    async with serving(inst), _session() as c:
+        r = await c.get(base + "/", ssl=ctx)
+        assert r.status == 200
+        assert r.url.path == "/ui/login"
+        r = await c.post(base + "/ui/login", data={"csrf": _csrf(await r.text()), "token": TOKEN, "next": ""},
+                         ssl=ctx, allow_redirects=False)
+        assert r.status == 303
+        assert "Secure" in r.headers["Set-Cookie"]
+        r = await c.get(base + "/ui/", ssl=ctx)
+        assert r.status == 200
+        assert "<h1>Overview</h1>" in await r.text()
+        r = await c.get(base + "/api/v1/nodes", ssl=ctx)  # only the dashboard is on this listener
+        assert r.status == 404
+        with pytest.raises(aiohttp.ClientError):
+            await c.get(f"http://127.0.0.1:{port}/ui/login")  # TLS only
