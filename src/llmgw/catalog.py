@@ -43,6 +43,7 @@ MAX_MEMORY_GB = 1_000_000.0
 """A replica's reservation at most (GB): a petabyte, far past any node, finite."""
 MAX_CORES = 65_536
 MAX_GPUS = 1_024
+MAX_GROUP_NODES = 16  # nodes one replica may span (a head and up to 15 workers)
 MAX_TOKENS = 1_000_000_000
 """``context_length``/``max_output`` at most: a billion tokens."""
 MAX_PRIORITY = 1_000_000
@@ -61,6 +62,8 @@ def _stored(info: ValidationInfo) -> bool:
 
 _Text = Annotated[str, StringConstraints(max_length=4096)]
 _ShortText = Annotated[str, StringConstraints(max_length=253)]
+# Only the communication libraries' own settings: a profile must not set LD_PRELOAD or PATH for an engine.
+_EnvName = Annotated[str, StringConstraints(pattern=r"^(NCCL|GLOO|UCX|VLLM)_[A-Z0-9_]{1,64}$")]
 
 
 class Role(StrEnum):
@@ -116,6 +119,14 @@ class Profile(_Strict):
             evenly over them). Ignored on a CPU profile.
         node_selector: labels the node must carry, all of them.
         args: extra engine arguments (``["--ctx-size", "16384"]``).
+        nodes: how many nodes one replica spans (default 1). Above 1 a replica is a *group*: a
+            head that serves the API and ``nodes - 1`` workers, placed all or nothing; llama.cpp
+            splits the layers over them by each node's free memory (``rpc-server`` on the
+            workers, ``llama-server --rpc`` on the head), vLLM runs one pipeline stage per node
+            on a Ray cluster (``--pipeline-parallel-size nodes``, ``--tensor-parallel-size
+            gpu_count``). ``min_memory_gb`` is then the whole group's need, split over the members.
+        env: environment for the engine on every member (NCCL/Gloo settings for a vLLM group:
+            ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, ``NCCL_IB_HCA``...).
     """
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=128)]
@@ -127,6 +138,8 @@ class Profile(_Strict):
     cpu_cores: Annotated[int, Field(ge=0, le=MAX_CORES)] = 0
     node_selector: dict[str, _ShortText] = Field(default_factory=dict)
     args: Annotated[list[_Text], Field(max_length=MAX_ARGS)] = Field(default_factory=list)
+    nodes: Annotated[int, Field(ge=1, le=MAX_GROUP_NODES)] = 1
+    env: dict[_EnvName, _ShortText] = Field(default_factory=dict, max_length=64)
 
     @field_validator("node_selector")
     @classmethod

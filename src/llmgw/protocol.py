@@ -82,6 +82,36 @@ class ReplicaStatus(BaseModel):
     started_at: float | None = None  # unix seconds
 
 
+class GroupRole(StrEnum):
+    """A node's part in a replica spread over several nodes (a profile's ``nodes`` above 1)."""
+
+    HEAD = "head"  # serves the API: llama-server --rpc …, or vllm serve on the Ray head
+    WORKER = "worker"  # rpc-server, or a Ray worker
+
+
+class GroupMember(BaseModel):
+    """One node of a group replica, as the control plane keeps it and sends it to every member.
+
+    Attributes:
+        node: the member's node id.
+        rank: 0 for the head, 1… for the workers (the order of ``--rpc`` and of pipeline stages).
+        memory_gb: its share of the model's memory (GB, 10^9 bytes), what placement reserved there.
+        gpu_indexes: its cards (GPU profiles).
+        endpoint: a worker's address for the head (``host:port`` of its RPC tunnel, or its Ray
+            node address), as its agent reported it; empty until then.
+        state: a worker's state as its agent reported it (``starting``, ``ready``, ``failed``).
+        err: a worker's error, with its engine's last lines.
+    """
+
+    node: str
+    rank: int
+    memory_gb: float = 0.0
+    gpu_indexes: list[int] = Field(default_factory=list)
+    endpoint: str = ""
+    state: str = ""
+    err: str = ""
+
+
 class ReplicaSpec(BaseModel):
     """A replica the control plane wants on this node.
 
@@ -91,6 +121,11 @@ class ReplicaSpec(BaseModel):
         args: the profile's engine args; the agent adds ``--port``, ``--threads`` and ``--api-key``.
         cpu_cores: cores reserved for it (``--threads``); 0 means share the node's cores.
         key: the API key the engine must require (``--api-key``); the gateway sends it.
+        role: None for a replica on one node; for a group replica (a profile's ``nodes`` above 1)
+            this node's part, ``head`` or ``worker``. Every member gets a spec with the same ``id``.
+        members: a group's members, head first (rank 0), with the workers' endpoints as they
+            are reported: the head starts its engine once every worker has one.
+        env: the profile's engine environment (NCCL/Gloo settings).
     """
 
     id: str
@@ -105,6 +140,9 @@ class ReplicaSpec(BaseModel):
     cpu_cores: int = 0
     gpu_indexes: list[int] = Field(default_factory=list)
     key: str
+    role: GroupRole | None = None
+    members: list[GroupMember] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
 
 
 class Heartbeat(BaseModel):

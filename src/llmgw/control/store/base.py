@@ -227,8 +227,10 @@ class Store(abc.ABC):
         ``pending`` with no endpoint, so the gateway stops routing to it at once instead of
         answering 503s from a dead port until the agent starts it again.
         """
-        mine = {r.id: r for r in self.list_replicas(node=node_id)}
+        placed = self.list_replicas(node=node_id)
+        mine = {r.id: r for r in placed if r.node == node_id}
         result = ReportResult()
+        self._apply_member_reports(node_id, [r for r in placed if r.node != node_id], reports, now, result)
         reported = {rep.id for rep in reports}
         for gone in mine.values():
             if gone.id in reported or gone.state not in _RUNNING:
@@ -260,6 +262,32 @@ class Store(abc.ABC):
                 continue
             result.changed.append(rep.id)
         return result
+
+    def _apply_member_reports(
+        self, node_id: str, groups: list[ReplicaRow], reports: Sequence[ReplicaStatus], now: float,
+        result: ReportResult,
+    ) -> None:
+        """A worker's reports onto its member entry of each group replica it belongs to (state,
+        err, endpoint: the head waits for every worker's endpoint); a member its node no longer
+        reports goes back to no state and no endpoint, as a head does."""
+        by_id = {rep.id: rep for rep in reports}
+        for row in groups:
+            rep = by_id.get(row.id)
+            members = []
+            for m in row.members:
+                if m.node == node_id:
+                    if rep is not None:
+                        m = m.model_copy(update={"state": rep.state.value, "err": rep.err, "endpoint": rep.endpoint})  # noqa: PLW2901
+                    else:
+                        m = m.model_copy(update={"state": "", "err": "", "endpoint": ""})  # noqa: PLW2901
+                members.append(m)
+            if tuple(members) == row.members:
+                continue
+            try:
+                self.update_replica(replace(row, members=tuple(members), updated_at=now))
+            except Conflict:
+                continue
+            result.changed.append(row.id)
 
     # --- explanations ---
 

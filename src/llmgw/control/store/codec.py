@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 
 from llmgw.control.store.rows import NodeRow, ReplicaRow
-from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ReplicaStatus
+from llmgw.protocol import EngineStatus, GroupMember, Heartbeat, Inventory, ReplicaStatus
 
 
 def dumps(value: Any) -> str:
@@ -79,6 +79,7 @@ def replica_row(row: sa.Row[Any]) -> ReplicaRow:
         gpu_indexes=tuple(json.loads(row.gpu_indexes)),
         last_error=row.last_error,
         spec_hash=row.spec_hash,
+        members=tuple(GroupMember.model_validate(m) for m in json.loads(row.members)),
     )
 
 
@@ -101,4 +102,5 @@ def replica_values(r: ReplicaRow) -> dict[str, Any]:
         "gpu_indexes": dumps(list(r.gpu_indexes)),
         "last_error": r.last_error,
         "spec_hash": r.spec_hash,
+        "members": dumps([m.model_dump(mode="json") for m in r.members]),
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model
-from llmgw.protocol import EngineStatus, Inventory, ReplicaState, ReplicaStatus
+from llmgw.protocol import EngineStatus, GroupMember, Inventory, ReplicaState, ReplicaStatus
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class ReplicaRow:
     gpu_indexes: tuple[int, ...] = ()
     last_error: str = ""
     spec_hash: str = ""
+    members: tuple[GroupMember, ...] = ()  # a group replica's nodes, head (``node``) first; () for one node
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ replicas_t = sa.Table(
     sa.Column("gpu_indexes", sa.Text, nullable=False, server_default="[]"),  # migration 2
     sa.Column("last_error", sa.Text, nullable=False, server_default=""),  # migration 2
     sa.Column("spec_hash", sa.String(64), nullable=False, server_default=""),  # migration 2
+    sa.Column("members", sa.Text, nullable=False, server_default="[]"),  # migration 8: a group's nodes
 )
 
 gguf_facts_t = sa.Table(
@@ -302,6 +303,15 @@ def _migration_7(conn: Connection) -> None:
         table.create(conn, checkfirst=True)
 
 
+def _migration_8(conn: Connection) -> None:
+    """``replicas.members``: the nodes of a replica spread over several (JSON list of
+    :class:`~llmgw.protocol.GroupMember`, ``[]`` for one node). Added only where missing (a database
+    made today has it from migration 1)."""
+    have = {c["name"] for c in sa.inspect(conn).get_columns("replicas")}
+    if "members" not in have:
+        conn.execute(sa.text("ALTER TABLE replicas ADD COLUMN members TEXT NOT NULL DEFAULT '[]'"))
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -311,6 +321,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (5, _migration_5),
     (6, _migration_6),
     (7, _migration_7),
+    (8, _migration_8),
 ]
 
 

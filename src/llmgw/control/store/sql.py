@@ -436,10 +436,16 @@ class SqlStore(SqlKeys, Store):
         if model is not None:
             q = q.where(replicas_t.c.model == model)
         if node is not None:
-            q = q.where(replicas_t.c.node == node)
+            # A group replica uses every member's node: its head is ``node``, its workers are in
+            # ``members`` (compact JSON, so the LIKE finds the exact key; checked again below).
+            member = f'%"node":{json.dumps(node)}%'
+            q = q.where(sa.or_(replicas_t.c.node == node, replicas_t.c.members.like(member)))
         with self._tx() as conn:
             rows = conn.execute(q).all()
-        return [replica_row(r) for r in rows]
+        out = [replica_row(r) for r in rows]
+        if node is not None:
+            out = [r for r in out if r.node == node or any(m.node == node for m in r.members)]
+        return out
 
     def update_replica(self, replica: ReplicaRow) -> ReplicaRow:
         new = replace(replica, revision=replica.revision + 1)

@@ -1,0 +1,52 @@
+"""A group replica (one replica over several nodes) in the store, on SQLite and PostgreSQL: its
+members round-trip, every member's node lists it, and a worker's reports land on its member entry,
+never on the head's state."""
+
+from __future__ import annotations
+
+from llmgw.control.store import ReplicaRow, Store
+from llmgw.protocol import GroupMember, ReplicaState, ReplicaStatus
+
+
+def _group() -> ReplicaRow:
+    return ReplicaRow(
+        id="big-1", model="big", node="head", profile="rpc", key="k", created_at=1.0, updated_at=1.0,
+        members=(GroupMember(node="head", rank=0, memory_gb=6.0), GroupMember(node="w_1", rank=1, memory_gb=4.0),
+                 GroupMember(node="w%2", rank=2, memory_gb=3.5)),
+    )
+
+
+def test_members_round_trip_and_every_members_node_lists_the_group(store: Store) -> None:
+    store.add_replica(_group())
+    store.add_replica(ReplicaRow(id="solo-1", model="solo", node="wx1", profile="cpu", key="k", created_at=2.0))
+    got = store.get_replica("big-1")
+    assert got is not None
+    assert [(m.node, m.rank, m.memory_gb) for m in got.members] == [("head", 0, 6.0), ("w_1", 1, 4.0), ("w%2", 2, 3.5)]
+    assert [r.id for r in store.list_replicas(node="head")] == ["big-1"]
+    assert [r.id for r in store.list_replicas(node="w_1")] == ["big-1"]
+    assert [r.id for r in store.list_replicas(node="w%2")] == ["big-1"]
+    assert [r.id for r in store.list_replicas(node="wx1")] == ["solo-1"]  # LIKE's '_' matched it; the check did not
+    assert store.list_replicas(node="w") == []
+
+
+def test_a_workers_reports_land_on_its_member_entry(store: Store) -> None:
+    store.add_replica(_group())
+    ready = ReplicaStatus(id="big-1", state=ReplicaState.READY, endpoint="10.0.0.2:50052")
+    changed = store.apply_reports("w_1", [ready], now=5.0)
+    assert changed.changed == ["big-1"]
+    row = store.get_replica("big-1")
+    assert row is not None
+    assert row.state == "pending"  # the head's state: a worker does not speak for it
+    assert [(m.node, m.state, m.endpoint) for m in row.members] == [
+        ("head", "", ""), ("w_1", "ready", "10.0.0.2:50052"), ("w%2", "", "")
+    ]
+    assert store.apply_reports("w_1", [ready], now=6.0).changed == []  # nothing new
+    store.apply_reports("w_1", [], now=7.0)  # the worker stopped reporting it
+    row = store.get_replica("big-1")
+    assert row is not None
+    assert row.members[1].endpoint == ""
+    assert row.members[1].state == ""
+    store.apply_reports("head", [ReplicaStatus(id="big-1", state=ReplicaState.STARTING)], now=8.0)
+    row = store.get_replica("big-1")
+    assert row is not None
+    assert row.state == "starting"
