@@ -22,7 +22,7 @@ VIEWER = "viewer-token-for-tests"
 
 @pytest.fixture
 def install(tmp_path: Path) -> Install:
-    inst = make_install(tmp_path, ui={"session_ttl_s": 2})
+    inst = make_install(tmp_path, ui={"session_ttl_s": 600})
     (inst.paths.etc / "viewer-token").write_text(VIEWER + "\n")
     return inst
 
@@ -81,7 +81,7 @@ async def test_login_cookie_and_the_overview(install: Install, served: Served) -
         assert "HttpOnly" in cookie
         assert "SameSite=Strict" in cookie
         assert "Path=/ui" in cookie
-        assert "Max-Age=2" in cookie
+        assert "Max-Age=600" in cookie
         r = await c.get(base + "/ui/")
         page = await r.text()
         assert r.status == 200
@@ -148,9 +148,13 @@ async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, serve
             assert (await r.json())["scaling_min"] == 2
 
 
-async def test_viewer_is_read_only_and_sessions_expire(install: Install, served: Served) -> None:
+async def test_viewer_is_read_only_and_sessions_expire(tmp_path: Path) -> None:
+    install = make_install(tmp_path, ui={"session_ttl_s": 2})
+    (install.paths.etc / "viewer-token").write_text(VIEWER + "\n")
     base = install.admin
-    async with _session() as c:
+    async with serving(install), _session() as c:
+        r = await c.post(install.agent_url + "/agent/v1/register", data=heartbeat(), ssl=install.agent_ctx("node-1"))
+        assert r.status == 200
         page = await _login(c, base, VIEWER)
         assert "viewer" in page
         assert "Cordon" not in (await (await c.get(base + "/ui/nodes/node-1")).text())

@@ -12,18 +12,9 @@ from typing import Any
 
 import aiohttp
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import ApiError
 
 TIMEOUT_S = 15.0  # the admin API's own slowest answers (a log read through an agent) end at 10 s
-
-
-class UiApiError(LlmgwError):
-    """An admin API call failed: ``status`` (0 when it did not answer), ``code`` and the API's message."""
-
-    def __init__(self, message: str, *, status: int = 0, code: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 class AdminApi:
@@ -48,7 +39,7 @@ class AdminApi:
         """The decoded JSON of ``method path`` (None for an empty answer).
 
         Raises:
-            UiApiError: the API answered 4xx/5xx (its ``code`` and message), or did not answer.
+            ApiError: the API answered 4xx/5xx (its ``code`` and message), or did not answer.
         """
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
@@ -60,7 +51,7 @@ class AdminApi:
                 text = await r.text()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise UiApiError(f"the admin API at {url} does not answer ({e.__class__.__name__})") from e
+            raise ApiError(f"the admin API at {url} does not answer ({e.__class__.__name__})", status=0) from e
         data: Any = None
         if text:
             try:
@@ -70,7 +61,7 @@ class AdminApi:
         if status >= 400:
             err = data.get("error", {}) if isinstance(data, dict) else {}
             message = str(err.get("message") or text.strip() or f"HTTP {status}")
-            raise UiApiError(message, status=status, code=str(err.get("code", "")))
+            raise ApiError(message, status=status, code=str(err.get("code", "")))
         return data
 
     async def get(self, path: str, **query: str) -> Any:

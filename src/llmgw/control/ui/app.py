@@ -29,7 +29,8 @@ import jinja2
 from aiohttp import web
 
 from llmgw.control.ui import auth, pages
-from llmgw.control.ui.adminapi import AdminApi, UiApiError
+from llmgw.control.ui.adminapi import AdminApi
+from llmgw.errors import ApiError
 from llmgw.views import ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                          message="this login is read-only (the viewer token); log in with the admin token to act")
     try:
         return await handler(request)
-    except UiApiError as e:
+    except ApiError as e:
         if request.method == "POST":
             await auth.flash(request, e.args[0], error=True)
             raise web.HTTPSeeOther(_back(request)) from e
@@ -300,7 +301,7 @@ async def replica_log(request: web.Request) -> web.Response:
     try:
         got = await _api(request).get(f"/api/v1/replicas/{quote(rid, safe='')}/logs", lines=str(LOG_LINES))
         text, error = str(got.get("text", "")), ""
-    except UiApiError as e:
+    except ApiError as e:
         text, error = "", str(e)
     return _page("log.html", replica=rid, text=text, error=error)
 
@@ -312,7 +313,7 @@ async def node(request: web.Request) -> web.Response:
     nodes_j, replicas_j = await asyncio.gather(api.get("/api/v1/nodes"), api.get("/api/v1/replicas"))
     found = [NodeView.model_validate(n) for n in nodes_j if n.get("id") == nid]
     if not found:
-        raise UiApiError(f"no node '{nid}'; the overview lists the nodes", status=404, code="node_not_found")
+        raise ApiError(f"no node '{nid}'; the overview lists the nodes", status=404, code="node_not_found")
     n = found[0]
     context: dict[str, Any] = {
         "node": n,
