@@ -7,7 +7,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -54,15 +54,34 @@ def test_agent_runs_until_sigterm(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines: list[str] = []
+    trying = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "does not answer" in line:
+                trying.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(2.5)
+        # SIGTERM once the agent is in its loop (it logged its first failed beat), not after a fixed
+        # sleep: on a loaded machine the interpreter had not installed its handlers after 2.5 s.
+        assert trying.wait(60), "".join(lines)
         assert proc.poll() is None  # an unreachable control plane is retried, not fatal
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=15)
+        proc.wait(timeout=15)
+        reader.join(timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        reader.join(timeout=5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    err = "".join(lines)
     assert proc.returncode == 0, err
     assert "does not answer" in err
     assert "agent stopped" in err
