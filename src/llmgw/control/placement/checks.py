@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from llmgw import gpuhealth
 from llmgw.catalog import Profile
-from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
+from llmgw.protocol import GPU, EngineStatus, GroupMember, Inventory, ProvisionState
 from llmgw.views import Rejection
 
 GB = 1e9
@@ -356,6 +356,45 @@ def gpus(c: Candidate) -> Miss | None:
     )
 
 
+#: A CPU group member's least free host memory (GB): a node with less would get no layer of the
+#: split (llama.cpp RPC gives each member a share of the model in proportion to its free memory).
+MIN_MEMBER_GB = 0.1
+
+
+def member_memory(c: Candidate) -> Miss | None:
+    """CPU group profiles (``nodes`` above 1), instead of :func:`memory_size` and :func:`memory`:
+    the group's ``min_memory_gb`` is split over its members by their free memory, so a node only
+    needs *some* free memory (at least :data:`MIN_MEMBER_GB`) to be a candidate; whether the chosen
+    members hold the whole need together is the placer's group step. GPU groups are checked by
+    :func:`gpu_size` and :func:`gpus` with each member's share (:func:`member_profile`)."""
+    if c.profile.min_memory_gb <= 0 or c.profile.gpu_class:
+        return None
+    free, total, outside = host_free_gb(c.node.inventory, c.usage)
+    if free + 1e-9 >= MIN_MEMBER_GB:
+        return None
+    note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
+    return Miss(
+        f"needs at least {MIN_MEMBER_GB:.1f} GB free for a share of the group, {free:.1f} of {total:.1f} GB free{note}",
+        "not enough memory",
+        MIN_MEMBER_GB,
+        round(free, 3),
+        tuple(r.replica for r in c.usage.held if not r.gpu_class and r.memory_gb > 0),
+    )
+
+
+def member_profile(p: Profile) -> Profile:
+    """What one member of a group (``p.nodes`` above 1) is checked against.
+
+    A GPU group runs one vLLM pipeline stage per node, so the model splits evenly: each member
+    needs ``gpu_count`` cards with ``min_memory_gb / (nodes * gpu_count)`` GB free each, which is
+    the one-node GPU checks on a profile of ``min_memory_gb / nodes``. A CPU group's split follows
+    the members' free memory (:func:`member_memory`), so its profile is unchanged. Cores
+    (``cpu_cores``) are per member."""
+    if p.nodes <= 1 or not p.gpu_class:
+        return p
+    return p.model_copy(update={"min_memory_gb": p.min_memory_gb / p.nodes})
+
+
 #: The pipeline, cheapest first: filters, then fits.
 PIPELINE: tuple[Check, ...] = (
     Check("node_not_ready", Kind.FILTERED, node_ready),
@@ -372,6 +411,17 @@ PIPELINE: tuple[Check, ...] = (
 )
 
 
+#: A group member's pipeline (:func:`member_profile`): :data:`PIPELINE` with the whole-need host
+#: memory checks replaced by :func:`member_memory`.
+GROUP_PIPELINE: tuple[Check, ...] = tuple(
+    Check("memory_exhausted", Kind.EXHAUSTED, member_memory) if s.code == "memory_exhausted" else s
+    for s in PIPELINE
+    if s.code != "memory_too_small"
+)
+
+#: A group's candidate that passed every check but was left out because the group does not fit.
+GROUP_CODE = "group_does_not_fit"
+
 STAGE = {stage.code: i for i, stage in enumerate(PIPELINE)}
 """A check's position in :data:`PIPELINE`: how far a candidate got before it was rejected."""
 
@@ -384,16 +434,91 @@ class Verdict:
     label: str
 
 
+ORDINALS = (
+    "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
+    "ninth", "tenth", "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth",
+)  # fmt: skip
+
+
+def ordinal(n: int) -> str:
+    """``3`` -> ``third`` (1 to 16, a group's largest size), else ``#17``."""
+    return ORDINALS[n - 1] if 1 <= n <= len(ORDINALS) else f"#{n}"
+
+
+def count_nodes(n: int) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
+@dataclass(frozen=True)
+class GroupMiss:
+    """Why a group profile (``nodes`` above 1) found no set of nodes, with its numbers.
+
+    Attributes:
+        profile: the profile's name.
+        size: the nodes one replica spans (``Profile.nodes``).
+        cluster: the nodes known (all of them, lost ones included).
+        found: the candidates: nodes that passed every member check.
+        need_gb: the group's memory (``min_memory_gb``; CPU groups, else 0).
+        last_need_gb: when there are enough candidates but not enough memory: what is left for the
+            last member once the others, the candidates with the most free memory, hold all of
+            theirs (``the third needs 14.2 GB``).
+        best_free_gb: then the most free memory of a candidate not used yet (``best remaining node
+            has 9.8 GB free``).
+        others: the nodes that are not candidates, counted by reason (``1 node cordoned``), or "".
+    """
+
+    profile: str
+    size: int
+    cluster: int
+    found: int
+    need_gb: float = 0.0
+    last_need_gb: float | None = None
+    best_free_gb: float | None = None
+    others: str = ""
+
+    @property
+    def short_gb(self) -> float:
+        """What one of the best candidates would have to free for the group to fit (GB)."""
+        if self.last_need_gb is None or self.best_free_gb is None:
+            return 0.0
+        return max(self.last_need_gb - self.best_free_gb, 0.0)
+
+    def clause(self, *, others: bool = True) -> str:
+        """``2 of 3 nodes found: the third needs 14.2 GB, best remaining node has 9.8 GB free`` (not
+        enough memory over the best candidates), or ``2 of 3 nodes found: 1 more is needed`` (too few
+        candidates), then ``; the others: <counted reasons>`` and, when the cluster is smaller than
+        the group, ``; the cluster has 2 nodes``."""
+        if self.last_need_gb is not None and self.best_free_gb is not None:
+            text = (
+                f"{self.size - 1} of {self.size} nodes found: the {ordinal(self.size)} needs "
+                f"{self.last_need_gb:.1f} GB, best remaining node has {self.best_free_gb:.1f} GB free"
+            )
+        else:
+            more = self.size - self.found
+            text = f"{self.found} of {self.size} nodes found: {more} more {'is' if more == 1 else 'are'} needed"
+        if others and self.others:
+            text += f"; the others: {self.others}"
+        if others and self.cluster < self.size:
+            text += f"; the cluster has {count_nodes(self.cluster)}"
+        return text
+
+
 @dataclass(frozen=True)
 class Decision:
     """Placement's answer for one replica.
 
     Attributes:
-        node, profile: where it goes; both None when it fits nowhere.
-        gpu_indexes: the cards it gets (GPU profiles), () otherwise.
+        node, profile: where it goes; both None when it fits nowhere. For a group (a profile's
+            ``nodes`` above 1), ``node`` is the head, the member that serves the API.
+        gpu_indexes: the cards it gets (GPU profiles; a group's: the head's), () otherwise.
         verdicts: every (node, profile) rejection, in the order evaluated.
         summary: one line, ``placed on node-a (profile cpu)`` or ``0/3 nodes can run it: …``.
         nodes: how many nodes were considered.
+        members: a group's nodes, head first (rank 0) then the workers (rank 1…), each with its
+            memory share (GB) and, for a GPU profile, its cards: what
+            :attr:`llmgw.control.store.ReplicaRow.members` keeps. () for a one-node replica.
+        groups: when nothing was placed, why each group profile found no set of nodes.
     """
 
     node: str | None
@@ -402,6 +527,8 @@ class Decision:
     summary: str
     nodes: int
     gpu_indexes: tuple[int, ...] = ()
+    members: tuple[GroupMember, ...] = ()
+    groups: tuple[GroupMiss, ...] = ()
 
     @property
     def placed(self) -> bool:

@@ -9,6 +9,11 @@ answers with short lines, most useful first:
   holds it, ``free a h100-80gb GPU on gpu-a by stopping replica big-0f0f0f``,
   ``free 14.0 GB on card 0 of gpu-a (18.0 GB there is used outside llmgw)`` (the card that is
   short, by index; never a negative amount);
+* **groups** (a profile's ``nodes`` above 1), first: ``a node with at least 14.2 GB free joins (or
+  one of the candidates frees 4.4 GB)`` when the best candidates lack memory together (the last
+  member's need, and what one of the best candidates would have to free), ``the cluster has 2
+  nodes; this profile needs 3 (add 1)`` when the cluster is smaller than the group; the nodes that
+  are not candidates get their per-node lines below;
 * **filtered** only, one line per distinct rule: ``add a node with GPU class h100-80gb``,
   ``label a node llmgw.zone=eu (agent.yaml labels)``, ``install engine vllm on a node``,
   ``uncordon node-c ('llmgw ctl node uncordon node-c')``, ``bring node-d back: its agent is not reporting``;
@@ -109,19 +114,35 @@ def _filtered_line(v: checks.Verdict, model: Model) -> str:  # noqa: PLR0911 - o
     return rej.reason
 
 
+def _group_lines(g: checks.GroupMiss, model: Model) -> list[str]:
+    """A group profile's own suggestions, before the per-node ones (which say how to make more
+    nodes candidates: uncordon, install an engine, free cores…)."""
+    out = []
+    if g.last_need_gb is not None and g.short_gb > 1e-9:
+        out.append(
+            f"a node with at least {g.last_need_gb:.1f} GB free joins "
+            f"(or one of the candidates frees {g.short_gb:.1f} GB)"
+        )
+    if g.cluster < g.size:
+        which = "this profile" if len(model.profiles) == 1 else f"profile {g.profile}"
+        has = checks.count_nodes(g.cluster)
+        out.append(f"the cluster has {has}; {which} needs {g.size} (add {g.size - g.cluster})")
+    return out
+
+
 def would_fit_if(decision: checks.Decision, placer: pl.Placer, model: Model) -> list[str]:
     """What would let one more replica of ``model`` fit (empty when it was placed)."""
     if decision.placed:
         return []
     if decision.nodes == 0:
         return ["start an agent on a machine ('llmgw agent'); no node has registered"]
+    out: list[str] = [line for g in decision.groups for line in _group_lines(g, model)]
     exhausted: list[tuple[float, str]] = []
     for v in decision.verdicts:
         if v.rejection.kind == checks.Kind.EXHAUSTED:
             line = _exhausted_line(v, placer, model)
             if line is not None:
                 exhausted.append(line)
-    out: list[str] = []
     for _, text in sorted(exhausted):
         if text not in out:
             out.append(text)

@@ -48,12 +48,38 @@ def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
 
 
 def reservations(replicas: list[ReplicaRow], models: dict[str, Model]) -> list[checks.Reservation]:
-    """What each replica reserves on its node, from its model's profile (unknown profile: nothing).
-    Pass effective models (:func:`effective_model`) so estimated memory counts."""
+    """What each replica reserves on its node, from its model's profile (unknown profile: nothing,
+    but it still counts as one of the model's replicas there). Pass effective models
+    (:func:`effective_model`) so estimated memory counts.
+
+    A group replica (``members``, head first) reserves on every member: the profile's cores and GPU
+    class, the member's cards, and its share of the profile's ``min_memory_gb`` in the proportions
+    placement gave the members (their ``memory_gb``; evenly when those are all 0, as for a group
+    placed before its GGUF estimate was known), so a profile whose memory changed since is counted
+    at its new size, as a one-node replica is."""
     out = []
     for r in replicas:
         model = models.get(r.model)
         prof = next((p for p in model.profiles if p.name == r.profile), None) if model else None
+        if r.members:
+            placed = sum(m.memory_gb for m in r.members)
+            for m in r.members:
+                if prof is None:
+                    out.append(checks.Reservation(m.node, r.model, 0.0, 0, replica=r.id))
+                    continue
+                part = m.memory_gb / placed if placed > 0 else 1 / len(r.members)
+                out.append(
+                    checks.Reservation(
+                        m.node,
+                        r.model,
+                        round(prof.min_memory_gb * part, 3),
+                        prof.cpu_cores,
+                        prof.gpu_class,
+                        tuple(m.gpu_indexes),
+                        r.id,
+                    )
+                )
+            continue
         if prof is None:
             out.append(checks.Reservation(r.node, r.model, 0.0, 0, replica=r.id))
             continue

@@ -5,6 +5,11 @@ Pure functions over store rows: the memory of a profile is its ``min_memory_gb``
 GGUF estimate (:mod:`llmgw.control.placement.estimate`) when the header has been read, else unknown (0,
 reserving nothing). Each node's verdict is placement's own check (:func:`placement.check`) against
 the replicas placed now, the model's own included, so "fits" means "one more would fit there".
+
+A group profile (``nodes`` above 1) is checked per node as a *member* (its share of the memory,
+:func:`~llmgw.control.placement.checks.member_profile`), so "fits" there means "could be one of the
+group's nodes"; ``group`` says where one more group would go, or why no set of nodes fits
+(placement's own :meth:`~llmgw.control.placement.placer.Placer.place_group`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class ProfileResources(BaseModel):
     weights_gb: float = 0.0
     kv_gb: float = 0.0
     overhead_gb: float = 0.0
+    group_size: int = 1  # Profile.nodes: how many nodes one replica spans
+    group: str = ""  # group profiles: "fits on a (head), b, c" or why no set of nodes fits
     nodes: list[NodeFit] = Field(default_factory=list)
 
 
@@ -86,8 +93,17 @@ def resources_view(
             e = est.estimate(f, p.args, context_length=model.context_length)
             item.ctx, item.weights_gb = e.ctx, round(e.weights / est.GB, 3)
             item.kv_gb, item.overhead_gb = round(e.kv / est.GB, 3), round(e.overhead / est.GB, 3)
+        member, pipeline = checks.member_profile(p), checks.PIPELINE
+        if p.nodes > 1:
+            item.group_size, pipeline = p.nodes, checks.GROUP_PIPELINE
+            fit = placer.place_group(model, p)
+            if fit.miss is None:
+                names = [m.node for m in fit.members]
+                item.group = f"fits on {names[0]} (head), {', '.join(names[1:])}"
+            else:
+                item.group = fit.miss.clause()
         for node in placer.nodes:
-            v = checks.check(checks.Candidate(node, p, placer.usage[node.id], model.name))
+            v = checks.check(checks.Candidate(node, member, placer.usage[node.id], model.name), pipeline)
             if v is None:
                 item.nodes.append(NodeFit(node=node.id, fits=True))
             else:
