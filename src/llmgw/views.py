@@ -15,7 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field, computed_field
 
 from llmgw import gpuhealth
-from llmgw.protocol import GPU
+from llmgw.protocol import GPU, GroupMember
 
 
 class ProvisionView(BaseModel):
@@ -78,6 +78,7 @@ class ReplicaView(BaseModel):
     last_error: str = ""  # the previous replica's error when this one replaced a failed one
     gpu_indexes: list[int] = Field(default_factory=list)
     pending_reason: str = ""  # a wanted replica placed nowhere: placement's one-line summary
+    members: list[GroupMember] = Field(default_factory=list)  # a group's nodes, head first (their states)
 
 
 class Rejection(BaseModel):

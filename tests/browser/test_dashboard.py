@@ -69,7 +69,7 @@ def _accessible(page: Page, name: str) -> None:
 
 def _login(page: Page, install: Install) -> None:
     page.goto(install.admin + "/ui/")
-    page.get_by_label("Admin token").fill(install.token)
+    page.get_by_label("Token", exact=True).fill(install.token)
     page.get_by_role("button", name="Log in").click()
     page.wait_for_url(install.admin + "/ui/")
 
@@ -78,7 +78,7 @@ def test_login_then_the_starters_node_and_model(page: Page, install: Install) ->
     page.goto(install.admin + "/ui/")
     assert page.url.endswith("/ui/login")
     _accessible(page, "login")
-    page.get_by_label("Admin token").fill("not-the-token")
+    page.get_by_label("Token", exact=True).fill("not-the-token")
     page.get_by_role("button", name="Log in").click()
     assert "that token is not the admin token" in page.locator("#login-error").inner_text()
     assert "Traceback" not in page.content()
@@ -181,4 +181,4 @@ def test_a_lost_session_goes_back_to_login(page: Page, install: Install) -> None
     _login(page, install)
     page.context.clear_cookies()  # as when the session expires: the next live poll is refused
     page.wait_for_url(re.compile(r"/ui/login"), timeout=WAIT_MS)
-    assert page.get_by_label("Admin token").is_visible()
+    assert page.get_by_label("Token", exact=True).is_visible()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from llmgw import tlsconf
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
@@ -247,3 +248,48 @@ async def test_ui_listen_serves_the_dashboard_alone_over_tls(tmp_path: Path) -> 
         assert r.status == 404
         with pytest.raises(aiohttp.ClientError):
             await c.get(f"http://127.0.0.1:{port}/ui/login")  # TLS only
+
+
+async def test_every_live_part_answers_and_odd_input_is_no_500(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        await _login(c, base)
+        for path in ("/ui/", "/ui/models/chat", "/ui/nodes/node-1", "/ui/guard", "/ui/keys"):
+            r = await c.get(base + path + "?part=live", headers={"HX-Request": "true"})
+            assert r.status == 200, (path, await r.text())
+        live = await (await c.get(base + "/ui/models/chat?part=live")).text()
+        assert '<th scope="col">Action</th>' in live  # the live part knows an admin looks at it
+        # Unicode digits pass str.isdigit() but not int(): the default range, not a 500.
+        r = await c.get(base + "/ui/usage.json?days=%C2%B2")
+        assert r.status == 200
+        assert len((await r.json())["days"]) == 14
+        page = await _login(c, base)
+        r = await c.post(base + "/ui/models/chat/scale", data={"csrf": _csrf(page), "min": "²"})
+        assert "is not a whole number" in await r.text()
+        # '.' and '..' would make another admin API path: they name nothing.
+        for path in ("/ui/models/%2e%2e", "/ui/replicas/%2e%2e/log", "/ui/nodes/%2e"):
+            r = await c.get(base + path)
+            assert r.status in (200, 404), path  # the log fragment says so in place (200)
+            assert "/api/v1/" not in await r.text(), path
+
+
+async def test_a_cookie_copied_before_logout_is_refused_after_it(install: Install, served: Served) -> None:
+    base = install.admin
+    async with _session() as c:
+        page = await _login(c, base)
+        copied = {k: v.value for k, v in c.cookie_jar.filter_cookies(URL(base + "/ui/")).items()}
+        r = await c.post(base + "/ui/logout", data={"csrf": _csrf(page)}, allow_redirects=False)
+        assert r.status == 303
+    async with aiohttp.ClientSession(cookies=copied) as replay:
+        r = await replay.get(base + "/ui/keys", allow_redirects=False)
+        assert r.status == 303
+        assert r.headers["Location"].startswith("/ui/login")
+        r = await replay.post(base + "/ui/nodes/node-1/cordon", data={"csrf": _csrf(page)}, allow_redirects=False)
+        assert r.status == 303
+    async with c_admin(install) as api:
+        node = await (await api.get(base + "/api/v1/nodes")).json()
+    assert node[0]["cordoned"] is False
+
+
+def c_admin(install: Install) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"})

@@ -196,6 +196,12 @@ def replicas(
             _ago(r.ready_at) if r.state == "ready" else "-", str(r.restarts),
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
+        for m in r.members[1:]:  # a group's workers, under their head
+            werr = m.err.strip().splitlines()
+            t.add_row(
+                f"  └ worker {m.rank}", "", m.node, "", m.state or "-", "", "",
+                werr[-1][:100] if werr else (m.endpoint and f"rpc at {m.endpoint}"),
+            )
     console().print(t)
 
 

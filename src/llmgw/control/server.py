@@ -382,7 +382,9 @@ async def serve(
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
         admin = _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics)
-        mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False))
+        token_file = str(config.admin_token_path(config_path))
+        mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
+                                     token_file=token_file))
         apps += [
             ("admin_listen", config.admin_listen, admin, None),
             (
@@ -402,7 +404,7 @@ async def serve(
             ),
         ]
         if config.ui.listen:  # the dashboard alone, over TLS with the server certificate
-            ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True)
+            ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)

@@ -196,6 +196,7 @@ def replica_view(r: ReplicaRow) -> ReplicaView:
         restarts=r.restarts,
         last_error=r.last_error,
         gpu_indexes=list(r.gpu_indexes),
+        members=list(r.members),
     )
 
 

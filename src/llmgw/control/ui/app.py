@@ -42,6 +42,7 @@ USAGE_DAYS = (7, 14, 30, 90)
 API_KEY = web.AppKey("api", AdminApi)
 TOKENS_KEY = web.AppKey("tokens", auth.Tokens)
 ROLE_KEY = web.RequestKey("role", auth.Role)
+TOKEN_FILE_KEY = web.AppKey("token_file", str)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
@@ -66,7 +67,9 @@ def _page(name: str, status: int = 200, **context: Any) -> web.Response:
     return web.Response(text=html, status=status, content_type="text/html")
 
 
-def build_ui_app(api: AdminApi, tokens: auth.Tokens, *, ttl_s: float, secure: bool) -> web.Application:
+def build_ui_app(
+    api: AdminApi, tokens: auth.Tokens, *, ttl_s: float, secure: bool, token_file: str
+) -> web.Application:
     """The dashboard as an aiohttp app to mount at ``/ui``.
 
     Args:
@@ -74,12 +77,14 @@ def build_ui_app(api: AdminApi, tokens: auth.Tokens, *, ttl_s: float, secure: bo
         tokens: what a login may give (the admin token; the viewer token or None).
         ttl_s: seconds a login lasts (``ui.session_ttl_s``).
         secure: mark the cookie ``Secure`` (the TLS listener).
+        token_file: where the admin token is, as the login page names it.
     """
     app = web.Application(middlewares=[_headers])
     auth.install(app, ttl_s=ttl_s, secure=secure)
     app.middlewares.append(_errors)
     app[API_KEY] = api
     app[TOKENS_KEY] = tokens
+    app[TOKEN_FILE_KEY] = token_file
 
     r = app.router
     r.add_get("/login", login_form)
@@ -173,6 +178,21 @@ async def _base(request: web.Request, title: str) -> dict[str, Any]:
     }
 
 
+async def _live_base(request: web.Request) -> dict[str, Any]:
+    """What a live part's template needs of the page (not the one-time message: a poll must not
+    take it)."""
+    role = request.get(ROLE_KEY)
+    return {"can_act": role is auth.Role.ADMIN, "csrf": await auth.csrf_token(request)}
+
+
+def _segment(value: str) -> str:
+    """A name or id from the URL, quoted for an admin API path; ``.``/``..`` would make another
+    path (the admin API normalises them), so they are no model, node or replica (404)."""
+    if value in (".", "..") or not value:
+        raise ApiError(f"no such name '{value}'", status=404, code="not_found")
+    return quote(value, safe="")
+
+
 def _api(request: web.Request) -> AdminApi:
     return request.app[API_KEY]
 
@@ -187,7 +207,8 @@ def _live(request: web.Request) -> bool:
 async def login_form(request: web.Request) -> web.Response:
     """The login page (a new CSRF token is made for its form)."""
     nxt = request.query.get("next", "")
-    return _page("login.html", **await _base(request, "Log in"), next=nxt, error="")
+    return _page("login.html", **await _base(request, "Log in"), next=nxt, error="",
+                 token_file=request.app[TOKEN_FILE_KEY])
 
 
 async def login(request: web.Request) -> web.Response:
@@ -199,6 +220,7 @@ async def login(request: web.Request) -> web.Response:
     if role is None:
         await asyncio.sleep(0.2)  # a guesser's pace; the token itself is 32+ random bytes
         return _page("login.html", 401, **await _base(request, "Log in"), next=nxt,
+                     token_file=request.app[TOKEN_FILE_KEY],
                      error="that token is not the admin token (or the viewer token); it is in the admin-token "
                      "file beside server.yaml")
     await auth.log_in(request, role)
@@ -236,7 +258,7 @@ async def overview(request: web.Request) -> web.Response:
         "problems": pages.problems(nodes, replicas, models),
     }
     if _live(request):
-        return _page("overview_live.html", **context)
+        return _page("overview_live.html", **await _live_base(request), **context)
     return _page("overview.html", **await _base(request, "Overview"), **context)
 
 
@@ -244,7 +266,7 @@ async def model(request: web.Request) -> web.Response:
     """A model: its profiles, replicas, placement's explanation, scale and restart, a log tail."""
     name = request.match_info["name"]
     api = _api(request)
-    m = ModelView.model_validate(await api.get(f"/api/v1/models/{quote(name, safe='')}"))
+    m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
     replicas_j, explain_j = await asyncio.gather(
         api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name)
     )
@@ -262,7 +284,7 @@ async def model(request: web.Request) -> web.Response:
         "placed": placed,
     }
     if _live(request):
-        return _page("model_live.html", **context)
+        return _page("model_live.html", **await _live_base(request), **context)
     return _page("model.html", **await _base(request, m.name), **context)
 
 
@@ -272,16 +294,16 @@ async def scale(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     form = await request.post()
     raw = str(form.get("min", "")).strip()
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         await auth.flash(request, f"replicas: '{raw}' is not a whole number of replicas (0 or more)", error=True)
-        raise web.HTTPSeeOther(f"/ui/models/{quote(name, safe='')}")
+        raise web.HTTPSeeOther(f"/ui/models/{_segment(name)}")
     want = int(raw)
     api = _api(request)
-    m = ModelView.model_validate(await api.get(f"/api/v1/models/{quote(name, safe='')}"))
+    m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
     patch: dict[str, Any] = {"scaling": {"min": want}}
     if m.scaling_max < want:
         patch["scaling"]["max"] = want
-    await api.call("PATCH", f"/api/v1/models/{quote(name, safe='')}", patch)
+    await api.call("PATCH", f"/api/v1/models/{_segment(name)}", patch)
     await auth.flash(request, f"{m.name}: {want} replica(s) wanted")
     raise web.HTTPSeeOther(f"/ui/models/{quote(m.name, safe='')}")
 
@@ -290,7 +312,7 @@ async def restart(request: web.Request) -> web.Response:
     """Restart a replica (``POST /api/v1/replicas/{id}/restart``)."""
     await auth.check_csrf(request)
     rid = request.match_info["id"]
-    new = ReplicaView.model_validate(await _api(request).post(f"/api/v1/replicas/{quote(rid, safe='')}/restart"))
+    new = ReplicaView.model_validate(await _api(request).post(f"/api/v1/replicas/{_segment(rid)}/restart"))
     await auth.flash(request, f"{rid} replaced by {new.id} on {new.node}")
     raise web.HTTPSeeOther(f"/ui/models/{quote(new.model, safe='')}")
 
@@ -299,7 +321,7 @@ async def replica_log(request: web.Request) -> web.Response:
     """The last lines of a replica's engine log, as a fragment (an error is shown in its place)."""
     rid = request.match_info["id"]
     try:
-        got = await _api(request).get(f"/api/v1/replicas/{quote(rid, safe='')}/logs", lines=str(LOG_LINES))
+        got = await _api(request).get(f"/api/v1/replicas/{_segment(rid)}/logs", lines=str(LOG_LINES))
         text, error = str(got.get("text", "")), ""
     except ApiError as e:
         text, error = "", str(e)
@@ -321,7 +343,7 @@ async def node(request: web.Request) -> web.Response:
         "replicas": [ReplicaView.model_validate(r) for r in replicas_j if r.get("node") == nid],
     }
     if _live(request):
-        return _page("node_live.html", **context)
+        return _page("node_live.html", **await _live_base(request), **context)
     return _page("node.html", **await _base(request, n.id), **context)
 
 
@@ -329,10 +351,10 @@ async def node_action(request: web.Request) -> web.Response:
     """Cordon, uncordon or drain a node (``POST /api/v1/nodes/{id}/{action}``)."""
     await auth.check_csrf(request)
     nid, action = request.match_info["id"], request.match_info["action"]
-    await _api(request).post(f"/api/v1/nodes/{quote(nid, safe='')}/{action}")
+    await _api(request).post(f"/api/v1/nodes/{_segment(nid)}/{action}")
     done = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained (cordoned, replicas moved)"}
     await auth.flash(request, f"node {nid} {done[action]}")
-    raise web.HTTPSeeOther(f"/ui/nodes/{quote(nid, safe='')}")
+    raise web.HTTPSeeOther(f"/ui/nodes/{_segment(nid)}")
 
 
 async def guard(request: web.Request) -> web.Response:
@@ -349,7 +371,7 @@ async def guard(request: web.Request) -> web.Response:
         "recent": list(reversed(stats.get("recent") or []))[:20],
     }
     if _live(request):
-        return _page("guard_live.html", **context)
+        return _page("guard_live.html", **await _live_base(request), **context)
     return _page("guard.html", **await _base(request, "Guard"), **context)
 
 
@@ -366,13 +388,13 @@ async def keys(request: web.Request) -> web.Response:
         "day_choices": USAGE_DAYS,
     }
     if _live(request):
-        return _page("keys_live.html", **context)
+        return _page("keys_live.html", **await _live_base(request), **context)
     return _page("keys.html", **await _base(request, "Keys and usage"), **context)
 
 
 def _days(request: web.Request) -> int:
     raw = request.query.get("days", "14")
-    return int(raw) if raw.isdigit() and int(raw) in USAGE_DAYS else 14
+    return int(raw) if raw.isascii() and raw.isdigit() and int(raw) in USAGE_DAYS else 14
 
 
 async def usage_json(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from aiohttp import web
@@ -54,9 +54,33 @@ class Tokens:
         return None
 
 
+@dataclass
+class Revoked:
+    """Sessions logged out before their time: session id -> when its cookie would have expired
+    anyway (unix seconds). A cookie copied before a logout is refused after it, though the cookie
+    itself is still valid Fernet; entries go once past that time, so the table holds at most the
+    logouts of one ``session_ttl_s``."""
+
+    ttl_s: float
+    ids: dict[str, float] = field(default_factory=dict)
+
+    def add(self, sid: str, now: float) -> None:
+        """Refuse ``sid`` from now on (until it would have expired)."""
+        self.ids = {k: t for k, t in self.ids.items() if t > now}
+        self.ids[sid] = now + self.ttl_s
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self.ids
+
+
+REVOKED_KEY = web.AppKey("revoked", Revoked)
+
+
 def install(app: web.Application, *, ttl_s: float, secure: bool) -> None:
     """Add the session middleware to ``app``: a fresh Fernet key, the cookie's flags, ``ttl_s``
-    (seconds) as both the cookie's Max-Age and the token's accepted age."""
+    (seconds) as both the cookie's Max-Age and the token's accepted age; and the table of sessions
+    logged out (:class:`Revoked`)."""
+    app[REVOKED_KEY] = Revoked(ttl_s)
     storage = EncryptedCookieStorage(
         Fernet(Fernet.generate_key()),
         cookie_name=COOKIE,
@@ -97,6 +121,8 @@ async def role(request: web.Request) -> Role | None:
     """The logged-in role, or None (not logged in, or the session expired)."""
     session = await get_session(request)
     value = session.get("role")
+    if session.get("sid") in request.app[REVOKED_KEY]:
+        return None
     return Role(value) if value in (Role.ADMIN.value, Role.VIEWER.value) else None
 
 
@@ -104,13 +130,18 @@ async def log_in(request: web.Request, as_role: Role) -> None:
     """Start a new session (a new id and CSRF token: no fixation) with ``as_role``."""
     session: Session = await new_session(request)
     session["role"] = as_role.value
+    session["sid"] = secrets.token_urlsafe(16)
     session["at"] = time.time()
     session[CSRF_FIELD] = secrets.token_urlsafe(24)
 
 
 async def log_out(request: web.Request) -> None:
-    """End the session (the cookie is cleared)."""
-    (await get_session(request)).invalidate()
+    """End the session: the cookie is cleared and its id refused from now on (:class:`Revoked`)."""
+    session = await get_session(request)
+    sid = session.get("sid")
+    if isinstance(sid, str):
+        request.app[REVOKED_KEY].add(sid, time.time())
+    session.invalidate()
 
 
 async def flash(request: web.Request, message: str, *, error: bool = False) -> None:
