@@ -281,6 +281,10 @@ def test_request_id_on_every_response_and_sent_to_the_engine(env: Env) -> None:
 def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCaptureFixture) -> None:
     env.exchanges.clear()
     env.chat("sk-file", text="my secret prompt sk-limited", stream=True)
+    for _ in range(100):  # a stream's exchange is observed once the server has finished it, just after the client
+        if env.exchanges:
+            break
+        time.sleep(0.02)
     ex = env.exchanges[-1]
     with caplog.at_level(logging.INFO, logger="llmgw.access"):
         log_exchange(ex)
