@@ -160,7 +160,13 @@ class Env:
     def chat(self, key: str | None, model: str = "gemma", text: str = "hi", **extra: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         body = {"model": model, "messages": [{"role": "user", "content": text}], **extra}
-        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers)
+        seen = len(self.exchanges)
+        r = httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers)
+        for _ in range(100):  # its exchange is observed once the server finished it, just after the client
+            if len(self.exchanges) > seen:
+                break
+            time.sleep(0.02)
+        return r
 
 
 ROWS = [
@@ -281,10 +287,6 @@ def test_request_id_on_every_response_and_sent_to_the_engine(env: Env) -> None:
 def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCaptureFixture) -> None:
     env.exchanges.clear()
     env.chat("sk-file", text="my secret prompt sk-limited", stream=True)
-    for _ in range(100):  # a stream's exchange is observed once the server has finished it, just after the client
-        if env.exchanges:
-            break
-        time.sleep(0.02)
     ex = env.exchanges[-1]
     with caplog.at_level(logging.INFO, logger="llmgw.access"):
         log_exchange(ex)
