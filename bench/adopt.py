@@ -28,7 +28,7 @@ from llmgw.agent.records import stop_all_engines
 
 ROUNDS = 4
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
-LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-server-0.3.36" / "bin" / "llama-server")
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-cpp-0.3.36-rpc" / "bin" / "llama-server")
 MODEL = Path(os.environ.get("MODEL") or CACHE / "models" / "gemma-3-270m-q4_k_m.gguf")
 
 

@@ -41,7 +41,7 @@ from tests.ha.load import Load, agreed_leader
 from tests.helpers.hacluster import HACluster, catalog_names, chat, gemma_model, post_model, start_ha_cluster, wait_for
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
-LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-server-0.3.36" / "bin" / "llama-server")
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-cpp-0.3.36-rpc" / "bin" / "llama-server")
 MODEL = Path(os.environ.get("MODEL") or CACHE / "models" / "gemma-3-270m-q4_k_m.gguf")
 MIB = 1024 * 1024
 

@@ -46,7 +46,7 @@ from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Upstream
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
-SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-server-0.3.36" / "bin" / "llama-server")
+SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-cpp-0.3.36-rpc" / "bin" / "llama-server")
 MODEL = Path(os.environ.get("MODEL") or CACHE / "models" / "gemma-3-270m-q4_k_m.gguf")
 KEY = "bench-key"
 PROMPTS = [

@@ -27,16 +27,18 @@ from llmgw.control.store import Store, default_url, open_store
 from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
-DEFAULT_SERVER = CACHE / "llama-server-0.3.36" / "bin" / "llama-server"
+DEFAULT_SERVER = CACHE / "llama-cpp-0.3.36-rpc" / "bin" / "llama-server"
 DEFAULT_MODEL = CACHE / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
 @dataclass(frozen=True)
 class Assets:
-    """Paths of the real llama-server binary and the gemma-3-270m model (253 MB)."""
+    """Paths of the real llama-server and rpc-server binaries (llama.cpp with its RPC backend) and the
+    gemma-3-270m model (253 MB)."""
 
     llama_server: Path
     model: Path
+    rpc_server: Path
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +46,11 @@ def assets() -> Assets:
     """The test assets, or a skip (a failure under ``LLMGW_REQUIRE_ASSETS=1``) naming what is missing."""
     server = Path(os.environ.get("LLAMA_SERVER") or DEFAULT_SERVER)
     model = Path(os.environ.get("MODEL") or DEFAULT_MODEL)
-    missing = [str(p) for p in (server, model) if not p.exists()]
+    rpc = Path(os.environ.get("RPC_SERVER") or server.parent / "rpc-server")
+    missing = [str(p) for p in (server, model, rpc) if not p.exists()]
     if missing:
         skip_or_fail(f"test assets missing: {', '.join(missing)}; run scripts/assets")
-    return Assets(server, model)
+    return Assets(server, model, rpc)
 
 
 def skip_or_fail(msg: str) -> NoReturn:
