@@ -50,3 +50,4 @@ def test_a_workers_reports_land_on_its_member_entry(store: Store) -> None:
     row = store.get_replica("big-1")
     assert row is not None
     assert row.state == "starting"
+

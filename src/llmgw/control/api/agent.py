@@ -34,6 +34,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
@@ -43,12 +44,21 @@ from llmgw.catalog import Role
 from llmgw.config import ServerConfig
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
-from llmgw.control.store import NodeRow, Store
+from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
-from llmgw.protocol import EngineMetricsText, Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec
+from llmgw.protocol import (
+    EngineMetricsText,
+    GroupMember,
+    GroupRole,
+    Heartbeat,
+    HeartbeatReply,
+    LogReply,
+    LogRequest,
+    ReplicaSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +128,31 @@ def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
                 file_name=model.file_name,
                 args=list(prof.args) + role_args(model.role, prof.engine.value, prof.args),
                 cpu_cores=prof.cpu_cores,
-                gpu_indexes=list(r.gpu_indexes),
                 key=r.key,
+                env=dict(prof.env),
+                **{"gpu_indexes": list(r.gpu_indexes), **group_fields(r, node_id)},
             )
         )
+    return out
+
+
+def group_fields(r: ReplicaRow, node_id: str) -> dict[str, Any]:
+    """A group replica's ``role``, ``members`` and ``gpu_indexes`` for ``node_id`` (nothing for a
+    replica on one node).
+
+    Only what the member's engine needs goes in, so its spec changes (and the agent restarts it)
+    only when that changes: the head gets every worker's endpoint (it starts once all are there,
+    and restarts when a worker comes back on another port); a worker gets no endpoints and no
+    states, which change as the workers report."""
+    if not r.members:
+        return {}
+    me = next((m for m in r.members if m.node == node_id), None)
+    head = r.node == node_id
+    keep = {"node", "rank", "memory_gb", "gpu_indexes"} | ({"endpoint"} if head else set())
+    members = [GroupMember.model_validate(m.model_dump(include=keep)) for m in r.members]
+    out: dict[str, Any] = {"role": GroupRole.HEAD if head else GroupRole.WORKER, "members": members}
+    if me is not None and not head:
+        out["gpu_indexes"] = list(me.gpu_indexes)
     return out
 
 

@@ -78,7 +78,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import aiohttp
@@ -124,10 +124,30 @@ FactsReader = Callable[[str], est.GgufFacts]
 
 
 def spec_hash(model: Model, profile_name: str) -> str:
-    """What a replica was placed from: the profile's JSON, the source, version and digest. A change
-    in any of them restarts the replica."""
+    """What a replica was placed from: the profile's JSON (fields at their defaults left out, so a
+    field a new release adds does not restart every replica on upgrade), the source, version and
+    digest. A change in any of them restarts the replica."""
     prof = next((p for p in model.profiles if p.name == profile_name), None)
-    text = "|".join([prof.model_dump_json() if prof else "", model.source, model.version, model.sha256])
+    return _hash(prof.model_dump_json(exclude_defaults=True) if prof else "", model)
+
+
+#: Profile fields added after replicas were first hashed with every field (the hash of 2026-11:
+#: the whole profile). A stored hash of that form still matches while these are at their defaults.
+_ADDED_SINCE_FULL_HASH = {"nodes", "env"}
+
+
+def spec_hashes(model: Model, profile_name: str) -> set[str]:
+    """Every hash a replica of this profile may carry and still be current: :func:`spec_hash`, and
+    the older whole-profile form while the fields added since are at their defaults."""
+    out = {spec_hash(model, profile_name)}
+    prof = next((p for p in model.profiles if p.name == profile_name), None)
+    if prof is not None and prof.nodes == 1 and not prof.env:
+        out.add(_hash(prof.model_dump_json(exclude=_ADDED_SINCE_FULL_HASH), model))
+    return out
+
+
+def _hash(profile_json: str, model: Model) -> str:
+    text = "|".join([profile_json, model.source, model.version, model.sha256])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -369,7 +389,7 @@ class Leader:
         vouched = set()
         for r in self.store.list_replicas():
             if r.model in models and r.node in live:
-                kept.append(r)
+                kept.append(self._check_members(r, live))
                 continue
             if r.model in models and r.id in answering and r.state == ReplicaState.READY:
                 # The node is silent but its engine serves: keep it routable (module docstring, 2).
@@ -394,6 +414,29 @@ class Leader:
             self.store.delete_explanation(stale)
         return kept
 
+    def _check_members(self, r: ReplicaRow, live: set[str]) -> ReplicaRow:
+        """A group replica whose head is live: failed when a worker's node is not (lost, removed)
+        or a worker failed, naming the node and, for a failed worker, its engine's last lines; the
+        whole group is then replaced with the usual backoff (:mod:`.restarts`), never half-served."""
+        if not r.members or r.state == ReplicaState.FAILED:
+            return r
+        err = ""
+        for m in r.members[1:]:
+            if m.node not in live:
+                err = f"worker node {m.node} of this group is not ready (lost or removed); the group is replaced"
+                break
+            if m.state == ReplicaState.FAILED:
+                err = f"worker on node {m.node} failed: {m.err}"
+                break
+        if not err:
+            return r
+        try:
+            failed = self.store.update_replica(replace(r, state=ReplicaState.FAILED.value, err=err, endpoint=""))
+        except Conflict:
+            return r
+        log.warning("replica %s: %s", r.id, err)
+        return failed
+
     def _replace_stale_and_failed(
         self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult
     ) -> tuple[list[ReplicaRow], dict[str, list[Carry]]]:
@@ -401,7 +444,7 @@ class Leader:
         carry: dict[str, list[Carry]] = {}
         for r in replicas:
             model = rows[r.model].model
-            stale = bool(r.spec_hash) and r.spec_hash != spec_hash(model, r.profile)
+            stale = bool(r.spec_hash) and r.spec_hash not in spec_hashes(model, r.profile)
             failed_for = now - r.updated_at
             crashes = restarts.crashes(r, self.backoff_reset_s)
             if not (stale or restarts.due(r, now, self.backoff_reset_s)):
@@ -458,10 +501,12 @@ class Leader:
                     last_error=before.last_error,
                     gpu_indexes=decision.gpu_indexes,
                     spec_hash=spec_hash(raw, decision.profile.name),
+                    members=decision.members,
                 )
             )
             placer.reserve(model, decision, new.id)
-            log.info("placed %s on %s (profile %s)", new.id, new.node, new.profile)
+            group = f" with workers on {', '.join(m.node for m in new.members[1:])}" if new.members else ""
+            log.info("placed %s on %s (profile %s)%s", new.id, new.node, new.profile, group)
             result.created.append(new.id)
             replicas = [*replicas, new]
             mine.append(new)
