@@ -12,7 +12,8 @@ from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.placement.inputs import reservations
-from llmgw.control.store import ReplicaRow
+from llmgw.control.placement.resources import resources_view
+from llmgw.control.store import NodeRow, ReplicaRow
 from llmgw.protocol import GroupMember
 from tests.helpers.nodes import h100, node
 
@@ -269,3 +270,23 @@ def test_nodes_zero_is_refused_by_the_catalog() -> None:
         Profile(name="cpu", nodes=0)
     with pytest.raises(ValidationError, match="nodes"):
         Profile(name="cpu", nodes=17)
+
+
+def _row(n: checks.NodeInfo) -> NodeRow:
+    return NodeRow(n.id, 1, n.state, n.cordoned, n.labels, n.inventory, list(n.engines.values()), [], 0.0, 0.0)
+
+
+def test_resources_say_where_a_group_would_go() -> None:
+    nodes = [_row(node("a", mem_gb=8)), _row(node("b", mem_gb=4)), _row(node("c", cordoned=True))]
+    m = model(group(2, 6.0))
+    view = resources_view(m, nodes=nodes, replicas=[], models={"big": m}, stored_facts={})
+    p = view.profiles[0]
+    assert (p.group_size, p.group) == (2, "fits on a (head), b")
+    assert [(f.node, f.fits, f.reason) for f in p.nodes] == [
+        ("a", True, ""),
+        ("b", True, ""),
+        ("c", False, "node is cordoned"),
+    ]
+    m3 = model(group(3, 6.0))
+    p3 = resources_view(m3, nodes=nodes, replicas=[], models={"big": m3}, stored_facts={}).profiles[0]
+    assert p3.group == "2 of 3 nodes found: 1 more is needed; the others: 1 node cordoned"
