@@ -16,6 +16,8 @@ CLI turns an ``LlmgwError`` into ``Error: <message>`` and its ``exit_code``, nev
     ├── HttpError                  exit 1   a handler refuses a request (status, code, message): server side
     │   └── JsonBodyError          exit 1   a request body is not bounded JSON (400/413); also a ValueError
     ├── UnreachableError           exit 3   an llmgw service does not answer at its address
+    ├── GroupError                 exit 1   a node's part in a replica over several nodes cannot run
+    │   └── GroupNetError          exit 1   a group's RPC network (tunnel, namespace) failed or refused a peer
     ├── MirrorError                exit 1   the mirror could not fetch or serve a file
     │   ├── SourceConflict         exit 1   a model/version already holds (or fetches) another source
     │   └── NoSpaceError           exit 1   too little disk for a file (bytes needed and free named)
@@ -134,6 +136,16 @@ class UnreachableError(LlmgwError):
     """An llmgw service does not answer at its address (connection refused, timeout, TLS failure)."""
 
     exit_code = 3
+
+
+class GroupError(LlmgwError):
+    """A node's part in a replica spread over several nodes cannot run: no ``rpc-server`` in the
+    node's llama.cpp build, a GGUF header without a block count, a worker that does not answer."""
+
+
+class GroupNetError(GroupError):
+    """A group's network (:mod:`llmgw.agent.groupnet`) could not be set up, or a peer was refused;
+    the message says which and why."""
 
 
 class MirrorError(LlmgwError):

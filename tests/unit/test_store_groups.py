@@ -51,3 +51,14 @@ def test_a_workers_reports_land_on_its_member_entry(store: Store) -> None:
     assert row is not None
     assert row.state == "starting"
 
+
+
+def test_a_failed_group_stays_failed_whatever_its_head_reports(store: Store) -> None:
+    from dataclasses import replace  # noqa: PLC0415
+
+    row = store.add_replica(_group())
+    store.update_replica(replace(row, state="failed", err="worker on node w_1 failed: rpc-server exited"))
+    store.apply_reports("head", [ReplicaStatus(id="big-1", state=ReplicaState.READY, endpoint="h:1")], now=9.0)
+    got = store.get_replica("big-1")
+    assert got is not None
+    assert (got.state, got.endpoint) == ("failed", "")

@@ -93,7 +93,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import GroupNetError
 from llmgw.tlsconf import peer_common_name
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,6 @@ fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))
 s.close()
 os.execv(sys.argv[1], sys.argv[1:])
 """
-
-
-class GroupNetError(LlmgwError):
-    """A group's network could not be set up, or a peer was refused; the message says which and why."""
 
 
 # --- the engine's namespace -------------------------------------------------------------------

@@ -66,12 +66,21 @@ from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines.vllm import VllmProvisioner
 from llmgw.agent.metrics import push_loop
 from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
-from llmgw.agent.records import adoptable, instance_id, replica_dir
+from llmgw.agent.records import adoptable, drop_record, instance_id, replica_dir, stop_process_group
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, LlmgwError, NodeRemoved, PkiError, UnreachableError
 from llmgw.paths import Paths
-from llmgw.protocol import EngineStatus, Heartbeat, HeartbeatReply, Inventory, LogReply, LogRequest, ReplicaSpec
+from llmgw.protocol import (
+    EngineStatus,
+    GroupRole,
+    Heartbeat,
+    HeartbeatReply,
+    Inventory,
+    LogReply,
+    LogRequest,
+    ReplicaSpec,
+)
 from llmgw.tlsconf import client_context
 
 log = logging.getLogger("llmgw.agent")
@@ -196,6 +205,7 @@ class Agent:
             cache=self.cache,
             session=plain,
             on_change=self.changed.set,
+            tls=(cfg.tls.ca, cfg.tls.cert, cfg.tls.key),
         )
         self._last_discovery = time.monotonic()
         lc = cfg.engines.llamacpp
@@ -239,6 +249,13 @@ class Agent:
     def adopt(self) -> None:
         """Take over the engines an earlier agent left running (records that still match)."""
         for record in adoptable(self.agent_state):
+            if record.spec.role is not None:
+                # A group member's traffic ran through the dead agent's tunnels: stop it, the
+                # control plane's spec starts the group again (the head waits for its workers).
+                log.info("replica %s: stopping the group member an earlier agent left (pid %d)", record.id, record.pid)
+                stop_process_group(record.pid, grace_s=self.env.stop_grace_s)
+                drop_record(self.agent_state, record.id)
+                continue
             log.info(
                 "replica %s: adopting llama-server pid %d on port %d", record.id, record.pid, record.port
             )
@@ -469,7 +486,9 @@ class Agent:
         pushing = asyncio.create_task(
             push_loop(
                 self.env.session, self.api,
-                lambda: [(r.status(), r.spec.model, r.spec.key) for r in self.state.runners.values()],
+                # A group worker's endpoint is its RPC tunnel, not an HTTP engine: the head's metrics are the group's.
+                lambda: [(r.status(), r.spec.model, r.spec.key) for r in self.state.runners.values()
+                         if r.spec.role is not GroupRole.WORKER],
                 lambda: self.control_planes.current, stop,
             )
         )

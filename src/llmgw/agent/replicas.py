@@ -56,7 +56,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from llmgw.agent import logs
+from llmgw.agent import group, groupnet, logs
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import engine_for, llamacpp
 from llmgw.agent.engines import vllm as vllm_engine
@@ -75,7 +75,7 @@ from llmgw.agent.records import (
     write_record,
 )
 from llmgw.errors import LlmgwError
-from llmgw.protocol import ReplicaSpec, ReplicaState, ReplicaStatus
+from llmgw.protocol import GroupRole, ReplicaSpec, ReplicaState, ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ class RunnerEnv:
         cpus: hands out each replica's cores (see :mod:`llmgw.agent.pinning`).
         pin: pin engines to their cores (off only to measure what pinning buys).
         log_max_bytes, log_keep: engine log rotation (:mod:`llmgw.agent.logs`).
+        tls: this agent's ``(ca, cert, key)`` PEM paths: a group replica's members talk over them
+            (:mod:`llmgw.agent.groupnet`); None where no group can run (tests of one-node replicas).
     """
 
     agent_state: Path
@@ -158,6 +160,7 @@ class RunnerEnv:
     log_max_bytes: int = logs.MAX_BYTES
     log_keep: int = logs.KEEP
     pin: bool = True
+    tls: tuple[Path, Path, Path] | None = None
 
     def installed(self, engine: str) -> Installed[Any]:
         """What this node has of ``engine`` (a registered name): its build or why none, and its
@@ -204,6 +207,8 @@ class ReplicaRunner:
         self._settled = asyncio.Event()
         self.dir = replica_dir(env.agent_state, spec.id)
         self.log_path = self.dir / "engine.log"
+        self._worker: group.RpcWorker | None = None  # a group worker's rpc-server and tunnel
+        self._forwarder: groupnet.HeadForwarder | None = None  # a group head's way to its workers
 
     # --- public -------------------------------------------------------------------------------
 
@@ -225,12 +230,16 @@ class ReplicaRunner:
         return runner
 
     def status(self) -> ReplicaStatus:
-        """What the agent reports for this replica now."""
+        """What the agent reports for this replica now (a group worker: its tunnel's endpoint)."""
+        if self._worker is not None and self._worker.tunnel is not None:
+            endpoint = self._worker.tunnel.endpoint
+        else:
+            endpoint = host_port(self.env.advertise_address, self.port) if self.port else ""
         return ReplicaStatus(
             id=self.spec.id,
             state=self.state,
             err=self.err,
-            endpoint=host_port(self.env.advertise_address, self.port) if self.port else "",
+            endpoint=endpoint,
             pid=self.pid,
             started_at=self.started_at,
         )
@@ -250,7 +259,13 @@ class ReplicaRunner:
             self._set(ReplicaState.STOPPED)
 
     async def detach(self) -> None:
-        """Stop watching but leave the engine running and its record in place (agent shutdown)."""
+        """Stop watching but leave the engine running and its record in place (agent shutdown).
+
+        A group member is stopped instead: its traffic runs through this agent's tunnels, which end
+        with it, so the group is started again by the next agent (the head waits for its workers)."""
+        if self.spec.role is not None:
+            await self.stop()
+            return
         await self._cancel_task()
         if self._proc is not None and self._proc.poll() is None:
             _detached.append(self._proc)
@@ -259,12 +274,16 @@ class ReplicaRunner:
 
     async def _run(self) -> None:
         try:
+            if self.spec.role is GroupRole.WORKER:
+                await self._run_worker()
+                return
             self._set(ReplicaState.FETCHING)
             self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
             engine = engine_for(self.spec.engine)
             build = engine.usable(self.env.installed(engine.name))
+            extra = await self._head_args(self._model_path) if self.spec.role is GroupRole.HEAD else []
             for attempt in range(1, PORT_TRIES + 1):
-                await asyncio.to_thread(self._launch, engine, build, self._model_path)
+                await asyncio.to_thread(self._launch, engine, build, self._model_path, extra)
                 if await self._wait_ready(engine):
                     break
                 log.warning(
@@ -302,7 +321,55 @@ class ReplicaRunner:
         except (_Failed, LlmgwError) as e:
             await self._fail(str(e))
 
-    def _launch(self, engine: Engine[Any], build: Any, model_path: Path) -> None:
+    async def _run_worker(self) -> None:
+        """A group worker: ``rpc-server`` behind its tunnel (:class:`llmgw.agent.group.RpcWorker`),
+        ready once it listens; watched until it exits (failed, with its last lines)."""
+        env = self.env
+        if env.tls is None:
+            raise _Failed("this agent has no TLS files to carry a group's traffic")
+        if self.spec.engine != llamacpp.ENGINE:
+            raise _Failed(f"a {self.spec.engine} group worker is not supported by this agent")
+        build = llamacpp.LLAMACPP.usable(env.installed(llamacpp.ENGINE))
+        head = next((m.node for m in self.spec.members if m.rank == 0), "")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._set(ReplicaState.STARTING)
+        threads = self.spec.cpu_cores or max(env.cores, 1)
+        self._worker = group.RpcWorker(group.rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
+        with self.log_path.open("ab") as logf:
+            logf.write(f"--- llmgw agent: starting rpc-server for the head {head}\n".encode())
+            logf.flush()
+            self._log_offset = logf.tell()
+            endpoint = await self._worker.start(logf, engine_environment(env.base_env, self.spec.gpu_indexes), self.dir)
+        self.pid, self.started_at = self._worker.pid, time.time()
+        log.info("replica %s: rpc-server pid %s for head %s, tunnel on %s", self.spec.id, self.pid, head, endpoint)
+        self._set(ReplicaState.READY)
+        while True:
+            await asyncio.sleep(env.watch_interval_s)
+            code = self._worker.exited()
+            if code is not None:
+                raise _Failed(f"rpc-server exited {describe_exit(code)} while serving the head {head}; "
+                              f"its last lines:\n{self._tail()}")
+
+    async def _head_args(self, model_path: Path) -> list[str]:
+        """A group head's extra llama-server flags, once every worker has an endpoint; until then
+        it waits, ``starting`` (the spec changes when they come, and the agent starts it again)."""
+        workers = [m for m in self.spec.members if m.rank > 0]
+        missing = [m.node for m in workers if not m.endpoint]
+        self._set(ReplicaState.STARTING)
+        if missing:
+            log.info("replica %s: waiting for its workers on %s", self.spec.id, ", ".join(missing))
+            await asyncio.Event().wait()  # cancelled when the spec with their endpoints arrives
+        if self.env.tls is None:
+            raise _Failed("this agent has no TLS files to carry a group's traffic")
+        ca, cert, key = self.env.tls
+        self._forwarder = groupnet.HeadForwarder(
+            workers={m.node: m.endpoint for m in sorted(workers, key=lambda m: m.rank)}, ca=ca, cert=cert, key=key
+        )
+        await self._forwarder.start()
+        layers = await asyncio.to_thread(group.gguf_layers, model_path)
+        return group.head_args(layers, sorted(self.spec.members, key=lambda m: m.rank), self._forwarder.rpc_arg)
+
+    def _launch(self, engine: Engine[Any], build: Any, model_path: Path, extra: list[str] | None = None) -> None:
         """Start the engine (blocking parts: bind probe, file writes, fork); state ``starting``."""
         env = self.env
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -321,6 +388,7 @@ class ReplicaRunner:
             node_cores=env.cores,
             node_has_gpus=env.has_gpus,
             threads=len(self.cpus) or None,
+            extra_args=tuple(extra or ()),
         )
         argv = engine.argv(build, launch)
         with self.log_path.open("ab") as logf:
@@ -339,6 +407,8 @@ class ReplicaRunner:
                 )
             except OSError as e:
                 raise _Failed(f"cannot run {build.binary}: {e}") from e
+        if self._forwarder is not None:
+            self._forwarder.allow(self._proc.pid)  # before it dials its workers (the forwarder refuses others)
         self.pid = self._proc.pid
         self.started_at = time.time()
         if self.cpus:
@@ -445,7 +515,13 @@ class ReplicaRunner:
                 await task
 
     async def _kill(self) -> None:
-        """End the engine and its group, if it still runs; reap our own child."""
+        """End the engine and its group, if it still runs; reap our own child; close a group
+        member's tunnels."""
+        if self._worker is not None:
+            await self._worker.stop()
+        if self._forwarder is not None:
+            await self._forwarder.close()
+            self._forwarder = None
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:

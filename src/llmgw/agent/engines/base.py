@@ -84,6 +84,7 @@ class Launch:
         key_file: a 0600 file holding ``spec.key`` (keeps the key out of the world-readable argv).
         node_cores: the node's logical cores; node_has_gpus: whether the node has GPUs.
         threads: the cores the replica is pinned to, or None when it is not pinned.
+        extra_args: flags the agent adds for this launch (a group head's ``--rpc …``).
     """
 
     spec: ReplicaSpec
@@ -94,6 +95,7 @@ class Launch:
     node_cores: int
     node_has_gpus: bool
     threads: int | None = None
+    extra_args: tuple[str, ...] = ()
 
 
 def engine_environment(base: Mapping[str, str], gpu_indexes: list[int]) -> dict[str, str]:

@@ -282,8 +282,10 @@ def build_argv(
     key: str = "",
     key_file: Path | None = None,
     threads: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """The llama-server argv of one replica.
+    """The llama-server argv of one replica (``extra``: the agent's own flags for this launch, a
+    group head's ``--rpc …``, after the profile's).
 
     ``[binary, -m, model, *profile args, --host, --port, --threads t, --threads-batch t, key, *defaults]``
     where ``t`` is ``threads`` (the cores the replica is pinned to), else ``spec.cpu_cores``, else
@@ -298,7 +300,7 @@ def build_argv(
     profile, _ = drop_owned(spec.args)
     if threads is None:
         threads = spec.cpu_cores if spec.cpu_cores > 0 else max(node_cores, 1)
-    argv = [str(server.binary), "-m", str(model_path), *profile, "--host", host, "--port", str(port)]
+    argv = [str(server.binary), "-m", str(model_path), *profile, *extra, "--host", host, "--port", str(port)]
     if not sets(profile, "threads"):
         argv += ["--threads", str(threads)]
         if not sets(profile, "threads-batch"):
@@ -315,7 +317,7 @@ def build_argv(
         ("webui", ["--no-webui"]),
         ("metrics", ["--metrics"]),
     ]
-    if node_has_gpus and not spec.gpu_indexes:
+    if node_has_gpus and not spec.gpu_indexes and "--rpc" not in extra:  # a head's devices are its workers
         defaults.append(("device", ["--device", "none"]))
     for name, flag in defaults:
         if not sets(profile, name) and server.knows(flag[0]):
@@ -361,7 +363,7 @@ class LlamaCppEngine(Engine[LlamaServer]):
         return build_argv(
             build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port,
             node_cores=launch.node_cores, node_has_gpus=launch.node_has_gpus,
-            key=launch.spec.key, key_file=launch.key_file, threads=launch.threads,
+            key=launch.spec.key, key_file=launch.key_file, threads=launch.threads, extra=launch.extra_args,
         )  # fmt: skip
 
     def port_taken(self, tail: str) -> bool:

@@ -245,6 +245,8 @@ class Store(abc.ABC):
             row = mine.get(rep.id)
             if row is None:
                 continue
+            if row.members and row.state == ReplicaState.FAILED:
+                continue  # a group failed by a worker stays failed: its head may still say ready
             state = rep.state.value
             if (row.state, row.err, row.endpoint) == (state, rep.err, rep.endpoint):
                 continue

@@ -1,0 +1,144 @@
+"""A node's part in a replica spread over several nodes (a profile's ``nodes`` above 1), llama.cpp.
+
+The control plane sends the same replica id to every member with its ``role``
+(:class:`~llmgw.protocol.GroupRole`) and the group's ``members`` (head first):
+
+- **A worker** runs ``rpc-server`` (the ``rpc-server`` beside the node's ``llama-server``, the same
+  llama.cpp build with ``-DGGML_RPC=ON``) isolated in a network namespace of its own, and a
+  :class:`~llmgw.agent.groupnet.WorkerTunnel` on the node's ``advertise_address`` that lets only the
+  head's certificate in (:mod:`llmgw.agent.groupnet`). It reports ``ready`` with the tunnel's
+  ``host:port`` as its endpoint. It needs no weights: the head sends each worker its layers.
+- **The head** fetches the weights, waits until every worker's endpoint is in its spec (the control
+  plane adds them as the workers report; the spec changes, so the agent starts the head again), then
+  starts a :class:`~llmgw.agent.groupnet.HeadForwarder` and ``llama-server --rpc <its local
+  ends> --n-gpu-layers N --tensor-split w1,w2…``: the layers split by the members' shares
+  (placement's split of the memory, by each node's free memory), the head keeping
+  ``n_layers × head share`` on its own CPU. Its readiness is the group's.
+
+:func:`layer_split` is where the numbers come from; :class:`RpcWorker` is a worker's engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import gguf
+
+from llmgw.agent import groupnet
+from llmgw.errors import GroupError
+from llmgw.protocol import GroupMember
+
+log = logging.getLogger(__name__)
+
+RPC_BINARY = "rpc-server"
+RPC_READY_S = 60.0  # rpc-server listens within a second; a loaded node may take longer
+
+
+def rpc_binary(llama_server: Path) -> Path:
+    """The ``rpc-server`` beside ``llama_server`` (the same build).
+
+    Raises:
+        GroupError: there is none (a llama.cpp build without its RPC backend).
+    """
+    path = llama_server.parent / RPC_BINARY
+    if not path.is_file():
+        raise GroupError(
+            f"this node's llama.cpp build ({llama_server}) has no {RPC_BINARY} beside it: a worker of a "
+            "group replica needs llama.cpp built with -DGGML_RPC=ON (its rpc-server, from the "
+            "ggml-rpc-server target, installed as rpc-server next to llama-server)"
+        )
+    return path
+
+
+def gguf_layers(path: Path) -> int:
+    """The number of transformer blocks (``<arch>.block_count``) in the GGUF at ``path``.
+
+    Raises:
+        GroupError: the header has no block count.
+    """
+    reader = gguf.GGUFReader(path)
+    arch_field = reader.fields.get("general.architecture")
+    if arch_field is None:
+        raise GroupError(f"{path.name}: the GGUF header names no architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    count = reader.fields.get(f"{arch}.block_count")
+    if count is None:
+        raise GroupError(f"{path.name}: the GGUF header has no {arch}.block_count")
+    return int(count.parts[count.data[0]][0])
+
+
+def layer_split(n_layers: int, members: Sequence[GroupMember]) -> tuple[int, list[float]]:
+    """``(n_gpu_layers, tensor_split)`` for the head's llama-server from the members' shares.
+
+    The workers (the RPC devices, in ``--rpc`` order) get ``n_gpu_layers`` of the ``n_layers``
+    blocks, split between them in proportion to their ``memory_gb`` (``--tensor-split``); the head
+    keeps the rest on its CPU, its share of the total rounded, at least one block to the workers.
+    Shares of 0 (no estimate) count as equal.
+    """
+    shares = [m.memory_gb if m.memory_gb > 0 else 1.0 for m in members]
+    total = sum(shares)
+    on_head = round(n_layers * shares[0] / total)
+    offloaded = max(1, min(n_layers, n_layers - on_head))
+    workers = shares[1:]
+    return offloaded, [round(w / sum(workers), 4) for w in workers]
+
+
+def head_args(n_layers: int, members: Sequence[GroupMember], rpc: str) -> list[str]:
+    """The flags a head adds to its llama-server: ``--rpc``, ``--n-gpu-layers``, ``--tensor-split``."""
+    ngl, split = layer_split(n_layers, members)
+    return ["--rpc", rpc, "--n-gpu-layers", str(ngl), "--tensor-split", ",".join(f"{s:g}" for s in split)]
+
+
+@dataclass
+class RpcWorker:
+    """A worker's engine: ``rpc-server`` isolated (:func:`groupnet.start_isolated`) behind a
+    :class:`groupnet.WorkerTunnel` for ``head``. :meth:`start` returns the tunnel's endpoint."""
+
+    binary: Path
+    head: str
+    host: str
+    tls: tuple[Path, Path, Path]  # ca, cert, key
+    threads: int
+    engine: groupnet.IsolatedProcess | None = None
+    tunnel: groupnet.WorkerTunnel | None = None
+
+    async def start(self, log_file: IO[bytes], env: dict[str, str], cwd: Path) -> str:
+        """Start the engine (in ``cwd``, the replica's directory) and the tunnel; the endpoint
+        ``host:port`` the head dials.
+
+        Raises:
+            GroupNetError: the engine did not listen, or the tunnel could not bind.
+        """
+        argv = groupnet.rpc_server_argv(self.binary, "--threads", str(self.threads))
+        self.engine = await groupnet.start_isolated(
+            argv, ready_timeout_s=RPC_READY_S, stdout=log_file, stderr=log_file, env=env, cwd=cwd,
+        )
+        if not self.engine.link.isolated:
+            log_file.write(f"--- llmgw agent: rpc-server is NOT isolated: {self.engine.link.note}\n".encode())
+        ca, cert, key = self.tls
+        self.tunnel = groupnet.WorkerTunnel(
+            engine=self.engine.link, head_node_id=self.head, ca=ca, cert=cert, key=key, host=self.host
+        )
+        return await self.tunnel.start()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's pid, once started."""
+        return self.engine.pid if self.engine else None
+
+    def exited(self) -> int | None:
+        """The engine's exit status, None while it runs (or before it started)."""
+        return self.engine.proc.poll() if self.engine else None
+
+    async def stop(self) -> None:
+        """Close the tunnel and stop the engine (idempotent)."""
+        if self.tunnel is not None:
+            await self.tunnel.close()
+            self.tunnel = None
+        if self.engine is not None:
+            await self.engine.stop()
+            self.engine = None

@@ -1,0 +1,48 @@
+"""A group head's llama-server flags: the layers split by the members' shares (agent/group.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.group import gguf_layers, head_args, layer_split, rpc_binary
+from llmgw.errors import GroupError
+from llmgw.protocol import GroupMember
+from tests.conftest import Assets
+
+
+def _members(*gb: float) -> list[GroupMember]:
+    return [GroupMember(node=f"n{i}", rank=i, memory_gb=g) for i, g in enumerate(gb)]
+
+
+def test_layers_follow_the_shares() -> None:
+    # gemma-3-270m has 18 blocks; placement split 1.0 GB as 0.545 / 0.455 over a head and one worker.
+    assert layer_split(18, _members(0.545, 0.455)) == (8, [1.0])
+    # Three even shares: the head keeps 6, the two workers get 6 each.
+    assert layer_split(18, _members(0.4, 0.4, 0.4)) == (12, [0.5, 0.5])
+    # Workers split in proportion to their shares; no estimate (0) counts as equal.
+    assert layer_split(30, _members(1, 2, 1)) == (22, [0.6667, 0.3333])
+    assert layer_split(10, _members(0, 0)) == (5, [1.0])
+    # At least one block goes to the workers, however small their share.
+    assert layer_split(4, _members(100, 0.1))[0] == 1
+
+
+def test_head_args() -> None:
+    assert head_args(18, _members(0.4, 0.4, 0.4), "127.0.0.1:1,127.0.0.1:2") == [
+        "--rpc", "127.0.0.1:1,127.0.0.1:2", "--n-gpu-layers", "12", "--tensor-split", "0.5,0.5",
+    ]
+
+
+def test_a_build_without_rpc_server_is_named(tmp_path: Path) -> None:
+    server = tmp_path / "llama-server"
+    server.write_text("")
+    with pytest.raises(GroupError, match=r"has no rpc-server beside it: .* -DGGML_RPC=ON"):
+        rpc_binary(server)
+    (tmp_path / "rpc-server").write_text("")
+    assert rpc_binary(server) == tmp_path / "rpc-server"
+
+
+def test_the_block_count_of_the_real_gguf(assets: Assets) -> None:
+    """The test asset, gemma-3-270m (the assets fixture fails under LLMGW_REQUIRE_ASSETS=1)."""
+    assert gguf_layers(assets.model) == 18
