@@ -119,6 +119,9 @@ async def test_models_crud(client: TestClient[Any, Any]) -> None:
         ({**MODEL, "name": "Bad Name"}, "name"),
         ({**MODEL, "colour": "red"}, "colour: unknown field"),
         ({**MODEL, "scaling": {"min": 3, "max": 1}}, "scaling"),
+        ({**MODEL, "profiles": [{"name": "cpu", "nodes": 0}]}, "profiles.0.nodes: Input should be greater than or equal to 1"),  # noqa: E501
+        ({**MODEL, "profiles": [{"name": "cpu", "nodes": 17}]}, "profiles.0.nodes: Input should be less than or equal to 16"),  # noqa: E501
+        ({**MODEL, "profiles": [{"name": "cpu", "env": {"LD_PRELOAD": "/x.so"}}]}, "profiles.0.env.LD_PRELOAD.[key]"),
     ],
 )
 async def test_invalid_model_is_400_naming_the_field(

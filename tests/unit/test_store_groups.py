@@ -62,3 +62,15 @@ def test_a_failed_group_stays_failed_whatever_its_head_reports(store: Store) -> 
     got = store.get_replica("big-1")
     assert got is not None
     assert (got.state, got.endpoint) == ("failed", "")
+
+
+def test_removing_a_workers_node_removes_its_group_whole(store: Store) -> None:
+    from llmgw.protocol import Heartbeat, Inventory  # noqa: PLC0415
+
+    hb = Heartbeat(inventory=Inventory(cores=2, memory_total_bytes=10**9, memory_available_bytes=10**9))
+    for node in ("head", "w_1", "w%2"):
+        store.upsert_node_heartbeat(node, hb, 1.0)
+    store.add_replica(_group())
+    store.add_replica(ReplicaRow(id="solo-1", model="solo", node="head", profile="cpu", key="k", created_at=2.0))
+    store.remove_node("w_1", now=3.0)
+    assert [r.id for r in store.list_replicas()] == ["solo-1"]  # the group went whole; the head's other replica stays

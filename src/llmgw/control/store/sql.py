@@ -413,6 +413,13 @@ class SqlStore(SqlKeys, Store):
                     conn.execute(revoked_certs_t.insert().values(serial=serial, node=node_id, revoked_at=now))
             conn.execute(node_certs_t.delete().where(node_certs_t.c.node == node_id))
             conn.execute(replicas_t.delete().where(replicas_t.c.node == node_id))
+            # A group that has a worker there goes with it, whole (drained: placed again elsewhere).
+            member = f'%"node":{json.dumps(node_id)}%'
+            for row in conn.execute(sa.select(replicas_t.c.id, replicas_t.c.members).where(
+                replicas_t.c.members.like(member)
+            )).all():
+                if any(m.get("node") == node_id for m in json.loads(row.members)):
+                    conn.execute(replicas_t.delete().where(replicas_t.c.id == row.id))
         return serials
 
     # --- replicas ---
