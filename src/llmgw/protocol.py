@@ -80,6 +80,7 @@ class ReplicaStatus(BaseModel):
     endpoint: str = ""
     pid: int | None = None
     started_at: float | None = None  # unix seconds
+    group_endpoint: str = ""  # a vLLM group's head: its Ray cluster's address (``host:port``), for the workers
 
 
 class GroupRole(StrEnum):

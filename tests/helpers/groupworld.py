@@ -38,7 +38,15 @@ class World:
             return await r.json() if r.status != 204 else None
 
     def start_agent(
-        self, node: str, llama_server: Path, free_gb: float, cores: int = 2, labels: dict[str, str] | None = None
+        self,
+        node: str,
+        llama_server: Path,
+        free_gb: float,
+        cores: int = 2,
+        labels: dict[str, str] | None = None,
+        *,
+        gpus: list[dict[str, Any]] | None = None,
+        vllm: Path | None = None,
     ) -> None:
         """Start node ``node``'s agent in this process, declaring ``cores`` and ``free_gb`` GB free."""
         root = self.root / "nodes" / node
@@ -46,16 +54,23 @@ class World:
         cert, key = self.inst.ca.issue_client(node).write(root / "etc", "agent")
         inv = root / "inventory.yaml"
         total, free = int(max(1.0, free_gb) * GB), int(free_gb * GB)
-        inv.write_text(yaml.safe_dump({"cores": cores, "memory_total_bytes": total, "memory_available_bytes": free}))
+        inv.write_text(
+            yaml.safe_dump(
+                {"cores": cores, "memory_total_bytes": total, "memory_available_bytes": free, "gpus": gpus or []}
+            )
+        )
+        engines: dict[str, Any] = {"llamacpp": {"binary": str(llama_server)}}
+        if vllm is not None:
+            engines["vllm"] = {"binary": str(vllm)}
         cfg = AgentConfig.model_validate(
             {
                 "server": self.inst.agent_url,
                 "node_id": node,
                 "tls": {"ca": self.inst.paths.pki / "ca.pem", "cert": cert, "key": key},
                 "discovery": {"inventory_file": str(inv)},
-                "engines": {"llamacpp": {"binary": str(llama_server)}},
+                "engines": engines,
                 "heartbeat_interval_s": 0.2,
-            "labels": labels or {},
+                "labels": labels or {},
             }
         )
         stop = asyncio.Event()
@@ -68,8 +83,6 @@ class World:
             s.post(self.gateway + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r,
         ):
             return r.status, await r.text()
-
-
 
     async def stop_agents(self) -> None:
         """Stop every agent started here (their engines stop with them: group members do)."""

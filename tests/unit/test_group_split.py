@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.group import gguf_layers, head_args, layer_split, rpc_binary
+from llmgw.agent.group import active_nodes, gguf_layers, head_args, layer_split, rpc_binary, vllm_group_args
 from llmgw.errors import GroupError
 from llmgw.protocol import GroupMember
 from tests.conftest import Assets
@@ -46,3 +46,21 @@ def test_a_build_without_rpc_server_is_named(tmp_path: Path) -> None:
 def test_the_block_count_of_the_real_gguf(assets: Assets) -> None:
     """The test asset, gemma-3-270m (the assets fixture fails under LLMGW_REQUIRE_ASSETS=1)."""
     assert gguf_layers(assets.model) == 18
+
+
+def test_ray_status_counts_the_active_nodes() -> None:
+    status = """======== Autoscaler status: 2026-12-02 11:00:00 ========
+Node status
+---------------------------------------------------------------
+Active:
+ 1 node_6f0a...c1
+ 1 node_8b2e...d4
+Pending:
+ (no pending nodes)
+Recent failures:
+ (no failures)
+"""
+    assert active_nodes(status) == 2
+    assert active_nodes("Active:\n (no active nodes)\nPending:\n") == 0
+    assert vllm_group_args(3, 2) == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3",
+                                     "--distributed-executor-backend", "ray"]

@@ -142,3 +142,72 @@ class RpcWorker:
         if self.engine is not None:
             await self.engine.stop()
             self.engine = None
+
+
+# --- vLLM groups: a Ray cluster per group ---------------------------------------------------------
+#
+# vLLM spreads one model over nodes on a Ray cluster (its "multi-node" serving): the head node runs
+# ``ray start --head``, every worker ``ray start --address <head>``, and once Ray counts every node
+# the head runs ``vllm serve … --tensor-parallel-size <cards per node> --pipeline-parallel-size
+# <nodes> --distributed-executor-backend ray`` (one pipeline stage per node, tensor parallel within
+# it). The head reports its Ray address (``ReplicaStatus.group_endpoint``); the control plane gives
+# it to the workers in their spec. ``ray`` is the one beside the node's ``vllm`` (the same venv:
+# ``pip install vllm ray[default]``). The profile's ``env`` (NCCL_*/GLOO_*…) goes to every process.
+
+RAY_BINARY = "ray"
+RAY_STATUS_EVERY_S = 1.0
+
+
+def ray_binary(vllm: Path) -> Path:
+    """The ``ray`` beside ``vllm`` (its venv).
+
+    Raises:
+        GroupError: there is none.
+    """
+    path = vllm.parent / RAY_BINARY
+    if not path.is_file():
+        raise GroupError(
+            f"no {RAY_BINARY} beside {vllm}: a vLLM group needs Ray in vLLM's environment "
+            f"('{vllm.parent / 'pip'} install \"ray[default]\"')"
+        )
+    return path
+
+
+def ray_head_argv(ray: Path, host: str, port: int) -> list[str]:
+    """``ray start --head`` on ``host:port``, in the foreground (the agent owns the process)."""
+    return [str(ray), "start", "--head", "--node-ip-address", host, "--port", str(port),
+            "--disable-usage-stats", "--block"]
+
+
+def ray_worker_argv(ray: Path, head: str, host: str) -> list[str]:
+    """``ray start --address <head>`` from ``host``, in the foreground."""
+    return [str(ray), "start", "--address", head, "--node-ip-address", host, "--disable-usage-stats", "--block"]
+
+
+def ray_status_argv(ray: Path, head: str) -> list[str]:
+    """``ray status --address <head>``: the autoscaler's view, whose ``Active:`` block lists the nodes."""
+    return [str(ray), "status", "--address", head]
+
+
+def active_nodes(status: str) -> int:
+    """How many nodes ``ray status`` lists as active: the `` 1 node_<id>`` lines of its ``Active:``
+    block (Ray 2.x's format)."""
+    count, inside = 0, False
+    for line in status.splitlines():
+        text = line.strip()
+        if text == "Active:":
+            inside = True
+            continue
+        if inside:
+            if not text or text.endswith(":"):
+                break
+            parts = text.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("node_"):
+                count += int(parts[0])
+    return count
+
+
+def vllm_group_args(nodes: int, cards: int) -> list[str]:
+    """``vllm serve``'s flags for a group of ``nodes`` with ``cards`` GPUs each."""
+    return ["--tensor-parallel-size", str(max(cards, 1)), "--pipeline-parallel-size", str(nodes),
+            "--distributed-executor-backend", "ray"]

@@ -209,6 +209,8 @@ class ReplicaRunner:
         self.log_path = self.dir / "engine.log"
         self._worker: group.RpcWorker | None = None  # a group worker's rpc-server and tunnel
         self._forwarder: groupnet.HeadForwarder | None = None  # a group head's way to its workers
+        self._ray: subprocess.Popen[bytes] | None = None  # a vLLM group member's `ray start --block`
+        self._ray_head = ""  # a vLLM group head: its Ray address, reported for the workers
 
     # --- public -------------------------------------------------------------------------------
 
@@ -242,6 +244,7 @@ class ReplicaRunner:
             endpoint=endpoint,
             pid=self.pid,
             started_at=self.started_at,
+            group_endpoint=self._ray_head,
         )
 
     async def wait_settled(self) -> ReplicaState:
@@ -275,13 +278,18 @@ class ReplicaRunner:
     async def _run(self) -> None:
         try:
             if self.spec.role is GroupRole.WORKER:
-                await self._run_worker()
+                await (self._run_worker() if self.spec.engine == llamacpp.ENGINE else self._run_ray_worker())
                 return
             self._set(ReplicaState.FETCHING)
             self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
             engine = engine_for(self.spec.engine)
             build = engine.usable(self.env.installed(engine.name))
-            extra = await self._head_args(self._model_path) if self.spec.role is GroupRole.HEAD else []
+            extra: list[str] = []
+            if self.spec.role is GroupRole.HEAD:
+                if engine.name == llamacpp.ENGINE:
+                    extra = await self._head_args(self._model_path)
+                else:
+                    extra = await self._ray_cluster(build.binary)
             for attempt in range(1, PORT_TRIES + 1):
                 await asyncio.to_thread(self._launch, engine, build, self._model_path, extra)
                 if await self._wait_ready(engine):
@@ -350,6 +358,73 @@ class ReplicaRunner:
                 raise _Failed(f"rpc-server exited {describe_exit(code)} while serving the head {head}; "
                               f"its last lines:\n{self._tail()}")
 
+    def _start_ray(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Start ``ray start … --block`` (its own session, output to the engine log)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        env = {**engine_environment(self.env.base_env, self.spec.gpu_indexes), **self.spec.env}
+        with self.log_path.open("ab") as logf:
+            logf.write(f"--- llmgw agent: starting {' '.join(argv)}\n".encode())
+            logf.flush()
+            self._log_offset = logf.tell()
+            try:
+                self._ray = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                             start_new_session=True, cwd=self.dir, env=env)
+            except OSError as e:
+                raise _Failed(f"cannot run {argv[0]}: {e}") from e
+        return self._ray
+
+    def _ray_exited(self, what: str) -> None:
+        code = self._ray.poll() if self._ray is not None else None
+        if code is not None:
+            raise _Failed(f"{what} exited {describe_exit(code)}; its last lines:\n{self._tail()}")
+
+    async def _run_ray_worker(self) -> None:
+        """A vLLM group worker: joins its head's Ray cluster once the spec carries the head's address
+        (until then ``starting``; the spec changes when it comes); ready while ``ray start`` runs."""
+        head = next((m.endpoint for m in self.spec.members if m.rank == 0), "")
+        self._set(ReplicaState.STARTING)
+        if not head:
+            log.info("replica %s: waiting for its head's Ray address", self.spec.id)
+            await asyncio.Event().wait()  # cancelled when the spec with the address arrives
+        build = vllm_engine.VLLM.usable(self.env.installed(vllm_engine.ENGINE))
+        ray = self._start_ray(group.ray_worker_argv(group.ray_binary(build.binary), head, self.env.probe_host))
+        self.pid, self.started_at = ray.pid, time.time()
+        await asyncio.sleep(self.env.probe_interval_s)
+        self._ray_exited("ray start (joining the head)")
+        self._set(ReplicaState.READY)
+        while True:
+            await asyncio.sleep(self.env.watch_interval_s)
+            self._ray_exited(f"ray (worker of the head at {head})")
+
+    async def _ray_cluster(self, vllm: Path) -> list[str]:
+        """A vLLM group head: ``ray start --head``, report its address, wait until Ray counts every
+        member (``ray status``), then the flags for ``vllm serve``. Raises _Failed past the start
+        deadline or when Ray exits."""
+        ray = group.ray_binary(vllm)
+        port = self.env.port_picker(self.env.advertise_address)
+        address = host_port(self.env.probe_host, port)
+        self._start_ray(group.ray_head_argv(ray, self.env.probe_host, port))
+        self._set(ReplicaState.STARTING)
+        self._ray_head = address
+        self.env.on_change()  # the workers need the address: heartbeat now
+        want = len(self.spec.members)
+        deadline = self.env.clock() + self.env.installed(vllm_engine.ENGINE).start_deadline_s
+        seen = 0
+        while True:
+            self._ray_exited("ray start --head")
+            done = await asyncio.to_thread(
+                subprocess.run, group.ray_status_argv(ray, address), capture_output=True, text=True, timeout=30,
+                check=False,
+            )
+            seen = group.active_nodes(done.stdout)
+            if seen >= want:
+                break
+            if self.env.clock() > deadline:
+                raise _Failed(f"Ray counts {seen} of the group's {want} nodes after the start deadline")
+            await asyncio.sleep(group.RAY_STATUS_EVERY_S)
+        log.info("replica %s: Ray cluster at %s has all %d nodes; starting vllm", self.spec.id, address, want)
+        return group.vllm_group_args(want, len(self.spec.gpu_indexes))
+
     async def _head_args(self, model_path: Path) -> list[str]:
         """A group head's extra llama-server flags, once every worker has an endpoint; until then
         it waits, ``starting`` (the spec changes when they come, and the agent starts it again)."""
@@ -379,6 +454,9 @@ class ReplicaRunner:
         self.cpus = env.cpus.allocate(self.spec.id, self.spec.cpu_cores) if env.pin else []
         self._oom_before = oom_kills()
         proc_env = engine.environment(engine_environment(env.base_env, self.spec.gpu_indexes), self.spec.key)
+        proc_env.update(self.spec.env)  # the profile's NCCL_*/GLOO_*… settings
+        if self._ray_head:
+            proc_env["RAY_ADDRESS"] = self._ray_head  # vllm serve joins the group's Ray cluster
         launch = Launch(
             spec=self.spec,
             model_path=model_path,
@@ -522,6 +600,12 @@ class ReplicaRunner:
         if self._forwarder is not None:
             await self._forwarder.close()
             self._forwarder = None
+        if self._ray is not None:
+            if self._ray.poll() is None:
+                await asyncio.to_thread(stop_process_group, self._ray.pid, grace_s=self.env.stop_grace_s, reap=False)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(self._ray.wait, 5)
+            self._ray = None
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:

@@ -90,13 +90,17 @@ def drop_owned(args: Sequence[str]) -> list[str]:
     return kept
 
 
-def build_argv(server: VllmServer, spec: ReplicaSpec, *, model_path: Path, host: str, port: int) -> list[str]:
-    """``[vllm, serve, model, *profile args, --host, H, --port, P, --served-model-name, <model>]``."""
+def build_argv(
+    server: VllmServer, spec: ReplicaSpec, *, model_path: Path, host: str, port: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """``[vllm, serve, model, *profile args, *extra, --host, H, --port, P, --served-model-name, <model>]``
+    (``extra``: a group head's parallel sizes and Ray backend)."""
     return [
         str(server.binary),
         "serve",
         str(model_path),
         *drop_owned(spec.args),
+        *extra,
         "--host",
         host,
         "--port",
@@ -211,7 +215,8 @@ class VllmEngine(Engine[VllmServer]):
 
     def argv(self, build: VllmServer, launch: Launch) -> list[str]:
         """:func:`build_argv` for the launch."""
-        return build_argv(build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port)
+        return build_argv(build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port,
+                          extra=launch.extra_args)
 
     def environment(self, base: dict[str, str], key: str) -> dict[str, str]:
         """:func:`environment`: the key and offline hub mode."""

@@ -130,26 +130,35 @@ def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
                 cpu_cores=prof.cpu_cores,
                 key=r.key,
                 env=dict(prof.env),
-                **{"gpu_indexes": list(r.gpu_indexes), **group_fields(r, node_id)},
+                **{"gpu_indexes": list(r.gpu_indexes), **group_fields(r, node_id, prof.engine.value)},
             )
         )
     return out
 
 
-def group_fields(r: ReplicaRow, node_id: str) -> dict[str, Any]:
+def group_fields(r: ReplicaRow, node_id: str, engine: str) -> dict[str, Any]:
     """A group replica's ``role``, ``members`` and ``gpu_indexes`` for ``node_id`` (nothing for a
     replica on one node).
 
     Only what the member's engine needs goes in, so its spec changes (and the agent restarts it)
     only when that changes: the head gets every worker's endpoint (it starts once all are there,
-    and restarts when a worker comes back on another port); a worker gets no endpoints and no
-    states, which change as the workers report."""
+    and restarts when a worker comes back on another port); a llama.cpp worker gets no endpoints;
+    a vLLM worker gets its head's Ray address (it joins that cluster), a vLLM head none (its workers
+    join it; it counts them in Ray). No states: they change as members report."""
     if not r.members:
         return {}
     me = next((m for m in r.members if m.node == node_id), None)
     head = r.node == node_id
-    keep = {"node", "rank", "memory_gb", "gpu_indexes"} | ({"endpoint"} if head else set())
-    members = [GroupMember.model_validate(m.model_dump(include=keep)) for m in r.members]
+    # Which endpoints a member's engine waits for: a llama.cpp head dials its workers (rpc-server);
+    # a vLLM worker joins its head's Ray cluster. Nothing else goes in, so no member's spec changes
+    # with its own report, nor a vLLM head's with its workers joining (that would restart Ray).
+    llama = engine == "llamacpp"
+    wants = head if llama else not head
+    members = []
+    for m in r.members:
+        shown = wants and ((m.rank > 0) if llama else (m.rank == 0))
+        fields = {"node", "rank", "memory_gb", "gpu_indexes"} | ({"endpoint"} if shown else set())
+        members.append(GroupMember.model_validate(m.model_dump(include=fields)))
     out: dict[str, Any] = {"role": GroupRole.HEAD if head else GroupRole.WORKER, "members": members}
     if me is not None and not head:
         out["gpu_indexes"] = list(me.gpu_indexes)

@@ -248,7 +248,10 @@ class Store(abc.ABC):
             if row.members and row.state == ReplicaState.FAILED:
                 continue  # a group failed by a worker stays failed: its head may still say ready
             state = rep.state.value
-            if (row.state, row.err, row.endpoint) == (state, rep.err, rep.endpoint):
+            members = row.members
+            if members and members[0].endpoint != rep.group_endpoint:  # a vLLM head's Ray address
+                members = (members[0].model_copy(update={"endpoint": rep.group_endpoint}), *members[1:])
+            if (row.state, row.err, row.endpoint, row.members) == (state, rep.err, rep.endpoint, members):
                 continue
             ready_at, last_error = row.ready_at, row.last_error
             if state == ReplicaState.READY and row.state != ReplicaState.READY:
@@ -258,7 +261,7 @@ class Store(abc.ABC):
             try:
                 self.update_replica(
                     replace(row, state=state, err=rep.err, endpoint=rep.endpoint, updated_at=now, ready_at=ready_at,
-                            last_error=last_error)
+                            last_error=last_error, members=members)
                 )
             except Conflict:
                 continue
