@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from llmgw.catalog import Model
+from llmgw.catalog import Model, Profile
 from llmgw.config import UiConfig
 from llmgw.guard.config import GuardConfig
 
@@ -17,7 +17,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
 
 def test_the_model_and_guard_examples_validate() -> None:
-    model_yaml, guard_yaml, *others = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    model_yaml, groups_yaml, guard_yaml, *others = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    groups = [Profile.model_validate(p) for p in yaml.safe_load(groups_yaml)["profiles"]]
+    assert [(p.nodes, p.engine.value) for p in groups] == [(3, "llamacpp"), (2, "vllm")]
     model = Model.model_validate(yaml.safe_load(model_yaml))
     assert [p.name for p in model.profiles_by_priority()] == ["gpu-l4", "cpu"]
     guard = GuardConfig.model_validate(yaml.safe_load(guard_yaml)["guard"])
