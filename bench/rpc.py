@@ -33,12 +33,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers.control import make_install, serving
-from tests.helpers.groupworld import World
-from tests.helpers.net import serve_files
-
-from llmgw.agent.records import stop_all_engines
-from llmgw.paths import Paths
+from tests.helpers.groupworld import World, group_world
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER") or CACHE / "llama-cpp-0.3.36-rpc" / "bin" / "llama-server")
@@ -93,35 +88,24 @@ async def main() -> None:
         files = tmp / "files"
         files.mkdir()
         (files / "gemma.gguf").symlink_to(MODEL)
-        runner, url = await serve_files(files)
-        inst = make_install(tmp / "cp", node_lost_after_s=60)
-        try:
-            async with serving(inst):
-                w = World(inst, tmp, url, f"http://127.0.0.1:{inst.ports['gateway']}")
-                try:
-                    w.start_agent("solo", LLAMA_SERVER, 2.0, labels={"solo": "yes"})
-                    for node in ("head", "w1", "w2"):
-                        w.start_agent(node, LLAMA_SERVER, 0.5, labels={"split": "yes"})
-                    for _ in range(300):  # every node registered
-                        if len([n for n in await w.api("GET", "/api/v1/nodes") if n["state"] == "ready"]) == 4:
-                            break
-                        await asyncio.sleep(0.2)
-                    args = ["--ctx-size", "512"]
-                    solo = await ready_s(w, "solo", {"name": "cpu", "min_memory_gb": 1.2, "args": args,
-                                                     "node_selector": {"solo": "yes"}})
-                    solo_rate = await speed(w.gateway, "solo")
-                    await w.api("DELETE", "/api/v1/models/solo")
-                    group = await ready_s(w, "split", {"name": "rpc", "nodes": 3, "min_memory_gb": 1.2, "args": args,
-                                                       "node_selector": {"split": "yes"}})
-                    split_rate = await speed(w.gateway, "split")
-                    placed = await w.api("GET", "/api/v1/replicas?model=split")
-                    members = next(r for r in placed if r["node"])["members"]
-                finally:
-                    await w.stop_agents()
-                    for node_dir in (tmp / "nodes").glob("*"):
-                        stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
-        finally:
-            await runner.cleanup()
+        async with group_world(tmp, files) as w:
+            w.start_agent("solo", LLAMA_SERVER, 2.0, labels={"solo": "yes"})
+            for node in ("head", "w1", "w2"):
+                w.start_agent(node, LLAMA_SERVER, 0.5, labels={"split": "yes"})
+            for _ in range(300):  # every node registered
+                if len([n for n in await w.api("GET", "/api/v1/nodes") if n["state"] == "ready"]) == 4:
+                    break
+                await asyncio.sleep(0.2)
+            args = ["--ctx-size", "512"]
+            solo = await ready_s(w, "solo", {"name": "cpu", "min_memory_gb": 1.2, "args": args,
+                                             "node_selector": {"solo": "yes"}})
+            solo_rate = await speed(w.gateway, "solo")
+            await w.api("DELETE", "/api/v1/models/solo")
+            group = await ready_s(w, "split", {"name": "rpc", "nodes": 3, "min_memory_gb": 1.2, "args": args,
+                                               "node_selector": {"split": "yes"}})
+            split_rate = await speed(w.gateway, "split")
+            placed = await w.api("GET", "/api/v1/replicas?model=split")
+            members = next(r for r in placed if r["node"])["members"]
     print("group: " + ", ".join(f"{m['node']} rank {m['rank']} {m['memory_gb']:.3f} GB" for m in members))
     print(f"solo_ready_s: {solo:.1f} s")
     print(f"group_ready_s: {group:.1f} s")

@@ -19,12 +19,8 @@ from typing import Any
 
 import pytest
 
-from llmgw.agent.records import stop_all_engines
-from llmgw.paths import Paths
 from tests.conftest import Assets
-from tests.helpers.control import make_install, serving
-from tests.helpers.groupworld import World
-from tests.helpers.net import serve_files
+from tests.helpers.groupworld import World, group_world
 from tests.helpers.waits import until
 
 pytestmark = pytest.mark.e2e
@@ -36,24 +32,13 @@ FREE_GB = {"node-a": 0.6, "node-b": 0.5, "node-c": 0.3}
 
 @pytest.fixture
 async def world(tmp_path: Path, assets: Assets) -> AsyncIterator[World]:
-    inst = make_install(tmp_path, node_lost_after_s=30)
     files = tmp_path / "files"
     files.mkdir()
     (files / "gemma.gguf").symlink_to(assets.model)
-    runner, url = await serve_files(files)
-    try:
-        async with serving(inst):
-            w = World(inst, tmp_path, url, f"http://127.0.0.1:{inst.ports['gateway']}")
-            try:
-                for node, free in FREE_GB.items():
-                    w.start_agent(node, assets.llama_server, free)
-                yield w
-            finally:
-                await w.stop_agents()
-                for node_dir in (tmp_path / "nodes").glob("*"):
-                    stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
-    finally:
-        await runner.cleanup()
+    async with group_world(tmp_path, files) as w:
+        for node, free in FREE_GB.items():
+            w.start_agent(node, assets.llama_server, free)
+        yield w
 
 
 async def _group(w: World, model: str) -> dict[str, Any] | None:

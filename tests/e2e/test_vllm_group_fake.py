@@ -23,11 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.agent.records import stop_all_engines
-from llmgw.paths import Paths
-from tests.helpers.control import make_install, serving
-from tests.helpers.groupworld import GB, World
-from tests.helpers.net import serve_files
+from tests.helpers.groupworld import GB, World, group_world
 from tests.helpers.waits import until
 
 pytestmark = pytest.mark.e2e
@@ -109,21 +105,10 @@ async def world(tmp_path: Path) -> AsyncIterator[tuple[World, Path]]:
     files = tmp_path / "files"
     files.mkdir()
     (files / "big.safetensors").write_bytes(b"\0" * 1000)
-    runner, url = await serve_files(files)
-    inst = make_install(tmp_path / "cp", node_lost_after_s=30)
-    try:
-        async with serving(inst):
-            w = World(inst, tmp_path, url, f"http://127.0.0.1:{inst.ports['gateway']}")
-            try:
-                for node in ("gpu-a", "gpu-b"):
-                    w.start_agent(node, bin_dir / "none", 60, cores=16, gpus=[_h100(0)], vllm=bin_dir / "vllm")
-                yield w, calls
-            finally:
-                await w.stop_agents()
-                for node_dir in (tmp_path / "nodes").glob("*"):
-                    stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
-    finally:
-        await runner.cleanup()
+    async with group_world(tmp_path, files) as w:
+        for node in ("gpu-a", "gpu-b"):
+            w.start_agent(node, bin_dir / "none", 60, cores=16, gpus=[_h100(0)], vllm=bin_dir / "vllm")
+        yield w, calls
 
 
 async def test_a_vllm_group_runs_ray_then_vllm_serve_in_order(world: tuple[World, Path]) -> None:

@@ -4,6 +4,8 @@ served in-process: the world of tests/e2e/test_group_rpc.py and bench/rpc.py."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,11 @@ import aiohttp
 import yaml
 
 from llmgw.agent.loop import run_agent
+from llmgw.agent.records import stop_all_engines
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
-from tests.helpers.control import TOKEN, Install
+from tests.helpers.control import TOKEN, Install, make_install, serving
+from tests.helpers.net import serve_files
 
 GB = 1_000_000_000
 
@@ -90,3 +94,23 @@ class World:
             stop.set()
             await asyncio.wait_for(task, 30)
         self.agents.clear()
+
+
+@asynccontextmanager
+async def group_world(tmp: Path, files: Path) -> AsyncIterator[World]:
+    """A control plane served in-process over ``tmp / "cp"`` (nodes lost after 30 s) and a file
+    server over ``files`` (the mirror's stand-in); yields the :class:`World` to start agents in.
+    On the way out every agent stops and every engine left under ``tmp / "nodes"`` is stopped."""
+    runner, url = await serve_files(files)
+    inst = make_install(tmp / "cp", node_lost_after_s=30)
+    try:
+        async with serving(inst):
+            w = World(inst, tmp, url, f"http://127.0.0.1:{inst.ports['gateway']}")
+            try:
+                yield w
+            finally:
+                await w.stop_agents()
+                for node_dir in (tmp / "nodes").glob("*"):
+                    stop_all_engines(Paths(node_dir).agent_state, grace_s=2)
+    finally:
+        await runner.cleanup()
