@@ -53,6 +53,7 @@ class EngineStatus(BaseModel):
     state: ProvisionState
     detail: str = ""
     binary: str = ""
+    features: list[str] = Field(default_factory=list)  # "rpc" (llama.cpp's rpc-server beside it), "ray" (vLLM's)
 
 
 class ReplicaState(StrEnum):

@@ -13,8 +13,8 @@ from llmgw.control.placement import checks
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState
 
 GB = 1_000_000_000
-LLAMA = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
-"""llama.cpp installed, as a node reports it."""
+LLAMA = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1", features=["rpc"])
+"""llama.cpp installed with its rpc-server, as a node reports it."""
 
 
 def node(

@@ -290,3 +290,19 @@ def test_resources_say_where_a_group_would_go() -> None:
     m3 = model(group(3, 6.0))
     p3 = resources_view(m3, nodes=nodes, replicas=[], models={"big": m3}, stored_facts={}).profiles[0]
     assert p3.group == "2 of 3 nodes found: 1 more is needed; the others: 1 node cordoned"
+
+
+def test_a_node_without_rpc_server_is_no_group_member() -> None:
+    """A node whose llama.cpp has no rpc-server (its agent reports no "rpc" feature) cannot be a member."""
+    from llmgw.protocol import EngineStatus, ProvisionState  # noqa: PLC0415
+
+    bare = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
+    model = Model(name="g", source="http://m/g.gguf", profiles=[Profile(name="rpc", nodes=2, min_memory_gb=4)])
+    d = pl.place(model, [node("a"), node("b", engines=[bare]), node("c")], [])
+    assert {m.node for m in d.members} == {"a", "c"}
+    d = pl.place(model, [node("a"), node("b", engines=[bare])], [])
+    assert not d.placed
+    (why,) = [v.rejection for v in d.verdicts if v.rejection.node == "b"]
+    assert (why.code, why.reason) == (
+        "group_engine_missing", "llama.cpp here has no rpc-server beside llama-server (build it with -DGGML_RPC=ON)"
+    )

@@ -111,6 +111,9 @@ SOCK_BUF = 4 * 1024 * 1024
 #: other side stops being read until the buffer drains below ``WRITE_LOW``.
 WRITE_HIGH = 8 * 1024 * 1024
 WRITE_LOW = 2 * 1024 * 1024
+#: Seconds the head forwarder keeps looking for an accepted connection's process among the allowed
+#: ones: the engine dials at once, the runner allows its pid right after Popen (another thread).
+ALLOW_WAIT_S = 2.0
 #: The exit status of the launcher when it cannot make the namespace (before exec).
 LAUNCHER_NO_NS = 121
 
@@ -802,7 +805,16 @@ class HeadForwarder:
         loop = asyncio.get_running_loop()
         try:
             peer = (str(addr[0]), int(addr[1]))
-            pid = await asyncio.to_thread(_belongs_to, list(self._allowed.values()), ("127.0.0.1", port), peer)
+            pid = None
+            # The engine dials its workers milliseconds after it starts, while the runner's thread
+            # may not have called allow() yet: look again for up to ALLOW_WAIT_S (a foreign process
+            # is still refused, just that much later).
+            deadline = loop.time() + ALLOW_WAIT_S
+            while True:
+                pid = await asyncio.to_thread(_belongs_to, list(self._allowed.values()), ("127.0.0.1", port), peer)
+                if pid is not None or loop.time() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
             if pid is None:
                 self._refuse(addr, "not from the head engine's process")
                 conn.close()

@@ -58,7 +58,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from llmgw import __version__
-from llmgw.agent import logs, tlsdiag
+from llmgw.agent import group, logs, tlsdiag
 from llmgw.agent.cache import NodeCache
 from llmgw.agent.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
 from llmgw.agent.discovery import discover_inventory
@@ -241,6 +241,11 @@ class Agent:
             has_nvidia=bool(self.state.inventory.gpus), install=self.cfg.discovery.inventory_file is None
         )
         self.env.vllm, self.env.vllm_problem = vserver, vstatus.detail
+        # What a group member needs beside the engine (placement leaves out nodes without it).
+        if server is not None and (server.binary.parent / group.RPC_BINARY).is_file():
+            status = status.model_copy(update={"features": ["rpc"]})
+        if vserver is not None and (vserver.binary.parent / group.RAY_BINARY).is_file():
+            vstatus = vstatus.model_copy(update={"features": ["ray"]})
         self.state.engines = [status, vstatus]
 
     def _rediscover_soon(self) -> None:

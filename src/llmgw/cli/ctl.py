@@ -200,7 +200,7 @@ def replicas(
             werr = m.err.strip().splitlines()
             t.add_row(
                 f"  └ worker {m.rank}", "", m.node, "", m.state or "-", "", "",
-                werr[-1][:100] if werr else (m.endpoint and f"rpc at {m.endpoint}"),
+                werr[0].removesuffix("; its last lines:")[:100] if werr else (m.endpoint and f"at {m.endpoint}"),
             )
     console().print(t)
 

@@ -157,6 +157,24 @@ def engine_installed(c: Candidate) -> Miss | None:
     return Miss(f"{label} ({status.state.value}{detail})", label)
 
 
+#: What a group member's node needs beside the engine itself (EngineStatus.features).
+GROUP_FEATURE = {
+    "llamacpp": ("rpc", "llama.cpp here has no rpc-server beside llama-server (build it with -DGGML_RPC=ON)"),
+    "vllm": ("ray", 'vLLM here has no ray beside vllm (pip install "ray[default]" into its venv)'),
+}
+
+
+def group_capable(c: Candidate) -> Miss | None:
+    """A group member's node runs the engine's distributed part: llama.cpp's ``rpc-server`` or
+    vLLM's ``ray``, as its agent reports (:data:`GROUP_FEATURE`)."""
+    engine = c.profile.engine.value
+    need = GROUP_FEATURE.get(engine)
+    status = c.node.engines.get(engine)
+    if need is None or (status is not None and need[0] in status.features):
+        return None
+    return Miss(need[1], f"no {need[0]} for {engine}")
+
+
 def gpu_class(c: Candidate) -> Miss | None:
     """A GPU profile needs a GPU of its class on the node; a CPU profile (empty class) passes."""
     want = c.profile.gpu_class
@@ -414,9 +432,14 @@ PIPELINE: tuple[Check, ...] = (
 #: A group member's pipeline (:func:`member_profile`): :data:`PIPELINE` with the whole-need host
 #: memory checks replaced by :func:`member_memory`.
 GROUP_PIPELINE: tuple[Check, ...] = tuple(
-    Check("memory_exhausted", Kind.EXHAUSTED, member_memory) if s.code == "memory_exhausted" else s
+    stage
     for s in PIPELINE
     if s.code != "memory_too_small"
+    for stage in (
+        (s, Check("group_engine_missing", Kind.FILTERED, group_capable)) if s.code == "engine_not_installed"
+        else (Check("memory_exhausted", Kind.EXHAUSTED, member_memory),) if s.code == "memory_exhausted"
+        else (s,)
+    )
 )
 
 #: A group's candidate that passed every check but was left out because the group does not fit.

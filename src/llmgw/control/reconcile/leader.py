@@ -117,6 +117,9 @@ COALESCE_S = 0.2
 #: within about a second.
 MIN_GAP_S = 1.0
 
+#: How a group's error starts when a worker made it fail (the rest names the node and why).
+WORKER_FAILED = "group worker on"
+
 #: A GGUF header that could not be read is tried again after this long (seconds).
 FACTS_RETRY_S = 60.0
 
@@ -416,25 +419,30 @@ class Leader:
 
     def _check_members(self, r: ReplicaRow, live: set[str]) -> ReplicaRow:
         """A group replica whose head is live: failed when a worker's node is not (lost, removed)
-        or a worker failed, naming the node and, for a failed worker, its engine's last lines; the
-        whole group is then replaced with the usual backoff (:mod:`.restarts`), never half-served."""
-        if not r.members or r.state == ReplicaState.FAILED:
+        or a worker failed, its error naming that node and, for a failed worker, the first line of
+        its error (its engine's last lines are on its member entry); a head that already failed
+        because its worker went keeps its own first line after that. The whole group is then
+        replaced with the usual backoff (:mod:`.restarts`), never half-served."""
+        if not r.members or r.err.startswith(WORKER_FAILED):
             return r
-        err = ""
+        cause = ""
         for m in r.members[1:]:
             if m.node not in live:
-                err = f"worker node {m.node} of this group is not ready (lost or removed); the group is replaced"
+                cause = f"{WORKER_FAILED} node {m.node}: the node is not ready (lost or removed)"
                 break
             if m.state == ReplicaState.FAILED:
-                err = f"worker on node {m.node} failed: {m.err}"
+                first = m.err.strip().splitlines()[0] if m.err.strip() else "failed"
+                cause = f"{WORKER_FAILED} node {m.node}: {first.removesuffix('; its last lines:')}"
                 break
-        if not err:
+        if not cause:
             return r
+        head = r.err.strip().splitlines()[0].removesuffix("; its last lines:") if r.err.strip() else ""
+        err = cause + (f"; the head then stopped: {head}" if r.state == ReplicaState.FAILED and head else "")
         try:
             failed = self.store.update_replica(replace(r, state=ReplicaState.FAILED.value, err=err, endpoint=""))
         except Conflict:
             return r
-        log.warning("replica %s: %s", r.id, err)
+        log.warning("replica %s: %s; the group is replaced", r.id, err)
         return failed
 
     def _replace_stale_and_failed(
