@@ -74,3 +74,18 @@ def test_removing_a_workers_node_removes_its_group_whole(store: Store) -> None:
     store.add_replica(ReplicaRow(id="solo-1", model="solo", node="head", profile="cpu", key="k", created_at=2.0))
     store.remove_node("w_1", now=3.0)
     assert [r.id for r in store.list_replicas()] == ["solo-1"]  # the group went whole; the head's other replica stays
+
+
+def test_each_node_view_holds_its_own_share_of_a_group() -> None:
+    from llmgw.catalog import Model  # noqa: PLC0415
+    from llmgw.control.api.admin import node_view  # noqa: PLC0415
+    from llmgw.control.store import NodeRow  # noqa: PLC0415
+    from llmgw.protocol import Inventory  # noqa: PLC0415
+
+    inv = Inventory(cores=2, memory_total_bytes=10**9, memory_available_bytes=10**9)
+    model = Model.model_validate({"name": "big", "source": "http://m/b.gguf",
+                                  "profiles": [{"name": "rpc", "nodes": 3, "min_memory_gb": 13.5}]})
+    views = {n: node_view(NodeRow(n, 1, "ready", False, {}, inv, [], [], 0.0, 0.0), [_group()], {"big": model})
+             for n in ("head", "w_1", "w%2")}
+    got = {n: v.resources.memory_reserved_bytes for n, v in views.items() if v.resources}
+    assert got == {"head": 6_000_000_000, "w_1": 4_000_000_000, "w%2": 3_500_000_000}

@@ -456,6 +456,8 @@ def model_resources(
               "COULD RUN ON")
     for p in data["profiles"]:
         fits = [n["node"] for n in p["nodes"] if n["fits"]]
+        if p.get("group_size", 1) > 1:  # a group: where it would go as a whole, not each node alone
+            fits = [f"group of {p['group_size']}: {p.get('group') or '?'}"]
         t.add_row(
             p["name"], str(p["priority"]), p["engine"],
             f"{p['gpu_count']}x {p['gpu_class']}" if p["gpu_class"] else "-", str(p["cpu_cores"]),

@@ -129,7 +129,8 @@ def model_view(row: ModelRow, replicas: list[ReplicaRow]) -> ModelView:
 
 def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model]) -> NodeView:
     """A node: its engines (installed ones), provisioning of each, and resources reserved/free."""
-    held = reservations([x for x in replicas if x.node == node.id], models)
+    mine = [x for x in replicas if x.node == node.id or any(m.node == node.id for m in x.members)]
+    held = [r for r in reservations(mine, models) if r.node == node.id]  # a group's member share here only
     mem_reserved = int(sum(r.memory_gb for r in held if not r.gpu_class) * GB)
     cores_reserved = sum(r.cpu_cores for r in held)
     inv = node.inventory
