@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import gguf
-
 from llmgw.agent import groupnet
 from llmgw.errors import GroupError
+from llmgw.ggufheader import parse_header
 from llmgw.protocol import GroupMember
 
 log = logging.getLogger(__name__)
@@ -55,20 +54,14 @@ def rpc_binary(llama_server: Path) -> Path:
 
 
 def gguf_layers(path: Path) -> int:
-    """The number of transformer blocks (``<arch>.block_count``) in the GGUF at ``path``.
+    """The number of transformer blocks (``<arch>.block_count``) in the GGUF at ``path``, from its
+    header alone (:func:`llmgw.ggufheader.parse_header`; ``gguf.GGUFReader`` took 9.7 s here).
 
     Raises:
-        GroupError: the header has no block count.
+        EstimateError: not a GGUF, or a header without a block count.
     """
-    reader = gguf.GGUFReader(path)
-    arch_field = reader.fields.get("general.architecture")
-    if arch_field is None:
-        raise GroupError(f"{path.name}: the GGUF header names no architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    count = reader.fields.get(f"{arch}.block_count")
-    if count is None:
-        raise GroupError(f"{path.name}: the GGUF header has no {arch}.block_count")
-    return int(count.parts[count.data[0]][0])
+    with path.open("rb") as f:
+        return parse_header(f, source=str(path), file_size=path.stat().st_size).block_count
 
 
 def layer_split(n_layers: int, members: Sequence[GroupMember]) -> tuple[int, list[float]]:

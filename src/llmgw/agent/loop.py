@@ -86,6 +86,7 @@ from llmgw.tlsconf import client_context
 log = logging.getLogger("llmgw.agent")
 
 REDISCOVER_S = 60.0
+FAREWELL_BEAT_S = 3.0  # the last heartbeat after group members stopped with the agent (best effort)
 """GPUs and the engine binary are re-read this often (nvidia-smi is too slow for every beat)."""
 
 LOG_REPEAT_S = 30.0
@@ -524,7 +525,16 @@ class Agent:
                 await asyncio.gather(*self._stopping, return_exceptions=True)
             for runner in self.state.runners.values():
                 await runner.detach()
-            log.info("agent stopped; %d engine(s) left running for the next agent", len(self.state.runners))
+            stopped = [rid for rid, r in self.state.runners.items() if r.spec.role is not None]
+            for rid in stopped:  # group members stop with their agent (their tunnels end with it)
+                del self.state.runners[rid]
+            if stopped:
+                # Say so at once: the gateway stops routing to a head that is gone, and a group whose
+                # worker went starts again, instead of waiting node_lost_after_s for the silence.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.beat_once(), FAREWELL_BEAT_S)
+            log.info("agent stopped; %d engine(s) left running for the next agent, %d group member(s) stopped",
+                     len(self.state.runners), len(stopped))
 
 
 async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | None = None) -> None:

@@ -41,17 +41,16 @@ wrong with it ("not a GGUF file", "the header ends early", "cannot be read: …"
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
 
 import httpx
-from gguf.constants import GGUF_MAGIC, GGUFValueType
-from pydantic import BaseModel, Field
 
 from llmgw.errors import EstimateError
+from llmgw.ggufheader import HEADER_LIMIT_BYTES, GgufFacts, parse_header
+
+__all__ = ["HEADER_LIMIT_BYTES", "Estimate", "GgufFacts", "estimate", "parse_header", "read_facts"]
 
 GB = 1e9
 
@@ -59,9 +58,6 @@ OVERHEAD_BYTES = 300_000_000
 """Compute buffers, output logits and the engine's heap on top of weights and KV (llama.cpp:
 "a few hundred MiB", growing with ``--ubatch-size``; llama-server measured here with gemma-3-270m
 at ``-c 2048``: model 253 MB + KV 37.7 MB + compute ≈ 0.25 GB)."""
-
-HEADER_LIMIT_BYTES = 64 << 20
-"""Give up on a key/value section longer than this (a 256k vocabulary takes ~7 MB)."""
 
 SWA_PATTERN = {"gemma3": 6, "gemma2": 2, "gemma3n": 5}
 """Every N-th layer is global (full context), the others slide (llama.cpp ``set_swa_pattern``)."""
@@ -78,22 +74,6 @@ CACHE_TYPE_BYTES = {
     "iq4_nl": 18 / 32,
 }
 """Bytes per element of a KV cache type (block size / elements per block, as ggml lays them out)."""
-
-
-class GgufFacts(BaseModel):
-    """What placement needs from a GGUF header. Lengths in elements, sizes in bytes."""
-
-    architecture: str
-    file_size: int
-    block_count: int
-    head_count: int = 0
-    head_count_kv: list[int] = Field(default_factory=list)  # one value, or one per layer
-    key_length: int = 0
-    value_length: int = 0
-    embedding_length: int = 0
-    context_length: int = 0
-    sliding_window: int = 0
-    header_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,116 +95,6 @@ class Estimate:
     def total_gb(self) -> float:
         """The total in GB (10^9 bytes), as ``min_memory_gb`` is."""
         return self.total / GB
-
-
-# --- reading the header ---
-
-_SCALARS: dict[int, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-
-
-class _Reader:
-    """Little-endian reads over a byte stream, counting bytes; EstimateError when it ends early."""
-
-    def __init__(self, stream: IO[bytes], source: str) -> None:
-        self.stream, self.source, self.pos = stream, source, 0
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > HEADER_LIMIT_BYTES:
-            raise EstimateError(f"{self.source}: the GGUF header is longer than {HEADER_LIMIT_BYTES >> 20} MiB")
-        data = self.stream.read(n)
-        while len(data) < n:
-            more = self.stream.read(n - len(data))
-            if not more:
-                raise EstimateError(f"{self.source}: the GGUF header ends early (at byte {self.pos + len(data)})")
-            data += more
-        self.pos += n
-        return data
-
-    def scalar(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        return self.take(n).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int, keep: bool) -> Any:
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            item, count = self.scalar("<I"), self.scalar("<Q")
-            if item in _SCALARS and not keep:
-                self.take(struct.calcsize(_SCALARS[item]) * count)  # skipped in one read
-                return None
-            values = [self.value(item, keep) for _ in range(count)]
-            return values if keep else None
-        raise EstimateError(f"{self.source}: unknown GGUF value type {vtype}; not a GGUF this build can read")
-
-
-def parse_header(stream: IO[bytes], *, source: str, file_size: int) -> GgufFacts:
-    """Parse the magic, version and key/value section of a GGUF from ``stream`` (read no further).
-
-    Raises:
-        EstimateError: not a GGUF, an unsupported version, a header that ends early, or keys
-            placement needs (``general.architecture``, ``{arch}.block_count``) missing.
-    """
-    r = _Reader(stream, source)
-    magic = struct.unpack("<I", r.take(4))[0]
-    if magic != GGUF_MAGIC:
-        raise EstimateError(f"{source}: not a GGUF file (magic {magic:#010x}); the estimate needs a GGUF")
-    version = r.scalar("<I")
-    if version not in (2, 3):
-        raise EstimateError(f"{source}: GGUF version {version} is not supported (2 and 3 are)")
-    r.scalar("<Q")  # tensor count
-    kv_count = r.scalar("<Q")
-    kv: dict[str, Any] = {}
-    for _ in range(kv_count):
-        key = r.string()
-        vtype = r.scalar("<I")
-        # Only small arrays are kept (per-layer head counts); the vocabulary is skipped.
-        keep = not key.startswith("tokenizer.")
-        kv[key] = r.value(vtype, keep)
-    arch = kv.get("general.architecture")
-    if not isinstance(arch, str):
-        raise EstimateError(f"{source}: the GGUF has no general.architecture; cannot estimate its memory")
-
-    def num(name: str) -> int:
-        v = kv.get(f"{arch}.{name}")
-        if isinstance(v, list):
-            return int(max(v)) if v else 0
-        return int(v) if isinstance(v, (int, float)) else 0
-
-    blocks = num("block_count")
-    if blocks <= 0:
-        raise EstimateError(f"{source}: the GGUF has no {arch}.block_count; cannot estimate its memory")
-    hkv = kv.get(f"{arch}.attention.head_count_kv")
-    heads_kv = [int(x) for x in hkv] if isinstance(hkv, list) else ([int(hkv)] if hkv is not None else [])
-    return GgufFacts(
-        architecture=arch,
-        file_size=file_size,
-        block_count=blocks,
-        head_count=num("attention.head_count"),
-        head_count_kv=heads_kv,
-        key_length=num("attention.key_length"),
-        value_length=num("attention.value_length"),
-        embedding_length=num("embedding_length"),
-        context_length=num("context_length"),
-        sliding_window=num("attention.sliding_window"),
-        header_bytes=r.pos,
-    )
 
 
 class _ChunkStream:
