@@ -20,6 +20,7 @@ API, ``server init``, and the store when it reads a row back):
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated
 
@@ -63,7 +64,7 @@ def _stored(info: ValidationInfo) -> bool:
 _Text = Annotated[str, StringConstraints(max_length=4096)]
 _ShortText = Annotated[str, StringConstraints(max_length=253)]
 # Only the communication libraries' own settings: a profile must not set LD_PRELOAD or PATH for an engine.
-_EnvName = Annotated[str, StringConstraints(pattern=r"^(NCCL|GLOO|UCX|VLLM)_[A-Z0-9_]{1,64}$")]
+_ENV_NAME = re.compile(r"^(NCCL|GLOO|UCX|VLLM)_[A-Z0-9_]{1,64}$")
 
 
 class Role(StrEnum):
@@ -139,7 +140,18 @@ class Profile(_Strict):
     node_selector: dict[str, _ShortText] = Field(default_factory=dict)
     args: Annotated[list[_Text], Field(max_length=MAX_ARGS)] = Field(default_factory=list)
     nodes: Annotated[int, Field(ge=1, le=MAX_GROUP_NODES)] = 1
-    env: dict[_EnvName, _ShortText] = Field(default_factory=dict, max_length=64)
+    env: dict[str, _ShortText] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in v if not _ENV_NAME.fullmatch(k))
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)}: only NCCL_*, GLOO_*, UCX_* and VLLM_* variables (upper case) may be set "
+                "for an engine"
+            )
+        return v
 
     @field_validator("node_selector")
     @classmethod

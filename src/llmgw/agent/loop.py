@@ -288,9 +288,10 @@ class Agent:
             cached=cached_weights(self.cache.root),
         )
 
-    async def beat_once(self) -> HeartbeatReply | None:
-        """One exchange with a control plane and the reconcile that follows; None when no control
-        plane gave a usable answer this beat.
+    async def beat_once(self, *, apply: bool = True) -> HeartbeatReply | None:
+        """One exchange with a control plane and the reconcile that follows (not with ``apply``
+        False: the last report of an agent going away); None when no control plane gave a usable
+        answer this beat.
 
         Tries :attr:`control_planes`' order in turn, at once (:mod:`llmgw.agent.controlplanes`): a
         connect error, TLS failure, timeout, 5xx, unreadable body or stale term moves to the next.
@@ -326,7 +327,8 @@ class Agent:
                 await self._log_failure([(url, e)])
                 return None
             self._answered(url, was, failures)
-            await self._apply(url, reply)
+            if apply:
+                await self._apply(url, reply)
             return reply
         self.failed_cycles += 1
         await self._log_failure(failures)
@@ -532,7 +534,7 @@ class Agent:
                 # Say so at once: the gateway stops routing to a head that is gone, and a group whose
                 # worker went starts again, instead of waiting node_lost_after_s for the silence.
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.beat_once(), FAREWELL_BEAT_S)
+                    await asyncio.wait_for(self.beat_once(apply=False), FAREWELL_BEAT_S)  # report, start nothing
             log.info("agent stopped; %d engine(s) left running for the next agent, %d group member(s) stopped",
                      len(self.state.runners), len(stopped))
 

@@ -10,6 +10,7 @@ what each check means are in the placer's docstring. Units: memory in GB (10^9 b
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -457,6 +458,16 @@ class Verdict:
     label: str
 
 
+def gb_up(gb: float) -> str:
+    """GB to one decimal, rounded up: a need shown must be enough (4.045 is "4.1", never "4.0")."""
+    return f"{math.ceil(gb * 10 - 1e-6) / 10:.1f}"
+
+
+def gb_down(gb: float) -> str:
+    """GB to one decimal, rounded down: free memory shown is never more than there is."""
+    return f"{math.floor(gb * 10 + 1e-6) / 10:.1f}"
+
+
 ORDINALS = (
     "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
     "ninth", "tenth", "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth",
@@ -515,7 +526,7 @@ class GroupMiss:
         if self.last_need_gb is not None and self.best_free_gb is not None:
             text = (
                 f"{self.size - 1} of {self.size} nodes found: the {ordinal(self.size)} needs "
-                f"{self.last_need_gb:.1f} GB, best remaining node has {self.best_free_gb:.1f} GB free"
+                f"{gb_up(self.last_need_gb)} GB, best remaining node has {gb_down(self.best_free_gb)} GB free"
             )
         else:
             more = self.size - self.found

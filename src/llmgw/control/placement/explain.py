@@ -120,8 +120,8 @@ def _group_lines(g: checks.GroupMiss, model: Model) -> list[str]:
     out = []
     if g.last_need_gb is not None and g.short_gb > 1e-9:
         out.append(
-            f"a node with at least {g.last_need_gb:.1f} GB free joins "
-            f"(or one of the candidates frees {g.short_gb:.1f} GB)"
+            f"a node with at least {checks.gb_up(g.last_need_gb)} GB free joins "
+            f"(or one of the candidates frees {checks.gb_up(g.short_gb)} GB)"
         )
     if g.cluster < g.size:
         which = "this profile" if len(model.profiles) == 1 else f"profile {g.profile}"
