@@ -63,6 +63,9 @@ async def test_a_group_over_two_nodes_answers_and_survives_a_workers_death(world
     status, text = await w.chat("gemma")
     assert status == 200, text
     assert '"content"' in text
+    ex = await w.api("GET", "/api/v1/explain-placement?model=gemma")
+    assert ex["summary"] == "1/1 replicas placed on node-a (head) + node-b"
+    assert group["members"][0]["state"] == "ready"  # the head's entry shows the replica's state
 
     # The worker's tunnel lets only the head's certificate in.
     endpoint = group["members"][1]["endpoint"]

@@ -197,7 +197,8 @@ def replica_view(r: ReplicaRow) -> ReplicaView:
         restarts=r.restarts,
         last_error=r.last_error,
         gpu_indexes=list(r.gpu_indexes),
-        members=list(r.members),
+        # The head's own entry carries no state (its state is the replica's): show it there too.
+        members=[m.model_copy(update={"state": r.state}) if m.rank == 0 else m for m in r.members],
     )
 
 

@@ -532,7 +532,7 @@ class GroupMiss:
             more = self.size - self.found
             text = f"{self.found} of {self.size} nodes found: {more} more {'is' if more == 1 else 'are'} needed"
         if others and self.others:
-            text += f"; the others: {self.others}"
+            text += f"; {'the others' if self.found else 'the nodes'}: {self.others}"
         if others and self.cluster < self.size:
             text += f"; the cluster has {count_nodes(self.cluster)}"
         return text

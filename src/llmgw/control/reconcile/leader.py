@@ -126,6 +126,13 @@ FACTS_RETRY_S = 60.0
 FactsReader = Callable[[str], est.GgufFacts]
 
 
+def _where(r: ReplicaRow) -> str:
+    """Where a replica runs, for the explanation: its node, or a group's ``a (head) + b + c``."""
+    if not r.members:
+        return r.node
+    return " + ".join([f"{r.node} (head)", *(m.node for m in r.members[1:])])
+
+
 def spec_hash(model: Model, profile_name: str) -> str:
     """What a replica was placed from: the profile's JSON (fields at their defaults left out, so a
     field a new release adds does not restart every replica on upgrade), the source, version and
@@ -530,7 +537,7 @@ class Leader:
         else:
             placer_for_view = placer
         view = explain_view(
-            model, decision=decision, placer=placer_for_view, replicas=[(r.id, r.node) for r in mine], now=now
+            model, decision=decision, placer=placer_for_view, replicas=[(r.id, _where(r)) for r in mine], now=now
         )
         self._store_explanation(view, now)
         result.explanations[model.name] = view
