@@ -340,7 +340,10 @@ async def node(request: web.Request) -> web.Response:
     context: dict[str, Any] = {
         "node": n,
         "gauges": pages.node_bars(n),
-        "replicas": [ReplicaView.model_validate(r) for r in replicas_j if r.get("node") == nid],
+        "replicas": [
+            ReplicaView.model_validate(r) for r in replicas_j
+            if r.get("node") == nid or any(m.get("node") == nid for m in r.get("members", []))  # group workers too
+        ],
     }
     if _live(request):
         return _page("node_live.html", **await _live_base(request), **context)
