@@ -285,12 +285,19 @@ def memory(c: Candidate) -> Miss | None:
     need = c.profile.min_memory_gb
     if need <= 0 or c.profile.gpu_class:
         return None
+    return _host_short(c, need, f"needs {need:.1f} GB memory")
+
+
+def _host_short(c: Candidate, need: float, what: str) -> Miss | None:
+    """None when ``need`` GB of host memory is free on the node, else the miss: ``what``, then the
+    free and total memory, the memory used outside llmgw when it is notable, and the replicas
+    holding memory there."""
     free, total, outside = host_free_gb(c.node.inventory, c.usage)
     if need <= free + 1e-9:
         return None
     note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
     return Miss(
-        f"needs {need:.1f} GB memory, {free:.1f} of {total:.1f} GB free{note}",
+        f"{what}, {free:.1f} of {total:.1f} GB free{note}",
         "not enough memory",
         need,
         round(free, 3),
@@ -388,17 +395,7 @@ def member_memory(c: Candidate) -> Miss | None:
     :func:`gpu_size` and :func:`gpus` with each member's share (:func:`member_profile`)."""
     if c.profile.min_memory_gb <= 0 or c.profile.gpu_class:
         return None
-    free, total, outside = host_free_gb(c.node.inventory, c.usage)
-    if free + 1e-9 >= MIN_MEMBER_GB:
-        return None
-    note = f" ({outside:.1f} GB used outside llmgw)" if outside >= OUTSIDE_NOTE_GB else ""
-    return Miss(
-        f"needs at least {MIN_MEMBER_GB:.1f} GB free for a share of the group, {free:.1f} of {total:.1f} GB free{note}",
-        "not enough memory",
-        MIN_MEMBER_GB,
-        round(free, 3),
-        tuple(r.replica for r in c.usage.held if not r.gpu_class and r.memory_gb > 0),
-    )
+    return _host_short(c, MIN_MEMBER_GB, f"needs at least {MIN_MEMBER_GB:.1f} GB free for a share of the group")
 
 
 def member_profile(p: Profile) -> Profile:
