@@ -41,6 +41,7 @@ import httpx
 import psycopg
 import yaml
 
+from llmgw.agent.records import stop_all_engines
 from llmgw.paths import Paths
 from tests.helpers.control import TOKEN, Install, make_install
 from tests.helpers.net import free_port
@@ -480,7 +481,8 @@ class Agent:
             )
 
     def stop(self) -> None:
-        """SIGTERM (the agent stops its engines), SIGKILL after 20 s."""
+        """SIGTERM, SIGKILL after 20 s; then its engines, which an agent leaves running for the next
+        one (they outlived the test session before)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -488,6 +490,7 @@ class Agent:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        stop_all_engines(Paths(self.root).agent_state, grace_s=2)
 
 
 @dataclass
