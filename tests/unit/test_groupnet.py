@@ -419,3 +419,22 @@ async def test_link_in_namespace_of_a_gone_process() -> None:
     await proc.wait()
     with pytest.raises(GroupNetError):
         await EngineLink.in_namespace_of(proc.pid, timeout_s=0.2)
+
+
+async def test_an_engine_stopped_while_starting_is_not_left_behind(tmp_path: Path) -> None:
+    """A runner stopped while its engine starts (the spec changed, the agent stops) cancels
+    start_isolated: the engine must go with it (rpc-servers outlived their tests before)."""
+    import psutil  # noqa: PLC0415
+
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(60)\n")  # never listens
+    task = asyncio.create_task(start_isolated(lambda _port: [sys.executable, str(slow)], ready_timeout_s=30))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    def running() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline"]) if str(slow) in " ".join(p.info["cmdline"] or [])]
+
+    await _wait_for(lambda: not running(), within_s=5)

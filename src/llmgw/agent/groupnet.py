@@ -374,6 +374,9 @@ async def start_isolated(
         proc = _spawn(isolated_argv(argv_for_port(NS_PORT)), popen_kw)
         try:
             link = await EngineLink.in_namespace_of(proc.pid, NS_PORT, exited=lambda: proc.poll() is not None)
+        except asyncio.CancelledError:
+            _kill_now(proc)  # the runner was stopped while the engine was starting: never leave it behind
+            raise
         except GroupNetError:
             if proc.poll() is None:
                 proc.kill()
@@ -389,6 +392,14 @@ async def start_isolated(
     port = free_local_port()
     proc = _spawn(list(argv_for_port(port)), popen_kw)
     return await _ready(IsolatedProcess(proc, EngineLink.host(port, note)), ready_timeout_s)
+
+
+def _kill_now(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` if it runs and reap it (blocking briefly: it cannot ignore SIGKILL)."""
+    if proc.poll() is None:
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
 
 
 def _spawn(argv: list[str], kw: dict[str, Any]) -> subprocess.Popen[bytes]:
