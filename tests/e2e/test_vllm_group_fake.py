@@ -124,6 +124,9 @@ async def test_a_vllm_group_runs_ray_then_vllm_serve_in_order(world: tuple[World
 
     group = await until("the vLLM group is ready", ready, 60)
     assert group["node"] == group["members"][0]["node"]  # the head serves the API
+    for node in ("gpu-a", "gpu-b"):  # every stage's node has the weights, at the same cache path
+        cached = list((w.root / "nodes" / node).rglob("big.safetensors"))
+        assert len(cached) == 1, node
     assert [m["memory_gb"] for m in group["members"]] == [60.0, 60.0]  # one pipeline stage per node
 
     seen = [json.loads(line) for line in calls.read_text().splitlines()]

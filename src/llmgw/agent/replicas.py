@@ -379,9 +379,14 @@ class ReplicaRunner:
             raise _Failed(f"{what} exited {describe_exit(code)}; its last lines:\n{self._tail()}")
 
     async def _run_ray_worker(self) -> None:
-        """A vLLM group worker: joins its head's Ray cluster once the spec carries the head's address
-        (until then ``starting``; the spec changes when it comes); ready while ``ray start`` runs."""
+        """A vLLM group worker: fetches the weights (its stage loads them here), then joins its head's
+        Ray cluster once the spec carries the head's address (until then ``starting``; the spec
+        changes when it comes); ready while ``ray start`` runs."""
         head = next((m.endpoint for m in self.spec.members if m.rank == 0), "")
+        # vLLM loads each pipeline stage's weights on its own node, from the path the head serves:
+        # the node cache's path, the same on every node with the same agent state directory.
+        self._set(ReplicaState.FETCHING)
+        self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
         self._set(ReplicaState.STARTING)
         if not head:
             log.info("replica %s: waiting for its head's Ray address", self.spec.id)
