@@ -92,7 +92,7 @@ def test_a_cluster_smaller_than_the_group() -> None:
     assert d.summary == (
         "0/2 nodes can run it as a group of 3: 2 of 3 nodes found: 1 more is needed; the cluster has 2 nodes"
     )
-    assert would_fit_if(d, placer, m) == ["the cluster has 2 nodes; this profile needs 3 (add 1)"]
+    assert would_fit_if(d, placer, m) == ["1 more node joins (the cluster has 2; this profile needs 3)"]
 
 
 def test_too_few_candidates_names_the_others() -> None:
@@ -305,4 +305,13 @@ def test_a_node_without_rpc_server_is_no_group_member() -> None:
     (why,) = [v.rejection for v in d.verdicts if v.rejection.node == "b"]
     assert (why.code, why.reason) == (
         "group_engine_missing", "llama.cpp here has no rpc-server beside llama-server (build it with -DGGML_RPC=ON)"
+    )
+
+
+def test_too_few_nodes_and_too_little_memory_says_both() -> None:
+    model = Model(name="g", source="http://m/g.gguf", profiles=[Profile(name="rpc", nodes=2, min_memory_gb=120)])
+    d = pl.place(model, [node("a", mem_gb=24, avail_gb=23.3)], [])
+    assert d.summary == (
+        "0/1 nodes can run it as a group of 2: 1 of 2 nodes found: 1 more is needed and 96.7 GB more memory "
+        "(the group needs 120.0 GB, the 1 node found has 23.3 GB free); the cluster has 1 node"
     )

@@ -507,6 +507,7 @@ class GroupMiss:
     last_need_gb: float | None = None
     best_free_gb: float | None = None
     others: str = ""
+    found_free_gb: float | None = None  # too few candidates: the memory free on those found (GB)
 
     @property
     def short_gb(self) -> float:
@@ -528,6 +529,11 @@ class GroupMiss:
         else:
             more = self.size - self.found
             text = f"{self.found} of {self.size} nodes found: {more} more {'is' if more == 1 else 'are'} needed"
+            if self.need_gb > 0 and self.found_free_gb is not None and self.found and self.need_gb > self.found_free_gb:
+                # Short of memory too: say by how much, or "add a node" reads as if one would do.
+                text += (f" and {gb_up(self.need_gb - self.found_free_gb)} GB more memory (the group needs "
+                         f"{gb_up(self.need_gb)} GB, the {count_nodes(self.found)} found "
+                         f"{'has' if self.found == 1 else 'have'} {gb_down(self.found_free_gb)} GB free)")
         if others and self.others:
             text += f"; {'the others' if self.found else 'the nodes'}: {self.others}"
         if others and self.cluster < self.size:

@@ -11,8 +11,8 @@ answers with short lines, most useful first:
   short, by index; never a negative amount);
 * **groups** (a profile's ``nodes`` above 1), first: ``a node with at least 14.2 GB free joins (or
   one of the candidates frees 4.4 GB)`` when the best candidates lack memory together (the last
-  member's need, and what one of the best candidates would have to free), ``the cluster has 2
-  nodes; this profile needs 3 (add 1)`` when the cluster is smaller than the group; the nodes that
+  member's need, and what one of the best candidates would have to free), ``1 more node joins
+  (the cluster has 2; this profile needs 3)`` when the cluster is smaller than the group; the nodes that
   are not candidates get their per-node lines below;
 * **filtered** only, one line per distinct rule: ``add a node with GPU class h100-80gb``,
   ``label a node llmgw.zone=eu (agent.yaml labels)``, ``install engine vllm on a node``,
@@ -125,8 +125,9 @@ def _group_lines(g: checks.GroupMiss, model: Model) -> list[str]:
         )
     if g.cluster < g.size:
         which = "this profile" if len(model.profiles) == 1 else f"profile {g.profile}"
-        has = checks.count_nodes(g.cluster)
-        out.append(f"the cluster has {has}; {which} needs {g.size} (add {g.size - g.cluster})")
+        more = g.size - g.cluster
+        out.append(f"{more} more {'node joins' if more == 1 else 'nodes join'} (the cluster has {g.cluster}; "
+                   f"{which} needs {g.size})")
     return out
 
 

@@ -256,7 +256,8 @@ class Placer:
                 others=count_labels(verdicts),
             )
         else:
-            miss = GroupMiss(profile.name, size, len(self.nodes), len(cands), need, others=count_labels(verdicts))
+            miss = GroupMiss(profile.name, size, len(self.nodes), len(cands), need, others=count_labels(verdicts),
+                             found_free_gb=sum(free.values()))
         clause = miss.clause(others=False)
         for _, node in sorted(cands, key=lambda c: c[1].id):
             if profile.gpu_class:
