@@ -166,23 +166,31 @@ def _back(request: web.Request) -> str:
     return "/ui/"
 
 
-async def _base(request: web.Request, title: str) -> dict[str, Any]:
-    role = request.get(ROLE_KEY)
-    return {
-        "title": title,
-        "role": role.value if role else "",
-        "can_act": role is auth.Role.ADMIN,
-        "csrf": await auth.csrf_token(request),
-        "flash": await auth.take_flash(request),
-        "path": request.path,
-    }
-
-
 async def _live_base(request: web.Request) -> dict[str, Any]:
     """What a live part's template needs of the page (not the one-time message: a poll must not
     take it)."""
     role = request.get(ROLE_KEY)
     return {"can_act": role is auth.Role.ADMIN, "csrf": await auth.csrf_token(request)}
+
+
+async def _base(request: web.Request, title: str) -> dict[str, Any]:
+    """What every whole page's template needs: the live part's, plus the title, the role, the
+    message an action left, and the path (the navigation marks the current page)."""
+    role = request.get(ROLE_KEY)
+    return {
+        **await _live_base(request),
+        "title": title,
+        "role": role.value if role else "",
+        "flash": await auth.take_flash(request),
+        "path": request.path,
+    }
+
+
+async def _render(request: web.Request, page: str, title: str, context: dict[str, Any]) -> web.Response:
+    """``<page>.html``, or only its live part ``<page>_live.html`` when htmx polls (``?part=live``)."""
+    if request.query.get("part") == "live":
+        return _page(f"{page}_live.html", **await _live_base(request), **context)
+    return _page(f"{page}.html", **await _base(request, title), **context)
 
 
 def _segment(value: str) -> str:
@@ -195,10 +203,6 @@ def _segment(value: str) -> str:
 
 def _api(request: web.Request) -> AdminApi:
     return request.app[API_KEY]
-
-
-def _live(request: web.Request) -> bool:
-    return request.query.get("part") == "live"
 
 
 # --- login ---
@@ -257,9 +261,7 @@ async def overview(request: web.Request) -> web.Response:
         "ha": len(cluster.control_planes) > 1 or bool(cluster.patroni),
         "problems": pages.problems(nodes, replicas, models),
     }
-    if _live(request):
-        return _page("overview_live.html", **await _live_base(request), **context)
-    return _page("overview.html", **await _base(request, "Overview"), **context)
+    return await _render(request, "overview", "Overview", context)
 
 
 async def model(request: web.Request) -> web.Response:
@@ -283,9 +285,7 @@ async def model(request: web.Request) -> web.Response:
         "log_replica": chosen,
         "placed": placed,
     }
-    if _live(request):
-        return _page("model_live.html", **await _live_base(request), **context)
-    return _page("model.html", **await _base(request, m.name), **context)
+    return await _render(request, "model", m.name, context)
 
 
 async def scale(request: web.Request) -> web.Response:
@@ -345,9 +345,7 @@ async def node(request: web.Request) -> web.Response:
             if r.get("node") == nid or any(m.get("node") == nid for m in r.get("members", []))  # group workers too
         ],
     }
-    if _live(request):
-        return _page("node_live.html", **await _live_base(request), **context)
-    return _page("node.html", **await _base(request, n.id), **context)
+    return await _render(request, "node", n.id, context)
 
 
 async def node_action(request: web.Request) -> web.Response:
@@ -373,9 +371,7 @@ async def guard(request: web.Request) -> web.Response:
         "categories": sorted((stats.get("categories") or {}).items(), key=lambda kv: (-kv[1], kv[0])),
         "recent": list(reversed(stats.get("recent") or []))[:20],
     }
-    if _live(request):
-        return _page("guard_live.html", **await _live_base(request), **context)
-    return _page("guard.html", **await _base(request, "Guard"), **context)
+    return await _render(request, "guard", "Guard", context)
 
 
 async def keys(request: web.Request) -> web.Response:
@@ -390,9 +386,7 @@ async def keys(request: web.Request) -> web.Response:
         "days": days,
         "day_choices": USAGE_DAYS,
     }
-    if _live(request):
-        return _page("keys_live.html", **await _live_base(request), **context)
-    return _page("keys.html", **await _base(request, "Keys and usage"), **context)
+    return await _render(request, "keys", "Keys and usage", context)
 
 
 def _days(request: web.Request) -> int:
