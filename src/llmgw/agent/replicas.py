@@ -48,10 +48,10 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 import psutil
@@ -343,10 +343,7 @@ class ReplicaRunner:
         self._set(ReplicaState.STARTING)
         threads = self.spec.cpu_cores or max(env.cores, 1)
         self._worker = group.RpcWorker(group.rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
-        with self.log_path.open("ab") as logf:
-            logf.write(f"--- llmgw agent: starting rpc-server for the head {head}\n".encode())
-            logf.flush()
-            self._log_offset = logf.tell()
+        with self._engine_log(f"starting rpc-server for the head {head}") as logf:
             endpoint = await self._worker.start(logf, engine_environment(env.base_env, self.spec.gpu_indexes), self.dir)
         self.pid, self.started_at = self._worker.pid, time.time()
         log.info("replica %s: rpc-server pid %s for head %s, tunnel on %s", self.spec.id, self.pid, head, endpoint)
@@ -358,14 +355,21 @@ class ReplicaRunner:
                 raise _Failed(f"rpc-server exited {describe_exit(code)} while serving the head {head}; "
                               f"its last lines:\n{self._tail()}")
 
+    @contextlib.contextmanager
+    def _engine_log(self, starting: str) -> Iterator[IO[bytes]]:
+        """The engine log, open for appending, with a ``--- llmgw agent: <starting>`` line; the
+        offset after it is where this start's lines begin (what a failure quotes)."""
+        with self.log_path.open("ab") as logf:
+            logf.write(f"--- llmgw agent: {starting}\n".encode())
+            logf.flush()
+            self._log_offset = logf.tell()
+            yield logf
+
     def _start_ray(self, argv: list[str]) -> subprocess.Popen[bytes]:
         """Start ``ray start … --block`` (its own session, output to the engine log)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         env = {**engine_environment(self.env.base_env, self.spec.gpu_indexes), **self.spec.env}
-        with self.log_path.open("ab") as logf:
-            logf.write(f"--- llmgw agent: starting {' '.join(argv)}\n".encode())
-            logf.flush()
-            self._log_offset = logf.tell()
+        with self._engine_log(f"starting {' '.join(argv)}") as logf:
             try:
                 self._ray = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                              start_new_session=True, cwd=self.dir, env=env)
@@ -417,11 +421,14 @@ class ReplicaRunner:
         seen = 0
         while True:
             self._ray_exited("ray start --head")
-            done = await asyncio.to_thread(
-                subprocess.run, group.ray_status_argv(ray, address), capture_output=True, text=True, timeout=30,
-                check=False,
-            )
-            seen = group.active_nodes(done.stdout)
+            try:
+                done = await asyncio.to_thread(
+                    subprocess.run, group.ray_status_argv(ray, address), capture_output=True, text=True, timeout=30,
+                    check=False,
+                )
+                seen = group.active_nodes(done.stdout)
+            except subprocess.TimeoutExpired:
+                seen = 0  # Ray busy starting: ask again (the start deadline bounds the wait)
             if seen >= want:
                 break
             if self.env.clock() > deadline:
@@ -474,10 +481,7 @@ class ReplicaRunner:
             extra_args=tuple(extra or ()),
         )
         argv = engine.argv(build, launch)
-        with self.log_path.open("ab") as logf:
-            logf.write(f"--- llmgw agent: starting {' '.join(_redact(argv, self.spec.key))}\n".encode())
-            logf.flush()
-            self._log_offset = logf.tell()
+        with self._engine_log(f"starting {' '.join(_redact(argv, self.spec.key))}") as logf:
             try:
                 self._proc = subprocess.Popen(
                     argv,
