@@ -8,17 +8,15 @@ so its weights travel through the tunnel and every token is computed through it.
 to ``/completion``; and that nothing else gets anything: plain TCP to the worker's TLS port, the
 forwarder from a process other than llama-server, the rpc-server's port from the host namespace.
 
-Binaries: ``RPC_SERVER`` (else ``/work/rpcbuild/build/bin/rpc-server``) and ``RPC_LLAMA_SERVER``
-(a llama-server built with ``-DGGML_RPC=ON``; else ``/work/rpcbuild/build/bin/llama-server``); the
-model: ``MODEL`` or the test assets' gemma-3-270m. Missing ones skip, and FAIL under
-``LLMGW_REQUIRE_ASSETS=1``.
+Binaries and model: the test assets (``scripts/assets`` builds llama-server with the RPC backend and
+rpc-server beside it; ``LLAMA_SERVER``, ``RPC_SERVER`` and ``MODEL`` override them), through the
+``assets`` fixture: missing ones skip, and FAIL under ``LLMGW_REQUIRE_ASSETS=1``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import subprocess
 from collections.abc import AsyncIterator
@@ -37,13 +35,10 @@ from llmgw.agent.groupnet import (
     start_isolated,
 )
 from llmgw.tlsconf import CA
-from tests.conftest import DEFAULT_MODEL, skip_or_fail
+from tests.conftest import Assets
 from tests.helpers.net import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-BUILD = Path("/work/rpcbuild/build/bin")
-
 
 @dataclass
 class Binaries:
@@ -53,16 +48,9 @@ class Binaries:
 
 
 @pytest.fixture(scope="module")
-def binaries() -> Binaries:
-    b = Binaries(
-        rpc_server=Path(os.environ.get("RPC_SERVER") or BUILD / "rpc-server"),
-        llama_server=Path(os.environ.get("RPC_LLAMA_SERVER") or BUILD / "llama-server"),
-        model=Path(os.environ.get("MODEL") or DEFAULT_MODEL),
-    )
-    missing = [str(p) for p in (b.rpc_server, b.llama_server, b.model) if not p.exists()]
-    if missing:
-        skip_or_fail(f"RPC test assets missing: {', '.join(missing)} (llama.cpp built with -DGGML_RPC=ON)")
-    return b
+def binaries(assets: Assets) -> Binaries:
+    """The assets' rpc-server, llama-server (built with ``-DGGML_RPC=ON``) and gemma-3-270m."""
+    return Binaries(rpc_server=assets.rpc_server, llama_server=assets.llama_server, model=assets.model)
 
 
 @dataclass
