@@ -96,7 +96,11 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 3.0
 """Seconds aiohttp gives a listener's last requests when it closes, after the gateway's drain
-(admin log streams, heartbeats): each closes within it, so the unit's TimeoutStopSec holds."""
+(admin log streams, heartbeats). aiohttp waits this long for a handler to finish, then cancels it and
+waits as long again (``RequestHandler.shutdown``; its timer rounds up to a whole second): 6.0 s
+measured for a handler that would have run 60 s (tests/unit/test_listener_shutdown.py). The
+listeners close together, so a stop takes at most ``gateway.drain_s`` (≤ 50) + 2 × 3 + 1 s, inside
+the unit's ``TimeoutStopSec=60s``."""
 
 _CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
 
@@ -143,10 +147,13 @@ async def _start(
 ) -> tuple[web.AppRunner, tuple[str, int]]:
     """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``."""
     host, port = parse_listen(listen)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-
     # The gateway asks to have a handler cancelled when its client disconnects (_CANCEL_ON_DISCONNECT).
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False))
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False),
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
     try:
@@ -434,8 +441,7 @@ async def serve(
             loop.remove_signal_handler(sig)
         if stop.is_set() and len(runners) == len(apps):
             await _drain(runners, drain, config.gateway.drain_s)
-        for runner in reversed(runners):
-            await runner.cleanup()
+        await asyncio.gather(*(runner.cleanup() for runner in reversed(runners)))  # together: SHUTDOWN_TIMEOUT_S
         if counting is not None:
             counted.set()
             await counting  # the last sync writes what the last requests used
