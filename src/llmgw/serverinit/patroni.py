@@ -551,7 +551,9 @@ def create_database(plan: HaPlan, primary: Member, *, timeout_s: float = 10.0) -
         import psycopg  # noqa: PLC0415
         from psycopg import sql  # noqa: PLC0415
     except ImportError as e:
-        raise ServiceError("psycopg is missing: pip install 'llmgw[postgres]'") from e
+        raise ServiceError(
+            "psycopg is missing although llmgw depends on it: reinstall llmgw (pip install --force-reinstall llmgw)"
+        ) from e
     lines = []
     try:
         with psycopg.connect(
