@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, parse_listen
 from llmgw.errors import ApiError, UnreachableError
+from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 from llmgw.views import (
     ClusterView,
@@ -102,12 +103,7 @@ class AdminClient:
                 "check it with 'llmgw service status'"
             ) from e
         if r.status_code >= 400:
-            code, message = "", r.text.strip()
-            try:
-                err = r.json().get("error", {})
-                code, message = str(err.get("code", "")), str(err.get("message", message))
-            except (ValueError, AttributeError):
-                pass
+            code, message = error_fields(r.text, limit=1000)
             raise ApiError(f"{method} {path}: {r.status_code} {message}", status=r.status_code, code=code)
         return r.json() if r.content else None
 

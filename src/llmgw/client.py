@@ -28,6 +28,7 @@ import httpx
 
 from llmgw.config import load_server_config, parse_listen
 from llmgw.errors import ApiError, UnreachableError
+from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
@@ -108,11 +109,7 @@ def _unreachable(base_url: str, e: httpx.HTTPError) -> UnreachableError:
 
 
 def _api_error(status: int, data: Any, base_url: str) -> ApiError:
-    err = data.get("error") if isinstance(data, dict) else None
-    if isinstance(err, dict):
-        message, code = str(err.get("message", "")), str(err.get("code") or "")
-    else:
-        message, code = str(data)[:300], ""
+    code, message = error_fields(data)
     if status == 401:
         message += f"; pass --key KEY (a line of the gateway's keys_file) for {base_url}"
     return ApiError(f"the gateway answered {status}: {message}", status=status, code=code)

@@ -18,6 +18,10 @@ an :class:`~llmgw.errors.HttpError` (:class:`~llmgw.errors.JsonBodyError` includ
 admin API: a store :class:`~llmgw.errors.Conflict` is a 409), and anything else as a logged 500
 ``internal`` that names no detail. The gateway does not use it: its chat handler answers its own
 errors, because it records each answer's status and headers.
+
+The client side reads both shapes back with one function, :func:`error_fields`: the gateway's
+client, the admin client, the mirror's client, the agent's heartbeat and the dashboard's admin API
+client all turn an error answer into an :class:`~llmgw.errors.ApiError` through it.
 """
 
 from __future__ import annotations
@@ -77,6 +81,34 @@ def openai_error_event(status: int, code: str, message: str, *, extra: Mapping[s
     ``APIError`` carrying the message)."""
     body = openai_error_body(status, code, message, extra=extra)
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def error_fields(body: Any, *, limit: int = 300) -> tuple[str, str]:
+    """``(code, message)`` of an error answer, as a client reads it back.
+
+    Args:
+        body: the answer's body: its text or bytes (decoded here when it is JSON), or JSON already
+            decoded. Either envelope above (``{"error": {"code", "message", ...}}``), a bare
+            ``{"error": "text"}``, or anything else (a proxy's HTML page, an empty body).
+        limit: characters kept of a body that is not an envelope (the message then).
+
+    Returns:
+        ``code`` (``""`` when the body gives none) and ``message`` (the envelope's, else the body's
+        text cut to ``limit``, else ``""``). Never raises.
+    """
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    data = text
+    if isinstance(text, str):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return "", text.strip()[:limit]
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("code") or ""), str(err.get("message") or "")
+    if isinstance(err, str):
+        return "", err[:limit]
+    return "", ("" if data is None else (text if isinstance(text, str) else json.dumps(data)))[:limit].strip()
 
 
 def routing_code(e: web.HTTPException) -> str:

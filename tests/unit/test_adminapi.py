@@ -14,6 +14,7 @@ from llmgw.control.api.guard import add_guard_routes
 from llmgw.control.api.openapi import build_openapi
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.guard.config import GuardConfig
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
@@ -202,7 +203,7 @@ async def test_openapi_document(client: TestClient[Any, Any]) -> None:
 def test_every_admin_route_is_in_the_openapi_document(store: Store) -> None:
     """A route added without its operation in openapi.py fails here (guard routes included)."""
     app = build_admin_app(store, token=TOKEN)
-    add_guard_routes(app, inspector=None, config=GuardConfig(), store=store, serve=None)
+    add_guard_routes(app, inspector=None, config=GuardConfig(), store=store, serve=None, db=OffLoop())
     documented = {(m.upper(), p) for p, ops in build_openapi()["paths"].items() for m in ops}
     routes = set()
     for r in app.router.routes():

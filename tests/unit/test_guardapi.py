@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import httpx
 import pytest
 from aiohttp import web
 
+from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.guard import add_guard_routes, guard_status
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.guard.config import GuardConfig, Policy
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Upstream
@@ -34,7 +39,7 @@ def env(store: Store) -> Iterator[Env]:
     config = GuardConfig(policies=[Policy(name="default", judge=["qwen3guard-0.6b", "qwen3guard-4b", "mine"])])
     guard = GuardInspector(config, JudgeClient({"qwen3guard-0.6b": judge}.get))
     app = web.Application()
-    add_guard_routes(app, inspector=guard, config=config, store=store, serve=None)
+    add_guard_routes(app, inspector=guard, config=config, store=store, serve=None, db=OffLoop())
     port = servers.serve(app)
     yield Env(f"http://127.0.0.1:{port}", store)
     servers.run(guard.client.close())
@@ -80,3 +85,36 @@ def test_enable_without_a_mirror_is_refused(env: Env) -> None:
 
 def test_status_when_off(env: Env) -> None:
     assert guard_status(None, GuardConfig(), env.store) == {"on": False, "policies": [], "stats": {}}
+
+
+def test_guard_status_answers_503_when_the_store_does_not(store: Store) -> None:
+    """The guard routes' store calls go through the admin API's off-loop pool and its deadline: a
+    store that does not answer (a write stuck behind an orphaned primary, say) makes
+    ``GET /api/v1/guard/status`` a 503 ``store_unavailable`` within the deadline, as every other
+    admin route. It ran on ``asyncio.to_thread`` before, with no deadline, and waited as long as the
+    store did. (The stuck store is the real SQLite store with one call held on an event.)"""
+    release = threading.Event()
+
+    class Stuck:
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+        def list_models(self) -> object:
+            release.wait(10)
+            return store.list_models()
+
+    stuck = cast(Store, Stuck())
+    db = OffLoop(deadline_s=0.3)
+    app = build_admin_app(stuck, token="t0ken", db=db)
+    add_guard_routes(app, inspector=None, config=GuardConfig(), store=stuck, serve=None, db=db)
+    servers = ServerThread()
+    try:
+        port = servers.serve(app)
+        t0 = time.monotonic()
+        r = httpx.get(f"http://127.0.0.1:{port}/api/v1/guard/status", headers={"Authorization": "Bearer t0ken"})
+        took = time.monotonic() - t0
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "store_unavailable")
+        assert took < 3
+    finally:
+        release.set()
+        servers.close()

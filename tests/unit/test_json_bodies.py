@@ -19,6 +19,7 @@ from llmgw.control.api.agent import build_agent_app
 from llmgw.control.api.guard import add_guard_routes
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.store import default_url, open_store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.errors import JsonBodyError
 from llmgw.guard.config import GuardConfig
 from llmgw.jsonbody import loads, nesting_depth
@@ -50,7 +51,7 @@ def apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apis]:
     ccert, ckey = ca.issue_client("node-1").write(tmp, "agent")
     servers = ServerThread()
     admin_app = build_admin_app(store, token=TOKEN)
-    add_guard_routes(admin_app, inspector=None, config=GuardConfig(), store=store, serve=None)
+    add_guard_routes(admin_app, inspector=None, config=GuardConfig(), store=store, serve=None, db=OffLoop())
     admin = servers.serve(admin_app)
     gateway = servers.serve(build_gateway_app(
         StaticRouter(routes={"m": Route("m", ())}), keys={"k"}, allow_loopback_without_key=True

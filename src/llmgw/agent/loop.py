@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import ssl
@@ -70,6 +69,7 @@ from llmgw.agent.records import adoptable, drop_record, instance_id, replica_dir
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, LlmgwError, NodeRemoved, PkiError, UnreachableError
+from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 from llmgw.protocol import (
     EngineStatus,
@@ -153,10 +153,7 @@ async def post_heartbeat(
         ) as resp:
             body = await resp.text()
             if resp.status >= 300:
-                code, message = "", body[:300]
-                with contextlib.suppress(ValueError, AttributeError, TypeError):
-                    err = json.loads(body)["error"]
-                    code, message = str(err.get("code", "")), str(err.get("message", message))
+                code, message = error_fields(body)
                 raise ApiError(f"{url} answered {resp.status}: {message}", status=resp.status, code=code)
             try:
                 return HeartbeatReply.model_validate_json(body)

@@ -239,7 +239,7 @@ def _admin_app(
         max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
     )
     serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
-    add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve)
+    add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve, db=db)
     add_cluster_routes(app, members, config.cluster.patroni)
     add_key_routes(app, store, db, on_change=changed)
     add_metrics_route(app, metrics, token)

@@ -25,6 +25,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw.errors import ApiError, UnreachableError
+from llmgw.httperrors import error_fields
 from llmgw.mirror.models import FetchStatus
 
 _STATUS_LIST = TypeAdapter(list[FetchStatus])
@@ -135,17 +136,14 @@ class MirrorClient:
                 f"the mirror at {self.api_url} does not answer ({type(e).__name__}: {e}); "
                 "is 'llmgw mirror serve' running there?"
             ) from e
+        if not resp.is_success:
+            code, message = error_fields(resp.text, limit=200)
+            raise ApiError(
+                f"the mirror at {self.api_url} answered {resp.status_code} to {method} {path}: {message}",
+                status=resp.status_code,
+                code=code,
+            )
         try:
-            body = resp.json()
+            return resp.json()
         except ValueError:
-            body = None
-        if resp.is_success:
-            return body
-        code, message = "", resp.text[:200]
-        if isinstance(body, dict) and isinstance(err := body.get("error"), dict):
-            code, message = str(err.get("code", "")), str(err.get("message", message))
-        raise ApiError(
-            f"the mirror at {self.api_url} answered {resp.status_code} to {method} {path}: {message}",
-            status=resp.status_code,
-            code=code,
-        )
+            return None

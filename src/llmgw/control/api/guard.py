@@ -33,6 +33,7 @@ from llmgw import jsonbody
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.control.reconcile.judgekeeper import ClassUse, JudgeKeeper, ServeJob
 from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.errors import ConfigError, JudgeError, LlmgwError, MirrorError, WaitTimeout
 from llmgw.guard.config import Controversial, Direction, GuardConfig
 from llmgw.guard.formats import FORMATS, Safety
@@ -190,13 +191,19 @@ def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: S
 
 def add_guard_routes(
     app: web.Application, *, inspector: GuardInspector | None, config: GuardConfig, store: Store,
-    serve: MirrorServe | None,
+    serve: MirrorServe | None, db: OffLoop,
 ) -> None:
-    """Register the guard routes on the admin app (before it starts)."""
+    """Register the guard routes on the admin app (before it starts).
+
+    Their store calls go through ``db``, the admin API's own off-loop pool (the loop also serves
+    heartbeats and the gateway): past its deadline, or with no database, a call raises
+    :class:`~llmgw.errors.StoreUnavailable`, which the admin app's middleware answers 503
+    ``store_unavailable`` as for every other route. Asking the mirror to fetch a judge is an HTTP
+    call, not a store call: it runs on a plain worker thread.
+    """
 
     async def status(_: web.Request) -> web.Response:
-        # Store reads on a worker thread: the loop also serves heartbeats and the gateway.
-        return web.json_response(await asyncio.to_thread(guard_status, inspector, config, store))
+        return web.json_response(await db.run(guard_status, inspector, config, store))
 
     async def test(request: web.Request) -> web.Response:
         try:
@@ -240,7 +247,7 @@ def add_guard_routes(
                 body = await jsonbody.read_json(request)
         if serve is None:
             return error_json(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
-        if await asyncio.to_thread(store.get_model, name) is not None:
+        if await db.run(store.get_model, name) is not None:
             return error_json(
                 409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status"
             )
@@ -255,7 +262,7 @@ def add_guard_routes(
             if kj.gpu:
                 from llmgw.control.reconcile.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
 
-                klass = roomiest_gpu_class(await asyncio.to_thread(cluster_gpus, store))
+                klass = roomiest_gpu_class(await db.run(cluster_gpus, store))
                 if not klass:
                     return error_json(
                         409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}"

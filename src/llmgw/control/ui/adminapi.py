@@ -12,7 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from llmgw.errors import ApiError
+from llmgw.errors import ApiError, UnreachableError
+from llmgw.httperrors import error_fields
 
 TIMEOUT_S = 15.0  # the admin API's own slowest answers (a log read through an agent) end at 10 s
 
@@ -39,7 +40,8 @@ class AdminApi:
         """The decoded JSON of ``method path`` (None for an empty answer).
 
         Raises:
-            ApiError: the API answered 4xx/5xx (its ``code`` and message), or did not answer.
+            ApiError: the API answered 4xx/5xx (its ``code`` and message).
+            UnreachableError: it did not answer (the page shows a 502).
         """
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
@@ -51,18 +53,16 @@ class AdminApi:
                 text = await r.text()
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise ApiError(f"the admin API at {url} does not answer ({e.__class__.__name__})", status=0) from e
-        data: Any = None
-        if text:
-            try:
-                data = json.loads(text)
-            except ValueError:
-                data = None
+            raise UnreachableError(f"the admin API at {url} does not answer ({e.__class__.__name__})") from e
         if status >= 400:
-            err = data.get("error", {}) if isinstance(data, dict) else {}
-            message = str(err.get("message") or text.strip() or f"HTTP {status}")
-            raise ApiError(message, status=status, code=str(err.get("code", "")))
-        return data
+            code, message = error_fields(text)
+            raise ApiError(message or f"HTTP {status}", status=status, code=code)
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
 
     async def get(self, path: str, **query: str) -> Any:
         """``GET path`` with ``query``; see :meth:`call`."""

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from llmgw.control.ui import auth, pages
 from llmgw.control.ui.adminapi import AdminApi
-from llmgw.errors import ApiError
+from llmgw.errors import ApiError, UnreachableError
 from llmgw.views import ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                          message="this login is read-only (the viewer token); log in with the admin token to act")
     try:
         return await handler(request)
-    except ApiError as e:
+    except (ApiError, UnreachableError) as e:
         if request.method == "POST":
             await auth.flash(request, e.args[0], error=True)
             raise web.HTTPSeeOther(_back(request)) from e
-        status = e.status if 400 <= e.status < 600 else 502
+        status = e.status if isinstance(e, ApiError) and 400 <= e.status < 600 else 502
         return _page("error.html", status, **await _base(request, "Error"), message=str(e))
     except web.HTTPException as e:
         if e.status < 400:
@@ -323,7 +323,7 @@ async def replica_log(request: web.Request) -> web.Response:
     try:
         got = await _api(request).get(f"/api/v1/replicas/{_segment(rid)}/logs", lines=str(LOG_LINES))
         text, error = str(got.get("text", "")), ""
-    except ApiError as e:
+    except (ApiError, UnreachableError) as e:
         text, error = "", str(e)
     return _page("log.html", replica=rid, text=text, error=error)
 

@@ -1,0 +1,60 @@
+"""The client edge: the one reading of an error answer (httperrors.error_fields) over the shapes
+llmgw's own servers send and what else can stand between (a proxy's page, an empty body); and the
+dashboard's admin API client over real HTTP (an error answer is an ApiError with its code, no answer
+an UnreachableError as in every other client, not an ApiError of status 0)."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from llmgw.control.ui.adminapi import AdminApi
+from llmgw.errors import ApiError, UnreachableError
+from llmgw.httperrors import error_fields, error_json
+from tests.helpers.net import free_port
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        ('{"error": {"code": "node_busy", "message": "2 replicas run there"}}', ("node_busy", "2 replicas run there")),
+        (b'{"error": {"message": "no such model", "type": "invalid_request_error", "param": null, '
+         b'"code": "model_not_found"}}', ("model_not_found", "no such model")),
+        ({"error": {"message": "rate limited", "code": None}}, ("", "rate limited")),
+        ('{"error": "plain text error"}', ("", "plain text error")),
+        ("<html><body>502 Bad Gateway</body></html>\n", ("", "<html><body>502 Bad Gateway</body></html>")),
+        ("", ("", "")),
+        ('["not", "an", "envelope"]', ("", '["not", "an", "envelope"]')),
+        (None, ("", "")),
+    ],
+)
+def test_error_fields_reads_both_envelopes_and_anything_else(body: object, want: tuple[str, str]) -> None:
+    assert error_fields(body) == want
+
+
+def test_error_fields_cuts_a_long_page() -> None:
+    assert error_fields("x" * 5000, limit=300) == ("", "x" * 300)
+
+
+async def test_the_dashboards_client_raises_api_error_with_the_code_and_unreachable_when_down() -> None:
+    async def refuse(_: web.Request) -> web.Response:
+        return error_json(409, "node_busy", "2 replicas run on node-1; pass force")
+
+    app = web.Application()
+    app.router.add_get("/api/v1/nodes", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    api = AdminApi(lambda: f"http://127.0.0.1:{port}", "t")
+    try:
+        with pytest.raises(ApiError) as e:
+            await api.get("/api/v1/nodes")
+        want = (409, "node_busy", "2 replicas run on node-1; pass force")
+        assert (e.value.status, e.value.code, str(e.value)) == want
+        await runner.cleanup()
+        with pytest.raises(UnreachableError, match="does not answer"):
+            await api.get("/api/v1/nodes")
+    finally:
+        await api.close()
+        await runner.cleanup()
