@@ -22,6 +22,28 @@ from llmgw.errors import ConfigError
 from llmgw.guard.config import GuardConfig
 from llmgw.names import check_labels, check_name
 
+MIN_TOKEN_CHARS = 16
+"""The shortest admin or viewer token a control plane starts with (characters). Both log in to the
+dashboard, where guesses are throttled to about one a minute (:mod:`llmgw.control.ui.throttle`);
+16 characters of base64 (96 bits) are out of reach at any pace. The tokens ``server init`` makes
+are 43 characters (256 bits)."""
+
+
+def check_token_length(token: str, path: Path) -> str:
+    """``token`` (read from ``path``) when it has at least :data:`MIN_TOKEN_CHARS` characters.
+
+    Raises:
+        ConfigError: it is shorter; the message gives its length (never the token), the rule, and
+            how to make a good one.
+    """
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"{path} holds a {len(token)}-character token; a token that logs in to the dashboard must be at "
+            f"least {MIN_TOKEN_CHARS} characters: make one with 'head -c 32 /dev/urandom | base64 > {path} && "
+            f"chmod 600 {path}', then run 'llmgw service restart server'"
+        )
+    return token
+
 
 def parse_listen(value: str) -> tuple[str, int]:
     """Split a listen address into ``(host, port)``.
@@ -147,7 +169,8 @@ class UiConfig(_Strict):
         """The read-only token, or None when there is no such file (or it is empty).
 
         Raises:
-            ConfigError: ``viewer_token_file`` is set but cannot be read.
+            ConfigError: ``viewer_token_file`` is set but cannot be read, or the token is shorter
+                than :data:`MIN_TOKEN_CHARS`.
         """
         path = self.viewer_token_file or config_path.parent / "viewer-token"
         try:
@@ -158,7 +181,7 @@ class UiConfig(_Strict):
             raise ConfigError(f"ui.viewer_token_file {path} does not exist; create it or remove the setting") from None
         except OSError as e:
             raise ConfigError(f"ui.viewer_token_file {path} cannot be read: {e.strerror}") from e
-        return text.splitlines()[0].strip() if text else None
+        return check_token_length(text.splitlines()[0].strip(), path) if text else None
 
 
 class ServerConfig(_Strict):

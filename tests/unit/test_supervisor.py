@@ -543,3 +543,46 @@ def test_the_program_runs_as_the_units_user(manager: SupervisorManager, request:
     assert stat.S_IMODE(made.st_mode) == 0o640  # 0666 & ~0027
     wait_for("the log line", lambda: f"home {nobody.pw_dir}" in manager.logs("mirror"))
     assert f"as nobody (uid {nobody.pw_uid})" in manager.logs("mirror")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root; CI runs as root")
+def test_a_program_that_drops_to_its_user_gets_only_the_units_environment(
+    manager: SupervisorManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real supervisor started as root with a secret in its environment runs ``User=nobody``'s
+    program with what systemd would give it: ``Environment=``, systemd's PATH, the user's
+    HOME/USER/LOGNAME/SHELL, INVOCATION_ID, and nothing else of root's (read from the live
+    process's /proc/PID/environ). Before the fix the program got root's whole environment."""
+    monkeypatch.setenv("LLMGW_TEST_ROOT_SECRET", "root-only-secret-value")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    nobody = pwd.getpwnam("nobody")
+    sleep = shutil.which("sleep")  # no shell: a shell adds PWD of its own
+    manager.install("mirror", f"[Service]\nExecStart={sleep} 60\nUser=nobody\n"
+                    "Environment=LLMGW_UNIT_VAR=from-the-unit\nRestart=no\nTimeoutStopSec=1s\n")
+    assert manager.start("mirror") is True
+    st = manager.status("mirror")
+    assert st.pid is not None
+    raw = Path(f"/proc/{st.pid}/environ").read_bytes()
+    env = dict(item.split("=", 1) for item in raw.decode().split("\0") if item)
+    assert "root-only-secret-value" not in raw.decode()
+    assert env["LLMGW_UNIT_VAR"] == "from-the-unit"
+    assert env["PATH"] == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert env["LANG"] == "C.UTF-8"
+    assert (env["HOME"], env["USER"], env["LOGNAME"]) == (nobody.pw_dir, "nobody", "nobody")
+    assert len(env["INVOCATION_ID"]) == 32
+    assert set(env) <= {"LLMGW_UNIT_VAR", "PATH", "LANG", "HOME", "USER", "LOGNAME", "SHELL", "INVOCATION_ID"}
+
+
+def test_a_program_run_as_the_supervisors_own_user_keeps_its_environment(
+    manager: SupervisorManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``User=``: nothing crosses a privilege boundary, and the environment is the supervisor's
+    (a laptop's or CI's PATH and proxies) plus ``Environment=``."""
+    monkeypatch.setenv("LLMGW_TEST_INHERITED", "kept")
+    manager.install("mirror", unit(SLEEPER))
+    assert manager.start("mirror") is True
+    st = manager.status("mirror")
+    assert st.pid is not None
+    env = psutil.Process(st.pid).environ()
+    assert env["LLMGW_TEST_INHERITED"] == "kept"
+    assert env["LLMGW_TEST_MARK"] == "supervised"

@@ -60,7 +60,7 @@ from aiohttp import web
 
 from llmgw import __version__, tlsconf
 from llmgw.adminclient import connect_host
-from llmgw.config import ServerConfig, load_server_config, parse_listen
+from llmgw.config import ServerConfig, check_token_length, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
@@ -85,6 +85,7 @@ from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
+from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import PkiError, PortInUseError
 from llmgw.paths import Paths
 
@@ -114,8 +115,14 @@ SWITCH_INTERVAL_S = 0.0002
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
-    """The admin token; see :meth:`ServerConfig.read_admin_token`."""
-    return config.read_admin_token(config_path)
+    """The admin token (:meth:`ServerConfig.read_admin_token`), refused when shorter than
+    :data:`~llmgw.config.MIN_TOKEN_CHARS` (it logs in to the dashboard too). Clients reading the
+    file (``ctl``) do not check its length: the control plane's start does.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or empty, or the token is too short.
+    """
+    return check_token_length(config.read_admin_token(config_path), config.admin_token_path(config_path))
 
 
 def read_gateway_keys(config: ServerConfig) -> GatewayKeys:
@@ -383,6 +390,7 @@ async def serve(
     # The dashboard calls this process's own admin API (same checks as ctl) once it is bound.
     ui_tokens = Tokens(token, config.ui.viewer_token(config_path))
     ui_api = AdminApi(lambda: _admin_base(bound), token)
+    ui_throttle = LoginThrottle()  # one for both listeners: no second guessing budget on ui.listen
     bound: dict[str, tuple[str, int]] = {}
     try:
         await db.run(router.refresh)  # the gateway's first requests see the catalog
@@ -391,7 +399,7 @@ async def serve(
         admin = _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics)
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
-                                     token_file=token_file))
+                                     token_file=token_file, throttle=ui_throttle))
         apps += [
             ("admin_listen", config.admin_listen, admin, None),
             (
@@ -411,7 +419,8 @@ async def serve(
             ),
         ]
         if config.ui.listen:  # the dashboard alone, over TLS with the server certificate
-            ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file)
+            ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
+                              throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)

@@ -26,7 +26,7 @@ from pathlib import Path
 from llmgw.errors import LlmgwError, ServiceError
 from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
-from llmgw.service.unitfile import UnitSpec, credentials, parse_unit
+from llmgw.service.unitfile import UnitSpec, credentials, parse_unit, service_env
 from llmgw.service.units import unit_name
 
 SETTLE_S = 3.0
@@ -78,7 +78,7 @@ def preflight(paths: Paths, name: str) -> None:
     try:
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=60, check=False, cwd="/",
-            env=os.environ | who.env | spec.env,
+            env=service_env(spec, who, os.environ),  # the service's own, none of root's
             user=who.user, group=who.group, extra_groups=who.extra_groups,
         )
     except (OSError, subprocess.SubprocessError) as e:

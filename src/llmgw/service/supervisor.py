@@ -18,11 +18,14 @@ One supervisor process per service (``python -m llmgw.service.supervisor NAME --
 started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
 
 1. take ``NAME.lock`` (flock) or exit 3: there is only ever one; write ``NAME.pid``;
-2. start the program (environment: the supervisor's own plus the unit's ``Environment=``; working
-   directory ``/``; stdin ``/dev/null``; stdout and stderr appended to ``NAME.log``, which the
-   program inherits open, so a program running as another user needs no right to the file; user,
-   groups and umask from the unit); write
-   ``NAME.child.pid`` and the state ``running``;
+2. start the program (environment: :func:`~llmgw.service.unitfile.service_env`, i.e. for a
+   ``User=`` it switches to, only what systemd would give (PATH, the locale, the user's HOME,
+   USER, LOGNAME, SHELL, the unit's ``Environment=``), none of the supervisor's own (root's); run
+   as the supervisor's own user, its environment plus ``Environment=``; and a new
+   ``INVOCATION_ID`` for each start, as systemd sets; working directory ``/``; stdin
+   ``/dev/null``; stdout and stderr appended to ``NAME.log``, which the program inherits open,
+   so a program running as another user needs no right to the file; user, groups and umask from
+   the unit); write ``NAME.child.pid`` and the state ``running``;
 3. wait for the program to end or for SIGTERM/SIGINT (a signal wakes it at once through a pipe,
    SIGCHLD included);
 4. program ended: ``Restart=`` decides as systemd does (``on-failure``: a non-zero exit or death by
@@ -46,6 +49,7 @@ import argparse
 import contextlib
 import fcntl
 import os
+import secrets
 import select
 import shlex
 import signal
@@ -63,7 +67,7 @@ import psutil
 
 from llmgw.errors import ServiceError
 from llmgw.service.files import ServiceFiles, SupervisorState, open_log, private_dir, write_pid, write_state
-from llmgw.service.unitfile import UnitSpec, credentials, parse_unit
+from llmgw.service.unitfile import UnitSpec, credentials, parse_unit, service_env
 
 CLEAN_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE})
 """Deaths by these signals count as a clean end, as systemd counts them for ``Restart=``."""
@@ -170,7 +174,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
-                env=os.environ | who.env | self.spec.env,
+                env=service_env(self.spec, who, os.environ) | {"INVOCATION_ID": secrets.token_hex(16)},
                 cwd="/",
                 user=who.user,
                 group=who.group,

@@ -16,12 +16,23 @@ import os
 import pwd
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llmgw.errors import ServiceError
 
 STOP_TIMEOUT = 15.0
 """Seconds the program has to end after SIGTERM before SIGKILL (systemd's default is 90)."""
+
+SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""The ``PATH`` systemd gives a system service (its ``DEFAULT_PATH``; ``/sbin:/bin`` are the
+split-usr tail, the same directories on a merged-usr system)."""
+
+LOCALE_VARS = ("LANG", "LANGUAGE", "LC_CTYPE", "LC_NUMERIC", "LC_TIME", "LC_COLLATE", "LC_MONETARY",
+               "LC_MESSAGES", "LC_PAPER", "LC_NAME", "LC_ADDRESS", "LC_TELEPHONE", "LC_MEASUREMENT",
+               "LC_IDENTIFICATION", "LC_ALL")
+"""The locale settings systemd passes to services (from the system's locale.conf; the supervisor
+passes its own)."""
 
 RESTART_POLICIES = ("no", "always", "on-success", "on-failure", "on-abnormal", "on-abort", "on-watchdog")
 
@@ -246,3 +257,20 @@ def credentials(spec: UnitSpec, *, euid: int | None = None) -> Credentials:
         extra_groups=list(dict.fromkeys(groups)),
         env=env,
     )
+
+
+def service_env(spec: UnitSpec, who: Credentials, inherited: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``spec``'s program starts with, the supervisor's being ``inherited``.
+
+    A program started as another user (``who.user`` set: a root supervisor applying ``User=``)
+    gets what systemd gives a system service and nothing else of the supervisor's, whose
+    environment is root's and may hold its secrets: :data:`SYSTEMD_PATH`, the locale
+    (:data:`LOCALE_VARS` present in ``inherited``), the user's ``HOME``/``USER``/``LOGNAME``/
+    ``SHELL``, then ``Environment=``. A program run as the supervisor's own user crosses no
+    privilege boundary and keeps ``inherited`` (a laptop's or CI's PATH, proxies, tokens) under
+    ``who.env`` and ``Environment=``. ``INVOCATION_ID`` is the caller's to add.
+    """
+    if who.user is None:
+        return dict(inherited) | who.env | spec.env
+    base = {"PATH": SYSTEMD_PATH} | {k: inherited[k] for k in LOCALE_VARS if k in inherited}
+    return base | who.env | spec.env

@@ -7,7 +7,8 @@ Fragments: ``/ui/replicas/{id}/log`` (the engine log's last lines, through the a
 logs`` reads them), ``/ui/usage.json?days=N`` (the usage plot's data). Actions (POST forms, CSRF
 token, admin role; each is one admin API call, whose 400/409 message is shown on the page after the
 redirect): ``/ui/models/{name}/scale``, ``/ui/replicas/{id}/restart``,
-``/ui/nodes/{id}/cordon|uncordon|drain``. ``/ui/login`` (GET form, POST token), ``/ui/logout``.
+``/ui/nodes/{id}/cordon|uncordon|drain``. ``/ui/login`` (GET form, POST token; wrong tokens are
+throttled, :mod:`.throttle`), ``/ui/logout``.
 
 Not logged in (or the session expired): a page redirects to ``/ui/login``; an htmx poll gets 401
 with ``HX-Redirect`` so the browser goes there too. Every answer carries a Content-Security-Policy
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from llmgw.control.ui import auth, pages
 from llmgw.control.ui.adminapi import AdminApi
+from llmgw.control.ui.throttle import GLOBAL, DeviceCookies, LoginThrottle, address_key, retry_after
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.views import ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
 
@@ -43,6 +45,10 @@ API_KEY = web.AppKey("api", AdminApi)
 TOKENS_KEY = web.AppKey("tokens", auth.Tokens)
 ROLE_KEY = web.RequestKey("role", auth.Role)
 TOKEN_FILE_KEY = web.AppKey("token_file", str)
+THROTTLE_KEY = web.AppKey("throttle", LoginThrottle)
+DEVICES_KEY = web.AppKey("devices", DeviceCookies)
+SECURE_KEY = web.AppKey("secure", bool)
+DEVICE_COOKIE = "llmgw_ui_device"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
@@ -68,7 +74,13 @@ def _page(name: str, status: int = 200, **context: Any) -> web.Response:
 
 
 def build_ui_app(
-    api: AdminApi, tokens: auth.Tokens, *, ttl_s: float, secure: bool, token_file: str
+    api: AdminApi,
+    tokens: auth.Tokens,
+    *,
+    ttl_s: float,
+    secure: bool,
+    token_file: str,
+    throttle: LoginThrottle | None = None,
 ) -> web.Application:
     """The dashboard as an aiohttp app to mount at ``/ui``.
 
@@ -76,8 +88,10 @@ def build_ui_app(
         api: the admin API client (with the admin token; :mod:`.adminapi`).
         tokens: what a login may give (the admin token; the viewer token or None).
         ttl_s: seconds a login lasts (``ui.session_ttl_s``).
-        secure: mark the cookie ``Secure`` (the TLS listener).
+        secure: mark the cookies ``Secure`` (the TLS listener).
         token_file: where the admin token is, as the login page names it.
+        throttle: the wrong-token counts (:mod:`.throttle`); give every listener of one control
+            plane the same, so a guesser gets no second budget on the other. Default: a new one.
     """
     app = web.Application(middlewares=[_headers])
     auth.install(app, ttl_s=ttl_s, secure=secure)
@@ -85,6 +99,9 @@ def build_ui_app(
     app[API_KEY] = api
     app[TOKENS_KEY] = tokens
     app[TOKEN_FILE_KEY] = token_file
+    app[THROTTLE_KEY] = throttle if throttle is not None else LoginThrottle()
+    app[DEVICES_KEY] = DeviceCookies.from_admin_token(tokens.admin)
+    app[SECURE_KEY] = secure
 
     r = app.router
     r.add_get("/login", login_form)
@@ -216,19 +233,45 @@ async def login_form(request: web.Request) -> web.Response:
 
 
 async def login(request: web.Request) -> web.Response:
-    """Check the CSRF token and the token given; a wrong one is the form again with a message (401)."""
+    """Check the CSRF token, the throttle (:mod:`.throttle`), then the token given: a wrong one is
+    the form again with a message (401), a login while its address (or browser) must wait is the
+    form with 429 and ``Retry-After``, the token not looked at. A right one starts the session and
+    gives the browser its device cookie (path ``/ui/login``), which counts its later logins apart
+    from its address."""
     await auth.check_csrf(request)
     form = await request.post()
-    role = request.app[TOKENS_KEY].role_of(str(form.get("token", "")))
     nxt = str(form.get("next", ""))
+    throttle = request.app[THROTTLE_KEY]
+    device = request.app[DEVICES_KEY].device(request.cookies.get(DEVICE_COOKIE))
+    keys = [f"device:{device}"] if device else [address_key(request.remote), GLOBAL]
+    # From here to the count, no await: two logins must not both pass one free slot.
+    wait = throttle.closed_for(keys)
+    if wait > 0:
+        response = _login_page(request, 429, nxt, await _base(request, "Log in"),
+                               f"too many wrong tokens; wait {retry_after(wait)} s and try again (after a few wrong "
+                               "tokens each one makes the next wait longer, up to a minute)")
+        response.headers["Retry-After"] = retry_after(wait)
+        return response
+    role = request.app[TOKENS_KEY].role_of(str(form.get("token", "")))
     if role is None:
-        await asyncio.sleep(0.2)  # a guesser's pace; the token itself is 32+ random bytes
-        return _page("login.html", 401, **await _base(request, "Log in"), next=nxt,
-                     token_file=request.app[TOKEN_FILE_KEY],
-                     error="that token is not the admin token (or the viewer token); it is in the admin-token "
-                     "file beside server.yaml")
+        started = throttle.wrong(keys)
+        if started > 0:
+            log.warning("dashboard login: wrong token from %s (%s); logins from it wait %g s", request.remote,
+                        "a known browser" if device else "no device cookie", started)
+        await asyncio.sleep(0.2)  # a guesser's pace even before the throttle closes
+        return _login_page(request, 401, nxt, await _base(request, "Log in"),
+                           "that token is not the admin token (or the viewer token); it is in the admin-token "
+                           "file beside server.yaml")
+    throttle.right(keys)
     await auth.log_in(request, role)
-    raise web.HTTPSeeOther(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/")
+    done = web.HTTPSeeOther(nxt if nxt.startswith("/ui/") and "//" not in nxt else "/ui/")
+    done.set_cookie(DEVICE_COOKIE, request.app[DEVICES_KEY].issue(), max_age=int(request.app[DEVICES_KEY].ttl_s),
+                    path="/ui/login", httponly=True, samesite="Strict", secure=request.app[SECURE_KEY])
+    raise done
+
+
+def _login_page(request: web.Request, status: int, nxt: str, base: dict[str, Any], error: str) -> web.Response:
+    return _page("login.html", status, **base, next=nxt, token_file=request.app[TOKEN_FILE_KEY], error=error)
 
 
 async def logout(request: web.Request) -> web.Response:

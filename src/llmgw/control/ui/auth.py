@@ -5,8 +5,10 @@
 - **The session** lives in one cookie (``llmgw_ui``, path ``/ui``), encrypted and signed with
   Fernet by ``aiohttp-session`` under a key made at startup (a restart logs everyone out), marked
   ``HttpOnly`` and ``SameSite=Strict`` (``Secure`` on the TLS listener). It carries the role, the
-  login time and the CSRF token; it is refused once older than ``ui.session_ttl_s`` (the Fernet
-  token's own timestamp is checked), and the page goes back to login.
+  login time and the CSRF token. A session ends ``ui.session_ttl_s`` after its login whatever
+  happens in it: the login time inside the cookie is checked on every request (:func:`role`), and a
+  cookie re-issued by a later answer carries only the time left as its ``Max-Age`` (before, every
+  re-issued cookie was good for another full ttl, so a session in use never ended).
 - **CSRF**: every form carries the session's random token in a hidden field; a POST without the
   right one is a 403 (the synchronizer-token pattern of OWASP's CSRF cheat sheet; SameSite=Strict
   is the second layer).
@@ -118,11 +120,24 @@ async def check_csrf(request: web.Request) -> None:
 
 
 async def role(request: web.Request) -> Role | None:
-    """The logged-in role, or None (not logged in, or the session expired)."""
+    """The logged-in role, or None (not logged in, logged out, or the session's ttl is over).
+
+    The ttl counts from the login (``session["at"]``, unix seconds), not from the cookie's last
+    re-issue; a login time in the future (a clock stepped back more than a minute) also ends it.
+    While the session lasts, any cookie this request re-issues gets the seconds left as Max-Age.
+    """
     session = await get_session(request)
     value = session.get("role")
     if session.get("sid") in request.app[REVOKED_KEY]:
         return None
+    at = session.get("at")
+    ttl_s = request.app[REVOKED_KEY].ttl_s
+    now = time.time()
+    if not isinstance(at, (int, float)) or at > now + 60 or now >= at + ttl_s:
+        if value is not None:
+            session.invalidate()  # the cookie is cleared with this answer
+        return None
+    session.max_age = max(1, int(at + ttl_s - now))
     return Role(value) if value in (Role.ADMIN.value, Role.VIEWER.value) else None
 
 
