@@ -118,3 +118,4 @@ def test_guard_status_answers_503_when_the_store_does_not(store: Store) -> None:
     finally:
         release.set()
         servers.close()
+        db.close()  # waits for the held call, so the store is not closed under it
