@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
-from llmgw.apikeys import KeySpec
+from llmgw.apikeys import KeyPatch, KeySpec
 from llmgw.catalog import Model, Profile
 from llmgw.views import (
     ClusterView,
@@ -163,6 +163,8 @@ OPS: tuple[Op, ...] = (
     Op("post", "/api/v1/keys", "Make a gateway API key; the secret is in this answer only", NewKeyView,
        body=KeySpec, status=201, errors=(400, 409)),
     Op("get", "/api/v1/keys", "The gateway API keys (never their secrets), their limits and usage", KeyView, many=True),
+    Op("patch", "/api/v1/keys/{name}", "Change a key's limits (JSON merge patch; null removes a limit); "
+       "every control plane applies it within a second", KeyView, body=KeyPatch, errors=(400, 404, 409)),
     Op("post", "/api/v1/keys/{name}/revoke", "Revoke a key: refused by every control plane within a second",
        KeyView, errors=(404,)),
     Op("post", "/api/v1/keys/{name}/rotate", "A new secret for a key; the old one stops working", NewKeyView,
@@ -198,6 +200,7 @@ def build_openapi() -> dict[str, Any]:
         RevocationView,
         ClusterView,
         KeySpec,
+        KeyPatch,
         KeyView,
         NewKeyView,
         UsageView,
