@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway (docs/architecture.md, "A gateway request"): an aiohttp app the control plane mounts.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``, ``GET /healthz``.
-Every other path or method is an OpenAI-shaped 404/405, so clients never parse an HTML page.
+Every other path or method is an OpenAI-shaped 404/405 (a 405 with ``Allow``), so clients never parse an HTML page.
 
 A chat request goes, in order (cheap checks first, nothing awaited before the body):
 
@@ -402,10 +402,13 @@ class _Gateway:
         return web.json_response({"status": "ok"})
 
     async def unknown(self, request: web.Request) -> web.Response:
-        """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page."""
-        if request.path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/healthz"):
+        """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page; a path
+        served with another method is a 405 with ``Allow`` naming the methods it takes (RFC 9110)."""
+        allow = _ALLOW.get(request.path) or ("GET" if _MODEL_PATH.fullmatch(request.path) else None)
+        if allow is not None:
             return openai_error_json(
-                405, "method_not_allowed", f"{request.method} is not allowed on {request.path}"
+                405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use {allow}",
+                headers={"Allow": allow},
             )
         return openai_error_json(
             404,
@@ -413,6 +416,17 @@ class _Gateway:
             f"unknown path {request.path}; this gateway serves /v1/chat/completions, /v1/completions, "
             "/v1/embeddings and /v1/models",
         )
+
+
+#: The methods each path takes, for a 405's ``Allow`` (the routes of :func:`build_gateway_app`).
+_ALLOW = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/embeddings": "POST",
+    "/v1/models": "GET",
+    "/healthz": "GET, HEAD",
+}
+_MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 
 
 def _prompt_chars(body: dict[str, Any]) -> int:
