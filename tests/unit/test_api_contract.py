@@ -5,10 +5,10 @@ plane (``serve`` in-process, SQLite; the agent listener over mTLS).
   no route that does not exist; each operation names its path parameters (``{action}`` with its
   values); and every status a route answered to hostile or wrong requests (no token, unknown names,
   an empty, malformed or 2 MiB body, bad query values) is one its operation documents.
-- A 405, on the admin API and on the gateway, carries ``Allow`` (RFC 9110), listing the methods the
+- A 405, on the admin API (its dashboard too) and on the gateway, carries ``Allow`` (RFC 9110), listing the methods the
   path takes.
 - A request with a 10 KB header line gets a 400 and one log line without a traceback, on every
-  listener, and no part of the header is logged.
+  listener (admin, gateway, agent, and a mirror's two), and no part of the header is logged.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from llmgw.control.server import _admin_app
 from llmgw.control.store import open_store
 from llmgw.control.store.offloop import OffLoop
 from tests.helpers.control import TOKEN, Install, make_install, serving
+from tests.helpers.mirrors import Mirror
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 _PARAM = re.compile(r"\{(\w+)(?::[^}]*)?\}")
@@ -150,6 +151,9 @@ async def test_405_carries_allow_on_the_admin_api_and_the_gateway(tmp_path: Path
                 assert "Allow" in r.headers, f"{wrong} {template}: 405 without Allow"
                 allowed = {m.strip() for m in r.headers["Allow"].split(",")} - {"HEAD"}
                 assert allowed == {m.upper() for m in ops}, template
+        async with s.put(inst.admin + "/ui/login") as r:  # the dashboard, on the admin listener
+            assert r.status == 405
+            assert {m.strip() for m in r.headers.get("Allow", "").split(",")} == {"GET", "HEAD", "POST"}
         for method, path, allow in (("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET"),
                                     ("POST", "/v1/models/gemma", "GET"), ("PUT", "/v1/embeddings", "POST"),
                                     ("POST", "/healthz", "GET, HEAD")):
@@ -173,21 +177,23 @@ async def test_an_over_long_header_is_a_400_and_one_log_line(tmp_path: Path, cap
     inst = make_install(tmp_path)
     secret = "Bearer sk-llmgw-" + "s3cret" * 1700  # 10 KB: over aiohttp's 8190-byte field limit
     request = f"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}\r\n\r\n".encode()
-    async with serving(inst):
+    async with serving(inst), Mirror(tmp_path / "mirror") as mirror:
         caplog.clear()
         answers = [
             await _raw("127.0.0.1", inst.ports["admin"], request),
             await _raw("127.0.0.1", inst.ports["gateway"], request),
             await _raw("127.0.0.1", inst.ports["agent"], request, inst.agent_ctx("node-1")),
+            await _raw("127.0.0.1", mirror.server.api_port, request),
+            await _raw("127.0.0.1", mirror.server.bytes_port, request),
         ]
         await asyncio.sleep(0.2)
-        records = [r for r in caplog.records if r.name.startswith(("aiohttp", "llmgw.http"))]
+        records = [r for r in caplog.records if r.name in ("aiohttp.server", "llmgw.http")]  # not access lines
     for a in answers:
         status_line = a.split(b"\r\n")[0]
         assert status_line.startswith(b"HTTP/1."), a[:200]
         assert b" 400 " in status_line, a[:200]
     assert [r.exc_info for r in caplog.records if r.exc_info] == [], "a traceback was logged"
-    assert len(records) == 3, [r.getMessage() for r in records]
+    assert len(records) == len(answers), [r.getMessage() for r in records]
     for r in records:
         assert r.levelno == logging.WARNING
         assert "8190" in r.getMessage()
