@@ -225,6 +225,11 @@ class AdminClient:
         """``GET /api/v1/keys``: every key (never a secret), its limits, state and usage."""
         return [_view(KeyView, k, "GET /api/v1/keys") for k in self.get("/api/v1/keys")]
 
+    def set_key(self, name: str, patch: dict[str, Any]) -> KeyView:
+        """``PATCH /api/v1/keys/{name}`` (a :class:`~llmgw.apikeys.KeyPatch` as JSON): the key as changed."""
+        path = f"/api/v1/keys/{quote(name, safe='')}"
+        return _view(KeyView, self.patch(path, patch), f"PATCH {path}")
+
     def revoke_key(self, name: str) -> KeyView:
         """``POST /api/v1/keys/{name}/revoke``."""
         path = f"/api/v1/keys/{quote(name, safe='')}/revoke"

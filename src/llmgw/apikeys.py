@@ -1,5 +1,9 @@
 """Gateway API keys as the admin API takes them: secrets, digests, the create request, durations.
 
+Limits (``rpm``, ``tpm``, ``budget_tokens``) are strict JSON integers, as counts are everywhere in
+llmgw: ``5.0``, ``"5"`` and ``true`` are refused with a 400 naming the field, never rounded or parsed.
+:class:`KeySpec` makes a key; :class:`KeyPatch` changes an existing key's limits.
+
 A secret is ``sk-llmgw-`` + 43 URL-safe characters (32 random bytes, :func:`secrets.token_urlsafe`);
 the store keeps only its SHA-256 (hex) and its first 16 characters (:func:`key_prefix`), enough to
 tell keys apart in ``llmgw ctl key ls`` and never enough to use one. A secret is shown once, when it
@@ -11,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from llmgw.names import check_name
 
@@ -69,9 +73,9 @@ class KeySpec(BaseModel):
 
     name: str = Field(description="1-63 characters: lower-case letters, digits and '-', as model names")
     models: list[str] = Field(default_factory=list, max_length=100)
-    rpm: int | None = Field(None, gt=0, le=10**9, description="requests per minute")
-    tpm: int | None = Field(None, gt=0, le=10**12, description="tokens per minute")
-    budget_tokens: int | None = Field(None, gt=0, le=10**15, description="tokens per budget_period")
+    rpm: StrictInt | None = Field(None, gt=0, le=10**9, description="requests per minute")
+    tpm: StrictInt | None = Field(None, gt=0, le=10**12, description="tokens per minute")
+    budget_tokens: StrictInt | None = Field(None, gt=0, le=10**15, description="tokens per budget_period")
     budget_period: Literal["day", "month"] | None = None
     expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w")
 
@@ -103,3 +107,54 @@ class KeySpec(BaseModel):
     def expires_at(self, now: float) -> float | None:
         """Unix seconds the key expires at, made at ``now``; None when it does not."""
         return now + parse_duration(self.expires, "expires") if self.expires else None
+
+
+class KeyPatch(BaseModel):
+    """``PATCH /api/v1/keys/{name}``: a JSON merge patch of a key's limits (``llmgw ctl key set``).
+
+    A field left out keeps its value; ``null`` removes that limit (``models: null`` or ``[]``: every
+    model; ``expires: null``: never expires); a value replaces it, with :class:`KeySpec`'s rules
+    (strict integers, the same bounds). ``expires`` is a duration from the time of the change.
+    ``budget_tokens`` and ``budget_period`` must still go together after the change: set or remove
+    both, or change one of a key that has both. The name and the secret are not limits: rotate the
+    secret with ``POST /api/v1/keys/{name}/rotate``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[str] | None = Field(None, max_length=100)
+    rpm: StrictInt | None = Field(None, gt=0, le=10**9, description="requests per minute; null: no limit")
+    tpm: StrictInt | None = Field(None, gt=0, le=10**12, description="tokens per minute; null: no limit")
+    budget_tokens: StrictInt | None = Field(
+        None, gt=0, le=10**15, description="tokens per budget_period; null (with budget_period): no budget"
+    )
+    budget_period: Literal["day", "month"] | None = None
+    expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w; null: never")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else sorted({check_name(m, "model name") for m in v})
+
+    @field_validator("expires")
+    @classmethod
+    def _expires(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v, "expires")
+        return v
+
+    def changes(self, now: float) -> dict[str, Any]:
+        """The fields given, as an :class:`~llmgw.control.store.rows.ApiKeyRow`'s: ``models`` a
+        tuple, ``budget_period`` "" for none, ``expires_at`` unix seconds (made at ``now``) or None."""
+        out: dict[str, Any] = {}
+        for field in sorted(self.model_fields_set):
+            value = getattr(self, field)
+            if field == "models":
+                out["models"] = tuple(value or ())
+            elif field == "budget_period":
+                out["budget_period"] = value or ""
+            elif field == "expires":
+                out["expires_at"] = None if value is None else now + parse_duration(value, "expires")
+            else:
+                out[field] = value
+        return out

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
 
 from llmgw.errors import HttpError
@@ -111,6 +112,39 @@ def error_fields(body: Any, *, limit: int = 300) -> tuple[str, str]:
     return "", ("" if data is None else (text if isinstance(text, str) else json.dumps(data)))[:limit].strip()
 
 
+class _MalformedRequests(logging.Filter):
+    """Turns aiohttp's report of a request it could not parse into one WARNING line.
+
+    aiohttp answers such a request itself (400, text, connection closed) and logs
+    ``logger.exception("Error handling request from %s", peer)``: ERROR with a traceback, whose
+    message quotes the first 100 bytes of the offending line, which may be a secret (an over-long
+    ``Authorization`` header). Here a record whose exception is an ``HttpProcessingError`` (the
+    parser's: ``LineTooLong``, ``BadHttpMessage``, ``InvalidHeader``...) becomes
+    ``malformed HTTP request from PEER refused with 400: LineTooLong (over 8190 bytes)``, without the
+    traceback or the bytes; any other record passes unchanged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            what = type(exc).__name__
+            if isinstance(exc, LineTooLong) and len(exc.args) > 1:
+                what += f" (over {exc.args[1]} bytes)"  # LineTooLong(line, limit, actual_size)
+            record.msg, record.args = "malformed HTTP request from %s refused with %d: %s", (
+                peer, exc.code or 400, what)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+#: The logger llmgw's listeners give aiohttp's server (``web.AppRunner(app, logger=SERVER_LOG)``):
+#: aiohttp's own errors, with a request it could not parse (an over-long header line, a bad
+#: request line) reported in one WARNING line without a traceback (:class:`_MalformedRequests`).
+SERVER_LOG = logging.getLogger("llmgw.http")
+SERVER_LOG.addFilter(_MalformedRequests())
+
+
 def routing_code(e: web.HTTPException) -> str:
     """The ``code`` for aiohttp's own refusal: ``not_found`` (no route), ``method_not_allowed``,
     else its reason phrase in ``snake_case`` (``request_entity_too_large``)."""
@@ -132,7 +166,8 @@ def error_middleware(
 
     What it answers: :class:`~llmgw.errors.HttpError` with its own status, code, message and
     headers; an aiohttp ``HTTPException`` of status 400 or more with :func:`routing_code` and
-    ``"<METHOD> <path>: <reason>"`` (a lower one, a redirect, passes through); a ``known`` type;
+    ``"<METHOD> <path>: <reason>"``, a 405 keeping its ``Allow`` header (the methods the path
+    takes, RFC 9110) (a lower one, a redirect, passes through); a ``known`` type;
     anything else with 500 ``internal``, logged with its traceback (the client learns nothing
     internal).
     """
@@ -147,7 +182,10 @@ def error_middleware(
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return error_json(e.status, routing_code(e), f"{request.method} {request.path}: {e.reason}")
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # a 405's methods
+            return error_json(
+                e.status, routing_code(e), f"{request.method} {request.path}: {e.reason}", headers=allow
+            )
         except Exception as e:
             for kind, (status, code) in table:
                 if isinstance(e, kind):

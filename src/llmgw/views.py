@@ -17,6 +17,9 @@ from pydantic import BaseModel, Field, computed_field
 from llmgw import gpuhealth
 from llmgw.protocol import GPU, GroupMember
 
+#: What ``POST /api/v1/nodes/{id}/{action}`` (and the dashboard's node buttons) may do to a node.
+NODE_ACTIONS = ("cordon", "uncordon", "drain")
+
 
 class ProvisionView(BaseModel):
     """An engine's provisioning on a node."""

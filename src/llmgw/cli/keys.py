@@ -2,6 +2,9 @@
 
 - ``key create NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N --budget-period day|month]
   [--expires 30d]``: prints the secret once (the store keeps its SHA-256).
+- ``key set NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N] [--budget-period day|month]
+  [--expires 30d] [--clear rpm|tpm|budget|models|expires …]``: change a key's limits (what is not
+  named stays); every control plane applies the change within a second.
 - ``key ls``: name, prefix, models, limits, usage today / this month, last use, state and expiry.
 - ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once).
 - ``usage [--key K] [--model M] [--since 7d] [--until …]``: requests, tokens, guard blocks and errors per
@@ -24,7 +27,7 @@ from llmgw.adminclient import AdminClient
 from llmgw.cli.common import cli_errors, console, paths
 from llmgw.views import KeyView, NewKeyView
 
-app = typer.Typer(no_args_is_help=True, help="The gateway's API keys: create, list, revoke, rotate.")
+app = typer.Typer(no_args_is_help=True, help="The gateway's API keys: create, list, change limits, revoke, rotate.")
 
 ServerOpt = Annotated[str | None, typer.Option("--server", help="Admin API URL (default: this machine's).")]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="LLMGW_TOKEN", help="Admin bearer token.")]
@@ -79,6 +82,55 @@ def create(
         if value is not None:
             spec[field] = value
     _print_secret(_client(server, token).create_key(spec), as_json, "made")
+
+
+#: ``key set --clear`` names → the PATCH fields they null.
+_CLEARS = {"rpm": ("rpm",), "tpm": ("tpm",), "budget": ("budget_tokens", "budget_period"), "models": ("models",),
+           "expires": ("expires",)}
+
+
+@app.command("set")
+@cli_errors
+def set_limits(
+    name: Annotated[str, typer.Argument(help="The key to change.")],
+    models: Annotated[str | None, typer.Option("--models", help="Comma-separated models or aliases.")] = None,
+    rpm: Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")] = None,
+    tpm: Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")] = None,
+    budget_tokens: Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")] = None,
+    budget_period: Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")] = None,
+    expires: Annotated[str | None, typer.Option("--expires", help="A duration from now: 12h, 30d, 2w.")] = None,
+    clear: Annotated[
+        list[str] | None,
+        typer.Option("--clear", help="Remove a limit: rpm, tpm, budget, models (every model) or expires; repeat."),
+    ] = None,
+    server: ServerOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Change a key's limits; what is not named stays as it is. The secret does not change."""
+    patch: dict[str, Any] = {}
+    for what in clear or ():
+        if what not in _CLEARS:
+            raise typer.BadParameter(f"--clear {what!r}: give one of {', '.join(_CLEARS)}", param_hint="--clear")
+        patch.update(dict.fromkeys(_CLEARS[what]))
+    if models is not None:
+        patch["models"] = [m.strip() for m in models.split(",") if m.strip()]
+    for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_tokens", budget_tokens),
+                         ("budget_period", budget_period), ("expires", expires)):
+        if value is not None:
+            if field in patch:
+                raise typer.BadParameter(f"--{field.replace('_', '-')} and --clear of it together: give one")
+            patch[field] = value
+    if not patch:
+        raise typer.BadParameter(
+            "nothing to change: give --rpm, --tpm, --budget-tokens/--budget-period, --models, --expires or --clear"
+        )
+    k = _client(server, token).set_key(name, patch)
+    if as_json:
+        print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))
+        return
+    console().print(f"key '{k.name}': {_limits(k)}; models: {', '.join(k.models) or 'all'}; "
+                    f"expires: {_when(k.expires_at)}")
 
 
 @app.command("ls")

@@ -87,6 +87,7 @@ from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import PkiError, PortInUseError
+from llmgw.httperrors import SERVER_LOG
 from llmgw.paths import Paths
 
 if TYPE_CHECKING:
@@ -158,6 +159,7 @@ async def _start(
     runner = web.AppRunner(
         app,
         access_log=None,
+        logger=SERVER_LOG,  # a request aiohttp cannot parse: one line, no traceback
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False),
     )

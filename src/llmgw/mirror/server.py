@@ -50,7 +50,7 @@ from llmgw.errors import (
     SourceError,
     SourceRefused,
 )
-from llmgw.httperrors import error_json, error_middleware
+from llmgw.httperrors import SERVER_LOG, error_json, error_middleware
 from llmgw.mirror.download import CHECKSUM_HEADER
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest
@@ -278,7 +278,7 @@ class MirrorServer:
                 ("--listen", "--api-listen"),
                 strict=True,
             ):
-                runner = web.AppRunner(app, handle_signals=False)
+                runner = web.AppRunner(app, handle_signals=False, logger=SERVER_LOG)
                 await runner.setup()
                 self._runners.append(runner)
                 await _bind(runner, host, port, flag)

@@ -75,6 +75,7 @@ from llmgw.errors import Conflict, HttpError, StoreUnavailable, UnreachableError
 from llmgw.httperrors import error_json, error_middleware
 from llmgw.protocol import ReplicaState
 from llmgw.views import (
+    NODE_ACTIONS,
     ExplainView,
     ModelView,
     NodeRemovalView,
@@ -563,6 +564,6 @@ def build_admin_app(
     r.add_get("/api/v1/replicas/{id}/logs", replica_logs)
     r.add_get("/api/v1/explain-placement", explain)
     r.add_get("/api/v1/models/{name}/resources", model_resources)
-    r.add_post("/api/v1/nodes/{id}/{action:cordon|uncordon|drain}", node_action)
+    r.add_post("/api/v1/nodes/{id}/{action:" + "|".join(NODE_ACTIONS) + "}", node_action)
     r.add_delete("/api/v1/nodes/{id}", remove_node)
     return app

@@ -3,6 +3,10 @@
 - ``POST /api/v1/keys`` (:class:`~llmgw.apikeys.KeySpec`) → 201 :class:`~llmgw.views.NewKeyView`: the
   secret, shown this once; the store keeps its SHA-256.
 - ``GET /api/v1/keys`` → [:class:`~llmgw.views.KeyView`], with each key's usage today and this month.
+- ``PATCH /api/v1/keys/{name}`` (:class:`~llmgw.apikeys.KeyPatch`, a JSON merge patch of its limits:
+  ``rpm``, ``tpm``, ``budget_tokens``/``budget_period``, ``models``, ``expires``; ``null`` removes
+  one) → KeyView; 409 on a revoked key. The secret, usage and rate windows stay: a request counted
+  this minute still counts against a lowered ``rpm``.
 - ``POST /api/v1/keys/{name}/revoke`` → KeyView (again on a revoked key: the same answer).
 - ``POST /api/v1/keys/{name}/rotate`` → NewKeyView: a new secret; the old one stops working.
 - ``GET /api/v1/usage?key=&model=&since=7d&until=`` → [:class:`~llmgw.views.UsageView`]: ``since`` and
@@ -26,7 +30,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from llmgw import jsonbody
-from llmgw.apikeys import KeySpec, key_digest, key_prefix, new_secret, parse_duration
+from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import ApiKeyRow
@@ -113,6 +117,27 @@ def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change
         views = await db.run(lambda: _views(store.list_keys()))
         return _json([v.model_dump(mode="json") for v in views])
 
+    async def set_limits(request: web.Request) -> web.Response:
+        try:
+            patch = KeyPatch.model_validate(await jsonbody.read_json(request))
+        except ValidationError as e:
+            raise HttpError(400, "invalid_key", _describe(e)) from e
+        row = await must_key(request.match_info["name"])
+        if row.revoked_at is not None:
+            raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
+        new = replace(row, **patch.changes(clock()))
+        if (new.budget_tokens is None) != (not new.budget_period):
+            have = f"budget_tokens {new.budget_tokens}, budget_period {new.budget_period or 'null'}"
+            raise HttpError(
+                400, "invalid_key",
+                f"budget_tokens and budget_period go together (this change leaves {have}): set both, "
+                "or null both to remove the budget",
+            )
+        if new != row:
+            new = await db.run(lambda: store.update_key(new, revision=row.revision))
+            on_change()
+        return _json(key_view(new, clock()).model_dump(mode="json"))
+
     async def revoke(request: web.Request) -> web.Response:
         row = await must_key(request.match_info["name"])
         if row.revoked_at is None:
@@ -147,6 +172,7 @@ def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change
 
     app.router.add_post("/api/v1/keys", create)
     app.router.add_get("/api/v1/keys", list_keys)
+    app.router.add_patch("/api/v1/keys/{name}", set_limits)
     app.router.add_post("/api/v1/keys/{name}/revoke", revoke)
     app.router.add_post("/api/v1/keys/{name}/rotate", rotate)
     app.router.add_get("/api/v1/usage", usage)

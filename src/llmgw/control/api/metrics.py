@@ -7,7 +7,9 @@ What it exports (``prometheus-client``, one registry per control plane, never th
   ``llmgw_gateway_request_seconds{model,kind}`` (whole time), ``llmgw_gateway_ttft_seconds{model}``
   (streams: to the first byte), ``llmgw_gateway_overhead_seconds{kind}`` (the gateway's own time,
   buckets from 50 µs), ``llmgw_gateway_tokens_total{model,key,direction}``,
-  ``llmgw_gateway_rate_limited_total{key,code}``, ``llmgw_gateway_guard_blocks_total{model}``;
+  ``llmgw_gateway_rate_limited_total{key,code}``, ``llmgw_gateway_guard_blocks_total{model}``,
+  ``llmgw_gateway_refused_keys_total{reason}`` (401s: ``reason`` is ``invalid`` or ``missing``, a
+  fixed set; a refused request is counted there only, never under a key, model or kind label);
 - the judges, read at scrape time from the guard's own counters
   (:class:`~llmgw.control.gateway.guard.GuardStats`): ``llmgw_guard_verdicts_total{direction,verdict}``,
   ``llmgw_guard_errors_total{kind}`` (``timeout`` among them), ``llmgw_guard_unjudged_total{direction}``,
@@ -59,6 +61,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 JUDGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LIMIT_CODES = frozenset({"rate_limit_exceeded", "insufficient_quota"})
+#: ``Exchange.refused``'s values: the only label values of ``llmgw_gateway_refused_keys_total``.
+_REFUSED_REASONS = ("invalid", "missing")
 
 
 class _ClusterCollector(Collector):
@@ -162,6 +166,10 @@ class ControlPlaneMetrics:
                               ["model", "key", "direction"], registry=r)
         self.limited = Counter("llmgw_gateway_rate_limited", "Requests refused by a key's limit or budget",
                                ["key", "code"], registry=r)
+        self.refused = Counter("llmgw_gateway_refused_keys", "Requests refused for their key (401)", ["reason"],
+                               registry=r)
+        for reason in _REFUSED_REASONS:  # exported at 0 from the start, so rate() sees the first one
+            self.refused.labels(reason)
         self.blocks = Counter("llmgw_gateway_guard_blocks", "Requests the guard refused", ["model"], registry=r)
         self.judgment = Histogram("llmgw_guard_judgment_seconds", "Time a judge took per judgment (s)", ["judge"],
                                   buckets=JUDGE_BUCKETS, registry=r)
@@ -177,6 +185,9 @@ class ControlPlaneMetrics:
 
     def observe(self, ex: Exchange) -> None:
         """Count one gateway request (the gateway's ``observe``; on the event loop, memory only)."""
+        if ex.refused:
+            self.refused.labels(ex.refused if ex.refused in _REFUSED_REASONS else "invalid").inc()
+            return
         model = ex.model or "unknown"
         self.requests.labels(model, ex.key or "-", ex.kind, str(ex.status)).inc()
         self.latency.labels(model, ex.kind).observe((ex.overhead_ms + ex.upstream_ms) / 1000)

@@ -2,10 +2,19 @@
 
 Served at ``GET /api/v1/openapi.json``. The operations are listed here once, beside the shapes they
 take and return, so the document cannot drift from :mod:`llmgw.views` and the catalog.
+
+Each operation lists every status its route answers: its success status, the errors its handler
+raises (``errors``), and those every route of its kind can answer, added by :func:`build_openapi`:
+401 (no or wrong admin token) unless ``auth`` is off, 503 ``store_unavailable`` when it reads or
+writes the store (``store``), and for a body 400 (not JSON, too deep, not the shape) and 413 (over
+1 MiB). Path parameters come from the path's ``{name}`` parts, with their values where the route
+takes only some (``{action}``: :data:`~llmgw.views.NODE_ACTIONS`). tests/unit/test_api_contract.py
+checks all of it against the routes a control plane serves and the statuses they answer.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +22,10 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from llmgw import __version__
-from llmgw.apikeys import KeySpec
+from llmgw.apikeys import KeyPatch, KeySpec
 from llmgw.catalog import Model, Profile
 from llmgw.views import (
+    NODE_ACTIONS,
     ClusterView,
     ExplainView,
     KeyView,
@@ -57,7 +67,9 @@ class Health(BaseModel):
 @dataclass(frozen=True)
 class Op:
     """One operation: method, path, summary, request body shape, response shape (``list`` of it when
-    ``many``), success status, and the error statuses it may answer."""
+    ``many``), success status, and the error statuses its handler answers (those of every route of
+    its kind are added by :func:`build_openapi`: 401 with ``auth``, 503 with ``store``, 400 and 413
+    with a body, or with ``reads_body`` for a body that is optional)."""
 
     method: str
     path: str
@@ -70,14 +82,16 @@ class Op:
     errors: tuple[int, ...] = ()
     query: tuple[str, ...] = ()
     auth: bool = True
+    store: bool = True
+    reads_body: bool = False
 
 
 OPS: tuple[Op, ...] = (
-    Op("get", "/api/v1/health", "Liveness; needs no token", Health, auth=False),
-    Op("get", "/api/v1/openapi.json", "This document", None),
+    Op("get", "/api/v1/health", "Liveness; needs no token", Health, auth=False, store=False),
+    Op("get", "/api/v1/openapi.json", "This document", None, store=False),
     Op("get", "/api/v1/models", "The catalog", ModelView, many=True),
     Op("post", "/api/v1/models", "Add a model", ModelView, body=Model, status=201, errors=(400, 409)),
-    Op("get", "/api/v1/models/{name}", "One model", ModelView, errors=(404,)),
+    Op("get", "/api/v1/models/{name}", "One model (409: stored but unreadable)", ModelView, errors=(404, 409)),
     Op(
         "patch",
         "/api/v1/models/{name}",
@@ -91,7 +105,7 @@ OPS: tuple[Op, ...] = (
         "Remove a model; its replicas stop",
         None,
         status=204,
-        errors=(404,),
+        errors=(404, 409),
     ),
     Op(
         "put",
@@ -109,6 +123,7 @@ OPS: tuple[Op, ...] = (
         "Replicas, optionally of one model",
         ReplicaView,
         many=True,
+        errors=(404, 409),
         query=("model",),
     ),
     Op(
@@ -117,14 +132,14 @@ OPS: tuple[Op, ...] = (
         "Replace a replica by a fresh one on the same node",
         ReplicaView,
         status=202,
-        errors=(404,),
+        errors=(404, 409),
     ),
     Op(
         "get",
         "/api/v1/explain-placement",
         "Why a model is (not) placed",
         ExplainView,
-        errors=(400, 404),
+        errors=(400, 404, 409),
         query=("model",),
     ),
     Op(
@@ -136,8 +151,9 @@ OPS: tuple[Op, ...] = (
         query=("lines", "offset"),
     ),
     Op("get", "/api/v1/models/{name}/resources", "What a replica needs per profile, and where one fits", None,
-       errors=(404,)),
-    Op("post", "/api/v1/nodes/{id}/{action}", "cordon, uncordon or drain a node", NodeView, errors=(400, 404)),
+       errors=(404, 409)),
+    Op("post", "/api/v1/nodes/{id}/{action}", "cordon, uncordon or drain a node (another action: 404)", NodeView,
+       errors=(404, 409)),
     Op(
         "delete",
         "/api/v1/nodes/{id}",
@@ -159,23 +175,30 @@ OPS: tuple[Op, ...] = (
         "/api/v1/cluster",
         "The control planes, which one leads, the term, database reachability, Patroni's members",
         ClusterView,
+        store=False,
     ),
     Op("post", "/api/v1/keys", "Make a gateway API key; the secret is in this answer only", NewKeyView,
        body=KeySpec, status=201, errors=(400, 409)),
     Op("get", "/api/v1/keys", "The gateway API keys (never their secrets), their limits and usage", KeyView, many=True),
+    Op("patch", "/api/v1/keys/{name}", "Change a key's limits (JSON merge patch; null removes a limit); "
+       "every control plane applies it within a second", KeyView, body=KeyPatch, errors=(400, 404, 409)),
     Op("post", "/api/v1/keys/{name}/revoke", "Revoke a key: refused by every control plane within a second",
-       KeyView, errors=(404,)),
+       KeyView, errors=(404, 409)),
     Op("post", "/api/v1/keys/{name}/rotate", "A new secret for a key; the old one stops working", NewKeyView,
        errors=(404, 409)),
     Op("get", "/api/v1/usage", "Usage per key, model and UTC day (since/until: 7d or YYYY-MM-DD)", UsageView,
        many=True, errors=(400,), query=("key", "model", "since", "until")),
     Op("get", "/api/v1/guard/status", "Each policy's judges: in the catalog, ready, judge time", None),
-    Op("post", "/api/v1/guard/test", "Judge a text as the gateway would", None, errors=(400, 503)),
-    Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog", None,
-       errors=(400, 404, 409)),
+    Op("post", "/api/v1/guard/test", "Judge a text as the gateway would (409: guardrails are off)", None,
+       errors=(400, 404, 409), reads_body=True),
+    Op("post", "/api/v1/guard/judges/{name}/enable", "Fetch a judge into the mirror and the catalog (a job)", None,
+       status=202, errors=(400, 409), reads_body=True),
 )
 
 _REF = "#/components/schemas/{model}"
+_PATH_PARAM = re.compile(r"\{(\w+)\}")
+#: The values a path parameter may take, where its route takes only some.
+_PATH_VALUES: dict[str, tuple[str, ...]] = {"action": NODE_ACTIONS}
 
 
 def _ref(model: type[BaseModel], many: bool) -> dict[str, Any]:
@@ -198,6 +221,7 @@ def build_openapi() -> dict[str, Any]:
         RevocationView,
         ClusterView,
         KeySpec,
+        KeyPatch,
         KeyView,
         NewKeyView,
         UsageView,
@@ -206,10 +230,10 @@ def build_openapi() -> dict[str, Any]:
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
     paths: dict[str, dict[str, Any]] = {}
     for op in OPS:
-        params = [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-            for p in ("name", "id", "serial")
-            if "{" + p + "}" in op.path
+        params: list[dict[str, Any]] = [
+            {"name": p, "in": "path", "required": True,
+             "schema": {"type": "string", **({"enum": list(_PATH_VALUES[p])} if p in _PATH_VALUES else {})}}
+            for p in _PATH_PARAM.findall(op.path)
         ]
         params += [
             {"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in op.query
@@ -221,7 +245,9 @@ def build_openapi() -> dict[str, Any]:
             ok["content"] = {"application/json": {"schema": {"type": "object"}}}
         responses: dict[str, Any] = {str(op.status): ok}
         err = {"content": {"application/json": {"schema": _ref(ErrorResponse, False)}}}
-        for code in (*op.errors, *((401,) if op.auth else ())):
+        body = op.body is not None or op.reads_body
+        common = (*((401,) if op.auth else ()), *((400, 413) if body else ()), *((503,) if op.store else ()))
+        for code in sorted({*op.errors, *common}):
             responses[str(code)] = {"description": "error", **err}
         entry: dict[str, Any] = {"summary": op.summary, "responses": responses}
         if params:

@@ -11,6 +11,17 @@ Every value comes from the catalog, the store or the gateway itself (key and mod
 name as the client typed it. ``prompt_tokens``/``completion_tokens`` are ``-`` when no replica
 answered; ``estimated=true`` marks a stream counted from its events (the client left early).
 
+A request refused for its key (401, on any keyed route: the endpoints and ``/v1/models``) gets a
+line too, ``key=invalid`` when a key was presented that is unknown, revoked or expired (never the
+key itself, nor any part or hash of it) and ``key=missing`` when none was::
+
+    request_id=9b1e… key=invalid kind=chat model=- replica=- status=401 stream=false prompt_tokens=-
+    completion_tokens=- overhead_ms=0.012 upstream_ms=0.0 ttft_ms=0.0 code=invalid_api_key
+
+A key may be named ``invalid`` or ``missing`` too; ``status=401 code=invalid_api_key`` tells them
+apart. So a guessing run shows up as a burst of such lines (and in
+``llmgw_gateway_refused_keys_total``, :mod:`llmgw.control.api.metrics`).
+
 Cost: ~10 µs per request with a handler writing to stderr (the control plane's journal), most of it
 the logging module's own; set the logger to WARNING to turn it off (the check is ~0.1 µs).
 """
@@ -35,7 +46,7 @@ def log_exchange(ex: Exchange) -> None:
         "request_id=%s key=%s kind=%s model=%s replica=%s status=%d stream=%s prompt_tokens=%s "
         "completion_tokens=%s overhead_ms=%.3f upstream_ms=%.1f ttft_ms=%.1f code=%s%s",
         ex.request_id or "-",
-        ex.key or "-",
+        ex.refused or ex.key or "-",
         ex.kind,
         ex.model or "-",
         ex.replica or "-",

@@ -23,7 +23,8 @@ windows older than ten minutes are deleted once a minute.
 Usage counts ``requests``, ``prompt_tokens`` and ``completion_tokens`` (from the answer's ``usage``,
 streams included), ``guard_blocks`` (the guard refused the prompt or the answer) and ``errors``
 (a status >= 400 other than a guard block or a limit; 499, the client leaving, is not an error).
-Requests refused at the key check are not counted (there is no key to count them for).
+Requests refused at the key check are not counted here (there is no key to count them for); the access
+log and ``llmgw_gateway_refused_keys_total`` have them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway (docs/architecture.md, "A gateway request"): an aiohttp app the control plane mounts.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``, ``GET /healthz``.
-Every other path or method is an OpenAI-shaped 404/405, so clients never parse an HTML page.
+Every other path or method is an OpenAI-shaped 404/405 (a 405 with ``Allow``), so clients never parse an HTML page.
 
 A chat request goes, in order (cheap checks first, nothing awaited before the body):
 
@@ -146,14 +146,20 @@ class _Gateway:
     limiter: Limiter | None = None
 
     # -- key -----------------------------------------------------------------------------------
-    def authenticate(self, request: web.Request) -> Caller | web.Response:
+    def authenticate(self, request: web.Request, kind: str) -> Caller | web.Response:
         """The :class:`Caller` when the client may use the gateway, else the 401 to send.
 
         A presented key (``Authorization: Bearer`` or ``x-api-key``) must be valid (known, not revoked,
         not expired), from loopback too; only no key (or an empty ``Bearer``) is let in from loopback
         when ``allow_loopback_without_key``. An ``Authorization`` header of another scheme, or of no
         scheme, is a wrong key (401), never an error.
+
+        A refusal is handed to ``observe`` as an :class:`Exchange` with ``refused`` set (``invalid``: a
+        key was presented and is not valid; ``missing``: none was) and ``kind`` (``chat``,
+        ``completions``, ``embeddings`` or ``models``), so it gets an access-log line and a metric;
+        the presented secret goes nowhere.
         """
+        started_ns = time.perf_counter_ns()
         header = request.headers.get("Authorization", "").strip()
         scheme, _, key = header.partition(" ")
         key = key.strip()
@@ -172,6 +178,7 @@ class _Gateway:
         open_here = self.allow_loopback_without_key and is_loopback(request.remote)
         if open_here and not presented:
             return LOOPBACK_CALLER
+        self._refused(request, kind, "invalid" if presented else "missing", started_ns)
         if not presented:
             message = "Missing API key: send 'Authorization: Bearer <key>'"
         elif open_here:
@@ -179,6 +186,26 @@ class _Gateway:
         else:
             message = "Incorrect API key provided (unknown, revoked or expired)"
         return openai_error_json(401, "invalid_api_key", message)
+
+    def _refused(self, request: web.Request, kind: str, reason: str, started_ns: int) -> None:
+        """Tell ``observe`` about a 401 (see :meth:`authenticate`); no model, replica or usage."""
+        if self.observe is None:
+            return
+        self.observe(
+            Exchange(
+                requested="",
+                model="",
+                replica="",
+                status=401,
+                stream=False,
+                overhead_ms=(time.perf_counter_ns() - started_ns) / 1e6,
+                upstream_ms=0.0,
+                kind=kind,
+                request_id=request_id(request),
+                code="invalid_api_key",
+                refused=reason,
+            )
+        )
 
     # -- models --------------------------------------------------------------------------------
     def _visible(self, caller: Caller) -> list[str]:
@@ -194,7 +221,7 @@ class _Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the chat models this key may use, OpenAI list shape."""
-        caller = self.authenticate(request)
+        caller = self.authenticate(request, "models")
         if isinstance(caller, web.Response):
             return caller
         visible = set(self._visible(caller))
@@ -204,7 +231,7 @@ class _Gateway:
     async def model(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{id}``: one model (aliases resolve to their model); 404 for one the key
         may not use, as if it did not exist."""
-        caller = self.authenticate(request)
+        caller = self.authenticate(request, "models")
         if isinstance(caller, web.Response):
             return caller
         name = request.match_info["id"]
@@ -233,7 +260,7 @@ class _Gateway:
     async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """One request of any endpoint: see the module docstring for the order of checks."""
         trace = Trace(started_ns=time.perf_counter_ns(), request_id=request_id(request), path=endpoint.path)
-        caller = self.authenticate(request)
+        caller = self.authenticate(request, endpoint.kind)
         if isinstance(caller, web.Response):
             return caller
         requested, model, stream, code, blocked = "", "", False, "", False
@@ -375,10 +402,13 @@ class _Gateway:
         return web.json_response({"status": "ok"})
 
     async def unknown(self, request: web.Request) -> web.Response:
-        """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page."""
-        if request.path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/healthz"):
+        """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page; a path
+        served with another method is a 405 with ``Allow`` naming the methods it takes (RFC 9110)."""
+        allow = _ALLOW.get(request.path) or ("GET" if _MODEL_PATH.fullmatch(request.path) else None)
+        if allow is not None:
             return openai_error_json(
-                405, "method_not_allowed", f"{request.method} is not allowed on {request.path}"
+                405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use {allow}",
+                headers={"Allow": allow},
             )
         return openai_error_json(
             404,
@@ -386,6 +416,17 @@ class _Gateway:
             f"unknown path {request.path}; this gateway serves /v1/chat/completions, /v1/completions, "
             "/v1/embeddings and /v1/models",
         )
+
+
+#: The methods each path takes, for a 405's ``Allow`` (the routes of :func:`build_gateway_app`).
+_ALLOW = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/embeddings": "POST",
+    "/v1/models": "GET",
+    "/healthz": "GET, HEAD",
+}
+_MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 
 
 def _prompt_chars(body: dict[str, Any]) -> int:
@@ -480,8 +521,9 @@ def build_gateway_app(
             send must still be valid).
         upstream_timeout_s: a non-streamed answer's whole time, and a stream's longest silence (s).
         inspector: the guard's hooks (prompt, answer, stream); None relays untouched.
-        observe: called once per authorized chat request with its :class:`Exchange` (metrics, usage); must not
-            block (it runs on the event loop).
+        observe: called once per authorized request of an endpoint with its :class:`Exchange` (metrics,
+            usage, the access log), and once per 401 of any keyed route (``Exchange.refused`` set); must
+            not block (it runs on the event loop).
         callers: the keys clients may send (stored keys and ``keys``), when the store's keys are used
             (:mod:`llmgw.control.gateway.callers`); None: ``keys`` only.
         limiter: rate limits and budgets per key (:mod:`llmgw.control.gateway.limits`); None: no limits.

@@ -120,6 +120,9 @@ class Exchange:
         blocked: the guard refused the prompt or the answer (before or during a stream).
         ttft_ms: time from the handler's start to the first byte of the answer sent to the client (ms);
             for a non-streamed answer, until the response was ready.
+        refused: "" for a request whose key was accepted; for a 401, why: ``invalid`` (a key was
+            presented and is unknown, revoked or expired: never the key itself) or ``missing`` (no
+            key). A refused exchange has ``key`` "", no model and no usage; ``kind`` may be ``models``.
     """
 
     requested: str
@@ -136,3 +139,4 @@ class Exchange:
     code: str = ""
     blocked: bool = False
     ttft_ms: float = 0.0
+    refused: str = ""

@@ -171,7 +171,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _page("error.html", e.status, **await _base(request, e.reason), message=e.text or e.reason)
+        page = _page("error.html", e.status, **await _base(request, e.reason), message=e.text or e.reason)
+        if "Allow" in e.headers:  # a 405 says which methods the page takes (RFC 9110)
+            page.headers["Allow"] = e.headers["Allow"]
+        return page
 
 
 def _back(request: web.Request) -> str:
