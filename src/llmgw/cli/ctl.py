@@ -406,13 +406,13 @@ def model_rm(
     client.remove_model(name)
     print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
     if delete_weights:
-        from llmgw.mirror.client import MirrorClient  # noqa: PLC0415 - only this path needs it
+        from llmgw.mirror.client import MirrorClient, local_token  # noqa: PLC0415 - only this path needs it
         from llmgw.mirror.usage import delete_weights as delete  # noqa: PLC0415 - as above
 
         api = load_server_config(paths().server_config).mirror.api
         if not api:
             raise fail("server.yaml has no mirror.api; delete the weights with 'llmgw mirror rm'", 1)
-        with MirrorClient(api) as mirror:
+        with MirrorClient(api, token=local_token(paths())) as mirror:
             print(delete(mirror, name=name, source=source, others=others, api=api))
 
 
