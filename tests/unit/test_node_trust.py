@@ -30,7 +30,7 @@ from llmgw.agent.loop import run_agent
 from llmgw.agent.records import load_records, stop_all_engines
 from llmgw.agent.tlsdiag import alert_name, certificate_problem
 from llmgw.config import AgentConfig
-from llmgw.control.store import default_url, open_store
+from llmgw.control.store import Store
 from llmgw.errors import NodeRemoved, Revoked
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
@@ -329,25 +329,21 @@ async def test_node_rm_refuses_a_second_bundle_issued_for_the_node_that_never_jo
     assert [n["id"] for n in await w.api("GET", "/api/v1/nodes")] == ["node-1"]
 
 
-def test_a_heartbeat_admitted_before_the_removal_does_not_write_the_node_back(tmp_path: Path) -> None:
+def test_a_heartbeat_admitted_before_the_removal_does_not_write_the_node_back(store: Store) -> None:
     """The race the agent API cannot see: a heartbeat whose certificate was checked before ``node
     rm`` and written after it. The write refuses a serial not remembered since the removal; one
-    remembered after it (a bundle issued after the removal) is written."""
-    store = open_store(default_url("", tmp_path / "llmgw.db"))
-    try:
-        beat = Heartbeat(inventory=Inventory(**INVENTORY), instance="i")
-        store.note_cert("n1", "AA", 1.0)
-        assert store.record_heartbeats([("n1", beat, 1.0, "AA")]) == [None]
-        store.note_cert("n1", "BB", 2.0)  # a second bundle, checked just before the removal
-        assert store.remove_node("n1", now=10.0) == ["AA", "BB"]
-        (late,) = store.record_heartbeats([("n1", beat, 10.5, "CC")])
-        assert isinstance(late, Revoked)
-        assert (late.serial, late.node, late.revoked_at) == ("CC", "n1", 10.0)
-        assert store.get_node("n1") is None
-        assert store.refused_cert("n1", "CC", issued_at=5.0) == ("n1", 10.0)  # issued before the removal
-        assert store.refused_cert("n1", "DD", issued_at=10.5) is None  # issued after it
-        store.note_cert("n1", "DD", 11.0)
-        assert store.record_heartbeats([("n1", beat, 11.0, "DD")]) == [None]
-        assert store.get_node("n1") is not None
-    finally:
-        store.close()
+    remembered after it (a bundle issued after the removal) is written. On SQLite and PostgreSQL."""
+    beat = Heartbeat(inventory=Inventory(**INVENTORY), instance="i")
+    store.note_cert("n1", "AA", 1.0)
+    assert store.record_heartbeats([("n1", beat, 1.0, "AA")]) == [None]
+    store.note_cert("n1", "BB", 2.0)  # a second bundle, checked just before the removal
+    assert store.remove_node("n1", now=10.0) == ["AA", "BB"]
+    (late,) = store.record_heartbeats([("n1", beat, 10.5, "CC")])
+    assert isinstance(late, Revoked)
+    assert (late.serial, late.node, late.revoked_at) == ("CC", "n1", 10.0)
+    assert store.get_node("n1") is None
+    assert store.refused_cert("n1", "CC", issued_at=5.0) == ("n1", 10.0)  # issued before the removal
+    assert store.refused_cert("n1", "DD", issued_at=10.5) is None  # issued after it
+    store.note_cert("n1", "DD", 11.0)
+    assert store.record_heartbeats([("n1", beat, 11.0, "DD")]) == [None]
+    assert store.get_node("n1") is not None
