@@ -320,6 +320,16 @@ async def test_node_rm_refuses_a_second_bundle_issued_for_the_node_that_never_jo
     with pytest.raises(NodeRemoved):
         await asyncio.wait_for(run_agent(spare_cfg, Paths(w.root / "nodes" / "node-1-spare")), 20)
     assert await w.api("GET", "/api/v1/nodes") == []
+    # The admin API says so too when asked with the node and issue time (what init asks before it
+    # keeps a certificate); by serial alone the spare was never revoked.
+    issued = x509.load_pem_x509_certificate(spare_cert.read_bytes()).not_valid_before_utc.timestamp() + 300
+    serial = serial_of(spare_cert)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+        async with s.get(f"{w.admin}/api/v1/revocations/{serial}?node=node-1&issued_at={issued:.0f}") as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["node"] == "node-1"
+        async with s.get(f"{w.admin}/api/v1/revocations/{serial}") as r:
+            assert r.status == 404
 
     # A bundle issued after the removal joins, and keeps joining (its serial is remembered as it comes).
     new_cert, new_key = w.issue("node-1", where="node-1-again")
