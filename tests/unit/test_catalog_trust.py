@@ -189,9 +189,10 @@ def test_every_path_taking_flag_of_the_real_llama_server_is_refused(assets: Asse
     assert len(checked) >= 40, f"--help was not read as expected: {checked}"
     assert {"--log-file", "--slot-save-path", "--lora", "-m", "--path", "--api-key-file"} <= set(checked)
     assert not missing, f"path-taking llama-server flags not refused: {missing}"
-    # The flags refused for what they log or where they serve are real spellings of this build.
+    # The flags refused for what they log or where they serve are real spellings of this build
+    # (--verbose-prompt is refused too, though this build's server does not list it: others do).
     spelled = set(re.findall(r"(?<![\w-])-{1,2}[a-z][\w-]*", text))
-    assert {"-v", "--verbose", "--log-verbose", "-lv", "--log-verbosity", "--verbose-prompt", "--api-prefix"} <= spelled
+    assert {"-v", "--verbose", "--log-verbose", "-lv", "--log-verbosity", "--api-prefix"} <= spelled
 
 
 # --- scaling ---------------------------------------------------------------------------------------
