@@ -147,10 +147,14 @@ class AdminClient:
         path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
         return _view(NodeRemovalView, self.delete(path), f"DELETE {path}")
 
-    def revocation(self, serial: str) -> RevocationView | None:
+    def revocation(self, serial: str, *, node: str = "", issued_at: float | None = None) -> RevocationView | None:
         """``GET /api/v1/revocations/{serial}``: the revocation of agent certificate ``serial``
-        (upper-case hex), or None when it is not revoked (404)."""
+        (upper-case hex), or None when it is not revoked (404). With ``node`` and ``issued_at``
+        (unix seconds, :func:`llmgw.tlsconf.issued_at`), a certificate for a node removed after it
+        was issued counts as revoked too, as the agent API refuses it."""
         path = f"/api/v1/revocations/{quote(serial)}"
+        if node and issued_at is not None:
+            path += f"?node={quote(node)}&issued_at={issued_at:.0f}"
         try:
             return _view(RevocationView, self.get(path), f"GET {path}")
         except ApiError as e:

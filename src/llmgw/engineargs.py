@@ -5,8 +5,11 @@ read or write that file wherever it is (``--log-file /etc/cron.d/x``, ``--slot-s
 ``--api-key-file /etc/shadow``, ``--lora /root/.ssh/id_rsa``), and the control plane cannot know
 the replica's directory when the catalog is written, so every flag that takes a path is refused,
 whatever its value. Refused too: flags the agent owns (where the engine listens, the file it
-serves, the key that guards it), flags that fetch weights or work from elsewhere (the mirror is the
-only source), and flags that let clients run tools on the node.
+serves, the key that guards it, the paths it answers on), flags that fetch weights or work from
+elsewhere (the mirror is the only source), flags that let clients run tools on the node, flags that
+run code shipped with a model, flags that put prompts or answers into the engine log (which the
+dashboard's viewers and ``ctl logs`` read: llmgw keeps no prompt), and flags that send request data
+to another address (OpenTelemetry traces).
 
 The lists come from llama.cpp's ``common/arg.cpp`` (the build in ``scripts/assets``, every option
 whose value is ``FNAME``/``FILE``/``PATH``/``DIR``/``URL``) and vLLM's ``vllm serve --help``.
@@ -41,11 +44,30 @@ FETCHES = (
 )
 RUNS_TOOLS = "it lets clients run commands or edit files on the node through the engine"
 RUNS_CODE = "it makes the engine import Python code from a path or module the profile names"
+REMOTE_CODE = (
+    "it makes vLLM run the Python code that comes with the model's files (as root on the node); "
+    "serve models that need no code of their own"
+)
+LOGS_TEXT = (
+    "it makes the engine write prompts or answers into its log, which the dashboard's viewers and "
+    "'llmgw ctl logs' read (llmgw keeps no prompt); leave the engine's log level as the agent sets it"
+)
+SENDS_DATA = "it makes the engine send request data (traces with prompts) to an address the profile names"
+PATHS = (
+    "it moves the engine's API under another path, where the agent's readiness probe and the "
+    "gateway do not look; remove it from the profile"
+)
 
 LLAMACPP: dict[str, str] = {
     # owned by the agent (llamacpp.AGENT_OWNED)
     **dict.fromkeys(("-m", "--model", "--host", "--port", "--api-key", "--api-key-file"), OWNED),
     **dict.fromkeys(("--reuse-port",), OWNED),
+    **dict.fromkeys(("--api-prefix",), PATHS),
+    # prompts and answers in the engine log: "-v" logs every request and response body
+    **dict.fromkeys(
+        ("-v", "--verbose", "--log-verbose", "-lv", "--verbosity", "--log-verbosity", "--verbose-prompt"),
+        LOGS_TEXT,
+    ),
     # other weights, from a path or the network
     **dict.fromkeys(
         ("-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token",
@@ -97,6 +119,9 @@ VLLM: dict[str, str] = {
          "--worker-cls", "--worker-extension-cls"),
         RUNS_CODE,
     ),
+    **dict.fromkeys(("--trust-remote-code",), REMOTE_CODE),
+    **dict.fromkeys(("--enable-log-requests", "--enable-log-outputs", "--uvicorn-log-level"), LOGS_TEXT),
+    **dict.fromkeys(("--otlp-traces-endpoint",), SENDS_DATA),
 }
 """vLLM flags a profile may not carry: flag spelling -> reason."""
 

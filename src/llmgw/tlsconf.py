@@ -28,6 +28,9 @@ from llmgw.errors import PkiError
 
 CA_DAYS = 3650
 LEAF_DAYS = 1825
+BACKDATE = dt.timedelta(minutes=5)
+"""How far before its issue a certificate's ``notBefore`` is set (a node whose clock is a little
+behind still accepts it); :func:`issued_at` adds it back."""
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -75,7 +78,7 @@ class CA:
             .issuer_name(subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_before(now - BACKDATE)
             .not_valid_after(now + dt.timedelta(days=CA_DAYS))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
@@ -133,7 +136,7 @@ class CA:
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_before(now - BACKDATE)
             .not_valid_after(now + dt.timedelta(days=LEAF_DAYS))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -201,6 +204,19 @@ def client_context(ca: Path, cert: Path | None = None, key: Path | None = None) 
         ctx.load_cert_chain(str(cert), str(key))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+def issued_at(peercert: dict[str, object] | None) -> float | None:
+    """When a verified peer certificate (``getpeercert()``) was issued, in unix seconds: its
+    ``notBefore`` (whole seconds, so at most 1 s before the issue) plus :data:`BACKDATE`, as every
+    certificate llmgw issues is backdated; None when the session has no certificate."""
+    raw = peercert.get("notBefore") if peercert else None
+    if not raw:
+        return None
+    try:
+        return ssl.cert_time_to_seconds(str(raw)) + BACKDATE.total_seconds()
+    except ValueError:
+        return None
 
 
 def peer_common_name(peercert: dict[str, object] | None) -> str | None:

@@ -71,11 +71,12 @@ def slow_upstream() -> Iterator[Upstream]:
     loop.close()
 
 
-def serve(store: pathlib.Path, api_port: int) -> subprocess.Popen[bytes]:
+def serve(store: pathlib.Path, api_port: int, token_file: pathlib.Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "llmgw", "mirror", "serve", "--dir", str(store),
          "--listen", f"127.0.0.1:{free_port()}", "--api-listen", f"127.0.0.1:{api_port}",
-         "--base", "http://m.test:8081", "--allow-source-net", "127.0.0.1"],  # the upstream is on loopback
+         "--base", "http://m.test:8081", "--allow-source-net", "127.0.0.1",  # the upstream is on loopback
+         "--api-token-file", str(token_file)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -97,8 +98,10 @@ def test_mirror_killed_mid_download_resumes_after_restart(
     tmp_path: pathlib.Path, slow_upstream: Upstream
 ) -> None:
     store, api = tmp_path / "store", free_port()
-    client = MirrorClient(f"http://127.0.0.1:{api}", timeout=2)
-    proc = serve(store, api)
+    token_file = tmp_path / "mirror-token"
+    token_file.write_text("t0ken-of-this-test\n")
+    client = MirrorClient(f"http://127.0.0.1:{api}", timeout=2, token="t0ken-of-this-test")
+    proc = serve(store, api, token_file)
     try:
         wait_status_health(client)
         client.fetch(f"{slow_upstream.base}/files/w.gguf", "m", "1")
@@ -110,7 +113,7 @@ def test_mirror_killed_mid_download_resumes_after_restart(
         kept = part.stat().st_size
         assert 0 < kept < len(DATA)
 
-        proc = serve(store, api)
+        proc = serve(store, api, token_file)
         st = wait_status(client, lambda s: s.state != "fetching")
         assert st.state == "present", st.err
         assert st.sha256 == SHA

@@ -119,6 +119,24 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, str]:
         ("vllm", ["--served-model-name", "x"], "--served-model-name", "the agent sets it"),
         ("vllm", ["--speculative-config.model=/x"], "--speculative-config.model=/x", "read a file"),
         ("vllm", ["--middleware", "os.system"], "--middleware", "import Python code"),
+        # prompts and answers into the engine log that viewers read, other paths, code, traces
+        ("llamacpp", ["-v"], "-v", "prompts or answers into its log"),
+        ("llamacpp", ["--verbose"], "--verbose", "prompts or answers into its log"),
+        ("llamacpp", ["--log-verbose"], "--log-verbose", "prompts or answers into its log"),
+        ("llamacpp", ["--log-verbosity", "5"], "--log-verbosity", "prompts or answers into its log"),
+        ("llamacpp", ["--log-verbosity=5"], "--log-verbosity=5", "prompts or answers into its log"),
+        ("llamacpp", ["--log_verbosity", "5"], "--log_verbosity", "prompts or answers into its log"),
+        ("llamacpp", ["-lv", "5"], "-lv", "prompts or answers into its log"),
+        ("llamacpp", ["--verbose-prompt"], "--verbose-prompt", "prompts or answers into its log"),
+        ("llamacpp", ["--api-prefix", "/x"], "--api-prefix", "under another path"),
+        ("llamacpp", ["--api-prefix=/x"], "--api-prefix=/x", "under another path"),
+        ("vllm", ["--trust-remote-code"], "--trust-remote-code", "code that comes with the model"),
+        ("vllm", ["--trust_remote_code"], "--trust_remote_code", "code that comes with the model"),
+        ("vllm", ["--trust-remote"], "--trust-remote", "code that comes with the model"),  # abbreviation
+        ("vllm", ["--otlp-traces-endpoint=http://x:4317"], "--otlp-traces-endpoint=http://x:4317",
+         "send request data"),
+        ("vllm", ["--enable-log-outputs"], "--enable-log-outputs", "prompts or answers into its log"),
+        ("vllm", ["--enable-log-requests"], "--enable-log-requests", "prompts or answers into its log"),
     ],
 )
 def test_path_and_owned_flags_are_refused_at_add_update_and_set_profiles(
@@ -171,6 +189,10 @@ def test_every_path_taking_flag_of_the_real_llama_server_is_refused(assets: Asse
     assert len(checked) >= 40, f"--help was not read as expected: {checked}"
     assert {"--log-file", "--slot-save-path", "--lora", "-m", "--path", "--api-key-file"} <= set(checked)
     assert not missing, f"path-taking llama-server flags not refused: {missing}"
+    # The flags refused for what they log or where they serve are real spellings of this build
+    # (--verbose-prompt is refused too, though this build's server does not list it: others do).
+    spelled = set(re.findall(r"(?<![\w-])-{1,2}[a-z][\w-]*", text))
+    assert {"-v", "--verbose", "--log-verbose", "-lv", "--log-verbosity", "--api-prefix"} <= spelled
 
 
 # --- scaling ---------------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ def test_cli_port_in_use_is_an_error_naming_the_flag(tmp_path: pathlib.Path) -> 
             app,
             ["mirror", "serve", "--dir", str(tmp_path), "--listen", f"127.0.0.1:{port}",
              "--api-listen", "127.0.0.1:0", "--base", "http://x:8081"],
+            env={"LLMGW_ROOT": str(tmp_path / "root")},  # its token file goes there, not to /etc/llmgw
         )  # fmt: skip
     assert r.exit_code == 2, r.output
     assert f"Error: port {port} (--listen 127.0.0.1:{port}) is already in use" in r.output

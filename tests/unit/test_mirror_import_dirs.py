@@ -1,7 +1,8 @@
 """The mirror's import directories, the setup side: what init and ``mirror add`` pass so that the import
 directories a mirror needs are the ones it is given, and nothing more.
 
-- ``server init`` gives its local mirror the real directory of a ``file:`` starter and judge.
+- ``server init`` copies a ``file:`` starter and judge into the store and gives its mirror no
+  import directory.
 - The unit carries them (``--import-dir`` each), and llmgw's supervisor reads them back intact.
 - ``llmgw mirror add`` of a file the mirror refuses copies it itself when it may write the store,
   and otherwise says which flag to add.
@@ -12,14 +13,15 @@ from __future__ import annotations
 import os
 import pathlib
 
+import pytest
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app
+from llmgw.errors import ApiError
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.policy import SourcePolicy
+from llmgw.mirror.setup import copy_file
 from llmgw.paths import Paths
-from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.unitfile import parse_unit
 from llmgw.service.units import mirror_unit
 from tests.helpers.mirrors import ThreadedMirror
@@ -36,24 +38,36 @@ def test_the_unit_carries_import_dirs_through_the_supervisors_parser(tmp_path: p
     assert argv[-6:] == ["--import-dir", "/srv/import", "--import-dir", odd, "--allow-source-net", "10.0.0.0/8"]
 
 
-def test_server_init_imports_from_the_real_dirs_of_its_file_sources(tmp_path: pathlib.Path) -> None:
-    blobs, snap, judges = tmp_path / "blobs", tmp_path / "snapshots", tmp_path / "judges"
-    for d in (blobs, snap, judges):
-        d.mkdir()
-    (blobs / "abc").write_bytes(b"GGUF")
-    (snap / "model.gguf").symlink_to(blobs / "abc")  # as a Hugging Face cache lays files out
-    (judges / "j.gguf").write_bytes(b"GGUF")
+def test_server_init_copies_its_file_starter_into_the_store_and_gives_the_mirror_no_import_dir(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Init used to make a ``file:`` starter's directory an import directory (an ssh key beside the
+    model became importable by anyone reaching the API, and was served when the mirror ran as
+    root). Now init copies the one file (as a Hugging Face cache lays it out: a symlink into
+    ``blobs``) and the mirror, importing from nowhere, finds it present when asked for the source."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots"
+    blobs.mkdir()
+    snap.mkdir()
+    (blobs / "abc").write_bytes(b"GGUF" + os.urandom(3000))
+    (snap / "model.gguf").symlink_to(blobs / "abc")
+    (blobs / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    source = f"file:{snap}/model.gguf"
+    store = tmp_path / "store"
+    copied = copy_file(source, "starter", "1", store_dir=store)
+    assert copied.state == "present"
+    with ThreadedMirror(store, policy=SourcePolicy(public_only=True)) as mirror, MirrorClient(mirror.api) as c:
+        assert c.fetch(source, "starter", "1").state == "present"
+        assert c.status("starter", "1").sha256 == copied.sha256
+        with pytest.raises(ApiError, match="not inside a directory the mirror imports from") as refused:
+            c.fetch(f"file:{blobs}/id_rsa", "key", "1")
+        assert refused.value.code == "source_refused"
 
-    def dirs(**kw: object) -> list[str]:
-        opts = InitOptions(starter_source=f"file:{snap}/model.gguf", **kw)  # type: ignore[arg-type]
-        return mirror_step.import_dirs(opts)
-
-    assert dirs() == [str(blobs)]
-    assert dirs(judge_source=f"file:{judges}/j.gguf") == [str(blobs), str(judges)]
-    assert dirs(judge_source=f"file:{judges}/j.gguf", no_guard_model=True) == [str(blobs)]
-    assert dirs(judge_source=f"file:{blobs}/abc") == [str(blobs)]
-    opts = InitOptions(starter_source="hf:org/repo/m.gguf", judge_source="hf:org/repo/j.gguf")
-    assert mirror_step.import_dirs(opts) == []
+    paths = Paths.from_env(tmp_path / "root")
+    unit = mirror_unit(paths, "/opt/bin/llmgw", listen=":1", api_listen="127.0.0.1:2", base="b", allow=[],
+                       about="test", api_token_file=str(paths.admin_token))
+    argv = parse_unit(unit).argv
+    assert "--import-dir" not in argv
+    assert argv[argv.index("--api-token-file") + 1] == str(paths.admin_token)
 
 
 def test_mirror_add_of_a_refused_file_copies_it_when_the_store_is_writable(tmp_path: pathlib.Path) -> None:

@@ -29,11 +29,12 @@ import pytest
 from aiohttp import web
 
 from llmgw.errors import ConfigError, SourceRefused, UnreachableError
-from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.client import MirrorClient, read_token
 from llmgw.mirror.download import partial_path
 from llmgw.mirror.models import Manifest
 from llmgw.mirror.policy import SourcePolicy, _open_below
 from llmgw.mirror.store import Store
+from llmgw.paths import Paths
 from tests.helpers.mirrors import Mirror, raw_status
 
 DATA = os.urandom(200_000)
@@ -331,12 +332,18 @@ def test_mirror_serve_process_refuses_and_imports(world: World, serve_process: s
             except UnreachableError:
                 assert time.monotonic() < deadline, "mirror serve never answered"
                 time.sleep(0.1)
+    # mirror serve made its management API token (LLMGW_ROOT's etc/llmgw/mirror-token): send it.
+    token = read_token(Paths.from_env(world.tmp / "root").etc / "mirror-token")
+    auth = {"Authorization": f"Bearer {token}"}
+    with MirrorClient(serve_process, timeout=5, token=token) as c:
         url = f"{serve_process}/api/v1/fetch"
-        r = httpx.post(url, json={"source": f"file:{world.token}", "model": "s", "version": "1"}, timeout=10)
+        r = httpx.post(url, json={"source": f"file:{world.token}", "model": "s", "version": "1"}, headers=auth,
+                       timeout=10)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "source_refused"
         assert f"--import-dir {world.etc}" in r.json()["error"]["message"]
-        r = httpx.post(url, json={"source": "http://127.0.0.1:9/m.gguf", "model": "h", "version": "1"}, timeout=10)
+        r = httpx.post(url, json={"source": "http://127.0.0.1:9/m.gguf", "model": "h", "version": "1"},
+                       headers=auth, timeout=10)
         assert r.status_code == 400, r.text
         assert "--allow-private-sources" in r.json()["error"]["message"]
         assert c.fetch(f"file:{world.model}", "m", "1").state in ("fetching", "present")

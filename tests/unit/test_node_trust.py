@@ -30,7 +30,8 @@ from llmgw.agent.loop import run_agent
 from llmgw.agent.records import load_records, stop_all_engines
 from llmgw.agent.tlsdiag import alert_name, certificate_problem
 from llmgw.config import AgentConfig
-from llmgw.errors import NodeRemoved
+from llmgw.control.store import Store
+from llmgw.errors import NodeRemoved, Revoked
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
 from tests.helpers.control import FAKE_ENGINE, TOKEN, make_install, serving
@@ -285,3 +286,74 @@ async def test_the_admin_api_says_whether_a_serial_is_revoked(world: World) -> N
     got = await w.api("GET", f"/api/v1/revocations/{serial.lower()}")
     assert (got["serial"], got["node"]) == (serial, "node-r")
     assert got["revoked_at"] > 0
+
+
+async def test_node_rm_refuses_a_second_bundle_issued_for_the_node_that_never_joined(world: World) -> None:
+    """Two bundles for node-1 (``server add-node`` twice): the agent joins with the first, the node is
+    removed, and the second, never presented, must not bring it back (it joined as ``ready``)."""
+    w = world
+    cert, key = w.issue("node-1")
+    spare_cert, spare_key = w.issue("node-1", where="node-1-spare")
+    assert serial_of(spare_cert) != serial_of(cert)
+    agent = asyncio.create_task(run_agent(w.config("node-1", cert, key), Paths(w.root / "nodes" / "node-1")))
+    try:
+        await until("node-1 registered", lambda: w.api("GET", "/api/v1/nodes"))
+        # Certificates carry their issue time to the second (notBefore): be a whole second past it.
+        await asyncio.sleep(1.5)
+        code, out = await w.ctl("node", "rm", "node-1")
+        assert code == 0, out
+        assert f"certificate serial(s) {serial_of(cert)} revoked" in out
+        assert "every other certificate issued for it until now is refused" in out
+        with pytest.raises(NodeRemoved):
+            await asyncio.wait_for(agent, 20)
+    finally:
+        if not agent.done():
+            agent.cancel()
+
+    # The spare bundle: refused over real mTLS, as a raw heartbeat and as a real agent.
+    status, body = await heartbeat_status(w, spare_cert, spare_key)
+    assert status == 403, f"the spare bundle joined the removed node: {body}"
+    assert body["error"]["code"] == "certificate_revoked"
+    assert f"serial {serial_of(spare_cert)}" in body["error"]["message"]
+    assert "every certificate issued for it until then" in body["error"]["message"]
+    spare_cfg = w.config("node-1-spare", spare_cert, spare_key)
+    with pytest.raises(NodeRemoved):
+        await asyncio.wait_for(run_agent(spare_cfg, Paths(w.root / "nodes" / "node-1-spare")), 20)
+    assert await w.api("GET", "/api/v1/nodes") == []
+    # The admin API says so too when asked with the node and issue time (what init asks before it
+    # keeps a certificate); by serial alone the spare was never revoked.
+    issued = x509.load_pem_x509_certificate(spare_cert.read_bytes()).not_valid_before_utc.timestamp() + 300
+    serial = serial_of(spare_cert)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+        async with s.get(f"{w.admin}/api/v1/revocations/{serial}?node=node-1&issued_at={issued:.0f}") as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["node"] == "node-1"
+        async with s.get(f"{w.admin}/api/v1/revocations/{serial}") as r:
+            assert r.status == 404
+
+    # A bundle issued after the removal joins, and keeps joining (its serial is remembered as it comes).
+    new_cert, new_key = w.issue("node-1", where="node-1-again")
+    for _ in range(2):
+        status, body = await heartbeat_status(w, new_cert, new_key)
+        assert status == 200, body
+    assert [n["id"] for n in await w.api("GET", "/api/v1/nodes")] == ["node-1"]
+
+
+def test_a_heartbeat_admitted_before_the_removal_does_not_write_the_node_back(store: Store) -> None:
+    """The race the agent API cannot see: a heartbeat whose certificate was checked before ``node
+    rm`` and written after it. The write refuses a serial not remembered since the removal; one
+    remembered after it (a bundle issued after the removal) is written. On SQLite and PostgreSQL."""
+    beat = Heartbeat(inventory=Inventory(**INVENTORY), instance="i")
+    store.note_cert("n1", "AA", 1.0)
+    assert store.record_heartbeats([("n1", beat, 1.0, "AA")]) == [None]
+    store.note_cert("n1", "BB", 2.0)  # a second bundle, checked just before the removal
+    assert store.remove_node("n1", now=10.0) == ["AA", "BB"]
+    (late,) = store.record_heartbeats([("n1", beat, 10.5, "CC")])
+    assert isinstance(late, Revoked)
+    assert (late.serial, late.node, late.revoked_at) == ("CC", "n1", 10.0)
+    assert store.get_node("n1") is None
+    assert store.refused_cert("n1", "CC", issued_at=5.0) == ("n1", 10.0)  # issued before the removal
+    assert store.refused_cert("n1", "DD", issued_at=10.5) is None  # issued after it
+    store.note_cert("n1", "DD", 11.0)
+    assert store.record_heartbeats([("n1", beat, 11.0, "DD")]) == [None]
+    assert store.get_node("n1") is not None

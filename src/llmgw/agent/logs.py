@@ -45,6 +45,7 @@ def rotate(path: Path, *, max_bytes: int = MAX_BYTES, keep: int = KEEP) -> bool:
         if src.exists():
             src.rename(path.with_name(f"{path.name}.{i + 1}"))
     shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+    os.chmod(path.with_name(f"{path.name}.1"), path.stat().st_mode & 0o777)  # as private as the log
     with contextlib.suppress(FileNotFoundError):
         os.truncate(path, 0)
     return True

@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -65,10 +64,18 @@ from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines.vllm import VllmProvisioner
 from llmgw.agent.metrics import push_loop
 from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
-from llmgw.agent.records import adoptable, drop_record, instance_id, replica_dir, stop_process_group
+from llmgw.agent.records import (
+    adoptable,
+    drop_record,
+    instance_id,
+    private_dir,
+    replica_dir,
+    replicas_dir,
+    stop_process_group,
+)
 from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
-from llmgw.errors import ApiError, LlmgwError, NodeRemoved, PkiError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, PkiError, UnreachableError
 from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 from llmgw.protocol import (
@@ -546,7 +553,8 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
     Raises:
         NodeRemoved: the control plane revoked this node's certificate (its engines are stopped).
         PkiError: the CA, certificate or key in ``cfg.tls`` cannot be loaded.
-        ConfigError: ``discovery.inventory_file`` is set but unusable.
+        ConfigError: ``discovery.inventory_file`` is set but unusable, or the state directory
+            cannot be made 0700.
     """
     stop = stop or asyncio.Event()
     try:
@@ -556,7 +564,16 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
             f"agent.yaml: tls ({cfg.tls.ca}, {cfg.tls.cert}, {cfg.tls.key}) cannot be loaded: {e}; "
             "issue this node a certificate with 'llmgw server init' on the control plane"
         ) from e
-    os.makedirs(paths.agent_state, exist_ok=True)
+    # Its own modes, whoever made the directory (init does too; a node started by hand with
+    # 'server add-node' and 'llmgw agent' had 0755 and 0644 engine logs under the default umask).
+    try:
+        private_dir(replicas_dir(paths.agent_state))
+        private_dir(paths.agent_state)
+    except OSError as e:
+        raise ConfigError(
+            f"the agent's state directory {paths.agent_state} cannot be made private (0700): {e}; "
+            "run the agent as the user that owns it (root on a node)"
+        ) from e
     async with (
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx)) as api,
         aiohttp.ClientSession() as plain,

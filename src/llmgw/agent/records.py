@@ -25,6 +25,7 @@ import secrets
 import signal
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 from pydantic import BaseModel, Field, ValidationError
@@ -82,6 +83,41 @@ def replica_dir(agent_state: Path, replica_id: str) -> Path:
     if not replica_id or replica_id in {".", ".."} or "/" in replica_id or "\0" in replica_id:
         raise ValueError(f"replica id {replica_id!r} cannot be a directory name")
     return replicas_dir(agent_state) / replica_id
+
+
+PRIVATE_DIR_MODE = 0o700
+"""The agent's state directory and each replica's: engines' keys, records and logs are root's alone."""
+PRIVATE_FILE_MODE = 0o600
+"""Engine logs (prompts and answers when an engine logs them), key files, records."""
+
+
+def private_dir(path: Path) -> Path:
+    """Make ``path`` (and missing parents) and give it mode 0700, whatever the umask or an older
+    agent left (before, a node started by hand had a 0755 state directory); returns ``path``.
+
+    Raises:
+        OSError: it cannot be made or its mode set (not the agent's own directory).
+    """
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != PRIVATE_DIR_MODE:
+        os.chmod(path, PRIVATE_DIR_MODE)
+    return path
+
+
+def open_log(path: Path) -> IO[bytes]:
+    """``path`` open for appending, mode 0600 (an older agent's 0644 log is set to 0600 too); a
+    symlink in its place is not followed.
+
+    Raises:
+        OSError: it cannot be opened (``ELOOP`` for a symlink).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def write_private(path: Path, data: str) -> None:

@@ -69,6 +69,8 @@ from llmgw.agent.records import (
     ReplicaRecord,
     drop_record,
     live_process,
+    open_log,
+    private_dir,
     replica_dir,
     stop_process_group,
     write_private,
@@ -339,7 +341,7 @@ class ReplicaRunner:
             raise _Failed(f"a {self.spec.engine} group worker is not supported by this agent")
         build = llamacpp.LLAMACPP.usable(env.installed(llamacpp.ENGINE))
         head = next((m.node for m in self.spec.members if m.rank == 0), "")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         self._set(ReplicaState.STARTING)
         threads = self.spec.cpu_cores or max(env.cores, 1)
         self._worker = group.RpcWorker(group.rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
@@ -359,7 +361,7 @@ class ReplicaRunner:
     def _engine_log(self, starting: str) -> Iterator[IO[bytes]]:
         """The engine log, open for appending, with a ``--- llmgw agent: <starting>`` line; the
         offset after it is where this start's lines begin (what a failure quotes)."""
-        with self.log_path.open("ab") as logf:
+        with open_log(self.log_path) as logf:
             logf.write(f"--- llmgw agent: {starting}\n".encode())
             logf.flush()
             self._log_offset = logf.tell()
@@ -367,7 +369,7 @@ class ReplicaRunner:
 
     def _start_ray(self, argv: list[str]) -> subprocess.Popen[bytes]:
         """Start ``ray start … --block`` (its own session, output to the engine log)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         env = {**engine_environment(self.env.base_env, self.spec.gpu_indexes), **self.spec.env}
         with self._engine_log(f"starting {' '.join(argv)}") as logf:
             try:
@@ -459,7 +461,7 @@ class ReplicaRunner:
     def _launch(self, engine: Engine[Any], build: Any, model_path: Path, extra: list[str] | None = None) -> None:
         """Start the engine (blocking parts: bind probe, file writes, fork); state ``starting``."""
         env = self.env
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         key_file = self.dir / "api-key"
         write_private(key_file, self.spec.key + "\n")
         self.port = env.port_picker(env.advertise_address)

@@ -310,7 +310,8 @@ def node_rm(
     force: Annotated[bool, typer.Option("--force", help="Drain it first when replicas are placed there.")] = False,
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Remove NODE and revoke its agent's certificate; refused while replicas run there (--force drains)."""
+    """Remove NODE and revoke every certificate issued for it so far; refused while replicas run there
+    (--force drains)."""
     data = _client(server, token).remove_node(node, force=force)
     if as_json:
         _print_json(data)
@@ -319,11 +320,11 @@ def node_rm(
         print(f"{node}: drained {len(data.drained)} replica(s); they will be placed when a node can run "
               "them ('llmgw ctl replicas' shows where)")
     if data.revoked:
-        print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, so its agent "
-              "stops at its next heartbeat")
+        print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, and every other "
+              "certificate issued for it until now is refused, so its agent stops at its next heartbeat")
     else:
-        print(f"{node}: removed; no certificate of it was seen, so nothing was revoked: stop its agent "
-              "yourself, or it registers again")
+        print(f"{node}: removed; no certificate of it was seen, but every certificate issued for it until "
+              "now is refused, so its agent stops at its next heartbeat")
     print(f"To re-join it: 'llmgw server add-node {node} --address ADDR --out DIR' (a new certificate), "
           "copy DIR to its /etc/llmgw and start its agent")
 
@@ -405,13 +406,13 @@ def model_rm(
     client.remove_model(name)
     print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
     if delete_weights:
-        from llmgw.mirror.client import MirrorClient  # noqa: PLC0415 - only this path needs it
+        from llmgw.mirror.client import MirrorClient, local_token  # noqa: PLC0415 - only this path needs it
         from llmgw.mirror.usage import delete_weights as delete  # noqa: PLC0415 - as above
 
         api = load_server_config(paths().server_config).mirror.api
         if not api:
             raise fail("server.yaml has no mirror.api; delete the weights with 'llmgw mirror rm'", 1)
-        with MirrorClient(api) as mirror:
+        with MirrorClient(api, token=local_token(paths())) as mirror:
             print(delete(mirror, name=name, source=source, others=others, api=api))
 
 

@@ -11,7 +11,7 @@ import typer
 
 from llmgw.cli.common import cli_errors, paths
 from llmgw.mirror import server, setup
-from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.client import MIRROR_TOKEN, MirrorClient, local_token, token_path
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.serverinit.steps.pki import primary_address
 from llmgw.service.manager import pick_manager
@@ -72,6 +72,14 @@ def serve(
             help="Let http(s) sources reach any address, this machine's and private ones included.",
         ),
     ] = False,
+    api_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--api-token-file",
+            help="The management API's token (0600). Default /etc/llmgw/mirror-token if it exists, "
+            "else /etc/llmgw/admin-token; made (0600) when missing.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the mirror until SIGTERM or Ctrl-C; fetches left running resume at the next start."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -79,8 +87,13 @@ def serve(
     root = directory if directory is not None else p.mirror_store
     policy = SourcePolicy.build(
         import_dirs=import_dir or [], deny=[p.etc, p.state, p.agent_state],
-        allow_nets=allow_source_net or [], allow_private=allow_private_sources,
+        allow_nets=allow_source_net or [], allow_private=allow_private_sources, public_only=True,
     )
+    token_file = api_token_file or token_path(p)
+    if api_token_file is None and not token_file.exists():
+        token_file = p.etc / MIRROR_TOKEN  # a mirror started by hand, on a machine without llmgw's files
+    token = setup.api_token(token_file)
+    print(f"management API token in {token_file} (every route but /api/v1/health needs it)")
     print(f"mirror of {root}: bytes on {listen}, management API on {api_listen}, served as {base}")
     dirs = ", ".join(map(str, policy.import_dirs)) or "none (file: sources are refused)"
     print(f"imports file: sources from {dirs}")
@@ -88,7 +101,8 @@ def serve(
         print(f"!! --import-dir {d} is not a directory here (missing, or hidden from this service by "
               "ProtectHome=); its file: sources fail until it is")
     server.run(
-        root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow or [], policy=policy
+        root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow or [], policy=policy,
+        api_token=token,
     )
 
 
@@ -161,7 +175,8 @@ def add(
     p = paths()
     root = directory if directory is not None else p.mirror_store
     st = setup.add_file(
-        file, model, version, api_url=api, store_dir=root, out=sys.stdout, deny=[p.etc, p.state, p.agent_state]
+        file, model, version, api_url=api, store_dir=root, out=sys.stdout, deny=[p.etc, p.state, p.agent_state],
+        token=local_token(p),
     )
     print(f"  done {st.model}/{st.version}: {st.file}, {st.bytes_total} bytes, sha256 {st.sha256}")
     where = st.url or f"/{st.model}/{st.version}/{st.file} on the mirror's bytes server"
@@ -176,7 +191,7 @@ def rm(
     api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
 ) -> None:
     """Cancel a download if it runs and delete MODEL/VERSION from the mirror."""
-    with MirrorClient(api) as client:
+    with MirrorClient(api, token=local_token(paths())) as client:
         last = client.delete(model, version)
     print(f"deleted {model}/{version} ({last.file}, was {last.state})")
 
@@ -185,7 +200,7 @@ def rm(
 @cli_errors
 def ls(api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082") -> None:
     """Every model/version in the mirror: state, progress, sha256."""
-    with MirrorClient(api) as client:
+    with MirrorClient(api, token=local_token(paths())) as client:
         rows = client.files()
     if not rows:
         print("the mirror holds nothing yet")

@@ -86,8 +86,9 @@ from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
-from llmgw.errors import PkiError, PortInUseError
+from llmgw.errors import ConfigError, PkiError, PortInUseError
 from llmgw.httperrors import SERVER_LOG
+from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
-    metrics: ControlPlaneMetrics,
+    metrics: ControlPlaneMetrics, paths: Paths,
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`),
     the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the gateway keys' and
@@ -247,7 +248,10 @@ def _admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
         max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
     )
-    serve = MirrorServe(store, config.mirror.api, on_added=changed) if config.mirror.api else None
+    mirror_token = _mirror_token(paths, token)
+    serve = None
+    if config.mirror.api:
+        serve = MirrorServe(store, config.mirror.api, on_added=changed, mirror_token=mirror_token)
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve, db=db)
     add_cluster_routes(app, members, config.cluster.patroni)
     add_key_routes(app, store, db, on_change=changed)
@@ -265,7 +269,22 @@ def _election(store: Store, url: str, config: ServerConfig, name: str, db: OffLo
     return SoloElection(store, name, db.run)
 
 
-def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> JudgeKeeper | None:
+def _mirror_token(paths: Paths, admin_token: str) -> str:
+    """The mirror management API's token (:mod:`llmgw.mirror.client`): this machine's
+    ``mirror-token`` when it has one (a mirror on its own machine), else the admin token."""
+    own = paths.etc / MIRROR_TOKEN
+    if not own.exists():
+        return admin_token
+    try:
+        return read_token(own)
+    except ConfigError as e:
+        log.error("%s; fetching judges into the mirror will be refused (401)", e)  # noqa: TRY400 (the reason is the message)
+        return ""
+
+
+def _keeper(
+    store: Store, config: ServerConfig, changed: Callable[[], None], mirror_token: str
+) -> JudgeKeeper | None:
     """The judge keeper (leader only: with SQLite this process is the leader) when guard is on and
     there is a mirror to fetch judges with."""
     if not config.guard.on() or not config.mirror.api:
@@ -273,7 +292,8 @@ def _keeper(store: Store, config: ServerConfig, changed: Callable[[], None]) -> 
     from llmgw.control.api.guard import MirrorServe, build_keeper  # noqa: PLC0415
 
     guard = config.guard
-    return build_keeper(store, lambda: guard, MirrorServe(store, config.mirror.api, on_added=changed))
+    serve = MirrorServe(store, config.mirror.api, on_added=changed, mirror_token=mirror_token)
+    return build_keeper(store, lambda: guard, serve)
 
 
 def check_config(config_path: Path) -> ServerConfig:
@@ -363,7 +383,7 @@ async def serve(
             db=work,
         )
         leaders[:] = [leader]
-        keeper = _keeper(fenced, config, admin_changed)
+        keeper = _keeper(fenced, config, admin_changed, _mirror_token(paths, token))
         try:
             await asyncio.gather(leader.run(ended), *([keeper.run(ended)] if keeper is not None else []))
         finally:
@@ -398,7 +418,9 @@ async def serve(
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
-        admin = _admin_app(store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics)
+        admin = _admin_app(
+            store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics, paths
+        )
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
                                      token_file=token_file, throttle=ui_throttle))

@@ -7,9 +7,28 @@ Errors, translated here from httpx with the cause chained:
   its ``{"error": {"code", "message"}}`` body (``status == 404`` from :meth:`MirrorClient.status`
   means the mirror has never been asked for that ``model/version``).
 
+Who may call it: every route but ``/api/v1/health`` needs the management API's token
+(``Authorization: Bearer``), which :func:`token_path` finds and :func:`read_token` reads. The
+API answers loopback, so an address says nothing about who asks: before, any local user asked a
+root-run mirror to import a root-only file (then served to anyone on the bytes port) or deleted a
+served model's weights. The token is a file, 0600 and the ``llmgw`` user's, so exactly the mirror,
+the control plane (both that user) and root's CLI (``server init``, ``mirror add|rm|ls``, ``ctl
+model rm --delete-weights``) hold it:
+
+- ``/etc/llmgw/mirror-token`` when the machine has one: ``llmgw mirror init`` writes it on a
+  mirror's own machine, and the operator copies it to each control plane that uses that mirror;
+- else ``/etc/llmgw/admin-token``: a mirror beside its control plane (``server init``) takes the
+  admin token, which the same users already read and which every control plane of an HA cluster
+  shares (a joined control plane uses the first one's mirror). Whoever may change the catalog may
+  fetch and delete weights, and nobody else.
+
+A token, not a unix socket with peer credentials: the API is also reached over the network (the
+control planes of an HA cluster, a mirror on its own machine), where a socket has no peer to ask;
+one mechanism covers both. Without a token (``token=None``) the client sends no header.
+
 Example::
 
-    with MirrorClient("http://127.0.0.1:8082") as m:
+    with MirrorClient("http://127.0.0.1:8082", token=read_token(token_path(paths))) as m:
         m.health()
         st = m.fetch("hf:org/repo/model.gguf", "gemma-3-270m", "1")
         while m.status("gemma-3-270m", "1").state == "fetching":
@@ -18,21 +37,65 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from llmgw.errors import ApiError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, UnreachableError
 from llmgw.httperrors import error_fields
 from llmgw.mirror.models import FetchStatus
+from llmgw.paths import Paths
 
 _STATUS_LIST = TypeAdapter(list[FetchStatus])
 
 CONNECT_TIMEOUT_S = 2.0
 """Seconds to open a connection: a mirror on another machine that is down costs this, not the whole
 request timeout (``../shared/reference/ha.md`` §5: connect 2 s)."""
+
+
+MIRROR_TOKEN = "mirror-token"  # noqa: S105 (a file name, not a secret)
+"""The name of a mirror's own token file in ``/etc/llmgw`` (:func:`token_path`)."""
+
+
+def token_path(paths: Paths) -> Path:
+    """The management API's token file on this machine: ``/etc/llmgw/mirror-token`` when it exists,
+    else the admin token (see the module docstring)."""
+    own = paths.etc / MIRROR_TOKEN
+    return own if own.exists() else paths.admin_token
+
+
+def read_token(path: Path) -> str:
+    """The token in ``path`` (its first line, stripped).
+
+    Raises:
+        ConfigError: it cannot be read (not root or ``llmgw``: the file is 0600) or is empty.
+    """
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"the mirror's management API token {path} cannot be read ({e}); run this as root "
+            "(sudo) or as the llmgw user"
+        ) from e
+    token = text.splitlines()[0].strip() if text else ""
+    if not token:
+        raise ConfigError(f"the mirror's management API token {path} is empty; run 'llmgw server init' again")
+    return token
+
+
+def local_token(paths: Paths) -> str | None:
+    """The token a CLI on this machine sends (:func:`token_path`, :func:`read_token`); None when this
+    machine has no token file at all (no llmgw install here: the mirror then answers 401 with
+    what to do).
+
+    Raises:
+        ConfigError: the file exists but this user cannot read it (not root or ``llmgw``).
+    """
+    path = token_path(paths)
+    return read_token(path) if path.exists() else None
 
 
 class MirrorClient:
@@ -45,17 +108,25 @@ class MirrorClient:
 
     Args:
         api_url: the management API's base URL.
+        token: the management API's token (:func:`read_token`); None sends none (only
+            ``health`` then answers).
         timeout: seconds for each request (read, write, pool); connecting takes at most
             :data:`CONNECT_TIMEOUT_S` (or ``timeout`` when smaller).
         transport: an httpx transport to use instead of the network (tests, in-process apps).
     """
 
     def __init__(
-        self, api_url: str, *, timeout: float = 15.0, transport: httpx.BaseTransport | None = None
+        self,
+        api_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 15.0,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.api_url = api_url.rstrip("/")
         limits = httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
-        self._http = httpx.Client(base_url=self.api_url, timeout=limits, transport=transport)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.api_url, timeout=limits, transport=transport, headers=headers)
 
     def __enter__(self) -> MirrorClient:
         return self

@@ -18,6 +18,13 @@ and an ``http://127.0.0.1:…`` source made the mirror a proxy into the machine 
 3. The opened descriptor is checked again (``fstat``): a regular file (no device, FIFO, socket or
    directory) with one link (a hard link is another name for a file that may live anywhere on
    the filesystem, the admin token included).
+4. With ``public_only`` (what ``mirror serve`` uses): the file must be readable by others (o+r)
+   and every directory walked from the import directory down, that one included, searchable by
+   others (o+x): the mirror imports only what every local user could read already, so a mirror
+   that runs as root (when the ``llmgw`` user cannot run the install) never publishes a file
+   only root could read (a 0600 ssh key beside the model). Files carried in by hand
+   (``mirror add`` copying with its user's rights) and ``server init``'s own copy of its starter
+   are an operator's explicit act and are not held to it.
 
 ``http(s):`` sources, and what ``hf:`` turns into: every address a connection goes to is checked
 (:meth:`SourcePolicy.refusal`): loopback, link-local, private, shared, reserved, unspecified and
@@ -89,12 +96,14 @@ class SourcePolicy:
         deny: real paths no ``file:`` source may come from, import directory or not.
         allow_nets: networks ``http(s):`` connections may reach although not public.
         allow_private: allow every address (``--allow-private-sources``).
+        public_only: import only files every local user could read (step 4 of the module docstring).
     """
 
     import_dirs: tuple[pathlib.Path, ...] = ()
     deny: tuple[pathlib.Path, ...] = ()
     allow_nets: tuple[Network, ...] = ()
     allow_private: bool = False
+    public_only: bool = False
 
     @classmethod
     def build(
@@ -104,6 +113,7 @@ class SourcePolicy:
         deny: Sequence[str | os.PathLike[str]] = (),
         allow_nets: Sequence[str] = (),
         allow_private: bool = False,
+        public_only: bool = False,
     ) -> SourcePolicy:
         """The policy of ``mirror serve``'s flags.
 
@@ -137,7 +147,7 @@ class SourcePolicy:
                 raise ConfigError(
                     f"--allow-source-net '{v}' is not an IP address or network (10.0.0.5, 10.0.0.0/24)"
                 ) from None
-        return cls(tuple(dirs), tuple(_real(p) for p in deny), tuple(nets), allow_private)
+        return cls(tuple(dirs), tuple(_real(p) for p in deny), tuple(nets), allow_private, public_only)
 
     def missing_dirs(self) -> list[pathlib.Path]:
         """The import directories that are not (now) directories."""
@@ -167,9 +177,9 @@ class SourcePolicy:
                 f"{source}: {where} is not inside a directory the mirror imports from (now: {have}); "
                 f"copy the file into one, or start the mirror with --import-dir {real.parent}"
             )
-        fd = _open_below(home, real.relative_to(home).parts)
+        fd = _open_below(home, real.relative_to(home).parts, source if self.public_only else "")
         try:
-            _check_opened(fd, real, source)
+            _check_opened(fd, real, source, public_only=self.public_only)
         except BaseException:
             os.close(fd)
             raise
@@ -290,8 +300,9 @@ def _own_addresses() -> set[Address]:
     return out
 
 
-def _check_opened(fd: int, real: pathlib.Path, source: str) -> None:
-    """Refuse an opened descriptor that is not a regular file with one name."""
+def _check_opened(fd: int, real: pathlib.Path, source: str, *, public_only: bool = False) -> None:
+    """Refuse an opened descriptor that is not a regular file with one name (and, ``public_only``,
+    not readable by others)."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise SourceRefused(
@@ -302,19 +313,41 @@ def _check_opened(fd: int, real: pathlib.Path, source: str) -> None:
             f"{source}: {real} is a hard link ({st.st_nlink} names), which may be any file on "
             "this filesystem; copy it (cp, not ln) into the import directory"
         )
+    if public_only and not st.st_mode & stat.S_IROTH:
+        raise SourceRefused(
+            f"{source}: {real} is not readable by other users (mode {stat.S_IMODE(st.st_mode):04o}); the "
+            "mirror imports only files every local user could read, so it never publishes a private "
+            f"one: if it is meant to be public, 'chmod o+r {real}', or add it with 'sudo llmgw mirror add'"
+        )
 
 
-def _open_below(home: pathlib.Path, parts: Sequence[str]) -> int:
+def _check_searchable(fd: int, where: pathlib.Path, source: str) -> None:
+    """Refuse a directory (opened as ``fd``) that other users may not search: what it holds is private."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if not mode & stat.S_IXOTH:
+        raise SourceRefused(
+            f"{source}: the directory {where} is closed to other users (mode {mode:04o}), so what it "
+            f"holds is private; the mirror imports only files every local user could read: 'chmod o+x "
+            f"{where}' if it is meant to be public, or add the file with 'sudo llmgw mirror add'"
+        )
+
+
+def _open_below(home: pathlib.Path, parts: Sequence[str], public_for: str = "") -> int:
     """Open ``home/parts…`` for reading without following any symlink below ``home``.
 
+    ``public_for`` (the source, when the policy is ``public_only``): every directory opened,
+    ``home`` included, must be searchable by others.
+
     Raises:
-        SourceRefused: a component is (now) a symlink.
+        SourceRefused: a component is (now) a symlink, or a directory is closed to others.
         OSError: missing or unreadable.
     """
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
     fd = os.open(home, flags | os.O_DIRECTORY)
     try:
         for i, part in enumerate(parts):
+            if public_for:
+                _check_searchable(fd, home.joinpath(*parts[:i]), public_for)
             last = i == len(parts) - 1
             try:
                 nxt = os.open(part, flags | (os.O_NONBLOCK if last else os.O_DIRECTORY), dir_fd=fd)

@@ -12,6 +12,9 @@
   answers 127.0.0.1, ::1 and the ``--api-allow`` addresses (IPs or CIDR networks); anyone else gets
   403. Other 127.x addresses are not loopback here: they are what a container's port
   forwarding or another local network namespace can present, and must be allowed by name.
+  An address is not an identity (every local user reaches loopback): with a token
+  (``--api-token-file``, :mod:`llmgw.mirror.client` says which file and why) every route but
+  ``/api/v1/health`` needs ``Authorization: Bearer <token>``, else 401 ``unauthorized``.
   Errors are JSON ``{"error": {"code", "message"}}``. A source the
   :class:`~llmgw.mirror.policy.SourcePolicy` refuses (a ``file:`` outside ``--import-dir``, a
   special file, an ``http(s):`` host on a private or own address) is a 400 ``source_refused``
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import ipaddress
 import logging
 import pathlib
@@ -68,6 +72,7 @@ RETRY_AFTER_S = 2
 _FETCHER = web.AppKey("fetcher", Fetcher)
 _STORE = web.AppKey("store", Store)
 _ALLOW = web.AppKey("allow", tuple)
+_TOKEN = web.AppKey("token", str)
 
 
 def parse_allow(values: Sequence[str]) -> tuple[Network, ...]:
@@ -177,6 +182,24 @@ async def _guard(
     return await handler(request)
 
 
+@web.middleware
+async def _auth(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The token on every route but health (401 without it; compared in constant time)."""
+    token = request.app[_TOKEN]
+    if token and request.path != "/api/v1/health":
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HttpError(
+                401,
+                "unauthorized",
+                "the mirror's management API needs its token (Authorization: Bearer …): llmgw's CLI "
+                "reads it from /etc/llmgw/mirror-token, else /etc/llmgw/admin-token; run it as root (sudo)",
+            )
+    return await handler(request)
+
+
 async def _health(_: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -225,11 +248,13 @@ async def _files(request: web.Request) -> web.Response:
     return web.json_response([s.model_dump(mode="json") for s in request.app[_FETCHER].files()])
 
 
-def api_app(fetcher: Fetcher, allow: Sequence[Network] = ()) -> web.Application:
-    """The management API's application; ``allow`` adds networks to loopback."""
-    app = web.Application(middlewares=[error_middleware(service="the mirror"), _guard])
+def api_app(fetcher: Fetcher, allow: Sequence[Network] = (), token: str = "") -> web.Application:
+    """The management API's application; ``allow`` adds networks to loopback; ``token`` (``""``:
+    none, for in-process tests) is what every route but health needs."""
+    app = web.Application(middlewares=[error_middleware(service="the mirror"), _guard, _auth])
     app[_FETCHER] = fetcher
     app[_ALLOW] = tuple(allow)
+    app[_TOKEN] = token
     app.router.add_get("/api/v1/health", _health)
     app.router.add_post("/api/v1/fetch", _fetch)
     app.router.add_get("/api/v1/status/{model}/{version}", _status)
@@ -246,8 +271,10 @@ class MirrorServer:
     """Both servers over one store; :meth:`start` binds, :meth:`stop` ends cleanly.
 
     ``policy`` is what the fetcher may fetch (``--import-dir``, ``--allow-source-net``); the
-    default allows no ``file:`` source and no private address. Attributes after start:
-    ``bytes_port`` and ``api_port``, the ports actually bound (useful with 0).
+    default allows no ``file:`` source and no private address. ``api_token``: what the
+    management API asks of every caller (``""``: nothing, for in-process tests; ``mirror serve``
+    always gives one). Attributes after start: ``bytes_port`` and ``api_port``, the ports
+    actually bound (useful with 0).
     """
 
     root: pathlib.Path
@@ -256,6 +283,7 @@ class MirrorServer:
     base: str
     api_allow: Sequence[str] = ()
     policy: SourcePolicy = field(default_factory=SourcePolicy)
+    api_token: str = ""
     bytes_port: int = 0
     api_port: int = 0
 
@@ -273,7 +301,7 @@ class MirrorServer:
         self._runners: list[web.AppRunner] = []
         try:
             for app, (host, port), flag in zip(
-                (bytes_app(self.store), api_app(self.fetcher, allow)),
+                (bytes_app(self.store), api_app(self.fetcher, allow, self.api_token)),
                 addrs,
                 ("--listen", "--api-listen"),
                 strict=True,
@@ -349,6 +377,7 @@ def run(
     base: str,
     api_allow: Sequence[str] = (),
     policy: SourcePolicy | None = None,
+    api_token: str = "",
 ) -> None:
     """Serve the mirror in this process until SIGTERM or SIGINT (``llmgw mirror serve``).
 
@@ -357,7 +386,7 @@ def run(
     """
     server = MirrorServer(
         root=root, listen=listen, api_listen=api_listen, base=base, api_allow=api_allow,
-        policy=policy or SourcePolicy(),
+        policy=policy or SourcePolicy(), api_token=api_token,
     )
 
     async def main() -> None:

@@ -27,13 +27,16 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import pwd
+import secrets
 import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from llmgw.atomicfile import write_atomic
 from llmgw.config import parse_listen
 from llmgw.errors import ApiError, ConfigError, LlmgwError, MirrorError, ServiceError, UnreachableError
-from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.client import MIRROR_TOKEN, MirrorClient, read_token
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest, FetchStatus
 from llmgw.mirror.policy import SourcePolicy
@@ -43,12 +46,32 @@ from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
 from llmgw.service.units import mirror_unit
 from llmgw.service.users import MIRROR_USER, choose_service_user, chown_tree
+from llmgw.sourcecheck import to_download
 
 INIT_ABOUT = (
     "'llmgw mirror init'. Bytes on :8081 for every node; the\n"
     "# management API for the control planes named with --control-plane only."
 )
 """The ``# Written by`` text of the unit :func:`init_mirror` writes."""
+
+
+def api_token(path: pathlib.Path) -> str:
+    """The management API's token in ``path``; made (a new 256-bit secret, mode 0600) when the file
+    is missing, as a mirror started by hand has none.
+
+    Raises:
+        ConfigError: it cannot be read or made (``/etc`` is read-only inside the unit's sandbox:
+            ``server init`` and ``mirror init`` make it before they start the mirror).
+    """
+    if not path.exists():
+        try:
+            write_atomic(path, secrets.token_urlsafe(32) + "\n", 0o600)
+        except OSError as e:
+            raise ConfigError(
+                f"the mirror's management API token {path} does not exist and cannot be made ({e}); "
+                "run 'llmgw server init' or 'llmgw mirror init', or give --api-token-file"
+            ) from e
+    return read_token(path)
 
 
 def _url_host(host: str) -> str:
@@ -103,16 +126,22 @@ def init_mirror(
     store = paths.mirror_store
     store.mkdir(parents=True, exist_ok=True)
     print(f"  done store in {store}", file=out, flush=True)
+    token_file = paths.etc / MIRROR_TOKEN
+    made = not token_file.exists()
+    api_token(token_file)
+    print(f"  {'done' if made else 'kept'} management API token {token_file}", file=out, flush=True)
     # The mirror runs as the llmgw user (under systemd, and under the supervisor when root).
-    who = choose_service_user([store.parent], systemd=manager.kind == "systemd")
+    who = choose_service_user([store.parent, token_file.parent], systemd=manager.kind == "systemd")
     if who.user is not None:
         chown_tree(store, who.user)
+        os.chown(token_file, *_ids(who.user))
         print(f"  done system user {MIRROR_USER}, owner of {store}", file=out, flush=True)
     else:
         print(f"  !! the mirror runs as this user, not as {MIRROR_USER}: {who.why}", file=out, flush=True)
     body = mirror_unit(
         paths, llmgw_bin, listen=listen, api_listen=api_listen, base=base, allow=list(control_planes),
         about=INIT_ABOUT, import_dirs=import_dirs, allow_source_nets=allow_source_nets, user=who.user,
+        api_token_file=str(token_file),
     )
     was_running = manager.status("mirror").state == "running"
     changed = manager.install("mirror", body)
@@ -127,8 +156,15 @@ def init_mirror(
     local = f"http://{'127.0.0.1' if api_host in ('0.0.0.0', '::', '') else _url_host(api_host)}:{api_port}"
     _wait_healthy(manager, local, wait_s)
     print(f"  done management API answers {', '.join(control_planes)} and loopback", file=out, flush=True)
-    print(f"\nOn the control plane, run:\n  sudo llmgw server init --mirror {api_url}", file=out, flush=True)
+    print(f"\nOn each control plane, copy {token_file} to its /etc/llmgw/{MIRROR_TOKEN} (mode 0600: only "
+          f"root and the llmgw user may read it), then run:\n  sudo llmgw server init --mirror {api_url}",
+          file=out, flush=True)
     return api_url
+
+
+def _ids(user: str) -> tuple[int, int]:
+    pw = pwd.getpwnam(user)
+    return pw.pw_uid, pw.pw_gid
 
 
 def _wait_healthy(manager: ServiceManager, url: str, wait_s: float) -> None:
@@ -159,6 +195,7 @@ def add_file(
     out: TextIO,
     deny: Sequence[pathlib.Path] = (),
     poll_s: float = 0.5,
+    token: str | None = None,
 ) -> FetchStatus:
     """Put ``file`` into the mirror as ``model/version`` (see the module docstring for the two ways).
 
@@ -167,6 +204,7 @@ def add_file(
 
     Args:
         deny: directories no file may be copied from (llmgw's configuration and state).
+        token: the management API's token (:func:`~llmgw.mirror.client.read_token`).
 
     Raises:
         MirrorError: the file is missing, the copy failed (disk full, unreadable), the mirror
@@ -179,7 +217,7 @@ def add_file(
         raise MirrorError(f"{file} is not a file")
     req = FetchRequest(source=f"file:{path}", model=model, version=version)
     policy = SourcePolicy.build(import_dirs=[path.parent], deny=deny)
-    client = MirrorClient(api_url, timeout=5.0)
+    client = MirrorClient(api_url, timeout=5.0, token=token)
     try:
         try:
             client.health()
@@ -213,6 +251,28 @@ def add_file(
     if st.state == "failed":
         raise MirrorError(f"the mirror could not add {path} as {model}/{version}: {st.err}")
     return st
+
+
+def copy_file(
+    source: str, model: str, version: str, *, store_dir: pathlib.Path, deny: Sequence[pathlib.Path] = ()
+) -> FetchStatus:
+    """Copy the file of a ``file:`` ``source`` into the store at ``store_dir`` as ``model/version``,
+    with this process's rights, through the same verified path the mirror's fetches take; the
+    manifest keeps ``source``, so a mirror asked for it later finds it present. What ``server
+    init`` does with its ``file:`` starter and judge instead of giving the mirror their directory.
+
+    Raises:
+        MirrorError: the file cannot be copied (missing, unreadable, a special file, a hard link,
+            inside ``deny``), or ``model/version`` holds another source.
+    """
+    req = FetchRequest(source=source, model=model, version=version)
+    path = to_download(source).path
+    if path is None:
+        raise MirrorError(f"{source} is not a file: source")
+    real = pathlib.Path(os.path.realpath(path))
+    if not real.is_file():
+        raise MirrorError(f"{source}: {real} is not a file")
+    return asyncio.run(_add_direct(req, store_dir, SourcePolicy.build(import_dirs=[real.parent], deny=deny)))
 
 
 async def _add_direct(req: FetchRequest, store_dir: pathlib.Path, policy: SourcePolicy) -> FetchStatus:

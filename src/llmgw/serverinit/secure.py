@@ -9,6 +9,7 @@ stays root's:
 | path | owner | mode | why |
 | --- | --- | --- | --- |
 | ``/etc/llmgw/admin-token``, ``client-keys``, ``pki/server-key.pem`` | llmgw | 0600 | the server reads them |
+| ``/etc/llmgw/mirror-token`` (a mirror on its own machine, or its copy) | llmgw | 0600 | mirror and server read it |
 | ``/etc/llmgw/pki/ca-key.pem``, ``agent-key.pem`` | root | 0600 | init and the agent (root) only |
 | ``/etc/llmgw/server.yaml`` | root, group llmgw | 0640 | the server reads it; may hold a store password |
 | ``/var/lib/llmgw`` and the SQLite files in it | llmgw | 0700 / 0600 | replica keys |
@@ -28,6 +29,7 @@ import pwd
 from pathlib import Path
 
 from llmgw.errors import ServiceError
+from llmgw.mirror.client import MIRROR_TOKEN
 from llmgw.paths import Paths
 from llmgw.service.users import chown_tree
 
@@ -37,7 +39,7 @@ PRIVATE_DIR_MODE = 0o700
 
 def service_secrets(paths: Paths) -> list[Path]:
     """Secrets the control plane itself reads: owned by its user, 0600."""
-    return [paths.admin_token, paths.client_keys, paths.pki / "server-key.pem"]
+    return [paths.admin_token, paths.client_keys, paths.pki / "server-key.pem", paths.etc / MIRROR_TOKEN]
 
 
 def root_secrets(paths: Paths) -> list[Path]:

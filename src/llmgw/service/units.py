@@ -283,6 +283,7 @@ def mirror_unit(
     import_dirs: Sequence[str] = (),
     allow_source_nets: Sequence[str] = (),
     user: str | None = SERVICE_USER,
+    api_token_file: str = "",
 ) -> str:
     """A mirror's unit, serving ``paths.mirror_store``.
 
@@ -298,6 +299,8 @@ def mirror_unit(
         allow_source_nets: private addresses or networks ``http(s):`` sources may reach
             (``--allow-source-net`` each).
         user: who it runs as (:data:`SERVICE_USER`, owner of the store); None: no ``User=``.
+        api_token_file: the management API's token (``--api-token-file``); ``""``: the mirror's
+            default (:func:`llmgw.mirror.client.token_path`).
 
     It may write only its store (``ReadWritePaths=``) inside :data:`_SANDBOX`.
     """
@@ -309,6 +312,8 @@ def mirror_unit(
         argv += ["--import-dir", d]
     for n in allow_source_nets:
         argv += ["--allow-source-net", n]
+    if api_token_file:
+        argv += ["--api-token-file", api_token_file]
     return (
         "[Unit]\n"
         "Description=llmgw model mirror\n"

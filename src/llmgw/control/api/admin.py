@@ -12,7 +12,8 @@ Routes (the OpenAPI document at ``/api/v1/openapi.json`` lists them with their s
 ``POST /api/v1/replicas/{id}/restart``, ``GET /api/v1/explain-placement?model=``,
 ``GET /api/v1/models/{name}/resources`` (estimate, profiles, where one could run),
 ``POST /api/v1/nodes/{id}/cordon|uncordon|drain``, ``DELETE /api/v1/nodes/{id}[?force=true]``,
-``GET /api/v1/revocations/{serial}`` (whether an agent certificate was revoked; 404 when not).
+``GET /api/v1/revocations/{serial}[?node=N&issued_at=T]`` (whether an agent certificate was revoked, or
+with its node and issue time whether the agent API refuses it; 404 when not).
 
 ``GET /api/v1/replicas`` also lists each wanted-but-unplaced replica as state ``pending`` with no
 node and placement's one-line summary in ``pending_reason``; at most ``max_replicas_per_model``
@@ -455,7 +456,15 @@ def build_admin_app(
 
     async def revocation(request: web.Request) -> web.Response:
         serial = request.match_info["serial"].upper().lstrip("0") or "0"
-        gone = await db.run(store.revoked, serial)
+        node, issued = request.query.get("node", ""), request.query.get("issued_at", "")
+        try:
+            issued_at = float(issued) if issued else None
+        except ValueError:
+            raise HttpError(400, "invalid_request", f"issued_at={issued[:40]!r} is not unix seconds") from None
+        if node and issued_at is not None:  # as the agent API judges that node's certificate
+            gone = await db.run(store.refused_cert, node, serial, issued_at)
+        else:
+            gone = await db.run(store.revoked, serial)
         if gone is None:
             raise HttpError(404, "not_revoked", f"certificate serial {serial} is not revoked")
         view = RevocationView(serial=serial, node=gone[0], revoked_at=gone[1])

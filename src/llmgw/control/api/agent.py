@@ -11,8 +11,11 @@ the cluster CA, so a client without one never reaches a handler. A node cannot s
 replicas: only replicas placed on the CN's node take its reports.
 
 Revocation: a node removed with ``llmgw ctl node rm`` has the serials of the certificates its agent
-presented put on a deny-list in the store (:meth:`~llmgw.control.store.sql.Store.remove_node`). Every
-request is checked against it after the handshake: a revoked certificate gets 403
+presented put on a deny-list in the store (:meth:`~llmgw.control.store.sql.Store.remove_node`), and
+the time of its removal kept: a certificate for that node issued before it (by its ``notBefore``,
+:func:`llmgw.tlsconf.issued_at`) is refused too, so a second bundle issued for the node and never
+presented cannot bring it back. Every request is checked after the handshake
+(:meth:`~llmgw.control.store.base.Store.refused_cert`): a refused certificate gets 403
 ``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
 The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
 
@@ -94,10 +97,11 @@ def revoked_message(node_id: str, serial: str, revoked_at: float) -> str:
     """What a removed node's agent is told (403 ``certificate_revoked``), and logs before it stops."""
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(revoked_at))
     return (
-        f"node '{node_id}' was removed from the cluster ('llmgw ctl node rm') at {when}, and this agent's "
-        f"certificate (serial {serial}) was revoked with it. To re-join, run 'llmgw server add-node "
+        f"node '{node_id}' was removed from the cluster ('llmgw ctl node rm') at {when}, and every "
+        f"certificate issued for it until then, this agent's (serial {serial}) too, was revoked with it. "
+        "To re-join, run 'llmgw server add-node "
         f"{node_id} --address ADDR --out DIR' on the control plane, copy DIR to this node's /etc/llmgw "
-        "(a new certificate, whose serial is not revoked) and start the agent again"
+        "(a new certificate, issued after the removal) and start the agent again"
     )
 
 
@@ -259,16 +263,20 @@ def build_agent_app(
 
     seen: set[tuple[str, str]] = set()  # (node, serial) pairs already remembered by this process
 
+    def peercert_of(request: web.Request) -> dict[str, object] | None:
+        return request.transport.get_extra_info("peercert") if request.transport else None
+
     def serial_of(request: web.Request) -> str:
-        return peer_serial(request.transport.get_extra_info("peercert") if request.transport else None)
+        return peer_serial(peercert_of(request))
 
     def revoked_error(node_id: str, serial: str, revoked_at: float) -> HttpError:
         log.warning("node %s: refused a request with revoked certificate serial %s", node_id, serial)
         return HttpError(403, "certificate_revoked", revoked_message(node_id, serial, revoked_at))
 
-    def check_serial(node_id: str, serial: str) -> tuple[str, float] | None:
-        """On a store thread: the revocation of ``serial``, else remember it for the node (once)."""
-        gone = store.revoked(serial)
+    def check_serial(node_id: str, serial: str, issued_at: float | None) -> tuple[str, float] | None:
+        """On a store thread: the revocation refusing this certificate, else remember its serial for
+        the node (once)."""
+        gone = store.refused_cert(node_id, serial, issued_at)
         if gone is None and (node_id, serial) not in seen:
             store.note_cert(node_id, serial, clock())
             seen.add((node_id, serial))
@@ -279,7 +287,7 @@ def build_agent_app(
         serial = serial_of(request)
         if not serial:
             return
-        gone = await db.run(check_serial, node_id, serial)
+        gone = await db.run(check_serial, node_id, serial, tlsconf.issued_at(peercert_of(request)))
         if gone is not None:
             raise revoked_error(node_id, serial, gone[1])
 

@@ -58,6 +58,7 @@ class MirrorServe:
     mirror_api: str
     _: KW_ONLY
     on_added: Callable[[], None] = lambda: None
+    mirror_token: str = ""  # the management API's (llmgw.mirror.client); "" sends none
     wait_s: float = 30 * 60
     poll_s: float = 2.0
     _jobs: dict[str, ServeJob] = field(default_factory=dict, init=False)
@@ -87,7 +88,7 @@ class MirrorServe:
             WaitTimeout: it did not arrive within ``wait_s``.
             ApiError, UnreachableError: the mirror refused the request or does not answer.
         """
-        mirror = MirrorClient(self.mirror_api, timeout=15.0)
+        mirror = MirrorClient(self.mirror_api, timeout=15.0, token=self.mirror_token or None)
         st = mirror.fetch(req.source, req.name, "guard")
         deadline = time.monotonic() + self.wait_s
         while st.state != "present":

@@ -55,6 +55,15 @@ from llmgw.protocol import Heartbeat, LogReply, LogRequest, ReplicaState, Replic
 from llmgw.views import ExplainView
 
 #: States in which a replica's node runs something for it (what a heartbeat must report).
+ISSUE_SLACK_S = 1.0
+"""A certificate's issue time is known to the second (``notBefore``): one issued within this many
+seconds before its node's removal is not refused for its age (only by its serial, if seen)."""
+
+REMOVAL_PREFIX = "@"
+"""``revoked_certs`` keeps a node's latest removal as the row ``serial = "@<node id>"`` (serials are
+hex, so no serial takes that form): the time from which every older certificate of the node is
+refused, without a migration."""
+
 _RUNNING = frozenset({ReplicaState.FETCHING.value, ReplicaState.STARTING.value, ReplicaState.READY.value})
 
 
@@ -140,7 +149,9 @@ class Store(abc.ABC):
         when ``serial`` (the agent certificate's, ``""`` when unknown) is on the deny-list.
 
         The deny-list is read in the same write transaction that :meth:`remove_node` takes, so a
-        heartbeat that was in flight while its node was removed cannot write the node back.
+        heartbeat that was in flight while its node was removed cannot write the node back: for a
+        removed node, a ``serial`` that is not among those remembered for it since the removal
+        (:meth:`note_cert`, which the agent API calls before it submits the heartbeat) is refused.
         """
 
     @abc.abstractmethod
@@ -175,12 +186,28 @@ class Store(abc.ABC):
         """``(node, revoked_at)`` when the certificate ``serial`` is revoked, else None."""
 
     @abc.abstractmethod
+    def refused_cert(self, node_id: str, serial: str, issued_at: float | None) -> tuple[str, float] | None:
+        """``(node, revoked_at)`` when a certificate for ``node_id`` must be refused, else None: its
+        ``serial`` is revoked, or ``node_id`` was removed (:meth:`remove_node`, the latest removal)
+        more than :data:`ISSUE_SLACK_S` after the certificate was issued (``issued_at``, unix seconds,
+        :func:`llmgw.tlsconf.issued_at`; None: only the serial is checked).
+
+        The second rule covers bundles issued for the node that its agent never presented (a
+        second ``server add-node`` for the same id, a copy kept elsewhere): ``remove_node`` cannot
+        know their serials. It compares the issuing machine's clock with the removing control
+        plane's, so a certificate issued less than the clocks' difference (plus 1 s) before the
+        removal and never presented may still join; one issued after it always does.
+        """
+
+    @abc.abstractmethod
     def remove_node(self, node_id: str, *, now: float) -> list[str]:
         """Delete ``node_id``, the replicas placed on it and its remembered serials, and revoke those
-        serials, in one transaction; returns the serials revoked (sorted).
+        serials, in one transaction; returns the serials revoked (sorted). The removal's time is kept
+        too: every certificate issued for ``node_id`` before it is refused
+        (:meth:`refused_cert`), presented or not.
 
         A node removed this way can join again only with a new certificate (``llmgw server
-        add-node``): its old ones stay on the deny-list for good.
+        add-node``, issued after the removal): its old ones stay refused for good.
 
         Raises:
             Conflict: there is no node ``node_id``.

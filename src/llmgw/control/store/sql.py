@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
-from llmgw.control.store.base import Store
+from llmgw.control.store.base import ISSUE_SLACK_S, REMOVAL_PREFIX, Store
 from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.dialect import DialectHooks
 from llmgw.control.store.postgres import PostgresHooks
@@ -301,12 +301,24 @@ class SqlStore(SqlKeys, Store):
         try:
             with self._wtx() as conn:
                 serials = [b[3] for b in beats if b[3]]
+                removals = [REMOVAL_PREFIX + b[0] for b in beats if b[3]]
                 denied = {
                     r.serial: r
-                    for r in conn.execute(sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_(serials)))
+                    for r in conn.execute(
+                        sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_([*serials, *removals]))
+                    )
                 } if serials else {}
+                removed = {r.node for k, r in denied.items() if k.startswith(REMOVAL_PREFIX)}
+                admitted = {
+                    (r.node, r.serial)
+                    for r in conn.execute(sa.select(node_certs_t).where(node_certs_t.c.node.in_(removed)))
+                } if removed else set()
                 for node_id, values, now, serial in prepared:
                     gone = denied.get(serial)
+                    if gone is None and serial and node_id in removed and (node_id, serial) not in admitted:
+                        # Admitted before the removal (which forgot the node's serials): in flight
+                        # while the node was removed, it must not write the node back.
+                        gone = denied[REMOVAL_PREFIX + node_id]
                     if gone is not None:
                         out.append(Revoked(serial, gone.node, gone.revoked_at))
                         continue
@@ -319,6 +331,8 @@ class SqlStore(SqlKeys, Store):
             out = []
             for node_id, hb, now, serial in beats:
                 was = self.revoked(serial) if serial else None
+                if was is None and serial and (serial not in self.node_serials(node_id)):
+                    was = self.revoked(REMOVAL_PREFIX + node_id)
                 if was is not None:
                     out.append(Revoked(serial, *was))
                     continue
@@ -397,11 +411,31 @@ class SqlStore(SqlKeys, Store):
             ).first()
         return (row.node, row.revoked_at) if row else None
 
+    def refused_cert(self, node_id: str, serial: str, issued_at: float | None) -> tuple[str, float] | None:
+        with self._tx() as conn:
+            rows = {
+                r.serial: r
+                for r in conn.execute(
+                    sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_([serial, REMOVAL_PREFIX + node_id]))
+                )
+            }
+        if serial in rows:
+            return rows[serial].node, rows[serial].revoked_at
+        removal = rows.get(REMOVAL_PREFIX + node_id)
+        if removal is not None and issued_at is not None and issued_at < removal.revoked_at - ISSUE_SLACK_S:
+            return removal.node, removal.revoked_at
+        return None
+
     def remove_node(self, node_id: str, *, now: float) -> list[str]:
         with self._wtx() as conn:
             n = conn.execute(nodes_t.delete().where(nodes_t.c.id == node_id)).rowcount
             if not n:
                 raise Conflict(f"node '{node_id}' was removed meanwhile")
+            # The removal's time: every certificate of the node issued before it is refused
+            # (refused_cert), those its agent never presented too.
+            removal = REMOVAL_PREFIX + node_id
+            conn.execute(revoked_certs_t.delete().where(revoked_certs_t.c.serial == removal))
+            conn.execute(revoked_certs_t.insert().values(serial=removal, node=node_id, revoked_at=now))
             serials = sorted(
                 conn.scalars(sa.select(node_certs_t.c.serial).where(node_certs_t.c.node == node_id))
             )

@@ -21,6 +21,7 @@ import httpx
 from llmgw.adminclient import AdminClient
 from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.errors import ServiceError
+from llmgw.mirror.client import MirrorClient, read_token, token_path
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.wait import Clock, wait_for
@@ -142,3 +143,12 @@ class InitContext:
         if self.opts.mirror_url:
             return self.opts.mirror_url
         return self.config().mirror.api or self.local_mirror_api()
+
+    def mirror(self, timeout: float = 15.0) -> MirrorClient:
+        """A client of :meth:`mirror_api` with the management API's token (:mod:`llmgw.mirror.client`:
+        this machine's ``mirror-token``, else the admin token).
+
+        Raises:
+            ConfigError: the token cannot be read.
+        """
+        return MirrorClient(self.mirror_api(), timeout=timeout, token=read_token(token_path(self.paths)))

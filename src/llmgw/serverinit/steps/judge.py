@@ -8,7 +8,6 @@ from llmgw import sourcecheck
 from llmgw.catalog import Model
 from llmgw.errors import LlmgwError
 from llmgw.guard import sizing
-from llmgw.mirror.client import MirrorClient
 from llmgw.serverinit import files, plan
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import services
@@ -87,7 +86,7 @@ def in_mirror(ctx: InitContext, src: str) -> bool:
     """True when the mirror already holds the judge from ``src`` (False when it does not answer)."""
     fmt = ctx.opts.judge_format or "qwen3guard"
     try:
-        mirror = MirrorClient(ctx.mirror_api(), timeout=15.0)
+        mirror = ctx.mirror()
         st = mirror.status(plan.judge_name(src, fmt), plan.GUARD_MODEL_VERSION)
     except LlmgwError:
         return False

@@ -4,15 +4,10 @@ then server.yaml points at it."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from llmgw import sourcecheck
 from llmgw.config import parse_listen
-from llmgw.errors import LlmgwError, MirrorError
-from llmgw.mirror.client import MirrorClient
+from llmgw.errors import ApiError, LlmgwError, MirrorError
+from llmgw.mirror.client import MIRROR_TOKEN, MirrorClient, token_path
 from llmgw.serverinit import files
-from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import services
 from llmgw.serverinit.steps.context import InitContext, url_host
 from llmgw.serverinit.steps.pki import reachable_addr
@@ -43,6 +38,16 @@ def use_remote(ctx: InitContext) -> None:
             f"the mirror at {url} does not answer: {e}. On that machine: "
             "sudo llmgw mirror init --control-plane <this machine's address>"
         ) from e
+    try:
+        with ctx.mirror(5.0) as client:
+            client.files()
+    except ApiError as e:
+        if e.status != 401:
+            raise
+        raise MirrorError(
+            f"the mirror at {url} refuses this machine's token: {e}. Copy /etc/llmgw/{MIRROR_TOKEN} from "
+            f"the mirror's machine to this machine's {ctx.paths.etc / MIRROR_TOKEN} (mode 0600) and run init again"
+        ) from e
     cfg = ctx.config()
     if cfg.mirror.api == url:
         ctx.say("kept", f"mirror at {url}")
@@ -60,7 +65,10 @@ def ensure_local(ctx: InitContext) -> None:
     """Run a mirror on this machine and point the control plane at it.
 
     Its management API is on loopback, which is why it needs no certificate: nothing but this
-    machine can reach it.
+    machine can reach it. It asks for a token (``--api-token-file``: the admin token, see
+    :mod:`llmgw.mirror.client`), as every local user reaches loopback. It imports from no
+    directory: a ``file:`` starter or judge is copied into its store by init
+    (:func:`llmgw.serverinit.steps.serve.copy_into_store`).
 
     Raises:
         ServiceError: the mirror failed to start. WaitTimeout: it did not answer in time.
@@ -80,7 +88,7 @@ def ensure_local(ctx: InitContext) -> None:
     base = f"http://{url_host(reachable_addr(ctx.opts.hosts))}:{port}"
     body = mirror_unit(
         ctx.paths, ctx.bin, listen=ctx.opts.mirror_listen, api_listen=ctx.opts.mirror_api_listen,
-        base=base, allow=ctx.mirror_allow, import_dirs=import_dirs(ctx.opts), user=user,
+        base=base, allow=ctx.mirror_allow, user=user, api_token_file=str(token_path(ctx.paths)),
         about=MIRROR_ABOUT_STANDBYS if ctx.opts.ha else "'llmgw server init'. Bytes for every node; the\n"
         "# management API on loopback only, for the control plane beside it.",
     )
@@ -106,19 +114,3 @@ def ensure_local(ctx: InitContext) -> None:
         return True
 
     services.wait_service(ctx, "mirror", "the mirror", up)
-
-
-def import_dirs(opts: InitOptions) -> list[str]:
-    """The directories the local mirror may import ``file:`` sources from: the real directory
-    (symlinks followed, as the mirror checks it) of a ``file:`` starter and judge, once each."""
-    sources = [opts.starter_source]
-    if opts.judge_source and not opts.no_guard_model:
-        sources.append(opts.judge_source)
-    dirs: list[str] = []
-    for src in sources:
-        d = sourcecheck.to_download(src)
-        if d.kind == "file" and d.path is not None:
-            real = str(Path(os.path.realpath(d.path)).parent)
-            if real not in dirs:
-                dirs.append(real)
-    return dirs

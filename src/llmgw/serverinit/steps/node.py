@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.x509.oid import NameOID
 
+from llmgw import tlsconf
 from llmgw.agent.discovery import has_nvidia_device
 from llmgw.config import load_agent_config, parse_listen
 from llmgw.errors import ApiError, ConfigError, EngineError, LlmgwError, PkiError
@@ -106,8 +108,8 @@ def run(ctx: InitContext) -> str:
 
 
 def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
-    """True when the agent certificate ``cert`` is on the control plane's revoked list (the node was
-    removed with ``llmgw ctl node rm``): its agent would be refused and exit, and init would wait
+    """True when the agent certificate ``cert`` is refused by the control plane (revoked, or issued
+    before its node was removed with ``llmgw ctl node rm``): its agent would be refused and exit, and init would wait
     for it in vain. False when there is no certificate, or it does not load.
 
     Raises:
@@ -115,11 +117,16 @@ def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
             control plane without the route counts as "not revoked").
     """
     try:
-        serial = format(x509.load_pem_x509_certificate(cert.read_bytes()).serial_number, "X")
+        loaded = x509.load_pem_x509_certificate(cert.read_bytes())
     except (OSError, ValueError):
         return False
+    serial = format(loaded.serial_number, "X")
+    cns = loaded.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    node = str(cns[0].value) if cns else ""
+    # As the agent API judges it: its serial revoked, or issued before its node's removal.
+    issued_at = loaded.not_valid_before_utc.timestamp() + tlsconf.BACKDATE.total_seconds()
     try:
-        return ctx.admin().revocation(serial) is not None
+        return ctx.admin().revocation(serial, node=node, issued_at=issued_at) is not None
     except ApiError as e:
         if e.status == 404:  # a control plane from before the route: it cannot say
             return False

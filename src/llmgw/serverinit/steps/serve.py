@@ -14,9 +14,11 @@ from collections.abc import Callable
 from llmgw import sourcecheck
 from llmgw.catalog import Model
 from llmgw.errors import ApiError, EngineError, LlmgwError, MirrorError
-from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.setup import copy_file
+from llmgw.serverinit.steps import services
 from llmgw.serverinit.steps.context import InitContext
 from llmgw.serverinit.wait import PROBE_TIMEOUT_S
+from llmgw.service.users import chown_tree
 from llmgw.views import ReplicaView
 
 # Builds the catalog entry from the mirror's URL, the file's sha256 and this machine's GPU classes.
@@ -39,7 +41,7 @@ def ensure_served(ctx: InitContext, name: str, source: str, version: str, here: 
         return True
 
     kind = sourcecheck.to_download(source).kind
-    mirror = MirrorClient(ctx.mirror_api(), timeout=15.0)
+    mirror = ctx.mirror()
     try:
         st = mirror.status(name, version)
     except ApiError as e:
@@ -50,12 +52,14 @@ def ensure_served(ctx: InitContext, name: str, source: str, version: str, here: 
             # nobody carried in.
             ctx.say("skip", f"{name}: not in the mirror, and an offline cluster does not download it")
             return False
+        if kind == "file" and not ctx.opts.mirror_url:
+            copy_into_store(ctx, source, name, version)
         st = mirror.fetch(source, name, version)
         ctx.progress(f"{'copying' if kind == 'file' else 'downloading'} {name} into the mirror")
 
     last_pct = -10
 
-    probe_mirror = MirrorClient(ctx.mirror_api(), timeout=PROBE_TIMEOUT_S)
+    probe_mirror = ctx.mirror(PROBE_TIMEOUT_S)
 
     def present() -> bool:
         nonlocal st, last_pct
@@ -94,6 +98,28 @@ def ensure_served(ctx: InitContext, name: str, source: str, version: str, here: 
     ctx.say("done", f"{name} in the catalog, served here {where}")
     wait_serving(ctx, name)
     return True
+
+
+def copy_into_store(ctx: InitContext, source: str, name: str, version: str) -> None:
+    """Copy a ``file:`` model into the local mirror's store as ``name/version`` (present, with its
+    sha256), as this process (root), then give the store to the mirror's user; the mirror then
+    finds it there when asked for ``source``.
+
+    Init used to make the file's directory one of the mirror's import directories: everything
+    beside the model (an ssh key in the same home) could then be imported by anyone who reached
+    the management API and served on the bytes port, by a mirror that ran as root. Now the mirror
+    imports nothing on init's behalf, and the one file named is copied.
+
+    Raises:
+        MirrorError: the file cannot be copied (missing, a special file, a hard link, inside
+            llmgw's own configuration or state).
+    """
+    p = ctx.paths
+    ctx.progress(f"copying {sourcecheck.to_download(source).path} into the mirror's store {p.mirror_store}")
+    copy_file(source, name, version, store_dir=p.mirror_store, deny=[p.etc, p.state, p.agent_state])
+    user = services.service_user(ctx)
+    if user is not None:
+        chown_tree(p.mirror_store, user)
 
 
 def wait_serving(ctx: InitContext, name: str) -> None:

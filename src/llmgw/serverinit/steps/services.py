@@ -9,9 +9,7 @@ from __future__ import annotations
 import os
 import pwd
 from collections.abc import Callable
-from pathlib import Path
 
-from llmgw import sourcecheck
 from llmgw.errors import ServiceError
 from llmgw.serverinit import files, secure
 from llmgw.serverinit.steps.context import InitContext
@@ -29,11 +27,8 @@ def service_user(ctx: InitContext) -> str | None:
     paths = ctx.paths
     for d in (paths.state, paths.mirror_store):
         d.mkdir(mode=0o700 if d == paths.state else 0o755, parents=True, exist_ok=True)
+    # A file: starter or judge is not among them: init copies it into the store itself (steps/serve.py).
     reach = [paths.etc, paths.pki, paths.state.parent, paths.mirror_store.parent]
-    for source in (ctx.opts.starter_source, ctx.opts.judge_source or ""):
-        fetch = sourcecheck.to_download(source) if source else None
-        if fetch is not None and fetch.kind == "file" and fetch.path:
-            reach.append(Path(fetch.path))  # the mirror, as this user, copies it
     choice = choose_service_user(reach, systemd=ctx.manager.kind == "systemd")
     ctx.user = choice
     if choice.made:
