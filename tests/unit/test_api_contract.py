@@ -50,7 +50,7 @@ def _served_routes(inst: Install) -> set[tuple[str, str]]:
         return None
 
     app = _admin_app(store, TOKEN, lambda: None, config, None, LogBroker(), db, settle,
-                     cast(Any, None), ControlPlaneMetrics())
+                     cast(Any, None), ControlPlaneMetrics(), inst.paths)
     routes = set()
     for r in app.router.routes():
         info = r.resource.get_info() if r.resource is not None else {}
