@@ -40,7 +40,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
@@ -69,6 +69,8 @@ from llmgw.protocol import (
 log = logging.getLogger(__name__)
 
 _PAGES = TypeAdapter(list[EngineMetricsText])
+_LOG_REPLY = TypeAdapter(LogReply)
+_Report = TypeVar("_Report")
 
 #: The heartbeat interval the control plane asks agents for (seconds).
 HEARTBEAT_INTERVAL_S = 2.0
@@ -362,9 +364,9 @@ async def heartbeat(request: web.Request) -> web.Response:
     return web.json_response(text=reply.model_dump_json())
 
 
-async def log_reply(request: web.Request) -> web.Response:
-    """``POST /agent/v1/logs`` (a :class:`~llmgw.protocol.LogReply`): answers a waiting log read."""
-    logs = request.app[AGENT].logs
+async def read_report(request: web.Request, shape: TypeAdapter[_Report], code: str) -> tuple[str, _Report]:
+    """A post beside the heartbeat (logs, metrics): its node id and its body as ``shape``; 401
+    without a client certificate, 403 when it is revoked, 400 ``code`` naming what is wrong."""
     node_id = node_of(request)
     if not node_id:
         raise HttpError(
@@ -372,9 +374,15 @@ async def log_reply(request: web.Request) -> web.Response:
         )
     await check_revoked(request, node_id)
     try:
-        answer = LogReply.model_validate(await jsonbody.read_json(request))
+        return node_id, shape.validate_python(await jsonbody.read_json(request))
     except ValidationError as e:
-        raise HttpError(400, "invalid_log_reply", str(e.errors()[0]["msg"])) from e
+        raise HttpError(400, code, str(e.errors()[0]["msg"])) from e
+
+
+async def log_reply(request: web.Request) -> web.Response:
+    """``POST /agent/v1/logs`` (a :class:`~llmgw.protocol.LogReply`): answers a waiting log read."""
+    logs = request.app[AGENT].logs
+    node_id, answer = await read_report(request, _LOG_REPLY, "invalid_log_reply")
     if logs is None or not await logs.answer(node_id, answer):
         raise HttpError(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
     return web.json_response({"status": "ok"})
@@ -383,16 +391,7 @@ async def log_reply(request: web.Request) -> web.Response:
 async def engine_metrics(request: web.Request) -> web.Response:
     """``POST /agent/v1/metrics`` (a list of :class:`~llmgw.protocol.EngineMetricsText`)."""
     engines = request.app[AGENT].engines
-    node_id = node_of(request)
-    if not node_id:
-        raise HttpError(
-            401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA"
-        )
-    await check_revoked(request, node_id)
-    try:
-        pages = _PAGES.validate_python(await jsonbody.read_json(request))
-    except ValidationError as e:
-        raise HttpError(400, "invalid_metrics", str(e.errors()[0]["msg"])) from e
+    node_id, pages = await read_report(request, _PAGES, "invalid_metrics")
     if engines is not None:
         engines.put(node_id, pages)
     return web.json_response({"status": "ok"})

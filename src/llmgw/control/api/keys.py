@@ -24,10 +24,10 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from llmgw import jsonbody
 from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
@@ -40,6 +40,7 @@ from llmgw.views import KeyView, NewKeyView, UsageView
 #: The longest usage range a query may ask (days).
 MAX_USAGE_DAYS = 400
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 def _day(t: float) -> str:
@@ -115,22 +116,35 @@ async def must_key(ctx: KeysContext, name: str) -> ApiKeyRow:
     return row
 
 
+async def must_active_key(ctx: KeysContext, name: str) -> ApiKeyRow:
+    """The key ``name`` (404 ``key_not_found``), not revoked (409 ``key_revoked``)."""
+    row = await must_key(ctx, name)
+    if row.revoked_at is not None:
+        raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
+    return row
+
+
+async def _read(request: web.Request, shape: type[_Body]) -> _Body:
+    """The request's body as ``shape``; else 400 ``invalid_key`` naming the field (or what
+    :func:`llmgw.jsonbody.read_json` refuses)."""
+    try:
+        return shape.model_validate(await jsonbody.read_json(request))
+    except ValidationError as e:
+        raise HttpError(400, "invalid_key", _describe(e)) from e
+
+
 async def create(request: web.Request) -> web.Response:
     """``POST /api/v1/keys``: 201 with the new secret (shown this once)."""
     ctx = request.app[KEYS]
-    db, store, clock, on_change = ctx.db, ctx.store, ctx.clock, ctx.on_change
-    try:
-        spec = KeySpec.model_validate(await jsonbody.read_json(request))
-    except ValidationError as e:
-        raise HttpError(400, "invalid_key", _describe(e)) from e
-    secret, now = new_secret(), clock()
+    spec = await _read(request, KeySpec)
+    secret, now = new_secret(), ctx.clock()
     row = ApiKeyRow(
         name=spec.name, prefix=key_prefix(secret), digest=key_digest(secret), models=tuple(spec.models),
         rpm=spec.rpm, tpm=spec.tpm, budget_tokens=spec.budget_tokens, budget_period=spec.budget_period or "",
         expires_at=spec.expires_at(now), created_at=now,
     )
-    row = await db.run(store.add_key, row)
-    on_change()
+    row = await ctx.db.run(ctx.store.add_key, row)
+    ctx.on_change()
     return _json(NewKeyView(key=key_view(row, now), secret=secret).model_dump(mode="json"), 201)
 
 
@@ -144,15 +158,9 @@ async def list_keys(request: web.Request) -> web.Response:
 async def set_limits(request: web.Request) -> web.Response:
     """``PATCH /api/v1/keys/{name}``: a merge patch of the key's limits; 409 on a revoked key."""
     ctx = request.app[KEYS]
-    db, store, clock, on_change = ctx.db, ctx.store, ctx.clock, ctx.on_change
-    try:
-        patch = KeyPatch.model_validate(await jsonbody.read_json(request))
-    except ValidationError as e:
-        raise HttpError(400, "invalid_key", _describe(e)) from e
-    row = await must_key(ctx, request.match_info["name"])
-    if row.revoked_at is not None:
-        raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
-    new = replace(row, **patch.changes(clock()))
+    patch = await _read(request, KeyPatch)
+    row = await must_active_key(ctx, request.match_info["name"])
+    new = replace(row, **patch.changes(ctx.clock()))
     if (new.budget_tokens is None) != (not new.budget_period):
         have = f"budget_tokens {new.budget_tokens}, budget_period {new.budget_period or 'null'}"
         raise HttpError(
@@ -161,34 +169,31 @@ async def set_limits(request: web.Request) -> web.Response:
             "or null both to remove the budget",
         )
     if new != row:
-        new = await db.run(lambda: store.update_key(new, revision=row.revision))
-        on_change()
-    return _json(key_view(new, clock()).model_dump(mode="json"))
+        new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
+        ctx.on_change()
+    return _json(key_view(new, ctx.clock()).model_dump(mode="json"))
 
 
 async def revoke(request: web.Request) -> web.Response:
     """``POST /api/v1/keys/{name}/revoke``: the key's view (the same again on a revoked key)."""
     ctx = request.app[KEYS]
-    db, store, clock, on_change = ctx.db, ctx.store, ctx.clock, ctx.on_change
+    store, clock = ctx.store, ctx.clock
     row = await must_key(ctx, request.match_info["name"])
     if row.revoked_at is None:
-        row = await db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
-        on_change()
+        row = await ctx.db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
+        ctx.on_change()
     return _json(key_view(row, clock()).model_dump(mode="json"))
 
 
 async def rotate(request: web.Request) -> web.Response:
     """``POST /api/v1/keys/{name}/rotate``: a new secret; the old one stops working."""
     ctx = request.app[KEYS]
-    db, store, clock, on_change = ctx.db, ctx.store, ctx.clock, ctx.on_change
-    row = await must_key(ctx, request.match_info["name"])
-    if row.revoked_at is not None:
-        raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
+    row = await must_active_key(ctx, request.match_info["name"])
     secret = new_secret()
     new = replace(row, prefix=key_prefix(secret), digest=key_digest(secret))
-    new = await db.run(lambda: store.update_key(new, revision=row.revision))
-    on_change()
-    return _json(NewKeyView(key=key_view(new, clock()), secret=secret).model_dump(mode="json"))
+    new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
+    ctx.on_change()
+    return _json(NewKeyView(key=key_view(new, ctx.clock()), secret=secret).model_dump(mode="json"))
 
 
 async def usage(request: web.Request) -> web.Response:
