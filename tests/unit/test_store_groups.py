@@ -78,7 +78,7 @@ def test_removing_a_workers_node_removes_its_group_whole(store: Store) -> None:
 
 def test_each_node_view_holds_its_own_share_of_a_group() -> None:
     from llmgw.catalog import Model  # noqa: PLC0415
-    from llmgw.control.api.admin import node_view  # noqa: PLC0415
+    from llmgw.control.api.nodes import node_view  # noqa: PLC0415
     from llmgw.control.store import NodeRow  # noqa: PLC0415
     from llmgw.protocol import Inventory  # noqa: PLC0415
 

@@ -28,6 +28,11 @@ not bounded JSON: :mod:`llmgw.jsonbody`; label keys per :mod:`llmgw.names`), 401
 carries no certificate (a server run without client verification), 403 for a revoked certificate
 or when its CN is not a valid node id, 409 ``node_id_in_use``, 500 ``internal`` for anything else
 (handlers raise :class:`~llmgw.errors.HttpError`; :mod:`llmgw.httperrors` answers it).
+
+The handlers (:func:`heartbeat`, :func:`log_reply`, :func:`engine_metrics`, :func:`not_found`) are
+module-level and listed in :data:`ROUTES`; what they share (the store, the off-loop pool, the
+heartbeat batcher, the callbacks) is one :class:`AgentContext` on the app under :data:`AGENT`, which
+:func:`build_agent_app` builds from its arguments.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
@@ -49,7 +55,7 @@ from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
-from llmgw.errors import HttpError, Revoked, StoreUnavailable
+from llmgw.errors import Conflict, HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import (
@@ -66,11 +72,51 @@ from llmgw.protocol import (
 log = logging.getLogger(__name__)
 
 _PAGES = TypeAdapter(list[EngineMetricsText])
+_LOG_REPLY = TypeAdapter(LogReply)
+_Report = TypeVar("_Report")
 
 #: The heartbeat interval the control plane asks agents for (seconds).
 HEARTBEAT_INTERVAL_S = 2.0
 
 STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    """The agent API's shared state, kept on the app under :data:`AGENT` (what its handlers were
+    closures over before); :func:`build_agent_app` says what each field is.
+
+    Attributes:
+        store: the state store; every call goes through ``db`` (off the event loop).
+        db: the off-loop pool (:mod:`llmgw.control.store.offloop`).
+        beats: batches the heartbeats' writes (one write transaction per batch).
+        clock: unix seconds.
+        interval_s: the heartbeat interval replies ask for (s).
+        node_lost_after_s: bounds how long a node id stays held (:func:`hold_for`).
+        logs: log reads waiting for agents; None: no log requests go out.
+        on_heartbeat: ``(node_id, changed)`` after each stored heartbeat; an awaitable is awaited.
+        on_node: a node registered or came back from ``lost``.
+        cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply.
+        engines: keeps the engine metrics pages agents post; None: posts are dropped.
+        seen: ``(node, serial)`` pairs this process already remembered in the store.
+    """
+
+    store: Store
+    db: OffLoop
+    beats: Batcher[tuple[str, Heartbeat, float, str], Conflict | None]
+    clock: Callable[[], float] = time.time
+    interval_s: float = HEARTBEAT_INTERVAL_S
+    node_lost_after_s: float = 30.0
+    logs: LogBroker | None = None
+    on_heartbeat: Callable[[str, bool], Awaitable[None] | None] | None = None
+    on_node: Callable[[str], None] | None = None
+    cluster: Callable[[], tuple[int, str, list[str]]] | None = None
+    engines: EngineMetrics | None = None
+    seen: set[tuple[str, str]] = field(default_factory=set)
+
+
+#: Where the agent app keeps its :class:`AgentContext`.
+AGENT: web.AppKey[AgentContext] = web.AppKey("agent", AgentContext)
 
 
 def is_name(node_id: str) -> bool:
@@ -206,6 +252,178 @@ def id_in_use(before: NodeRow | None, hb: Heartbeat, now: float, *, hold_s: floa
     )
 
 
+def node_of(request: web.Request) -> str | None:
+    """The CN of the session's client certificate, or None (no certificate, or no transport)."""
+    return tlsconf.peer_common_name(
+        request.transport.get_extra_info("peercert") if request.transport else None
+    )
+
+
+def peercert_of(request: web.Request) -> dict[str, object] | None:
+    """The session's client certificate as :meth:`ssl.SSLSocket.getpeercert` gives it, or None."""
+    return request.transport.get_extra_info("peercert") if request.transport else None
+
+
+def serial_of(request: web.Request) -> str:
+    """The serial of the session's client certificate (:func:`peer_serial`), or ``""``."""
+    return peer_serial(peercert_of(request))
+
+
+def revoked_error(node_id: str, serial: str, revoked_at: float) -> HttpError:
+    """The 403 ``certificate_revoked`` for ``node_id``'s ``serial`` (logged as a warning)."""
+    log.warning("node %s: refused a request with revoked certificate serial %s", node_id, serial)
+    return HttpError(403, "certificate_revoked", revoked_message(node_id, serial, revoked_at))
+
+
+def check_serial(
+    ctx: AgentContext, node_id: str, serial: str, issued_at: float | None
+) -> tuple[str, float] | None:
+    """On a store thread: the revocation refusing this certificate, else remember its serial for
+    the node (once)."""
+    store, seen = ctx.store, ctx.seen
+    gone = store.refused_cert(node_id, serial, issued_at)
+    if gone is None and (node_id, serial) not in seen:
+        store.note_cert(node_id, serial, ctx.clock())
+        seen.add((node_id, serial))
+    return gone
+
+
+async def check_revoked(request: web.Request, node_id: str) -> None:
+    """Raise 403 when the session's certificate is revoked; else remember its serial (once)."""
+    serial = serial_of(request)
+    if not serial:
+        return
+    ctx = request.app[AGENT]
+    gone = await ctx.db.run(check_serial, ctx, node_id, serial, tlsconf.issued_at(peercert_of(request)))
+    if gone is not None:
+        raise revoked_error(node_id, serial, gone[1])
+
+
+def identify(request: web.Request) -> str:
+    """The node id (the certificate's CN); raises 401/403 for a session without a valid one."""
+    node_id = node_of(request)
+    if not node_id:
+        raise HttpError(
+            401,
+            "no_client_certificate",
+            "the agent API needs a client certificate from the cluster CA; "
+            "issue one with 'llmgw server init' on the control plane",
+        )
+    if not is_name(node_id):
+        raise HttpError(
+            403, "invalid_node_id",
+            f"the client certificate's CN {node_id[:80]!r} is not a valid node id ({NAME_RULE}); "
+            "issue a certificate for a valid id with 'llmgw server add-node'",
+        )
+    return node_id
+
+
+async def read_heartbeat(request: web.Request) -> Heartbeat:
+    """The body as a Heartbeat; raises the 400/413 naming what is wrong with it."""
+    try:
+        return Heartbeat.model_validate(await jsonbody.read_json(request))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(body)"
+        raise HttpError(400, "invalid_heartbeat", f"{where}: {first['msg']}") from e
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    """``POST /agent/v1/register`` and ``/agent/v1/heartbeat``: store the node's report, answer a
+    :class:`~llmgw.protocol.HeartbeatReply` (409 ``node_id_in_use``, 403 ``certificate_revoked``)."""
+    ctx = request.app[AGENT]
+    store, db, clock, logs, interval_s = ctx.store, ctx.db, ctx.clock, ctx.logs, ctx.interval_s
+    on_node, on_heartbeat, cluster = ctx.on_node, ctx.on_heartbeat, ctx.cluster
+    node_id = identify(request)
+    hb = await read_heartbeat(request)
+    # Checked here, and again inside the batched write (Store.record_heartbeats, in the write
+    # transaction node removal takes): a node removed meanwhile is never written back.
+    await check_revoked(request, node_id)
+    now = clock()
+    before = await db.run(store.get_node, node_id)
+    clash = id_in_use(before, hb, now, hold_s=hold_for(ctx.node_lost_after_s, interval_s))
+    if clash:
+        log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
+        raise HttpError(409, "node_id_in_use", clash)
+    failed = await ctx.beats.submit((node_id, hb, now, serial_of(request)))
+    if isinstance(failed, Revoked):
+        raise revoked_error(node_id, failed.serial, failed.revoked_at)
+    if failed is not None:
+        raise failed
+    changed = (await db.run(store.apply_reports, node_id, hb.replicas, now)).changed
+    if before is None:
+        log.info("node %s registered", node_id)
+    node_changed = before is None or before.state != "ready"
+    if on_node is not None and node_changed:
+        on_node(node_id)
+    if on_heartbeat is not None:
+        settled = on_heartbeat(node_id, bool(changed) or node_changed)
+        if inspect.isawaitable(settled):
+            await settled
+    term, leader, members = cluster() if cluster is not None else (0, "", [])
+
+    def outgoing() -> tuple[list[ReplicaSpec], list[LogRequest]]:
+        # One trip to a store thread for both: the log requests queued for this node in the
+        # shared store (no store call with the in-memory broker, or when none is queued for it).
+        return desired_specs(store, node_id), logs.take_stored(node_id, now) if logs is not None else []
+
+    desired, stored_logs = await db.run(outgoing)
+    reply = HeartbeatReply(
+        node_id=node_id, desired=desired, interval_s=interval_s,
+        log_requests=(logs.take(node_id) if logs is not None else []) + stored_logs,
+        term=term, leader=leader, control_planes=members,
+    )
+    return web.json_response(text=reply.model_dump_json())
+
+
+async def read_report(request: web.Request, shape: TypeAdapter[_Report], code: str) -> tuple[str, _Report]:
+    """A post beside the heartbeat (logs, metrics): its node id and its body as ``shape``; 401
+    without a client certificate, 403 when it is revoked, 400 ``code`` naming what is wrong."""
+    node_id = node_of(request)
+    if not node_id:
+        raise HttpError(
+            401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA"
+        )
+    await check_revoked(request, node_id)
+    try:
+        return node_id, shape.validate_python(await jsonbody.read_json(request))
+    except ValidationError as e:
+        raise HttpError(400, code, str(e.errors()[0]["msg"])) from e
+
+
+async def log_reply(request: web.Request) -> web.Response:
+    """``POST /agent/v1/logs`` (a :class:`~llmgw.protocol.LogReply`): answers a waiting log read."""
+    logs = request.app[AGENT].logs
+    node_id, answer = await read_report(request, _LOG_REPLY, "invalid_log_reply")
+    if logs is None or not await logs.answer(node_id, answer):
+        raise HttpError(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
+    return web.json_response({"status": "ok"})
+
+
+async def engine_metrics(request: web.Request) -> web.Response:
+    """``POST /agent/v1/metrics`` (a list of :class:`~llmgw.protocol.EngineMetricsText`)."""
+    engines = request.app[AGENT].engines
+    node_id, pages = await read_report(request, _PAGES, "invalid_metrics")
+    if engines is not None:
+        engines.put(node_id, pages)
+    return web.json_response({"status": "ok"})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    """Any other path or method: 404 ``not_found`` in the error shape."""
+    raise HttpError(404, "not_found", f"{request.method} {request.path} is not an agent API route")
+
+
+#: The agent API's routes; the catch-all :func:`not_found` last.
+ROUTES = [
+    web.post("/agent/v1/register", heartbeat),
+    web.post("/agent/v1/heartbeat", heartbeat),
+    web.post("/agent/v1/logs", log_reply),
+    web.post("/agent/v1/metrics", engine_metrics),
+    web.route("*", "/{tail:.*}", not_found),
+]
+
+
 def build_agent_app(
     store: Store,
     *,
@@ -219,7 +437,8 @@ def build_agent_app(
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None,
     engines: EngineMetrics | None = None,
 ) -> web.Application:
-    """The agent API app (serve it with :func:`agent_ssl_context`).
+    """The agent API app (serve it with :func:`agent_ssl_context`): an :class:`AgentContext` from
+    the arguments under :data:`AGENT`, the error middleware and :data:`ROUTES`.
 
     Args:
         store: the state store.
@@ -249,159 +468,21 @@ def build_agent_app(
     deadline) is answered 503 ``store_unavailable``: the agent tries another control plane.
     """
     own_pool = db is None
-    pool = db = db or OffLoop()
+    pool = db or OffLoop()
 
     async def _close(_: web.Application) -> None:
         pool.close()
-
-    beats = Batcher(db, store.record_heartbeats)  # one write transaction per batch of heartbeats
-
-    def node_of(request: web.Request) -> str | None:
-        return tlsconf.peer_common_name(
-            request.transport.get_extra_info("peercert") if request.transport else None
-        )
-
-    seen: set[tuple[str, str]] = set()  # (node, serial) pairs already remembered by this process
-
-    def peercert_of(request: web.Request) -> dict[str, object] | None:
-        return request.transport.get_extra_info("peercert") if request.transport else None
-
-    def serial_of(request: web.Request) -> str:
-        return peer_serial(peercert_of(request))
-
-    def revoked_error(node_id: str, serial: str, revoked_at: float) -> HttpError:
-        log.warning("node %s: refused a request with revoked certificate serial %s", node_id, serial)
-        return HttpError(403, "certificate_revoked", revoked_message(node_id, serial, revoked_at))
-
-    def check_serial(node_id: str, serial: str, issued_at: float | None) -> tuple[str, float] | None:
-        """On a store thread: the revocation refusing this certificate, else remember its serial for
-        the node (once)."""
-        gone = store.refused_cert(node_id, serial, issued_at)
-        if gone is None and (node_id, serial) not in seen:
-            store.note_cert(node_id, serial, clock())
-            seen.add((node_id, serial))
-        return gone
-
-    async def check_revoked(request: web.Request, node_id: str) -> None:
-        """Raise 403 when the session's certificate is revoked; else remember its serial (once)."""
-        serial = serial_of(request)
-        if not serial:
-            return
-        gone = await db.run(check_serial, node_id, serial, tlsconf.issued_at(peercert_of(request)))
-        if gone is not None:
-            raise revoked_error(node_id, serial, gone[1])
-
-    def identify(request: web.Request) -> str:
-        """The node id (the certificate's CN); raises 401/403 for a session without a valid one."""
-        node_id = node_of(request)
-        if not node_id:
-            raise HttpError(
-                401,
-                "no_client_certificate",
-                "the agent API needs a client certificate from the cluster CA; "
-                "issue one with 'llmgw server init' on the control plane",
-            )
-        if not is_name(node_id):
-            raise HttpError(
-                403, "invalid_node_id",
-                f"the client certificate's CN {node_id[:80]!r} is not a valid node id ({NAME_RULE}); "
-                "issue a certificate for a valid id with 'llmgw server add-node'",
-            )
-        return node_id
-
-    async def read_heartbeat(request: web.Request) -> Heartbeat:
-        """The body as a Heartbeat; raises the 400/413 naming what is wrong with it."""
-        try:
-            return Heartbeat.model_validate(await jsonbody.read_json(request))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(body)"
-            raise HttpError(400, "invalid_heartbeat", f"{where}: {first['msg']}") from e
-
-    async def heartbeat(request: web.Request) -> web.Response:
-        node_id = identify(request)
-        hb = await read_heartbeat(request)
-        # Checked here, and again inside the batched write (Store.record_heartbeats, in the write
-        # transaction node removal takes): a node removed meanwhile is never written back.
-        await check_revoked(request, node_id)
-        now = clock()
-        before = await db.run(store.get_node, node_id)
-        clash = id_in_use(before, hb, now, hold_s=hold_for(node_lost_after_s, interval_s))
-        if clash:
-            log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
-            raise HttpError(409, "node_id_in_use", clash)
-        failed = await beats.submit((node_id, hb, now, serial_of(request)))
-        if isinstance(failed, Revoked):
-            raise revoked_error(node_id, failed.serial, failed.revoked_at)
-        if failed is not None:
-            raise failed
-        changed = (await db.run(store.apply_reports, node_id, hb.replicas, now)).changed
-        if before is None:
-            log.info("node %s registered", node_id)
-        node_changed = before is None or before.state != "ready"
-        if on_node is not None and node_changed:
-            on_node(node_id)
-        if on_heartbeat is not None:
-            settled = on_heartbeat(node_id, bool(changed) or node_changed)
-            if inspect.isawaitable(settled):
-                await settled
-        term, leader, members = cluster() if cluster is not None else (0, "", [])
-
-        def outgoing() -> tuple[list[ReplicaSpec], list[LogRequest]]:
-            # One trip to a store thread for both: the log requests queued for this node in the
-            # shared store (no store call with the in-memory broker, or when none is queued for it).
-            return desired_specs(store, node_id), logs.take_stored(node_id, now) if logs is not None else []
-
-        desired, stored_logs = await db.run(outgoing)
-        reply = HeartbeatReply(
-            node_id=node_id, desired=desired, interval_s=interval_s,
-            log_requests=(logs.take(node_id) if logs is not None else []) + stored_logs,
-            term=term, leader=leader, control_planes=members,
-        )
-        return web.json_response(text=reply.model_dump_json())
-
-    async def log_reply(request: web.Request) -> web.Response:
-        node_id = node_of(request)
-        if not node_id:
-            raise HttpError(
-                401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA"
-            )
-        await check_revoked(request, node_id)
-        try:
-            answer = LogReply.model_validate(await jsonbody.read_json(request))
-        except ValidationError as e:
-            raise HttpError(400, "invalid_log_reply", str(e.errors()[0]["msg"])) from e
-        if logs is None or not await logs.answer(node_id, answer):
-            raise HttpError(404, "no_such_request", f"no log request {answer.id} waits for node {node_id}")
-        return web.json_response({"status": "ok"})
-
-    async def engine_metrics(request: web.Request) -> web.Response:
-        node_id = node_of(request)
-        if not node_id:
-            raise HttpError(
-                401, "no_client_certificate", "the agent API needs a client certificate from the cluster CA"
-            )
-        await check_revoked(request, node_id)
-        try:
-            pages = _PAGES.validate_python(await jsonbody.read_json(request))
-        except ValidationError as e:
-            raise HttpError(400, "invalid_metrics", str(e.errors()[0]["msg"])) from e
-        if engines is not None:
-            engines.put(node_id, pages)
-        return web.json_response({"status": "ok"})
-
-    async def not_found(request: web.Request) -> web.Response:
-        raise HttpError(404, "not_found", f"{request.method} {request.path} is not an agent API route")
 
     app = web.Application(
         middlewares=[error_middleware(service="the agent API", known={StoreUnavailable: (503, "store_unavailable")})]
     )
     app[STORE_KEY] = store
+    app[AGENT] = AgentContext(
+        store=store, db=pool, beats=Batcher(pool, store.record_heartbeats), clock=clock, interval_s=interval_s,
+        node_lost_after_s=node_lost_after_s, logs=logs, on_heartbeat=on_heartbeat, on_node=on_node,
+        cluster=cluster, engines=engines,
+    )
     if own_pool:
         app.on_cleanup.append(_close)
-    app.router.add_post("/agent/v1/register", heartbeat)
-    app.router.add_post("/agent/v1/heartbeat", heartbeat)
-    app.router.add_post("/agent/v1/logs", log_reply)
-    app.router.add_post("/agent/v1/metrics", engine_metrics)
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    app.add_routes(ROUTES)
     return app

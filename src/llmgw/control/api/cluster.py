@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -103,15 +104,36 @@ def cluster_view(members: Membership, *, now: float | None = None) -> ClusterVie
     )
 
 
+@dataclass(frozen=True)
+class ClusterContext:
+    """What :func:`cluster` reads, kept on the admin app under :data:`CLUSTER` by
+    :func:`add_cluster_routes`: this control plane's membership and Patroni's REST API URLs."""
+
+    members: Membership
+    patroni: Sequence[str]
+
+
+#: Where the admin app keeps its :class:`ClusterContext`.
+CLUSTER: web.AppKey[ClusterContext] = web.AppKey("cluster", ClusterContext)
+
+
+async def cluster(request: web.Request) -> web.Response:
+    """``GET /api/v1/cluster``: :func:`cluster_view` from memory, with Patroni's members."""
+    ctx = request.app[CLUSTER]
+    view = cluster_view(ctx.members)
+    view.patroni, view.patroni_error = await read_patroni(ctx.patroni)
+    return web.json_response(text=view.model_dump_json())
+
+
+#: The cluster's route.
+ROUTES = [web.get("/api/v1/cluster", cluster)]
+
+
 def add_cluster_routes(app: web.Application, members: Membership, patroni: Sequence[str]) -> None:
-    """Add ``GET /api/v1/cluster`` to the admin API ``app`` (its auth middleware applies)."""
-
-    async def cluster(_: web.Request) -> web.Response:
-        view = cluster_view(members)
-        view.patroni, view.patroni_error = await read_patroni(patroni)
-        return web.json_response(text=view.model_dump_json())
-
-    app.router.add_get("/api/v1/cluster", cluster)
+    """Add ``GET /api/v1/cluster`` to the admin API ``app`` (its auth middleware applies), with a
+    :class:`ClusterContext` from the arguments under :data:`CLUSTER`."""
+    app[CLUSTER] = ClusterContext(members=members, patroni=patroni)
+    app.add_routes(ROUTES)
 
 
 def health_fields(members: Membership) -> dict[str, Any]:

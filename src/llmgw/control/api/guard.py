@@ -190,6 +190,122 @@ def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: S
     }
 
 
+@dataclass(frozen=True)
+class GuardContext:
+    """What the guard handlers share, kept on the admin app under :data:`GUARD` by
+    :func:`add_guard_routes` (see its arguments)."""
+
+    inspector: GuardInspector | None
+    config: GuardConfig
+    store: Store
+    serve: MirrorServe | None
+    db: OffLoop
+
+
+#: Where the admin app keeps its :class:`GuardContext`.
+GUARD: web.AppKey[GuardContext] = web.AppKey("guard", GuardContext)
+
+
+async def status(request: web.Request) -> web.Response:
+    """``GET /api/v1/guard/status``: :func:`guard_status`, built on a store thread."""
+    ctx = request.app[GUARD]
+    inspector, config, store, db = ctx.inspector, ctx.config, ctx.store, ctx.db
+    return web.json_response(await db.run(guard_status, inspector, config, store))
+
+
+async def test(request: web.Request) -> web.Response:
+    """``POST /api/v1/guard/test``: judge a text with a policy's judges, as the gateway would."""
+    ctx = request.app[GUARD]
+    inspector, config = ctx.inspector, ctx.config
+    try:
+        body = await jsonbody.read_json(request)
+        text = str(body["text"])
+        direction = Direction(body.get("direction", "in"))
+    except (ValueError, KeyError, TypeError):
+        return error_json(400, "invalid_request", 'send {"text": "...", "direction": "in"|"out"}')
+    if inspector is None or not config.on():
+        return error_json(409, "guard_off", "no guard policy in server.yaml: guardrails are off")
+    name = body.get("policy")
+    policy = next((p for p in config.policies if p.name == name), None) if name else config.policies[0]
+    if policy is None:
+        return error_json(404, "policy_not_found", f"no policy '{name}' in server.yaml")
+    prompt = str(body.get("prompt", "")) if direction is Direction.OUT else text
+    answer = text if direction is Direction.OUT else ""
+    t0 = time.perf_counter()
+    try:
+        j = await inspector.judge(policy, direction, prompt, answer, whole=True)
+    except JudgeError as e:
+        return web.json_response({
+            "policy": policy.name, "direction": direction.value, "error": str(e), "kind": e.kind,
+            "raw": e.raw, "ms": (time.perf_counter() - t0) * 1000, "decision": f"fail {policy.fail.value}",
+        })
+    v = j.verdict
+    block = v.safety is Safety.UNSAFE or (
+        v.safety is Safety.CONTROVERSIAL and policy.controversial is Controversial.BLOCK
+    )
+    return web.json_response({
+        "policy": policy.name, "direction": direction.value, "verdict": v.safety.value,
+        "categories": list(v.categories), "refusal": v.refusal, "judge": j.judge, "ms": j.ms,
+        "engine_ms": j.engine_ms, "cached_tokens": j.cached_tokens, "raw": j.raw,
+        "decision": "block" if block else "allow",
+    })
+
+
+async def enable(request: web.Request) -> web.Response:  # noqa: PLR0911 - one return per refusal
+    """``POST /api/v1/guard/judges/{name}/enable``: serve a judge as the keeper would; 202 with the job."""
+    ctx = request.app[GUARD]
+    store, serve, db = ctx.store, ctx.serve, ctx.db
+    name = request.match_info["name"]
+    body: dict[str, Any] = {}
+    if request.can_read_body:
+        with contextlib.suppress(ValueError):
+            body = await jsonbody.read_json(request)
+    if serve is None:
+        return error_json(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
+    if await db.run(store.get_model, name) is not None:
+        return error_json(
+            409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status"
+        )
+    kj = known_judge(name)
+    repo, file = body.get("repo"), body.get("file")
+    fmt = body.get("format") or "qwen3guard"
+    if fmt not in FORMATS:
+        return error_json(400, "invalid_format", f"format '{fmt}': use one of {', '.join(FORMATS)}")
+    if repo and file:
+        req = ServeRequest(name=name, repo=str(repo), file=str(file), format=fmt, replicas=1, cores=2)
+    elif kj is not None:
+        if kj.gpu:
+            from llmgw.control.reconcile.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
+
+            klass = roomiest_gpu_class(await db.run(cluster_gpus, store))
+            if not klass:
+                return error_json(
+                    409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}"
+                )
+            req = kj.serve_request(gpu_class=klass)
+        else:
+            req = kj.serve_request(replicas=1, cores=2)
+    else:
+        return error_json(
+            400, "unknown_judge", f"llmgw does not know '{name}': give --repo ORG/REPO and --file FILE.gguf"
+        )
+    try:
+        job = await asyncio.to_thread(
+            serve.start, replace(req, by="llmgw ctl guard judge enable", if_absent=True)
+        )
+    except LlmgwError as e:
+        return error_json(409, "cannot_serve", str(e))
+    return web.json_response({"job": job.id, "judge": name, "source": req.source}, status=202)
+
+
+#: The guard routes.
+ROUTES = [
+    web.get("/api/v1/guard/status", status),
+    web.post("/api/v1/guard/test", test),
+    web.post("/api/v1/guard/judges/{name}/enable", enable),
+]
+
+
 def add_guard_routes(
     app: web.Application, *, inspector: GuardInspector | None, config: GuardConfig, store: Store,
     serve: MirrorServe | None, db: OffLoop,
@@ -202,87 +318,5 @@ def add_guard_routes(
     ``store_unavailable`` as for every other route. Asking the mirror to fetch a judge is an HTTP
     call, not a store call: it runs on a plain worker thread.
     """
-
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response(await db.run(guard_status, inspector, config, store))
-
-    async def test(request: web.Request) -> web.Response:
-        try:
-            body = await jsonbody.read_json(request)
-            text = str(body["text"])
-            direction = Direction(body.get("direction", "in"))
-        except (ValueError, KeyError, TypeError):
-            return error_json(400, "invalid_request", 'send {"text": "...", "direction": "in"|"out"}')
-        if inspector is None or not config.on():
-            return error_json(409, "guard_off", "no guard policy in server.yaml: guardrails are off")
-        name = body.get("policy")
-        policy = next((p for p in config.policies if p.name == name), None) if name else config.policies[0]
-        if policy is None:
-            return error_json(404, "policy_not_found", f"no policy '{name}' in server.yaml")
-        prompt = str(body.get("prompt", "")) if direction is Direction.OUT else text
-        answer = text if direction is Direction.OUT else ""
-        t0 = time.perf_counter()
-        try:
-            j = await inspector.judge(policy, direction, prompt, answer, whole=True)
-        except JudgeError as e:
-            return web.json_response({
-                "policy": policy.name, "direction": direction.value, "error": str(e), "kind": e.kind,
-                "raw": e.raw, "ms": (time.perf_counter() - t0) * 1000, "decision": f"fail {policy.fail.value}",
-            })
-        v = j.verdict
-        block = v.safety is Safety.UNSAFE or (
-            v.safety is Safety.CONTROVERSIAL and policy.controversial is Controversial.BLOCK
-        )
-        return web.json_response({
-            "policy": policy.name, "direction": direction.value, "verdict": v.safety.value,
-            "categories": list(v.categories), "refusal": v.refusal, "judge": j.judge, "ms": j.ms,
-            "engine_ms": j.engine_ms, "cached_tokens": j.cached_tokens, "raw": j.raw,
-            "decision": "block" if block else "allow",
-        })
-
-    async def enable(request: web.Request) -> web.Response:  # noqa: PLR0911 - one return per refusal
-        name = request.match_info["name"]
-        body: dict[str, Any] = {}
-        if request.can_read_body:
-            with contextlib.suppress(ValueError):
-                body = await jsonbody.read_json(request)
-        if serve is None:
-            return error_json(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
-        if await db.run(store.get_model, name) is not None:
-            return error_json(
-                409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status"
-            )
-        kj = known_judge(name)
-        repo, file = body.get("repo"), body.get("file")
-        fmt = body.get("format") or "qwen3guard"
-        if fmt not in FORMATS:
-            return error_json(400, "invalid_format", f"format '{fmt}': use one of {', '.join(FORMATS)}")
-        if repo and file:
-            req = ServeRequest(name=name, repo=str(repo), file=str(file), format=fmt, replicas=1, cores=2)
-        elif kj is not None:
-            if kj.gpu:
-                from llmgw.control.reconcile.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
-
-                klass = roomiest_gpu_class(await db.run(cluster_gpus, store))
-                if not klass:
-                    return error_json(
-                        409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}"
-                    )
-                req = kj.serve_request(gpu_class=klass)
-            else:
-                req = kj.serve_request(replicas=1, cores=2)
-        else:
-            return error_json(
-                400, "unknown_judge", f"llmgw does not know '{name}': give --repo ORG/REPO and --file FILE.gguf"
-            )
-        try:
-            job = await asyncio.to_thread(
-                serve.start, replace(req, by="llmgw ctl guard judge enable", if_absent=True)
-            )
-        except LlmgwError as e:
-            return error_json(409, "cannot_serve", str(e))
-        return web.json_response({"job": job.id, "judge": name, "source": req.source}, status=202)
-
-    app.router.add_get("/api/v1/guard/status", status)
-    app.router.add_post("/api/v1/guard/test", test)
-    app.router.add_post("/api/v1/guard/judges/{name}/enable", enable)
+    app[GUARD] = GuardContext(inspector=inspector, config=config, store=store, serve=serve, db=db)
+    app.add_routes(ROUTES)

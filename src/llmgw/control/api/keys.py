@@ -23,11 +23,11 @@ import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from llmgw import jsonbody
 from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
@@ -40,6 +40,7 @@ from llmgw.views import KeyView, NewKeyView, UsageView
 #: The longest usage range a query may ask (days).
 MAX_USAGE_DAYS = 400
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 def _day(t: float) -> str:
@@ -79,103 +80,158 @@ def usage_day(text: str, now: float, what: str) -> str:
         raise HttpError(400, "invalid_range", f"{e}; or give a UTC day as YYYY-MM-DD") from None
 
 
+@dataclass(frozen=True)
+class KeysContext:
+    """What the key and usage handlers share, kept on the admin app under :data:`KEYS` by
+    :func:`add_key_routes`: the store, the off-loop pool its calls go through, ``on_change``
+    (called after every write) and the clock (unix seconds)."""
+
+    store: Store
+    db: OffLoop
+    on_change: Callable[[], None]
+    clock: Callable[[], float] = time.time
+
+
+#: Where the admin app keeps its :class:`KeysContext`.
+KEYS: web.AppKey[KeysContext] = web.AppKey("keys", KeysContext)
+
+
+def _views(ctx: KeysContext, rows: list[ApiKeyRow]) -> list[KeyView]:
+    """On a store thread: ``rows`` as views, with today's requests and this month's tokens."""
+    store, clock = ctx.store, ctx.clock
+    now = clock()
+    tokens = store.key_tokens_by_day(since_day=_day(now)[:8] + "01")
+    today = store.usage(since_day=_day(now))
+    reqs: dict[str, int] = {}
+    for u in today:
+        reqs[u.key] = reqs.get(u.key, 0) + u.requests
+    return [key_view(r, now, tokens, reqs.get(r.name, 0)) for r in rows]
+
+
+async def must_key(ctx: KeysContext, name: str) -> ApiKeyRow:
+    """The key ``name``; else 404 ``key_not_found``."""
+    row = await ctx.db.run(ctx.store.get_key, name)
+    if row is None:
+        raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
+    return row
+
+
+async def must_active_key(ctx: KeysContext, name: str) -> ApiKeyRow:
+    """The key ``name`` (404 ``key_not_found``), not revoked (409 ``key_revoked``)."""
+    row = await must_key(ctx, name)
+    if row.revoked_at is not None:
+        raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
+    return row
+
+
+async def _read(request: web.Request, shape: type[_Body]) -> _Body:
+    """The request's body as ``shape``; else 400 ``invalid_key`` naming the field (or what
+    :func:`llmgw.jsonbody.read_json` refuses)."""
+    try:
+        return shape.model_validate(await jsonbody.read_json(request))
+    except ValidationError as e:
+        raise HttpError(400, "invalid_key", _describe(e)) from e
+
+
+async def create(request: web.Request) -> web.Response:
+    """``POST /api/v1/keys``: 201 with the new secret (shown this once)."""
+    ctx = request.app[KEYS]
+    spec = await _read(request, KeySpec)
+    secret, now = new_secret(), ctx.clock()
+    row = ApiKeyRow(
+        name=spec.name, prefix=key_prefix(secret), digest=key_digest(secret), models=tuple(spec.models),
+        rpm=spec.rpm, tpm=spec.tpm, budget_tokens=spec.budget_tokens, budget_period=spec.budget_period or "",
+        expires_at=spec.expires_at(now), created_at=now,
+    )
+    row = await ctx.db.run(ctx.store.add_key, row)
+    ctx.on_change()
+    return _json(NewKeyView(key=key_view(row, now), secret=secret).model_dump(mode="json"), 201)
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    """``GET /api/v1/keys``: every key with its usage today and this month."""
+    ctx = request.app[KEYS]
+    views = await ctx.db.run(lambda: _views(ctx, ctx.store.list_keys()))
+    return _json([v.model_dump(mode="json") for v in views])
+
+
+async def set_limits(request: web.Request) -> web.Response:
+    """``PATCH /api/v1/keys/{name}``: a merge patch of the key's limits; 409 on a revoked key."""
+    ctx = request.app[KEYS]
+    patch = await _read(request, KeyPatch)
+    row = await must_active_key(ctx, request.match_info["name"])
+    new = replace(row, **patch.changes(ctx.clock()))
+    if (new.budget_tokens is None) != (not new.budget_period):
+        have = f"budget_tokens {new.budget_tokens}, budget_period {new.budget_period or 'null'}"
+        raise HttpError(
+            400, "invalid_key",
+            f"budget_tokens and budget_period go together (this change leaves {have}): set both, "
+            "or null both to remove the budget",
+        )
+    if new != row:
+        new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
+        ctx.on_change()
+    return _json(key_view(new, ctx.clock()).model_dump(mode="json"))
+
+
+async def revoke(request: web.Request) -> web.Response:
+    """``POST /api/v1/keys/{name}/revoke``: the key's view (the same again on a revoked key)."""
+    ctx = request.app[KEYS]
+    store, clock = ctx.store, ctx.clock
+    row = await must_key(ctx, request.match_info["name"])
+    if row.revoked_at is None:
+        row = await ctx.db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
+        ctx.on_change()
+    return _json(key_view(row, clock()).model_dump(mode="json"))
+
+
+async def rotate(request: web.Request) -> web.Response:
+    """``POST /api/v1/keys/{name}/rotate``: a new secret; the old one stops working."""
+    ctx = request.app[KEYS]
+    row = await must_active_key(ctx, request.match_info["name"])
+    secret = new_secret()
+    new = replace(row, prefix=key_prefix(secret), digest=key_digest(secret))
+    new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
+    ctx.on_change()
+    return _json(NewKeyView(key=key_view(new, ctx.clock()), secret=secret).model_dump(mode="json"))
+
+
+async def usage(request: web.Request) -> web.Response:
+    """``GET /api/v1/usage?key=&model=&since=7d&until=``: usage per key, model and day."""
+    ctx = request.app[KEYS]
+    db, store = ctx.db, ctx.store
+    q, now = request.query, ctx.clock()
+    since = usage_day(q.get("since") or "7d", now, "since")
+    until = usage_day(q["until"], now, "until") if q.get("until") else _day(now)
+    if since > until:
+        raise HttpError(400, "invalid_range", f"since ({since}) is after until ({until})")
+    span = (time.mktime(time.strptime(until, "%Y-%m-%d")) - time.mktime(time.strptime(since, "%Y-%m-%d"))) / 86400
+    if span > MAX_USAGE_DAYS:
+        raise HttpError(400, "invalid_range", f"since..until spans {span:.0f} days; at most {MAX_USAGE_DAYS}")
+    rows = await db.run(
+        lambda: store.usage(key=q.get("key") or None, model=q.get("model") or None, since_day=since,
+                            until_day=until)
+    )
+    return _json([UsageView(**vars(u)).model_dump(mode="json") for u in rows])
+
+
+#: The key and usage routes.
+ROUTES = [
+    web.post("/api/v1/keys", create),
+    web.get("/api/v1/keys", list_keys),
+    web.patch("/api/v1/keys/{name}", set_limits),
+    web.post("/api/v1/keys/{name}/revoke", revoke),
+    web.post("/api/v1/keys/{name}/rotate", rotate),
+    web.get("/api/v1/usage", usage),
+]
+
+
 def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change: Callable[[], None],
                    clock: Callable[[], float] = time.time) -> None:
-    """Add the key and usage routes (see the module docstring) to the admin API ``app``."""
-
-    def _views(rows: list[ApiKeyRow]) -> list[KeyView]:
-        now = clock()
-        tokens = store.key_tokens_by_day(since_day=_day(now)[:8] + "01")
-        today = store.usage(since_day=_day(now))
-        reqs: dict[str, int] = {}
-        for u in today:
-            reqs[u.key] = reqs.get(u.key, 0) + u.requests
-        return [key_view(r, now, tokens, reqs.get(r.name, 0)) for r in rows]
-
-    async def must_key(name: str) -> ApiKeyRow:
-        row = await db.run(store.get_key, name)
-        if row is None:
-            raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
-        return row
-
-    async def create(request: web.Request) -> web.Response:
-        try:
-            spec = KeySpec.model_validate(await jsonbody.read_json(request))
-        except ValidationError as e:
-            raise HttpError(400, "invalid_key", _describe(e)) from e
-        secret, now = new_secret(), clock()
-        row = ApiKeyRow(
-            name=spec.name, prefix=key_prefix(secret), digest=key_digest(secret), models=tuple(spec.models),
-            rpm=spec.rpm, tpm=spec.tpm, budget_tokens=spec.budget_tokens, budget_period=spec.budget_period or "",
-            expires_at=spec.expires_at(now), created_at=now,
-        )
-        row = await db.run(store.add_key, row)
-        on_change()
-        return _json(NewKeyView(key=key_view(row, now), secret=secret).model_dump(mode="json"), 201)
-
-    async def list_keys(_: web.Request) -> web.Response:
-        views = await db.run(lambda: _views(store.list_keys()))
-        return _json([v.model_dump(mode="json") for v in views])
-
-    async def set_limits(request: web.Request) -> web.Response:
-        try:
-            patch = KeyPatch.model_validate(await jsonbody.read_json(request))
-        except ValidationError as e:
-            raise HttpError(400, "invalid_key", _describe(e)) from e
-        row = await must_key(request.match_info["name"])
-        if row.revoked_at is not None:
-            raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
-        new = replace(row, **patch.changes(clock()))
-        if (new.budget_tokens is None) != (not new.budget_period):
-            have = f"budget_tokens {new.budget_tokens}, budget_period {new.budget_period or 'null'}"
-            raise HttpError(
-                400, "invalid_key",
-                f"budget_tokens and budget_period go together (this change leaves {have}): set both, "
-                "or null both to remove the budget",
-            )
-        if new != row:
-            new = await db.run(lambda: store.update_key(new, revision=row.revision))
-            on_change()
-        return _json(key_view(new, clock()).model_dump(mode="json"))
-
-    async def revoke(request: web.Request) -> web.Response:
-        row = await must_key(request.match_info["name"])
-        if row.revoked_at is None:
-            row = await db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
-            on_change()
-        return _json(key_view(row, clock()).model_dump(mode="json"))
-
-    async def rotate(request: web.Request) -> web.Response:
-        row = await must_key(request.match_info["name"])
-        if row.revoked_at is not None:
-            raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
-        secret = new_secret()
-        new = replace(row, prefix=key_prefix(secret), digest=key_digest(secret))
-        new = await db.run(lambda: store.update_key(new, revision=row.revision))
-        on_change()
-        return _json(NewKeyView(key=key_view(new, clock()), secret=secret).model_dump(mode="json"))
-
-    async def usage(request: web.Request) -> web.Response:
-        q, now = request.query, clock()
-        since = usage_day(q.get("since") or "7d", now, "since")
-        until = usage_day(q["until"], now, "until") if q.get("until") else _day(now)
-        if since > until:
-            raise HttpError(400, "invalid_range", f"since ({since}) is after until ({until})")
-        span = (time.mktime(time.strptime(until, "%Y-%m-%d")) - time.mktime(time.strptime(since, "%Y-%m-%d"))) / 86400
-        if span > MAX_USAGE_DAYS:
-            raise HttpError(400, "invalid_range", f"since..until spans {span:.0f} days; at most {MAX_USAGE_DAYS}")
-        rows = await db.run(
-            lambda: store.usage(key=q.get("key") or None, model=q.get("model") or None, since_day=since,
-                                until_day=until)
-        )
-        return _json([UsageView(**vars(u)).model_dump(mode="json") for u in rows])
-
-    app.router.add_post("/api/v1/keys", create)
-    app.router.add_get("/api/v1/keys", list_keys)
-    app.router.add_patch("/api/v1/keys/{name}", set_limits)
-    app.router.add_post("/api/v1/keys/{name}/revoke", revoke)
-    app.router.add_post("/api/v1/keys/{name}/rotate", rotate)
-    app.router.add_get("/api/v1/usage", usage)
+    """Add the key and usage routes (see the module docstring, :data:`ROUTES`) to the admin API
+    ``app``, with a :class:`KeysContext` from the arguments under :data:`KEYS`."""
+    app[KEYS] = KeysContext(store=store, db=db, on_change=on_change, clock=clock)
+    app.add_routes(ROUTES)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -225,26 +226,50 @@ def _loopback(remote: str | None) -> bool:
     return remote is not None and (remote.startswith(("127.", "::ffff:127.")) or remote == "::1")
 
 
+@dataclass(frozen=True)
+class MetricsContext:
+    """What :func:`page` reads, kept on the admin app under :data:`METRICS` by
+    :func:`add_metrics_route`: the collectors and the admin token."""
+
+    metrics: ControlPlaneMetrics
+    token: str
+
+
+#: Where the admin app keeps its :class:`MetricsContext`.
+METRICS: web.AppKey[MetricsContext] = web.AppKey("metrics", MetricsContext)
+
+
+def token_ok(request: web.Request, token: str) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <token>`` (compared in constant time)."""
+    want = ("Bearer " + token).encode()
+    return hmac.compare_digest(request.headers.get("Authorization", "").strip().encode(), want)
+
+
+async def page(request: web.Request) -> web.Response:
+    """``GET /metrics``: open from loopback, else 401 without the admin token."""
+    ctx = request.app[METRICS]
+    metrics = ctx.metrics
+    if not _loopback(request.remote) and not token_ok(request, ctx.token):
+        return web.json_response(
+            {"error": {"code": "unauthorized",
+                       "message": "send the admin token: 'Authorization: Bearer <token>' (Prometheus: "
+                                  "authorization: {credentials_file: …}); loopback needs none"}},
+            status=401,
+        )
+    t0 = time.perf_counter()
+    await metrics.refresh()
+    body = metrics.exposition()
+    headers = {"x-llmgw-scrape-ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST, **headers})
+
+
+#: The metrics route.
+ROUTES = [web.get("/metrics", page)]
+
+
 def add_metrics_route(app: web.Application, metrics: ControlPlaneMetrics, token: str) -> None:
     """Add ``GET /metrics`` to the admin API ``app``: open from loopback, else the admin ``token``
-    (the admin app's auth middleware lets ``/metrics`` through to this check)."""
-    want = ("Bearer " + token).encode()
-
-    def token_ok(request: web.Request) -> bool:
-        return hmac.compare_digest(request.headers.get("Authorization", "").strip().encode(), want)
-
-    async def page(request: web.Request) -> web.Response:
-        if not _loopback(request.remote) and not token_ok(request):
-            return web.json_response(
-                {"error": {"code": "unauthorized",
-                           "message": "send the admin token: 'Authorization: Bearer <token>' (Prometheus: "
-                                      "authorization: {credentials_file: …}); loopback needs none"}},
-                status=401,
-            )
-        t0 = time.perf_counter()
-        await metrics.refresh()
-        body = metrics.exposition()
-        headers = {"x-llmgw-scrape-ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST, **headers})
-
-    app.router.add_get("/metrics", page)
+    (the admin app's auth middleware lets ``/metrics`` through to this check); a
+    :class:`MetricsContext` from the arguments goes under :data:`METRICS`."""
+    app[METRICS] = MetricsContext(metrics=metrics, token=token)
+    app.add_routes(ROUTES)

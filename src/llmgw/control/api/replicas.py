@@ -1,0 +1,173 @@
+"""The admin API's replicas: ``/api/v1/replicas``, a restart, an engine's log, and placement's
+explanation of a model (``/api/v1/explain-placement``).
+
+Routes (:data:`ROUTES`; :mod:`llmgw.control.api.admin` says how they are authorised and answered):
+``GET /api/v1/replicas?model=``, ``POST /api/v1/replicas/{id}/restart``,
+``GET /api/v1/replicas/{id}/logs[?lines=N|offset=B]``, ``GET /api/v1/explain-placement?model=``.
+
+``GET /api/v1/replicas`` also lists each wanted-but-unplaced replica as state ``pending`` with no
+node and placement's one-line summary in ``pending_reason``; at most ``max_replicas_per_model``
+of them per model (server.yaml), so the answer's size follows what exists and the configured
+limit, never a number in a request.
+
+``GET /api/v1/replicas/{id}/logs`` reads the engine's log through the node's agent
+(:mod:`llmgw.control.api.logbroker`; on any control plane of an HA cluster, through the shared
+store): 504 ``node_silent`` when the agent does not answer within 10 s, 404 ``no_log`` when the node
+has none, 503 ``store_unavailable`` when the database does not take the request.
+
+Handlers read the shared state from ``request.app[ADMIN]``
+(:class:`~llmgw.control.api.context.AdminContext`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import replace
+
+from aiohttp import web
+
+from llmgw.control.api.context import ADMIN
+from llmgw.control.api.context import json_response as _json
+from llmgw.control.api.models import must_model
+from llmgw.control.reconcile.leader import new_replica_id
+from llmgw.control.store import ModelRow, ReplicaRow, Store
+from llmgw.errors import Conflict, HttpError, UnreachableError
+from llmgw.protocol import ReplicaState
+from llmgw.views import ExplainView, ReplicaView
+
+
+def pending_views(
+    models: list[ModelRow], replicas: list[ReplicaRow], store: Store, *, limit: int = 1000
+) -> list[ReplicaView]:
+    """One ``pending`` view per replica a model wants (``scaling.min``) that is placed nowhere,
+    carrying placement's summary as ``pending_reason``; at most ``limit`` per model
+    (``max_replicas_per_model``), whatever a stored ``scaling.min`` says."""
+    out = []
+    count: dict[str, int] = {}
+    for r in replicas:
+        count[r.model] = count.get(r.model, 0) + 1
+    explanations = store.list_explanations()
+    for row in models:
+        missing = min(row.model.scaling.min, limit) - count.get(row.name, 0)
+        ex = explanations.get(row.name)
+        reason = ex.summary if ex is not None else "not evaluated yet"
+        for i in range(max(missing, 0)):
+            out.append(ReplicaView(id=f"{row.name}#pending-{i + 1}", model=row.name, state="pending",
+                                   pending_reason=reason))
+    return out
+
+
+def replica_view(r: ReplicaRow) -> ReplicaView:
+    """A replica without its key."""
+    return ReplicaView(
+        id=r.id,
+        model=r.model,
+        node=r.node,
+        profile=r.profile,
+        state=r.state,
+        err=r.err,
+        endpoint=r.endpoint,
+        created_at=r.created_at,
+        ready_at=r.ready_at,
+        restarts=r.restarts,
+        last_error=r.last_error,
+        gpu_indexes=list(r.gpu_indexes),
+        # The head's own entry carries no state (its state is the replica's): show it there too.
+        members=[m.model_copy(update={"state": r.state}) if m.rank == 0 else m for m in r.members],
+    )
+
+
+async def list_replicas(request: web.Request) -> web.Response:
+    """``GET /api/v1/replicas[?model=]``: placed replicas, then the pending ones."""
+    ctx = request.app[ADMIN]
+    store, db = ctx.store, ctx.db
+    asked = request.query.get("model") or None
+    model = (await must_model(ctx, asked)).name if asked else None
+    rows = await db.run(store.list_replicas, model=model)
+    views = [replica_view(r) for r in rows]
+    models = [m for m in await db.run(store.list_models) if model is None or m.name == model]
+    views += await db.run(pending_views, models, rows, store, limit=ctx.max_replicas_per_model)
+    return _json([v.model_dump(mode="json") for v in views])
+
+
+async def replica_logs(request: web.Request) -> web.Response:
+    """``GET /api/v1/replicas/{id}/logs[?lines=N|offset=B]``: the engine's log, through its agent."""
+    ctx = request.app[ADMIN]
+    logs = ctx.logs
+    rid = request.match_info["id"]
+    rep = await ctx.db.run(ctx.store.get_replica, rid)
+    if rep is None:
+        raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
+    if not rep.node or logs is None:
+        raise HttpError(409, "not_placed", f"replica '{rid}' runs on no node, so it has no engine log")
+    try:
+        lines = int(request.query.get("lines", "100"))
+        offset = int(request.query["offset"]) if "offset" in request.query else None
+    except ValueError as e:
+        raise HttpError(400, "invalid_query", "lines and offset must be whole numbers") from e
+    try:
+        got = await logs.read(rep.node, rid, lines=lines, offset=offset)
+    except UnreachableError as e:
+        raise HttpError(504, "node_silent", str(e)) from e
+    if not got.found:
+        raise HttpError(404, "no_log", f"node {rep.node} has no engine log for replica '{rid}' (yet)")
+    return _json({"replica": rid, "node": rep.node, "text": got.text, "offset": got.offset})
+
+
+async def restart_replica(request: web.Request) -> web.Response:
+    """``POST /api/v1/replicas/{id}/restart``: 202 with the replacement's view."""
+    ctx = request.app[ADMIN]
+    store, db = ctx.store, ctx.db
+    rid = request.match_info["id"]
+    old = await db.run(store.get_replica, rid)
+    if old is None:
+        raise HttpError(
+            404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
+        )
+    now = ctx.clock()
+    # A restart is a replacement: the agent stops the id that is no longer desired and starts
+    # the new one (new key too), on the same node and profile, so nothing else moves. It is
+    # not a crash: ``restarts`` (what the crash backoff counts) is carried over unchanged.
+    new = replace(
+        old,
+        id=new_replica_id(old.model),
+        key=secrets.token_urlsafe(24),
+        state=ReplicaState.PENDING.value,
+        err="",
+        endpoint="",
+        revision=1,
+        created_at=now,
+        updated_at=now,
+        ready_at=None,
+        restarts=old.restarts,
+    )
+    if not await db.run(store.delete_replica, old.id, revision=old.revision):
+        raise Conflict(f"replica '{rid}' changed while restarting; try again")
+    await db.run(store.add_replica, new)
+    ctx.changed()
+    return _json(replica_view(new).model_dump(mode="json"), status=202)
+
+
+async def explain(request: web.Request) -> web.Response:
+    """``GET /api/v1/explain-placement?model=NAME``: the leader's last explanation for the model."""
+    ctx = request.app[ADMIN]
+    name = request.query.get("model", "")
+    if not name:
+        raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
+    row = await must_model(ctx, name)
+    view = await ctx.db.run(ctx.store.get_explanation, row.name) or ExplainView(
+        model=row.name,
+        placed=False,
+        wanted=row.model.scaling.min,
+        summary="not evaluated yet: the leader looks at new models within a few seconds",
+    )
+    return _json(view.model_dump(mode="json"))
+
+
+#: The replicas' routes.
+ROUTES = [
+    web.get("/api/v1/replicas", list_replicas),
+    web.post("/api/v1/replicas/{id}/restart", restart_replica),
+    web.get("/api/v1/replicas/{id}/logs", replica_logs),
+    web.get("/api/v1/explain-placement", explain),
+]
