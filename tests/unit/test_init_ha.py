@@ -26,6 +26,7 @@ from llmgw.cli.main import app
 from llmgw.config import load_agent_config, load_server_config
 from llmgw.errors import ConfigError, PkiError, ServiceError, UnreachableError
 from llmgw.paths import Paths
+from llmgw.serverinit import agentconf, files
 from llmgw.serverinit.onboard import add_node
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
@@ -235,6 +236,73 @@ def test_add_node_on_a_single_machine_install_names_one_control_plane(tmp_path: 
     (paths.etc / "ha.yaml").unlink()
     add_node(paths, "cpu-1", tmp_path / "node", address="10.0.0.7")
     assert load_agent_config(tmp_path / "node" / "agent.yaml").servers == []
+
+
+CPS = ["https://10.0.0.1:7443", "https://10.0.0.2:7443", "https://10.0.0.3:7443"]
+
+
+def init_agent_yaml(tmp_path: Path, servers: list[str] | None = None) -> Path:
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(files.agent_yaml(
+        server=CPS[0], node_id="cp1", etc=tmp_path, label_key="llmgw.control-plane", label_value="true",
+        llama_server=Path("/opt/llama-server"), servers=servers))
+    return conf
+
+
+def test_the_agent_yaml_init_writes_on_an_ha_control_plane_names_every_control_plane(tmp_path: Path) -> None:
+    """Issue 19, item 6: init's own node named only ``server``; restarted while that control plane
+    was down it was marked lost though the others were up. Now ``servers`` are the others."""
+    cfg = load_agent_config(init_agent_yaml(tmp_path, CPS[1:]))
+    assert cfg.control_planes == CPS
+    assert cfg.engines.llamacpp.binary == Path("/opt/llama-server")
+    (tmp_path / "single").mkdir()
+    assert load_agent_config(init_agent_yaml(tmp_path / "single")).control_planes == CPS[:1]
+
+
+def test_a_rerun_adds_the_missing_control_planes_keeping_the_rest_and_a_backup(tmp_path: Path) -> None:
+    conf = init_agent_yaml(tmp_path)  # as init wrote it before: the first control plane alone
+    old = conf.read_text()
+    conf.write_text(old + "# the operator's note\n")
+    old = conf.read_text()
+    got = agentconf.add_servers(conf, CPS, now=0)
+    assert got.added == CPS[1:]
+    assert got.backup is not None and got.backup.read_text() == old
+    assert got.backup.name.startswith("agent.yaml.bak-")
+    text = conf.read_text()
+    assert text.startswith(old)  # comments, the engine and the note kept
+    cfg = load_agent_config(conf)
+    assert cfg.control_planes == CPS
+    assert cfg.engines.llamacpp.binary == Path("/opt/llama-server")
+    again = agentconf.add_servers(conf, CPS)
+    assert again.added == [] and again.backup is None
+    assert conf.read_text() == text
+
+
+@pytest.mark.parametrize("servers", [
+    "servers:\n  - https://10.0.0.9:7443  # added by hand\n  - https://10.0.0.2:7443\n\n# tail\nlabels: {}\n",
+    "servers: [https://10.0.0.9:7443, https://10.0.0.2:7443]\nlabels: {}\n",
+    "servers:\n- https://10.0.0.9:7443\n- https://10.0.0.2:7443\nlabels: {}\n",
+])
+def test_servers_already_there_stay_first_and_in_their_order(tmp_path: Path, servers: str) -> None:
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(f"server: {CPS[0]}\nnode_id: n1\n{servers}"
+                    "tls: {ca: /x/ca.pem, cert: /x/agent.pem, key: /x/agent-key.pem}\n")
+    got = agentconf.add_servers(conf, CPS)
+    assert got.added == [CPS[2]]
+    cfg = load_agent_config(conf)
+    assert cfg.servers == ["https://10.0.0.9:7443", CPS[1], CPS[2]]
+    assert cfg.node_id == "n1" and cfg.labels == {}
+
+
+def test_an_agent_yaml_that_does_not_load_is_left_as_it_is_with_a_clear_error(tmp_path: Path) -> None:
+    conf = tmp_path / "agent.yaml"
+    conf.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        agentconf.add_servers(conf, CPS)
+    assert str(conf) in str(err.value)
+    assert "is left as it is" in str(err.value) and "run init again" in str(err.value)
+    assert conf.read_text() == "server: [unclosed\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["agent.yaml"]
 
 
 def test_join_installs_the_bundle_with_this_machine_s_paths_then_keeps_it(tmp_path: Path) -> None:
