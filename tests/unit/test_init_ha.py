@@ -266,7 +266,8 @@ def test_a_rerun_adds_the_missing_control_planes_keeping_the_rest_and_a_backup(t
     old = conf.read_text()
     got = agentconf.add_servers(conf, CPS, now=0)
     assert got.added == CPS[1:]
-    assert got.backup is not None and got.backup.read_text() == old
+    assert got.backup is not None
+    assert got.backup.read_text() == old
     assert got.backup.name.startswith("agent.yaml.bak-")
     text = conf.read_text()
     assert text.startswith(old)  # comments, the engine and the note kept
@@ -274,7 +275,8 @@ def test_a_rerun_adds_the_missing_control_planes_keeping_the_rest_and_a_backup(t
     assert cfg.control_planes == CPS
     assert cfg.engines.llamacpp.binary == Path("/opt/llama-server")
     again = agentconf.add_servers(conf, CPS)
-    assert again.added == [] and again.backup is None
+    assert again.added == []
+    assert again.backup is None
     assert conf.read_text() == text
 
 
@@ -291,7 +293,8 @@ def test_servers_already_there_stay_first_and_in_their_order(tmp_path: Path, ser
     assert got.added == [CPS[2]]
     cfg = load_agent_config(conf)
     assert cfg.servers == ["https://10.0.0.9:7443", CPS[1], CPS[2]]
-    assert cfg.node_id == "n1" and cfg.labels == {}
+    assert cfg.node_id == "n1"
+    assert cfg.labels == {}
 
 
 def test_an_agent_yaml_that_does_not_load_is_left_as_it_is_with_a_clear_error(tmp_path: Path) -> None:
@@ -300,7 +303,8 @@ def test_an_agent_yaml_that_does_not_load_is_left_as_it_is_with_a_clear_error(tm
     with pytest.raises(ConfigError) as err:
         agentconf.add_servers(conf, CPS)
     assert str(conf) in str(err.value)
-    assert "is left as it is" in str(err.value) and "run init again" in str(err.value)
+    assert "is left as it is" in str(err.value)
+    assert "run init again" in str(err.value)
     assert conf.read_text() == "server: [unclosed\n"
     assert [p.name for p in tmp_path.iterdir()] == ["agent.yaml"]
 
