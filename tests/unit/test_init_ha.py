@@ -129,8 +129,13 @@ def test_an_old_ha_yaml_without_a_raft_password_loads_with_one_made_and_named(tm
     assert got.generated == ["raft"]
     assert len(got.passwords["raft"]) >= 32
     assert HaPlan.load(tmp_path / "ha.yaml").passwords["raft"] != got.passwords["raft"]  # not kept yet
-    (tmp_path / "ha.yaml").write_text(got.to_yaml())
-    assert HaPlan.load(tmp_path / "ha.yaml").generated == []
+    old = (tmp_path / "ha.yaml").read_text()
+    backup = database.add_passwords(tmp_path / "ha.yaml", got)  # what the first control plane's init does
+    assert backup.read_text() == old
+    assert stat.S_IMODE(backup.stat().st_mode) == stat.S_IMODE((tmp_path / "ha.yaml").stat().st_mode) == 0o600
+    again = HaPlan.load(tmp_path / "ha.yaml")
+    assert again.generated == []
+    assert again.passwords == got.passwords
 
 
 def test_add_control_plane_refuses_an_ha_yaml_without_a_raft_password(tmp_path: Path) -> None:
