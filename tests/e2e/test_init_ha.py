@@ -301,7 +301,7 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         assert stat.S_IMODE((Paths(first).etc / "ha.yaml").stat().st_mode) == 0o600
 
         bundle = first / "bundle-cp2"
-        r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.1", "--out", str(bundle))
+        r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.2", "--out", str(bundle))
         assert r.returncode == 0, r.stdout + r.stderr
 
         # A machine already in another cluster refuses it, before writing anything of it.
@@ -334,7 +334,7 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         roles = {m["name"]: m["role"] for m in PatroniRest(f"http://127.0.0.1:{ports[0] + 2576}").cluster()["members"]}
         assert roles["cp1"] == "leader"
         assert roles["cp2"] in ("replica", "sync_standby")  # sync once Patroni's next loop (2 s) picks it
-        assert PatroniRest(f"http://127.0.0.1:{ports[1] + 2576}").is_streaming()
+        assert PatroniRest(f"http://127.0.0.2:{ports[1] + 2576}").is_streaming()
         # The standby's control plane reads the catalog the first one wrote, from the shared database.
         models = llmgw(standby, "ctl", "models", timeout=60)
         assert models.returncode == 0, models.stderr
