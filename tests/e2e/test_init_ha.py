@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy
+import yaml
 
-from llmgw.config import load_server_config
+from llmgw.config import load_agent_config, load_server_config
 from llmgw.errors import LlmgwError, PortInUseError
 from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
@@ -163,6 +165,54 @@ def test_three_members_bootstrap_a_primary_and_two_streaming_replicas(
     assert rest.is_streaming()
 
 
+def _listening(port: int) -> list[str]:
+    """The local addresses (``IP``) with a TCP socket listening on ``port`` (IPv4, /proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, hexport = local.split(":")
+        if state == "0A" and int(hexport, 16) == port:
+            found.append(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    return found
+
+
+def test_a_member_s_raft_binds_its_address_and_refuses_a_peer_without_its_password(
+    patroni_venv: Path, roots: list[Path]
+) -> None:
+    """Issue 19, item 7, on a real Patroni member: its raft listened on every interface and took
+    any peer's messages (anyone reaching the port could write the DCS). Now it listens on the
+    member's address and answers only a peer with ha.yaml's raft password: pysyncobj's own admin
+    tool (in Patroni's venv) asks for its status without the password, then with it."""
+    port = pg_ports(1)[0]
+    ctx, _out = ctx_for(roots[0], control_planes=[f"cp1=127.0.0.1:{port}"], patroni_venv=patroni_venv)
+    got = database.run(ctx)
+    plan = HaPlan.load(database.ha_yaml(ctx.paths))
+    cfg = roots[0] / "patroni" / "patroni.yml"
+    assert stat.S_IMODE(cfg.stat().st_mode) == 0o600
+    raft = yaml.safe_load(cfg.read_text())["raft"]
+    assert raft["bind_addr"] == f"127.0.0.1:{got.me.raft_port}"
+    assert raft["password"] == plan.passwords["raft"]
+    assert _listening(got.me.raft_port) == ["127.0.0.1"]  # before: ["0.0.0.0"]
+
+    admin = str(patroni_venv / "bin" / "syncobj_admin")
+    conn = f"127.0.0.1:{got.me.raft_port}"
+
+    def status(*extra: str) -> str:
+        r = subprocess.run([admin, "-conn", conn, "-status", *extra], capture_output=True, text=True,
+                           timeout=30, check=False)
+        return r.stdout + r.stderr
+
+    with_pw = status("-pass", plan.passwords["raft"])
+    assert f"self: {conn}" in with_pw, with_pw
+    assert "leader: " in with_pw, with_pw
+    without = status()
+    assert "self:" not in without, without
+    assert "leader:" not in without, without
+    wrong = status("-pass", "not-the-password")
+    assert "self:" not in wrong, wrong
+    print(f"raft without the password: {without.strip()!r}; with a wrong one: {wrong.strip()!r}")
+
+
 def test_a_taken_member_port_is_refused_before_anything_is_written(patroni_venv: Path, roots: list[Path]) -> None:
     """Another cluster's PostgreSQL (or Patroni) on this member's port would answer init's waits in
     its stead (a new operator saw init wait on another cluster's replica, then fail on its primary
@@ -217,11 +267,17 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
     control plane on the shared database); a machine of another cluster refuses the bundle."""
     first, standby, foreign = roots
     ports = pg_ports(2)
-    members = ["--control-plane", f"cp1=127.0.0.1:{ports[0]}", "--control-plane", f"cp2=127.0.0.1:{ports[1]}"]
+    # cp2 on 127.0.0.2, as another machine: its agent API on the same port as cp1's, as ha.yaml
+    # and agent.yaml's servers assume of the control planes.
+    members = ["--control-plane", f"cp1=127.0.0.1:{ports[0]}", "--control-plane", f"cp2=127.0.0.2:{ports[1]}"]
+    listen = listen_args()
+    agent_port = int(listen[listen.index("--agent-listen") + 1].rsplit(":", 1)[1])
     args = ["server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node", "--no-guard-model",
             "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
-            "--llama-server", str(assets.llama_server), "--patroni-venv", str(patroni_venv), *listen_args(),
+            "--llama-server", str(assets.llama_server), "--patroni-venv", str(patroni_venv), *listen,
             *members]
+    standby_listen = [*listen_args(skip=("--mirror-listen", "--mirror-api-listen", "--agent-listen")),
+                      "--agent-listen", f"127.0.0.2:{agent_port}"]
     try:
         t0 = time.monotonic()
         r = llmgw(first, *args)
@@ -233,7 +289,10 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
             assert line in r.stdout, f"missing {line!r} in:\n{r.stdout}"
         cfg = load_server_config(Paths(first).server_config)
         assert cfg.store.url.startswith("postgresql+psycopg://llmgw:")
-        assert cfg.cluster.patroni == [f"http://127.0.0.1:{ports[0] + 2576}", f"http://127.0.0.1:{ports[1] + 2576}"]
+        assert cfg.cluster.patroni == [f"http://127.0.0.1:{ports[0] + 2576}", f"http://127.0.0.2:{ports[1] + 2576}"]
+        # Issue 19, item 6: this machine's node names every control plane, as add-node's do.
+        agent_cfg = load_agent_config(Paths(first).agent_config)
+        assert agent_cfg.control_planes == [f"https://127.0.0.1:{agent_port}", f"https://127.0.0.2:{agent_port}"]
         gateway = re.search(r"curl -s (http://127\.0\.0\.1:\d+)/v1/chat/completions", r.stdout)
         assert gateway, r.stdout
         print(f"HA init of the first control plane took {took:.1f} s")
@@ -242,7 +301,7 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         assert stat.S_IMODE((Paths(first).etc / "ha.yaml").stat().st_mode) == 0o600
 
         bundle = first / "bundle-cp2"
-        r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.1", "--out", str(bundle))
+        r = llmgw(first, "server", "add-control-plane", "cp2", "--address", "127.0.0.2", "--out", str(bundle))
         assert r.returncode == 0, r.stdout + r.stderr
 
         # A machine already in another cluster refuses it, before writing anything of it.
@@ -253,9 +312,20 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         assert "refusing to join: this machine already has another cluster's CA" in r.stdout + r.stderr
         assert not (Paths(foreign).etc / "ha.yaml").exists()
 
+        # Issue 19, item 7: a taken member port refuses the join before any file of the bundle is
+        # copied (the CA key and the database passwords are in it), naming no flag --join refuses.
+        with socket.create_server(("127.0.0.2", ports[1])):
+            r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
+                      *standby_listen)
+        assert r.returncode != 0
+        assert f"PostgreSQL port 127.0.0.2:{ports[1]} is already in use" in r.stdout + r.stderr
+        assert "--control-plane" not in r.stdout + r.stderr
+        assert not (Paths(standby).pki / "ca-key.pem").exists()
+        assert not (Paths(standby).etc / "ha.yaml").exists()
+
         t0 = time.monotonic()
         r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
-                  *listen_args(skip=("--mirror-listen", "--mirror-api-listen")))
+                  *standby_listen)
         took = time.monotonic() - t0
         assert r.returncode == 0, r.stdout + r.stderr
         for line in ("done database member cp2 is the replica", "done control plane started"):
@@ -264,7 +334,7 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         roles = {m["name"]: m["role"] for m in PatroniRest(f"http://127.0.0.1:{ports[0] + 2576}").cluster()["members"]}
         assert roles["cp1"] == "leader"
         assert roles["cp2"] in ("replica", "sync_standby")  # sync once Patroni's next loop (2 s) picks it
-        assert PatroniRest(f"http://127.0.0.1:{ports[1] + 2576}").is_streaming()
+        assert PatroniRest(f"http://127.0.0.2:{ports[1] + 2576}").is_streaming()
         # The standby's control plane reads the catalog the first one wrote, from the shared database.
         models = llmgw(standby, "ctl", "models", timeout=60)
         assert models.returncode == 0, models.stderr
@@ -272,15 +342,38 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
 
         # A second --join keeps everything.
         r = llmgw(standby, "server", "init", "--join", str(bundle), "--patroni-venv", str(patroni_venv),
-                  *listen_args(skip=("--mirror-listen", "--mirror-api-listen")))
+                  *standby_listen)
         assert r.returncode == 0, r.stdout + r.stderr
         assert not [ln for ln in r.stdout.splitlines() if ln.startswith("  done")], r.stdout
 
-        # A second init on the first control plane keeps everything.
+        # The first control plane down, its node's agent restarted: it registers with cp2 (before,
+        # it knew only cp1 and was lost until cp1 came back).
+        assert llmgw(first, "service", "stop", "server").returncode == 0
+        r = llmgw(first, "service", "restart", "agent")
+        assert r.returncode == 0, r.stdout + r.stderr
+        deadline = time.monotonic() + 60
+        logs = ""
+        while time.monotonic() < deadline:
+            logs = llmgw(first, "service", "logs", "agent", "-n", "200").stdout
+            if f"registered with https://127.0.0.2:{agent_port} as node e2e-node" in logs:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"the agent did not register with cp2:\n{logs}")
+
+        # A second init on the first control plane keeps everything; an agent.yaml from before
+        # (the first control plane alone) gets the others added, with a backup.
+        conf = Paths(first).agent_config
+        old = "\n".join(ln for ln in conf.read_text().splitlines()
+                        if "servers:" not in ln and "127.0.0.2" not in ln and "other control planes" not in ln)
+        conf.write_text(old + "\n")
         r = llmgw(first, *args)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "kept database role llmgw" in r.stdout
         assert "kept server.yaml's store" in r.stdout
+        assert f"updated {conf}: servers += https://127.0.0.2:{agent_port}" in r.stdout, r.stdout
+        assert load_agent_config(conf).control_planes == agent_cfg.control_planes
+        assert [p.read_text() for p in conf.parent.glob("agent.yaml.bak-*")] == [old + "\n"]
     finally:
         for root in (standby, first):
             stop_install(root)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
+import shutil
 import socket
 import ssl
 import stat
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,7 @@ from llmgw.cli.main import app
 from llmgw.config import load_agent_config, load_server_config
 from llmgw.errors import ConfigError, PkiError, ServiceError, UnreachableError
 from llmgw.paths import Paths
+from llmgw.serverinit import agentconf, files
 from llmgw.serverinit.onboard import add_node
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
@@ -39,6 +43,8 @@ from llmgw.service.units import check_service
 from llmgw.tlsconf import CA, cert_hosts, server_context
 from tests.conftest import skip_or_fail
 from tests.helpers.init import init_cli, written
+from tests.helpers.net import free_port
+from tests.helpers.processes import llmgw
 
 SPECS = ["cp1=10.0.0.1", "cp2=10.0.0.2", "cp3=10.0.0.3:6432"]
 
@@ -94,8 +100,8 @@ def test_the_store_url_is_libpq_multi_host_over_every_member() -> None:
         "&target_session_attrs=read-write&connect_timeout=2"
     )
     assert p.rest_urls() == ["http://10.0.0.1:8008", "http://10.0.0.2:8008", "http://10.0.0.3:9008"]
-    assert set(p.passwords) == {"superuser", "replication", "rewind", "llmgw", "restapi"}
-    assert len(set(p.passwords.values())) == 5
+    assert set(p.passwords) == {"superuser", "replication", "rewind", "llmgw", "restapi", "raft"}
+    assert len(set(p.passwords.values())) == 6
 
 
 def test_the_plan_round_trips_through_ha_yaml(tmp_path: Path) -> None:
@@ -106,6 +112,54 @@ def test_the_plan_round_trips_through_ha_yaml(tmp_path: Path) -> None:
     assert back.same_cluster(p) == []
     other = HaPlan(members=[Member.parse("cp1=10.0.0.1")])
     assert back.same_cluster(other)[0].startswith("control planes cp1=10.0.0.1:5432, cp2=")
+
+
+def old_ha_yaml(path: Path) -> HaPlan:
+    """An ha.yaml as init wrote it before raft had a password."""
+    p = plan()
+    doc = p.to_doc()
+    del doc["passwords"]["raft"]
+    path.write_text(yaml.safe_dump(doc))
+    return p
+
+
+def test_an_old_ha_yaml_without_a_raft_password_loads_with_one_made_and_named(tmp_path: Path) -> None:
+    old_ha_yaml(tmp_path / "ha.yaml")
+    got = HaPlan.load(tmp_path / "ha.yaml")
+    assert got.generated == ["raft"]
+    assert len(got.passwords["raft"]) >= 32
+    assert HaPlan.load(tmp_path / "ha.yaml").passwords["raft"] != got.passwords["raft"]  # not kept yet
+    old = (tmp_path / "ha.yaml").read_text()
+    backup = database.add_passwords(tmp_path / "ha.yaml", got)  # what the first control plane's init does
+    assert backup.read_text() == old
+    assert stat.S_IMODE(backup.stat().st_mode) == stat.S_IMODE((tmp_path / "ha.yaml").stat().st_mode) == 0o600
+    again = HaPlan.load(tmp_path / "ha.yaml")
+    assert again.generated == []
+    assert again.passwords == got.passwords
+
+
+def test_add_control_plane_refuses_an_ha_yaml_without_a_raft_password(tmp_path: Path) -> None:
+    paths = first_control_plane(tmp_path / "cp1")
+    old_ha_yaml(paths.etc / "ha.yaml")
+    with pytest.raises(ConfigError, match=r"no password for Patroni's raft .* run 'llmgw server init' here again"):
+        add_control_plane(paths, "cp2", tmp_path / "bundle", address="10.0.0.2")
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_a_standby_s_old_ha_yaml_is_replaced_by_a_bundle_that_adds_raft_s_password(tmp_path: Path) -> None:
+    first = first_control_plane(tmp_path / "cp1")
+    add_control_plane(first, "cp2", tmp_path / "bundle", address="10.0.0.2")
+    standby = Paths(tmp_path / "cp2")
+    b = check_bundle(tmp_path / "bundle", standby)
+    install_bundle(b, standby)
+    doc = yaml.safe_load((standby.etc / "ha.yaml").read_text())
+    del doc["passwords"]["raft"]
+    (standby.etc / "ha.yaml").write_text(yaml.safe_dump(doc))
+    old = (standby.etc / "ha.yaml").read_text()
+    tags = {p.name: t for t, p in install_bundle(check_bundle(tmp_path / "bundle", standby), standby)}
+    assert tags["ha.yaml"] == "updated"
+    assert HaPlan.load(standby.etc / "ha.yaml").passwords["raft"] == b.plan.passwords["raft"]
+    assert [p.read_text() for p in standby.etc.glob("ha.yaml.bak-*")] == [old]
 
 
 # --- patroni.yml and the unit -------------------------------------------------------------------
@@ -128,8 +182,14 @@ def test_patroni_yml_has_ha_md_s_settings_and_raft_partners() -> None:
     assert first["postgresql"]["basebackup"] == [{"checkpoint": "fast"}]
     # The first member's raft leads alone; the others join it.
     assert first["raft"]["partner_addrs"] == []
+    # Raft binds the member's address and takes only members that know its password (issue 19,
+    # item 7: pysyncobj bound every interface and took anyone's messages).
     assert second["raft"] == {"data_dir": "/var/lib/llmgw-patroni/raft", "self_addr": "10.0.0.2:5011",
+                              "bind_addr": "10.0.0.2:5011", "password": p.passwords["raft"],
                               "partner_addrs": ["10.0.0.1:5011", "10.0.0.3:6011"]}
+    named = yaml.safe_load(patroni_yml(p, Member.parse("cp2=db2.example")))
+    assert named["raft"]["bind_addr"] == "0.0.0.0:5011"  # a name may not be this machine's own address
+    assert named["raft"]["password"] == p.passwords["raft"]
     assert "etcd3" not in first
     assert first["watchdog"] == {"mode": "off"}
 
@@ -237,6 +297,77 @@ def test_add_node_on_a_single_machine_install_names_one_control_plane(tmp_path: 
     assert load_agent_config(tmp_path / "node" / "agent.yaml").servers == []
 
 
+CPS = ["https://10.0.0.1:7443", "https://10.0.0.2:7443", "https://10.0.0.3:7443"]
+
+
+def init_agent_yaml(tmp_path: Path, servers: list[str] | None = None) -> Path:
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(files.agent_yaml(
+        server=CPS[0], node_id="cp1", etc=tmp_path, label_key="llmgw.control-plane", label_value="true",
+        llama_server=Path("/opt/llama-server"), servers=servers))
+    return conf
+
+
+def test_the_agent_yaml_init_writes_on_an_ha_control_plane_names_every_control_plane(tmp_path: Path) -> None:
+    """Issue 19, item 6: init's own node named only ``server``; restarted while that control plane
+    was down it was marked lost though the others were up. Now ``servers`` are the others."""
+    cfg = load_agent_config(init_agent_yaml(tmp_path, CPS[1:]))
+    assert cfg.control_planes == CPS
+    assert cfg.engines.llamacpp.binary == Path("/opt/llama-server")
+    (tmp_path / "single").mkdir()
+    assert load_agent_config(init_agent_yaml(tmp_path / "single")).control_planes == CPS[:1]
+
+
+def test_a_rerun_adds_the_missing_control_planes_keeping_the_rest_and_a_backup(tmp_path: Path) -> None:
+    conf = init_agent_yaml(tmp_path)  # as init wrote it before: the first control plane alone
+    old = conf.read_text()
+    conf.write_text(old + "# the operator's note\n")
+    old = conf.read_text()
+    got = agentconf.add_servers(conf, CPS, now=0)
+    assert got.added == CPS[1:]
+    assert got.backup is not None
+    assert got.backup.read_text() == old
+    assert got.backup.name.startswith("agent.yaml.bak-")
+    text = conf.read_text()
+    assert text.startswith(old)  # comments, the engine and the note kept
+    cfg = load_agent_config(conf)
+    assert cfg.control_planes == CPS
+    assert cfg.engines.llamacpp.binary == Path("/opt/llama-server")
+    again = agentconf.add_servers(conf, CPS)
+    assert again.added == []
+    assert again.backup is None
+    assert conf.read_text() == text
+
+
+@pytest.mark.parametrize("servers", [
+    "servers:\n  - https://10.0.0.9:7443  # added by hand\n  - https://10.0.0.2:7443\n\n# tail\nlabels: {}\n",
+    "servers: [https://10.0.0.9:7443, https://10.0.0.2:7443]\nlabels: {}\n",
+    "servers:\n- https://10.0.0.9:7443\n- https://10.0.0.2:7443\nlabels: {}\n",
+])
+def test_servers_already_there_stay_first_and_in_their_order(tmp_path: Path, servers: str) -> None:
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(f"server: {CPS[0]}\nnode_id: n1\n{servers}"
+                    "tls: {ca: /x/ca.pem, cert: /x/agent.pem, key: /x/agent-key.pem}\n")
+    got = agentconf.add_servers(conf, CPS)
+    assert got.added == [CPS[2]]
+    cfg = load_agent_config(conf)
+    assert cfg.servers == ["https://10.0.0.9:7443", CPS[1], CPS[2]]
+    assert cfg.node_id == "n1"
+    assert cfg.labels == {}
+
+
+def test_an_agent_yaml_that_does_not_load_is_left_as_it_is_with_a_clear_error(tmp_path: Path) -> None:
+    conf = tmp_path / "agent.yaml"
+    conf.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        agentconf.add_servers(conf, CPS)
+    assert str(conf) in str(err.value)
+    assert "is left as it is" in str(err.value)
+    assert "run init again" in str(err.value)
+    assert conf.read_text() == "server: [unclosed\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["agent.yaml"]
+
+
 def test_join_installs_the_bundle_with_this_machine_s_paths_then_keeps_it(tmp_path: Path) -> None:
     first = first_control_plane(tmp_path / "cp1")
     add_control_plane(first, "cp2", tmp_path / "bundle", address="10.0.0.2")
@@ -337,6 +468,82 @@ def test_join_asks_the_first_control_plane_whether_the_bundle_is_its_cluster_s(t
             check_cluster_ca(foreign)
     with pytest.raises(UnreachableError, match=r"the first control plane cp1 does not answer .* start it"):
         check_cluster_ca(ours, timeout_s=1.0)
+
+
+JOIN_FLAGS = {"--join", "--admin-listen", "--agent-listen", "--gateway-listen"}
+"""What ``init --join`` takes beyond the places of Patroni and PostgreSQL: the listen flags replace
+the first control plane's in the standby's server.yaml (steps/join.py); ``--control-plane`` is
+refused with it, the mirror's are not used."""
+
+
+def _free_pg_port() -> int:
+    """A PostgreSQL port whose REST API (+2576) and raft (-421) ports are free on 127.0.0.1 too."""
+    for _ in range(200):
+        port = free_port()
+        if 1500 < port < 60000 and all(_bindable(p) for p in (port + 2576, port - 421)):
+            return port
+    raise AssertionError("no free PostgreSQL port with free REST and raft ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_join_checks_its_ports_before_it_copies_anything_and_names_only_flags_join_takes(tmp_path: Path) -> None:
+    """Issue 19, item 7, through the real CLI in a child process: a standby whose gateway port and
+    PostgreSQL port are taken (real listening sockets). Before, --join copied the bundle (the CA key,
+    ha.yaml with the database passwords) into /etc/llmgw, then refused on the port, suggesting
+    --control-plane, which --join refuses. Now each refusal comes before any file is written, and
+    following its advice (the listen flag it names) gets past it to the next one."""
+    cluster_root = tmp_path / "cp1"
+    first = Paths(cluster_root)
+    pg = [_free_pg_port(), _free_pg_port()]
+    taken_gateway = free_port()
+    ctx = InitContext(first, InitOptions(hosts=["127.0.0.1"], gateway_listen=f"127.0.0.1:{taken_gateway}"),
+                      SupervisorManager(first), out=io.StringIO())
+    pki.run(ctx)
+    standby = Path(tempfile.mkdtemp(prefix="llmgw-join-"))  # postgres must reach its patroni dir
+    standby.chmod(0o755)
+    try:
+        with tls_server(CA.load(first.pki), tmp_path / "tls") as agent_port:  # the first's agent API answers
+            ctx.opts.agent_listen = f"127.0.0.1:{agent_port}"
+            serveryaml.run(ctx)
+            p = HaPlan(members=[Member.parse(f"cp1=127.0.0.1:{pg[0]}"), Member.parse(f"cp2=127.0.0.1:{pg[1]}")])
+            (first.etc / "ha.yaml").write_text(p.to_yaml())
+            with first.server_config.open("a") as f:
+                f.write(database.server_yaml_block(p, p.members[0], f"https://127.0.0.1:{agent_port}"))
+            bundle = tmp_path / "bundle"
+            add_control_plane(first, "cp2", bundle, address="127.0.0.1")
+            said: list[str] = []
+            given = ["--admin-listen", f"127.0.0.1:{free_port()}"]
+            with socket.create_server(("127.0.0.1", taken_gateway)), socket.create_server(("127.0.0.1", pg[1])):
+                # Each refusal's advice, followed, gets past it to the next; none copies anything.
+                for refusal, advice in (
+                    (f"port {agent_port} (agent-listen, 127.0.0.1:{agent_port}) is already taken", "--agent-listen"),
+                    (f"port {taken_gateway} (gateway-listen, 127.0.0.1:{taken_gateway}) is already taken",
+                     "--gateway-listen"),
+                    (f"control plane cp2: PostgreSQL port 127.0.0.1:{pg[1]} is already in use", ""),
+                ):
+                    r = llmgw(standby, "server", "init", "--join", str(bundle), *given, timeout=60)
+                    out = r.stdout + r.stderr
+                    said.append(out)
+                    assert r.returncode != 0, out
+                    assert refusal in out, out
+                    assert written(standby) == [], out
+                    if advice:
+                        assert f"another address with {advice}; nothing of the bundle was copied" in out
+                        given += [advice, f"127.0.0.1:{free_port()}"]
+                    else:
+                        assert "Stop it and run init --join again" in out
+            flags = {f for text in said for f in re.findall(r"(?<![\w-])--[a-z][a-z-]+", text)}
+            assert flags <= JOIN_FLAGS, flags
+    finally:
+        shutil.rmtree(standby, ignore_errors=True)
 
 
 def test_add_control_plane_cli_on_a_machine_without_ha_says_what_to_run(tmp_path: Path) -> None:

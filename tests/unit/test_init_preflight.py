@@ -36,6 +36,7 @@ from llmgw.service.manager import SupervisorManager
 from tests.conftest import Assets
 from tests.helpers.init import FakeClock, init_cli, scripted_init, written
 from tests.helpers.net import free_port
+from tests.helpers.processes import listen_args, llmgw, stop_install
 
 
 def script(tmp_path: Path, name: str, body: str) -> Path:
@@ -270,6 +271,33 @@ def test_the_cli_refuses_it_and_writes_nothing(tmp_path: Path) -> None:
     assert "accepts agents on loopback only" in out
     assert "pass --host 127.0.0.1" in out
     assert written(root) == []
+
+
+def test_a_starter_alias_equal_to_its_name_is_refused_by_the_cli_before_anything_is_written(tmp_path: Path) -> None:
+    """The real CLI in a child process (issue 19, item 17): ``--starter-alias`` equal to the
+    starter's name used to pass every check, set up the control plane, the mirror and the starter's
+    copy, then end in a pydantic traceback at the catalog entry. Now: exit 2, what was wrong and
+    what to pass, no traceback, nothing written."""
+    root = tmp_path / "root"
+    model = gguf(tmp_path)  # named "m" after its file
+    try:
+        for args, says in (
+            (["--starter-name", "tiny", "--starter-alias", "tiny"],
+             "--starter-alias tiny is the starter's own name (--starter-name)"),
+            (["--starter-alias", "m"], "--starter-alias m is the starter's own name (the name derived from "
+                                       "--starter-source ('m'))"),
+            (["--starter-alias", "Bad Alias"], "--starter-alias: 'Bad Alias' is not a valid alias"),
+        ):
+            r = llmgw(root, "server", "init", "--offline", "--host", "127.0.0.1", "--no-node",
+                      "--no-guard-model", "--starter-source", f"file:{model}", *listen_args(), *args,
+                      timeout=120)
+            out = r.stdout + r.stderr
+            assert r.returncode == 2, out
+            assert says in out, out
+            assert "Traceback" not in out, out
+            assert written(root) == [], out
+    finally:
+        stop_install(root)
 
 
 # --- no wait is silent ---

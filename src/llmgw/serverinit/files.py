@@ -100,14 +100,21 @@ gateway:
 
 def agent_yaml(
     *, server: str, node_id: str, etc: Path, label_key: str, label_value: str, llama_server: Path | None,
+    servers: list[str] | None = None,
 ) -> str:
-    """This machine's agent.yaml as the node of its own control plane (plus the engine when one is given)."""
+    """This machine's agent.yaml as the node of its own control plane (plus the engine when one is
+    given). ``servers``: the other control planes' agent API URLs on an HA cluster (the agent
+    tries ``server`` first, then these)."""
+    others = ""
+    if servers:
+        others = "# The other control planes of the HA cluster: the agent turns to them when this one is down.\n"
+        others += "servers:\n" + "".join(f'  - "{u}"\n' for u in servers)
     engine = ""
     if llama_server is not None:
         engine = f"engines:\n  llamacpp:\n    binary: {llama_server}\n"
     return f"""# This machine as a node of its own control plane, written by 'llmgw server init'.
 server: "{server}"
-node_id: "{node_id}"
+{others}node_id: "{node_id}"
 tls:
   ca: {etc / "ca.pem"}
   cert: {etc / "agent.pem"}

@@ -92,9 +92,15 @@ PG_PARAMETERS = {
 """PostgreSQL settings every member shares (``bootstrap.dcs.postgresql.parameters``)."""
 
 REST_KEY = "restapi"
-PASSWORD_KEYS = ("superuser", "replication", "rewind", DB_USER, REST_KEY)
-"""The passwords an HA plan holds: Patroni's three PostgreSQL users, the store's, and the one
-that guards Patroni's REST API's writes (user ``llmgw``)."""
+RAFT_KEY = "raft"
+PASSWORD_KEYS = ("superuser", "replication", "rewind", DB_USER, REST_KEY, RAFT_KEY)
+"""The passwords an HA plan holds: Patroni's three PostgreSQL users, the store's, the one that
+guards Patroni's REST API's writes (user ``llmgw``), and raft's (pysyncobj encrypts and
+authenticates every message between members with it; issue 19, item 7)."""
+
+OPTIONAL_KEYS = (RAFT_KEY,)
+"""Passwords an ha.yaml written by an older init lacks: :meth:`HaPlan.from_doc` makes one and
+names it in :attr:`HaPlan.generated` (the caller writes it back, or refuses, and says so)."""
 
 _SPEC = re.compile(r"^(?P<name>[^=]+)=(?P<addr>.+)$")
 
@@ -207,8 +213,9 @@ class HaPlan:
         members: every control plane's database member, the first control plane first.
         etcd: etcd v3 URLs (``http://HOST:2379``) for Patroni's DCS; empty means Patroni's raft
             (small installs and tests; documented "deprecated" but tested in 4.1.5, ha.md §1.1).
-        passwords: ``superuser``, ``replication``, ``rewind`` (Patroni's), ``llmgw`` (the store's) and
-            ``restapi`` (Patroni's REST API's writes: switchover, restart, config), each 192 random bits.
+        passwords: ``superuser``, ``replication``, ``rewind`` (Patroni's), ``llmgw`` (the store's),
+            ``restapi`` (Patroni's REST API's writes: switchover, restart, config) and ``raft``
+            (Patroni's raft messages between members), each 192 random bits.
         venv: Patroni's venv on every member.
         bin_dir: PostgreSQL 15's binaries.
         dir: where each member keeps ``patroni.yml``, ``data``, ``raft``, ``run`` (owned by ``postgres``).
@@ -221,6 +228,9 @@ class HaPlan:
     venv: Path = DEFAULT_VENV
     bin_dir: Path = PG_BIN_DIR
     dir: Path = Path("/var/lib/llmgw-patroni")
+    generated: list[str] = field(default_factory=list, compare=False)
+    """Passwords of :data:`OPTIONAL_KEYS` that ha.yaml lacked and :meth:`from_doc` made here: not
+    yet written anywhere, so another member does not have them."""
 
     def __post_init__(self) -> None:
         for key in PASSWORD_KEYS:
@@ -311,13 +321,14 @@ class HaPlan:
         try:
             members = [Member.parse(str(s)) for s in doc["members"]]
             passwords = {str(k): str(v) for k, v in doc["passwords"].items()}
-            missing = [k for k in PASSWORD_KEYS if k not in passwords]
+            missing = [k for k in PASSWORD_KEYS if k not in passwords and k not in OPTIONAL_KEYS]
             if missing:
                 raise ConfigError(f"{where}: passwords lacks {', '.join(missing)}")
+            made = [k for k in OPTIONAL_KEYS if k not in passwords]
             return cls(
                 members=members, scope=str(doc.get("scope", "llmgw")), etcd=[str(u) for u in doc.get("etcd") or []],
                 passwords=passwords, venv=Path(str(doc["venv"])), bin_dir=Path(str(doc["bin_dir"])),
-                dir=Path(str(doc["dir"])),
+                dir=Path(str(doc["dir"])), generated=made,
             )
         except (KeyError, AttributeError, TypeError) as e:
             raise ConfigError(f"{where}: missing or malformed {e}; restore it from the first control plane") from e
@@ -368,7 +379,9 @@ def patroni_yml(plan: HaPlan, me: Member) -> str:
     """Member ``me``'s ``patroni.yml`` (ha.md §1.3, with §0's tuned settings).
 
     Raft when ``plan.etcd`` is empty (``self_addr`` this member's raft port, ``partner_addrs`` the
-    others', none on the first member), else ``etcd3: {hosts: …}``. Passwords are SCRAM over TCP
+    others', none on the first member; ``bind_addr`` the member's address, as PostgreSQL's and the
+    REST API's listeners: without it pysyncobj binds every interface; ``password`` the plan's
+    ``raft``, without which a peer's messages are refused), else ``etcd3: {hosts: …}``. Passwords are SCRAM over TCP
     from anywhere (the members and the control planes are on other machines), trust over the
     member's own unix socket. The
     watchdog is off: none in VMs and containers (ha.md §0 says turn ``softdog`` on in production).
@@ -390,6 +403,10 @@ def patroni_yml(plan: HaPlan, me: Member) -> str:
         doc["raft"] = {
             "data_dir": str(dirs["raft"]),
             "self_addr": f"{me.host}:{me.raft_port}",
+            # pysyncobj binds 0.0.0.0 (or ::) unless told (transport.py _createServer), and
+            # without a password it takes any peer's messages, a leader key write included.
+            "bind_addr": f"{bind}:{me.raft_port}",
+            "password": plan.passwords[RAFT_KEY],
             # The first member starts a raft of one, which leads alone; each other member asks
             # the ones listed for the members and adds itself (pysyncobj's dynamic membership,
             # wheel:patroni/dcs/raft.py DynMemberSyncObj). Listing all three on the first would

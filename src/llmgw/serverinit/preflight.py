@@ -9,6 +9,10 @@
   address; the node on this machine is pointed at the first ``--host`` (else this machine's first
   address), so a loopback ``--agent-listen`` without a loopback ``--host`` points the agent where
   nothing listens, and init waited for it in silence.
+* :func:`check_starter_names`: the starter's catalog name and ``--starter-alias`` must be valid
+  names and differ. An alias equal to the name passed every earlier check and reached the
+  catalog entry at step 6, after the control plane, the mirror and the node were set up, and init
+  ended in a pydantic traceback (issue 19, item 17).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 
 from llmgw.config import parse_listen
 from llmgw.errors import ConfigError
+from llmgw.names import check_name
+from llmgw.serverinit import plan
 
 VERSION_TIMEOUT_S = 10.0
 """``llama-server --version`` answers in milliseconds (0.04 s for the assets' build here; a CUDA
@@ -164,3 +170,35 @@ def check_agent_address(agent_listen: str, hosts: Sequence[str], *, flag_given: 
         f"on port {port}, where nothing listens; pass --host {host} for a one-machine cluster, or listen "
         f"on every address (--agent-listen :{port}) so other machines' nodes can join too"
     )
+
+
+def check_starter_names(source: str, name: str, alias: str) -> plan.StarterSpec:
+    """The starter's catalog name and alias, checked as the catalog will check them; returns the spec.
+
+    Args:
+        source: ``--starter-source`` (the name is derived from its file when ``name`` is empty).
+        name: ``--starter-name`` (``""``: derived).
+        alias: ``--starter-alias`` (``""``: the default starter's alias, or none for another file).
+
+    Raises:
+        ConfigError: the name or the alias is not a valid name (:mod:`llmgw.names`), or the alias
+            is the name itself (a model cannot be its own alias); the message names the flags.
+    """
+    spec = plan.starter_spec(source, name=name, alias=alias)
+    given = "--starter-name" if name else f"the name derived from --starter-source ({spec.name!r})"
+    try:
+        check_name(spec.name, "model name")
+    except ValueError as e:
+        raise ConfigError(f"{given}: {e}; pass --starter-name NAME") from e
+    if not spec.alias:
+        return spec
+    try:
+        check_name(spec.alias, "alias")
+    except ValueError as e:
+        raise ConfigError(f"--starter-alias: {e}") from e
+    if spec.alias == spec.name:
+        raise ConfigError(
+            f"--starter-alias {spec.alias} is the starter's own name ({given}); a model cannot be its own "
+            "alias: leave --starter-alias out, or give another one (clients may ask for either)"
+        )
+    return spec

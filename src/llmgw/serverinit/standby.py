@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,10 @@ def add_control_plane(paths: Paths, name: str, out: Path, *, address: str) -> li
         raise ConfigError(f"{plan_path} is missing: this is not the first control plane of an HA cluster; "
                           "run 'llmgw server init --control-plane NAME=HOST …' first")
     plan = HaPlan.load(plan_path)
+    if plan.generated:
+        raise ConfigError(f"{plan_path} has no password for Patroni's raft (it was written by an older llmgw), so "
+                          "the bundle would carry none the first control plane uses: run 'llmgw server init' "
+                          "here again with the same flags (it adds one), then add-control-plane")
     me = plan.member(name)
     host = address.rsplit(":", 1)[0].strip("[]") if address.count(":") == 1 or address.startswith("[") else address
     if host != me.host:
@@ -236,11 +241,25 @@ def load_bundle_yaml(path: Path) -> ServerConfig:
         raise ConfigError(f"{path} does not load: {e}") from e
 
 
+def _adds_passwords(have_path: Path, bundle: HaPlan) -> bool:
+    """True when the ha.yaml here is the bundle's but for passwords an older init did not make
+    (raft's): the bundle then brings them, and replaces it (issue 19, item 7)."""
+    try:
+        have = HaPlan.load(have_path)
+    except ConfigError:
+        return False
+    if not have.generated or have.same_cluster(bundle):
+        return False
+    return all(have.passwords[k] == bundle.passwords.get(k) for k in have.passwords if k not in have.generated)
+
+
 def install_bundle(b: Bundle, paths: Paths, listen: dict[str, str] | None = None) -> list[tuple[str, Path]]:
     """Copy the bundle into ``paths.etc`` (``pki/`` for the certificates; server.yaml with this
     machine's paths and ``listen`` addresses, see :func:`standby_server_yaml`). A file already
-    there with the same content is kept; server.yaml, once written, is kept. Returns ``(tag, path)``
-    for each: ``done`` or ``kept``.
+    there with the same content is kept; server.yaml, once written, is kept; an ha.yaml from an older
+    init that lacks raft's password is replaced by the bundle's when all else is the same (the old
+    one kept as ``ha.yaml.bak-YYYYmmdd-HHMMSS``). Returns ``(tag, path)`` for each: ``done``,
+    ``kept`` or ``updated``.
 
     Raises:
         ConfigError: a file there differs from the bundle's (another cluster's, or an older bundle).
@@ -252,6 +271,12 @@ def install_bundle(b: Bundle, paths: Paths, listen: dict[str, str] | None = None
             continue
         dst = (paths.pki if f in PKI_FILES else paths.etc) / f
         data = (b.dir / f).read_bytes()
+        if f == "ha.yaml" and dst.exists() and _adds_passwords(dst, b.plan):
+            backup = dst.with_name(f"{dst.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
+            write_atomic(backup, dst.read_bytes(), 0o600)
+            write_atomic(dst, data, 0o600)
+            result.append(("updated", dst))
+            continue
         if dst.exists():
             if dst.read_bytes() != data:
                 raise ConfigError(f"{dst} is there and differs from {b.dir / f}; this machine was set up "

@@ -1,8 +1,9 @@
 """Step 0: check the inputs before anything is written, so bad input leaves nothing half-written.
 
 The starter and judge sources (a ``file:`` must be a GGUF file), ``--judge-format``,
-``--llama-server`` (run with ``--version``), the listen ports (free unless this install's own
-service holds them), and an agent API on loopback with nowhere for the node to reach it
+``--llama-server`` (run with ``--version``), the starter's name and alias (valid, and not the
+same), the listen ports (free unless this install's own service holds them), and an agent API
+on loopback with nowhere for the node to reach it
 (:mod:`llmgw.serverinit.preflight`).
 """
 
@@ -37,13 +38,15 @@ def run(ctx: InitContext) -> None:
 
     Raises:
         SourceError: the starter source is not a download, or its file is missing or not GGUF.
-        ConfigError: ``--llama-server`` is not a working llama-server (it is run with
+        ConfigError: the starter's name or alias is not valid, or the alias is the name;
+            ``--llama-server`` is not a working llama-server (it is run with
             ``--version``); a config that exists does not load; the agent API listens on
             loopback while this node would be pointed at another address (pass ``--host``).
         PortInUseError: a listen port is taken by a program that is not this install's service.
     """
     opts, paths = ctx.opts, ctx.paths
     check_starter_source(opts.starter_source)
+    preflight.check_starter_names(opts.starter_source, opts.starter_name, opts.starter_alias)
     check_judge_source(opts.judge_source, opts.judge_format, no_guard_model=opts.no_guard_model)
     ls = opts.llama_server
     if ls is not None:

@@ -22,6 +22,7 @@ import os
 import pwd
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,8 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
     else:
         plan = HaPlan.load(ha_yaml(paths))
         me = plan.member(me_yaml(paths).read_text().strip())
+        if plan.generated:
+            raise ConfigError(no_raft_password(ha_yaml(paths)))
         # Where Patroni and its files are is this machine's choice, not the first control plane's.
         local_dirs(ctx, plan)
     check_machine(ctx, plan)
@@ -171,7 +174,15 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
         ctx.say("done", f"Patroni in {plan.venv}")
 
     plan_path = ha_yaml(paths)
-    if plan_path.exists():
+    if plan_path.exists() and plan.generated:
+        backup = add_passwords(plan_path, plan)
+        ctx.say("!!", f"{plan_path} had no password for Patroni's raft (written by an older init): made one and "
+                      f"wrote it there (the old file is in {backup}), and {me.name}'s raft now binds "
+                      f"{me.url_host}:{me.raft_port} only and needs it. Members with and without it cannot "
+                      "talk: for each standby run 'llmgw server add-control-plane NAME --address ADDR --out "
+                      "DIR' here and 'llmgw server init --join DIR' there, now (raft has no quorum until "
+                      "most members have it)")
+    elif plan_path.exists():
         ctx.say("kept", f"{plan_path}")
     else:
         paths.etc.mkdir(parents=True, exist_ok=True)
@@ -201,13 +212,40 @@ def run(ctx: InitContext, *, role: str = "primary") -> Member1:
     return Member1(plan, me)
 
 
-def check_member_ports(plan: HaPlan, me: Member) -> None:
+def no_raft_password(path: Path) -> str:
+    """What to do about a standby's ha.yaml (or bundle) without raft's password: a password made
+    here would not be the other members' (each would make its own), so the first control plane
+    makes it and the bundle carries it."""
+    return (f"{path} has no password for Patroni's raft (it was written by an older llmgw); run "
+            "'llmgw server init' again on the first control plane with the same flags (it adds one), then "
+            "write this standby's bundle again there ('llmgw server add-control-plane NAME --address ADDR "
+            "--out DIR') and join with it")
+
+
+def add_passwords(path: Path, plan: HaPlan) -> Path:
+    """Write ``plan`` (with the passwords :meth:`HaPlan.from_doc` made) to ha.yaml, keeping the old
+    file as ``ha.yaml.bak-YYYYmmdd-HHMMSS`` (0600 too); returns the backup's path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    backup = path.with_name(f"{path.name}.bak-{stamp}")
+    files.write_atomic(backup, path.read_text(), 0o600)
+    files.write_atomic(path, plan.to_yaml(), 0o600)
+    plan.generated = []
+    return backup
+
+
+def check_member_ports(plan: HaPlan, me: Member, *, joining: bool = False) -> None:
     """Before a new member is written: PostgreSQL's, Patroni's REST API's and (with raft) raft's
     ports must be free on its host. Another program there (another cluster's PostgreSQL or Patroni)
     would otherwise answer init's waits in this member's stead.
 
+    Args:
+        joining: a standby's ``--join``, whose ports the first control plane's
+            ``--control-plane`` fixed in ha.yaml: the message says to free the port (``--join``
+            takes no ``--control-plane``), not to choose another.
+
     Raises:
-        PortInUseError: a port is taken (named, with the flag that sets it), or cannot be listened on.
+        PortInUseError: a port is taken (named, with the flag that sets it, or with what to stop on
+            a standby), or cannot be listened on.
     """
     ports = [("PostgreSQL", me.pg_port), ("Patroni's REST API (PostgreSQL's + 2576)", me.rest_port)]
     if not plan.etcd:
@@ -221,7 +259,12 @@ def check_member_ports(plan: HaPlan, me: Member) -> None:
                 s.bind((host, port))
             except OSError as e:
                 where = f"control plane {me.name}: {what} port {me.url_host}:{port}"
-                if e.errno == errno.EADDRINUSE:
+                if e.errno == errno.EADDRINUSE and joining:
+                    why = (f"is already in use by another program (another PostgreSQL or Patroni?); "
+                           f"'ss -ltnp sport = :{port}' names it. Stop it and run init --join again: the "
+                           f"members' ports were fixed at the first control plane's init ({me.spec} in "
+                           "the bundle's ha.yaml), so a standby cannot choose others")
+                elif e.errno == errno.EADDRINUSE:
                     why = (f"is already in use by another program (another PostgreSQL or Patroni?); "
                            f"'ss -ltnp sport = :{port}' names it. Stop it, or give this member another "
                            f"PostgreSQL port: --control-plane {me.name}={me.url_host}:PORT")

@@ -1,7 +1,8 @@
 """Step 5: this machine as a node of its own control plane. Its agent certificate, agent.yaml
 (written once; only the llama-server init itself put there is updated by a later
-``--llama-server``, see :mod:`llmgw.serverinit.agentconf`), the agent service, and a wait until
-it reports a llama.cpp engine."""
+``--llama-server``, and on an HA cluster the control planes it lacks are added to ``servers``,
+see :mod:`llmgw.serverinit.agentconf`), the agent service, and a wait until it reports a
+llama.cpp engine."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from llmgw.config import load_agent_config, parse_listen
 from llmgw.errors import ApiError, ConfigError, EngineError, LlmgwError, PkiError
 from llmgw.names import check_name
 from llmgw.serverinit import agentconf, files, plan
+from llmgw.serverinit.onboard import ha_servers
 from llmgw.serverinit.steps import services
 from llmgw.serverinit.steps.context import InitContext, url_host
 from llmgw.serverinit.steps.pki import reachable_addr
@@ -84,21 +86,24 @@ def run(ctx: InitContext) -> str:
             ctx.say("done", f"agent certificate for {node}")
 
     conf = ctx.paths.agent_config
+    agent_listen = ctx.config().agent_listen
+    _h, port = parse_listen(agent_listen)
+    server = f"https://{url_host(reachable_addr(ctx.opts.hosts))}:{port}"
+    others = ha_servers(ctx.paths, agent_listen, server)
     if conf.exists():
         changed = reconcile_agent_yaml(ctx, conf) or changed
+        changed = reconcile_control_planes(ctx, conf, [server, *others]) or changed
     else:
-        _h, port = parse_listen(ctx.config().agent_listen)
-        server = f"https://{url_host(reachable_addr(ctx.opts.hosts))}:{port}"
         files.write_atomic(
             conf,
             files.agent_yaml(
                 server=server, node_id=node, etc=etc, label_key=plan.LOCAL_LABEL_KEY,
-                label_value=plan.LOCAL_LABEL_VALUE, llama_server=ctx.opts.llama_server,
+                label_value=plan.LOCAL_LABEL_VALUE, llama_server=ctx.opts.llama_server, servers=others,
             ),
             0o644,
         )
         agentconf.record_binary(ctx.paths.state, ctx.opts.llama_server)
-        ctx.say("done", f"{conf}")
+        ctx.say("done", f"{conf}" + (f" (control planes: {', '.join([server, *others])})" if others else ""))
 
     started = time.time()  # the store's clock (heartbeats' last_seen), not the waits' monotonic one
     kept = services.apply_service(ctx, "agent", agent_unit(ctx.paths, ctx.bin), "llmgw-agent", config_changed=changed)
@@ -190,6 +195,24 @@ def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False, since: f
 
     ctx.wait(ctx.opts.node_wait_s, "this node to be ready with an engine", probe, interval_s=ctx.opts.poll_s)
     ctx.say("kept" if kept and was_ready else "done", f"node {node} is ready")
+
+
+def reconcile_control_planes(ctx: InitContext, conf: Path, want: list[str]) -> str:
+    """On an HA cluster, add the control planes agent.yaml does not name yet to its ``servers``
+    (:func:`llmgw.serverinit.agentconf.add_servers`); returns ``"agent.yaml"`` when it changed, else
+    ``""``. Nothing to do on a single machine (``want`` is this control plane alone).
+
+    Raises:
+        ConfigError: agent.yaml does not load (left as it is), or could not be changed (restored).
+    """
+    if len(want) < 2:
+        return ""
+    out = agentconf.add_servers(conf, want)
+    if not out.added:
+        return ""
+    ctx.say("updated", f"{conf}: servers += {', '.join(out.added)} (every control plane of the HA cluster; "
+                       f"the previous file is in {out.backup})")
+    return "agent.yaml"
 
 
 def reconcile_agent_yaml(ctx: InitContext, conf: Path) -> str:
