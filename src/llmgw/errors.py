@@ -144,7 +144,7 @@ class GroupError(LlmgwError):
 
 
 class GroupNetError(GroupError):
-    """A group's network (:mod:`llmgw.agent.groupnet`) could not be set up, or a peer was refused;
+    """A group's network (:mod:`llmgw.agent.groups.groupnet`) could not be set up, or a peer was refused;
     the message says which and why."""
 
 

@@ -1,6 +1,6 @@
 """The engine seam: what the replica runner asks of an inference engine (:class:`Engine`).
 
-The runner (:mod:`llmgw.agent.replicas`) owns everything engines share: the port, the API key
+The runner (:mod:`llmgw.agent.replicas.runner`) owns everything engines share: the port, the API key
 file, the scrubbed environment (:func:`engine_environment`), the process group, the log, the
 record, the ``/health`` poll, the deadlines and the exit report. What differs between engines is
 asked of the :class:`Engine` of the replica's ``spec.engine`` (the registry is

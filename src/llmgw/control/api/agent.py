@@ -13,7 +13,7 @@ replicas: only replicas placed on the CN's node take its reports.
 Revocation: a node removed with ``llmgw ctl node rm`` has the serials of the certificates its agent
 presented put on a deny-list in the store (:meth:`~llmgw.control.store.sql.Store.remove_node`). Every
 request is checked against it after the handshake: a revoked certificate gets 403
-``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
+``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop.loop`).
 The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
 
 ``POST /agent/v1/metrics`` (a list of :class:`~llmgw.protocol.EngineMetricsText`): the node's engines'

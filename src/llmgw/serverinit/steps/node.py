@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from llmgw.agent.discovery import has_nvidia_device
+from llmgw.agent.node.discovery import has_nvidia_device
 from llmgw.config import load_agent_config, parse_listen
 from llmgw.errors import ApiError, ConfigError, EngineError, LlmgwError, PkiError
 from llmgw.names import check_name

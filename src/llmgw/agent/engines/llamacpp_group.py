@@ -5,12 +5,12 @@ The control plane sends the same replica id to every member with its ``role``
 
 - **A worker** runs ``rpc-server`` (the ``rpc-server`` beside the node's ``llama-server``, the same
   llama.cpp build with ``-DGGML_RPC=ON``) isolated in a network namespace of its own, and a
-  :class:`~llmgw.agent.groupnet.WorkerTunnel` on the node's ``advertise_address`` that lets only the
-  head's certificate in (:mod:`llmgw.agent.groupnet`). It reports ``ready`` with the tunnel's
+  :class:`~llmgw.agent.groups.groupnet.WorkerTunnel` on the node's ``advertise_address`` that lets only the
+  head's certificate in (:mod:`llmgw.agent.groups.groupnet`). It reports ``ready`` with the tunnel's
   ``host:port`` as its endpoint. It needs no weights: the head sends each worker its layers.
 - **The head** fetches the weights, waits until every worker's endpoint is in its spec (the control
   plane adds them as the workers report; the spec changes, so the agent starts the head again), then
-  starts a :class:`~llmgw.agent.groupnet.HeadForwarder` and ``llama-server --rpc <its local
+  starts a :class:`~llmgw.agent.groups.groupnet.HeadForwarder` and ``llama-server --rpc <its local
   ends> --n-gpu-layers N --tensor-split w1,w2…``: the layers split by the members' shares
   (placement's split of the memory, by each node's free memory), the head keeping
   ``n_layers × head share`` on its own CPU. Its readiness is the group's.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from llmgw.agent import groupnet
+from llmgw.agent.groups import groupnet
 from llmgw.errors import GroupError
 from llmgw.ggufheader import parse_header
 from llmgw.protocol import GroupMember

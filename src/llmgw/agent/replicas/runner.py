@@ -33,7 +33,7 @@ A port is chosen free just before launch; when the engine still finds it taken (
 The engine runs in a new session with stdout+stderr appended to
 ``<agent_state>/replicas/<id>/engine.log`` and a scrubbed environment
 (:func:`~llmgw.agent.engines.base.engine_environment`: no ``LLAMA_ARG_*``, which would silently
-set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see :mod:`llmgw.agent.records`) lets
+set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see :mod:`llmgw.agent.node.records`) lets
 a restarted agent adopt it. Cancelling a runner's task (:meth:`ReplicaRunner.detach`) never stops
 its engine: only :meth:`ReplicaRunner.stop` does.
 """
@@ -56,15 +56,17 @@ from typing import IO, Any
 import aiohttp
 import psutil
 
-from llmgw.agent import group, groupnet, logs
-from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import engine_for, llamacpp
+from llmgw.agent.engines import llamacpp_group as group
 from llmgw.agent.engines import vllm as vllm_engine
 from llmgw.agent.engines.base import Engine, Installed, Launch, engine_environment
 from llmgw.agent.engines.exits import describe_exit, oom_evidence, oom_kills
-from llmgw.agent.logs import rotate, tail_after
-from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
-from llmgw.agent.records import (
+from llmgw.agent.groups import groupnet
+from llmgw.agent.node import logs
+from llmgw.agent.node.cache import NodeCache
+from llmgw.agent.node.logs import rotate, tail_after
+from llmgw.agent.node.pinning import CoreAllocator, format_cpus, pin_process
+from llmgw.agent.node.records import (
     STOP_GRACE_S,
     ReplicaRecord,
     drop_record,
@@ -130,11 +132,11 @@ class RunnerEnv:
         clock: monotonic seconds (a seam).
         port_picker: picks the engine's port on an address (a seam; default: bind port 0).
         base_env: the environment engines inherit before scrubbing.
-        cpus: hands out each replica's cores (see :mod:`llmgw.agent.pinning`).
+        cpus: hands out each replica's cores (see :mod:`llmgw.agent.node.pinning`).
         pin: pin engines to their cores (off only to measure what pinning buys).
-        log_max_bytes, log_keep: engine log rotation (:mod:`llmgw.agent.logs`).
+        log_max_bytes, log_keep: engine log rotation (:mod:`llmgw.agent.node.logs`).
         tls: this agent's ``(ca, cert, key)`` PEM paths: a group replica's members talk over them
-            (:mod:`llmgw.agent.groupnet`); None where no group can run (tests of one-node replicas).
+            (:mod:`llmgw.agent.groups.groupnet`); None where no group can run (tests of one-node replicas).
     """
 
     agent_state: Path
@@ -330,7 +332,7 @@ class ReplicaRunner:
             await self._fail(str(e))
 
     async def _run_worker(self) -> None:
-        """A group worker: ``rpc-server`` behind its tunnel (:class:`llmgw.agent.group.RpcWorker`),
+        """A group worker: ``rpc-server`` behind its tunnel (:class:`llmgw.agent.engines.llamacpp_group.RpcWorker`),
         ready once it listens; watched until it exits (failed, with its last lines)."""
         env = self.env
         if env.tls is None:
