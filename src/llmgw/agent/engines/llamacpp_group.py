@@ -15,21 +15,28 @@ The control plane sends the same replica id to every member with its ``role``
   (placement's split of the memory, by each node's free memory), the head keeping
   ``n_layers × head share`` on its own CPU. Its readiness is the group's.
 
-:func:`layer_split` is where the numbers come from; :class:`RpcWorker` is a worker's engine.
+:func:`layer_split` is where the numbers come from; :class:`RpcWorker` is a worker's engine;
+:class:`RpcGroup` is llama.cpp's :class:`~llmgw.agent.engines.base.GroupPart`, what the replica
+runner (:mod:`llmgw.agent.replicas.runner`) drives for a member without knowing it is llama.cpp.
+vLLM's groups are :mod:`llmgw.agent.engines.vllm_group`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from llmgw.agent.engines.base import Engine, GroupHost, GroupPart, engine_environment
+from llmgw.agent.engines.exits import describe_exit
 from llmgw.agent.groups import groupnet
 from llmgw.errors import GroupError
 from llmgw.ggufheader import parse_header
-from llmgw.protocol import GroupMember
+from llmgw.protocol import GroupMember, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -137,70 +144,77 @@ class RpcWorker:
             self.engine = None
 
 
-# --- vLLM groups: a Ray cluster per group ---------------------------------------------------------
-#
-# vLLM spreads one model over nodes on a Ray cluster (its "multi-node" serving): the head node runs
-# ``ray start --head``, every worker ``ray start --address <head>``, and once Ray counts every node
-# the head runs ``vllm serve … --tensor-parallel-size <cards per node> --pipeline-parallel-size
-# <nodes> --distributed-executor-backend ray`` (one pipeline stage per node, tensor parallel within
-# it). The head reports its Ray address (``ReplicaStatus.group_endpoint``); the control plane gives
-# it to the workers in their spec. ``ray`` is the one beside the node's ``vllm`` (the same venv:
-# ``pip install vllm ray[default]``). The profile's ``env`` (NCCL_*/GLOO_*…) goes to every process.
+class RpcGroup(GroupPart):
+    """llama.cpp's part in a group: a worker runs :class:`RpcWorker` (``rpc-server`` behind its
+    tunnel) and reports the tunnel's endpoint; the head waits for every worker's endpoint, starts a
+    :class:`~llmgw.agent.groups.groupnet.HeadForwarder` and adds :func:`head_args` to its
+    llama-server, whose pid alone may then use the forwarder."""
 
-RAY_BINARY = "ray"
-RAY_STATUS_EVERY_S = 1.0
+    def __init__(self, engine: Engine[Any]) -> None:
+        self.engine = engine
+        self._worker: RpcWorker | None = None  # a worker's rpc-server and tunnel
+        self._forwarder: groupnet.HeadForwarder | None = None  # a head's way to its workers
 
+    @property
+    def endpoint(self) -> str:
+        """A worker's tunnel endpoint (``host:port``) once it listens."""
+        if self._worker is not None and self._worker.tunnel is not None:
+            return self._worker.tunnel.endpoint
+        return ""
 
-def ray_binary(vllm: Path) -> Path:
-    """The ``ray`` beside ``vllm`` (its venv).
+    async def run_worker(self, host: GroupHost) -> None:
+        """A group worker: ``rpc-server`` behind its tunnel (:class:`RpcWorker`),
+        ready once it listens; watched until it exits (failed, with its last lines)."""
+        env = host.env
+        if env.tls is None:
+            raise GroupError("this agent has no TLS files to carry a group's traffic")
+        build = self.engine.usable(env.installed(self.engine.name))
+        head = next((m.node for m in host.spec.members if m.rank == 0), "")
+        host.dir.mkdir(parents=True, exist_ok=True)
+        host.set_state(ReplicaState.STARTING)
+        threads = host.spec.cpu_cores or max(env.cores, 1)
+        self._worker = RpcWorker(rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
+        with host.engine_log(f"starting rpc-server for the head {head}") as logf:
+            endpoint = await self._worker.start(logf, engine_environment(env.base_env, host.spec.gpu_indexes), host.dir)
+        host.pid, host.started_at = self._worker.pid, time.time()
+        log.info("replica %s: rpc-server pid %s for head %s, tunnel on %s", host.spec.id, host.pid, head, endpoint)
+        host.set_state(ReplicaState.READY)
+        while True:
+            await asyncio.sleep(env.watch_interval_s)
+            code = self._worker.exited()
+            if code is not None:
+                raise GroupError(f"rpc-server exited {describe_exit(code)} while serving the head {head}; "
+                                 f"its last lines:\n{host.tail()}")
 
-    Raises:
-        GroupError: there is none.
-    """
-    path = vllm.parent / RAY_BINARY
-    if not path.is_file():
-        raise GroupError(
-            f"no {RAY_BINARY} beside {vllm}: a vLLM group needs Ray in vLLM's environment "
-            f"('{vllm.parent / 'pip'} install \"ray[default]\"')"
+    async def head_args(self, host: GroupHost, build: Any, model_path: Path) -> list[str]:
+        """A group head's extra llama-server flags, once every worker has an endpoint; until then
+        it waits, ``starting`` (the spec changes when they come, and the agent starts it again)."""
+        workers = [m for m in host.spec.members if m.rank > 0]
+        missing = [m.node for m in workers if not m.endpoint]
+        host.set_state(ReplicaState.STARTING)
+        if missing:
+            log.info("replica %s: waiting for its workers on %s", host.spec.id, ", ".join(missing))
+            await asyncio.Event().wait()  # cancelled when the spec with their endpoints arrives
+        if host.env.tls is None:
+            raise GroupError("this agent has no TLS files to carry a group's traffic")
+        ca, cert, key = host.env.tls
+        self._forwarder = groupnet.HeadForwarder(
+            workers={m.node: m.endpoint for m in sorted(workers, key=lambda m: m.rank)}, ca=ca, cert=cert, key=key
         )
-    return path
+        await self._forwarder.start()
+        layers = await asyncio.to_thread(gguf_layers, model_path)
+        return head_args(layers, sorted(host.spec.members, key=lambda m: m.rank), self._forwarder.rpc_arg)
 
+    def launched(self, pid: int) -> None:
+        """Let the head's llama-server (``pid``) use the forwarder, before it dials its workers
+        (the forwarder refuses every other process)."""
+        if self._forwarder is not None:
+            self._forwarder.allow(pid)
 
-def ray_head_argv(ray: Path, host: str, port: int) -> list[str]:
-    """``ray start --head`` on ``host:port``, in the foreground (the agent owns the process)."""
-    return [str(ray), "start", "--head", "--node-ip-address", host, "--port", str(port),
-            "--disable-usage-stats", "--block"]
-
-
-def ray_worker_argv(ray: Path, head: str, host: str) -> list[str]:
-    """``ray start --address <head>`` from ``host``, in the foreground."""
-    return [str(ray), "start", "--address", head, "--node-ip-address", host, "--disable-usage-stats", "--block"]
-
-
-def ray_status_argv(ray: Path, head: str) -> list[str]:
-    """``ray status --address <head>``: the autoscaler's view, whose ``Active:`` block lists the nodes."""
-    return [str(ray), "status", "--address", head]
-
-
-def active_nodes(status: str) -> int:
-    """How many nodes ``ray status`` lists as active: the `` 1 node_<id>`` lines of its ``Active:``
-    block (Ray 2.x's format)."""
-    count, inside = 0, False
-    for line in status.splitlines():
-        text = line.strip()
-        if text == "Active:":
-            inside = True
-            continue
-        if inside:
-            if not text or text.endswith(":"):
-                break
-            parts = text.split()
-            if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("node_"):
-                count += int(parts[0])
-    return count
-
-
-def vllm_group_args(nodes: int, cards: int) -> list[str]:
-    """``vllm serve``'s flags for a group of ``nodes`` with ``cards`` GPUs each."""
-    return ["--tensor-parallel-size", str(max(cards, 1)), "--pipeline-parallel-size", str(nodes),
-            "--distributed-executor-backend", "ray"]
+    async def stop(self, grace_s: float) -> None:
+        """Stop a worker's rpc-server and tunnel, close a head's forwarder."""
+        if self._worker is not None:
+            await self._worker.stop()
+        if self._forwarder is not None:
+            await self._forwarder.close()
+            self._forwarder = None

@@ -58,9 +58,9 @@ from pydantic import ValidationError
 
 from llmgw import __version__
 from llmgw.agent.engines import llamacpp
-from llmgw.agent.engines import llamacpp_group as group
+from llmgw.agent.engines.llamacpp import LLAMACPP
 from llmgw.agent.engines.provision import GITHUB_RELEASES, Provisioner
-from llmgw.agent.engines.vllm import VllmProvisioner
+from llmgw.agent.engines.vllm import VLLM, VllmProvisioner
 from llmgw.agent.loop import tlsdiag
 from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
 from llmgw.agent.loop.metrics import push_loop
@@ -242,10 +242,10 @@ class Agent:
         )
         self.env.vllm, self.env.vllm_problem = vserver, vstatus.detail
         # What a group member needs beside the engine (placement leaves out nodes without it).
-        if server is not None and (server.binary.parent / group.RPC_BINARY).is_file():
-            status = status.model_copy(update={"features": ["rpc"]})
-        if vserver is not None and (vserver.binary.parent / group.RAY_BINARY).is_file():
-            vstatus = vstatus.model_copy(update={"features": ["ray"]})
+        if server is not None and (features := LLAMACPP.group_features(server)):
+            status = status.model_copy(update={"features": features})
+        if vserver is not None and (features := VLLM.group_features(vserver)):
+            vstatus = vstatus.model_copy(update={"features": features})
         self.state.engines = [status, vstatus]
 
     def _rediscover_soon(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from llmgw import gpuhealth
-from llmgw.catalog import Profile
+from llmgw.catalog import Profile, engine_traits
 from llmgw.protocol import GPU, EngineStatus, GroupMember, Inventory, ProvisionState
 from llmgw.views import Rejection
 
@@ -158,22 +158,15 @@ def engine_installed(c: Candidate) -> Miss | None:
     return Miss(f"{label} ({status.state.value}{detail})", label)
 
 
-#: What a group member's node needs beside the engine itself (EngineStatus.features).
-GROUP_FEATURE = {
-    "llamacpp": ("rpc", "llama.cpp here has no rpc-server beside llama-server (build it with -DGGML_RPC=ON)"),
-    "vllm": ("ray", 'vLLM here has no ray beside vllm (pip install "ray[default]" into its venv)'),
-}
-
-
 def group_capable(c: Candidate) -> Miss | None:
     """A group member's node runs the engine's distributed part: llama.cpp's ``rpc-server`` or
-    vLLM's ``ray``, as its agent reports (:data:`GROUP_FEATURE`)."""
+    vLLM's ``ray``, as its agent reports (:attr:`llmgw.catalog.EngineTraits.group_feature`)."""
     engine = c.profile.engine.value
-    need = GROUP_FEATURE.get(engine)
+    need = engine_traits(engine)
     status = c.node.engines.get(engine)
-    if need is None or (status is not None and need[0] in status.features):
+    if need is None or (status is not None and need.group_feature in status.features):
         return None
-    return Miss(need[1], f"no {need[0]} for {engine}")
+    return Miss(need.group_feature_missing, f"no {need.group_feature} for {engine}")
 
 
 def gpu_class(c: Candidate) -> Miss | None:
