@@ -394,11 +394,13 @@ def member_memory(c: Candidate) -> Miss | None:
 def member_profile(p: Profile) -> Profile:
     """What one member of a group (``p.nodes`` above 1) is checked against.
 
-    A GPU group runs one vLLM pipeline stage per node, so the model splits evenly: each member
-    needs ``gpu_count`` cards with ``min_memory_gb / (nodes * gpu_count)`` GB free each, which is
-    the one-node GPU checks on a profile of ``min_memory_gb / nodes``. A CPU group's split follows
-    the members' free memory (:func:`member_memory`), so its profile is unchanged. Cores
-    (``cpu_cores``) are per member."""
+    The split goes by the resource, not the engine: a GPU group's model splits evenly, each member
+    needing ``gpu_count`` cards with ``min_memory_gb / (nodes * gpu_count)`` GB free each, which is
+    the one-node GPU checks on a profile of ``min_memory_gb / nodes`` (vLLM runs one pipeline stage
+    per node, which needs the even split; llama.cpp's ``--tensor-split`` follows whatever shares the
+    members get, so a llama.cpp GPU group gets the same). A CPU group's split follows the members'
+    free memory (:func:`member_memory`), so its profile is unchanged. Cores (``cpu_cores``) are per
+    member."""
     if p.nodes <= 1 or not p.gpu_class:
         return p
     return p.model_copy(update={"min_memory_gb": p.min_memory_gb / p.nodes})
