@@ -26,14 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.agent.groups.groupnet import (
-    NS_PORT,
-    HeadForwarder,
-    IsolatedProcess,
-    WorkerTunnel,
-    rpc_server_argv,
-    start_isolated,
-)
+from llmgw.agent.groups.groupnet import HeadForwarder, WorkerTunnel
+from llmgw.agent.groups.isolation import NS_PORT, IsolatedProcess, rpc_server_argv, start_isolated
 from llmgw.tlsconf import CA
 from tests.conftest import Assets
 from tests.helpers.net import free_port

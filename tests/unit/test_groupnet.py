@@ -29,17 +29,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from llmgw.agent.groups.groupnet import (
-    NS_PORT,
-    EngineLink,
-    GroupNetError,
-    HeadForwarder,
-    IsolatedProcess,
-    WorkerTunnel,
-    netns_unavailable,
-    start_isolated,
-    verify_peer_cert,
-)
+from llmgw.agent.groups.groupnet import GroupNetError, HeadForwarder, WorkerTunnel, verify_peer_cert
+from llmgw.agent.groups.isolation import NS_PORT, EngineLink, IsolatedProcess, netns_unavailable, start_isolated
 from llmgw.tlsconf import CA
 
 pytestmark = pytest.mark.timeout(120)

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from llmgw.agent.engines.base import Engine, GroupHost, GroupPart, engine_environment
 from llmgw.agent.engines.exits import describe_exit
-from llmgw.agent.groups import groupnet
+from llmgw.agent.groups import groupnet, isolation
 from llmgw.errors import GroupError
 from llmgw.ggufheader import parse_header
 from llmgw.protocol import GroupMember, ReplicaState
@@ -95,7 +95,7 @@ def head_args(n_layers: int, members: Sequence[GroupMember], rpc: str) -> list[s
 
 @dataclass
 class RpcWorker:
-    """A worker's engine: ``rpc-server`` isolated (:func:`groupnet.start_isolated`) behind a
+    """A worker's engine: ``rpc-server`` isolated (:func:`isolation.start_isolated`) behind a
     :class:`groupnet.WorkerTunnel` for ``head``. :meth:`start` returns the tunnel's endpoint."""
 
     binary: Path
@@ -103,7 +103,7 @@ class RpcWorker:
     host: str
     tls: tuple[Path, Path, Path]  # ca, cert, key
     threads: int
-    engine: groupnet.IsolatedProcess | None = None
+    engine: isolation.IsolatedProcess | None = None
     tunnel: groupnet.WorkerTunnel | None = None
 
     async def start(self, log_file: IO[bytes], env: dict[str, str], cwd: Path) -> str:
@@ -113,8 +113,8 @@ class RpcWorker:
         Raises:
             GroupNetError: the engine did not listen, or the tunnel could not bind.
         """
-        argv = groupnet.rpc_server_argv(self.binary, "--threads", str(self.threads))
-        self.engine = await groupnet.start_isolated(
+        argv = isolation.rpc_server_argv(self.binary, "--threads", str(self.threads))
+        self.engine = await isolation.start_isolated(
             argv, ready_timeout_s=RPC_READY_S, stdout=log_file, stderr=log_file, env=env, cwd=cwd,
         )
         if not self.engine.link.isolated:
