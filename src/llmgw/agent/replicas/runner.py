@@ -3,7 +3,11 @@
 The runner is engine-neutral: what differs between llama-server and vLLM (argv, environment,
 readiness, a taken port, the cause of a failure) is asked of the :class:`~llmgw.agent.engines.base.Engine`
 the replica's ``spec.engine`` names (:func:`~llmgw.agent.engines.engine_for`); that seam is the
-one this module is split along.
+one this module is split along. So is a group member's part (``spec.role``): a worker's whole run
+and a head's extra flags are its engine's :class:`~llmgw.agent.engines.base.GroupPart`
+(:meth:`~llmgw.agent.engines.base.Engine.group_part`: llama.cpp's rpc-server, vLLM's Ray), which
+the runner drives through :class:`~llmgw.agent.engines.base.GroupHost` (:meth:`ReplicaRunner.set_state`,
+:meth:`~ReplicaRunner.engine_log`, :meth:`~ReplicaRunner.tail`, :meth:`~ReplicaRunner.fetch_weights`).
 
 States (who moves each transition):
 
