@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.e2e.agent_world import make_cluster
 from tests.helpers.net import serve_files
 
-from llmgw.agent.records import stop_all_engines
+from llmgw.agent.node.records import stop_all_engines
 
 ROUNDS = 4
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))

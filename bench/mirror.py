@@ -7,7 +7,7 @@
    of each counts (the page cache is warm for both; the first run warms it). Target: the mirror
    at least 70% of nginx.
 2. The gemma-3-270m GGUF (253 MB, ``scripts/assets``) is added to the mirror, and a node cache
-   (:class:`~llmgw.agent.cache.NodeCache`, the agent's own) fetches it from the mirror on loopback:
+   (:class:`~llmgw.agent.node.cache.NodeCache`, the agent's own) fetches it from the mirror on loopback:
    download, sha256 verification against the mirror's digest, fsync, rename. Target: <= 2 s.
 
 Prints its figures last, one ``name: value unit`` per line. Needs ``nginx`` on PATH (or
@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from llmgw.agent.cache import NodeCache
+from llmgw.agent.node.cache import NodeCache
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest, FetchStatus
 from llmgw.mirror.policy import SourcePolicy

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.e2e.agent_world import GEMMA_SHA256
 from tests.helpers.net import serve_files
 
-from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
-from llmgw.agent.records import stop_all_engines
-from llmgw.agent.replicas import ReplicaRunner, RunnerEnv, new_key
+from llmgw.agent.node.cache import NodeCache
+from llmgw.agent.node.records import stop_all_engines
+from llmgw.agent.replicas.runner import ReplicaRunner, RunnerEnv, new_key
 from llmgw.config import AgentConfig
 from llmgw.protocol import ReplicaSpec, ReplicaState
 

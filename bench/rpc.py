@@ -4,7 +4,7 @@ A control plane (served in this process) and four real agents with declared inve
 (2 GB free) serves the model alone; ``head``, ``w1`` and ``w2`` (0.5 GB free each, label
 ``split=yes``) serve it as one group of three (``nodes: 3``): ``llama-server --rpc`` on the head
 over two ``rpc-server`` workers, each isolated in its own network namespace and reached through the
-agents' mTLS tunnel (llmgw.agent.groupnet). Every process shares this machine's cores, so the split
+agents' mTLS tunnel (llmgw.agent.groups.groupnet). Every process shares this machine's cores, so the split
 figure is the cost of the RPC path (serialization, the tunnel, loopback TCP), not a speed-up: a
 real split exists to hold a model no one node can.
 

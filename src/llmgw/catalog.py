@@ -21,6 +21,8 @@ API, ``server init``, and the store when it reads a row back):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
@@ -82,6 +84,77 @@ class Engine(StrEnum):
 
     LLAMACPP = "llamacpp"
     VLLM = "vllm"
+
+
+def _llamacpp_embedding_args(args: Sequence[str]) -> list[str]:
+    """llama-server: ``--embeddings`` and, unless the profile sets one, ``--pooling mean`` (its
+    default for decoder models like gemma-3 is ``none``, which it refuses on ``/v1/embeddings``:
+    "Pooling type 'none' is not OAI compatible")."""
+    out = [] if "--embeddings" in args or "--embedding" in args else ["--embeddings"]
+    return out + ([] if "--pooling" in args else ["--pooling", "mean"])
+
+
+def _vllm_embedding_args(args: Sequence[str]) -> list[str]:
+    """vLLM: ``--task embed`` unless the profile sets a task."""
+    return [] if "--task" in args else ["--task", "embed"]
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the control plane (and init) need to know of an engine, beside its name; the agent's
+    side of each engine (argv, readiness, its group processes) is ``llmgw.agent.engines``, which
+    reads :attr:`group_feature` from here so both sides name it alike.
+
+    Attributes:
+        group_feature: what a node reports beside the engine (``EngineStatus.features``) when it
+            can be a member of a group replica: llama.cpp's ``rpc`` (an ``rpc-server`` beside
+            ``llama-server``), vLLM's ``ray`` (``ray`` beside ``vllm``).
+        group_feature_missing: placement's reason for a node without it, with what to do.
+        head_dials_workers: which group members wait for the others' endpoints. True: the head
+            dials its workers (llama.cpp: ``llama-server --rpc`` needs every worker's tunnel), so the
+            head's spec carries the workers' endpoints. False: the workers join their head
+            (vLLM: ``ray start --address``), so a worker's spec carries the head's Ray address.
+        embedding_args: the flags an ``embedding`` model's engine needs beyond the profile's ``args``
+            (given them, so a flag the profile sets is not repeated).
+        waited_by_init: ``llmgw server init`` waits for this engine on a node it sets up (llama.cpp:
+            the agent installs it within seconds); False for one that installs for minutes after
+            and may not run there at all (vLLM), which is no reason to stop init.
+    """
+
+    group_feature: str
+    group_feature_missing: str
+    head_dials_workers: bool
+    embedding_args: Callable[[Sequence[str]], list[str]]
+    waited_by_init: bool
+
+
+ENGINE_TRAITS: dict[Engine, EngineTraits] = {
+    Engine.LLAMACPP: EngineTraits(
+        group_feature="rpc",
+        group_feature_missing="llama.cpp here has no rpc-server beside llama-server (build it with -DGGML_RPC=ON)",
+        head_dials_workers=True,
+        embedding_args=_llamacpp_embedding_args,
+        waited_by_init=True,
+    ),
+    Engine.VLLM: EngineTraits(
+        group_feature="ray",
+        group_feature_missing='vLLM here has no ray beside vllm (pip install "ray[default]" into its venv)',
+        head_dials_workers=False,
+        embedding_args=_vllm_embedding_args,
+        waited_by_init=False,
+    ),
+}
+"""Every engine's traits (:class:`EngineTraits`): the one table the control plane asks instead of
+comparing engine names."""
+
+
+def engine_traits(engine: str) -> EngineTraits | None:
+    """The traits of the engine named ``engine`` (a profile's ``engine`` value), None for a name
+    that is no :class:`Engine` (an older or newer node's report)."""
+    try:
+        return ENGINE_TRAITS[Engine(engine)]
+    except ValueError:
+        return None
 
 
 class _Strict(BaseModel):

@@ -248,7 +248,7 @@ class ServerConfig(_Strict):
 class LlamacppEngine(_Strict):
     """``engines.llamacpp``: ``binary`` is a llama-server to use instead of PATH or the agent's own.
 
-    Without one, a CPU node downloads the pinned release (:mod:`llmgw.agent.provision`):
+    Without one, a CPU node downloads the pinned release (:mod:`llmgw.agent.engines.provision`):
     ``release_url`` replaces GitHub's releases download base (a mirror), ``variant: vulkan`` takes
     the Vulkan build instead of the CPU one.
     """

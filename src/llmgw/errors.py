@@ -40,7 +40,7 @@ to refuse a request. :mod:`llmgw.httperrors` turns it into the wire shape of its
 at the gateway, ``{"error": {"code", "message"}}`` at the admin, agent and mirror APIs).
 
 Not in the tree, on purpose: exceptions private to one module's control flow
-(``agent.replicas._Failed``, ``mirror.download._Retry`` and ``_Busy``), and two that must be a
+(``agent.replicas.runner._Failed``, ``mirror.download._Retry`` and ``_Busy``), and two that must be a
 library's own type to work and are translated where they leave llmgw's code:
 ``mirror.download.RefusedConnection`` (an ``OSError``, so aiohttp reports a refused connect; the
 policy's private ``_Refused`` subclasses it) and
@@ -144,7 +144,7 @@ class GroupError(LlmgwError):
 
 
 class GroupNetError(GroupError):
-    """A group's network (:mod:`llmgw.agent.groupnet`) could not be set up, or a peer was refused;
+    """A group's network (:mod:`llmgw.agent.groups.groupnet`) could not be set up, or a peer was refused;
     the message says which and why."""
 
 

@@ -1,7 +1,7 @@
 """A GGUF file's header: the magic, version and key/value section, and the facts llmgw uses of it.
 
 Read by the control plane's memory estimate (:mod:`llmgw.control.placement.estimate`, over HTTP from
-the mirror) and by a group head's agent (:mod:`llmgw.agent.group`, the layer count of its local
+the mirror) and by a group head's agent (:mod:`llmgw.agent.engines.llamacpp_group`, the layer count of its local
 file). The value types come from the ``gguf`` package (``gguf.constants.GGUFValueType``); its
 ``GGUFReader`` is not used: it maps the whole file, cannot read a truncated one, and took 9.7-13.7 s
 here on gemma-3-270m, parsing every vocabulary entry into numpy views (this reads the header in

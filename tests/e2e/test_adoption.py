@@ -23,7 +23,7 @@ import aiohttp
 import psutil
 import pytest
 
-from llmgw.agent.records import load_records, stop_all_engines
+from llmgw.agent.node.records import load_records, stop_all_engines
 from tests.conftest import Assets
 from tests.e2e.agent_world import AgentProcess, ControlPlane, make_cluster
 from tests.helpers.net import serve_files

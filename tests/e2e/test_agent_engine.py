@@ -21,10 +21,10 @@ import psutil
 import pytest
 from aiohttp import web
 
-from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import llamacpp
-from llmgw.agent.records import adoptable, load_records, stop_all_engines
-from llmgw.agent.replicas import ReplicaRunner, RunnerEnv, new_key
+from llmgw.agent.node.cache import NodeCache
+from llmgw.agent.node.records import adoptable, load_records, stop_all_engines
+from llmgw.agent.replicas.runner import ReplicaRunner, RunnerEnv, new_key
 from llmgw.config import AgentConfig
 from llmgw.protocol import ReplicaSpec, ReplicaState
 from tests.conftest import Assets

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from llmgw import tlsconf
-from llmgw.agent.loop import run_agent
-from llmgw.agent.records import load_records, stop_all_engines
+from llmgw.agent.loop.loop import run_agent
+from llmgw.agent.node.records import load_records, stop_all_engines
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory

@@ -19,10 +19,10 @@ import aiohttp
 import psutil
 import pytest
 
-from llmgw.agent.cache import NodeCache, record_digest
 from llmgw.agent.engines.llamacpp import LlamaServer
-from llmgw.agent.records import load_records
-from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
+from llmgw.agent.node.cache import NodeCache, record_digest
+from llmgw.agent.node.records import load_records
+from llmgw.agent.replicas.runner import ReplicaRunner, RunnerEnv
 from llmgw.protocol import ReplicaSpec, ReplicaState
 
 pytestmark = pytest.mark.e2e

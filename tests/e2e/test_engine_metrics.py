@@ -1,6 +1,6 @@
 """The engine metrics relay end to end: a real llama-server (gemma-3-270m, ``--metrics``, an API key)
-read by the agent's :func:`~llmgw.agent.metrics.read_pages` and posted by
-:func:`~llmgw.agent.metrics.push_loop` over real mTLS to a real control plane (``serve`` in-process),
+read by the agent's :func:`~llmgw.agent.loop.metrics.read_pages` and posted by
+:func:`~llmgw.agent.loop.metrics.push_loop` over real mTLS to a real control plane (``serve`` in-process),
 whose ``GET /metrics`` then shows llama-server's counters labelled with replica, model and node."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.agent.metrics import push_loop, read_pages
+from llmgw.agent.loop.metrics import push_loop, read_pages
 from llmgw.protocol import ReplicaState, ReplicaStatus
 from tests.conftest import Assets
 from tests.helpers.control import make_install, serving

@@ -1,8 +1,8 @@
-"""A model over two "nodes" through :mod:`llmgw.agent.groupnet`, with the real llama.cpp RPC backend.
+"""A model over two "nodes" through :mod:`llmgw.agent.groups.groupnet`, with the real llama.cpp RPC backend.
 
 The worker side runs the real ``rpc-server`` (in a network namespace of its own when the tests run
-as root) behind a :class:`~llmgw.agent.groupnet.WorkerTunnel`; the head side runs the real
-``llama-server --rpc`` pointed at a :class:`~llmgw.agent.groupnet.HeadForwarder`, with real mTLS
+as root) behind a :class:`~llmgw.agent.groups.groupnet.WorkerTunnel`; the head side runs the real
+``llama-server --rpc`` pointed at a :class:`~llmgw.agent.groups.groupnet.HeadForwarder`, with real mTLS
 certificates from a cluster CA in between. ``-ngl 99`` puts the model's layers on the RPC device,
 so its weights travel through the tunnel and every token is computed through it. Then: the answer
 to ``/completion``; and that nothing else gets anything: plain TCP to the worker's TLS port, the
@@ -26,14 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.agent.groupnet import (
-    NS_PORT,
-    HeadForwarder,
-    IsolatedProcess,
-    WorkerTunnel,
-    rpc_server_argv,
-    start_isolated,
-)
+from llmgw.agent.groups.groupnet import HeadForwarder, WorkerTunnel
+from llmgw.agent.groups.isolation import NS_PORT, IsolatedProcess, rpc_server_argv, start_isolated
 from llmgw.tlsconf import CA
 from tests.conftest import Assets
 from tests.helpers.net import free_port

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 import yaml
 
-from llmgw.agent.loop import run_agent
-from llmgw.agent.records import stop_all_engines
+from llmgw.agent.loop.loop import run_agent
+from llmgw.agent.node.records import stop_all_engines
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from tests.conftest import Assets

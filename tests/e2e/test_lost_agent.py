@@ -29,7 +29,7 @@ import psutil
 import pytest
 import yaml
 
-from llmgw.agent.records import load_records, stop_all_engines
+from llmgw.agent.node.records import load_records, stop_all_engines
 from tests.conftest import Assets
 from tests.e2e.agent_world import GEMMA_SHA256, AgentProcess
 from tests.helpers.control import TOKEN, make_install, serving

@@ -41,7 +41,7 @@ import httpx
 import psycopg
 import yaml
 
-from llmgw.agent.records import stop_all_engines
+from llmgw.agent.node.records import stop_all_engines
 from llmgw.paths import Paths
 from tests.helpers.control import TOKEN, Install, make_install
 from tests.helpers.net import free_port

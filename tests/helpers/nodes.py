@@ -7,7 +7,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from llmgw.agent.discovery import SMI_QUERY, SmiRunner
+from llmgw.agent.node.discovery import SMI_QUERY, SmiRunner
 from llmgw.config import AgentConfig
 from llmgw.control.placement import checks
 from llmgw.protocol import GPU, EngineStatus, Inventory, ProvisionState

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.agent.cache import NodeCache, digest_record_path, recorded_digest
+from llmgw.agent.node.cache import NodeCache, digest_record_path, recorded_digest
 from llmgw.errors import MirrorError
 from llmgw.protocol import ReplicaSpec
 

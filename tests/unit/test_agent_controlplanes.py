@@ -25,8 +25,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.agent.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
-from llmgw.agent.loop import Agent
+from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
+from llmgw.agent.loop.loop import Agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec

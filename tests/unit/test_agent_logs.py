@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llmgw.agent.logs import rotate, rotated, tail
+from llmgw.agent.node.logs import rotate, rotated, tail
 
 
 def test_copy_truncate_keeps_n_and_the_writer_continues(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from llmgw.agent.loop import run_agent
+from llmgw.agent.loop.loop import run_agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, HeartbeatReply, ReplicaSpec

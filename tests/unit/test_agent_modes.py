@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from llmgw.agent.records import load_records, replicas_dir, stop_all_engines
+from llmgw.agent.node.records import load_records, replicas_dir, stop_all_engines
 from llmgw.paths import Paths
 from tests.helpers.control import FAKE_ENGINE, TOKEN, make_install, serving
 from tests.helpers.net import serve_files

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.agent.loop import run_agent
+from llmgw.agent.loop.loop import run_agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from tests.helpers.control import TOKEN, Install, make_install, serving

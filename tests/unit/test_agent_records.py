@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llmgw.agent.records import (
+from llmgw.agent.node.records import (
     ReplicaRecord,
     adoptable,
     live_process,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.discovery import (
+from llmgw.agent.node.discovery import (
     MIB,
     discover_gpus,
     discover_inventory,

@@ -1,4 +1,5 @@
-"""A group head's llama-server flags: the layers split by the members' shares (agent/group.py)."""
+"""A group head's llama-server flags: the layers split by the members' shares
+(agent/engines/llamacpp_group.py); a vLLM group's Ray count and flags (agent/engines/vllm_group.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.group import active_nodes, gguf_layers, head_args, layer_split, rpc_binary, vllm_group_args
+from llmgw.agent.engines.llamacpp_group import gguf_layers, head_args, layer_split, rpc_binary
+from llmgw.agent.engines.vllm_group import active_nodes, vllm_group_args
 from llmgw.errors import GroupError
 from llmgw.protocol import GroupMember
 from tests.conftest import Assets

@@ -1,4 +1,4 @@
-"""llmgw.agent.groupnet: RPC traffic between a group's head and workers over the agents' mTLS.
+"""llmgw.agent.groups.groupnet: RPC traffic between a group's head and workers over the agents' mTLS.
 
 Real sockets and real TLS with certificates from a real cluster CA; the "protected process" is a
 small Python echo server standing in for ``rpc-server`` (started in a network namespace of its own
@@ -29,17 +29,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from llmgw.agent.groupnet import (
-    NS_PORT,
-    EngineLink,
-    GroupNetError,
-    HeadForwarder,
-    IsolatedProcess,
-    WorkerTunnel,
-    netns_unavailable,
-    start_isolated,
-    verify_peer_cert,
-)
+from llmgw.agent.groups.groupnet import GroupNetError, HeadForwarder, WorkerTunnel, verify_peer_cert
+from llmgw.agent.groups.isolation import NS_PORT, EngineLink, IsolatedProcess, netns_unavailable, start_isolated
 from llmgw.tlsconf import CA
 
 pytestmark = pytest.mark.timeout(120)
@@ -262,7 +253,7 @@ async def test_worker_refuses_other_certificates(tunnel: WorkerTunnel, pki: Pki,
 
 
 async def test_worker_refuses_plain_tcp(tunnel: WorkerTunnel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("llmgw.agent.groupnet.HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("llmgw.agent.groups.groupnet.HANDSHAKE_TIMEOUT_S", 0.5)
     host, port = tunnel.endpoint.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"\x00" * 64)  # not a TLS record
@@ -276,7 +267,7 @@ async def test_worker_refuses_plain_tcp(tunnel: WorkerTunnel, monkeypatch: pytes
 
 
 async def test_worker_refusal_is_logged(tunnel: WorkerTunnel, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="llmgw.agent.groupnet"):
+    with caplog.at_level("WARNING", logger="llmgw.agent.groups.groupnet"):
         await _tls_roundtrip(tunnel.endpoint, pki.other_node)
         await _wait_for(lambda: tunnel.refused == 1)
     assert "'node-x', not of the head 'head-1'" in caplog.text

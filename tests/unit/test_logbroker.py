@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import logs
+from llmgw.agent.node import logs
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop

@@ -4,7 +4,7 @@ Two real control planes (``serve`` in-process: real admin API, real mTLS agent A
 election) on one real PostgreSQL database. The node is played by the agent-API client the other
 cluster tests use (real HTTP over mTLS with a certificate from the cluster CA): it heartbeats to
 control plane A only, takes the log requests its replies carry and posts the answers, as the agent
-(:mod:`llmgw.agent.loop`) does; the engine log text is the test's (no engine runs here, the read
+(:mod:`llmgw.agent.loop.loop`) does; the engine log text is the test's (no engine runs here, the read
 path is what is tested).
 """
 

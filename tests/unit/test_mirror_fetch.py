@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.agent.cache import NodeCache
+from llmgw.agent.node.cache import NodeCache
 from llmgw.mirror.models import FetchStatus
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import MirrorServer

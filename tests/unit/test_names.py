@@ -21,7 +21,7 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 from llmgw import tlsconf, yamlsafe
-from llmgw.agent.discovery import load_inventory_file
+from llmgw.agent.node.discovery import load_inventory_file
 from llmgw.cli.ctl import app as ctl_app
 from llmgw.config import load_agent_config, load_server_config
 from llmgw.control.api.admin import build_admin_app

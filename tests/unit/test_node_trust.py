@@ -26,9 +26,9 @@ import yaml
 from cryptography import x509
 
 from llmgw import tlsconf
-from llmgw.agent.loop import run_agent
-from llmgw.agent.records import load_records, stop_all_engines
-from llmgw.agent.tlsdiag import alert_name, certificate_problem
+from llmgw.agent.loop.loop import run_agent
+from llmgw.agent.loop.tlsdiag import alert_name, certificate_problem
+from llmgw.agent.node.records import load_records, stop_all_engines
 from llmgw.config import AgentConfig
 from llmgw.control.store import Store
 from llmgw.errors import NodeRemoved, Revoked

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process, usable_cpus
+from llmgw.agent.node.pinning import CoreAllocator, format_cpus, pin_process, usable_cpus
 
 
 def test_allocations_never_overlap_and_are_released() -> None:

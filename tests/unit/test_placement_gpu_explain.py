@@ -17,7 +17,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from llmgw.agent.discovery import load_inventory_file
+from llmgw.agent.node.discovery import load_inventory_file
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.placement import checks
@@ -222,11 +222,11 @@ def test_the_agent_logs_an_unmeasured_gpu_with_what_to_check(
 ) -> None:
     """nvidia-smi's answer on a card whose memory it could not read (``[N/A]``), through the
     agent's discovery: the card is still reported, and the agent's log says what to check."""
-    from llmgw.agent.discovery import discover_inventory  # noqa: PLC0415
+    from llmgw.agent.node.discovery import discover_inventory  # noqa: PLC0415
     from tests.helpers.nodes import agent_cfg, no_nvml, smi  # noqa: PLC0415
 
     csv = "0, GPU-1, NVIDIA GeForce RTX 4090, [N/A], [N/A]\n"
-    with caplog.at_level("WARNING", logger="llmgw.agent.discovery"):
+    with caplog.at_level("WARNING", logger="llmgw.agent.node.discovery"):
         inv = discover_inventory(agent_cfg(tmp_path), nvml=no_nvml, smi=smi(stdout=csv))
     (gpu,) = inv.gpus
     assert (gpu.klass, gpu.memory_total_bytes) == ("rtx-4090", 0)

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw.agent.engines import llamacpp
-from llmgw.agent.provision import (
+from llmgw.agent.engines.provision import (
     GPU_ADVICE,
     OFFLINE_ADVICE,
     Provisioner,

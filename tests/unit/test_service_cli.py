@@ -117,7 +117,7 @@ def test_errors_are_one_line_and_an_exit_code(root: Path) -> None:
 
 
 def test_stop_engines(root: Path) -> None:
-    pytest.importorskip("llmgw.agent.records")
+    pytest.importorskip("llmgw.agent.node.records")
     code, out = llmgw(root, "stop", "agent", "--engines")
     assert code == 0, out
     assert out.splitlines() == ["not running: llmgw-agent", "stopped 0 engine(s)"]

@@ -16,9 +16,9 @@ from typing import Annotated
 
 import typer
 
-from llmgw.agent.discovery import discover_inventory
-from llmgw.agent.loop import run_agent
-from llmgw.agent.provision import install_from_file
+from llmgw.agent.engines.provision import install_from_file
+from llmgw.agent.loop.loop import run_agent
+from llmgw.agent.node.discovery import discover_inventory
 from llmgw.cli.common import cli_errors, paths
 from llmgw.config import AgentConfig, load_agent_config
 from llmgw.errors import NodeRemoved

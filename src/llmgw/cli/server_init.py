@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from llmgw.agent.discovery import discover_gpus
+from llmgw.agent.node.discovery import discover_gpus
 from llmgw.cli.common import cli_errors, paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.plan import STARTER_SOURCE

@@ -115,7 +115,7 @@ def stop(
         stopped = manager.stop(name)
         print(f"{'stopped' if stopped else 'not running:'} {unit_name(name)}")
     if engines:
-        from llmgw.agent.records import stop_all_engines  # noqa: PLC0415  (only this flag needs the agent)
+        from llmgw.agent.node.records import stop_all_engines  # noqa: PLC0415  (only this flag needs the agent)
 
         pids = stop_all_engines(paths().agent_state)
         print(f"stopped {len(pids)} engine(s)" + (f": pid {', '.join(map(str, pids))}" if pids else ""))

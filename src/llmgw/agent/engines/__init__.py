@@ -2,7 +2,7 @@
 
 Each engine module (:mod:`~llmgw.agent.engines.llamacpp`, :mod:`~llmgw.agent.engines.vllm`) finds
 and checks its build on the node and implements :class:`~llmgw.agent.engines.base.Engine`, the
-seam the runner (:mod:`llmgw.agent.replicas`) drives every engine through. A new engine is a
+seam the runner (:mod:`llmgw.agent.replicas.runner`) drives every engine through. A new engine is a
 module with an ``Engine`` and a line in :data:`ENGINES`.
 """
 

@@ -1,6 +1,6 @@
 """The engine seam: what the replica runner asks of an inference engine (:class:`Engine`).
 
-The runner (:mod:`llmgw.agent.replicas`) owns everything engines share: the port, the API key
+The runner (:mod:`llmgw.agent.replicas.runner`) owns everything engines share: the port, the API key
 file, the scrubbed environment (:func:`engine_environment`), the process group, the log, the
 record, the ``/health`` poll, the deadlines and the exit report. What differs between engines is
 asked of the :class:`Engine` of the replica's ``spec.engine`` (the registry is
@@ -15,25 +15,32 @@ asked of the :class:`Engine` of the replica's ``spec.engine`` (the registry is
   taken in between (the runner then tries another port);
 - :meth:`Engine.cause`: the log line that says why it failed, carried first in ``err``;
 - :meth:`Engine.usable`: the build the node found (:class:`Installed`), or why the engine cannot
-  run here; the start deadline comes with it.
+  run here; the start deadline comes with it;
+- :meth:`Engine.group_part` and :meth:`Engine.group_features`: what the engine does as a member of a
+  replica spread over several nodes (its worker process, the head's extra flags and readiness, the
+  head's address it reports; :class:`GroupPart`), and what the node reports it can do so
+  (``EngineStatus.features``). The runner drives a group member through :class:`GroupPart` and
+  offers it :class:`GroupHost`; it never asks which engine it runs.
 
 An engine is stateless: one instance per engine serves every replica; its build (binary, version,
-flags) is the ``S`` value that :meth:`usable` returns and :meth:`argv` takes.
+flags) is the ``S`` value that :meth:`usable` returns and :meth:`argv` takes. A group member's
+state (its worker process, tunnels, Ray) lives in the :class:`GroupPart` the engine makes for it.
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import IO, Any, ClassVar, Generic, Protocol, TypeVar
 
 import aiohttp
 
-from llmgw.errors import EngineError
-from llmgw.protocol import ReplicaSpec
+from llmgw.errors import EngineError, GroupError
+from llmgw.protocol import ReplicaSpec, ReplicaState
 
 SCRUBBED_ENV_PREFIXES = ("LLAMA_ARG_",)
 SCRUBBED_ENV = frozenset({"LLAMA_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
@@ -123,6 +130,145 @@ def headline(tail: str) -> str:
     return ""
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class GroupEnv(Protocol):
+    """What a group part reads of the node's runner settings (the replica runner's ``RunnerEnv``
+    is one; see it for each field's meaning and units). Read-only here."""
+
+    @property
+    def advertise_address(self) -> str:
+        """Where the node's engines bind."""
+        ...
+
+    @property
+    def cores(self) -> int:
+        """The node's logical cores."""
+        ...
+
+    @property
+    def base_env(self) -> Mapping[str, str]:
+        """The environment engines inherit before scrubbing."""
+        ...
+
+    @property
+    def tls(self) -> tuple[Path, Path, Path] | None:
+        """This agent's ``(ca, cert, key)`` PEM paths, None where no group can run."""
+        ...
+
+    @property
+    def on_change(self) -> Callable[[], None]:
+        """Called to send a heartbeat early."""
+        ...
+
+    @property
+    def probe_interval_s(self) -> float:
+        """Seconds between readiness polls."""
+        ...
+
+    @property
+    def watch_interval_s(self) -> float:
+        """Seconds between checks that a process still runs."""
+        ...
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Monotonic seconds."""
+        ...
+
+    @property
+    def port_picker(self) -> Callable[[str], int]:
+        """Picks a free port on an address."""
+        ...
+
+    @property
+    def probe_host(self) -> str:
+        """The address the node's own processes are reached on (loopback for a wildcard)."""
+        ...
+
+    def installed(self, engine: str) -> Installed[Any]:
+        """What this node has of ``engine``: its build or why none, and its start deadline."""
+        ...
+
+
+class GroupHost(Protocol):
+    """The replica runner as a :class:`GroupPart` sees it: the spec, the node's settings, the
+    replica's directory and log, and the state and process it reports."""
+
+    spec: ReplicaSpec
+    dir: Path
+    pid: int | None
+    started_at: float | None
+
+    @property
+    def env(self) -> GroupEnv:
+        """The node's runner settings."""
+        ...
+
+    def set_state(self, state: ReplicaState) -> None:
+        """Move the replica to ``state`` (the loop reports it at the next heartbeat)."""
+        ...
+
+    def engine_log(self, starting: str) -> AbstractContextManager[IO[bytes]]:
+        """The replica's engine log, open for appending, after a ``--- llmgw agent: <starting>``
+        line; a failure quotes what follows it (:meth:`tail`)."""
+        ...
+
+    def tail(self) -> str:
+        """The engine log's last lines since the latest :meth:`engine_log`."""
+        ...
+
+    async def fetch_weights(self) -> Path:
+        """``fetching``: the weights into the node cache (held for this replica); their path."""
+        ...
+
+
+class GroupPart(ABC):
+    """What one replica's engine does as a member of a group, for one runner (stateful: its worker
+    process, tunnels or cluster live here from start to :meth:`stop`).
+
+    The runner asks, by the member's role: a worker :meth:`run_worker` (its whole life: the
+    engine's worker process, ``ready`` while it runs); a head :meth:`head_args` before it launches
+    the engine as for one node, then :meth:`environment` for the engine's variables and
+    :meth:`launched` with its pid. :attr:`endpoint` and :attr:`group_endpoint` go into the member's
+    status; :meth:`stop` ends whatever the part started. Failures raise
+    :class:`~llmgw.errors.GroupError` (or another :class:`~llmgw.errors.LlmgwError`) whose message
+    becomes the replica's ``err``.
+    """
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint a worker reports instead of the engine's port (``host:port``), ``""`` for none."""
+        return ""
+
+    @property
+    def group_endpoint(self) -> str:
+        """An address the head reports for its workers (``ReplicaStatus.group_endpoint``), ``""`` for none."""
+        return ""
+
+    @abstractmethod
+    async def run_worker(self, host: GroupHost) -> None:
+        """Run a worker member until its process ends (then raise, with its last lines)."""
+
+    @abstractmethod
+    async def head_args(self, host: GroupHost, build: Any, model_path: Path) -> list[str]:
+        """The head's extra engine flags, once the group can start (``starting`` until then)."""
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """The head engine's environment, with what the group adds to it."""
+        return env
+
+    def launched(self, pid: int) -> None:  # noqa: B027 (optional hook: most parts need nothing)
+        """The head engine runs as ``pid`` (before it dials anything)."""
+
+    @abstractmethod
+    async def stop(self, grace_s: float) -> None:
+        """End what this part started (idempotent); a process gets ``grace_s`` between SIGTERM and SIGKILL."""
+
+
 class Engine(ABC, Generic[S]):
     """One inference engine as the replica runner drives it (see the module docstring).
 
@@ -169,3 +315,16 @@ class Engine(ABC, Generic[S]):
     def cause(self, tail: str) -> str:
         """The line of the log ``tail`` that says why the engine failed, or ``""``."""
         return headline(tail)
+
+    def group_part(self) -> GroupPart:
+        """A new :class:`GroupPart` for one replica of this engine spread over several nodes.
+
+        Raises:
+            GroupError: this engine runs no groups here.
+        """
+        raise GroupError(f"a {self.name} group member is not supported by this agent")
+
+    def group_features(self, build: S) -> list[str]:
+        """What ``build`` can do beside serving alone, as the node reports it
+        (``EngineStatus.features``; placement needs a group's feature on every member)."""
+        return []

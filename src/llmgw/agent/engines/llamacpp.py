@@ -36,7 +36,9 @@ from pathlib import Path
 
 import aiohttp
 
-from llmgw.agent.engines.base import Engine, Launch
+from llmgw import catalog
+from llmgw.agent.engines import llamacpp_group
+from llmgw.agent.engines.base import Engine, GroupPart, Launch
 from llmgw.config import AgentConfig
 from llmgw.protocol import EngineStatus, ProvisionState, ReplicaSpec
 
@@ -387,6 +389,15 @@ class LlamaCppEngine(Engine[LlamaServer]):
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    def group_part(self) -> GroupPart:
+        """:class:`~llmgw.agent.engines.llamacpp_group.RpcGroup`: rpc-server workers, a head that dials them."""
+        return llamacpp_group.RpcGroup(self)
+
+    def group_features(self, build: LlamaServer) -> list[str]:
+        """``rpc`` when an ``rpc-server`` is beside ``llama-server`` (the same build)."""
+        feature = catalog.ENGINE_TRAITS[catalog.Engine.LLAMACPP].group_feature
+        return [feature] if (build.binary.parent / llamacpp_group.RPC_BINARY).is_file() else []
 
 
 LLAMACPP = LlamaCppEngine()

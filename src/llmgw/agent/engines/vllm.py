@@ -27,7 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.agent.engines.base import Engine, Launch
+from llmgw import catalog
+from llmgw.agent.engines import vllm_group
+from llmgw.agent.engines.base import Engine, GroupPart, Launch
 from llmgw.protocol import EngineStatus, ProvisionState, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -225,6 +227,15 @@ class VllmEngine(Engine[VllmServer]):
     def port_taken(self, tail: str) -> bool:
         """Whether the log says :data:`PORT_TAKEN`."""
         return PORT_TAKEN.search(tail) is not None
+
+    def group_part(self) -> GroupPart:
+        """:class:`~llmgw.agent.engines.vllm_group.RayGroup`: a Ray cluster per group."""
+        return vllm_group.RayGroup(self)
+
+    def group_features(self, build: VllmServer) -> list[str]:
+        """``ray`` when a ``ray`` is beside ``vllm`` (its venv)."""
+        feature = catalog.ENGINE_TRAITS[catalog.Engine.VLLM].group_feature
+        return [feature] if (build.binary.parent / vllm_group.RAY_BINARY).is_file() else []
 
 
 VLLM = VllmEngine()

@@ -16,7 +16,7 @@ the time of its removal kept: a certificate for that node issued before it (by i
 :func:`llmgw.tlsconf.issued_at`) is refused too, so a second bundle issued for the node and never
 presented cannot bring it back. Every request is checked after the handshake
 (:meth:`~llmgw.control.store.base.Store.refused_cert`): a refused certificate gets 403
-``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop`).
+``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop.loop`).
 The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
 
 ``POST /agent/v1/metrics`` (a list of :class:`~llmgw.protocol.EngineMetricsText`): the node's engines'
@@ -49,7 +49,7 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
-from llmgw.catalog import Role
+from llmgw.catalog import Role, engine_traits
 from llmgw.config import ServerConfig
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
@@ -199,14 +199,16 @@ def group_fields(r: ReplicaRow, node_id: str, engine: str) -> dict[str, Any]:
         return {}
     me = next((m for m in r.members if m.node == node_id), None)
     head = r.node == node_id
-    # Which endpoints a member's engine waits for: a llama.cpp head dials its workers (rpc-server);
-    # a vLLM worker joins its head's Ray cluster. Nothing else goes in, so no member's spec changes
-    # with its own report, nor a vLLM head's with its workers joining (that would restart Ray).
-    llama = engine == "llamacpp"
-    wants = head if llama else not head
+    # Which endpoints a member's engine waits for (the engine's traits say who dials whom): a
+    # llama.cpp head dials its workers (rpc-server); a vLLM worker joins its head's Ray cluster.
+    # Nothing else goes in, so no member's spec changes with its own report, nor a vLLM head's with
+    # its workers joining (that would restart Ray).
+    traits = engine_traits(engine)
+    dials = traits is not None and traits.head_dials_workers
+    wants = head if dials else not head
     members = []
     for m in r.members:
-        shown = wants and ((m.rank > 0) if llama else (m.rank == 0))
+        shown = wants and ((m.rank > 0) if dials else (m.rank == 0))
         fields = {"node", "rank", "memory_gb", "gpu_indexes"} | ({"endpoint"} if shown else set())
         members.append(GroupMember.model_validate(m.model_dump(include=fields)))
     out: dict[str, Any] = {"role": GroupRole.HEAD if head else GroupRole.WORKER, "members": members}
@@ -217,15 +219,13 @@ def group_fields(r: ReplicaRow, node_id: str, engine: str) -> dict[str, Any]:
 
 def role_args(role: Role, engine: str, args: Sequence[str]) -> list[str]:
     """Engine flags a model's role needs, beyond its profile's ``args``: an ``embedding`` model's
-    engine serves embeddings. llama-server: ``--embeddings`` and, unless the profile sets one,
-    ``--pooling mean`` (its default for decoder models like gemma-3 is ``none``, which it refuses on
-    ``/v1/embeddings``: "Pooling type 'none' is not OAI compatible"). vLLM: ``--task embed``."""
-    if role != Role.EMBEDDING:
+    engine serves embeddings, with the flags its engine's traits name
+    (:attr:`llmgw.catalog.EngineTraits.embedding_args`: llama-server ``--embeddings --pooling mean``,
+    vLLM ``--task embed``)."""
+    traits = engine_traits(engine)
+    if role != Role.EMBEDDING or traits is None:
         return []
-    if engine != "llamacpp":
-        return [] if "--task" in args else ["--task", "embed"]
-    out = [] if "--embeddings" in args or "--embedding" in args else ["--embeddings"]
-    return out + ([] if "--pooling" in args else ["--pooling", "mean"])
+    return traits.embedding_args(args)
 
 
 def hold_for(node_lost_after_s: float, interval_s: float) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from llmgw import gpuhealth
-from llmgw.catalog import Profile
+from llmgw.catalog import Profile, engine_traits
 from llmgw.protocol import GPU, EngineStatus, GroupMember, Inventory, ProvisionState
 from llmgw.views import Rejection
 
@@ -158,22 +158,15 @@ def engine_installed(c: Candidate) -> Miss | None:
     return Miss(f"{label} ({status.state.value}{detail})", label)
 
 
-#: What a group member's node needs beside the engine itself (EngineStatus.features).
-GROUP_FEATURE = {
-    "llamacpp": ("rpc", "llama.cpp here has no rpc-server beside llama-server (build it with -DGGML_RPC=ON)"),
-    "vllm": ("ray", 'vLLM here has no ray beside vllm (pip install "ray[default]" into its venv)'),
-}
-
-
 def group_capable(c: Candidate) -> Miss | None:
     """A group member's node runs the engine's distributed part: llama.cpp's ``rpc-server`` or
-    vLLM's ``ray``, as its agent reports (:data:`GROUP_FEATURE`)."""
+    vLLM's ``ray``, as its agent reports (:attr:`llmgw.catalog.EngineTraits.group_feature`)."""
     engine = c.profile.engine.value
-    need = GROUP_FEATURE.get(engine)
+    need = engine_traits(engine)
     status = c.node.engines.get(engine)
-    if need is None or (status is not None and need[0] in status.features):
+    if need is None or (status is not None and need.group_feature in status.features):
         return None
-    return Miss(need[1], f"no {need[0]} for {engine}")
+    return Miss(need.group_feature_missing, f"no {need.group_feature} for {engine}")
 
 
 def gpu_class(c: Candidate) -> Miss | None:
@@ -401,11 +394,13 @@ def member_memory(c: Candidate) -> Miss | None:
 def member_profile(p: Profile) -> Profile:
     """What one member of a group (``p.nodes`` above 1) is checked against.
 
-    A GPU group runs one vLLM pipeline stage per node, so the model splits evenly: each member
-    needs ``gpu_count`` cards with ``min_memory_gb / (nodes * gpu_count)`` GB free each, which is
-    the one-node GPU checks on a profile of ``min_memory_gb / nodes``. A CPU group's split follows
-    the members' free memory (:func:`member_memory`), so its profile is unchanged. Cores
-    (``cpu_cores``) are per member."""
+    The split goes by the resource, not the engine: a GPU group's model splits evenly, each member
+    needing ``gpu_count`` cards with ``min_memory_gb / (nodes * gpu_count)`` GB free each, which is
+    the one-node GPU checks on a profile of ``min_memory_gb / nodes`` (vLLM runs one pipeline stage
+    per node, which needs the even split; llama.cpp's ``--tensor-split`` follows whatever shares the
+    members get, so a llama.cpp GPU group gets the same). A CPU group's split follows the members'
+    free memory (:func:`member_memory`), so its profile is unchanged. Cores (``cpu_cores``) are per
+    member."""
     if p.nodes <= 1 or not p.gpu_class:
         return p
     return p.model_copy(update={"min_memory_gb": p.min_memory_gb / p.nodes})

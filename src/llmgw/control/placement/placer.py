@@ -34,9 +34,10 @@ Groups (a profile's ``nodes`` above 1: one replica over several nodes, a head th
 and workers) are placed whole or not at all (:meth:`Placer.place_group`): every node is checked as a
 *member* (the same filters; cores per member; a member's share of the memory instead of the whole
 need), the best-scored candidates form the group when together they hold the need (else the
-candidates with the most free memory), and the memory is split as the engine will: by each member's
-free memory for llama.cpp RPC (CPU), evenly per pipeline stage for vLLM (GPU). The decision carries
-the members, head first; :meth:`Placer.reserve` counts every member. When no set fits, the summary
+candidates with the most free memory), and the memory is split by the resource, not the engine: by
+each member's free memory on CPUs, evenly on GPUs (vLLM's pipeline stages need the even split,
+llama.cpp's ``--tensor-split`` follows any shares; :func:`~llmgw.control.placement.checks.member_profile`).
+The decision carries the members, head first; :meth:`Placer.reserve` counts every member. When no set fits, the summary
 speaks of the set: ``0/3 nodes can run it as a group of 3: 2 of 3 nodes found: the third needs
 14.2 GB, best remaining node has 9.8 GB free``.
 
@@ -208,8 +209,8 @@ class Placer:
            member's profile (:func:`~llmgw.control.placement.checks.member_profile`): the same
            filters as a one-node replica, cores per member, and, instead of the whole need on one
            node, a member's share: a GPU member needs ``gpu_count`` cards with ``min_memory_gb /
-           (nodes * gpu_count)`` GB free each (vLLM pipeline stages split evenly); a CPU member some
-           free host memory (llama.cpp RPC splits the layers by each member's free memory). Nodes
+           (nodes * gpu_count)`` GB free each (GPU groups split evenly, whatever the engine); a CPU
+           member some free host memory (the layers split by each member's free memory). Nodes
            that pass are the *candidates*; the others keep their rejection, as for one node.
         2. Candidates are ranked by the one-node :func:`score` (fewest replicas of this model, then
            cached weights, then most free memory, then id), so spread and cached weights count as

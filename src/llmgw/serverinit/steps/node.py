@@ -15,7 +15,8 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from llmgw import tlsconf
-from llmgw.agent.discovery import has_nvidia_device
+from llmgw.agent.node.discovery import has_nvidia_device
+from llmgw.catalog import engine_traits
 from llmgw.config import load_agent_config, parse_listen
 from llmgw.errors import ApiError, ConfigError, EngineError, LlmgwError, PkiError
 from llmgw.names import check_name
@@ -138,6 +139,12 @@ def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
         raise
 
 
+def _waited(engine: str) -> bool:
+    """Whether init waits for ``engine`` on a node it sets up (:attr:`llmgw.catalog.EngineTraits.waited_by_init`)."""
+    traits = engine_traits(engine)
+    return traits is not None and traits.waited_by_init
+
+
 def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False, since: float | None = None) -> None:
     """Wait until ``node`` is ready with a llama.cpp engine; stop at once when its llama.cpp
     failed. Registered is quick. Having an engine is not: the node may download and check its
@@ -173,14 +180,14 @@ def wait_node_ready(ctx: InitContext, node: str, *, kept: bool = False, since: f
                 ctx.note(f"node {node}: waiting for its agent's first heartbeat since it was started")
                 continue
             ctx.note(f"node {node} is {n.state}, no llama.cpp engine reported yet")
-            if n.state == "ready" and "llamacpp" in n.engines:
+            if n.state == "ready" and any(_waited(e) for e in n.engines):
                 return True
             for p in n.provision:
                 line = f"{p.engine} {p.version}: {p.state} {p.detail}"
                 ctx.progress(" ".join(line.split()))
-                # Only llama.cpp is waited for: vLLM installs for minutes after, and one this
-                # node cannot run is not a reason to stop here.
-                if p.engine == "llamacpp" and p.state in ("failed", "unsupported"):
+                # Only llama.cpp is waited for (EngineTraits.waited_by_init): vLLM installs for
+                # minutes after, and one this node cannot run is not a reason to stop here.
+                if _waited(p.engine) and p.state in ("failed", "unsupported"):
                     raise EngineError(f"installing {p.engine} on this node: {p.detail}")
         return False
 

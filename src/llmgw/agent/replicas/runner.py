@@ -3,7 +3,11 @@
 The runner is engine-neutral: what differs between llama-server and vLLM (argv, environment,
 readiness, a taken port, the cause of a failure) is asked of the :class:`~llmgw.agent.engines.base.Engine`
 the replica's ``spec.engine`` names (:func:`~llmgw.agent.engines.engine_for`); that seam is the
-one this module is split along.
+one this module is split along. So is a group member's part (``spec.role``): a worker's whole run
+and a head's extra flags are its engine's :class:`~llmgw.agent.engines.base.GroupPart`
+(:meth:`~llmgw.agent.engines.base.Engine.group_part`: llama.cpp's rpc-server, vLLM's Ray), which
+the runner drives through :class:`~llmgw.agent.engines.base.GroupHost` (:meth:`ReplicaRunner.set_state`,
+:meth:`~ReplicaRunner.engine_log`, :meth:`~ReplicaRunner.tail`, :meth:`~ReplicaRunner.fetch_weights`).
 
 States (who moves each transition):
 
@@ -33,7 +37,7 @@ A port is chosen free just before launch; when the engine still finds it taken (
 The engine runs in a new session with stdout+stderr appended to
 ``<agent_state>/replicas/<id>/engine.log`` and a scrubbed environment
 (:func:`~llmgw.agent.engines.base.engine_environment`: no ``LLAMA_ARG_*``, which would silently
-set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see :mod:`llmgw.agent.records`) lets
+set flags; no ``LLAMA_API_KEY`` or ``HF_TOKEN``). Its record (see :mod:`llmgw.agent.node.records`) lets
 a restarted agent adopt it. Cancelling a runner's task (:meth:`ReplicaRunner.detach`) never stops
 its engine: only :meth:`ReplicaRunner.stop` does.
 """
@@ -56,15 +60,15 @@ from typing import IO, Any
 import aiohttp
 import psutil
 
-from llmgw.agent import group, groupnet, logs
-from llmgw.agent.cache import NodeCache
 from llmgw.agent.engines import engine_for, llamacpp
 from llmgw.agent.engines import vllm as vllm_engine
-from llmgw.agent.engines.base import Engine, Installed, Launch, engine_environment
+from llmgw.agent.engines.base import Engine, GroupPart, Installed, Launch, engine_environment, host_port
 from llmgw.agent.engines.exits import describe_exit, oom_evidence, oom_kills
-from llmgw.agent.logs import rotate, tail_after
-from llmgw.agent.pinning import CoreAllocator, format_cpus, pin_process
-from llmgw.agent.records import (
+from llmgw.agent.node import logs
+from llmgw.agent.node.cache import NodeCache
+from llmgw.agent.node.logs import rotate, tail_after
+from llmgw.agent.node.pinning import CoreAllocator, format_cpus, pin_process
+from llmgw.agent.node.records import (
     STOP_GRACE_S,
     ReplicaRecord,
     drop_record,
@@ -89,11 +93,6 @@ PORT_TRIES = 3
 
 _detached: list[subprocess.Popen[bytes]] = []
 """Popen objects of engines left running on purpose, kept so their finaliser does not warn."""
-
-
-def host_port(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _exit_message(engine: Engine[Any], code: int | None, when: str, tail: str, *, oom: str | None = None) -> str:
@@ -132,11 +131,11 @@ class RunnerEnv:
         clock: monotonic seconds (a seam).
         port_picker: picks the engine's port on an address (a seam; default: bind port 0).
         base_env: the environment engines inherit before scrubbing.
-        cpus: hands out each replica's cores (see :mod:`llmgw.agent.pinning`).
+        cpus: hands out each replica's cores (see :mod:`llmgw.agent.node.pinning`).
         pin: pin engines to their cores (off only to measure what pinning buys).
-        log_max_bytes, log_keep: engine log rotation (:mod:`llmgw.agent.logs`).
+        log_max_bytes, log_keep: engine log rotation (:mod:`llmgw.agent.node.logs`).
         tls: this agent's ``(ca, cert, key)`` PEM paths: a group replica's members talk over them
-            (:mod:`llmgw.agent.groupnet`); None where no group can run (tests of one-node replicas).
+            (:mod:`llmgw.agent.groups.groupnet`); None where no group can run (tests of one-node replicas).
     """
 
     agent_state: Path
@@ -209,10 +208,7 @@ class ReplicaRunner:
         self._settled = asyncio.Event()
         self.dir = replica_dir(env.agent_state, spec.id)
         self.log_path = self.dir / "engine.log"
-        self._worker: group.RpcWorker | None = None  # a group worker's rpc-server and tunnel
-        self._forwarder: groupnet.HeadForwarder | None = None  # a group head's way to its workers
-        self._ray: subprocess.Popen[bytes] | None = None  # a vLLM group member's `ray start --block`
-        self._ray_head = ""  # a vLLM group head: its Ray address, reported for the workers
+        self._group: GroupPart | None = None  # a group member's part (its engine's: Engine.group_part)
 
     # --- public -------------------------------------------------------------------------------
 
@@ -234,9 +230,10 @@ class ReplicaRunner:
         return runner
 
     def status(self) -> ReplicaStatus:
-        """What the agent reports for this replica now (a group worker: its tunnel's endpoint)."""
-        if self._worker is not None and self._worker.tunnel is not None:
-            endpoint = self._worker.tunnel.endpoint
+        """What the agent reports for this replica now (a group worker: its part's endpoint, such
+        as a llama.cpp worker's tunnel)."""
+        if self._group is not None and self._group.endpoint:
+            endpoint = self._group.endpoint
         else:
             endpoint = host_port(self.env.advertise_address, self.port) if self.port else ""
         return ReplicaStatus(
@@ -246,7 +243,7 @@ class ReplicaRunner:
             endpoint=endpoint,
             pid=self.pid,
             started_at=self.started_at,
-            group_endpoint=self._ray_head,
+            group_endpoint=self._group.group_endpoint if self._group is not None else "",
         )
 
     async def wait_settled(self) -> ReplicaState:
@@ -275,23 +272,41 @@ class ReplicaRunner:
         if self._proc is not None and self._proc.poll() is None:
             _detached.append(self._proc)
 
+    # --- what a group member's part asks of its runner (engines.base.GroupHost) ---------------
+
+    def set_state(self, state: ReplicaState) -> None:
+        """Move to ``state`` (the loop hears of it through ``on_change``)."""
+        self._set(state)
+
+    def engine_log(self, starting: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """The engine log, open for appending after a ``--- llmgw agent: <starting>`` line."""
+        return self._engine_log(starting)
+
+    def tail(self) -> str:
+        """The engine log's last :data:`TAIL_LINES` lines since the latest start."""
+        return self._tail()
+
+    async def fetch_weights(self) -> Path:
+        """``fetching``: the weights into the node cache, held for this replica; their path."""
+        self._set(ReplicaState.FETCHING)
+        self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
+        return self._model_path
+
     # --- the run ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
         try:
             if self.spec.role is GroupRole.WORKER:
-                await (self._run_worker() if self.spec.engine == llamacpp.ENGINE else self._run_ray_worker())
+                self._group = engine_for(self.spec.engine).group_part()
+                await self._group.run_worker(self)
                 return
-            self._set(ReplicaState.FETCHING)
-            self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
+            self._model_path = await self.fetch_weights()
             engine = engine_for(self.spec.engine)
             build = engine.usable(self.env.installed(engine.name))
             extra: list[str] = []
             if self.spec.role is GroupRole.HEAD:
-                if engine.name == llamacpp.ENGINE:
-                    extra = await self._head_args(self._model_path)
-                else:
-                    extra = await self._ray_cluster(build.binary)
+                self._group = engine.group_part()
+                extra = await self._group.head_args(self, build, self._model_path)
             for attempt in range(1, PORT_TRIES + 1):
                 await asyncio.to_thread(self._launch, engine, build, self._model_path, extra)
                 if await self._wait_ready(engine):
@@ -331,32 +346,6 @@ class ReplicaRunner:
         except (_Failed, LlmgwError) as e:
             await self._fail(str(e))
 
-    async def _run_worker(self) -> None:
-        """A group worker: ``rpc-server`` behind its tunnel (:class:`llmgw.agent.group.RpcWorker`),
-        ready once it listens; watched until it exits (failed, with its last lines)."""
-        env = self.env
-        if env.tls is None:
-            raise _Failed("this agent has no TLS files to carry a group's traffic")
-        if self.spec.engine != llamacpp.ENGINE:
-            raise _Failed(f"a {self.spec.engine} group worker is not supported by this agent")
-        build = llamacpp.LLAMACPP.usable(env.installed(llamacpp.ENGINE))
-        head = next((m.node for m in self.spec.members if m.rank == 0), "")
-        private_dir(self.dir)
-        self._set(ReplicaState.STARTING)
-        threads = self.spec.cpu_cores or max(env.cores, 1)
-        self._worker = group.RpcWorker(group.rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
-        with self._engine_log(f"starting rpc-server for the head {head}") as logf:
-            endpoint = await self._worker.start(logf, engine_environment(env.base_env, self.spec.gpu_indexes), self.dir)
-        self.pid, self.started_at = self._worker.pid, time.time()
-        log.info("replica %s: rpc-server pid %s for head %s, tunnel on %s", self.spec.id, self.pid, head, endpoint)
-        self._set(ReplicaState.READY)
-        while True:
-            await asyncio.sleep(env.watch_interval_s)
-            code = self._worker.exited()
-            if code is not None:
-                raise _Failed(f"rpc-server exited {describe_exit(code)} while serving the head {head}; "
-                              f"its last lines:\n{self._tail()}")
-
     @contextlib.contextmanager
     def _engine_log(self, starting: str) -> Iterator[IO[bytes]]:
         """The engine log, open for appending, with a ``--- llmgw agent: <starting>`` line; the
@@ -366,97 +355,6 @@ class ReplicaRunner:
             logf.flush()
             self._log_offset = logf.tell()
             yield logf
-
-    def _start_ray(self, argv: list[str]) -> subprocess.Popen[bytes]:
-        """Start ``ray start … --block`` (its own session, output to the engine log)."""
-        private_dir(self.dir)
-        env = {**engine_environment(self.env.base_env, self.spec.gpu_indexes), **self.spec.env}
-        with self._engine_log(f"starting {' '.join(argv)}") as logf:
-            try:
-                self._ray = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                             start_new_session=True, cwd=self.dir, env=env)
-            except OSError as e:
-                raise _Failed(f"cannot run {argv[0]}: {e}") from e
-        return self._ray
-
-    def _ray_exited(self, what: str) -> None:
-        code = self._ray.poll() if self._ray is not None else None
-        if code is not None:
-            raise _Failed(f"{what} exited {describe_exit(code)}; its last lines:\n{self._tail()}")
-
-    async def _run_ray_worker(self) -> None:
-        """A vLLM group worker: fetches the weights (its stage loads them here), then joins its head's
-        Ray cluster once the spec carries the head's address (until then ``starting``; the spec
-        changes when it comes); ready while ``ray start`` runs."""
-        head = next((m.endpoint for m in self.spec.members if m.rank == 0), "")
-        # vLLM loads each pipeline stage's weights on its own node, from the path the head serves:
-        # the node cache's path, the same on every node with the same agent state directory.
-        self._set(ReplicaState.FETCHING)
-        self._model_path = await self.env.cache.ensure(self.env.session, self.spec)
-        self._set(ReplicaState.STARTING)
-        if not head:
-            log.info("replica %s: waiting for its head's Ray address", self.spec.id)
-            await asyncio.Event().wait()  # cancelled when the spec with the address arrives
-        build = vllm_engine.VLLM.usable(self.env.installed(vllm_engine.ENGINE))
-        ray = self._start_ray(group.ray_worker_argv(group.ray_binary(build.binary), head, self.env.probe_host))
-        self.pid, self.started_at = ray.pid, time.time()
-        await asyncio.sleep(self.env.probe_interval_s)
-        self._ray_exited("ray start (joining the head)")
-        self._set(ReplicaState.READY)
-        while True:
-            await asyncio.sleep(self.env.watch_interval_s)
-            self._ray_exited(f"ray (worker of the head at {head})")
-
-    async def _ray_cluster(self, vllm: Path) -> list[str]:
-        """A vLLM group head: ``ray start --head``, report its address, wait until Ray counts every
-        member (``ray status``), then the flags for ``vllm serve``. Raises _Failed past the start
-        deadline or when Ray exits."""
-        ray = group.ray_binary(vllm)
-        port = self.env.port_picker(self.env.advertise_address)
-        address = host_port(self.env.probe_host, port)
-        self._start_ray(group.ray_head_argv(ray, self.env.probe_host, port))
-        self._set(ReplicaState.STARTING)
-        self._ray_head = address
-        self.env.on_change()  # the workers need the address: heartbeat now
-        want = len(self.spec.members)
-        deadline = self.env.clock() + self.env.installed(vllm_engine.ENGINE).start_deadline_s
-        seen = 0
-        while True:
-            self._ray_exited("ray start --head")
-            try:
-                done = await asyncio.to_thread(
-                    subprocess.run, group.ray_status_argv(ray, address), capture_output=True, text=True, timeout=30,
-                    check=False,
-                )
-                seen = group.active_nodes(done.stdout)
-            except subprocess.TimeoutExpired:
-                seen = 0  # Ray busy starting: ask again (the start deadline bounds the wait)
-            if seen >= want:
-                break
-            if self.env.clock() > deadline:
-                raise _Failed(f"Ray counts {seen} of the group's {want} nodes after the start deadline")
-            await asyncio.sleep(group.RAY_STATUS_EVERY_S)
-        log.info("replica %s: Ray cluster at %s has all %d nodes; starting vllm", self.spec.id, address, want)
-        return group.vllm_group_args(want, len(self.spec.gpu_indexes))
-
-    async def _head_args(self, model_path: Path) -> list[str]:
-        """A group head's extra llama-server flags, once every worker has an endpoint; until then
-        it waits, ``starting`` (the spec changes when they come, and the agent starts it again)."""
-        workers = [m for m in self.spec.members if m.rank > 0]
-        missing = [m.node for m in workers if not m.endpoint]
-        self._set(ReplicaState.STARTING)
-        if missing:
-            log.info("replica %s: waiting for its workers on %s", self.spec.id, ", ".join(missing))
-            await asyncio.Event().wait()  # cancelled when the spec with their endpoints arrives
-        if self.env.tls is None:
-            raise _Failed("this agent has no TLS files to carry a group's traffic")
-        ca, cert, key = self.env.tls
-        self._forwarder = groupnet.HeadForwarder(
-            workers={m.node: m.endpoint for m in sorted(workers, key=lambda m: m.rank)}, ca=ca, cert=cert, key=key
-        )
-        await self._forwarder.start()
-        layers = await asyncio.to_thread(group.gguf_layers, model_path)
-        return group.head_args(layers, sorted(self.spec.members, key=lambda m: m.rank), self._forwarder.rpc_arg)
 
     def _launch(self, engine: Engine[Any], build: Any, model_path: Path, extra: list[str] | None = None) -> None:
         """Start the engine (blocking parts: bind probe, file writes, fork); state ``starting``."""
@@ -469,8 +367,8 @@ class ReplicaRunner:
         self._oom_before = oom_kills()
         proc_env = engine.environment(engine_environment(env.base_env, self.spec.gpu_indexes), self.spec.key)
         proc_env.update(self.spec.env)  # the profile's NCCL_*/GLOO_*… settings
-        if self._ray_head:
-            proc_env["RAY_ADDRESS"] = self._ray_head  # vllm serve joins the group's Ray cluster
+        if self._group is not None:
+            proc_env = self._group.environment(proc_env)  # vllm serve: the group's RAY_ADDRESS
         launch = Launch(
             spec=self.spec,
             model_path=model_path,
@@ -496,8 +394,8 @@ class ReplicaRunner:
                 )
             except OSError as e:
                 raise _Failed(f"cannot run {build.binary}: {e}") from e
-        if self._forwarder is not None:
-            self._forwarder.allow(self._proc.pid)  # before it dials its workers (the forwarder refuses others)
+        if self._group is not None:
+            self._group.launched(self._proc.pid)  # before it dials its workers (a forwarder refuses others)
         self.pid = self._proc.pid
         self.started_at = time.time()
         if self.cpus:
@@ -606,17 +504,8 @@ class ReplicaRunner:
     async def _kill(self) -> None:
         """End the engine and its group, if it still runs; reap our own child; close a group
         member's tunnels."""
-        if self._worker is not None:
-            await self._worker.stop()
-        if self._forwarder is not None:
-            await self._forwarder.close()
-            self._forwarder = None
-        if self._ray is not None:
-            if self._ray.poll() is None:
-                await asyncio.to_thread(stop_process_group, self._ray.pid, grace_s=self.env.stop_grace_s, reap=False)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    await asyncio.to_thread(self._ray.wait, 5)
-            self._ray = None
+        if self._group is not None:
+            await self._group.stop(self.env.stop_grace_s)
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:

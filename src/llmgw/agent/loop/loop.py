@@ -14,7 +14,7 @@ plane learns of ``ready`` without waiting a whole interval):
    engine every :data:`REDISCOVER_S`), labels, engine statuses, every runner's status.
 2. POST it over mTLS to ``/agent/v1/register`` until one register succeeds, then to
    ``/agent/v1/heartbeat`` (a 404 re-registers at once: the control plane forgot this node). The
-   control plane is the current one of :class:`~llmgw.agent.controlplanes.ControlPlanes`; one that
+   control plane is the current one of :class:`~llmgw.agent.loop.controlplanes.ControlPlanes`; one that
    does not answer (connect error, TLS failure, timeout, 5xx) or answers with a term below the
    highest seen is moved to the end of the list and the next is tried in the same pass.
 3. Reconcile with the reply's ``desired`` list: start a runner for each new spec, stop runners whose
@@ -25,10 +25,10 @@ plane learns of ``ready`` without waiting a whole interval):
 
 A pass in which no control plane answered is logged (first failure, then every
 :data:`LOG_REPEAT_S`) and the next pass waits 1, 2, 5, then 10 s
-(:data:`~llmgw.agent.controlplanes.BACKOFF_S`); a switch to another control plane is logged once,
+(:data:`~llmgw.agent.loop.controlplanes.BACKOFF_S`); a switch to another control plane is logged once,
 a stale term once per control plane and term; running engines are left alone: only an applied
 reply that no longer lists a replica stops it. A failure that can hide a TLS refusal (a disconnect
-or a reset right after connecting) is explained before it is logged (:mod:`llmgw.agent.tlsdiag`: a
+or a reset right after connecting) is explained before it is logged (:mod:`llmgw.agent.loop.tlsdiag`: a
 certificate from another CA, a server certificate this agent does not trust), with what to do.
 Stopping the agent (``stop`` set, SIGTERM, SIGINT) detaches the runners and leaves every engine
 running, for the next agent to adopt.
@@ -56,15 +56,17 @@ import aiohttp
 from pydantic import ValidationError
 
 from llmgw import __version__
-from llmgw.agent import group, logs, tlsdiag
-from llmgw.agent.cache import NodeCache
-from llmgw.agent.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
-from llmgw.agent.discovery import discover_inventory
 from llmgw.agent.engines import llamacpp
-from llmgw.agent.engines.vllm import VllmProvisioner
-from llmgw.agent.metrics import push_loop
-from llmgw.agent.provision import GITHUB_RELEASES, Provisioner
-from llmgw.agent.records import (
+from llmgw.agent.engines.llamacpp import LLAMACPP
+from llmgw.agent.engines.provision import GITHUB_RELEASES, Provisioner
+from llmgw.agent.engines.vllm import VLLM, VllmProvisioner
+from llmgw.agent.loop import tlsdiag
+from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
+from llmgw.agent.loop.metrics import push_loop
+from llmgw.agent.node import logs
+from llmgw.agent.node.cache import NodeCache
+from llmgw.agent.node.discovery import discover_inventory
+from llmgw.agent.node.records import (
     adoptable,
     drop_record,
     instance_id,
@@ -73,7 +75,7 @@ from llmgw.agent.records import (
     replicas_dir,
     stop_process_group,
 )
-from llmgw.agent.replicas import ReplicaRunner, RunnerEnv
+from llmgw.agent.replicas.runner import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, PkiError, UnreachableError
 from llmgw.httperrors import error_fields
@@ -247,10 +249,10 @@ class Agent:
         )
         self.env.vllm, self.env.vllm_problem = vserver, vstatus.detail
         # What a group member needs beside the engine (placement leaves out nodes without it).
-        if server is not None and (server.binary.parent / group.RPC_BINARY).is_file():
-            status = status.model_copy(update={"features": ["rpc"]})
-        if vserver is not None and (vserver.binary.parent / group.RAY_BINARY).is_file():
-            vstatus = vstatus.model_copy(update={"features": ["ray"]})
+        if server is not None and (features := LLAMACPP.group_features(server)):
+            status = status.model_copy(update={"features": features})
+        if vserver is not None and (features := VLLM.group_features(vserver)):
+            vstatus = vstatus.model_copy(update={"features": features})
         self.state.engines = [status, vstatus]
 
     def _rediscover_soon(self) -> None:
@@ -297,7 +299,7 @@ class Agent:
         False: the last report of an agent going away); None when no control plane gave a usable
         answer this beat.
 
-        Tries :attr:`control_planes`' order in turn, at once (:mod:`llmgw.agent.controlplanes`): a
+        Tries :attr:`control_planes`' order in turn, at once (:mod:`llmgw.agent.loop.controlplanes`): a
         connect error, TLS failure, timeout, 5xx, unreadable body or stale term moves to the next.
         A 4xx is an answer (logged; a 404 re-registers with the same control plane at once).
 
@@ -547,7 +549,7 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
     """Run the node agent until ``stop`` is set (forever when None).
 
     Talks to one of ``cfg.control_planes`` at a time (rotating on failure, see
-    :mod:`llmgw.agent.controlplanes`) over mTLS with this node's certificate (``cfg.tls``). Engines
+    :mod:`llmgw.agent.loop.controlplanes`) over mTLS with this node's certificate (``cfg.tls``). Engines
     are left running when it returns.
 
     Raises:
