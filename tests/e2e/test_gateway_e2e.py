@@ -81,3 +81,31 @@ def test_stale_replica_key_is_a_502(gateway_url: str) -> None:
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_auth"
     assert "127.0.0.1" not in r.text
+
+
+def test_completions_serve_one_prompt_per_request(gateway_url: str) -> None:
+    """Issue 19 item 8: a ``prompt`` list bought one generation per prompt (llama-server answered
+    every one) while being admitted, limited and charged as one request. Now one prompt per request:
+    a string, token ids, or a list of one of those is served; a list of several is a 400 saying to
+    send one request per prompt, and the engine is not asked."""
+    auth = {"Authorization": "Bearer sk-e2e"}
+
+    def ask(prompt: object) -> httpx.Response:
+        body = {"model": "gemma", "prompt": prompt, "max_tokens": 2}
+        return httpx.post(f"{gateway_url}/completions", json=body, headers=auth, timeout=120)
+
+    many = ask(["Once upon a time", "The sky is", "One, two,"])
+    assert many.status_code == 400, many.text
+    err = many.json()["error"]
+    assert err["code"] == "invalid_prompt"
+    assert "3 prompts" in err["message"]
+    assert "one request per prompt" in err["message"]
+    assert "x-llmgw-replica" not in many.headers  # refused before any engine was asked
+    assert ask([[1, 2], [3, 4]]).status_code == 400
+    for one in ("The sky is", ["The sky is"], [818, 7217, 563], [[818, 7217, 563]]):
+        r = ask(one)
+        assert r.status_code == 200, (one, r.text)
+        answer = r.json()
+        assert len(answer["choices"]) == 1
+        assert answer["usage"]["completion_tokens"] >= 1
+

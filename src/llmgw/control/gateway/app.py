@@ -13,8 +13,8 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
    on some key, is given a real one). The peer address is the socket's, never
    ``X-Forwarded-For``; a reverse proxy on this machine would make every client loopback, so don't
    combine the two.
-2. **body**: JSON object with a string ``model`` and a list ``messages`` (else 400
-   ``invalid_request_error``).
+2. **body**: JSON object with a string ``model`` and a list ``messages`` (``prompt``: one prompt;
+   ``input``), else 400 ``invalid_request_error``.
 3. **model**: ``router.resolve`` (name or alias); unknown → 404 ``model_not_found`` naming the known
    models; no ready replica → 503 ``model_unavailable`` with ``Route.unavailable`` as the reason.
    Then the body is cut to what an engine may see (:mod:`llmgw.control.gateway.request`: OpenAI
@@ -75,6 +75,7 @@ from llmgw.control.gateway.request import (
     COMPLETIONS,
     EMBEDDINGS,
     Endpoint,
+    check_prompts,
     dropped_header,
     upstream_body,
     with_stream_usage,
@@ -423,8 +424,8 @@ def _model_object(name: str, created: int) -> dict[str, Any]:
 
 def _parse(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """The body as a dict with a string ``model`` and the endpoint's input (``messages``: a non-empty
-    list; ``prompt``: a string or a non-empty list of strings or token ids; ``input``: the same);
-    else HttpError 400.
+    list; ``prompt``: one prompt, :func:`~llmgw.control.gateway.request.check_prompts`; ``input``: a
+    string or a non-empty list of strings or token ids); else HttpError 400.
 
     Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only (else its
     :class:`~llmgw.errors.JsonBodyError`, an HttpError too)."""
@@ -444,6 +445,8 @@ def _parse(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
             400, f"invalid_{field}",
             f"'{field}' is required: a string, or a non-empty list of strings (or of token ids)",
         )
+    if endpoint is COMPLETIONS:
+        check_prompts(value)
     if endpoint is EMBEDDINGS and body.get("stream") is True:
         raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
     return body

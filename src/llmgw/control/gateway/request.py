@@ -28,7 +28,8 @@ positive asks pass, others are removed (the engine's default applies).
 **Refused** (400 ``invalid_request_error``), because an engine would misread them: ``n`` other than
 1 (each choice is a whole generation; llama-server serves one), ``max_tokens`` /
 ``max_completion_tokens`` / ``top_logprobs`` that are not integers, ``top_logprobs`` outside 0-20
-(OpenAI's range), ``stream`` that is not a boolean.
+(OpenAI's range), ``stream`` that is not a boolean; on ``/v1/completions``, a ``prompt`` listing
+more than one prompt (:func:`check_prompts`: one request, one generation).
 
 Cost: one pass over the body's top-level keys; the body is re-encoded (once) only when something
 changed, so a request that asks within ``max_output`` with OpenAI fields only is sent byte for byte
@@ -139,6 +140,51 @@ def _check(body: dict[str, Any]) -> None:
     top = _int_field(body, "top_logprobs", "alternatives per token")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+
+
+#: Prompts one ``/v1/completions`` request may carry (see :func:`check_prompts`).
+MAX_PROMPTS = 1
+
+
+def _is_token_ids(value: Any) -> bool:
+    """True for a non-empty list of integers (token ids) and strings: one prompt to llama-server, which
+    reads a list of only ids, or of ids and strings mixed, as a single prompt."""
+    return (
+        isinstance(value, list) and bool(value)
+        and all(isinstance(v, int | str) and not isinstance(v, bool) for v in value)
+        and any(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+
+
+def check_prompts(prompt: Any) -> int:
+    """How many prompts ``/v1/completions``' ``prompt`` holds (always :data:`MAX_PROMPTS`, 1), or
+    HttpError 400 ``invalid_prompt``.
+
+    One prompt is a string, a list of token ids (integers, strings mixed in allowed), or a list
+    holding one of those. A list of several prompts is refused: each is a whole generation, and
+    engines answer it with one completion per prompt (llama-server's ``usage`` counted one of them,
+    so ``tpm`` and budgets were never reached, and 2,000 prompts held the engine for a minute,
+    starving every other client), so a request would buy as many generations as it lists while
+    being admitted, limited and guarded as one. The message says to send one request per prompt.
+    """
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return 1
+    if not isinstance(prompt, list) or not prompt:
+        raise HttpError(400, "invalid_prompt", "'prompt' must be a string or a list of token ids")
+    if len(prompt) > MAX_PROMPTS:
+        raise HttpError(
+            400, "invalid_prompt",
+            f"'prompt' lists {len(prompt)} prompts; this gateway serves {MAX_PROMPTS} prompt per request "
+            "(each prompt is a whole generation, admitted, limited and guarded as one request): send one "
+            "request per prompt",
+        )
+    one = prompt[0]
+    if not (isinstance(one, str) or _is_token_ids(one)):
+        raise HttpError(
+            400, "invalid_prompt",
+            f"'prompt[0]' must be a string or a list of token ids, got {json.dumps(one)[:40]}",
+        )
+    return 1
 
 
 def dropped_header(dropped: list[str]) -> str:
