@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -109,3 +110,43 @@ def test_completions_serve_one_prompt_per_request(gateway_url: str) -> None:
         assert len(answer["choices"]) == 1
         assert answer["usage"]["completion_tokens"] >= 1
 
+
+@pytest.mark.parametrize(
+    ("case", "field"),
+    [
+        ("tools", "tools[0].function.name"),
+        ("tool_call_id", "messages[2].tool_call_id"),
+        ("image", ""),
+        ("surrogate", "messages[0].content"),
+    ],
+)
+def test_a_clients_mistake_is_a_400_not_the_engines_500(gateway_url: str, case: str, field: str) -> None:
+    """Issue 19 item 10: llama-server answers these client mistakes with a 500 ``server_error``, which
+    the gateway passed on (and counted as a server error). Now the gateway refuses the malformed
+    shapes itself (400 naming the field) and turns llama-server's 500 for an image sent to a text
+    model (which the gateway cannot know) into a 400 saying so."""
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    body: dict[str, object] = {"model": "gemma", "messages": [user], "max_tokens": 2}
+    raw = b""
+    if case == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": 5, "parameters": {"type": "object"}}}]
+    elif case == "tool_call_id":
+        call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+        body["messages"] = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": 1, "content": "sunny"}]
+    elif case == "image":
+        img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, img]}]
+    else:
+        raw = b'{"model": "gemma", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    headers = {"Authorization": "Bearer sk-e2e", "Content-Type": "application/json"}
+    r = httpx.post(f"{gateway_url}/chat/completions", content=raw or json.dumps(body).encode(), headers=headers,
+                   timeout=120)
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    if field:
+        assert f"'{field}'" in err["message"]
+    else:
+        assert "text only" in err["message"]
+        assert "mmproj" not in err["message"]

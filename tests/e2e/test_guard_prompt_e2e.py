@@ -71,11 +71,12 @@ def env(assets: Assets) -> Iterator[Env]:
         }
         policies = [
             Policy(name="in", judge="fake", check=[Direction.IN], models=["gemma"], budget_s=60),
+            Policy(name="slow", judge="fake", check=[Direction.IN], models=["gemma-slow"], budget_s=1),
             Policy(name="open", judge="small", check=[Direction.IN], fail=FailMode.OPEN, models=["gemma-open"],
                    budget_s=120),
         ]
         guard = GuardInspector(GuardConfig(policies=policies), JudgeClient(judges.get))
-        routes = {m: Route(m, (up,), max_output=4) for m in ("gemma", "gemma-open")}
+        routes = {m: Route(m, (up,), max_output=4) for m in ("gemma", "gemma-open", "gemma-slow")}
         app = build_gateway_app(StaticRouter(routes=routes), keys={"sk"}, allow_loopback_without_key=True,
                                 inspector=guard)
         yield Env(f"http://127.0.0.1:{servers.serve(app)}/v1", f"http://127.0.0.1:{port}", fake)
@@ -141,3 +142,13 @@ def test_a_prompt_past_the_judges_context_is_refused_under_fail_open(env: Env) -
     assert r.json()["error"]["code"] == "too_long_to_judge"
     assert r.headers["x-llmgw-guard-in"] == "unjudged"
 
+
+def test_a_spent_judge_budget_says_when_to_retry(env: Env) -> None:
+    """Issue 19 item 10: a 503 for a judge over its budget (1 s here; the recorded judge takes 1.5 s
+    for "slowjudge") carried no ``Retry-After``, only a busy judge's did."""
+    r = _chat(env, [{"role": "user", "content": "slowjudge: say hello"}], model="gemma-slow")
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "judge_unavailable"
+    assert int(r.headers["Retry-After"]) >= 1
+    assert err["retry_after_s"] == int(r.headers["Retry-After"])

@@ -58,6 +58,8 @@ from llmgw.routing import Route, Upstream
 
 log = logging.getLogger(__name__)
 
+#: ``Retry-After`` (s) of a 503 ``judge_unavailable`` when the judge is missing or down.
+RETRY_UNAVAILABLE_S = 5
 #: Seconds one ``/detokenize`` call to an engine may take (a list of ids is turned into text in ms).
 DETOKENIZE_S = 10.0
 #: Judge times kept per judge for p50/p95 in ``guard judge status``.
@@ -413,23 +415,34 @@ class GuardInspector:
 def unavailable(policy: Policy, direction: Direction, error: JudgeError) -> Refusal:
     """The 503 ``judge_unavailable`` refusal when ``policy`` got no verdict (``fail: closed``).
 
-    A ``busy`` judge (refused at once by admission, :mod:`llmgw.guard.admission`) says so and when to
-    retry: ``retry_after_s`` in the error object and a ``Retry-After`` header (seconds) on a response
-    not yet started.
+    Every one says when to retry: ``retry_after_s`` in the error object and a ``Retry-After`` header
+    (whole seconds) on a response not yet started. A ``busy`` judge (refused at once by admission,
+    :mod:`llmgw.guard.admission`): when its queue should have room; a spent budget (``timeout``): the
+    policy's budget (the judge was that slow just now); any other (judge missing or down):
+    :data:`RETRY_UNAVAILABLE_S`.
     """
     what = "prompt" if direction is Direction.IN else "answer"
     extra: dict[str, Any] = {"direction": direction.value, "policy": policy.name}
     if error.kind == "busy" and error.retry_after_s is not None:
         retry = max(1, math.ceil(error.retry_after_s))
-        extra["retry_after_s"] = retry
-        if (call := current_call.get()) is not None:
-            call.headers["Retry-After"] = str(retry)
         message = (
             f"policy '{policy.name}' could not judge the {what} within its budget of {policy.budget_s:g} s: "
             f"its judge is busy (too many judgments queued); retry in {retry} s"
         )
+    elif error.kind == "timeout":
+        retry = max(1, math.ceil(policy.budget_s))
+        message = (
+            f"policy '{policy.name}' could not judge the {what} within its budget of {policy.budget_s:g} s "
+            f"(its judge is slow right now); retry in {retry} s"
+        )
     else:
-        message = f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry shortly"
+        retry = RETRY_UNAVAILABLE_S
+        message = (
+            f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry in {retry} s"
+        )
+    extra["retry_after_s"] = retry
+    if (call := current_call.get()) is not None:
+        call.headers["Retry-After"] = str(retry)
     return Refusal(message, status=503, code="judge_unavailable", extra=extra)
 
 
