@@ -149,9 +149,11 @@ def message_text(content: Any) -> str:
 
 
 def prompt_text(request: dict[str, Any]) -> str:
-    """The text judged as the prompt: the last user message (the last message when none is a user's);
-    for ``/v1/completions`` its ``prompt``, for ``/v1/embeddings`` its ``input`` (the strings of a list,
-    joined; token ids are not text and are not judged)."""
+    """The prompt as the *context* of an answer's judgment (direction out): the last user message (the
+    last message when none is a user's); for ``/v1/completions`` its ``prompt``, for ``/v1/embeddings``
+    its ``input`` (the strings of a list, joined). Also what the prompt is judged as when it holds no
+    token ids and no messages. The prompt itself (direction in) is judged whole:
+    :meth:`GuardInspector.prompt`, :func:`conversation_text`."""
     for name in ("prompt", "input"):
         value = request.get(name)
         if isinstance(value, str):
