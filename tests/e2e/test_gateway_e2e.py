@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -81,3 +82,71 @@ def test_stale_replica_key_is_a_502(gateway_url: str) -> None:
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_auth"
     assert "127.0.0.1" not in r.text
+
+
+def test_completions_serve_one_prompt_per_request(gateway_url: str) -> None:
+    """Issue 19 item 8: a ``prompt`` list bought one generation per prompt (llama-server answered
+    every one) while being admitted, limited and charged as one request. Now one prompt per request:
+    a string, token ids, or a list of one of those is served; a list of several is a 400 saying to
+    send one request per prompt, and the engine is not asked."""
+    auth = {"Authorization": "Bearer sk-e2e"}
+
+    def ask(prompt: object) -> httpx.Response:
+        body = {"model": "gemma", "prompt": prompt, "max_tokens": 2}
+        return httpx.post(f"{gateway_url}/completions", json=body, headers=auth, timeout=120)
+
+    many = ask(["Once upon a time", "The sky is", "One, two,"])
+    assert many.status_code == 400, many.text
+    err = many.json()["error"]
+    assert err["code"] == "invalid_prompt"
+    assert "3 prompts" in err["message"]
+    assert "one request per prompt" in err["message"]
+    assert "x-llmgw-replica" not in many.headers  # refused before any engine was asked
+    assert ask([[1, 2], [3, 4]]).status_code == 400
+    for one in ("The sky is", ["The sky is"], [818, 7217, 563], [[818, 7217, 563]]):
+        r = ask(one)
+        assert r.status_code == 200, (one, r.text)
+        answer = r.json()
+        assert len(answer["choices"]) == 1
+        assert answer["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("case", "field"),
+    [
+        ("tools", "tools[0].function.name"),
+        ("tool_call_id", "messages[2].tool_call_id"),
+        ("image", ""),
+        ("surrogate", "messages[0].content"),
+    ],
+)
+def test_a_clients_mistake_is_a_400_not_the_engines_500(gateway_url: str, case: str, field: str) -> None:
+    """Issue 19 item 10: llama-server answers these client mistakes with a 500 ``server_error``, which
+    the gateway passed on (and counted as a server error). Now the gateway refuses the malformed
+    shapes itself (400 naming the field) and turns llama-server's 500 for an image sent to a text
+    model (which the gateway cannot know) into a 400 saying so."""
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    body: dict[str, object] = {"model": "gemma", "messages": [user], "max_tokens": 2}
+    raw = b""
+    if case == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": 5, "parameters": {"type": "object"}}}]
+    elif case == "tool_call_id":
+        call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+        body["messages"] = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": 1, "content": "sunny"}]
+    elif case == "image":
+        img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, img]}]
+    else:
+        raw = b'{"model": "gemma", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    headers = {"Authorization": "Bearer sk-e2e", "Content-Type": "application/json"}
+    r = httpx.post(f"{gateway_url}/chat/completions", content=raw or json.dumps(body).encode(), headers=headers,
+                   timeout=120)
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    if field:
+        assert f"'{field}'" in err["message"]
+    else:
+        assert "text only" in err["message"]
+        assert "mmproj" not in err["message"]

@@ -27,8 +27,11 @@ Mechanism, per judgment (:meth:`JudgeClient.judge`):
    is an error, never a Safe verdict.
 
 The whole of it, template check and queue wait included, runs under ``asyncio.timeout(budget_s)``.
-Not guaranteed: that a judge answering Safe is right (that is the model's accuracy), nor that a
-long text is judged whole: it is sent as is, and one past the judge's context is a ``down`` error.
+Not guaranteed: that a judge answering Safe is right (that is the model's accuracy). A text is sent
+whole, never cut: one past the judge's context is a ``too_long`` error (llama-server's
+``exceed_context_size_error``), which the guard refuses whatever the policy's ``fail``
+(:mod:`llmgw.control.gateway.guard`), so padding a prompt past the judge's context does not get it
+served unjudged.
 """
 
 from __future__ import annotations
@@ -125,7 +128,8 @@ class JudgeClient:
             await self._session.close()
             self._session = None
 
-    def _http(self) -> aiohttp.ClientSession:
+    def http(self) -> aiohttp.ClientSession:
+        """The pooled session (opened on first use, inside the running loop)."""
         # One connection per request (force_close): a streamed judgment's connection is closed to stop
         # the engine anyway, and an idle pooled one that llama-server closes as a judgment is written
         # to it failed that judgment ("Can not write request body", seen in the e2e tests); a connect
@@ -248,11 +252,12 @@ class JudgeClient:
         A streamed answer is read event by event and the connection closed (so the engine stops)
         once ``fmt.decided`` gives a verdict (unless ``whole``); a JSON answer is read whole.
         """
-        async with self._http().post(
+        async with self.http().post(
             f"http://{up.endpoint}/v1/chat/completions", json=body, headers={"Authorization": "Bearer " + up.key}
         ) as resp:
             if resp.status >= 400:
-                raise JudgeError(f"the judge answered {resp.status}", kind="down", raw=(await resp.text())[:2000])
+                raw = (await resp.text())[:2000]
+                raise JudgeError(f"the judge answered {resp.status}", kind=_error_kind(raw), raw=raw)
             if not resp.content_type.startswith("text/event-stream"):
                 data = _json(await resp.text())
                 try:
@@ -272,7 +277,8 @@ class JudgeClient:
                         break
                     event = _json(payload.decode(errors="replace"))
                     if isinstance(event, dict) and "error" in event:
-                        raise JudgeError("the judge failed mid-answer", kind="down", raw=str(event)[:2000])
+                        raw = str(event)[:2000]
+                        raise JudgeError("the judge failed mid-answer", kind=_error_kind(raw), raw=raw)
                     timings = _timings(event) or timings
                     for ch in (event.get("choices") or []) if isinstance(event, dict) else []:
                         delta = ch.get("delta") if isinstance(ch, dict) else None
@@ -289,7 +295,7 @@ class JudgeClient:
 
     async def _post(self, up: Upstream, path: str, body: dict[str, Any] | None) -> Any:
         """POST ``body`` (GET when None) to ``path`` on ``up``; the JSON answer."""
-        async with self._http().request(
+        async with self.http().request(
             "GET" if body is None else "POST", f"http://{up.endpoint}{path}", json=body,
             headers={"Authorization": "Bearer " + up.key},
         ) as resp:
@@ -325,6 +331,17 @@ class JudgeClient:
             log.info("judge replica %s: no slot count from /props (%s); assuming 1", up.replica_id, e)
         self.template_checked[up.replica_id] = True
         return True
+
+
+#: What llama-server says when a request does not fit in a slot's context (its error ``type``; older
+#: builds only the message).
+_TOO_LONG = ("exceed_context_size", "exceeds the available context size", "larger than the max context size")
+
+
+def _error_kind(raw: str) -> str:
+    """The :class:`JudgeError` kind of a judge's error answer: ``too_long`` when it says the text does
+    not fit in its context, else ``down``."""
+    return "too_long" if any(m in raw for m in _TOO_LONG) else "down"
 
 
 def _json(text: str) -> Any:

@@ -13,8 +13,10 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
    on some key, is given a real one). The peer address is the socket's, never
    ``X-Forwarded-For``; a reverse proxy on this machine would make every client loopback, so don't
    combine the two.
-2. **body**: JSON object with a string ``model`` and a list ``messages`` (else 400
-   ``invalid_request_error``).
+2. **body**: JSON object with a string ``model`` and a list ``messages`` (``prompt``: one prompt;
+   ``input``), every string valid Unicode (no lone surrogate), else 400 ``invalid_request_error``
+   naming the field; a chat request's ``messages``/``tools``/``tool_choice`` shapes are checked with
+   the fields (:func:`~llmgw.control.gateway.request.check_chat`).
 3. **model**: ``router.resolve`` (name or alias); unknown → 404 ``model_not_found`` naming the known
    models; no ready replica → 503 ``model_unavailable`` with ``Route.unavailable`` as the reason.
    Then the body is cut to what an engine may see (:mod:`llmgw.control.gateway.request`: OpenAI
@@ -75,6 +77,7 @@ from llmgw.control.gateway.request import (
     COMPLETIONS,
     EMBEDDINGS,
     Endpoint,
+    check_prompts,
     dropped_header,
     upstream_body,
     with_stream_usage,
@@ -462,10 +465,49 @@ def _model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
 
 
+#: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes: a UTF-16 surrogate, valid JSON only in a pair.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _lone_surrogate(v, f"{where}[{i}]")) is not None:
+                return found
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            at = f"{where}.{k}" if where else str(k)
+            if (found := _lone_surrogate(k, at) or _lone_surrogate(v, at)) is not None:
+                return found
+    return None
+
+
+def _check_unicode(raw: bytes, body: dict[str, Any]) -> None:
+    """HttpError 400 for a string holding a lone UTF-16 surrogate (``"\\ud800"`` unpaired): Python's
+    JSON reads it, but it is not Unicode, and llama-server failed on it with a 500. Only a body whose
+    bytes hold such an escape is walked (one regex search otherwise)."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        raise HttpError(
+            400, "invalid_request",
+            f"'{where}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is not "
+            "valid Unicode: send the text as valid UTF-8, or escape a character outside the BMP as a surrogate pair",
+        )
+
+
 def _parse(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """The body as a dict with a string ``model`` and the endpoint's input (``messages``: a non-empty
-    list; ``prompt``: a string or a non-empty list of strings or token ids; ``input``: the same);
-    else HttpError 400.
+    list; ``prompt``: one prompt, :func:`~llmgw.control.gateway.request.check_prompts`; ``input``: a
+    string or a non-empty list of strings or token ids); else HttpError 400.
 
     Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only (else its
     :class:`~llmgw.errors.JsonBodyError`, an HttpError too)."""
@@ -485,6 +527,9 @@ def _parse(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
             400, f"invalid_{field}",
             f"'{field}' is required: a string, or a non-empty list of strings (or of token ids)",
         )
+    if endpoint is COMPLETIONS:
+        check_prompts(value)
+    _check_unicode(raw, body)
     if endpoint is EMBEDDINGS and body.get("stream") is True:
         raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
     return body

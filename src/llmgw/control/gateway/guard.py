@@ -4,7 +4,12 @@ prompt and answer judged by the policy's judge (:mod:`llmgw.guard`).
 Per chat request (the first policy of ``guard.policies`` whose ``models``/``keys`` match; none:
 untouched):
 
-- **in**: the last user message is judged before any engine is asked.
+- **in**: everything the engine will read is judged before any engine is asked: a chat request's
+  system message, every user turn, the assistant turns and tool results the client sent, and its
+  ``tools`` (:func:`conversation_text`); a completions ``prompt`` or embeddings ``input`` whole, token
+  ids turned back into text by the model's engine (``POST /detokenize``) or refused (400
+  ``unjudgeable_prompt``). Sent whole to the judge: a text past the judge's context is refused with
+  400 ``too_long_to_judge`` whatever ``fail`` says (never served unjudged, never judged in part).
 - **out**, not streamed: the answer (content, reasoning, tool-call arguments of every choice) is
   judged before it is sent.
 - **out**, streamed: the answer is held until it is complete and judged, then sent as the engine
@@ -41,16 +46,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import aiohttp
+
 from llmgw.catalog import Model, Role
 from llmgw.control.gateway.inspect import Refusal, current_call
 from llmgw.errors import JudgeError
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy
 from llmgw.guard.formats import Safety
 from llmgw.guard.judge import JudgeClient, JudgeRoute, Judgment
-from llmgw.routing import Route
+from llmgw.routing import Route, Upstream
 
 log = logging.getLogger(__name__)
 
+#: ``Retry-After`` (s) of a 503 ``judge_unavailable`` when the judge is missing or down.
+RETRY_UNAVAILABLE_S = 5
+#: Seconds one ``/detokenize`` call to an engine may take (a list of ids is turned into text in ms).
+DETOKENIZE_S = 10.0
 #: Judge times kept per judge for p50/p95 in ``guard judge status``.
 TIMES_KEPT = 1000
 
@@ -138,9 +149,11 @@ def message_text(content: Any) -> str:
 
 
 def prompt_text(request: dict[str, Any]) -> str:
-    """The text judged as the prompt: the last user message (the last message when none is a user's);
-    for ``/v1/completions`` its ``prompt``, for ``/v1/embeddings`` its ``input`` (the strings of a list,
-    joined; token ids are not text and are not judged)."""
+    """The prompt as the *context* of an answer's judgment (direction out): the last user message (the
+    last message when none is a user's); for ``/v1/completions`` its ``prompt``, for ``/v1/embeddings``
+    its ``input`` (the strings of a list, joined). Also what the prompt is judged as when it holds no
+    token ids and no messages. The prompt itself (direction in) is judged whole:
+    :meth:`GuardInspector.prompt`, :func:`conversation_text`."""
     for name in ("prompt", "input"):
         value = request.get(name)
         if isinstance(value, str):
@@ -151,6 +164,49 @@ def prompt_text(request: dict[str, Any]) -> str:
     users = [m for m in msgs if m.get("role") == "user"]
     last = users[-1] if users else (msgs[-1] if msgs else {})
     return message_text(last.get("content"))
+
+
+#: The label of each message's text in what the guard judges (``ROLE: text``), by role.
+_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL"}
+
+
+def conversation_text(request: dict[str, Any]) -> str:
+    """The whole text of a chat request an engine reads, as the guard judges it (direction in).
+
+    Every message of every role (system and developer, each user turn, assistant turns the client
+    wrote, tool results): its ``content`` (a string, or the ``text`` parts of a list of parts) and
+    its tool calls' arguments; and the ``tools`` the request declares (their JSON: names,
+    descriptions and parameter schemas are rendered into the engine's prompt too). A request whose
+    only text is one user message is judged as that text alone, as before; otherwise each message is
+    a paragraph ``ROLE: text`` in order (``SYSTEM``, ``USER``, ``ASSISTANT``, ``TOOL``), then
+    ``TOOLS: [...]``. Images and audio are not text and are not judged.
+    """
+    parts: list[tuple[str, str]] = []
+    for m in request.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        text = "\n".join(t for t in (message_text(m.get("content")), *_tool_args(m.get("tool_calls"))) if t)
+        if text:
+            parts.append((_ROLES.get(str(m.get("role")), "MESSAGE"), text))
+    tools = request.get("tools")
+    if tools:
+        parts.append(("TOOLS", json.dumps(tools, ensure_ascii=False)))
+    if len(parts) == 1 and parts[0][0] == "USER":
+        return parts[0][1]
+    return "\n\n".join(f"{role}: {text}" for role, text in parts)
+
+
+def token_prompts(value: Any) -> list[list[int | str]] | None:
+    """The prompts of a ``prompt``/``input`` that hold token ids, each a list of ids (strings mixed
+    in, as llama-server reads them), or None when it is all text (a string, a list of strings)."""
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and any(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+    if ids(value):
+        return [value]
+    if isinstance(value, list) and any(ids(v) for v in value):
+        return [v if isinstance(v, list) else [v] for v in value]
+    return None
 
 
 def _tool_args(calls: Any) -> list[str]:
@@ -208,11 +264,74 @@ class GuardInspector:
 
     # -- the Inspector hooks -------------------------------------------------------------------
     async def prompt(self, route: Route, request: dict[str, Any]) -> Refusal | None:
-        """Judge the prompt (in) before any engine is asked; a refusal or None."""
+        """Judge the prompt (in) before any engine is asked; a refusal or None.
+
+        What is judged is all the engine will read: a chat request's whole conversation
+        (:func:`conversation_text`); a completions ``prompt`` or embeddings ``input``, where token ids
+        are first turned back into text by the model's own engine (:meth:`detokenize`; a prompt whose
+        ids it cannot turn into text is refused with 400 ``unjudgeable_prompt``, never judged as empty).
+        """
         policy = self.policy(route.model)
         if policy is None or not policy.checks(Direction.IN):
             return None
-        return await self.decide(policy, Direction.IN, route.model, prompt_text(request))
+        if "messages" in request:
+            text = conversation_text(request)
+        else:
+            field = "prompt" if "prompt" in request else "input"
+            value = request.get(field)
+            tokens = token_prompts(value)
+            if tokens is None:
+                text = prompt_text(request)
+            else:
+                try:
+                    text = "\n".join([await self.detokenize(route, p) for p in tokens])
+                except JudgeError as e:
+                    log.warning("guard in: policy %s model %s: token ids not judged: %s", policy.name, route.model, e)
+                    return Refusal(
+                        f"policy '{policy.name}' judges every prompt to model '{route.model}', and the token ids "
+                        f"in '{field}' could not be turned back into text to judge ({e}); send the {field} as text",
+                        status=400, code="unjudgeable_prompt", extra={"direction": "in", "policy": policy.name},
+                    )
+        return await self.decide(policy, Direction.IN, route.model, text)
+
+    async def detokenize(self, route: Route, prompt: list[int | str]) -> str:
+        """The text of one token-id prompt as the model's engine reads it: each run of ids through the
+        engine's ``POST /detokenize`` (llama-server; the model's own vocabulary), strings kept as they are.
+
+        Raises:
+            JudgeError: ``error`` when no replica turned the ids into text (no replica, a refused
+                connection, an error answer such as an id outside the vocabulary, or no ``content``).
+        """
+        if not route.upstreams:
+            raise JudgeError("the model has no ready replica", kind="error")
+        up = route.upstreams[0]
+        out: list[str] = []
+        run: list[int] = []
+        for item in [*prompt, ""]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                run.append(item)
+                continue
+            if run:
+                out.append(await self._detokenize_run(up, run))
+                run = []
+            if isinstance(item, str):
+                out.append(item)
+        return "".join(out)
+
+    async def _detokenize_run(self, up: Upstream, ids: list[int]) -> str:
+        try:
+            async with self.client.http().post(
+                f"http://{up.endpoint}/detokenize", json={"tokens": ids},
+                headers={"Authorization": "Bearer " + up.key}, timeout=aiohttp.ClientTimeout(total=DETOKENIZE_S),
+            ) as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise JudgeError(f"the engine's /detokenize failed: {type(e).__name__}", kind="error") from e
+        content = data.get("content") if isinstance(data, dict) else None
+        if not isinstance(content, str):
+            raise JudgeError(f"the engine's /detokenize answered {status} without text", kind="error")
+        return content
 
     async def answer(self, route: Route, request: dict[str, Any], response: dict[str, Any]) -> Refusal | None:
         """Judge a complete answer (out) before it is sent; a refusal or None."""
@@ -258,6 +377,9 @@ class GuardInspector:
                 "guard %s: policy %s model %s: no verdict (%s, %.0f ms): %s; judge said: %r; fail %s",
                 d, policy.name, model, e.kind, ms, e, e.raw[:500], policy.fail.value,
             )
+            if e.kind == "too_long":  # never served unjudged, whatever ``fail`` says: padding is no way round
+                notes.verdict("unjudged", (), ms)
+                return too_long(policy, direction)
             if policy.fail is FailMode.OPEN:
                 GuardStats._inc(self.stats.unjudged, d)
                 notes.verdict("unjudged", (), ms)
@@ -295,24 +417,46 @@ class GuardInspector:
 def unavailable(policy: Policy, direction: Direction, error: JudgeError) -> Refusal:
     """The 503 ``judge_unavailable`` refusal when ``policy`` got no verdict (``fail: closed``).
 
-    A ``busy`` judge (refused at once by admission, :mod:`llmgw.guard.admission`) says so and when to
-    retry: ``retry_after_s`` in the error object and a ``Retry-After`` header (seconds) on a response
-    not yet started.
+    Every one says when to retry: ``retry_after_s`` in the error object and a ``Retry-After`` header
+    (whole seconds) on a response not yet started. A ``busy`` judge (refused at once by admission,
+    :mod:`llmgw.guard.admission`): when its queue should have room; a spent budget (``timeout``): the
+    policy's budget (the judge was that slow just now); any other (judge missing or down):
+    :data:`RETRY_UNAVAILABLE_S`.
     """
     what = "prompt" if direction is Direction.IN else "answer"
     extra: dict[str, Any] = {"direction": direction.value, "policy": policy.name}
     if error.kind == "busy" and error.retry_after_s is not None:
         retry = max(1, math.ceil(error.retry_after_s))
-        extra["retry_after_s"] = retry
-        if (call := current_call.get()) is not None:
-            call.headers["Retry-After"] = str(retry)
         message = (
             f"policy '{policy.name}' could not judge the {what} within its budget of {policy.budget_s:g} s: "
             f"its judge is busy (too many judgments queued); retry in {retry} s"
         )
+    elif error.kind == "timeout":
+        retry = max(1, math.ceil(policy.budget_s))
+        message = (
+            f"policy '{policy.name}' could not judge the {what} within its budget of {policy.budget_s:g} s "
+            f"(its judge is slow right now); retry in {retry} s"
+        )
     else:
-        message = f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry shortly"
+        retry = RETRY_UNAVAILABLE_S
+        message = (
+            f"policy '{policy.name}' could not judge the {what}: its judge is unavailable; retry in {retry} s"
+        )
+    extra["retry_after_s"] = retry
+    if (call := current_call.get()) is not None:
+        call.headers["Retry-After"] = str(retry)
     return Refusal(message, status=503, code="judge_unavailable", extra=extra)
+
+
+def too_long(policy: Policy, direction: Direction) -> Refusal:
+    """The 400 ``too_long_to_judge`` refusal for a text longer than the judge's context (any ``fail``)."""
+    what = "prompt" if direction is Direction.IN else "answer"
+    hint = "shorten the conversation" if direction is Direction.IN else "ask for a shorter answer (max_tokens)"
+    return Refusal(
+        f"the {what} is longer than policy '{policy.name}''s judge can read (its context); it is not served "
+        f"unjudged: {hint}",
+        status=400, code="too_long_to_judge", extra={"direction": direction.value, "policy": policy.name},
+    )
 
 
 def blocked(policy: Policy, direction: Direction, categories: tuple[str, ...]) -> Refusal:

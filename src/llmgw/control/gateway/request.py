@@ -28,7 +28,8 @@ positive asks pass, others are removed (the engine's default applies).
 **Refused** (400 ``invalid_request_error``), because an engine would misread them: ``n`` other than
 1 (each choice is a whole generation; llama-server serves one), ``max_tokens`` /
 ``max_completion_tokens`` / ``top_logprobs`` that are not integers, ``top_logprobs`` outside 0-20
-(OpenAI's range), ``stream`` that is not a boolean.
+(OpenAI's range), ``stream`` that is not a boolean; on ``/v1/completions``, a ``prompt`` listing
+more than one prompt (:func:`check_prompts`: one request, one generation).
 
 Cost: one pass over the body's top-level keys; the body is re-encoded (once) only when something
 changed, so a request that asks within ``max_output`` with OpenAI fields only is sent byte for byte
@@ -141,6 +142,154 @@ def _check(body: dict[str, Any]) -> None:
         raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
 
 
+#: Prompts one ``/v1/completions`` request may carry (see :func:`check_prompts`).
+MAX_PROMPTS = 1
+
+
+def _is_token_ids(value: Any) -> bool:
+    """True for a non-empty list of integers (token ids) and strings: one prompt to llama-server, which
+    reads a list of only ids, or of ids and strings mixed, as a single prompt."""
+    return (
+        isinstance(value, list) and bool(value)
+        and all(isinstance(v, int | str) and not isinstance(v, bool) for v in value)
+        and any(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+
+
+def check_prompts(prompt: Any) -> int:
+    """How many prompts ``/v1/completions``' ``prompt`` holds (always :data:`MAX_PROMPTS`, 1), or
+    HttpError 400 ``invalid_prompt``.
+
+    One prompt is a string, a list of token ids (integers, strings mixed in allowed), or a list
+    holding one of those. A list of several prompts is refused: each is a whole generation, and
+    engines answer it with one completion per prompt (llama-server's ``usage`` counted one of them,
+    so ``tpm`` and budgets were never reached, and 2,000 prompts held the engine for a minute,
+    starving every other client), so a request would buy as many generations as it lists while
+    being admitted, limited and guarded as one. The message says to send one request per prompt.
+    """
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return 1
+    if not isinstance(prompt, list) or not prompt:
+        raise HttpError(400, "invalid_prompt", "'prompt' must be a string or a list of token ids")
+    if len(prompt) > MAX_PROMPTS:
+        raise HttpError(
+            400, "invalid_prompt",
+            f"'prompt' lists {len(prompt)} prompts; this gateway serves {MAX_PROMPTS} prompt per request "
+            "(each prompt is a whole generation, admitted, limited and guarded as one request): send one "
+            "request per prompt",
+        )
+    one = prompt[0]
+    if not (isinstance(one, str) or _is_token_ids(one)):
+        raise HttpError(
+            400, "invalid_prompt",
+            f"'prompt[0]' must be a string or a list of token ids, got {json.dumps(one)[:40]}",
+        )
+    return 1
+
+
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type as a message names it (``a number``, ``null``...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _want(cond: bool, where: str, what: str, value: Any) -> None:
+    """Raise the 400 naming the field ``where`` (``messages[2].tool_call_id``) when ``cond`` is false."""
+    if not cond:
+        raise _bad(f"'{where}' must be {what}, got {_kind(value)}")
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        _want(isinstance(part, dict), at, "an object with a 'type'", part)
+        kind = part.get("type")
+        _want(isinstance(kind, str), f"{at}.type", "a string ('text', 'image_url' or 'input_audio')", kind)
+        if kind == "text":
+            _want(isinstance(part.get("text"), str), f"{at}.text", "a string", part.get("text"))
+        elif kind == "image_url":
+            img = part.get("image_url")
+            url = img.get("url") if isinstance(img, dict) else img
+            _want(isinstance(url, str), f"{at}.image_url.url", "a string (an https: or data: URL)", url)
+        elif kind == "input_audio":
+            audio = part.get("input_audio")
+            _want(isinstance(audio, dict) and isinstance(audio.get("data"), str), f"{at}.input_audio",
+                  "an object with 'data' (base64) and 'format'", audio)
+        else:
+            raise _bad(f"'{at}.type' must be 'text', 'image_url' or 'input_audio', got {json.dumps(kind)[:40]}")
+
+
+def _check_function(fn: Any, where: str, *, call: bool) -> None:
+    _want(isinstance(fn, dict), where, "an object with 'name'" + (" and 'arguments'" if call else ""), fn)
+    name = fn.get("name")
+    _want(isinstance(name, str) and bool(name), f"{where}.name", "a non-empty string", name)
+    if call:
+        args = fn.get("arguments")
+        _want(isinstance(args, str), f"{where}.arguments", "a string (the arguments as JSON text)", args)
+        return
+    if "description" in fn and fn["description"] is not None:
+        _want(isinstance(fn["description"], str), f"{where}.description", "a string", fn["description"])
+    if "parameters" in fn and fn["parameters"] is not None:
+        _want(isinstance(fn["parameters"], dict), f"{where}.parameters", "an object (a JSON schema)",
+              fn["parameters"])
+
+
+def check_chat(body: dict[str, Any]) -> None:
+    """Refuse (HttpError 400 ``invalid_request``, naming the field) a chat request an engine would fail
+    on with a 500, as if the fault were the server's: the shapes of ``messages`` (``role`` a string;
+    ``content`` a string, null or a list of ``text``/``image_url``/``input_audio`` parts;
+    ``tool_call_id`` and ``name`` strings; ``tool_calls`` with string ``arguments``), ``tools`` (a
+    list of ``{"type": "function", "function": {"name", "description", "parameters"}}``) and
+    ``tool_choice`` (``none``/``auto``/``required`` or ``{"type": "function", "function": {"name"}}``).
+    Only types and shapes: what an engine then makes of a well-formed request is its business.
+    """
+    for i, m in enumerate(body.get("messages") or ()):
+        at = f"messages[{i}]"
+        _want(isinstance(m, dict), at, "an object with 'role' and 'content'", m)
+        _want(isinstance(m.get("role"), str), f"{at}.role", "a string (system, user, assistant or tool)",
+              m.get("role"))
+        content = m.get("content")
+        if isinstance(content, list):
+            _check_parts(content, f"{at}.content")
+        else:
+            _want(content is None or isinstance(content, str), f"{at}.content", "a string or a list of parts",
+                  content)
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                _want(isinstance(m[key], str), f"{at}.{key}", "a string", m[key])
+        calls = m.get("tool_calls")
+        if calls is not None:
+            _want(isinstance(calls, list), f"{at}.tool_calls", "a list", calls)
+            for j, c in enumerate(calls):
+                _want(isinstance(c, dict), f"{at}.tool_calls[{j}]", "an object with 'id' and 'function'", c)
+                if "id" in c:
+                    _want(isinstance(c["id"], str), f"{at}.tool_calls[{j}].id", "a string", c["id"])
+                _check_function(c.get("function"), f"{at}.tool_calls[{j}].function", call=True)
+    tools = body.get("tools")
+    if tools is not None:
+        _want(isinstance(tools, list), "tools", "a list of {\"type\": \"function\", \"function\": {...}}", tools)
+        for i, t in enumerate(tools):
+            _want(isinstance(t, dict), f"tools[{i}]", "an object {\"type\": \"function\", \"function\": {...}}", t)
+            if t.get("type", "function") != "function":
+                raise _bad(f"'tools[{i}].type' must be \"function\", got {json.dumps(t.get('type'))[:40]}")
+            _check_function(t.get("function"), f"tools[{i}].function", call=False)
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in _TOOL_CHOICES:
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        _want(isinstance(fn, dict) and isinstance(fn.get("name"), str), "tool_choice",
+              "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}", choice)
+
+
 def dropped_header(dropped: list[str]) -> str:
     """The ``x-llmgw-dropped`` value: the dropped names that are plain identifiers, at most 10."""
     named = [k for k in dropped if _NAME.fullmatch(k)][:_MAX_NAMED]
@@ -164,6 +313,8 @@ def upstream_body(
         HttpError: 400 ``invalid_request`` for a field an engine would misread (the message names it).
     """
     _check(body)
+    if "messages" in body:
+        check_chat(body)
     dropped = [k for k in body if k not in forwarded]
     for k in dropped:
         del body[k]

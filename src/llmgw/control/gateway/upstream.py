@@ -14,7 +14,9 @@ Mechanism, per chat request:
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
    llama-server writes its model file's path there.
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
-   replica's address and key. Two are the gateway's problem, not the client's, and become 502: a
+   replica's address and key; a 500 that llama-server gives for the client's own mistake (a field of
+   the wrong type, an image sent to a text-only model: :data:`_CLIENT_MISTAKES`) becomes the 400
+   ``invalid_request_error`` it is. Two are the gateway's problem, not the client's, and become 502: a
    401/403 (the replica does not know the gateway's key: it was restarted with a new one) and a
    dead replica mid-request. Mid-stream, after the 200 went out, that 502 is a final
    ``data: {"error": ...}`` event.
@@ -212,6 +214,29 @@ def _scrub(data: bytes, up: Upstream) -> bytes:
     return data
 
 
+#: Pieces of llama-server's 500 messages that are the request's fault, not the server's: its JSON
+#: reader's type errors (``[json.exception.type_error.302] type must be string, but is number``, for a
+#: field of the wrong type the gateway does not check) and media a text-only model cannot read.
+_CLIENT_MISTAKES = ("[json.exception.", "image input is not supported", "audio input is not supported")
+
+
+def _client_mistake(data: bytes) -> str:
+    """The engine's message when a 500 body says the request was at fault (see :data:`_CLIENT_MISTAKES`),
+    shortened and without llama-server's mmproj hint; "" for a real server error."""
+    text = data.decode("utf-8", "replace")
+    try:
+        err = json.loads(text).get("error")
+        message = str(err.get("message", "")) if isinstance(err, dict) else text
+    except (ValueError, AttributeError):
+        message = text
+    if not any(m in message for m in _CLIENT_MISTAKES):
+        return ""
+    if "input is not supported" in message:
+        media = "images" if "image" in message else "audio"
+        return f"it reads text only, not {media}: send 'text' content parts"
+    return message.strip()[:300]
+
+
 async def _replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
     """The response for a replica's 4xx/5xx: passed through (scrubbed), or a 502 when it is ours."""
     data = await resp.read()
@@ -225,6 +250,10 @@ async def _replica_error(route: Route, up: Upstream, resp: aiohttp.ClientRespons
         shaped = isinstance(json.loads(data).get("error"), dict)
     except (ValueError, AttributeError):
         shaped = False
+    if resp.status == 500 and (mistake := _client_mistake(data)):
+        log.info("replica %s of %s: a 500 for the client's request, sent as 400: %s", up.replica_id, route.model,
+                 mistake)
+        return openai_error_json(400, "invalid_request", f"model '{route.model}' cannot take this request: {mistake}")
     if shaped:
         return web.Response(body=data, status=resp.status, content_type="application/json")
     text = data.decode("utf-8", "replace").strip()[:300]

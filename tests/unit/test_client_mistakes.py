@@ -1,0 +1,87 @@
+"""A client's malformed request is a 400 naming the field (issue 19 item 10): the pure parts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from llmgw.control.gateway.app import _parse
+from llmgw.control.gateway.guard import unavailable
+from llmgw.control.gateway.inspect import Call, current_call
+from llmgw.control.gateway.request import CHAT, check_chat
+from llmgw.control.gateway.upstream import _client_mistake
+from llmgw.errors import HttpError, JudgeError
+from llmgw.guard.config import Direction, Policy
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": [USER], "tools": "x"}, "tools"),
+        ({"messages": [USER], "tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name"),
+        ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"messages": [USER], "tools": [{"type": "x", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"messages": [USER], "tool_choice": 3}, "tool_choice"),
+        ({"messages": [USER, {"role": "tool", "tool_call_id": 1, "content": "x"}]}, "messages[1].tool_call_id"),
+        ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+         "messages[0].tool_calls[0].function.arguments"),
+    ],
+)
+def test_malformed_shapes_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(HttpError) as e:
+        check_chat(body)
+    assert e.value.status == 400
+    assert f"'{field}'" in e.value.message
+
+
+def test_well_formed_requests_pass() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    check_chat({
+        "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "t"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    })
+
+
+def test_a_lone_surrogate_is_refused_a_pair_is_not() -> None:
+    with pytest.raises(HttpError) as e:
+        _parse(b'{"model": "m", "messages": [{"role": "user", "content": "a\\udc00"}]}', CHAT)
+    assert "'messages[0].content'" in e.value.message
+    ok = _parse(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}', CHAT)
+    assert ok["messages"][0]["content"] == "\U0001f600 \\ud800"
+
+
+def test_engine_500s_for_the_clients_mistake() -> None:
+    img = {"error": {"code": 500, "message": "image input is not supported - hint: if this is unexpected, you may "
+                     "need to provide the mmproj", "type": "server_error"}}
+    said = _client_mistake(json.dumps(img).encode())
+    assert "text only" in said
+    assert "mmproj" not in said
+    assert _client_mistake(b'{"error": {"message": "[json.exception.type_error.302] type must be string"}}')
+    assert _client_mistake(b'{"error": {"message": "slot failed"}}') == ""
+
+
+@pytest.mark.parametrize(("kind", "want"), [("timeout", 3), ("down", 5), ("missing", 5)])
+def test_every_judge_503_says_when_to_retry(kind: str, want: int) -> None:
+    call = Call()
+    token = current_call.set(call)
+    try:
+        r = unavailable(Policy(name="p", judge="j", budget_s=2.5), Direction.IN, JudgeError("no", kind=kind))
+    finally:
+        current_call.reset(token)
+    assert r.status == 503
+    assert r.extra is not None
+    assert r.extra["retry_after_s"] == want
+    assert call.headers["Retry-After"] == str(want)

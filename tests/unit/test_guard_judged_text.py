@@ -1,0 +1,45 @@
+"""What the guard judges of a prompt (issue 19 item 9): the pure parts."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.control.gateway.guard import conversation_text, token_prompts
+from llmgw.guard.judge import _error_kind
+
+
+def test_one_user_message_is_judged_alone() -> None:
+    assert conversation_text({"messages": [{"role": "user", "content": "hi"}]}) == "hi"
+
+
+def test_every_message_and_the_tools_are_judged() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"q": "x"}'}}
+    req = {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "sys"}, {"type": "image_url", "image_url": {}}]},
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "result"},
+            {"role": "user", "content": "last"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "desc"}}],
+    }
+    text = conversation_text(req)
+    assert text.split("\n\n") == [
+        "SYSTEM: sys", "USER: first", 'ASSISTANT: {"q": "x"}', "TOOL: result", "USER: last",
+        'TOOLS: [{"type": "function", "function": {"name": "f", "description": "desc"}}]',
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [("text", None), (["a", "b"], None), ([1, 2], [[1, 2]]), ([[1], "a"], [[1], ["a"]]), ([1, "a"], [[1, "a"]])],
+)
+def test_token_prompts(value: object, want: object) -> None:
+    assert token_prompts(value) == want
+
+
+def test_a_judge_past_its_context_is_too_long() -> None:
+    raw = '{"error":{"code":400,"message":"request (5000 tokens) exceeds the available context size (1024 tokens)",'
+    assert _error_kind(raw + '"type":"exceed_context_size_error"}}') == "too_long"
+    assert _error_kind('{"error":{"code":500,"message":"slot crashed"}}') == "down"
