@@ -5,6 +5,20 @@ PostgreSQL): nothing here names a dialect. ``schema_migrations`` records the ver
 so opening twice applies nothing twice; a migration is appended, never edited or reordered once
 released ("migrations, never delete the file").
 
+The tables below are today's shape, for the store's queries. A migration never reads them for the
+shape it creates: migration 1 creates its four tables from a frozen copy of their first shape
+(:data:`_V1`), and each later migration creates its tables or adds its columns as they were when
+it was written, so a fresh database goes through the same steps as one made by the first release,
+and ``test_store.py`` checks that the two end at today's tables. A column is added with
+SQLAlchemy's own DDL (:func:`_add_column`: ``CreateColumn`` compiled for the connection's dialect).
+
+Why not Alembic: it would add a dependency and a second version table (``alembic_version``) for
+what ``MIGRATIONS`` already does in ~200 lines: an ordered list, applied once under the advisory
+lock (PostgreSQL) in one transaction; its autogenerate, the part that saves work, compares a
+database with the models, and ``test_store.py`` does that check here. The price is that a
+migration's DDL is written by hand (frozen copies, :func:`_add_column`); revisit when a migration
+needs what Alembic's batch mode gives (SQLite table rebuilds to drop or alter a column).
+
 Tables: ``models`` (catalog entries as JSON), ``model_names`` (every name and alias a model answers
 to, one owner each: migration 4), ``nodes``, ``replicas``, ``explanations``, ``gguf_facts``,
 ``node_certs`` and ``revoked_certs`` (migration 3), ``cp_leader`` and ``control_planes`` (migration 5:
@@ -23,6 +37,7 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+from sqlalchemy.schema import CreateColumn
 
 log = logging.getLogger(__name__)
 
@@ -202,36 +217,76 @@ migrations_t = sa.Table(
 )
 
 
+_V1 = sa.MetaData()
+"""Migration 1's four tables as the first release made them, frozen: never edit (a later shape
+is a later migration)."""
+
+sa.Table(
+    "models", _V1,
+    sa.Column("name", sa.String(63), primary_key=True),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+sa.Table(
+    "nodes", _V1,
+    sa.Column("id", sa.String(253), primary_key=True),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("cordoned", sa.Boolean, nullable=False),
+    sa.Column("labels", sa.Text, nullable=False),
+    sa.Column("inventory", sa.Text, nullable=False),
+    sa.Column("engines", sa.Text, nullable=False),
+    sa.Column("replicas", sa.Text, nullable=False),
+    sa.Column("first_seen", sa.Float, nullable=False),
+    sa.Column("last_seen", sa.Float, nullable=False),
+)
+sa.Table(
+    "replicas", _V1,
+    sa.Column("id", sa.String(80), primary_key=True),
+    sa.Column("model", sa.String(63), nullable=False, index=True),
+    sa.Column("node", sa.String(253), nullable=False, index=True),
+    sa.Column("profile", sa.String(128), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("err", sa.Text, nullable=False),
+    sa.Column("key", sa.String(128), nullable=False),
+    sa.Column("endpoint", sa.String(300), nullable=False),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("ready_at", sa.Float, nullable=True),
+    sa.Column("restarts", sa.Integer, nullable=False),
+)
+sa.Table(
+    "explanations", _V1,
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("body", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+
+def _add_column(conn: Connection, table: str, column: sa.Column[object]) -> None:
+    """``ALTER TABLE table ADD COLUMN <column>``, the column's specification (type, NOT NULL,
+    server default) compiled by SQLAlchemy for ``conn``'s dialect (``CreateColumn``); ``column``
+    is a fresh :class:`sqlalchemy.Column` written in the migration, never one of today's tables'."""
+    sa.Table(table, sa.MetaData(), column)  # CreateColumn compiles a column that belongs to a table
+    spec = CreateColumn(column).compile(dialect=conn.dialect)
+    conn.exec_driver_sql(f"ALTER TABLE {conn.dialect.identifier_preparer.quote(table)} ADD COLUMN {spec}")
+
+
 def _migration_1(conn: Connection) -> None:
-    """The first schema: models, nodes, replicas, explanations."""
-    for table in (models_t, nodes_t, replicas_t, explanations_t):
-        table.create(conn, checkfirst=True)
-
-
-_MIGRATION_2_COLUMNS = {
-    "nodes": ["instance", "cached"],
-    "replicas": ["gpu_indexes", "last_error", "spec_hash"],
-}
+    """The first schema: models, nodes, replicas, explanations (:data:`_V1`)."""
+    _V1.create_all(conn, checkfirst=True)
 
 
 def _migration_2(conn: Connection) -> None:
-    """nodes.instance/cached, replicas.gpu_indexes/last_error/spec_hash, gguf_facts.
-
-    Columns are added only where missing: migration 1 creates tables from the current definitions,
-    so a database made today already has them."""
-    inspector = sa.inspect(conn)
-    for table_name, columns in _MIGRATION_2_COLUMNS.items():
-        have = {c["name"] for c in inspector.get_columns(table_name)}
-        table = metadata.tables[table_name]
-        for name in columns:
-            if name in have:
-                continue
-            col = table.c[name]
-            ddl = col.type.compile(dialect=conn.dialect)
-            default = col.server_default.arg if col.server_default is not None else ""  # type: ignore[attr-defined]
-            conn.execute(
-                sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} {ddl} NOT NULL DEFAULT '{default}'")
-            )
+    """nodes.instance/cached, replicas.gpu_indexes/last_error/spec_hash, gguf_facts."""
+    _add_column(conn, "nodes", sa.Column("instance", sa.String(64), nullable=False, server_default=""))
+    _add_column(conn, "nodes", sa.Column("cached", sa.Text, nullable=False, server_default="[]"))
+    _add_column(conn, "replicas", sa.Column("gpu_indexes", sa.Text, nullable=False, server_default="[]"))
+    _add_column(conn, "replicas", sa.Column("last_error", sa.Text, nullable=False, server_default=""))
+    _add_column(conn, "replicas", sa.Column("spec_hash", sa.String(64), nullable=False, server_default=""))
     gguf_facts_t.create(conn, checkfirst=True)
 
 
@@ -305,11 +360,8 @@ def _migration_7(conn: Connection) -> None:
 
 def _migration_8(conn: Connection) -> None:
     """``replicas.members``: the nodes of a replica spread over several (JSON list of
-    :class:`~llmgw.protocol.GroupMember`, ``[]`` for one node). Added only where missing (a database
-    made today has it from migration 1)."""
-    have = {c["name"] for c in sa.inspect(conn).get_columns("replicas")}
-    if "members" not in have:
-        conn.execute(sa.text("ALTER TABLE replicas ADD COLUMN members TEXT NOT NULL DEFAULT '[]'"))
+    :class:`~llmgw.protocol.GroupMember`, ``[]`` for one node)."""
+    _add_column(conn, "replicas", sa.Column("members", sa.Text, nullable=False, server_default="[]"))
 
 
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
