@@ -40,6 +40,11 @@ SPEC = ReplicaSpec(
 @pytest.fixture
 def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    # Until the child has exec'd, its command line is the forking Python's: a record taken then
+    # names another program than the one running a moment later (seen under load).
+    deadline = time.monotonic() + 10
+    while psutil.Process(proc.pid).cmdline() != ["sleep", "60"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     yield proc
     if proc.poll() is None:
         proc.kill()
