@@ -1,4 +1,4 @@
-"""HA failover on one machine (issue 11 item 7): the topology of tests/ha (three Patroni members with
+"""HA failover on one machine: the topology of tests/ha (three Patroni members with
 PostgreSQL 15 on raft, sync mode, ttl 20 / loop_wait 2 / retry_timeout 4; three ``llmgw server run``
 control planes on the multi-host URL; one agent serving gemma-3-270m on the real llama-server), all
 real processes on loopback (tests/helpers/hacluster.py), under the load of tests/ha/load.py (a

@@ -21,7 +21,7 @@ own venv under ``~/.cache/llmgw/bench``, made on first use; one worker, a master
    ``/proc``-backed psutil counters), and, for the choice of upstream client, CPU per event of an
    aiohttp vs an httpx (async) client reading the same stream in this process.
 
-Targets (issue 12): added p50 <= 1 ms and gateway requests/s >= 30x LiteLLM's; each is printed as
+Targets: added p50 <= 1 ms and gateway requests/s >= 30x LiteLLM's; each is printed as
 PASS/FAIL and a FAIL exits 1. Figures are printed last, one ``name: value unit`` per line.
 """
 

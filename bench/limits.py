@@ -15,7 +15,7 @@ Phases:
    its counts and reads the other's every 0.5 s).
 
 Each phase waits for a minute to begin, drives ``--minutes`` whole calendar minutes (the limiter's
-windows), and counts the 200s and 429s per minute. Target (issue 12): admitted per minute within
+windows), and counts the 200s and 429s per minute. Target: admitted per minute within
 ``rpm`` ± 10 % on one control plane; with two, within ± 10 % plus one second of traffic. A missing
 PostgreSQL is a failure, not a skip. Figures last, one ``name: value unit`` per line.
 """

@@ -12,7 +12,7 @@ An update rewrites the one ``binary:`` line (or appends an ``engines:`` block wh
 none), keeps the file as it was in ``agent.yaml.bak``, checks the result loads with the new
 value, and records it.
 
-Its control planes (issue 19, item 6) are the other value a later init changes: on an HA control
+Its control planes are the other value a later init changes: on an HA control
 plane agent.yaml names every control plane, ``server`` this one and ``servers`` the others from
 ``/etc/llmgw/ha.yaml``, as a node that ``server add-node`` made does; one naming only the first
 lost its control plane whenever that one was down when the agent (re)started. A rerun adds the

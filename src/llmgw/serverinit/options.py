@@ -18,7 +18,7 @@ class InitOptions:
     download, 10 min for a model to start, and 90 s before believing placement's "nowhere" (long
     enough for a node still installing its engine).
 
-    HA (issue 11; :mod:`llmgw.serverinit.steps.database`): ``control_planes`` are the members as
+    HA (:mod:`llmgw.serverinit.steps.database`): ``control_planes`` are the members as
     ``NAME=HOST[:PORT]`` (this machine first) and switch HA on; ``etcd`` the etcd v3 URLs Patroni
     uses (none: Patroni's raft); ``patroni_venv``/``patroni_dir``/``pg_bin_dir`` where Patroni, its
     member's files and PostgreSQL 15 are; ``join`` a standby's bundle from ``server

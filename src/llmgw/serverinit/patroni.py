@@ -1,4 +1,4 @@
-"""PostgreSQL kept highly available by Patroni, for an HA ``server init`` (issue 11, item 5).
+"""PostgreSQL kept highly available by Patroni, for an HA ``server init``.
 
 What is decided and written here, each a function that a step (:mod:`.steps.database`) or a test
 calls:
@@ -96,7 +96,7 @@ RAFT_KEY = "raft"
 PASSWORD_KEYS = ("superuser", "replication", "rewind", DB_USER, REST_KEY, RAFT_KEY)
 """The passwords an HA plan holds: Patroni's three PostgreSQL users, the store's, the one that
 guards Patroni's REST API's writes (user ``llmgw``), and raft's (pysyncobj encrypts and
-authenticates every message between members with it; issue 19, item 7)."""
+authenticates every message between members with it)."""
 
 OPTIONAL_KEYS = (RAFT_KEY,)
 """Passwords an ha.yaml written by an older init lacks: :meth:`HaPlan.from_doc` makes one and

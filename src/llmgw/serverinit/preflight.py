@@ -12,7 +12,7 @@
 * :func:`check_starter_names`: the starter's catalog name and ``--starter-alias`` must be valid
   names and differ. An alias equal to the name passed every earlier check and reached the
   catalog entry at step 6, after the control plane, the mirror and the node were set up, and init
-  ended in a pydantic traceback (issue 19, item 17).
+  ended in a pydantic traceback.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A standby control plane: the bundle the first control plane writes for it, and the checks and
-copies ``server init --join DIR`` makes of it (issue 11, item 5).
+copies ``server init --join DIR`` makes of it.
 
 ``llmgw server add-control-plane NAME --address ADDR --out DIR`` (on the machine holding the CA
 key and ``/etc/llmgw/ha.yaml``) writes into DIR (made 0700, every file 0600):
@@ -243,7 +243,7 @@ def load_bundle_yaml(path: Path) -> ServerConfig:
 
 def _adds_passwords(have_path: Path, bundle: HaPlan) -> bool:
     """True when the ha.yaml here is the bundle's but for passwords an older init did not make
-    (raft's): the bundle then brings them, and replaces it (issue 19, item 7)."""
+    (raft's): the bundle then brings them, and replaces it."""
     try:
         have = HaPlan.load(have_path)
     except ConfigError:

@@ -1,4 +1,4 @@
-"""The unit of an HA control plane's database member: PostgreSQL under Patroni (issue 11).
+"""The unit of an HA control plane's database member: PostgreSQL under Patroni.
 
 One text serves systemd and llmgw's supervisor (:mod:`llmgw.service.units`), which applies
 ``User=``/``Group=`` as systemd does. Patroni runs as ``postgres`` (PostgreSQL refuses root) from

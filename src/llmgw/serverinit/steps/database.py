@@ -1,5 +1,5 @@
 """Step 1b (HA only): this machine's database member, PostgreSQL under Patroni, and server.yaml
-pointing the control plane at the shared database (issue 11, item 5).
+pointing the control plane at the shared database.
 
 On the first control plane (``--control-plane NAME=HOST[:PORT]``, repeatable, this machine
 first) :func:`run`: the plan (:class:`~llmgw.serverinit.patroni.HaPlan`, kept in

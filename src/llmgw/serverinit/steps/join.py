@@ -67,8 +67,8 @@ def listen_flags(ctx: InitContext) -> dict[str, str]:
 
 def preflight(ctx: InitContext, b: Bundle, listen: dict[str, str]) -> None:
     """What ``--join`` checks after the bundle and before anything is copied from it (the CA key
-    and the database passwords are in it; issue 19, item 7: they used to be written first, then
-    a taken port refused the join and left them behind).
+    and the database passwords are in it: they used to be written first, then a taken port
+    refused the join and left them behind).
 
     In order: the bundle's ha.yaml carries raft's password; the control plane's listen ports
     (this machine's server.yaml's when it has one, else the bundle's with ``listen`` over them)
