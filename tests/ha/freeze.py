@@ -71,9 +71,14 @@ def _health(cluster: HACluster, name: str) -> dict[str, object] | None:
     return None
 
 
-def freeze_lock_holder(cluster: HACluster, *, within_s: float = 20, after_s: float = 5) -> Freeze:
+def freeze_lock_holder(
+    cluster: HACluster, *, within_s: float = 20, after_s: float = 5, whole_control_plane: bool = False
+) -> Freeze:
     """Freeze the lock holder's backend until a new term is agreed on (``within_s`` at most), then
-    ``SIGCONT`` it and watch ``after_s`` seconds more (module docstring).
+    ``SIGCONT`` it and watch ``after_s`` seconds more (module docstring). With
+    ``whole_control_plane`` the leading control plane's process is frozen instead: its backend stays
+    idle and alive, as the server sees a leader cut off by the network (its kernel still answers
+    keepalives, so only the lease can end it); its health is then not asked during the freeze.
 
     Raises:
         AssertionError: no agreed leader before the freeze, or nobody holds the lock.
@@ -81,25 +86,28 @@ def freeze_lock_holder(cluster: HACluster, *, within_s: float = 20, after_s: flo
     old = wait_for("an agreed leader", lambda: agreed_leader(cluster), 30, 0.2)
     held = wait_for("the advisory lock's holder", lambda: lock_holder(cluster), 10, 0.2)
     out = Freeze(old, held[0], held[1])
-    os.kill(out.pid, signal.SIGSTOP)
+    proc = cluster.cp(old[0]).proc
+    assert proc is not None
+    frozen_pid = proc.pid if whole_control_plane else out.pid
+    os.kill(frozen_pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < within_s:
             now = time.monotonic() - t0
-            h = _health(cluster, old[0])
+            h = None if whole_control_plane else _health(cluster, old[0])
             if out.stepped_down_s is None and h is not None and not h.get("leader"):
                 out.stepped_down_s = now
             if now > LEASE_S + 1.5:  # the lease has ended (+ the views' 1 s read): nobody names it
-                for name, v in cluster_views(cluster).items():
+                for name, v in _views(cluster, skip=old[0] if whole_control_plane else ""):
                     if isinstance(v, dict) and (v.get("leader"), v.get("term")) == old:
                         out.findings.append(f"{name} names {old[0]} (term {old[1]}) {now:.1f} s into the freeze")
-            got = agreed_leader(cluster)
+            got = _agreed(cluster, skip=old[0] if whole_control_plane else "")
             if got is not None and got[1] > old[1]:
                 out.takeover_s, out.new = time.monotonic() - t0, got
                 break
             time.sleep(0.05)
     finally:
-        os.kill(out.pid, signal.SIGCONT)
+        os.kill(frozen_pid, signal.SIGCONT)
     resumed = time.monotonic()
     while time.monotonic() - resumed < after_s:
         h = _health(cluster, old[0])
@@ -114,6 +122,28 @@ def freeze_lock_holder(cluster: HACluster, *, within_s: float = 20, after_s: flo
     except AssertionError as e:
         out.findings.append(str(e))
     return out
+
+
+def _views(cluster: HACluster, skip: str = "") -> list[tuple[str, object]]:
+    """Every live control plane's ``GET /api/v1/cluster`` but ``skip``'s (frozen: it cannot answer)."""
+    if not skip:
+        return list(cluster_views(cluster).items())
+    return [(cp.name, cp.cluster(timeout=1)) for cp in cluster.live() if cp.name != skip]
+
+
+def _agreed(cluster: HACluster, skip: str = "") -> tuple[str, int] | None:
+    """:func:`~tests.ha.load.agreed_leader`, or with ``skip`` (frozen): one leader and term that every
+    other control plane names, that leader's own view saying it leads."""
+    if not skip:
+        return agreed_leader(cluster)
+    views = dict(_views(cluster, skip))
+    pairs = {(v.get("leader"), v.get("term")) for v in views.values() if isinstance(v, dict)}
+    if len(pairs) != 1 or any(not isinstance(v, dict) for v in views.values()):
+        return None
+    leader, term = pairs.pop()
+    if not isinstance(leader, str) or not isinstance(term, int) or leader not in views:
+        return None
+    return leader, term
 
 
 def _gone(cluster: HACluster, pid: int) -> bool:

@@ -8,7 +8,9 @@ decided, the leader stepped down at ~5 s and nobody took over for the whole free
 leader stops acting within its lease, every control plane names a new leader in a higher term within
 lease + 2 s of the freeze, no view names the old term's leader once its lease has ended, and after
 ``SIGCONT`` the old term never leads again, its writes are refused and the frozen backend exits
-(it was terminated). About 40 s on 2 cores (the cluster's start included).
+(it was terminated). The second test freezes the leading control plane's process instead (its
+backend idle and alive: the server's view of a leader cut off by the network). About 55 s each on
+2 cores (the cluster's start included).
 """
 
 from __future__ import annotations
@@ -58,3 +60,19 @@ def test_a_frozen_lock_holder_is_taken_over_within_lease_plus_2_s(ha: HACluster)
             store.fenced(term).delete_explanation("nothing")
     finally:
         store.close()
+
+
+def test_a_frozen_leading_control_plane_is_taken_over_within_lease_plus_2_s(ha: HACluster) -> None:
+    """The leading control plane's process frozen: its backend stays idle and alive, holding the
+    lock, as the server sees a leader cut off by the network (its kernel still answers keepalives).
+    Before, nobody led until it ran again; now the others take over after its lease, and once it
+    runs again it never leads its old term."""
+    frozen = freeze_lock_holder(ha, within_s=LEASE_S + 10, whole_control_plane=True)
+    leader, term = frozen.old
+    logs = {cp.name: cp.log_tail(8) for cp in ha.control_planes}
+    assert frozen.takeover_s is not None, f"nobody took over while {leader} was frozen: {dump(logs)}"
+    assert frozen.takeover_s <= LEASE_S + 2, f"takeover took {frozen.takeover_s:.1f} s"
+    assert frozen.new is not None
+    assert frozen.new[1] > term
+    assert frozen.new[0] != leader
+    assert frozen.findings == []
