@@ -16,9 +16,15 @@ Measured, in this order:
 4. ``lost_acknowledged_writes``: acknowledged writes missing on the final primary. Target 0.
 5. ``gateway_success_pct``: chats answered 200 through surviving control planes during all of it.
    Target ≥ 99%.
+6. ``frozen_lock_takeover_s`` (issue 19 item 2), after the load: ``SIGSTOP`` of the PostgreSQL
+   backend holding the control planes' advisory lock (tests/ha/freeze.py) to every control plane
+   naming a new leader in a higher term. Target ≤ 7 s (the 5 s lease + 2 s to take over); the old
+   leader must not lead its old term again after ``SIGCONT``. ``--frozen-lock`` measures this one
+   alone, on the cluster without an agent or load (Patroni's venv only; about 40 s).
 
 Needs ``scripts/assets`` (llama-server, the model, the Patroni venv) and root (PostgreSQL runs as
-user postgres through setpriv). About 1.5 minutes on 2 cores (84 s measured). Figures last, one ``name: value`` per
+user postgres through setpriv). About 1.5 minutes on 2 cores (84 s measured before item 6, which adds
+about 25 s). Figures last, one ``name: value`` per
 line; exits 1 when a figure could not be measured (named in its line) or misses its target.
 
     .venv/bin/python bench/failover.py
@@ -37,6 +43,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.ha.freeze import LEASE_S, freeze_lock_holder
 from tests.ha.load import Load, agreed_leader
 from tests.helpers.hacluster import HACluster, catalog_names, chat, gemma_model, post_model, start_ha_cluster, wait_for
 
@@ -68,6 +75,39 @@ def idle_memory_mib(cluster: HACluster) -> dict[str, float]:
                 total += psutil.Process(pid).memory_full_info().pss
         out[part] = total / MIB
     return out
+
+
+def frozen_lock_takeover(cluster: HACluster, figures: dict[str, str], failed: list[str]) -> None:
+    """``frozen_lock_takeover_s`` into ``figures`` (item 6 of the module docstring); its name into
+    ``failed`` when it was not measured, missed ≤ 7 s, or the frozen leader acted after its lease."""
+    target = LEASE_S + 2
+    try:
+        frozen = freeze_lock_holder(cluster, within_s=LEASE_S + 15)
+    except AssertionError as e:
+        figures["frozen_lock_takeover_s"] = f"n/a ({e})"
+        failed.append("frozen_lock_takeover_s")
+        return
+    took = frozen.takeover_s
+    print(f"frozen lock holder: pid {frozen.pid} ({frozen.app}); the old leader stopped at "
+          f"{frozen.stepped_down_s} s; new leader {frozen.new}; findings {frozen.findings}")
+    figures["frozen_lock_takeover_s"] = f"{took:.2f}" if took is not None else "n/a (no new leader in time)"
+    if took is None or took > target or frozen.findings:
+        failed.append("frozen_lock_takeover_s")
+
+
+def frozen_lock_only() -> int:
+    """``--frozen-lock``: ``frozen_lock_takeover_s`` alone, on the cluster without an agent."""
+    figures: dict[str, str] = {}
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="llmgw-failover-") as tmp:
+        cluster = start_ha_cluster(Path(tmp))
+        try:
+            time.sleep(3)
+            frozen_lock_takeover(cluster, figures, failed)
+        finally:
+            cluster.stop()
+    print(f"frozen_lock_takeover_s: {figures.get('frozen_lock_takeover_s', 'n/a')}")
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -128,6 +168,7 @@ def main() -> int:
                 time.sleep(3)
             finally:
                 load.stop()
+            frozen_lock_takeover(cluster, figures, failed)
             lost = len(set(load.writer.acked) - catalog_names(cluster.patroni))
             figures["lost_acknowledged_writes"] = str(lost)
             if lost:
@@ -141,7 +182,7 @@ def main() -> int:
         finally:
             cluster.stop()
     for name in ("leader_takeover_s", "db_failover_write_outage_s", "lost_acknowledged_writes",
-                 "gateway_success_pct", "cluster_idle_memory_mib"):
+                 "gateway_success_pct", "cluster_idle_memory_mib", "frozen_lock_takeover_s"):
         print(f"{name}: {figures.get(name, 'n/a')}")
     if failed:
         print(f"missed or not measured: {', '.join(failed)}", file=sys.stderr)
@@ -149,4 +190,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(frozen_lock_only() if sys.argv[1:] == ["--frozen-lock"] else main())

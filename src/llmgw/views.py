@@ -12,6 +12,9 @@ clients (:mod:`llmgw.adminclient`, the CLI) read the same shapes back, so every 
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
+
 from pydantic import BaseModel, Field, computed_field
 
 from llmgw import gpuhealth
@@ -205,7 +208,11 @@ class ClusterView(BaseModel):
     Attributes:
         me: the answering control plane's name.
         term: the leadership term (the fencing token; 0 before anyone led).
-        leader: the leading control plane's name, "" when none leads now.
+        leader: the leading control plane's name, "" when none leads now: the term's holder only while
+            its lease is fresh (``renewed_at`` within ``cluster.lease_s``) and its control plane alive.
+        no_leader_since: when ``leader`` is "": unix seconds since which none leads (the lease's end,
+            or its last renewal when its holder is known to be gone); 0 when none ever led. None
+            while ``leader`` names one.
         database: whether ``me`` reaches the database.
         control_planes: every control plane that wrote its row, by name.
         patroni: the database's members from the first ``cluster.patroni`` URL that answered.
@@ -215,10 +222,22 @@ class ClusterView(BaseModel):
     me: str
     term: int
     leader: str
+    no_leader_since: float | None = None
     database: DatabaseView
     control_planes: list[ControlPlaneView] = Field(default_factory=list)
     patroni: list[PatroniMemberView] = Field(default_factory=list)
     patroni_error: str = ""
+
+    def leader_text(self, now: float | None = None) -> str:
+        """The leader in words, as ``ctl cluster`` and the dashboard say it: its name,
+        ``no leader since 2026-12-03 07:40:12 UTC (12 s ago)``, or ``no leader yet``."""
+        if self.leader:
+            return self.leader
+        if not self.no_leader_since:
+            return "no leader yet"
+        ago = max(0.0, (time.time() if now is None else now) - self.no_leader_since)
+        when = datetime.fromtimestamp(self.no_leader_since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return f"no leader since {when} ({ago:.0f} s ago)"
 
 
 class KeyView(BaseModel):

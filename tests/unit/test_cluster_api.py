@@ -10,6 +10,7 @@ that answers is used and that one that does not is reported, not fatal.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -170,6 +171,88 @@ async def test_two_control_planes_one_leader_both_serve_and_say_so(
             took = time.monotonic() - stopped
             assert (await _get(s, b.admin + "/api/v1/health"))["term"] > term
             assert took < 3, f"takeover took {took:.2f} s"
+
+
+async def test_a_leader_that_stepped_down_is_not_named_while_nobody_leads(tmp_path: Path, pg_cluster: Cluster) -> None:
+    """Issue 19 item 5: the term's holder stepped down (its renewals hang: a session holds the
+    ``cp_leader`` row, so nobody can take a term either) while its control plane stays alive. The
+    follower's ``GET /api/v1/cluster``, its heartbeat replies and ``ctl cluster`` said the old holder
+    led, exactly while no reconciler ran; now: no leader, and since when. Real control planes
+    (in-process ``serve``, real listeners) on a real PostgreSQL 15; lease 2 s."""
+    url = pg_cluster.new_database()
+    a = _ha_install(tmp_path / "a", "cp-a", url, [])
+    b = _ha_install(tmp_path / "b", "cp-b", url, [], tls_of=a)
+    u = sa.make_url(url)
+    db = {"host": u.host, "port": u.port, "user": u.username, "dbname": u.database}
+    async with serving(a), aiohttp.ClientSession() as s:
+        await until("cp-a leads alone", lambda: _leads(s, a), within_s=10)
+        async with serving(b):
+
+            async def view_of_b() -> ClusterView:
+                return ClusterView.model_validate(await _get(s, b.admin + "/api/v1/cluster"))
+
+            async def names_a() -> bool:
+                return (await view_of_b()).leader == "cp-a"
+
+            await until("cp-b names cp-a the leader", names_a, within_s=10)
+            with psycopg.connect(**db) as blocker:  # type: ignore[arg-type]
+                blocker.execute("SELECT term FROM cp_leader WHERE id = 1 FOR UPDATE")  # renewals now hang
+                blocked = time.time()
+                await until("cp-a steps down", lambda: _not(_leads(s, a)), within_s=4)
+
+                async def none_named() -> ClusterView | None:
+                    v = await view_of_b()
+                    return v if not v.leader else None
+
+                view = await until("cp-b says nobody leads", none_named, within_s=4)
+                assert view.no_leader_since is not None
+                assert blocked - 2.5 <= view.no_leader_since <= time.time(), (blocked, view.no_leader_since)
+                assert not any(c.leader for c in view.control_planes)
+                health = [await _get(s, i.admin + "/api/v1/health") for i in (a, b)]
+                assert [h["leader"] for h in health] == [False, False]
+
+                async with s.post(b.agent_url + "/agent/v1/register", data=heartbeat(),
+                                  ssl=a.agent_ctx("node-1")) as r:
+                    assert r.status == 200, await r.text()
+                    reply = HeartbeatReply.model_validate_json(await r.read())
+                assert reply.leader == ""
+
+                out = await asyncio.to_thread(
+                    CliRunner().invoke, cli_app,
+                    ["--root", str(tmp_path / "b"), "ctl", "cluster", "--server", b.admin, "--token", TOKEN],
+                )
+                assert out.exit_code == 0, out.output
+                assert "no leader since" in out.output, out.output
+                assert "leader cp-a" not in out.output
+
+                # The dashboard's overview, logged in with the admin token.
+                jar = aiohttp.CookieJar(unsafe=True)  # cookies for 127.0.0.1
+                async with aiohttp.ClientSession(cookie_jar=jar) as ui:
+                    async with ui.get(b.admin + "/ui/login") as r:
+                        csrf = re.search(r'name="csrf" value="([^"]+)"', await r.text())
+                    assert csrf is not None
+                    form = {"csrf": csrf.group(1), "token": TOKEN, "next": ""}
+                    async with ui.post(b.admin + "/ui/login", data=form) as r:
+                        assert r.status == 200, await r.text()
+                        page = await r.text()
+                assert "Leader: <strong>no leader since" in page, page[:3000]
+                blocker.rollback()
+            await until("a leader again", lambda: _either_leads(s, a, b), within_s=10)
+
+            async def named() -> ClusterView | None:
+                v = await view_of_b()
+                return v if v.leader else None
+
+            again = await until("cp-b names the new leader", named, within_s=5)
+            assert again.no_leader_since is None
+
+
+async def _not(c: Any) -> bool:
+    return not await c
+
+
+async def _either_leads(s: aiohttp.ClientSession, *insts: Install) -> bool:
+    return any([await _leads(s, i) for i in insts])
 
 
 def _libpq(url: str) -> dict[str, Any]:

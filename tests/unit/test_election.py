@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +19,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from llmgw.control.reconcile.election import PgElection, SoloElection, while_leading
+from llmgw.control.reconcile.election import LOCK_KEY, PgElection, SoloElection, while_leading
 from llmgw.control.store import Store, default_url, open_store
 from llmgw.errors import Fenced
 from tests.helpers.postgres import Cluster
@@ -84,6 +86,23 @@ async def test_exactly_one_of_three_leads_and_its_term_is_in_the_database(pg_url
         assert row.renewed_at > row.since  # renewed by writing
 
 
+async def test_the_election_connection_sets_its_own_keepalives_on_both_ends(pg_url: str) -> None:
+    """Issue 19 item 2: a leader cut off by the network must be noticed by the server (which then
+    ends its session and lock), whatever the URL or the server's defaults say: the session's own
+    ``tcp_keepalives_*`` as the server reads them, and the client's libpq parameters."""
+    url = pg_url + ("&" if "?" in pg_url else "?") + "keepalives_idle=600"
+    async with running(url, "a") as (el,):
+        await one_leader([el])
+        shown = {}
+        for name in ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count", "tcp_user_timeout"):
+            row = await el._op(f"SHOW {name}", {})  # the election's own connection
+            assert row is not None
+            shown[name] = row[0]
+        assert shown == {"tcp_keepalives_idle": "2", "tcp_keepalives_interval": "1",
+                         "tcp_keepalives_count": "2", "tcp_user_timeout": "4000"}
+        assert el.kwargs["keepalives_idle"] == "2"
+
+
 async def test_killed_connection_hands_leadership_over_with_a_higher_term(pg_url: str) -> None:
     async with running(pg_url, "a", "b") as els:
         first = await one_leader(els)
@@ -139,6 +158,74 @@ async def test_a_leader_whose_renewals_hang_steps_down_within_its_lease(pg_url: 
             blocker.rollback()
         again = await one_leader(els)
         assert again.term > term
+
+
+def lock_holder(url: str) -> tuple[int, str] | None:
+    """The backend holding the election's advisory lock in ``url``'s database, as ``pg_locks`` and
+    ``pg_stat_activity`` show it: ``(pid, application_name)``, None when nobody holds it."""
+    with psycopg.connect(**_libpq(url)) as admin:  # type: ignore[arg-type]
+        row = admin.execute(
+            "SELECT l.pid, s.application_name FROM pg_locks l JOIN pg_stat_activity s ON s.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.objid = %s AND l.objsubid = 1 AND l.granted"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (LOCK_KEY,),
+        ).fetchone()
+    return (int(row[0]), str(row[1])) if row else None
+
+
+async def test_a_frozen_lock_holder_is_taken_over_after_its_lease_and_stays_fenced(pg_url: str) -> None:
+    """Issue 19 item 2: SIGSTOP of the backend that holds the leader's advisory lock (it looks alive to
+    PostgreSQL, so the lock never frees). The leader stops acting within its lease; another control
+    plane takes a new term within lease + 2 s of the freeze (the lease, not the lock, decides) and
+    ends the frozen backend; after SIGCONT the old term never leads again and its writes are refused.
+    Real PostgreSQL 15, real signals; the three elections share this process (only the backend freezes)."""
+    async with running(pg_url, "a", "b", "c") as els:
+        leader = await one_leader(els)
+        term = leader.term
+        await asyncio.sleep(3 * RENEW_S)  # renewing
+        held = await asyncio.to_thread(lock_holder, pg_url)
+        assert held is not None
+        assert held[0] == leader.backend_pid, held
+        pid = held[0]
+        os.kill(pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            stepped: list[float] = []
+
+            async def taken() -> PgElection | None:
+                now = leaders(els)
+                assert len(now) <= 1, f"two leaders: {[(e.name, e.term) for e in now]}"
+                if not leader.leading and not stepped:
+                    stepped.append(time.monotonic() - frozen)
+                return now[0] if now and now[0].term > term else None
+
+            new = await until("a new term while the old lock holder is frozen", taken,
+                              within_s=LEASE_S + 2, every_s=0.02)
+            took = time.monotonic() - frozen
+            assert stepped, "the frozen leader never stepped down"
+            assert stepped[0] <= LEASE_S + 0.3, f"the frozen leader acted for {stepped[0]:.2f} s"
+            assert took <= LEASE_S + 2, f"takeover took {took:.2f} s"
+            assert leaders(els) == [new]
+            assert held[1] == f"llmgw leader term {term} {leader.name}"  # the term's session, by name
+            ended = [e.terminated for e in els if e.terminated]
+            assert any(pid in t for t in ended), f"the frozen backend {pid} was not ended: {ended}"
+            store = open_store(pg_url)
+            try:
+                with pytest.raises(Fenced):
+                    store.fenced(term).delete_explanation("nothing")
+            finally:
+                store.close()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Running again, the frozen backend dies (it was terminated) and the old term never comes back.
+        for _ in range(40):
+            now = leaders(els)
+            assert len(now) == 1, [(e.name, e.term) for e in now]
+            assert now[0].term >= new.term, (now[0].name, now[0].term)
+            await asyncio.sleep(0.05)
+        gone = await until("the frozen backend exits", lambda: _async(
+            (h := lock_holder(pg_url)) is None or h[0] != pid), within_s=5, every_s=0.1)
+        assert gone
 
 
 async def test_while_leading_runs_work_only_while_leading(pg_url: str) -> None:

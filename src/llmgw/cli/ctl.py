@@ -129,7 +129,8 @@ def cluster(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt =
         _print_json(view)
         return
     db = "reachable" if view.database.reachable else f"UNREACHABLE: {view.database.error}"
-    console().print(f"term {view.term}, leader {view.leader or '(none)'}; answered by {view.me}, database {db}")
+    leader = f"leader {view.leader}" if view.leader else view.leader_text()
+    console().print(f"term {view.term}, {leader}; answered by {view.me}, database {db}")
     t = Table("CONTROL PLANE", "AGENT URL", "LEADER", "ALIVE", "SEEN")
     for cp in view.control_planes:
         t.add_row(cp.name, cp.agent_url, "yes" if cp.leader else "", "yes" if cp.alive else "NO",

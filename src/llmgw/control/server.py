@@ -402,7 +402,7 @@ async def serve(
     signals: list[signal.Signals] = []
     agent_port = parse_listen(config.agent_listen)[1]
     members = Membership(
-        store, db, election, name=name, version=__version__,
+        store, db, election, name=name, version=__version__, lease_s=config.cluster.lease_s,
         agent_url=config.cluster.agent_url or default_agent_url(config.agent_listen, agent_port),
     )
     metrics = ControlPlaneMetrics(

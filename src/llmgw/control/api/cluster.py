@@ -93,6 +93,7 @@ def cluster_view(members: Membership, *, now: float | None = None) -> ClusterVie
         me=members.name,
         term=members.term(),
         leader=leader,
+        no_leader_since=members.no_leader_since(),
         database=DatabaseView(reachable=members.database_ok, error=members.database_error),
         control_planes=[
             ControlPlaneView(

@@ -1,34 +1,65 @@
-"""Which control plane leads: a PostgreSQL session advisory lock plus a fenced term, or SQLite alone.
+"""Which control plane leads: a lease in the database's term row, an advisory lock for fast handover, or SQLite alone.
 
 Several control planes share one PostgreSQL database (kept by Patroni); exactly one of them, the
 **leader**, runs the reconcilers (:mod:`llmgw.control.reconcile.leader`, the judge keeper). The
 algorithm is ha.md §3.3, measured there (runs r7-r10: a new leader 0.24 s after ``kill -9`` of
 the leading control plane, a leader on a frozen primary stopped acting 4.3 s after the freeze, one
-on an orphaned primary 2.2 s after the promotion, never two leaders):
+on an orphaned primary 2.2 s after the promotion, never two leaders), with the **lease as the
+truth** (issue 19 item 2): the ``cp_leader`` row (``term``, ``holder``, ``renewed_at``) is the lease,
+and a lease that stopped renewing is taken over whatever state the old holder's session is in.
 
 1. **One dedicated connection** (:class:`PgElection`): psycopg's async connection, autocommit,
-   never pooled (a pooled connection given back still holding the lock, or a transaction-level
-   lock, gives no mutual exclusion), made from the store's own URL (multi-host, keepalives,
-   ``connect_timeout``: :mod:`llmgw.control.store.postgres`).
-2. **Following**, every ``renew_s``: if ``pg_locks`` shows this session holds the lock, take the
-   term; else ``pg_try_advisory_lock(K)`` (never called while the lock is held: session locks
-   stack). On success the term is taken by a durable write,
-   ``UPDATE cp_leader SET term=term+1, holder=… WHERE id=1 RETURNING term``: on an orphaned
-   primary that write hangs, so an orphan never makes a leader.
-3. **Leading**, every ``renew_s``: ``SELECT pg_is_in_recovery(), <lock held>`` and a renewal that
-   *writes* (``UPDATE cp_leader SET renewed_at=… WHERE id=1 AND term=$t RETURNING term``), each
+   never pooled, made from the store's own URL (multi-host, ``connect_timeout``:
+   :mod:`llmgw.control.store.postgres`), with its own TCP keepalives on both ends
+   (:data:`ELECTION_LIBPQ`, :data:`ELECTION_SERVER_SETTINGS`: a leader cut off by the network has
+   its server session ended in about 4 s instead of PostgreSQL's default of hours) and an
+   ``application_name`` that names it (:data:`APP_FOLLOWER`, then :data:`APP_LEADER` with the term
+   once it leads), so the other control planes can find the term's session in ``pg_stat_activity``.
+2. **Time is the database's**: ``since`` and ``renewed_at`` are written from the server's
+   ``clock_timestamp()``, and followers judge the lease's age on that same clock (no skew between
+   control planes). The lease has ended when ``renewed_at`` is more than ``lease_s`` old; a
+   follower takes it over :data:`TAKEOVER_GRACE_S` later, when the old leader's watchdog (5.) has
+   stopped it.
+3. **Following**, every ``renew_s`` (and again just after the lease's end): read the lease, the
+   session holding the advisory lock (``pg_locks``) and whether the term's session still exists;
+   try the lock if nobody holds it (never while holding it: session locks stack). Then:
+
+   a. *holding the lock*: take the term when the lease has ended, nobody ever led, the term was
+      this control plane's own, or the term's session is gone (a killed leader: the fast path,
+      no need to wait for the lease);
+   b. *not holding it, the lease ended*: unless the lock is held by a session active within
+      ``lease_s`` (it takes the lease itself, by a.), end the stale sessions
+      (``pg_terminate_backend`` of the lock holder and of the term's session when idle for more
+      than ``lease_s``: a frozen backend, a leader cut off) and take the term anyway. A frozen
+      backend only dies when it runs again, and its lock with it; the lease does not wait for that.
+
+   A term is taken by one compare-and-set write, ``UPDATE cp_leader SET term=term+1, holder=…
+   WHERE id=1 AND term=<the term read> [AND the lease ended] RETURNING term``: of two followers
+   only one matches, and on an orphaned primary the write hangs, so an orphan never makes a leader.
+4. **Leading**, every ``renew_s``: ``SELECT pg_is_in_recovery()`` and a renewal that *writes*
+   (``UPDATE cp_leader SET renewed_at=<server now> WHERE id=1 AND term=$t RETURNING term``), each
    under a client-side timeout (``op_timeout_s``, 2 s: ``statement_timeout`` did not fire while
-   a commit waited on synchronous replication, nor on a frozen server). A success sets the lease's
-   start (``time.monotonic()``).
-4. **A watchdog** every :data:`WATCHDOG_S`: when the last successful renewal is older than
-   ``lease_s`` the control plane stops acting at once, even while a call hangs.
-5. **Any error**, a missing lock, recovery, or a renewal that matched no row: step down, close the
-   connection in the background (a hung close must not hold the loop), and contend again on a
-   new one after ``renew_s``.
+   a commit waited on synchronous replication, nor on a frozen server). A leader that took the
+   term by lease without the lock (a frozen old session still holds it) takes the lock when it
+   is free. The lease's start is when the renewal was **sent** (``time.monotonic()`` before the
+   call): the server wrote ``renewed_at`` after that, so the leader's own lease ends no later than
+   the one followers judge.
+5. **A watchdog** every :data:`WATCHDOG_S`: when the last successful renewal was sent more than
+   ``lease_s`` ago the control plane stops acting at once, even while a call hangs.
+6. **Any error**, recovery, or a renewal that matched no row (another term began): step down,
+   close the connection in the background (a hung close must not hold the loop), and contend
+   again on a new one after ``renew_s``.
 
 Stepping down cancels the work started by :meth:`Election.while_leading` at once; its writes were
 fenced anyway (:meth:`~llmgw.control.store.base.Store.fenced`: every reconciler write transaction
-checks the term first), so a write already on its way from a stale leader is refused.
+checks the term first), so a write already on its way from a stale leader is refused. A frozen
+session's own statement, if it ever runs, is refused the same way: the term it renews is gone.
+
+Ending another session needs the same database role (every control plane connects as one) or
+``pg_signal_backend``; without it the stale session is logged and left, and the term is taken
+anyway (the lease decides, the lock is only the fast path). What cannot be taken over: a session
+frozen *inside* a write of the ``cp_leader`` row holds that row's lock until it runs again (a
+renewal lasts milliseconds; nobody leads meanwhile, which is safe).
 
 With SQLite (:class:`SoloElection`) the one process that owns the file leads: it takes a new term
 once at start and never steps down.
@@ -68,6 +99,41 @@ OP_TIMEOUT_S = 2.0
 
 #: Seconds a closing connection is given before it is abandoned.
 CLOSE_TIMEOUT_S = 2.0
+
+#: libpq parameters of the election connection, whatever the store's URL says (seconds; ms for
+#: ``tcp_user_timeout``): the client notices a dead server or network in about 4 s.
+ELECTION_LIBPQ: dict[str, str] = {
+    "keepalives": "1",
+    "keepalives_idle": "2",
+    "keepalives_interval": "1",
+    "keepalives_count": "2",
+    "tcp_user_timeout": "4000",
+}
+
+#: The same on the server's side of the election connection (``-c`` settings any role may set):
+#: a leader cut off by the network has its session, and so its lock, ended by the server about 4 s
+#: after its last packet (PostgreSQL's default follows the kernel's: 2 hours of idle first).
+ELECTION_SERVER_SETTINGS: dict[str, int] = {
+    "tcp_keepalives_idle": 2,
+    "tcp_keepalives_interval": 1,
+    "tcp_keepalives_count": 2,
+    "tcp_user_timeout": 4000,
+}
+
+#: ``application_name`` of a follower's election connection (followed by the control plane's name).
+APP_FOLLOWER = "llmgw election "
+
+#: ``application_name`` of the leader's election connection: this, the term, a space, the name
+#: (PostgreSQL keeps the first 63 bytes: the term comes first so that it survives).
+APP_LEADER = "llmgw leader term "
+
+#: Seconds after the lease's end at which a follower looks again (its next look is planned then).
+EXPIRY_SLACK_S = 0.05
+
+#: Seconds a follower waits past the lease's end before taking it over: the old leader's watchdog
+#: looks every :data:`WATCHDOG_S`, so it has stopped acting by then even on a busy event loop
+#: (measured without it: the new term began up to 0.1 s before the old leader's watchdog fired).
+TAKEOVER_GRACE_S = 0.5
 
 Work = Callable[[int, asyncio.Event], Coroutine[Any, Any, None]]
 
@@ -160,6 +226,26 @@ def connect_kwargs(url: str) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def election_kwargs(url: str, name: str) -> dict[str, Any]:
+    """:func:`connect_kwargs` for the election connection of control plane ``name``: the election's
+    own keepalives on both ends (:data:`ELECTION_LIBPQ`, :data:`ELECTION_SERVER_SETTINGS`, which
+    replace the URL's) and ``application_name`` :data:`APP_FOLLOWER` + ``name``.
+
+    Example::
+
+        >>> kw = election_kwargs("postgresql+psycopg://u@h:5432/db?keepalives_idle=60", "cp1")
+        >>> kw["keepalives_idle"], kw["application_name"], "tcp_keepalives_idle=2" in kw["options"]
+        ('2', 'llmgw election cp1', True)
+    """
+    kwargs = connect_kwargs(url)
+    kwargs.update(ELECTION_LIBPQ)
+    options = str(kwargs.get("options", ""))
+    extra = [f"-c {k}={v}" for k, v in ELECTION_SERVER_SETTINGS.items()]
+    kwargs["options"] = " ".join([options, *extra]).strip()  # a later -c wins over the URL's own
+    kwargs["application_name"] = APP_FOLLOWER + name
+    return kwargs
+
+
 class PgElection(_Changes):
     """The PostgreSQL election (module docstring; ha.md §3.3).
 
@@ -167,8 +253,9 @@ class PgElection(_Changes):
         url: the store's SQLAlchemy URL (``postgresql+psycopg://…``).
         name: this control plane's name, recorded as the term's holder.
         lease_s: ``cluster.lease_s`` (5 s): the leader stops acting when its last successful
-            renewal is older than this.
-        renew_s: ``cluster.renew_s`` (1 s): seconds between renewals, and between tries to lead.
+            renewal was sent longer ago than this, and followers take over a lease whose
+            ``renewed_at`` is older than this (database clock).
+        renew_s: ``cluster.renew_s`` (1 s): seconds between renewals, and between a follower's looks.
         op_timeout_s: the client-side timeout of each statement (:data:`OP_TIMEOUT_S`); keep it
             below ``lease_s``.
         key: the advisory lock's key (:data:`LOCK_KEY`; tests sharing one database use others).
@@ -192,7 +279,7 @@ class PgElection(_Changes):
             raise ValueError(f"op_timeout_s ({op_timeout_s} s) must be below lease_s ({lease_s} s)")
         if key < 0:
             raise ValueError(f"the lock key must be >= 0, not {key}")
-        self.kwargs = connect_kwargs(url)
+        self.kwargs = election_kwargs(url, name)
         self.lease_s = lease_s
         self.renew_s = renew_s
         self.op_timeout_s = op_timeout_s
@@ -201,6 +288,9 @@ class PgElection(_Changes):
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self.last_error = ""
+        self._terminate_error = ""
+        #: What the last takeover by lease ended: the pids ``pg_terminate_backend`` was called on.
+        self.terminated: list[int] = []
 
     @property
     def backend_pid(self) -> int | None:
@@ -240,12 +330,9 @@ class PgElection(_Changes):
         )
         self.last_error = ""
         while not stop.is_set():
-            if not self.leading:
-                await self._follow()
-            else:
-                await self._renew()
+            wait = await self._follow() if not self.leading else await self._renew()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.renew_s)
+                await asyncio.wait_for(stop.wait(), wait)
 
     async def _op(self, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """One statement on the election connection under the client-side timeout; its first row."""
@@ -259,48 +346,134 @@ class PgElection(_Changes):
 
         return await asyncio.wait_for(go(), self.op_timeout_s)
 
-    _HELD = (
-        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
-        " AND classid = %(hi)s AND objid = %(lo)s AND objsubid = 1 AND granted)"
+    #: The advisory lock's row(s) in ``pg_locks``, in this database (locks are per database).
+    _LOCK = (
+        "locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " AND classid = %(hi)s AND objid = %(lo)s AND objsubid = 1 AND granted"
     )
 
-    def _key_params(self) -> dict[str, Any]:
-        return {"key": self.key, "hi": self.key >> 32, "lo": self.key & 0xFFFFFFFF}
+    # Every statement below is built from these constant fragments; values go as parameters.
+    _HELD = f"SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND {_LOCK})"  # noqa: S608
 
-    async def _follow(self) -> None:
-        """Try to lead: hold the lock (checked in pg_locks first: never lock twice), then take a term."""
-        held = await self._op(self._HELD, self._key_params())
-        if not (held and held[0]):
-            got = await self._op("SELECT pg_try_advisory_lock(%(key)s)", self._key_params())
-            if not (got and got[0]):
-                return
+    #: The server's clock in unix seconds (what ``since`` and ``renewed_at`` are written from).
+    _NOW = "extract(epoch FROM clock_timestamp())::float8"
+
+    #: Seconds since a session last changed state (started or ended a statement) on the server.
+    _IDLE = "extract(epoch FROM clock_timestamp() - coalesce(s.state_change, s.backend_start))::float8"
+
+    #: The term's session: the one that leads the term ``cp_leader`` names (``application_name``).
+    _TERM_SESSION = (
+        "s.datname = current_database() AND s.pid <> pg_backend_pid()"
+        " AND s.application_name = left(%(leader_app)s::text || l.term || ' ' || l.holder, 63)"
+    )
+
+    #: The follower's look: term, holder, the lease's age, the lock holder (pid, idle seconds; NULL
+    #: when free), whether the term's session exists.
+    _LOOK = (
+        f"SELECT l.term, l.holder, {_NOW} - l.renewed_at,"  # noqa: S608
+        f" lk.pid, (SELECT {_IDLE} FROM pg_stat_activity s WHERE s.pid = lk.pid),"
+        f" EXISTS (SELECT 1 FROM pg_stat_activity s WHERE {_TERM_SESSION})"
+        f" FROM cp_leader l LEFT JOIN LATERAL (SELECT pid FROM pg_locks WHERE {_LOCK} LIMIT 1) lk ON true"
+        " WHERE l.id = 1"
+    )
+
+    #: End the stale sessions: the lock holder and the term's session, when idle beyond the lease.
+    _END_STALE = (
+        "SELECT coalesce(array_agg(s.pid), '{}'), coalesce(bool_and(pg_terminate_backend(s.pid)), true)"  # noqa: S608
+        " FROM pg_stat_activity s, cp_leader l"
+        f" WHERE l.id = 1 AND s.datname = current_database() AND s.pid <> pg_backend_pid()"
+        f" AND {_IDLE} > %(lease)s"
+        f" AND (s.pid IN (SELECT pid FROM pg_locks WHERE {_LOCK}) OR ({_TERM_SESSION}))"
+    )
+
+    #: Take the term read (compare-and-set) and name this session after it, in one round trip.
+    _TAKE = (
+        "WITH t AS (UPDATE cp_leader SET term = term + 1, holder = %(me)s,"  # noqa: S608
+        f" since = {_NOW}, renewed_at = {_NOW}"
+        " WHERE id = 1 AND term = %(seen)s"
+        f" AND (NOT %(ended_only)s OR renewed_at < {_NOW} - %(over)s) RETURNING term)"
+        " SELECT term,"
+        " set_config('application_name', left(%(leader_app)s::text || term || ' ' || %(me)s::text, 63), false)"
+        " FROM t"
+    )
+
+    def _params(self, **more: Any) -> dict[str, Any]:
+        return {
+            "key": self.key, "hi": self.key >> 32, "lo": self.key & 0xFFFFFFFF, "lease": self.lease_s,
+            "leader_app": APP_LEADER, "me": self.name, **more,
+        }
+
+    async def _follow(self) -> float:
+        """Look at the lease and the lock; take the term when step 3 of the module docstring says so.
+        Returns the seconds until the next look (sooner when the lease is about to end)."""
+        look = await self._op(self._LOOK, self._params())
+        if look is None:
+            raise RuntimeError("the cp_leader row is missing; the store's migration 5 has not run")
+        term, holder, age, lock_pid, lock_idle, term_session = look
+        over = self.lease_s + TAKEOVER_GRACE_S  # the lease's age at which it counts as ended
+        ended = float(age) > over
+        mine = lock_pid is not None and lock_pid == self.backend_pid
+        if lock_pid is None:
+            got = await self._op("SELECT pg_try_advisory_lock(%(key)s)", self._params())
+            mine = bool(got and got[0])
+            if not mine:
+                return self.renew_s  # a live session took the lock just now: it takes the term
+        if mine:
+            if ended or int(term) == 0 or not holder or holder == self.name or not term_session:
+                await self._take(int(term), ended_only=False)
+        elif ended and not (lock_pid is not None and lock_idle is not None and float(lock_idle) <= self.lease_s):
+            await self._end_stale()
+            await self._take(int(term), ended_only=True)
+        if self.leading or ended:
+            return self.renew_s
+        return max(EXPIRY_SLACK_S, min(self.renew_s, over - float(age) + EXPIRY_SLACK_S))
+
+    async def _end_stale(self) -> None:
+        """``pg_terminate_backend`` the lock holder and the term's session where idle beyond the
+        lease; a refusal (another role, no ``pg_signal_backend``) is logged once, not raised."""
+        try:
+            row = await self._op(self._END_STALE, self._params())
+        except psycopg.errors.InsufficientPrivilege as e:
+            if str(e) != self._terminate_error:
+                log.warning("control plane %s: cannot end the stale leader's session (%s); taking the "
+                            "lease anyway", self.name, e)
+            self._terminate_error = str(e)
+            return
+        pids = [int(p) for p in (row[0] if row else [])]
+        if pids:
+            log.warning("control plane %s: the lease ended; ended the stale session(s) %s", self.name, pids)
+        self.terminated = pids
+
+    async def _take(self, seen: int, *, ended_only: bool) -> None:
+        """Take term ``seen + 1`` if the row still says ``seen`` (and, with ``ended_only``, its lease
+        ended); on success this control plane leads, its lease counted from the send."""
+        sent = time.monotonic()
         row = await self._op(
-            "UPDATE cp_leader SET term = term + 1, holder = %(me)s, since = %(now)s, renewed_at = %(now)s"
-            " WHERE id = 1 RETURNING term",
-            {"me": self.name, "now": time.time()},
+            self._TAKE, self._params(seen=seen, ended_only=ended_only, over=self.lease_s + TAKEOVER_GRACE_S)
         )
         if row is None:
-            raise RuntimeError("the cp_leader row is missing; the store's migration 5 has not run")
-        self._last_ok = time.monotonic()
+            return  # another control plane took it first, or the lease was renewed meanwhile
+        self._last_ok = sent
         self._set(True, int(row[0]), "")
 
-    async def _renew(self) -> None:
-        """Still ours? Not a standby, lock held, and the term row written at our term."""
-        row = await self._op(
-            f"SELECT pg_is_in_recovery(), ({self._HELD})", self._key_params()
-        )
+    async def _renew(self) -> float:
+        """Still ours? Not a standby, and the term row written at our term; take the lock when free.
+        Returns ``renew_s``."""
+        row = await self._op(f"SELECT pg_is_in_recovery(), ({self._HELD})", self._params())
         if row is None or row[0]:
             raise RuntimeError("the database is a standby now (pg_is_in_recovery); a failover happened")
-        if not row[1]:
-            raise RuntimeError("the advisory lock is no longer held by this session")
+        if not row[1]:  # a term taken by lease while a frozen session held the lock: take it when free
+            await self._op("SELECT pg_try_advisory_lock(%(key)s)", self._params())
+        sent = time.monotonic()
         renewed = await self._op(
-            "UPDATE cp_leader SET renewed_at = %(now)s WHERE id = 1 AND term = %(term)s RETURNING term",
-            {"now": time.time(), "term": self.term},
+            f"UPDATE cp_leader SET renewed_at = {self._NOW} WHERE id = 1 AND term = %(term)s RETURNING term",  # noqa: S608
+            self._params(term=self.term),
         )
         if renewed is None:
             raise RuntimeError(f"term {self.term} is no longer the database's term")
         if self.leading:
-            self._last_ok = time.monotonic()
+            self._last_ok = sent
+        return self.renew_s
 
     async def _watchdog(self, stop: asyncio.Event) -> None:
         """Stop acting when the lease lapsed, even while a call hangs; the session then reconnects."""

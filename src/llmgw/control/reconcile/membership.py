@@ -8,8 +8,10 @@ kept in memory, so heartbeat replies (``term``, ``leader``, ``control_planes``),
 /api/v1/health`` and ``GET /api/v1/cluster`` answer without a store call, database down or not.
 
 A member is **alive** when it wrote its row within :data:`ALIVE_S` (three writes). The leader is
-the ``cp_leader`` holder while it is alive (this control plane: while its own election says it
-leads); none otherwise.
+this control plane while its own election says it leads; else the ``cp_leader`` holder while its
+lease is fresh (``renewed_at``, the database's clock, within ``cluster.lease_s`` of this machine's
+clock) and its control plane alive; none otherwise, and then :meth:`Membership.no_leader_since`
+says since when (issue 19 item 5: a holder that stepped down was named while no reconciler ran).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Membership:
         agent_url: ``cluster.agent_url`` (or :func:`default_agent_url`).
         version: the llmgw version this control plane runs.
         clock: unix seconds.
+        lease_s: ``cluster.lease_s``: a holder whose ``renewed_at`` is older than this leads no more.
     """
 
     def __init__(
@@ -97,8 +100,10 @@ class Membership:
         agent_url: str,
         version: str,
         clock: Callable[[], float] = time.time,
+        lease_s: float = 5.0,
     ) -> None:
         self.store = store
+        self.lease_s = lease_s
         self.db = db
         self.election = election
         self.name = name
@@ -172,11 +177,25 @@ class Membership:
         """The leading control plane's name, "" when none leads (as far as this one knows)."""
         if self.election.leading:
             return self.name
-        holder = self.snapshot.leader.holder
-        if not holder or holder == self.name:
+        lease = self.snapshot.leader
+        holder = lease.holder
+        if not holder or holder == self.name or self.clock() - lease.renewed_at > self.lease_s:
             return ""
         row = next((m for m in self.snapshot.members if m.name == holder), None)
         return holder if row is not None and self.alive(row) else ""
+
+    def no_leader_since(self) -> float | None:
+        """None while :meth:`leader_name` names a leader; else unix seconds since which none leads:
+        the lease's end (``renewed_at + lease_s``) once it has passed, the last renewal when the
+        holder is known gone sooner (its control plane not alive, or this one, stepped down), 0.0
+        when none ever led."""
+        if self.leader_name():
+            return None
+        lease = self.snapshot.leader
+        if lease.term == 0 or not lease.holder:
+            return 0.0
+        end = lease.renewed_at + self.lease_s
+        return end if end <= self.clock() else lease.renewed_at
 
     def term(self) -> int:
         """The newest term known: this control plane's own while it leads, else the database's as last read."""

@@ -1,0 +1,151 @@
+"""Freeze the leader's lock holder (issue 19 item 2): ``SIGSTOP`` of the PostgreSQL backend that holds
+the control planes' advisory lock, on the real Patroni cluster of tests/helpers/hacluster.py.
+
+To PostgreSQL that backend looks alive (its socket is open, it holds the lock), so before the lease
+decided, no control plane could lead for the whole freeze (25 s measured twice). Used by
+tests/ha/test_frozen_lock.py and bench/failover.py (``frozen_lock_takeover_s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from llmgw.control.reconcile.election import LOCK_KEY
+from tests.ha.load import agreed_leader, cluster_views
+from tests.helpers.hacluster import DATABASE, HACluster, wait_for
+
+#: The control planes' lease (``cluster.lease_s``, the default the helpers' installs keep), seconds.
+LEASE_S = 5.0
+
+
+@dataclass
+class Freeze:
+    """What one freeze showed.
+
+    Attributes:
+        old: the leader and term before the freeze.
+        pid: the frozen backend (``pg_locks``' holder of the advisory lock).
+        app: its ``application_name`` in ``pg_stat_activity``.
+        stepped_down_s: seconds from the freeze until the old leader's ``GET /api/v1/health`` said
+            ``leader: false`` (None: it never did while watched).
+        takeover_s: seconds from the freeze until every live control plane named one leader in a
+            higher term (None: not within the wait).
+        new: that leader and term.
+        findings: what went wrong (a view naming the old term's leader after its lease, the old
+            leader leading its old term after ``SIGCONT``, the frozen backend left running).
+    """
+
+    old: tuple[str, int]
+    pid: int
+    app: str
+    stepped_down_s: float | None = None
+    takeover_s: float | None = None
+    new: tuple[str, int] | None = None
+    findings: list[str] = field(default_factory=list)
+
+
+def lock_holder(cluster: HACluster) -> tuple[int, str] | None:
+    """``(pid, application_name)`` of the backend holding the election's advisory lock on the primary,
+    None when nobody holds it."""
+    with cluster.patroni.connect(DATABASE) as conn:
+        row = conn.execute(
+            "SELECT l.pid, s.application_name FROM pg_locks l JOIN pg_stat_activity s ON s.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.objid = %s AND l.objsubid = 1 AND l.granted"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (LOCK_KEY,),
+        ).fetchone()
+    return (int(row[0]), str(row[1])) if row else None
+
+
+def _health(cluster: HACluster, name: str) -> dict[str, object] | None:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        r = httpx.get(f"{cluster.cp(name).admin}/api/v1/health", timeout=1)
+        if r.status_code == 200:
+            return r.json()  # type: ignore[no-any-return]
+    return None
+
+
+def freeze_lock_holder(
+    cluster: HACluster, *, within_s: float = 20, after_s: float = 5, whole_control_plane: bool = False
+) -> Freeze:
+    """Freeze the lock holder's backend until a new term is agreed on (``within_s`` at most), then
+    ``SIGCONT`` it and watch ``after_s`` seconds more (module docstring). With
+    ``whole_control_plane`` the leading control plane's process is frozen instead: its backend stays
+    idle and alive, as the server sees a leader cut off by the network (its kernel still answers
+    keepalives, so only the lease can end it); its health is then not asked during the freeze.
+
+    Raises:
+        AssertionError: no agreed leader before the freeze, or nobody holds the lock.
+    """
+    old = wait_for("an agreed leader", lambda: agreed_leader(cluster), 30, 0.2)
+    held = wait_for("the advisory lock's holder", lambda: lock_holder(cluster), 10, 0.2)
+    out = Freeze(old, held[0], held[1])
+    proc = cluster.cp(old[0]).proc
+    assert proc is not None
+    frozen_pid = proc.pid if whole_control_plane else out.pid
+    os.kill(frozen_pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < within_s:
+            now = time.monotonic() - t0
+            h = None if whole_control_plane else _health(cluster, old[0])
+            if out.stepped_down_s is None and h is not None and not h.get("leader"):
+                out.stepped_down_s = now
+            if now > LEASE_S + 1.5:  # the lease has ended (+ the views' 1 s read): nobody names it
+                for name, v in _views(cluster, skip=old[0] if whole_control_plane else ""):
+                    if isinstance(v, dict) and (v.get("leader"), v.get("term")) == old:
+                        out.findings.append(f"{name} names {old[0]} (term {old[1]}) {now:.1f} s into the freeze")
+            got = _agreed(cluster, skip=old[0] if whole_control_plane else "")
+            if got is not None and got[1] > old[1]:
+                out.takeover_s, out.new = time.monotonic() - t0, got
+                break
+            time.sleep(0.05)
+    finally:
+        os.kill(frozen_pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    while time.monotonic() - resumed < after_s:
+        h = _health(cluster, old[0])
+        if h is not None and h.get("leader") and h.get("term") == old[1]:
+            out.findings.append(f"{old[0]} leads its old term {old[1]} again after SIGCONT")
+        for name, v in cluster_views(cluster).items():
+            if isinstance(v, dict) and v.get("leader") and int(v.get("term", 0)) <= old[1]:
+                out.findings.append(f"{name} names {v['leader']} in term {v['term']} after SIGCONT")
+        time.sleep(0.2)
+    try:
+        wait_for("the frozen backend exits (it was terminated)", lambda: _gone(cluster, out.pid), 10, 0.2)
+    except AssertionError as e:
+        out.findings.append(str(e))
+    return out
+
+
+def _views(cluster: HACluster, skip: str = "") -> list[tuple[str, object]]:
+    """Every live control plane's ``GET /api/v1/cluster`` but ``skip``'s (frozen: it cannot answer)."""
+    if not skip:
+        return list(cluster_views(cluster).items())
+    return [(cp.name, cp.cluster(timeout=1)) for cp in cluster.live() if cp.name != skip]
+
+
+def _agreed(cluster: HACluster, skip: str = "") -> tuple[str, int] | None:
+    """:func:`~tests.ha.load.agreed_leader`, or with ``skip`` (frozen): one leader and term that every
+    other control plane names, that leader's own view saying it leads."""
+    if not skip:
+        return agreed_leader(cluster)
+    views = dict(_views(cluster, skip))
+    pairs = {(v.get("leader"), v.get("term")) for v in views.values() if isinstance(v, dict)}
+    if len(pairs) != 1 or any(not isinstance(v, dict) for v in views.values()):
+        return None
+    leader, term = pairs.pop()
+    if not isinstance(leader, str) or not isinstance(term, int) or leader not in views:
+        return None
+    return leader, term
+
+
+def _gone(cluster: HACluster, pid: int) -> bool:
+    with cluster.patroni.connect(DATABASE) as conn:
+        return conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() is None

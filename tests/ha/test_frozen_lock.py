@@ -1,0 +1,78 @@
+"""A frozen lock holder on the real Patroni cluster (issue 19 item 2): three Patroni members with
+PostgreSQL 15 (raft, sync mode) and three ``llmgw server run`` control planes on the multi-host URL
+(tests/helpers/hacluster.py; no agent: leadership is what is tested). Nothing is mocked.
+
+``SIGSTOP`` of the PostgreSQL backend that holds the control planes' advisory lock (found in
+``pg_locks``/``pg_stat_activity``): PostgreSQL sees it alive, so the lock never frees. Before the lease
+decided, the leader stepped down at ~5 s and nobody took over for the whole freeze. Now: the old
+leader stops acting within its lease, every control plane names a new leader in a higher term within
+lease + 2 s of the freeze, no view names the old term's leader once its lease has ended, and after
+``SIGCONT`` the old term never leads again, its writes are refused and the frozen backend exits
+(it was terminated). The second test freezes the leading control plane's process instead (its
+backend idle and alive: the server's view of a leader cut off by the network). About 55 s each on
+2 cores (the cluster's start included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.control.store import open_store
+from llmgw.errors import Fenced
+from tests.conftest import skip_or_fail
+from tests.ha.freeze import LEASE_S, freeze_lock_holder
+from tests.helpers.hacluster import HACluster, HAUnavailable, dump, start_ha_cluster
+
+pytestmark = [pytest.mark.ha, pytest.mark.e2e]
+
+
+@pytest.fixture
+def ha(tmp_path: Path) -> Iterator[HACluster]:
+    """The cluster without an agent (see the module docstring)."""
+    try:
+        cluster = start_ha_cluster(tmp_path / "ha")
+    except HAUnavailable as e:
+        skip_or_fail(str(e))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_frozen_lock_holder_is_taken_over_within_lease_plus_2_s(ha: HACluster) -> None:
+    frozen = freeze_lock_holder(ha, within_s=LEASE_S + 10)
+    leader, term = frozen.old
+    logs = {cp.name: cp.log_tail(8) for cp in ha.control_planes}
+    assert frozen.stepped_down_s is not None, f"{leader} never stopped leading: {dump(logs)}"
+    assert frozen.stepped_down_s <= LEASE_S + 1, f"{leader} led {frozen.stepped_down_s:.1f} s into the freeze"
+    assert frozen.takeover_s is not None, f"nobody took over while the lock holder was frozen: {dump(logs)}"
+    assert frozen.takeover_s <= LEASE_S + 2, f"takeover took {frozen.takeover_s:.1f} s"
+    assert frozen.new is not None
+    assert frozen.new[1] > term
+    assert frozen.findings == []
+    assert frozen.app == f"llmgw leader term {term} {leader}", (frozen.app, frozen.old)  # the term's session
+    store = open_store(ha.patroni.store_url())
+    try:
+        with pytest.raises(Fenced):
+            store.fenced(term).delete_explanation("nothing")
+    finally:
+        store.close()
+
+
+def test_a_frozen_leading_control_plane_is_taken_over_within_lease_plus_2_s(ha: HACluster) -> None:
+    """The leading control plane's process frozen: its backend stays idle and alive, holding the
+    lock, as the server sees a leader cut off by the network (its kernel still answers keepalives).
+    Before, nobody led until it ran again; now the others take over after its lease, and once it
+    runs again it never leads its old term."""
+    frozen = freeze_lock_holder(ha, within_s=LEASE_S + 10, whole_control_plane=True)
+    leader, term = frozen.old
+    logs = {cp.name: cp.log_tail(8) for cp in ha.control_planes}
+    assert frozen.takeover_s is not None, f"nobody took over while {leader} was frozen: {dump(logs)}"
+    assert frozen.takeover_s <= LEASE_S + 2, f"takeover took {frozen.takeover_s:.1f} s"
+    assert frozen.new is not None
+    assert frozen.new[1] > term
+    assert frozen.new[0] != leader
+    assert frozen.findings == []
