@@ -70,7 +70,7 @@ from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.metrics import ControlPlaneMetrics, add_metrics_route
 from llmgw.control.gateway.accesslog import log_exchange
 from llmgw.control.gateway.accounting import Accounting
-from llmgw.control.gateway.callers import Callers
+from llmgw.control.gateway.callers import KEYS_STALE_S, Callers
 from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
@@ -332,7 +332,7 @@ async def serve(
     drain = Drain()
     # Keys from the store and the keys file, limits, usage: memory on the request path, synced with
     # the store every 0.5 s (control/gateway/accounting.py).
-    accounting = Accounting(store, db, name, Callers(keys), Limiter())
+    accounting = Accounting(store, db, name, Callers(keys, stale_after_s=KEYS_STALE_S), Limiter())
     engines = EngineMetrics()
     observers: tuple[Callable[[Exchange], None], ...] = (accounting.observe, log_exchange)
     counted = asyncio.Event()
