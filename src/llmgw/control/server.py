@@ -81,6 +81,7 @@ from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
 from llmgw.control.store.offloop import STORE_DEADLINE_S, Coalescer, OffLoop
+from llmgw.control.store.postgres import HOLD_MAX_S
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
@@ -317,7 +318,12 @@ async def serve(
     url = default_url(config.store.url, paths.database)
     store = open_store(url)
     where = store.where if isinstance(store, SqlStore) else "the database"
-    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where)  # the APIs' and the routing table's calls
+    # the APIs' and the routing table's calls; one past its deadline is ended (its connection shut
+    # down), and any call holding a connection past HOLD_MAX_S is (the leader's, which have no deadline)
+    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where,
+                 abort=store.abort_thread if isinstance(store, SqlStore) else None)
+    if isinstance(store, SqlStore):
+        store.bound_holds(HOLD_MAX_S)
     work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
     routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")

@@ -284,7 +284,7 @@ def build_admin_app(
     async def must_model(name: str) -> ModelRow:
         """The model named ``name`` or carrying it as an alias; else 409 when its row is broken,
         404 naming the known ones otherwise."""
-        return await db.run(_must_model, name)
+        return await db.read(_must_model, name)
 
     def _must_model(name: str) -> ModelRow:
         row = store.get_model(name)
@@ -321,7 +321,7 @@ def build_admin_app(
         return [v.model_dump(mode="json") for v in views]
 
     async def list_models(_: web.Request) -> web.Response:
-        return _json(await db.run(_list_models))
+        return _json(await db.read(_list_models))
 
     def within_limit(model: Model) -> Model:
         top = max(model.scaling.min, model.scaling.max)
@@ -343,11 +343,11 @@ def build_admin_app(
         return _json(model_view(row, []).model_dump(mode="json"), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
-        bad = await db.run(broken, request.match_info["name"])
+        bad = await db.read(broken, request.match_info["name"])
         if bad is not None:
             return _json(broken_view(bad).model_dump(mode="json"))
         row = await must_model(request.match_info["name"])
-        return _json(model_view(row, await db.run(store.list_replicas, model=row.name)).model_dump(mode="json"))
+        return _json(model_view(row, await db.read(store.list_replicas, model=row.name)).model_dump(mode="json"))
 
     async def save(row: ModelRow, spec: Any) -> web.Response:
         try:
@@ -389,7 +389,7 @@ def build_admin_app(
 
     async def delete_model(request: web.Request) -> web.Response:
         asked = request.match_info["name"]
-        name = asked if await db.run(broken, asked) is not None else (await must_model(asked)).name
+        name = asked if await db.read(broken, asked) is not None else (await must_model(asked)).name
         if not await db.run(store.delete_model, name):
             raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
         changed()
@@ -402,19 +402,19 @@ def build_admin_app(
         return [node_view(n, replicas, models).model_dump(mode="json") for n in store.list_nodes()]
 
     async def list_nodes(_: web.Request) -> web.Response:
-        return _json(await db.run(_list_nodes))
+        return _json(await db.read(_list_nodes))
 
     async def list_replicas(request: web.Request) -> web.Response:
         asked = request.query.get("model") or None
         model = (await must_model(asked)).name if asked else None
-        rows = await db.run(store.list_replicas, model=model)
+        rows = await db.read(store.list_replicas, model=model)
         views = [replica_view(r) for r in rows]
-        models = [m for m in await db.run(store.list_models) if model is None or m.name == model]
+        models = [m for m in await db.read(store.list_models) if model is None or m.name == model]
         views += await db.run(pending_views, models, rows, store, limit=max_replicas_per_model)
         return _json([v.model_dump(mode="json") for v in views])
 
     async def must_node(node_id: str) -> NodeRow:
-        node = await db.run(store.get_node, node_id)
+        node = await db.read(store.get_node, node_id)
         if node is None:
             raise HttpError(404, "node_not_found", f"no node '{node_id}'; list them with GET /api/v1/nodes")
         return node
@@ -427,14 +427,14 @@ def build_admin_app(
             for r in await db.run(store.list_replicas, node=node.id):
                 await db.run(store.delete_replica, r.id, revision=r.revision)
         changed()
-        replicas = await db.run(store.list_replicas)
-        models = {m.name: m.model for m in await db.run(store.list_models)}
+        replicas = await db.read(store.list_replicas)
+        models = {m.name: m.model for m in await db.read(store.list_models)}
         return _json(node_view(node, replicas, models).model_dump(mode="json"))
 
     async def remove_node(request: web.Request) -> web.Response:
         node = await must_node(request.match_info["id"])
         force = request.query.get("force", "").lower() in ("1", "true", "yes")
-        placed = await db.run(store.list_replicas, node=node.id)
+        placed = await db.read(store.list_replicas, node=node.id)
         if placed and not force:
             ids = ", ".join(r.id for r in placed[:5]) + (", …" if len(placed) > 5 else "")
             raise HttpError(
@@ -454,7 +454,7 @@ def build_admin_app(
 
     async def revocation(request: web.Request) -> web.Response:
         serial = request.match_info["serial"].upper().lstrip("0") or "0"
-        gone = await db.run(store.revoked, serial)
+        gone = await db.read(store.revoked, serial)
         if gone is None:
             raise HttpError(404, "not_revoked", f"certificate serial {serial} is not revoked")
         view = RevocationView(serial=serial, node=gone[0], revoked_at=gone[1])
@@ -476,7 +476,7 @@ def build_admin_app(
 
     async def replica_logs(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        rep = await db.run(store.get_replica, rid)
+        rep = await db.read(store.get_replica, rid)
         if rep is None:
             raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
         if not rep.node or logs is None:
@@ -496,7 +496,7 @@ def build_admin_app(
 
     async def restart_replica(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        old = await db.run(store.get_replica, rid)
+        old = await db.read(store.get_replica, rid)
         if old is None:
             raise HttpError(
                 404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
@@ -529,7 +529,7 @@ def build_admin_app(
         if not name:
             raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
         row = await must_model(name)
-        view = await db.run(store.get_explanation, row.name) or ExplainView(
+        view = await db.read(store.get_explanation, row.name) or ExplainView(
             model=row.name,
             placed=False,
             wanted=row.model.scaling.min,

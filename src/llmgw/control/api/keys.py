@@ -89,7 +89,7 @@ def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change
         return [key_view(r, now, tokens, reqs.get(r.name, 0)) for r in rows]
 
     async def must_key(name: str) -> ApiKeyRow:
-        row = await db.run(store.get_key, name)
+        row = await db.read(store.get_key, name)
         if row is None:
             raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
         return row
@@ -110,7 +110,7 @@ def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change
         return _json(NewKeyView(key=key_view(row, now), secret=secret).model_dump(mode="json"), 201)
 
     async def list_keys(_: web.Request) -> web.Response:
-        views = await db.run(lambda: _views(store.list_keys()))
+        views = await db.read(lambda: _views(store.list_keys()))
         return _json([v.model_dump(mode="json") for v in views])
 
     async def revoke(request: web.Request) -> web.Response:

@@ -144,7 +144,7 @@ class Accounting:
         # The keys first, in a call of their own: a write that hangs (an orphaned primary waiting on
         # its standby) must not keep revocations out, nor make the keys stale (callers.KEYS_STALE_S).
         with contextlib.suppress(Exception):  # a failure is said below, by the write's
-            self.callers.set_rows(await self.db.run(self.store.list_keys))
+            self.callers.set_rows(await self.db.read(self.store.list_keys))
         try:
             read = await self.db.run(self._write_read, usage, rates, last_used, now, prune)
         except Exception as e:  # any store failure: keep the counts, say it once
