@@ -16,7 +16,7 @@ writes again, within :data:`RECOVER_S` of the promotion, and the longest write o
 control planes (``orphan_write_outage_s`` in bench/failover.py) stays within
 :data:`WRITE_OUTAGE_MAX_S`. No acknowledged write may be lost.
 
-About 2.5 minutes on 2 cores.
+About 2-3 minutes on 2 cores (113-189 s measured, other test runs sharing the cores).
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ client ends such a call itself, :class:`Holds`:
   unknown (its commit may have been recorded on the orphan, where Patroni's rewind discards it
   later; the API already answered 503), as for any timed-out commit.
 * **Reconnecting to the new primary.** The host of an aborted connection is *demoted* for
-  :data:`DEMOTE_S`: new connections list it last (the ``do_connect`` hook reorders libpq's
-  ``host``/``port`` lists), and pooled connections to it made before the demotion are dropped when
+  :data:`DEMOTE_S`: new connections list it last, several demoted hosts by the time of their last
+  demotion (the ``do_connect`` hook reorders libpq's ``host``/``port`` lists), and pooled
+  connections to it made before the demotion are dropped when
   taken from the pool. libpq still tries it last, so while it is the only writable member (before
   Patroni promotes another, ~20 s) the store keeps using it; once another member is promoted, the
   next connection goes there. Without this, ``target_session_attrs=read-write`` keeps picking the
@@ -169,10 +170,14 @@ class Holds:
         ports = ports if len(ports) == len(hosts) else [ports[0]] * len(hosts)
         now = self._clock()
         with self._lock:
-            late = {h for h, at in self.demoted.items() if now - at < DEMOTE_S}
+            late = {h: at for h, at in self.demoted.items() if now - at < DEMOTE_S}
         if not late:
             return
-        pairs = sorted(zip(hosts, ports, strict=True), key=lambda hp: (hp[0], hp[1] or "5432") in late)
+        # the hosts never demoted first (in the URL's order), then the demoted ones, the most
+        # recently demoted last: right after a promotion the new primary's first commits may wait
+        # for its standby too and get it demoted once, while the orphan is demoted again at every
+        # call ended on it; by order of demotion the new primary still comes before the orphan
+        pairs = sorted(zip(hosts, ports, strict=True), key=lambda hp: late.get((hp[0], hp[1] or "5432"), -1.0))
         cparams["host"] = ",".join(h for h, _ in pairs)
         if any(p for _, p in pairs):
             cparams["port"] = ",".join(p for _, p in pairs)
