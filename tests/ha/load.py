@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from tests.helpers.hacluster import AUTH, ControlPlane, HACluster, chat
+from tests.helpers.control import heartbeat
+from tests.helpers.hacluster import AUTH, ControlPlane, HACluster, Member, chat
 
 
 @dataclass
@@ -84,9 +85,10 @@ class Writer(_Loop):
     write with no answer in ``timeout_s`` (PREAMBLE: a write while the database is unreachable answers
     503 within a few seconds); ``slowest_s``: the longest answer or timeout."""
 
-    def __init__(self, rotation: Rotation, every_s: float = 0.1, timeout_s: float = 10) -> None:
+    def __init__(self, rotation: Rotation, every_s: float = 0.1, timeout_s: float = 10, prefix: str = "") -> None:
         super().__init__(every_s)
         self.rotation = rotation
+        self.prefix = prefix  # of the names it writes (several writers at once: each its own)
         self.timeout_s = timeout_s
         self.seq = itertools.count(1)
         self.acked: dict[str, tuple[float, float]] = {}
@@ -101,7 +103,7 @@ class Writer(_Loop):
         if not cps:
             return
         cp = random.choice(cps)
-        name = f"w-{next(self.seq)}"
+        name = f"w-{self.prefix}{next(self.seq)}"
         # a file the file server does not have: the reconcilers' memory estimate fails at once (404)
         files = self.rotation.cluster.files.url if self.rotation.cluster.files else "http://127.0.0.1:9"
         body = {"name": name, "source": f"{files}/absent/{name}.gguf", "profiles": [{"name": "cpu"}],
@@ -292,3 +294,138 @@ def agreed_leader(cluster: HACluster) -> tuple[str, int] | None:
     if leading and {c["name"] for c in leading} != {leader}:
         return None
     return leader, term
+
+
+class Probe(_Loop):
+    """Issue 19 item 3's probes of one control plane, every ``every_s`` seconds: a read
+    (``GET /api/v1/models``), a heartbeat (``POST /agent/v1/heartbeat`` over mTLS as node
+    ``probe``, registered first) and an admin call (``GET /api/v1/nodes``). ``outcomes``: (time the
+    call was sent, kind, ok, what it answered), a call with no answer in ``timeout_s`` counting as
+    failed."""
+
+    KINDS = ("read", "heartbeat", "admin")
+
+    def __init__(self, cp: ControlPlane, every_s: float = 0.5, timeout_s: float = 10) -> None:
+        super().__init__(every_s)
+        self.cp = cp
+        self.timeout_s = timeout_s
+        self.outcomes: list[tuple[float, str, bool, str]] = []
+        ctx = cp.install.agent_ctx("probe")
+        self.agent = httpx.Client(verify=ctx, timeout=timeout_s)
+        self.registered = False
+
+    def step(self) -> None:
+        calls: list[tuple[str, Any]] = [
+            ("read", lambda: httpx.get(f"{self.cp.admin}/api/v1/models", headers=AUTH, timeout=self.timeout_s)),
+            ("heartbeat", lambda: self.agent.post(
+                f"{self.cp.agent_url}/agent/v1/{'heartbeat' if self.registered else 'register'}",
+                content=heartbeat())),
+            ("admin", lambda: httpx.get(f"{self.cp.admin}/api/v1/nodes", headers=AUTH, timeout=self.timeout_s)),
+        ]
+        for kind, call in calls:
+            t0 = time.monotonic()
+            try:
+                r = call()
+                ok, what = r.status_code == 200, f"{r.status_code} {r.text[:120]}"
+            except httpx.HTTPError as e:
+                ok, what = False, repr(e)
+            if kind == "heartbeat" and ok:
+                self.registered = True
+            self.outcomes.append((t0, kind, ok, what))
+
+    def last_failure(self, kind: str) -> tuple[float, str] | None:
+        """(sent, answer) of the last failed call of ``kind``, or None."""
+        bad = [(t, what) for t, k, ok, what in self.outcomes if k == kind and not ok]
+        return bad[-1] if bad else None
+
+    def successes_after(self, kind: str, t: float) -> int:
+        """Calls of ``kind`` sent after ``t`` that succeeded."""
+        return sum(1 for s, k, ok, _ in self.outcomes if k == kind and ok and s > t)
+
+
+@dataclass
+class OrphanLoad:
+    """Issue 19 item 3's load: ``writers`` :class:`Writer` threads pinned to each control plane
+    (every one writes through its own control plane only) and one :class:`Probe` per control plane."""
+
+    writers: dict[str, list[Writer]]
+    probes: dict[str, Probe]
+
+    @classmethod
+    def start(cls, cluster: HACluster, writers: int = 4, every_s: float = 0.25) -> OrphanLoad:
+        """Start every thread."""
+        names = [cp.name for cp in cluster.control_planes]
+        pinned = {n: [Writer(Rotation(cluster, out=set(names) - {n}), every_s=every_s, prefix=f"{n}-{i}-")
+                      for i in range(writers)] for n in names}
+        load = cls(pinned, {cp.name: Probe(cp) for cp in cluster.control_planes})
+        for t in load.threads():
+            t.start()
+        return load
+
+    def threads(self) -> list[_Loop]:
+        """Every thread of the load."""
+        return [w for ws in self.writers.values() for w in ws] + list(self.probes.values())
+
+    def stop(self) -> None:
+        """Stop the threads and wait for them."""
+        for t in self.threads():
+            t.stopping.set()
+        for t in self.threads():
+            t.join(40)
+        for p in self.probes.values():
+            p.agent.close()
+
+    def acked(self) -> dict[str, tuple[float, float]]:
+        """Every acknowledged write: name -> (sent, answered)."""
+        out: dict[str, tuple[float, float]] = {}
+        for ws in self.writers.values():
+            for w in ws:
+                with w.lock:
+                    out.update(w.acked)
+        return out
+
+    def longest_gap_s(self, start: float, end: float) -> float:
+        """The write outage of the worst control plane: the longest time in [start, end] in which
+        one control plane acknowledged none of its writers' writes."""
+        worst = 0.0
+        for ws in self.writers.values():
+            times: list[float] = []
+            for w in ws:
+                with w.lock:
+                    times += [a for _s, a in w.acked.values() if start < a <= end]
+            edges = [start, *sorted(times), end]
+            worst = max(worst, *(b - a for a, b in itertools.pairwise(edges)))
+        return worst
+
+    def first_ack_after(self, cp: str, t: float) -> float | None:
+        """When the first write sent through ``cp`` after ``t`` was acknowledged, or None."""
+        got = [w.first_ack_after(t) for w in self.writers[cp]]
+        done = [g for g in got if g is not None]
+        return min(done) if done else None
+
+
+def orphan_run(
+    ha: HACluster, writers: int = 4, watch_s: float = 35
+) -> tuple[OrphanLoad, float, float, Member]:
+    """Run the load, orphan the primary (its Patroni SIGKILLed, its PostgreSQL left running), wait for
+    another member's promotion, watch ``watch_s`` more seconds; returns the stopped load, the kill's
+    and the promotion's monotonic times, and the new primary. The orphan still runs afterwards
+    (``ha.stop()`` ends it).
+
+    Raises:
+        AssertionError: no promotion within 60 s, or the orphan's PostgreSQL died meanwhile.
+    """
+    load = OrphanLoad.start(ha, writers=writers)
+    try:
+        time.sleep(5)
+        p = ha.patroni.primary()
+        assert p is not None, "no primary"
+        p.kill9_patroni()
+        killed = time.monotonic()
+        new = ha.patroni.wait_primary(60, not_=p)
+        promoted = time.monotonic()
+        time.sleep(watch_s)
+        assert p.postmaster_pid() is not None, f"the orphan {p.name}'s PostgreSQL died: it was meant to live on"
+    finally:
+        load.stop()
+    return load, killed, promoted, new

@@ -70,7 +70,7 @@ from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.metrics import ControlPlaneMetrics, add_metrics_route
 from llmgw.control.gateway.accesslog import log_exchange
 from llmgw.control.gateway.accounting import Accounting
-from llmgw.control.gateway.callers import Callers
+from llmgw.control.gateway.callers import KEYS_STALE_S, Callers
 from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
@@ -81,6 +81,7 @@ from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
 from llmgw.control.store.offloop import STORE_DEADLINE_S, Coalescer, OffLoop
+from llmgw.control.store.postgres import HOLD_MAX_S
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
@@ -346,7 +347,12 @@ async def serve(
     url = default_url(config.store.url, paths.database)
     store = open_store(url)
     where = store.where if isinstance(store, SqlStore) else "the database"
-    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where)  # the APIs' and the routing table's calls
+    # the APIs' and the routing table's calls; one past its deadline is ended (its connection shut
+    # down), and any call holding a connection past HOLD_MAX_S is (the leader's, which have no deadline)
+    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where,
+                 abort=store.abort_thread if isinstance(store, SqlStore) else None)
+    if isinstance(store, SqlStore):
+        store.bound_holds(HOLD_MAX_S)
     work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
     routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")
@@ -361,7 +367,7 @@ async def serve(
     drain = Drain()
     # Keys from the store and the keys file, limits, usage: memory on the request path, synced with
     # the store every 0.5 s (control/gateway/accounting.py).
-    accounting = Accounting(store, db, name, Callers(keys), Limiter())
+    accounting = Accounting(store, db, name, Callers(keys, stale_after_s=KEYS_STALE_S), Limiter())
     engines = EngineMetrics()
     observers: tuple[Callable[[Exchange], None], ...] = (accounting.observe, log_exchange)
     counted = asyncio.Event()

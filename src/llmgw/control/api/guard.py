@@ -210,7 +210,7 @@ async def status(request: web.Request) -> web.Response:
     """``GET /api/v1/guard/status``: :func:`guard_status`, built on a store thread."""
     ctx = request.app[GUARD]
     inspector, config, store, db = ctx.inspector, ctx.config, ctx.store, ctx.db
-    return web.json_response(await db.run(guard_status, inspector, config, store))
+    return web.json_response(await db.read(guard_status, inspector, config, store))
 
 
 async def test(request: web.Request) -> web.Response:
@@ -262,7 +262,7 @@ async def enable(request: web.Request) -> web.Response:  # noqa: PLR0911 - one r
             body = await jsonbody.read_json(request)
     if serve is None:
         return error_json(409, "no_mirror", "this control plane has no mirror.api to fetch a judge with")
-    if await db.run(store.get_model, name) is not None:
+    if await db.read(store.get_model, name) is not None:
         return error_json(
             409, "model_exists", f"'{name}' is already in the catalog; see llmgw ctl guard judge status"
         )
@@ -277,7 +277,7 @@ async def enable(request: web.Request) -> web.Response:  # noqa: PLR0911 - one r
         if kj.gpu:
             from llmgw.control.reconcile.judgekeeper import roomiest_gpu_class  # noqa: PLC0415
 
-            klass = roomiest_gpu_class(await db.run(cluster_gpus, store))
+            klass = roomiest_gpu_class(await db.read(cluster_gpus, store))
             if not klass:
                 return error_json(
                     409, "no_gpu", f"{name} runs on a GPU and this cluster has none; use {DEFAULT_JUDGE}"

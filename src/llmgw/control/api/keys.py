@@ -110,7 +110,7 @@ def _views(ctx: KeysContext, rows: list[ApiKeyRow]) -> list[KeyView]:
 
 async def must_key(ctx: KeysContext, name: str) -> ApiKeyRow:
     """The key ``name``; else 404 ``key_not_found``."""
-    row = await ctx.db.run(ctx.store.get_key, name)
+    row = await ctx.db.read(ctx.store.get_key, name)
     if row is None:
         raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
     return row
@@ -151,7 +151,7 @@ async def create(request: web.Request) -> web.Response:
 async def list_keys(request: web.Request) -> web.Response:
     """``GET /api/v1/keys``: every key with its usage today and this month."""
     ctx = request.app[KEYS]
-    views = await ctx.db.run(lambda: _views(ctx, ctx.store.list_keys()))
+    views = await ctx.db.read(lambda: _views(ctx, ctx.store.list_keys()))
     return _json([v.model_dump(mode="json") for v in views])
 
 

@@ -86,7 +86,7 @@ def broken(store: Store, name: str) -> BrokenModel | None:
 async def must_model(ctx: AdminContext, name: str) -> ModelRow:
     """The model named ``name`` or carrying it as an alias; else 409 when its row is broken,
     404 naming the known ones otherwise."""
-    return await ctx.db.run(_must_model, ctx.store, name)
+    return await ctx.db.read(_must_model, ctx.store, name)
 
 
 def _must_model(store: Store, name: str) -> ModelRow:
@@ -122,7 +122,7 @@ def _list_models(store: Store) -> list[Any]:
 async def list_models(request: web.Request) -> web.Response:
     """``GET /api/v1/models``: every model (broken ones too), by name."""
     ctx = request.app[ADMIN]
-    return _json(await ctx.db.run(_list_models, ctx.store))
+    return _json(await ctx.db.read(_list_models, ctx.store))
 
 
 def within_limit(ctx: AdminContext, model: Model) -> Model:
@@ -154,11 +154,11 @@ async def get_model(request: web.Request) -> web.Response:
     """``GET /api/v1/models/{name}`` (a name or an alias; a broken row is shown as such)."""
     ctx = request.app[ADMIN]
     store, db = ctx.store, ctx.db
-    bad = await db.run(broken, store, request.match_info["name"])
+    bad = await db.read(broken, store, request.match_info["name"])
     if bad is not None:
         return _json(broken_view(bad).model_dump(mode="json"))
     row = await must_model(ctx, request.match_info["name"])
-    return _json(model_view(row, await db.run(store.list_replicas, model=row.name)).model_dump(mode="json"))
+    return _json(model_view(row, await db.read(store.list_replicas, model=row.name)).model_dump(mode="json"))
 
 
 async def save(ctx: AdminContext, row: ModelRow, spec: Any) -> web.Response:
@@ -213,7 +213,7 @@ async def delete_model(request: web.Request) -> web.Response:
     ctx = request.app[ADMIN]
     store, db = ctx.store, ctx.db
     asked = request.match_info["name"]
-    name = asked if await db.run(broken, store, asked) is not None else (await must_model(ctx, asked)).name
+    name = asked if await db.read(broken, store, asked) is not None else (await must_model(ctx, asked)).name
     if not await db.run(store.delete_model, name):
         raise HttpError(404, "model_not_found", f"no model '{name}' in the catalog")
     ctx.changed()

@@ -83,12 +83,12 @@ def _list_nodes(store: Store) -> list[Any]:
 async def list_nodes(request: web.Request) -> web.Response:
     """``GET /api/v1/nodes``: every node with its engines and resources."""
     ctx = request.app[ADMIN]
-    return _json(await ctx.db.run(_list_nodes, ctx.store))
+    return _json(await ctx.db.read(_list_nodes, ctx.store))
 
 
 async def must_node(ctx: AdminContext, node_id: str) -> NodeRow:
     """The node ``node_id``; else 404 ``node_not_found``."""
-    node = await ctx.db.run(ctx.store.get_node, node_id)
+    node = await ctx.db.read(ctx.store.get_node, node_id)
     if node is None:
         raise HttpError(404, "node_not_found", f"no node '{node_id}'; list them with GET /api/v1/nodes")
     return node
@@ -105,8 +105,8 @@ async def node_action(request: web.Request) -> web.Response:
         for r in await db.run(store.list_replicas, node=node.id):
             await db.run(store.delete_replica, r.id, revision=r.revision)
     ctx.changed()
-    replicas = await db.run(store.list_replicas)
-    models = {m.name: m.model for m in await db.run(store.list_models)}
+    replicas = await db.read(store.list_replicas)
+    models = {m.name: m.model for m in await db.read(store.list_models)}
     return _json(node_view(node, replicas, models).model_dump(mode="json"))
 
 
@@ -116,7 +116,7 @@ async def remove_node(request: web.Request) -> web.Response:
     store, db = ctx.store, ctx.db
     node = await must_node(ctx, request.match_info["id"])
     force = request.query.get("force", "").lower() in ("1", "true", "yes")
-    placed = await db.run(store.list_replicas, node=node.id)
+    placed = await db.read(store.list_replicas, node=node.id)
     if placed and not force:
         ids = ", ".join(r.id for r in placed[:5]) + (", …" if len(placed) > 5 else "")
         raise HttpError(
@@ -147,9 +147,9 @@ async def revocation(request: web.Request) -> web.Response:
     except ValueError:
         raise HttpError(400, "invalid_request", f"issued_at={issued[:40]!r} is not unix seconds") from None
     if node and issued_at is not None:  # as the agent API judges that node's certificate
-        gone = await ctx.db.run(ctx.store.refused_cert, node, serial, issued_at)
+        gone = await ctx.db.read(ctx.store.refused_cert, node, serial, issued_at)
     else:
-        gone = await ctx.db.run(ctx.store.revoked, serial)
+        gone = await ctx.db.read(ctx.store.revoked, serial)
     if gone is None:
         raise HttpError(404, "not_revoked", f"certificate serial {serial} is not revoked")
     view = RevocationView(serial=serial, node=gone[0], revoked_at=gone[1])

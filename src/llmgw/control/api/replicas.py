@@ -83,9 +83,9 @@ async def list_replicas(request: web.Request) -> web.Response:
     store, db = ctx.store, ctx.db
     asked = request.query.get("model") or None
     model = (await must_model(ctx, asked)).name if asked else None
-    rows = await db.run(store.list_replicas, model=model)
+    rows = await db.read(store.list_replicas, model=model)
     views = [replica_view(r) for r in rows]
-    models = [m for m in await db.run(store.list_models) if model is None or m.name == model]
+    models = [m for m in await db.read(store.list_models) if model is None or m.name == model]
     views += await db.run(pending_views, models, rows, store, limit=ctx.max_replicas_per_model)
     return _json([v.model_dump(mode="json") for v in views])
 
@@ -95,7 +95,7 @@ async def replica_logs(request: web.Request) -> web.Response:
     ctx = request.app[ADMIN]
     logs = ctx.logs
     rid = request.match_info["id"]
-    rep = await ctx.db.run(ctx.store.get_replica, rid)
+    rep = await ctx.db.read(ctx.store.get_replica, rid)
     if rep is None:
         raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
     if not rep.node or logs is None:
@@ -119,7 +119,7 @@ async def restart_replica(request: web.Request) -> web.Response:
     ctx = request.app[ADMIN]
     store, db = ctx.store, ctx.db
     rid = request.match_info["id"]
-    old = await db.run(store.get_replica, rid)
+    old = await db.read(store.get_replica, rid)
     if old is None:
         raise HttpError(
             404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
@@ -155,7 +155,7 @@ async def explain(request: web.Request) -> web.Response:
     if not name:
         raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
     row = await must_model(ctx, name)
-    view = await ctx.db.run(ctx.store.get_explanation, row.name) or ExplainView(
+    view = await ctx.db.read(ctx.store.get_explanation, row.name) or ExplainView(
         model=row.name,
         placed=False,
         wanted=row.model.scaling.min,

@@ -17,8 +17,11 @@ counts its tokens against the key's limits (:meth:`~llmgw.control.gateway.limits
 ``SYNC_S`` = 0.5 s gives the issue's two bounds: a revoked key is refused on every control plane
 within a second, and a limit holds cluster-wide within about a second of traffic. With the database
 down the writes are kept (and merged into the next try), limits go on from what this control plane
-counts, the keys in memory stay in use, and the failure is logged once until it recovers. Rate
-windows older than ten minutes are deleted once a minute.
+counts, the keys in memory stay in use for at most ``callers.KEYS_STALE_S`` (5 s) after their last
+successful read (then stored keys get 503 until a read works again: a revocation made elsewhere is
+not missed for longer), and the failure is logged once until it recovers. The keys are read in a call
+of their own before the write, so a write that hangs does not hold them back. Rate windows older than
+ten minutes are deleted once a minute.
 
 Usage counts ``requests``, ``prompt_tokens`` and ``completion_tokens`` (from the answer's ``usage``,
 streams included), ``guard_blocks`` (the guard refused the prompt or the answer) and ``errors``
@@ -139,6 +142,10 @@ class Accounting:
         rates = self.limiter.take_deltas()
         now = self.clock()
         prune = now - self._pruned >= PRUNE_EVERY_S
+        # The keys first, in a call of their own: a write that hangs (an orphaned primary waiting on
+        # its standby) must not keep revocations out, nor make the keys stale (callers.KEYS_STALE_S).
+        with contextlib.suppress(Exception):  # a failure is said below, by the write's
+            self.callers.set_rows(await self.db.read(self.store.list_keys))
         try:
             read = await self.db.run(self._write_read, usage, rates, last_used, now, prune)
         except Exception as e:  # any store failure: keep the counts, say it once

@@ -68,7 +68,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
-from llmgw.control.gateway.callers import LOOPBACK_CALLER, Caller, Callers
+from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
@@ -150,7 +150,8 @@ class _Gateway:
 
     # -- key -----------------------------------------------------------------------------------
     def authenticate(self, request: web.Request, kind: str) -> Caller | web.Response:
-        """The :class:`Caller` when the client may use the gateway, else the 401 to send.
+        """The :class:`Caller` when the client may use the gateway, else the 401 to send (or the 503
+        ``keys_unavailable`` for a stored key while the stored keys are stale: :meth:`Callers.stale`).
 
         A presented key (``Authorization: Bearer`` or ``x-api-key``) must be valid (known, not revoked,
         not expired), from loopback too; only no key (or an empty ``Bearer``) is let in from loopback
@@ -177,7 +178,17 @@ class _Gateway:
         presented = bool(key) or malformed or bool(x_key)
         bad = ((bool(key) or malformed) and caller is None) or (bool(x_key) and x_caller is None)
         if presented and not bad:
-            return caller or x_caller or LOOPBACK_CALLER
+            who = caller or x_caller or LOOPBACK_CALLER
+            age = self.callers.stale(who)
+            if age is not None:
+                return openai_error_json(
+                    503, "keys_unavailable",
+                    f"This control plane has not read the API keys from its database for {age:.0f} s (it "
+                    "cannot reach it), so it cannot tell whether this key was revoked; retry in a few "
+                    "seconds or send the request to another control plane",
+                    headers={"Retry-After": str(STALE_RETRY_AFTER_S)},
+                )
+            return who
         open_here = self.allow_loopback_without_key and is_loopback(request.remote)
         if open_here and not presented:
             return LOOPBACK_CALLER

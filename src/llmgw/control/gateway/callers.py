@@ -10,6 +10,15 @@ so it takes the same time for every wrong key.
 
 Keys from ``gateway.keys_file`` keep working (installs from before keys were stored): they have no
 limits and are named ``keys-file`` in usage, metrics and the access log.
+
+**Bounded staleness** (``stale_after_s``; the control plane uses :data:`KEYS_STALE_S`, 5 s): a control
+plane that cannot read the keys from the database (cut off from it, or its store calls stuck) cannot
+learn of a revocation made on another one. Once its last successful read of the stored keys is older
+than the bound, every *stored* key is answered 503 ``keys_unavailable`` with ``Retry-After`` (the
+client retries, or goes to another control plane) instead of being let in on a table that may be
+stale; the next successful read lets them in again. Keys from ``gateway.keys_file`` and loopback
+clients without a key do not depend on the database and are unaffected. So a revoked key works on a
+cut-off control plane for at most ``stale_after_s`` plus one sync (0.5 s) after its last good read.
 """
 
 from __future__ import annotations
@@ -24,6 +33,14 @@ from llmgw.control.store.rows import ApiKeyRow
 #: The caller name of a key from gateway.keys_file, and of a loopback client without a key.
 FILE_CALLER_NAME = "keys-file"
 LOOPBACK_CALLER_NAME = "loopback"
+
+#: Seconds after the last successful read of the stored keys past which they are refused with 503
+#: (module docstring): 10 syncs of 0.5 s, so a store call that is slow once (a failover's first
+#: seconds, a busy database) does not refuse keys, while a revocation is honoured within ~5.5 s.
+KEYS_STALE_S = 5.0
+#: ``Retry-After`` (seconds) on the 503 for stale keys: about one sync, or time to try another
+#: control plane.
+STALE_RETRY_AFTER_S = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +93,24 @@ class Callers:
     Args:
         file_keys: ``gateway.keys_file``'s keys (followed as the file changes), or a fixed set.
         clock: wall-clock seconds, for expiry (injected for tests).
+        stale_after_s: seconds after the last :meth:`set_rows` past which stored keys are
+            :meth:`stale` (module docstring); None: never (no store behind them).
+        monotonic: monotonic seconds, for staleness (injected for tests).
     """
 
-    def __init__(self, file_keys: GatewayKeys, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        file_keys: GatewayKeys,
+        *,
+        clock: Callable[[], float] = time.time,
+        stale_after_s: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.file_keys = file_keys
         self._clock = clock
+        self.stale_after_s = stale_after_s
+        self._monotonic = monotonic
+        self._read_at = monotonic()
         self._stored: dict[bytes, Caller] = {}
         self._seen: tuple[tuple[str, int], ...] = ()
         self.by_name: dict[str, Caller] = {}
@@ -88,8 +118,10 @@ class Callers:
     def set_rows(self, rows: Iterable[ApiKeyRow]) -> bool:
         """Use these stored keys from now on (revoked ones left out); True when anything changed.
 
-        Cheap when nothing changed: rows are compared by (name, revision) first.
+        Cheap when nothing changed: rows are compared by (name, revision) first. Call it after every
+        successful read of the stored keys, changed or not: it restarts the staleness clock.
         """
+        self._read_at = self._monotonic()
         rows = list(rows)
         seen = tuple((r.name, r.revision) for r in rows)
         if seen == self._seen:
@@ -110,6 +142,14 @@ class Callers:
                 return None
             return caller
         return FILE_CALLER if d in self.file_keys.digests() else None
+
+    def stale(self, caller: Caller) -> float | None:
+        """Seconds since the stored keys were last read, when ``caller`` is a stored key's and that is
+        past ``stale_after_s`` (it may have been revoked since: refuse it with 503); else None."""
+        if self.stale_after_s is None or caller is FILE_CALLER or caller is LOOPBACK_CALLER:
+            return None
+        age = self._monotonic() - self._read_at
+        return age if age > self.stale_after_s else None
 
     def may_use(self, caller: Caller, requested: str, model: str, resolve: Callable[[str], str | None]) -> bool:
         """Whether ``caller`` may use the model the client asked as ``requested`` (resolved to ``model``).

@@ -36,6 +36,19 @@ class DialectHooks:
         here (the database queues writers itself without sleeping)."""
         return contextlib.nullcontext()
 
+    def abort_thread(self, thread: int) -> int:
+        """End the store calls thread ``thread`` (``threading.get_ident()``) is in, from another
+        thread; how many were ended. Nothing here: only PostgreSQL's can hang past every driver
+        bound (:mod:`llmgw.control.store.postgres`)."""
+        return 0
+
+    def bound_holds(self, hold_max_s: float) -> None:
+        """End any call holding a connection for longer than ``hold_max_s`` seconds, from now on
+        (a long-running server). Nothing here."""
+
+    def close(self) -> None:
+        """When the store closes (stop what :meth:`bound_holds` started)."""
+
     def lock_migrations(self, conn: Connection) -> None:
         """Called first in the migration transaction: keep other processes from migrating the same
         database at once. Nothing here (SQLite's write transaction already excludes them)."""

@@ -74,9 +74,17 @@ serving heartbeats.
 ``store_unavailable``), and one the driver refuses (connection refused, a pool with no free
 connection) raises it at once. The call itself cannot be interrupted in its thread: it keeps the
 thread until the driver gives up (PostgreSQL: ``statement_timeout``, ``tcp_user_timeout`` and
-``connect_timeout``, 2-5 s, :mod:`llmgw.control.store.postgres`; a frozen server can hold it
-longer). While every thread holds such an overdue call, new calls fail at once instead of queueing
+``connect_timeout``, 2-5 s, :mod:`llmgw.control.store.postgres`), unless it is ended: with
+``abort`` (the control plane passes :meth:`~llmgw.control.store.sql.SqlStore.abort_thread`), a call
+past its deadline has its connection shut down at once, so a commit that would wait forever (an
+orphaned primary's sync wait, a frozen server) frees its thread within milliseconds instead of
+never. While every thread holds such an overdue call, new calls fail at once instead of queueing
 behind them, so a hung database costs each request at most the deadline, never a pile-up.
+
+**Reads on threads of their own** (:meth:`OffLoop.read`, :data:`READERS` threads): the calls that
+only read (the admin API's lists and gets, the gateway's key reads) never queue behind writes that
+are stuck, and a read answers from whichever member the pool reaches (an orphaned primary answers
+reads; only its commits hang).
 
 What it does not guarantee: a cancelled ``await`` does not stop the call in its thread (it runs to
 the end of its own transaction, which is why every store method is one short transaction); the
@@ -90,6 +98,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -109,6 +118,9 @@ ResultT = TypeVar("ResultT")
 #: heartbeats and admin calls; more only adds writers contending for SQLite's single write lock.
 WORKERS = 4
 
+#: Threads for :meth:`OffLoop.read` (besides :data:`WORKERS`): two, so one slow read leaves one.
+READERS = 2
+
 #: Seconds an API's store call may take before it answers 503 ``store_unavailable``. Every store
 #: method is one short transaction (a few ms); a PostgreSQL failover makes writes wait ~20 s
 #: (ha.md §1.4: Patroni's floor), during which an API answering 503 after 5 s lets its client
@@ -126,10 +138,15 @@ _CHECK = (
 
 
 class OffLoop:
-    """A bounded thread pool for blocking store calls.
+    """A bounded thread pool for blocking store calls, and a smaller one for calls that only read.
 
     Args:
-        workers: threads in the pool (:data:`WORKERS`).
+        workers: threads for :meth:`run` (:data:`WORKERS`).
+        deadline_s: seconds a call may take before it raises :class:`StoreUnavailable`; None: no deadline.
+        database: how the messages name the database.
+        abort: called with the thread id of a call past its deadline, to end it there (e.g.
+            :meth:`~llmgw.control.store.sql.SqlStore.abort_thread`); None: the call runs on.
+        readers: threads for :meth:`read` (:data:`READERS`).
 
     Example::
 
@@ -139,13 +156,23 @@ class OffLoop:
     """
 
     def __init__(
-        self, workers: int = WORKERS, *, deadline_s: float | None = None, database: str = "the database"
+        self,
+        workers: int = WORKERS,
+        *,
+        deadline_s: float | None = None,
+        database: str = "the database",
+        abort: Callable[[int], object] | None = None,
+        readers: int = READERS,
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmgw-store")
+        self._reads = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="llmgw-store-read")
         self.workers = workers
+        self.readers = readers
         self.deadline_s = deadline_s
         self.database = database
-        self._overdue = 0  # calls past their deadline still holding a thread
+        self.abort = abort
+        self._overdue = 0  # calls past their deadline still holding a thread (of self._pool)
+        self._overdue_reads = 0  # ... of self._reads
 
     async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` on a pool thread; its return value, or its exception raised here.
@@ -154,20 +181,49 @@ class OffLoop:
             StoreUnavailable: the call did not answer within ``deadline_s`` (when set), every thread
                 holds an overdue call, or the driver could not reach the database.
         """
+        return await self._call(False, functools.partial(fn, *args, **kwargs))
+
+    async def read(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """As :meth:`run`, on the readers' threads: for a call that only reads (it never queues
+        behind a write, however stuck). Raises as :meth:`run`."""
+        return await self._call(True, functools.partial(fn, *args, **kwargs))
+
+    async def _call(self, reading: bool, call: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
-        if self.deadline_s is not None and self._overdue >= self.workers:
+        overdue, size = (self._overdue_reads, self.readers) if reading else (self._overdue, self.workers)
+        if self.deadline_s is not None and overdue >= size:
             raise StoreUnavailable(
-                f"{self.database} has not answered the last {self._overdue} calls within {self.deadline_s:g} s; "
+                f"{self.database} has not answered the last {overdue} calls within {self.deadline_s:g} s; "
                 f"{_CHECK}"
             )
-        fut = loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        thread: list[int] = []
+
+        def on_thread() -> T:
+            thread.append(threading.get_ident())
+            return call()
+
+        fut = loop.run_in_executor(self._reads if reading else self._pool, on_thread)
         try:
             if self.deadline_s is None:
                 return await fut
             return await asyncio.wait_for(asyncio.shield(fut), self.deadline_s)
         except TimeoutError:
-            self._overdue += 1
-            fut.add_done_callback(self._answered)
+            if not thread and fut.cancel():  # still queued: it never runs (it would start late, on
+                raise StoreUnavailable(  # whatever held the threads, with nobody waiting for it)
+                    f"{self.database} did not answer within {self.deadline_s:g} s (every store thread was busy); "
+                    f"{_CHECK}"
+                ) from None
+            if reading:
+                self._overdue_reads += 1
+                fut.add_done_callback(self._answered_read)
+            else:
+                self._overdue += 1
+                fut.add_done_callback(self._answered)
+            if self.abort is not None and thread:
+                try:
+                    self.abort(thread[0])  # its connection shut down: the thread is free again
+                except Exception:
+                    log.exception("could not end an overdue store call")
             raise StoreUnavailable(f"{self.database} did not answer within {self.deadline_s:g} s; {_CHECK}") from None
         except _UNREACHABLE as e:
             text = str(e.orig if isinstance(e, sa.exc.DBAPIError) else e).strip()
@@ -187,8 +243,14 @@ class OffLoop:
         if not fut.cancelled():
             fut.exception()  # retrieved: an overdue call's failure was already answered as a 503
 
+    def _answered_read(self, fut: asyncio.Future[Any]) -> None:
+        self._overdue_reads -= 1
+        if not fut.cancelled():
+            fut.exception()
+
     def close(self) -> None:
         """Wait for the calls in flight, then stop the threads."""
+        self._reads.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
 

@@ -124,7 +124,17 @@ class SqlStore(SqlKeys, Store):
         return store
 
     def close(self) -> None:
+        self.hooks.close()
         self.engine.dispose()
+
+    def abort_thread(self, thread: int) -> int:
+        """End the store calls thread ``thread`` is in (PostgreSQL: their sockets shut down,
+        :mod:`llmgw.control.store.postgres`); how many were ended."""
+        return self.hooks.abort_thread(thread)
+
+    def bound_holds(self, hold_max_s: float) -> None:
+        """End, from now on, any store call holding a connection past ``hold_max_s`` seconds (PostgreSQL)."""
+        self.hooks.bound_holds(hold_max_s)
 
     def fenced(self, term: int) -> SqlStore:
         """This store's engine, hooks and log memory, with every write transaction checking ``term``
