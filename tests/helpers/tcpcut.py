@@ -90,7 +90,7 @@ class CutProxy:
                 if not data:
                     break
                 dst.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: select() on a socket the other pump closed (fd -1)
             pass
         for s in (src, dst):
             with contextlib.suppress(OSError):
