@@ -125,7 +125,7 @@ class ClusterConfig(_Strict):
         patroni: the REST API URLs of the Patroni members (``http://HOST:8008``), read by
             ``llmgw ctl cluster`` to show the database's primary, replicas and lag.
         lease_s: a leader whose last successful renewal (a write) is older than this stops acting
-            (seconds; ha.md §3.3: 5 s stopped a leader on a frozen primary 4.3 s after the freeze).
+            (seconds; docs/ha.md §3.3: 5 s stopped a leader on a frozen primary 4.3 s after the freeze).
         renew_s: seconds between the leader's renewals, and between a follower's tries.
     """
 

@@ -5,7 +5,7 @@ thread of its own until :meth:`Load.stop`:
 - :class:`Writer`: adds catalog entries (``POST /api/v1/models``, a unique name each, ``scaling.min``
   0 so nothing is placed) through a random control plane in rotation, every ``every_s`` seconds, and
   records each ACKNOWLEDGED write (201) with its time; a write without an answer (timeout,
-  connection error, 5xx) has an unknown outcome (ha.md §2: a commit cut off may still have
+  connection error, 5xx) has an unknown outcome (docs/ha.md §2: a commit cut off may still have
   committed) and is neither acknowledged nor counted lost.
 - :class:`GatewayClient`: short chats to the ready replica through the control planes in rotation,
   recording each outcome; a failure counts only when the control plane it went to was in rotation
@@ -228,7 +228,7 @@ class LeaderWatch(_Loop):
 
     def overlap_s(self) -> float:
         """The longest stretch in which two control planes claimed to lead at once (in different
-        terms: a stale leader not yet stepped down; its lease bounds it: ha.md §3.3)."""
+        terms: a stale leader not yet stepped down; its lease bounds it: docs/ha.md §3.3)."""
         longest, start = 0.0, None
         for round_ in self.samples:
             leading = [c for c in round_ if c.leader == c.me and c.leader]

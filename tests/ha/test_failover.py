@@ -6,10 +6,10 @@ While :mod:`tests.ha.load` writes catalog entries and chats through the gateway,
 at a time, each healed before the next:
 
 1. ``kill -9`` the leading control plane (restarted after the new leader is checked);
-2. ``kill -9`` the primary's postmaster (Patroni restarts it in place: ha.md §1.4 r3);
+2. ``kill -9`` the primary's postmaster (Patroni restarts it in place: docs/ha.md §1.4 r3);
 3. ``kill -9`` the primary's Patroni and postmaster together: a node crash (the member restarted);
 4. ``kill -9`` the primary's Patroni alone: the orphan, its PostgreSQL still a primary; restarted
-   after 25 s as a supervisor would (ha.md §1.4 s5/r5);
+   after 25 s as a supervisor would (docs/ha.md §1.4 s5/r5);
 5. ``patronictl switchover``.
 
 After each: one leader every control plane agrees on, in a term above the last one; an
@@ -46,7 +46,7 @@ from tests.helpers.hacluster import (
 
 pytestmark = [pytest.mark.ha, pytest.mark.e2e]
 
-#: Seconds a database fault may keep writes out: Patroni's promotion floor (~20 s, ha.md §1.4) + 10.
+#: Seconds a database fault may keep writes out: Patroni's promotion floor (~20 s, docs/ha.md §1.4) + 10.
 WRITE_OUTAGE_MAX_S = 30
 #: Seconds to a new control-plane leader after the leading one is killed (issue 11 target: 2 s).
 TAKEOVER_MAX_S = 2

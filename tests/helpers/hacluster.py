@@ -1,7 +1,7 @@
 """An HA cluster on loopback from real processes, for ``tests/ha`` and ``bench/failover.py``.
 
 - :class:`PatroniCluster`: three Patroni 4.1.5 members (raft DCS; ``ttl 20, loop_wait 2,
-  retry_timeout 4, synchronous_mode true``: ha.md §1.3/§1.4) each with its own PostgreSQL 15, all
+  retry_timeout 4, synchronous_mode true``: docs/ha.md §1.3/§1.4) each with its own PostgreSQL 15, all
   running as user ``postgres`` through ``setpriv`` (it execs, so the pid we hold is Patroni's own and
   ``kill -9`` hits exactly it; PostgreSQL refuses root), data under a temporary directory owned by
   ``postgres`` (never under /root, which that user cannot enter). The Patroni venv is the one
@@ -15,9 +15,9 @@
 - :class:`FileServer`: ``python -m http.server`` serving the gemma GGUF as the mirror would.
 - :class:`HACluster`: all of the above, started and stopped together.
 
-Faults are pids, never names (ha.md §1.5): Patroni's pid from its ``setpriv`` child, the postmaster's
+Faults are pids, never names (docs/ha.md §1.5): Patroni's pid from its ``setpriv`` child, the postmaster's
 from line 1 of ``postmaster.pid``. Timings measured on 2 cores: the 3 members bootstrap in ~15 s
-(ha.md §1.4: 14.7 s), a killed member rejoins in ~5 s.
+(docs/ha.md §1.4: 14.7 s), a killed member rejoins in ~5 s.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ DATABASE = "llmgw"
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 #: The admin API's bearer header.
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-#: Patroni's dynamic settings (ha.md §1.3-1.4: ttl 20 is Patroni's floor; sync mode loses no
+#: Patroni's dynamic settings (docs/ha.md §1.3-1.4: ttl 20 is Patroni's floor; sync mode loses no
 #: acknowledged write when a primary is orphaned).
 DCS_SETTINGS: dict[str, Any] = {
     "ttl": 20,
@@ -155,7 +155,7 @@ class Member:
         return self.dir / "data"
 
     def write_config(self, partners: list[int]) -> None:
-        """Write patroni.yml (ha.md §1.3, with :data:`DCS_SETTINGS` at bootstrap); ``partners`` are the
+        """Write patroni.yml (docs/ha.md §1.3, with :data:`DCS_SETTINGS` at bootstrap); ``partners`` are the
         other members' raft ports."""
         doc = {
             "scope": "llmgw-ha-test",
@@ -191,7 +191,7 @@ class Member:
                     "host all all 127.0.0.1/32 scram-sha-256",
                 ],
             },
-            "watchdog": {"mode": "off"},  # no /dev/watchdog here; production turns it on (ha.md §0)
+            "watchdog": {"mode": "off"},  # no /dev/watchdog here; production turns it on (docs/ha.md §0)
         }
         for sub in ("log", "raft"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
@@ -222,13 +222,13 @@ class Member:
         return None
 
     def kill9_patroni(self) -> None:
-        """``kill -9`` Patroni alone (its PostgreSQL keeps running: the orphan of ha.md §1.4 s2/s5)."""
+        """``kill -9`` Patroni alone (its PostgreSQL keeps running: the orphan of docs/ha.md §1.4 s2/s5)."""
         if self.proc is not None:
             _kill9(self.proc.pid)
             self.proc.wait(10)
 
     def kill9_postmaster(self) -> int:
-        """``kill -9`` the postmaster (Patroni restarts it in place: ha.md §1.4 r3); returns its pid.
+        """``kill -9`` the postmaster (Patroni restarts it in place: docs/ha.md §1.4 r3); returns its pid.
 
         Raises:
             AssertionError: no postmaster runs.

@@ -61,3 +61,19 @@ def test_architecture_names_modules_and_functions_that_exist() -> None:
     assert missing == []
     modules = set(re.findall(r"`([a-z_]+/[a-z_/]+\.py)", text))
     assert [m for m in sorted(modules) if not (SRC / m).is_file()] == []
+
+
+def test_every_ha_citation_names_a_section_of_docs_ha_md() -> None:
+    """The code cites the HA reasoning it relies on as ``docs/ha.md §N``: each such section is in
+    the repo (it was a file beside the checkout, which a clone never has)."""
+    root = DOC.parents[1]
+    sections = set(re.findall(r"^#+ (\d+(?:\.\d+)?)\.? ", (DOC.parent / "ha.md").read_text(), re.M))
+    cited: dict[str, str] = {}
+    for path in [*root.glob("src/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("bench/*.py"),
+                 root / "scripts" / "assets"]:
+        text = path.read_text()
+        assert "../" + "shared/" not in text, f"{path} cites a file outside the repo"
+        for n in re.findall(r"docs/ha\.md`*\s*§(\d+(?:\.\d+)?)", text):
+            cited.setdefault(n, str(path))
+    assert len(cited) >= 5
+    assert {n: p for n, p in cited.items() if n not in sections} == {}

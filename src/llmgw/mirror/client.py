@@ -53,7 +53,7 @@ _STATUS_LIST = TypeAdapter(list[FetchStatus])
 
 CONNECT_TIMEOUT_S = 2.0
 """Seconds to open a connection: a mirror on another machine that is down costs this, not the whole
-request timeout (``../shared/reference/ha.md`` §5: connect 2 s)."""
+request timeout (``docs/ha.md`` §5: connect 2 s)."""
 
 
 MIRROR_TOKEN = "mirror-token"  # noqa: S105 (a file name, not a secret)

@@ -22,7 +22,7 @@ class InitOptions:
     ``NAME=HOST[:PORT]`` (this machine first) and switch HA on; ``etcd`` the etcd v3 URLs Patroni
     uses (none: Patroni's raft); ``patroni_venv``/``patroni_dir``/``pg_bin_dir`` where Patroni, its
     member's files and PostgreSQL 15 are; ``join`` a standby's bundle from ``server
-    add-control-plane``. ``patroni_wait_s``: 90 s for a member to lead or stream (ha.md §1.4: a
+    add-control-plane``. ``patroni_wait_s``: 90 s for a member to lead or stream (docs/ha.md §1.4: a
     bootstrap took 15-18 s, a rejoin 5-9 s).
     """
 

@@ -5,16 +5,16 @@ calls:
 
 - :class:`Member`: one control plane's database member, ``NAME=HOST[:PORT]``. PORT is
   PostgreSQL's (default 5432); Patroni's REST API listens ``+2576`` above it (8008 for 5432) and
-  Patroni's raft ``-421`` below it (5011 for 5432), the ports ha.md §1.3 used, so three members on
+  Patroni's raft ``-421`` below it (5011 for 5432), the ports docs/ha.md §1.3 used, so three members on
   one machine need only three PostgreSQL ports (5432, 5433, 5434).
 - :class:`HaPlan`: the whole cluster (scope, members, DCS, passwords, where Patroni lives), kept
   in ``/etc/llmgw/ha.yaml`` (0600: it holds the database passwords) and carried to each standby in
   its bundle (:mod:`llmgw.serverinit.standby`).
-- :func:`patroni_yml`: one member's ``patroni.yml`` (ha.md §1.3 with the tuned dynamic settings:
+- :func:`patroni_yml`: one member's ``patroni.yml`` (docs/ha.md §1.3 with the tuned dynamic settings:
   ``ttl 20, loop_wait 2, retry_timeout 4``, ``synchronous_mode: true``, ``use_pg_rewind``, TCP
   keepalives; §1.4 measured 0 lost writes with synchronous mode and 335 without).
 - :func:`ensure_venv`: Patroni 4.1.5 from PyPI in its own venv made from ``/usr/bin/python3``
-  (ha.md §1.5: with pyenv's Python under /root the postmaster's spawn child cannot exec as
+  (docs/ha.md §1.5: with pyenv's Python under /root the postmaster's spawn child cannot exec as
   ``postgres`` and Patroni says "bootstrap in progress" forever).
 - :class:`PatroniRest`: the member's REST API (``GET /primary``, ``/replica``, ``/cluster``).
 - :func:`create_database`: the llmgw role and database on the primary, idempotent.
@@ -43,7 +43,7 @@ from llmgw.errors import ConfigError, ServiceError
 from llmgw.names import check_name
 
 PATRONI_VERSION = "4.1.5"
-"""The Patroni release ha.md measured (Debian bookworm's package is 3.0.2, too old)."""
+"""The Patroni release docs/ha.md measured (Debian bookworm's package is 3.0.2, too old)."""
 
 PATRONI_REQUIREMENT = f"patroni[psycopg3,raft,etcd3]=={PATRONI_VERSION}"
 """What :func:`ensure_venv` installs: psycopg 3 for PostgreSQL, raft and etcd v3 for the DCS."""
@@ -52,17 +52,17 @@ DEFAULT_VENV = Path("/opt/llmgw/patroni-4.1.5")
 """Where init puts Patroni's venv (``--patroni-venv``); readable by ``postgres``, not under /root."""
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
-"""The interpreter Patroni's venv is made from: one the ``postgres`` user can execute (ha.md §1.5)."""
+"""The interpreter Patroni's venv is made from: one the ``postgres`` user can execute (docs/ha.md §1.5)."""
 
 PG_BIN_DIR = Path("/usr/lib/postgresql/15/bin")
 """Debian's PostgreSQL 15 binaries (not on PATH)."""
 
 PG_PORT = 5432
 REST_OFFSET = 8008 - 5432
-"""Patroni's REST API port minus PostgreSQL's: 8008 for 5432 (ha.md §1.3)."""
+"""Patroni's REST API port minus PostgreSQL's: 8008 for 5432 (docs/ha.md §1.3)."""
 
 RAFT_OFFSET = 5011 - 5432
-"""Patroni's raft port minus PostgreSQL's: 5011 for 5432 (ha.md §1.3)."""
+"""Patroni's raft port minus PostgreSQL's: 5011 for 5432 (docs/ha.md §1.3)."""
 
 DB_USER = "llmgw"
 DB_NAME = "llmgw"
@@ -70,7 +70,7 @@ DB_OS_USER = "postgres"
 """The system user Patroni and PostgreSQL run as (PostgreSQL refuses root)."""
 
 DYNAMIC = {
-    # ha.md §0/§1.5: ttl 20 is Patroni's floor (a lower one is silently raised), and
+    # docs/ha.md §0/§1.5: ttl 20 is Patroni's floor (a lower one is silently raised), and
     # loop_wait + 2*retry_timeout <= ttl. Node crash → new primary in 19-24 s (§1.4).
     "ttl": 20,
     "loop_wait": 2,
@@ -79,7 +79,7 @@ DYNAMIC = {
     # An orphaned old primary cannot acknowledge a commit: 0 lost writes measured, 335 without.
     "synchronous_mode": True,
 }
-"""Patroni's bootstrap dynamic settings (``bootstrap.dcs``), as ha.md §0 recommends."""
+"""Patroni's bootstrap dynamic settings (``bootstrap.dcs``), as docs/ha.md §0 recommends."""
 
 PG_PARAMETERS = {
     "wal_log_hints": "on",  # pg_rewind needs it (or checksums)
@@ -212,7 +212,7 @@ class HaPlan:
         scope: Patroni's cluster name (``llmgw``).
         members: every control plane's database member, the first control plane first.
         etcd: etcd v3 URLs (``http://HOST:2379``) for Patroni's DCS; empty means Patroni's raft
-            (small installs and tests; documented "deprecated" but tested in 4.1.5, ha.md §1.1).
+            (small installs and tests; documented "deprecated" but tested in 4.1.5, docs/ha.md §1.1).
         passwords: ``superuser``, ``replication``, ``rewind`` (Patroni's), ``llmgw`` (the store's),
             ``restapi`` (Patroni's REST API's writes: switchover, restart, config) and ``raft``
             (Patroni's raft messages between members), each 192 random bits.
@@ -274,7 +274,7 @@ class HaPlan:
 
     def store_url(self) -> str:
         """The control planes' store URL: libpq multi-host over every member, the primary chosen
-        by ``target_session_attrs=read-write`` (ha.md §2), ``connect_timeout=2``.
+        by ``target_session_attrs=read-write`` (docs/ha.md §2), ``connect_timeout=2``.
 
         Shape: ``postgresql+psycopg://llmgw:PW@/llmgw?host=a:5432&host=b:5432&target_session_attrs=read-write&connect_timeout=2``.
         """
@@ -376,7 +376,7 @@ def _listen_host(host: str) -> str:
 
 
 def patroni_yml(plan: HaPlan, me: Member) -> str:
-    """Member ``me``'s ``patroni.yml`` (ha.md §1.3, with §0's tuned settings).
+    """Member ``me``'s ``patroni.yml`` (docs/ha.md §1.3, with §0's tuned settings).
 
     Raft when ``plan.etcd`` is empty (``self_addr`` this member's raft port, ``partner_addrs`` the
     others', none on the first member; ``bind_addr`` the member's address, as PostgreSQL's and the
@@ -384,7 +384,7 @@ def patroni_yml(plan: HaPlan, me: Member) -> str:
     ``raft``, without which a peer's messages are refused), else ``etcd3: {hosts: …}``. Passwords are SCRAM over TCP
     from anywhere (the members and the control planes are on other machines), trust over the
     member's own unix socket. The
-    watchdog is off: none in VMs and containers (ha.md §0 says turn ``softdog`` on in production), and
+    watchdog is off: none in VMs and containers (docs/ha.md §0 says turn ``softdog`` on in production), and
     on a machine that also runs a control plane it would reboot all of it when Patroni dies, where
     the supervisor restarts Patroni (which then demotes the orphan in 2-5 s) and the control planes
     end stuck commits on an orphan themselves (:mod:`llmgw.control.store.postgres`, docs/operating.md

@@ -2,7 +2,7 @@
 
 One text serves systemd and llmgw's supervisor (:mod:`llmgw.service.units`), which applies
 ``User=``/``Group=`` as systemd does. Patroni runs as ``postgres`` (PostgreSQL refuses root) from
-its own venv (ha.md §1.5), and on SIGTERM stops PostgreSQL before it exits, hence
+its own venv (docs/ha.md §1.5), and on SIGTERM stops PostgreSQL before it exits, hence
 ``KillMode=mixed`` (SIGTERM to Patroni alone, SIGKILL to what is left after the timeout) and a
 60 s ``TimeoutStopSec`` for a checkpoint.
 """
@@ -19,7 +19,7 @@ def patroni_unit(paths: Paths, venv: Path, config: Path, *, user: str = "postgre
     """Patroni's unit: ``<venv>/bin/patroni <config>`` as ``user``.
 
     ``Restart=on-failure`` after 2 s: a Patroni that died leaves PostgreSQL running unmanaged (the
-    orphan of ha.md §1.4, run s2/s5); restarting it demotes or re-adopts PostgreSQL within 2-5 s.
+    orphan of docs/ha.md §1.4, run s2/s5); restarting it demotes or re-adopts PostgreSQL within 2-5 s.
     """
     return (
         "[Unit]\n"

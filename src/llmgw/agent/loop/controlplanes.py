@@ -2,7 +2,7 @@
 
 An HA cluster has several control planes on one database; each serves the agent API (register,
 heartbeat, logs), so the agent need not reach the leader, only one that answers. The rules
-(``../shared/reference/ha.md`` §5, after Nomad's client RPC proxy):
+(``docs/ha.md`` §5, after Nomad's client RPC proxy):
 
 - the list starts as agent.yaml's ``server`` then ``servers`` (:attr:`AgentConfig.control_planes`);
 - the agent keeps using the last control plane that worked (:meth:`ControlPlanes.order` puts it
@@ -32,7 +32,7 @@ log = logging.getLogger("llmgw.agent")
 
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
 """Seconds to wait after the 1st, 2nd, 3rd, 4th and later consecutive cycle in which no control
-plane answered (ha.md §5 "Agent client rules")."""
+plane answered (docs/ha.md §5 "Agent client rules")."""
 
 FORGET_S = 60.0
 """A member learned from replies is dropped once replies have not named it for this long (seconds);

@@ -106,7 +106,7 @@ ADOPT_WAIT_S = 1.5
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=2)
 """A heartbeat is small; a control plane that takes longer is treated as unreachable and the next
-one is tried (ha.md §5: request 5 s, connect 2 s)."""
+one is tried (docs/ha.md §5: request 5 s, connect 2 s)."""
 
 STALE_TERM = "stale_term"
 """The :class:`~llmgw.errors.ApiError` code (status 200) of a reply whose term is below the highest

@@ -2,10 +2,10 @@
 
 Several control planes share one PostgreSQL database (kept by Patroni); exactly one of them, the
 **leader**, runs the reconcilers (:mod:`llmgw.control.reconcile.leader`, the judge keeper). The
-algorithm is ha.md §3.3, measured there (runs r7-r10: a new leader 0.24 s after ``kill -9`` of
+algorithm is docs/ha.md §3.3, measured there (runs r7-r10: a new leader 0.24 s after ``kill -9`` of
 the leading control plane, a leader on a frozen primary stopped acting 4.3 s after the freeze, one
 on an orphaned primary 2.2 s after the promotion, never two leaders), with the **lease as the
-truth** (issue 19 item 2): the ``cp_leader`` row (``term``, ``holder``, ``renewed_at``) is the lease,
+truth**: the ``cp_leader`` row (``term``, ``holder``, ``renewed_at``) is the lease,
 and a lease that stopped renewing is taken over whatever state the old holder's session is in.
 
 1. **One dedicated connection** (:class:`PgElection`): psycopg's async connection, autocommit,
@@ -91,10 +91,10 @@ T = TypeVar("T")
 #: so that ``pg_locks`` shows it as ``classid 0, objid KEY, objsubid 1``).
 LOCK_KEY = 0x6C6D4C64
 
-#: Seconds between two looks of the watchdog at the lease (ha.md §3.3 step 4).
+#: Seconds between two looks of the watchdog at the lease (docs/ha.md §3.3 step 4).
 WATCHDOG_S = 0.1
 
-#: The client-side timeout of every election statement (seconds; ha.md §3.3 step 3).
+#: The client-side timeout of every election statement (seconds; docs/ha.md §3.3 step 3).
 OP_TIMEOUT_S = 2.0
 
 #: Seconds a closing connection is given before it is abandoned.
@@ -247,7 +247,7 @@ def election_kwargs(url: str, name: str) -> dict[str, Any]:
 
 
 class PgElection(_Changes):
-    """The PostgreSQL election (module docstring; ha.md §3.3).
+    """The PostgreSQL election (module docstring; docs/ha.md §3.3).
 
     Args:
         url: the store's SQLAlchemy URL (``postgresql+psycopg://…``).

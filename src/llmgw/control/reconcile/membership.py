@@ -11,7 +11,7 @@ A member is **alive** when it wrote its row within :data:`ALIVE_S` (three writes
 this control plane while its own election says it leads; else the ``cp_leader`` holder while its
 lease is fresh (``renewed_at``, the database's clock, within ``cluster.lease_s`` of this machine's
 clock) and its control plane alive; none otherwise, and then :meth:`Membership.no_leader_since`
-says since when (issue 19 item 5: a holder that stepped down was named while no reconciler ran).
+says since when (a holder that stepped down used to be named exactly while no reconciler ran).
 """
 
 from __future__ import annotations

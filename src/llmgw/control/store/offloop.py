@@ -123,7 +123,7 @@ READERS = 2
 
 #: Seconds an API's store call may take before it answers 503 ``store_unavailable``. Every store
 #: method is one short transaction (a few ms); a PostgreSQL failover makes writes wait ~20 s
-#: (ha.md §1.4: Patroni's floor), during which an API answering 503 after 5 s lets its client
+#: (docs/ha.md §1.4: Patroni's floor), during which an API answering 503 after 5 s lets its client
 #: retry instead of holding its request.
 STORE_DEADLINE_S = 5.0
 

@@ -38,7 +38,7 @@ SQLAlchemy's ``pool_pre_ping``, which pings before any hook could follow the con
 What these do not bound: a server that is frozen (SIGSTOP, a paused VM) or a commit waiting on
 synchronous replication on an orphaned primary (its Patroni dead, its PostgreSQL alive and still
 read-write, its standbys gone to the new primary) still acknowledges TCP, so the call waits without
-an error: ``statement_timeout`` does not fire while a commit waits on replication (ha.md §1.4
+an error: ``statement_timeout`` does not fire while a commit waits on replication (docs/ha.md §1.4
 s5/r5, and a cancel there would only turn the wait into a local commit with a WARNING). So the
 client ends such a call itself, :class:`Holds`:
 

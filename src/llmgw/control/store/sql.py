@@ -162,7 +162,7 @@ class SqlStore(SqlKeys, Store):
     def _check_term(conn: Connection, term: int) -> None:
         """Raise :class:`Fenced` unless the database's term is ``term``. ``FOR SHARE`` (PostgreSQL;
         SQLite has one writer at a time anyway) makes a new leader's term bump wait for this
-        transaction, and this transaction see a bump that committed before it (ha.md §3.3 step 5)."""
+        transaction, and this transaction see a bump that committed before it (docs/ha.md §3.3 step 5)."""
         now = conn.scalar(sa.select(cp_leader_t.c.term).where(cp_leader_t.c.id == 1).with_for_update(read=True))
         if now != term:
             raise Fenced(

@@ -127,7 +127,7 @@ def check_machine(ctx: InitContext, plan: HaPlan) -> None:
             raise ConfigError(
                 f"the {DB_OS_USER} user cannot reach {path}: {closed} is not searchable by others "
                 f"(mode {closed.stat().st_mode & 0o777:o}); Patroni and PostgreSQL run as {DB_OS_USER} "
-                f"(ha.md §1.5). Choose {flag} outside it, or chmod o+x {closed}"
+                f"(docs/ha.md §1.5). Choose {flag} outside it, or chmod o+x {closed}"
             )
 
 
