@@ -39,23 +39,26 @@ def _today(engine: sa.Engine) -> dict[str, dict[str, tuple[Any, ...]]]:
     return _shape(engine)
 
 
+def _assert_ends_at_today(store: Any, direct_url: str) -> None:
+    """``store`` (closed here) has exactly the tables ``schema.metadata`` makes at ``direct_url``."""
+    migrated = _shape(store.engine)
+    store.close()
+    direct = sa.create_engine(direct_url)
+    try:
+        assert migrated == _today(direct)
+    finally:
+        direct.dispose()
+
+
 def test_a_fresh_database_migrated_step_by_step_has_todays_tables(tmp_path: Path) -> None:
     store = open_store(default_url("", tmp_path / "migrated.db"))
     assert store.schema_versions() == [v for v, _ in MIGRATIONS]
-    migrated = _shape(store.engine)  # type: ignore[attr-defined]
-    store.close()
-    direct = sa.create_engine(f"sqlite:///{tmp_path / 'direct.db'}")
-    assert migrated == _today(direct)
-    direct.dispose()
+    _assert_ends_at_today(store, f"sqlite:///{tmp_path / 'direct.db'}")
 
 
 def test_a_fresh_postgresql_database_migrated_step_by_step_has_todays_tables(pg_cluster: Any) -> None:
     store = open_store(pg_cluster.new_schema())
-    migrated = _shape(store.engine)  # type: ignore[attr-defined]
-    store.close()
-    direct = sa.create_engine(pg_cluster.new_schema())
-    assert migrated == _today(direct)
-    direct.dispose()
+    _assert_ends_at_today(store, pg_cluster.new_schema())
 
 
 def test_a_database_at_the_first_migration_goes_through_every_later_one(tmp_path: Path) -> None:
@@ -70,11 +73,7 @@ def test_a_database_at_the_first_migration_goes_through_every_later_one(tmp_path
     engine.dispose()
     store = open_store(default_url("", tmp_path / "v1.db"))
     assert store.schema_versions() == [v for v, _ in MIGRATIONS]
-    migrated = _shape(store.engine)  # type: ignore[attr-defined]
-    store.close()
-    direct = sa.create_engine(f"sqlite:///{tmp_path / 'direct.db'}")
-    assert migrated == _today(direct)
-    direct.dispose()
+    _assert_ends_at_today(store, f"sqlite:///{tmp_path / 'direct.db'}")
 
 
 def test_a_database_made_by_main_before_the_freeze_opens_and_reads(tmp_path: Path) -> None:
@@ -88,8 +87,4 @@ def test_a_database_made_by_main_before_the_freeze_opens_and_reads(tmp_path: Pat
     key = store.get_key("alice")
     assert key is not None
     assert (key.prefix, key.rpm) == ("sk-alice-0123456", 60)
-    migrated = _shape(store.engine)  # type: ignore[attr-defined]
-    store.close()
-    direct = sa.create_engine(f"sqlite:///{tmp_path / 'direct.db'}")
-    assert migrated == _today(direct)
-    direct.dispose()
+    _assert_ends_at_today(store, f"sqlite:///{tmp_path / 'direct.db'}")

@@ -59,16 +59,25 @@ def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
     console().print("This secret is not shown again: give it to its user now (Authorization: Bearer <secret>).")
 
 
+#: The limits ``key create`` sets and ``key set`` changes, one option each.
+ModelsOpt = Annotated[str | None, typer.Option("--models", help="Comma-separated models or aliases.")]
+RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")]
+TpmOpt = Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")]
+BudgetTokensOpt = Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")]
+BudgetPeriodOpt = Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")]
+ExpiresOpt = Annotated[str | None, typer.Option("--expires", help="A duration from now: 12h, 30d, 2w.")]
+
+
 @app.command("create")
 @cli_errors
 def create(
     name: Annotated[str, typer.Argument(help="The key's name (shown in usage, metrics and the access log).")],
-    models: Annotated[str | None, typer.Option("--models", help="Comma-separated models or aliases.")] = None,
-    rpm: Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")] = None,
-    tpm: Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")] = None,
-    budget_tokens: Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")] = None,
-    budget_period: Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")] = None,
-    expires: Annotated[str | None, typer.Option("--expires", help="A duration from now: 12h, 30d, 2w.")] = None,
+    models: ModelsOpt = None,
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    budget_tokens: BudgetTokensOpt = None,
+    budget_period: BudgetPeriodOpt = None,
+    expires: ExpiresOpt = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
@@ -93,12 +102,12 @@ _CLEARS = {"rpm": ("rpm",), "tpm": ("tpm",), "budget": ("budget_tokens", "budget
 @cli_errors
 def set_limits(
     name: Annotated[str, typer.Argument(help="The key to change.")],
-    models: Annotated[str | None, typer.Option("--models", help="Comma-separated models or aliases.")] = None,
-    rpm: Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")] = None,
-    tpm: Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")] = None,
-    budget_tokens: Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")] = None,
-    budget_period: Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")] = None,
-    expires: Annotated[str | None, typer.Option("--expires", help="A duration from now: 12h, 30d, 2w.")] = None,
+    models: ModelsOpt = None,
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    budget_tokens: BudgetTokensOpt = None,
+    budget_period: BudgetPeriodOpt = None,
+    expires: ExpiresOpt = None,
     clear: Annotated[
         list[str] | None,
         typer.Option("--clear", help="Remove a limit: rpm, tpm, budget, models (every model) or expires; repeat."),
