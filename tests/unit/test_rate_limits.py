@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,13 +217,25 @@ def test_rate_limited_key_gets_429_in_openai_shape(env: Env) -> None:
     client.close()
 
 
+def _wait(done: Callable[[], bool], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < deadline, f"not within {within_s} s"
+        time.sleep(0.01)
+
+
 def test_tokens_per_minute_counted_for_streams_too(env: Env) -> None:
+    seen = len(env.exchanges)
     r = env.chat("sk-tokens", stream=True)  # 9 tokens, asked of the engine with include_usage
     assert r.status_code == 200
     assert '"usage"' not in r.text  # the client did not ask for it: hidden
+    # A stream's tokens are counted when the handler ends, which may come a moment after the client
+    # has read the last event (seen once in CI): wait for its exchange, recorded just after.
+    _wait(lambda: len(env.exchanges) > seen)
     assert env.exchanges[-1].usage == {"completion_tokens": 4, "prompt_tokens": 5, "total_tokens": 9}
     shown = env.chat("sk-tokens", stream=True, stream_options={"include_usage": True})  # 9 < 10: admitted
     assert '"usage"' in shown.text
+    _wait(lambda: len(env.exchanges) > seen + 1)
     r = env.chat("sk-tokens")
     assert r.status_code == 429
     assert "tokens per minute" in r.json()["error"]["message"]
