@@ -262,7 +262,7 @@ class Batcher(Generic[ItemT, ResultT]):
         db: the pool.
         write: takes the batch, returns one result per item, in order (it runs on a pool thread).
 
-    Used for heartbeats (:meth:`llmgw.control.store.base.Store.record_heartbeats`): one SQLite write
+    Used for heartbeats (:meth:`llmgw.control.store.base.Store.write_heartbeats`): one SQLite write
     transaction for every heartbeat that arrived meanwhile, instead of one each.
     """
 
@@ -361,7 +361,8 @@ class Coalescer:
                         fut.set_result(None)
 
     async def idle(self) -> None:
-        """Wait until no run is in progress or wanted (tests, shutdown)."""
+        """Wait until no run is in progress or wanted (the gateway before it answers "no ready
+        replica", tests, shutdown)."""
         while self._task is not None and not self._task.done():
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._task)
