@@ -53,7 +53,6 @@ import logging
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -109,14 +108,6 @@ listeners close together, so a stop takes at most ``gateway.drain_s`` (≤ 50) +
 the unit's ``TimeoutStopSec=60s``."""
 
 _CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
-
-#: How long a thread holding the GIL may run before a waiting one gets it (CPython's default is 5 ms).
-#: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models, and a
-#: heartbeat needs the GIL at a dozen hand-offs (loop, store thread, loop ...), each waiting up to
-#: this long. bench/heartbeats.py, the final code at load ~2 on 2 cores, burst p99 / after p99:
-#: 5 ms (the default) 115-119 / 70-83 ms, 1 ms 30 / 72 ms, 0.2 ms 29-52 / 19-46 ms, with no
-#: measurable change in the process's CPU use (0.38-0.54 cores during the burst for all three).
-SWITCH_INTERVAL_S = 0.0002
 
 
 class Wakes:
@@ -382,7 +373,6 @@ async def serve(
         StoreError: the database cannot be opened.
     """
     config = load_server_config(config_path)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     token = read_admin_token(config, config_path)
     keys = read_gateway_keys(config)
     tls = _tls(config)
