@@ -399,13 +399,16 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
         term=term, leader=leader, control_planes=members,
     )
     response = web.json_response(text=reply.model_dump_json())
-    # Sent now: what follows (a routing refresh, the leader's wake-up) is requested, never waited for.
-    await response.prepare(request)
-    await response.write_eof()
-    if on_node is not None and node_changed:
-        on_node(node_id)
-    if on_heartbeat is not None:
-        on_heartbeat(node_id, bool(wrote.changed) or node_changed)
+    # Sent now: what follows (a routing refresh, the leader's wake-up) is requested, never waited for;
+    # requested even when the agent went away meanwhile (the write is committed).
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    finally:
+        if on_node is not None and node_changed:
+            on_node(node_id)
+        if on_heartbeat is not None:
+            on_heartbeat(node_id, bool(wrote.changed) or node_changed)
     return response
 
 
