@@ -55,6 +55,11 @@ class Router(Protocol):
         """Every model offered to clients, chat and embedding (guard models are not), sorted by name."""
         ...
 
+    async def resolve_settled(self, name: str) -> Route | None:
+        """:meth:`resolve`, after the table updates already requested when it has no ready replica
+        (:meth:`llmgw.control.gateway.table.StoreRouter.resolve_settled`); a fixed table: :meth:`resolve`."""
+        ...
+
 
 @dataclass
 class StaticRouter:
@@ -70,3 +75,7 @@ class StaticRouter:
     def chat_models(self) -> list[Route]:
         """See :meth:`Router.chat_models`."""
         return [self.routes[k] for k in sorted(self.routes)]
+
+    async def resolve_settled(self, name: str) -> Route | None:
+        """See :meth:`Router.resolve_settled` (nothing to wait for)."""
+        return self.resolve(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from llmgw.protocol import (
     ReplicaStatus,
 )
 from llmgw.views import ExplainView
+from tests.helpers.waits import until
 
 GB = 1_000_000_000
 
@@ -104,7 +106,8 @@ async def test_cn_is_the_node_id_and_heartbeat_returns_desired_replicas(server: 
     assert reply.desired == []
     (node,) = server.store.list_nodes()
     assert (node.id, node.state, node.labels) == ("node-7", "ready", {"zone": "a"})
-    assert server.beats == [("node-7", True)]
+    # on_heartbeat is called once the reply was sent (the agent never waits for the routing refresh).
+    await until("on_heartbeat called", lambda: asyncio.sleep(0, server.beats == [("node-7", True)]))
 
     model = Model(
         name="chat",
@@ -139,7 +142,7 @@ async def test_cn_is_the_node_id_and_heartbeat_returns_desired_replicas(server: 
     ready = server.store.get_replica(row.id)
     assert ready is not None
     assert (ready.state, ready.endpoint, ready.ready_at) == ("ready", "127.0.0.1:5001", 1000.0)
-    assert server.beats[-1] == ("node-7", True)
+    await until("on_heartbeat: changed", lambda: asyncio.sleep(0, server.beats[-1:] == [("node-7", True)]))
 
     router = StoreRouter(server.store)
     route = router.resolve("chat")

@@ -31,6 +31,7 @@ from llmgw.agent.loop.tlsdiag import alert_name, certificate_problem
 from llmgw.agent.node.records import load_records, stop_all_engines
 from llmgw.config import AgentConfig
 from llmgw.control.store import Store
+from llmgw.control.store.rows import BeatWrite
 from llmgw.errors import NodeRemoved, Revoked
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, Inventory
@@ -357,3 +358,25 @@ def test_a_heartbeat_admitted_before_the_removal_does_not_write_the_node_back(st
     store.note_cert("n1", "DD", 11.0)
     assert store.record_heartbeats([("n1", beat, 11.0, "DD")]) == [None]
     assert store.get_node("n1") is not None
+
+
+def test_the_heartbeat_write_checks_revocation_again(store: Store) -> None:
+    """The same race through the agent API's own write (``Store.write_heartbeats``, which remembers
+    a new serial in the transaction that records the heartbeat): a heartbeat read before ``node rm``
+    and written after it is refused, with its serial remembered or not; a certificate issued after
+    the removal is written, its serial remembered by that same write. On SQLite and PostgreSQL."""
+    beat = Heartbeat(inventory=Inventory(**INVENTORY), instance="i")
+    (first,) = store.write_heartbeats([BeatWrite("n1", beat, 1.0, "AA", issued_at=0.5, note=True)])
+    assert first.refused is None
+    assert store.node_serials("n1") == ["AA"]
+    assert store.remove_node("n1", now=10.0) == ["AA"]
+    for serial, issued_at, note in (("AA", 0.5, False), ("CC", 5.0, True), ("CC", None, True)):
+        (late,) = store.write_heartbeats([BeatWrite("n1", beat, 10.5, serial, issued_at=issued_at, note=note)])
+        assert isinstance(late.refused, Revoked), (serial, issued_at)
+        assert (late.refused.serial, late.refused.node, late.refused.revoked_at) == (serial, "n1", 10.0)
+        assert store.get_node("n1") is None
+    assert store.node_serials("n1") == []  # a refused write remembers nothing
+    (again,) = store.write_heartbeats([BeatWrite("n1", beat, 11.0, "DD", issued_at=10.5, note=True)])
+    assert again.refused is None
+    assert store.get_node("n1") is not None
+    assert store.node_serials("n1") == ["DD"]

@@ -28,11 +28,12 @@ It runs until SIGTERM/SIGINT or ``stop`` is set, then shuts down gracefully
 finish for up to ``gateway.drain_s`` and are then cut with an error event and ``data: [DONE]``,
 and only then are the listeners, the leader and the store closed.
 
-The pieces are wired with events, not timers: a heartbeat that changed something refreshes the
-routing table, and one from a new or returning node wakes the leader (a replica that became ready
-gives the leader nothing to do; one that failed is replaced after its backoff, 10 s at least, by
-the leader's timed pass); an admin write does both; a leader pass that changed replicas refreshes
-the routing table.
+The pieces are wired with events, not timers (:class:`Wakes`): a heartbeat that changed something
+requests a routing table refresh once it is answered (the agent never waits for it), and one from
+a new or returning node wakes the leader (a replica that became ready gives the leader nothing to
+do; one that failed is replaced after its backoff, 10 s at least, by the leader's timed pass); an
+admin write does both, and is answered once the refresh ran; a leader pass that changed replicas
+refreshes the routing table.
 
 No store call and no reconcile pass runs on the event loop that serves the three listeners
 (done there, a burst of admin writes made heartbeats wait 2 s at p50): store calls go through one
@@ -46,12 +47,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import gc
 import logging
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,13 +109,46 @@ the unit's ``TimeoutStopSec=60s``."""
 
 _CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
 
-#: How long a thread holding the GIL may run before a waiting one gets it (CPython's default is 5 ms).
-#: A leader pass on a store thread is pure Python for ~100 ms with 200 nodes and 50 models, and a
-#: heartbeat needs the GIL at a dozen hand-offs (loop, store thread, loop ...), each waiting up to
-#: this long. bench/heartbeats.py, the final code at load ~2 on 2 cores, burst p99 / after p99:
-#: 5 ms (the default) 115-119 / 70-83 ms, 1 ms 30 / 72 ms, 0.2 ms 29-52 / 19-46 ms, with no
-#: measurable change in the process's CPU use (0.38-0.54 cores during the burst for all three).
-SWITCH_INTERVAL_S = 0.0002
+
+class Wakes:
+    """What the control plane's events wake (:func:`serve` wires them): the routing table's refresh
+    and the leader of the current term. Every method only requests (cheap, on the loop): the
+    refresh runs off the loop, coalesced (:class:`~llmgw.control.store.offloop.Coalescer`), and a
+    woken leader starts its next pass at most once a second (:data:`~llmgw.control.reconcile.leader.MIN_GAP_S`).
+
+    Args:
+        routes: the routing table's refresh.
+
+    Attributes:
+        leaders: the leader of the current term while this control plane leads, else empty
+            (:func:`serve`'s ``lead`` keeps it).
+    """
+
+    def __init__(self, routes: Coalescer) -> None:
+        self.routes = routes
+        self.leaders: list[Leader] = []
+
+    def heartbeat(self, _node: str, changed: bool) -> None:
+        """The agent API's ``on_heartbeat``, called once the reply was sent: a routing refresh when
+        a replica's state moved or the node was new or lost (a replica that became ready gives the
+        leader nothing to do)."""
+        if changed:
+            self.routes.request()
+
+    def node_came(self, _node: str) -> None:
+        """The agent API's ``on_node``: a node registered or came back from ``lost``, new capacity
+        to place on: the leader's next pass."""
+        self.wake_leader()
+
+    def wake_leader(self) -> None:
+        """The leader's next pass now (nothing while this control plane does not lead)."""
+        for leader in self.leaders:
+            leader.wake()
+
+    def changed(self) -> None:
+        """An admin write (or a judge added to the mirror): both a routing refresh and a leader pass."""
+        self.routes.request()
+        self.wake_leader()
 
 
 def read_admin_token(config: ServerConfig, config_path: Path) -> str:
@@ -339,7 +373,6 @@ async def serve(
         StoreError: the database cannot be opened.
     """
     config = load_server_config(config_path)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     token = read_admin_token(config, config_path)
     keys = read_gateway_keys(config)
     tls = _tls(config)
@@ -355,11 +388,11 @@ async def serve(
         store.bound_holds(HOLD_MAX_S)
     work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
-    routes = Coalescer(lambda: db.run(router.refresh), name="routing table refresh")
-    router.on_stale = routes.request
+    routes = Coalescer(functools.partial(db.run, router.refresh), name="routing table refresh")
+    router.on_stale, router.settled = routes.request, routes.idle
+    wakes = Wakes(routes)
     name = config.cluster.name or socket.gethostname()
     election = _election(store, url, config, name, db)
-    leaders: list[Leader] = []  # the leader of the current term, while this control plane leads
     guard = _guard(config, router)
     # PostgreSQL: the agents beat to any control plane, so log reads cross them through the store;
     # SQLite: one control plane, reads stay in memory (no store call for them at all).
@@ -373,11 +406,6 @@ async def serve(
     counted = asyncio.Event()
     counting: asyncio.Task[None] | None = None
 
-    def admin_changed() -> None:
-        routes.request()
-        for leader in leaders:
-            leader.wake()
-
     async def lead(term: int, ended: asyncio.Event) -> None:
         """The reconcilers of one term, on the store fenced by it; cancelled when leadership ends."""
         fenced = store.fenced(term)
@@ -388,19 +416,12 @@ async def serve(
             on_change=routes.request,
             db=work,
         )
-        leaders[:] = [leader]
-        keeper = _keeper(fenced, config, admin_changed, _mirror_token(paths, token))
+        wakes.leaders[:] = [leader]
+        keeper = _keeper(fenced, config, wakes.changed, _mirror_token(paths, token))
         try:
             await asyncio.gather(leader.run(ended), *([keeper.run(ended)] if keeper is not None else []))
         finally:
-            leaders.clear()
-
-    def heartbeat(_node: str, changed: bool) -> Awaitable[None] | None:
-        return routes.done() if changed else None
-
-    def node_came(_node: str) -> None:
-        for leader in leaders:
-            leader.wake()
+            wakes.leaders.clear()
 
     runners: list[web.AppRunner] = []
     apps: list[tuple[str, str, web.Application, ssl.SSLContext | None]] = []
@@ -425,7 +446,7 @@ async def serve(
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
         admin = _admin_app(
-            store, token, admin_changed, config, guard, logs, db, routes.done, members, metrics, paths
+            store, token, wakes.changed, config, guard, logs, db, routes.done, members, metrics, paths
         )
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
@@ -436,8 +457,8 @@ async def serve(
                 "agent_listen",
                 config.agent_listen,
                 build_agent_app(
-                    store, on_heartbeat=heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs, db=db,
-                    on_node=node_came, cluster=members.reply_fields, engines=engines,
+                    store, on_heartbeat=wakes.heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs,
+                    db=db, on_node=wakes.node_came, cluster=members.reply_fields, engines=engines,
                 ),
                 tls,
             ),

@@ -17,7 +17,18 @@ the time of its removal kept: a certificate for that node issued before it (by i
 presented cannot bring it back. Every request is checked after the handshake
 (:meth:`~llmgw.control.store.base.Store.refused_cert`): a refused certificate gets 403
 ``certificate_revoked``, with what to do to re-join, and its agent stops (:mod:`llmgw.agent.loop.loop`).
-The serials a node presents are remembered as its heartbeats arrive (one write per new serial).
+The serials a node presents are remembered as its heartbeats arrive (in the heartbeat's own write).
+
+One heartbeat is two store trips (:func:`heartbeat`): one read
+(:meth:`~llmgw.control.store.base.Store.read_heartbeat`: the verdict on the certificate, the node's
+row before, the replicas placed on it and their models, from which :func:`desired_specs` builds the
+reply on the same store thread) and one batched write
+(:meth:`~llmgw.control.store.base.Store.write_heartbeats`, through a
+:class:`~llmgw.control.store.offloop.Batcher`: the revocation checked again in the write
+transaction, the serial remembered, the heartbeat recorded, the replica reports applied and the
+log requests queued in the store taken, one transaction for every heartbeat of the batch). The
+reply is sent before ``on_node`` and ``on_heartbeat`` are called: the routing table's refresh and
+the leader's wake-up are requested after it, never awaited by the agent.
 
 ``POST /agent/v1/metrics`` (a list of :class:`~llmgw.protocol.EngineMetricsText`): the node's engines'
 ``/metrics`` pages, relayed on the control plane's ``GET /metrics``
@@ -37,11 +48,10 @@ heartbeat batcher, the callbacks) is one :class:`AgentContext` on the app under 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -49,13 +59,14 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
-from llmgw.catalog import Role, engine_traits
+from llmgw.catalog import Model, Role, engine_traits
 from llmgw.config import ServerConfig
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
-from llmgw.errors import Conflict, HttpError, Revoked, StoreUnavailable
+from llmgw.control.store.rows import BeatResult, BeatWrite
+from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import (
@@ -65,7 +76,6 @@ from llmgw.protocol import (
     Heartbeat,
     HeartbeatReply,
     LogReply,
-    LogRequest,
     ReplicaSpec,
 )
 
@@ -89,13 +99,14 @@ class AgentContext:
     Attributes:
         store: the state store; every call goes through ``db`` (off the event loop).
         db: the off-loop pool (:mod:`llmgw.control.store.offloop`).
-        beats: batches the heartbeats' writes (one write transaction per batch).
+        beats: batches the heartbeats' writes (:meth:`~llmgw.control.store.base.Store.write_heartbeats`:
+            one write transaction per batch).
         clock: unix seconds.
         interval_s: the heartbeat interval replies ask for (s).
         node_lost_after_s: bounds how long a node id stays held (:func:`hold_for`).
         logs: log reads waiting for agents; None: no log requests go out.
-        on_heartbeat: ``(node_id, changed)`` after each stored heartbeat; an awaitable is awaited.
-        on_node: a node registered or came back from ``lost``.
+        on_heartbeat: ``(node_id, changed)`` after each stored heartbeat's reply was sent.
+        on_node: a node registered or came back from ``lost`` (called after the reply was sent).
         cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply.
         engines: keeps the engine metrics pages agents post; None: posts are dropped.
         seen: ``(node, serial)`` pairs this process already remembered in the store.
@@ -103,12 +114,12 @@ class AgentContext:
 
     store: Store
     db: OffLoop
-    beats: Batcher[tuple[str, Heartbeat, float, str], Conflict | None]
+    beats: Batcher[BeatWrite, BeatResult]
     clock: Callable[[], float] = time.time
     interval_s: float = HEARTBEAT_INTERVAL_S
     node_lost_after_s: float = 30.0
     logs: LogBroker | None = None
-    on_heartbeat: Callable[[str, bool], Awaitable[None] | None] | None = None
+    on_heartbeat: Callable[[str, bool], None] | None = None
     on_node: Callable[[str], None] | None = None
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None
     engines: EngineMetrics | None = None
@@ -151,14 +162,13 @@ def revoked_message(node_id: str, serial: str, revoked_at: float) -> str:
     )
 
 
-def desired_specs(store: Store, node_id: str) -> list[ReplicaSpec]:
-    """The replicas placed on ``node_id``, as the agent must run them (models gone are skipped).
+def desired_specs(node_id: str, replicas: Sequence[ReplicaRow], models: Mapping[str, Model]) -> list[ReplicaSpec]:
+    """The replicas placed on ``node_id`` (``replicas``, of ``models`` by name), as the agent must
+    run them (models gone are skipped).
 
-    Reads only the models that have a replica on the node (not the whole catalog: with 50 models
-    and 100 heartbeats a second that was 5,000 catalog rows parsed a second)."""
+    The heartbeat's read gives only the models that have a replica on the node (not the whole
+    catalog: with 50 models and 100 heartbeats a second that was 5,000 catalog rows parsed a second)."""
     out = []
-    replicas = store.list_replicas(node=node_id)
-    models = {name: row.model for name in {r.model for r in replicas} if (row := store.get_model(name))}
     for r in replicas:
         model = models.get(r.model)
         if model is None:
@@ -328,52 +338,78 @@ async def read_heartbeat(request: web.Request) -> Heartbeat:
         raise HttpError(400, "invalid_heartbeat", f"{where}: {first['msg']}") from e
 
 
-async def heartbeat(request: web.Request) -> web.Response:
+@dataclass(frozen=True)
+class HeartbeatSeen:
+    """What :func:`read_side` gives the handler: the refusal (``(node, revoked_at)``) or None, the
+    node's row before this heartbeat, and the replicas its agent must run."""
+
+    refused: tuple[str, float] | None
+    before: NodeRow | None
+    desired: list[ReplicaSpec]
+
+
+def read_side(store: Store, node_id: str, serial: str, issued_at: float | None) -> HeartbeatSeen:
+    """On a store thread: a heartbeat's one read (:meth:`~llmgw.control.store.base.Store.read_heartbeat`)
+    and the reply's replicas built from it (:func:`desired_specs`, off the event loop)."""
+    got = store.read_heartbeat(node_id, serial, issued_at)
+    if got.refused is not None:
+        return HeartbeatSeen(got.refused, None, [])
+    return HeartbeatSeen(None, got.before, desired_specs(node_id, got.replicas, got.models))
+
+
+async def heartbeat(request: web.Request) -> web.StreamResponse:
     """``POST /agent/v1/register`` and ``/agent/v1/heartbeat``: store the node's report, answer a
-    :class:`~llmgw.protocol.HeartbeatReply` (409 ``node_id_in_use``, 403 ``certificate_revoked``)."""
+    :class:`~llmgw.protocol.HeartbeatReply` (409 ``node_id_in_use``, 403 ``certificate_revoked``).
+
+    Two store trips: one read (:func:`read_side`), one batched write (``ctx.beats``); ``on_node`` and
+    ``on_heartbeat`` are called once the reply was sent."""
     ctx = request.app[AGENT]
-    store, db, clock, logs, interval_s = ctx.store, ctx.db, ctx.clock, ctx.logs, ctx.interval_s
+    clock, logs, interval_s = ctx.clock, ctx.logs, ctx.interval_s
     on_node, on_heartbeat, cluster = ctx.on_node, ctx.on_heartbeat, ctx.cluster
     node_id = identify(request)
     hb = await read_heartbeat(request)
-    # Checked here, and again inside the batched write (Store.record_heartbeats, in the write
+    serial, issued_at = serial_of(request), tlsconf.issued_at(peercert_of(request))
+    # Checked here, and again inside the batched write (Store.write_heartbeats, in the write
     # transaction node removal takes): a node removed meanwhile is never written back.
-    await check_revoked(request, node_id)
+    seen = await ctx.db.read(read_side, ctx.store, node_id, serial, issued_at)
+    if seen.refused is not None:
+        raise revoked_error(node_id, serial, seen.refused[1])
     now = clock()
-    before = await db.run(store.get_node, node_id)
+    before = seen.before
     clash = id_in_use(before, hb, now, hold_s=hold_for(ctx.node_lost_after_s, interval_s))
     if clash:
         log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
         raise HttpError(409, "node_id_in_use", clash)
-    failed = await ctx.beats.submit((node_id, hb, now, serial_of(request)))
-    if isinstance(failed, Revoked):
-        raise revoked_error(node_id, failed.serial, failed.revoked_at)
-    if failed is not None:
-        raise failed
-    changed = (await db.run(store.apply_reports, node_id, hb.replicas, now)).changed
+    note = bool(serial) and (node_id, serial) not in ctx.seen
+    wants_logs = logs is not None and logs.wants_stored(node_id)
+    wrote = await ctx.beats.submit(BeatWrite(node_id, hb, now, serial, issued_at, note=note, logs=wants_logs))
+    if isinstance(wrote.refused, Revoked):
+        raise revoked_error(node_id, wrote.refused.serial, wrote.refused.revoked_at)
+    if wrote.refused is not None:
+        raise wrote.refused
+    if note:
+        ctx.seen.add((node_id, serial))
     if before is None:
         log.info("node %s registered", node_id)
     node_changed = before is None or before.state != "ready"
-    if on_node is not None and node_changed:
-        on_node(node_id)
-    if on_heartbeat is not None:
-        settled = on_heartbeat(node_id, bool(changed) or node_changed)
-        if inspect.isawaitable(settled):
-            await settled
     term, leader, members = cluster() if cluster is not None else (0, "", [])
-
-    def outgoing() -> tuple[list[ReplicaSpec], list[LogRequest]]:
-        # One trip to a store thread for both: the log requests queued for this node in the
-        # shared store (no store call with the in-memory broker, or when none is queued for it).
-        return desired_specs(store, node_id), logs.take_stored(node_id, now) if logs is not None else []
-
-    desired, stored_logs = await db.run(outgoing)
     reply = HeartbeatReply(
-        node_id=node_id, desired=desired, interval_s=interval_s,
-        log_requests=(logs.take(node_id) if logs is not None else []) + stored_logs,
+        node_id=node_id, desired=seen.desired, interval_s=interval_s,
+        log_requests=(logs.take(node_id) if logs is not None else []) + wrote.logs,
         term=term, leader=leader, control_planes=members,
     )
-    return web.json_response(text=reply.model_dump_json())
+    response = web.json_response(text=reply.model_dump_json())
+    # Sent now: what follows (a routing refresh, the leader's wake-up) is requested, never waited for;
+    # requested even when the agent went away meanwhile (the write is committed).
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    finally:
+        if on_node is not None and node_changed:
+            on_node(node_id)
+        if on_heartbeat is not None:
+            on_heartbeat(node_id, bool(wrote.changed) or node_changed)
+    return response
 
 
 async def read_report(request: web.Request, shape: TypeAdapter[_Report], code: str) -> tuple[str, _Report]:
@@ -427,7 +463,7 @@ ROUTES = [
 def build_agent_app(
     store: Store,
     *,
-    on_heartbeat: Callable[[str, bool], Awaitable[None] | None] | None = None,
+    on_heartbeat: Callable[[str, bool], None] | None = None,
     clock: Callable[[], float] = time.time,
     interval_s: float = HEARTBEAT_INTERVAL_S,
     node_lost_after_s: float = 30.0,
@@ -442,11 +478,10 @@ def build_agent_app(
 
     Args:
         store: the state store.
-        on_heartbeat: called with ``(node_id, changed)`` after each heartbeat is stored;
-            ``changed`` is True when a replica's state moved or the node was new or lost (the
-            control plane refreshes its routing table on it). When it returns
-            an awaitable, the reply waits for it (the routing table shows what this heartbeat
-            changed by the time the agent hears back).
+        on_heartbeat: called with ``(node_id, changed)`` after each heartbeat is stored and its
+            reply sent; ``changed`` is True when a replica's state moved or the node was new or
+            lost (the control plane requests a routing table refresh on it: the gateway routes to
+            a replica a refresh after its ready report was answered, not before).
         clock: unix seconds.
         interval_s: the heartbeat interval the reply asks for.
         node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
@@ -454,8 +489,8 @@ def build_agent_app(
         logs: log reads waiting for this node's agent, in memory or, in an HA cluster, in the shared
             store (:mod:`llmgw.control.api.logbroker`): each reply carries the node's pending ones and
             ``/agent/v1/logs`` answers them, whichever control plane asked.
-        on_node: called with the node id when a node registers or comes back from ``lost`` (the
-            control plane wakes the leader on it: there is new capacity to place on).
+        on_node: called with the node id when a node registers or comes back from ``lost``, after
+            the reply (the control plane wakes the leader on it: there is new capacity to place on).
         db: runs the store calls off the event loop (:mod:`llmgw.control.store.offloop`); default: a
             pool of this app's own, closed with it.
         cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply
@@ -478,7 +513,7 @@ def build_agent_app(
     )
     app[STORE_KEY] = store
     app[AGENT] = AgentContext(
-        store=store, db=pool, beats=Batcher(pool, store.record_heartbeats), clock=clock, interval_s=interval_s,
+        store=store, db=pool, beats=Batcher(pool, store.write_heartbeats), clock=clock, interval_s=interval_s,
         node_lost_after_s=node_lost_after_s, logs=logs, on_heartbeat=on_heartbeat, on_node=on_node,
         cluster=cluster, engines=engines,
     )

@@ -14,7 +14,8 @@ Two ways to queue, chosen when the broker is made (:mod:`llmgw.control.server`):
 * **Through the store** (``LogBroker(store=..., db=...)``; PostgreSQL, where several control planes
   share the database and an agent heartbeats to any one of them): the request is a row of
   ``log_requests`` (:meth:`~llmgw.control.store.base.Store.add_log_request`); whichever control
-  plane the node heartbeats to hands it out (:meth:`LogBroker.take_stored`). The agent posts its
+  plane the node heartbeats to hands it out (:meth:`LogBroker.wants_stored`: the heartbeat's write
+  takes them, :meth:`~llmgw.control.store.base.Store.write_heartbeats`). The agent posts its
   answer to the control plane it uses: that one resolves its own waiting read when it asked, else
   stores the answer in the row, which the asker polls every :data:`POLL_S`
   (:meth:`~llmgw.control.store.base.Store.pop_log_answer`). A read asked on one control plane for a
@@ -148,10 +149,19 @@ class LogBroker:
         """On a store thread: the requests queued in the store for ``node`` that no control plane has
         handed out yet (each is handed out once, cluster-wide); [] with no store call in memory mode
         or when :meth:`watch` last saw none for ``node``."""
-        if self.store is None or node not in self._queued:
+        if self.store is None or not self.wants_stored(node):
             return []
-        self._queued.discard(node)
         return self.store.take_log_requests(node, now=now)
+
+    def wants_stored(self, node: str) -> bool:
+        """Whether ``node``'s next heartbeat should take the log requests queued in the store (store
+        mode, and :meth:`watch` or this control plane saw some for it since the last take); the
+        answer is given once (the heartbeat that asked takes them: the agent API's batched write,
+        :meth:`~llmgw.control.store.base.Store.write_heartbeats`)."""
+        if self.store is None or node not in self._queued:
+            return False
+        self._queued.discard(node)
+        return True
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Store mode: every ``poll_s``, read which nodes have requests queued by any control plane

@@ -287,7 +287,7 @@ class _Gateway:
             body = _parse(raw, endpoint)
             requested = body["model"]
             stream = body.get("stream") is True
-            route = self.router.resolve(requested)
+            route = await self.router.resolve_settled(requested)
             if route is None or not self.callers.may_use(caller, requested, route.model, self._resolve_name):
                 out: web.StreamResponse = self._not_found(requested, caller)
             elif route.role != endpoint.role:

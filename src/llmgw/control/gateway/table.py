@@ -11,15 +11,24 @@ and the request is answered from the snapshot it has, so the gateway's hot path 
 the store, which is slow under a burst of writes. Without ``on_stale`` (tests, tools) the rebuild
 runs inline.
 
+A heartbeat's routing refresh is requested once its reply is sent, not awaited before it
+(:mod:`llmgw.control.api.agent`), so a client told "ready" (by the agent, or ``ctl replicas``) may
+ask the gateway while that refresh still runs. :meth:`StoreRouter.resolve_settled` (the gateway's
+chat and embedding requests) then waits for the refreshes already requested (``settled``, the
+control plane's :meth:`~llmgw.control.store.offloop.Coalescer.idle`, at most
+:data:`SETTLE_WAIT_S`) before it answers that a model has no ready replica; a model that has one
+never waits.
+
 Snapshots are swapped whole (one attribute assignment), so a request never sees half a table.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model, Role
@@ -34,6 +43,11 @@ _OFFERED = frozenset({Role.CHAT, Role.EMBEDDING})
 
 #: Longest a snapshot is used before the next resolve rebuilds it (seconds).
 MAX_AGE_S = 0.5
+
+#: The longest (s) :meth:`StoreRouter.resolve_settled` waits for the refreshes in flight (a routing
+#: refresh is a few ms; with the database down it fails at its deadline, and the request is
+#: answered from the table it has after this).
+SETTLE_WAIT_S = 1.0
 
 _ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9a-fA-F:]+\](?::\d+)?|\blocalhost:\d+\b")
 
@@ -108,6 +122,8 @@ class StoreRouter:
         on_stale: called (instead of rebuilding inline) when a resolve finds the snapshot older
             than ``max_age_s``; it must return at once and have :meth:`refresh` run elsewhere
             (the control plane runs it on a store thread).
+        settled: awaited by :meth:`resolve_settled` for the refreshes requested so far to finish
+            (the control plane's ``Coalescer.idle``); None: nothing to wait for.
     """
 
     def __init__(
@@ -117,11 +133,13 @@ class StoreRouter:
         clock: Callable[[], float] = time.monotonic,
         max_age_s: float = MAX_AGE_S,
         on_stale: Callable[[], None] | None = None,
+        settled: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.max_age_s = max_age_s
         self.on_stale = on_stale
+        self.settled = settled
         self._snap = _Snapshot()
 
     def refresh(self) -> None:
@@ -160,6 +178,19 @@ class StoreRouter:
         if snap.roles.get(real) not in _OFFERED:
             return None
         return snap.routes.get(real)
+
+    async def resolve_settled(self, name: str) -> Route | None:
+        """:meth:`resolve`; when the route has no ready replica, again once the refreshes already
+        requested have run (``settled``, at most :data:`SETTLE_WAIT_S`): a replica whose ready
+        heartbeat was answered is routed to, whether or not its refresh had finished."""
+        route = self.resolve(name)
+        if route is None or route.upstreams or self.settled is None:
+            return route
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(self.settled())), SETTLE_WAIT_S)
+        except TimeoutError:
+            return route
+        return self.resolve(name)
 
     def resolve_any(self, name: str) -> Route | None:
         """Like :meth:`resolve`, guard models included (the guard finds its judge with this)."""

@@ -40,8 +40,11 @@ from dataclasses import replace
 from llmgw.catalog import Model
 from llmgw.control.store.rows import (
     ApiKeyRow,
+    BeatResult,
+    BeatWrite,
     BrokenModel,
     ControlPlaneRow,
+    HeartbeatRead,
     LeaderRow,
     ModelRow,
     NodeRow,
@@ -151,7 +154,8 @@ class Store(abc.ABC):
         The deny-list is read in the same write transaction that :meth:`remove_node` takes, so a
         heartbeat that was in flight while its node was removed cannot write the node back: for a
         removed node, a ``serial`` that is not among those remembered for it since the removal
-        (:meth:`note_cert`, which the agent API calls before it submits the heartbeat) is refused.
+        (:meth:`note_cert`) is refused. The agent API writes through :meth:`write_heartbeats`, which
+        remembers a new serial in the same transaction.
         """
 
     @abc.abstractmethod
@@ -240,86 +244,54 @@ class Store(abc.ABC):
         """Delete a replica (only at ``revision`` when given); True when a row went."""
 
     def apply_reports(self, node_id: str, reports: Sequence[ReplicaStatus], now: float) -> ReportResult:
-        """Copy a node's reported replica states (state, err, endpoint) onto the replicas placed there.
+        """Copy a node's reported replica states (state, err, endpoint) onto the replicas placed there
+        (:func:`report_updates` says how), each update at the revision read.
 
-        Reports for replicas not placed on ``node_id`` are ignored (a node cannot speak for another's
-        replicas). ``ready_at`` is set when a replica becomes ready. A revision race (the leader or
-        an admin touched the row) skips that replica until the next heartbeat, a couple of seconds on.
-        Written once here, over :meth:`list_replicas` and :meth:`update_replica`, for every backend.
-
-        A heartbeat lists every replica its agent runs (adopted engines included: the agent adopts
-        before its first heartbeat), so a replica placed here that was ``fetching``, ``starting`` or
-        ``ready`` and is missing from ``reports`` is not running on this node any more (its engine
-        was stopped with ``service stop --engines``, the machine rebooted): it goes back to
-        ``pending`` with no endpoint, so the gateway stops routing to it at once instead of
-        answering 503s from a dead port until the agent starts it again.
+        A revision race (the leader or an admin touched the row) skips that replica until the next
+        heartbeat, a couple of seconds on. Written once here, over :meth:`list_replicas` and
+        :meth:`update_replica`, for every backend.
         """
-        placed = self.list_replicas(node=node_id)
-        mine = {r.id: r for r in placed if r.node == node_id}
         result = ReportResult()
-        self._apply_member_reports(node_id, [r for r in placed if r.node != node_id], reports, now, result)
-        reported = {rep.id for rep in reports}
-        for gone in mine.values():
-            if gone.id in reported or gone.state not in _RUNNING:
-                continue
+        for row in report_updates(node_id, self.list_replicas(node=node_id), reports, now):
             try:
-                self.update_replica(replace(gone, state=ReplicaState.PENDING.value, err="", endpoint="",
-                                            updated_at=now))
-            except Conflict:
-                continue
-            result.changed.append(gone.id)
-        for rep in reports:
-            row = mine.get(rep.id)
-            if row is None:
-                continue
-            if row.members and row.state == ReplicaState.FAILED:
-                continue  # a group failed by a worker stays failed: its head may still say ready
-            state = rep.state.value
-            members = row.members
-            if members and members[0].endpoint != rep.group_endpoint:  # a vLLM head's Ray address
-                members = (members[0].model_copy(update={"endpoint": rep.group_endpoint}), *members[1:])
-            if (row.state, row.err, row.endpoint, row.members) == (state, rep.err, rep.endpoint, members):
-                continue
-            ready_at, last_error = row.ready_at, row.last_error
-            if state == ReplicaState.READY and row.state != ReplicaState.READY:
-                # Serving now: the failure it replaced is history, not its error (ctl replicas
-                # showed it on a ready replica).
-                ready_at, last_error = now, ""
-            try:
-                self.update_replica(
-                    replace(row, state=state, err=rep.err, endpoint=rep.endpoint, updated_at=now, ready_at=ready_at,
-                            last_error=last_error, members=members)
-                )
-            except Conflict:
-                continue
-            result.changed.append(rep.id)
-        return result
-
-    def _apply_member_reports(
-        self, node_id: str, groups: list[ReplicaRow], reports: Sequence[ReplicaStatus], now: float,
-        result: ReportResult,
-    ) -> None:
-        """A worker's reports onto its member entry of each group replica it belongs to (state,
-        err, endpoint: the head waits for every worker's endpoint); a member its node no longer
-        reports goes back to no state and no endpoint, as a head does."""
-        by_id = {rep.id: rep for rep in reports}
-        for row in groups:
-            rep = by_id.get(row.id)
-            members = []
-            for m in row.members:
-                if m.node == node_id:
-                    if rep is not None:
-                        m = m.model_copy(update={"state": rep.state.value, "err": rep.err, "endpoint": rep.endpoint})  # noqa: PLW2901
-                    else:
-                        m = m.model_copy(update={"state": "", "err": "", "endpoint": ""})  # noqa: PLW2901
-                members.append(m)
-            if tuple(members) == row.members:
-                continue
-            try:
-                self.update_replica(replace(row, members=tuple(members), updated_at=now))
+                self.update_replica(row)
             except Conflict:
                 continue
             result.changed.append(row.id)
+        return result
+
+    # --- one heartbeat: one read, one write ---
+
+    def read_heartbeat(self, node_id: str, serial: str, issued_at: float | None) -> HeartbeatRead:
+        """Everything a heartbeat reads before it writes (one read transaction in a backend that
+        overrides it; here over the single reads): whether the certificate ``serial`` (issued at
+        ``issued_at``; ``""``: not checked) is refused (:meth:`refused_cert`), and if not, the
+        node's row, the replicas placed on it and their models."""
+        refused = self.refused_cert(node_id, serial, issued_at) if serial else None
+        if refused is not None:
+            return HeartbeatRead(refused)
+        replicas = self.list_replicas(node=node_id)
+        models = {name: row.model for name in {r.model for r in replicas} if (row := self.get_model(name))}
+        return HeartbeatRead(None, self.get_node(node_id), replicas, models)
+
+    def write_heartbeats(self, beats: Sequence[BeatWrite]) -> list[BeatResult]:
+        """Everything heartbeats write (one write transaction for the batch in a backend that
+        overrides it; here over the single writes), one result per beat, in order: for each, the
+        certificate checked again (:meth:`record_heartbeats`' rules, in the write transaction node
+        removal takes), its serial remembered (``note``, :meth:`note_cert`), the heartbeat
+        recorded, its replica reports applied (:meth:`apply_reports`) and, when ``logs``, the log
+        requests queued for the node taken (:meth:`take_log_requests`). A refused beat writes nothing."""
+        out = []
+        for b in beats:
+            if b.note and b.serial and self.refused_cert(b.node_id, b.serial, b.issued_at) is None:
+                self.note_cert(b.node_id, b.serial, b.now)
+            (refused,) = self.record_heartbeats([(b.node_id, b.hb, b.now, b.serial)])
+            if refused is not None:
+                out.append(BeatResult(refused))
+                continue
+            changed = self.apply_reports(b.node_id, b.hb.replicas, b.now).changed
+            out.append(BeatResult(None, changed, self.take_log_requests(b.node_id, now=b.now) if b.logs else []))
+        return out
 
     # --- explanations ---
 
@@ -469,3 +441,76 @@ class Store(abc.ABC):
     ) -> list[UsageDelta]:
         """Usage rows from ``since_day`` to ``until_day`` (inclusive; None: no end), of one key and/or one
         model when given; ordered by day, key, model."""
+
+
+def report_updates(
+    node_id: str, placed: Sequence[ReplicaRow], reports: Sequence[ReplicaStatus], now: float
+) -> list[ReplicaRow]:
+    """The replica rows a node's reports change, as they are to be written (each at the revision
+    it was read at): ``placed`` is what :meth:`Store.list_replicas` returns for ``node_id``.
+
+    A node's reported replica states (state, err, endpoint) go onto the replicas placed there.
+    Reports for replicas not placed on ``node_id`` are ignored (a node cannot speak for another's
+    replicas). ``ready_at`` is set when a replica becomes ready.
+
+    A heartbeat lists every replica its agent runs (adopted engines included: the agent adopts
+    before its first heartbeat), so a replica placed here that was ``fetching``, ``starting`` or
+    ``ready`` and is missing from ``reports`` is not running on this node any more (its engine
+    was stopped with ``service stop --engines``, the machine rebooted): it goes back to
+    ``pending`` with no endpoint, so the gateway stops routing to it at once instead of
+    answering 503s from a dead port until the agent starts it again.
+    """
+    out: list[ReplicaRow] = []
+    mine = {r.id: r for r in placed if r.node == node_id}
+    out += _member_updates(node_id, [r for r in placed if r.node != node_id], reports, now)
+    reported = {rep.id for rep in reports}
+    for gone in mine.values():
+        if gone.id in reported or gone.state not in _RUNNING:
+            continue
+        out.append(replace(gone, state=ReplicaState.PENDING.value, err="", endpoint="", updated_at=now))
+    for rep in reports:
+        row = mine.get(rep.id)
+        if row is None:
+            continue
+        if row.members and row.state == ReplicaState.FAILED:
+            continue  # a group failed by a worker stays failed: its head may still say ready
+        state = rep.state.value
+        members = row.members
+        if members and members[0].endpoint != rep.group_endpoint:  # a vLLM head's Ray address
+            members = (members[0].model_copy(update={"endpoint": rep.group_endpoint}), *members[1:])
+        if (row.state, row.err, row.endpoint, row.members) == (state, rep.err, rep.endpoint, members):
+            continue
+        ready_at, last_error = row.ready_at, row.last_error
+        if state == ReplicaState.READY and row.state != ReplicaState.READY:
+            # Serving now: the failure it replaced is history, not its error (ctl replicas
+            # showed it on a ready replica).
+            ready_at, last_error = now, ""
+        out.append(
+            replace(row, state=state, err=rep.err, endpoint=rep.endpoint, updated_at=now, ready_at=ready_at,
+                    last_error=last_error, members=members)
+        )
+    return out
+
+
+def _member_updates(
+    node_id: str, groups: list[ReplicaRow], reports: Sequence[ReplicaStatus], now: float
+) -> list[ReplicaRow]:
+    """A worker's reports onto its member entry of each group replica it belongs to (state,
+    err, endpoint: the head waits for every worker's endpoint); a member its node no longer
+    reports goes back to no state and no endpoint, as a head does."""
+    by_id = {rep.id: rep for rep in reports}
+    out = []
+    for row in groups:
+        rep = by_id.get(row.id)
+        members = []
+        for m in row.members:
+            if m.node == node_id:
+                if rep is not None:
+                    m = m.model_copy(update={"state": rep.state.value, "err": rep.err, "endpoint": rep.endpoint})  # noqa: PLW2901
+                else:
+                    m = m.model_copy(update={"state": "", "err": "", "endpoint": ""})  # noqa: PLW2901
+            members.append(m)
+        if tuple(members) == row.members:
+            continue
+        out.append(replace(row, members=tuple(members), updated_at=now))
+    return out

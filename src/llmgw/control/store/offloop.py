@@ -37,10 +37,10 @@ asyncio + aiosqlite  114-142 ops/s    1.5-2.5 ms           11-14 ms
   the store's ~30 methods would need an async twin while the leader and tools use the sync ones.
 * A thread pool moves the whole call (query, row parsing, placement) off the loop with one
   ``await``, and the store stays one synchronous class. The GIL makes the threads share a core
-  with the loop, so the control plane sets CPython's switch interval to 1 ms
-  (``server.SWITCH_INTERVAL_S``; the default 5 ms let a leader pass hold the loop off for 5 ms
-  at each of a heartbeat's hand-offs), and most of a store call waits on SQLite with the GIL
-  released.
+  with the loop (a leader pass may hold the loop off for CPython's switch interval, 5 ms, at
+  each of a heartbeat's hand-offs between the loop and a store thread: four since a heartbeat is
+  one read and one write, :mod:`llmgw.control.api.agent`), and most of a store call waits on
+  SQLite with the GIL released.
 
 What it bought, ``bench/heartbeats.py`` (200 agents over mTLS to a real ``llmgw server run``, 50
 models added through the admin API, 100 replicas placed and reported ready; same machine, whose
@@ -59,9 +59,17 @@ load from other work the figures follow, so both sides are given at similar load
 The steps, in the order they were measured: store calls off the loop and routing rebuilds
 coalesced (p99 2.5 s -> 0.34-0.46 s at load 5); writers queued on an in-process lock instead of
 SQLite's busy handler and explanations written only when they change; heartbeats written in
-batches; GIL switch interval 1 ms, then 0.2 ms (``server.SWITCH_INTERVAL_S``); the leader woken
-by new or returning nodes only, not by every replica report, and at most once a second
-(``leader.MIN_GAP_S``).
+batches; GIL switch interval 1 ms, then 0.2 ms; the leader woken by new or returning nodes only,
+not by every replica report, and at most once a second (``leader.MIN_GAP_S``).
+
+The switch interval went back to CPython's default (5 ms) once a heartbeat was one read and one
+write instead of five trips (about a dozen hand-offs) with a routing rebuild awaited before the
+reply: measured then with ``bench/heartbeats.py`` (200 agents, 50 models; the 2-core machine at
+load 4-5 from other work, runs alternated, 09:14-09:18 on 2026-12-03), burst p50 / p99 with 5 ms
+89-264 / 669-1,238 ms (three runs) and with 0.2 ms 200-728 / 748-2,057 ms (three runs), idle p99
+132-202 vs 452-3,472 ms: no gain left to keep it for (the machine's load dominates both). The
+five-trip code had measured, at load ~2, burst p99 115-119 ms with 5 ms and 29-52 ms with 0.2 ms;
+a quieter machine is where to measure again if heartbeats' p99 grows.
 
 SQLite serializes writers; the pool is small (:data:`WORKERS`) so few transactions contend, and
 writers queue on the store's in-process lock (:mod:`llmgw.control.store.sqlite`), not in SQLite's
@@ -262,7 +270,7 @@ class Batcher(Generic[ItemT, ResultT]):
         db: the pool.
         write: takes the batch, returns one result per item, in order (it runs on a pool thread).
 
-    Used for heartbeats (:meth:`llmgw.control.store.base.Store.record_heartbeats`): one SQLite write
+    Used for heartbeats (:meth:`llmgw.control.store.base.Store.write_heartbeats`): one SQLite write
     transaction for every heartbeat that arrived meanwhile, instead of one each.
     """
 
@@ -361,7 +369,8 @@ class Coalescer:
                         fut.set_result(None)
 
     async def idle(self) -> None:
-        """Wait until no run is in progress or wanted (tests, shutdown)."""
+        """Wait until no run is in progress or wanted (the gateway before it answers "no ready
+        replica", tests, shutdown)."""
         while self._task is not None and not self._task.done():
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._task)

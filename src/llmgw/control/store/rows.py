@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model
-from llmgw.protocol import EngineStatus, GroupMember, Inventory, ReplicaState, ReplicaStatus
+from llmgw.errors import Conflict
+from llmgw.protocol import EngineStatus, GroupMember, Heartbeat, Inventory, LogRequest, ReplicaState, ReplicaStatus
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,64 @@ class ReportResult:
     state, err or endpoint moved."""
 
     changed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class HeartbeatRead:
+    """What a heartbeat reads before it writes, in one read transaction
+    (:meth:`~llmgw.control.store.base.Store.read_heartbeat`).
+
+    Attributes:
+        refused: ``(node, revoked_at)`` when the agent's certificate is refused
+            (:meth:`~llmgw.control.store.base.Store.refused_cert`), else None; the rest is empty then.
+        before: the node's row before this heartbeat, or None (its first one).
+        replicas: the replicas placed on the node (head or member), by creation time then id.
+        models: the readable models those replicas are of, by name (a model gone or broken is absent).
+    """
+
+    refused: tuple[str, float] | None
+    before: NodeRow | None = None
+    replicas: list[ReplicaRow] = field(default_factory=list)
+    models: dict[str, Model] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BeatWrite:
+    """One heartbeat's write (:meth:`~llmgw.control.store.base.Store.write_heartbeats`).
+
+    Attributes:
+        node_id: the node (its certificate's CN).
+        hb: the heartbeat.
+        now: unix seconds.
+        serial: the agent certificate's serial (upper-case hex), ``""`` when unknown.
+        issued_at: the certificate's ``notBefore`` (unix seconds), None when unknown.
+        note: remember ``serial`` for the node (its first heartbeat with it in this process).
+        logs: take the log requests queued in the store for the node.
+    """
+
+    node_id: str
+    hb: Heartbeat
+    now: float
+    serial: str = ""
+    issued_at: float | None = None
+    note: bool = False
+    logs: bool = False
+
+
+@dataclass
+class BeatResult:
+    """What one heartbeat's write did.
+
+    Attributes:
+        refused: None when it was recorded, else the :class:`~llmgw.errors.Conflict` it met
+            (:class:`~llmgw.errors.Revoked`: the certificate is refused); nothing was written then.
+        changed: the replica ids whose state, err or endpoint moved (as :class:`ReportResult`).
+        logs: the log requests taken for the node (``logs`` asked), oldest first.
+    """
+
+    refused: Conflict | None = None
+    changed: list[str] = field(default_factory=list)
+    logs: list[LogRequest] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ transaction per method.
 and queries. What a database needs besides lives in its :class:`~llmgw.control.store.dialect.DialectHooks`
 (:data:`HOOKS`; SQLite's in :mod:`llmgw.control.store.sqlite`: the private file, the pragmas and
 the in-process writer lock that every write transaction here takes through :meth:`SqlStore._wtx`).
+The heartbeat's read and batched write, and the statements they share with the methods here, are
+in :mod:`llmgw.control.store.sqlbeats`; the gateway keys' in :mod:`llmgw.control.store.sqlkeys`.
 
 Model names and aliases are unique by the ``model_names`` primary key: a write inserts the names
 it claims and the database refuses a taken one; the ``IntegrityError`` becomes :class:`Conflict`
@@ -29,11 +31,18 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
-from llmgw.control.store.base import ISSUE_SLACK_S, REMOVAL_PREFIX, Store
+from llmgw.control.store.base import REMOVAL_PREFIX, Store
 from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.dialect import DialectHooks
 from llmgw.control.store.postgres import PostgresHooks
-from llmgw.control.store.rows import BrokenModel, ControlPlaneRow, LeaderRow, ModelRow, NodeRow, ReplicaRow
+from llmgw.control.store.rows import (
+    BrokenModel,
+    ControlPlaneRow,
+    LeaderRow,
+    ModelRow,
+    NodeRow,
+    ReplicaRow,
+)
 from llmgw.control.store.schema import (
     control_planes_t,
     cp_leader_t,
@@ -49,6 +58,16 @@ from llmgw.control.store.schema import (
     replicas_t,
     revoked_certs_t,
 )
+from llmgw.control.store.sqlbeats import (
+    SqlBeats,
+    deny_list,
+    note_cert,
+    refusal,
+    select_replicas,
+    take_log_requests,
+    update_replica,
+    upsert_node,
+)
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.control.store.sqlkeys import SqlKeys
 from llmgw.errors import Conflict, Fenced, Revoked, StoreError
@@ -61,7 +80,7 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
-class SqlStore(SqlKeys, Store):
+class SqlStore(SqlBeats, SqlKeys, Store):
     """The store on a SQLAlchemy engine. Open with :meth:`open` (or
     :func:`llmgw.control.store.open_store`).
 
@@ -294,7 +313,7 @@ class SqlStore(SqlKeys, Store):
         for _ in range(5):
             try:
                 with self._wtx() as conn:
-                    n = _upsert_node(conn, node_id, values, now)
+                    n = upsert_node(conn, node_id, values, now)
             except sa.exc.IntegrityError:
                 n = 0  # inserted by another writer meanwhile: update it on the next try
             if n:
@@ -310,19 +329,7 @@ class SqlStore(SqlKeys, Store):
         out: list[Conflict | None] = []
         try:
             with self._wtx() as conn:
-                serials = [b[3] for b in beats if b[3]]
-                removals = [REMOVAL_PREFIX + b[0] for b in beats if b[3]]
-                denied = {
-                    r.serial: r
-                    for r in conn.execute(
-                        sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_([*serials, *removals]))
-                    )
-                } if serials else {}
-                removed = {r.node for k, r in denied.items() if k.startswith(REMOVAL_PREFIX)}
-                admitted = {
-                    (r.node, r.serial)
-                    for r in conn.execute(sa.select(node_certs_t).where(node_certs_t.c.node.in_(removed)))
-                } if removed else set()
+                denied, removed, admitted = deny_list(conn, [(b[0], b[3]) for b in beats])
                 for node_id, values, now, serial in prepared:
                     gone = denied.get(serial)
                     if gone is None and serial and node_id in removed and (node_id, serial) not in admitted:
@@ -332,7 +339,7 @@ class SqlStore(SqlKeys, Store):
                     if gone is not None:
                         out.append(Revoked(serial, gone.node, gone.revoked_at))
                         continue
-                    done = any(_upsert_node(conn, node_id, values, now) for _ in range(5))
+                    done = any(upsert_node(conn, node_id, values, now) for _ in range(5))
                     out.append(None if done else Conflict(
                         f"node '{node_id}' kept changing while its heartbeat was recorded; it will retry"
                     ))
@@ -392,13 +399,7 @@ class SqlStore(SqlKeys, Store):
     def note_cert(self, node_id: str, serial: str, now: float) -> None:
         try:
             with self._wtx() as conn:
-                known = conn.scalar(
-                    sa.select(sa.func.count())
-                    .select_from(node_certs_t)
-                    .where(node_certs_t.c.node == node_id, node_certs_t.c.serial == serial)
-                )
-                if not known:
-                    conn.execute(node_certs_t.insert().values(node=node_id, serial=serial, first_seen=now))
+                note_cert(conn, node_id, serial, now)
         except sa.exc.IntegrityError:
             pass  # another control plane recorded it meanwhile
 
@@ -423,18 +424,7 @@ class SqlStore(SqlKeys, Store):
 
     def refused_cert(self, node_id: str, serial: str, issued_at: float | None) -> tuple[str, float] | None:
         with self._tx() as conn:
-            rows = {
-                r.serial: r
-                for r in conn.execute(
-                    sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_([serial, REMOVAL_PREFIX + node_id]))
-                )
-            }
-        if serial in rows:
-            return rows[serial].node, rows[serial].revoked_at
-        removal = rows.get(REMOVAL_PREFIX + node_id)
-        if removal is not None and issued_at is not None and issued_at < removal.revoked_at - ISSUE_SLACK_S:
-            return removal.node, removal.revoked_at
-        return None
+            return refusal(conn, node_id, serial, issued_at)
 
     def remove_node(self, node_id: str, *, now: float) -> list[str]:
         with self._wtx() as conn:
@@ -483,34 +473,15 @@ class SqlStore(SqlKeys, Store):
         return replica_row(row) if row else None
 
     def list_replicas(self, *, model: str | None = None, node: str | None = None) -> list[ReplicaRow]:
-        q = sa.select(replicas_t).order_by(replicas_t.c.created_at, replicas_t.c.id)
-        if model is not None:
-            q = q.where(replicas_t.c.model == model)
-        if node is not None:
-            # A group replica uses every member's node: its head is ``node``, its workers are in
-            # ``members`` (compact JSON, so the LIKE finds the exact key; checked again below).
-            member = f'%"node":{json.dumps(node)}%'
-            q = q.where(sa.or_(replicas_t.c.node == node, replicas_t.c.members.like(member)))
         with self._tx() as conn:
-            rows = conn.execute(q).all()
-        out = [replica_row(r) for r in rows]
-        if node is not None:
-            out = [r for r in out if r.node == node or any(m.node == node for m in r.members)]
-        return out
+            return select_replicas(conn, model=model, node=node)
 
     def update_replica(self, replica: ReplicaRow) -> ReplicaRow:
-        new = replace(replica, revision=replica.revision + 1)
-        values = replica_values(new)
-        del values["id"]
         with self._wtx() as conn:
-            n = conn.execute(
-                replicas_t.update()
-                .where(replicas_t.c.id == replica.id, replicas_t.c.revision == replica.revision)
-                .values(**values)
-            ).rowcount
+            n = update_replica(conn, replica)
         if not n:
             raise Conflict(f"replica '{replica.id}' changed since revision {replica.revision} was read")
-        return new
+        return replace(replica, revision=replica.revision + 1)
 
     def delete_replica(self, replica_id: str, *, revision: int | None = None) -> bool:
         q = replicas_t.delete().where(replicas_t.c.id == replica_id)
@@ -622,14 +593,7 @@ class SqlStore(SqlKeys, Store):
         if not ids:
             return []
         with self._wtx() as conn:
-            rows = conn.execute(
-                log_requests_t.update()
-                .where(q.id.in_(ids), q.node == node, q.handed_at.is_(None))
-                .values(handed_at=now)
-                .returning(q.id, q.replica_id, q.lines, q.start, q.created_at)
-            ).all()
-        rows = sorted(rows, key=lambda r: (r.created_at, r.id))
-        return [LogRequest(id=r.id, replica_id=r.replica_id, lines=r.lines, offset=r.start) for r in rows]
+            return take_log_requests(conn, node, now, q.id.in_(ids))
 
     def log_request_nodes(self) -> set[str]:
         q = log_requests_t.c
@@ -686,24 +650,6 @@ def _claim_names(conn: Connection, model: Model) -> None:
     """Insert every name ``model`` answers to into ``model_names``; IntegrityError when one is taken."""
     names = sorted({model.name, *model.aliases})
     conn.execute(model_names_t.insert(), [{"name": n, "model": model.name} for n in names])
-
-
-def _upsert_node(conn: Connection, node_id: str, values: dict[str, Any], now: float) -> int:
-    """Insert the node or update it at the revision just read; rows written (0: it raced)."""
-    cur = conn.execute(sa.select(nodes_t.c.revision).where(nodes_t.c.id == node_id)).first()
-    if cur is None:
-        return int(
-            conn.execute(
-                nodes_t.insert().values(id=node_id, revision=1, cordoned=False, first_seen=now, **values)
-            ).rowcount
-        )
-    return int(
-        conn.execute(
-            nodes_t.update()
-            .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
-            .values(revision=cur.revision + 1, **values)
-        ).rowcount
-    )
 
 
 def _masked(url: str) -> str:

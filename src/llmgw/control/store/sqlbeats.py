@@ -1,0 +1,212 @@
+"""The SQL store's heartbeat path, a part of :class:`~llmgw.control.store.sql.SqlStore` kept in its
+own module: a heartbeat is one read transaction (:meth:`SqlBeats.read_heartbeat`) and one batched
+write transaction (:meth:`SqlBeats.write_heartbeats`), and the statements they share with the
+single-purpose methods of :mod:`llmgw.control.store.sql` take a connection here (``select_replicas``,
+``update_replica``, ``refusal``, ``deny_list``, ``note_cert``, ``take_log_requests``, ``upsert_node``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from llmgw.control.store.base import ISSUE_SLACK_S, REMOVAL_PREFIX, report_updates
+from llmgw.control.store.codec import heartbeat_values, node_row, replica_row, replica_values
+from llmgw.control.store.rows import BeatResult, BeatWrite, HeartbeatRead, ModelRow, ReplicaRow
+from llmgw.control.store.schema import log_requests_t, models_t, node_certs_t, nodes_t, replicas_t, revoked_certs_t
+from llmgw.errors import Conflict, Revoked
+from llmgw.protocol import LogRequest
+
+
+class SqlBeats:
+    """The heartbeat methods of :class:`~llmgw.control.store.base.Store` over SQLAlchemy Core; mixed
+    into :class:`~llmgw.control.store.sql.SqlStore`, whose ``_tx``, ``_wtx`` and ``_model_row`` they use."""
+
+    def _tx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
+        raise NotImplementedError
+
+    def _wtx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
+        raise NotImplementedError
+
+    def _model_row(self, row: sa.Row[Any]) -> ModelRow | None:  # pragma: no cover - SqlStore's
+        raise NotImplementedError
+
+    def read_heartbeat(self, node_id: str, serial: str, issued_at: float | None) -> HeartbeatRead:
+        """One read transaction: the verdict on the certificate, the node, its replicas and their models."""
+        with self._tx() as conn:
+            refused = refusal(conn, node_id, serial, issued_at) if serial else None
+            if refused is not None:
+                return HeartbeatRead(refused)
+            row = conn.execute(sa.select(nodes_t).where(nodes_t.c.id == node_id)).first()
+            replicas = select_replicas(conn, node=node_id)
+            names = sorted({r.model for r in replicas})
+            rows = conn.execute(sa.select(models_t).where(models_t.c.name.in_(names))).all() if names else []
+        models = {m.name: m.model for m in (self._model_row(r) for r in rows) if m is not None}
+        return HeartbeatRead(None, node_row(row) if row else None, replicas, models)
+
+    def write_heartbeats(self, beats: Sequence[BeatWrite]) -> list[BeatResult]:
+        """One write transaction for the whole batch (as :meth:`record_heartbeats`), tried again
+        from the start (up to three times) when another writer inserted a row it inserts
+        meanwhile (a node, a serial: PostgreSQL, several control planes)."""
+        for attempt in range(3):
+            try:
+                with self._wtx() as conn:
+                    return self._write_heartbeats(conn, beats)
+            except sa.exc.IntegrityError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _write_heartbeats(self, conn: Connection, beats: Sequence[BeatWrite]) -> list[BeatResult]:
+        """:meth:`write_heartbeats` inside its transaction.
+
+        The revocation check again, in the write transaction node removal takes, so a heartbeat in
+        flight while its node was removed never writes it back: its serial revoked, or its node
+        removed and the serial neither remembered for it since (``node_certs``, which the removal
+        empties) nor on a certificate issued after the removal (a re-join's new certificate, whose
+        serial this very write remembers)."""
+        denied, removed, admitted = deny_list(conn, [(b.node_id, b.serial) for b in beats])
+        out = []
+        for b in beats:
+            gone = denied.get(b.serial) if b.serial else None
+            if gone is None and b.serial and b.node_id in removed and (b.node_id, b.serial) not in admitted:
+                removal = denied[REMOVAL_PREFIX + b.node_id]
+                if b.issued_at is None or b.issued_at < removal.revoked_at - ISSUE_SLACK_S:
+                    gone = removal
+            if gone is not None:
+                out.append(BeatResult(Revoked(b.serial, gone.node, gone.revoked_at)))
+                continue
+            if b.note and b.serial and (b.node_id, b.serial) not in admitted:
+                note_cert(conn, b.node_id, b.serial, b.now)
+            values = heartbeat_values(b.hb, b.now)
+            if not any(upsert_node(conn, b.node_id, values, b.now) for _ in range(5)):
+                out.append(BeatResult(Conflict(
+                    f"node '{b.node_id}' kept changing while its heartbeat was recorded; it will retry"
+                )))
+                continue
+            placed = select_replicas(conn, node=b.node_id)
+            updates = report_updates(b.node_id, placed, b.hb.replicas, b.now)
+            changed = [r.id for r in updates if update_replica(conn, r)]
+            out.append(BeatResult(None, changed, take_log_requests(conn, b.node_id, b.now) if b.logs else []))
+        return out
+
+
+def upsert_node(conn: Connection, node_id: str, values: dict[str, Any], now: float) -> int:
+    """Insert the node or update it at the revision just read; rows written (0: it raced)."""
+    cur = conn.execute(sa.select(nodes_t.c.revision).where(nodes_t.c.id == node_id)).first()
+    if cur is None:
+        return int(
+            conn.execute(
+                nodes_t.insert().values(id=node_id, revision=1, cordoned=False, first_seen=now, **values)
+            ).rowcount
+        )
+    return int(
+        conn.execute(
+            nodes_t.update()
+            .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
+            .values(revision=cur.revision + 1, **values)
+        ).rowcount
+    )
+
+
+def select_replicas(conn: Connection, *, model: str | None = None, node: str | None = None) -> list[ReplicaRow]:
+    """:meth:`~llmgw.control.store.sql.SqlStore.list_replicas` on ``conn``."""
+    q = sa.select(replicas_t).order_by(replicas_t.c.created_at, replicas_t.c.id)
+    if model is not None:
+        q = q.where(replicas_t.c.model == model)
+    if node is not None:
+        # A group replica uses every member's node: its head is ``node``, its workers are in
+        # ``members`` (compact JSON, so the LIKE finds the exact key; checked again below).
+        member = f'%"node":{json.dumps(node)}%'
+        q = q.where(sa.or_(replicas_t.c.node == node, replicas_t.c.members.like(member)))
+    rows = conn.execute(q).all()
+    out = [replica_row(r) for r in rows]
+    if node is not None:
+        out = [r for r in out if r.node == node or any(m.node == node for m in r.members)]
+    return out
+
+
+def update_replica(conn: Connection, replica: ReplicaRow) -> int:
+    """Write ``replica`` (its revision bumped) over the row still at ``replica.revision``; rows
+    written (0: it raced)."""
+    values = replica_values(replace(replica, revision=replica.revision + 1))
+    del values["id"]
+    return int(
+        conn.execute(
+            replicas_t.update()
+            .where(replicas_t.c.id == replica.id, replicas_t.c.revision == replica.revision)
+            .values(**values)
+        ).rowcount
+    )
+
+
+def refusal(conn: Connection, node_id: str, serial: str, issued_at: float | None) -> tuple[str, float] | None:
+    """:meth:`~llmgw.control.store.sql.SqlStore.refused_cert` on ``conn``."""
+    rows = {
+        r.serial: r
+        for r in conn.execute(
+            sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_([serial, REMOVAL_PREFIX + node_id]))
+        )
+    }
+    if serial in rows:
+        return rows[serial].node, rows[serial].revoked_at
+    removal = rows.get(REMOVAL_PREFIX + node_id)
+    if removal is not None and issued_at is not None and issued_at < removal.revoked_at - ISSUE_SLACK_S:
+        return removal.node, removal.revoked_at
+    return None
+
+
+def deny_list(
+    conn: Connection, beats: Sequence[tuple[str, str]]
+) -> tuple[dict[str, sa.Row[Any]], set[str], set[tuple[str, str]]]:
+    """For heartbeats ``(node id, serial)`` (serial ``""``: unknown, not checked): the
+    ``revoked_certs`` rows of their serials and of their nodes' removals (by serial), the nodes
+    removed, and the ``(node, serial)`` pairs remembered for those nodes since their removal."""
+    serials = [serial for _, serial in beats if serial]
+    removals = [REMOVAL_PREFIX + node for node, serial in beats if serial]
+    denied = {
+        r.serial: r
+        for r in conn.execute(
+            sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_([*serials, *removals]))
+        )
+    } if serials else {}
+    removed = {r.node for k, r in denied.items() if k.startswith(REMOVAL_PREFIX)}
+    admitted = {
+        (r.node, r.serial)
+        for r in conn.execute(sa.select(node_certs_t).where(node_certs_t.c.node.in_(removed)))
+    } if removed else set()
+    return denied, removed, admitted
+
+
+def note_cert(conn: Connection, node_id: str, serial: str, now: float) -> None:
+    """:meth:`~llmgw.control.store.sql.SqlStore.note_cert` on ``conn`` (IntegrityError: another writer
+    inserted it meanwhile)."""
+    known = conn.scalar(
+        sa.select(sa.func.count())
+        .select_from(node_certs_t)
+        .where(node_certs_t.c.node == node_id, node_certs_t.c.serial == serial)
+    )
+    if not known:
+        conn.execute(node_certs_t.insert().values(node=node_id, serial=serial, first_seen=now))
+
+
+def take_log_requests(
+    conn: Connection, node: str, now: float, which: sa.ColumnElement[bool] | None = None
+) -> list[LogRequest]:
+    """Mark the log requests queued for ``node`` (``which`` of them; None: all) handed out at
+    ``now``, in one conditional update, and return them oldest first."""
+    q = log_requests_t.c
+    rows = conn.execute(
+        log_requests_t.update()
+        .where(q.node == node, q.handed_at.is_(None), *([which] if which is not None else []))
+        .values(handed_at=now)
+        .returning(q.id, q.replica_id, q.lines, q.start, q.created_at)
+    ).all()
+    rows = sorted(rows, key=lambda r: (r.created_at, r.id))
+    return [LogRequest(id=r.id, replica_id=r.replica_id, lines=r.lines, offset=r.start) for r in rows]

@@ -1,0 +1,194 @@
+"""One heartbeat, two store trips: one read transaction and one write transaction.
+
+A real store (each backend of ``tests/conftest.py``'s ``store_url``) counts the transactions it
+opens (``SqlStore._tx`` reads, ``SqlStore._wtx`` writes), and the agent API's off-loop pool counts
+the calls it hands to its threads; the agent posts over real mTLS on 127.0.0.1. Only the heartbeat
+is measured: the counters are reset before it and read once its reply arrived (the agent API here
+has no routing table to refresh, so nothing else uses the store meanwhile; the store-mode log
+broker uses a second store on the same database, which is not counted).
+
+Before (main at 3be9a6f) a heartbeat made five trips to the pool (the revocation check, the node
+read, the batched write, the replica reports, the reply's replicas) and six to seven transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import aiohttp
+import pytest
+from aiohttp import web
+from sqlalchemy.engine import Connection
+
+from llmgw import tlsconf
+from llmgw.catalog import Model, Profile
+from llmgw.control.api.agent import build_agent_app
+from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store import SqlStore
+from llmgw.control.store.offloop import OffLoop
+from llmgw.protocol import (
+    EngineStatus,
+    Heartbeat,
+    HeartbeatReply,
+    Inventory,
+    LogReply,
+    ProvisionState,
+    ReplicaState,
+    ReplicaStatus,
+)
+from tests.helpers.waits import until
+
+GB = 1_000_000_000
+T = TypeVar("T")
+
+
+class CountingStore(SqlStore):
+    """A real SqlStore that counts the transactions it opens."""
+
+    reads = 0
+    writes = 0
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        self.reads += 1
+        with super()._tx() as conn:
+            yield conn
+
+    @contextmanager
+    def _wtx(self) -> Iterator[Connection]:
+        self.writes += 1
+        with super()._wtx() as conn:
+            yield conn
+
+
+class CountingPool(OffLoop):
+    """The off-loop pool, counting the calls handed to its threads (reads and writes alike)."""
+
+    trips = 0
+
+    async def _call(self, reading: bool, call: Callable[[], T]) -> T:
+        self.trips += 1
+        return await super()._call(reading, call)
+
+
+@dataclass
+class Agent:
+    url: str
+    store: CountingStore
+    pool: CountingPool
+    ctx: ssl.SSLContext
+    beats: list[tuple[str, bool]]
+    logs: LogBroker
+    other: SqlStore
+
+    def reset(self) -> None:
+        self.store.reads = self.store.writes = self.pool.trips = 0
+
+    def counts(self) -> tuple[int, int, int]:
+        """(pool trips, read transactions, write transactions) since :meth:`reset`."""
+        return self.pool.trips, self.store.reads, self.store.writes
+
+
+@pytest.fixture
+async def agent(store_url: str, tmp_path: Path) -> AsyncIterator[Agent]:
+    ca = tlsconf.CA.create()
+    ca.write(tmp_path)
+    cert, key = ca.issue_server(["127.0.0.1"]).write(tmp_path, "server")
+    store = CountingStore.open(store_url)
+    assert isinstance(store, CountingStore)
+    other = SqlStore.open(store_url)  # the log broker's, not counted
+    pool, broker_pool = CountingPool(), OffLoop()
+    beats: list[tuple[str, bool]] = []
+    logs = LogBroker(store=other, db=broker_pool)
+    app = build_agent_app(store, db=pool, logs=logs, on_heartbeat=lambda n, c: beats.append((n, c)))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    ssl_ctx = tlsconf.server_context(tmp_path / "ca.pem", cert, key)
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_ctx).start()
+    client_cert, client_key = ca.issue_client("node-1").write(tmp_path, "agent-node-1")
+    ctx = tlsconf.client_context(tmp_path / "ca.pem", client_cert, client_key)
+    try:
+        yield Agent(f"https://127.0.0.1:{runner.addresses[0][1]}", store, pool, ctx, beats, logs, other)
+    finally:
+        await runner.cleanup()
+        await logs.idle()
+        pool.close()
+        broker_pool.close()
+        other.close()
+        store.close()
+
+
+def hb(*replicas: ReplicaStatus) -> Heartbeat:
+    return Heartbeat(
+        inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+        replicas=list(replicas),
+    )
+
+
+async def beat(agent: Agent, body: Heartbeat) -> HeartbeatReply:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(agent.url + "/agent/v1/heartbeat", data=body.model_dump_json(), ssl=agent.ctx) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return HeartbeatReply.model_validate_json(await r.read())
+
+
+async def test_a_heartbeat_is_one_read_and_one_write(agent: Agent) -> None:
+    # The first heartbeat: the node registered and its certificate's serial remembered.
+    agent.reset()
+    reply = await beat(agent, hb())
+    assert reply.desired == []
+    assert agent.counts() == (2, 1, 1)
+    assert agent.store.node_serials("node-1") != []
+    await until("on_heartbeat called", lambda: asyncio.sleep(0, agent.beats == [("node-1", True)]))
+
+    model = Model(name="chat", source="file:/m/chat.gguf", profiles=[Profile(name="cpu", cpu_cores=1)])
+    agent.store.add_model(model, now=1.0)
+    Leader(agent.store, node_lost_after_s=30).reconcile_once(2.0)
+    (row,) = agent.store.list_replicas()
+
+    # A heartbeat that receives its replica and reports it ready.
+    agent.reset()
+    reply = await beat(agent, hb(ReplicaStatus(id=row.id, state=ReplicaState.READY, endpoint="127.0.0.1:5001")))
+    assert [spec.id for spec in reply.desired] == [row.id]
+    assert agent.counts() == (2, 1, 1)
+    ready = agent.store.get_replica(row.id)
+    assert ready is not None
+    assert (ready.state, ready.endpoint) == ("ready", "127.0.0.1:5001")
+    await until("on_heartbeat: changed", lambda: asyncio.sleep(0, agent.beats[-1] == ("node-1", True)))
+
+    # Nothing new: still one read and one write (the heartbeat itself is the write).
+    agent.reset()
+    reply = await beat(agent, hb(ReplicaStatus(id=row.id, state=ReplicaState.READY, endpoint="127.0.0.1:5001")))
+    assert [spec.id for spec in reply.desired] == [row.id]
+    assert agent.counts() == (2, 1, 1)
+
+
+async def test_a_stored_log_request_rides_the_same_write(agent: Agent) -> None:
+    await beat(agent, hb())
+    asking = asyncio.ensure_future(agent.logs.read("node-1", "chat-1", lines=5, timeout_s=30))
+    await until("the request stored", lambda: asyncio.to_thread(agent.other.log_request_nodes))
+
+    agent.reset()
+    reply = await beat(agent, hb())
+    (request,) = reply.log_requests
+    assert request.replica_id == "chat-1"
+    assert agent.counts() == (2, 1, 1)
+
+    answer = LogReply(id=request.id, replica_id="chat-1", text="hello\n", offset=6, found=True)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(agent.url + "/agent/v1/logs", data=answer.model_dump_json(), ssl=agent.ctx) as r,
+    ):
+        assert r.status == 200, await r.text()
+    assert (await asyncio.wait_for(asking, 10)).text == "hello\n"
+    assert (await beat(agent, hb())).log_requests == []  # handed out once
