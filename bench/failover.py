@@ -94,7 +94,8 @@ def frozen_lock_takeover(cluster: HACluster, figures: dict[str, str], failed: li
         return
     took = frozen.takeover_s
     print(f"frozen lock holder: pid {frozen.pid} ({frozen.app}); the old leader stopped at "
-          f"{frozen.stepped_down_s} s; new leader {frozen.new}; findings {frozen.findings}")
+          f"{frozen.stepped_down_s} s; new leader {frozen.new}, {frozen.after_lease_s} s after the lease ended "
+          f"(database clock); findings {frozen.findings}")
     figures["frozen_lock_takeover_s"] = f"{took:.2f}" if took is not None else "n/a (no new leader in time)"
     if took is None or took > target or frozen.findings:
         failed.append("frozen_lock_takeover_s")

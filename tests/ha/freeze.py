@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -37,6 +39,9 @@ class Freeze:
         takeover_s: seconds from the freeze until every live control plane named one leader in a
             higher term (None: not within the wait).
         new: that leader and term.
+        after_lease_s: seconds from the old lease's end (its last ``renewed_at`` + :data:`LEASE_S`)
+            to the new term's ``since``, both on the database's clock: what the takeover target
+            (≤ 2 s after the lease ends) bounds, free of how often the views are read.
         findings: what went wrong (a view naming the old term's leader after its lease, the old
             leader leading its old term after ``SIGCONT``, the frozen backend left running).
     """
@@ -47,6 +52,7 @@ class Freeze:
     stepped_down_s: float | None = None
     takeover_s: float | None = None
     new: tuple[str, int] | None = None
+    after_lease_s: float | None = None
     findings: list[str] = field(default_factory=list)
 
 
@@ -89,25 +95,39 @@ def freeze_lock_holder(
     proc = cluster.cp(old[0]).proc
     assert proc is not None
     frozen_pid = proc.pid if whole_control_plane else out.pid
+    skip = old[0] if whole_control_plane else ""
+    watching = threading.Event()
     os.kill(frozen_pid, signal.SIGSTOP)
     t0 = time.monotonic()
+    # The old leader's health on a thread of its own, every 50 ms: the step-down's time is not
+    # delayed by the views' calls below (sequential calls made it up to 2 s late under load).
+    stepped = threading.Thread(target=_watch_step_down, args=(cluster, old[0], t0, out, watching), daemon=True)
+    if not whole_control_plane:
+        stepped.start()
     try:
-        while time.monotonic() - t0 < within_s:
-            now = time.monotonic() - t0
-            h = None if whole_control_plane else _health(cluster, old[0])
-            if out.stepped_down_s is None and h is not None and not h.get("leader"):
-                out.stepped_down_s = now
-            if now > LEASE_S + 1.5:  # the lease has ended (+ the views' 1 s read): nobody names it
-                for name, v in _views(cluster, skip=old[0] if whole_control_plane else ""):
-                    if isinstance(v, dict) and (v.get("leader"), v.get("term")) == old:
-                        out.findings.append(f"{name} names {old[0]} (term {old[1]}) {now:.1f} s into the freeze")
-            got = _agreed(cluster, skip=old[0] if whole_control_plane else "")
-            if got is not None and got[1] > old[1]:
-                out.takeover_s, out.new = time.monotonic() - t0, got
-                break
-            time.sleep(0.05)
+        lease = _lease(cluster)
+        with ThreadPoolExecutor(len(cluster.control_planes)) as pool:
+            while time.monotonic() - t0 < within_s:
+                now = time.monotonic() - t0
+                views = _views(cluster, pool, skip)
+                if now > LEASE_S + 1.5:  # the lease has ended (+ the views' 1 s read): nobody names it
+                    for name, v in views:
+                        if isinstance(v, dict) and (v.get("leader"), v.get("term")) == old:
+                            out.findings.append(f"{name} names {old[0]} (term {old[1]}) {now:.1f} s into the freeze")
+                got = _agreed(views)
+                if got is not None and got[1] > old[1]:
+                    out.takeover_s, out.new = time.monotonic() - t0, got
+                    break
+                time.sleep(0.05)
     finally:
         os.kill(frozen_pid, signal.SIGCONT)
+        watching.set()
+    if stepped.is_alive():
+        stepped.join(2)
+    if out.new is not None and lease is not None:
+        since = _since(cluster, out.new[1])
+        if since is not None:
+            out.after_lease_s = since - (lease + LEASE_S)
     resumed = time.monotonic()
     while time.monotonic() - resumed < after_s:
         h = _health(cluster, old[0])
@@ -124,24 +144,47 @@ def freeze_lock_holder(
     return out
 
 
-def _views(cluster: HACluster, skip: str = "") -> list[tuple[str, object]]:
-    """Every live control plane's ``GET /api/v1/cluster`` but ``skip``'s (frozen: it cannot answer)."""
-    if not skip:
-        return list(cluster_views(cluster).items())
-    return [(cp.name, cp.cluster(timeout=1)) for cp in cluster.live() if cp.name != skip]
+def _watch_step_down(cluster: HACluster, name: str, t0: float, out: Freeze, stop: threading.Event) -> None:
+    """Set ``out.stepped_down_s`` when ``name``'s health first says ``leader: false`` (every 50 ms)."""
+    while not stop.is_set() and out.stepped_down_s is None:
+        h = _health(cluster, name)
+        if h is not None and not h.get("leader"):
+            out.stepped_down_s = time.monotonic() - t0
+            return
+        stop.wait(0.05)
 
 
-def _agreed(cluster: HACluster, skip: str = "") -> tuple[str, int] | None:
-    """:func:`~tests.ha.load.agreed_leader`, or with ``skip`` (frozen): one leader and term that every
-    other control plane names, that leader's own view saying it leads."""
-    if not skip:
-        return agreed_leader(cluster)
-    views = dict(_views(cluster, skip))
-    pairs = {(v.get("leader"), v.get("term")) for v in views.values() if isinstance(v, dict)}
-    if len(pairs) != 1 or any(not isinstance(v, dict) for v in views.values()):
+def _lease(cluster: HACluster) -> float | None:
+    """The ``cp_leader`` row's ``renewed_at`` (unix seconds, the database's clock) as the freeze
+    began: the frozen leader renews no more, so its lease ends at this + :data:`LEASE_S`."""
+    with cluster.patroni.connect(DATABASE) as conn:
+        row = conn.execute("SELECT renewed_at FROM cp_leader WHERE id = 1").fetchone()
+    return float(row[0]) if row else None
+
+
+def _since(cluster: HACluster, term: int) -> float | None:
+    """When ``term`` began (``cp_leader.since``, database clock), None if the row holds another term."""
+    with cluster.patroni.connect(DATABASE) as conn:
+        row = conn.execute("SELECT since FROM cp_leader WHERE id = 1 AND term = %s", (term,)).fetchone()
+    return float(row[0]) if row else None
+
+
+def _views(cluster: HACluster, pool: ThreadPoolExecutor, skip: str = "") -> list[tuple[str, object]]:
+    """Every live control plane's ``GET /api/v1/cluster`` but ``skip``'s (frozen: it cannot answer),
+    asked at once (one slow view does not delay the others' sample)."""
+    cps = [cp for cp in cluster.live() if cp.name != skip]
+    return list(zip([cp.name for cp in cps], pool.map(lambda cp: cp.cluster(timeout=1), cps), strict=True))
+
+
+def _agreed(views: list[tuple[str, object]]) -> tuple[str, int] | None:
+    """One leader and term that every view names, that leader's own view saying it leads (as
+    :func:`~tests.ha.load.agreed_leader` asks), else None."""
+    by_name = dict(views)
+    pairs = {(v.get("leader"), v.get("term")) for v in by_name.values() if isinstance(v, dict)}
+    if len(pairs) != 1 or any(not isinstance(v, dict) for v in by_name.values()):
         return None
     leader, term = pairs.pop()
-    if not isinstance(leader, str) or not isinstance(term, int) or leader not in views:
+    if not isinstance(leader, str) or not isinstance(term, int) or leader not in by_name:
         return None
     return leader, term
 

@@ -3,14 +3,17 @@ PostgreSQL 15 (raft, sync mode) and three ``llmgw server run`` control planes on
 (tests/helpers/hacluster.py; no agent: leadership is what is tested). Nothing is mocked.
 
 ``SIGSTOP`` of the PostgreSQL backend that holds the control planes' advisory lock (found in
-``pg_locks``/``pg_stat_activity``): PostgreSQL sees it alive, so the lock never frees. Before the lease
-decided, the leader stepped down at ~5 s and nobody took over for the whole freeze. Now: the old
-leader stops acting within its lease, every control plane names a new leader in a higher term within
-lease + 2 s of the freeze, no view names the old term's leader once its lease has ended, and after
-``SIGCONT`` the old term never leads again, its writes are refused and the frozen backend exits
-(it was terminated). The second test freezes the leading control plane's process instead (its
-backend idle and alive: the server's view of a leader cut off by the network). About 55 s each on
-2 cores (the cluster's start included).
+``pg_locks``/``pg_stat_activity``): PostgreSQL sees it alive, so the lock never frees. Before the
+lease decided, the leader stepped down at ~5 s and nobody took over for the whole freeze. Now: the
+old leader stops acting once its hung renewal times out (2 s, well within its lease), a follower
+takes a higher term within 2 s of the lease's end (database clock: the old ``renewed_at`` + lease to
+the new ``since``), every control plane names it within lease + 2 s of the freeze (the old leader's
+health and the views sampled on threads of their own, so the figures are not those of a slow poll),
+no view names the old term's leader once its lease has ended, and after ``SIGCONT`` the old term
+never leads again, its writes are refused and the frozen backend exits (it was terminated). The
+second test freezes the leading control plane's process instead (its backend idle and alive: the
+server's view of a leader cut off by the network). About 55 s each on 2 cores (the cluster's start
+included).
 """
 
 from __future__ import annotations
@@ -44,11 +47,15 @@ def ha(tmp_path: Path) -> Iterator[HACluster]:
 
 def test_a_frozen_lock_holder_is_taken_over_within_lease_plus_2_s(ha: HACluster) -> None:
     frozen = freeze_lock_holder(ha, within_s=LEASE_S + 10)
+    print(frozen)
     leader, term = frozen.old
     logs = {cp.name: cp.log_tail(8) for cp in ha.control_planes}
     assert frozen.stepped_down_s is not None, f"{leader} never stopped leading: {dump(logs)}"
+    # Its hung renewal times out after OP_TIMEOUT_S (2 s) and it steps down; the watchdog would at LEASE_S.
     assert frozen.stepped_down_s <= LEASE_S + 1, f"{leader} led {frozen.stepped_down_s:.1f} s into the freeze"
     assert frozen.takeover_s is not None, f"nobody took over while the lock holder was frozen: {dump(logs)}"
+    assert frozen.after_lease_s is not None, frozen
+    assert frozen.after_lease_s <= 2, frozen  # the takeover target, on the database's clock
     assert frozen.takeover_s <= LEASE_S + 2, f"takeover took {frozen.takeover_s:.1f} s"
     assert frozen.new is not None
     assert frozen.new[1] > term
@@ -68,9 +75,12 @@ def test_a_frozen_leading_control_plane_is_taken_over_within_lease_plus_2_s(ha: 
     Before, nobody led until it ran again; now the others take over after its lease, and once it
     runs again it never leads its old term."""
     frozen = freeze_lock_holder(ha, within_s=LEASE_S + 10, whole_control_plane=True)
+    print(frozen)
     leader, term = frozen.old
     logs = {cp.name: cp.log_tail(8) for cp in ha.control_planes}
     assert frozen.takeover_s is not None, f"nobody took over while {leader} was frozen: {dump(logs)}"
+    assert frozen.after_lease_s is not None, frozen
+    assert frozen.after_lease_s <= 2, frozen  # the takeover target, on the database's clock
     assert frozen.takeover_s <= LEASE_S + 2, f"takeover took {frozen.takeover_s:.1f} s"
     assert frozen.new is not None
     assert frozen.new[1] > term

@@ -344,7 +344,18 @@ class PgElection(_Changes):
             cur = await conn.execute(sql, params)  # our constant statements
             return await cur.fetchone()
 
-        return await asyncio.wait_for(go(), self.op_timeout_s)
+        # Not asyncio.wait_for: a cancelled psycopg call first asks the server to cancel and then
+        # waits up to 5 s more for the statement to end (psycopg's AsyncConnection.wait), which a
+        # frozen backend never does, so the 2 s timeout became ~7 s. Past the timeout the call is
+        # cancelled, the connection closed under it, and neither is waited for.
+        call = asyncio.ensure_future(go())
+        done, _ = await asyncio.wait({call}, timeout=self.op_timeout_s)
+        if call in done:
+            return call.result()
+        call.cancel()
+        call.add_done_callback(_swallow)
+        self._drop()
+        raise TimeoutError(f"no answer from the database in {self.op_timeout_s:g} s (client-side timeout)")
 
     #: The advisory lock's row(s) in ``pg_locks``, in this database (locks are per database).
     _LOCK = (
@@ -496,6 +507,13 @@ class PgElection(_Changes):
         task = asyncio.create_task(close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+def _swallow(task: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned call's outcome (its connection was closed under it), so that asyncio
+    does not log "exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def while_leading(election: Election, work: Work, stop: asyncio.Event) -> None:
