@@ -1,0 +1,423 @@
+"""Routing policies side by side: round-robin vs cache-aware, through the real gateway, on real replicas.
+
+    python bench/routing.py [--quick] [--cache-ram MIB] [--no-swa-full]
+
+Starts 3 real llama-server replicas of gemma-3-270m (each ``--threads 1 --parallel 2 --ctx-size 8192``,
+prompt caching on: llama-server's default ``cache_prompt``, ``--slot-prompt-similarity`` left at its
+0.10, so a request takes the slot whose cached prompt it matches best) and gateway processes in
+front of them (:mod:`routing_fleet`): the gateway app the control plane builds, on a static table
+with model ``rr`` (``routing: round-robin``) and model ``ca`` (``routing: cache-aware``) over the
+same replicas, and three stored keys. Every request goes through a gateway over HTTP. Workloads:
+
+A. **multi-turn chat**: conversations, each a system prompt of ~1,000 tokens and a growing history
+   (short questions, answers of ``max_tokens`` 16, temperature 0), a few at once; more conversations
+   at once than one replica's slots hold, fewer than all replicas' slots. The system prompts are a few
+   shared ones (``--system-prompts``; conversation i uses prompt i mod n), as for an application's
+   users: a policy that sends requests sharing a prefix to the replica holding it can reuse both the
+   system prompt and the conversation's history; ``--system-prompts`` equal to the conversations gives
+   each its own (then even a perfect policy reuses at most ~(turns-1)/turns of the prompt tokens,
+   0.79 at 5 turns, as every first turn is cold). Per request: TTFT (streamed: to the first content
+   token) and llama-server's ``timings`` of the final stream event (``prompt_n``: tokens evaluated,
+   ``cache_n``: reused from the slot) → ``cached_prompt_share`` = Σcache_n / Σ(cache_n + prompt_n).
+   Each policy on freshly started replicas (empty caches).
+B. **no shared prefix**: unique prompts (~200 tokens), non-streamed, 6 at once (all slots); rounds
+   alternate the policies so the machine's drift falls on both → requests/s each.
+C. **one slow replica**: as B, with one replica stopped (SIGSTOP) for 2/3 of every 100 ms, so it runs
+   a third of the time: a machine a third as fast. (Not ``--threads``: every replica already runs one
+   thread on a 2-core machine; nor ``taskset``: 3 replicas on 2 cores already share, so pinning slows
+   a fast neighbour too.) → p95 latency each.
+D. **two keys, one flooding**: key ``flood`` sends its requests all at once; key ``other`` sends one at
+   a time meanwhile. A request's wait = its latency − the engine's own time (``prompt_ms`` +
+   ``predicted_ms``): the wait anywhere, gateway queue or engine queue → the other key's p95 wait vs
+   the median engine time of all.
+E. **two control planes**: two gateway processes on the same replicas, sharing nothing; each
+   conversation's turns alternate between them → ``same_replica_share``: turns after the first that
+   ``x-llmgw-replica`` names the first turn's replica.
+
+Targets (issue 21): ``ttft_p50_ratio`` ≤ 0.4, ``ca_cached_prompt_share`` ≥ 0.8,
+``no_prefix_throughput_ratio`` ≥ 0.95, ``slow_replica_p95_ratio`` ≤ 0.7,
+``other_key_queue_wait_p95_s`` ≤ ``median_service_s``, ``same_replica_share`` 1.0. Each is printed as
+PASS/FAIL; a FAIL, or a figure the gateway cannot produce yet (``n/a (policy not merged)``: today's
+gateway has no ``Route.routing``), exits 1. Figures are printed last, one ``name: value unit`` a line.
+
+Run time on this machine (2 cores): TODO measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+from routing_fleet import KEYS, Answer, Fleet, ReplicaSpec, chat, policy_merged
+
+NA = "n/a (policy not merged)"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each workload a run does."""
+
+    conversations: int  # A: conversations per policy
+    turns: int  # A: requests per conversation
+    at_once: int  # A: conversations in flight
+    system_prompts: int  # A: distinct system prompts the conversations share
+    rounds: int  # B, C: rounds alternating the policies
+    per_round: int  # B, C: requests per policy per round
+    flood: int  # D: the flooding key's requests, sent at once
+    other: int  # D: the other key's requests, one at a time
+    e_conversations: int  # E
+    e_turns: int  # E
+
+
+FULL = Sizes(conversations=12, turns=5, at_once=4, system_prompts=3, rounds=4, per_round=12, flood=48,
+             other=8, e_conversations=3, e_turns=5)
+QUICK = Sizes(conversations=4, turns=3, at_once=3, system_prompts=2, rounds=2, per_round=6, flood=18,
+              other=3, e_conversations=2, e_turns=3)
+AT_ONCE = 6  # B, C: requests in flight (3 replicas x 2 slots)
+MAX_TOKENS = 16
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+_WORDS = ("amber", "harbor", "lantern", "orchard", "copper", "meadow", "falcon", "river", "quartz", "willow",
+    "ember", "summit", "velvet", "canyon", "maple", "garnet", "thistle", "beacon", "cobalt", "prairie",
+    "saffron", "glacier", "juniper", "marble", "cedar", "tundra", "indigo", "pebble", "sparrow", "walnut")
+_TOPICS = ("refunds", "shipping", "invoices", "warranties", "passwords", "upgrades", "deliveries", "returns",
+    "coupons", "subscriptions", "accounts", "payments")
+
+
+def system_prompt(i: int) -> str:
+    """System prompt ``i``: ~1,000 tokens of numbered rules (gemma's tokenizer; printed at start)."""
+    rnd = random.Random(f"system-{i}")
+    company = f"{rnd.choice(_WORDS).title()} {rnd.choice(_WORDS).title()} Ltd"
+    rules = [f"You are the support assistant of {company}. Follow these house rules exactly."]
+    for k in range(1, 41):
+        w = rnd.sample(_WORDS, 3)
+        rules.append(f"Rule {k}: when a customer asks about {rnd.choice(_TOPICS)} for the {w[0]} {w[1]} plan, "
+                     f"answer with code {rnd.randint(1000, 9999)} and mention the {w[2]} desk.")
+    return "\n".join(rules)
+
+
+def question(conv: int, turn: int) -> str:
+    """The user's ``turn``-th question in conversation ``conv``."""
+    rnd = random.Random(f"q-{conv}-{turn}")
+    return (f"Question {turn + 1}: which code applies to {rnd.choice(_TOPICS)} on the {rnd.choice(_WORDS)} "
+            "plan? Reply in five words or fewer.")
+
+
+def unique_prompt(n: int) -> list[dict[str, str]]:
+    """A prompt of ~200 tokens sharing nothing with any other (the chat template aside)."""
+    rnd = random.Random(f"unique-{n}")
+    words = " ".join(rnd.choice(_WORDS) for _ in range(130))
+    return [{"role": "user", "content": f"Note {n}-{rnd.randint(0, 10**9)}: {words}. Summarise this note."}]
+
+
+
+# -- measurements ----------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank)."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def ok(a: Answer, what: str) -> Answer:
+    """``a`` when it is a 200, else exit with what failed."""
+    if a.status != 200:
+        raise SystemExit(f"FAIL: {what}: HTTP {a.status} from replica {a.replica or '-'}: {a.error}")
+    return a
+
+
+def share(answers: list[Answer]) -> float:
+    """Prompt tokens the engines reused: Σcache_n / Σ(cache_n + prompt_n)."""
+    cached, evaluated = sum(a.cache_n for a in answers), sum(a.prompt_n for a in answers)
+    if cached + evaluated == 0:
+        raise SystemExit("FAIL: llama-server returned no timings (prompt_n/cache_n): cannot measure reuse")
+    return cached / (cached + evaluated)
+
+
+def session() -> aiohttp.ClientSession:
+    """The client: no connection limit, LLM-sized timeouts."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=900))
+
+
+async def multi_turn(gateway: str, model: str, sizes: Sizes, first_conv: int = 0) -> list[Answer]:
+    """Workload A on ``model``: every conversation's turns in order, ``sizes.at_once`` conversations at once."""
+    todo = list(range(first_conv, first_conv + sizes.conversations))
+    out: list[Answer] = []
+    async with session() as s:
+        async def worker() -> None:
+            while todo:
+                conv = todo.pop(0)
+                messages = [{"role": "system", "content": system_prompt(conv % sizes.system_prompts)}]
+                for turn in range(sizes.turns):
+                    messages.append({"role": "user", "content": question(conv, turn)})
+                    a = ok(await chat(s, gateway, KEYS["bench"], model, messages, max_tokens=MAX_TOKENS,
+                                      stream=True), f"A {model} conversation {conv} turn {turn}")
+                    if not a.text or not a.prompt_n + a.cache_n:
+                        raise SystemExit(f"FAIL: A {model}: a stream without content or timings: {a}")
+                    messages.append({"role": "assistant", "content": a.text})
+                    out.append(a)
+
+        await asyncio.gather(*(worker() for _ in range(sizes.at_once)))
+    return out
+
+
+async def rounds(
+    gateway: str, models: list[str], sizes: Sizes, base: int
+) -> dict[str, tuple[list[Answer], float]]:
+    """Workloads B and C: ``sizes.rounds`` rounds, each ``sizes.per_round`` unique prompts per model at
+    :data:`AT_ONCE`, the models' order alternating; per model, its answers and its seconds in all."""
+    out: dict[str, tuple[list[Answer], float]] = {m: ([], 0.0) for m in models}
+    n = base
+    async with session() as s:
+        for r in range(sizes.rounds):
+            for model in models if r % 2 == 0 else models[::-1]:
+                gate = asyncio.Semaphore(AT_ONCE)
+
+                async def one(i: int, model: str = model, gate: asyncio.Semaphore = gate) -> Answer:
+                    async with gate:
+                        return ok(await chat(s, gateway, KEYS["bench"], model, unique_prompt(i),
+                                             max_tokens=MAX_TOKENS), f"{model} unique prompt {i}")
+
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(one(n + i) for i in range(sizes.per_round)))
+                answers, seconds = out[model]
+                out[model] = (answers + list(got), seconds + time.perf_counter() - t0)
+                n += sizes.per_round
+    return out
+
+
+async def flood(gateway: str, model: str, sizes: Sizes) -> tuple[list[Answer], list[Answer]]:
+    """Workload D: the ``flood`` key's requests all at once, the ``other`` key's one at a time (0.3 s
+    apart) while the flood lasts. Returns (flood answers, other answers); a flood 429 is kept (a
+    bounded queue may refuse), an ``other`` 429 fails the run."""
+    async with session() as s:
+        tasks = [asyncio.create_task(chat(s, gateway, KEYS["flood"], model, unique_prompt(10**6 + i),
+                                          max_tokens=MAX_TOKENS)) for i in range(sizes.flood)]
+        await asyncio.sleep(1.0)  # the flood is in: every slot busy, the rest queued
+        others: list[Answer] = []
+        for j in range(sizes.other):
+            if all(t.done() for t in tasks):
+                break
+            others.append(ok(await chat(s, gateway, KEYS["other"], model, unique_prompt(2 * 10**6 + j),
+                                        max_tokens=MAX_TOKENS), "D: the other key's request"))
+            await asyncio.sleep(0.3)
+        floods = await asyncio.gather(*tasks)
+    bad = [a for a in floods if a.status not in (200, 429)]
+    if bad:
+        raise SystemExit(f"FAIL: D: the flood got HTTP {bad[0].status}: {bad[0].error}")
+    return floods, others
+
+
+async def two_planes(gateways: list[str], model: str, sizes: Sizes) -> float:
+    """Workload E on ``model``: turns alternate between the gateways; the share of turns after the first
+    served by the first turn's replica."""
+    same = later = 0
+    async with session() as s:
+        async def conversation(conv: int) -> None:
+            nonlocal same, later
+            messages = [{"role": "system", "content": system_prompt(1000 + conv)}]
+            first = ""
+            for turn in range(sizes.e_turns):
+                messages.append({"role": "user", "content": question(conv, turn)})
+                a = ok(await chat(s, gateways[turn % len(gateways)], KEYS["bench"], model, messages,
+                                  max_tokens=MAX_TOKENS), f"E {model} conversation {conv} turn {turn}")
+                messages.append({"role": "assistant", "content": a.text})
+                if turn == 0:
+                    first = a.replica
+                else:
+                    later += 1
+                    same += a.replica == first
+
+        await asyncio.gather(*(conversation(c) for c in range(sizes.e_conversations)))
+    return same / later
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+SLOW_DUTY = 1 / 3  # workload C: the slow replica runs a third of the time
+
+
+def replica_args(cache_ram_mib: int, swa_full: bool) -> list[str]:
+    """llama-server's sizing for every replica (see the module docstring)."""
+    args = ["--threads", "1", "--parallel", "2", "--ctx-size", "8192", "--cache-ram", str(cache_ram_mib)]
+    return [*args, "--swa-full"] if swa_full else args
+
+
+def replicas(args: list[str], *, slow: bool = False) -> list[ReplicaSpec]:
+    """Three replicas ``r1``..``r3``; with ``slow``, ``r3`` runs :data:`SLOW_DUTY` of the time."""
+    return [ReplicaSpec(f"r{i + 1}", args, duty=SLOW_DUTY if slow and i == 2 else 1.0) for i in range(3)]
+
+
+def count_tokens(fleet: Fleet, text: str) -> int:
+    """Tokens of ``text`` by the model's own tokenizer (llama-server ``POST /tokenize``)."""
+    r = fleet.replicas[0]
+    resp = httpx.post(f"http://127.0.0.1:{r.port}/tokenize", json={"content": text},
+                      headers={"Authorization": f"Bearer {r.key}"}, timeout=10)
+    resp.raise_for_status()
+    return len(resp.json()["tokens"])
+
+
+def by_replica(answers: list[Answer]) -> str:
+    """``r1=5 r2=4 ...``: requests each replica served."""
+    return " ".join(f"{k}={v}" for k, v in sorted(Counter(a.replica for a in answers).items()))
+
+
+Figure = tuple[str, float | None, str]
+
+
+def run(sizes: Sizes, rargs: list[str], work: Path, models: list[str]) -> list[Figure]:
+    """Every workload, each on freshly started replicas where caches matter; the figures."""
+    figures: list[Figure] = []
+    a: dict[str, list[Answer]] = {}
+    for model in models:
+        with Fleet(replicas(rargs), gateways=1, workdir=work) as fleet:
+            if model == models[0]:
+                props = fleet.props()
+                sys_tokens = [count_tokens(fleet, system_prompt(i)) for i in range(sizes.system_prompts)]
+                print(f"replicas: 3 x llama-server {' '.join(rargs)}; GET /props total_slots="
+                      f"{props.get('total_slots')}; system prompts: {sys_tokens} tokens", flush=True)
+            print(f"A {model}: {sizes.conversations} conversations x {sizes.turns} turns, {sizes.at_once} at once, "
+                  f"{sizes.system_prompts} shared system prompts, fresh replicas", flush=True)
+            t0 = time.monotonic()
+            a[model] = asyncio.run(multi_turn(fleet.gateways[0], model, sizes))
+            ttft = [x.ttft_s for x in a[model]]
+            print(f"  {time.monotonic() - t0:.0f} s; by replica {by_replica(a[model])}; ttft p50 "
+                  f"{statistics.median(ttft):.3f} s p95 {pct(ttft, 0.95):.3f} s; cached share {share(a[model]):.3f}; "
+                  f"prompt tokens p50 {statistics.median(x.prompt_n + x.cache_n for x in a[model]):.0f}", flush=True)
+    rr50 = statistics.median(x.ttft_s for x in a["rr"])
+    ca50 = statistics.median(x.ttft_s for x in a["ca"]) if "ca" in a else None
+    figures += [
+        ("rr_ttft_p50_s", rr50, "s"),
+        ("ca_ttft_p50_s", ca50, "s"),
+        ("rr_ttft_p95_s", pct([x.ttft_s for x in a["rr"]], 0.95), "s"),
+        ("ca_ttft_p95_s", pct([x.ttft_s for x in a["ca"]], 0.95) if "ca" in a else None, "s"),
+        ("ttft_p50_ratio", ca50 / rr50 if ca50 is not None else None, ""),
+        ("rr_cached_prompt_share", share(a["rr"]), ""),
+        ("ca_cached_prompt_share", share(a["ca"]) if "ca" in a else None, ""),
+    ]
+
+    with Fleet(replicas(rargs), gateways=2, workdir=work) as fleet:
+        print(f"B: {sizes.rounds} rounds x {sizes.per_round} unique prompts per policy, {AT_ONCE} at once", flush=True)
+        b = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=0))
+        rps = {m: len(xs) / secs for m, (xs, secs) in b.items()}
+        for m, (xs, _) in b.items():
+            print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}", flush=True)
+        d_model = models[-1]
+        print(f"D ({d_model}): key 'flood' sends {sizes.flood} at once, key 'other' one at a time", flush=True)
+        floods, others = asyncio.run(flood(fleet.gateways[0], d_model, sizes))
+        served = [x for x in [*floods, *others] if x.status == 200]
+        waits = [x.total_s - x.engine_s for x in others]
+        refused = sum(x.status == 429 for x in floods)
+        print(f"  other's waits {[round(w, 2) for w in waits]} s; flood refused 429: {refused}", flush=True)
+        if len(others) < max(2, sizes.other // 2):
+            raise SystemExit(f"FAIL: D: the flood was over after {len(others)} of the other key's requests; "
+                             "make --flood larger")
+        same: dict[str, float] = {}
+        for m in models:
+            print(f"E {m}: {sizes.e_conversations} conversations x {sizes.e_turns} turns alternating two gateways",
+                  flush=True)
+            same[m] = asyncio.run(two_planes(fleet.gateways, m, sizes))
+            print(f"  same replica share {same[m]:.2f}", flush=True)
+    figures += [
+        ("rr_no_prefix_rps", rps["rr"], "req/s"),
+        ("ca_no_prefix_rps", rps.get("ca"), "req/s"),
+        ("no_prefix_throughput_ratio", rps["ca"] / rps["rr"] if "ca" in rps else None, ""),
+    ]
+
+    with Fleet(replicas(rargs, slow=True), gateways=1, workdir=work) as fleet:
+        print(f"C: r3 runs {SLOW_DUTY:.2f} of the time (SIGSTOP/SIGCONT); {sizes.rounds} rounds x "
+              f"{sizes.per_round} unique prompts per policy, {AT_ONCE} at once", flush=True)
+        c = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=10**5))
+        p95 = {m: pct([x.total_s for x in xs], 0.95) for m, (xs, _) in c.items()}
+        for m, (xs, _) in c.items():
+            slow = [x.total_s for x in xs if x.replica == "r3"]
+            fast = [x.total_s for x in xs if x.replica != "r3"]
+            print(f"  {m}: p95 {p95[m]:.2f} s; by replica {by_replica(xs)}; p50 on r3 "
+                  f"{statistics.median(slow) if slow else float('nan'):.2f} s, on r1/r2 "
+                  f"{statistics.median(fast) if fast else float('nan'):.2f} s", flush=True)
+    figures += [
+        ("rr_slow_replica_p95_s", p95["rr"], "s"),
+        ("ca_slow_replica_p95_s", p95.get("ca"), "s"),
+        ("slow_replica_p95_ratio", p95["ca"] / p95["rr"] if "ca" in p95 else None, ""),
+        ("other_key_queue_wait_p95_s", pct(waits, 0.95), "s"),
+        ("median_service_s", statistics.median(x.engine_s for x in served), "s"),
+        ("flood_refused_429", float(refused), "requests"),
+        ("rr_same_replica_share", same["rr"], ""),
+        ("same_replica_share", same.get("ca"), ""),
+    ]
+    return figures
+
+
+def verdicts(figures: list[Figure]) -> list[tuple[str, bool | None]]:
+    """Each target: (what, passed; None when the figure is n/a)."""
+    f = {name: value for name, value, _ in figures}
+
+    def check(what: str, name: str, test: Callable[[float], bool]) -> tuple[str, bool | None]:
+        value = f[name]
+        return what, None if value is None else test(value)
+
+    service = f["median_service_s"] or 0.0
+    return [
+        check("ttft_p50_ratio <= 0.4", "ttft_p50_ratio", lambda v: v <= 0.4),
+        check("ca_cached_prompt_share >= 0.8", "ca_cached_prompt_share", lambda v: v >= 0.8),
+        check("no_prefix_throughput_ratio >= 0.95", "no_prefix_throughput_ratio", lambda v: v >= 0.95),
+        check("slow_replica_p95_ratio <= 0.7", "slow_replica_p95_ratio", lambda v: v <= 0.7),
+        check(f"other_key_queue_wait_p95_s <= median_service_s ({service:.2f} s)", "other_key_queue_wait_p95_s",
+              lambda v: v <= service),
+        check("same_replica_share == 1.0", "same_replica_share", lambda v: v == 1.0),
+    ]
+
+
+def main() -> None:
+    """Parse the options, run every workload, print the verdicts and the figures; exit 1 unless all pass."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the harness")
+    ap.add_argument("--cache-ram", type=int, default=0, metavar="MIB",
+                    help="llama-server's host-RAM prompt cache per replica (default 0: see the docstring)")
+    ap.add_argument("--no-swa-full", action="store_true", help="without --swa-full (gemma-3 slides its window)")
+    ap.add_argument("--system-prompts", type=int, help="distinct system prompts in workload A")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every Fleet stops its processes
+    sizes = QUICK if args.quick else FULL
+    if args.system_prompts:
+        sizes = Sizes(**{**sizes.__dict__, "system_prompts": args.system_prompts})
+    merged = policy_merged()
+    models = ["rr", "ca"] if merged else ["rr"]
+    print(f"cores: {os.cpu_count()} (3 replicas x --threads 1, the gateways and this client share them); "
+          f"policies: {', '.join(models)}{'' if merged else ' (cache-aware not merged: round-robin only)'}",
+          flush=True)
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
+    try:
+        figures = run(sizes, replica_args(args.cache_ram, not args.no_swa_full), work, models)
+    except BaseException:
+        print(f"logs kept in {work}", flush=True)
+        raise
+    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'})")
+    passed = True
+    for what, result in verdicts(figures):
+        print(f"{'N/A' if result is None else 'PASS' if result else 'FAIL'}: {what}")
+        passed &= bool(result)
+    for name, value, unit in figures:
+        print(f"{name}: {NA}" if value is None else f"{name}: {value:.3f}{' ' + unit if unit else ''}")
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
