@@ -159,6 +159,22 @@ class Fleet:
             waits.append((f"http://127.0.0.1:{port}/healthz", proc, log))
         for wait in waits:
             _wait_ok(*wait)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A few one-token requests per gateway and model, so every gateway has met every replica (and
+        read its slots, ``GET /props``) before anything is measured: a control plane runs for days."""
+        models = [m for m, p in POLICIES.items() if p == "round-robin" or policy_merged()]
+        body = {"messages": [{"role": "user", "content": "Say ok."}], "max_tokens": 1}
+        auth = {"Authorization": f"Bearer {KEYS['bench']}"}
+        for url in self.gateways:
+            for model in models:
+                for _ in self.replicas:
+                    resp = httpx.post(f"{url}/v1/chat/completions", json={**body, "model": model}, headers=auth,
+                                      timeout=120)
+                    if resp.status_code not in (200, 429):
+                        raise SystemExit(f"FAIL: warm-up through {url} ({model}): {resp.status_code} {resp.text}")
+        time.sleep(1.0)
 
     def slots(self) -> int:
         """Slots per replica: ``--parallel`` in the first replica's args (what ``GET /props`` reports)."""
@@ -230,7 +246,7 @@ class Answer:
     non-streamed answer); ``total_s``: to the end of the body; ``replica``: ``x-llmgw-replica``;
     ``prompt_n``/``cache_n``/``prompt_ms``/``predicted_ms``: llama-server's ``timings`` (tokens
     evaluated, tokens reused from the slot's cache, their ms); ``status``/``error``: the HTTP status
-    and, when not 200, the body.
+    and, when not 200, the body; ``refused``: 429s retried before it (see :func:`chat`).
     """
 
     status: int
@@ -245,6 +261,7 @@ class Answer:
     prompt_tokens: int = 0
     error: str = ""
     started: float = 0.0
+    refused: int = 0
 
     @property
     def engine_s(self) -> float:
@@ -264,40 +281,58 @@ def _take_timings(a: Answer, data: dict[str, Any]) -> None:
 
 async def chat(
     session: aiohttp.ClientSession, gateway: str, key: str, model: str, messages: list[dict[str, str]],
-    *, max_tokens: int = 16, stream: bool = False,
+    *, max_tokens: int = 16, stream: bool = False, retry_busy: bool = True,
 ) -> Answer:
     """POST a chat completion (temperature 0) to ``gateway`` as ``key``; an :class:`Answer` (never raises
-    for an HTTP status: the caller decides which statuses are failures)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    for an HTTP status: the caller decides which statuses are failures).
+
+    With ``retry_busy``, a 429 is retried after its ``Retry-After`` (seconds; 1 when absent), as a
+    well-behaved client does, and counted in ``Answer.refused``; the times count from the first try.
+    """
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": stream}
+    if stream:
+        # llama-server puts ``timings`` on a stream's last event: the usage event when this is asked,
+        # and the gateway removes that event for a client that did not ask for it.
+        body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
     a = Answer(status=0, started=t0)
-    async with session.post(f"{gateway}/v1/chat/completions", json=body,
-                            headers={"Authorization": f"Bearer {key}"}) as resp:
-        a.status, a.replica = resp.status, resp.headers.get("x-llmgw-replica", "")
-        if resp.status != 200:
-            a.error = (await resp.text())[:500]
-            a.total_s = time.perf_counter() - t0
-            return a
-        if not stream:
-            data = await resp.json()
-            a.text = data["choices"][0]["message"].get("content") or ""
-            _take_timings(a, data)
-            a.ttft_s = a.total_s = time.perf_counter() - t0
-            return a
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
+    while True:
+        async with session.post(f"{gateway}/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}"}) as resp:
+            a.status, a.replica = resp.status, resp.headers.get("x-llmgw-replica", "")
+            if resp.status == 429 and retry_busy:
+                a.refused += 1
+                await resp.read()
+                await asyncio.sleep(float(resp.headers.get("Retry-After", "1") or 1))
                 continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                a.status, a.error = 502, json.dumps(event)[:500]
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and not a.text:
-                    a.ttft_s = time.perf_counter() - t0
-                a.text += piece
-            _take_timings(a, event)
-    a.total_s = time.perf_counter() - t0
-    return a
+            if resp.status != 200:
+                a.error = (await resp.text())[:500]
+            elif not stream:
+                data = await resp.json()
+                a.text = data["choices"][0]["message"].get("content") or ""
+                _take_timings(a, data)
+                a.ttft_s = time.perf_counter() - t0
+            else:
+                await _read_stream(resp, a, t0)
+        a.total_s = time.perf_counter() - t0
+        return a
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, a: Answer, t0: float) -> None:
+    """Fill ``a`` from an SSE answer: content, time to its first piece, the last event's timings."""
+    async for line in resp.content:
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            a.status, a.error = 502, json.dumps(event)[:500]
+        for choice in event.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and not a.text:
+                a.ttft_s = time.perf_counter() - t0
+            a.text += piece
+        _take_timings(a, event)
 
 
 # -- the gateway process -----------------------------------------------------------------------------
