@@ -9,26 +9,18 @@ Rows older than ``keep_s`` (60 s) are deleted at the next request.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
 from llmgw.control.store.schema import log_requests_t
 from llmgw.control.store.sqlbeats import take_log_requests
+from llmgw.control.store.sqlpart import SqlPart
 from llmgw.errors import Conflict
 from llmgw.protocol import LogReply, LogRequest
 
 
-class SqlLogs:
+class SqlLogs(SqlPart):
     """The migration-6 methods of :class:`~llmgw.control.store.base.Store` over SQLAlchemy Core; mixed into
     :class:`~llmgw.control.store.sql.SqlStore`, whose ``_tx`` and ``_wtx`` they use."""
-
-    def _tx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
-        raise NotImplementedError
-
-    def _wtx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
-        raise NotImplementedError
 
     def add_log_request(self, node: str, request: LogRequest, *, now: float, keep_s: float = 60.0) -> None:
         try:
