@@ -270,3 +270,27 @@ async def test_an_arrival_behind_others_serves_a_slot_freed_without_wake() -> No
 def test_bad_bounds_are_refused(size: int, wait_s: float, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         FairQueue[int]("gemma", size=size, wait_s=wait_s)
+
+
+async def test_an_error_in_a_waiters_take_goes_to_that_waiter_and_the_walk_goes_on() -> None:
+    slots = Slots(1)
+    q = _queue(slots)
+    slots.take()
+
+    def broken() -> int | None:
+        raise RuntimeError("replica table gone")
+
+    first = asyncio.create_task(q.acquire("z", 0, slots.take, service_s=0.1, slots=1))
+    await _settle()
+    bad = asyncio.create_task(q.acquire("a", 0, broken, service_s=0.1, slots=1))  # waits: no fast path
+    good = asyncio.create_task(q.acquire("b", 0, slots.take, service_s=0.1, slots=1))
+    await _settle()
+    assert len(q) == 3
+    _free_one(slots, q)  # to z
+    _free_one(slots, q)  # a's take raises: a leaves with the error, b gets the slot
+    await _settle()
+    assert first.result() == 2
+    with pytest.raises(RuntimeError, match="replica table gone"):
+        await bad
+    assert good.result() == 3
+    assert len(q) == 0

@@ -13,7 +13,8 @@ reserved (a replica), or None when the model has no free slot for this request.
    while it succeeds, resolving that waiter's future with the value. It stops at the first None:
    a later waiter never jumps the head (``take()`` must answer None only when no slot of the model
    fits that request). A new arrival behind others also runs this walk, so a slot freed without a
-   ``wake()`` is not left idle.
+   ``wake()`` is not left idle. An exception from a waiter's ``take()`` goes to that waiter's
+   caller (it leaves the queue) and the walk goes on.
 
 Fair order. Strict priority bands: a waiter of a higher ``priority`` (a key's 0–9) is always served
 before any of a lower one (llm-d's flow control does the same); a lower band waits, bounded by
@@ -23,8 +24,8 @@ request of key K waits for at most one request of each other waiting key of its 
 every waiting request of higher bands, and K's own earlier ones) before it is served; so one key
 with 500 waiting requests delays another key's single request by at most one freed slot, about
 ``service_s / slots``, at most one service time. Measured (``tests/unit/test_fair_queue.py``, 20 ms
-service, 2 slots): a lone request arriving behind 485 of a flooding key's waited 12.5 ms; in arrival
-order (FIFO) it would have waited 485 × 20 ms / 2 ≈ 4.9 s.
+service, 2 slots): a lone request arriving behind ~485 of a flooding key's waited 1.4-19.5 ms (7 runs,
+this 2-core machine); in arrival order (FIFO) it would have waited 485 × 20 ms / 2 ≈ 4.9 s.
 
 Bounds, per model: at most ``size`` waiting requests, and a request is admitted only when its
 expected wait is within ``wait_s``. The expected wait counts the requests that fair order puts
@@ -256,10 +257,15 @@ class FairQueue(Generic[T]):
             if waiter.future.done():  # cancelled, its task not yet resumed: it leaves now
                 self._remove(waiter)
                 continue
-            got = waiter.take()
+            keys = self._bands[waiter.priority].keys
+            try:
+                got = waiter.take()
+            except Exception as e:  # the error is that request's: it goes to its caller
+                self._remove(waiter)
+                waiter.future.set_exception(e)
+                continue
             if got is None:
                 return
-            keys = self._bands[waiter.priority].keys
             self._remove(waiter)
             if waiter.key in keys:
                 keys.move_to_end(waiter.key)  # the key had its turn: to the end of the rotation
