@@ -246,7 +246,8 @@ class Answer:
     non-streamed answer); ``total_s``: to the end of the body; ``replica``: ``x-llmgw-replica``;
     ``prompt_n``/``cache_n``/``prompt_ms``/``predicted_ms``: llama-server's ``timings`` (tokens
     evaluated, tokens reused from the slot's cache, their ms); ``status``/``error``: the HTTP status
-    and, when not 200, the body; ``refused``: 429s retried before it (see :func:`chat`).
+    and, when not 200, the body; ``refused``: 429s retried before it, ``broken``: 502
+    ``upstream_failed`` retried before it (see :func:`chat`).
     """
 
     status: int
@@ -262,6 +263,7 @@ class Answer:
     error: str = ""
     started: float = 0.0
     refused: int = 0
+    broken: int = 0
 
     @property
     def engine_s(self) -> float:
@@ -287,7 +289,9 @@ async def chat(
     for an HTTP status: the caller decides which statuses are failures).
 
     With ``retry_busy``, a 429 is retried after its ``Retry-After`` (seconds; 1 when absent), as a
-    well-behaved client does, and counted in ``Answer.refused``; the times count from the first try.
+    well-behaved client does, and counted in ``Answer.refused``; a 502 ``upstream_failed`` (the replica
+    closed the connection before answering: the gateway says to retry) is retried up to twice, counted
+    in ``Answer.broken``; the times count from the first try.
     """
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                             "stream": stream}
@@ -308,6 +312,11 @@ async def chat(
                 continue
             if resp.status != 200:
                 a.error = (await resp.text())[:500]
+                if resp.status == 502 and "upstream_failed" in a.error and a.broken < 2:
+                    # the gateway POSTed onto a keep-alive connection the engine had closed: nothing
+                    # was generated, and the gateway's message says to retry
+                    a.broken += 1
+                    continue
             elif not stream:
                 data = await resp.json()
                 a.text = data["choices"][0]["message"].get("content") or ""
@@ -316,6 +325,7 @@ async def chat(
             else:
                 await _read_stream(resp, a, t0)
         a.total_s = time.perf_counter() - t0
+        a.ttft_s = a.ttft_s or a.total_s  # an answer without content: its first token is its end
         return a
 
 
