@@ -2,37 +2,63 @@
 
     python bench/routing.py [--quick] [--cache-ram MIB] [--swa-full] [--system-prompts N]
 
-Starts 3 real llama-server replicas of gemma-3-270m (each ``--threads 1 --parallel 2 --ctx-size 8192``,
-prompt caching on: llama-server's default ``cache_prompt``, ``--slot-prompt-similarity`` left at its
-0.10, so a request takes the slot whose cached prompt it matches best) and gateway processes in
-front of them (:mod:`routing_fleet`): the gateway app the control plane builds, on a static table
+Starts 3 real llama-server replicas of gemma-3-270m (each ``--threads 1 --parallel 2 --ctx-size 8192
+--cache-ram 0``; prompt caching on: llama-server's default ``cache_prompt``, ``--slot-prompt-similarity``
+at its 0.10, so a request takes the slot whose cached prompt it matches best) and gateway processes
+in front of them (:mod:`routing_fleet`): the gateway app the control plane builds, on a static table
 with model ``rr`` (``routing: round-robin``) and model ``ca`` (``routing: cache-aware``) over the
-same replicas, and three stored keys. Every request goes through a gateway over HTTP. Workloads:
+same replicas, and three stored keys. Every request goes through a gateway over HTTP.
+
+Engine settings, and why. ``--cache-ram 0``: the agent's default is 1024 MiB of host-RAM prompt
+cache per replica, which for this 270M model (18 KiB of KV per token: ~27 MiB for 1,500 tokens)
+holds every conversation of the run on every replica, so it would stand for no real model; for an 8B
+model (128 KiB per token) it holds about 5 conversations of 1,500 tokens. With 0, the slots are the
+cache: "more conversations than one replica's slots and cache hold". ``--cache-ram 1024`` shows the
+other case. No
+``--swa-full``: gemma-3 slides 5 of 6 layers over 512 tokens, yet this build reused a cut-back prefix
+without it (measured on one replica: a new conversation with the same system prompt on the slot
+holding another's history reused 1,318 of 1,345 prompt tokens; the next turn 1,360 of 1,411).
+
+llama-server's fields relied on (read from real answers of this build, 0.5.0-dev 0c1e570): a plain
+answer's top-level ``timings`` (``prompt_n``: prompt tokens evaluated, ``cache_n``: reused from the
+slot, ``prompt_ms``, ``predicted_n``, ``predicted_ms``; ``prompt_n + cache_n`` equals
+``usage.prompt_tokens``, which also carries ``prompt_tokens_details.cached_tokens``); a stream's
+``timings`` come on its last event, the ``usage`` event when ``stream_options.include_usage`` is
+asked (the gateway drops that event for a client that did not ask, so this client asks); and
+``GET /props`` ``total_slots`` (2).
+
+Workloads:
 
 A. **multi-turn chat**: conversations, each a system prompt of ~1,000 tokens and a growing history
-   (short questions, answers of ``max_tokens`` 16, temperature 0), a few at once; more conversations
-   at once than one replica's slots hold, fewer than all replicas' slots. The system prompts are a few
-   shared ones (``--system-prompts``; conversation i uses prompt i mod n), as for an application's
-   users: a policy that sends requests sharing a prefix to the replica holding it can reuse both the
-   system prompt and the conversation's history; ``--system-prompts`` equal to the conversations gives
-   each its own (then even a perfect policy reuses at most ~(turns-1)/turns of the prompt tokens,
-   0.79 at 5 turns, as every first turn is cold). Per request: TTFT (streamed: to the first content
-   token) and llama-server's ``timings`` of the final stream event (``prompt_n``: tokens evaluated,
-   ``cache_n``: reused from the slot) → ``cached_prompt_share`` = Σcache_n / Σ(cache_n + prompt_n).
-   Each policy on freshly started replicas (empty caches).
-B. **no shared prefix**: unique prompts (~200 tokens), non-streamed, 6 at once (all slots); rounds
+   (short questions, answers of ``max_tokens`` 16, temperature 0), 3 at once: more than one replica's
+   2 slots hold, fewer than all 6. The system prompts are a few shared ones (``--system-prompts``;
+   conversation i uses prompt i mod n), as for an application's users: a policy that sends requests
+   sharing a prefix to the replica holding it reuses both the system prompt and the conversation's
+   history; ``--system-prompts`` equal to the conversations gives each its own (then even a perfect
+   policy reuses at most ~(turns-1)/turns of the prompt tokens, as every first turn is cold). Per
+   request: TTFT (streamed: to the first content token) and the ``timings`` above →
+   ``cached_prompt_share`` = Σcache_n / Σ(cache_n + prompt_n). Each policy on freshly started
+   replicas (empty caches).
+B. **no shared prefix**: unique prompts (~60 tokens), non-streamed, 6 at once (all slots); rounds
    alternate the policies so the machine's drift falls on both → requests/s each.
-C. **one slow replica**: as B, with one replica stopped (SIGSTOP) for 2/3 of every 100 ms, so it runs
-   a third of the time: a machine a third as fast. (Not ``--threads``: every replica already runs one
-   thread on a 2-core machine; nor ``taskset``: 3 replicas on 2 cores already share, so pinning slows
-   a fast neighbour too.) → p95 latency each.
-D. **two keys, one flooding**: key ``flood`` sends its requests all at once; key ``other`` sends one at
-   a time meanwhile. A request's wait = its latency − the engine's own time (``prompt_ms`` +
-   ``predicted_ms``): the wait anywhere, gateway queue or engine queue → the other key's p95 wait vs
-   the median engine time of all.
+C. **one slow replica**: as B but 4 at once (below the 6 slots: at 6 every slot is used, slow or
+   not, so no policy has a choice), with replica ``r3`` stopped (SIGSTOP) for 2/3 of every 100 ms, as
+   ``cpulimit`` does: it runs a third of the time, a machine a third as fast, whatever the load. (Not
+   ``--threads``: every replica already runs one thread on 2 cores; nor ``taskset``: 3 replicas on 2
+   cores already share them, so pinning one onto a core slows that core's other replica too.) The
+   progress line prints the p50 on r3 beside r1/r2's → p95 latency each.
+D. **two keys, one flooding**: key ``flood`` sends its requests all at once; key ``other`` then sends
+   one at a time (each 1 s after the previous answer) while the flood lasts. A request's wait = its
+   latency − the engine's own time (``prompt_ms`` + ``predicted_ms``): the wait anywhere, gateway
+   queue or engine queue → the other key's p95 wait vs the median engine time of all
+   (``median_service_s``).
 E. **two control planes**: two gateway processes on the same replicas, sharing nothing; each
    conversation's turns alternate between them → ``same_replica_share``: turns after the first that
    ``x-llmgw-replica`` names the first turn's replica.
+
+A 429 is retried after its ``Retry-After`` and a 502 ``upstream_failed`` (the gateway POSTed onto a
+keep-alive connection the engine had closed; seen about once a run) up to twice, as a client would;
+both are counted on the progress lines, and their time counts.
 
 Targets (issue 21): ``ttft_p50_ratio`` ≤ 0.4, ``ca_cached_prompt_share`` ≥ 0.8,
 ``no_prefix_throughput_ratio`` ≥ 0.95, ``slow_replica_p95_ratio`` ≤ 0.7,
@@ -40,7 +66,8 @@ Targets (issue 21): ``ttft_p50_ratio`` ≤ 0.4, ``ca_cached_prompt_share`` ≥ 0
 PASS/FAIL; a FAIL, or a figure the gateway cannot produce yet (``n/a (policy not merged)``: today's
 gateway has no ``Route.routing``), exits 1. Figures are printed last, one ``name: value unit`` a line.
 
-Run time on this machine (2 cores): TODO measured.
+Run time on this machine (2 cores; one replica prefills ~70 tokens/s alone, 22-33 while other
+engineers' tests run): ``--quick`` (prompts of ~260 tokens) 236 s at load ~6; the full run RUNTIME.
 """
 
 from __future__ import annotations
@@ -49,6 +76,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -85,12 +113,13 @@ class Sizes:
 
 # A cold prefill of ~1,000 tokens takes ~14 s here (llama-server at --threads 1: ~70 prompt tokens/s,
 # ~12 generated tokens/s), which sets these sizes: the full run within ~10 minutes, --quick ~2.
-FULL = Sizes(conversations=6, turns=4, at_once=3, system_prompts=2, rules=30, rounds=2, per_round=6, flood=16,
-             other=4, e_conversations=3, e_turns=4)
-QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=2, rules=8, rounds=1, per_round=4, flood=10,
+FULL = Sizes(conversations=6, turns=4, at_once=3, system_prompts=2, rules=30, rounds=2, per_round=6, flood=40,
+             other=3, e_conversations=3, e_turns=4)
+QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=2, rules=8, rounds=1, per_round=4, flood=16,
               other=2, e_conversations=2, e_turns=3)
 E_RULES = 8  # E: the system prompt of ~300 tokens (the decision is what is measured, not the prefill)
-AT_ONCE = 6  # B, C: requests in flight (3 replicas x 2 slots)
+AT_ONCE = 6  # B: requests in flight (3 replicas x 2 slots: saturated)
+SLOW_AT_ONCE = 4  # C: fewer than the slots, so a policy has a choice (at 6 every slot is used, slow or not)
 MAX_TOKENS = 16
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -183,16 +212,16 @@ async def multi_turn(gateway: str, model: str, sizes: Sizes, first_conv: int = 0
 
 
 async def rounds(
-    gateway: str, models: list[str], sizes: Sizes, base: int
+    gateway: str, models: list[str], sizes: Sizes, base: int, at_once: int
 ) -> dict[str, tuple[list[Answer], float]]:
-    """Workloads B and C: ``sizes.rounds`` rounds, each ``sizes.per_round`` unique prompts per model at
-    :data:`AT_ONCE`, the models' order alternating; per model, its answers and its seconds in all."""
+    """Workloads B and C: ``sizes.rounds`` rounds, each ``sizes.per_round`` unique prompts per model,
+    ``at_once`` in flight, the models' order alternating; per model, its answers and its seconds in all."""
     out: dict[str, tuple[list[Answer], float]] = {m: ([], 0.0) for m in models}
     n = base
     async with session() as s:
         for r in range(sizes.rounds):
             for model in models if r % 2 == 0 else models[::-1]:
-                gate = asyncio.Semaphore(AT_ONCE)
+                gate = asyncio.Semaphore(at_once)
 
                 async def one(i: int, model: str = model, gate: asyncio.Semaphore = gate) -> Answer:
                     async with gate:
@@ -208,29 +237,29 @@ async def rounds(
 
 
 async def flood(gateway: str, model: str, sizes: Sizes) -> tuple[list[Answer], list[Answer]]:
-    """Workload D: the ``flood`` key's requests all at once, then the ``other`` key's, one a second, while
-    the flood lasts. Returns (flood answers, other answers); a flood 429 is kept (a bounded queue may
-    refuse), an ``other`` 429 is retried after its ``Retry-After`` (the wait counts). Exits when the
-    flood was over before the last ``other`` request was sent."""
+    """Workload D: the ``flood`` key's requests all at once; 1 s later the ``other`` key's, one at a time
+    (each sent 1 s after the previous answer) while the flood lasts. Returns (flood answers, other
+    answers); a flood 429 is kept (a bounded queue may refuse), an ``other`` 429 is retried after its
+    ``Retry-After`` (the wait counts). Exits when no ``other`` request was sent during the flood."""
     async with session() as s:
         tasks = [asyncio.create_task(chat(s, gateway, KEYS["flood"], model, unique_prompt(10**6 + i),
                                           max_tokens=MAX_TOKENS, retry_busy=False)) for i in range(sizes.flood)]
-        others = []
+        others: list[Answer] = []
         for j in range(sizes.other):
             await asyncio.sleep(1.0)  # the first after 1 s: the flood is in, every slot busy, the rest queued
             if all(t.done() for t in tasks):
-                raise SystemExit(f"FAIL: D: the flood was over before the other key's request {j + 1} of "
-                                 f"{sizes.other}; make the flood larger")
-            others.append(asyncio.create_task(chat(s, gateway, KEYS["other"], model, unique_prompt(2 * 10**6 + j),
-                                                   max_tokens=MAX_TOKENS)))
-        got = [ok(a, "D: the other key's request") for a in await asyncio.gather(*others)]
+                break
+            others.append(ok(await chat(s, gateway, KEYS["other"], model, unique_prompt(2 * 10**6 + j),
+                                        max_tokens=MAX_TOKENS), "D: the other key's request"))
         floods = await asyncio.gather(*tasks)
+    if not others:
+        raise SystemExit("FAIL: D: the flood was over before the other key's first request; make it larger")
     bad = [a for a in floods if a.status not in (200, 429)]
     if bad:
         raise SystemExit(f"FAIL: D: the flood got HTTP {bad[0].status}: {bad[0].error}")
-    if any(not a.prompt_n + a.cache_n for a in [*got, *floods] if a.status == 200):
+    if any(not a.prompt_n + a.cache_n for a in [*others, *floods] if a.status == 200):
         raise SystemExit("FAIL: D: an answer without llama-server's timings: cannot tell service from wait")
-    return floods, got
+    return floods, others
 
 
 async def two_planes(gateways: list[str], model: str, sizes: Sizes) -> float:
@@ -289,12 +318,16 @@ def by_replica(answers: list[Answer]) -> str:
             f"{sum(a.broken for a in answers)}")
 
 
-Figure = tuple[str, float | None, str]
+Figure = tuple[str, float | str, str]
+"""(name, value, unit); a str value is why there is none (``n/a (...)``)."""
 
 
-def run(sizes: Sizes, rargs: list[str], work: Path, models: list[str]) -> list[Figure]:
-    """Every workload, each on freshly started replicas where caches matter; the figures."""
-    figures: list[Figure] = []
+def _ratio(num: float | None, den: float) -> float | str:
+    return NA if num is None else num / den
+
+
+def run_a(sizes: Sizes, rargs: list[str], work: Path, models: list[str]) -> list[Figure]:
+    """Workload A, each policy on freshly started replicas."""
     a: dict[str, list[Answer]] = {}
     for model in models:
         with Fleet(replicas(rargs), gateways=1, workdir=work) as fleet:
@@ -304,7 +337,7 @@ def run(sizes: Sizes, rargs: list[str], work: Path, models: list[str]) -> list[F
                 print(f"replicas: 3 x llama-server {' '.join(rargs)}; GET /props total_slots="
                       f"{props.get('total_slots')}; system prompts: {sys_tokens} tokens", flush=True)
             print(f"A {model}: {sizes.conversations} conversations x {sizes.turns} turns, {sizes.at_once} at once, "
-                  f"{sizes.system_prompts} shared system prompts, fresh replicas", flush=True)
+                  f"{sizes.system_prompts} system prompts, fresh replicas", flush=True)
             t0 = time.monotonic()
             a[model] = asyncio.run(multi_turn(fleet.gateways[0], model, sizes))
             ttft = [x.ttft_s for x in a[model]]
@@ -313,89 +346,103 @@ def run(sizes: Sizes, rargs: list[str], work: Path, models: list[str]) -> list[F
                   f"prompt tokens p50 {statistics.median(x.prompt_n + x.cache_n for x in a[model]):.0f}", flush=True)
     rr50 = statistics.median(x.ttft_s for x in a["rr"])
     ca50 = statistics.median(x.ttft_s for x in a["ca"]) if "ca" in a else None
-    figures += [
+    return [
         ("rr_ttft_p50_s", rr50, "s"),
-        ("ca_ttft_p50_s", ca50, "s"),
+        ("ca_ttft_p50_s", NA if ca50 is None else ca50, "s"),
         ("rr_ttft_p95_s", pct([x.ttft_s for x in a["rr"]], 0.95), "s"),
-        ("ca_ttft_p95_s", pct([x.ttft_s for x in a["ca"]], 0.95) if "ca" in a else None, "s"),
-        ("ttft_p50_ratio", ca50 / rr50 if ca50 is not None else None, ""),
+        ("ca_ttft_p95_s", pct([x.ttft_s for x in a["ca"]], 0.95) if "ca" in a else NA, "s"),
+        ("ttft_p50_ratio", _ratio(ca50, rr50), ""),
         ("rr_cached_prompt_share", share(a["rr"]), ""),
-        ("ca_cached_prompt_share", share(a["ca"]) if "ca" in a else None, ""),
+        ("ca_cached_prompt_share", share(a["ca"]) if "ca" in a else NA, ""),
     ]
 
+
+def run_bde(sizes: Sizes, rargs: list[str], work: Path, models: list[str], which: str) -> list[Figure]:
+    """Workloads B, D and E (those in ``which``) on one set of replicas behind two gateways."""
+    figures: list[Figure] = []
     with Fleet(replicas(rargs), gateways=2, workdir=work) as fleet:
-        print(f"B: {sizes.rounds} rounds x {sizes.per_round} unique prompts per policy, {AT_ONCE} at once", flush=True)
-        b = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=0))
-        rps = {m: len(xs) / secs for m, (xs, secs) in b.items()}
-        for m, (xs, _) in b.items():
-            print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}", flush=True)
-        d_model = models[-1]
-        print(f"D ({d_model}): key 'flood' sends {sizes.flood} at once, key 'other' one at a time", flush=True)
-        floods, others = asyncio.run(flood(fleet.gateways[0], d_model, sizes))
-        served = [x for x in [*floods, *others] if x.status == 200]
-        waits = [x.total_s - x.engine_s for x in others]
-        refused = sum(x.status == 429 for x in floods)
-        print(f"  other's waits {[round(w, 2) for w in waits]} s; by replica {by_replica(others)}; flood: "
-              f"{refused} of {len(floods)} refused 429", flush=True)
-        same: dict[str, float] = {}
-        for m in models:
-            print(f"E {m}: {sizes.e_conversations} conversations x {sizes.e_turns} turns alternating two gateways",
+        if "B" in which:
+            print(f"B: {sizes.rounds} rounds x {sizes.per_round} unique prompts per policy, {AT_ONCE} at once",
                   flush=True)
-            same[m] = asyncio.run(two_planes(fleet.gateways, m, sizes))
-            print(f"  same replica share {same[m]:.2f}", flush=True)
-    figures += [
-        ("rr_no_prefix_rps", rps["rr"], "req/s"),
-        ("ca_no_prefix_rps", rps.get("ca"), "req/s"),
-        ("no_prefix_throughput_ratio", rps["ca"] / rps["rr"] if "ca" in rps else None, ""),
-    ]
-
-    with Fleet(replicas(rargs, slow=True), gateways=1, workdir=work) as fleet:
-        print(f"C: r3 runs {SLOW_DUTY:.2f} of the time (SIGSTOP/SIGCONT); {sizes.rounds} rounds x "
-              f"{sizes.per_round} unique prompts per policy, {AT_ONCE} at once", flush=True)
-        c = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=10**5))
-        p95 = {m: pct([x.total_s for x in xs], 0.95) for m, (xs, _) in c.items()}
-        for m, (xs, _) in c.items():
-            slow = [x.total_s for x in xs if x.replica == "r3"]
-            fast = [x.total_s for x in xs if x.replica != "r3"]
-            print(f"  {m}: p95 {p95[m]:.2f} s; by replica {by_replica(xs)}; p50 on r3 "
-                  f"{statistics.median(slow) if slow else float('nan'):.2f} s, on r1/r2 "
-                  f"{statistics.median(fast) if fast else float('nan'):.2f} s", flush=True)
-    figures += [
-        ("rr_slow_replica_p95_s", p95["rr"], "s"),
-        ("ca_slow_replica_p95_s", p95.get("ca"), "s"),
-        ("slow_replica_p95_ratio", p95["ca"] / p95["rr"] if "ca" in p95 else None, ""),
-        ("other_key_queue_wait_p95_s", pct(waits, 0.95), "s"),
-        ("median_service_s", statistics.median(x.engine_s for x in served), "s"),
-        ("flood_refused_429", float(refused), "requests"),
-        ("other_key_refused_429", float(sum(x.refused for x in others)), "requests"),
-        ("rr_same_replica_share", same["rr"], ""),
-        ("same_replica_share", same.get("ca"), ""),
-    ]
+            b = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=0, at_once=AT_ONCE))
+            rps = {m: len(xs) / secs for m, (xs, secs) in b.items()}
+            for m, (xs, _) in b.items():
+                print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}", flush=True)
+            figures += [
+                ("rr_no_prefix_rps", rps["rr"], "req/s"),
+                ("ca_no_prefix_rps", rps.get("ca", NA), "req/s"),
+                ("no_prefix_throughput_ratio", _ratio(rps.get("ca"), rps["rr"]), ""),
+            ]
+        if "D" in which:
+            d_model = models[-1]
+            print(f"D ({d_model}): key 'flood' sends {sizes.flood} at once, key 'other' one at a time", flush=True)
+            floods, others = asyncio.run(flood(fleet.gateways[0], d_model, sizes))
+            served = [x for x in [*floods, *others] if x.status == 200]
+            waits = [x.total_s - x.engine_s for x in others]
+            refused = sum(x.status == 429 for x in floods)
+            print(f"  other's waits {[round(w, 2) for w in waits]} s; by replica {by_replica(others)}; flood: "
+                  f"{refused} of {len(floods)} refused 429", flush=True)
+            figures += [
+                ("other_key_queue_wait_p95_s", pct(waits, 0.95), "s"),
+                ("median_service_s", statistics.median(x.engine_s for x in served), "s"),
+                ("flood_refused_429", float(refused), "requests"),
+                ("other_key_refused_429", float(sum(x.refused for x in others)), "requests"),
+            ]
+        if "E" in which:
+            same: dict[str, float] = {}
+            for m in models:
+                print(f"E {m}: {sizes.e_conversations} conversations x {sizes.e_turns} turns alternating two "
+                      "gateways", flush=True)
+                same[m] = asyncio.run(two_planes(fleet.gateways, m, sizes))
+                print(f"  same replica share {same[m]:.2f}", flush=True)
+            figures += [("rr_same_replica_share", same["rr"], ""), ("same_replica_share", same.get("ca", NA), "")]
     return figures
 
 
-def verdicts(figures: list[Figure]) -> list[tuple[str, bool | None]]:
-    """Each target: (what, passed; None when the figure is n/a)."""
-    f = {name: value for name, value, _ in figures}
-
-    def check(what: str, name: str, test: Callable[[float], bool]) -> tuple[str, bool | None]:
-        value = f[name]
-        return what, None if value is None else test(value)
-
-    service = f["median_service_s"] or 0.0
+def run_c(sizes: Sizes, rargs: list[str], work: Path, models: list[str]) -> list[Figure]:
+    """Workload C on replicas of which ``r3`` is slowed."""
+    with Fleet(replicas(rargs, slow=True), gateways=1, workdir=work) as fleet:
+        print(f"C: r3 runs {SLOW_DUTY:.2f} of the time (SIGSTOP/SIGCONT); {sizes.rounds} rounds x "
+              f"{sizes.per_round} unique prompts per policy, {SLOW_AT_ONCE} at once", flush=True)
+        c = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=10**5, at_once=SLOW_AT_ONCE))
+    p95 = {m: pct([x.total_s for x in xs], 0.95) for m, (xs, _) in c.items()}
+    for m, (xs, _) in c.items():
+        slow = [x.total_s for x in xs if x.replica == "r3"]
+        fast = [x.total_s for x in xs if x.replica != "r3"]
+        print(f"  {m}: p95 {p95[m]:.2f} s; by replica {by_replica(xs)}; p50 on r3 "
+              f"{statistics.median(slow) if slow else float('nan'):.2f} s, on r1/r2 "
+              f"{statistics.median(fast) if fast else float('nan'):.2f} s", flush=True)
     return [
-        check("ttft_p50_ratio <= 0.4", "ttft_p50_ratio", lambda v: v <= 0.4),
-        check("ca_cached_prompt_share >= 0.8", "ca_cached_prompt_share", lambda v: v >= 0.8),
-        check("no_prefix_throughput_ratio >= 0.95", "no_prefix_throughput_ratio", lambda v: v >= 0.95),
-        check("slow_replica_p95_ratio <= 0.7", "slow_replica_p95_ratio", lambda v: v <= 0.7),
-        check(f"other_key_queue_wait_p95_s <= median_service_s ({service:.2f} s)", "other_key_queue_wait_p95_s",
-              lambda v: v <= service),
-        check("same_replica_share == 1.0", "same_replica_share", lambda v: v == 1.0),
+        ("rr_slow_replica_p95_s", p95["rr"], "s"),
+        ("ca_slow_replica_p95_s", p95.get("ca", NA), "s"),
+        ("slow_replica_p95_ratio", _ratio(p95.get("ca"), p95["rr"]), ""),
     ]
 
 
+#: Each target: what is printed, the figure, the test.
+TARGETS: list[tuple[str, str, Callable[[float, dict[str, float | str]], bool]]] = [
+    ("ttft_p50_ratio <= 0.4", "ttft_p50_ratio", lambda v, _: v <= 0.4),
+    ("ca_cached_prompt_share >= 0.8", "ca_cached_prompt_share", lambda v, _: v >= 0.8),
+    ("no_prefix_throughput_ratio >= 0.95", "no_prefix_throughput_ratio", lambda v, _: v >= 0.95),
+    ("slow_replica_p95_ratio <= 0.7", "slow_replica_p95_ratio", lambda v, _: v <= 0.7),
+    ("other_key_queue_wait_p95_s <= median_service_s", "other_key_queue_wait_p95_s",
+     lambda v, f: isinstance(f["median_service_s"], float) and v <= f["median_service_s"]),
+    ("same_replica_share == 1.0", "same_replica_share", lambda v, _: v == 1.0),
+]
+
+
+def verdicts(figures: list[Figure]) -> list[tuple[str, bool | None]]:
+    """Each target: (what, passed); None when its figure is n/a or was not measured (a failure too)."""
+    f = {name: value for name, value, _ in figures}
+    out: list[tuple[str, bool | None]] = []
+    for what, name, test in TARGETS:
+        value = f.get(name)
+        out.append((what, test(value, f) if isinstance(value, float) else None))
+    return out
+
+
 def main() -> None:
-    """Parse the options, run every workload, print the verdicts and the figures; exit 1 unless all pass."""
+    """Parse the options, run the workloads, print the verdicts and the figures; exit 1 unless all pass."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the harness")
     ap.add_argument("--cache-ram", type=int, default=0, metavar="MIB",
@@ -403,7 +450,12 @@ def main() -> None:
     ap.add_argument("--swa-full", action="store_true", help="llama-server --swa-full (gemma-3's sliding layers keep "
                     "the whole context)")
     ap.add_argument("--system-prompts", type=int, help="distinct system prompts in workload A")
+    ap.add_argument("--workloads", default="ABCDE", help="which workloads to run (default ABCDE; a target "
+                    "whose workload did not run is N/A, and the run exits 1)")
     args = ap.parse_args()
+    which = args.workloads.upper()
+    if not which or set(which) - set("ABCDE"):
+        ap.error(f"--workloads {args.workloads!r}: letters from ABCDE, e.g. --workloads A")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every Fleet stops its processes
     sizes = QUICK if args.quick else FULL
     if args.system_prompts:
@@ -415,19 +467,30 @@ def main() -> None:
           flush=True)
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
+    rargs = replica_args(args.cache_ram, args.swa_full)
+    figures: list[Figure] = []
     try:
-        figures = run(sizes, replica_args(args.cache_ram, args.swa_full), work, models)
+        if "A" in which:
+            figures += run_a(sizes, rargs, work, models)
+        if set(which) & set("BDE"):
+            figures += run_bde(sizes, rargs, work, models, which)
+        if "C" in which:
+            figures += run_c(sizes, rargs, work, models)
     except BaseException:
         print(f"logs kept in {work}", flush=True)
         raise
-    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'})")
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'}, workloads {which})")
     passed = True
     for what, result in verdicts(figures):
         print(f"{'N/A' if result is None else 'PASS' if result else 'FAIL'}: {what}")
         passed &= bool(result)
     for name, value, unit in figures:
-        shown = f"{value:.0f}" if value is not None and unit == "requests" else f"{value:.3f}"
-        print(f"{name}: {NA}" if value is None else f"{name}: {shown}{' ' + unit if unit else ''}")
+        if isinstance(value, str):
+            print(f"{name}: {value}")
+        else:
+            shown = f"{value:.0f}" if unit == "requests" else f"{value:.3f}"
+            print(f"{name}: {shown} {unit}".rstrip())
     sys.exit(0 if passed else 1)
 
 
