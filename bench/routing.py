@@ -31,14 +31,15 @@ Workloads:
 
 A. **multi-turn chat**: conversations, each a system prompt of ~1,000 tokens and a growing history
    (short questions, answers of ``max_tokens`` 16, temperature 0), 3 at once: more than one replica's
-   2 slots hold, fewer than all 6. The system prompts are a few shared ones (``--system-prompts``;
-   conversation i uses prompt i mod n), as for an application's users: a policy that sends requests
-   sharing a prefix to the replica holding it reuses both the system prompt and the conversation's
-   history; ``--system-prompts`` equal to the conversations gives each its own (then even a perfect
-   policy reuses at most ~(turns-1)/turns of the prompt tokens, as every first turn is cold). Per
-   request: TTFT (streamed: to the first content token) and the ``timings`` above →
-   ``cached_prompt_share`` = Σcache_n / Σ(cache_n + prompt_n). Each policy on freshly started
-   replicas (empty caches).
+   2 slots hold, fewer than all 6. Each conversation has its own system prompt (a user's document, an
+   agent's instructions: the issue's "a conversation's cached prefix"), so only a replica that served
+   the conversation holds its prefix. Then even a perfect policy cannot reuse a first turn: the best
+   share is ~(turns-1)/turns less the new tokens, 0.73 at the 4 turns the full run affords here
+   (0.81 at 6). ``--system-prompts 2`` makes them share 2 (an application's users): round-robin then
+   reuses the system prompt on every replica (llama-server gives a request the slot whose cached
+   prompt matches best) and affinity gains only the history. Per request: TTFT (streamed: to the
+   first content token) and the ``timings`` above → ``cached_prompt_share`` =
+   Σcache_n / Σ(cache_n + prompt_n). Each policy on freshly started replicas (empty caches).
 B. **no shared prefix**: unique prompts (~60 tokens), non-streamed, 6 at once (all slots); rounds
    alternate the policies so the machine's drift falls on both → requests/s each.
 C. **one slow replica**: as B but 4 at once (below the 6 slots: at 6 every slot is used, slow or
@@ -115,9 +116,9 @@ class Sizes:
 
 # A cold prefill of ~1,000 tokens takes ~14 s here (llama-server at --threads 1: ~70 prompt tokens/s,
 # ~12 generated tokens/s), which sets these sizes: the full run within ~10 minutes, --quick ~2.
-FULL = Sizes(conversations=6, turns=4, at_once=3, system_prompts=2, rules=30, rounds=2, per_round=6, flood=40,
+FULL = Sizes(conversations=6, turns=4, at_once=3, system_prompts=6, rules=30, rounds=2, per_round=6, flood=40,
              other=3, e_conversations=3, e_turns=4)
-QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=2, rules=8, rounds=1, per_round=4, flood=16,
+QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=3, rules=8, rounds=1, per_round=4, flood=16,
               other=2, e_conversations=2, e_turns=3)
 E_RULES = 8  # E: the system prompt of ~300 tokens (the decision is what is measured, not the prefill)
 AT_ONCE = 6  # B: requests in flight (3 replicas x 2 slots: saturated)
@@ -451,7 +452,8 @@ def main() -> None:
                     help="llama-server's host-RAM prompt cache per replica (default 0: see the docstring)")
     ap.add_argument("--swa-full", action="store_true", help="llama-server --swa-full (gemma-3's sliding layers keep "
                     "the whole context)")
-    ap.add_argument("--system-prompts", type=int, help="distinct system prompts in workload A")
+    ap.add_argument("--system-prompts", type=int, help="system prompts workload A's conversations share "
+                    "(default: one each)")
     ap.add_argument("--workloads", default="ABCDE", help="which workloads to run (default ABCDE; a target "
                     "whose workload did not run is N/A, and the run exits 1)")
     args = ap.parse_args()
