@@ -90,7 +90,7 @@ def env() -> Iterator[Env]:
     router = StaticRouter(
         routes={
             "gemma": Route("gemma", (ua,), created=1700000000),
-            "pair": Route("pair", (ua, ub)),
+            "pair": Route("pair", (ua, ub), routing="round-robin"),
             "failover": Route("failover", (dead, ub)),
             "alldead": Route("alldead", (dead, dead2)),
             "badkey": Route("badkey", (Upstream("r-x", ua.endpoint, "wrong-key"),)),

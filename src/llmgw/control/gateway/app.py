@@ -23,8 +23,9 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
    fields only, ``max_tokens`` held to the model's ``max_output``); dropped fields are named in the
    ``x-llmgw-dropped`` header.
 4. **guard in** (optional :class:`~llmgw.control.gateway.inspect.Inspector`), then the replica
-   (:mod:`llmgw.control.gateway.upstream`: round-robin, one failover on a refused connection,
-   byte relay for streams), then **guard out**.
+   (:mod:`llmgw.control.gateway.upstream`: a free slot chosen by the model's policy,
+   :mod:`llmgw.control.gateway.balancer`; another replica on a refused connection; byte relay for
+   streams), then **guard out**.
 
 A client that disconnects cancels its request: the control plane serves this app with aiohttp's
 ``handler_cancellation=True``, so the handler is cancelled, which closes the upstream connection,
@@ -68,6 +69,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
+from llmgw.control.gateway.balancer import Balancer
 from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
@@ -277,6 +279,8 @@ class _Gateway:
         caller = self.authenticate(request, endpoint.kind)
         if isinstance(caller, web.Response):
             return caller
+        trace.caller = caller.name
+        trace.priority = getattr(caller, "priority", 0)  # Caller.priority: the queue's priority bands
         requested, model, stream, code, blocked = "", "", False, "", False
         call: Call | None = None
         if self.inspector is not None:
@@ -566,6 +570,7 @@ def build_gateway_app(
     observe: Callable[[Exchange], None] | None = None,
     callers: Callers | None = None,
     limiter: Limiter | None = None,
+    balancer: Balancer | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
@@ -583,13 +588,15 @@ def build_gateway_app(
         callers: the keys clients may send (stored keys and ``keys``), when the store's keys are used
             (:mod:`llmgw.control.gateway.callers`); None: ``keys`` only.
         limiter: rate limits and budgets per key (:mod:`llmgw.control.gateway.limits`); None: no limits.
+        balancer: the replicas' slots, load and the choice (:mod:`llmgw.control.gateway.balancer`),
+            for an owner that shows its state (``ctl replicas``, metrics); None: the app makes its own.
 
     The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
     ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
     engine slot (see the module docstring).
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s)
+    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s, balancer=balancer)
     app[_POOL] = pool
     gw = _Gateway(
         router,

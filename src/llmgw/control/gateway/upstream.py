@@ -2,17 +2,22 @@
 
 Mechanism, per chat request:
 
-1. :meth:`UpstreamPool.send` picks the model's next replica round-robin and POSTs the body (the
-   client's bytes, or what :mod:`llmgw.control.gateway.request` made of them) to
-   ``http://{endpoint}/v1/chat/completions`` with that replica's key. When the connection is refused
-   (or the connect times out), nothing was sent, so it tries the next replica once; past that the
-   client gets 502. A replica is never retried after the request went out
-   (generation is not idempotent and may be half done).
+1. :meth:`UpstreamPool.send` takes a slot on one of the model's replicas from the
+   :class:`~llmgw.control.gateway.balancer.Balancer` (cache-aware or round-robin, only a replica
+   with a free slot; none free: the request waits in the model's queue when there is one, else 429
+   ``model_busy`` with ``Retry-After``) and POSTs the body (the client's bytes, or what
+   :mod:`llmgw.control.gateway.request` made of them) to ``http://{endpoint}{path}`` with that
+   replica's key. When the connection is refused (or the connect times out), nothing was sent: the
+   slot is given back, the replica is passed over for a few seconds, and another replica is taken
+   (each at most once); when every one refused, the client gets 502. A replica is never retried
+   after the request went out (generation is not idempotent and may be half done).
 2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
    and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
    every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
-   llama-server writes its model file's path there.
+   llama-server writes its model file's path there. Both give the slot back
+   (:meth:`~llmgw.control.gateway.balancer.Lease.release`) on every way out: the answer's end, an
+   error, a client gone (the handler cancelled).
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
    replica's address and key; a 500 that llama-server gives for the client's own mistake (a field of
    the wrong type, an image sent to a text-only model: :data:`_CLIENT_MISTAKES`) becomes the 400
@@ -47,6 +52,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from llmgw.control.gateway.balancer import Balancer, Lease, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_event, openai_error_json
@@ -58,6 +64,8 @@ CONNECT_TIMEOUT_S = 5.0
 # cpp-httplib (llama-server's HTTP server) closes idle keep-alive connections after 5 s; dropping
 # ours at 4 s avoids POSTing into a connection the engine is closing (aiohttp does not retry POSTs).
 KEEPALIVE_S = 4.0
+#: ``GET /props`` (a replica's slots) gets this long (s); it is read once per replica, off the request path.
+PROPS_TIMEOUT_S = 5.0
 # Many concurrent streams are normal for an LLM gateway; the engine queues what its slots can't take.
 MAX_CONNECTIONS = 1024
 
@@ -86,7 +94,9 @@ class Trace:
     ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the answer's first byte went out
     (``perf_counter_ns``), 0 before; ``error_code`` is the code of the error event that ended a
     stream after its 200 (a refusal, a broken replica), "" otherwise; ``path`` is the endpoint's path
-    on the engine.
+    on the engine; ``caller`` and ``priority`` are the key's name and priority (the queue's
+    fairness); ``queued_ns``: time spent waiting for a slot, counted in ``upstream_ns`` too (it is
+    the replicas' time, not the gateway's).
     """
 
     started_ns: int
@@ -101,23 +111,29 @@ class Trace:
     first_byte_ns: int = 0
     error_code: str = ""
     path: str = "/v1/chat/completions"
+    caller: str = ""
+    priority: int = 0
+    queued_ns: int = 0
 
 
 class UpstreamPool:
-    """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and round-robin choice.
+    """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and the choice of replica.
 
     Call :meth:`start` on app startup and :meth:`close` on cleanup. ``upstream_timeout_s``: see the
-    module docstring.
+    module docstring. ``balancer``: the slots and the choice (one is made when None; its slot reader
+    is :meth:`read_slots`).
     """
 
-    def __init__(self, *, upstream_timeout_s: float) -> None:
+    def __init__(self, *, upstream_timeout_s: float, balancer: Balancer | None = None) -> None:
         self._session: aiohttp.ClientSession | None = None
-        self._next: dict[str, int] = {}
         self.plain_timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=upstream_timeout_s
         )
         self.upstream_timeout_s = upstream_timeout_s
+        self.balancer = balancer or Balancer()
+        if self.balancer.read_slots is None:
+            self.balancer.read_slots = self.read_slots
 
     async def start(self) -> None:
         """Open the shared session (inside the running loop)."""
@@ -130,28 +146,77 @@ class UpstreamPool:
             await self._session.close()
             self._session = None
 
-    async def send(
-        self, route: Route, body: bytes, trace: Trace, *, stream: bool
-    ) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """POST ``body`` to the route's next replica; return it and its response once the headers arrived.
+    async def read_slots(self, up: Upstream) -> int | None:
+        """The replica's slots from llama-server's ``GET /props`` (``total_slots``), with its key; None
+        when the engine does not answer it (vLLM has no ``/props``) or it cannot be reached."""
+        if self._session is None:
+            return None
+        try:
+            async with self._session.get(
+                _url(up.endpoint, "/props"),
+                headers={"Authorization": "Bearer " + up.key},
+                timeout=aiohttp.ClientTimeout(total=PROPS_TIMEOUT_S),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                props = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.info("replica %s: GET /props failed: %r", up.replica_id, e)
+            return None
+        slots = props.get("total_slots") if isinstance(props, dict) else None
+        return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None
 
-        Sets ``trace.replica`` and adds the wait to ``trace.upstream_ns``. The caller must release
-        (or close) the response.
+    async def _reserve(self, route: Route, key: int | None, tried: set[str], trace: Trace) -> Lease:
+        """A slot on a replica not in ``tried`` (see the module docstring, step 1).
 
         Raises:
-            HttpError: 502 ``upstream_unreachable`` when no replica tried accepted the connection;
-                504 ``upstream_timeout`` / 502 ``upstream_failed`` when the chosen one did not answer.
+            HttpError: 429 ``model_busy`` when every slot is busy (and the queue, when there is one,
+                is full or its wait ran out); 502 ``upstream_unreachable`` when every replica was tried.
+        """
+        if len(tried) >= len(route.upstreams):
+            raise HttpError(
+                502,
+                "upstream_unreachable",
+                f"no replica of model '{route.model}' accepts connections right now; retry shortly",
+            )
+        lease = self.balancer.take(route, key, tried)
+        if lease is not None:
+            return lease
+        raise self.balancer.busy_error(route)
+
+    async def send(
+        self,
+        route: Route,
+        body: bytes,
+        trace: Trace,
+        *,
+        stream: bool,
+        request_json: dict[str, Any] | None = None,
+    ) -> tuple[Lease, aiohttp.ClientResponse]:
+        """Take a slot on one of the route's replicas and POST ``body`` to it; return the slot's
+        :class:`~llmgw.control.gateway.balancer.Lease` (``lease.up`` is the replica) and the response
+        once its headers arrived. ``request_json``: the parsed body, for the cache-aware key.
+
+        Sets ``trace.replica`` and adds the wait to ``trace.upstream_ns``. The caller must release
+        (or close) the response and release the lease (:func:`relay_plain` and :func:`relay_stream`
+        do both on every way out).
+
+        Raises:
+            HttpError: 429 ``model_busy`` (no free slot); 502 ``upstream_unreachable`` when no replica
+                tried accepted the connection; 504 ``upstream_timeout`` / 502 ``upstream_failed`` when
+                the chosen one did not answer.
         """
         assert self._session is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
-        ups = route.upstreams
-        n = len(ups)
-        first = self._next.get(route.model, 0)
-        self._next[route.model] = first + 1
+        key = None
+        if route.routing == "cache-aware" and len(route.upstreams) > 1 and request_json is not None:
+            key = prefix_key(request_json)
         timeout = self.stream_timeout if stream else self.plain_timeout
+        tried: set[str] = set()
         t0 = time.perf_counter_ns()
         try:
-            for attempt in range(min(2, n)):
-                up = ups[(first + attempt) % n]
+            while True:
+                lease = await self._reserve(route, key, tried, trace)
+                up = lease.up
                 trace.replica = up.replica_id
                 try:
                     resp = await self._session.post(
@@ -165,29 +230,28 @@ class UpstreamPool:
                         timeout=timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                    lease.release(answered=False)
+                    self.balancer.refused(up.replica_id)
+                    tried.add(up.replica_id)
                     log.warning(
-                        "replica %s of %s at %s: cannot connect: %s",
-                        up.replica_id,
-                        route.model,
-                        up.endpoint,
-                        e,
+                        "replica %s of %s at %s: cannot connect: %s", up.replica_id, route.model, up.endpoint, e
                     )
                 except TimeoutError as e:
+                    lease.release(answered=False)
                     raise self.timeout_error(route) from e
                 except aiohttp.ClientError as e:
+                    lease.release(answered=False)
                     log.warning(
                         "replica %s of %s at %s failed: %r", up.replica_id, route.model, up.endpoint, e
                     )
                     raise self.broken_error(route) from e
+                except BaseException:  # cancelled (the client left): the slot goes back
+                    lease.release(answered=False)
+                    raise
                 else:
-                    return up, resp
+                    return lease, resp
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
-        raise HttpError(
-            502,
-            "upstream_unreachable",
-            f"no replica of model '{route.model}' accepts connections right now; retry shortly",
-        )
 
     def timeout_error(self, route: Route) -> HttpError:
         """504 ``upstream_timeout``: the replica took longer than ``upstream_timeout_s``."""
@@ -277,18 +341,22 @@ async def relay_plain(
     Raises:
         HttpError: as :meth:`UpstreamPool.send`; 502 ``upstream_invalid`` when a 200 is not JSON.
     """
-    up, resp = await pool.send(route, body, trace, stream=False)
+    lease, resp = await pool.send(route, body, trace, stream=False, request_json=request_json)
+    up = lease.up
     t0 = time.perf_counter_ns()
+    answered = False
     try:
         if resp.status >= 400:
             return await _replica_error(route, up, resp)
         data = await resp.read()
+        answered = True
     except TimeoutError as e:
         raise pool.timeout_error(route) from e
     except aiohttp.ClientError as e:
         raise pool.broken_error(route) from e
     finally:
         resp.release()
+        lease.release(answered=answered)
         trace.upstream_ns += time.perf_counter_ns() - t0
     try:
         answer = json.loads(data)
@@ -325,7 +393,8 @@ async def relay_stream(
     replica's error; after it, a dead replica or a refusal ends the stream with an error event. A
     client that goes away closes the upstream connection, which makes llama-server stop generating.
     """
-    up, resp = await pool.send(route, body, trace, stream=True)
+    lease, resp = await pool.send(route, body, trace, stream=True, request_json=request_json)
+    up = lease.up
     closed_cleanly = False
     try:
         if resp.status >= 400:
@@ -375,6 +444,7 @@ async def relay_stream(
             resp.release()
         else:
             resp.close()
+        lease.release(answered=closed_cleanly)
 
 
 class ModelRewriter:
