@@ -19,7 +19,7 @@ import pytest
 
 from llmgw.control.gateway.app import build_gateway_app, is_loopback
 from llmgw.control.gateway.inspect import Exchange, Refusal, StreamInspector
-from llmgw.control.gateway.upstream import ModelRewriter
+from llmgw.control.gateway.sse import ModelRewriter
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.helpers.gateway import ServerThread, completion, fake_llama, stream_events
 from tests.helpers.net import free_port
