@@ -7,7 +7,8 @@ and queries. What a database needs besides lives in its :class:`~llmgw.control.s
 (:data:`HOOKS`; SQLite's in :mod:`llmgw.control.store.sqlite`: the private file, the pragmas and
 the in-process writer lock that every write transaction here takes through :meth:`SqlStore._wtx`).
 The heartbeat's read and batched write, and the statements they share with the methods here, are
-in :mod:`llmgw.control.store.sqlbeats`; the gateway keys' in :mod:`llmgw.control.store.sqlkeys`.
+in :mod:`llmgw.control.store.sqlbeats`; the gateway keys' in :mod:`llmgw.control.store.sqlkeys`; the
+engine-log requests between control planes in :mod:`llmgw.control.store.sqllogs`.
 
 Model names and aliases are unique by the ``model_names`` primary key: a write inserts the names
 it claims and the database refuses a taken one; the ``IntegrityError`` becomes :class:`Conflict`
@@ -48,7 +49,6 @@ from llmgw.control.store.schema import (
     cp_leader_t,
     explanations_t,
     gguf_facts_t,
-    log_requests_t,
     migrate,
     migrations_t,
     model_names_t,
@@ -64,14 +64,14 @@ from llmgw.control.store.sqlbeats import (
     note_cert,
     refusal,
     select_replicas,
-    take_log_requests,
     update_replica,
     upsert_node,
 )
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.control.store.sqlkeys import SqlKeys
+from llmgw.control.store.sqllogs import SqlLogs
 from llmgw.errors import Conflict, Fenced, Revoked, StoreError
-from llmgw.protocol import Heartbeat, LogReply, LogRequest
+from llmgw.protocol import Heartbeat
 from llmgw.views import ExplainView
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
-class SqlStore(SqlBeats, SqlKeys, Store):
+class SqlStore(SqlBeats, SqlKeys, SqlLogs, Store):
     """The store on a SQLAlchemy engine. Open with :meth:`open` (or
     :func:`llmgw.control.store.open_store`).
 
@@ -570,66 +570,6 @@ class SqlStore(SqlBeats, SqlKeys, Store):
         with self._tx() as conn:
             rows = conn.execute(sa.select(control_planes_t).order_by(control_planes_t.c.name)).all()
         return [ControlPlaneRow(r.name, r.agent_url, r.last_seen, r.started_at, r.version) for r in rows]
-
-    # --- engine-log reads between control planes (migration 6) ---
-
-    def add_log_request(self, node: str, request: LogRequest, *, now: float, keep_s: float = 60.0) -> None:
-        try:
-            with self._wtx() as conn:
-                conn.execute(log_requests_t.delete().where(log_requests_t.c.created_at < now - keep_s))
-                conn.execute(
-                    log_requests_t.insert().values(
-                        id=request.id, node=node, replica_id=request.replica_id, lines=request.lines,
-                        start=request.offset, created_at=now,
-                    )
-                )
-        except sa.exc.IntegrityError as e:
-            raise Conflict(f"log request '{request.id}' already exists") from e
-
-    def take_log_requests(self, node: str, *, now: float) -> list[LogRequest]:
-        q = log_requests_t.c
-        with self._tx() as conn:  # the common case, nothing queued: one indexed read, no write
-            ids = list(conn.scalars(sa.select(q.id).where(q.node == node, q.handed_at.is_(None))))
-        if not ids:
-            return []
-        with self._wtx() as conn:
-            return take_log_requests(conn, node, now, q.id.in_(ids))
-
-    def log_request_nodes(self) -> set[str]:
-        q = log_requests_t.c
-        with self._tx() as conn:
-            return set(conn.scalars(sa.select(q.node).where(q.handed_at.is_(None)).distinct()))
-
-    def answer_log_request(self, node: str, reply: LogReply, *, now: float) -> bool:
-        q = log_requests_t.c
-        with self._wtx() as conn:
-            n = conn.execute(
-                log_requests_t.update()
-                .where(q.id == reply.id, q.node == node, q.answered_at.is_(None))
-                .values(answered_at=now, text=reply.text, next_offset=reply.offset, found=reply.found)
-            ).rowcount
-        return n > 0
-
-    def pop_log_answer(self, request_id: str) -> LogReply | None:
-        q = log_requests_t.c
-        with self._tx() as conn:  # polled every ~200 ms while a read waits: a read until answered
-            answered = conn.scalar(sa.select(q.answered_at).where(q.id == request_id))
-        if answered is None:
-            return None
-        with self._wtx() as conn:
-            row = conn.execute(
-                log_requests_t.delete()
-                .where(q.id == request_id, q.answered_at.is_not(None))
-                .returning(q.replica_id, q.text, q.next_offset, q.found)
-            ).first()
-        if row is None:  # taken by a racing caller of the same id
-            return None
-        return LogReply(id=request_id, replica_id=row.replica_id, text=row.text, offset=row.next_offset,
-                        found=bool(row.found))
-
-    def forget_log_request(self, request_id: str) -> None:
-        with self._wtx() as conn:
-            conn.execute(log_requests_t.delete().where(log_requests_t.c.id == request_id))
 
 
 def describe_url(url: sa.URL) -> str:

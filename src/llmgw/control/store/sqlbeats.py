@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -20,19 +19,14 @@ from llmgw.control.store.base import ISSUE_SLACK_S, REMOVAL_PREFIX, report_updat
 from llmgw.control.store.codec import heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.rows import BeatResult, BeatWrite, HeartbeatRead, ModelRow, ReplicaRow
 from llmgw.control.store.schema import log_requests_t, models_t, node_certs_t, nodes_t, replicas_t, revoked_certs_t
+from llmgw.control.store.sqlpart import SqlPart
 from llmgw.errors import Conflict, Revoked
 from llmgw.protocol import LogRequest
 
 
-class SqlBeats:
+class SqlBeats(SqlPart):
     """The heartbeat methods of :class:`~llmgw.control.store.base.Store` over SQLAlchemy Core; mixed
     into :class:`~llmgw.control.store.sql.SqlStore`, whose ``_tx``, ``_wtx`` and ``_model_row`` they use."""
-
-    def _tx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
-        raise NotImplementedError
-
-    def _wtx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
-        raise NotImplementedError
 
     def _model_row(self, row: sa.Row[Any]) -> ModelRow | None:  # pragma: no cover - SqlStore's
         raise NotImplementedError

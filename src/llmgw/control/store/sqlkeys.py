@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from llmgw.control.store.rows import ApiKeyRow, RateDelta, UsageDelta
 from llmgw.control.store.schema import api_keys_t, rate_windows_t, usage_daily_t
+from llmgw.control.store.sqlpart import SqlPart
 from llmgw.errors import Conflict
 
 _USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "guard_blocks", "errors")
@@ -74,15 +74,9 @@ def _add_counts(conn: Connection, table: sa.Table, keys: Sequence[str], counts: 
     conn.execute(stmt, rows)
 
 
-class SqlKeys:
+class SqlKeys(SqlPart):
     """The migration-7 methods of :class:`~llmgw.control.store.base.Store` over SQLAlchemy Core; mixed into
     :class:`~llmgw.control.store.sql.SqlStore`, whose ``_tx`` and ``_wtx`` they use."""
-
-    def _tx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
-        raise NotImplementedError
-
-    def _wtx(self) -> AbstractContextManager[Connection]:  # pragma: no cover - SqlStore's
-        raise NotImplementedError
 
     def add_key(self, row: ApiKeyRow) -> ApiKeyRow:
         try:
