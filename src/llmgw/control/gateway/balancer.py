@@ -56,7 +56,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +185,7 @@ class ReplicaLoad:
         in_flight: requests this gateway sent it that have not finished.
         service_s: EWMA of its answers' time (s), 0 before the first.
         picks: times it was picked, by reason (:data:`REASONS`).
+        queued: requests of its model waiting at this gateway for a slot (on any of its replicas).
     """
 
     replica_id: str
@@ -194,6 +195,7 @@ class ReplicaLoad:
     in_flight: int
     service_s: float
     picks: dict[str, int]
+    queued: int = 0
 
 
 class Lease:
@@ -369,10 +371,14 @@ class Balancer:
         )
 
     # -- what operators see -----------------------------------------------------------------------
-    def loads(self) -> dict[str, ReplicaLoad]:
-        """Every replica seen so far, by id (see :class:`ReplicaLoad`)."""
+    def loads(self, queued: Mapping[str, int] | None = None) -> dict[str, ReplicaLoad]:
+        """Every replica seen so far, by id (see :class:`ReplicaLoad`); ``queued``: model → requests
+        waiting for it (the queues')."""
+        waiting = queued or {}
         return {
-            rid: ReplicaLoad(rid, r.model, r.slots, r.known, r.in_flight, r.service_s, dict(r.picks))
+            rid: ReplicaLoad(
+                rid, r.model, r.slots, r.known, r.in_flight, r.service_s, dict(r.picks), waiting.get(r.model, 0)
+            )
             for rid, r in self._reps.items()
         }
 
