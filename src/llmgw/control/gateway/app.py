@@ -124,6 +124,12 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
     response.headers.setdefault("x-request-id", request_id(request))
 
 
+def gateway_pool(app: web.Application) -> UpstreamPool:
+    """The gateway app's :class:`UpstreamPool`: its balancer and queues (``pool.loads()``: each
+    replica's slots, in flight, queued and picks, for ``ctl replicas`` and the metrics page)."""
+    return app[_POOL]
+
+
 def is_loopback(remote: str | None) -> bool:
     """True for a peer address in 127.0.0.0/8, ``::1`` or IPv4-mapped ``::ffff:127.x.y.z``."""
     if not remote:
