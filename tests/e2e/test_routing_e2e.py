@@ -4,8 +4,9 @@ Three replicas behind a :class:`~llmgw.routing.StaticRouter` (the routes a contr
 build), two gateway apps with their own balancers (two control planes). What is checked: a
 conversation's turns stay on one replica, on both gateways; conversations spread; no replica ever
 holds more than its slots (the gateway's counters, and llama-server's own
-``llamacpp:requests_deferred`` stays 0: it never had to queue one); round-robin still rotates; a
-killed replica's requests go to the others; a cancelled stream gives its slot back.
+``llamacpp:requests_deferred`` stays 0: it never had to queue one), the rest wait in the gateway's
+queue or, without one, get 429 at once; round-robin still rotates; the requests waiting when a
+replica is killed are served by the others; a cancelled stream gives its slot back.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.app import build_gateway_app, gateway_pool
 from llmgw.control.gateway.balancer import AFFINITY, Balancer
+from llmgw.control.gateway.upstream import UpstreamPool
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
 from tests.helpers.gateway import ServerThread
@@ -66,6 +68,7 @@ class World:
     ups: tuple[Upstream, ...]
     procs: list[subprocess.Popen[bytes]]
     balancers: list[Balancer]
+    pools: list[UpstreamPool]
     urls: list[str]
     router: StaticRouter
 
@@ -101,16 +104,18 @@ def world(assets: Assets) -> Iterator[World]:
         router = StaticRouter(routes={
             "gemma": Route("gemma", tuple(ups)),
             "gemma-rr": Route("gemma-rr", tuple(ups), routing="round-robin"),
+            "gemma-noq": Route("gemma-noq", tuple(ups), queue_size=0),
             "stale": Route("stale", (Upstream("rep-0", ups[0].endpoint, "an-old-key"),)),
         })
         # The second control plane lists the replicas in another order: the choice must not depend on it.
         router2 = StaticRouter(routes={"gemma": Route("gemma", tuple(reversed(ups)))})
         balancers = [Balancer(), Balancer()]
-        urls = []
+        urls, pools = [], []
         for r, b in zip((router, router2), balancers, strict=True):
             app = build_gateway_app(r, keys={KEY}, allow_loopback_without_key=False, balancer=b)
+            pools.append(gateway_pool(app))
             urls.append(f"http://127.0.0.1:{servers.serve(app, handler_cancellation=True)}")
-        w = World(servers, tuple(ups), procs, balancers, urls, router)
+        w = World(servers, tuple(ups), procs, balancers, pools, urls, router)
         for url in urls:  # each gateway reads the replicas' slots on first sight
             assert ask(url, _chat("gemma", ["warm up"])).status_code == 200
         w.settle()
@@ -144,10 +149,8 @@ def test_a_conversation_stays_on_one_replica_on_both_control_planes(world: World
     assert world.balancers[0].decisions.get(("gemma", AFFINITY), 0) - before == 20  # its half, all affine
 
 
-def test_no_replica_holds_more_than_its_slots(world: World) -> None:
-    """(c) 18 requests at once for 6 slots: the gateway never has more than 2 in flight on a replica,
-    llama-server never deferred one (it never had more than its slots), and what found no free slot
-    was answered 429 ``model_busy`` with ``Retry-After`` (no queue yet) at once."""
+def _burst(world: World, model: str, n: int) -> tuple[list[httpx.Response], Counter[str]]:
+    """``n`` requests at once through the first gateway; their answers and each replica's peak in flight."""
     bal = world.balancers[0]
     peak: Counter[str] = Counter()
     stop = threading.Event()
@@ -160,25 +163,51 @@ def test_no_replica_holds_more_than_its_slots(world: World) -> None:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    with concurrent.futures.ThreadPoolExecutor(18) as pool:
-        bodies = [_chat("gemma", [f"Burst {i}: say a number."], max_tokens=24) for i in range(18)]
-        results = list(pool.map(lambda b: ask(world.urls[0], b), bodies))
-    stop.set()
-    sampler.join()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            bodies = [_chat(model, [f"Burst {i}: count to five."], max_tokens=24) for i in range(n)]
+            results = list(pool.map(lambda b: ask(world.urls[0], b), bodies))
+    finally:
+        stop.set()
+        sampler.join()
+    return results, peak
+
+
+def _deferred(up: Upstream) -> float:
+    """llama-server's ``llamacpp:requests_deferred``: requests it had to hold for want of a free slot."""
+    metrics = httpx.get(f"http://{up.endpoint}/metrics", headers={"Authorization": f"Bearer {up.key}"}).text
+    found = re.search(r"^llamacpp:requests_deferred\s+(\S+)", metrics, re.M)
+    assert found is not None
+    return float(found.group(1))
+
+
+def test_no_replica_holds_more_than_its_slots_the_rest_wait(world: World) -> None:
+    """(c) 18 requests at once for 6 slots: all are answered, the gateway never has more than 2 in
+    flight on a replica, and llama-server never deferred one (it never had more than its slots): the
+    12 beyond the slots waited in the gateway's queue."""
+    results, peak = _burst(world, "gemma", 18)
+    assert [r.status_code for r in results] == [200] * 18, [r.text for r in results if r.status_code != 200]
+    assert max(peak.values()) == SLOTS, peak
+    assert [_deferred(up) for up in world.ups] == [0, 0, 0]
+    assert {load.in_flight for load in world.balancers[0].loads().values()} == {0}
+    assert world.pools[0].loads()["rep-0"].queued == 0
+
+
+def test_without_a_queue_the_rest_get_429_at_once(world: World) -> None:
+    """(c) ``queue: {size: 0}``: what finds no free slot is answered 429 ``model_busy`` with
+    ``Retry-After`` at once, and the replicas still never hold more than their slots."""
+    t0 = time.monotonic()
+    results, peak = _burst(world, "gemma-noq", 18)
     statuses = Counter(r.status_code for r in results)
-    assert set(statuses) <= {200, 429}, statuses
+    assert set(statuses) == {200, 429}, statuses
     assert statuses[200] >= 6, statuses
     for r in results:
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "model_busy"
             assert int(r.headers["Retry-After"]) >= 1
     assert max(peak.values()) == SLOTS, peak
-    for up in world.ups:
-        metrics = httpx.get(f"http://{up.endpoint}/metrics", headers={"Authorization": f"Bearer {up.key}"}).text
-        deferred = re.search(r"^llamacpp:requests_deferred\s+(\S+)", metrics, re.M)
-        assert deferred is not None
-        assert float(deferred.group(1)) == 0, up.replica_id
-    assert {load.in_flight for load in bal.loads().values()} == {0}
+    assert [_deferred(up) for up in world.ups] == [0, 0, 0]
+    assert time.monotonic() - t0 < 60
 
 
 def test_round_robin_still_rotates(world: World) -> None:
@@ -210,26 +239,42 @@ def test_a_cancelled_stream_and_errors_give_their_slot_back(world: World) -> Non
     assert {x.in_flight for x in bal.loads().values()} == {0}
 
 
-def test_a_killed_replica_is_passed_over(world: World, assets: Assets) -> None:
-    """(e) A fourth replica is killed: the conversations that were placed on it are served by the
-    others (its refused connection costs nothing but a retry), none lost."""
+def test_a_replica_killed_while_requests_wait(world: World, assets: Assets) -> None:
+    """(e) A fourth replica; all 8 slots busy and 8 more requests waiting in the queue; the fourth is
+    killed. Its own 2 requests in flight end 502 (generation is never retried), and every waiting
+    request is served by the other three, none lost, none on the dead one."""
     proc, endpoint = start_replica(assets, "key-x")
+    bal, pool = world.balancers[0], world.pools[0]
     try:
         extra = Upstream("rep-x", endpoint, "key-x")
-        world.router.routes["four"] = Route("four", (*world.ups, extra))
-        on_x = []
-        for c in range(40):
-            r = ask(world.urls[0], _chat("four", [f"Topic {c}: one word."]))
-            assert r.status_code == 200, r.text
-            if r.headers["x-llmgw-replica"] == "rep-x":
-                on_x.append(c)
-        assert on_x, "no conversation was placed on rep-x"
-        proc.kill()
-        proc.wait(10)
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda c: ask(world.urls[0], _chat("four", [f"Topic {c}: one word."])), on_x))
-        assert [r.status_code for r in results] == [200] * len(on_x), [r.text for r in results]
-        assert "rep-x" not in {r.headers["x-llmgw-replica"] for r in results}
+        world.router.routes["four"] = Route("four", (*world.ups, extra), queue_wait_s=300)
+        assert ask(world.urls[0], _chat("four", ["warm up"])).status_code in (200,)
+        world.settle()
+        assert bal.loads()["rep-x"].slots == SLOTS
+
+        def body(tag: str, i: int) -> dict[str, Any]:
+            return _chat("four", [f"{tag} {i}: tell a long story."], max_tokens=96)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            busy = [ex.submit(ask, world.urls[0], body("busy", i)) for i in range(8)]
+            deadline = time.monotonic() + 30
+            while sum(x.in_flight for x in bal.loads().values()) < 8:
+                assert time.monotonic() < deadline, bal.loads()
+                time.sleep(0.01)
+            waiting = [ex.submit(ask, world.urls[0], body("waiting", i)) for i in range(8)]
+            while len(pool.queues["four"]) < 8:
+                assert time.monotonic() < deadline, len(pool.queues["four"])
+                time.sleep(0.01)
+            assert bal.loads()["rep-x"].in_flight == SLOTS
+            proc.kill()
+            proc.wait(10)
+            done_busy = [f.result() for f in busy]
+            done_waiting = [f.result() for f in waiting]
+        busy_codes = Counter(r.status_code for r in done_busy)
+        assert busy_codes == {200: 6, 502: 2}, [r.text for r in done_busy]
+        assert [r.status_code for r in done_waiting] == [200] * 8, [r.text for r in done_waiting]
+        assert "rep-x" not in {r.headers["x-llmgw-replica"] for r in done_waiting}
+        assert {x.in_flight for x in bal.loads().values()} == {0}
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -4,12 +4,14 @@ Mechanism, per chat request:
 
 1. :meth:`UpstreamPool.send` takes a slot on one of the model's replicas from the
    :class:`~llmgw.control.gateway.balancer.Balancer` (cache-aware or round-robin, only a replica
-   with a free slot; none free: the request waits in the model's queue when there is one, else 429
-   ``model_busy`` with ``Retry-After``) and POSTs the body (the client's bytes, or what
-   :mod:`llmgw.control.gateway.request` made of them) to ``http://{endpoint}{path}`` with that
-   replica's key. When the connection is refused (or the connect times out), nothing was sent: the
-   slot is given back, the replica is passed over for a few seconds, and another replica is taken
-   (each at most once); when every one refused, the client gets 502. A replica is never retried
+   with a free slot; none free: the request waits in the model's
+   :class:`~llmgw.control.gateway.queue.FairQueue`, bounded by the catalog's ``queue.size`` and
+   ``queue.wait_s``; past them 429 ``model_busy`` with ``Retry-After`` at once) and POSTs the body
+   (the client's bytes, or what :mod:`llmgw.control.gateway.request` made of them) to
+   ``http://{endpoint}{path}`` with that replica's key. When the connection is refused (or the
+   connect times out), nothing was sent: the slot is given back, the replica is passed over for a
+   few seconds, and another replica is taken (each at most once, through the queue again); when
+   every one refused, the client gets 502. A replica is never retried
    after the request went out (generation is not idempotent and may be half done).
 2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
    and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
@@ -51,8 +53,9 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from llmgw.control.gateway.balancer import Balancer, Lease, prefix_key
+from llmgw.control.gateway.balancer import Balancer, Lease, ReplicaLoad, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
+from llmgw.control.gateway.queue import FairQueue
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_event, openai_error_json
@@ -74,6 +77,11 @@ MAX_CONNECTIONS = 1024
 def refusal_response(refusal: Refusal) -> web.Response:
     """An inspector's :class:`Refusal` as an OpenAI error envelope, its ``extra`` fields included."""
     return openai_error_json(refusal.status, refusal.code, refusal.message, extra=refusal.extra)
+
+
+def _give_back(lease: Lease) -> None:
+    """A queue's waiter left after it was handed a slot: the slot goes back (its queue walks again)."""
+    lease.release(answered=False)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -134,6 +142,9 @@ class UpstreamPool:
         self.balancer = balancer or Balancer()
         if self.balancer.read_slots is None:
             self.balancer.read_slots = self.read_slots
+        self.balancer.on_free = self._wake
+        #: Model → its queue (made on the model's first request, sized from its route).
+        self.queues: dict[str, FairQueue[Lease]] = {}
 
     async def start(self) -> None:
         """Open the shared session (inside the running loop)."""
@@ -166,12 +177,36 @@ class UpstreamPool:
         slots = props.get("total_slots") if isinstance(props, dict) else None
         return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None
 
+    def _wake(self, model: str) -> None:
+        """A slot of ``model`` may have come free: its queue hands it to the next waiter."""
+        queue = self.queues.get(model)
+        if queue is not None:
+            queue.wake()
+
+    def _queue(self, route: Route) -> FairQueue[Lease]:
+        """The model's queue, its bounds as the route (the catalog) says now."""
+        queue = self.queues.get(route.model)
+        if queue is None:
+            queue = self.queues[route.model] = FairQueue(
+                route.model, size=route.queue_size, wait_s=route.queue_wait_s, give_back=_give_back
+            )
+        else:
+            queue.size, queue.wait_s = route.queue_size, route.queue_wait_s
+        return queue
+
+    def loads(self) -> dict[str, ReplicaLoad]:
+        """Every replica this gateway has sent to: slots, in flight, picks, and its model's queue
+        (:class:`~llmgw.control.gateway.balancer.ReplicaLoad`), for ``ctl replicas``."""
+        return self.balancer.loads({m: len(q) for m, q in self.queues.items()})
+
     async def _reserve(self, route: Route, key: int | None, tried: set[str], trace: Trace) -> Lease:
-        """A slot on a replica not in ``tried`` (see the module docstring, step 1).
+        """A slot on a replica not in ``tried``, at once or after waiting in the model's queue in fair
+        order (see the module docstring, step 1).
 
         Raises:
-            HttpError: 429 ``model_busy`` when every slot is busy (and the queue, when there is one,
-                is full or its wait ran out); 502 ``upstream_unreachable`` when every replica was tried.
+            HttpError: 429 ``model_busy`` with ``Retry-After`` when every slot is busy and the queue
+                is full, or the wait would pass (or passed) ``queue_wait_s``; 502
+                ``upstream_unreachable`` when every replica was tried.
         """
         if len(tried) >= len(route.upstreams):
             raise HttpError(
@@ -179,10 +214,18 @@ class UpstreamPool:
                 "upstream_unreachable",
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
-        lease = self.balancer.take(route, key, tried)
-        if lease is not None:
-            return lease
-        raise self.balancer.busy_error(route)
+        balancer = self.balancer
+
+        def take() -> Lease | None:
+            return balancer.take(route, key, tried)
+
+        t0 = time.perf_counter_ns()
+        try:
+            return await self._queue(route).acquire(
+                trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
+            )
+        finally:
+            trace.queued_ns += time.perf_counter_ns() - t0
 
     async def send(
         self,
@@ -230,8 +273,8 @@ class UpstreamPool:
                         timeout=timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                    self.balancer.refused(up.replica_id)  # before the slot frees: no waiter takes it
                     lease.release(answered=False)
-                    self.balancer.refused(up.replica_id)
                     tried.add(up.replica_id)
                     log.warning(
                         "replica %s of %s at %s: cannot connect: %s", up.replica_id, route.model, up.endpoint, e
