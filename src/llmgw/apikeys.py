@@ -1,6 +1,6 @@
 """Gateway API keys as the admin API takes them: secrets, digests, the create request, durations.
 
-Limits (``rpm``, ``tpm``, ``budget_tokens``) are strict JSON integers, as counts are everywhere in
+Limits (``rpm``, ``tpm``, ``budget_tokens``) and ``priority`` are strict JSON integers, as counts are everywhere in
 llmgw: ``5.0``, ``"5"`` and ``true`` are refused with a 400 naming the field, never rounded or parsed.
 :class:`KeySpec` makes a key; :class:`KeyPatch` changes an existing key's limits.
 
@@ -23,6 +23,9 @@ from llmgw.names import check_name
 
 SECRET_PREFIX = "sk-llmgw-"  # noqa: S105 - the public prefix of every key, not a secret
 PREFIX_CHARS = 16
+#: The highest key priority (0 is the default and the lowest): ten bands, as llm-d's flow control
+#: offers a handful of priority levels; more would only be told apart by their order.
+MAX_PRIORITY = 9
 #: The longest ``expires`` or usage range: ten years (s).
 MAX_DURATION_S = 10 * 366 * 86400
 
@@ -66,7 +69,9 @@ class KeySpec(BaseModel):
     ``models`` lists the model names or aliases the key may use ([] = every model); ``rpm`` and ``tpm``
     are requests and tokens (prompt + completion) per minute; ``budget_tokens`` is tokens per
     ``budget_period`` (``day`` or ``month``, UTC); ``expires`` a duration from now (``30d``). Absent
-    limits are no limits.
+    limits are no limits. ``priority`` (0-9, default 0) is the key's band in the gateway's queue
+    (:mod:`llmgw.control.gateway.queue`): when a model's slots are all busy, a waiting request of a
+    higher priority is served before any of a lower one; keys of one priority share fairly.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -78,6 +83,7 @@ class KeySpec(BaseModel):
     budget_tokens: StrictInt | None = Field(None, gt=0, le=10**15, description="tokens per budget_period")
     budget_period: Literal["day", "month"] | None = None
     expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w")
+    priority: StrictInt = Field(0, ge=0, le=MAX_PRIORITY, description="0-9: queue band, higher served first")
 
     @field_validator("name")
     @classmethod
@@ -116,8 +122,8 @@ class KeyPatch(BaseModel):
     model; ``expires: null``: never expires); a value replaces it, with :class:`KeySpec`'s rules
     (strict integers, the same bounds). ``expires`` is a duration from the time of the change.
     ``budget_tokens`` and ``budget_period`` must still go together after the change: set or remove
-    both, or change one of a key that has both. The name and the secret are not limits: rotate the
-    secret with ``POST /api/v1/keys/{name}/rotate``.
+    both, or change one of a key that has both. ``priority`` 0-9 (``null``: back to 0). The name and
+    the secret are not limits: rotate the secret with ``POST /api/v1/keys/{name}/rotate``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -130,6 +136,7 @@ class KeyPatch(BaseModel):
     )
     budget_period: Literal["day", "month"] | None = None
     expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w; null: never")
+    priority: StrictInt | None = Field(None, ge=0, le=MAX_PRIORITY, description="0-9; null: 0")
 
     @field_validator("models")
     @classmethod
@@ -155,6 +162,8 @@ class KeyPatch(BaseModel):
                 out["budget_period"] = value or ""
             elif field == "expires":
                 out["expires_at"] = None if value is None else now + parse_duration(value, "expires")
+            elif field == "priority":
+                out["priority"] = value or 0
             else:
                 out[field] = value
         return out

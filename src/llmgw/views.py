@@ -244,7 +244,8 @@ class KeyView(BaseModel):
     """A gateway API key as the admin API shows it: never the secret, its first 16 characters.
 
     ``state`` is ``active``, ``revoked`` or ``expired``; ``tokens_today``/``tokens_this_month`` and
-    ``requests_today`` are its usage (UTC) as written by every control plane (synced every 0.5 s).
+    ``requests_today`` are its usage (UTC) as written by every control plane (synced every 0.5 s);
+    ``priority`` (0-9) its band in the gateway's queue, higher served first.
     """
 
     name: str
@@ -259,6 +260,7 @@ class KeyView(BaseModel):
     revoked_at: float | None
     last_used_at: float | None
     state: str
+    priority: int = 0
     requests_today: int = 0
     tokens_today: int = 0
     tokens_this_month: int = 0

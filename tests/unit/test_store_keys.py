@@ -10,7 +10,7 @@ from llmgw.control.store.base import Store
 from llmgw.control.store.rows import ApiKeyRow, RateDelta, UsageDelta
 from llmgw.errors import Conflict
 
-KEY = ApiKeyRow("alice", "sk-llmgw-abcdefg", "ab" * 32, models=("gemma", "chat"), rpm=60, tpm=1000,
+KEY = ApiKeyRow("alice", "sk-llmgw-abcdefg", "ab" * 32, models=("gemma", "chat"), rpm=60, tpm=1000, priority=7,
                 budget_tokens=10_000, budget_period="day", expires_at=2e9, created_at=1e9)
 
 

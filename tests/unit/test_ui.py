@@ -188,12 +188,12 @@ async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
     base = install.admin
     async with _session() as c:
         await _login(c, base)
-        r = await c.post(install.admin + "/api/v1/keys", json={"name": "alice", "rpm": 60},
+        r = await c.post(install.admin + "/api/v1/keys", json={"name": "alice", "rpm": 60, "priority": 4},
                          headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status == 201
         page = await (await c.get(base + "/ui/keys")).text()
         assert "<td>alice</td>" in page
-        assert "60 rpm" in page
+        assert "60 rpm </td><td>4</td>" in page  # limits, then priority
         data = await (await c.get(base + "/ui/usage.json?days=7")).json()
         assert len(data["days"]) == 7
         assert data["series"] == {}

@@ -1,11 +1,12 @@
 """``llmgw ctl key …`` and ``llmgw ctl usage``: the gateway's API keys, their limits, and who used how much.
 
 - ``key create NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N --budget-period day|month]
-  [--expires 30d]``: prints the secret once (the store keeps its SHA-256).
+  [--expires 30d] [--priority 0-9]``: prints the secret once (the store keeps its SHA-256).
 - ``key set NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N] [--budget-period day|month]
-  [--expires 30d] [--clear rpm|tpm|budget|models|expires …]``: change a key's limits (what is not
-  named stays); every control plane applies the change within a second.
-- ``key ls``: name, prefix, models, limits, usage today / this month, last use, state and expiry.
+  [--expires 30d] [--priority 0-9] [--clear rpm|tpm|budget|models|expires …]``: change a key's limits
+  (what is not named stays); every control plane applies the change within a second.
+- ``key ls``: name, prefix, models, limits, priority, usage today / this month, last use, state and
+  expiry.
 - ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once).
 - ``usage [--key K] [--model M] [--since 7d] [--until …]``: requests, tokens, guard blocks and errors per
   key, model and UTC day, with a total.
@@ -54,7 +55,8 @@ def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
         print(json.dumps(made.model_dump(mode="json"), indent=2, sort_keys=True))
         return
     models = ", ".join(made.key.models) or "all"
-    console().print(f"{what} key '{made.key.name}' ({_limits(made.key)}; models: {models})")
+    console().print(f"{what} key '{made.key.name}' ({_limits(made.key)}; models: {models}; "
+                    f"priority: {made.key.priority})")
     print(made.secret)
     console().print("This secret is not shown again: give it to its user now (Authorization: Bearer <secret>).")
 
@@ -66,6 +68,10 @@ TpmOpt = Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + comp
 BudgetTokensOpt = Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")]
 BudgetPeriodOpt = Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")]
 ExpiresOpt = Annotated[str | None, typer.Option("--expires", help="A duration from now: 12h, 30d, 2w.")]
+PriorityOpt = Annotated[
+    int | None,
+    typer.Option("--priority", help="0-9 (default 0): when a model is busy, higher is served first."),
+]
 
 
 @app.command("create")
@@ -78,6 +84,7 @@ def create(
     budget_tokens: BudgetTokensOpt = None,
     budget_period: BudgetPeriodOpt = None,
     expires: ExpiresOpt = None,
+    priority: PriorityOpt = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
@@ -87,7 +94,7 @@ def create(
     if models:
         spec["models"] = [m.strip() for m in models.split(",") if m.strip()]
     for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_tokens", budget_tokens),
-                         ("budget_period", budget_period), ("expires", expires)):
+                         ("budget_period", budget_period), ("expires", expires), ("priority", priority)):
         if value is not None:
             spec[field] = value
     _print_secret(_client(server, token).create_key(spec), as_json, "made")
@@ -108,6 +115,7 @@ def set_limits(
     budget_tokens: BudgetTokensOpt = None,
     budget_period: BudgetPeriodOpt = None,
     expires: ExpiresOpt = None,
+    priority: PriorityOpt = None,
     clear: Annotated[
         list[str] | None,
         typer.Option("--clear", help="Remove a limit: rpm, tpm, budget, models (every model) or expires; repeat."),
@@ -125,21 +133,22 @@ def set_limits(
     if models is not None:
         patch["models"] = [m.strip() for m in models.split(",") if m.strip()]
     for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_tokens", budget_tokens),
-                         ("budget_period", budget_period), ("expires", expires)):
+                         ("budget_period", budget_period), ("expires", expires), ("priority", priority)):
         if value is not None:
             if field in patch:
                 raise typer.BadParameter(f"--{field.replace('_', '-')} and --clear of it together: give one")
             patch[field] = value
     if not patch:
         raise typer.BadParameter(
-            "nothing to change: give --rpm, --tpm, --budget-tokens/--budget-period, --models, --expires or --clear"
+            "nothing to change: give --rpm, --tpm, --budget-tokens/--budget-period, --models, --expires, "
+            "--priority or --clear"
         )
     k = _client(server, token).set_key(name, patch)
     if as_json:
         print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))
         return
     console().print(f"key '{k.name}': {_limits(k)}; models: {', '.join(k.models) or 'all'}; "
-                    f"expires: {_when(k.expires_at)}")
+                    f"priority: {k.priority}; expires: {_when(k.expires_at)}")
 
 
 @app.command("ls")
@@ -150,10 +159,10 @@ def ls(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fals
     if as_json:
         print(json.dumps([k.model_dump(mode="json") for k in keys], indent=2, sort_keys=True))
         return
-    t = Table("NAME", "PREFIX", "MODELS", "LIMITS", "TODAY (req/tok)", "MONTH (tok)", "LAST USED", "STATE",
-              "EXPIRES")
+    t = Table("NAME", "PREFIX", "MODELS", "LIMITS", "PRIORITY", "TODAY (req/tok)", "MONTH (tok)", "LAST USED",
+              "STATE", "EXPIRES")
     for k in keys:
-        t.add_row(k.name, k.prefix + "…", ", ".join(k.models) or "all", _limits(k),
+        t.add_row(k.name, k.prefix + "…", ", ".join(k.models) or "all", _limits(k), str(k.priority),
                   f"{k.requests_today}/{k.tokens_today}", str(k.tokens_this_month), _when(k.last_used_at),
                   k.state, _when(k.expires_at))
     console().print(t if keys else "no keys yet: 'llmgw ctl key create NAME'")

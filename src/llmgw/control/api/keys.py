@@ -4,8 +4,8 @@
   secret, shown this once; the store keeps its SHA-256.
 - ``GET /api/v1/keys`` → [:class:`~llmgw.views.KeyView`], with each key's usage today and this month.
 - ``PATCH /api/v1/keys/{name}`` (:class:`~llmgw.apikeys.KeyPatch`, a JSON merge patch of its limits:
-  ``rpm``, ``tpm``, ``budget_tokens``/``budget_period``, ``models``, ``expires``; ``null`` removes
-  one) → KeyView; 409 on a revoked key. The secret, usage and rate windows stay: a request counted
+  ``rpm``, ``tpm``, ``budget_tokens``/``budget_period``, ``models``, ``expires``, ``priority``;
+  ``null`` removes one) → KeyView; 409 on a revoked key. The secret, usage and rate windows stay: a request counted
   this minute still counts against a lowered ``rpm``.
 - ``POST /api/v1/keys/{name}/revoke`` → KeyView (again on a revoked key: the same answer).
 - ``POST /api/v1/keys/{name}/rotate`` → NewKeyView: a new secret; the old one stops working.
@@ -58,6 +58,7 @@ def key_view(row: ApiKeyRow, now: float, tokens: dict[tuple[str, str], int] | No
         name=row.name, prefix=row.prefix, models=list(row.models), rpm=row.rpm, tpm=row.tpm,
         budget_tokens=row.budget_tokens, budget_period=row.budget_period or None, expires_at=row.expires_at,
         created_at=row.created_at, revoked_at=row.revoked_at, last_used_at=row.last_used_at, state=state,
+        priority=row.priority,
         requests_today=requests_today, tokens_today=mine.get(today, 0), tokens_this_month=sum(mine.values()),
     )
 
@@ -141,7 +142,7 @@ async def create(request: web.Request) -> web.Response:
     row = ApiKeyRow(
         name=spec.name, prefix=key_prefix(secret), digest=key_digest(secret), models=tuple(spec.models),
         rpm=spec.rpm, tpm=spec.tpm, budget_tokens=spec.budget_tokens, budget_period=spec.budget_period or "",
-        expires_at=spec.expires_at(now), created_at=now,
+        expires_at=spec.expires_at(now), created_at=now, priority=spec.priority,
     )
     row = await ctx.db.run(ctx.store.add_key, row)
     ctx.on_change()

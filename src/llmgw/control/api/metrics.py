@@ -10,6 +10,12 @@ What it exports (``prometheus-client``, one registry per control plane, never th
   ``llmgw_gateway_rate_limited_total{key,code}``, ``llmgw_gateway_guard_blocks_total{model}``,
   ``llmgw_gateway_refused_keys_total{reason}`` (401s: ``reason`` is ``invalid`` or ``missing``, a
   fixed set; a refused request is counted there only, never under a key, model or kind label);
+- the gateway's queue and replica choice (:mod:`llmgw.control.gateway.queue`), fed by the balancer:
+  ``llmgw_gateway_queue_length{model}`` (requests waiting now, read at scrape time from
+  :meth:`ControlPlaneMetrics.track_queues`), ``llmgw_gateway_queue_wait_seconds{model}``
+  (:meth:`ControlPlaneMetrics.waited`, once per request that asked the queue, 0 when a slot was
+  free) and ``llmgw_gateway_routing_decisions_total{model,reason}`` (:meth:`ControlPlaneMetrics.routed`,
+  ``reason`` one of :data:`ROUTING_REASONS`);
 - the judges, read at scrape time from the guard's own counters
   (:class:`~llmgw.control.gateway.guard.GuardStats`): ``llmgw_guard_verdicts_total{direction,verdict}``,
   ``llmgw_guard_errors_total{kind}`` (``timeout`` among them), ``llmgw_guard_unjudged_total{direction}``,
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +68,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 JUDGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LIMIT_CODES = frozenset({"rate_limit_exceeded", "insufficient_quota"})
+#: Queue waits (s): from none (a slot was free) to the queue's longest bounds (a minute or two).
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+#: Why the balancer sent a request where it did, the only label values of
+#: ``llmgw_gateway_routing_decisions_total``: ``affinity`` (the replica likely holding its prefix),
+#: ``least_load`` (no affinity, the least-loaded replica), ``overflow`` (its affinity replica was busy
+#: past the bound: the least-loaded one instead), ``round_robin`` (a model routed ``round-robin``),
+#: ``queued`` (it waited in the queue first), ``busy`` (refused: 429 ``model_busy``).
+ROUTING_REASONS = ("affinity", "least_load", "overflow", "round_robin", "queued", "busy")
+_ROUTING_REASONS = frozenset(ROUTING_REASONS)
 #: ``Exchange.refused``'s values: the only label values of ``llmgw_gateway_refused_keys_total``.
 _REFUSED_REASONS = ("invalid", "missing")
 
@@ -104,6 +119,21 @@ class _ClusterCollector(Collector):
             term = GaugeMetricFamily("llmgw_term", "The leadership term this control plane knows")
             term.add_metric([], o.members.term())
             yield from (leader, term)
+
+
+class _QueueCollector(Collector):
+    """``llmgw_gateway_queue_length{model}`` at scrape time, from :meth:`ControlPlaneMetrics.track_queues`."""
+
+    def __init__(self, owner: ControlPlaneMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("llmgw_gateway_queue_length", "Requests waiting in the gateway's queue for a slot",
+                                   labels=["model"])
+        lengths = self.owner.queue_lengths
+        for model, n in sorted((lengths() if lengths is not None else {}).items()):
+            family.add_metric([model], n)
+        yield family
 
 
 class _GuardCollector(Collector):
@@ -174,10 +204,17 @@ class ControlPlaneMetrics:
         self.blocks = Counter("llmgw_gateway_guard_blocks", "Requests the guard refused", ["model"], registry=r)
         self.judgment = Histogram("llmgw_guard_judgment_seconds", "Time a judge took per judgment (s)", ["judge"],
                                   buckets=JUDGE_BUCKETS, registry=r)
+        self.queue_wait = Histogram("llmgw_gateway_queue_wait_seconds",
+                                    "Time a request waited in the gateway's queue for a slot (s)", ["model"],
+                                    buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.routing = Counter("llmgw_gateway_routing_decisions", "The balancer's replica choices, by reason",
+                               ["model", "reason"], registry=r)
+        self.queue_lengths: Callable[[], Mapping[str, int]] | None = None
         self.replicas: list[ReplicaRow] = []
         self.nodes: list[NodeRow] = []
         self.store_ok = True
         r.register(_ClusterCollector(self))
+        r.register(_QueueCollector(self))
         if guard is not None:
             r.register(_GuardCollector(guard))
             guard.on_judgment = lambda judge, ms: self.judgment.labels(judge).observe(ms / 1000)
@@ -204,6 +241,25 @@ class ControlPlaneMetrics:
             self.limited.labels(ex.key or "-", ex.code).inc()
         if ex.blocked:
             self.blocks.labels(model).inc()
+
+    def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``lengths()`` (catalog model name → requests waiting, every model with a queue, 0s
+        included) as ``llmgw_gateway_queue_length`` at each scrape; nothing on the request path."""
+        self.queue_lengths = lengths
+
+    def waited(self, model: str, seconds: float) -> None:
+        """One request's wait in the queue of ``model`` (a catalog name), in seconds (0: a slot was free)."""
+        self.queue_wait.labels(model).observe(seconds)
+
+    def routed(self, model: str, reason: str) -> None:
+        """Count one routing decision for ``model`` (a catalog name).
+
+        Raises:
+            ValueError: ``reason`` is not one of :data:`ROUTING_REASONS` (a label set that cannot grow).
+        """
+        if reason not in _ROUTING_REASONS:
+            raise ValueError(f"routing reason {reason!r} is not one of {', '.join(ROUTING_REASONS)}")
+        self.routing.labels(model, reason).inc()
 
     async def refresh(self) -> None:
         """Read replicas and nodes from the store (off the loop, with its deadline); on failure keep the

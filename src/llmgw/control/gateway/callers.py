@@ -54,6 +54,9 @@ class Caller:
         tpm: tokens (prompt + completion) per minute, None for no limit.
         budget_tokens: tokens per ``budget_period`` (``day`` or ``month``, UTC), None for no budget.
         expires_at: unix seconds after which the key is refused; None never.
+        priority: the key's band in the gateway's queue (0-9, higher served first,
+            :mod:`llmgw.control.gateway.queue`); 0 for keys from the keys file (one key a line, no
+            fields) and loopback clients.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Caller:
     budget_tokens: int | None = None
     budget_period: str = ""
     expires_at: float | None = None
+    priority: int = 0
 
     @property
     def limited(self) -> bool:
@@ -84,6 +88,7 @@ def caller_of(row: ApiKeyRow) -> Caller:
         budget_tokens=row.budget_tokens,
         budget_period=row.budget_period if row.budget_tokens is not None else "",
         expires_at=row.expires_at,
+        priority=row.priority,
     )
 
 

@@ -182,7 +182,8 @@ class ApiKeyRow:
 
     ``models`` lists the names or aliases the key may use (``()``: every model); ``rpm``/``tpm`` are
     requests and tokens per minute, ``budget_tokens`` per ``budget_period`` (``day`` or ``month``,
-    UTC; ``""`` for no budget); None is no limit. Times are unix seconds.
+    UTC; ``""`` for no budget); None is no limit. ``priority`` (0-9) is the key's band in the
+    gateway's queue, higher served first. Times are unix seconds.
     """
 
     name: str
@@ -197,6 +198,7 @@ class ApiKeyRow:
     created_at: float = 0.0
     revoked_at: float | None = None
     last_used_at: float | None = None
+    priority: int = 0
     revision: int = 1
 
 

@@ -7,10 +7,11 @@ released ("migrations, never delete the file").
 
 The tables below are today's shape, for the store's queries. A migration never reads them for the
 shape it creates: migration 1 creates its four tables from a frozen copy of their first shape
-(:data:`_V1`), and each later migration creates its tables or adds its columns as they were when
-it was written, so a fresh database goes through the same steps as one made by the first release,
-and ``test_store.py`` checks that the two end at today's tables. A column is added with
-SQLAlchemy's own DDL (:func:`_add_column`: ``CreateColumn`` compiled for the connection's dialect).
+(:data:`_V1`; migration 7's ``api_keys``: :data:`_V7`), and each later migration creates its tables
+or adds its columns as they were when it was written, so a fresh database goes through the same
+steps as one made by the first release, and ``test_store.py`` checks that the two end at today's
+tables. A column is added with SQLAlchemy's own DDL (:func:`_add_column`: ``CreateColumn`` compiled
+for the connection's dialect).
 
 Why not Alembic: it would add a dependency and a second version table (``alembic_version``) for
 what ``MIGRATIONS`` already does in ~200 lines: an ordered list, applied once under the advisory
@@ -25,7 +26,8 @@ to, one owner each: migration 4), ``nodes``, ``replicas``, ``explanations``, ``g
 leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.election`),
 ``log_requests`` (migration 6: engine-log reads that cross control planes,
 :mod:`llmgw.control.api.logbroker`), ``api_keys``, ``usage_daily`` and ``rate_windows`` (migration 7:
-the gateway's keys, usage and cluster-wide rate counts), ``schema_migrations``.
+the gateway's keys, usage and cluster-wide rate counts; ``api_keys.priority``: migration 9),
+``schema_migrations``.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ api_keys_t = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float, nullable=True),
     sa.Column("last_used_at", sa.Float, nullable=True),
+    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),  # migration 9: 0-9, 9 first
 )
 
 usage_daily_t = sa.Table(
@@ -263,6 +266,28 @@ sa.Table(
     sa.Column("model", sa.String(63), primary_key=True),
     sa.Column("body", sa.Text, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+
+_V7 = sa.MetaData()
+"""Migration 7's ``api_keys`` as it made it, frozen when migration 9 added ``priority`` to today's
+table: never edit."""
+
+sa.Table(
+    "api_keys", _V7,
+    sa.Column("name", sa.String(63), primary_key=True),
+    sa.Column("revision", sa.Integer, nullable=False),
+    sa.Column("prefix", sa.String(16), nullable=False),
+    sa.Column("digest", sa.String(64), nullable=False, unique=True),
+    sa.Column("models", sa.Text, nullable=False),
+    sa.Column("rpm", sa.Integer, nullable=True),
+    sa.Column("tpm", sa.BigInteger, nullable=True),
+    sa.Column("budget_tokens", sa.BigInteger, nullable=True),
+    sa.Column("budget_period", sa.String(8), nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=True),
+    sa.Column("last_used_at", sa.Float, nullable=True),
 )
 
 
@@ -352,9 +377,9 @@ def _migration_6(conn: Connection) -> None:
 
 
 def _migration_7(conn: Connection) -> None:
-    """``api_keys``, ``usage_daily`` and ``rate_windows``: the gateway's stored keys, usage and
-    cluster-wide rate counts (:mod:`llmgw.control.gateway.accounting`)."""
-    for table in (api_keys_t, usage_daily_t, rate_windows_t):
+    """``api_keys`` (as :data:`_V7` froze it), ``usage_daily`` and ``rate_windows``: the gateway's
+    stored keys, usage and cluster-wide rate counts (:mod:`llmgw.control.gateway.accounting`)."""
+    for table in (_V7.tables["api_keys"], usage_daily_t, rate_windows_t):
         table.create(conn, checkfirst=True)
 
 
@@ -362,6 +387,12 @@ def _migration_8(conn: Connection) -> None:
     """``replicas.members``: the nodes of a replica spread over several (JSON list of
     :class:`~llmgw.protocol.GroupMember`, ``[]`` for one node)."""
     _add_column(conn, "replicas", sa.Column("members", sa.Text, nullable=False, server_default="[]"))
+
+
+def _migration_9(conn: Connection) -> None:
+    """``api_keys.priority``: the gateway queue's priority band of a key (0-9, higher served first;
+    :mod:`llmgw.control.gateway.queue`); keys made before it are 0."""
+    _add_column(conn, "api_keys", sa.Column("priority", sa.Integer, nullable=False, server_default="0"))
 
 
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
@@ -374,6 +405,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (6, _migration_6),
     (7, _migration_7),
     (8, _migration_8),
+    (9, _migration_9),
 ]
 
 

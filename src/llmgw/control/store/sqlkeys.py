@@ -40,6 +40,7 @@ def _key_row(r: sa.Row[Any]) -> ApiKeyRow:
         created_at=r.created_at,
         revoked_at=r.revoked_at,
         last_used_at=r.last_used_at,
+        priority=r.priority,
         revision=r.revision,
     )
 
@@ -57,6 +58,7 @@ def _key_values(row: ApiKeyRow) -> dict[str, Any]:
         "created_at": row.created_at,
         "revoked_at": row.revoked_at,
         "last_used_at": row.last_used_at,
+        "priority": row.priority,
     }
 
 
