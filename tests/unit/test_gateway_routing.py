@@ -9,7 +9,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -62,12 +62,31 @@ class Engine:
 
 
 @dataclass
+class Recorder:
+    """What the pool reports to the control plane's metrics (:class:`RoutingMetrics`)."""
+
+    routed_: Counter[tuple[str, str]] = field(default_factory=Counter)
+    waits: list[tuple[str, float]] = field(default_factory=list)
+    lengths: Callable[[], Mapping[str, int]] | None = None
+
+    def routed(self, model: str, reason: str) -> None:
+        self.routed_[(model, reason)] += 1
+
+    def waited(self, model: str, seconds: float) -> None:
+        self.waits.append((model, seconds))
+
+    def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
+        self.lengths = lengths
+
+
+@dataclass
 class Env:
     url: str
     engines: list[Engine]
     pool: UpstreamPool
     router: StaticRouter
     servers: ServerThread
+    metrics: Recorder
 
     def ask(self, model: str, text: str, timeout: float = 30) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": text}]}
@@ -86,9 +105,10 @@ def env() -> Iterator[Env]:
         "short": Route("short", ups, queue_wait_s=0.3),
         "deadfirst": Route("deadfirst", (Upstream("dead", f"127.0.0.1:{free_port()}", "k"), *ups)),
     })
-    app = build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False)
+    metrics = Recorder()
+    app = build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False, routing_metrics=metrics)
     url = f"http://127.0.0.1:{servers.serve(app, handler_cancellation=True)}"
-    env = Env(url, engines, gateway_pool(app), router, servers)
+    env = Env(url, engines, gateway_pool(app), router, servers, metrics)
     assert env.ask("m", "warm").status_code == 200
     servers.run(env.pool.balancer.settle())
     yield env
@@ -107,6 +127,13 @@ def test_requests_beyond_the_slots_wait_and_all_are_served(env: Env) -> None:
     loads = env.pool.loads()
     assert {(x.slots, x.in_flight, x.queued) for x in loads.values()} == {(2, 0, 0)}
     assert sum(sum(x.picks.values()) for x in loads.values()) == 13
+    m = env.metrics
+    picks = sum(n for (model, reason), n in m.routed_.items() if model == "m" and reason not in ("queued", "busy"))
+    assert picks == 13
+    assert m.routed_[("m", "queued")] == 8  # 4 slots: the other 8 waited
+    assert sorted(w > 0 for model, w in m.waits if model == "m").count(True) == 8
+    assert m.lengths is not None
+    assert m.lengths() == {"m": 0}
 
 
 def test_no_queue_429_at_once_with_retry_after(env: Env) -> None:
@@ -118,6 +145,7 @@ def test_no_queue_429_at_once_with_retry_after(env: Env) -> None:
     assert refused.json()["error"]["code"] == "model_busy"
     assert int(refused.headers["Retry-After"]) >= 1
     assert time.monotonic() - t0 < 5
+    assert env.metrics.routed_[("noq", "busy")] == 4
 
 
 def test_a_wait_past_wait_s_is_a_429(env: Env) -> None:

@@ -87,6 +87,7 @@ from llmgw.control.gateway.request import (
 )
 from llmgw.control.gateway.sse import StreamTally
 from llmgw.control.gateway.upstream import (
+    RoutingMetrics,
     Trace,
     UpstreamPool,
     refusal_response,
@@ -287,7 +288,7 @@ class _Gateway:
         if isinstance(caller, web.Response):
             return caller
         trace.caller = caller.name
-        trace.priority = getattr(caller, "priority", 0)  # Caller.priority: the queue's priority bands
+        trace.priority = caller.priority
         requested, model, stream, code, blocked = "", "", False, "", False
         call: Call | None = None
         if self.inspector is not None:
@@ -491,6 +492,7 @@ def build_gateway_app(
     callers: Callers | None = None,
     limiter: Limiter | None = None,
     balancer: Balancer | None = None,
+    routing_metrics: RoutingMetrics | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
@@ -510,13 +512,15 @@ def build_gateway_app(
         limiter: rate limits and budgets per key (:mod:`llmgw.control.gateway.limits`); None: no limits.
         balancer: the replicas' slots, load and the choice (:mod:`llmgw.control.gateway.balancer`),
             for an owner that shows its state (``ctl replicas``, metrics); None: the app makes its own.
+        routing_metrics: where routing decisions, queue waits and queue lengths are counted (the
+            control plane's metrics); None: nowhere.
 
     The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
     ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
     engine slot (see the module docstring).
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s, balancer=balancer)
+    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s, balancer=balancer, metrics=routing_metrics)
     app[_POOL] = pool
     gw = _Gateway(
         router,

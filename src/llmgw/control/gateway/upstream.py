@@ -46,8 +46,9 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -124,15 +125,41 @@ class Trace:
     queued_ns: int = 0
 
 
+#: Routing-decision reasons beside the balancer's picks: the request waited for its slot; it was refused 429.
+QUEUED = "queued"
+BUSY = "busy"
+
+
+class RoutingMetrics(Protocol):
+    """Where the pool reports its decisions (the control plane's
+    :class:`~llmgw.control.api.metrics.ControlPlaneMetrics`): ``llmgw_gateway_routing_decisions_total``,
+    ``llmgw_gateway_queue_wait_seconds`` and ``llmgw_gateway_queue_length``."""
+
+    def routed(self, model: str, reason: str) -> None:
+        """One decision for ``model``: a pick's reason (:data:`~llmgw.control.gateway.balancer.REASONS`),
+        :data:`QUEUED` (it waited first) or :data:`BUSY` (refused 429)."""
+        ...
+
+    def waited(self, model: str, seconds: float) -> None:
+        """One request's wait for a slot (s; 0 when one was free at once)."""
+        ...
+
+    def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
+        """Read ``lengths()`` (model → waiting) at each scrape."""
+        ...
+
+
 class UpstreamPool:
     """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and the choice of replica.
 
     Call :meth:`start` on app startup and :meth:`close` on cleanup. ``upstream_timeout_s``: see the
     module docstring. ``balancer``: the slots and the choice (one is made when None; its slot reader
-    is :meth:`read_slots`).
+    is :meth:`read_slots`). ``metrics``: where decisions and waits are counted (:class:`RoutingMetrics`).
     """
 
-    def __init__(self, *, upstream_timeout_s: float, balancer: Balancer | None = None) -> None:
+    def __init__(
+        self, *, upstream_timeout_s: float, balancer: Balancer | None = None, metrics: RoutingMetrics | None = None
+    ) -> None:
         self._session: aiohttp.ClientSession | None = None
         self.plain_timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.stream_timeout = aiohttp.ClientTimeout(
@@ -145,6 +172,9 @@ class UpstreamPool:
         self.balancer.on_free = self._wake
         #: Model → its queue (made on the model's first request, sized from its route).
         self.queues: dict[str, FairQueue[Lease]] = {}
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.track_queues(self.queue_lengths)
 
     async def start(self) -> None:
         """Open the shared session (inside the running loop)."""
@@ -194,10 +224,14 @@ class UpstreamPool:
             queue.size, queue.wait_s = route.queue_size, route.queue_wait_s
         return queue
 
+    def queue_lengths(self) -> dict[str, int]:
+        """Model → requests waiting in its queue now (every model that has had a request)."""
+        return {m: len(q) for m, q in self.queues.items()}
+
     def loads(self) -> dict[str, ReplicaLoad]:
         """Every replica this gateway has sent to: slots, in flight, picks, and its model's queue
         (:class:`~llmgw.control.gateway.balancer.ReplicaLoad`), for ``ctl replicas``."""
-        return self.balancer.loads({m: len(q) for m, q in self.queues.items()})
+        return self.balancer.loads(self.queue_lengths())
 
     async def _reserve(self, route: Route, key: int | None, tried: set[str], trace: Trace) -> Lease:
         """A slot on a replica not in ``tried``, at once or after waiting in the model's queue in fair
@@ -215,17 +249,33 @@ class UpstreamPool:
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
         balancer = self.balancer
+        first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
 
         def take() -> Lease | None:
-            return balancer.take(route, key, tried)
+            got = balancer.take(route, key, tried)
+            if not first:
+                first.append(got)
+            return got
 
         t0 = time.perf_counter_ns()
         try:
-            return await self._queue(route).acquire(
+            lease = await self._queue(route).acquire(
                 trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
             )
+        except HttpError:
+            if self.metrics is not None:
+                self.metrics.routed(route.model, BUSY)
+            raise
         finally:
-            trace.queued_ns += time.perf_counter_ns() - t0
+            waited = time.perf_counter_ns() - t0
+            trace.queued_ns += waited
+        if self.metrics is not None:
+            queued = not first or first[0] is not lease
+            self.metrics.waited(route.model, waited / 1e9 if queued else 0.0)
+            if queued:
+                self.metrics.routed(route.model, QUEUED)
+            self.metrics.routed(route.model, lease.reason)
+        return lease
 
     async def send(
         self,
