@@ -5,6 +5,8 @@ replicas is tests/e2e/test_routing_e2e.py."""
 from __future__ import annotations
 
 import collections
+import heapq
+import random
 from typing import Any
 
 import pydantic
@@ -230,3 +232,50 @@ def test_bad_routing_and_queue_values_name_the_field(field: str, value: Any, wor
     with pytest.raises(pydantic.ValidationError) as e:
         _model(**{field: value})
     assert words in str(e.value)
+
+
+def _closed_loop(conversations: int, seed: int, *, replicas: int = 3, slots: int = 4, turns: int = 8) -> float:
+    """Conversations asking turn after turn (no think time) through one balancer, each turn taking a
+    random 0.2-0.6 s plus a prefill that is short on the replica that served its previous turn and
+    grows with the history elsewhere; a turn that finds no free slot waits for one (as in the queue).
+    Returns the share of turns (after the first) served by the previous turn's replica."""
+    rnd = random.Random(seed)
+    now = [0.0]
+    route, bal = _route(replicas, slots=slots)
+    bal.clock = lambda: now[0]
+    keys = [prefix_key({"messages": [{"role": "user", "content": f"conversation {seed}-{k}"}]}) for k in
+            range(conversations)]
+    last: list[str | None] = [None] * conversations
+    turn = [0] * conversations
+    running: list[tuple[float, int, int, Lease]] = []
+    waiting = list(range(conversations))
+    same = asked = 0
+    while waiting or running:
+        for k in list(waiting):
+            lease = bal.take(route, keys[k])
+            if lease is None:
+                continue
+            waiting.remove(k)
+            hit = last[k] == lease.up.replica_id
+            same, asked = same + (hit and turn[k] > 0), asked + (turn[k] > 0)
+            last[k] = lease.up.replica_id
+            took = rnd.uniform(0.2, 0.6) + (0.1 if hit else 0.3 * (1 + turn[k]))
+            heapq.heappush(running, (now[0] + took, id(lease), k, lease))
+        assert all(x.in_flight <= slots for x in bal.loads().values())
+        now[0], _, k, lease = heapq.heappop(running)
+        lease.release()
+        turn[k] += 1
+        if turn[k] < turns:
+            waiting.append(k)
+    return same / asked
+
+
+@pytest.mark.parametrize("conversations", [6, 8, 10, 12])
+def test_below_saturation_turns_stay_on_their_replica(conversations: int) -> None:
+    """Up to as many conversations as slots (3 × 4): at least 97 % of turns land where the previous
+    one ran. Measured over 40 seeds, 6/8/10/12 conversations: 0.990/0.981/0.991/0.989 with c = 1.25
+    (c = 1.1: 0.973-0.987; c = 2: 0.989-0.996; this model has no CPU sharing between a replica's
+    slots, which is what the bound protects). With 14 conversations for 12 slots, 0.28 for every c:
+    a waiting turn takes the first slot that frees, wherever it is."""
+    shares = [_closed_loop(conversations, seed) for seed in range(10)]
+    assert sum(shares) / len(shares) >= 0.97, shares
