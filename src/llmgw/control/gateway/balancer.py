@@ -34,8 +34,9 @@ Every pick is counted per replica and reason (:data:`REASONS`: ``affinity``, the
 choice; ``overflow``, a later choice under the bound; ``least_load``; ``round_robin``), for
 ``ctl replicas`` and ``llmgw_gateway_routing_decisions_total``.
 
-A replica that refused a connection is passed over for :data:`REFUSED_S` (unless every replica
-was), so requests queued while it died go to the others.
+A replica that refused a connection, or broke one mid-request, is passed over for
+:data:`REFUSED_S` (unless every replica was), so requests queued while it died go to the others:
+the slots its broken requests free are not handed to a waiter for it.
 
 Measured here (tests/e2e/test_routing_e2e.py, 3 real llama-server replicas of gemma-3-270m, one
 gateway): 10 conversations × 4 growing turns, one at a time: 40 of 40 turns on their conversation's
@@ -299,7 +300,8 @@ class Balancer:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def refused(self, replica_id: str) -> None:
-        """The replica refused a connection: pass it over for :data:`REFUSED_S`."""
+        """The replica refused a connection or broke one: pass it over for :data:`REFUSED_S`. Call it
+        before the broken request's lease is released, so the slot that frees is not handed to it."""
         rep = self._reps.get(replica_id)
         if rep is not None:
             rep.refused_until = self.clock() + REFUSED_S

@@ -10,9 +10,10 @@ Mechanism, per chat request:
    (the client's bytes, or what :mod:`llmgw.control.gateway.request` made of them) to
    ``http://{endpoint}{path}`` with that replica's key. When the connection is refused (or the
    connect times out), nothing was sent: the slot is given back, the replica is passed over for a
-   few seconds, and another replica is taken (each at most once, through the queue again); when
-   every one refused, the client gets 502. A replica is never retried
-   after the request went out (generation is not idempotent and may be half done).
+   few seconds (so is one whose connection broke mid-request: waiting requests then go elsewhere),
+   and another replica is taken (each at most once, through the queue again); when every one
+   refused, the client gets 502. A replica is never retried after the request went out
+   (generation is not idempotent and may be half done).
 2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
    and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
    every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
@@ -333,6 +334,7 @@ class UpstreamPool:
                     lease.release(answered=False)
                     raise self.timeout_error(route) from e
                 except aiohttp.ClientError as e:
+                    self.balancer.refused(up.replica_id)  # broken, likely dead: waiters pass it over
                     lease.release(answered=False)
                     log.warning(
                         "replica %s of %s at %s failed: %r", up.replica_id, route.model, up.endpoint, e
@@ -446,6 +448,7 @@ async def relay_plain(
     except TimeoutError as e:
         raise pool.timeout_error(route) from e
     except aiohttp.ClientError as e:
+        pool.balancer.refused(up.replica_id)
         raise pool.broken_error(route) from e
     finally:
         resp.release()
@@ -525,6 +528,8 @@ async def relay_stream(
             aiohttp.ClientOSError,
         ) as e:
             err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
+            if not isinstance(e, TimeoutError):
+                pool.balancer.refused(up.replica_id)
             log.warning("stream of %s broke: %r", route.model, e)
             trace.error_code = err.code
             await out.write(openai_error_event(err.status, err.code, err.message))
