@@ -38,14 +38,22 @@ A replica that refused a connection, or broke one mid-request, is passed over fo
 :data:`REFUSED_S` (unless every replica was), so requests queued while it died go to the others:
 the slots its broken requests free are not handed to a waiter for it.
 
-Measured here (tests/e2e/test_routing_e2e.py, 3 real llama-server replicas of gemma-3-270m, one
-gateway): 10 conversations × 4 growing turns, one at a time: 40 of 40 turns on their conversation's
-first replica, 3 of 3 replicas used; the same turns through a second gateway app (a second control
-plane): the same replica every time.
+Measured here (tests/e2e/test_routing_e2e.py, 3 real llama-server replicas of gemma-3-270m with 2
+slots each, two gateway apps as two control planes): 10 conversations × 4 growing turns, the turns
+alternating between the gateways: 40 of 40 turns on their conversation's first-choice replica
+(every pick ``affinity``), the 10 conversations on all 3 replicas; 18 requests at once: at most 2
+in flight per replica and llama-server's ``requests_deferred`` stayed 0. In a closed-loop model of
+conversations on 3 × 4 slots (tests/unit/test_balancer.py), 97-99 % of turns land where the
+previous turn ran for 6-12 conversations with c = 1.25 (c from 1.1 to 2 within 0.02 of it).
+Cost: the key ~5 µs for a 4 kB system prompt (CRC-32; ``json.dumps`` + BLAKE2b cost 45 µs), a take
+and release ~4 µs.
 
 Not guaranteed: slots and in flight are per control plane (two control planes each fill a
 replica's slots; the engine queues the excess); the key sees text, not tokens, so two
-conversations whose first turns differ only past the first user message share a replica.
+conversations whose first turns differ only past the first user message share a replica. Past
+saturation (more requests than slots) a waiting request takes the first slot that frees, wherever
+it is: in the closed-loop model with 14 conversations on 12 slots only 28 % of turns stayed on
+their replica, for every c.
 """
 
 from __future__ import annotations
