@@ -69,7 +69,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
-from llmgw.control.gateway.balancer import Balancer
+from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
@@ -87,7 +87,6 @@ from llmgw.control.gateway.request import (
 )
 from llmgw.control.gateway.sse import StreamTally
 from llmgw.control.gateway.upstream import (
-    RoutingMetrics,
     Trace,
     UpstreamPool,
     refusal_response,

@@ -67,7 +67,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw.errors import HttpError
 from llmgw.routing import Route, Upstream
@@ -97,6 +97,30 @@ PREFIX_TOKENS = 512
 FALLBACK_SLOTS = 4
 
 _M64 = (1 << 64) - 1
+
+#: Routing-decision reasons beside the balancer's picks: the request waited for its slot; it was refused 429.
+QUEUED = "queued"
+BUSY = "busy"
+
+
+class RoutingMetrics(Protocol):
+    """Where :class:`~llmgw.control.gateway.upstream.UpstreamPool` reports its decisions (the control plane's
+    :class:`~llmgw.control.api.metrics.ControlPlaneMetrics`): ``llmgw_gateway_routing_decisions_total``,
+    ``llmgw_gateway_queue_wait_seconds`` and ``llmgw_gateway_queue_length``."""
+
+    def routed(self, model: str, reason: str) -> None:
+        """One decision for ``model``: a pick's reason (:data:`REASONS`),
+        :data:`QUEUED` (it waited first) or :data:`BUSY` (refused 429)."""
+        ...
+
+    def waited(self, model: str, seconds: float) -> None:
+        """One request's wait for a slot (s; 0 when one was free at once)."""
+        ...
+
+    def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
+        """Read ``lengths()`` (model → waiting) at each scrape."""
+        ...
+
 
 #: Reads a replica's slots (``GET /props`` ``total_slots``); None when its engine does not say.
 SlotReader = Callable[[Upstream], Awaitable[int | None]]

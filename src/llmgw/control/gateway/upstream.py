@@ -53,15 +53,14 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from llmgw.control.gateway.balancer import Balancer, Lease, ReplicaLoad, prefix_key
+from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
 from llmgw.control.gateway.queue import FairQueue
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally
@@ -130,30 +129,6 @@ class Trace:
     caller: str = ""
     priority: int = 0
     queued_ns: int = 0
-
-
-#: Routing-decision reasons beside the balancer's picks: the request waited for its slot; it was refused 429.
-QUEUED = "queued"
-BUSY = "busy"
-
-
-class RoutingMetrics(Protocol):
-    """Where the pool reports its decisions (the control plane's
-    :class:`~llmgw.control.api.metrics.ControlPlaneMetrics`): ``llmgw_gateway_routing_decisions_total``,
-    ``llmgw_gateway_queue_wait_seconds`` and ``llmgw_gateway_queue_length``."""
-
-    def routed(self, model: str, reason: str) -> None:
-        """One decision for ``model``: a pick's reason (:data:`~llmgw.control.gateway.balancer.REASONS`),
-        :data:`QUEUED` (it waited first) or :data:`BUSY` (refused 429)."""
-        ...
-
-    def waited(self, model: str, seconds: float) -> None:
-        """One request's wait for a slot (s; 0 when one was free at once)."""
-        ...
-
-    def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
-        """Read ``lengths()`` (model → waiting) at each scrape."""
-        ...
 
 
 class UpstreamPool:
