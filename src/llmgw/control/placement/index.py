@@ -15,7 +15,8 @@ Mechanism (:class:`ProfileIndex`), built the first time a profile is placed and 
 2. **Fits per feasible node, refreshed on change.** The ``exhausted`` stages (memory, cores, GPUs)
    run on each node that passed the filters, with the real check functions, and again only when a
    reservation lands on that node (the placer's change log, fed by :meth:`Usage.add
-   <llmgw.control.placement.checks.Usage.add>`).
+   <llmgw.control.placement.checks.Usage.add>`). Nodes that hold no replica yet share the outcome
+   per :func:`fresh_class` (the node class plus cores, available memory and cards' used memory).
 3. **Passing nodes by free memory.** The nodes that pass every check are kept sorted by ``(-free,
    id)``: the last two parts of the placer's score. A node that holds none of the model's replicas
    and not its weights scores ``(0, 1, -free, id)``, so the best of those is the first such node in
@@ -66,11 +67,19 @@ def node_class(n: NodeInfo) -> Hashable:
     return (
         n.state,
         n.cordoned,
-        tuple(sorted(n.labels.items())),
-        tuple(sorted((k, e.engine, e.state.value, e.detail, tuple(e.features)) for k, e in n.engines.items())),
+        frozenset(n.labels.items()),
+        frozenset((k, e.engine, e.state, e.detail, tuple(e.features)) for k, e in n.engines.items()),
         inv.memory_total_bytes,
         tuple((g.index, g.name, g.klass, g.memory_total_bytes) for g in inv.gpus),
     )
+
+
+def fresh_class(n: NodeInfo, klass: Hashable) -> Hashable:
+    """:func:`node_class` (``klass``) plus what the fits and the score read of a node that holds
+    no replica yet (cores, available memory, each card's used memory): nodes with equal keys and
+    no reservation get the same fits' outcome and free memory."""
+    inv = n.inventory
+    return (klass, inv.cores, inv.memory_available_bytes, tuple(g.memory_used_bytes for g in inv.gpus))
 
 
 def split(pipeline: Sequence[Check]) -> tuple[tuple[Check, ...], tuple[Check, ...]]:
@@ -101,6 +110,7 @@ class ProfileIndex:
         nodes: the placer's nodes, sorted by id (the order verdicts are listed in).
         usage: the placer's usage by node id (read, never written).
         classes: :func:`node_class` of each node, by position.
+        fresh: :func:`fresh_class` of each node, by position.
     """
 
     def __init__(
@@ -110,6 +120,7 @@ class ProfileIndex:
         nodes: Sequence[NodeInfo],
         usage: dict[str, Usage],
         classes: Sequence[Hashable],
+        fresh: Sequence[Hashable],
     ) -> None:
         self.profile, self.nodes, self.usage = profile, nodes, usage
         static, self.fit_stages = split(pipeline)
@@ -129,8 +140,20 @@ class ProfileIndex:
         #: the passing nodes' keys, ascending: most free memory first, then id
         self.order: list[tuple[float, str]] = []
         self.seen = 0  # how much of the placer's change log this index has applied
-        for j in range(len(self.feasible)):
-            self.fits[j], self.keys[j] = self._fit(j)
+        shared: dict[Hashable, tuple[Filtered | None, float]] = {}  # fresh class -> fits' outcome, free
+        for j, pos in enumerate(self.feasible):
+            node = nodes[pos]
+            if usage[node.id].version:  # holds replicas: its own fits
+                self.fits[j], self.keys[j] = self._fit(j)
+                continue
+            out = shared.get(fresh[pos])
+            if out is None:
+                cand = Candidate(node, profile, usage[node.id])
+                out = shared[fresh[pos]] = (_first_miss(cand, self.fit_stages), free_for_score(cand))
+            if out[0] is None:
+                self.keys[j] = (-out[1], node.id)
+            else:
+                self.fits[j] = verdict_of(node.id, profile.name, *out[0])
         self.order = sorted(k for k in self.keys if k is not None)
 
     def _fit(self, j: int) -> tuple[Verdict | None, tuple[float, str] | None]:

@@ -83,7 +83,7 @@ from llmgw.control.placement.checks import (
     member_profile,
     pick_gpus,
 )
-from llmgw.control.placement.index import ProfileIndex, free_for_score, node_class
+from llmgw.control.placement.index import ProfileIndex, free_for_score, fresh_class, node_class
 from llmgw.protocol import GroupMember
 from llmgw.views import Rejection
 
@@ -136,7 +136,7 @@ class Placer:
         for n in self.nodes:
             for w in n.cached:
                 self._caching.setdefault(w, set()).add(n.id)
-        self._classes: list[Hashable] | None = None
+        self._classes: tuple[list[Hashable], list[Hashable]] | None = None  # node_class, fresh_class
         # (profile as JSON, pipeline) -> its index; one Placer serves one snapshot, in which a
         # profile's contents do not change
         self._indexes: dict[tuple[str, int], ProfileIndex] = {}
@@ -160,8 +160,9 @@ class Placer:
         idx = self._indexes.get(key)
         if idx is None:
             if self._classes is None:
-                self._classes = [node_class(n) for n in self.nodes]
-            idx = ProfileIndex(profile, pipeline, self.nodes, self.usage, self._classes)
+                static = [node_class(n) for n in self.nodes]
+                self._classes = static, [fresh_class(n, k) for n, k in zip(self.nodes, static, strict=True)]
+            idx = ProfileIndex(profile, pipeline, self.nodes, self.usage, *self._classes)
             idx.seen = len(self._log)
             self._indexes[key] = idx
         idx.sync(self._log)
