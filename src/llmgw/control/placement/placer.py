@@ -50,9 +50,12 @@ reason that names the numbers (``needs 2.0 GB memory, 1.4 of 7.8 GB free``); a n
 first failed check per profile, cheapest first. :mod:`llmgw.control.placement.explain` turns them into the
 Kubernetes-style summary and the "would fit if" list.
 
-Speed: :class:`Placer` keeps per-node usage and caches each node's verdict per (model, profile)
-until a reservation lands on that node, so placing many replicas re-checks one node per placement
-(bench/placement.py: 1,000 replicas onto 500 nodes, figures in its docstring).
+Speed: :class:`Placer` keeps per-node usage and, per profile, an index
+(:mod:`llmgw.control.placement.index`: filters once per node class, fits per node refreshed when a
+reservation lands there, the passing nodes sorted by free memory), so a placement scores a handful
+of nodes, and a placed decision's verdicts are listed only when read. The answer is the full
+scan's, checked against :mod:`llmgw.control.placement.reference` (the placer as it was) by
+tests/unit/test_placement_index.py and bench/placement.py; figures in the index's docstring.
 
 Units: memory in GB (10^9 bytes), as ``Profile.min_memory_gb`` is; 0 reserves nothing.
 What it does not do: preemption (evicting lower-priority replicas) or ports.
