@@ -168,6 +168,19 @@ def test_indexed_placer_decides_and_explains_as_the_reference(seed: int) -> None
         assert got == want
     assert placed > 10
     assert unplaced > 0  # some explanation was of a model that fits nowhere
+    for m in models:  # the leader's dry run: one more, the model's own replicas not counted
+        dry = fast.without(m.name)
+        ref_dry = ReferencePlacer(ref.nodes, [])
+        for node_id, usage in ref.usage.items():
+            for res in usage.held:
+                if res.model != m.name:
+                    ref_dry.usage.setdefault(node_id, checks.Usage()).add(res)
+        d, r = dry.place(m), ref_dry.place(m)
+        same(d, r)
+        got = explain_view(m, decision=d, placer=dry, replicas=[], now=0.0)
+        assert got == explain_view(m, decision=r, placer=ref_dry, replicas=[], now=0.0)  # type: ignore[arg-type]
+    for m in models:  # the dry runs left the placer as it was
+        same(fast.place(m), ref.place(m))
 
 
 def test_usage_added_outside_reserve_is_seen() -> None:
@@ -179,6 +192,18 @@ def test_usage_added_outside_reserve_is_seen() -> None:
     placer.usage["b"].add(checks.Reservation("b", "other", 12.0, 0, replica="other-1"))
     d = placer.place(m)
     assert (d.node, [v.rejection.reason for v in d.verdicts]) == ("a", ["needs 6.0 GB memory, 4.0 of 16.0 GB free"])
+
+
+def test_a_dry_run_reserves_nothing() -> None:
+    nodes = [node("a", mem_gb=8)]
+    m = Model(name="m", source="file:/m.gguf", profiles=[Profile(name="cpu", min_memory_gb=6)])
+    placer = pl.Placer(nodes, [])
+    placer.reserve(m, placer.place(m), "m-1")
+    dry = placer.without("m")
+    d = dry.place(m)
+    assert (d.node, placer.place(m).node) == ("a", None)
+    with pytest.raises(ValueError, match=r"a dry-run placer \(without m\) reserves nothing"):
+        dry.reserve(m, d, "m-2")
 
 
 def test_verdicts_of_a_placed_decision_stay_as_they_were_at_the_decision() -> None:

@@ -202,6 +202,16 @@ class ProfileIndex:
                 insort(self.order, key)
         self.seen = len(log)
 
+    def copy(self, usage: dict[str, Usage]) -> ProfileIndex:
+        """This index over ``usage`` (a dry run's): the filters' outcome and verdicts shared, the
+        fits copied as they are now; the nodes whose usage differs must come through the new
+        placer's change log (from position 0)."""
+        out = ProfileIndex.__new__(ProfileIndex)
+        out.__dict__.update(self.__dict__)
+        out.usage, out.seen = usage, 0
+        out.fits, out.keys, out.order = list(self.fits), list(self.keys), list(self.order)
+        return out
+
     def best(self, model: str, weights: str, special: set[str]) -> tuple[int, int, float, str] | None:
         """The lowest score among the nodes passing now (the placer's :func:`score`), or None.
 

@@ -144,6 +144,37 @@ class Placer:
         # profile's contents do not change
         self._indexes: dict[tuple[str, int], ProfileIndex] = {}
         self._keys: dict[int, tuple[Profile, str]] = {}  # id(profile) -> (profile, its JSON)
+        self._dry_of: str | None = None  # set on a without() placer: the model left out
+
+    def without(self, model: str) -> Placer:
+        """A dry-run placer: the same nodes and every reservation except ``model``'s, to ask where
+        one more replica would go if the model's own did not count (the leader's explanation of a
+        model that has all its replicas).
+
+        It shares this placer's node classes, filters' outcomes and the fits of every node that
+        holds none of ``model``'s replicas, so it costs those few nodes, not the cluster. Read it
+        (place, explain) and drop it: it reserves nothing (:meth:`reserve_members` raises), and
+        its :attr:`usage` shares this placer's objects, so do not add to them.
+        """
+        for idx in self._indexes.values():
+            idx.sync(self._log)
+        dry = Placer.__new__(Placer)
+        dry.nodes, dry._by_id, dry._caching, dry._classes = self.nodes, self._by_id, self._caching, self._classes
+        dry._log, dry._keys, dry._dry_of = [], dict(self._keys), model
+        dry._holding = {m: set(ns) for m, ns in self._holding.items() if m != model}
+        dry.usage = dict(self.usage)
+        touched = [k for k, u in self.usage.items() if model in u.by_model]
+        for node_id in touched:
+            known = node_id in self._by_id
+            fresh = Usage(on_add=partial(dry._added, node_id)) if known else Usage()
+            for r in self.usage[node_id].held:
+                if r.model != model:
+                    fresh.add(r)
+            dry.usage[node_id] = fresh
+            if known:
+                dry._log.append(node_id)
+        dry._indexes = {key: idx.copy(dry.usage) for key, idx in self._indexes.items()}
+        return dry
 
     def _added(self, node: str, r: Reservation) -> None:
         self._log.append(node)
@@ -337,6 +368,10 @@ class Placer:
         (its memory share, the profile's cores, its cards), head first, or the one node's."""
         if decision.node is None or decision.profile is None:
             raise ValueError("only a placed decision can be reserved")
+        if self._dry_of is not None:
+            raise ValueError(
+                f"a dry-run placer (without {self._dry_of}) reserves nothing; reserve on the placer it came from"
+            )
         p = decision.profile
         if decision.members:
             out = [
