@@ -9,7 +9,7 @@ placement's definition (:class:`~llmgw.control.placement.reference.ReferencePlac
    nodes in 2 pools, 200 CPU nodes holding one model's weights), 1,000 replicas of 100 models:
    the even ones as above (GPU, else CPU), the odd ones CPU only with a zone selector (labels,
    cached weights and spread all decide). Target <= 0.5 s.
-3. ``explain_500_ms`` / ``explain_5000_ms``: one explanation of a model that fits nowhere (every
+3. ``explain_500`` / ``explain_5000`` (ms): one explanation of a model that fits nowhere (every
    node rejected, the summary and the would-fit-if list), full, Placer included; beside them the
    reference's time for the same (one round).
 
@@ -193,8 +193,8 @@ def main() -> None:
             if view != want:
                 fail(f"explain_{size}: the explanation differs from the reference's: {view.summary!r}")
         print(f"explanation over {size} nodes: {runs[0][1].summary}")
-        figures.append((f"explain_{size}_ms", spread([r[0] for r in runs], "ms", 1000, 1)))
-        figures.append((f"explain_{size}_reference_ms", f"{ref_s * 1000:.1f} ms (1 round, the placer as it was)"))
+        figures.append((f"explain_{size}", spread([r[0] for r in runs], "ms", 1000, 1)))
+        figures.append((f"explain_{size}_reference", f"{ref_s * 1000:.1f} ms (1 round, the placer as it was)"))
     loads.append(os.getloadavg()[0])
     print(f"load_average_1m: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cpus (during the figures)")
     for name, value in figures:

@@ -44,7 +44,7 @@ the 1-minute load average beside it):
   0.118 (8).
 * ``place_1000_on_5000_s``: 27.0 and 31.6 before (one run each, load 2-4); indexed 0.231 (load
   1.7), 0.244 (2.8), 0.359 (8).
-* ``explain_500_ms`` 25.2 -> 20.0 and ``explain_5000_ms`` 600 -> 400 (load 1.7): the explanation
+* ``explain_500`` 25.2 -> 20.0 ms and ``explain_5000`` 600 -> 400 ms (load 1.7): the explanation
   builds every rejection (10,000 at 5,000 nodes, two profiles), as before.
 
 Before: the placer as it was (:mod:`llmgw.control.placement.reference`, 0.77-0.85 s on 500 nodes
