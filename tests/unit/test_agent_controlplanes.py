@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
+from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s, rendezvous
 from llmgw.agent.loop.loop import Agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
@@ -204,7 +204,7 @@ async def test_killed_control_plane_the_next_beat_goes_to_another_at_once(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, c = world.cps
+    a, b, c = ranked(world.cps)  # the agent's home first
     run = await start_agent(world.config([a.url, b.url, c.url]))  # type: ignore[operator]
     await until("the agent beats at a", lambda: _n(a, 3))
     assert b.calls == []
@@ -244,7 +244,7 @@ async def test_all_down_backs_off_then_recovers_when_one_returns(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, c = world.cps
+    a, b, c = ranked(world.cps)  # the agent's home first
     run = await start_agent(world.config([a.url, b.url, c.url]))  # type: ignore[operator]
     await until("the agent beats at a", lambda: _n(a, 2))
     for cp in world.cps:
@@ -280,7 +280,7 @@ async def test_a_reply_with_a_lower_term_is_not_applied(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, _ = world.cps
+    a, b = ranked(world.cps[:2])
     world.db.desired = [_spec("r-1")]
     run = await start_agent(world.config([a.url, b.url]))  # type: ignore[operator]
     await until("r-1 runs", lambda: _has_runner(run, "r-1"))
@@ -309,18 +309,26 @@ async def test_members_named_in_replies_are_used(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, c = world.cps
-    world.db.members = [a.url, b.url + "/", c.url, "http://plain.example:7443"]
+    home, a, c = ranked(world.cps)  # ranked for node-1 over all three
+    world.db.members = [a.url, home.url + "/", c.url, "http://plain.example:7443"]
     run = await start_agent(world.config([a.url]))  # agent.yaml names a only
-    await until("the agent beats at a", lambda: _n(a, 2))
+    await until("the agent beats at a", lambda: _n(a, 1))
     # Learned, after agent.yaml's own; a non-https URL is ignored; trailing slashes do not duplicate.
-    assert run.agent.control_planes.order() == [a.url, b.url, c.url]
-    assert run.agent.state.leader == a.url
-    assert any(f"learned from {a.url}: {b.url}, {c.url}" in m for m in _messages(caplog))
-    await a.kill()
-    await until("the agent beats at b", lambda: _n(b, 2))
+    assert any(f"learned from {a.url}: {home.url}, {c.url}" in m for m in _messages(caplog))
+    # The home among every member known is the first ranked: the agent moves there at once.
+    await until("the agent beats at its home", lambda: _n(home, 2))
+    assert run.agent.control_planes.home == home.url
+    assert run.agent.control_planes.order() == [home.url, a.url, c.url]
+    await home.kill()
+    await until("the agent beats at a again", lambda: _n(a, 3))  # the next ranked, not c
     assert run.agent.failed_cycles == 0
     assert c.calls == []
+
+
+def ranked(cps: list[FakeControlPlane]) -> list[FakeControlPlane]:
+    """``cps`` in node-1's rendezvous order (its home first): the order its agent tries them in."""
+    order = rendezvous("node-1", [cp.url for cp in cps])
+    return sorted(cps, key=lambda cp: order.index(cp.url))
 
 
 def test_rotation_order_and_sticking() -> None:
