@@ -71,6 +71,11 @@ def test_the_interval_and_lost_threshold_grow_with_the_cluster(nodes: int, inter
     assert lost_after_for(interval_s, 30) == lost_s
 
 
+def test_a_short_configured_threshold_holds_at_the_floor() -> None:
+    assert lost_after_for(2.0, 1.5) == 1.5  # agents beat at agent.yaml's own interval there
+    assert lost_after_for(4.0, 1.5) == 12.0
+
+
 def test_cadence_tells_the_leader_when_the_threshold_moves() -> None:
     told: list[float] = []
     c = Cadence(50, 30, on_lost_after=told.append)

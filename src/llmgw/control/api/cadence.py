@@ -7,9 +7,10 @@ The rule is Nomad's (``max_heartbeats_per_second``, 50 by default; the TTL it ha
 - :func:`interval_for`: ``max(2 s, nodes / max_heartbeats_per_s)``: 2 s up to 100 nodes at the
   default 50/s, 10 s at 500, 40 s at 2,000, 100 s at 5,000. Agents beat at a random 80-100 % of it
   (:mod:`llmgw.agent.loop.loop`), so they do not beat in lockstep.
-- :func:`lost_after_for`: ``max(node_lost_after_s, LOST_AFTER_BEATS × interval)``: a node is
-  ``lost`` once it has been silent for three intervals (one beat missed and the next late still
-  counts as alive), never sooner than server.yaml's ``node_lost_after_s`` (30 s).
+- :func:`lost_after_for`: ``max(node_lost_after_s, LOST_AFTER_BEATS × interval)`` once the interval
+  is above its floor: a node is ``lost`` once it has been silent for three intervals (one beat
+  missed and the next late still counts as alive), never sooner than server.yaml's
+  ``node_lost_after_s`` (30 s).
 
 :class:`Cadence` keeps the node count (read from the store at most every :data:`COUNT_EVERY_S`, on
 a heartbeat, off the event loop, never awaited by it) and answers both for the current count.
@@ -52,7 +53,12 @@ def interval_for(nodes: int, max_heartbeats_per_s: float) -> float:
 
 
 def lost_after_for(interval_s: float, node_lost_after_s: float) -> float:
-    """Seconds of silence after which a node is lost: ``max(node_lost_after_s, 3 × interval_s)``."""
+    """Seconds of silence after which a node is lost: ``max(node_lost_after_s, 3 × interval_s)``
+    once the interval is above its 2 s floor; ``node_lost_after_s`` as configured at the floor
+    (agents then beat at agent.yaml's own ``heartbeat_interval_s``, which may be shorter: a test's
+    1.5 s threshold stays 1.5 s)."""
+    if interval_s <= MIN_INTERVAL_S:
+        return node_lost_after_s
     return max(node_lost_after_s, LOST_AFTER_BEATS * interval_s)
 
 
