@@ -18,7 +18,8 @@ Phases, each measured from the agents' side (request sent to reply read):
 3. ``after``: ``AFTER_S`` more seconds of plain heartbeats with 50 models and 100 replicas.
 
 Besides latency: the control plane's CPU per heartbeat (``server_cpu_ms_per_beat_*``: its CPU
-seconds over the beats answered in the phase) and the share of pulses.
+seconds over the beats answered in the phase; ``..._above_quiet_*``: less what it spends with no
+agent at all, measured for ``QUIET_S`` first) and the share of pulses.
 
 Target: ``heartbeat_p99_ms`` (the burst's p99) <= 100 ms. The figures measured before
 the fix (store and reconcile work on the event loop) are in ``llmgw.control.store.offloop``'s docstring.
@@ -66,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.helpers.control import TOKEN, make_install
 
 GB = 1_000_000_000
+QUIET_S = 4.0
 IDLE_S = 8.0
 SETTLE_S = 6.0
 AFTER_S = 10.0
@@ -191,8 +193,10 @@ async def run(agents: int, models: int) -> int:
         _, ports, contexts = install(root, agents)
         print(f"pki: {agents} client certificates in {time.perf_counter() - t:.1f} s")
         log = (root / "server.log").open("wb")
+        profile = os.environ.get("BENCH_PROFILE")  # a cProfile output path for the control plane
+        prefix = ["-m", "cProfile", "-o", profile] if profile else []
         proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
-            [sys.executable, "-m", "llmgw", "server", "run"],
+            [sys.executable, *prefix, "-m", "llmgw", "server", "run"],
             env={**os.environ, "LLMGW_ROOT": str(root)},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -215,11 +219,14 @@ async def run(agents: int, models: int) -> int:
                         print((root / "server.log").read_text()[-3000:])
                         raise SystemExit("the control plane did not start")
                     await asyncio.sleep(0.1)
+                server = psutil.Process(proc.pid)
+                cpu0 = sum(server.cpu_times()[:2])
+                await asyncio.sleep(QUIET_S)  # no agent yet: what the control plane spends on its own
+                quiet_cpu = (sum(server.cpu_times()[:2]) - cpu0) / QUIET_S
                 url = f"https://127.0.0.1:{ports['agent']}/agent/v1/heartbeat"
                 tasks = [asyncio.create_task(agent(i, c, url, samples, stop)) for i, c in enumerate(contexts)]
                 tasks.append(asyncio.create_task(lag_probe(samples, stop)))
                 await asyncio.sleep(4.0)  # every agent registered (staggered over one interval)
-                server = psutil.Process(proc.pid)
                 samples.phase = "idle"
                 cpu0 = sum(server.cpu_times()[:2])
                 await asyncio.sleep(IDLE_S)
@@ -275,6 +282,7 @@ async def run(agents: int, models: int) -> int:
     print(f"all_ready_s: {settled_s:.2f} s")
     lag = samples.lag.get("burst", [])
     print(f"load_average_1m: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"server_cpu_quiet: {quiet_cpu:.2f} cores (no agents, no models)")
     print(f"server_cpu_idle: {idle_cpu:.2f} cores")
     print(f"server_cpu_burst: {burst_cpu:.2f} cores")
     print(f"server_cpu_after: {after_cpu:.2f} cores")
@@ -285,6 +293,7 @@ async def run(agents: int, models: int) -> int:
         print(f"heartbeats_per_s_{name}: {beats / secs:.1f}")
         print(f"pulse_share_{name}: {samples.pulses.get(name, 0) / max(beats, 1):.2f}")
         print(f"server_cpu_ms_per_beat_{name}: {cores * secs * 1000 / max(beats, 1):.2f} ms")
+        print(f"server_cpu_ms_per_beat_above_quiet_{name}: {(cores - quiet_cpu) * secs * 1000 / max(beats, 1):.2f} ms")
     print(f"agents_loop_lag_p50_ms: {pct(lag, 50):.1f} ms")
     print(f"agents_loop_lag_p99_ms: {pct(lag, 99):.1f} ms")
     print(f"heartbeat_idle_p50_ms: {pct(idle, 50):.1f} ms")
