@@ -256,7 +256,7 @@ class HeartbeatReply(BaseModel):
             none leads now.
         control_planes: the agent-API URLs of every live control plane; the agent adds them to
             the list it rotates through (agent.yaml's ``servers`` stay first).
-        interval_s: seconds until the next beat: ``max(2, nodes / cluster.max_heartbeats_per_s)``
+        interval_s: seconds until the next beat: ``max(2, nodes / (0.9 × cluster.max_heartbeats_per_s))``
             (:mod:`llmgw.control.api.cadence`); the agent beats at a jittered 80-100 % of it.
         digest: the :func:`state_digest` the control plane holds for this node after this beat
             (computed from a full state, never taken from the agent); "" when it holds none.

@@ -424,6 +424,7 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
         return await send(request, reply_for(ctx, node_id, seen, beat.desired_digest, send_full=True))
     if before is None:
         log.info("node %s registered", node_id)
+        ctx.cadence.node_added()
     node_changed = hb is not None and (before is None or before.state != "ready")
     logs = (ctx.logs.take(node_id) if ctx.logs is not None else []) + wrote.logs
     reply = reply_for(ctx, node_id, seen, beat.desired_digest, digest=digest, logs=logs)
