@@ -25,7 +25,7 @@ Target: ``heartbeat_p99_ms`` (the burst's p99) <= 100 ms. The figures measured b
 the fix (store and reconcile work on the event loop) are in ``llmgw.control.store.offloop``'s docstring.
 Figures last, one ``name: value unit`` per line, ``heartbeat_p99_ms`` the last one.
 
-    .venv/bin/python bench/heartbeats.py [--agents 200] [--models 50]
+    .venv/bin/python bench/heartbeats.py [--agents 200] [--models 50] [--full] [--rate 50]
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.helpers.control import TOKEN, make_install
 
 GB = 1_000_000_000
+RATE = [50.0]  # --rate: server.yaml's cluster.max_heartbeats_per_s
+FULL = [False]  # --full: every beat a full heartbeat (as agents before pulses), for comparison
 QUIET_S = 4.0
 IDLE_S = 8.0
 SETTLE_S = 6.0
@@ -93,7 +95,7 @@ class Samples:
 
 
 def install(root: Path, agents: int) -> tuple[Paths, dict[str, int], list[ssl.SSLContext]]:
-    inst = make_install(root)
+    inst = make_install(root, cluster={"max_heartbeats_per_s": RATE[0]})
     certs = root / "agents"
     contexts = []
     for i in range(agents):
@@ -133,7 +135,7 @@ async def agent(i: int, ctx: ssl.SSLContext, url: str, samples: Samples, stop: a
             hb = heartbeat(i, desired, desired_dg)
             digest = state_digest(hb)
             full = hb.model_dump_json().encode()
-            pulse = digest == acked
+            pulse = digest == acked and not FULL[0]
             small = Pulse(digest=digest, instance=hb.instance, desired_digest=desired_dg)
             body = small.model_dump_json().encode() if pulse else full
             t = time.perf_counter()
@@ -310,7 +312,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--agents", type=int, default=200)
     ap.add_argument("--models", type=int, default=50)
+    ap.add_argument("--rate", type=float, default=50.0, help="cluster.max_heartbeats_per_s (default 50)")
+    ap.add_argument("--full", action="store_true", help="agents never send pulses (the full state every beat)")
     args = ap.parse_args()
+    FULL[0], RATE[0] = args.full, args.rate
     sys.exit(asyncio.run(run(args.agents, args.models)))
 
 
