@@ -207,8 +207,8 @@ class Pulse(BaseModel):
     Attributes:
         digest: :func:`state_digest` of the agent's current state (64 hex digits).
         instance: as :attr:`Heartbeat.instance`.
-        term: the highest leadership term this agent has seen (for the control plane's log; the
-            agent itself refuses a reply with a lower one).
+        term: the highest leadership term this agent has seen (informational: the control plane
+            does not act on it today; the agent itself refuses a reply with a lower one).
         desired_digest: as :attr:`Heartbeat.desired_digest`.
         agent_version: the agent's version.
     """

@@ -94,6 +94,9 @@ _Report = TypeVar("_Report")
 #: cluster: :mod:`llmgw.control.api.cadence`).
 HEARTBEAT_INTERVAL_S = MIN_INTERVAL_S
 
+MAX_ISSUED = 100_000
+"""Certificates whose ``notBefore`` the agent API keeps parsed (one per node; cleared past this)."""
+
 STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
 
 
@@ -117,6 +120,8 @@ class AgentContext:
         cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply.
         engines: keeps the engine metrics pages agents post; None: posts are dropped.
         seen: ``(node, serial)`` pairs this process already remembered in the store.
+        issued: a certificate's ``notBefore`` (unix s) by serial, parsed once (``strptime`` took
+            ~0.14 ms of every beat).
     """
 
     store: Store
@@ -131,6 +136,7 @@ class AgentContext:
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None
     engines: EngineMetrics | None = None
     seen: set[tuple[str, str]] = field(default_factory=set)
+    issued: dict[str, float | None] = field(default_factory=dict)
 
 
 #: Where the agent app keeps its :class:`AgentContext`.
@@ -391,7 +397,12 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
     node_id = identify(request)
     beat = await read_heartbeat(request)
     ctx.cadence.tick()
-    serial, issued_at = serial_of(request), tlsconf.issued_at(peercert_of(request))
+    serial = serial_of(request)
+    if serial not in ctx.issued:
+        if len(ctx.issued) > MAX_ISSUED:
+            ctx.issued.clear()
+        ctx.issued[serial] = tlsconf.issued_at(peercert_of(request))
+    issued_at = ctx.issued[serial]
     # Checked here, and again inside the batched write (Store.write_heartbeats, in the write
     # transaction node removal takes): a node removed meanwhile is never written back.
     pulse = isinstance(beat, Pulse)
