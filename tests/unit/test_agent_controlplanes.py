@@ -29,7 +29,7 @@ from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, back
 from llmgw.agent.loop.loop import Agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
-from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec
+from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec, state_digest
 from llmgw.tlsconf import CA, client_context, peer_common_name, server_context
 from tests.helpers.waits import until
 
@@ -66,6 +66,7 @@ class FakeControlPlane:
         self.term: int | None = None
         self.desired: list[ReplicaSpec] | None = None
         self.status = 200
+        self.reads_pulses = False  # True: acknowledges digests and reads pulses (this version)
         self.log_requests: list[LogRequest] = []
         self.port = 0
         self.runner: web.AppRunner | None = None
@@ -85,7 +86,11 @@ class FakeControlPlane:
         self.calls.append(Call(time.monotonic(), request.path, body))
         if request.path == "/agent/v1/logs":
             return web.json_response({})
-        Heartbeat.model_validate_json(body)
+        doc = json.loads(body)
+        if "inventory" not in doc and not self.reads_pulses:  # an older control plane's answer to a pulse
+            return web.json_response({"error": {"code": "invalid_heartbeat", "message": "inventory: Field required"}},
+                                     status=400)
+        digest = doc["digest"] if "inventory" not in doc else state_digest(Heartbeat.model_validate_json(body))
         if self.status != 200:
             err = {"error": {"code": "store_unavailable", "message": "the database does not answer"}}
             return web.json_response(err, status=self.status)
@@ -99,6 +104,7 @@ class FakeControlPlane:
             leader=self.db.members[0] if self.db.members else "",
             control_planes=self.db.members,
             log_requests=self.log_requests,
+            digest=digest if self.reads_pulses else "",
         )
         self.log_requests = []
         return web.json_response(json.loads(reply.model_dump_json()))
@@ -323,6 +329,29 @@ async def test_members_named_in_replies_are_used(
     await until("the agent beats at a again", lambda: _n(a, 3))  # the next ranked, not c
     assert run.agent.failed_cycles == 0
     assert c.calls == []
+
+
+async def test_a_pulse_to_a_control_plane_that_reads_none_is_followed_by_the_full_state(
+    world: World, start_agent: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    a, b = ranked(world.cps[:2])
+    a.reads_pulses = True  # upgraded; b is not (a rolling upgrade)
+    run = await start_agent(world.config([a.url, b.url]))  # type: ignore[operator]
+    await until("pulses at a", lambda: asyncio.sleep(0, sum(_pulse(c) for c in a.beats()) >= 2))
+    a.status = 503
+    await until("two beats at b", lambda: _n(b, 2))
+    first, second = b.beats()[:2]
+    assert (_pulse(first), _pulse(second)) == (True, False)  # the pulse refused, the full state at once
+    assert run.agent.failed_cycles == 0
+    assert run.agent.control_planes.current == b.url
+    assert any(f"control plane {b.url} reads no pulses" in m for m in _messages(caplog))
+    await until("more beats at b", lambda: _n(b, 4))
+    assert not any(_pulse(c) for c in b.beats()[2:])  # b acknowledges no digest: full beats from now on
+
+
+def _pulse(call: Call) -> bool:
+    return b"inventory" not in call.body
 
 
 def ranked(cps: list[FakeControlPlane]) -> list[FakeControlPlane]:
