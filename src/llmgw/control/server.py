@@ -64,6 +64,7 @@ from llmgw.adminclient import connect_host
 from llmgw.config import ServerConfig, check_token_length, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
+from llmgw.control.api.cadence import Cadence
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.keys import add_key_routes
@@ -408,12 +409,23 @@ async def serve(
     counted = asyncio.Event()
     counting: asyncio.Task[None] | None = None
 
+    def lost_after(seconds: float) -> None:
+        """The cadence's new lost threshold (the cluster grew or shrank): the leader's from now on."""
+        for running in wakes.leaders:
+            running.node_lost_after_s = seconds
+
+    # The heartbeat interval and node-lost threshold, sized by the node count (control/api/cadence.py).
+    cadence = Cadence(
+        config.cluster.max_heartbeats_per_s, config.node_lost_after_s,
+        count=lambda: db.read(store.count_nodes), on_lost_after=lost_after,
+    )
+
     async def lead(term: int, ended: asyncio.Event) -> None:
         """The reconcilers of one term, on the store fenced by it; cancelled when leadership ends."""
         fenced = store.fenced(term)
         leader = Leader(
             fenced,
-            node_lost_after_s=config.node_lost_after_s,
+            node_lost_after_s=cadence.lost_after_s,
             backoff_reset_s=config.backoff_reset_s,
             on_change=routes.request,
             db=work,
@@ -460,7 +472,7 @@ async def serve(
                 config.agent_listen,
                 build_agent_app(
                     store, on_heartbeat=wakes.heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs,
-                    db=db, on_node=wakes.node_came, cluster=members.reply_fields, engines=engines,
+                    db=db, on_node=wakes.node_came, cluster=members.reply_fields, engines=engines, cadence=cadence,
                 ),
                 tls,
             ),

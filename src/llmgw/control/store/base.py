@@ -47,7 +47,9 @@ from llmgw.control.store.rows import (
     HeartbeatRead,
     LeaderRow,
     ModelRow,
+    NodeLiveness,
     NodeRow,
+    PulseRead,
     RateDelta,
     ReplicaRow,
     ReportResult,
@@ -274,15 +276,32 @@ class Store(abc.ABC):
         models = {name: row.model for name in {r.model for r in replicas} if (row := self.get_model(name))}
         return HeartbeatRead(None, self.get_node(node_id), replicas, models)
 
+    def read_pulse(self, node_id: str, serial: str, issued_at: float | None) -> PulseRead:
+        """What a pulse reads: as :meth:`read_heartbeat`, with the node's liveness columns
+        (:class:`NodeLiveness`) instead of its whole row (here read whole and cut down)."""
+        got = self.read_heartbeat(node_id, serial, issued_at)
+        n = got.before
+        before = NodeLiveness(n.id, n.state, n.instance, n.last_seen, n.digest) if n is not None else None
+        return PulseRead(got.refused, before, got.replicas, got.models)
+
+    def count_nodes(self) -> int:
+        """How many nodes are stored, in any state (here by listing them)."""
+        return len(self.list_nodes())
+
     def write_heartbeats(self, beats: Sequence[BeatWrite]) -> list[BeatResult]:
         """Everything heartbeats write (one write transaction for the batch in a backend that
         overrides it; here over the single writes), one result per beat, in order: for each, the
         certificate checked again (:meth:`record_heartbeats`' rules, in the write transaction node
         removal takes), its serial remembered (``note``, :meth:`note_cert`), the heartbeat
         recorded, its replica reports applied (:meth:`apply_reports`) and, when ``logs``, the log
-        requests queued for the node taken (:meth:`take_log_requests`). A refused beat writes nothing."""
+        requests queued for the node taken (:meth:`take_log_requests`). A refused beat writes nothing.
+        A pulse (``hb`` None) is answered :attr:`BeatResult.stale` here (its agent sends its full
+        state): correct, not cheap; a backend overrides this with a conditional ``last_seen`` write."""
         out = []
         for b in beats:
+            if b.hb is None:
+                out.append(BeatResult(None, stale=True))
+                continue
             if b.note and b.serial and self.refused_cert(b.node_id, b.serial, b.issued_at) is None:
                 self.note_cert(b.node_id, b.serial, b.now)
             (refused,) = self.record_heartbeats([(b.node_id, b.hb, b.now, b.serial)])

@@ -70,6 +70,8 @@ nodes_t = sa.Table(
     sa.Column("last_seen", sa.Float, nullable=False),
     sa.Column("instance", sa.String(64), nullable=False, server_default=""),  # migration 2
     sa.Column("cached", sa.Text, nullable=False, server_default="[]"),  # migration 2: ["model/version"]
+    # migration 11: protocol.state_digest of the last full heartbeat stored ("": none since)
+    sa.Column("digest", sa.String(64), nullable=False, server_default=""),
 )
 
 replicas_t = sa.Table(
@@ -395,6 +397,13 @@ def _migration_9(conn: Connection) -> None:
     _add_column(conn, "api_keys", sa.Column("priority", sa.Integer, nullable=False, server_default="0"))
 
 
+def _migration_11(conn: Connection) -> None:
+    """``nodes.digest``: :func:`llmgw.protocol.state_digest` of the node's last full heartbeat,
+    computed by the control plane; nodes stored before it hold "" (their agents' first pulse is
+    answered ``send_full``)."""
+    _add_column(conn, "nodes", sa.Column("digest", sa.String(64), nullable=False, server_default=""))
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -406,6 +415,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (7, _migration_7),
     (8, _migration_8),
     (9, _migration_9),
+    (11, _migration_11),  # 10 is the autoscaling's (issue 23)
 ]
 
 
