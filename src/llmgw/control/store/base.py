@@ -44,6 +44,8 @@ from llmgw.control.store.rows import (
     BeatWrite,
     BrokenModel,
     ControlPlaneRow,
+    DecisionRow,
+    GatewayLoadRow,
     HeartbeatRead,
     LeaderRow,
     ModelRow,
@@ -441,6 +443,34 @@ class Store(abc.ABC):
     ) -> list[UsageDelta]:
         """Usage rows from ``since_day`` to ``until_day`` (inclusive; None: no end), of one key and/or one
         model when given; ordered by day, key, model."""
+
+    # --- autoscaling (migration 10) ---
+
+    @abc.abstractmethod
+    def write_gateway_load(self, control_plane: str, rows: Sequence[GatewayLoadRow], *, now: float,
+                           keep_s: float = 60.0) -> None:
+        """Replace ``control_plane``'s ``gateway_load`` rows by ``rows`` in one transaction (a model
+        it no longer has load for goes), and delete any control plane's rows older than ``keep_s``."""
+
+    @abc.abstractmethod
+    def read_gateway_load(self, *, since: float) -> list[GatewayLoadRow]:
+        """Every control plane's rows written at ``since`` or later."""
+
+    @abc.abstractmethod
+    def add_decision(self, row: DecisionRow, *, keep: int = 100) -> None:
+        """Record an autoscaling decision; only the newest ``keep`` of its model are kept."""
+
+    @abc.abstractmethod
+    def list_decisions(self, model: str, *, limit: int = 100) -> list[DecisionRow]:
+        """``model``'s decisions, newest first, at most ``limit``."""
+
+    @abc.abstractmethod
+    def last_decisions(self) -> dict[str, DecisionRow]:
+        """The newest decision of every model that has one (the wanted count it set)."""
+
+    @abc.abstractmethod
+    def forget_decisions(self, model: str) -> None:
+        """Delete ``model``'s decisions (the model was deleted, or its autoscaling turned off)."""
 
 
 def report_updates(

@@ -70,6 +70,7 @@ from llmgw.control.store.sqlbeats import (
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.control.store.sqlkeys import SqlKeys
 from llmgw.control.store.sqllogs import SqlLogs
+from llmgw.control.store.sqlscale import SqlScale
 from llmgw.errors import Conflict, Fenced, Revoked, StoreError
 from llmgw.protocol import Heartbeat
 from llmgw.views import ExplainView
@@ -80,7 +81,7 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
-class SqlStore(SqlBeats, SqlKeys, SqlLogs, Store):
+class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
     """The store on a SQLAlchemy engine. Open with :meth:`open` (or
     :func:`llmgw.control.store.open_store`).
 
