@@ -13,7 +13,9 @@
 3. the **election** (:mod:`llmgw.control.reconcile.election`: PostgreSQL, a session advisory lock
    with a written lease and a term; SQLite, this process) and **membership**
    (:mod:`llmgw.control.reconcile.membership`: this control plane's row, the others', the term);
-4. while, and only while, this control plane leads: the **leader** loop and the judge keeper, on a
+4. while, and only while, this control plane leads: the **leader** loop, the autoscaler
+   (:mod:`~llmgw.control.reconcile.autoscale`; every control plane writes its gateway's load for it
+   each second) and the judge keeper, on a
    store fenced by the term (:meth:`~llmgw.control.store.base.Store.fenced`), cancelled at once
    when leadership ends.
 
@@ -76,7 +78,9 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.load import LOAD
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.reconcile.autoscale import Autoscaler, LoadReporter
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
@@ -418,8 +422,11 @@ async def serve(
         )
         wakes.leaders[:] = [leader]
         keeper = _keeper(fenced, config, wakes.changed, _mirror_token(paths, token))
+        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided)
         try:
-            await asyncio.gather(leader.run(ended), *([keeper.run(ended)] if keeper is not None else []))
+            await asyncio.gather(
+                leader.run(ended), scaler.run(ended), *([keeper.run(ended)] if keeper is not None else [])
+            )
         finally:
             wakes.leaders.clear()
 
@@ -473,6 +480,7 @@ async def serve(
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
+        reporter = LoadReporter(store, db, name, apps[2][2][LOAD])  # the gateway's load, every second
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
@@ -494,7 +502,8 @@ async def serve(
             on_started(bound)
         await members.tick()  # the first heartbeat replies name this control plane
         await asyncio.gather(
-            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop)
+            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop),
+            reporter.run(stop),
         )
     finally:
         for sig in signals:

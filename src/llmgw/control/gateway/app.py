@@ -62,7 +62,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -72,6 +72,7 @@ from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, 
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.load import LOAD, LoadCounter
 from llmgw.control.gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -147,6 +148,7 @@ class _Gateway:
     inspector: Inspector | None
     observe: Callable[[Exchange], None] | None
     limiter: Limiter | None = None
+    load: LoadCounter = field(default_factory=LoadCounter)  # in flight per model, for autoscaling
 
     # -- key -----------------------------------------------------------------------------------
     def authenticate(self, request: web.Request, kind: str) -> Caller | web.Response:
@@ -318,27 +320,29 @@ class _Gateway:
                     if refusal is not None:
                         out = refusal_response(refusal)
                         code, blocked = refusal.code, refusal.code == "content_blocked"
-                    elif stream:
-                        out = await relay_stream(
-                            request,
-                            self.pool,
-                            route,
-                            requested=requested,
-                            body=raw,
-                            request_json=body,
-                            trace=trace,
-                            inspector=self.inspector,
-                        )
                     else:
-                        out = await relay_plain(
-                            self.pool,
-                            route,
-                            requested=requested,
-                            body=raw,
-                            request_json=body,
-                            trace=trace,
-                            inspector=self.inspector,
-                        )
+                        with self.load.holding(model):
+                            if stream:
+                                out = await relay_stream(
+                                    request,
+                                    self.pool,
+                                    route,
+                                    requested=requested,
+                                    body=raw,
+                                    request_json=body,
+                                    trace=trace,
+                                    inspector=self.inspector,
+                                )
+                            else:
+                                out = await relay_plain(
+                                    self.pool,
+                                    route,
+                                    requested=requested,
+                                    body=raw,
+                                    request_json=body,
+                                    trace=trace,
+                                    inspector=self.inspector,
+                                )
         except web.HTTPRequestEntityTooLarge:
             code = "request_too_large"
             out = openai_error_json(
@@ -600,6 +604,8 @@ def build_gateway_app(
         observe=observe,
         limiter=limiter,
     )
+
+    app[LOAD] = gw.load  # the autoscaler's signal (control/reconcile/autoscale.py reads it)
 
     async def _lifecycle(_: web.Application) -> AsyncIterator[None]:
         await pool.start()

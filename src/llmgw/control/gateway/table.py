@@ -95,7 +95,9 @@ def build_routes(
     for m in models:
         mine = by_model.get(m.name, [])
         ready = tuple(
-            Upstream(r.id, r.endpoint, r.key) for r in mine if r.state == ReplicaState.READY and r.endpoint
+            Upstream(r.id, r.endpoint, r.key)
+            for r in mine
+            if r.state == ReplicaState.READY and r.endpoint and r.draining_since is None  # draining: routed no more
         )
         routes[m.name] = Route(
             model=m.name,

@@ -1,0 +1,83 @@
+"""The gateway's load per model, for autoscaling: requests in flight and queued, read once a second.
+
+:class:`ModelLoad` is what one control plane's gateway carries for one model at one moment;
+a :data:`LoadSource` is any callable that returns them by model name. The control plane writes what
+its source returns to the store every second (:class:`~llmgw.control.reconcile.autoscale.LoadReporter`),
+and the leader sums the fresh rows of every control plane.
+
+:class:`LoadCounter` is today's source: the gateway's request handler enters it when a request is
+about to be sent to a replica and leaves it when the answer is over (relayed, failed or cancelled),
+so ``in_flight`` counts requests an engine holds or is about to. It knows no replica ids and no
+queue (``queued`` 0, ``replicas`` empty); the balancer and the fair queue of the routing work give
+both, per replica, through the same :data:`LoadSource` shape.
+
+Counting costs a dict lookup and an integer add per request on the event loop; no lock (one loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One gateway's load for one model now.
+
+    Attributes:
+        in_flight: requests sent (or about to be sent) to a replica and not yet answered.
+        queued: requests waiting at the gateway for a free slot (0 without a queue).
+        replicas: in flight per replica id, where the source knows it (``{}`` otherwise).
+    """
+
+    in_flight: int = 0
+    queued: int = 0
+    replicas: Mapping[str, int] = field(default_factory=dict)
+
+
+#: What the autoscaler's reporter reads once a second: ``{model name: ModelLoad}`` (models without
+#: load may be left out). Must return at once, on the event loop.
+LoadSource = Callable[[], Mapping[str, ModelLoad]]
+
+
+class LoadCounter:
+    """Requests in flight per model, counted by the gateway's request handler (module docstring).
+
+    Example::
+
+        >>> c = LoadCounter()
+        >>> with c.holding("chat"):
+        ...     c()["chat"].in_flight
+        1
+        >>> c()
+        {}
+    """
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+
+    @contextmanager
+    def holding(self, model: str) -> Iterator[None]:
+        """Count one request of ``model`` in flight for the ``with`` block (left on any exit)."""
+        self._in_flight[model] = self._in_flight.get(model, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[model] - 1
+            if left:
+                self._in_flight[model] = left
+            else:
+                del self._in_flight[model]
+
+    def __call__(self) -> dict[str, ModelLoad]:
+        """The :data:`LoadSource`: every model with a request in flight."""
+        return {m: ModelLoad(in_flight=n) for m, n in self._in_flight.items()}
+
+
+#: The gateway app's :class:`LoadCounter` (``app[LOAD]``), set by
+#: :func:`~llmgw.control.gateway.app.build_gateway_app`.
+LOAD: web.AppKey[LoadCounter] = web.AppKey("llmgw_load", LoadCounter)
+
