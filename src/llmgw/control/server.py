@@ -78,9 +78,9 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
-from llmgw.control.gateway.load import LOAD
+from llmgw.control.gateway.load import LOAD, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
-from llmgw.control.reconcile.autoscale import Autoscaler, LoadReporter
+from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url

@@ -2,7 +2,7 @@
 
 :class:`ModelLoad` is what one control plane's gateway carries for one model at one moment;
 a :data:`LoadSource` is any callable that returns them by model name. The control plane writes what
-its source returns to the store every second (:class:`~llmgw.control.reconcile.autoscale.LoadReporter`),
+its source returns to the store every second (:class:`LoadReporter`),
 and the leader sums the fresh rows of every control plane.
 
 :class:`LoadCounter` is today's source: the gateway's request handler enters it when a request is
@@ -16,11 +16,24 @@ Counting costs a dict lookup and an integer add per request on the event loop; n
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.rows import GatewayLoadRow
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two writes of a control plane's load (the issue: at least every second).
+REPORT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,3 +94,46 @@ class LoadCounter:
 #: :func:`~llmgw.control.gateway.app.build_gateway_app`.
 LOAD: web.AppKey[LoadCounter] = web.AppKey("llmgw_load", LoadCounter)
 
+
+class LoadReporter:
+    """Writes this control plane's gateway load to the store every :data:`REPORT_EVERY_S`
+    (on every control plane), off the event loop.
+
+    Args:
+        store: the (unfenced) store.
+        db: the pool with a deadline that store calls run on.
+        name: ``cluster.name``.
+        source: the gateway's :data:`~llmgw.control.gateway.load.LoadSource`.
+        clock: unix seconds.
+    """
+
+    def __init__(self, store: Store, db: OffLoop, name: str, source: LoadSource,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store, self.db, self.name, self.source, self.clock = store, db, name, source, clock
+        self._failed = False
+
+    def rows(self, now: float) -> list[GatewayLoadRow]:
+        """What :meth:`tick` writes: one row per model with load (on the loop: memory only)."""
+        return [
+            GatewayLoadRow(self.name, model, ml.in_flight, ml.queued, now, dict(ml.replicas))
+            for model, ml in sorted(self.source().items())
+        ]
+
+    async def tick(self) -> None:
+        """One write; a failure is logged once until a write succeeds again."""
+        now = self.clock()
+        try:
+            await self.db.run(self.store.write_gateway_load, self.name, self.rows(now), now=now)
+        except Exception as e:
+            if not self._failed:
+                log.warning("control plane %s: its gateway load cannot be written: %s", self.name, e)
+            self._failed = True
+            return
+        self._failed = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """:meth:`tick` every :data:`REPORT_EVERY_S` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.tick()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)

@@ -1,9 +1,9 @@
 """Autoscaling: how many replicas a model wants, decided by the leader from the gateways' load.
 
 **The signal.** Every control plane's gateway counts, per model, requests in flight and queued
-(:data:`~llmgw.control.gateway.load.LoadSource`); :class:`LoadReporter` writes them to the store
-every :data:`REPORT_EVERY_S` (one transaction: its rows replaced), on every control plane, leader or
-not (HA: every control plane serves traffic).
+(:data:`~llmgw.control.gateway.load.LoadSource`); :class:`~llmgw.control.gateway.load.LoadReporter`
+writes them to the store every second (one transaction: its rows replaced), on every control
+plane, leader or not (HA: every control plane serves traffic).
 
 **The decision** (:class:`Autoscaler`, run by the leader beside its reconcile loop): every
 :data:`TICK_S` it reads the rows written within :data:`FRESH_S`, sums them per model into one
@@ -52,7 +52,6 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from llmgw.catalog import Model, Scaling, scaling_target
-from llmgw.control.gateway.load import LoadSource
 from llmgw.control.store import ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import DecisionRow, GatewayLoadRow
@@ -62,9 +61,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Seconds between two writes of a control plane's load (the issue: at least every second).
-REPORT_EVERY_S = 1.0
-#: Seconds between two decisions; with :data:`REPORT_EVERY_S` a load step is seen within ~1.5 s.
+#: Seconds between two decisions; with the gateways' writes every second
+#: (:data:`~llmgw.control.gateway.load.REPORT_EVERY_S`) a load step is seen within ~1.5 s.
 TICK_S = 0.5
 #: A load row older than this (s) is not counted: three missed writes, its control plane is gone.
 FRESH_S = 3.0
@@ -214,50 +212,6 @@ def sum_load(rows: Sequence[GatewayLoadRow]) -> dict[str, float]:
     for r in rows:
         out[r.model] = out.get(r.model, 0.0) + r.in_flight + r.queued
     return out
-
-
-class LoadReporter:
-    """Writes this control plane's gateway load to the store every :data:`REPORT_EVERY_S`
-    (on every control plane), off the event loop.
-
-    Args:
-        store: the (unfenced) store.
-        db: the pool with a deadline that store calls run on.
-        name: ``cluster.name``.
-        source: the gateway's :data:`~llmgw.control.gateway.load.LoadSource`.
-        clock: unix seconds.
-    """
-
-    def __init__(self, store: Store, db: OffLoop, name: str, source: LoadSource,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.store, self.db, self.name, self.source, self.clock = store, db, name, source, clock
-        self._failed = False
-
-    def rows(self, now: float) -> list[GatewayLoadRow]:
-        """What :meth:`tick` writes: one row per model with load (on the loop: memory only)."""
-        return [
-            GatewayLoadRow(self.name, model, ml.in_flight, ml.queued, now, dict(ml.replicas))
-            for model, ml in sorted(self.source().items())
-        ]
-
-    async def tick(self) -> None:
-        """One write; a failure is logged once until a write succeeds again."""
-        now = self.clock()
-        try:
-            await self.db.run(self.store.write_gateway_load, self.name, self.rows(now), now=now)
-        except Exception as e:
-            if not self._failed:
-                log.warning("control plane %s: its gateway load cannot be written: %s", self.name, e)
-            self._failed = True
-            return
-        self._failed = False
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """:meth:`tick` every :data:`REPORT_EVERY_S` until ``stop`` is set."""
-        while not stop.is_set():
-            await self.tick()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)
 
 
 class Autoscaler:
