@@ -142,7 +142,7 @@ def decide(
     panic_avg, _ = _mean(samples, now - scaling.panic_window_s)
     newest = samples[-1].load if samples and samples[-1].at > now - NEWEST_S else 0.0
     burst = max(panic_avg, newest)
-    last_load_at = now if burst > 0 else state.last_load_at
+    last_load_at = now if newest > 0 else state.last_load_at  # a sample with a request in flight or queued
     capacity = ready * target
     panicking = burst > 0 and (ready == 0 or burst >= 2 * capacity)
     panic_until = now + scaling.stable_window_s if panicking else state.panic_until
