@@ -93,6 +93,7 @@ from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import ConfigError, PkiError, PortInUseError
+from llmgw.guard.config import closed_judges
 from llmgw.httperrors import SERVER_LOG
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
@@ -286,6 +287,7 @@ def _admin_app(
     app = build_admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
         max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
+        closed_judges=closed_judges(config.guard),
     )
     mirror_token = _mirror_token(paths, token)
     serve = None

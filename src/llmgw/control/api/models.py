@@ -132,7 +132,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 def within_limit(ctx: AdminContext, model: Model) -> Model:
-    """``model``, or 400 ``invalid_model`` when its scaling exceeds ``max_replicas_per_model``."""
+    """``model``, or 400 ``invalid_model`` when its scaling exceeds ``max_replicas_per_model``, or
+    when it judges a ``fail: closed`` guard policy and its ``scaling.min`` is 0."""
     max_replicas_per_model = ctx.max_replicas_per_model
     top = max(model.scaling.min, model.scaling.max)
     if top > max_replicas_per_model:
@@ -140,6 +141,14 @@ def within_limit(ctx: AdminContext, model: Model) -> Model:
             400, "invalid_model",
             f"scaling: {top} replicas is more than this cluster's limit of {max_replicas_per_model} "
             "per model (max_replicas_per_model in server.yaml)",
+        )
+    policy = next((ctx.closed_judges[n] for n in (model.name, *model.aliases) if n in ctx.closed_judges), None)
+    if policy is not None and model.scaling.min == 0:
+        raise HttpError(
+            400, "invalid_model",
+            f"scaling.min: 0 is refused for '{model.name}': it judges the guard policy '{policy}', which "
+            "fails closed (every request it guards would be refused while a judge starts from zero); "
+            "set scaling.min to 1 or more",
         )
     return model
 
