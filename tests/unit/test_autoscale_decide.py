@@ -171,5 +171,5 @@ def test_bad_fields_name_the_field(field: str, value: object, says: str) -> None
 
 
 def test_panic_window_longer_than_stable_is_refused() -> None:
-    with pytest.raises(ValidationError, match="scaling.panic_window_s 90 is longer than scaling.stable_window_s 60"):
+    with pytest.raises(ValidationError, match=r"scaling\.panic_window_s 90 is longer than scaling\.stable_window_s 60"):
         Scaling(panic_window_s=90.0)

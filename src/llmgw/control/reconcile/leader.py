@@ -587,9 +587,8 @@ class Leader:
             placer_for_view, decision = dry, dry.place(model)
         else:
             placer_for_view = placer
-        view = explain_view(
-            model, decision=decision, placer=placer_for_view, replicas=[(r.id, _where(r)) for r in mine], now=now
-        )
+        view = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
+                            replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None])
         self._store_explanation(view, now)
         result.explanations[model.name] = view
         return replicas
