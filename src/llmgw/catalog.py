@@ -30,9 +30,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -169,6 +171,8 @@ MAX_WINDOW_S = 86_400.0
 """An autoscaling window or delay at most (seconds): a day. A window of ``1e9`` s is a typo, and
 the leader keeps a sample per second of the stable window in memory."""
 
+_AUTOSCALE_FIELDS = ("target", "stable_window_s", "panic_window_s", "scale_down_after_s", "scale_to_zero_after_s")
+
 _Target = Annotated[float, Field(strict=True, gt=0, le=MAX_TARGET)]
 _Window = Annotated[float, Field(strict=True, ge=1.0, le=MAX_WINDOW_S)]
 
@@ -207,6 +211,16 @@ class Scaling(_Strict):
                 f"{self.stable_window_s:g}; the panic window is the short one (Knative: 6 s of 60 s)"
             )
         return self
+
+    @model_serializer(mode="wrap")
+    def _lean(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """``min`` and ``max`` always; the autoscaling fields only where set away from their defaults,
+        so a catalog without autoscaling reads (and is stored) as before them."""
+        out: dict[str, object] = handler(self)
+        for name in _AUTOSCALE_FIELDS:
+            if name in out and getattr(self, name) == Scaling.model_fields[name].default:
+                del out[name]
+        return out
 
     @property
     def autoscaled(self) -> bool:
