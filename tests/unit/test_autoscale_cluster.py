@@ -26,6 +26,7 @@ from aiohttp import web
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
 from tests.helpers.waits import until
+from tests.unit.test_ui import _login
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BODY = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
@@ -184,6 +185,12 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
         code, out = await _ctl(inst, "models")
         assert code == 0, out
         assert "WANTED" in out
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as c:
+            await _login(c, inst.admin)
+            page = await (await c.get(inst.admin + "/ui/models/chat")).text()
+        assert "Replicas (1 ready of 4 wanted)" in page  # the 3 new ones not reported ready yet
+        assert "4 wanted (scaling 1..4), 1 ready, 0 draining" in page
+        assert "scaled 1 → 4: 4.0 in flight per replica over 6 s, target 1, panic" in page
         print(f"scale_up_reaction_s: {took:.3f}")
 
 

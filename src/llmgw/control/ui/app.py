@@ -33,7 +33,7 @@ from llmgw.control.ui import auth, pages
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.throttle import GLOBAL, DeviceCookies, LoginThrottle, address_key, retry_after
 from llmgw.errors import ApiError, UnreachableError
-from llmgw.views import ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
+from llmgw.views import AutoscaleView, ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
 
 log = logging.getLogger(__name__)
 
@@ -311,12 +311,14 @@ async def overview(request: web.Request) -> web.Response:
 
 
 async def model(request: web.Request) -> web.Response:
-    """A model: its profiles, replicas, placement's explanation, scale and restart, a log tail."""
+    """A model: its profiles, replicas, placement's explanation, autoscaling's last decisions, scale
+    and restart, a log tail."""
     name = request.match_info["name"]
     api = _api(request)
     m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
-    replicas_j, explain_j = await asyncio.gather(
-        api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name)
+    replicas_j, explain_j, scale_j = await asyncio.gather(
+        api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name),
+        api.get(f"/api/v1/models/{_segment(m.name)}/autoscale"),
     )
     replicas = [ReplicaView.model_validate(r) for r in replicas_j]
     placed = [r for r in replicas if r.node]
@@ -328,6 +330,7 @@ async def model(request: web.Request) -> web.Response:
         "profiles": (m.spec or {}).get("profiles", []) if isinstance(m.spec, dict) else [],
         "replicas": replicas,
         "explain": ExplainView.model_validate(explain_j),
+        "autoscale": AutoscaleView.model_validate(scale_j),
         "log_replica": chosen,
         "placed": placed,
     }
