@@ -55,7 +55,8 @@ async def test_bad_scaling_fields_are_a_400_naming_the_field(
     r = await client.post("/api/v1/models", json=_model(**scaling), headers=AUTH)
     assert r.status == 400, await r.text()
     msg = (await r.json())["error"]["message"]
-    assert msg.startswith(f"{field}: ") and says in msg, msg
+    assert msg.startswith(f"{field}: "), msg
+    assert says in msg, msg
     r = await client.post("/api/v1/models", json=_model(), headers=AUTH)
     assert r.status == 201
     r = await client.patch("/api/v1/models/chat", json={"scaling": scaling}, headers=AUTH)
