@@ -121,3 +121,27 @@ def test_a_scale_up_that_does_not_fit_explains_and_evicts_nothing(tmp_path: Path
     assert view.summary == "0/1 nodes can run it: 1 not enough memory", view.summary
     assert view.would_fit_if == [f"free 2.0 GB on node-1 by stopping replica {store.list_replicas(model='chat')[0].id} "
                                  "(chat, 3.0 GB)"]  # today's explanation, as for a scaling.min that does not fit
+
+
+def test_decisions_go_with_the_model_and_with_its_autoscaling(tmp_path: Path) -> None:
+    """A model no longer autoscaled keeps scaling.min (its decisions forgotten), and so does one
+    deleted and added again under its name."""
+    store = _store(tmp_path)
+    scaler = Autoscaler(store)
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "chat", 8, 0, T0 + 1)], now=T0 + 1)
+    assert [d.to_n for d in scaler.tick_once(T0 + 1.2)] == [4]
+    row = store.get_model("chat")
+    assert row is not None
+    spec = row.model.model_dump(mode="json")
+    spec["scaling"] = {"min": 2, "max": 2}
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 2)
+    scaler.tick_once(T0 + 2.5)
+    assert store.last_decisions() == {}
+    spec["scaling"] = {"min": 1, "max": 5}
+    row = store.get_model("chat")
+    assert row is not None
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 3)
+    # from scaling.min again (target now the default 4 slots; the load of 8 is still fresh)
+    assert scaler.tick_once(T0 + 3.5)[0].reason.startswith("scaled 1 → 2: 8.0 in flight")
+    assert store.delete_model("chat")
+    assert store.last_decisions() == {}

@@ -250,6 +250,9 @@ class Autoscaler:
             d = last.get(m.name)
             if d is None:
                 continue
+            if not m.scaling.autoscaled:
+                self.store.forget_decisions(m.name)
+                continue
             panic_until = d.at + m.scaling.stable_window_s if d.panic else 0.0
             self.states[m.name] = ScaleState(wanted=d.to_n, panic_until=panic_until, last_load_at=now)
 
@@ -271,7 +274,10 @@ class Autoscaler:
             self.samples.pop(gone, None)
         for m in models:
             if not m.scaling.autoscaled:
-                states.pop(m.name, None)
+                if states.pop(m.name, None) is not None:
+                    # Autoscaled no more: its count is scaling.min from now on, and a later return to
+                    # autoscaling starts from there, not from a stale decision.
+                    self.store.forget_decisions(m.name)
                 self.samples.pop(m.name, None)
                 continue
             q = self.samples.setdefault(m.name, deque())
@@ -279,6 +285,7 @@ class Autoscaler:
             while q and q[0].at <= now - m.scaling.stable_window_s:
                 q.popleft()
             state = states.get(m.name) or ScaleState(wanted=m.scaling.min, last_load_at=now)
+            states[m.name] = state  # known from now on (even before its first decision)
             verdict = decide(m.scaling, scaling_target(m), q, ready.get(m.name, 0), state, now)
             states[m.name] = verdict.state
             if verdict.reason:

@@ -445,7 +445,7 @@ class Leader:
         leaving = sorted((r for r in mine if r.draining_since is not None), key=lambda r: (r.created_at, r.id))
         back = max(wanted - len(active), 0)
         now_rows: dict[str, ReplicaRow | None] = {}
-        for r in drainer.to_drain(active, wanted):
+        for r in drainer.to_drain(active, wanted) if model.scaling.autoscaled else []:
             now_rows[r.id] = self._write(r, now)
             log.info("replica %s of %s: draining (%d wanted)", r.id, model.name, wanted)
         for r in reversed(leaving[:back]):
@@ -538,7 +538,7 @@ class Leader:
         result: PassResult,
     ) -> list[ReplicaRow]:
         mine = [r for r in replicas if r.model == model.name]
-        if model.scaling.autoscaled:  # above the wanted count (max at most): drained, not deleted
+        if model.scaling.autoscaled or any(r.draining_since is not None for r in mine):  # drained, not deleted
             replicas, mine = self._drain(model, replicas, mine, now, result)
         # Above max: the newest go first (the oldest are the likeliest to be ready).
         by_age = sorted(mine, key=lambda r: (r.created_at, r.id))

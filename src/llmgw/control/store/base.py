@@ -129,8 +129,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_model(self, name: str) -> bool:
-        """Delete the entry, its names and its explanation; True when there was one. Its replicas
-        go at the leader's next pass (the agents then stop them)."""
+        """Delete the entry, its names, its explanation and its autoscaling decisions; True when there
+        was one. Its replicas go at the leader's next pass (the agents then stop them)."""
 
     # --- nodes ---
 

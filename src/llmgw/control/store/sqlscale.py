@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from llmgw.control.store.rows import DecisionRow, GatewayLoadRow
 from llmgw.control.store.schema import autoscale_decisions_t, gateway_load_t
@@ -81,7 +82,13 @@ class SqlScale(SqlPart):
 
     def forget_decisions(self, model: str) -> None:
         with self._wtx() as conn:
-            conn.execute(autoscale_decisions_t.delete().where(autoscale_decisions_t.c.model == model))
+            forget_model(conn, model)
+
+
+def forget_model(conn: Connection, model: str) -> None:
+    """In ``conn``'s transaction: delete ``model``'s decisions (it is being deleted; a model added
+    again under its name starts from ``scaling.min``)."""
+    conn.execute(autoscale_decisions_t.delete().where(autoscale_decisions_t.c.model == model))
 
 
 def _decision(r: sa.Row[object]) -> DecisionRow:
