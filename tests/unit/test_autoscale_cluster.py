@@ -230,3 +230,46 @@ async def test_scale_down_drains_the_newest_out_of_routing_then_stops_them(
         assert set(engines.served_by) == {node.endpoint[first]}
         left = await until("the drained replicas stop", lambda: _count(node, 1), within_s=10)
         assert left == [first]  # the oldest stays
+
+
+async def test_from_zero_and_back_to_zero(tmp_path: Path, engines: Engines) -> None:
+    """``min: 0``: the first request is refused 503 (the gateway does not hold it yet) but counts as
+    demand, so a replica is wanted within two seconds; once ready it answers; with no request for
+    ``scale_to_zero_after_s`` the replica drains and stops."""
+    inst = make_install(tmp_path)
+    engines.hold = False
+    scaling = {"min": 0, "max": 2, "target": 1.0, "stable_window_s": 1.0, "panic_window_s": 1.0,
+               "scale_down_after_s": 1.0, "scale_to_zero_after_s": 3.0}
+    async with serving(inst), aiohttp.ClientSession() as s:
+        node = Node(s, inst, engines)
+        await node.register()
+        model = {"name": "chat", "source": "http://m/chat.gguf", "scaling": scaling,
+                 "profiles": [{"name": "cpu", "min_memory_gb": 1}]}
+        async with s.post(inst.admin + "/api/v1/models", json=model, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+        assert await node.beat() == []
+        asked = time.monotonic()
+        assert await _chat(s, inst) == 503
+
+        async def wanted_one() -> bool:
+            return (await _autoscale(s, inst))["wanted"] == 1
+
+        await until("one replica wanted", wanted_one, within_s=5, every_s=0.05)
+        took = time.monotonic() - asked
+        assert took <= 2.0, took
+        await until("the replica is placed", lambda: _count(node, 1), within_s=5)
+        await node.beat()  # ready
+
+        async def answers() -> bool:
+            return await _chat(s, inst) == 200
+
+        await until("a chat is answered", answers, within_s=5)
+        idle = time.monotonic()
+
+        async def zero() -> bool:
+            return await node.beat() == []
+
+        await until("back to zero replicas", zero, within_s=20, every_s=0.2)
+        view = await _autoscale(s, inst)
+        assert view["decisions"][0]["reason"].startswith("scaled 1 → 0: no request for ")
+        print(f"from_zero_decision_s: {took:.3f} back_to_zero_s: {time.monotonic() - idle:.1f}")

@@ -298,6 +298,7 @@ class _Gateway:
                 code = "wrong_endpoint"
             elif not route.upstreams:
                 model = route.model
+                self.load.missed(model)  # demand the autoscaler sees (a model at zero replicas starts one)
                 reason = route.unavailable or "no replica is ready yet"
                 out = openai_error_json(
                     503, "model_unavailable", f"model '{route.model}' is not available: {reason}"

@@ -71,6 +71,7 @@ class LoadCounter:
 
     def __init__(self) -> None:
         self._in_flight: dict[str, int] = {}
+        self._missed: dict[str, int] = {}
 
     @contextmanager
     def holding(self, model: str) -> Iterator[None]:
@@ -85,9 +86,20 @@ class LoadCounter:
             else:
                 del self._in_flight[model]
 
+    def missed(self, model: str) -> None:
+        """Count a request of ``model`` refused because no replica was ready (503): it is reported as
+        queued once, at the next read, so that a model at zero replicas (``scaling.min: 0``) is
+        scaled up by its first request until the gateway can hold such requests."""
+        self._missed[model] = self._missed.get(model, 0) + 1
+
     def __call__(self) -> dict[str, ModelLoad]:
-        """The :data:`LoadSource`: every model with a request in flight."""
-        return {m: ModelLoad(in_flight=n) for m, n in self._in_flight.items()}
+        """The :data:`LoadSource`: every model with a request in flight, or refused for want of a
+        ready replica since the last call (as ``queued``)."""
+        missed, self._missed = self._missed, {}
+        return {
+            m: ModelLoad(in_flight=self._in_flight.get(m, 0), queued=missed.get(m, 0))
+            for m in sorted({*self._in_flight, *missed})
+        }
 
 
 #: The gateway app's :class:`LoadCounter` (``app[LOAD]``), set by
