@@ -25,6 +25,7 @@ from aiohttp import web
 
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
+from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 from tests.unit.test_ui import _login
 
@@ -273,3 +274,53 @@ async def test_from_zero_and_back_to_zero(tmp_path: Path, engines: Engines) -> N
         view = await _autoscale(s, inst)
         assert view["decisions"][0]["reason"].startswith("scaled 1 → 0: no request for ")
         print(f"from_zero_decision_s: {took:.3f} back_to_zero_s: {time.monotonic() - idle:.1f}")
+
+
+async def test_two_control_planes_load_is_summed(
+    tmp_path: Path, engines: Engines, pg_cluster: Cluster
+) -> None:
+    """Two control planes on one PostgreSQL database, each gateway holding 2 chats: the leader sees
+    4 in flight (the sum of both rows), not its own 2."""
+    url = pg_cluster.new_database()
+    a = _pg_install(tmp_path / "a", "cp-a", url)
+    b = _pg_install(tmp_path / "b", "cp-b", url, tls_of=a)
+    async with serving(a), serving(b), aiohttp.ClientSession() as s:
+        node = Node(s, a, engines)
+        await _one_ready(s, a, node, {"min": 1, "max": 4, "target": 1.0, "panic_window_s": 1.0})
+
+        async def b_routes() -> bool:
+            return await _chat(s, b) == 200
+
+        engines.hold = False
+        await until("cp-b's gateway routes to the replica", b_routes, within_s=10)
+        engines.hold = True
+        chats = [asyncio.create_task(_chat(s, inst)) for inst in (a, a, b, b)]
+
+        async def held() -> bool:
+            return engines.holding == 4
+
+        await until("4 chats in flight", held, within_s=5, every_s=0.01)
+
+        async def raised() -> dict[str, Any] | None:
+            view = await _autoscale(s, b)
+            return view if view["wanted"] == 4 else None
+
+        view = await until("the wanted count rises to 4", raised, within_s=5, every_s=0.05)
+        assert view["in_flight"] == 4
+        # the two control planes' rows may land in different ticks: 1 → 2 on the first, then → 4
+        newest = view["decisions"][0]
+        assert newest["to_n"] == 4
+        assert newest["reason"].endswith("→ 4: 4.0 in flight per replica over 1 s, target 1, panic"), newest
+        engines.release.set()
+        assert await asyncio.gather(*chats) == [200] * 4
+
+
+def _pg_install(root: Path, name: str, url: str, tls_of: Install | None = None) -> Install:
+    inst = make_install(root)
+    over: dict[str, Any] = {"store": {"url": url}, "cluster": {"name": name, "lease_s": 2, "renew_s": 0.2}}
+    if tls_of is not None:
+        pki = tls_of.paths.pki
+        over["tls"] = {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")}
+        inst.ca = tls_of.ca
+    inst.write(**over)
+    return inst
