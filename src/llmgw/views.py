@@ -85,6 +85,7 @@ class ReplicaView(BaseModel):
     gpu_indexes: list[int] = Field(default_factory=list)
     pending_reason: str = ""  # a wanted replica placed nowhere: placement's one-line summary
     members: list[GroupMember] = Field(default_factory=list)  # a group's nodes, head first (their states)
+    draining_since: float | None = None  # chosen to go by autoscaling: routed no more, stops once drained
 
 
 class Rejection(BaseModel):

@@ -225,6 +225,10 @@ async def test_scale_down_drains_the_newest_out_of_routing_then_stops_them(
         view = await until("two replicas draining", draining, within_s=10, every_s=0.05)
         assert view["wanted"] == 1
         assert view["decisions"][0]["reason"].startswith("scaled 3 → 1: ")
+        async with s.get(inst.admin + "/api/v1/replicas?model=chat", headers=AUTH) as r:
+            reps = await r.json()
+        assert sorted(x["draining_since"] is not None for x in reps) == [False, True, True]
+        assert [x["id"] for x in reps if x["draining_since"] is None] == [first]
         engines.served_by.clear()
         for _ in range(6):  # every request goes to the replica that stays
             assert await _chat(s, inst) == 200

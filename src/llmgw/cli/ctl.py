@@ -193,7 +193,7 @@ def replicas(
     for r in data:
         err = (r.err or r.pending_reason or r.last_error).strip().splitlines()
         t.add_row(
-            r.id, r.model, r.node or "-", r.profile or "-", r.state,
+            r.id, r.model, r.node or "-", r.profile or "-", r.state + (" (draining)" if r.draining_since else ""),
             _ago(r.ready_at) if r.state == "ready" else "-", str(r.restarts),
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
