@@ -156,13 +156,24 @@ class DecisionView(BaseModel):
     panic: bool = False
 
 
+class HistoryPoint(BaseModel):
+    """One point of an autoscaled model's last hour (every 15 s): replicas ``wanted`` and ``ready``,
+    and ``load`` (requests in flight plus queued over every control plane) at ``at`` (unix seconds)."""
+
+    at: float
+    wanted: int
+    ready: int
+    load: float
+
+
 class AutoscaleView(BaseModel):
     """``GET /api/v1/models/{name}/autoscale``: a model's autoscaling now and its last decisions.
 
     ``autoscaled`` is ``scaling.max > scaling.min``; ``wanted`` the replicas the leader places,
     ``ready`` those ready and routed (not draining), ``draining`` those finishing their requests
     before they stop; ``in_flight`` and ``queued`` the gateways' load summed over control planes
-    (rows of the last 3 s); ``target`` requests in flight per replica; ``decisions`` newest first.
+    (rows of the last 3 s); ``target`` requests in flight per replica; ``decisions`` newest first;
+    ``history`` the last hour, oldest first.
     """
 
     model: str
@@ -176,6 +187,7 @@ class AutoscaleView(BaseModel):
     in_flight: int
     queued: int
     decisions: list[DecisionView] = Field(default_factory=list)
+    history: list[HistoryPoint] = Field(default_factory=list)
 
 
 class LogView(BaseModel):

@@ -189,9 +189,15 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as c:
             await _login(c, inst.admin)
             page = await (await c.get(inst.admin + "/ui/models/chat")).text()
-        assert "Replicas (1 ready of 4 wanted)" in page  # the 3 new ones not reported ready yet
-        assert "4 wanted (scaling 1..4), 1 ready, 0 draining" in page
-        assert "scaled 1 → 4: 4.0 in flight per replica over 6 s, target 1, panic" in page
+            assert "Replicas (1 ready of 4 wanted)" in page  # the 3 new ones not reported ready yet
+            assert "4 wanted (scaling 1..4), 1 ready, 0 draining" in page
+            assert "scaled 1 → 4: 4.0 in flight per replica over 6 s, target 1, panic" in page
+            assert 'id="autoscale-plot"' in page
+            plot = await (await c.get(inst.admin + "/ui/models/chat/autoscale.json")).json()
+        # the first point (the autoscaler's first pass, before the load) and nothing later yet (15 s apart)
+        assert (plot["series"]["wanted"], plot["series"]["load"]) == ([1], [0.0])
+        assert plot["series"]["ready"] in ([0], [1])  # the model's first pass: its replica placed, maybe not ready
+        assert len(plot["days"]) == 1
         print(f"scale_up_reaction_s: {took:.3f}")
 
 

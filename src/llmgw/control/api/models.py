@@ -26,12 +26,12 @@ from llmgw.catalog import Model, Profile, scaling_target
 from llmgw.control.api.context import ADMIN, AdminContext
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.placement.resources import resources_view
-from llmgw.control.reconcile.autoscale import FRESH_S, serving, wanted_replicas
+from llmgw.control.reconcile.autoscale import FRESH_S, HISTORY_S, serving, wanted_replicas
 from llmgw.control.store import BrokenModel, ModelRow, ReplicaRow, Store
 from llmgw.control.store.rows import DecisionRow
 from llmgw.errors import HttpError
 from llmgw.protocol import ReplicaState
-from llmgw.views import AutoscaleView, DecisionView, ModelView
+from llmgw.views import AutoscaleView, DecisionView, HistoryPoint, ModelView
 
 _PROFILES = TypeAdapter(list[Profile])
 
@@ -266,6 +266,8 @@ def _autoscale_view(store: Store, row: ModelRow, now: float) -> AutoscaleView:
         in_flight=sum(x.in_flight for x in load), queued=sum(x.queued for x in load),
         decisions=[DecisionView(at=d.at, from_n=d.from_n, to_n=d.to_n, reason=d.reason, panic=d.panic)
                    for d in decisions],
+        history=[HistoryPoint(at=h.at, wanted=h.wanted, ready=h.ready, load=h.load)
+                 for h in store.list_history(m.name, since=now - HISTORY_S)],
     )
 
 

@@ -54,7 +54,7 @@ from typing import TypeVar
 from llmgw.catalog import Model, Scaling, scaling_target
 from llmgw.control.store import ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.rows import DecisionRow, GatewayLoadRow
+from llmgw.control.store.rows import DecisionRow, GatewayLoadRow, HistoryRow
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,9 @@ FRESH_S = 3.0
 NEWEST_S = 2.0
 #: Decisions kept per model in the store.
 KEEP_DECISIONS = 100
+#: Seconds between two points of the dashboard's plot (wanted, ready, load); kept :data:`HISTORY_S`.
+HISTORY_EVERY_S = 15.0
+HISTORY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ class Autoscaler:
         self.on_decision = on_decision
         self.states: dict[str, ScaleState] | None = None  # None: not yet read from the store
         self.samples: dict[str, deque[Sample]] = {}
+        self._plotted: dict[str, float] = {}  # model -> when its last history point was written
 
     def resume(self, now: float, models: Sequence[Model]) -> None:
         """Start from each model's last recorded decision (module docstring: continuation)."""
@@ -295,6 +299,11 @@ class Autoscaler:
                 made.append(row)
                 if self.on_decision is not None:
                     self.on_decision(row)
+        due = [name for name in sorted(states) if now - self._plotted.get(name, 0.0) >= HISTORY_EVERY_S]
+        if due:  # a point per model every HISTORY_EVERY_S, the first as soon as it autoscales
+            self._plotted = {name: self._plotted.get(name, 0.0) for name in states} | dict.fromkeys(due, now)
+            points = [HistoryRow(n, now, states[n].wanted, ready.get(n, 0), load.get(n, 0.0)) for n in due]
+            self.store.add_history(points, before=now - HISTORY_S)
         if made:
             self.wake()
         return made

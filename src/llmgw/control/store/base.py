@@ -47,6 +47,7 @@ from llmgw.control.store.rows import (
     DecisionRow,
     GatewayLoadRow,
     HeartbeatRead,
+    HistoryRow,
     LeaderRow,
     ModelRow,
     NodeRow,
@@ -467,6 +468,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def last_decisions(self) -> dict[str, DecisionRow]:
         """The newest decision of every model that has one (the wanted count it set)."""
+
+    @abc.abstractmethod
+    def add_history(self, rows: Sequence[HistoryRow], *, before: float) -> None:
+        """Append ``rows`` (one batched insert) and delete every row older than ``before``."""
+
+    @abc.abstractmethod
+    def list_history(self, model: str, *, since: float) -> list[HistoryRow]:
+        """``model``'s points from ``since`` on, oldest first."""
 
     @abc.abstractmethod
     def forget_decisions(self, model: str) -> None:

@@ -255,3 +255,15 @@ class DecisionRow:
     reason: str
     panic: bool = False
 
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One point of an autoscaled model's last hour: at ``at`` (unix seconds) ``wanted`` replicas,
+    ``ready`` ones, and ``load`` requests in flight plus queued over every control plane."""
+
+    model: str
+    at: float
+    wanted: int
+    ready: int
+    load: float
+

@@ -27,7 +27,8 @@ leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.electi
 ``log_requests`` (migration 6: engine-log reads that cross control planes,
 :mod:`llmgw.control.api.logbroker`), ``api_keys``, ``usage_daily`` and ``rate_windows`` (migration 7:
 the gateway's keys, usage and cluster-wide rate counts; ``api_keys.priority``: migration 9),
-``gateway_load``, ``autoscale_decisions`` and ``replicas.draining_since`` (migration 10: autoscaling),
+``gateway_load``, ``autoscale_decisions``, ``autoscale_history`` and ``replicas.draining_since``
+(migration 10: autoscaling),
 ``schema_migrations``.
 """
 
@@ -237,6 +238,16 @@ autoscale_decisions_t = sa.Table(
     sa.Column("panic", sa.Boolean, nullable=False, server_default=sa.false()),  # decided in panic mode
 )
 
+autoscale_history_t = sa.Table(
+    "autoscale_history",  # migration 10: wanted, ready and load of autoscaled models, every 15 s for an hour
+    metadata,
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("at", sa.Float, primary_key=True),
+    sa.Column("wanted", sa.Integer, nullable=False),
+    sa.Column("ready", sa.Integer, nullable=False),
+    sa.Column("load", sa.Float, nullable=False),  # requests in flight + queued, summed over control planes
+)
+
 migrations_t = sa.Table(
     "schema_migrations",
     metadata,
@@ -422,10 +433,12 @@ def _migration_9(conn: Connection) -> None:
 
 def _migration_10(conn: Connection) -> None:
     """Autoscaling: ``gateway_load`` (the signal every control plane writes), ``autoscale_decisions``
-    (what the leader decided, and why) and ``replicas.draining_since`` (a replica leaving: routed no
-    more, stopped once its requests finished; :mod:`llmgw.control.reconcile.autoscale`)."""
+    (what the leader decided, and why), ``autoscale_history`` (the dashboard's plot) and
+    ``replicas.draining_since`` (a replica leaving: routed no more, stopped once its requests
+    finished; :mod:`llmgw.control.reconcile.drainer`)."""
     gateway_load_t.create(conn, checkfirst=True)
     autoscale_decisions_t.create(conn, checkfirst=True)
+    autoscale_history_t.create(conn, checkfirst=True)
     _add_column(conn, "replicas", sa.Column("draining_since", sa.Float, nullable=True))
 
 

@@ -7,7 +7,8 @@ indexed-by-nothing scan of a table of (control planes x models with load) rows. 
 plane that stopped writing are deleted ``keep_s`` (60 s) later by whoever writes next.
 
 ``autoscale_decisions``: appended by the leader when the wanted count of a model changes, pruned to
-the newest ``keep`` (100) per model on each append.
+the newest ``keep`` (100) per model on each append. ``autoscale_history``: a point per autoscaled
+model every 15 s (the dashboard's plot of the last hour), older points deleted at each append.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from llmgw.control.store.rows import DecisionRow, GatewayLoadRow
-from llmgw.control.store.schema import autoscale_decisions_t, gateway_load_t
+from llmgw.control.store.rows import DecisionRow, GatewayLoadRow, HistoryRow
+from llmgw.control.store.schema import autoscale_decisions_t, autoscale_history_t, gateway_load_t
 from llmgw.control.store.sqlpart import SqlPart
 
 
@@ -80,15 +81,33 @@ class SqlScale(SqlPart):
             rows = conn.execute(sa.select(autoscale_decisions_t).where(d.id.in_(newest))).all()
         return {r.model: _decision(r) for r in rows}
 
+    def add_history(self, rows: Sequence[HistoryRow], *, before: float) -> None:
+        h = autoscale_history_t.c
+        with self._wtx() as conn:
+            conn.execute(autoscale_history_t.delete().where(h.at < before))
+            if rows:
+                conn.execute(autoscale_history_t.insert(), [
+                    {"model": r.model, "at": r.at, "wanted": r.wanted, "ready": r.ready, "load": r.load} for r in rows
+                ])
+
+    def list_history(self, model: str, *, since: float) -> list[HistoryRow]:
+        h = autoscale_history_t.c
+        with self._tx() as conn:
+            rows = conn.execute(
+                sa.select(autoscale_history_t).where(h.model == model, h.at >= since).order_by(h.at)
+            ).all()
+        return [HistoryRow(r.model, float(r.at), int(r.wanted), int(r.ready), float(r.load)) for r in rows]
+
     def forget_decisions(self, model: str) -> None:
         with self._wtx() as conn:
             forget_model(conn, model)
 
 
 def forget_model(conn: Connection, model: str) -> None:
-    """In ``conn``'s transaction: delete ``model``'s decisions (it is being deleted; a model added
-    again under its name starts from ``scaling.min``)."""
+    """In ``conn``'s transaction: delete ``model``'s decisions and history (it is being deleted; a
+    model added again under its name starts from ``scaling.min``)."""
     conn.execute(autoscale_decisions_t.delete().where(autoscale_decisions_t.c.model == model))
+    conn.execute(autoscale_history_t.delete().where(autoscale_history_t.c.model == model))
 
 
 def _decision(r: sa.Row[object]) -> DecisionRow:
