@@ -75,7 +75,8 @@ def test_a_new_leader_continues_from_the_recorded_decision(tmp_path: Path) -> No
     assert [(x.from_n, x.to_n, x.at) for x in made] == [(3, 1, T0 + 91.5)]  # once, after 30 s of its own
     # the dashboard's history: A's point, then B's every 15 s from its first pass
     points = store.list_history("chat", since=0)
-    assert [(round(p.at - T0, 1), p.wanted) for p in points] == [(1.2, 3), (10, 3), (25, 3), (40, 3), (55, 3), (70, 3), (85, 3)]
+    assert [round(p.at - T0, 1) for p in points] == [1.2, 10, 25, 40, 55, 70, 85]
+    assert {p.wanted for p in points} == {3}
     assert points[0].load == 6.0
     assert made[0].reason.endswith("lower for 30 s")
     leader_b.reconcile_once(t)
