@@ -150,3 +150,26 @@ def test_decisions_go_with_the_model_and_with_its_autoscaling(tmp_path: Path) ->
     assert scaler.tick_once(T0 + 3.5)[0].reason.startswith("scaled 1 → 2: 8.0 in flight")
     assert store.delete_model("chat")
     assert store.last_decisions() == {}
+
+
+def test_a_node_lost_while_scaling_up_is_replaced_elsewhere(tmp_path: Path) -> None:
+    """Wanted 3 after a burst, spread over node-1 and node-2; node-2 goes silent: its replicas are
+    placed again on node-1, the wanted count unchanged (the loss is not a decision)."""
+    store = _store(tmp_path)
+    hb = Heartbeat(
+        inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+    )
+    store.upsert_node_heartbeat("node-2", hb, T0)
+    leader = Leader(store, node_lost_after_s=10.0, probe=None)
+    scaler = Autoscaler(store)
+    leader.reconcile_once(T0)
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "chat", 6, 0, T0 + 1)], now=T0 + 1)
+    assert [d.to_n for d in scaler.tick_once(T0 + 1.2)] == [3]
+    leader.reconcile_once(T0 + 1.3)
+    assert sorted({r.node for r in store.list_replicas()}) == ["node-1", "node-2"]
+    store.upsert_node_heartbeat("node-1", hb, T0 + 12)  # node-2 stays silent
+    result = leader.reconcile_once(T0 + 12.5)
+    assert result.lost == ["node-2"]
+    assert [r.node for r in store.list_replicas()] == ["node-1"] * 3
+    assert [d.to_n for d in store.list_decisions("chat")] == [3]
