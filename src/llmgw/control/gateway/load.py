@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
 
@@ -100,6 +101,44 @@ class LoadCounter:
             m: ModelLoad(in_flight=self._in_flight.get(m, 0), queued=missed.get(m, 0))
             for m in sorted({*self._in_flight, *missed})
         }
+
+
+class ReplicaInFlight(Protocol):
+    """What :func:`combined` reads of a replica: its model and its requests in flight (the
+    balancer's per-replica load has both)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+def combined(
+    replicas: Callable[[], Mapping[str, ReplicaInFlight]],
+    queued: Callable[[], Mapping[str, int]],
+    counter: LoadCounter | None = None,
+) -> LoadSource:
+    """A :data:`LoadSource` from a balancer and queues: in flight per replica (``replicas()``:
+    replica id -> its load) summed per model, ``queued()`` (model -> requests waiting), plus the
+    requests ``counter`` saw refused for want of a ready replica, as queued (its own in-flight
+    count is not used: the balancer's is per replica)."""
+
+    def read() -> dict[str, ModelLoad]:
+        per: dict[str, dict[str, int]] = {}
+        for rid, r in replicas().items():
+            if r.in_flight:
+                per.setdefault(r.model, {})[rid] = r.in_flight
+        waiting = dict(queued())
+        extra = counter() if counter is not None else {}
+        out = {}
+        for m in sorted({*per, *(k for k, v in waiting.items() if v), *extra}):
+            mine = per.get(m, {})
+            more = extra.get(m, ModelLoad())
+            out[m] = ModelLoad(in_flight=sum(mine.values()), queued=waiting.get(m, 0) + more.queued, replicas=mine)
+        return out
+
+    return read
 
 
 #: The gateway app's :class:`LoadCounter` (``app[LOAD]``), set by
