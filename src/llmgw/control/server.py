@@ -474,7 +474,7 @@ async def serve(
             (
                 "gateway.listen",
                 config.gateway.listen,
-                _gateway_app(router, config, guard, drain, keys, accounting, observers),
+                gateway := _gateway_app(router, config, guard, drain, keys, accounting, observers),
                 None,
             ),
         ]
@@ -482,7 +482,7 @@ async def serve(
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
-        reporter = LoadReporter(store, db, name, apps[2][2][LOAD])  # the gateway's load, every second
+        reporter = LoadReporter(store, db, name, gateway[LOAD])  # the gateway's load, every second
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
