@@ -14,6 +14,8 @@ API, ``server init``, and the store when it reads a row back):
 * ``scaling.min``/``max`` are strict integers (``2.0`` and ``"2"`` are refused) of at most
   :data:`MAX_REPLICAS_HARD`; the control plane's own, lower limit is ``max_replicas_per_model``
   in server.yaml (checked by the admin API);
+* ``routing`` is ``cache-aware`` or ``round-robin``; ``queue.size`` a strict integer 0-:data:`MAX_QUEUE`,
+  ``queue.wait_s`` a finite number of seconds, more than 0 and at most :data:`MAX_QUEUE_WAIT_S`;
 * a profile's ``args`` carry no flag from :mod:`llmgw.engineargs` (paths, agent-owned
   flags, network fetches, tools).
 """
@@ -24,7 +26,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -53,6 +55,10 @@ MAX_TOKENS = 1_000_000_000
 """``context_length``/``max_output`` at most: a billion tokens."""
 MAX_PRIORITY = 1_000_000
 MAX_ARGS = 256
+MAX_QUEUE = 10_000
+"""``queue.size`` at most: requests waiting at the gateway per model (and per control plane)."""
+MAX_QUEUE_WAIT_S = 600.0
+"""``queue.wait_s`` at most (s): the gateway's longest wait for a slot, the upstream timeout's default."""
 """Engine args per profile at most, each at most 4,096 characters."""
 
 STORED = {"stored": True}
@@ -253,6 +259,27 @@ def scaling_target(model: Model) -> float:
     return float(DEFAULT_SLOTS)
 
 
+RoutingPolicy = Literal["cache-aware", "round-robin"]
+"""How the gateway picks a model's replica (:mod:`llmgw.control.gateway.balancer`): ``cache-aware``
+sends requests that share a prefix to the same replica while its load is within a bound, else the
+least-loaded one; ``round-robin`` rotates over the replicas with a free slot."""
+
+
+class Queue(_Strict):
+    """A model's waiting room at the gateway, per control plane (:mod:`llmgw.control.gateway.queue`).
+
+    Attributes:
+        size: requests that may wait for a slot at once; one more gets 429 ``model_busy`` with
+            ``Retry-After`` at once. 0: no queue, a 429 as soon as every slot is busy. A strict
+            integer (``2.0`` and ``"2"`` are refused), at most :data:`MAX_QUEUE`.
+        wait_s: the longest a request waits for a slot (s), more than 0 and at most
+            :data:`MAX_QUEUE_WAIT_S`; a request that cannot be served within it gets the 429 at once.
+    """
+
+    size: Annotated[int, Field(strict=True, ge=0, le=MAX_QUEUE)] = 64
+    wait_s: Annotated[float, Field(strict=True, gt=0, le=MAX_QUEUE_WAIT_S)] = 30.0
+
+
 class Profile(_Strict):
     """One way to serve a model: an engine, the resources it needs, and the engine's args.
 
@@ -328,6 +355,12 @@ class Model(_Strict):
         sha256: the file's digest, which a node checks after its download; empty to trust the mirror's header.
         context_length: the context a client may use (tokens).
         max_output: the most tokens a client may ask for in one answer.
+        routing: how the gateway picks a replica (:data:`RoutingPolicy`), ``cache-aware`` by default.
+        queue: the gateway's queue for this model (:class:`Queue`).
+
+    ``routing`` and ``queue`` are read by the gateway only: changing them restarts no replica (the
+    spec hash covers the profile, source, version and digest:
+    :func:`llmgw.control.reconcile.leader.spec_hash`).
     """
 
     name: str
@@ -342,6 +375,8 @@ class Model(_Strict):
     context_length: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     max_output: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     scaling: Scaling = Field(default_factory=Scaling)
+    routing: RoutingPolicy = "cache-aware"
+    queue: Queue = Field(default_factory=Queue)
     profiles: Annotated[list[Profile], Field(min_length=1, max_length=64)]
 
     @field_validator("name")

@@ -228,6 +228,7 @@ def _gateway_app(
     keys: GatewayKeys | None = None,
     accounting: Accounting | None = None,
     observers: tuple[Callable[[Exchange], None], ...] = (),
+    metrics: ControlPlaneMetrics | None = None,
 ) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
@@ -245,6 +246,7 @@ def _gateway_app(
         observe=observe if observers else None,
         callers=accounting.callers if accounting is not None else None,
         limiter=accounting.limiter if accounting is not None else None,
+        routing_metrics=metrics,
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).
@@ -474,7 +476,7 @@ async def serve(
             (
                 "gateway.listen",
                 config.gateway.listen,
-                gateway := _gateway_app(router, config, guard, drain, keys, accounting, observers),
+                gateway := _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics),
                 None,
             ),
         ]
