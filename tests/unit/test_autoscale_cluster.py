@@ -11,6 +11,7 @@ heartbeat (no agent process), so replicas are ready when the test says so.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ async def engines() -> AsyncIterator[Engines]:
     eng = Engines([])
 
     async def chat(request: web.Request) -> web.Response:
+        streamed = (await request.json()).get("stream") is True
         eng.holding += 1
         try:
             if eng.hold:
@@ -56,6 +58,10 @@ async def engines() -> AsyncIterator[Engines]:
         finally:
             eng.holding -= 1
         eng.served_by.append(request.host)
+        if streamed:
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "chat",
+                     "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+            return web.Response(text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n", content_type="text/event-stream")
         return web.json_response({
             "id": "x", "object": "chat.completion", "created": 1, "model": "chat",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
@@ -243,13 +249,14 @@ async def test_scale_down_drains_the_newest_out_of_routing_then_stops_them(
         assert left == [first]  # the oldest stays
 
 
-async def test_from_zero_and_back_to_zero(tmp_path: Path, engines: Engines) -> None:
-    """``min: 0``: the first request is refused 503 (the gateway does not hold it yet) but counts as
-    demand, so a replica is wanted within two seconds; once ready it answers; with no request for
-    ``scale_to_zero_after_s`` the replica drains and stops."""
+async def test_from_zero_held_then_answered_and_back_to_zero(tmp_path: Path, engines: Engines) -> None:
+    """``min: 0``: a request is held by the gateway (not refused) and counts as queued, so a
+    replica is wanted within two seconds; once it is ready the held request is answered; a held
+    stream gets SSE comments while it waits; with no request for ``scale_to_zero_after_s`` the
+    replica drains and stops."""
     inst = make_install(tmp_path)
     engines.hold = False
-    scaling = {"min": 0, "max": 2, "target": 1.0, "stable_window_s": 1.0, "panic_window_s": 1.0,
+    scaling = {"min": 0, "max": 2, "target": 2.0, "stable_window_s": 1.0, "panic_window_s": 1.0,
                "scale_down_after_s": 1.0, "scale_to_zero_after_s": 3.0}
     async with serving(inst), aiohttp.ClientSession() as s:
         node = Node(s, inst, engines)
@@ -260,21 +267,26 @@ async def test_from_zero_and_back_to_zero(tmp_path: Path, engines: Engines) -> N
             assert r.status == 201, await r.text()
         assert await node.beat() == []
         asked = time.monotonic()
-        assert await _chat(s, inst) == 503
+        plain = asyncio.create_task(_chat(s, inst))
+        stream = asyncio.create_task(_stream(s, inst))
 
         async def wanted_one() -> bool:
             return (await _autoscale(s, inst))["wanted"] == 1
 
-        await until("one replica wanted", wanted_one, within_s=5, every_s=0.05)
+        await until("one replica wanted", wanted_one, within_s=5, every_s=0.05)  # 2 held, target 2
         took = time.monotonic() - asked
         assert took <= 2.0, took
+        assert (await _autoscale(s, inst))["queued"] == 2  # the two held requests
         await until("the replica is placed", lambda: _count(node, 1), within_s=5)
+        await asyncio.sleep(max(0.0, 6.0 - (time.monotonic() - asked)))  # the stream waits past a keepalive
+        assert not plain.done()
         await node.beat()  # ready
-
-        async def answers() -> bool:
-            return await _chat(s, inst) == 200
-
-        await until("a chat is answered", answers, within_s=5)
+        assert await plain == 200
+        status, text = await stream
+        assert status == 200
+        assert text.startswith(": waiting for a replica\n\n"), text[:200]
+        assert text.rstrip().endswith("data: [DONE]")
+        cold = time.monotonic() - asked
         idle = time.monotonic()
 
         async def zero() -> bool:
@@ -283,7 +295,14 @@ async def test_from_zero_and_back_to_zero(tmp_path: Path, engines: Engines) -> N
         await until("back to zero replicas", zero, within_s=20, every_s=0.2)
         view = await _autoscale(s, inst)
         assert view["decisions"][0]["reason"].startswith("scaled 1 → 0: no request for ")
-        print(f"from_zero_decision_s: {took:.3f} back_to_zero_s: {time.monotonic() - idle:.1f}")
+        down = time.monotonic() - idle
+        print(f"from_zero_decision_s: {took:.3f} held_answered_s: {cold:.1f} back_to_zero_s: {down:.1f}")
+
+
+async def _stream(s: aiohttp.ClientSession, inst: Install) -> tuple[int, str]:
+    body = {**BODY, "stream": True}
+    async with s.post(f"http://127.0.0.1:{inst.ports['gateway']}/v1/chat/completions", json=body) as r:
+        return r.status, (await r.read()).decode()
 
 
 async def test_two_control_planes_load_is_summed(

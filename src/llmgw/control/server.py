@@ -247,6 +247,7 @@ def _gateway_app(
         callers=accounting.callers if accounting is not None else None,
         limiter=accounting.limiter if accounting is not None else None,
         routing_metrics=metrics,
+        holds=lambda name: any(m.name == name and m.scaling.min == 0 < m.scaling.max for m in router.catalog()),
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).

@@ -5,11 +5,11 @@ a :data:`LoadSource` is any callable that returns them by model name. The contro
 its source returns to the store every second (:class:`LoadReporter`),
 and the leader sums the fresh rows of every control plane.
 
-:class:`LoadCounter` is today's source: the gateway's request handler enters it when a request is
-about to be sent to a replica and leaves it when the answer is over (relayed, failed or cancelled),
-so ``in_flight`` counts requests an engine holds or is about to. It knows no replica ids and no
-queue (``queued`` 0, ``replicas`` empty); the balancer and the fair queue of the routing work give
-both, per replica, through the same :data:`LoadSource` shape.
+:func:`combined` is the gateway's source: in flight per replica from its balancer, queued from its
+fair queues and the requests it holds while a model starts from zero (:mod:`.starting`), and the
+requests a :class:`LoadCounter` saw refused for want of a ready replica (a model that does not
+scale from zero). :class:`LoadCounter` can also count in flight per model around a relay
+(``holding``), for a gateway without a balancer.
 
 Counting costs a dict lookup and an integer add per request on the event loop; no lock (one loop).
 """
@@ -141,9 +141,10 @@ def combined(
     return read
 
 
-#: The gateway app's :class:`LoadCounter` (``app[LOAD]``), set by
-#: :func:`~llmgw.control.gateway.app.build_gateway_app`.
-LOAD: web.AppKey[LoadCounter] = web.AppKey("llmgw_load", LoadCounter)
+#: The gateway app's :data:`LoadSource` (``app[LOAD]``), set by
+#: :func:`~llmgw.control.gateway.app.build_gateway_app`: :func:`combined` over its balancer, its
+#: queues and its held requests, and its :class:`LoadCounter` of refusals.
+LOAD: web.AppKey[LoadSource] = web.AppKey("llmgw_load")
 
 
 class LoadReporter:

@@ -25,7 +25,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from aiohttp import web
+
 from llmgw.errors import HttpError
+from llmgw.httperrors import openai_error_event
 from llmgw.routing import Route
 
 #: Requests held per model at most (the issue: a burst of 1,000 at zero replicas; the bound holds).
@@ -58,6 +61,7 @@ class Starting:
     Args:
         resolve: the routing table's lookup by catalog name (in memory); a route with upstreams
             means a replica is ready.
+        holds: whether a model's requests are held (one that scales from zero); others are not.
         max_held: :data:`MAX_HELD`.
         hold_s: :data:`HOLD_S`.
         poll_s: :data:`POLL_S`.
@@ -68,12 +72,13 @@ class Starting:
         self,
         resolve: Callable[[str], Route | None],
         *,
+        holds: Callable[[str], bool] = lambda _: True,
         max_held: int = MAX_HELD,
         hold_s: float = HOLD_S,
         poll_s: float = POLL_S,
         keepalive_s: float = KEEPALIVE_S,
     ) -> None:
-        self.resolve, self.max_held, self.hold_s = resolve, max_held, hold_s
+        self.resolve, self.holds, self.max_held, self.hold_s = resolve, holds, max_held, hold_s
         self.poll_s, self.keepalive_s = poll_s, keepalive_s
         self._models: dict[str, _Model] = {}
 
@@ -135,3 +140,53 @@ class Starting:
             f"model '{name}' is starting (it had no replica running): {why}; retry in {RETRY_AFTER_S} s",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+
+#: What a held stream is sent every :data:`KEEPALIVE_S` (an SSE comment: clients ignore it).
+KEEPALIVE_LINE = b": waiting for a replica\n\n"
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Answered(Exception):
+    """A held stream was refused after its 200 went out: the refusal was written to it as an error
+    event; ``response`` is that stream, ``code`` the refusal's code."""
+
+    def __init__(self, response: web.StreamResponse, code: str) -> None:
+        super().__init__(code)
+        self.response, self.code = response, code
+
+
+async def hold_request(
+    starting: Starting, request: web.Request, route: Route, *, stream: bool
+) -> tuple[Route, web.StreamResponse | None]:
+    """Hold a request of ``route``'s model until a replica is ready (:meth:`Starting.hold`); return
+    the route then and, for a stream held past :attr:`Starting.keepalive_s`, its response already
+    prepared (200, ``text/event-stream``, keepalive comments written): the relay writes on it.
+
+    Raises:
+        HttpError: 503 ``model_starting`` (a plain request, or a stream not yet answered).
+        Answered: the same refusal written to a stream already prepared.
+    """
+    pre: web.StreamResponse | None = None
+
+    async def keepalive() -> None:
+        nonlocal pre
+        if pre is None:
+            pre = web.StreamResponse(headers=_SSE_HEADERS)
+            await pre.prepare(request)
+        await pre.write(KEEPALIVE_LINE)
+
+    try:
+        return await starting.hold(route, keepalive if stream else None), pre
+    except HttpError as e:
+        if pre is None:
+            raise
+        await answer_on_stream(pre, e)
+        raise Answered(pre, e.code) from e
+
+
+async def answer_on_stream(out: web.StreamResponse, e: HttpError) -> None:
+    """Write ``e`` as the stream's last event (``data: {"error": …}``, then ``data: [DONE]``) and end it."""
+    await out.write(openai_error_event(e.status, e.code, e.message))
+    await out.write_eof()
