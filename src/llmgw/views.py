@@ -85,6 +85,7 @@ class ReplicaView(BaseModel):
     gpu_indexes: list[int] = Field(default_factory=list)
     pending_reason: str = ""  # a wanted replica placed nowhere: placement's one-line summary
     members: list[GroupMember] = Field(default_factory=list)  # a group's nodes, head first (their states)
+    draining_since: float | None = None  # chosen to go by autoscaling: routed no more, stops once drained
 
 
 class Rejection(BaseModel):
@@ -139,8 +140,54 @@ class ModelView(BaseModel):
     scaling_max: int = 0
     replicas_ready: int = 0
     replicas: int = 0
+    replicas_wanted: int = 0  # scaling.min, or an autoscaled model's last decided count
     spec: dict[str, object] = Field(default_factory=dict)
     broken: str = ""
+
+
+class DecisionView(BaseModel):
+    """One autoscaling decision: at ``at`` (unix seconds) the wanted replicas went ``from_n`` →
+    ``to_n`` because ``reason``; ``panic`` when decided in panic mode."""
+
+    at: float
+    from_n: int
+    to_n: int
+    reason: str
+    panic: bool = False
+
+
+class HistoryPoint(BaseModel):
+    """One point of an autoscaled model's last hour (every 15 s): replicas ``wanted`` and ``ready``,
+    and ``load`` (requests in flight plus queued over every control plane) at ``at`` (unix seconds)."""
+
+    at: float
+    wanted: int
+    ready: int
+    load: float
+
+
+class AutoscaleView(BaseModel):
+    """``GET /api/v1/models/{name}/autoscale``: a model's autoscaling now and its last decisions.
+
+    ``autoscaled`` is ``scaling.max > scaling.min``; ``wanted`` the replicas the leader places,
+    ``ready`` those ready and routed (not draining), ``draining`` those finishing their requests
+    before they stop; ``in_flight`` and ``queued`` the gateways' load summed over control planes
+    (rows of the last 3 s); ``target`` requests in flight per replica; ``decisions`` newest first;
+    ``history`` the last hour, oldest first.
+    """
+
+    model: str
+    autoscaled: bool
+    min: int
+    max: int
+    target: float
+    wanted: int
+    ready: int
+    draining: int
+    in_flight: int
+    queued: int
+    decisions: list[DecisionView] = Field(default_factory=list)
+    history: list[HistoryPoint] = Field(default_factory=list)
 
 
 class LogView(BaseModel):

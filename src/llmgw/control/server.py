@@ -13,7 +13,9 @@
 3. the **election** (:mod:`llmgw.control.reconcile.election`: PostgreSQL, a session advisory lock
    with a written lease and a term; SQLite, this process) and **membership**
    (:mod:`llmgw.control.reconcile.membership`: this control plane's row, the others', the term);
-4. while, and only while, this control plane leads: the **leader** loop and the judge keeper, on a
+4. while, and only while, this control plane leads: the **leader** loop, the autoscaler
+   (:mod:`~llmgw.control.reconcile.autoscale`; every control plane writes its gateway's load for it
+   each second) and the judge keeper, on a
    store fenced by the term (:meth:`~llmgw.control.store.base.Store.fenced`), cancelled at once
    when leadership ends.
 
@@ -77,7 +79,9 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.load import LOAD, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
@@ -90,6 +94,7 @@ from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import ConfigError, PkiError, PortInUseError
+from llmgw.guard.config import closed_judges
 from llmgw.httperrors import SERVER_LOG
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
@@ -243,6 +248,7 @@ def _gateway_app(
         callers=accounting.callers if accounting is not None else None,
         limiter=accounting.limiter if accounting is not None else None,
         routing_metrics=metrics,
+        holds=lambda name: any(m.name == name and m.scaling.min == 0 < m.scaling.max for m in router.catalog()),
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).
@@ -285,6 +291,7 @@ def _admin_app(
     app = build_admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
         max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
+        closed_judges=closed_judges(config.guard),
     )
     mirror_token = _mirror_token(paths, token)
     serve = None
@@ -432,8 +439,11 @@ async def serve(
         )
         wakes.leaders[:] = [leader]
         keeper = _keeper(fenced, config, wakes.changed, _mirror_token(paths, token))
+        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided)
         try:
-            await asyncio.gather(leader.run(ended), *([keeper.run(ended)] if keeper is not None else []))
+            await asyncio.gather(
+                leader.run(ended), scaler.run(ended), *([keeper.run(ended)] if keeper is not None else [])
+            )
         finally:
             wakes.leaders.clear()
 
@@ -479,7 +489,7 @@ async def serve(
             (
                 "gateway.listen",
                 config.gateway.listen,
-                _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics),
+                gateway := _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics),
                 None,
             ),
         ]
@@ -487,6 +497,7 @@ async def serve(
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
+        reporter = LoadReporter(store, db, name, gateway[LOAD])  # the gateway's load, every second
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
@@ -508,7 +519,8 @@ async def serve(
             on_started(bound)
         await members.tick()  # the first heartbeat replies name this control plane
         await asyncio.gather(
-            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop)
+            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop),
+            reporter.run(stop),
         )
     finally:
         for sig in signals:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hmac
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -122,6 +122,7 @@ def build_admin_app(
     db: OffLoop | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
     health_fields: Callable[[], dict[str, Any]] | None = None,
+    closed_judges: Mapping[str, str] | None = None,
 ) -> web.Application:
     """The admin API app: an :class:`~llmgw.control.api.context.AdminContext` from the arguments,
     the middlewares (errors, :func:`auth`, :func:`settled`) and every resource's ``ROUTES``.
@@ -139,6 +140,8 @@ def build_admin_app(
             waits there for its routing table, so the gateway knows a model once it is added).
         health_fields: more fields for ``GET /api/v1/health``, read from memory (the control plane
             adds ``leader``, ``term`` and ``database``: ``"ok"`` or ``"unreachable"``).
+        closed_judges: ``{judge model name: policy name}`` of server.yaml's ``fail: closed`` guard
+            policies: such a model's ``scaling.min: 0`` is a 400 (it never scales to zero).
 
     Raises:
         ValueError: ``token`` is empty.
@@ -163,6 +166,7 @@ def build_admin_app(
     app[ADMIN] = AdminContext(
         store=store, db=pool, token=token, changed=on_change or (lambda: None), clock=clock, logs=logs,
         max_replicas_per_model=max_replicas_per_model, settle=settle, health_fields=health_fields,
+        closed_judges=dict(closed_judges or {}),
     )
     if own_pool:
         app.on_cleanup.append(_close)

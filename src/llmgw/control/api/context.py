@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +37,7 @@ class AdminContext:
             and on the ``pending`` replicas listed per model.
         settle: awaited after every successful write before it is answered; None: not waited.
         health_fields: more fields for ``GET /api/v1/health``, read from memory; None: none.
+        closed_judges: ``{judge model: policy}`` of the ``fail: closed`` guard policies (never scaled to zero).
     """
 
     store: Store
@@ -48,6 +49,7 @@ class AdminContext:
     max_replicas_per_model: int = 1000
     settle: Callable[[], Awaitable[None]] | None = None
     health_fields: Callable[[], dict[str, Any]] | None = None
+    closed_judges: dict[str, str] = field(default_factory=dict)
 
 
 #: Where the admin app keeps its :class:`AdminContext`.

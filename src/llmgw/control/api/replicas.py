@@ -29,6 +29,7 @@ from aiohttp import web
 from llmgw.control.api.context import ADMIN
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.models import must_model
+from llmgw.control.reconcile.autoscale import wanted_replicas
 from llmgw.control.reconcile.leader import new_replica_id
 from llmgw.control.store import ModelRow, ReplicaRow, Store
 from llmgw.errors import Conflict, HttpError, UnreachableError
@@ -39,16 +40,19 @@ from llmgw.views import ExplainView, ReplicaView
 def pending_views(
     models: list[ModelRow], replicas: list[ReplicaRow], store: Store, *, limit: int = 1000
 ) -> list[ReplicaView]:
-    """One ``pending`` view per replica a model wants (``scaling.min``) that is placed nowhere,
+    """One ``pending`` view per replica a model wants (``scaling.min``, or an autoscaled model's
+    decided count) that is placed nowhere (draining replicas not counted),
     carrying placement's summary as ``pending_reason``; at most ``limit`` per model
     (``max_replicas_per_model``), whatever a stored ``scaling.min`` says."""
     out = []
     count: dict[str, int] = {}
     for r in replicas:
-        count[r.model] = count.get(r.model, 0) + 1
+        if r.draining_since is None:
+            count[r.model] = count.get(r.model, 0) + 1
     explanations = store.list_explanations()
+    last = store.last_decisions()
     for row in models:
-        missing = min(row.model.scaling.min, limit) - count.get(row.name, 0)
+        missing = min(wanted_replicas(row.model, last), limit) - count.get(row.name, 0)
         ex = explanations.get(row.name)
         reason = ex.summary if ex is not None else "not evaluated yet"
         for i in range(max(missing, 0)):
@@ -74,6 +78,7 @@ def replica_view(r: ReplicaRow) -> ReplicaView:
         gpu_indexes=list(r.gpu_indexes),
         # The head's own entry carries no state (its state is the replica's): show it there too.
         members=[m.model_copy(update={"state": r.state}) if m.rank == 0 else m for m in r.members],
+        draining_since=r.draining_since,
     )
 
 

@@ -63,7 +63,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -76,6 +76,7 @@ from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, 
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.load import LOAD, LoadCounter, combined
 from llmgw.control.gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -86,6 +87,7 @@ from llmgw.control.gateway.request import (
     with_stream_usage,
 )
 from llmgw.control.gateway.sse import StreamTally
+from llmgw.control.gateway.starting import Answered, Starting, hold_request
 from llmgw.control.gateway.upstream import (
     Trace,
     UpstreamPool,
@@ -156,6 +158,14 @@ class _Gateway:
     inspector: Inspector | None
     observe: Callable[[Exchange], None] | None
     limiter: Limiter | None = None
+    load: LoadCounter = field(default_factory=LoadCounter)  # refusals for want of a replica, for autoscaling
+    starting: Starting | None = None  # holds requests of a model starting from zero replicas
+
+    def _starting(self, route: Route, endpoint: Endpoint, caller: Caller, requested: str) -> Starting | None:
+        """Where a request of ``route`` (no ready replica) is held while its model starts from zero; None: not held."""
+        if self.starting is None or not self.starting.holds(route.model) or route.role != endpoint.role:
+            return None
+        return self.starting if self.callers.may_use(caller, requested, route.model, self._resolve_name) else None
 
     # -- key -----------------------------------------------------------------------------------
     def authenticate(self, request: web.Request, kind: str) -> Caller | web.Response:
@@ -299,6 +309,10 @@ class _Gateway:
             requested = body["model"]
             stream = body.get("stream") is True
             route = await self.router.resolve_settled(requested)
+            pre: web.StreamResponse | None = None  # a held stream's response, prepared while it waited
+            held = self._starting(route, endpoint, caller, requested) if route and not route.upstreams else None
+            if route is not None and held is not None:  # a model starting from zero: wait for its replica
+                route, pre = await hold_request(held, request, route, stream=stream)
             if route is None or not self.callers.may_use(caller, requested, route.model, self._resolve_name):
                 out: web.StreamResponse = self._not_found(requested, caller)
             elif route.role != endpoint.role:
@@ -307,6 +321,7 @@ class _Gateway:
                 code = "wrong_endpoint"
             elif not route.upstreams:
                 model = route.model
+                self.load.missed(model)  # demand the autoscaler sees (a model at zero replicas starts one)
                 reason = route.unavailable or "no replica is ready yet"
                 out = openai_error_json(
                     503, "model_unavailable", f"model '{route.model}' is not available: {reason}"
@@ -339,6 +354,7 @@ class _Gateway:
                             request_json=body,
                             trace=trace,
                             inspector=self.inspector,
+                            prepared=pre,
                         )
                     else:
                         out = await relay_plain(
@@ -355,6 +371,8 @@ class _Gateway:
             out = openai_error_json(
                 413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
             )
+        except Answered as a:  # a held stream refused after its 200: the refusal is its last event
+            out, code = a.response, a.code
         except HttpError as e:  # JsonBodyError included
             code = e.code
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
@@ -492,6 +510,7 @@ def build_gateway_app(
     limiter: Limiter | None = None,
     balancer: Balancer | None = None,
     routing_metrics: RoutingMetrics | None = None,
+    holds: Callable[[str], bool] | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
@@ -513,6 +532,8 @@ def build_gateway_app(
             for an owner that shows its state (``ctl replicas``, metrics); None: the app makes its own.
         routing_metrics: where routing decisions, queue waits and queue lengths are counted (the
             control plane's metrics); None: nowhere.
+        holds: whether a model's requests are held while it has no ready replica (a model that
+            scales from zero: :mod:`llmgw.control.gateway.starting`); None: never, 503 at once.
 
     The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
     ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
@@ -531,6 +552,12 @@ def build_gateway_app(
         limiter=limiter,
     )
 
+    if holds is not None:
+        gw.starting = Starting(router.resolve, holds=holds)
+    held = gw.starting.held if gw.starting is not None else dict
+    # the autoscaler's signal: in flight per replica (the balancer), queued (the queues and the held)
+    app[LOAD] = combined(pool.balancer.loads, lambda: _add(pool.queue_lengths(), held()), gw.load)
+
     async def _lifecycle(_: web.Application) -> AsyncIterator[None]:
         await pool.start()
         yield
@@ -546,3 +573,8 @@ def build_gateway_app(
     app.router.add_get("/healthz", gw.healthz)
     app.router.add_route("*", "/{tail:.*}", gw.unknown)
     return app
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two ``{model: count}`` summed."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}

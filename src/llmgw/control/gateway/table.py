@@ -122,7 +122,7 @@ def build_routes(
         ready = tuple(
             Upstream(r.id, r.endpoint, r.key, profile_slots(m, r.profile))
             for r in mine
-            if r.state == ReplicaState.READY and r.endpoint
+            if r.state == ReplicaState.READY and r.endpoint and r.draining_since is None  # draining: routed no more
         )
         routes[m.name] = Route(
             model=m.name,

@@ -164,6 +164,7 @@ def explain_view(
     placer: pl.Placer,
     replicas: Sequence[tuple[str, str]],
     now: float,
+    wanted: int | None = None,
 ) -> ExplainView:
     """The view ``GET /api/v1/explain-placement`` serves.
 
@@ -173,8 +174,9 @@ def explain_view(
         placer: the placer the decision came from (its usage names the replicas to stop).
         replicas: ``(id, node)`` of the model's replicas placed now.
         now: unix seconds.
+        wanted: the replicas wanted (an autoscaled model's decided count); None: ``scaling.min``.
     """
-    wanted = model.scaling.min
+    wanted = model.scaling.min if wanted is None else wanted
     placed = len(replicas) >= wanted
     if placed:
         where = ", ".join(sorted({node for _, node in replicas})) or "no node (scaling.min is 0)"

@@ -44,7 +44,10 @@ from llmgw.control.store.rows import (
     BeatWrite,
     BrokenModel,
     ControlPlaneRow,
+    DecisionRow,
+    GatewayLoadRow,
     HeartbeatRead,
+    HistoryRow,
     LeaderRow,
     ModelRow,
     NodeLiveness,
@@ -129,8 +132,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_model(self, name: str) -> bool:
-        """Delete the entry, its names and its explanation; True when there was one. Its replicas
-        go at the leader's next pass (the agents then stop them)."""
+        """Delete the entry, its names, its explanation and its autoscaling decisions; True when there
+        was one. Its replicas go at the leader's next pass (the agents then stop them)."""
 
     # --- nodes ---
 
@@ -460,6 +463,42 @@ class Store(abc.ABC):
     ) -> list[UsageDelta]:
         """Usage rows from ``since_day`` to ``until_day`` (inclusive; None: no end), of one key and/or one
         model when given; ordered by day, key, model."""
+
+    # --- autoscaling (migration 10) ---
+
+    @abc.abstractmethod
+    def write_gateway_load(self, control_plane: str, rows: Sequence[GatewayLoadRow], *, now: float,
+                           keep_s: float = 60.0) -> None:
+        """Replace ``control_plane``'s ``gateway_load`` rows by ``rows`` in one transaction (a model
+        it no longer has load for goes), and delete any control plane's rows older than ``keep_s``."""
+
+    @abc.abstractmethod
+    def read_gateway_load(self, *, since: float) -> list[GatewayLoadRow]:
+        """Every control plane's rows written at ``since`` or later."""
+
+    @abc.abstractmethod
+    def add_decision(self, row: DecisionRow, *, keep: int = 100) -> None:
+        """Record an autoscaling decision; only the newest ``keep`` of its model are kept."""
+
+    @abc.abstractmethod
+    def list_decisions(self, model: str, *, limit: int = 100) -> list[DecisionRow]:
+        """``model``'s decisions, newest first, at most ``limit``."""
+
+    @abc.abstractmethod
+    def last_decisions(self) -> dict[str, DecisionRow]:
+        """The newest decision of every model that has one (the wanted count it set)."""
+
+    @abc.abstractmethod
+    def add_history(self, rows: Sequence[HistoryRow], *, before: float) -> None:
+        """Append ``rows`` (one batched insert) and delete every row older than ``before``."""
+
+    @abc.abstractmethod
+    def list_history(self, model: str, *, since: float) -> list[HistoryRow]:
+        """``model``'s points from ``since`` on, oldest first."""
+
+    @abc.abstractmethod
+    def forget_decisions(self, model: str) -> None:
+        """Delete ``model``'s decisions (the model was deleted, or its autoscaling turned off)."""
 
 
 def report_updates(

@@ -83,6 +83,7 @@ def replica_row(row: sa.Row[Any]) -> ReplicaRow:
         last_error=row.last_error,
         spec_hash=row.spec_hash,
         members=tuple(GroupMember.model_validate(m) for m in json.loads(row.members)),
+        draining_since=row.draining_since,
     )
 
 
@@ -106,4 +107,5 @@ def replica_values(r: ReplicaRow) -> dict[str, Any]:
         "last_error": r.last_error,
         "spec_hash": r.spec_hash,
         "members": dumps([m.model_dump(mode="json") for m in r.members]),
+        "draining_since": r.draining_since,
     }

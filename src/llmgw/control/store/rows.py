@@ -97,6 +97,7 @@ class ReplicaRow:
     last_error: str = ""
     spec_hash: str = ""
     members: tuple[GroupMember, ...] = ()  # a group replica's nodes, head (``node``) first; () for one node
+    draining_since: float | None = None  # unix seconds it was chosen to go (routed no more); None: serving
 
 
 @dataclass(frozen=True)
@@ -258,3 +259,43 @@ class RateDelta:
     window: int
     requests: int = 0
     tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GatewayLoadRow:
+    """One control plane's gateway load for one model at ``at`` (unix seconds): requests sent to a
+    replica and not yet answered (``in_flight``), requests waiting at the gateway for a slot
+    (``queued``), and in flight per replica id where the gateway knows it (``replicas``)."""
+
+    control_plane: str
+    model: str
+    in_flight: int
+    queued: int
+    at: float
+    replicas: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DecisionRow:
+    """An autoscaling decision of the leader: ``model`` went from ``from_n`` to ``to_n`` wanted
+    replicas at ``at`` (unix seconds), because ``reason``; ``panic`` when decided in panic mode."""
+
+    model: str
+    at: float
+    from_n: int
+    to_n: int
+    reason: str
+    panic: bool = False
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One point of an autoscaled model's last hour: at ``at`` (unix seconds) ``wanted`` replicas,
+    ``ready`` ones, and ``load`` requests in flight plus queued over every control plane."""
+
+    model: str
+    at: float
+    wanted: int
+    ready: int
+    load: float
+
