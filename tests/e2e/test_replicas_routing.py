@@ -10,6 +10,7 @@ llama-server per replica with that replica's key and reports it ready.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import subprocess
@@ -194,3 +195,31 @@ def test_routing_figures_through_the_api_the_cli_and_the_dashboard(world: World)
     assert cells, html
     assert f'<td class="slots">{SLOTS}</td><td class="in-flight">0</td><td class="queued">0</td>' in cells.group(0)
     assert f'<td class="affinity">{CHATS}</td>' in cells.group(0)
+
+
+def test_in_flight_and_queued_while_every_slot_is_busy(world: World) -> None:
+    """More requests at once than the two replicas have slots: while they run, ``routing`` shows
+    every slot in flight and the rest queued at the gateway; once done, zeros again."""
+    url = f"http://127.0.0.1:{world.inst.ports['gateway']}/v1/chat/completions"
+    n = 2 * SLOTS + 3
+
+    def one(i: int) -> int:
+        body = {"model": "chat", "messages": [{"role": "user", "content": f"Count to 100, conversation {i}."}],
+                "max_tokens": 96, "temperature": 0}
+        return httpx.post(url, json=body, timeout=120).status_code
+
+    seen_in_flight, seen_queued = 0, 0
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
+        while not all(f.done() for f in futures):
+            routing = [r["routing"] for r in world.replicas_json()]
+            assert all(g["in_flight"] <= g["slots"] for g in routing if g["slots"] is not None)
+            seen_in_flight = max(seen_in_flight, sum(g["in_flight"] for g in routing))
+            seen_queued = max(seen_queued, routing[0]["queued"])
+            assert routing[0]["queued"] == routing[1]["queued"]  # the model's queue, on each of its replicas
+            time.sleep(0.05)
+        assert [f.result() for f in futures] == [200] * n
+    assert seen_in_flight == 2 * SLOTS
+    assert seen_queued >= 1
+    done = [r["routing"] for r in world.replicas_json()]
+    assert [(g["in_flight"], g["queued"]) for g in done] == [(0, 0), (0, 0)]
