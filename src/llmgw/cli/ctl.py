@@ -178,7 +178,8 @@ def replicas(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
     lines: LinesOpt = 100, follow: FollowOpt = False,
 ) -> None:
-    """Replicas: model, node, profile, state, uptime, restarts, last error.
+    """Replicas: model, node, profile, state, uptime, restarts, this control plane's routing to
+    each (SLOTS, IN FLIGHT, QUEUED: its model's, AFFINITY: cache-affinity hits), last error.
 
     ``llmgw ctl replicas logs ID [--follow]`` reads a replica's engine log (as ``ctl logs``).
     """
@@ -189,18 +190,23 @@ def replicas(
     if as_json:
         _print_json(data)
         return
-    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS", "ERROR / WHY PENDING")
+    # The routing figures are the answering control plane's own (each routes on its own).
+    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS",
+              "SLOTS", "IN FLIGHT", "QUEUED", "AFFINITY", "ERROR / WHY PENDING")
     for r in data:
         err = (r.err or r.pending_reason or r.last_error).strip().splitlines()
+        g = r.routing
         t.add_row(
             r.id, r.model, r.node or "-", r.profile or "-", r.state + (" (draining)" if r.draining_since else ""),
             _ago(r.ready_at) if r.state == "ready" else "-", str(r.restarts),
+            *((str(g.slots) if g.slots is not None else "?", str(g.in_flight), str(g.queued), str(g.affinity_hits))
+              if g is not None else ("-",) * 4),
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
         for m in r.members[1:]:  # a group's workers, under their head
             werr = m.err.strip().splitlines()
             t.add_row(
-                f"  └ worker {m.rank}", "", m.node, "", m.state or "-", "", "",
+                f"  └ worker {m.rank}", "", m.node, "", m.state or "-", "", "", "", "", "", "",
                 werr[0].removesuffix("; its last lines:")[:100] if werr else (m.endpoint and f"at {m.endpoint}"),
             )
     console().print(t)

@@ -55,7 +55,7 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,6 +100,7 @@ from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
 
 if TYPE_CHECKING:
+    from llmgw.control.gateway.balancer import ReplicaLoad
     from llmgw.control.gateway.guard import GuardInspector
     from llmgw.control.reconcile.judgekeeper import JudgeKeeper
 
@@ -265,6 +266,14 @@ def _gateway_app(
     return app
 
 
+def _loads_of(gateway: web.Application) -> Callable[[], Mapping[str, ReplicaLoad]]:
+    """The gateway app's per-replica figures (``UpstreamPool.loads``: slots, in flight, queued,
+    picks), the one thing of the gateway the admin API reads (``GET /api/v1/replicas``' ``routing``)."""
+    from llmgw.control.gateway.app import gateway_pool  # noqa: PLC0415 (as in _gateway_app)
+
+    return gateway_pool(gateway).loads
+
+
 def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
     """The guard inspector when server.yaml has a guard policy (guard.on()), else None."""
     if not config.guard.on():
@@ -281,7 +290,7 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
-    metrics: ControlPlaneMetrics, paths: Paths,
+    metrics: ControlPlaneMetrics, paths: Paths, loads: Callable[[], Mapping[str, ReplicaLoad]] | None = None,
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`),
     the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the gateway keys' and
@@ -292,6 +301,7 @@ def _admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
         max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
         closed_judges=closed_judges(config.guard),
+        loads=loads,
     )
     mirror_token = _mirror_token(paths, token)
     serve = None
@@ -469,8 +479,10 @@ async def serve(
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
+        gateway = _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics)
         admin = _admin_app(
-            store, token, wakes.changed, config, guard, logs, db, routes.done, members, metrics, paths
+            store, token, wakes.changed, config, guard, logs, db, routes.done, members, metrics, paths,
+            loads=_loads_of(gateway),
         )
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
@@ -489,7 +501,7 @@ async def serve(
             (
                 "gateway.listen",
                 config.gateway.listen,
-                gateway := _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics),
+                gateway,
                 None,
             ),
         ]

@@ -121,7 +121,7 @@ OPS: tuple[Op, ...] = (
     Op(
         "get",
         "/api/v1/replicas",
-        "Replicas, optionally of one model",
+        "Replicas, optionally of one model, each with this control plane's routing figures (routing)",
         ReplicaView,
         many=True,
         errors=(404, 409),
