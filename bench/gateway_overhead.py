@@ -97,8 +97,14 @@ def upstream_app(events: int) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def props(_: web.Request) -> web.Response:
+        # llama-server's slot count, which the gateway reads once: more slots than wrk's 16
+        # connections, so throughput measures the gateway, not a wait for a slot.
+        return web.json_response({"total_slots": 64})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/props", props)
     return app
 
 
@@ -106,7 +112,7 @@ def gateway_app_for_bench(upstream_port: int, state: Path) -> web.Application:
     """The gateway with one model, ``bench``, on the upstream, and what the control plane adds around it:
     :data:`KEY` as a stored key (``rpm``/``tpm`` limits set high enough never to refuse, so the limiter
     runs on every request), usage accounting synced to a SQLite store in ``state`` every 0.5 s, the
-    Prometheus metrics, and the access log (to ``state/access.log``)."""
+    Prometheus metrics (routing decisions and queue waits included), and the access log (to ``state/access.log``)."""
     import logging  # noqa: PLC0415 - only the gateway process needs these
 
     from llmgw.apikeys import key_digest, key_prefix  # noqa: PLC0415
@@ -138,7 +144,7 @@ def gateway_app_for_bench(upstream_port: int, state: Path) -> web.Application:
 
     router = StaticRouter({"bench": Route("bench", (Upstream("r1", f"127.0.0.1:{upstream_port}", "k"),))})
     app = build_gateway_app(router, keys=(), allow_loopback_without_key=False, observe=observe,
-                            callers=callers, limiter=limiter)
+                            callers=callers, limiter=limiter, routing_metrics=metrics)
 
     async def _accounting(_: web.Application) -> AsyncIterator[None]:
         await accounting.sync()

@@ -25,6 +25,7 @@ from llmgw.errors import ApiError, UnreachableError
 from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 from llmgw.views import (
+    AutoscaleView,
     ClusterView,
     ExplainView,
     KeyView,
@@ -193,6 +194,11 @@ class AdminClient:
         """``GET /api/v1/models/{name}/resources``: per profile what one replica needs and where it fits."""
         got: dict[str, Any] = self.get(f"/api/v1/models/{quote(name)}/resources")
         return got
+
+    def model_autoscale(self, name: str) -> AutoscaleView:
+        """``GET /api/v1/models/{name}/autoscale``: wanted, ready, draining, load, last decisions."""
+        path = f"/api/v1/models/{quote(name)}/autoscale"
+        return _view(AutoscaleView, self.get(path), f"GET {path}")
 
     def replicas(self, model: str | None = None) -> list[ReplicaView]:
         """``GET /api/v1/replicas`` (``?model=`` for one model's), wanted-but-unplaced ones included

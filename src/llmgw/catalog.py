@@ -14,6 +14,8 @@ API, ``server init``, and the store when it reads a row back):
 * ``scaling.min``/``max`` are strict integers (``2.0`` and ``"2"`` are refused) of at most
   :data:`MAX_REPLICAS_HARD`; the control plane's own, lower limit is ``max_replicas_per_model``
   in server.yaml (checked by the admin API);
+* ``routing`` is ``cache-aware`` or ``round-robin``; ``queue.size`` a strict integer 0-:data:`MAX_QUEUE`,
+  ``queue.wait_s`` a finite number of seconds, more than 0 and at most :data:`MAX_QUEUE_WAIT_S`;
 * a profile's ``args`` carry no flag from :mod:`llmgw.engineargs` (paths, agent-owned
   flags, network fetches, tools).
 """
@@ -24,15 +26,17 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -51,6 +55,10 @@ MAX_TOKENS = 1_000_000_000
 """``context_length``/``max_output`` at most: a billion tokens."""
 MAX_PRIORITY = 1_000_000
 MAX_ARGS = 256
+MAX_QUEUE = 10_000
+"""``queue.size`` at most: requests waiting at the gateway per model (and per control plane)."""
+MAX_QUEUE_WAIT_S = 600.0
+"""``queue.wait_s`` at most (s): the gateway's longest wait for a slot, the upstream timeout's default."""
 """Engine args per profile at most, each at most 4,096 characters."""
 
 STORED = {"stored": True}
@@ -163,22 +171,113 @@ class _Strict(BaseModel):
 
 _Replicas = Annotated[int, Field(strict=True, ge=0, le=MAX_REPLICAS_HARD)]
 
+MAX_TARGET = 10_000.0
+"""``scaling.target`` at most (requests in flight per replica): far past any engine's slots."""
+MAX_WINDOW_S = 86_400.0
+"""An autoscaling window or delay at most (seconds): a day. A window of ``1e9`` s is a typo, and
+the leader keeps a sample per second of the stable window in memory."""
+
+_AUTOSCALE_FIELDS = ("target", "stable_window_s", "panic_window_s", "scale_down_after_s", "scale_to_zero_after_s")
+
+_Target = Annotated[float, Field(strict=True, gt=0, le=MAX_TARGET)]
+_Window = Annotated[float, Field(strict=True, ge=1.0, le=MAX_WINDOW_S)]
+
 
 class Scaling(_Strict):
     """How many replicas: at least ``min``, at most ``max`` (``min <= max``).
 
     Strict integers: ``2.0`` and ``"2"`` are refused (a count is never a fraction, and a float
     such as ``1e9`` must not slip in as a count); at most :data:`MAX_REPLICAS_HARD`.
+
+    With ``max > min`` the leader autoscales (:mod:`llmgw.control.reconcile.autoscale`, Knative's
+    KPA rule): ``target`` is the requests in flight (queued at the gateway included) one replica
+    should carry (None: the engine's slots, :func:`scaling_target`); ``stable_window_s`` (60 s)
+    averages the load for the steady count, ``panic_window_s`` (6 s) catches a burst (load at
+    twice the ready capacity: scale up at once, never down for a stable window);
+    ``scale_down_after_s`` (300 s) of lower demand before a replica goes, and
+    ``scale_to_zero_after_s`` (600 s) without any request before the last one goes (``min: 0``).
+    Windows are finite seconds in [1, :data:`MAX_WINDOW_S`]; ``target`` in (0, :data:`MAX_TARGET`].
     """
 
     min: _Replicas = 1
     max: _Replicas = 1
+    target: _Target | None = None
+    stable_window_s: _Window = 60.0
+    panic_window_s: _Window = 6.0
+    scale_down_after_s: _Window = 300.0
+    scale_to_zero_after_s: _Window = 600.0
 
     @model_validator(mode="after")
     def _order(self) -> Scaling:
         if self.min > self.max:
             raise ValueError(f"scaling.min {self.min} is more than scaling.max {self.max}")
+        if self.panic_window_s > self.stable_window_s:
+            raise ValueError(
+                f"scaling.panic_window_s {self.panic_window_s:g} is longer than scaling.stable_window_s "
+                f"{self.stable_window_s:g}; the panic window is the short one (Knative: 6 s of 60 s)"
+            )
         return self
+
+    @model_serializer(mode="wrap")
+    def _lean(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """``min`` and ``max`` always; the autoscaling fields only where set away from their defaults,
+        so a catalog without autoscaling reads (and is stored) as before them."""
+        out: dict[str, object] = handler(self)
+        for name in _AUTOSCALE_FIELDS:
+            if name in out and getattr(self, name) == Scaling.model_fields[name].default:
+                del out[name]
+        return out
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether the leader decides the count between ``min`` and ``max`` (``max > min``); else
+        exactly ``min`` replicas, as before autoscaling existed."""
+        return self.max > self.min
+
+
+DEFAULT_SLOTS = 4
+"""A replica's slots when its profile names none: the agent starts llama-server with ``--parallel 4``
+(``DEFAULT_PARALLEL`` in :mod:`llmgw.agent.engines.llamacpp`)."""
+
+_SLOT_FLAGS = {"--parallel", "-np", "--max-num-seqs"}
+
+
+def scaling_target(model: Model) -> float:
+    """Requests in flight one replica should carry (``scaling.target``): the catalog's when set,
+    else the slots of its highest-priority profile (``--parallel N``/``-np N`` for llama.cpp,
+    ``--max-num-seqs N`` for vLLM, in its ``args``), else :data:`DEFAULT_SLOTS`."""
+    if model.scaling.target is not None:
+        return model.scaling.target
+    profiles = model.profiles_by_priority()
+    args = profiles[0].args if profiles else []
+    for i, a in enumerate(args):
+        flag, _, inline = a.partition("=")
+        if flag in _SLOT_FLAGS:
+            value = inline or (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit() and int(value) > 0:
+                return float(value)
+    return float(DEFAULT_SLOTS)
+
+
+RoutingPolicy = Literal["cache-aware", "round-robin"]
+"""How the gateway picks a model's replica (:mod:`llmgw.control.gateway.balancer`): ``cache-aware``
+sends requests that share a prefix to the same replica while its load is within a bound, else the
+least-loaded one; ``round-robin`` rotates over the replicas with a free slot."""
+
+
+class Queue(_Strict):
+    """A model's waiting room at the gateway, per control plane (:mod:`llmgw.control.gateway.queue`).
+
+    Attributes:
+        size: requests that may wait for a slot at once; one more gets 429 ``model_busy`` with
+            ``Retry-After`` at once. 0: no queue, a 429 as soon as every slot is busy. A strict
+            integer (``2.0`` and ``"2"`` are refused), at most :data:`MAX_QUEUE`.
+        wait_s: the longest a request waits for a slot (s), more than 0 and at most
+            :data:`MAX_QUEUE_WAIT_S`; a request that cannot be served within it gets the 429 at once.
+    """
+
+    size: Annotated[int, Field(strict=True, ge=0, le=MAX_QUEUE)] = 64
+    wait_s: Annotated[float, Field(strict=True, gt=0, le=MAX_QUEUE_WAIT_S)] = 30.0
 
 
 class Profile(_Strict):
@@ -256,6 +355,12 @@ class Model(_Strict):
         sha256: the file's digest, which a node checks after its download; empty to trust the mirror's header.
         context_length: the context a client may use (tokens).
         max_output: the most tokens a client may ask for in one answer.
+        routing: how the gateway picks a replica (:data:`RoutingPolicy`), ``cache-aware`` by default.
+        queue: the gateway's queue for this model (:class:`Queue`).
+
+    ``routing`` and ``queue`` are read by the gateway only: changing them restarts no replica (the
+    spec hash covers the profile, source, version and digest:
+    :func:`llmgw.control.reconcile.leader.spec_hash`).
     """
 
     name: str
@@ -270,6 +375,8 @@ class Model(_Strict):
     context_length: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     max_output: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
     scaling: Scaling = Field(default_factory=Scaling)
+    routing: RoutingPolicy = "cache-aware"
+    queue: Queue = Field(default_factory=Queue)
     profiles: Annotated[list[Profile], Field(min_length=1, max_length=64)]
 
     @field_validator("name")

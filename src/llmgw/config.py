@@ -127,6 +127,10 @@ class ClusterConfig(_Strict):
         lease_s: a leader whose last successful renewal (a write) is older than this stops acting
             (seconds; docs/ha.md §3.3: 5 s stopped a leader on a frozen primary 4.3 s after the freeze).
         renew_s: seconds between the leader's renewals, and between a follower's tries.
+        max_heartbeats_per_s: the heartbeats per second the agents of the whole cluster may send
+            (Nomad's ``max_heartbeats_per_second``, 50 by default): the interval handed to agents is
+            ``max(2 s, nodes / this)`` and node-lost detection grows with it
+            (:mod:`llmgw.control.api.cadence`). 1 to 10,000.
     """
 
     name: str = ""
@@ -134,6 +138,7 @@ class ClusterConfig(_Strict):
     patroni: list[str] = Field(default_factory=list)
     lease_s: Annotated[float, Field(gt=0, le=60)] = 5.0
     renew_s: Annotated[float, Field(gt=0, le=10)] = 1.0
+    max_heartbeats_per_s: Annotated[float, Field(ge=1, le=10_000)] = 50.0
 
 
 class MirrorRef(_Strict):

@@ -1,13 +1,26 @@
 """What agents and the control plane say to each other over the agent API (mTLS, JSON).
 
 ``POST /agent/v1/heartbeat`` (and ``/agent/v1/register``, the same exchange on start): the agent
-sends a :class:`Heartbeat`; the control plane answers with a :class:`HeartbeatReply` listing the
+sends a :class:`Heartbeat` (its whole state) or a :class:`Pulse` (liveness: the digest of that
+state, :func:`state_digest`); the control plane answers with a :class:`HeartbeatReply` listing the
 replicas this node must run. The node id is never in the body: it is the CN of the agent's client
 certificate, which the control plane reads from the TLS session.
+
+Liveness apart from state (after Kubernetes' node Lease beside its status): an agent sends its full
+state only when :func:`state_digest` of it differs from the digest the control plane last
+acknowledged (``HeartbeatReply.digest``) or when a reply asks (``send_full``); every other beat is a
+:class:`Pulse` of ~150 bytes. The control plane never trusts a digest it did not compute: it
+computes :func:`state_digest` from each full state it stores and keeps it with the node; a pulse
+whose digest differs from the stored one is answered ``send_full``. Likewise the reply leaves out
+``desired`` when the agent's ``desired_digest`` (:func:`desired_digest` of the list it last
+applied) is the control plane's (``desired_unchanged``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from enum import StrEnum
 
 from pydantic import BaseModel, Field, field_validator
@@ -162,10 +175,49 @@ class Heartbeat(BaseModel):
     cached: list[str] = Field(default_factory=list)
     """Weights in the node's cache, as ``model/version``: placement prefers nodes that hold them."""
 
+    desired_digest: str = ""
+    """:func:`desired_digest` of the ``desired`` list this agent last applied ("" from older agents,
+    or none applied yet): when it is the control plane's, the reply leaves the list out."""
+
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         return check_labels(v)
+
+
+#: The fields of a :class:`Heartbeat` the control plane stores (``nodes`` columns, the replica
+#: reports): what :func:`state_digest` covers, nothing else (``agent_version`` is not stored).
+STATE_FIELDS = frozenset({"inventory", "labels", "engines", "replicas", "instance", "cached"})
+
+
+def state_digest(hb: Heartbeat) -> str:
+    """The sha256 (64 hex digits) of :data:`STATE_FIELDS` of ``hb`` in a canonical JSON form
+    (keys sorted, no spaces, ``cached`` sorted as the store keeps it): the one definition the agent
+    (to decide whether its state changed) and the control plane (to store with the node) share."""
+    state = hb.model_dump(mode="json", include=set(STATE_FIELDS))
+    state["cached"] = sorted(state["cached"])
+    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class Pulse(BaseModel):
+    """A small beat: the agent is alive and its state is the one whose :func:`state_digest` it
+    names (the one the control plane last acknowledged). Sent to the same path as a
+    :class:`Heartbeat`; a body without ``inventory`` is a pulse.
+
+    Attributes:
+        digest: :func:`state_digest` of the agent's current state (64 hex digits).
+        instance: as :attr:`Heartbeat.instance`.
+        term: the highest leadership term this agent has seen (informational: the control plane
+            does not act on it today; the agent itself refuses a reply with a lower one).
+        desired_digest: as :attr:`Heartbeat.desired_digest`.
+        agent_version: the agent's version.
+    """
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    instance: str = ""
+    term: int = 0
+    desired_digest: str = ""
+    agent_version: str = ""
 
 
 class LogRequest(BaseModel):
@@ -204,6 +256,16 @@ class HeartbeatReply(BaseModel):
             none leads now.
         control_planes: the agent-API URLs of every live control plane; the agent adds them to
             the list it rotates through (agent.yaml's ``servers`` stay first).
+        interval_s: seconds until the next beat: ``max(2, nodes / (0.9 × cluster.max_heartbeats_per_s))``
+            (:mod:`llmgw.control.api.cadence`); the agent beats at a jittered 80-100 % of it.
+        digest: the :func:`state_digest` the control plane holds for this node after this beat
+            (computed from a full state, never taken from the agent); "" when it holds none.
+        send_full: the pulse's digest is not the one held (a new node, a lost update, a lie, a
+            node marked lost): nothing was recorded; send the full :class:`Heartbeat` now.
+        desired_digest: :func:`desired_digest` of the replicas this node must run.
+        desired_unchanged: ``desired`` is left out (empty) because the agent's ``desired_digest``
+            is ``desired_digest``: keep running what it runs. Never True for an older agent
+            (it sends no ``desired_digest``).
     """
 
     node_id: str
@@ -213,6 +275,17 @@ class HeartbeatReply(BaseModel):
     term: int = 0
     leader: str = ""
     control_planes: list[str] = Field(default_factory=list)
+    digest: str = ""
+    send_full: bool = False
+    desired_digest: str = ""
+    desired_unchanged: bool = False
+
+
+def desired_digest(desired: Sequence[ReplicaSpec]) -> str:
+    """The sha256 (64 hex digits) of a desired list in canonical JSON (in its order, which the
+    control plane keeps: by creation time, then id)."""
+    specs = [s.model_dump(mode="json") for s in desired]
+    return hashlib.sha256(json.dumps(specs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class EngineMetricsText(BaseModel):

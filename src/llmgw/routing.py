@@ -13,11 +13,18 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Upstream:
-    """One ready replica: ``endpoint`` is ``host:port`` of its engine, ``key`` its ``--api-key``."""
+    """One ready replica: ``endpoint`` is ``host:port`` of its engine, ``key`` its ``--api-key``.
+
+    ``slots``: the requests its engine runs at once as its profile configures them (llama-server's
+    ``--parallel``/``-np``, vLLM's ``--max-num-seqs``; 4, the agent's default, when the profile sets
+    none); 0 when not known (a :class:`StaticRouter`'s). The gateway reads the engine's own count
+    (``GET /props``) and uses this only for an engine that does not say.
+    """
 
     replica_id: str
     endpoint: str
     key: str
+    slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,10 @@ class Route:
         max_output: the most tokens a client may ask for, 0 when not set.
         created: unix seconds the model was added (``/v1/models``' ``created``).
         role: the catalog role, ``chat`` or ``embedding`` (which endpoints serve it).
+        routing: how the gateway picks a replica, ``cache-aware`` or ``round-robin``
+            (:data:`llmgw.catalog.RoutingPolicy`).
+        queue_size: requests that may wait for a slot at the gateway (0: none).
+        queue_wait_s: the longest a request waits for a slot (s).
     """
 
     model: str
@@ -42,6 +53,9 @@ class Route:
     max_output: int = 0
     created: int = 0
     role: str = "chat"
+    routing: str = "cache-aware"
+    queue_size: int = 64
+    queue_wait_s: float = 30.0
 
 
 class Router(Protocol):

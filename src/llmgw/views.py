@@ -68,8 +68,41 @@ class NodeView(BaseModel):
         return gpuhealth.discovery_problems(self.gpus)
 
 
+#: :attr:`ReplicaRouting.scope`: the figures are the answering control plane's own gateway's.
+ROUTING_SCOPE = "this_control_plane"
+
+
+class ReplicaRouting(BaseModel):
+    """How the answering control plane's gateway routes to one replica (``ctl replicas``, the
+    dashboard's model page). Each control plane routes on its own, without shared state
+    (docs/operating.md, Routing): with several, each reports only what it sent, and the figures
+    start at zero when it starts.
+
+    Attributes:
+        scope: always :data:`ROUTING_SCOPE` (``"this_control_plane"``): whose figures these are.
+        slots: requests the engine runs at once (llama-server ``GET /props`` ``total_slots``, or the
+            profile's); None until the gateway has read it (before its first request there).
+        in_flight: requests this gateway sent it that have not finished.
+        queued: requests of its model waiting at this gateway for a free slot (on any replica of it).
+        affinity_hits: requests sent here because it is where their prefix is likely cached
+            (``picks["affinity"]``).
+        picks: requests sent here, by reason: ``affinity``, ``least_load``, ``overflow``,
+            ``round_robin`` (the gateway's balancer, :data:`llmgw.control.gateway.balancer.REASONS`).
+        service_s: moving average of its answers' time, seconds (0 before the first).
+    """
+
+    scope: str = ROUTING_SCOPE
+    slots: int | None = None
+    in_flight: int = 0
+    queued: int = 0
+    affinity_hits: int = 0
+    picks: dict[str, int] = Field(default_factory=dict)
+    service_s: float = 0.0
+
+
 class ReplicaView(BaseModel):
-    """A replica: where it runs, in which profile, its state and last error."""
+    """A replica: where it runs, in which profile, its state and last error; ``routing``: how this
+    control plane's gateway sends to it (None from an admin API without a gateway)."""
 
     id: str
     model: str
@@ -85,6 +118,8 @@ class ReplicaView(BaseModel):
     gpu_indexes: list[int] = Field(default_factory=list)
     pending_reason: str = ""  # a wanted replica placed nowhere: placement's one-line summary
     members: list[GroupMember] = Field(default_factory=list)  # a group's nodes, head first (their states)
+    draining_since: float | None = None  # chosen to go by autoscaling: routed no more, stops once drained
+    routing: ReplicaRouting | None = None
 
 
 class Rejection(BaseModel):
@@ -139,8 +174,54 @@ class ModelView(BaseModel):
     scaling_max: int = 0
     replicas_ready: int = 0
     replicas: int = 0
+    replicas_wanted: int = 0  # scaling.min, or an autoscaled model's last decided count
     spec: dict[str, object] = Field(default_factory=dict)
     broken: str = ""
+
+
+class DecisionView(BaseModel):
+    """One autoscaling decision: at ``at`` (unix seconds) the wanted replicas went ``from_n`` →
+    ``to_n`` because ``reason``; ``panic`` when decided in panic mode."""
+
+    at: float
+    from_n: int
+    to_n: int
+    reason: str
+    panic: bool = False
+
+
+class HistoryPoint(BaseModel):
+    """One point of an autoscaled model's last hour (every 15 s): replicas ``wanted`` and ``ready``,
+    and ``load`` (requests in flight plus queued over every control plane) at ``at`` (unix seconds)."""
+
+    at: float
+    wanted: int
+    ready: int
+    load: float
+
+
+class AutoscaleView(BaseModel):
+    """``GET /api/v1/models/{name}/autoscale``: a model's autoscaling now and its last decisions.
+
+    ``autoscaled`` is ``scaling.max > scaling.min``; ``wanted`` the replicas the leader places,
+    ``ready`` those ready and routed (not draining), ``draining`` those finishing their requests
+    before they stop; ``in_flight`` and ``queued`` the gateways' load summed over control planes
+    (rows of the last 3 s); ``target`` requests in flight per replica; ``decisions`` newest first;
+    ``history`` the last hour, oldest first.
+    """
+
+    model: str
+    autoscaled: bool
+    min: int
+    max: int
+    target: float
+    wanted: int
+    ready: int
+    draining: int
+    in_flight: int
+    queued: int
+    decisions: list[DecisionView] = Field(default_factory=list)
+    history: list[HistoryPoint] = Field(default_factory=list)
 
 
 class LogView(BaseModel):

@@ -177,6 +177,21 @@ def test_guard_and_keys_pages_with_a_usage_plot(page: Page, install: Install) ->
     _accessible(page, "guard")
 
 
+def test_an_autoscaled_models_page_plots_wanted_ready_and_load(page: Page, install: Install) -> None:
+    r = install.api("PATCH", f"/api/v1/models/{STARTER}", {"scaling": {"min": 1, "max": 2}})
+    assert r.status_code == 200, r.text
+    try:
+        time.sleep(1.0)  # the autoscaler's first pass writes the model's first point (every 0.5 s)
+        _login(page, install)
+        page.goto(install.admin + f"/ui/models/{STARTER}")
+        page.locator("#autoscale-plot[data-drawn='3']").wait_for(timeout=WAIT_MS)  # wanted, ready, load
+        assert page.locator("#autoscale-plot canvas").count() == 1
+        assert "1 wanted (scaling 1..2)" in page.locator("#autoscale-state").inner_text()
+        _accessible(page, "model-autoscale")
+    finally:
+        install.api("PATCH", f"/api/v1/models/{STARTER}", {"scaling": {"min": 1, "max": 1}})
+
+
 def test_a_lost_session_goes_back_to_login(page: Page, install: Install) -> None:
     _login(page, install)
     page.context.clear_cookies()  # as when the session expires: the next live poll is refused

@@ -125,7 +125,7 @@ def freeze_lock_holder(
     if stepped.is_alive():
         stepped.join(2)
     if out.new is not None and lease is not None:
-        since = _since(cluster, out.new[1])
+        since = since_of_term(cluster, out.new[1])
         if since is not None:
             out.after_lease_s = since - (lease + LEASE_S)
     resumed = time.monotonic()
@@ -162,7 +162,7 @@ def _lease(cluster: HACluster) -> float | None:
     return float(row[0]) if row else None
 
 
-def _since(cluster: HACluster, term: int) -> float | None:
+def since_of_term(cluster: HACluster, term: int) -> float | None:
     """When ``term`` began (``cp_leader.since``, database clock), None if the row holds another term."""
     with cluster.patroni.connect(DATABASE) as conn:
         row = conn.execute("SELECT since FROM cp_leader WHERE id = 1 AND term = %s", (term,)).fetchone()

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.conftest import Assets, skip_or_fail
+from tests.ha.freeze import since_of_term as _since
 from tests.ha.load import Load, agreed_leader, cluster_views
 from tests.helpers.hacluster import (
     HACluster,
@@ -141,14 +142,19 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
         # 1. the leading control plane (cp1 when no leader is known: then the check above failed)
         victim = ha.cp(start[0] if start else "cp1")
         load.rotation.take_out(victim.name)
-        t0 = time.monotonic()
+        t0, killed_at = time.monotonic(), time.time()
         victim.kill9()
         took = _leader(ha, 10, not_=victim.name) if election else None
         if election and f.check(took, f"leader kill: no new leader in 10 s: {dump(cluster_views(ha))}") and took:
-            takeover = time.monotonic() - t0
-            measured.append(f"leader kill: new leader {took[0]} in term {took[1]} after {takeover:.2f} s")
-            # + 0.5 s: one round of agreed_leader (3 control planes, each asking Patroni) is in the figure
-            f.check(takeover <= TAKEOVER_MAX_S + 0.5, f"leader kill: takeover took {takeover:.2f} s")
+            agreed = time.monotonic() - t0
+            # The takeover on the database's clock (the new term's ``since``; the database runs on this
+            # machine, so its clock is ours): what polling the views adds (up to 1.3 s more at load 7)
+            # is not in it.
+            since = _since(ha, took[1])
+            takeover = since - killed_at if since is not None else agreed
+            measured.append(f"leader kill: new leader {took[0]} in term {took[1]} after {takeover:.2f} s "
+                            f"(every view agreed at {agreed:.2f} s)")
+            f.check(takeover <= TAKEOVER_MAX_S, f"leader kill: takeover took {takeover:.2f} s")
             if terms:
                 f.check(took[1] > terms[-1][1], f"leader kill: term {took[1]} not above {terms[-1][1]}")
             terms.append(took)

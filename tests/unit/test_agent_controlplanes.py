@@ -25,11 +25,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
+from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s, rendezvous
 from llmgw.agent.loop.loop import Agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
-from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec
+from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, ReplicaSpec, state_digest
 from llmgw.tlsconf import CA, client_context, peer_common_name, server_context
 from tests.helpers.waits import until
 
@@ -66,6 +66,7 @@ class FakeControlPlane:
         self.term: int | None = None
         self.desired: list[ReplicaSpec] | None = None
         self.status = 200
+        self.reads_pulses = False  # True: acknowledges digests and reads pulses (this version)
         self.log_requests: list[LogRequest] = []
         self.port = 0
         self.runner: web.AppRunner | None = None
@@ -85,7 +86,11 @@ class FakeControlPlane:
         self.calls.append(Call(time.monotonic(), request.path, body))
         if request.path == "/agent/v1/logs":
             return web.json_response({})
-        Heartbeat.model_validate_json(body)
+        doc = json.loads(body)
+        if "inventory" not in doc and not self.reads_pulses:  # an older control plane's answer to a pulse
+            return web.json_response({"error": {"code": "invalid_heartbeat", "message": "inventory: Field required"}},
+                                     status=400)
+        digest = doc["digest"] if "inventory" not in doc else state_digest(Heartbeat.model_validate_json(body))
         if self.status != 200:
             err = {"error": {"code": "store_unavailable", "message": "the database does not answer"}}
             return web.json_response(err, status=self.status)
@@ -99,6 +104,7 @@ class FakeControlPlane:
             leader=self.db.members[0] if self.db.members else "",
             control_planes=self.db.members,
             log_requests=self.log_requests,
+            digest=digest if self.reads_pulses else "",
         )
         self.log_requests = []
         return web.json_response(json.loads(reply.model_dump_json()))
@@ -204,7 +210,7 @@ async def test_killed_control_plane_the_next_beat_goes_to_another_at_once(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, c = world.cps
+    a, b, c = ranked(world.cps)  # the agent's home first
     run = await start_agent(world.config([a.url, b.url, c.url]))  # type: ignore[operator]
     await until("the agent beats at a", lambda: _n(a, 3))
     assert b.calls == []
@@ -244,7 +250,7 @@ async def test_all_down_backs_off_then_recovers_when_one_returns(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, c = world.cps
+    a, b, c = ranked(world.cps)  # the agent's home first
     run = await start_agent(world.config([a.url, b.url, c.url]))  # type: ignore[operator]
     await until("the agent beats at a", lambda: _n(a, 2))
     for cp in world.cps:
@@ -280,7 +286,7 @@ async def test_a_reply_with_a_lower_term_is_not_applied(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, _ = world.cps
+    a, b = ranked(world.cps[:2])
     world.db.desired = [_spec("r-1")]
     run = await start_agent(world.config([a.url, b.url]))  # type: ignore[operator]
     await until("r-1 runs", lambda: _has_runner(run, "r-1"))
@@ -309,18 +315,49 @@ async def test_members_named_in_replies_are_used(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    a, b, c = world.cps
-    world.db.members = [a.url, b.url + "/", c.url, "http://plain.example:7443"]
+    home, a, c = ranked(world.cps)  # ranked for node-1 over all three
+    world.db.members = [a.url, home.url + "/", c.url, "http://plain.example:7443"]
     run = await start_agent(world.config([a.url]))  # agent.yaml names a only
-    await until("the agent beats at a", lambda: _n(a, 2))
+    await until("the agent beats at a", lambda: _n(a, 1))
     # Learned, after agent.yaml's own; a non-https URL is ignored; trailing slashes do not duplicate.
-    assert run.agent.control_planes.order() == [a.url, b.url, c.url]
-    assert run.agent.state.leader == a.url
-    assert any(f"learned from {a.url}: {b.url}, {c.url}" in m for m in _messages(caplog))
-    await a.kill()
-    await until("the agent beats at b", lambda: _n(b, 2))
+    assert any(f"learned from {a.url}: {home.url}, {c.url}" in m for m in _messages(caplog))
+    # The home among every member known is the first ranked: the agent moves there at once.
+    await until("the agent beats at its home", lambda: _n(home, 2))
+    assert run.agent.control_planes.home == home.url
+    assert run.agent.control_planes.order() == [home.url, a.url, c.url]
+    await home.kill()
+    await until("the agent beats at a again", lambda: _n(a, 3))  # the next ranked, not c
     assert run.agent.failed_cycles == 0
     assert c.calls == []
+
+
+async def test_a_pulse_to_a_control_plane_that_reads_none_is_followed_by_the_full_state(
+    world: World, start_agent: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    a, b = ranked(world.cps[:2])
+    a.reads_pulses = True  # upgraded; b is not (a rolling upgrade)
+    run = await start_agent(world.config([a.url, b.url]))  # type: ignore[operator]
+    await until("pulses at a", lambda: asyncio.sleep(0, sum(_pulse(c) for c in a.beats()) >= 2))
+    a.status = 503
+    await until("two beats at b", lambda: _n(b, 2))
+    first, second = b.beats()[:2]
+    assert (_pulse(first), _pulse(second)) == (True, False)  # the pulse refused, the full state at once
+    assert run.agent.failed_cycles == 0
+    assert run.agent.control_planes.current == b.url
+    assert any(f"control plane {b.url} reads no pulses" in m for m in _messages(caplog))
+    await until("more beats at b", lambda: _n(b, 4))
+    assert not any(_pulse(c) for c in b.beats()[2:])  # b acknowledges no digest: full beats from now on
+
+
+def _pulse(call: Call) -> bool:
+    return b"inventory" not in call.body
+
+
+def ranked(cps: list[FakeControlPlane]) -> list[FakeControlPlane]:
+    """``cps`` in node-1's rendezvous order (its home first): the order its agent tries them in."""
+    order = rendezvous("node-1", [cp.url for cp in cps])
+    return sorted(cps, key=lambda cp: order.index(cp.url))
 
 
 def test_rotation_order_and_sticking() -> None:

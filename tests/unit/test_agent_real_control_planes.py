@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmgw.agent.loop.controlplanes import rendezvous
 from llmgw.agent.loop.loop import run_agent
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
@@ -56,6 +57,8 @@ async def test_the_agent_moves_to_the_other_control_plane_when_its_own_stops(
     first = make_install(tmp_path / "cp1", store={"url": url})
     second = standby_of(first, tmp_path / "cp2")
     second.write(store={"url": url})
+    if rendezvous("node-1", [first.agent_url, second.agent_url])[0] != first.agent_url:
+        first, second = second, first  # the agent's home (rendezvous-ranked) is the one stopped below
     cert, key = first.ca.issue_client("node-1").write(tmp_path / "agent", "node-1")
     inv = tmp_path / "inventory.yaml"
     inv.write_text("cores: 4\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")

@@ -1,4 +1,5 @@
-"""One heartbeat, two store trips: one read transaction and one write transaction.
+"""One heartbeat, two store trips: one read transaction and one write transaction; a pulse (the
+state's digest instead of the state) the same two, its write one ``UPDATE`` of ``last_seen``.
 
 A real store (each backend of ``tests/conftest.py``'s ``store_url``) counts the transactions it
 opens (``SqlStore._tx`` reads, ``SqlStore._wtx`` writes), and the agent API's off-loop pool counts
@@ -14,6 +15,7 @@ read, the batched write, the replica reports, the reply's replicas) and six to s
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ from typing import TypeVar
 
 import aiohttp
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 from sqlalchemy.engine import Connection
 
@@ -40,8 +43,11 @@ from llmgw.protocol import (
     Inventory,
     LogReply,
     ProvisionState,
+    Pulse,
     ReplicaState,
     ReplicaStatus,
+    desired_digest,
+    state_digest,
 )
 from tests.helpers.waits import until
 
@@ -192,3 +198,127 @@ async def test_a_stored_log_request_rides_the_same_write(agent: Agent) -> None:
         assert r.status == 200, await r.text()
     assert (await asyncio.wait_for(asking, 10)).text == "hello\n"
     assert (await beat(agent, hb())).log_requests == []  # handed out once
+
+
+# --- pulses: liveness apart from state ---
+
+
+@contextmanager
+def statements(store: SqlStore) -> Iterator[list[str]]:
+    """The SQL statements ``store`` sends while the block runs (first word and table, upper-cased)."""
+    seen: list[str] = []
+
+    def note(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        seen.append(" ".join(statement.split()).upper())
+
+    sa.event.listen(store.engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", note)
+
+
+async def post(agent: Agent, body: Heartbeat | Pulse | dict[str, object]) -> HeartbeatReply:
+    data = json.dumps(body) if isinstance(body, dict) else body.model_dump_json()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(agent.url + "/agent/v1/heartbeat", data=data, ssl=agent.ctx) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return HeartbeatReply.model_validate_json(await r.read())
+
+
+async def test_a_pulse_is_one_read_and_one_liveness_write(agent: Agent) -> None:
+    first = await beat(agent, hb())
+    assert first.digest == state_digest(hb())  # computed by the control plane from the full state
+    assert not first.send_full
+    before = agent.store.get_node("node-1")
+    assert before is not None
+    assert before.digest == first.digest
+
+    agent.reset()
+    with statements(agent.store) as sent:
+        reply = await post(agent, Pulse(digest=first.digest, desired_digest=first.desired_digest))
+    assert not reply.send_full
+    assert reply.digest == first.digest
+    assert (reply.desired, reply.desired_unchanged) == ([], True)
+    assert agent.counts() == (2, 1, 1)
+    writes = [s for s in sent if s.startswith(("UPDATE", "INSERT", "DELETE"))]
+    assert len(writes) == 1, writes  # the liveness write, nothing else
+    assert writes[0].startswith("UPDATE NODES SET REVISION=(NODES.REVISION + "), writes
+    assert "LAST_SEEN=" in writes[0]
+    assert "INVENTORY" not in writes[0]
+    after = agent.store.get_node("node-1")
+    assert after is not None
+    assert after.last_seen > before.last_seen
+    assert after.revision == before.revision + 1
+    assert (after.inventory, after.engines, after.digest) == (before.inventory, before.engines, before.digest)
+    await until("on_heartbeat: unchanged", lambda: asyncio.sleep(0, agent.beats[-1] == ("node-1", False)))
+
+
+async def test_a_lying_digest_is_asked_for_the_full_state_which_wins(agent: Agent) -> None:
+    first = await beat(agent, hb())
+    seen = agent.store.get_node("node-1")
+    assert seen is not None
+
+    agent.reset()
+    reply = await post(agent, Pulse(digest="0" * 64))  # a digest of no state the control plane stored
+    assert reply.send_full
+    assert reply.digest == ""
+    assert agent.counts()[2] == 0  # nothing written: the node is not seen alive on a lie
+    unchanged = agent.store.get_node("node-1")
+    assert unchanged is not None
+    assert (unchanged.last_seen, unchanged.revision) == (seen.last_seen, seen.revision)
+
+    # The full state is believed: more cores now, and the digest stored is the control plane's own.
+    bigger = hb()
+    bigger.inventory.cores = 16
+    reply = await beat(agent, bigger)
+    assert reply.digest == state_digest(bigger) != first.digest
+    node = agent.store.get_node("node-1")
+    assert node is not None
+    assert (node.inventory.cores, node.digest) == (16, state_digest(bigger))
+    # The old digest is a lost update now: asked for the full state again.
+    assert (await post(agent, Pulse(digest=first.digest))).send_full
+    assert not (await post(agent, Pulse(digest=state_digest(bigger)))).send_full
+
+
+async def test_a_lost_node_or_a_node_without_digest_is_asked_for_the_full_state(agent: Agent) -> None:
+    # A node the control plane never saw (a new node, another database).
+    assert (await post(agent, Pulse(digest=state_digest(hb())))).send_full
+    assert agent.store.get_node("node-1") is None
+    first = await beat(agent, hb())
+    node = agent.store.get_node("node-1")
+    assert node is not None
+    agent.store.update_node(node, state="lost")
+    reply = await post(agent, Pulse(digest=first.digest))
+    assert reply.send_full  # a pulse does not bring a lost node back: its full state does
+    await beat(agent, hb())
+    back = agent.store.get_node("node-1")
+    assert back is not None
+    assert back.state == "ready"
+    await until("on_heartbeat: back", lambda: asyncio.sleep(0, agent.beats[-1] == ("node-1", True)))
+
+
+async def test_desired_changes_reach_pulses_and_old_agents_get_the_whole_list(agent: Agent) -> None:
+    first = await beat(agent, hb())
+    assert first.desired == []
+    model = Model(name="chat", source="file:/m/chat.gguf", profiles=[Profile(name="cpu", cpu_cores=1)])
+    agent.store.add_model(model, now=1.0)
+    Leader(agent.store, node_lost_after_s=30).reconcile_once(2.0)
+    (row,) = agent.store.list_replicas()
+
+    # The agent's desired digest is the empty list's: the new replica comes in the pulse's reply.
+    reply = await post(agent, Pulse(digest=first.digest, desired_digest=first.desired_digest))
+    assert (reply.desired_unchanged, [s.id for s in reply.desired]) == (False, [row.id])
+    assert reply.desired_digest == desired_digest(reply.desired) != first.desired_digest
+    # Applied: the next pulse says so, and the list is left out.
+    again = await post(agent, Pulse(digest=first.digest, desired_digest=reply.desired_digest))
+    assert (again.desired_unchanged, again.desired) == (True, [])
+
+    # An older agent's beat (no desired_digest, no digest): the whole list, every time.
+    old = json.loads(hb().model_dump_json())
+    del old["desired_digest"]
+    for _ in range(2):
+        reply = await post(agent, old)
+        assert (reply.desired_unchanged, [s.id for s in reply.desired]) == (False, [row.id])

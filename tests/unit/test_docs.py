@@ -16,17 +16,29 @@ from llmgw.guard.config import GuardConfig
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
 
+def _examples() -> dict[str, dict]:
+    """docs/operating.md's YAML examples by their top-level keys joined with "," (``"routing,queue"``)."""
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)]
+    return {",".join(b): b for b in blocks if isinstance(b, dict)}
+
+
 def test_the_model_and_guard_examples_validate() -> None:
-    model_yaml, groups_yaml, guard_yaml, *others = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
-    groups = [Profile.model_validate(p) for p in yaml.safe_load(groups_yaml)["profiles"]]
+    ex = _examples()
+    model_yaml = next(b for k, b in ex.items() if k.startswith("name,"))
+    groups = [Profile.model_validate(p) for p in ex["profiles"]["profiles"]]
     assert [(p.nodes, p.engine.value) for p in groups] == [(3, "llamacpp"), (2, "vllm")]
-    model = Model.model_validate(yaml.safe_load(model_yaml))
+    model = Model.model_validate(model_yaml)
     assert [p.name for p in model.profiles_by_priority()] == ["gpu-l4", "cpu"]
-    guard = GuardConfig.model_validate(yaml.safe_load(guard_yaml)["guard"])
+    # "Routing" and "Autoscaling": their fields on that model validate too.
+    routed = Model.model_validate({**model_yaml, **ex["routing,queue"]})
+    assert (routed.routing, routed.queue.size) == (ex["routing,queue"]["routing"], ex["routing,queue"]["queue"]["size"])
+    scaled = Model.model_validate({**model_yaml, **ex["scaling"]})
+    assert scaled.scaling.max > scaled.scaling.min
+    guard = GuardConfig.model_validate(ex["guard"]["guard"])
     assert guard.on()
-    scrape = yaml.safe_load(others[0])  # the Prometheus scrape config in "Metrics"
+    scrape = ex["scrape_configs"]  # the Prometheus scrape config in "Metrics"
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(":9090")
-    ui = UiConfig.model_validate(yaml.safe_load(others[1])["ui"])  # "The dashboard"
+    ui = UiConfig.model_validate(ex["ui"]["ui"])  # "The dashboard"
     assert (ui.listen, ui.session_ttl_s) == (":9443", 8 * 3600)
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from llmgw.control.gateway.app import build_gateway_app, is_loopback
 from llmgw.control.gateway.inspect import Exchange, Refusal, StreamInspector
-from llmgw.control.gateway.upstream import ModelRewriter
+from llmgw.control.gateway.sse import ModelRewriter
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.helpers.gateway import ServerThread, completion, fake_llama, stream_events
 from tests.helpers.net import free_port
@@ -90,7 +90,7 @@ def env() -> Iterator[Env]:
     router = StaticRouter(
         routes={
             "gemma": Route("gemma", (ua,), created=1700000000),
-            "pair": Route("pair", (ua, ub)),
+            "pair": Route("pair", (ua, ub), routing="round-robin"),
             "failover": Route("failover", (dead, ub)),
             "alldead": Route("alldead", (dead, dead2)),
             "badkey": Route("badkey", (Upstream("r-x", ua.endpoint, "wrong-key"),)),

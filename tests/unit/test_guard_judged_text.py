@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.control.gateway.guard import conversation_text, token_prompts
+from llmgw.control.gateway.guardtext import conversation_text, token_prompts
 from llmgw.guard.judge import _error_kind
 
 

@@ -22,7 +22,7 @@ from llmgw.control.gateway.callers import Caller, Callers
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys, digest
 from llmgw.control.gateway.limits import Limiter, period_end, reset_text
-from llmgw.control.gateway.upstream import StreamTally
+from llmgw.control.gateway.sse import StreamTally
 from llmgw.control.store.rows import ApiKeyRow
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.helpers.gateway import ServerThread, fake_llama

@@ -155,14 +155,14 @@ def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = 
     if as_json:
         _print_json(data)
         return
-    t = Table("MODEL", "ALIASES", "ROLE", "SCALING", "READY", "SOURCE")
+    t = Table("MODEL", "ALIASES", "ROLE", "SCALING", "WANTED", "READY", "SOURCE")
     for m in data:
         if m.broken:
-            t.add_row(m.name, "-", "BROKEN", "-", "-", m.broken)
+            t.add_row(m.name, "-", "BROKEN", "-", "-", "-", m.broken)
             continue
         t.add_row(
             m.name, ", ".join(m.aliases) or "-", m.role, f"{m.scaling_min}..{m.scaling_max}",
-            f"{m.replicas_ready}/{m.replicas}", m.source,
+            str(m.replicas_wanted), f"{m.replicas_ready}/{m.replicas}", m.source,
         )
     console().print(t)
     for m in data:
@@ -178,7 +178,8 @@ def replicas(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
     lines: LinesOpt = 100, follow: FollowOpt = False,
 ) -> None:
-    """Replicas: model, node, profile, state, uptime, restarts, last error.
+    """Replicas: model, node, profile, state, uptime, restarts, this control plane's routing to
+    each (SLOTS, IN FLIGHT, QUEUED: its model's, AFFINITY: cache-affinity hits), last error.
 
     ``llmgw ctl replicas logs ID [--follow]`` reads a replica's engine log (as ``ctl logs``).
     """
@@ -189,18 +190,23 @@ def replicas(
     if as_json:
         _print_json(data)
         return
-    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS", "ERROR / WHY PENDING")
+    # The routing figures are the answering control plane's own (each routes on its own).
+    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS",
+              "SLOTS", "IN FLIGHT", "QUEUED", "AFFINITY", "ERROR / WHY PENDING")
     for r in data:
         err = (r.err or r.pending_reason or r.last_error).strip().splitlines()
+        g = r.routing
         t.add_row(
-            r.id, r.model, r.node or "-", r.profile or "-", r.state,
+            r.id, r.model, r.node or "-", r.profile or "-", r.state + (" (draining)" if r.draining_since else ""),
             _ago(r.ready_at) if r.state == "ready" else "-", str(r.restarts),
+            *((str(g.slots) if g.slots is not None else "?", str(g.in_flight), str(g.queued), str(g.affinity_hits))
+              if g is not None else ("-",) * 4),
             err[0].removesuffix("; its last lines:")[:100] if err else "",
         )
         for m in r.members[1:]:  # a group's workers, under their head
             werr = m.err.strip().splitlines()
             t.add_row(
-                f"  └ worker {m.rank}", "", m.node, "", m.state or "-", "", "",
+                f"  └ worker {m.rank}", "", m.node, "", m.state or "-", "", "", "", "", "", "",
                 werr[0].removesuffix("; its last lines:")[:100] if werr else (m.endpoint and f"at {m.endpoint}"),
             )
     console().print(t)
@@ -433,6 +439,30 @@ def model_scale(
         _print_json(data)
     else:
         print(f"{name}: scaling {data.scaling_min}..{data.scaling_max}")
+
+
+@model_app.command("autoscale")
+@cli_errors
+def model_autoscale(
+    name: Annotated[str, typer.Argument(help="The model.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Autoscaling now (wanted, ready, draining, load per replica) and the last decisions, newest first."""
+    data = _client(server, token).model_autoscale(name)
+    if as_json:
+        _print_json(data)
+        return
+    if not data.autoscaled:
+        print(f"{name}: not autoscaled (scaling {data.min}..{data.max}: set max above min to autoscale)")
+    print(
+        f"{name}: wanted {data.wanted} (scaling {data.min}..{data.max}), ready {data.ready}, draining "
+        f"{data.draining}; load {data.in_flight} in flight + {data.queued} queued, target {data.target:g} per replica"
+    )
+    t = Table("WHEN (UTC)", "FROM", "TO", "REASON")
+    for d in data.decisions:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.at))
+        t.add_row(when, str(d.from_n), str(d.to_n), d.reason)
+    console().print(t)
 
 
 @model_app.command("resources")

@@ -13,7 +13,9 @@
 3. the **election** (:mod:`llmgw.control.reconcile.election`: PostgreSQL, a session advisory lock
    with a written lease and a term; SQLite, this process) and **membership**
    (:mod:`llmgw.control.reconcile.membership`: this control plane's row, the others', the term);
-4. while, and only while, this control plane leads: the **leader** loop and the judge keeper, on a
+4. while, and only while, this control plane leads: the **leader** loop, the autoscaler
+   (:mod:`~llmgw.control.reconcile.autoscale`; every control plane writes its gateway's load for it
+   each second) and the judge keeper, on a
    store fenced by the term (:meth:`~llmgw.control.store.base.Store.fenced`), cancelled at once
    when leadership ends.
 
@@ -53,7 +55,7 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,6 +66,7 @@ from llmgw.adminclient import connect_host
 from llmgw.config import ServerConfig, check_token_length, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import agent_ssl_context, build_agent_app
+from llmgw.control.api.cadence import Cadence
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.keys import add_key_routes
@@ -76,7 +79,9 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.load import LOAD, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
@@ -89,11 +94,13 @@ from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import ConfigError, PkiError, PortInUseError
+from llmgw.guard.config import closed_judges
 from llmgw.httperrors import SERVER_LOG
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
 
 if TYPE_CHECKING:
+    from llmgw.control.gateway.balancer import ReplicaLoad
     from llmgw.control.gateway.guard import GuardInspector
     from llmgw.control.reconcile.judgekeeper import JudgeKeeper
 
@@ -223,6 +230,7 @@ def _gateway_app(
     keys: GatewayKeys | None = None,
     accounting: Accounting | None = None,
     observers: tuple[Callable[[Exchange], None], ...] = (),
+    metrics: ControlPlaneMetrics | None = None,
 ) -> web.Application:
     # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
     # listeners and the tests of this module do not need.
@@ -240,6 +248,8 @@ def _gateway_app(
         observe=observe if observers else None,
         callers=accounting.callers if accounting is not None else None,
         limiter=accounting.limiter if accounting is not None else None,
+        routing_metrics=metrics,
+        holds=lambda name: any(m.name == name and m.scaling.min == 0 < m.scaling.max for m in router.catalog()),
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).
@@ -254,6 +264,14 @@ def _gateway_app(
         app.middlewares.append(drain.middleware)
         app.on_response_prepare.append(drain.on_prepare)
     return app
+
+
+def _loads_of(gateway: web.Application) -> Callable[[], Mapping[str, ReplicaLoad]]:
+    """The gateway app's per-replica figures (``UpstreamPool.loads``: slots, in flight, queued,
+    picks), the one thing of the gateway the admin API reads (``GET /api/v1/replicas``' ``routing``)."""
+    from llmgw.control.gateway.app import gateway_pool  # noqa: PLC0415 (as in _gateway_app)
+
+    return gateway_pool(gateway).loads
 
 
 def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
@@ -272,7 +290,7 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
-    metrics: ControlPlaneMetrics, paths: Paths,
+    metrics: ControlPlaneMetrics, paths: Paths, loads: Callable[[], Mapping[str, ReplicaLoad]] | None = None,
 ) -> web.Application:
     """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`),
     the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the gateway keys' and
@@ -282,6 +300,8 @@ def _admin_app(
     app = build_admin_app(
         store, token=token, on_change=changed, logs=logs, db=db, settle=settle,
         max_replicas_per_model=config.max_replicas_per_model, health_fields=lambda: health_fields(members),
+        closed_judges=closed_judges(config.guard),
+        loads=loads,
     )
     mirror_token = _mirror_token(paths, token)
     serve = None
@@ -406,20 +426,34 @@ async def serve(
     counted = asyncio.Event()
     counting: asyncio.Task[None] | None = None
 
+    def lost_after(seconds: float) -> None:
+        """The cadence's new lost threshold (the cluster grew or shrank): the leader's from now on."""
+        for running in wakes.leaders:
+            running.node_lost_after_s = seconds
+
+    # The heartbeat interval and node-lost threshold, sized by the node count (control/api/cadence.py).
+    cadence = Cadence(
+        config.cluster.max_heartbeats_per_s, config.node_lost_after_s,
+        count=lambda: db.read(store.count_nodes), on_lost_after=lost_after,
+    )
+
     async def lead(term: int, ended: asyncio.Event) -> None:
         """The reconcilers of one term, on the store fenced by it; cancelled when leadership ends."""
         fenced = store.fenced(term)
         leader = Leader(
             fenced,
-            node_lost_after_s=config.node_lost_after_s,
+            node_lost_after_s=cadence.lost_after_s,
             backoff_reset_s=config.backoff_reset_s,
             on_change=routes.request,
             db=work,
         )
         wakes.leaders[:] = [leader]
         keeper = _keeper(fenced, config, wakes.changed, _mirror_token(paths, token))
+        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided)
         try:
-            await asyncio.gather(leader.run(ended), *([keeper.run(ended)] if keeper is not None else []))
+            await asyncio.gather(
+                leader.run(ended), scaler.run(ended), *([keeper.run(ended)] if keeper is not None else [])
+            )
         finally:
             wakes.leaders.clear()
 
@@ -445,8 +479,10 @@ async def serve(
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
+        gateway = _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics)
         admin = _admin_app(
-            store, token, wakes.changed, config, guard, logs, db, routes.done, members, metrics, paths
+            store, token, wakes.changed, config, guard, logs, db, routes.done, members, metrics, paths,
+            loads=_loads_of(gateway),
         )
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
@@ -458,14 +494,14 @@ async def serve(
                 config.agent_listen,
                 build_agent_app(
                     store, on_heartbeat=wakes.heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs,
-                    db=db, on_node=wakes.node_came, cluster=members.reply_fields, engines=engines,
+                    db=db, on_node=wakes.node_came, cluster=members.reply_fields, engines=engines, cadence=cadence,
                 ),
                 tls,
             ),
             (
                 "gateway.listen",
                 config.gateway.listen,
-                _gateway_app(router, config, guard, drain, keys, accounting, observers),
+                gateway,
                 None,
             ),
         ]
@@ -473,6 +509,7 @@ async def serve(
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
+        reporter = LoadReporter(store, db, name, gateway[LOAD])  # the gateway's load, every second
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
@@ -494,7 +531,8 @@ async def serve(
             on_started(bound)
         await members.tick()  # the first heartbeat replies name this control plane
         await asyncio.gather(
-            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop)
+            election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop),
+            reporter.run(stop),
         )
     finally:
         for sig in signals:

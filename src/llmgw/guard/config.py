@@ -163,3 +163,16 @@ class GuardConfig(_Strict):
     def judge_names(self) -> list[str]:
         """Every judge any policy names, sorted, each once."""
         return sorted({j for p in self.policies for j in p.judges()})
+
+
+def closed_judges(guard: GuardConfig) -> dict[str, str]:
+    """``{judge model name: policy name}`` for every judge of a ``fail: closed`` policy (the first
+    such policy named): these models never scale to zero (the admin API refuses ``scaling.min: 0``)."""
+    out: dict[str, str] = {}
+    for p in guard.policies:
+        if p.fail != FailMode.CLOSED:
+            continue
+        for judge in [p.judge] if isinstance(p.judge, str) else p.judge:
+            out.setdefault(judge, p.name)
+    return out
+

@@ -7,17 +7,24 @@ On start, once:
 3. Adopt engines an earlier agent launched (record whose pid, start time and command line all
    match; other records are dropped). They keep serving meanwhile.
 
-Each pass (every ``heartbeat_interval_s``, or at once when a replica changes state, so the control
-plane learns of ``ready`` without waiting a whole interval):
+Each pass (every ``heartbeat_interval_s``, or the reply's longer ``interval_s`` in a large cluster,
+at a random 80-100 % of it; or at once when a replica changes state, so the control plane learns
+of ``ready`` without waiting a whole interval):
 
-1. Build a :class:`~llmgw.protocol.Heartbeat`: inventory (memory re-read every pass, GPUs and the
-   engine every :data:`REDISCOVER_S`), labels, engine statuses, every runner's status.
+1. Build a :class:`~llmgw.protocol.Heartbeat`: inventory (memory re-read every pass but reported
+   only when it moved by :data:`MEMORY_STEP` of the total, GPUs and the engine every
+   :data:`REDISCOVER_S`), labels, engine statuses, every runner's status; and its
+   :func:`~llmgw.protocol.state_digest`.
 2. POST it over mTLS to ``/agent/v1/register`` until one register succeeds, then to
-   ``/agent/v1/heartbeat`` (a 404 re-registers at once: the control plane forgot this node). The
+   ``/agent/v1/heartbeat`` (a 404 re-registers at once: the control plane forgot this node). When
+   its digest is the one the control plane acknowledged last (``HeartbeatReply.digest``), a
+   :class:`~llmgw.protocol.Pulse` goes instead; a reply ``send_full`` (or a 400 from a control
+   plane that reads no pulses) is followed at once by the full heartbeat. The
    control plane is the current one of :class:`~llmgw.agent.loop.controlplanes.ControlPlanes`; one that
    does not answer (connect error, TLS failure, timeout, 5xx) or answers with a term below the
    highest seen is moved to the end of the list and the next is tried in the same pass.
-3. Reconcile with the reply's ``desired`` list: start a runner for each new spec, stop runners whose
+3. Reconcile with the reply's ``desired`` list (not when ``desired_unchanged``: the list is the
+   one last applied): start a runner for each new spec, stop runners whose
    id is no longer desired, and restart one whose spec changed. Stopping is a task of its own,
    so a slow engine (SIGTERM honoured only between batches) does not hold up the heartbeat.
    Only a reply whose term is at least the highest seen is applied; its ``control_planes`` are
@@ -47,13 +54,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import ssl
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
-from pydantic import ValidationError
 
 from llmgw import __version__
 from llmgw.agent.engines import llamacpp
@@ -61,8 +67,9 @@ from llmgw.agent.engines.llamacpp import LLAMACPP
 from llmgw.agent.engines.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.engines.vllm import VLLM, VllmProvisioner
 from llmgw.agent.loop import tlsdiag
-from llmgw.agent.loop.controlplanes import BACKOFF_S, ControlPlanes, Terms, backoff_s
+from llmgw.agent.loop.controlplanes import BACKOFF_S, JITTER, ControlPlanes, Terms, backoff_s, beat_wait_s
 from llmgw.agent.loop.metrics import push_loop
+from llmgw.agent.loop.wire import REQUEST_TIMEOUT, STALE_TERM, cached_weights, post_heartbeat, reason
 from llmgw.agent.node import logs
 from llmgw.agent.node.cache import NodeCache
 from llmgw.agent.node.discovery import discover_inventory
@@ -78,7 +85,6 @@ from llmgw.agent.node.records import (
 from llmgw.agent.replicas.runner import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, PkiError, UnreachableError
-from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 from llmgw.protocol import (
     EngineStatus,
@@ -88,7 +94,9 @@ from llmgw.protocol import (
     Inventory,
     LogReply,
     LogRequest,
+    Pulse,
     ReplicaSpec,
+    state_digest,
 )
 from llmgw.tlsconf import client_context
 
@@ -98,30 +106,16 @@ REDISCOVER_S = 60.0
 FAREWELL_BEAT_S = 3.0  # the last heartbeat after group members stopped with the agent (best effort)
 """GPUs and the engine binary are re-read this often (nvidia-smi is too slow for every beat)."""
 
+MEMORY_STEP = 0.02
+"""The available memory is reported again only when it moved by this fraction of the total (2 %:
+1.3 GB on a 64 GB node): a figure that moves every beat would make every beat a full one."""
+
 LOG_REPEAT_S = 30.0
 """An ongoing control-plane failure is logged again this often, not every beat."""
 
 ADOPT_WAIT_S = 1.5
 """How long the first heartbeat waits for adopted engines to answer ``/health`` (each takes ms)."""
 
-REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=2)
-"""A heartbeat is small; a control plane that takes longer is treated as unreachable and the next
-one is tried (docs/ha.md §5: request 5 s, connect 2 s)."""
-
-STALE_TERM = "stale_term"
-"""The :class:`~llmgw.errors.ApiError` code (status 200) of a reply whose term is below the highest
-this agent has seen: the control plane is on a stale or orphaned database; its reply is not applied
-and the agent rotates."""
-
-
-def _reason(e: LlmgwError) -> str:
-    """A failure in a few words for a switch line: the text after the URL's "does not answer: "."""
-    text = str(e)
-    if " does not answer: " in text:
-        return text.partition(" does not answer: ")[2]
-    if " answered " in text:
-        return "answered " + text.partition(" answered ")[2]
-    return text
 
 
 @dataclass
@@ -129,7 +123,10 @@ class AgentState:
     """What the loop knows between passes (exposed for tests and ``status`` commands).
 
     ``term`` and ``leader`` are the last applied reply's (the leadership term, the leading control
-    plane's agent-API URL or "").
+    plane's agent-API URL or ""). ``acked``: the state digest the control plane last acknowledged
+    (a pulse is sent while the state's digest is this one); ``desired_digest``: the digest of the
+    desired list last applied; ``interval_s``: the last reply's interval (0: none yet);
+    ``pulses``/``fulls``: beats sent of each kind, ``asked_full``: ``send_full`` replies.
     """
 
     inventory: Inventory
@@ -140,49 +137,12 @@ class AgentState:
     beats: int = 0
     term: int = 0
     leader: str = ""
-
-
-async def post_heartbeat(
-    session: aiohttp.ClientSession, server: str, path: str, beat: Heartbeat
-) -> HeartbeatReply:
-    """POST a heartbeat and parse the reply.
-
-    Raises:
-        UnreachableError: connection, TLS or timeout failure (names the URL).
-        ApiError: a non-2xx answer (status and the ``{"error": {"code", "message"}}`` body), or a
-            2xx body that is not a HeartbeatReply.
-    """
-    url = server.rstrip("/") + path
-    try:
-        async with session.post(
-            url,
-            data=beat.model_dump_json(),
-            headers={"Content-Type": "application/json"},
-            timeout=REQUEST_TIMEOUT,
-        ) as resp:
-            body = await resp.text()
-            if resp.status >= 300:
-                code, message = error_fields(body)
-                raise ApiError(f"{url} answered {resp.status}: {message}", status=resp.status, code=code)
-            try:
-                return HeartbeatReply.model_validate_json(body)
-            except ValidationError as e:
-                raise ApiError(
-                    f"{url} answered something that is not a heartbeat reply: {e}", status=resp.status
-                ) from e
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
-        raise UnreachableError(f"control plane {url} does not answer: {type(e).__name__}: {e}") from e
-
-
-def cached_weights(cache_root: Path) -> list[str]:
-    """``model/version`` of every weights file in the node cache (``<root>/<model>/<version>/<file>``
-    with its ``.<file>.sha256`` record, i.e. fully fetched and verified)."""
-    out = set()
-    with contextlib.suppress(OSError):
-        for record in cache_root.glob("*/*/.*.sha256"):
-            if (record.parent / record.name[1:].removesuffix(".sha256")).is_file():
-                out.add(f"{record.parent.parent.name}/{record.parent.name}")
-    return sorted(out)
+    acked: str = ""
+    desired_digest: str = ""
+    interval_s: float = 0.0
+    pulses: int = 0
+    fulls: int = 0
+    asked_full: int = 0
 
 
 class Agent:
@@ -227,7 +187,7 @@ class Agent:
         self._stopping: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_error = ("", "", 0.0)  # (raw failure, text logged, when logged)
-        self.control_planes = ControlPlanes(cfg.control_planes)
+        self.control_planes = ControlPlanes(cfg.control_planes, node=cfg.node_id)
         self.terms = Terms()
         self.failed_cycles = 0  # consecutive beats in which no control plane answered
         self._stale_logged: dict[str, str] = {}  # control plane -> the stale-term line last logged
@@ -283,7 +243,10 @@ class Agent:
         elif self.cfg.discovery.inventory_file is None:
             import psutil  # noqa: PLC0415 - cheap per-beat refresh of the one fast-moving figure
 
-            self.state.inventory.memory_available_bytes = int(psutil.virtual_memory().available)
+            inv = self.state.inventory
+            available = int(psutil.virtual_memory().available)
+            if abs(available - inv.memory_available_bytes) > MEMORY_STEP * inv.memory_total_bytes:
+                inv.memory_available_bytes = available
         return Heartbeat(
             agent_version=__version__,
             inventory=self.state.inventory,
@@ -292,7 +255,13 @@ class Agent:
             replicas=[r.status() for r in self.state.runners.values()],
             instance=self.instance,
             cached=cached_weights(self.cache.root),
+            desired_digest=self.state.desired_digest,
         )
+
+    def report(self) -> tuple[Heartbeat, str]:
+        """This pass's report and its :func:`~llmgw.protocol.state_digest` (run off the loop)."""
+        hb = self.heartbeat()
+        return hb, state_digest(hb)
 
     async def beat_once(self, *, apply: bool = True) -> HeartbeatReply | None:
         """One exchange with a control plane and the reconcile that follows (not with ``apply``
@@ -306,12 +275,12 @@ class Agent:
         Raises:
             NodeRemoved: the control plane answered 403 ``certificate_revoked``.
         """
-        beat = await asyncio.to_thread(self.heartbeat)
+        beat, digest = await asyncio.to_thread(self.report)
         was = self.control_planes.current
         failures: list[tuple[str, LlmgwError]] = []
         for url in self.control_planes.order():
             try:
-                reply = await self._exchange(url, beat)
+                reply = await self._exchange(url, beat, digest)
             except UnreachableError as e:
                 failures.append((url, e))
                 self.control_planes.failed(url)
@@ -340,19 +309,36 @@ class Agent:
         await self._log_failure(failures)
         return None
 
-    async def _exchange(self, url: str, beat: Heartbeat) -> HeartbeatReply:
-        """Register or heartbeat with ``url``; a 404 to a heartbeat (``url`` does not know this
-        node) is followed by a register at once. Raises what :func:`post_heartbeat` raises, and
-        ApiError with code :data:`STALE_TERM` for a reply with a term below the highest seen."""
+    async def _exchange(self, url: str, beat: Heartbeat, digest: str) -> HeartbeatReply:
+        """Register or heartbeat with ``url``: a :class:`~llmgw.protocol.Pulse` when ``digest`` (of
+        ``beat``) is the acknowledged one, else ``beat``; the full ``beat`` at once after a pulse
+        answered ``send_full`` or 400 (a control plane of an older version). A 404 to a heartbeat
+        (``url`` does not know this node) is followed by a register at once. Raises what
+        :func:`post_heartbeat` raises, and ApiError with code :data:`STALE_TERM` for a reply with a
+        term below the highest seen."""
         path = "/agent/v1/heartbeat" if self.state.registered else "/agent/v1/register"
+        st = self.state
+        small = self.state.registered and digest == st.acked
+        body: Heartbeat | Pulse = beat
+        if small:
+            body = Pulse(digest=digest, instance=self.instance, term=self.terms.highest,
+                         desired_digest=st.desired_digest, agent_version=__version__)
         try:
-            reply = await post_heartbeat(self.api, url, path, beat)
+            reply = await self._post(url, path, body)
+            if reply.send_full:
+                st.asked_full += 1
+                reply = await self._post(url, path, beat)
         except ApiError as e:
-            if e.status != 404 or not self.state.registered:
+            if small and e.status == 400:
+                log.info("control plane %s reads no pulses (%s): sending the full state", url, e)
+                reply = await self._post(url, path, beat)
+            elif e.status != 404 or not self.state.registered:
                 raise
-            log.info("control plane %s does not know this node: registering again", url)
-            self.state.registered = False
-            reply = await post_heartbeat(self.api, url, "/agent/v1/register", beat)
+            else:
+                log.info("control plane %s does not know this node: registering again", url)
+                self.state.registered = False
+                reply = await self._post(url, "/agent/v1/register", beat)
+        st.acked = "" if reply.send_full else reply.digest
         if not self.terms.accept(reply.term):
             raise ApiError(
                 f"control plane {url} answered with term {reply.term}, older than term "
@@ -362,17 +348,25 @@ class Agent:
             )
         return reply
 
+    async def _post(self, url: str, path: str, body: Heartbeat | Pulse) -> HeartbeatReply:
+        """:func:`post_heartbeat`, counting the beats of each kind."""
+        if isinstance(body, Pulse):
+            self.state.pulses += 1
+        else:
+            self.state.fulls += 1
+        return await post_heartbeat(self.api, url, path, body)
+
     def _answered(self, url: str, was: str, failures: list[tuple[str, LlmgwError]]) -> None:
         """Bookkeeping and the log lines for an answer from ``url`` (``was`` was current before)."""
         self.failed_cycles = 0
         self.control_planes.succeeded(url)
         if url != was:
-            why = "; ".join(f"{u}: {_reason(e)}" for u, e in failures if u != was)
+            why = "; ".join(f"{u}: {reason(e)}" for u, e in failures if u != was)
             first = next((e for u, e in failures if u == was), None)
             log.warning(
                 "control plane %s does not answer (%s); using %s%s",
                 was,
-                _reason(first) if first else "not tried",
+                reason(first) if first else "not tried",
                 url,
                 f" (also failed: {why})" if why else "",
             )
@@ -393,10 +387,13 @@ class Agent:
         self.state.registered, self.state.node_id = True, reply.node_id
         self.state.beats += 1
         self.state.term, self.state.leader = reply.term, reply.leader
+        self.state.interval_s = reply.interval_s
         added = self.control_planes.learn(reply.control_planes)
         if added:
             log.info("control plane(s) learned from %s: %s", url, ", ".join(added))
-        await self.reconcile(reply.desired)
+        if not reply.desired_unchanged:
+            await self.reconcile(reply.desired)
+            self.state.desired_digest = reply.desired_digest
         for req in reply.log_requests:
             self._answer_log(req)
 
@@ -516,7 +513,9 @@ class Agent:
                     await self.stop_all()
                     raise
                 # After a cycle no control plane answered: back off (a replica's change waits too).
-                wait = backoff_s(self.failed_cycles) or self.cfg.heartbeat_interval_s
+                wait = backoff_s(self.failed_cycles) or beat_wait_s(
+                    self.cfg.heartbeat_interval_s, self.state.interval_s, random.uniform(*JITTER)  # noqa: S311 - jitter
+                )
                 waiters = [asyncio.ensure_future(stop.wait())]
                 if not self.failed_cycles:
                     waiters.append(asyncio.ensure_future(self.changed.wait()))

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hmac
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -54,6 +54,7 @@ from llmgw.control.api.context import ADMIN, AdminContext
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.openapi import build_openapi
+from llmgw.control.gateway.balancer import ReplicaLoad
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.errors import Conflict, StoreUnavailable
@@ -122,6 +123,8 @@ def build_admin_app(
     db: OffLoop | None = None,
     settle: Callable[[], Awaitable[None]] | None = None,
     health_fields: Callable[[], dict[str, Any]] | None = None,
+    closed_judges: Mapping[str, str] | None = None,
+    loads: Callable[[], Mapping[str, ReplicaLoad]] | None = None,
 ) -> web.Application:
     """The admin API app: an :class:`~llmgw.control.api.context.AdminContext` from the arguments,
     the middlewares (errors, :func:`auth`, :func:`settled`) and every resource's ``ROUTES``.
@@ -139,6 +142,11 @@ def build_admin_app(
             waits there for its routing table, so the gateway knows a model once it is added).
         health_fields: more fields for ``GET /api/v1/health``, read from memory (the control plane
             adds ``leader``, ``term`` and ``database``: ``"ok"`` or ``"unreachable"``).
+        closed_judges: ``{judge model name: policy name}`` of server.yaml's ``fail: closed`` guard
+            policies: such a model's ``scaling.min: 0`` is a 400 (it never scales to zero).
+        loads: the control plane's gateway's per-replica figures by replica id
+            (``gateway_pool(gateway).loads``), shown as each replica's ``routing`` in
+            ``GET /api/v1/replicas``; None: no ``routing``.
 
     Raises:
         ValueError: ``token`` is empty.
@@ -163,6 +171,8 @@ def build_admin_app(
     app[ADMIN] = AdminContext(
         store=store, db=pool, token=token, changed=on_change or (lambda: None), clock=clock, logs=logs,
         max_replicas_per_model=max_replicas_per_model, settle=settle, health_fields=health_fields,
+        closed_judges=dict(closed_judges or {}),
+        loads=loads,
     )
     if own_pool:
         app.on_cleanup.append(_close)

@@ -61,11 +61,12 @@ from pydantic import TypeAdapter, ValidationError
 from llmgw import jsonbody, tlsconf
 from llmgw.catalog import Model, Role, engine_traits
 from llmgw.config import ServerConfig
+from llmgw.control.api.cadence import MIN_INTERVAL_S, Cadence
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
-from llmgw.control.store.rows import BeatResult, BeatWrite
+from llmgw.control.store.rows import BeatResult, BeatWrite, NodeLiveness
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
@@ -76,7 +77,11 @@ from llmgw.protocol import (
     Heartbeat,
     HeartbeatReply,
     LogReply,
+    LogRequest,
+    Pulse,
     ReplicaSpec,
+    desired_digest,
+    state_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -85,8 +90,12 @@ _PAGES = TypeAdapter(list[EngineMetricsText])
 _LOG_REPLY = TypeAdapter(LogReply)
 _Report = TypeVar("_Report")
 
-#: The heartbeat interval the control plane asks agents for (seconds).
-HEARTBEAT_INTERVAL_S = 2.0
+#: The shortest heartbeat interval the control plane asks agents for (seconds; it grows with the
+#: cluster: :mod:`llmgw.control.api.cadence`).
+HEARTBEAT_INTERVAL_S = MIN_INTERVAL_S
+
+MAX_ISSUED = 100_000
+"""Certificates whose ``notBefore`` the agent API keeps parsed (one per node; cleared past this)."""
 
 STORE_KEY: web.AppKey[Store] = web.AppKey("store", Store)
 
@@ -102,7 +111,8 @@ class AgentContext:
         beats: batches the heartbeats' writes (:meth:`~llmgw.control.store.base.Store.write_heartbeats`:
             one write transaction per batch).
         clock: unix seconds.
-        interval_s: the heartbeat interval replies ask for (s).
+        cadence: the heartbeat interval replies ask for (s), sized by the node count
+            (:mod:`llmgw.control.api.cadence`).
         node_lost_after_s: bounds how long a node id stays held (:func:`hold_for`).
         logs: log reads waiting for agents; None: no log requests go out.
         on_heartbeat: ``(node_id, changed)`` after each stored heartbeat's reply was sent.
@@ -110,13 +120,15 @@ class AgentContext:
         cluster: ``(term, leader's agent URL, live control planes' agent URLs)`` for each reply.
         engines: keeps the engine metrics pages agents post; None: posts are dropped.
         seen: ``(node, serial)`` pairs this process already remembered in the store.
+        issued: a certificate's ``notBefore`` (unix s) by serial, parsed once (``strptime`` took
+            ~0.14 ms of every beat).
     """
 
     store: Store
     db: OffLoop
     beats: Batcher[BeatWrite, BeatResult]
     clock: Callable[[], float] = time.time
-    interval_s: float = HEARTBEAT_INTERVAL_S
+    cadence: Cadence = field(default_factory=Cadence)
     node_lost_after_s: float = 30.0
     logs: LogBroker | None = None
     on_heartbeat: Callable[[str, bool], None] | None = None
@@ -124,6 +136,7 @@ class AgentContext:
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None
     engines: EngineMetrics | None = None
     seen: set[tuple[str, str]] = field(default_factory=set)
+    issued: dict[str, float | None] = field(default_factory=dict)
 
 
 #: Where the agent app keeps its :class:`AgentContext`.
@@ -246,7 +259,7 @@ def hold_for(node_lost_after_s: float, interval_s: float) -> float:
     return min(3 * interval_s, node_lost_after_s / 2)
 
 
-def id_in_use(before: NodeRow | None, hb: Heartbeat, now: float, *, hold_s: float) -> str:
+def id_in_use(before: NodeRow | NodeLiveness | None, hb: Heartbeat | Pulse, now: float, *, hold_s: float) -> str:
     """Why this heartbeat is refused (empty: it is not): another agent instance presenting the
     same node id reported within ``hold_s`` seconds (two machines with one hostname, or a copied
     certificate). Heartbeats without an instance (older agents) are never refused."""
@@ -328,87 +341,140 @@ def identify(request: web.Request) -> str:
     return node_id
 
 
-async def read_heartbeat(request: web.Request) -> Heartbeat:
-    """The body as a Heartbeat; raises the 400/413 naming what is wrong with it."""
+def parse_beat(body: object) -> Heartbeat | Pulse:
+    """A beat's JSON body as a :class:`~llmgw.protocol.Pulse` (it has ``digest`` and no
+    ``inventory``) or a :class:`~llmgw.protocol.Heartbeat` (a full beat, as every older agent
+    sends); raises the 400 naming what is wrong with it."""
+    pulse = isinstance(body, dict) and "digest" in body and "inventory" not in body
+    shape: type[Heartbeat | Pulse] = Pulse if pulse else Heartbeat
     try:
-        return Heartbeat.model_validate(await jsonbody.read_json(request))
+        return shape.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(body)"
         raise HttpError(400, "invalid_heartbeat", f"{where}: {first['msg']}") from e
 
 
+async def read_heartbeat(request: web.Request) -> Heartbeat | Pulse:
+    """The body as a Heartbeat or a Pulse (:func:`parse_beat`); raises the 400/413 naming what is wrong."""
+    return parse_beat(await jsonbody.read_json(request))
+
+
 @dataclass(frozen=True)
 class HeartbeatSeen:
     """What :func:`read_side` gives the handler: the refusal (``(node, revoked_at)``) or None, the
-    node's row before this heartbeat, and the replicas its agent must run."""
+    node's row before this beat (its liveness columns for a pulse), the replicas its agent must
+    run and their :func:`~llmgw.protocol.desired_digest`."""
 
     refused: tuple[str, float] | None
-    before: NodeRow | None
+    before: NodeRow | NodeLiveness | None
     desired: list[ReplicaSpec]
+    desired_digest: str = ""
 
 
-def read_side(store: Store, node_id: str, serial: str, issued_at: float | None) -> HeartbeatSeen:
-    """On a store thread: a heartbeat's one read (:meth:`~llmgw.control.store.base.Store.read_heartbeat`)
-    and the reply's replicas built from it (:func:`desired_specs`, off the event loop)."""
-    got = store.read_heartbeat(node_id, serial, issued_at)
+def read_side(
+    store: Store, node_id: str, serial: str, issued_at: float | None, *, pulse: bool = False
+) -> HeartbeatSeen:
+    """On a store thread: a beat's one read (:meth:`~llmgw.control.store.base.Store.read_heartbeat`,
+    or :meth:`~llmgw.control.store.base.Store.read_pulse`) and the reply's replicas built from it
+    (:func:`desired_specs`) with their digest, off the event loop."""
+    got = store.read_pulse(node_id, serial, issued_at) if pulse else store.read_heartbeat(node_id, serial, issued_at)
     if got.refused is not None:
         return HeartbeatSeen(got.refused, None, [])
-    return HeartbeatSeen(None, got.before, desired_specs(node_id, got.replicas, got.models))
+    desired = desired_specs(node_id, got.replicas, got.models)
+    return HeartbeatSeen(None, got.before, desired, desired_digest(desired))
 
 
 async def heartbeat(request: web.Request) -> web.StreamResponse:
-    """``POST /agent/v1/register`` and ``/agent/v1/heartbeat``: store the node's report, answer a
-    :class:`~llmgw.protocol.HeartbeatReply` (409 ``node_id_in_use``, 403 ``certificate_revoked``).
+    """``POST /agent/v1/register`` and ``/agent/v1/heartbeat``: store the node's report (or, for a
+    pulse, its liveness), answer a :class:`~llmgw.protocol.HeartbeatReply` (409 ``node_id_in_use``,
+    403 ``certificate_revoked``).
 
     Two store trips: one read (:func:`read_side`), one batched write (``ctx.beats``); ``on_node`` and
-    ``on_heartbeat`` are called once the reply was sent."""
+    ``on_heartbeat`` are called once the reply was sent. A pulse whose digest is not the stored one
+    (or whose node is not ``ready``) writes nothing and is answered ``send_full``."""
     ctx = request.app[AGENT]
-    clock, logs, interval_s = ctx.clock, ctx.logs, ctx.interval_s
-    on_node, on_heartbeat, cluster = ctx.on_node, ctx.on_heartbeat, ctx.cluster
     node_id = identify(request)
-    hb = await read_heartbeat(request)
-    serial, issued_at = serial_of(request), tlsconf.issued_at(peercert_of(request))
+    beat = await read_heartbeat(request)
+    ctx.cadence.tick()
+    serial = serial_of(request)
+    if serial not in ctx.issued:
+        if len(ctx.issued) > MAX_ISSUED:
+            ctx.issued.clear()
+        ctx.issued[serial] = tlsconf.issued_at(peercert_of(request))
+    issued_at = ctx.issued[serial]
     # Checked here, and again inside the batched write (Store.write_heartbeats, in the write
     # transaction node removal takes): a node removed meanwhile is never written back.
-    seen = await ctx.db.read(read_side, ctx.store, node_id, serial, issued_at)
+    pulse = isinstance(beat, Pulse)
+    seen = await ctx.db.read(read_side, ctx.store, node_id, serial, issued_at, pulse=pulse)
     if seen.refused is not None:
         raise revoked_error(node_id, serial, seen.refused[1])
-    now = clock()
+    now = ctx.clock()
     before = seen.before
-    clash = id_in_use(before, hb, now, hold_s=hold_for(ctx.node_lost_after_s, interval_s))
+    clash = id_in_use(before, beat, now, hold_s=hold_for(ctx.cadence.lost_after_s, ctx.cadence.interval_s))
     if clash:
-        log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, hb.instance)
+        log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, beat.instance)
         raise HttpError(409, "node_id_in_use", clash)
+    if isinstance(beat, Pulse):
+        hb, digest = None, beat.digest
+        if before is None or before.state != "ready" or not before.digest or before.digest != digest:
+            return await send(request, reply_for(ctx, node_id, seen, beat.desired_digest, send_full=True))
+    else:
+        hb, digest = beat, state_digest(beat)
     note = bool(serial) and (node_id, serial) not in ctx.seen
-    wants_logs = logs is not None and logs.wants_stored(node_id)
-    wrote = await ctx.beats.submit(BeatWrite(node_id, hb, now, serial, issued_at, note=note, logs=wants_logs))
+    wants_logs = ctx.logs is not None and ctx.logs.wants_stored(node_id)
+    wrote = await ctx.beats.submit(BeatWrite(node_id, hb, now, serial, issued_at, note=note, logs=wants_logs,
+                                             digest=digest))
     if isinstance(wrote.refused, Revoked):
         raise revoked_error(node_id, wrote.refused.serial, wrote.refused.revoked_at)
     if wrote.refused is not None:
         raise wrote.refused
     if note:
         ctx.seen.add((node_id, serial))
+    if wrote.stale:  # lost, or another full beat moved its digest, between the read and the write
+        return await send(request, reply_for(ctx, node_id, seen, beat.desired_digest, send_full=True))
     if before is None:
         log.info("node %s registered", node_id)
-    node_changed = before is None or before.state != "ready"
-    term, leader, members = cluster() if cluster is not None else (0, "", [])
-    reply = HeartbeatReply(
-        node_id=node_id, desired=seen.desired, interval_s=interval_s,
-        log_requests=(logs.take(node_id) if logs is not None else []) + wrote.logs,
-        term=term, leader=leader, control_planes=members,
+        ctx.cadence.node_added()
+    node_changed = hb is not None and (before is None or before.state != "ready")
+    logs = (ctx.logs.take(node_id) if ctx.logs is not None else []) + wrote.logs
+    reply = reply_for(ctx, node_id, seen, beat.desired_digest, digest=digest, logs=logs)
+    return await send(request, reply, node_id=node_id, changed=bool(wrote.changed) or node_changed,
+                      node_came=node_changed)
+
+
+def reply_for(
+    ctx: AgentContext, node_id: str, seen: HeartbeatSeen, agent_desired: str, *, digest: str = "",
+    send_full: bool = False, logs: list[LogRequest] | None = None,
+) -> HeartbeatReply:
+    """The reply to a beat: ``desired`` left out when the agent's ``agent_desired`` digest is the
+    list's (``desired_unchanged``); the interval for the cluster's size (``ctx.cadence``)."""
+    term, leader, members = ctx.cluster() if ctx.cluster is not None else (0, "", [])
+    same = bool(agent_desired) and agent_desired == seen.desired_digest
+    return HeartbeatReply(
+        node_id=node_id, desired=[] if same else seen.desired, interval_s=ctx.cadence.interval_s,
+        log_requests=logs or [], term=term, leader=leader, control_planes=members, digest=digest,
+        send_full=send_full, desired_digest=seen.desired_digest, desired_unchanged=same,
     )
+
+
+async def send(
+    request: web.Request, reply: HeartbeatReply, *, node_id: str = "", changed: bool = False, node_came: bool = False
+) -> web.StreamResponse:
+    """Send ``reply`` now; then (``node_id`` given: a beat was recorded) call ``on_node`` (when
+    ``node_came``) and ``on_heartbeat``: what follows (a routing refresh, the leader's wake-up) is
+    requested, never waited for; requested even when the agent went away meanwhile (the write is
+    committed)."""
+    ctx = request.app[AGENT]
     response = web.json_response(text=reply.model_dump_json())
-    # Sent now: what follows (a routing refresh, the leader's wake-up) is requested, never waited for;
-    # requested even when the agent went away meanwhile (the write is committed).
     try:
         await response.prepare(request)
         await response.write_eof()
     finally:
-        if on_node is not None and node_changed:
-            on_node(node_id)
-        if on_heartbeat is not None:
-            on_heartbeat(node_id, bool(wrote.changed) or node_changed)
+        if node_id and ctx.on_node is not None and node_came:
+            ctx.on_node(node_id)
+        if node_id and ctx.on_heartbeat is not None:
+            ctx.on_heartbeat(node_id, changed)
     return response
 
 
@@ -465,7 +531,7 @@ def build_agent_app(
     *,
     on_heartbeat: Callable[[str, bool], None] | None = None,
     clock: Callable[[], float] = time.time,
-    interval_s: float = HEARTBEAT_INTERVAL_S,
+    cadence: Cadence | None = None,
     node_lost_after_s: float = 30.0,
     logs: LogBroker | None = None,
     db: OffLoop | None = None,
@@ -483,7 +549,9 @@ def build_agent_app(
             lost (the control plane requests a routing table refresh on it: the gateway routes to
             a replica a refresh after its ready report was answered, not before).
         clock: unix seconds.
-        interval_s: the heartbeat interval the reply asks for.
+        cadence: sizes the heartbeat interval replies ask for by the node count
+            (:mod:`llmgw.control.api.cadence`); default: ``cluster.max_heartbeats_per_s`` 50, the
+            count read from ``store``.
         node_lost_after_s: ``ServerConfig.node_lost_after_s``; bounds how long a node id stays
             held by the agent instance that last reported it (see :func:`id_in_use`).
         logs: log reads waiting for this node's agent, in memory or, in an HA cluster, in the shared
@@ -513,10 +581,17 @@ def build_agent_app(
     )
     app[STORE_KEY] = store
     app[AGENT] = AgentContext(
-        store=store, db=pool, beats=Batcher(pool, store.write_heartbeats), clock=clock, interval_s=interval_s,
+        store=store, db=pool, beats=Batcher(pool, store.write_heartbeats), clock=clock,
+        cadence=cadence or Cadence(node_lost_after_s=node_lost_after_s, count=lambda: pool.read(store.count_nodes)),
         node_lost_after_s=node_lost_after_s, logs=logs, on_heartbeat=on_heartbeat, on_node=on_node,
         cluster=cluster, engines=engines,
     )
+    ctx = app[AGENT]
+
+    async def _count(_: web.Application) -> None:
+        await ctx.cadence.start()
+
+    app.on_startup.append(_count)
     if own_pool:
         app.on_cleanup.append(_close)
     app.add_routes(ROUTES)

@@ -11,13 +11,14 @@ A handler is therefore importable, named in a traceback, and testable alone: put
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.gateway.balancer import ReplicaLoad
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 
@@ -37,6 +38,11 @@ class AdminContext:
             and on the ``pending`` replicas listed per model.
         settle: awaited after every successful write before it is answered; None: not waited.
         health_fields: more fields for ``GET /api/v1/health``, read from memory; None: none.
+        closed_judges: ``{judge model: policy}`` of the ``fail: closed`` guard policies (never scaled to zero).
+        loads: this control plane's gateway's view of each replica it has sent to, by replica id
+            (``gateway_pool(app).loads``: slots, in flight, queued, picks), read from memory for
+            ``GET /api/v1/replicas``' ``routing``; None (an admin API without a gateway): no
+            ``routing``.
     """
 
     store: Store
@@ -48,6 +54,8 @@ class AdminContext:
     max_replicas_per_model: int = 1000
     settle: Callable[[], Awaitable[None]] | None = None
     health_fields: Callable[[], dict[str, Any]] | None = None
+    closed_judges: dict[str, str] = field(default_factory=dict)
+    loads: Callable[[], Mapping[str, ReplicaLoad]] | None = None
 
 
 #: Where the admin app keeps its :class:`AdminContext`.

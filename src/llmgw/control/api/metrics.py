@@ -25,7 +25,10 @@ What it exports (``prometheus-client``, one registry per control plane, never th
   is down the last read is exported and ``llmgw_store_up`` is 0): ``llmgw_replicas{model,state}``,
   ``llmgw_node_up{node,state}``, ``llmgw_node_cores{node}``, ``llmgw_node_memory_total_bytes{node}``,
   ``llmgw_node_memory_available_bytes{node}``, ``llmgw_node_gpus{node}``, ``llmgw_leader`` (1 when this
-  control plane leads), ``llmgw_term``;
+  control plane leads), ``llmgw_term``, ``llmgw_autoscale_desired_replicas{model}`` (an autoscaled
+  model's last decided count);
+- autoscaling, counted on the leader (:meth:`ControlPlaneMetrics.decided`):
+  ``llmgw_autoscale_decisions_total{model,direction}`` (``up``/``down``);
 - each engine's own ``/metrics`` (llama-server's ``--metrics``), relayed by the agents
   (:mod:`llmgw.control.api.enginemetrics`), with ``replica``, ``model`` and ``node`` labels.
 
@@ -55,7 +58,7 @@ from prometheus_client.registry import Collector
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.rows import NodeRow, ReplicaRow
+from llmgw.control.store.rows import DecisionRow, NodeRow, ReplicaRow
 
 if TYPE_CHECKING:
     from llmgw.control.api.enginemetrics import EngineMetrics
@@ -113,6 +116,11 @@ class _ClusterCollector(Collector):
             avail.add_metric([node.id], inv.memory_available_bytes)
             gpus.add_metric([node.id], len(inv.gpus))
         yield from (node_up, cores, total, avail, gpus)
+        wanted = GaugeMetricFamily("llmgw_autoscale_desired_replicas",
+                                   "Replicas an autoscaled model wants (the leader's last decision)", labels=["model"])
+        for model, n in sorted(o.wanted.items()):
+            wanted.add_metric([model], n)
+        yield wanted
         if o.members is not None:
             leader = GaugeMetricFamily("llmgw_leader", "1 when this control plane leads (runs the reconcilers)")
             leader.add_metric([], 1.0 if o.members.election.leading else 0.0)
@@ -209,7 +217,10 @@ class ControlPlaneMetrics:
                                     buckets=QUEUE_WAIT_BUCKETS, registry=r)
         self.routing = Counter("llmgw_gateway_routing_decisions", "The balancer's replica choices, by reason",
                                ["model", "reason"], registry=r)
+        self.autoscale = Counter("llmgw_autoscale_decisions", "The leader's autoscaling decisions, by direction",
+                                 ["model", "direction"], registry=r)
         self.queue_lengths: Callable[[], Mapping[str, int]] | None = None
+        self.wanted: dict[str, int] = {}  # an autoscaled model's last decided count, read at scrape time
         self.replicas: list[ReplicaRow] = []
         self.nodes: list[NodeRow] = []
         self.store_ok = True
@@ -261,6 +272,10 @@ class ControlPlaneMetrics:
             raise ValueError(f"routing reason {reason!r} is not one of {', '.join(ROUTING_REASONS)}")
         self.routing.labels(model, reason).inc()
 
+    def decided(self, row: DecisionRow) -> None:
+        """Count one autoscaling decision (``direction``: ``up`` or ``down``); the leader's, any thread."""
+        self.autoscale.labels(row.model, "up" if row.to_n > row.from_n else "down").inc()
+
     async def refresh(self) -> None:
         """Read replicas and nodes from the store (off the loop, with its deadline); on failure keep the
         last read and set ``llmgw_store_up`` to 0."""
@@ -268,7 +283,10 @@ class ControlPlaneMetrics:
             return
         store = self.store
         try:
-            self.replicas, self.nodes = await self.db.run(lambda: (store.list_replicas(), store.list_nodes()))
+            self.replicas, self.nodes, last = await self.db.run(
+                lambda: (store.list_replicas(), store.list_nodes(), store.last_decisions())
+            )
+            self.wanted = {m: d.to_n for m, d in last.items()}
             self.store_ok = True
         except Exception:  # any store failure: the page still answers, saying so
             self.store_ok = False

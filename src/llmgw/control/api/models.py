@@ -3,7 +3,8 @@
 Routes (:data:`ROUTES`; :mod:`llmgw.control.api.admin` says how they are authorised and answered):
 ``GET/POST /api/v1/models``, ``GET/PATCH/DELETE /api/v1/models/{name}``,
 ``PUT /api/v1/models/{name}/profiles``, ``GET /api/v1/models/{name}/resources`` (estimate,
-profiles, where one could run).
+profiles, where one could run), ``GET /api/v1/models/{name}/autoscale`` (wanted, ready, load and
+the last decisions: :mod:`llmgw.control.reconcile.autoscale`).
 
 A model is found by its name or one of its aliases (:func:`must_model`). ``scaling.min``/``max``
 above ``max_replicas_per_model`` are refused with a 400. A stored model that cannot be read back is
@@ -14,20 +15,23 @@ removes it. Handlers read the shared state from ``request.app[ADMIN]``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from llmgw import jsonbody
-from llmgw.catalog import Model, Profile
+from llmgw.catalog import Model, Profile, scaling_target
 from llmgw.control.api.context import ADMIN, AdminContext
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.placement.resources import resources_view
+from llmgw.control.reconcile.autoscale import FRESH_S, HISTORY_S, serving, wanted_replicas
 from llmgw.control.store import BrokenModel, ModelRow, ReplicaRow, Store
+from llmgw.control.store.rows import DecisionRow
 from llmgw.errors import HttpError
 from llmgw.protocol import ReplicaState
-from llmgw.views import ModelView
+from llmgw.views import AutoscaleView, DecisionView, HistoryPoint, ModelView
 
 _PROFILES = TypeAdapter(list[Profile])
 
@@ -42,8 +46,9 @@ def describe(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def model_view(row: ModelRow, replicas: list[ReplicaRow]) -> ModelView:
-    """A catalog entry with its replicas counted."""
+def model_view(row: ModelRow, replicas: list[ReplicaRow], last: Mapping[str, DecisionRow] | None = None) -> ModelView:
+    """A catalog entry with its replicas counted and wanted (``last``: the models' last autoscaling
+    decisions; None: ``scaling.min`` is shown as wanted)."""
     m = row.model
     mine = [r for r in replicas if r.model == m.name]
     return ModelView(
@@ -56,6 +61,7 @@ def model_view(row: ModelRow, replicas: list[ReplicaRow]) -> ModelView:
         scaling_max=m.scaling.max,
         replicas=len(mine),
         replicas_ready=sum(r.state == ReplicaState.READY for r in mine),
+        replicas_wanted=wanted_replicas(m, last or {}),
         spec=m.model_dump(mode="json"),
     )
 
@@ -112,8 +118,8 @@ def _must_model(store: Store, name: str) -> ModelRow:
 
 
 def _list_models(store: Store) -> list[Any]:
-    replicas = store.list_replicas()
-    views = [model_view(r, replicas) for r in store.list_models()]
+    replicas, last = store.list_replicas(), store.last_decisions()
+    views = [model_view(r, replicas, last) for r in store.list_models()]
     views += [broken_view(b) for b in store.list_broken_models()]
     views.sort(key=lambda v: v.name)
     return [v.model_dump(mode="json") for v in views]
@@ -126,7 +132,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 def within_limit(ctx: AdminContext, model: Model) -> Model:
-    """``model``, or 400 ``invalid_model`` when its scaling exceeds ``max_replicas_per_model``."""
+    """``model``, or 400 ``invalid_model`` when its scaling exceeds ``max_replicas_per_model``, or
+    when it judges a ``fail: closed`` guard policy and its ``scaling.min`` is 0."""
     max_replicas_per_model = ctx.max_replicas_per_model
     top = max(model.scaling.min, model.scaling.max)
     if top > max_replicas_per_model:
@@ -134,6 +141,14 @@ def within_limit(ctx: AdminContext, model: Model) -> Model:
             400, "invalid_model",
             f"scaling: {top} replicas is more than this cluster's limit of {max_replicas_per_model} "
             "per model (max_replicas_per_model in server.yaml)",
+        )
+    policy = next((ctx.closed_judges[n] for n in (model.name, *model.aliases) if n in ctx.closed_judges), None)
+    if policy is not None and model.scaling.min == 0:
+        raise HttpError(
+            400, "invalid_model",
+            f"scaling.min: 0 is refused for '{model.name}': it judges the guard policy '{policy}', which "
+            "fails closed (every request it guards would be refused while a judge starts from zero); "
+            "set scaling.min to 1 or more",
         )
     return model
 
@@ -158,7 +173,8 @@ async def get_model(request: web.Request) -> web.Response:
     if bad is not None:
         return _json(broken_view(bad).model_dump(mode="json"))
     row = await must_model(ctx, request.match_info["name"])
-    return _json(model_view(row, await db.read(store.list_replicas, model=row.name)).model_dump(mode="json"))
+    replicas, last = await db.read(lambda: (store.list_replicas(model=row.name), store.last_decisions()))
+    return _json(model_view(row, replicas, last).model_dump(mode="json"))
 
 
 async def save(ctx: AdminContext, row: ModelRow, spec: Any) -> web.Response:
@@ -238,6 +254,31 @@ async def model_resources(request: web.Request) -> web.Response:
     return _json((await ctx.db.run(build)).model_dump(mode="json"))
 
 
+def _autoscale_view(store: Store, row: ModelRow, now: float) -> AutoscaleView:
+    m = row.model
+    mine = store.list_replicas(model=m.name)
+    decisions = store.list_decisions(m.name)
+    load = [x for x in store.read_gateway_load(since=now - FRESH_S) if x.model == m.name]
+    return AutoscaleView(
+        model=m.name, autoscaled=m.scaling.autoscaled, min=m.scaling.min, max=m.scaling.max,
+        target=scaling_target(m), wanted=wanted_replicas(m, {m.name: decisions[0]} if decisions else {}),
+        ready=sum(serving(r) for r in mine), draining=sum(r.draining_since is not None for r in mine),
+        in_flight=sum(x.in_flight for x in load), queued=sum(x.queued for x in load),
+        decisions=[DecisionView(at=d.at, from_n=d.from_n, to_n=d.to_n, reason=d.reason, panic=d.panic)
+                   for d in decisions],
+        history=[HistoryPoint(at=h.at, wanted=h.wanted, ready=h.ready, load=h.load)
+                 for h in store.list_history(m.name, since=now - HISTORY_S)],
+    )
+
+
+async def model_autoscale(request: web.Request) -> web.Response:
+    """``GET /api/v1/models/{name}/autoscale``: wanted, ready, draining, load and the last decisions."""
+    ctx = request.app[ADMIN]
+    row = await must_model(ctx, request.match_info["name"])
+    view = await ctx.db.read(_autoscale_view, ctx.store, row, ctx.clock())
+    return _json(view.model_dump(mode="json"))
+
+
 #: The catalog's routes (same-path routes next to each other: aiohttp joins them in one resource).
 ROUTES = [
     web.get("/api/v1/models", list_models),
@@ -247,4 +288,5 @@ ROUTES = [
     web.delete("/api/v1/models/{name}", delete_model),
     web.put("/api/v1/models/{name}/profiles", put_profiles),
     web.get("/api/v1/models/{name}/resources", model_resources),
+    web.get("/api/v1/models/{name}/autoscale", model_autoscale),
 ]

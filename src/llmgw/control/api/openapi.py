@@ -26,6 +26,7 @@ from llmgw.apikeys import KeyPatch, KeySpec
 from llmgw.catalog import Model, Profile
 from llmgw.views import (
     NODE_ACTIONS,
+    AutoscaleView,
     ClusterView,
     ExplainView,
     KeyView,
@@ -120,7 +121,7 @@ OPS: tuple[Op, ...] = (
     Op(
         "get",
         "/api/v1/replicas",
-        "Replicas, optionally of one model",
+        "Replicas, optionally of one model, each with this control plane's routing figures (routing)",
         ReplicaView,
         many=True,
         errors=(404, 409),
@@ -152,6 +153,8 @@ OPS: tuple[Op, ...] = (
     ),
     Op("get", "/api/v1/models/{name}/resources", "What a replica needs per profile, and where one fits", None,
        errors=(404, 409)),
+    Op("get", "/api/v1/models/{name}/autoscale", "A model's wanted, ready and draining replicas, its load, and "
+       "the last autoscaling decisions with their reasons", AutoscaleView, errors=(404, 409)),
     Op("post", "/api/v1/nodes/{id}/{action}", "cordon, uncordon or drain a node (another action: 404)", NodeView,
        errors=(404, 409)),
     Op(

@@ -15,6 +15,11 @@ limit, never a number in a request.
 store): 504 ``node_silent`` when the agent does not answer within 10 s, 404 ``no_log`` when the node
 has none, 503 ``store_unavailable`` when the database does not take the request.
 
+Each listed replica carries ``routing`` (:class:`~llmgw.views.ReplicaRouting`): slots, in flight,
+queued and picks by reason as THIS control plane's gateway sees them (``scope``:
+``"this_control_plane"``; each control plane routes on its own). A replica its gateway has not sent
+to yet: zeros and ``slots`` null; a pending replica, or an admin API without a gateway: null.
+
 Handlers read the shared state from ``request.app[ADMIN]``
 (:class:`~llmgw.control.api.context.AdminContext`).
 """
@@ -29,26 +34,31 @@ from aiohttp import web
 from llmgw.control.api.context import ADMIN
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.models import must_model
+from llmgw.control.gateway.balancer import AFFINITY, ReplicaLoad
+from llmgw.control.reconcile.autoscale import wanted_replicas
 from llmgw.control.reconcile.leader import new_replica_id
 from llmgw.control.store import ModelRow, ReplicaRow, Store
 from llmgw.errors import Conflict, HttpError, UnreachableError
 from llmgw.protocol import ReplicaState
-from llmgw.views import ExplainView, ReplicaView
+from llmgw.views import ExplainView, ReplicaRouting, ReplicaView
 
 
 def pending_views(
     models: list[ModelRow], replicas: list[ReplicaRow], store: Store, *, limit: int = 1000
 ) -> list[ReplicaView]:
-    """One ``pending`` view per replica a model wants (``scaling.min``) that is placed nowhere,
+    """One ``pending`` view per replica a model wants (``scaling.min``, or an autoscaled model's
+    decided count) that is placed nowhere (draining replicas not counted),
     carrying placement's summary as ``pending_reason``; at most ``limit`` per model
     (``max_replicas_per_model``), whatever a stored ``scaling.min`` says."""
     out = []
     count: dict[str, int] = {}
     for r in replicas:
-        count[r.model] = count.get(r.model, 0) + 1
+        if r.draining_since is None:
+            count[r.model] = count.get(r.model, 0) + 1
     explanations = store.list_explanations()
+    last = store.last_decisions()
     for row in models:
-        missing = min(row.model.scaling.min, limit) - count.get(row.name, 0)
+        missing = min(wanted_replicas(row.model, last), limit) - count.get(row.name, 0)
         ex = explanations.get(row.name)
         reason = ex.summary if ex is not None else "not evaluated yet"
         for i in range(max(missing, 0)):
@@ -57,8 +67,25 @@ def pending_views(
     return out
 
 
-def replica_view(r: ReplicaRow) -> ReplicaView:
-    """A replica without its key."""
+def routing_view(load: ReplicaLoad | None) -> ReplicaRouting:
+    """What the gateway's balancer knows of one replica as the API shows it; None (never sent to):
+    zeros, ``slots`` None. ``slots`` is None too while the engine's count is not read yet (the
+    balancer's placeholder 1 is not a measurement)."""
+    if load is None:
+        return ReplicaRouting()
+    return ReplicaRouting(
+        slots=load.slots if load.slots_known else None,
+        in_flight=load.in_flight,
+        queued=load.queued,
+        affinity_hits=load.picks.get(AFFINITY, 0),
+        picks=dict(load.picks),
+        service_s=round(load.service_s, 4),
+    )
+
+
+def replica_view(r: ReplicaRow, load: ReplicaLoad | None = None, *, routed: bool = False) -> ReplicaView:
+    """A replica without its key; with ``routed``, its ``routing`` from ``load`` (the gateway's
+    :class:`~llmgw.control.gateway.balancer.ReplicaLoad` of it, None when never sent to)."""
     return ReplicaView(
         id=r.id,
         model=r.model,
@@ -74,6 +101,8 @@ def replica_view(r: ReplicaRow) -> ReplicaView:
         gpu_indexes=list(r.gpu_indexes),
         # The head's own entry carries no state (its state is the replica's): show it there too.
         members=[m.model_copy(update={"state": r.state}) if m.rank == 0 else m for m in r.members],
+        draining_since=r.draining_since,
+        routing=routing_view(load) if routed else None,
     )
 
 
@@ -84,7 +113,8 @@ async def list_replicas(request: web.Request) -> web.Response:
     asked = request.query.get("model") or None
     model = (await must_model(ctx, asked)).name if asked else None
     rows = await db.read(store.list_replicas, model=model)
-    views = [replica_view(r) for r in rows]
+    loads = ctx.loads() if ctx.loads is not None else None
+    views = [replica_view(r, loads.get(r.id) if loads else None, routed=loads is not None) for r in rows]
     models = [m for m in await db.read(store.list_models) if model is None or m.name == model]
     views += await db.run(pending_views, models, rows, store, limit=ctx.max_replicas_per_model)
     return _json([v.model_dump(mode="json") for v in views])

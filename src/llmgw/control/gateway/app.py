@@ -23,8 +23,9 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
    fields only, ``max_tokens`` held to the model's ``max_output``); dropped fields are named in the
    ``x-llmgw-dropped`` header.
 4. **guard in** (optional :class:`~llmgw.control.gateway.inspect.Inspector`), then the replica
-   (:mod:`llmgw.control.gateway.upstream`: round-robin, one failover on a refused connection,
-   byte relay for streams), then **guard out**.
+   (:mod:`llmgw.control.gateway.upstream`: a free slot chosen by the model's policy,
+   :mod:`llmgw.control.gateway.balancer`; another replica on a refused connection; byte relay for
+   streams), then **guard out**.
 
 A client that disconnects cancels its request: the control plane serves this app with aiohttp's
 ``handler_cancellation=True``, so the handler is cancelled, which closes the upstream connection,
@@ -62,28 +63,32 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from llmgw import jsonbody
+from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
+from llmgw.control.gateway.body import parse_body as _parse
+from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
+from llmgw.control.gateway.load import LOAD, LoadCounter, combined
 from llmgw.control.gateway.request import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
     Endpoint,
-    check_prompts,
     dropped_header,
     upstream_body,
     with_stream_usage,
 )
+from llmgw.control.gateway.sse import StreamTally
+from llmgw.control.gateway.starting import Answered, Starting, hold_request
 from llmgw.control.gateway.upstream import (
-    StreamTally,
     Trace,
     UpstreamPool,
     refusal_response,
@@ -121,6 +126,12 @@ async def _send_request_id(request: web.Request, response: web.StreamResponse) -
     response.headers.setdefault("x-request-id", request_id(request))
 
 
+def gateway_pool(app: web.Application) -> UpstreamPool:
+    """The gateway app's :class:`UpstreamPool`: its balancer and queues (``pool.loads()``: each
+    replica's slots, in flight, queued and picks, for ``ctl replicas`` and the metrics page)."""
+    return app[_POOL]
+
+
 def is_loopback(remote: str | None) -> bool:
     """True for a peer address in 127.0.0.0/8, ``::1`` or IPv4-mapped ``::ffff:127.x.y.z``."""
     if not remote:
@@ -147,6 +158,14 @@ class _Gateway:
     inspector: Inspector | None
     observe: Callable[[Exchange], None] | None
     limiter: Limiter | None = None
+    load: LoadCounter = field(default_factory=LoadCounter)  # refusals for want of a replica, for autoscaling
+    starting: Starting | None = None  # holds requests of a model starting from zero replicas
+
+    def _starting(self, route: Route, endpoint: Endpoint, caller: Caller, requested: str) -> Starting | None:
+        """Where a request of ``route`` (no ready replica) is held while its model starts from zero; None: not held."""
+        if self.starting is None or not self.starting.holds(route.model) or route.role != endpoint.role:
+            return None
+        return self.starting if self.callers.may_use(caller, requested, route.model, self._resolve_name) else None
 
     # -- key -----------------------------------------------------------------------------------
     def authenticate(self, request: web.Request, kind: str) -> Caller | web.Response:
@@ -277,6 +296,8 @@ class _Gateway:
         caller = self.authenticate(request, endpoint.kind)
         if isinstance(caller, web.Response):
             return caller
+        trace.caller = caller.name
+        trace.priority = caller.priority
         requested, model, stream, code, blocked = "", "", False, "", False
         call: Call | None = None
         if self.inspector is not None:
@@ -288,6 +309,10 @@ class _Gateway:
             requested = body["model"]
             stream = body.get("stream") is True
             route = await self.router.resolve_settled(requested)
+            pre: web.StreamResponse | None = None  # a held stream's response, prepared while it waited
+            held = self._starting(route, endpoint, caller, requested) if route and not route.upstreams else None
+            if route is not None and held is not None:  # a model starting from zero: wait for its replica
+                route, pre = await hold_request(held, request, route, stream=stream)
             if route is None or not self.callers.may_use(caller, requested, route.model, self._resolve_name):
                 out: web.StreamResponse = self._not_found(requested, caller)
             elif route.role != endpoint.role:
@@ -296,6 +321,7 @@ class _Gateway:
                 code = "wrong_endpoint"
             elif not route.upstreams:
                 model = route.model
+                self.load.missed(model)  # demand the autoscaler sees (a model at zero replicas starts one)
                 reason = route.unavailable or "no replica is ready yet"
                 out = openai_error_json(
                     503, "model_unavailable", f"model '{route.model}' is not available: {reason}"
@@ -328,6 +354,7 @@ class _Gateway:
                             request_json=body,
                             trace=trace,
                             inspector=self.inspector,
+                            prepared=pre,
                         )
                     else:
                         out = await relay_plain(
@@ -344,6 +371,8 @@ class _Gateway:
             out = openai_error_json(
                 413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
             )
+        except Answered as a:  # a held stream refused after its 200: the refusal is its last event
+            out, code = a.response, a.code
         except HttpError as e:  # JsonBodyError included
             code = e.code
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
@@ -443,23 +472,6 @@ _ALLOW = {
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 
 
-def _prompt_chars(body: dict[str, Any]) -> int:
-    """Characters of text in a body's messages or prompt (for a stream's prompt-token estimate)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str))
-    n = 0
-    for m in body.get("messages", ()):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            n += len(content)
-        elif isinstance(content, list):
-            n += sum(len(p.get("text", "")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return n
-
-
 def _answer_code(out: web.StreamResponse) -> str:
     """The ``code`` of an OpenAI error envelope already in ``out``'s body ("" when there is none)."""
     body = out.body if isinstance(out, web.Response) else None
@@ -474,76 +486,6 @@ def _answer_code(out: web.StreamResponse) -> str:
 
 def _model_object(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
-
-
-#: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes: a UTF-16 surrogate, valid JSON only in a pair.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def _lone_surrogate(value: Any, where: str) -> str | None:
-    """The path (``messages[0].content``) of the first string in ``value`` holding a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where
-        return None
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            if (found := _lone_surrogate(v, f"{where}[{i}]")) is not None:
-                return found
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            at = f"{where}.{k}" if where else str(k)
-            if (found := _lone_surrogate(k, at) or _lone_surrogate(v, at)) is not None:
-                return found
-    return None
-
-
-def _check_unicode(raw: bytes, body: dict[str, Any]) -> None:
-    """HttpError 400 for a string holding a lone UTF-16 surrogate (``"\\ud800"`` unpaired): Python's
-    JSON reads it, but it is not Unicode, and llama-server failed on it with a 500. Only a body whose
-    bytes hold such an escape is walked (one regex search otherwise)."""
-    if _SURROGATE_ESCAPE.search(raw) is None:
-        return
-    where = _lone_surrogate(body, "")
-    if where is not None:
-        raise HttpError(
-            400, "invalid_request",
-            f"'{where}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is not "
-            "valid Unicode: send the text as valid UTF-8, or escape a character outside the BMP as a surrogate pair",
-        )
-
-
-def _parse(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
-    """The body as a dict with a string ``model`` and the endpoint's input (``messages``: a non-empty
-    list; ``prompt``: one prompt, :func:`~llmgw.control.gateway.request.check_prompts`; ``input``: a
-    string or a non-empty list of strings or token ids); else HttpError 400.
-
-    Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only (else its
-    :class:`~llmgw.errors.JsonBodyError`, an HttpError too)."""
-    body = jsonbody.loads(raw)
-    if not isinstance(body, dict):
-        raise HttpError(400, "invalid_request", "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise HttpError(400, "missing_model", "'model' is required: a model name from GET /v1/models")
-    field = endpoint.text_field
-    value = body.get(field)
-    if field == "messages":
-        if not isinstance(value, list) or not value:
-            raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
-    elif not (isinstance(value, str) or (isinstance(value, list) and value)):
-        raise HttpError(
-            400, f"invalid_{field}",
-            f"'{field}' is required: a string, or a non-empty list of strings (or of token ids)",
-        )
-    if endpoint is COMPLETIONS:
-        check_prompts(value)
-    _check_unicode(raw, body)
-    if endpoint is EMBEDDINGS and body.get("stream") is True:
-        raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
-    return body
 
 
 def _wrong_endpoint(route: Route, endpoint: Endpoint) -> web.Response:
@@ -566,6 +508,9 @@ def build_gateway_app(
     observe: Callable[[Exchange], None] | None = None,
     callers: Callers | None = None,
     limiter: Limiter | None = None,
+    balancer: Balancer | None = None,
+    routing_metrics: RoutingMetrics | None = None,
+    holds: Callable[[str], bool] | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
@@ -583,13 +528,19 @@ def build_gateway_app(
         callers: the keys clients may send (stored keys and ``keys``), when the store's keys are used
             (:mod:`llmgw.control.gateway.callers`); None: ``keys`` only.
         limiter: rate limits and budgets per key (:mod:`llmgw.control.gateway.limits`); None: no limits.
+        balancer: the replicas' slots, load and the choice (:mod:`llmgw.control.gateway.balancer`),
+            for an owner that shows its state (``ctl replicas``, metrics); None: the app makes its own.
+        routing_metrics: where routing decisions, queue waits and queue lengths are counted (the
+            control plane's metrics); None: nowhere.
+        holds: whether a model's requests are held while it has no ready replica (a model that
+            scales from zero: :mod:`llmgw.control.gateway.starting`); None: never, 503 at once.
 
     The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
     ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
     engine slot (see the module docstring).
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s)
+    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s, balancer=balancer, metrics=routing_metrics)
     app[_POOL] = pool
     gw = _Gateway(
         router,
@@ -600,6 +551,12 @@ def build_gateway_app(
         observe=observe,
         limiter=limiter,
     )
+
+    if holds is not None:
+        gw.starting = Starting(router.resolve, holds=holds)
+    held = gw.starting.held if gw.starting is not None else dict
+    # the autoscaler's signal: in flight per replica (the balancer), queued (the queues and the held)
+    app[LOAD] = combined(pool.balancer.loads, lambda: _add(pool.queue_lengths(), held()), gw.load)
 
     async def _lifecycle(_: web.Application) -> AsyncIterator[None]:
         await pool.start()
@@ -616,3 +573,8 @@ def build_gateway_app(
     app.router.add_get("/healthz", gw.healthz)
     app.router.add_route("*", "/{tail:.*}", gw.unknown)
     return app
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two ``{model: count}`` summed."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}

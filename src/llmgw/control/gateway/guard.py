@@ -49,6 +49,7 @@ from typing import Any
 import aiohttp
 
 from llmgw.catalog import Model, Role
+from llmgw.control.gateway.guardtext import answer_text, conversation_text, prompt_text, token_prompts, tool_args
 from llmgw.control.gateway.inspect import Refusal, current_call
 from llmgw.errors import JudgeError
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy
@@ -137,103 +138,6 @@ class GuardStats:
             "categories": dict(self.categories),
             "recent": [asdict(v) for v in self.recent],
         }
-
-
-def message_text(content: Any) -> str:
-    """A message's text: a string, or the ``text`` parts of a list of content parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
-def prompt_text(request: dict[str, Any]) -> str:
-    """The prompt as the *context* of an answer's judgment (direction out): the last user message (the
-    last message when none is a user's); for ``/v1/completions`` its ``prompt``, for ``/v1/embeddings``
-    its ``input`` (the strings of a list, joined). Also what the prompt is judged as when it holds no
-    token ids and no messages. The prompt itself (direction in) is judged whole:
-    :meth:`GuardInspector.prompt`, :func:`conversation_text`."""
-    for name in ("prompt", "input"):
-        value = request.get(name)
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list):
-            return "\n".join(v for v in value if isinstance(v, str))
-    msgs = [m for m in request.get("messages", []) if isinstance(m, dict)]
-    users = [m for m in msgs if m.get("role") == "user"]
-    last = users[-1] if users else (msgs[-1] if msgs else {})
-    return message_text(last.get("content"))
-
-
-#: The label of each message's text in what the guard judges (``ROLE: text``), by role.
-_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL"}
-
-
-def conversation_text(request: dict[str, Any]) -> str:
-    """The whole text of a chat request an engine reads, as the guard judges it (direction in).
-
-    Every message of every role (system and developer, each user turn, assistant turns the client
-    wrote, tool results): its ``content`` (a string, or the ``text`` parts of a list of parts) and
-    its tool calls' arguments; and the ``tools`` the request declares (their JSON: names,
-    descriptions and parameter schemas are rendered into the engine's prompt too). A request whose
-    only text is one user message is judged as that text alone, as before; otherwise each message is
-    a paragraph ``ROLE: text`` in order (``SYSTEM``, ``USER``, ``ASSISTANT``, ``TOOL``), then
-    ``TOOLS: [...]``. Images and audio are not text and are not judged.
-    """
-    parts: list[tuple[str, str]] = []
-    for m in request.get("messages") or ():
-        if not isinstance(m, dict):
-            continue
-        text = "\n".join(t for t in (message_text(m.get("content")), *_tool_args(m.get("tool_calls"))) if t)
-        if text:
-            parts.append((_ROLES.get(str(m.get("role")), "MESSAGE"), text))
-    tools = request.get("tools")
-    if tools:
-        parts.append(("TOOLS", json.dumps(tools, ensure_ascii=False)))
-    if len(parts) == 1 and parts[0][0] == "USER":
-        return parts[0][1]
-    return "\n\n".join(f"{role}: {text}" for role, text in parts)
-
-
-def token_prompts(value: Any) -> list[list[int | str]] | None:
-    """The prompts of a ``prompt``/``input`` that hold token ids, each a list of ids (strings mixed
-    in, as llama-server reads them), or None when it is all text (a string, a list of strings)."""
-    def ids(v: Any) -> bool:
-        return isinstance(v, list) and any(isinstance(x, int) and not isinstance(x, bool) for x in v)
-
-    if ids(value):
-        return [value]
-    if isinstance(value, list) and any(ids(v) for v in value):
-        return [v if isinstance(v, list) else [v] for v in value]
-    return None
-
-
-def _tool_args(calls: Any) -> list[str]:
-    if not isinstance(calls, list):
-        return []
-    out = []
-    for c in calls:
-        fn = c.get("function") if isinstance(c, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            out.append(fn["arguments"])
-    return out
-
-
-def answer_text(response: dict[str, Any]) -> str:
-    """The text judged as the answer: every choice's reasoning, content and tool-call arguments."""
-    parts: list[str] = []
-    for ch in response.get("choices") or []:
-        if isinstance(ch, dict) and isinstance(ch.get("text"), str):  # /v1/completions
-            parts.append(ch["text"])
-        msg = ch.get("message") if isinstance(ch, dict) else None
-        if not isinstance(msg, dict):
-            continue
-        for key in ("reasoning_content", "content"):
-            if isinstance(msg.get(key), str) and msg[key]:
-                parts.append(msg[key])
-        parts.extend(_tool_args(msg.get("tool_calls")))
-    return "\n".join(parts)
 
 
 class GuardInspector:
@@ -535,7 +439,7 @@ class HeldStream:
                 for key in ("reasoning_content", "content"):
                     if isinstance(delta.get(key), str):
                         self.parts.append(delta[key])
-                self.parts.extend(_tool_args(delta.get("tool_calls")))
+                self.parts.extend(tool_args(delta.get("tool_calls")))
         return b""
 
     async def end(self) -> bytes | Refusal:

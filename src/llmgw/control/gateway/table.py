@@ -82,6 +82,31 @@ def unavailable_reason(replicas: list[ReplicaRow], summary: str) -> str:
     return f"no replica is ready yet ({', '.join(parts)})"
 
 
+#: The flags that set how many requests an engine runs at once, by engine name.
+_SLOT_FLAGS = {"llamacpp": ("--parallel", "-np"), "vllm": ("--max-num-seqs",)}
+#: Slots when a profile sets none: the agent's ``--parallel`` default for llama-server
+#: (:data:`llmgw.agent.engines.llamacpp.DEFAULT_PARALLEL`); vLLM's own default (256) is no count
+#: of what runs well at once, so 4 there too until its engine says.
+DEFAULT_SLOTS = 4
+
+
+def profile_slots(model: Model, profile: str) -> int:
+    """Requests a replica of ``model`` on ``profile`` runs at once, as the profile's args say (see
+    :data:`_SLOT_FLAGS`), :data:`DEFAULT_SLOTS` when they say nothing usable."""
+    prof = next((p for p in model.profiles if p.name == profile), None)
+    if prof is None:
+        return DEFAULT_SLOTS
+    flags = _SLOT_FLAGS.get(prof.engine.value, ())
+    args = prof.args
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in flags:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
+    return DEFAULT_SLOTS
+
+
 def build_routes(
     models: list[Model], replicas: list[ReplicaRow], summaries: dict[str, str], created: dict[str, float]
 ) -> tuple[dict[str, Route], dict[str, str], dict[str, Role]]:
@@ -95,7 +120,9 @@ def build_routes(
     for m in models:
         mine = by_model.get(m.name, [])
         ready = tuple(
-            Upstream(r.id, r.endpoint, r.key) for r in mine if r.state == ReplicaState.READY and r.endpoint
+            Upstream(r.id, r.endpoint, r.key, profile_slots(m, r.profile))
+            for r in mine
+            if r.state == ReplicaState.READY and r.endpoint and r.draining_since is None  # draining: routed no more
         )
         routes[m.name] = Route(
             model=m.name,
@@ -105,6 +132,9 @@ def build_routes(
             max_output=m.max_output,
             created=int(created.get(m.name, 0)),
             role=m.role.value,
+            routing=m.routing,
+            queue_size=m.queue.size,
+            queue_wait_s=m.queue.wait_s,
         )
         roles[m.name] = m.role
         for a in m.aliases:

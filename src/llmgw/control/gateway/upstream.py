@@ -2,17 +2,25 @@
 
 Mechanism, per chat request:
 
-1. :meth:`UpstreamPool.send` picks the model's next replica round-robin and POSTs the body (the
-   client's bytes, or what :mod:`llmgw.control.gateway.request` made of them) to
-   ``http://{endpoint}/v1/chat/completions`` with that replica's key. When the connection is refused
-   (or the connect times out), nothing was sent, so it tries the next replica once; past that the
-   client gets 502. A replica is never retried after the request went out
+1. :meth:`UpstreamPool.send` takes a slot on one of the model's replicas from the
+   :class:`~llmgw.control.gateway.balancer.Balancer` (cache-aware or round-robin, only a replica
+   with a free slot; none free: the request waits in the model's
+   :class:`~llmgw.control.gateway.queue.FairQueue`, bounded by the catalog's ``queue.size`` and
+   ``queue.wait_s``; past them 429 ``model_busy`` with ``Retry-After`` at once) and POSTs the body
+   (the client's bytes, or what :mod:`llmgw.control.gateway.request` made of them) to
+   ``http://{endpoint}{path}`` with that replica's key. When the connection is refused (or the
+   connect times out), nothing was sent: the slot is given back, the replica is passed over for a
+   few seconds (so is one whose connection broke mid-request: waiting requests then go elsewhere),
+   and another replica is taken (each at most once, through the queue again); when every one
+   refused, the client gets 502. A replica is never retried after the request went out
    (generation is not idempotent and may be half done).
 2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
    and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
    every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
-   llama-server writes its model file's path there.
+   llama-server writes its model file's path there. Both give the slot back
+   (:meth:`~llmgw.control.gateway.balancer.Lease.release`) on every way out: the answer's end, an
+   error, a client gone (the handler cancelled).
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
    replica's address and key; a 500 that llama-server gives for the client's own mistake (a field of
    the wrong type, an image sent to a text-only model: :data:`_CLIENT_MISTAKES`) becomes the 400
@@ -24,6 +32,12 @@ Mechanism, per chat request:
 Why aiohttp as the client: measured here reading SSE, aiohttp's client costs 36-70 µs of CPU per
 event, httpx 160-270 µs; ``bench/gateway_overhead.py`` repeats it side by
 side: aiohttp ``iter_any`` 91-105 µs vs httpx ``aiter_raw`` 206-228 µs per event, 2 busy cores.
+
+The slot, the queue and their metrics cost the request path ~10 µs: ``bench/gateway_overhead.py``,
+5 runs each way alternating with the round-robin code before them (2026-12-03, load 6-7 on 2 cores
+from other jobs): ``x-llmgw-overhead-ms`` median 0.217 ms before, 0.228 ms after; ``added_p50_ms``
+1.10-1.60 ms before and 1.13-1.52 ms after (noise larger than the change). Of it, by timeit: the
+two Prometheus calls (``routed``, ``waited``) ~8 µs, :meth:`Balancer.take` and the release ~4 µs.
 
 Timeouts are LLM-sized: connect 5 s; a non-streamed answer may take
 ``upstream_timeout_s`` in all (long prefill plus long generation); a stream has no total limit,
@@ -38,7 +52,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +60,11 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
+from llmgw.control.gateway.queue import FairQueue
+from llmgw.control.gateway.sse import ModelRewriter, StreamTally
+from llmgw.control.gateway.starting import answer_on_stream
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_event, openai_error_json
 from llmgw.routing import Route, Upstream
@@ -58,6 +75,8 @@ CONNECT_TIMEOUT_S = 5.0
 # cpp-httplib (llama-server's HTTP server) closes idle keep-alive connections after 5 s; dropping
 # ours at 4 s avoids POSTing into a connection the engine is closing (aiohttp does not retry POSTs).
 KEEPALIVE_S = 4.0
+#: ``GET /props`` (a replica's slots) gets this long (s); it is read once per replica, off the request path.
+PROPS_TIMEOUT_S = 5.0
 # Many concurrent streams are normal for an LLM gateway; the engine queues what its slots can't take.
 MAX_CONNECTIONS = 1024
 
@@ -68,10 +87,27 @@ def refusal_response(refusal: Refusal) -> web.Response:
     return openai_error_json(refusal.status, refusal.code, refusal.message, extra=refusal.extra)
 
 
+def _give_back(lease: Lease) -> None:
+    """A queue's waiter left after it was handed a slot: the slot goes back (its queue walks again)."""
+    lease.release(answered=False)
+
+
 @functools.lru_cache(maxsize=4096)
 def _url(endpoint: str, path: str) -> URL:
     # yarl parsing costs more than the rest of the request setup; endpoints repeat.
     return URL(f"http://{endpoint}{path}")
+
+
+# A stream's connection is not kept: llama-server (b0.3.36 here) drops a kept-alive connection
+# after a streamed answer in a way the next request on it, or a new one opened meanwhile, fails
+# ("Server disconnected", "Can not write request body"): measured, 10 of 20 sequential streams
+# failed on one client, 3-6 of 20-30 through the gateway (502); with "Connection: close" 20 of 20
+# passed. Plain answers keep their connections (20 of 20 on one connection).
+_STREAM_HEADERS = {"Connection": "close"}
+
+
+def _headers(up: Upstream, trace: Trace) -> dict[str, str]:
+    return {"Authorization": "Bearer " + up.key, "Content-Type": "application/json", "x-request-id": trace.request_id}
 
 
 @dataclass(slots=True)
@@ -86,7 +122,9 @@ class Trace:
     ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the answer's first byte went out
     (``perf_counter_ns``), 0 before; ``error_code`` is the code of the error event that ended a
     stream after its 200 (a refusal, a broken replica), "" otherwise; ``path`` is the endpoint's path
-    on the engine.
+    on the engine; ``caller`` and ``priority`` are the key's name and priority (the queue's
+    fairness); ``queued_ns``: time spent waiting for a slot, counted in ``upstream_ns`` too (it is
+    the replicas' time, not the gateway's).
     """
 
     started_ns: int
@@ -101,23 +139,37 @@ class Trace:
     first_byte_ns: int = 0
     error_code: str = ""
     path: str = "/v1/chat/completions"
+    caller: str = ""
+    priority: int = 0
+    queued_ns: int = 0
 
 
 class UpstreamPool:
-    """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and round-robin choice.
+    """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and the choice of replica.
 
     Call :meth:`start` on app startup and :meth:`close` on cleanup. ``upstream_timeout_s``: see the
-    module docstring.
+    module docstring. ``balancer``: the slots and the choice (one is made when None; its slot reader
+    is :meth:`read_slots`). ``metrics``: where decisions and waits are counted (:class:`RoutingMetrics`).
     """
 
-    def __init__(self, *, upstream_timeout_s: float) -> None:
+    def __init__(
+        self, *, upstream_timeout_s: float, balancer: Balancer | None = None, metrics: RoutingMetrics | None = None
+    ) -> None:
         self._session: aiohttp.ClientSession | None = None
-        self._next: dict[str, int] = {}
         self.plain_timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=upstream_timeout_s
         )
         self.upstream_timeout_s = upstream_timeout_s
+        self.balancer = balancer or Balancer()
+        if self.balancer.read_slots is None:
+            self.balancer.read_slots = self.read_slots
+        self.balancer.on_free = self._wake
+        #: Model → its queue (made on the model's first request, sized from its route).
+        self.queues: dict[str, FairQueue[Lease]] = {}
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.track_queues(self.queue_lengths)
 
     async def start(self) -> None:
         """Open the shared session (inside the running loop)."""
@@ -130,64 +182,161 @@ class UpstreamPool:
             await self._session.close()
             self._session = None
 
-    async def send(
-        self, route: Route, body: bytes, trace: Trace, *, stream: bool
-    ) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """POST ``body`` to the route's next replica; return it and its response once the headers arrived.
+    async def read_slots(self, up: Upstream) -> int | None:
+        """The replica's slots from llama-server's ``GET /props`` (``total_slots``), with its key; None
+        when the engine does not answer it (vLLM has no ``/props``) or it cannot be reached."""
+        if self._session is None:
+            return None
+        try:
+            async with self._session.get(
+                _url(up.endpoint, "/props"),
+                headers={"Authorization": "Bearer " + up.key},
+                timeout=aiohttp.ClientTimeout(total=PROPS_TIMEOUT_S),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                props = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.info("replica %s: GET /props failed: %r", up.replica_id, e)
+            return None
+        slots = props.get("total_slots") if isinstance(props, dict) else None
+        return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None
 
-        Sets ``trace.replica`` and adds the wait to ``trace.upstream_ns``. The caller must release
-        (or close) the response.
+    def _wake(self, model: str) -> None:
+        """A slot of ``model`` may have come free: its queue hands it to the next waiter."""
+        queue = self.queues.get(model)
+        if queue is not None:
+            queue.wake()
+
+    def _queue(self, route: Route) -> FairQueue[Lease]:
+        """The model's queue, its bounds as the route (the catalog) says now."""
+        queue = self.queues.get(route.model)
+        if queue is None:
+            queue = self.queues[route.model] = FairQueue(
+                route.model, size=route.queue_size, wait_s=route.queue_wait_s, give_back=_give_back
+            )
+        else:
+            queue.size, queue.wait_s = route.queue_size, route.queue_wait_s
+        return queue
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Model → requests waiting in its queue now (every model that has had a request)."""
+        return {m: len(q) for m, q in self.queues.items()}
+
+    def loads(self) -> dict[str, ReplicaLoad]:
+        """Every replica this gateway has sent to: slots, in flight, picks, and its model's queue
+        (:class:`~llmgw.control.gateway.balancer.ReplicaLoad`), for ``ctl replicas``."""
+        return self.balancer.loads(self.queue_lengths())
+
+    async def _reserve(self, route: Route, key: int | None, tried: set[str], trace: Trace) -> Lease:
+        """A slot on a replica not in ``tried``, at once or after waiting in the model's queue in fair
+        order (see the module docstring, step 1).
 
         Raises:
-            HttpError: 502 ``upstream_unreachable`` when no replica tried accepted the connection;
-                504 ``upstream_timeout`` / 502 ``upstream_failed`` when the chosen one did not answer.
+            HttpError: 429 ``model_busy`` with ``Retry-After`` when every slot is busy and the queue
+                is full, or the wait would pass (or passed) ``queue_wait_s``; 502
+                ``upstream_unreachable`` when every replica was tried.
         """
-        assert self._session is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
-        ups = route.upstreams
-        n = len(ups)
-        first = self._next.get(route.model, 0)
-        self._next[route.model] = first + 1
-        timeout = self.stream_timeout if stream else self.plain_timeout
+        if len(tried) >= len(route.upstreams):
+            raise HttpError(
+                502,
+                "upstream_unreachable",
+                f"no replica of model '{route.model}' accepts connections right now; retry shortly",
+            )
+        balancer = self.balancer
+        first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
+
+        def take() -> Lease | None:
+            got = balancer.take(route, key, tried)
+            if not first:
+                first.append(got)
+            return got
+
         t0 = time.perf_counter_ns()
         try:
-            for attempt in range(min(2, n)):
-                up = ups[(first + attempt) % n]
+            lease = await self._queue(route).acquire(
+                trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
+            )
+        except HttpError:
+            if self.metrics is not None:
+                self.metrics.routed(route.model, BUSY)
+            raise
+        finally:
+            waited = time.perf_counter_ns() - t0
+            trace.queued_ns += waited
+        if self.metrics is not None:
+            queued = not first or first[0] is not lease
+            self.metrics.waited(route.model, waited / 1e9 if queued else 0.0)
+            if queued:
+                self.metrics.routed(route.model, QUEUED)
+            self.metrics.routed(route.model, lease.reason)
+        return lease
+
+    async def send(
+        self,
+        route: Route,
+        body: bytes,
+        trace: Trace,
+        *,
+        stream: bool,
+        request_json: dict[str, Any] | None = None,
+    ) -> tuple[Lease, aiohttp.ClientResponse]:
+        """Take a slot on one of the route's replicas and POST ``body`` to it; return the slot's
+        :class:`~llmgw.control.gateway.balancer.Lease` (``lease.up`` is the replica) and the response
+        once its headers arrived. ``request_json``: the parsed body, for the cache-aware key.
+
+        Sets ``trace.replica`` and adds the wait to ``trace.upstream_ns``. The caller must release
+        (or close) the response and release the lease (:func:`relay_plain` and :func:`relay_stream`
+        do both on every way out).
+
+        Raises:
+            HttpError: 429 ``model_busy`` (no free slot); 502 ``upstream_unreachable`` when no replica
+                tried accepted the connection; 504 ``upstream_timeout`` / 502 ``upstream_failed`` when
+                the chosen one did not answer.
+        """
+        assert self._session is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
+        key = None
+        if route.routing == "cache-aware" and len(route.upstreams) > 1 and request_json is not None:
+            key = prefix_key(request_json)
+        timeout = self.stream_timeout if stream else self.plain_timeout
+        tried: set[str] = set()
+        t0 = time.perf_counter_ns()
+        try:
+            while True:
+                lease = await self._reserve(route, key, tried, trace)
+                up = lease.up
                 trace.replica = up.replica_id
                 try:
                     resp = await self._session.post(
                         _url(up.endpoint, trace.path),
                         data=body,
-                        headers={
-                            "Authorization": "Bearer " + up.key,
-                            "Content-Type": "application/json",
-                            "x-request-id": trace.request_id,
-                        },
+                        headers=_STREAM_HEADERS | _headers(up, trace) if stream else _headers(up, trace),
                         timeout=timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                    self.balancer.refused(up.replica_id)  # before the slot frees: no waiter takes it
+                    lease.release(answered=False)
+                    tried.add(up.replica_id)
                     log.warning(
-                        "replica %s of %s at %s: cannot connect: %s",
-                        up.replica_id,
-                        route.model,
-                        up.endpoint,
-                        e,
+                        "replica %s of %s at %s: cannot connect: %s", up.replica_id, route.model, up.endpoint, e
                     )
                 except TimeoutError as e:
+                    lease.release(answered=False)
                     raise self.timeout_error(route) from e
                 except aiohttp.ClientError as e:
+                    self.balancer.refused(up.replica_id)  # broken, likely dead: waiters pass it over
+                    lease.release(answered=False)
                     log.warning(
                         "replica %s of %s at %s failed: %r", up.replica_id, route.model, up.endpoint, e
                     )
                     raise self.broken_error(route) from e
+                except BaseException:  # cancelled (the client left): the slot goes back
+                    lease.release(answered=False)
+                    raise
                 else:
-                    return up, resp
+                    return lease, resp
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
-        raise HttpError(
-            502,
-            "upstream_unreachable",
-            f"no replica of model '{route.model}' accepts connections right now; retry shortly",
-        )
 
     def timeout_error(self, route: Route) -> HttpError:
         """504 ``upstream_timeout``: the replica took longer than ``upstream_timeout_s``."""
@@ -277,18 +426,23 @@ async def relay_plain(
     Raises:
         HttpError: as :meth:`UpstreamPool.send`; 502 ``upstream_invalid`` when a 200 is not JSON.
     """
-    up, resp = await pool.send(route, body, trace, stream=False)
+    lease, resp = await pool.send(route, body, trace, stream=False, request_json=request_json)
+    up = lease.up
     t0 = time.perf_counter_ns()
+    answered = False
     try:
         if resp.status >= 400:
             return await _replica_error(route, up, resp)
         data = await resp.read()
+        answered = True
     except TimeoutError as e:
         raise pool.timeout_error(route) from e
     except aiohttp.ClientError as e:
+        pool.balancer.refused(up.replica_id)
         raise pool.broken_error(route) from e
     finally:
         resp.release()
+        lease.release(answered=answered)
         trace.upstream_ns += time.perf_counter_ns() - t0
     try:
         answer = json.loads(data)
@@ -316,8 +470,11 @@ async def relay_stream(
     request_json: dict[str, Any],
     trace: Trace,
     inspector: Inspector | None,
+    prepared: web.StreamResponse | None = None,
 ) -> web.StreamResponse:
     """Proxy a streamed request: ``text/event-stream``, each upstream network chunk written as it comes.
+
+    ``prepared``: the stream answered 200 while held for a replica (:mod:`.starting`); errors end it as an event.
 
     Each chunk's complete lines go out with ``model`` set to ``requested`` (:class:`ModelRewriter`).
 
@@ -325,10 +482,20 @@ async def relay_stream(
     replica's error; after it, a dead replica or a refusal ends the stream with an error event. A
     client that goes away closes the upstream connection, which makes llama-server stop generating.
     """
-    up, resp = await pool.send(route, body, trace, stream=True)
+    try:
+        lease, resp = await pool.send(route, body, trace, stream=True, request_json=request_json)
+    except HttpError as e:
+        if prepared is None:
+            raise
+        await answer_on_stream(prepared, e)
+        return prepared
+    up = lease.up
     closed_cleanly = False
     try:
         if resp.status >= 400:
+            if prepared is not None:
+                await answer_on_stream(prepared, HttpError(502, "upstream_failed", f"model '{route.model}' failed"))
+                return prepared
             return await _replica_error(route, up, resp)
         watcher = inspector.stream(route, request_json) if inspector is not None else None
         headers = {
@@ -344,9 +511,10 @@ async def relay_stream(
             headers.update(trace.headers)
         if watcher is not None and (call := current_call.get()) is not None:
             headers.update(call.headers)
-        out = web.StreamResponse(headers=headers)
+        out = prepared or web.StreamResponse(headers=headers)
         trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
-        await out.prepare(request)
+        if prepared is None:
+            await out.prepare(request)
         t0 = trace.first_byte_ns = time.perf_counter_ns()
         try:
             refusal = await _pump(resp, out, watcher, ModelRewriter(requested), trace.tally)
@@ -363,6 +531,8 @@ async def relay_stream(
             aiohttp.ClientOSError,
         ) as e:
             err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
+            if not isinstance(e, TimeoutError):
+                pool.balancer.refused(up.replica_id)
             log.warning("stream of %s broke: %r", route.model, e)
             trace.error_code = err.code
             await out.write(openai_error_event(err.status, err.code, err.message))
@@ -375,40 +545,7 @@ async def relay_stream(
             resp.release()
         else:
             resp.close()
-
-
-class ModelRewriter:
-    """Sets every SSE event's ``"model"`` to the name the client used, on bytes, line-aligned.
-
-    llama-server (this build) puts its ``-m`` path in each chunk's ``model``, not the request's name:
-    an internal path the client must not see, and not the name it asked for. A regex on bytes does
-    the swap without parsing the JSON (~1 µs per event beside 90-140 µs of relaying). Output is cut at
-    the last newline, holding back a partial line until the rest arrives, so a field split across
-    network chunks is still replaced; a stream's events are whole lines, so nothing waits longer
-    than its own line.
-    """
-
-    __slots__ = ("_held", "_repl")
-
-    def __init__(self, requested: str) -> None:
-        self._repl = (b'"model":' + json.dumps(requested).encode()).replace(b"\\", b"\\\\")
-        self._held = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        """The complete lines of what arrived so far, rewritten; a trailing partial line is held."""
-        if self._held:
-            chunk = self._held + chunk
-        cut = chunk.rfind(b"\n") + 1
-        self._held = chunk[cut:]
-        return _MODEL_FIELD.sub(self._repl, chunk[:cut]) if cut else b""
-
-    def tail(self) -> bytes:
-        """What was held when the stream ended, rewritten."""
-        rest, self._held = self._held, b""
-        return _MODEL_FIELD.sub(self._repl, rest)
-
-
-_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"(?:[^"\\]|\\.)*"')
+        lease.release(answered=closed_cleanly)
 
 
 async def _pump(
@@ -456,68 +593,6 @@ async def _pump(
     if seen + end:
         await out.write(seen + end)
     return None
-
-
-class StreamTally:
-    """Counts a relayed stream's tokens, for usage and limits, without parsing every event.
-
-    Per line-aligned chunk it counts events (``data: {``: llama-server and vLLM send one token per
-    content event) and looks for ``"usage"`` (a bytes search, ~0.1 µs per event); only the event that
-    holds it is parsed. That event comes when the engine was asked for it
-    (:func:`~llmgw.control.gateway.request.with_stream_usage`): it has ``"choices": []`` and the
-    answer's ``usage``, and is removed from what the client gets when the client did not ask for it
-    (``hide``). :meth:`usage` is the engine's ``usage`` when it came, else an estimate for a stream
-    the client left early: completion tokens = content events relayed, prompt tokens = the
-    messages' characters / 4 (OpenAI's rule of thumb for English text), marked ``"estimated": true``.
-    """
-
-    __slots__ = ("events", "hide", "prompt_chars", "seen")
-
-    def __init__(self, *, hide: bool, prompt_chars: int) -> None:
-        self.hide = hide
-        self.prompt_chars = prompt_chars
-        self.events = 0
-        self.seen: dict[str, Any] | None = None
-
-    def feed(self, data: bytes) -> bytes:
-        """Count ``data`` (complete lines); return it, less the usage event when it is hidden."""
-        self.events += data.count(b"data: {")
-        if b'"usage"' not in data:
-            return data
-        kept: list[bytes] = []
-        lines = data.split(b"\n")
-        drop_blank = False
-        for line in lines:
-            if drop_blank and not line.strip():
-                drop_blank = False
-                continue
-            drop_blank = False
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                try:
-                    event = json.loads(line[6:])
-                except ValueError:
-                    event = None
-                if isinstance(event, dict) and isinstance(event.get("usage"), dict):
-                    self.seen = event["usage"]
-                    self.events -= 1
-                    if self.hide and event.get("choices") == []:
-                        drop_blank = True
-                        continue
-            kept.append(line)
-        return b"\n".join(kept)
-
-    def usage(self) -> dict[str, Any]:
-        """The stream's ``usage``: the engine's, or the estimate (see the class docstring)."""
-        if self.seen is not None:
-            return self.seen
-        completion = max(0, self.events - 1)  # the first event carries the role, not a token
-        prompt = self.prompt_chars // 4
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "estimated": True,
-        }
 
 
 def _ms(ns: int) -> str:

@@ -10,14 +10,15 @@ what each check means are in the placer's docstring. Units: memory in GB (10^9 b
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 from llmgw import gpuhealth
 from llmgw.catalog import Profile, engine_traits
+from llmgw.control.placement.groupmiss import GroupMiss as GroupMiss  # noqa: PLC0414 - re-exported (checks.GroupMiss)
 from llmgw.protocol import GPU, EngineStatus, GroupMember, Inventory, ProvisionState
 from llmgw.views import Rejection
 
@@ -71,6 +72,8 @@ class Usage:
     by_model: Counter[str] = field(default_factory=Counter)
     held: list[Reservation] = field(default_factory=list)
     version: int = 0
+    #: called after each :meth:`add` (the placer's change log; its indexes refresh that node)
+    on_add: Callable[[Reservation], None] | None = field(default=None, repr=False, compare=False)
 
     def add(self, r: Reservation) -> None:
         """Count one more reservation on this node."""
@@ -83,6 +86,8 @@ class Usage:
         self.by_model[r.model] += 1
         self.held.append(r)
         self.version += 1
+        if self.on_add is not None:
+            self.on_add(r)
 
 
 @dataclass(frozen=True)
@@ -450,92 +455,6 @@ class Verdict:
     label: str
 
 
-def gb_up(gb: float) -> str:
-    """GB to one decimal, rounded up: a need shown must be enough (4.045 is "4.1", never "4.0")."""
-    return f"{math.ceil(gb * 10 - 1e-6) / 10:.1f}"
-
-
-def gb_down(gb: float) -> str:
-    """GB to one decimal, rounded down: free memory shown is never more than there is."""
-    return f"{math.floor(gb * 10 + 1e-6) / 10:.1f}"
-
-
-ORDINALS = (
-    "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
-    "ninth", "tenth", "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth",
-)  # fmt: skip
-
-
-def ordinal(n: int) -> str:
-    """``3`` -> ``third`` (1 to 16, a group's largest size), else ``#17``."""
-    return ORDINALS[n - 1] if 1 <= n <= len(ORDINALS) else f"#{n}"
-
-
-def count_nodes(n: int) -> str:
-    """``1 node``, ``2 nodes``."""
-    return f"{n} node" if n == 1 else f"{n} nodes"
-
-
-@dataclass(frozen=True)
-class GroupMiss:
-    """Why a group profile (``nodes`` above 1) found no set of nodes, with its numbers.
-
-    Attributes:
-        profile: the profile's name.
-        size: the nodes one replica spans (``Profile.nodes``).
-        cluster: the nodes known (all of them, lost ones included).
-        found: the candidates: nodes that passed every member check.
-        need_gb: the group's memory (``min_memory_gb``; CPU groups, else 0).
-        last_need_gb: when there are enough candidates but not enough memory: what is left for the
-            last member once the others, the candidates with the most free memory, hold all of
-            theirs (``the third needs 14.2 GB``).
-        best_free_gb: then the most free memory of a candidate not used yet (``best remaining node
-            has 9.8 GB free``).
-        others: the nodes that are not candidates, counted by reason (``1 node cordoned``), or "".
-    """
-
-    profile: str
-    size: int
-    cluster: int
-    found: int
-    need_gb: float = 0.0
-    last_need_gb: float | None = None
-    best_free_gb: float | None = None
-    others: str = ""
-    found_free_gb: float | None = None  # too few candidates: the memory free on those found (GB)
-
-    @property
-    def short_gb(self) -> float:
-        """What one of the best candidates would have to free for the group to fit (GB)."""
-        if self.last_need_gb is None or self.best_free_gb is None:
-            return 0.0
-        return max(self.last_need_gb - self.best_free_gb, 0.0)
-
-    def clause(self, *, others: bool = True) -> str:
-        """``2 of 3 nodes found: the third needs 14.2 GB, best remaining node has 9.8 GB free`` (not
-        enough memory over the best candidates), or ``2 of 3 nodes found: 1 more is needed`` (too few
-        candidates), then ``; the others: <counted reasons>`` and, when the cluster is smaller than
-        the group, ``; the cluster has 2 nodes``."""
-        if self.last_need_gb is not None and self.best_free_gb is not None:
-            text = (
-                f"{self.size - 1} of {self.size} nodes found: the {ordinal(self.size)} needs "
-                f"{gb_up(self.last_need_gb)} GB, best remaining node has {gb_down(self.best_free_gb)} GB free"
-            )
-        else:
-            more = self.size - self.found
-            text = f"{self.found} of {self.size} nodes found: {more} more {'is' if more == 1 else 'are'} needed"
-            if self.need_gb > 0 and self.found_free_gb is not None and self.found and self.need_gb > self.found_free_gb:
-                # Short of memory too: say by how much, or "add a node" reads as if one would do.
-                text += (f" and {gb_up(self.need_gb - self.found_free_gb)} GB more memory (the group needs "
-                         f"{gb_up(self.need_gb)} GB, the {count_nodes(self.found)} found "
-                         f"{'has' if self.found == 1 else 'have'} {gb_down(self.found_free_gb)} GB free)")
-        if others and self.others:
-            text += f"; {'the others' if self.found else 'the nodes'}: {self.others}"
-        if others and self.cluster < self.size:
-            text += f"; the cluster has {count_nodes(self.cluster)}"
-        return text
-
-
 @dataclass(frozen=True)
 class Decision:
     """Placement's answer for one replica.
@@ -544,7 +463,8 @@ class Decision:
         node, profile: where it goes; both None when it fits nowhere. For a group (a profile's
             ``nodes`` above 1), ``node`` is the head, the member that serves the API.
         gpu_indexes: the cards it gets (GPU profiles; a group's: the head's), () otherwise.
-        verdicts: every (node, profile) rejection, in the order evaluated.
+        verdicts: every (node, profile) rejection, in the order evaluated: ``found``, or what
+            it returns when it is a function (the placer lists them only when read).
         summary: one line, ``placed on node-a (profile cpu)`` or ``0/3 nodes can run it: …``.
         nodes: how many nodes were considered.
         members: a group's nodes, head first (rank 0) then the workers (rank 1…), each with its
@@ -555,7 +475,7 @@ class Decision:
 
     node: str | None
     profile: Profile | None
-    verdicts: list[Verdict]
+    found: list[Verdict] | Callable[[], list[Verdict]]
     summary: str
     nodes: int
     gpu_indexes: tuple[int, ...] = ()
@@ -566,6 +486,11 @@ class Decision:
     def placed(self) -> bool:
         """True when a node was chosen."""
         return self.node is not None
+
+    @cached_property
+    def verdicts(self) -> list[Verdict]:
+        """Every rejection, in the order evaluated (``found``, listed on first read)."""
+        return self.found() if callable(self.found) else self.found
 
     @property
     def rejections(self) -> list[Rejection]:
@@ -578,17 +503,22 @@ def check(candidate: Candidate, pipeline: Sequence[Check] = PIPELINE) -> Verdict
     for stage in pipeline:
         miss = stage.fit(candidate)
         if miss is not None:
-            rej = Rejection(
-                node=candidate.node.id,
-                profile=candidate.profile.name,
-                kind=stage.kind.value,
-                code=stage.code,
-                reason=miss.reason,
-                need=miss.need,
-                free=miss.free,
-                held_by=list(miss.held_by),
-                gpu_index=miss.gpu_index,
-                total=miss.total,
-            )
-            return Verdict(rej, miss.label)
+            return verdict_of(candidate.node.id, candidate.profile.name, stage, miss)
     return None
+
+
+def verdict_of(node: str, profile: str, stage: Check, miss: Miss) -> Verdict:
+    """The verdict of ``stage`` failing with ``miss`` for (``node``, ``profile``)."""
+    rej = Rejection(
+        node=node,
+        profile=profile,
+        kind=stage.kind.value,
+        code=stage.code,
+        reason=miss.reason,
+        need=miss.need,
+        free=miss.free,
+        held_by=list(miss.held_by),
+        gpu_index=miss.gpu_index,
+        total=miss.total,
+    )
+    return Verdict(rej, miss.label)

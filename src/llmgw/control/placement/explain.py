@@ -31,17 +31,18 @@ from collections.abc import Sequence
 from llmgw.catalog import Model
 from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
+from llmgw.control.placement.groupmiss import gb_up
 from llmgw.views import ExplainView
 
 MAX_SUGGESTIONS = 5
 
 
 def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat is clearer
-    v: checks.Verdict, placer: pl.Placer, model: Model
+    v: checks.Verdict, placer: pl.Placer, model: Model, nodes: dict[str, checks.NodeInfo]
 ) -> tuple[float, str] | None:
     rej = v.rejection
     usage = placer.usage.get(rej.node, checks.Usage())
-    node = next((n for n in placer.nodes if n.id == rej.node), None)
+    node = nodes.get(rej.node)
     if rej.need is None or rej.free is None or node is None:
         return None
     short = rej.need - rej.free
@@ -120,8 +121,8 @@ def _group_lines(g: checks.GroupMiss, model: Model) -> list[str]:
     out = []
     if g.last_need_gb is not None and g.short_gb > 1e-9:
         out.append(
-            f"a node with at least {checks.gb_up(g.last_need_gb)} GB free joins "
-            f"(or one of the candidates frees {checks.gb_up(g.short_gb)} GB)"
+            f"a node with at least {gb_up(g.last_need_gb)} GB free joins "
+            f"(or one of the candidates frees {gb_up(g.short_gb)} GB)"
         )
     if g.cluster < g.size:
         which = "this profile" if len(model.profiles) == 1 else f"profile {g.profile}"
@@ -139,9 +140,10 @@ def would_fit_if(decision: checks.Decision, placer: pl.Placer, model: Model) -> 
         return ["start an agent on a machine ('llmgw agent'); no node has registered"]
     out: list[str] = [line for g in decision.groups for line in _group_lines(g, model)]
     exhausted: list[tuple[float, str]] = []
+    nodes = {n.id: n for n in reversed(placer.nodes)}  # the first of equal ids wins, as a scan would
     for v in decision.verdicts:
         if v.rejection.kind == checks.Kind.EXHAUSTED:
-            line = _exhausted_line(v, placer, model)
+            line = _exhausted_line(v, placer, model, nodes)
             if line is not None:
                 exhausted.append(line)
     for _, text in sorted(exhausted):
@@ -162,6 +164,7 @@ def explain_view(
     placer: pl.Placer,
     replicas: Sequence[tuple[str, str]],
     now: float,
+    wanted: int | None = None,
 ) -> ExplainView:
     """The view ``GET /api/v1/explain-placement`` serves.
 
@@ -171,8 +174,9 @@ def explain_view(
         placer: the placer the decision came from (its usage names the replicas to stop).
         replicas: ``(id, node)`` of the model's replicas placed now.
         now: unix seconds.
+        wanted: the replicas wanted (an autoscaled model's decided count); None: ``scaling.min``.
     """
-    wanted = model.scaling.min
+    wanted = model.scaling.min if wanted is None else wanted
     placed = len(replicas) >= wanted
     if placed:
         where = ", ".join(sorted({node for _, node in replicas})) or "no node (scaling.min is 0)"

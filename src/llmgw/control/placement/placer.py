@@ -50,9 +50,12 @@ reason that names the numbers (``needs 2.0 GB memory, 1.4 of 7.8 GB free``); a n
 first failed check per profile, cheapest first. :mod:`llmgw.control.placement.explain` turns them into the
 Kubernetes-style summary and the "would fit if" list.
 
-Speed: :class:`Placer` keeps per-node usage and caches each node's verdict per (model, profile)
-until a reservation lands on that node, so placing many replicas re-checks one node per placement
-(bench/placement.py: 1,000 replicas onto 500 nodes, figures in its docstring).
+Speed: :class:`Placer` keeps per-node usage and, per profile, an index
+(:mod:`llmgw.control.placement.index`: filters once per node class, fits per node refreshed when a
+reservation lands there, the passing nodes sorted by free memory), so a placement scores a handful
+of nodes, and a placed decision's verdicts are listed only when read. The answer is the full
+scan's, checked against :mod:`llmgw.control.placement.reference` (the placer as it was) by
+tests/unit/test_placement_index.py and bench/placement.py; figures in the index's docstring.
 
 Units: memory in GB (10^9 bytes), as ``Profile.min_memory_gb`` is; 0 reserves nothing.
 What it does not do: preemption (evicting lower-priority replicas) or ports.
@@ -61,8 +64,9 @@ What it does not do: preemption (evicting lower-priority replicas) or ports.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.placement.checks import (
@@ -79,12 +83,10 @@ from llmgw.control.placement.checks import (
     Reservation,
     Usage,
     Verdict,
-    card_free_gb,
-    check,
-    host_free_gb,
     member_profile,
     pick_gpus,
 )
+from llmgw.control.placement.index import ProfileIndex, free_for_score, fresh_class, node_class
 from llmgw.protocol import GroupMember
 from llmgw.views import Rejection
 
@@ -92,21 +94,10 @@ from llmgw.views import Rejection
 Score = tuple[int, int, float, str]
 
 
-def _free_for_score(c: Candidate) -> float:
-    if c.profile.gpu_class:
-        cards = [
-            card_free_gb(g)
-            for g in c.node.inventory.gpus
-            if g.klass == c.profile.gpu_class and g.index not in c.usage.gpus_taken
-        ]
-        return max(cards, default=0.0)
-    return host_free_gb(c.node.inventory, c.usage)[0]
-
-
 def score(c: Candidate, weights: str) -> Score:
     """Lower is better: fewest replicas of this model here, then holds ``weights`` (``model/version``)
     in its cache, then most free memory, then node id."""
-    return (c.usage.by_model[c.model], 0 if weights in c.node.cached else 1, -_free_for_score(c), c.node.id)
+    return (c.usage.by_model[c.model], 0 if weights in c.node.cached else 1, -free_for_score(c), c.node.id)
 
 
 @dataclass(frozen=True)
@@ -123,55 +114,128 @@ class GroupFit:
 class Placer:
     """Places replicas one after another over one snapshot of nodes and reservations.
 
-    Each node's verdict for a (model, profile) is cached with the node's usage version and reused
-    until a reservation lands on that node (:meth:`reserve`), so a run of placements re-checks
-    only the node that changed.
+    Each profile gets a :class:`~llmgw.control.placement.index.ProfileIndex` the first time it is
+    placed (shared by every model with an equal profile): the filters' outcome per node class, the
+    fits per node refreshed when a reservation lands there (:meth:`reserve`, or ``Usage.add`` on
+    :attr:`usage`), and the passing nodes by free memory, so a placement scores a few nodes and
+    gets the same answer as scoring all of them (:mod:`llmgw.control.placement.reference`).
 
     Args:
-        nodes: every known node (lost ones included: they are rejected with a reason).
+        nodes: every known node (lost ones included: they are rejected with a reason); ids unique.
         reservations: the replicas already placed, on any node and of any model.
     """
 
     def __init__(self, nodes: Sequence[NodeInfo], reservations: Iterable[Reservation]) -> None:
         self.nodes = sorted(nodes, key=lambda n: n.id)
-        self.usage: dict[str, Usage] = {n.id: Usage() for n in self.nodes}
+        self._by_id: dict[str, NodeInfo] = {}
+        for n in self.nodes:
+            self._by_id.setdefault(n.id, n)
+        self._log: list[str] = []  # node ids, one per reservation added since the start
+        self._holding: dict[str, set[str]] = {}  # model -> nodes holding one of its replicas
+        self.usage: dict[str, Usage] = {n.id: Usage(on_add=partial(self._added, n.id)) for n in self.nodes}
         for r in reservations:
             self.usage.setdefault(r.node, Usage()).add(r)
-        # (model, version, profile name) -> node id -> (usage version, verdict or score); one Placer
-        # serves one snapshot, in which a profile's contents do not change
-        self._cache: dict[tuple[str, str, str], dict[str, tuple[int, Verdict | Score]]] = {}
+        self._caching: dict[str, set[str]] = {}  # model/version -> nodes holding those weights
+        for n in self.nodes:
+            for w in n.cached:
+                self._caching.setdefault(w, set()).add(n.id)
+        self._classes: tuple[list[Hashable], list[Hashable]] | None = None  # node_class, fresh_class
+        # (profile as JSON, pipeline) -> its index; one Placer serves one snapshot, in which a
+        # profile's contents do not change
+        self._indexes: dict[tuple[str, int], ProfileIndex] = {}
+        self._keys: dict[int, tuple[Profile, str]] = {}  # id(profile) -> (profile, its JSON)
+        self._dry_of: str | None = None  # set on a without() placer: the model left out
+
+    def without(self, model: str) -> Placer:
+        """A dry-run placer: the same nodes and every reservation except ``model``'s, to ask where
+        one more replica would go if the model's own did not count (the leader's explanation of a
+        model that has all its replicas).
+
+        It shares this placer's node classes, filters' outcomes and the fits of every node that
+        holds none of ``model``'s replicas, so it costs those few nodes, not the cluster. Read it
+        (place, explain) and drop it: it reserves nothing (:meth:`reserve_members` raises), and
+        its :attr:`usage` shares this placer's objects, so do not add to them.
+        """
+        for idx in self._indexes.values():
+            idx.sync(self._log)
+        dry = Placer.__new__(Placer)
+        dry.nodes, dry._by_id, dry._caching, dry._classes = self.nodes, self._by_id, self._caching, self._classes
+        dry._log, dry._keys, dry._dry_of = [], dict(self._keys), model
+        dry._holding = {m: set(ns) for m, ns in self._holding.items() if m != model}
+        dry.usage = dict(self.usage)
+        touched = [k for k, u in self.usage.items() if model in u.by_model]
+        for node_id in touched:
+            known = node_id in self._by_id
+            fresh = Usage(on_add=partial(dry._added, node_id)) if known else Usage()
+            for r in self.usage[node_id].held:
+                if r.model != model:
+                    fresh.add(r)
+            dry.usage[node_id] = fresh
+            if known:
+                dry._log.append(node_id)
+        dry._indexes = {key: idx.copy(dry.usage) for key, idx in self._indexes.items()}
+        return dry
+
+    def _added(self, node: str, r: Reservation) -> None:
+        self._log.append(node)
+        self._holding.setdefault(r.model, set()).add(node)
+
+    def node(self, node_id: str) -> NodeInfo | None:
+        """The node with this id (the first, sorted, if two share it), or None."""
+        return self._by_id.get(node_id)
+
+    def _index(self, profile: Profile, pipeline: Sequence[Check] = PIPELINE) -> ProfileIndex:
+        """``profile``'s index, brought up to date with the reservations made since."""
+        known = self._keys.get(id(profile))
+        if known is None or known[0] is not profile:
+            known = (profile, profile.model_dump_json())
+            self._keys[id(profile)] = known
+        key = (known[1], id(pipeline))
+        idx = self._indexes.get(key)
+        if idx is None:
+            if self._classes is None:
+                static = [node_class(n) for n in self.nodes]
+                self._classes = static, [fresh_class(n, k) for n, k in zip(self.nodes, static, strict=True)]
+            idx = ProfileIndex(profile, pipeline, self.nodes, self.usage, *self._classes)
+            idx.seen = len(self._log)
+            self._indexes[key] = idx
+        idx.sync(self._log)
+        return idx
 
     def _evaluate(
         self, model: Model, profile: Profile, pipeline: Sequence[Check] = PIPELINE
     ) -> list[tuple[NodeInfo, Verdict | Score]]:
-        """Every node's verdict (or score, when it passes) for ``profile``, from the cache when the
-        node's usage has not changed since."""
+        """Every node's verdict (or score, when it passes) for ``profile``, in node order."""
         weights = f"{model.name}/{model.version}"
-        cache = self._cache.setdefault((model.name, model.version, profile.name), {})
+        idx = self._index(profile, pipeline)
         out: list[tuple[NodeInfo, Verdict | Score]] = []
-        for node in self.nodes:
-            usage = self.usage[node.id]
-            hit = cache.get(node.id)
-            if hit is not None and hit[0] == usage.version:
-                result = hit[1]
+        for pos, node in enumerate(self.nodes):
+            j = idx.slot.get(node.id) if idx.static[pos] is None else None
+            if j is None:
+                out.append((node, idx.static_verdict(pos)))
+                continue
+            key, verdict = idx.keys[j], idx.fits[j]
+            if key is None:
+                out.append((node, verdict))  # type: ignore[arg-type]  # failed: a verdict
             else:
-                cand = Candidate(node, profile, usage, model.name)
-                verdict = check(cand, pipeline)
-                result = verdict if verdict is not None else score(cand, weights)
-                cache[node.id] = (usage.version, result)
-            out.append((node, result))
+                cached = 0 if weights in node.cached else 1
+                out.append((node, (self.usage[node.id].by_model[model.name], cached, key[0], node.id)))
         return out
 
     def place(self, model: Model) -> Decision:
         """Choose a node, profile and GPUs for one more replica of ``model`` (nothing is reserved:
         call :meth:`reserve` with the decision to count it). A group profile (``nodes`` above 1) is
-        placed whole or not at all (:meth:`place_group`)."""
-        verdicts: list[Verdict] = []
+        placed whole or not at all (:meth:`place_group`).
+
+        The decision's verdicts are listed when first read, as they stood at this call."""
+        parts: list[list[Verdict] | tuple[ProfileIndex, tuple[Verdict | None, ...]]] = []
         groups: list[GroupMiss] = []
+        weights = f"{model.name}/{model.version}"
+        special = self._holding.get(model.name, set()) | self._caching.get(weights, set())
         for profile in model.profiles_by_priority():
             if profile.nodes > 1:
                 fit = self.place_group(model, profile)
-                verdicts.extend(fit.verdicts)
+                parts.append(fit.verdicts)
                 if fit.miss is not None:
                     groups.append(fit.miss)
                     continue
@@ -181,21 +245,19 @@ class Placer:
                     f"{', '.join(m.node for m in workers)} (profile {profile.name})"
                 )
                 return Decision(
-                    head.node, profile, verdicts, summary, len(self.nodes), tuple(head.gpu_indexes), fit.members
+                    head.node, profile, _lister(parts), summary, len(self.nodes), tuple(head.gpu_indexes), fit.members
                 )
-            best: Score | None = None
-            for _, result in self._evaluate(model, profile):
-                if isinstance(result, Verdict):
-                    verdicts.append(result)
-                elif best is None or result < best:
-                    best = result
+            idx = self._index(profile)
+            best = idx.best(model.name, weights, special)
+            parts.append((idx, idx.snapshot()))
             if best is not None:
-                chosen = next(n for n in self.nodes if n.id == best[3])
+                chosen = self._by_id[best[3]]
                 cand = Candidate(chosen, profile, self.usage[chosen.id], model.name)
                 indexes = pick_gpus(cand) if profile.gpu_class else ()
                 summary = f"placed on {chosen.id} (profile {profile.name})"
-                return Decision(chosen.id, profile, verdicts, summary, len(self.nodes), indexes)
+                return Decision(chosen.id, profile, _lister(parts), summary, len(self.nodes), indexes)
         n = len(self.nodes)
+        verdicts = _lister(parts)()
         return Decision(None, None, verdicts, summarize(verdicts, n, groups), n, groups=tuple(groups))
 
     def place_group(self, model: Model, profile: Profile) -> GroupFit:
@@ -306,6 +368,10 @@ class Placer:
         (its memory share, the profile's cores, its cards), head first, or the one node's."""
         if decision.node is None or decision.profile is None:
             raise ValueError("only a placed decision can be reserved")
+        if self._dry_of is not None:
+            raise ValueError(
+                f"a dry-run placer (without {self._dry_of}) reserves nothing; reserve on the placer it came from"
+            )
         p = decision.profile
         if decision.members:
             out = [
@@ -321,6 +387,25 @@ class Placer:
         for r in out:
             self.usage.setdefault(r.node, Usage()).add(r)
         return out
+
+
+def _lister(
+    parts: list[list[Verdict] | tuple[ProfileIndex, tuple[Verdict | None, ...]]],
+) -> Callable[[], list[Verdict]]:
+    """A function listing the verdicts of ``parts`` in order (a group's list as it is, a profile's
+    index at its snapshot)."""
+    frozen = tuple(parts)
+
+    def listed() -> list[Verdict]:
+        out: list[Verdict] = []
+        for part in frozen:
+            if isinstance(part, list):
+                out.extend(part)
+            else:
+                out.extend(part[0].verdicts(part[1]))
+        return out
+
+    return listed
 
 
 def place(model: Model, nodes: Sequence[NodeInfo], reservations: Iterable[Reservation]) -> Decision:

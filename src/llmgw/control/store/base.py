@@ -44,10 +44,15 @@ from llmgw.control.store.rows import (
     BeatWrite,
     BrokenModel,
     ControlPlaneRow,
+    DecisionRow,
+    GatewayLoadRow,
     HeartbeatRead,
+    HistoryRow,
     LeaderRow,
     ModelRow,
+    NodeLiveness,
     NodeRow,
+    PulseRead,
     RateDelta,
     ReplicaRow,
     ReportResult,
@@ -127,8 +132,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_model(self, name: str) -> bool:
-        """Delete the entry, its names and its explanation; True when there was one. Its replicas
-        go at the leader's next pass (the agents then stop them)."""
+        """Delete the entry, its names, its explanation and its autoscaling decisions; True when there
+        was one. Its replicas go at the leader's next pass (the agents then stop them)."""
 
     # --- nodes ---
 
@@ -274,15 +279,32 @@ class Store(abc.ABC):
         models = {name: row.model for name in {r.model for r in replicas} if (row := self.get_model(name))}
         return HeartbeatRead(None, self.get_node(node_id), replicas, models)
 
+    def read_pulse(self, node_id: str, serial: str, issued_at: float | None) -> PulseRead:
+        """What a pulse reads: as :meth:`read_heartbeat`, with the node's liveness columns
+        (:class:`NodeLiveness`) instead of its whole row (here read whole and cut down)."""
+        got = self.read_heartbeat(node_id, serial, issued_at)
+        n = got.before
+        before = NodeLiveness(n.id, n.state, n.instance, n.last_seen, n.digest) if n is not None else None
+        return PulseRead(got.refused, before, got.replicas, got.models)
+
+    def count_nodes(self) -> int:
+        """How many nodes are stored, in any state (here by listing them)."""
+        return len(self.list_nodes())
+
     def write_heartbeats(self, beats: Sequence[BeatWrite]) -> list[BeatResult]:
         """Everything heartbeats write (one write transaction for the batch in a backend that
         overrides it; here over the single writes), one result per beat, in order: for each, the
         certificate checked again (:meth:`record_heartbeats`' rules, in the write transaction node
         removal takes), its serial remembered (``note``, :meth:`note_cert`), the heartbeat
         recorded, its replica reports applied (:meth:`apply_reports`) and, when ``logs``, the log
-        requests queued for the node taken (:meth:`take_log_requests`). A refused beat writes nothing."""
+        requests queued for the node taken (:meth:`take_log_requests`). A refused beat writes nothing.
+        A pulse (``hb`` None) is answered :attr:`BeatResult.stale` here (its agent sends its full
+        state): correct, not cheap; a backend overrides this with a conditional ``last_seen`` write."""
         out = []
         for b in beats:
+            if b.hb is None:
+                out.append(BeatResult(None, stale=True))
+                continue
             if b.note and b.serial and self.refused_cert(b.node_id, b.serial, b.issued_at) is None:
                 self.note_cert(b.node_id, b.serial, b.now)
             (refused,) = self.record_heartbeats([(b.node_id, b.hb, b.now, b.serial)])
@@ -441,6 +463,42 @@ class Store(abc.ABC):
     ) -> list[UsageDelta]:
         """Usage rows from ``since_day`` to ``until_day`` (inclusive; None: no end), of one key and/or one
         model when given; ordered by day, key, model."""
+
+    # --- autoscaling (migration 10) ---
+
+    @abc.abstractmethod
+    def write_gateway_load(self, control_plane: str, rows: Sequence[GatewayLoadRow], *, now: float,
+                           keep_s: float = 60.0) -> None:
+        """Replace ``control_plane``'s ``gateway_load`` rows by ``rows`` in one transaction (a model
+        it no longer has load for goes), and delete any control plane's rows older than ``keep_s``."""
+
+    @abc.abstractmethod
+    def read_gateway_load(self, *, since: float) -> list[GatewayLoadRow]:
+        """Every control plane's rows written at ``since`` or later."""
+
+    @abc.abstractmethod
+    def add_decision(self, row: DecisionRow, *, keep: int = 100) -> None:
+        """Record an autoscaling decision; only the newest ``keep`` of its model are kept."""
+
+    @abc.abstractmethod
+    def list_decisions(self, model: str, *, limit: int = 100) -> list[DecisionRow]:
+        """``model``'s decisions, newest first, at most ``limit``."""
+
+    @abc.abstractmethod
+    def last_decisions(self) -> dict[str, DecisionRow]:
+        """The newest decision of every model that has one (the wanted count it set)."""
+
+    @abc.abstractmethod
+    def add_history(self, rows: Sequence[HistoryRow], *, before: float) -> None:
+        """Append ``rows`` (one batched insert) and delete every row older than ``before``."""
+
+    @abc.abstractmethod
+    def list_history(self, model: str, *, since: float) -> list[HistoryRow]:
+        """``model``'s points from ``since`` on, oldest first."""
+
+    @abc.abstractmethod
+    def forget_decisions(self, model: str) -> None:
+        """Delete ``model``'s decisions (the model was deleted, or its autoscaling turned off)."""
 
 
 def report_updates(

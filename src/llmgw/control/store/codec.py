@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 
 from llmgw.control.store.rows import NodeRow, ReplicaRow
-from llmgw.protocol import EngineStatus, GroupMember, Heartbeat, Inventory, ReplicaStatus
+from llmgw.protocol import EngineStatus, GroupMember, Heartbeat, Inventory, ReplicaStatus, state_digest
 
 
 def dumps(value: Any) -> str:
@@ -21,9 +21,11 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
-def heartbeat_values(hb: Heartbeat, now: float) -> dict[str, Any]:
-    """The ``nodes`` columns a heartbeat sets."""
+def heartbeat_values(hb: Heartbeat, now: float, digest: str = "") -> dict[str, Any]:
+    """The ``nodes`` columns a heartbeat sets; ``digest``: its :func:`~llmgw.protocol.state_digest`
+    when the caller computed it already (else computed here)."""
     return {
+        "digest": digest or state_digest(hb),
         "state": "ready",
         "labels": dumps(hb.labels),
         "inventory": hb.inventory.model_dump_json(),
@@ -57,6 +59,7 @@ def node_row(row: sa.Row[Any]) -> NodeRow:
         last_seen=row.last_seen,
         instance=row.instance,
         cached=json.loads(row.cached),
+        digest=row.digest,
     )
 
 
@@ -80,6 +83,7 @@ def replica_row(row: sa.Row[Any]) -> ReplicaRow:
         last_error=row.last_error,
         spec_hash=row.spec_hash,
         members=tuple(GroupMember.model_validate(m) for m in json.loads(row.members)),
+        draining_since=row.draining_since,
     )
 
 
@@ -103,4 +107,5 @@ def replica_values(r: ReplicaRow) -> dict[str, Any]:
         "last_error": r.last_error,
         "spec_hash": r.spec_hash,
         "members": dumps([m.model_dump(mode="json") for m in r.members]),
+        "draining_since": r.draining_since,
     }

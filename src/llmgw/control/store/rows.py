@@ -56,6 +56,20 @@ class NodeRow:
     last_seen: float
     instance: str = ""
     cached: list[str] = field(default_factory=list)
+    digest: str = ""
+
+
+@dataclass(frozen=True)
+class NodeLiveness:
+    """The columns of a node a pulse reads (:meth:`~llmgw.control.store.base.Store.read_pulse`):
+    no inventory, engines or reports to parse. ``digest``: :func:`llmgw.protocol.state_digest` of
+    its last full heartbeat ("" none)."""
+
+    id: str
+    state: str
+    instance: str
+    last_seen: float
+    digest: str
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class ReplicaRow:
     last_error: str = ""
     spec_hash: str = ""
     members: tuple[GroupMember, ...] = ()  # a group replica's nodes, head (``node``) first; () for one node
+    draining_since: float | None = None  # unix seconds it was chosen to go (routed no more); None: serving
 
 
 @dataclass(frozen=True)
@@ -113,26 +128,41 @@ class HeartbeatRead:
 
 
 @dataclass(frozen=True)
+class PulseRead:
+    """What a pulse reads (:meth:`~llmgw.control.store.base.Store.read_pulse`): as
+    :class:`HeartbeatRead`, with the node's :class:`NodeLiveness` instead of its whole row."""
+
+    refused: tuple[str, float] | None
+    before: NodeLiveness | None = None
+    replicas: list[ReplicaRow] = field(default_factory=list)
+    models: dict[str, Model] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class BeatWrite:
     """One heartbeat's write (:meth:`~llmgw.control.store.base.Store.write_heartbeats`).
 
     Attributes:
         node_id: the node (its certificate's CN).
-        hb: the heartbeat.
+        hb: the heartbeat; None for a pulse: only ``last_seen`` is written, and only while the
+            node is ``ready`` with ``digest`` stored (else :attr:`BeatResult.stale`).
         now: unix seconds.
         serial: the agent certificate's serial (upper-case hex), ``""`` when unknown.
         issued_at: the certificate's ``notBefore`` (unix seconds), None when unknown.
         note: remember ``serial`` for the node (its first heartbeat with it in this process).
         logs: take the log requests queued in the store for the node.
+        digest: :func:`llmgw.protocol.state_digest` of ``hb`` (computed by the control plane), or
+            the pulse's digest.
     """
 
     node_id: str
-    hb: Heartbeat
+    hb: Heartbeat | None
     now: float
     serial: str = ""
     issued_at: float | None = None
     note: bool = False
     logs: bool = False
+    digest: str = ""
 
 
 @dataclass
@@ -144,11 +174,14 @@ class BeatResult:
             (:class:`~llmgw.errors.Revoked`: the certificate is refused); nothing was written then.
         changed: the replica ids whose state, err or endpoint moved (as :class:`ReportResult`).
         logs: the log requests taken for the node (``logs`` asked), oldest first.
+        stale: a pulse found the node not ``ready`` or its digest changed meanwhile: nothing was
+            written (the agent is asked for its full state).
     """
 
     refused: Conflict | None = None
     changed: list[str] = field(default_factory=list)
     logs: list[LogRequest] = field(default_factory=list)
+    stale: bool = False
 
 
 @dataclass(frozen=True)
@@ -226,3 +259,43 @@ class RateDelta:
     window: int
     requests: int = 0
     tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GatewayLoadRow:
+    """One control plane's gateway load for one model at ``at`` (unix seconds): requests sent to a
+    replica and not yet answered (``in_flight``), requests waiting at the gateway for a slot
+    (``queued``), and in flight per replica id where the gateway knows it (``replicas``)."""
+
+    control_plane: str
+    model: str
+    in_flight: int
+    queued: int
+    at: float
+    replicas: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DecisionRow:
+    """An autoscaling decision of the leader: ``model`` went from ``from_n`` to ``to_n`` wanted
+    replicas at ``at`` (unix seconds), because ``reason``; ``panic`` when decided in panic mode."""
+
+    model: str
+    at: float
+    from_n: int
+    to_n: int
+    reason: str
+    panic: bool = False
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One point of an autoscaled model's last hour: at ``at`` (unix seconds) ``wanted`` replicas,
+    ``ready`` ones, and ``load`` requests in flight plus queued over every control plane."""
+
+    model: str
+    at: float
+    wanted: int
+    ready: int
+    load: float
+

@@ -27,6 +27,8 @@ leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.electi
 ``log_requests`` (migration 6: engine-log reads that cross control planes,
 :mod:`llmgw.control.api.logbroker`), ``api_keys``, ``usage_daily`` and ``rate_windows`` (migration 7:
 the gateway's keys, usage and cluster-wide rate counts; ``api_keys.priority``: migration 9),
+``gateway_load``, ``autoscale_decisions``, ``autoscale_history`` and ``replicas.draining_since``
+(migration 10: autoscaling),
 ``schema_migrations``.
 """
 
@@ -70,6 +72,8 @@ nodes_t = sa.Table(
     sa.Column("last_seen", sa.Float, nullable=False),
     sa.Column("instance", sa.String(64), nullable=False, server_default=""),  # migration 2
     sa.Column("cached", sa.Text, nullable=False, server_default="[]"),  # migration 2: ["model/version"]
+    # migration 11: protocol.state_digest of the last full heartbeat stored ("": none since)
+    sa.Column("digest", sa.String(64), nullable=False, server_default=""),
 )
 
 replicas_t = sa.Table(
@@ -92,6 +96,7 @@ replicas_t = sa.Table(
     sa.Column("last_error", sa.Text, nullable=False, server_default=""),  # migration 2
     sa.Column("spec_hash", sa.String(64), nullable=False, server_default=""),  # migration 2
     sa.Column("members", sa.Text, nullable=False, server_default="[]"),  # migration 8: a group's nodes
+    sa.Column("draining_since", sa.Float, nullable=True),  # migration 10: routed no more since; None: serving
 )
 
 gguf_facts_t = sa.Table(
@@ -210,6 +215,39 @@ rate_windows_t = sa.Table(
     sa.Column("window", sa.BigInteger, primary_key=True),  # unix seconds of the minute's start
     sa.Column("requests", sa.BigInteger, nullable=False),
     sa.Column("tokens", sa.BigInteger, nullable=False),
+)
+
+gateway_load_t = sa.Table(
+    "gateway_load",  # migration 10: each control plane's gateway load per model, rewritten every second
+    metadata,
+    sa.Column("control_plane", sa.String(253), primary_key=True),
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("in_flight", sa.Integer, nullable=False),  # requests sent to a replica, not yet answered
+    sa.Column("queued", sa.Integer, nullable=False),  # requests waiting at the gateway for a slot
+    sa.Column("replicas", sa.Text, nullable=False, server_default="{}"),  # {replica id: in flight}, where known
+    sa.Column("at", sa.Float, nullable=False),  # unix seconds of the control plane's reading
+)
+
+autoscale_decisions_t = sa.Table(
+    "autoscale_decisions",  # migration 10: the leader's autoscaling decisions, the last ~100 per model
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("model", sa.String(63), nullable=False, index=True),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("from_n", sa.Integer, nullable=False),
+    sa.Column("to_n", sa.Integer, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("panic", sa.Boolean, nullable=False, server_default=sa.false()),  # decided in panic mode
+)
+
+autoscale_history_t = sa.Table(
+    "autoscale_history",  # migration 10: wanted, ready and load of autoscaled models, every 15 s for an hour
+    metadata,
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("at", sa.Float, primary_key=True),
+    sa.Column("wanted", sa.Integer, nullable=False),
+    sa.Column("ready", sa.Integer, nullable=False),
+    sa.Column("load", sa.Float, nullable=False),  # requests in flight + queued, summed over control planes
 )
 
 migrations_t = sa.Table(
@@ -395,6 +433,24 @@ def _migration_9(conn: Connection) -> None:
     _add_column(conn, "api_keys", sa.Column("priority", sa.Integer, nullable=False, server_default="0"))
 
 
+def _migration_10(conn: Connection) -> None:
+    """Autoscaling: ``gateway_load`` (the signal every control plane writes), ``autoscale_decisions``
+    (what the leader decided, and why), ``autoscale_history`` (the dashboard's plot) and
+    ``replicas.draining_since`` (a replica leaving: routed no more, stopped once its requests
+    finished; :mod:`llmgw.control.reconcile.drainer`)."""
+    gateway_load_t.create(conn, checkfirst=True)
+    autoscale_decisions_t.create(conn, checkfirst=True)
+    autoscale_history_t.create(conn, checkfirst=True)
+    _add_column(conn, "replicas", sa.Column("draining_since", sa.Float, nullable=True))
+
+
+def _migration_11(conn: Connection) -> None:
+    """``nodes.digest``: :func:`llmgw.protocol.state_digest` of the node's last full heartbeat,
+    computed by the control plane; nodes stored before it hold "" (their agents' first pulse is
+    answered ``send_full``)."""
+    _add_column(conn, "nodes", sa.Column("digest", sa.String(64), nullable=False, server_default=""))
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -406,6 +462,8 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (7, _migration_7),
     (8, _migration_8),
     (9, _migration_9),
+    (10, _migration_10),
+    (11, _migration_11),
 ]
 
 

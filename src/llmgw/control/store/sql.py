@@ -70,6 +70,7 @@ from llmgw.control.store.sqlbeats import (
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.control.store.sqlkeys import SqlKeys
 from llmgw.control.store.sqllogs import SqlLogs
+from llmgw.control.store.sqlscale import SqlScale, forget_model
 from llmgw.errors import Conflict, Fenced, Revoked, StoreError
 from llmgw.protocol import Heartbeat
 from llmgw.views import ExplainView
@@ -80,7 +81,7 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
-class SqlStore(SqlBeats, SqlKeys, SqlLogs, Store):
+class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
     """The store on a SQLAlchemy engine. Open with :meth:`open` (or
     :func:`llmgw.control.store.open_store`).
 
@@ -138,8 +139,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, Store):
             if isinstance(e, sa.exc.OperationalError) and sa_url.get_backend_name() == "postgresql":
                 hint = ("; check that PostgreSQL runs there and accepts this user and password (HA: "
                         "'llmgw service status patroni' on the database's machines), and store.url in server.yaml")
-            raise StoreError(f"cannot open the store at {shown}: {str(e.orig if hasattr(e, 'orig') else e).strip()}"
-                             f"{hint}") from e
+            raise StoreError(f"cannot open the store at {shown}: {str(getattr(e, 'orig', e)).strip()}{hint}") from e
         return store
 
     def close(self) -> None:
@@ -304,6 +304,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, Store):
             n = conn.execute(models_t.delete().where(models_t.c.name == name)).rowcount
             conn.execute(model_names_t.delete().where(model_names_t.c.model == name))
             conn.execute(explanations_t.delete().where(explanations_t.c.model == name))
+            forget_model(conn, name)
         return n > 0
 
     # --- nodes ---

@@ -1,8 +1,10 @@
 """The SQL store's heartbeat path, a part of :class:`~llmgw.control.store.sql.SqlStore` kept in its
-own module: a heartbeat is one read transaction (:meth:`SqlBeats.read_heartbeat`) and one batched
-write transaction (:meth:`SqlBeats.write_heartbeats`), and the statements they share with the
-single-purpose methods of :mod:`llmgw.control.store.sql` take a connection here (``select_replicas``,
-``update_replica``, ``refusal``, ``deny_list``, ``note_cert``, ``take_log_requests``, ``upsert_node``).
+own module: a heartbeat is one read transaction (:meth:`SqlBeats.read_heartbeat`, or
+:meth:`SqlBeats.read_pulse` for a pulse) and one batched write transaction
+(:meth:`SqlBeats.write_heartbeats`: a pulse writes one conditional ``UPDATE`` of ``last_seen``),
+and the statements they share with the single-purpose methods of :mod:`llmgw.control.store.sql`
+take a connection here (``select_replicas``, ``update_replica``, ``refusal``, ``deny_list``,
+``note_cert``, ``take_log_requests``, ``upsert_node``, ``touch_node``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from sqlalchemy.engine import Connection
 
 from llmgw.control.store.base import ISSUE_SLACK_S, REMOVAL_PREFIX, report_updates
 from llmgw.control.store.codec import heartbeat_values, node_row, replica_row, replica_values
-from llmgw.control.store.rows import BeatResult, BeatWrite, HeartbeatRead, ModelRow, ReplicaRow
+from llmgw.control.store.rows import (
+    BeatResult,
+    BeatWrite,
+    HeartbeatRead,
+    ModelRow,
+    NodeLiveness,
+    PulseRead,
+    ReplicaRow,
+)
 from llmgw.control.store.schema import log_requests_t, models_t, node_certs_t, nodes_t, replicas_t, revoked_certs_t
 from llmgw.control.store.sqlpart import SqlPart
 from llmgw.errors import Conflict, Revoked
@@ -43,6 +53,28 @@ class SqlBeats(SqlPart):
             rows = conn.execute(sa.select(models_t).where(models_t.c.name.in_(names))).all() if names else []
         models = {m.name: m.model for m in (self._model_row(r) for r in rows) if m is not None}
         return HeartbeatRead(None, node_row(row) if row else None, replicas, models)
+
+    def read_pulse(self, node_id: str, serial: str, issued_at: float | None) -> PulseRead:
+        """One read transaction, as :meth:`read_heartbeat` but with the node's liveness columns only."""
+        c = nodes_t.c
+        with self._tx() as conn:
+            refused = refusal(conn, node_id, serial, issued_at) if serial else None
+            if refused is not None:
+                return PulseRead(refused)
+            row = conn.execute(
+                sa.select(c.id, c.state, c.instance, c.last_seen, c.digest).where(c.id == node_id)
+            ).first()
+            replicas = select_replicas(conn, node=node_id)
+            names = sorted({r.model for r in replicas})
+            rows = conn.execute(sa.select(models_t).where(models_t.c.name.in_(names))).all() if names else []
+        models = {m.name: m.model for m in (self._model_row(r) for r in rows) if m is not None}
+        before = NodeLiveness(row.id, row.state, row.instance, row.last_seen, row.digest) if row else None
+        return PulseRead(None, before, replicas, models)
+
+    def count_nodes(self) -> int:
+        """How many nodes are stored (any state): what the heartbeat interval is sized by."""
+        with self._tx() as conn:
+            return int(conn.scalar(sa.select(sa.func.count()).select_from(nodes_t)) or 0)
 
     def write_heartbeats(self, beats: Sequence[BeatWrite]) -> list[BeatResult]:
         """One write transaction for the whole batch (as :meth:`record_heartbeats`), tried again
@@ -78,7 +110,13 @@ class SqlBeats(SqlPart):
                 continue
             if b.note and b.serial and (b.node_id, b.serial) not in admitted:
                 note_cert(conn, b.node_id, b.serial, b.now)
-            values = heartbeat_values(b.hb, b.now)
+            if b.hb is None:  # a pulse: alive, state unchanged
+                if not touch_node(conn, b.node_id, b.digest, b.now):
+                    out.append(BeatResult(None, stale=True))
+                    continue
+                out.append(BeatResult(None, [], take_log_requests(conn, b.node_id, b.now) if b.logs else []))
+                continue
+            values = heartbeat_values(b.hb, b.now, b.digest)
             if not any(upsert_node(conn, b.node_id, values, b.now) for _ in range(5)):
                 out.append(BeatResult(Conflict(
                     f"node '{b.node_id}' kept changing while its heartbeat was recorded; it will retry"
@@ -105,6 +143,21 @@ def upsert_node(conn: Connection, node_id: str, values: dict[str, Any], now: flo
             nodes_t.update()
             .where(nodes_t.c.id == node_id, nodes_t.c.revision == cur.revision)
             .values(revision=cur.revision + 1, **values)
+        ).rowcount
+    )
+
+
+def touch_node(conn: Connection, node_id: str, digest: str, now: float) -> bool:
+    """A pulse's write: ``last_seen`` (and the revision, so that a leader's read-then-write of the
+    node at the old revision, marking it lost, fails) of a ``ready`` node whose stored digest is
+    ``digest``; False when there is no such node (lost meanwhile, or another full beat moved its
+    digest): nothing written."""
+    c = nodes_t.c
+    return bool(
+        conn.execute(
+            nodes_t.update()
+            .where(c.id == node_id, c.state == "ready", c.digest == digest, c.digest != "")
+            .values(last_seen=now, revision=c.revision + 1)
         ).rowcount
     )
 

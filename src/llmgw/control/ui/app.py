@@ -4,7 +4,8 @@ TLS listener of its own.
 Pages (full HTML; ``?part=live`` answers only the part that updates, polled by htmx every 2 s):
 ``/ui/`` overview, ``/ui/models/{name}``, ``/ui/nodes/{id}``, ``/ui/guard``, ``/ui/keys``.
 Fragments: ``/ui/replicas/{id}/log`` (the engine log's last lines, through the agent as ``ctl
-logs`` reads them), ``/ui/usage.json?days=N`` (the usage plot's data). Actions (POST forms, CSRF
+logs`` reads them), ``/ui/usage.json?days=N`` (the usage plot's data),
+``/ui/models/{name}/autoscale.json`` (a model's autoscaling plot: wanted, ready, load). Actions (POST forms, CSRF
 token, admin role; each is one admin API call, whose 400/409 message is shown on the page after the
 redirect): ``/ui/models/{name}/scale``, ``/ui/replicas/{id}/restart``,
 ``/ui/nodes/{id}/cordon|uncordon|drain``. ``/ui/login`` (GET form, POST token; wrong tokens are
@@ -33,7 +34,7 @@ from llmgw.control.ui import auth, pages
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.throttle import GLOBAL, DeviceCookies, LoginThrottle, address_key, retry_after
 from llmgw.errors import ApiError, UnreachableError
-from llmgw.views import ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
+from llmgw.views import AutoscaleView, ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def build_ui_app(
     r.add_get("/guard", guard)
     r.add_get("/keys", keys)
     r.add_get("/usage.json", usage_json)
+    r.add_get("/models/{name}/autoscale.json", autoscale_json)
     r.add_static("/static/", HERE / "static", follow_symlinks=False)
     return app
 
@@ -311,12 +313,14 @@ async def overview(request: web.Request) -> web.Response:
 
 
 async def model(request: web.Request) -> web.Response:
-    """A model: its profiles, replicas, placement's explanation, scale and restart, a log tail."""
+    """A model: its profiles, replicas, placement's explanation, autoscaling's last decisions, scale
+    and restart, a log tail."""
     name = request.match_info["name"]
     api = _api(request)
     m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
-    replicas_j, explain_j = await asyncio.gather(
-        api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name)
+    replicas_j, explain_j, scale_j = await asyncio.gather(
+        api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name),
+        api.get(f"/api/v1/models/{_segment(m.name)}/autoscale"),
     )
     replicas = [ReplicaView.model_validate(r) for r in replicas_j]
     placed = [r for r in replicas if r.node]
@@ -328,6 +332,7 @@ async def model(request: web.Request) -> web.Response:
         "profiles": (m.spec or {}).get("profiles", []) if isinstance(m.spec, dict) else [],
         "replicas": replicas,
         "explain": ExplainView.model_validate(explain_j),
+        "autoscale": AutoscaleView.model_validate(scale_j),
         "log_replica": chosen,
         "placed": placed,
     }
@@ -445,4 +450,12 @@ async def usage_json(request: web.Request) -> web.Response:
     days = _days(request)
     rows = [UsageView.model_validate(u) for u in await _api(request).get("/api/v1/usage", since=f"{days - 1}d")]
     return web.json_response(text=json.dumps(pages.usage_series(rows, days)))
+
+
+async def autoscale_json(request: web.Request) -> web.Response:
+    """A model's autoscaling plot (:func:`llmgw.control.ui.pages.autoscale_series`): the last hour."""
+    view = AutoscaleView.model_validate(
+        await _api(request).get(f"/api/v1/models/{_segment(request.match_info['name'])}/autoscale")
+    )
+    return web.json_response(text=json.dumps(pages.autoscale_series(view)))
 

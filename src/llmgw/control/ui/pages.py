@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
-from llmgw.views import ModelView, NodeView, ReplicaView, UsageView
+from llmgw.views import AutoscaleView, ModelView, NodeView, ReplicaView, UsageView
 
 GIB = 1024**3
 STATE_ORDER = ("ready", "starting", "pending", "failed", "stopping")
@@ -135,3 +135,17 @@ def usage_series(rows: list[UsageView], days: int, today: date | None = None) ->
     stamps = [int(datetime.combine(start + timedelta(days=i), datetime.min.time(), UTC).timestamp())
               for i in range(days)]
     return {"days": stamps, "series": dict(sorted(series.items()))}
+
+
+def autoscale_series(view: AutoscaleView) -> dict[str, object]:
+    """The autoscaling plot's data, in the usage plot's shape: ``{"days": [unix seconds, …],
+    "series": {"wanted": […], "ready": […], "load": […]}}`` from the view's history (every 15 s,
+    the last hour); ``load`` is requests in flight plus queued over every control plane."""
+    h = view.history
+    return {
+        "days": [int(p.at) for p in h],
+        "series": {
+            "wanted": [p.wanted for p in h], "ready": [p.ready for p in h], "load": [round(p.load, 2) for p in h]
+        },
+    }
+

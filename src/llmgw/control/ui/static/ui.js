@@ -1,5 +1,5 @@
-// llmgw dashboard: the one script of its own. It draws the usage plot (uPlot) from the JSON the
-// element names, and redraws it when the range changes. Everything else is htmx attributes.
+// llmgw dashboard: the one script of its own. It draws the usage plot and a model's autoscaling
+// plot (uPlot) from the JSON each element names. Everything else is htmx attributes.
 (function () {
   "use strict";
   var palette = ["#0550ae", "#a40e26", "#116329", "#7d4e00", "#8250df", "#1b7c83", "#bc4c00", "#57606a"];
@@ -14,16 +14,16 @@
         }));
         var rows = [data.days].concat(keys.map(function (k) { return data.series[k]; }));
         el.textContent = "";
-        if (!keys.length) { el.textContent = "No usage in this range."; return; }
+        if (!keys.length || !data.days.length) { el.textContent = el.dataset.empty || "No usage in this range."; return; }
         new uPlot({ width: Math.min(el.clientWidth || 900, 1200), height: 300, series: series,
-                    axes: [{}, { label: "tokens" }], scales: { x: { time: true } } }, rows, el);
+                    axes: [{}, { label: el.dataset.label || "tokens" }], scales: { x: { time: true } } }, rows, el);
         el.dataset.drawn = String(keys.length);
       })
       .catch(function (err) { el.textContent = "The usage plot could not be loaded (" + err + ")."; });
   }
 
   document.addEventListener("DOMContentLoaded", function () {
-    var el = document.getElementById("usage-plot");
-    if (el && window.uPlot) { draw(el); }
+    var els = [document.getElementById("usage-plot"), document.getElementById("autoscale-plot")];
+    els.forEach(function (el) { if (el && window.uPlot) { draw(el); } });
   });
 })();

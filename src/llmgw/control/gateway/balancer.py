@@ -1,0 +1,422 @@
+"""Which replica serves a request: slots, load and cache affinity (issue 21, items 1, 2 and 5).
+
+Each replica has **slots** (the requests its engine runs at once: llama-server's ``GET /props``
+``total_slots``, read once per replica id in the background with the replica's key; 1 until it has
+answered; for an engine without ``/props``, such as vLLM, the profile's ``--parallel`` /
+``--max-num-seqs`` or 4: :attr:`~llmgw.routing.Upstream.slots`), requests **in flight** (sent by
+this gateway and not yet finished: :class:`Lease`), and an EWMA of its **service time** (seconds
+from the slot taken to the answer's end, weight :data:`EWMA_ALPHA`). A request is only ever given
+a replica with a free slot (in flight < slots); when none has one, :meth:`Balancer.take` returns
+None and the request waits in the model's queue (or gets 429 ``model_busy``).
+
+Two policies, chosen per model in the catalog (``routing:``):
+
+* ``round-robin`` (the old behaviour): the next replica in rotation that has a free slot.
+* ``cache-aware`` (the default): a **prefix key** is taken from the request (:func:`prefix_key`):
+  for chat, a CRC-32 of the messages up to and including the first ``user`` message (the system
+  prompt and the first turn: the same for every turn of a conversation, different between
+  conversations); for ``/v1/completions`` the first :data:`PREFIX_CHARS` characters of the prompt;
+  none for embeddings. The replicas are ranked for that key by **rendezvous hashing** (highest
+  random weight: ``mix(key ^ hash(replica_id))``, Thaler & Ravishankar 1998): every control plane
+  computes the same order from the key and the replica ids alone, with no shared state, and when a
+  replica comes or goes only the keys whose first choice it was move (1/N of them: measured
+  0.250 of 20,000 keys moved when a 4th replica came, 0.334 when one of 3 left,
+  ``tests/unit/test_balancer.py``). The request goes to the first replica in that order with a free
+  slot and fewer in flight than the **bound** ``ceil(c × (in flight over the model + 1) / N)``
+  (consistent hashing with bounded loads, Mirrokni, Thorup & Zadimoghaddam 2018, c =
+  :data:`LOAD_BOUND_C`): no replica takes more than c times the average, so a popular prefix spills
+  to its key's second choice (the same second choice on every control plane) instead of piling up.
+  When every replica is at its bound, the least-loaded one with a free slot (in flight / slots,
+  ties to the smaller service time: a slower replica gets less). A model with one replica computes
+  no key (its one replica is ``least_load``).
+
+Every pick is counted per replica and reason (:data:`REASONS`: ``affinity``, the key's first
+choice; ``overflow``, a later choice under the bound; ``least_load``; ``round_robin``), for
+``ctl replicas`` and ``llmgw_gateway_routing_decisions_total``.
+
+A replica that refused a connection, or broke one mid-request, is passed over for
+:data:`REFUSED_S` (unless every replica was), so requests queued while it died go to the others:
+the slots its broken requests free are not handed to a waiter for it.
+
+Measured here (tests/e2e/test_routing_e2e.py, 3 real llama-server replicas of gemma-3-270m with 2
+slots each, two gateway apps as two control planes): 10 conversations × 4 growing turns, the turns
+alternating between the gateways: 40 of 40 turns on their conversation's first-choice replica
+(every pick ``affinity``), the 10 conversations on all 3 replicas; 18 requests at once: at most 2
+in flight per replica and llama-server's ``requests_deferred`` stayed 0. In a closed-loop model of
+conversations on 3 × 4 slots (tests/unit/test_balancer.py), 97-99 % of turns land where the
+previous turn ran for 6-12 conversations with c = 1.25 (c from 1.1 to 2 within 0.02 of it).
+Cost: the key ~5 µs for a 4 kB system prompt (CRC-32; ``json.dumps`` + BLAKE2b cost 45 µs), a take
+and release ~4 µs.
+
+Not guaranteed: slots and in flight are per control plane (two control planes each fill a
+replica's slots; the engine queues the excess); the key sees text, not tokens, so two
+conversations whose first turns differ only past the first user message share a replica. Past
+saturation (more requests than slots) a waiting request takes the first slot that frees, wherever
+it is: in the closed-loop model with 14 conversations on 12 slots only 28 % of turns stayed on
+their replica, for every c.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmgw.errors import HttpError
+from llmgw.routing import Route, Upstream
+
+log = logging.getLogger(__name__)
+
+AFFINITY = "affinity"
+OVERFLOW = "overflow"
+LEAST_LOAD = "least_load"
+ROUND_ROBIN = "round_robin"
+#: Why a replica was picked: the only values of the routing-decision counters' ``reason``.
+REASONS = (AFFINITY, OVERFLOW, LEAST_LOAD, ROUND_ROBIN)
+
+#: The bounded-load factor c: a replica takes at most c × the average in flight (+1) before its
+#: keys spill over. 1.25 is the paper's suggested operating point (max load 1.25× average with
+#: O(1/ε²) probes, ε = 0.25).
+LOAD_BOUND_C = 1.25
+#: Weight of the newest service time in the EWMA (about the last 5 answers count).
+EWMA_ALPHA = 0.2
+#: How long (s) a replica that refused a connection is passed over.
+REFUSED_S = 5.0
+#: Characters of a ``/v1/completions`` prompt that make its key (about 500 tokens of English).
+PREFIX_CHARS = 2048
+#: Token ids of a token-id prompt that make its key.
+PREFIX_TOKENS = 512
+#: Slots assumed for a replica whose engine did not say and whose profile is not known.
+FALLBACK_SLOTS = 4
+
+_M64 = (1 << 64) - 1
+
+#: Routing-decision reasons beside the balancer's picks: the request waited for its slot; it was refused 429.
+QUEUED = "queued"
+BUSY = "busy"
+
+
+class RoutingMetrics(Protocol):
+    """Where :class:`~llmgw.control.gateway.upstream.UpstreamPool` reports its decisions (the control plane's
+    :class:`~llmgw.control.api.metrics.ControlPlaneMetrics`): ``llmgw_gateway_routing_decisions_total``,
+    ``llmgw_gateway_queue_wait_seconds`` and ``llmgw_gateway_queue_length``."""
+
+    def routed(self, model: str, reason: str) -> None:
+        """One decision for ``model``: a pick's reason (:data:`REASONS`),
+        :data:`QUEUED` (it waited first) or :data:`BUSY` (refused 429)."""
+        ...
+
+    def waited(self, model: str, seconds: float) -> None:
+        """One request's wait for a slot (s; 0 when one was free at once)."""
+        ...
+
+    def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
+        """Read ``lengths()`` (model → waiting) at each scrape."""
+        ...
+
+
+#: Reads a replica's slots (``GET /props`` ``total_slots``); None when its engine does not say.
+SlotReader = Callable[[Upstream], Awaitable[int | None]]
+
+
+def _h64(data: bytes) -> int:
+    """A 64-bit hash that is the same in every process (Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a bijection on 64 bits whose every output bit depends on every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def prefix_key(body: dict[str, Any]) -> int | None:
+    """The request's prefix key (32 bits), None when it has none (embeddings, an odd prompt).
+
+    Chat (``messages``): the roles and contents of the messages up to and including the first
+    ``user`` one (all of them when none is ``user``). Completions (``prompt``): its first
+    :data:`PREFIX_CHARS` characters, or first :data:`PREFIX_TOKENS` token ids. Pure. CRC-32, not a
+    cryptographic hash: the key only spreads load (:func:`rendezvous` mixes it), and CRC-32 costs
+    ~0.5 µs for a 4 kB system prompt where BLAKE2b cost 13 µs and ``json.dumps`` of the messages
+    34 µs (timeit, this machine under load).
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        crc = 0
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            role, content = m.get("role"), m.get("content")
+            crc = zlib.crc32(f"{role}\0".encode(), crc)
+            if isinstance(content, str):
+                crc = zlib.crc32(content.encode("utf-8", "replace"), crc)
+            elif content is not None:
+                crc = zlib.crc32(json.dumps(content, ensure_ascii=False).encode("utf-8", "replace"), crc)
+            crc = zlib.crc32(b"\1", crc)
+            if role == "user":
+                break
+        return crc
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return zlib.crc32(prompt[:PREFIX_CHARS].encode("utf-8", "replace"))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:PREFIX_TOKENS]):
+        return zlib.crc32(b"ids:" + json.dumps(prompt[:PREFIX_TOKENS]).encode())
+    return None
+
+
+def replica_hash(replica_id: str) -> int:
+    """A replica's 64-bit hash for rendezvous ranking."""
+    return _h64(replica_id.encode())
+
+
+def rendezvous(key: int, hashes: list[int]) -> list[int]:
+    """Indexes into ``hashes`` (replicas' :func:`replica_hash`), highest random weight first for ``key``."""
+    return sorted(range(len(hashes)), key=lambda i: _mix(key ^ hashes[i]), reverse=True)
+
+
+def load_bound(in_flight: int, replicas: int, c: float = LOAD_BOUND_C) -> int:
+    """The most requests one replica may hold before a key's next choice is tried:
+    ``ceil(c × (in_flight + 1) / replicas)`` (in_flight: over the model's replicas, before this one)."""
+    return math.ceil(c * (in_flight + 1) / replicas)
+
+
+class _Replica:
+    """What the balancer keeps per replica id."""
+
+    __slots__ = ("h", "in_flight", "known", "model", "picks", "refused_until", "service_s", "slots")
+
+    def __init__(self, up: Upstream, model: str) -> None:
+        self.h = replica_hash(up.replica_id)
+        self.model = model
+        self.slots = 1
+        self.known = False
+        self.in_flight = 0
+        self.service_s = 0.0
+        self.refused_until = 0.0
+        self.picks = dict.fromkeys(REASONS, 0)
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica as the balancer sees it (``ctl replicas``, the dashboard).
+
+    Attributes:
+        replica_id: the replica.
+        model: its model's catalog name.
+        slots: requests its engine runs at once (``/props``, or the fallback; 1 until read).
+        slots_known: whether ``slots`` came from the engine or the profile (False: still 1).
+        in_flight: requests this gateway sent it that have not finished.
+        service_s: EWMA of its answers' time (s), 0 before the first.
+        picks: times it was picked, by reason (:data:`REASONS`).
+        queued: requests of its model waiting at this gateway for a slot (on any of its replicas).
+    """
+
+    replica_id: str
+    model: str
+    slots: int
+    slots_known: bool
+    in_flight: int
+    service_s: float
+    picks: dict[str, int]
+    queued: int = 0
+
+
+class Lease:
+    """One slot of one replica, held from :meth:`Balancer.take` until :meth:`release`.
+
+    ``up`` is the replica; ``reason`` why it was picked. :meth:`release` may be called more than
+    once (only the first counts), so every exit of a relay can call it.
+    """
+
+    __slots__ = ("_balancer", "_rep", "_t0", "done", "model", "reason", "up")
+
+    def __init__(self, balancer: Balancer, up: Upstream, rep: _Replica, reason: str, model: str) -> None:
+        self._balancer = balancer
+        self._rep = rep
+        self._t0 = balancer.clock()
+        self.up = up
+        self.reason = reason
+        self.model = model
+        self.done = False
+
+    def release(self, *, answered: bool = True) -> None:
+        """Free the slot. ``answered``: the replica answered completely, so its time feeds the EWMA."""
+        if self.done:
+            return
+        self.done = True
+        rep = self._rep
+        rep.in_flight -= 1
+        if answered:
+            took = self._balancer.clock() - self._t0
+            rep.service_s = took if rep.service_s == 0 else rep.service_s + EWMA_ALPHA * (took - rep.service_s)
+        if self._balancer.on_free is not None:
+            self._balancer.on_free(self.model)
+
+
+class Balancer:
+    """Slots, load and the choice of replica, for every model of one gateway.
+
+    Args:
+        read_slots: reads a replica's slots (:data:`SlotReader`), run once per replica id in the
+            background the first time it is seen; None: slots stay at 1 until :meth:`set_slots`.
+        clock: monotonic seconds (injected for tests).
+        load_c: the bounded-load factor c (:data:`LOAD_BOUND_C`).
+
+    ``on_free(model)`` (set by the owner) is called whenever a slot of ``model`` may have come
+    free: a lease released, a replica's slots learned. All methods run on the event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        read_slots: SlotReader | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        load_c: float = LOAD_BOUND_C,
+    ) -> None:
+        self.read_slots = read_slots
+        self.clock = clock
+        self.load_c = load_c
+        self.on_free: Callable[[str], None] | None = None
+        #: (model, reason) → picks, for the metrics page (read at scrape time).
+        self.decisions: dict[tuple[str, str], int] = {}
+        self._reps: dict[str, _Replica] = {}
+        self._next: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- slots ----------------------------------------------------------------------------------
+    def _rep(self, up: Upstream, model: str) -> _Replica:
+        rep = self._reps.get(up.replica_id)
+        if rep is None:
+            rep = self._reps[up.replica_id] = _Replica(up, model)
+            if self.read_slots is not None:
+                task = asyncio.get_running_loop().create_task(self._learn(up, rep))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        return rep
+
+    async def _learn(self, up: Upstream, rep: _Replica) -> None:
+        assert self.read_slots is not None  # noqa: S101
+        try:
+            slots = await self.read_slots(up)
+        except Exception:  # a reader's bug must not leave the replica at 1 slot unexplained
+            log.exception("replica %s: reading its slots failed", up.replica_id)
+            slots = None
+        if slots is None:
+            slots = up.slots or FALLBACK_SLOTS
+            log.info("replica %s of %s: no slot count from its engine (GET /props); using %d, its profile's",
+                     up.replica_id, rep.model, slots)
+        self.set_slots(up.replica_id, slots)
+
+    def set_slots(self, replica_id: str, slots: int) -> None:
+        """Set a replica's slots (≥ 1) once known; frees waiting requests when they grew."""
+        rep = self._reps.get(replica_id)
+        if rep is None:
+            return
+        rep.slots, rep.known = max(1, slots), True
+        if self.on_free is not None:
+            self.on_free(rep.model)
+
+    async def settle(self) -> None:
+        """Wait for the slot reads in progress (tests, and a gateway warming up)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def refused(self, replica_id: str) -> None:
+        """The replica refused a connection or broke one: pass it over for :data:`REFUSED_S`. Call it
+        before the broken request's lease is released, so the slot that frees is not handed to it."""
+        rep = self._reps.get(replica_id)
+        if rep is not None:
+            rep.refused_until = self.clock() + REFUSED_S
+
+    # -- the choice -----------------------------------------------------------------------------
+    def take(self, route: Route, key: int | None, exclude: Collection[str] = ()) -> Lease | None:
+        """A slot on one of ``route``'s replicas, chosen by its policy (module docstring); None when
+        every replica not in ``exclude`` has all its slots in use. Takes the slot (in flight + 1)."""
+        ups = route.upstreams
+        n = len(ups)
+        reps = [self._rep(up, route.model) for up in ups]
+        now = self.clock()
+        usable = [up.replica_id not in exclude and reps[i].refused_until <= now for i, up in enumerate(ups)]
+        if not any(usable):  # every replica refused lately: try them anyway, rather than none
+            usable = [up.replica_id not in exclude for up in ups]
+        if route.routing == "round-robin":
+            first = self._next.get(route.model, 0)
+            self._next[route.model] = first + 1
+            for step in range(n):
+                i = (first + step) % n
+                if usable[i] and reps[i].in_flight < reps[i].slots:
+                    return self._lease(route.model, ups[i], reps[i], ROUND_ROBIN)
+            return None
+        if key is not None and n > 1:
+            bound = load_bound(sum(r.in_flight for r in reps), n, self.load_c)
+            reason = AFFINITY
+            for i in rendezvous(key, [r.h for r in reps]):
+                if not usable[i]:
+                    continue
+                rep = reps[i]
+                if rep.in_flight < rep.slots and rep.in_flight < bound:
+                    return self._lease(route.model, ups[i], rep, reason)
+                reason = OVERFLOW
+        best = -1
+        best_load = (2.0, 0.0)
+        for i, rep in enumerate(reps):
+            if usable[i] and rep.in_flight < rep.slots:
+                load = (rep.in_flight / rep.slots, rep.service_s)
+                if load < best_load:
+                    best, best_load = i, load
+        return None if best < 0 else self._lease(route.model, ups[best], reps[best], LEAST_LOAD)
+
+    def _lease(self, model: str, up: Upstream, rep: _Replica, reason: str) -> Lease:
+        rep.in_flight += 1
+        rep.picks[reason] += 1
+        k = (model, reason)
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+        return Lease(self, up, rep, reason, model)
+
+    # -- what the queue and the 429 need ----------------------------------------------------------
+    def slots(self, route: Route) -> int:
+        """The slots of ``route``'s replicas together."""
+        return sum(self._rep(up, route.model).slots for up in route.upstreams)
+
+    def service_s(self, route: Route) -> float:
+        """The model's typical service time (s): the mean EWMA of its replicas that answered, 1.0
+        before any did (a guess for ``Retry-After`` only)."""
+        times = [r.service_s for up in route.upstreams if (r := self._reps.get(up.replica_id)) and r.service_s]
+        return sum(times) / len(times) if times else 1.0
+
+    def busy_error(self, route: Route) -> HttpError:
+        """429 ``model_busy`` with ``Retry-After`` (one service time, at least 1 s): every slot is in use."""
+        wait = max(1, math.ceil(self.service_s(route)))
+        return HttpError(
+            429,
+            "model_busy",
+            f"every slot of model '{route.model}' is busy ({self.slots(route)} slots); retry in {wait} s",
+            headers={"Retry-After": str(wait)},
+        )
+
+    # -- what operators see -----------------------------------------------------------------------
+    def loads(self, queued: Mapping[str, int] | None = None) -> dict[str, ReplicaLoad]:
+        """Every replica seen so far, by id (see :class:`ReplicaLoad`); ``queued``: model → requests
+        waiting for it (the queues')."""
+        waiting = queued or {}
+        return {
+            rid: ReplicaLoad(
+                rid, r.model, r.slots, r.known, r.in_flight, r.service_s, dict(r.picks), waiting.get(r.model, 0)
+            )
+            for rid, r in self._reps.items()
+        }
+
+    def forget(self, keep: Collection[str]) -> None:
+        """Drop the state of replicas not in ``keep`` that have nothing in flight (gone replicas)."""
+        for rid in [rid for rid, r in self._reps.items() if rid not in keep and not r.in_flight]:
+            del self._reps[rid]

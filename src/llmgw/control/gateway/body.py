@@ -1,0 +1,99 @@
+"""A request body as the gateway reads it: parsed and checked (:func:`parse_body`), and its text
+counted (:func:`prompt_chars`). Pure functions, no I/O; :mod:`llmgw.control.gateway.app` calls them
+before anything is awaited."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from llmgw import jsonbody
+from llmgw.control.gateway.request import COMPLETIONS, EMBEDDINGS, Endpoint, check_prompts
+from llmgw.errors import HttpError
+
+
+def prompt_chars(body: dict[str, Any]) -> int:
+    """Characters of text in a body's messages or prompt (for a stream's prompt-token estimate)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    n = 0
+    for m in body.get("messages", ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p.get("text", "")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
+#: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes: a UTF-16 surrogate, valid JSON only in a pair.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _lone_surrogate(v, f"{where}[{i}]")) is not None:
+                return found
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            at = f"{where}.{k}" if where else str(k)
+            if (found := _lone_surrogate(k, at) or _lone_surrogate(v, at)) is not None:
+                return found
+    return None
+
+
+def _check_unicode(raw: bytes, body: dict[str, Any]) -> None:
+    """HttpError 400 for a string holding a lone UTF-16 surrogate (``"\\ud800"`` unpaired): Python's
+    JSON reads it, but it is not Unicode, and llama-server failed on it with a 500. Only a body whose
+    bytes hold such an escape is walked (one regex search otherwise)."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        raise HttpError(
+            400, "invalid_request",
+            f"'{where}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is not "
+            "valid Unicode: send the text as valid UTF-8, or escape a character outside the BMP as a surrogate pair",
+        )
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The body as a dict with a string ``model`` and the endpoint's input (``messages``: a non-empty
+    list; ``prompt``: one prompt, :func:`~llmgw.control.gateway.request.check_prompts`; ``input``: a
+    string or a non-empty list of strings or token ids); else HttpError 400.
+
+    Parsed by :func:`llmgw.jsonbody.loads`: at most 64 levels deep, finite numbers only (else its
+    :class:`~llmgw.errors.JsonBodyError`, an HttpError too)."""
+    body = jsonbody.loads(raw)
+    if not isinstance(body, dict):
+        raise HttpError(400, "invalid_request", "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise HttpError(400, "missing_model", "'model' is required: a model name from GET /v1/models")
+    field = endpoint.text_field
+    value = body.get(field)
+    if field == "messages":
+        if not isinstance(value, list) or not value:
+            raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
+    elif not (isinstance(value, str) or (isinstance(value, list) and value)):
+        raise HttpError(
+            400, f"invalid_{field}",
+            f"'{field}' is required: a string, or a non-empty list of strings (or of token ids)",
+        )
+    if endpoint is COMPLETIONS:
+        check_prompts(value)
+    _check_unicode(raw, body)
+    if endpoint is EMBEDDINGS and body.get("stream") is True:
+        raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
+    return body

@@ -1,0 +1,191 @@
+"""The gateway's load per model, for autoscaling: requests in flight and queued, read once a second.
+
+:class:`ModelLoad` is what one control plane's gateway carries for one model at one moment;
+a :data:`LoadSource` is any callable that returns them by model name. The control plane writes what
+its source returns to the store every second (:class:`LoadReporter`),
+and the leader sums the fresh rows of every control plane.
+
+:func:`combined` is the gateway's source: in flight per replica from its balancer, queued from its
+fair queues and the requests it holds while a model starts from zero (:mod:`.starting`), and the
+requests a :class:`LoadCounter` saw refused for want of a ready replica (a model that does not
+scale from zero). :class:`LoadCounter` can also count in flight per model around a relay
+(``holding``), for a gateway without a balancer.
+
+Counting costs a dict lookup and an integer add per request on the event loop; no lock (one loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiohttp import web
+
+from llmgw.control.store import Store
+from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.rows import GatewayLoadRow
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two writes of a control plane's load (the issue: at least every second).
+REPORT_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One gateway's load for one model now.
+
+    Attributes:
+        in_flight: requests sent (or about to be sent) to a replica and not yet answered.
+        queued: requests waiting at the gateway for a free slot (0 without a queue).
+        replicas: in flight per replica id, where the source knows it (``{}`` otherwise).
+    """
+
+    in_flight: int = 0
+    queued: int = 0
+    replicas: Mapping[str, int] = field(default_factory=dict)
+
+
+#: What the autoscaler's reporter reads once a second: ``{model name: ModelLoad}`` (models without
+#: load may be left out). Must return at once, on the event loop.
+LoadSource = Callable[[], Mapping[str, ModelLoad]]
+
+
+class LoadCounter:
+    """Requests in flight per model, counted by the gateway's request handler (module docstring).
+
+    Example::
+
+        >>> c = LoadCounter()
+        >>> with c.holding("chat"):
+        ...     c()["chat"].in_flight
+        1
+        >>> c()
+        {}
+    """
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+        self._missed: dict[str, int] = {}
+
+    @contextmanager
+    def holding(self, model: str) -> Iterator[None]:
+        """Count one request of ``model`` in flight for the ``with`` block (left on any exit)."""
+        self._in_flight[model] = self._in_flight.get(model, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[model] - 1
+            if left:
+                self._in_flight[model] = left
+            else:
+                del self._in_flight[model]
+
+    def missed(self, model: str) -> None:
+        """Count a request of ``model`` refused because no replica was ready (503): it is reported as
+        queued once, at the next read, so that a model at zero replicas (``scaling.min: 0``) is
+        scaled up by its first request until the gateway can hold such requests."""
+        self._missed[model] = self._missed.get(model, 0) + 1
+
+    def __call__(self) -> dict[str, ModelLoad]:
+        """The :data:`LoadSource`: every model with a request in flight, or refused for want of a
+        ready replica since the last call (as ``queued``)."""
+        missed, self._missed = self._missed, {}
+        return {
+            m: ModelLoad(in_flight=self._in_flight.get(m, 0), queued=missed.get(m, 0))
+            for m in sorted({*self._in_flight, *missed})
+        }
+
+
+class ReplicaInFlight(Protocol):
+    """What :func:`combined` reads of a replica: its model and its requests in flight (the
+    balancer's per-replica load has both)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+def combined(
+    replicas: Callable[[], Mapping[str, ReplicaInFlight]],
+    queued: Callable[[], Mapping[str, int]],
+    counter: LoadCounter | None = None,
+) -> LoadSource:
+    """A :data:`LoadSource` from a balancer and queues: in flight per replica (``replicas()``:
+    replica id -> its load) summed per model, ``queued()`` (model -> requests waiting), plus the
+    requests ``counter`` saw refused for want of a ready replica, as queued (its own in-flight
+    count is not used: the balancer's is per replica)."""
+
+    def read() -> dict[str, ModelLoad]:
+        per: dict[str, dict[str, int]] = {}
+        for rid, r in replicas().items():
+            if r.in_flight:
+                per.setdefault(r.model, {})[rid] = r.in_flight
+        waiting = dict(queued())
+        extra = counter() if counter is not None else {}
+        out = {}
+        for m in sorted({*per, *(k for k, v in waiting.items() if v), *extra}):
+            mine = per.get(m, {})
+            more = extra.get(m, ModelLoad())
+            out[m] = ModelLoad(in_flight=sum(mine.values()), queued=waiting.get(m, 0) + more.queued, replicas=mine)
+        return out
+
+    return read
+
+
+#: The gateway app's :data:`LoadSource` (``app[LOAD]``), set by
+#: :func:`~llmgw.control.gateway.app.build_gateway_app`: :func:`combined` over its balancer, its
+#: queues and its held requests, and its :class:`LoadCounter` of refusals.
+LOAD: web.AppKey[LoadSource] = web.AppKey("llmgw_load")
+
+
+class LoadReporter:
+    """Writes this control plane's gateway load to the store every :data:`REPORT_EVERY_S`
+    (on every control plane), off the event loop.
+
+    Args:
+        store: the (unfenced) store.
+        db: the pool with a deadline that store calls run on.
+        name: ``cluster.name``.
+        source: the gateway's :data:`~llmgw.control.gateway.load.LoadSource`.
+        clock: unix seconds.
+    """
+
+    def __init__(self, store: Store, db: OffLoop, name: str, source: LoadSource,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store, self.db, self.name, self.source, self.clock = store, db, name, source, clock
+        self._failed = False
+
+    def rows(self, now: float) -> list[GatewayLoadRow]:
+        """What :meth:`tick` writes: one row per model with load (on the loop: memory only)."""
+        return [
+            GatewayLoadRow(self.name, model, ml.in_flight, ml.queued, now, dict(ml.replicas))
+            for model, ml in sorted(self.source().items())
+        ]
+
+    async def tick(self) -> None:
+        """One write; a failure is logged once until a write succeeds again."""
+        now = self.clock()
+        try:
+            await self.db.run(self.store.write_gateway_load, self.name, self.rows(now), now=now)
+        except Exception as e:
+            if not self._failed:
+                log.warning("control plane %s: its gateway load cannot be written: %s", self.name, e)
+            self._failed = True
+            return
+        self._failed = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """:meth:`tick` every :data:`REPORT_EVERY_S` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.tick()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)

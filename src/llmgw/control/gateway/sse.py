@@ -1,0 +1,105 @@
+"""What the gateway does to a relayed stream's bytes: the ``model`` field swapped for the client's
+name (:class:`ModelRewriter`) and the tokens counted (:class:`StreamTally`), both on line-aligned
+bytes, never parsing every event (:mod:`llmgw.control.gateway.upstream` relays with them)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+
+class ModelRewriter:
+    """Sets every SSE event's ``"model"`` to the name the client used, on bytes, line-aligned.
+
+    llama-server (this build) puts its ``-m`` path in each chunk's ``model``, not the request's name:
+    an internal path the client must not see, and not the name it asked for. A regex on bytes does
+    the swap without parsing the JSON (~1 µs per event beside 90-140 µs of relaying). Output is cut at
+    the last newline, holding back a partial line until the rest arrives, so a field split across
+    network chunks is still replaced; a stream's events are whole lines, so nothing waits longer
+    than its own line.
+    """
+
+    __slots__ = ("_held", "_repl")
+
+    def __init__(self, requested: str) -> None:
+        self._repl = (b'"model":' + json.dumps(requested).encode()).replace(b"\\", b"\\\\")
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete lines of what arrived so far, rewritten; a trailing partial line is held."""
+        if self._held:
+            chunk = self._held + chunk
+        cut = chunk.rfind(b"\n") + 1
+        self._held = chunk[cut:]
+        return _MODEL_FIELD.sub(self._repl, chunk[:cut]) if cut else b""
+
+    def tail(self) -> bytes:
+        """What was held when the stream ended, rewritten."""
+        rest, self._held = self._held, b""
+        return _MODEL_FIELD.sub(self._repl, rest)
+
+
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"(?:[^"\\]|\\.)*"')
+
+
+class StreamTally:
+    """Counts a relayed stream's tokens, for usage and limits, without parsing every event.
+
+    Per line-aligned chunk it counts events (``data: {``: llama-server and vLLM send one token per
+    content event) and looks for ``"usage"`` (a bytes search, ~0.1 µs per event); only the event that
+    holds it is parsed. That event comes when the engine was asked for it
+    (:func:`~llmgw.control.gateway.request.with_stream_usage`): it has ``"choices": []`` and the
+    answer's ``usage``, and is removed from what the client gets when the client did not ask for it
+    (``hide``). :meth:`usage` is the engine's ``usage`` when it came, else an estimate for a stream
+    the client left early: completion tokens = content events relayed, prompt tokens = the
+    messages' characters / 4 (OpenAI's rule of thumb for English text), marked ``"estimated": true``.
+    """
+
+    __slots__ = ("events", "hide", "prompt_chars", "seen")
+
+    def __init__(self, *, hide: bool, prompt_chars: int) -> None:
+        self.hide = hide
+        self.prompt_chars = prompt_chars
+        self.events = 0
+        self.seen: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """Count ``data`` (complete lines); return it, less the usage event when it is hidden."""
+        self.events += data.count(b"data: {")
+        if b'"usage"' not in data:
+            return data
+        kept: list[bytes] = []
+        lines = data.split(b"\n")
+        drop_blank = False
+        for line in lines:
+            if drop_blank and not line.strip():
+                drop_blank = False
+                continue
+            drop_blank = False
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:
+                    event = None
+                if isinstance(event, dict) and isinstance(event.get("usage"), dict):
+                    self.seen = event["usage"]
+                    self.events -= 1
+                    if self.hide and event.get("choices") == []:
+                        drop_blank = True
+                        continue
+            kept.append(line)
+        return b"\n".join(kept)
+
+    def usage(self) -> dict[str, Any]:
+        """The stream's ``usage``: the engine's, or the estimate (see the class docstring)."""
+        if self.seen is not None:
+            return self.seen
+        completion = max(0, self.events - 1)  # the first event carries the role, not a token
+        prompt = self.prompt_chars // 4
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "estimated": True,
+        }

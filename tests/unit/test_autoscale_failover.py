@@ -1,0 +1,175 @@
+"""Autoscaling across a leader change, on a real store (SQLite file): the gateways' load goes through
+``write_gateway_load`` as a control plane writes it, decisions through ``autoscale_decisions``.
+
+A leader that decided 1 → 3 in panic and then died: the next leader (a new :class:`Autoscaler`
+and :class:`Leader` on the same database, nothing in memory) keeps 3 while the load is gone, until
+``scale_down_after_s`` of its own; no decision flips the count down and up. The clock is injected
+(pure reconcile passes, no event loop), so the test runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmgw.catalog import Model
+from llmgw.control.reconcile.autoscale import Autoscaler
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store import Store, open_store
+from llmgw.control.store.rows import GatewayLoadRow
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
+
+T0 = 1_700_000_000.0
+GB = 1_000_000_000
+
+
+def _store(tmp_path: Path) -> Store:
+    store = open_store(f"sqlite:///{tmp_path / 'llmgw.db'}")
+    hb = Heartbeat(
+        inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+    )
+    store.upsert_node_heartbeat("node-1", hb, T0)
+    store.add_model(
+        Model.model_validate({
+            "name": "chat", "source": "http://m/chat.gguf",
+            "scaling": {"min": 1, "max": 5, "target": 2.0, "scale_down_after_s": 30.0},
+            "profiles": [{"name": "cpu", "min_memory_gb": 1}],
+        }),
+        now=T0,
+    )
+    return store
+
+
+def _leader(store: Store) -> Leader:
+    return Leader(store, node_lost_after_s=1e6, probe=None)
+
+
+def test_a_new_leader_continues_from_the_recorded_decision(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    a, leader_a = Autoscaler(store), _leader(store)
+    leader_a.reconcile_once(T0)
+    assert len(store.list_replicas()) == 1
+    # Two control planes report 3 + 3 in flight: 6 on 0 ready replicas (pending): panic, ceil(6/2) = 3.
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "chat", 3, 0, T0 + 1)], now=T0 + 1)
+    store.write_gateway_load("cp-b", [GatewayLoadRow("cp-b", "chat", 2, 1, T0 + 1)], now=T0 + 1)
+    (d,) = a.tick_once(T0 + 1.2)
+    assert (d.from_n, d.to_n, d.panic) == (1, 3, True)
+    assert d.reason == "scaled 1 → 3: 6.0 in flight per replica over 6 s, target 2, panic"
+    leader_a.reconcile_once(T0 + 1.3)
+    assert len(store.list_replicas()) == 3
+
+    # Leader A dies; the load ends. Leader B starts with nothing in memory.
+    b, leader_b = Autoscaler(store), _leader(store)
+    made = []
+    t = T0 + 10.0
+    while t < T0 + 91.0:  # A's panic holds until T0+61.2 (its decision's time + 60 s), then 30 s of lower desire
+        made += b.tick_once(t)
+        leader_b.reconcile_once(t)
+        t += 0.5
+    assert made == []
+    assert len([r for r in store.list_replicas() if r.draining_since is None]) == 3
+    assert [x.to_n for x in store.list_decisions("chat")] == [3]
+    while t < T0 + 100.0:
+        made += b.tick_once(t)
+        t += 0.5
+    assert [(x.from_n, x.to_n, x.at) for x in made] == [(3, 1, T0 + 91.5)]  # once, after 30 s of its own
+    # the dashboard's history: A's point, then B's every 15 s from its first pass
+    points = store.list_history("chat", since=0)
+    assert [round(p.at - T0, 1) for p in points] == [1.2, 10, 25, 40, 55, 70, 85]
+    assert {p.wanted for p in points} == {3}
+    assert points[0].load == 6.0
+    assert made[0].reason.endswith("lower for 30 s")
+    leader_b.reconcile_once(t)
+    assert len([r for r in store.list_replicas() if r.draining_since is not None]) == 2
+
+
+def test_decisions_are_kept_per_model_up_to_one_hundred(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    from llmgw.control.store.rows import DecisionRow  # noqa: PLC0415 - only here
+
+    for i in range(130):
+        store.add_decision(DecisionRow("chat", T0 + i, i, i + 1, f"r{i}"))
+    store.add_decision(DecisionRow("other", T0, 0, 1, "x"))
+    kept = store.list_decisions("chat", limit=1000)
+    assert len(kept) == 100
+    assert (kept[0].reason, kept[-1].reason) == ("r129", "r30")
+    assert store.last_decisions()["chat"].to_n == 130
+    assert len(store.list_decisions("other")) == 1
+
+
+def test_a_scale_up_that_does_not_fit_explains_and_evicts_nothing(tmp_path: Path) -> None:
+    """node-1 has 64 GB: 'big' holds 60 of them; 'chat' (3 GB each) wants 3 after a burst and
+    gets only what fits, with placement's usual explanation; 'big' keeps its replica."""
+    store = _store(tmp_path)
+    store.add_model(
+        Model.model_validate({"name": "big", "source": "http://m/big.gguf",
+                              "profiles": [{"name": "cpu", "min_memory_gb": 60}]}),
+        now=T0,
+    )
+    row = store.get_model("chat")
+    assert row is not None
+    spec = row.model.model_dump(mode="json")
+    spec["profiles"][0]["min_memory_gb"] = 3
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0)
+    leader, scaler = _leader(store), Autoscaler(store)
+    leader.reconcile_once(T0)
+    big = [r.id for r in store.list_replicas(model="big")]
+    assert len(big) == 1
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "chat", 6, 0, T0 + 1)], now=T0 + 1)
+    (d,) = scaler.tick_once(T0 + 1.2)
+    assert d.to_n == 3
+    result = leader.reconcile_once(T0 + 1.3)
+    assert [r.id for r in store.list_replicas(model="big")] == big  # never evicted
+    assert len(store.list_replicas(model="chat")) == 1  # 60 + 3 of 64 GB: one more does not fit
+    view = result.explanations["chat"]
+    assert (view.placed, view.wanted, view.replicas) == (False, 3, 1)
+    assert view.summary == "0/1 nodes can run it: 1 not enough memory", view.summary
+    assert view.would_fit_if == [f"free 2.0 GB on node-1 by stopping replica {store.list_replicas(model='chat')[0].id} "
+                                 "(chat, 3.0 GB)"]  # today's explanation, as for a scaling.min that does not fit
+
+
+def test_decisions_go_with_the_model_and_with_its_autoscaling(tmp_path: Path) -> None:
+    """A model no longer autoscaled keeps scaling.min (its decisions forgotten), and so does one
+    deleted and added again under its name."""
+    store = _store(tmp_path)
+    scaler = Autoscaler(store)
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "chat", 8, 0, T0 + 1)], now=T0 + 1)
+    assert [d.to_n for d in scaler.tick_once(T0 + 1.2)] == [4]
+    row = store.get_model("chat")
+    assert row is not None
+    spec = row.model.model_dump(mode="json")
+    spec["scaling"] = {"min": 2, "max": 2}
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 2)
+    scaler.tick_once(T0 + 2.5)
+    assert store.last_decisions() == {}
+    spec["scaling"] = {"min": 1, "max": 5}
+    row = store.get_model("chat")
+    assert row is not None
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 3)
+    # from scaling.min again (target now the default 4 slots; the load of 8 is still fresh)
+    assert scaler.tick_once(T0 + 3.5)[0].reason.startswith("scaled 1 → 2: 8.0 in flight")
+    assert store.delete_model("chat")
+    assert store.last_decisions() == {}
+
+
+def test_a_node_lost_while_scaling_up_is_replaced_elsewhere(tmp_path: Path) -> None:
+    """Wanted 3 after a burst, spread over node-1 and node-2; node-2 goes silent: its replicas are
+    placed again on node-1, the wanted count unchanged (the loss is not a decision)."""
+    store = _store(tmp_path)
+    hb = Heartbeat(
+        inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
+    )
+    store.upsert_node_heartbeat("node-2", hb, T0)
+    leader = Leader(store, node_lost_after_s=10.0, probe=None)
+    scaler = Autoscaler(store)
+    leader.reconcile_once(T0)
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "chat", 6, 0, T0 + 1)], now=T0 + 1)
+    assert [d.to_n for d in scaler.tick_once(T0 + 1.2)] == [3]
+    leader.reconcile_once(T0 + 1.3)
+    assert sorted({r.node for r in store.list_replicas()}) == ["node-1", "node-2"]
+    store.upsert_node_heartbeat("node-1", hb, T0 + 12)  # node-2 stays silent
+    result = leader.reconcile_once(T0 + 12.5)
+    assert result.lost == ["node-2"]
+    assert [r.node for r in store.list_replicas()] == ["node-1"] * 3
+    assert [d.to_n for d in store.list_decisions("chat")] == [3]

@@ -1,0 +1,281 @@
+"""The balancer's choice, pure (no network): rendezvous ranking, 1/N movement, the load bound,
+slots, round-robin, least load, and the prefix key. The end-to-end behaviour on real llama-server
+replicas is tests/e2e/test_routing_e2e.py."""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import random
+from typing import Any
+
+import pydantic
+import pytest
+
+from llmgw.catalog import Model
+from llmgw.control.gateway.balancer import (
+    AFFINITY,
+    LEAST_LOAD,
+    OVERFLOW,
+    ROUND_ROBIN,
+    Balancer,
+    Lease,
+    load_bound,
+    prefix_key,
+    rendezvous,
+    replica_hash,
+)
+from llmgw.control.gateway.table import build_routes, profile_slots
+from llmgw.control.reconcile.leader import spec_hash
+from llmgw.control.store.rows import ReplicaRow
+from llmgw.routing import Route, Upstream
+
+KEYS = 20_000
+
+
+def _first(key: int, ids: list[str]) -> str:
+    return ids[rendezvous(key, [replica_hash(r) for r in ids])[0]]
+
+
+def _route(n: int, *, slots: int = 4, routing: str = "cache-aware") -> tuple[Route, Balancer]:
+    ups = tuple(Upstream(f"r{i}", f"127.0.0.1:{9000 + i}", "k") for i in range(n))
+    route = Route("m", ups, routing=routing)
+    bal = Balancer(clock=lambda: 100.0)
+    bal.slots(route)  # the replicas become known (no reader: slots set below)
+    for up in ups:
+        bal.set_slots(up.replica_id, slots)
+    return route, bal
+
+
+def test_rendezvous_is_deterministic_and_even() -> None:
+    ids = ["rep-a", "rep-b", "rep-c"]
+    firsts = collections.Counter(_first(k * 7919 + 1, ids) for k in range(KEYS))
+    # Another "control plane": a new list object, the replicas in another order.
+    again = collections.Counter(_first(k * 7919 + 1, list(reversed(ids))) for k in range(KEYS))
+    assert firsts == again
+    for r in ids:  # each gets a third, within 3 %
+        assert abs(firsts[r] / KEYS - 1 / 3) < 0.03, firsts
+
+
+def test_a_replica_added_or_removed_moves_one_nth_of_the_keys() -> None:
+    three = ["rep-a", "rep-b", "rep-c"]
+    four = [*three, "rep-d"]
+    keys = [prefix_key({"prompt": f"conversation {i}"}) or 0 for i in range(KEYS)]
+    moved_in = sum(_first(k, three) != _first(k, four) for k in keys) / KEYS
+    assert all(_first(k, four) == "rep-d" for k in keys if _first(k, three) != _first(k, four))
+    assert abs(moved_in - 1 / 4) < 0.02, moved_in
+    two = ["rep-a", "rep-c"]
+    moved_out = sum(_first(k, three) != _first(k, two) for k in keys) / KEYS
+    assert all(_first(k, three) == "rep-b" for k in keys if _first(k, three) != _first(k, two))
+    assert abs(moved_out - 1 / 3) < 0.02, moved_out
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "replicas", "bound"),
+    [(0, 3, 1), (1, 3, 1), (2, 3, 2), (8, 3, 4), (11, 3, 5), (0, 1, 2), (99, 4, 32)],
+)
+def test_load_bound(in_flight: int, replicas: int, bound: int) -> None:
+    assert load_bound(in_flight, replicas) == bound
+
+
+def test_same_key_same_replica_until_the_bound_then_its_next_choice() -> None:
+    route, bal = _route(3)
+    key = prefix_key({"messages": [{"role": "user", "content": "hello"}]})
+    first = bal.take(route, key)
+    assert first is not None
+    assert first.reason == AFFINITY
+    first.release()
+    order = [route.upstreams[i].replica_id for i in rendezvous(key or 0, [replica_hash(u.replica_id) for u in
+                                                                           route.upstreams])]
+    assert first.up.replica_id == order[0]
+    held = [bal.take(route, key) for _ in range(4)]
+    # in flight before each: 0 (bound ceil(1.25 × 1 / 3) = 1), 1 (bound 1: the first choice is at it,
+    # the second takes it), 2 (bound 2: the first has 1), 3 (bound 2: the first has 2, the second 1)
+    assert [(x.up.replica_id, x.reason) for x in held if x] == [
+        (order[0], AFFINITY), (order[1], OVERFLOW), (order[0], AFFINITY), (order[1], OVERFLOW)
+    ]
+
+
+def test_no_replica_beyond_its_slots_and_none_when_all_are_full() -> None:
+    route, bal = _route(2, slots=2)
+    leases = [bal.take(route, prefix_key({"prompt": f"p{i}"})) for i in range(4)]
+    assert all(leases)
+    per = collections.Counter(x.up.replica_id for x in leases if x)
+    assert per == {"r0": 2, "r1": 2}
+    assert bal.take(route, prefix_key({"prompt": "more"})) is None
+    assert {r.in_flight for r in bal.loads().values()} == {2}
+    for x in leases:
+        assert x is not None
+        x.release()
+        x.release()  # twice counts once
+    assert {r.in_flight for r in bal.loads().values()} == {0}
+
+
+def test_least_load_prefers_the_faster_replica() -> None:
+    route, bal = _route(2)
+    t = [0.0]
+    bal.clock = lambda: t[0]
+    for rid, took in (("r0", 4.0), ("r1", 1.0)):
+        lease = bal.take(route, None, exclude={"r1" if rid == "r0" else "r0"})
+        assert lease is not None
+        assert lease.up.replica_id == rid
+        t[0] += took
+        lease.release()
+    picked = bal.take(route, None)
+    assert picked is not None
+    assert (picked.up.replica_id, picked.reason) == ("r1", LEAST_LOAD)
+    assert bal.loads()["r0"].service_s == 4.0
+
+
+def test_round_robin_rotates_over_free_replicas() -> None:
+    route, bal = _route(3, slots=1, routing="round-robin")
+    seen = []
+    for _ in range(6):
+        lease = bal.take(route, 123)
+        assert lease is not None
+        assert lease.reason == ROUND_ROBIN
+        seen.append(lease.up.replica_id)
+        lease.release()
+    assert seen == ["r0", "r1", "r2", "r0", "r1", "r2"]
+    held = bal.take(route, None)
+    assert held is not None
+    nxt = bal.take(route, None)
+    assert nxt is not None
+    assert nxt.up.replica_id != held.up.replica_id
+
+
+def test_a_refused_replica_is_passed_over_unless_all_were() -> None:
+    route, bal = _route(2)
+    key = prefix_key({"prompt": "x"})
+    first = bal.take(route, key)
+    assert isinstance(first, Lease)
+    first.release(answered=False)
+    bal.refused(first.up.replica_id)
+    other = bal.take(route, key)
+    assert other is not None
+    assert other.up.replica_id != first.up.replica_id
+    other.release()
+    bal.refused(other.up.replica_id)
+    assert bal.take(route, key) is not None  # both refused lately: tried anyway
+    assert bal.take(route, key, exclude={"r0", "r1"}) is None
+    assert bal.decisions[("m", AFFINITY)] >= 1
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        # A conversation's later turns keep the key (system + first user message).
+        (
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]},
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]},
+            True,
+        ),
+        (
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]},
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hey"}]},
+            False,
+        ),
+        ({"prompt": "a" * 2048 + "x"}, {"prompt": "a" * 2048 + "y"}, True),
+        ({"prompt": "a" * 100 + "x"}, {"prompt": "a" * 100 + "y"}, False),
+        ({"prompt": ["once"]}, {"prompt": "once"}, True),
+        ({"prompt": [1, 2, 3]}, {"prompt": [1, 2, 4]}, False),
+    ],
+)
+def test_prefix_key(a: dict[str, Any], b: dict[str, Any], same: bool) -> None:
+    ka, kb = prefix_key(a), prefix_key(b)
+    assert ka is not None
+    assert (ka == kb) is same
+
+
+def test_no_key_for_embeddings() -> None:
+    assert prefix_key({"input": "text"}) is None
+    assert prefix_key({"prompt": [["a"], ["b"]]}) is None
+
+
+def _model(**extra: Any) -> Model:
+    return Model(name="m", source="http://mirror/m.gguf",
+                 profiles=[{"name": "cpu", "args": ["--parallel", "3"]}, {"name": "v", "engine": "vllm"}], **extra)
+
+
+def test_catalog_routing_and_queue_reach_the_route() -> None:
+    m = _model(routing="round-robin", queue={"size": 0, "wait_s": 2.5})
+    rows = [ReplicaRow(id="r1", model="m", node="n", profile="cpu", key="k", state="ready", endpoint="h:1"),
+            ReplicaRow(id="r2", model="m", node="n", profile="v", key="k", state="ready", endpoint="h:2")]
+    routes, _, _ = build_routes([m], rows, {}, {})
+    r = routes["m"]
+    assert (r.routing, r.queue_size, r.queue_wait_s) == ("round-robin", 0, 2.5)
+    assert [u.slots for u in r.upstreams] == [3, 4]
+    assert profile_slots(Model(name="m", source="s", profiles=[{"name": "p", "args": ["-np=2"]}]), "p") == 2
+
+
+def test_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
+    """Replicas must not restart on upgrade: the spec hash covers the profile, not routing/queue."""
+    assert spec_hash(_model(), "cpu") == spec_hash(_model(routing="round-robin", queue={"size": 1}), "cpu")
+    assert "routing" not in _model().model_dump(exclude_defaults=True)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("routing", "random", "routing"),
+        ("queue", {"size": 2.0}, "queue.size"),
+        ("queue", {"size": "2"}, "queue.size"),
+        ("queue", {"size": 10_001}, "queue.size"),
+        ("queue", {"wait_s": 0}, "queue.wait_s"),
+        ("queue", {"wait_s": float("nan")}, "queue.wait_s"),
+        ("queue", {"wait_s": 601}, "queue.wait_s"),
+        ("queue", {"depth": 3}, "queue.depth"),
+    ],
+)
+def test_bad_routing_and_queue_values_name_the_field(field: str, value: Any, words: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as e:
+        _model(**{field: value})
+    assert words in str(e.value)
+
+
+def _closed_loop(conversations: int, seed: int, *, replicas: int = 3, slots: int = 4, turns: int = 8) -> float:
+    """Conversations asking turn after turn (no think time) through one balancer, each turn taking a
+    random 0.2-0.6 s plus a prefill that is short on the replica that served its previous turn and
+    grows with the history elsewhere; a turn that finds no free slot waits for one (as in the queue).
+    Returns the share of turns (after the first) served by the previous turn's replica."""
+    rnd = random.Random(seed)
+    now = [0.0]
+    route, bal = _route(replicas, slots=slots)
+    bal.clock = lambda: now[0]
+    keys = [prefix_key({"messages": [{"role": "user", "content": f"conversation {seed}-{k}"}]}) for k in
+            range(conversations)]
+    last: list[str | None] = [None] * conversations
+    turn = [0] * conversations
+    running: list[tuple[float, int, int, Lease]] = []
+    waiting = list(range(conversations))
+    same = asked = 0
+    while waiting or running:
+        for k in list(waiting):
+            lease = bal.take(route, keys[k])
+            if lease is None:
+                continue
+            waiting.remove(k)
+            hit = last[k] == lease.up.replica_id
+            same, asked = same + (hit and turn[k] > 0), asked + (turn[k] > 0)
+            last[k] = lease.up.replica_id
+            took = rnd.uniform(0.2, 0.6) + (0.1 if hit else 0.3 * (1 + turn[k]))
+            heapq.heappush(running, (now[0] + took, id(lease), k, lease))
+        assert all(x.in_flight <= slots for x in bal.loads().values())
+        now[0], _, k, lease = heapq.heappop(running)
+        lease.release()
+        turn[k] += 1
+        if turn[k] < turns:
+            waiting.append(k)
+    return same / asked
+
+
+@pytest.mark.parametrize("conversations", [6, 8, 10, 12])
+def test_below_saturation_turns_stay_on_their_replica(conversations: int) -> None:
+    """Up to as many conversations as slots (3 × 4): at least 97 % of turns land where the previous
+    one ran. Measured over 40 seeds, 6/8/10/12 conversations: 0.990/0.981/0.991/0.989 with c = 1.25
+    (c = 1.1: 0.973-0.987; c = 2: 0.989-0.996; this model has no CPU sharing between a replica's
+    slots, which is what the bound protects). With 14 conversations for 12 slots, 0.28 for every c:
+    a waiting turn takes the first slot that frees, wherever it is."""
+    shares = [_closed_loop(conversations, seed) for seed in range(10)]
+    assert sum(shares) / len(shares) >= 0.97, shares

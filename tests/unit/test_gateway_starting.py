@@ -1,0 +1,89 @@
+"""Requests held while a model starts (:mod:`llmgw.control.gateway.starting`), pure asyncio with a
+routing table in a dict: released when a replica is ready, refused past the count and the time
+bounds with ``Retry-After``, keepalives while waiting, one poller per model, 1,000 held at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import tracemalloc
+
+import pytest
+
+from llmgw.control.gateway.starting import MODEL_STARTING, Starting
+from llmgw.errors import HttpError
+from llmgw.routing import Route, Upstream
+
+COLD = Route("m")
+READY = Route("m", (Upstream("m-1", "127.0.0.1:1", "k"),))
+
+
+def _table() -> tuple[dict[str, Route], Starting]:
+    table = {"m": COLD}
+    return table, Starting(table.get, max_held=3, hold_s=1.0, poll_s=0.01, keepalive_s=0.05)
+
+
+async def test_held_requests_go_on_once_a_replica_is_ready() -> None:
+    table, st = _table()
+    waiters = [asyncio.create_task(st.hold(COLD)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert st.held() == {"m": 3}
+    table["m"] = READY
+    assert await asyncio.gather(*waiters) == [READY] * 3
+    assert st.held() == {}
+
+
+async def test_past_the_count_refused_at_once_with_retry_after() -> None:
+    _, st = _table()
+    waiters = [asyncio.create_task(st.hold(COLD)) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    with pytest.raises(HttpError) as e:
+        await st.hold(COLD)
+    assert time.monotonic() - t0 < 0.05
+    assert (e.value.status, e.value.code, e.value.headers) == (503, MODEL_STARTING, {"Retry-After": "5"})
+    assert "3 requests already wait for it" in e.value.message
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert st.held() == {}  # cancelled waiters (clients gone) leave at once
+
+
+async def test_past_the_time_refused_and_keepalives_meanwhile() -> None:
+    _, st = _table()
+    beats: list[float] = []
+
+    async def keepalive() -> None:
+        beats.append(time.monotonic())
+
+    t0 = time.monotonic()
+    with pytest.raises(HttpError) as e:
+        await st.hold(COLD, keepalive)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 1.3, took
+    assert "no replica was ready within 1 s" in e.value.message
+    assert 15 <= len(beats) <= 21, len(beats)  # every 0.05 s for 1 s
+
+
+async def test_a_thousand_held_one_poller_memory_flat() -> None:
+    table: dict[str, Route] = {"m": COLD}
+    st = Starting(table.get, max_held=1000, hold_s=5.0, poll_s=0.01)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    waiters = [asyncio.create_task(st.hold(COLD)) for _ in range(1200)]
+    await asyncio.sleep(0.05)
+    assert st.held() == {"m": 1000}
+    refused = [w for w in waiters if w.done()]
+    assert len(refused) == 200
+    assert all(isinstance(w.exception(), HttpError) for w in refused)
+    pollers = [t for t in asyncio.all_tasks() if t.get_name() == "llmgw-starting-m"]
+    assert len(pollers) == 1
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert grown < 8_000_000, grown  # ~1,000 parked coroutines: a few KB each
+    table["m"] = READY
+    done = await asyncio.gather(*waiters[:1000])
+    assert done == [READY] * 1000
+    await asyncio.sleep(0.02)
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "llmgw-starting-m"]
+    print(f"held_1000_bytes: {grown}")
