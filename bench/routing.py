@@ -53,8 +53,8 @@ D. **two keys, one flooding**: key ``flood`` sends its requests all at once; key
    latency − the engine's own time (``prompt_ms`` + ``predicted_ms``): the wait anywhere, gateway
    queue or engine queue → the other key's p95 wait vs the median engine time of all
    (``median_service_s``).
-E. **two control planes**: two gateway processes on the same replicas, sharing nothing; each
-   conversation's turns alternate between them → ``same_replica_share``: turns after the first that
+E. **two control planes**: two gateway processes on the same replicas, sharing nothing; conversations
+   one at a time, each one's turns alternating between them → ``same_replica_share``: turns after the first that
    ``x-llmgw-replica`` names the first turn's replica.
 
 A 429 is retried after its ``Retry-After`` and a 502 ``upstream_failed`` (the gateway POSTed onto a
@@ -286,7 +286,10 @@ async def two_planes(gateways: list[str], model: str, sizes: Sizes) -> float:
                     later += 1
                     same += a.replica == first
 
-        await asyncio.gather(*(conversation(c) for c in range(sizes.e_conversations)))
+        # One conversation at a time: at once, N conversations in lockstep on N replicas keep each
+        # gateway's round-robin counter in phase, and round-robin looked sticky (1.00 at 3 and 3).
+        for c in range(sizes.e_conversations):
+            await conversation(c)
     return same / later
 
 
