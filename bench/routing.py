@@ -70,8 +70,7 @@ gateway has no ``Route.routing``), exits 1. Figures are printed last, one ``name
 Run time on this machine (2 cores; one replica prefills ~70 tokens/s alone, 22-33 while other
 engineers' tests run; every figure moves with that load): ``--quick`` (prompts of ~260 tokens)
 68 s round-robin only at load ~2, 168 s at load ~6, 236 s with both policies at load 6-8; the full
-run 426 s and 533 s with both policies at load 6-11 (2026-12-03, against i21-route's 02dd881 and
-590e9ba).
+run 213 s on main at load ~3 (95 s ``--quick``), 426 s and 533 s at load 6-11 (2026-12-03).
 """
 
 from __future__ import annotations
