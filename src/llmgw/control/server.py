@@ -510,15 +510,18 @@ async def serve(
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
         reporter = LoadReporter(store, db, name, gateway[LOAD])  # the gateway's load, every second
+        # SIGTERM/SIGINT set ``stop`` from before the first listener answers: a signal that arrives
+        # once the admin API's health answers, while the other listeners start, is a graceful stop,
+        # not the default action (killed by the signal: exit -15, seen under load).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, stop.set)
+                signals.append(sig)
         for setting, listen, app, ctx in apps:
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
             bound[setting] = addr
             log.info("%s on %s:%d", setting, *addr)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, stop.set)
-                signals.append(sig)
         # SIGHUP re-reads gateway.keys_file now (it is also re-read within a second of a change).
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP, keys.reload)
