@@ -1,10 +1,11 @@
 """``llmgw ctl logs`` through the control plane the node does NOT heartbeat to, on real parts.
 
 Two real control planes (``serve`` in-process, leader election on one real PostgreSQL database), a
-real agent (``run_agent``) configured with control plane A only, the real llama-server running
-gemma-3-270m on it. ``ctl logs`` is run (the real CLI) against B's admin API: the read crosses the
-control planes through the shared store (:mod:`llmgw.control.api.logbroker`) and shows the engine's
-real log. Nothing is mocked.
+real agent (``run_agent``) configured with both, beating to its home among them (rendezvous hashing
+of its node id), the real llama-server running gemma-3-270m on it. ``ctl logs`` is run (the real
+CLI) against the other control plane's admin API: the read crosses the control planes through the
+shared store (:mod:`llmgw.control.api.logbroker`) and shows the engine's real log. Nothing is
+mocked.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import aiohttp
 import pytest
 import yaml
 
+from llmgw.agent.loop.controlplanes import rendezvous
 from llmgw.agent.loop.loop import run_agent
 from llmgw.agent.node.records import stop_all_engines
 from llmgw.config import AgentConfig
@@ -62,8 +64,12 @@ async def test_ctl_logs_on_the_other_control_plane_shows_the_real_engine_log(
     cert, key = a.ca.issue_client("node-1").write(node / "etc", "agent")
     inv = node / "inventory.yaml"
     inv.write_text(yaml.safe_dump({"cores": 4, "memory_total_bytes": 8 * GB, "memory_available_bytes": 6 * GB}))
+    # The agent beats to its home among both (rendezvous hashing of its node id); ctl logs asks the other.
+    home = rendezvous("node-1", [a.agent_url, b.agent_url])[0]
+    other = b if home == a.agent_url else a
     cfg = AgentConfig.model_validate({
-        "server": a.agent_url,  # A only (B is learned from the replies, and used only if A fails)
+        "server": a.agent_url,
+        "servers": [b.agent_url],
         "node_id": "node-1",
         "tls": {"ca": a.paths.pki / "ca.pem", "cert": cert, "key": key},
         "discovery": {"inventory_file": str(inv)},
@@ -87,10 +93,10 @@ async def test_ctl_logs_on_the_other_control_plane_shows_the_real_engine_log(
                     return next((x["id"] for x in reps if x["state"] == "ready"), None)
 
                 rid = await until("the replica is ready on node-1", ready, within_s=120)
-                env = {**os.environ, "LLMGW_ROOT": str(tmp_path / "b")}
+                env = {**os.environ, "LLMGW_ROOT": str(tmp_path / ("b" if other is b else "a"))}
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "llmgw", "ctl", "logs", rid, "-n", "400",
-                    "--server", b.admin, "--token", TOKEN, env=env,
+                    "--server", other.admin, "--token", TOKEN, env=env,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 )
                 out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -98,7 +104,7 @@ async def test_ctl_logs_on_the_other_control_plane_shows_the_real_engine_log(
                 text = out.decode()
                 assert "--- llmgw agent: starting" in text
                 assert "llama-server" in text
-                # The agent never left A: the read crossed control planes, it was not answered by B itself.
+                # The agent never left its home: the read crossed control planes (the other one asked).
                 switched = [r.getMessage() for r in caplog.records
                             if r.name == "llmgw.agent" and "does not answer" in r.getMessage()]
                 assert switched == []

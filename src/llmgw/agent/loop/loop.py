@@ -360,7 +360,10 @@ class Agent:
         """Bookkeeping and the log lines for an answer from ``url`` (``was`` was current before)."""
         self.failed_cycles = 0
         self.control_planes.succeeded(url)
-        if url != was:
+        if url != was and not any(u == was for u, _ in failures):
+            # Not a failure: the order tried this node's home first (rendezvous), and it answered.
+            log.info("control plane %s is this node's home (rendezvous hashing); moving there from %s", url, was)
+        elif url != was:
             why = "; ".join(f"{u}: {reason(e)}" for u, e in failures if u != was)
             first = next((e for u, e in failures if u == was), None)
             log.warning(
