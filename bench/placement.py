@@ -4,7 +4,7 @@ placement's definition (:class:`~llmgw.control.placement.reference.ReferencePlac
 1. ``place_1000_on_500_s``: 1,000 replicas (100 models x 10, a GPU profile and a CPU profile each)
    onto 500 nodes (400 CPU nodes of 32 cores / 128 GB in 4 zones, 100 GPU nodes with 8 x
    h100-80gb), one :class:`~llmgw.control.placement.placer.Placer` as the leader's pass uses it,
-   the Placer built inside the timing. Target <= 0.2 s (issue 23; 0.77-0.85 s before the indexes).
+   the Placer built inside the timing. Target <= 0.2 s (0.77-0.85 s before the indexes).
 2. ``place_1000_on_5000_s``: the node mix x 10 (4,000 CPU nodes in 4 zones and 2 pools, 1,000 GPU
    nodes in 2 pools, 200 CPU nodes holding one model's weights), 1,000 replicas of 100 models:
    the even ones as above (GPU, else CPU), the odd ones CPU only with a zone selector (labels,

@@ -61,7 +61,7 @@ A 429 is retried after its ``Retry-After`` and a 502 ``upstream_failed`` (the ga
 keep-alive connection the engine had closed; seen about once a run) up to twice, as a client would;
 both are counted on the progress lines, and their time counts.
 
-Targets (issue 21): ``ttft_p50_ratio`` ≤ 0.4, ``ca_cached_prompt_share`` ≥ 0.8,
+Targets: ``ttft_p50_ratio`` ≤ 0.4, ``ca_cached_prompt_share`` ≥ 0.8,
 ``no_prefix_throughput_ratio`` ≥ 0.95, ``slow_replica_p95_ratio`` ≤ 0.7,
 ``other_key_queue_wait_p95_s`` ≤ ``median_service_s``, ``same_replica_share`` 1.0. Each is printed as
 PASS/FAIL; a FAIL, or a figure the gateway cannot produce yet (``n/a (policy not merged)``: today's

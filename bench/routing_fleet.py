@@ -45,7 +45,7 @@ MODEL = Path(os.environ.get("MODEL") or CACHE / "models" / "gemma-3-270m-q4_k_m.
 KEYS = {"bench": "sk-llmgw-bench-0001", "flood": "sk-llmgw-flood-0002", "other": "sk-llmgw-other-0003"}
 #: Model name → routing policy, as the catalog would say it (``routing:`` per model).
 POLICIES = {"rr": "round-robin", "ca": "cache-aware"}
-#: Gateway queue per model when the Route has one (issue 21 item 3): deep and patient enough that
+#: Gateway queue per model when the Route has one: deep and patient enough that
 #: workload D's flood is queued, not refused, so the other key's wait is what is measured.
 QUEUE_SIZE = 512
 QUEUE_WAIT_S = 300.0
@@ -64,7 +64,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 def policy_merged() -> bool:
-    """Whether this gateway has per-model routing policies (``Route.routing``, issue 21)."""
+    """Whether this gateway has per-model routing policies (``Route.routing``)."""
     from llmgw.routing import Route  # noqa: PLC0415
 
     return "routing" in {f.name for f in dataclasses.fields(Route)}

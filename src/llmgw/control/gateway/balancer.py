@@ -1,4 +1,4 @@
-"""Which replica serves a request: slots, load and cache affinity (issue 21, items 1, 2 and 5).
+"""Which replica serves a request: slots, load and cache affinity; the round-robin of before kept per model.
 
 Each replica has **slots** (the requests its engine runs at once: llama-server's ``GET /props``
 ``total_slots``, read once per replica id in the background with the replica's key; 1 until it has
