@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -27,7 +26,7 @@ from llmgw.agent.node.records import stop_all_engines
 from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from tests.conftest import Assets
-from tests.helpers.control import TOKEN, Install, make_install, serving
+from tests.helpers.control import TOKEN, pg_install, serving
 from tests.helpers.net import serve_files
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
@@ -38,16 +37,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 GB = 1_000_000_000
 
 
-def ha_install(root: Path, name: str, url: str, tls_of: Install | None = None) -> Install:
-    """A control plane named ``name`` on the PostgreSQL database ``url`` (one CA with ``tls_of``)."""
-    inst = make_install(root)
-    over: dict[str, Any] = {"store": {"url": url}, "cluster": {"name": name, "lease_s": 2, "renew_s": 0.2}}
-    if tls_of is not None:
-        pki = tls_of.paths.pki
-        over["tls"] = {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")}
-        inst.ca = tls_of.ca
-    inst.write(**over)
-    return inst
 
 
 async def test_ctl_logs_on_the_other_control_plane_shows_the_real_engine_log(
@@ -55,8 +44,8 @@ async def test_ctl_logs_on_the_other_control_plane_shows_the_real_engine_log(
 ) -> None:
     caplog.set_level(logging.INFO)
     url = pg_cluster.new_database()
-    a = ha_install(tmp_path / "a", "cp-a", url)
-    b = ha_install(tmp_path / "b", "cp-b", url, tls_of=a)
+    a = pg_install(tmp_path / "a", "cp-a", url)
+    b = pg_install(tmp_path / "b", "cp-b", url, tls_of=a)
     files = tmp_path / "files"
     files.mkdir()
     (files / "gemma.gguf").symlink_to(assets.model)

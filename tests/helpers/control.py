@@ -96,6 +96,20 @@ def make_install(root: Path, **over: Any) -> Install:
     return inst
 
 
+def pg_install(root: Path, name: str, url: str, tls_of: Install | None = None) -> Install:
+    """:func:`make_install` of a control plane named ``name`` on the PostgreSQL database ``url``, with a
+    short lease (2 s, renewed every 0.2 s); with ``tls_of``, that install's CA and server certificate
+    (one cluster)."""
+    inst = make_install(root)
+    over: dict[str, Any] = {"store": {"url": url}, "cluster": {"name": name, "lease_s": 2, "renew_s": 0.2}}
+    if tls_of is not None:
+        pki = tls_of.paths.pki
+        over["tls"] = {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")}
+        inst.ca = tls_of.ca
+    inst.write(**over)
+    return inst
+
+
 @dataclass
 class Served:
     """A control plane served in-process: set ``stop`` to end it; ``bound`` as ``serve`` reports it."""

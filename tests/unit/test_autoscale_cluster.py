@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
-from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
+from tests.helpers.control import TOKEN, Install, heartbeat, make_install, pg_install, serving
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 from tests.unit.test_ui import _login
@@ -311,8 +311,8 @@ async def test_two_control_planes_load_is_summed(
     """Two control planes on one PostgreSQL database, each gateway holding 2 chats: the leader sees
     4 in flight (the sum of both rows), not its own 2."""
     url = pg_cluster.new_database()
-    a = _pg_install(tmp_path / "a", "cp-a", url)
-    b = _pg_install(tmp_path / "b", "cp-b", url, tls_of=a)
+    a = pg_install(tmp_path / "a", "cp-a", url)
+    b = pg_install(tmp_path / "b", "cp-b", url, tls_of=a)
     async with serving(a), serving(b), aiohttp.ClientSession() as s:
         node = Node(s, a, engines)
         await _one_ready(s, a, node, {"min": 1, "max": 4, "target": 1.0, "panic_window_s": 1.0})
@@ -344,12 +344,3 @@ async def test_two_control_planes_load_is_summed(
         assert await asyncio.gather(*chats) == [200] * 4
 
 
-def _pg_install(root: Path, name: str, url: str, tls_of: Install | None = None) -> Install:
-    inst = make_install(root)
-    over: dict[str, Any] = {"store": {"url": url}, "cluster": {"name": name, "lease_s": 2, "renew_s": 0.2}}
-    if tls_of is not None:
-        pki = tls_of.paths.pki
-        over["tls"] = {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")}
-        inst.ca = tls_of.ca
-    inst.write(**over)
-    return inst

@@ -19,7 +19,7 @@ import aiohttp
 import sqlalchemy as sa
 
 from llmgw.protocol import HeartbeatReply, LogReply, LogRequest
-from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
+from tests.helpers.control import TOKEN, Install, heartbeat, pg_install, serving
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 
@@ -27,16 +27,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
 
 
-def ha_install(root: Path, name: str, url: str, tls_of: Install | None = None) -> Install:
-    """A control plane named ``name`` on the PostgreSQL database ``url`` (one CA with ``tls_of``)."""
-    inst = make_install(root)
-    over: dict[str, Any] = {"store": {"url": url}, "cluster": {"name": name, "lease_s": 2, "renew_s": 0.2}}
-    if tls_of is not None:
-        pki = tls_of.paths.pki
-        over["tls"] = {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")}
-        inst.ca = tls_of.ca
-    inst.write(**over)
-    return inst
 
 
 async def beat(s: aiohttp.ClientSession, inst: Install, ctx: Any) -> HeartbeatReply:
@@ -71,8 +61,8 @@ async def test_logs_asked_on_either_control_plane_reach_a_node_beating_to_the_ot
     tmp_path: Path, pg_cluster: Cluster
 ) -> None:
     url = pg_cluster.new_database()
-    a = ha_install(tmp_path / "a", "cp-a", url)
-    b = ha_install(tmp_path / "b", "cp-b", url, tls_of=a)
+    a = pg_install(tmp_path / "a", "cp-a", url)
+    b = pg_install(tmp_path / "b", "cp-b", url, tls_of=a)
     ctx = a.agent_ctx("node-1")
     async with serving(a), serving(b), aiohttp.ClientSession() as s:
         async with s.post(a.agent_url + "/agent/v1/register", data=heartbeat(), ssl=ctx) as r:
