@@ -200,10 +200,13 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
             assert "scaled 1 → 4: 4.0 in flight per replica over 6 s, target 1, panic" in page
             assert 'id="autoscale-plot"' in page
             plot = await (await c.get(inst.admin + "/ui/models/chat/autoscale.json")).json()
-        # the first point (the autoscaler's first pass, before the load) and nothing later yet (15 s apart)
-        assert (plot["series"]["wanted"], plot["series"]["load"]) == ([1], [0.0])
-        assert plot["series"]["ready"] in ([0], [1])  # the model's first pass: its replica placed, maybe not ready
-        assert len(plot["days"]) == 1
+        # the first point is the autoscaler's first pass, before the load; a point is kept each 15 s, so a
+        # slow (loaded) machine may have a second one, with the step in it
+        wanted, load, ready = (plot["series"][k] for k in ("wanted", "load", "ready"))
+        assert (wanted[0], load[0]) == (1, 0.0), plot
+        assert set(wanted) <= {1, 4}, plot
+        assert ready[0] in (0, 1)  # the model's first pass: its replica placed, maybe not ready
+        assert len(plot["days"]) == len(wanted)
         print(f"scale_up_reaction_s: {took:.3f}")
 
 
