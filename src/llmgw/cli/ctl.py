@@ -247,6 +247,8 @@ def explain_placement(
         print(f"{ex.model}: {state} ({ex.replicas}/{ex.wanted} replicas)")
         if ex.summary:
             print(ex.summary)
+        if ex.last_placed:
+            print(f"newest replica: {ex.last_placed}")
         if ex.rejections:
             t = Table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex.rejections:

@@ -248,6 +248,7 @@ class Leader:
         self._vouched: set[str] = set()  # kept by the probe at the last pass (to log changes once)
         # model -> (its created_at, its last stored explanation without evaluated_at)
         self._explained: dict[str, tuple[float, str]] = {}
+        self._placed: dict[str, str] = {}  # model -> its newest placement's summary (explain-placement)
         self._decisions: dict[str, DecisionRow] = {}  # each model's last autoscaling decision, read each pass
         self._load: list[GatewayLoadRow] = []  # the gateways' fresh load rows, read each pass (draining)
 
@@ -358,6 +359,7 @@ class Leader:
             self._load = self.store.read_gateway_load(since=now - FRESH_S)
         placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
         self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
+        self._placed = {k: v for k, v in self._placed.items() if k in rows}
         self._created = {k: v.created_at for k, v in rows.items()}
         for name in sorted(models):
             replicas = self._reconcile_model(
@@ -572,7 +574,8 @@ class Leader:
             )
             placer.reserve(model, decision, new.id)
             group = f" with workers on {', '.join(m.node for m in new.members[1:])}" if new.members else ""
-            log.info("placed %s on %s (profile %s)%s", new.id, new.node, new.profile, group)
+            self._placed[model.name] = decision.summary
+            log.info("replica %s: %s%s", new.id, decision.summary, group)
             result.created.append(new.id)
             replicas = [*replicas, new]
             mine.append(new)
@@ -585,7 +588,8 @@ class Leader:
         else:
             placer_for_view = placer
         view = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
-                            replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None])
+                            replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None],
+                            last_placed=self._placed.get(model.name, ""))
         self._store_explanation(view, now)
         result.explanations[model.name] = view
         return replicas
