@@ -75,7 +75,11 @@ async def test_a_thousand_held_one_poller_memory_flat() -> None:
     assert st.held() == {"m": 1000}
     refused = [w for w in waiters if w.done()]
     assert len(refused) == 200
-    assert all(isinstance(w.exception(), HttpError) for w in refused)
+    for w in refused:  # each refused at once: 503 model_starting, told when to come back
+        e = w.exception()
+        assert isinstance(e, HttpError)
+        assert (e.status, e.code, e.headers) == (503, "model_starting", {"Retry-After": "5"})
+        assert "1000 requests already wait for it" in e.message
     pollers = [t for t in asyncio.all_tasks() if t.get_name() == "llmgw-starting-m"]
     assert len(pollers) == 1
     grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
