@@ -206,3 +206,28 @@ def test_a_start_from_zero_goes_to_the_node_holding_the_weights_and_says_so(tmp_
     ex = store.get_explanation("zero")
     assert ex is not None
     assert ex.last_placed == "placed on node-1 (profile cpu)"
+
+
+def test_a_judge_of_a_fail_closed_policy_stored_at_min_zero_is_raised_to_one(tmp_path: Path) -> None:
+    """An entry stored with ``min: 0`` before its policy failed closed (server.yaml changed): the
+    next leader's autoscaler raises it to 1 and never takes it to zero; a judge of no closed policy
+    keeps ``min: 0``."""
+    store = _store(tmp_path)
+    for name in ("judge-b", "judge-c"):
+        store.add_model(Model.model_validate({
+            "name": name, "source": f"http://m/{name}.gguf", "scaling": {"min": 0, "max": 2},
+            "profiles": [{"name": "cpu", "min_memory_gb": 1}],
+        }), now=T0)
+    woken: list[bool] = []
+    scaler = Autoscaler(store, closed_judges={"judge-b": "safety"}, wake=lambda: woken.append(True))
+    assert scaler.tick_once(T0) == []
+    scaling = {r.name: (r.model.scaling.min, r.model.scaling.max) for r in store.list_models()}
+    assert (scaling["judge-b"], scaling["judge-c"]) == ((1, 2), (0, 2))
+    assert woken == [True]
+    leader = _leader(store)
+    leader.reconcile_once(T0 + 1)
+    assert sorted(r.model for r in store.list_replicas() if r.model.startswith("judge")) == ["judge-b"]
+    for t in (T0 + 700, T0 + 1400, T0 + 5000):  # past scale_to_zero_after_s without any load
+        assert [d for d in scaler.tick_once(t) if d.model == "judge-b"] == []
+        leader.reconcile_once(t + 0.1)
+    assert [r.model for r in store.list_replicas() if r.model == "judge-b"] == ["judge-b"]

@@ -449,7 +449,8 @@ async def serve(
         )
         wakes.leaders[:] = [leader]
         keeper = _keeper(fenced, config, wakes.changed, _mirror_token(paths, token))
-        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided)
+        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided,
+                            closed_judges=closed_judges(config.guard))
         try:
             await asyncio.gather(
                 leader.run(ended), scaler.run(ended), *([keeper.run(ended)] if keeper is not None else [])
