@@ -235,6 +235,14 @@ class Scaling(_Strict):
         return self.max > self.min
 
 
+def scale_to(n: int, *, cur_min: int, cur_max: int) -> dict[str, int]:
+    """The ``scaling`` patch that keeps ``n`` replicas (``ctl model scale``, the dashboard's scale):
+    a model that does not autoscale (``min == max``) stays fixed, at ``n``; one that autoscales gets
+    ``min = n`` and keeps its ``max``, raised to ``n`` when below. Replicas above the new count drain
+    before they stop (:mod:`llmgw.control.reconcile.drainer`)."""
+    return {"min": n, "max": max(n, cur_max) if cur_max > cur_min else n}
+
+
 DEFAULT_SLOTS = 4
 """A replica's slots when its profile names none: the agent starts llama-server with ``--parallel 4``
 (``DEFAULT_PARALLEL`` in :mod:`llmgw.agent.engines.llamacpp`)."""

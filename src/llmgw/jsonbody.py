@@ -7,7 +7,8 @@ a plain-text 500 with a traceback. And ``1e400`` parses as ``inf``, which pydant
 
 * a body nested deeper than :data:`MAX_DEPTH` (counted without recursion, before parsing:
   :func:`nesting_depth`);
-* ``NaN``/``Infinity`` (not JSON) and numbers that overflow a float (``1e400``);
+* ``NaN``/``Infinity`` (not JSON) and numbers that overflow a float (``1e400``), the message led
+  by the field that holds it (``scaling.target: NaN is not a JSON number; send a finite number``);
 * integers of more than 4,300 digits (Python's own limit) and anything else ``json`` rejects.
 
 :func:`read_json` also bounds the size (the app's ``client_max_size`` or ``max_bytes``). Both
@@ -62,15 +63,56 @@ def nesting_depth(raw: bytes, *, limit: int = MAX_DEPTH) -> int:
     return max(accumulate(map(_STEP.__getitem__, rest), initial=0))
 
 
+class _NotFinite(ValueError):
+    """A number that is not a finite float: ``NaN``/``Infinity``, or one that overflows."""
+
+
 def _constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number; send a finite number")
+    raise _NotFinite(f"{name} is not a JSON number; send a finite number")
 
 
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is too large for a 64-bit float; send a finite number")
+        raise _NotFinite(f"the number {text[:40]} is too large for a 64-bit float; send a finite number")
     return value
+
+
+class _Marked(str):
+    """Stands in for a non-finite number in the second parse, to find where it was."""
+
+    __slots__ = ()
+
+
+def _mark(text: str) -> Any:
+    try:
+        return _finite(text) if text not in ("NaN", "Infinity", "-Infinity") else _Marked(text)
+    except _NotFinite:
+        return _Marked(text)
+
+
+def _where(value: Any, path: str = "") -> str | None:
+    """The path (``scaling.target``, ``messages[0].n``) of the first :class:`_Marked` in ``value``;
+    iterative, so a deep body costs no recursion."""
+    todo: list[tuple[Any, str]] = [(value, path)]
+    while todo:
+        v, at = todo.pop()
+        if isinstance(v, _Marked):
+            return at or "the body"
+        if isinstance(v, dict):
+            todo.extend((x, f"{at}.{k}" if at else str(k)) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list):
+            todo.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def _named(data: bytes, e: _NotFinite) -> str:
+    """``e``'s message, led by the field that holds the number (a second parse finds it)."""
+    try:
+        where = _where(json.loads(data, parse_constant=_Marked, parse_float=_mark))
+    except (ValueError, RecursionError):
+        where = None
+    return f"{where}: {e}" if where else str(e)
 
 
 def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
@@ -92,6 +134,8 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
         return json.loads(data, parse_constant=_constant, parse_float=_finite)
     except RecursionError as e:  # the count above makes this unreachable; kept as a guard
         raise JsonBodyError(400, "json_too_deep", "the body nests too deeply; flatten it") from e
+    except _NotFinite as e:
+        raise JsonBodyError(400, "invalid_json", f"the body is not valid JSON: {_named(data, e)}") from e
     except (ValueError, UnicodeDecodeError) as e:
         raise JsonBodyError(400, "invalid_json", f"the body is not valid JSON: {e}") from e
 

@@ -156,6 +156,8 @@ class ExplainView(BaseModel):
     nodes: int = 0
     profiles: list[str] = Field(default_factory=list)  # in the order tried (priority)
     would_fit_if: list[str] = Field(default_factory=list)  # what would let one more replica fit
+    # the newest replica this leader placed, and where: "placed on node-b (profile cpu; weights m/1 in its cache)"
+    last_placed: str = ""
 
 
 class ModelView(BaseModel):

@@ -43,6 +43,9 @@ async def client(store: Store) -> AsyncIterator[TestClient[Any, Any]]:
         ({"target": 0}, "scaling.target", "greater than 0"),
         ({"target": -2.5}, "scaling.target", "greater than 0"),
         ({"target": "2"}, "scaling.target", "valid number"),
+        ({"target": float("nan")}, "scaling.target", "NaN is not a JSON number; send a finite number"),
+        ({"target": float("inf")}, "scaling.target", "Infinity is not a JSON number"),
+        ({"stable_window_s": float("-inf")}, "scaling.stable_window_s", "-Infinity is not a JSON number"),
         ({"stable_window_s": 1e9}, "scaling.stable_window_s", "less than or equal to 86400"),
         ({"panic_window_s": 1e9}, "scaling.panic_window_s", "less than or equal to 86400"),
         ({"scale_down_after_s": -1}, "scaling.scale_down_after_s", "greater than or equal to 1"),
@@ -55,13 +58,13 @@ async def test_bad_scaling_fields_are_a_400_naming_the_field(
     r = await client.post("/api/v1/models", json=_model(**scaling), headers=AUTH)
     assert r.status == 400, await r.text()
     msg = (await r.json())["error"]["message"]
-    assert msg.startswith(f"{field}: "), msg
+    assert msg.removeprefix("the body is not valid JSON: ").startswith(f"{field}: "), msg
     assert says in msg, msg
     r = await client.post("/api/v1/models", json=_model(), headers=AUTH)
     assert r.status == 201
     r = await client.patch("/api/v1/models/chat", json={"scaling": scaling}, headers=AUTH)
     assert r.status == 400
-    assert (await r.json())["error"]["message"].startswith(f"{field}: ")
+    assert (await r.json())["error"]["message"].removeprefix("the body is not valid JSON: ").startswith(f"{field}: ")
 
 
 async def test_a_fail_closed_judge_never_scales_to_zero(client: TestClient[Any, Any]) -> None:

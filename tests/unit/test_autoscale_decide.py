@@ -9,7 +9,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from llmgw.catalog import Model, Scaling, scaling_target
+from llmgw.catalog import Model, Scaling, scale_to, scaling_target
 from llmgw.control.reconcile.autoscale import Sample, ScaleState, decide, wanted_replicas
 from llmgw.control.store.rows import DecisionRow
 
@@ -173,3 +173,16 @@ def test_bad_fields_name_the_field(field: str, value: object, says: str) -> None
 def test_panic_window_longer_than_stable_is_refused() -> None:
     with pytest.raises(ValidationError, match=r"scaling\.panic_window_s 90 is longer than scaling\.stable_window_s 60"):
         Scaling(panic_window_s=90.0)
+
+
+@pytest.mark.parametrize(
+    ("n", "cur", "patch"),
+    [
+        (1, (2, 2), {"min": 1, "max": 1}),  # fixed stays fixed: scaling down a fixed model
+        (3, (2, 2), {"min": 3, "max": 3}),
+        (0, (1, 4), {"min": 0, "max": 4}),  # autoscaled keeps its max
+        (5, (1, 4), {"min": 5, "max": 5}),  # ... raised to n when below
+    ],
+)
+def test_scale_to_keeps_a_fixed_model_fixed(n: int, cur: tuple[int, int], patch: dict[str, int]) -> None:
+    assert scale_to(n, cur_min=cur[0], cur_max=cur[1]) == patch

@@ -173,3 +173,61 @@ def test_a_node_lost_while_scaling_up_is_replaced_elsewhere(tmp_path: Path) -> N
     assert result.lost == ["node-2"]
     assert [r.node for r in store.list_replicas()] == ["node-1"] * 3
     assert [d.to_n for d in store.list_decisions("chat")] == [3]
+
+
+def test_a_start_from_zero_goes_to_the_node_holding_the_weights_and_says_so(tmp_path: Path) -> None:
+    """Placement prefers a node whose cache holds the weights (the engine start only, no download)
+    over one with more free memory, from zero replicas; the next replica spreads first. The
+    explanation names the newest placement and the cache."""
+    store = open_store(f"sqlite:///{tmp_path / 'llmgw.db'}")
+    engines = [EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")]
+    big = Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB)
+    small = Inventory(cores=16, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB)
+    store.upsert_node_heartbeat("node-1", Heartbeat(inventory=big, engines=engines), T0)
+    store.upsert_node_heartbeat("node-2", Heartbeat(inventory=small, engines=engines, cached=["zero/1"]), T0)
+    store.add_model(Model.model_validate({
+        "name": "zero", "source": "http://m/zero.gguf", "scaling": {"min": 0, "max": 2, "target": 1.0},
+        "profiles": [{"name": "cpu", "min_memory_gb": 1}],
+    }), now=T0)
+    leader, scaler = _leader(store), Autoscaler(store)
+    leader.reconcile_once(T0)
+    assert store.list_replicas() == []
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "zero", 0, 1, T0 + 1)], now=T0 + 1)  # one held
+    assert [(d.from_n, d.to_n) for d in scaler.tick_once(T0 + 1.2)] == [(0, 1)]
+    leader.reconcile_once(T0 + 1.3)
+    assert [r.node for r in store.list_replicas()] == ["node-2"]
+    ex = store.get_explanation("zero")
+    assert ex is not None
+    assert ex.last_placed == "placed on node-2 (profile cpu; weights zero/1 in its cache)"
+    store.write_gateway_load("cp-a", [GatewayLoadRow("cp-a", "zero", 2, 1, T0 + 2)], now=T0 + 2)
+    assert [(d.from_n, d.to_n) for d in scaler.tick_once(T0 + 2.2)] == [(1, 2)]
+    leader.reconcile_once(T0 + 2.3)
+    assert sorted(r.node for r in store.list_replicas()) == ["node-1", "node-2"]  # spread before the cache
+    ex = store.get_explanation("zero")
+    assert ex is not None
+    assert ex.last_placed == "placed on node-1 (profile cpu)"
+
+
+def test_a_judge_of_a_fail_closed_policy_stored_at_min_zero_is_raised_to_one(tmp_path: Path) -> None:
+    """An entry stored with ``min: 0`` before its policy failed closed (server.yaml changed): the
+    next leader's autoscaler raises it to 1 and never takes it to zero; a judge of no closed policy
+    keeps ``min: 0``."""
+    store = _store(tmp_path)
+    for name in ("judge-b", "judge-c"):
+        store.add_model(Model.model_validate({
+            "name": name, "source": f"http://m/{name}.gguf", "scaling": {"min": 0, "max": 2},
+            "profiles": [{"name": "cpu", "min_memory_gb": 1}],
+        }), now=T0)
+    woken: list[bool] = []
+    scaler = Autoscaler(store, closed_judges={"judge-b": "safety"}, wake=lambda: woken.append(True))
+    assert scaler.tick_once(T0) == []
+    scaling = {r.name: (r.model.scaling.min, r.model.scaling.max) for r in store.list_models()}
+    assert (scaling["judge-b"], scaling["judge-c"]) == ((1, 2), (0, 2))
+    assert woken == [True]
+    leader = _leader(store)
+    leader.reconcile_once(T0 + 1)
+    assert sorted(r.model for r in store.list_replicas() if r.model.startswith("judge")) == ["judge-b"]
+    for t in (T0 + 700, T0 + 1400, T0 + 5000):  # past scale_to_zero_after_s without any load
+        assert [d for d in scaler.tick_once(t) if d.model == "judge-b"] == []
+        leader.reconcile_once(t + 0.1)
+    assert [r.model for r in store.list_replicas() if r.model == "judge-b"] == ["judge-b"]

@@ -175,3 +175,18 @@ def test_what_is_not_json_or_not_finite_is_invalid_json(raw: bytes) -> None:
 
 def test_plain_json_parses() -> None:
     assert loads('{"a": [1.5, "x"]}') == {"a": [1.5, "x"]}
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b'{"scaling": {"min": 1, "target": NaN}}', "scaling.target: NaN is not a JSON number"),
+        (b'{"messages": [{"n": 1}, {"n": 1e400}]}', "messages[1].n: the number 1e400 is too large"),
+        (b"Infinity", "the body: Infinity is not a JSON number"),
+    ],
+)
+def test_a_non_finite_number_is_refused_naming_its_field(raw: bytes, says: str) -> None:
+    with pytest.raises(JsonBodyError) as e:
+        loads(raw)
+    assert e.value.status == 400
+    assert e.value.message.startswith("the body is not valid JSON: " + says), e.value.message

@@ -7,8 +7,10 @@ Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--forc
 database's members), ``key create|ls|revoke|rotate`` and ``usage`` (:mod:`llmgw.cli.keys`).
 ``--server``/``--token`` (or ``LLMGW_TOKEN``) override this machine's server.yaml and admin-token file.
 
-``model scale NAME N`` sets ``scaling.min`` to N (the replicas kept running); when N is above
-``scaling.max``, max is raised to N too, so the command always does what it says.
+``model scale NAME N`` keeps N replicas (:func:`llmgw.catalog.scale_to`): a model that does not
+autoscale stays fixed at N (``scaling.min = max = N``); an autoscaled one gets ``scaling.min`` N,
+its max raised to N when below. Replicas above the new count drain (routed no more, their
+requests finished, at most 30 s) before they stop.
 
 ``model rm --delete-weights`` deletes the model, then the mirror entry its ``source`` points to
 (:mod:`llmgw.mirror.usage`), from the mirror named in server.yaml (``mirror.api``), unless another
@@ -34,6 +36,7 @@ from rich.table import Table
 
 from llmgw import yamlsafe
 from llmgw.adminclient import AdminClient
+from llmgw.catalog import scale_to
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import cli_errors, console, fail, paths
@@ -247,6 +250,8 @@ def explain_placement(
         print(f"{ex.model}: {state} ({ex.replicas}/{ex.wanted} replicas)")
         if ex.summary:
             print(ex.summary)
+        if ex.last_placed:
+            print(f"newest replica: {ex.last_placed}")
         if ex.rejections:
             t = Table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex.rejections:
@@ -430,10 +435,11 @@ def model_scale(
     n: Annotated[int, typer.Argument(min=0, help="Replicas to keep running (scaling.min).")],
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """Keep N replicas running: scaling.min = N (max raised to N when below it)."""
+    """Keep N replicas running: min = max = N, or for an autoscaled model min = N (max raised to N
+    when below). Replicas above N drain (their requests finished) before they stop."""
     client = _client(server, token)
     cur = client.model(name)
-    scaling = {"min": n, "max": max(n, cur.scaling_max)}
+    scaling = scale_to(n, cur_min=cur.scaling_min, cur_max=cur.scaling_max)
     data = client.patch_model(name, {"scaling": scaling})
     if as_json:
         _print_json(data)

@@ -79,7 +79,7 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
-from llmgw.control.gateway.load import LOAD, LoadReporter
+from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
@@ -449,7 +449,8 @@ async def serve(
         )
         wakes.leaders[:] = [leader]
         keeper = _keeper(fenced, config, wakes.changed, _mirror_token(paths, token))
-        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided)
+        scaler = Autoscaler(fenced, wake=leader.wake, db=work, on_decision=metrics.decided,
+                            closed_judges=closed_judges(config.guard))
         try:
             await asyncio.gather(
                 leader.run(ended), scaler.run(ended), *([keeper.run(ended)] if keeper is not None else [])
@@ -509,7 +510,8 @@ async def serve(
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
-        reporter = LoadReporter(store, db, name, gateway[LOAD])  # the gateway's load, every second
+        # the gateway's load, every second and at once when a model's first request is held
+        reporter = LoadReporter(store, db, name, gateway[LOAD], kick=gateway.get(LOAD_KICK))
         # SIGTERM/SIGINT set ``stop`` from before the first listener answers: a signal that arrives
         # once the admin API's health answers, while the other listeners start, is a graceful stop,
         # not the default action (killed by the signal: exit -15, seen under load).

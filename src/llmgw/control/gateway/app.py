@@ -76,7 +76,7 @@ from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, 
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
-from llmgw.control.gateway.load import LOAD, LoadCounter, combined
+from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadCounter, combined
 from llmgw.control.gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -553,7 +553,9 @@ def build_gateway_app(
     )
 
     if holds is not None:
-        gw.starting = Starting(router.resolve, holds=holds)
+        kick = asyncio.Event()  # the load reporter writes at once when a model's first request is held
+        gw.starting = Starting(router.resolve, holds=holds, on_hold=kick.set)
+        app[LOAD_KICK] = kick
     held = gw.starting.held if gw.starting is not None else dict
     # the autoscaler's signal: in flight per replica (the balancer), queued (the queues and the held)
     app[LOAD] = combined(pool.balancer.loads, lambda: _add(pool.queue_lengths(), held()), gw.load)

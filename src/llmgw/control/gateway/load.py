@@ -17,7 +17,6 @@ Counting costs a dict lookup and an integer add per request on the event loop; n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -147,9 +146,15 @@ def combined(
 LOAD: web.AppKey[LoadSource] = web.AppKey("llmgw_load")
 
 
+#: Set by the gateway when a request is held for a model with no ready replica (the first of its
+#: held requests): the reporter writes at once instead of at its next second, so a start from zero
+#: is decided ~0.5-1 s sooner (the leader reads every 0.5 s).
+LOAD_KICK = web.AppKey("llmgw-load-kick", asyncio.Event)
+
+
 class LoadReporter:
     """Writes this control plane's gateway load to the store every :data:`REPORT_EVERY_S`
-    (on every control plane), off the event loop.
+    (on every control plane), off the event loop, and at once when ``kick`` is set.
 
     Args:
         store: the (unfenced) store.
@@ -157,11 +162,16 @@ class LoadReporter:
         name: ``cluster.name``.
         source: the gateway's :data:`~llmgw.control.gateway.load.LoadSource`.
         clock: unix seconds.
+        kick: :data:`LOAD_KICK` (None: every second only).
+        every_s: :data:`REPORT_EVERY_S`.
     """
 
     def __init__(self, store: Store, db: OffLoop, name: str, source: LoadSource,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, kick: asyncio.Event | None = None,
+                 every_s: float = REPORT_EVERY_S) -> None:
         self.store, self.db, self.name, self.source, self.clock = store, db, name, source, clock
+        self.every_s = every_s
+        self.kick = kick if kick is not None else asyncio.Event()
         self._failed = False
 
     def rows(self, now: float) -> list[GatewayLoadRow]:
@@ -184,8 +194,14 @@ class LoadReporter:
         self._failed = False
 
     async def run(self, stop: asyncio.Event) -> None:
-        """:meth:`tick` every :data:`REPORT_EVERY_S` until ``stop`` is set."""
+        """:meth:`tick` every :attr:`every_s`, or as soon as :attr:`kick` is set, until
+        ``stop`` is set."""
         while not stop.is_set():
+            self.kick.clear()
             await self.tick()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.kick.wait())]
+            try:
+                await asyncio.wait(waits, timeout=self.every_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()

@@ -66,6 +66,8 @@ class Starting:
         hold_s: :data:`HOLD_S`.
         poll_s: :data:`POLL_S`.
         keepalive_s: :data:`KEEPALIVE_S`.
+        on_hold: called when a model's first request is held (none were): the load reporter's
+            kick, so the leader hears of it at once (:data:`~llmgw.control.gateway.load.LOAD_KICK`).
     """
 
     def __init__(
@@ -77,9 +79,10 @@ class Starting:
         hold_s: float = HOLD_S,
         poll_s: float = POLL_S,
         keepalive_s: float = KEEPALIVE_S,
+        on_hold: Callable[[], None] = lambda: None,
     ) -> None:
         self.resolve, self.holds, self.max_held, self.hold_s = resolve, holds, max_held, hold_s
-        self.poll_s, self.keepalive_s = poll_s, keepalive_s
+        self.poll_s, self.keepalive_s, self.on_hold = poll_s, keepalive_s, on_hold
         self._models: dict[str, _Model] = {}
 
     def held(self) -> dict[str, int]:
@@ -102,6 +105,8 @@ class Starting:
         if st.held >= self.max_held:
             raise self._refusal(name, f"{st.held} requests already wait for it")
         st.held += 1
+        if st.held == 1:
+            self.on_hold()
         if st.poller is None or st.poller.done():
             st.ready = asyncio.Event()
             st.poller = asyncio.create_task(self._poll(name, st), name=f"llmgw-starting-{name}")

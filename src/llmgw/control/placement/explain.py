@@ -165,6 +165,7 @@ def explain_view(
     replicas: Sequence[tuple[str, str]],
     now: float,
     wanted: int | None = None,
+    last_placed: str = "",
 ) -> ExplainView:
     """The view ``GET /api/v1/explain-placement`` serves.
 
@@ -175,6 +176,7 @@ def explain_view(
         replicas: ``(id, node)`` of the model's replicas placed now.
         now: unix seconds.
         wanted: the replicas wanted (an autoscaled model's decided count); None: ``scaling.min``.
+        last_placed: the summary of the newest replica's placement (:func:`~.placer.placed_summary`).
     """
     wanted = model.scaling.min if wanted is None else wanted
     placed = len(replicas) >= wanted
@@ -196,4 +198,5 @@ def explain_view(
         nodes=decision.nodes,
         profiles=[p.name for p in model.profiles_by_priority()],
         would_fit_if=[] if placed else would_fit_if(decision, placer, model),
+        last_placed=last_placed,
     )

@@ -100,6 +100,15 @@ def score(c: Candidate, weights: str) -> Score:
     return (c.usage.by_model[c.model], 0 if weights in c.node.cached else 1, -free_for_score(c), c.node.id)
 
 
+def placed_summary(node: NodeInfo, profile: Profile, weights: str) -> str:
+    """The decision's line for a replica placed on ``node``: ``placed on node-b (profile cpu)``, and
+    ``; weights m/1 in its cache`` when the node's cache holds ``weights`` (``model/version``, as the
+    agent reports it): :func:`score` ranks such a node before any that would download them (spread
+    first), so a start from zero, or any scale-up, costs the engine start only."""
+    cached = f"; weights {weights} in its cache" if weights in node.cached else ""
+    return f"placed on {node.id} (profile {profile.name}{cached})"
+
+
 @dataclass(frozen=True)
 class GroupFit:
     """:meth:`Placer.place_group`'s answer: the members (head first) or, when no set of nodes fits,
@@ -254,7 +263,7 @@ class Placer:
                 chosen = self._by_id[best[3]]
                 cand = Candidate(chosen, profile, self.usage[chosen.id], model.name)
                 indexes = pick_gpus(cand) if profile.gpu_class else ()
-                summary = f"placed on {chosen.id} (profile {profile.name})"
+                summary = placed_summary(chosen, profile, weights)
                 return Decision(chosen.id, profile, _lister(parts), summary, len(self.nodes), indexes)
         n = len(self.nodes)
         verdicts = _lister(parts)()

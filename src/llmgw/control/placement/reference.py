@@ -30,7 +30,7 @@ from llmgw.control.placement.checks import (
     member_profile,
     pick_gpus,
 )
-from llmgw.control.placement.placer import GroupFit, Score, count_labels, score, summarize
+from llmgw.control.placement.placer import GroupFit, Score, count_labels, placed_summary, score, summarize
 from llmgw.protocol import GroupMember
 from llmgw.views import Rejection
 
@@ -108,7 +108,7 @@ class ReferencePlacer:
                 chosen = next(n for n in self.nodes if n.id == best[3])
                 cand = Candidate(chosen, profile, self.usage[chosen.id], model.name)
                 indexes = pick_gpus(cand) if profile.gpu_class else ()
-                summary = f"placed on {chosen.id} (profile {profile.name})"
+                summary = placed_summary(chosen, profile, f"{model.name}/{model.version}")
                 return Decision(chosen.id, profile, verdicts, summary, len(self.nodes), indexes)
         n = len(self.nodes)
         return Decision(None, None, verdicts, summarize(verdicts, n, groups), n, groups=tuple(groups))

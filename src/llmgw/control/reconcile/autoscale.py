@@ -55,6 +55,7 @@ from llmgw.catalog import Model, Scaling, scaling_target
 from llmgw.control.store import ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import DecisionRow, GatewayLoadRow, HistoryRow
+from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,29 @@ def _changed(st: ScaleState, old: int, new: int, why: str, panic: bool) -> Verdi
     return Verdict(replace(st, wanted=new), f"scaled {old} → {new}: {why}", panic)
 
 
+def floor_closed_judges(store: Store, closed: Mapping[str, str], now: float) -> list[str]:
+    """Raise ``scaling.min`` from 0 to 1 for each judge a ``fail: closed`` guard policy names
+    (``closed``: ``{judge model name or alias: policy}``), logged with the reason; returns their
+    names. The admin API refuses ``min: 0`` for them; this catches an entry stored before its policy
+    failed closed (server.yaml changed), since every request the policy guards would be refused while
+    its judge starts from zero. A row that changed meanwhile is left for the next leader term."""
+    raised = []
+    for row in store.list_models():
+        m = row.model
+        policy = next((closed[n] for n in (m.name, *m.aliases) if n in closed), None)
+        if policy is None or m.scaling.min > 0:
+            continue
+        scaling = m.scaling.model_copy(update={"min": 1, "max": max(m.scaling.max, 1)})
+        try:
+            store.update_model(m.model_copy(update={"scaling": scaling}), revision=row.revision, now=now)
+        except Conflict:
+            continue
+        log.warning("model %s: scaling.min 0 raised to 1: it judges the guard policy '%s', which fails closed "
+                    "(a judge at zero replicas would refuse every request it guards)", m.name, policy)
+        raised.append(m.name)
+    return raised
+
+
 def wanted_replicas(model: Model, last: Mapping[str, DecisionRow]) -> int:
     """How many replicas the leader places for ``model``: ``scaling.min`` unless it autoscales
     (``max > min``), else its last decision's count (``min`` before the first), within ``[min, max]``."""
@@ -228,6 +252,8 @@ class Autoscaler:
         clock: unix seconds.
         tick_s: :data:`TICK_S`.
         on_decision: called with each decision recorded (metrics); on a store thread.
+        closed_judges: ``{judge model: policy}`` of the ``fail: closed`` guard policies: never at zero
+            (:func:`floor_closed_judges`, when a term starts).
     """
 
     def __init__(
@@ -239,15 +265,21 @@ class Autoscaler:
         clock: Callable[[], float] = time.time,
         tick_s: float = TICK_S,
         on_decision: Callable[[DecisionRow], None] | None = None,
+        closed_judges: Mapping[str, str] | None = None,
     ) -> None:
         self.store, self.wake, self.db, self.clock, self.tick_s = store, wake, db, clock, tick_s
+        self.closed_judges = dict(closed_judges or {})
         self.on_decision = on_decision
         self.states: dict[str, ScaleState] | None = None  # None: not yet read from the store
         self.samples: dict[str, deque[Sample]] = {}
         self._plotted: dict[str, float] = {}  # model -> when its last history point was written
 
     def resume(self, now: float, models: Sequence[Model]) -> None:
-        """Start from each model's last recorded decision (module docstring: continuation)."""
+        """Start from each model's last recorded decision (module docstring: continuation); first,
+        :func:`floor_closed_judges`."""
+        if self.closed_judges and floor_closed_judges(self.store, self.closed_judges, now):
+            models = [r.model for r in self.store.list_models()]
+            self.wake()
         last = self.store.last_decisions()
         self.states = {}
         for m in models:
@@ -265,6 +297,7 @@ class Autoscaler:
         models = [r.model for r in self.store.list_models()]
         if self.states is None:
             self.resume(now, models)
+            models = [r.model for r in self.store.list_models()]
         states = self.states if self.states is not None else {}
         load = sum_load(self.store.read_gateway_load(since=now - FRESH_S))
         ready: dict[str, int] = {}

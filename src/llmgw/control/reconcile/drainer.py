@@ -1,7 +1,8 @@
 """Scale-down without cutting a request: a replica chosen to go drains before it stops.
 
 Who moves what, each leader pass (:meth:`~llmgw.control.reconcile.leader.Leader.reconcile_once`)
-for a model that autoscales (``scaling.max > scaling.min``):
+for every model, whoever lowered its count (the autoscaler's decision, or an operator's
+``ctl model scale``, which lowers ``scaling.min``/``max``):
 
 1. **Chosen**: when more replicas serve than are wanted, the newest go (the oldest are the
    likeliest to be ready and warm): each gets ``draining_since = now`` (a revision-checked write).
@@ -15,8 +16,8 @@ for a model that autoscales (``scaling.max > scaling.min``):
 4. **Called back**: when more are wanted again while one drains, the newest draining replica
    serves again (its engine is still up) before a new one is placed.
 
-A model that does not autoscale keeps today's behaviour: replicas above ``scaling.max`` are deleted
-in the pass that finds them.
+Not drained: replicas of a model removed from the catalog, on a lost node, or replaced because their
+profile changed or they failed; those stop in the pass that finds them.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ Each pass (:meth:`Leader.reconcile_once`), in this order:
    that failed after being ready that long is replaced as after a first crash. Restarts an
    operator asks for (``POST /api/v1/replicas/{id}/restart``) are not crashes and are not counted.
    The counting and the backoff live in :mod:`llmgw.control.reconcile.restarts`.
-4. **Models**, by name: remove the newest replicas above ``scaling.max`` (an autoscaled model's
-   above its wanted count drain first, :mod:`.drainer`); place new ones until the wanted count
+4. **Models**, by name: the newest replicas above the wanted count drain, then stop
+   (:mod:`.drainer`: autoscaling's scale-down and ``ctl model scale`` alike); place new ones until the wanted count
    (``scaling.min``, or the autoscaler's last decision: :func:`.autoscale.wanted_replicas`) with
    one :class:`~llmgw.control.placement.placer.Placer` for the whole pass (each
    placement sees the reservations of every one before it, of any model, so replicas spread and
@@ -248,6 +248,7 @@ class Leader:
         self._vouched: set[str] = set()  # kept by the probe at the last pass (to log changes once)
         # model -> (its created_at, its last stored explanation without evaluated_at)
         self._explained: dict[str, tuple[float, str]] = {}
+        self._placed: dict[str, str] = {}  # model -> its newest placement's summary (explain-placement)
         self._decisions: dict[str, DecisionRow] = {}  # each model's last autoscaling decision, read each pass
         self._load: list[GatewayLoadRow] = []  # the gateways' fresh load rows, read each pass (draining)
 
@@ -353,11 +354,14 @@ class Leader:
         replicas = self._remove_orphans(rows, live, set(answering), result)
         replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
         replicas = restarts.forgive(self.store, replicas, now, self.backoff_reset_s)
-        if any(m.model.scaling.autoscaled for m in rows.values()):
+        autoscaled = any(m.model.scaling.autoscaled for m in rows.values())
+        if autoscaled:
             self._decisions = self.store.last_decisions()
-            self._load = self.store.read_gateway_load(since=now - FRESH_S)
+        if autoscaled or any(r.draining_since is not None for r in replicas):
+            self._load = self.store.read_gateway_load(since=now - FRESH_S)  # what draining replicas still serve
         placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
         self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
+        self._placed = {k: v for k, v in self._placed.items() if k in rows}
         self._created = {k: v.created_at for k, v in rows.items()}
         for name in sorted(models):
             replicas = self._reconcile_model(
@@ -437,7 +441,7 @@ class Leader:
     def _drain(
         self, model: Model, replicas: list[ReplicaRow], mine: list[ReplicaRow], now: float, result: PassResult
     ) -> tuple[list[ReplicaRow], list[ReplicaRow]]:
-        """An autoscaled model's replicas above its wanted count drain, drained ones are deleted,
+        """A model's replicas above its wanted count drain, drained ones are deleted,
         draining ones are called back when more are wanted (:mod:`.drainer`); returns the replicas
         (all, then the model's) as now stored."""
         wanted = wanted_replicas(model, self._decisions)
@@ -445,7 +449,7 @@ class Leader:
         leaving = sorted((r for r in mine if r.draining_since is not None), key=lambda r: (r.created_at, r.id))
         back = max(wanted - len(active), 0)
         now_rows: dict[str, ReplicaRow | None] = {}
-        for r in drainer.to_drain(active, wanted) if model.scaling.autoscaled else []:
+        for r in drainer.to_drain(active, wanted):
             now_rows[r.id] = self._write(r, now)
             log.info("replica %s of %s: draining (%d wanted)", r.id, model.name, wanted)
         for r in reversed(leaving[:back]):
@@ -538,15 +542,8 @@ class Leader:
         result: PassResult,
     ) -> list[ReplicaRow]:
         mine = [r for r in replicas if r.model == model.name]
-        if model.scaling.autoscaled or any(r.draining_since is not None for r in mine):  # drained, not deleted
-            replicas, mine = self._drain(model, replicas, mine, now, result)
-        # Above max: the newest go first (the oldest are the likeliest to be ready).
-        by_age = sorted(mine, key=lambda r: (r.created_at, r.id))
-        for extra in [] if model.scaling.autoscaled else by_age[model.scaling.max :]:
-            if self.store.delete_replica(extra.id, revision=extra.revision):
-                result.removed.append(extra.id)
-                replicas = [r for r in replicas if r.id != extra.id]
-                mine = [r for r in mine if r.id != extra.id]
+        # Above the wanted count the newest drain, then stop (the oldest are the likeliest to be ready).
+        replicas, mine = self._drain(model, replicas, mine, now, result)
         decision: checks.Decision | None = None
         wanted = wanted_replicas(model, self._decisions)
         while len([r for r in mine if r.draining_since is None]) < wanted:
@@ -572,7 +569,8 @@ class Leader:
             )
             placer.reserve(model, decision, new.id)
             group = f" with workers on {', '.join(m.node for m in new.members[1:])}" if new.members else ""
-            log.info("placed %s on %s (profile %s)%s", new.id, new.node, new.profile, group)
+            self._placed[model.name] = decision.summary
+            log.info("replica %s: %s%s", new.id, decision.summary, group)
             result.created.append(new.id)
             replicas = [*replicas, new]
             mine.append(new)
@@ -585,7 +583,8 @@ class Leader:
         else:
             placer_for_view = placer
         view = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
-                            replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None])
+                            replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None],
+                            last_placed=self._placed.get(model.name, ""))
         self._store_explanation(view, now)
         result.explanations[model.name] = view
         return replicas

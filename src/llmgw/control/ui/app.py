@@ -30,6 +30,7 @@ from urllib.parse import quote
 import jinja2
 from aiohttp import web
 
+from llmgw.catalog import scale_to
 from llmgw.control.ui import auth, pages
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.throttle import GLOBAL, DeviceCookies, LoginThrottle, address_key, retry_after
@@ -340,7 +341,7 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def scale(request: web.Request) -> web.Response:
-    """Set ``scaling.min`` (and raise ``scaling.max`` to it when lower) through ``PATCH /api/v1/models``."""
+    """Keep the form's count of replicas (:func:`llmgw.catalog.scale_to`) through ``PATCH /api/v1/models``."""
     await auth.check_csrf(request)
     name = request.match_info["name"]
     form = await request.post()
@@ -351,9 +352,7 @@ async def scale(request: web.Request) -> web.Response:
     want = int(raw)
     api = _api(request)
     m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
-    patch: dict[str, Any] = {"scaling": {"min": want}}
-    if m.scaling_max < want:
-        patch["scaling"]["max"] = want
+    patch = {"scaling": scale_to(want, cur_min=m.scaling_min, cur_max=m.scaling_max)}
     await api.call("PATCH", f"/api/v1/models/{_segment(name)}", patch)
     await auth.flash(request, f"{m.name}: {want} replica(s) wanted")
     raise web.HTTPSeeOther(f"/ui/models/{quote(m.name, safe='')}")

@@ -1,0 +1,123 @@
+"""A manual scale-down drains: ``llmgw ctl model scale m 1`` on a model of two replicas (not
+autoscaled) while a stream is in flight on each. The newest replica is routed no more at once, its
+stream still ends with ``data: [DONE]``, and it stops only after that.
+
+Real processes throughout: a control plane (``serve``), an agent (``run_agent``), two llama-server
+replicas of gemma-3-270m (one slot each, ``routing: round-robin`` so that the two streams go one to
+each), the real gateway, and ``llmgw ctl`` as a child process. The answers are long by
+construction: ``logit_bias`` bans gemma's end tokens (1 ``<eos>``, 106 ``<end_of_turn>``), so each
+stream runs to its ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.conftest import Assets
+from tests.e2e.test_cluster import Cluster, cluster, cpu_inventory, replicas_of  # noqa: F401 - a fixture
+from tests.helpers.control import TOKEN
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 160
+
+
+def _gateway(c: Cluster) -> str:
+    listen = yaml.safe_load((c.root / "etc" / "llmgw" / "server.yaml").read_text())["gateway"]["listen"]
+    return f"http://{listen}/v1/chat/completions"
+
+
+def _body(n: int) -> dict[str, object]:
+    return {"model": "m", "stream": True, "max_tokens": MAX_TOKENS, "logit_bias": {"1": -100, "106": -100},
+            "messages": [{"role": "user", "content": f"Count from {n} to 900, one number per line."}]}
+
+
+async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
+    cluster: Cluster, assets: Assets  # noqa: F811
+) -> None:
+    c = cluster
+    (c.root / "files" / "gemma.gguf").symlink_to(assets.model)
+    c.start("node-a", c.config("node-a", cpu_inventory(), engine=assets.llama_server))
+    await c.until("node-a ready", lambda: c.api("GET", "/api/v1/nodes"))
+    profile = {"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1, "args": ["--ctx-size", "512", "-np", "1"]}
+    await c.api("POST", "/api/v1/models", {"name": "m", "source": f"{c.files}/gemma.gguf", "routing": "round-robin",
+                                           "scaling": {"min": 2, "max": 2}, "profiles": [profile]})
+
+    async def two_ready() -> bool:
+        return len([r for r in await replicas_of(c, "m") if r["state"] == "ready"]) == 2
+
+    await c.until("two replicas ready", two_ready, within_s=90)
+    reps = sorted(await replicas_of(c, "m"), key=lambda r: (r["created_at"], r["id"]))
+    oldest, newest = reps[0]["id"], reps[1]["id"]
+    url = _gateway(c)
+    seen: list[tuple[float, dict[str, float | None]]] = []  # (monotonic, {replica id: draining_since})
+    ended: dict[str, float] = {}
+
+    async def watch(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            seen.append((time.monotonic(), {r["id"]: r["draining_since"] for r in await replicas_of(c, "m")}))
+            await asyncio.sleep(0.1)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as s:
+        first_chunk = {k: asyncio.Event() for k in (0, 1)}
+
+        async def stream(n: int) -> tuple[int, str, bytes]:
+            async with s.post(url, json=_body(n)) as r:
+                replica, body = r.headers.get("x-llmgw-replica", ""), b""
+                async for chunk in r.content.iter_any():
+                    body += chunk
+                    if b'"content"' in body:
+                        first_chunk[n].set()
+                ended[replica] = time.monotonic()
+                return r.status, replica, body
+
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        streams = [asyncio.create_task(stream(n)) for n in (0, 1)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_chunk.values())), 120)
+        # ctl as an operator runs it, while both streams are in flight
+        ctl = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "llmgw", "ctl", "model", "scale", "m", "1", "--server", c.admin, "--token", TOKEN],
+            capture_output=True, text=True, env={**os.environ, "LLMGW_ROOT": str(c.root)}, timeout=60,
+        )
+        assert ctl.returncode == 0, ctl.stdout + ctl.stderr
+        assert ctl.stdout.strip() == "m: scaling 1..1"
+
+        async def draining() -> bool:
+            return any(r["id"] == newest and r["draining_since"] for r in await replicas_of(c, "m"))
+
+        await c.until("the newest replica draining", draining, within_s=20)
+        drain_seen = time.monotonic()
+        # routed no more: a request now goes to the oldest
+        async with s.post(url, json={**_body(5), "max_tokens": 4}) as r:
+            assert r.status == 200
+            assert r.headers["x-llmgw-replica"] == oldest
+            await r.read()
+        results = await asyncio.gather(*streams)
+
+        async def one_left() -> bool:
+            return [r["id"] for r in await replicas_of(c, "m")] == [oldest]
+
+        await c.until("the drained replica stopped", one_left, within_s=60)
+        stop.set()
+        await watcher
+    assert sorted(rep for _, rep, _ in results) == sorted([oldest, newest])
+    for status, rep, body in results:
+        assert status == 200, (rep, body[-300:])
+        assert body.rstrip().endswith(b"data: [DONE]"), (rep, body[-300:])
+        assert b'"error"' not in body, (rep, body[-300:])
+    # the drain began while the newest replica's stream was still in flight, and the replica was
+    # listed (draining) until that stream had ended
+    assert drain_seen < ended[newest], "the stream ended before the drain began: make the answers longer"
+    gone_at = min(t for t, ids in seen if newest not in ids)
+    assert gone_at > ended[newest]
+    assert all(ids[newest] is not None for t, ids in seen if drain_seen <= t < ended[newest] and newest in ids)
