@@ -249,6 +249,14 @@ class UpstreamPool:
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
         balancer = self.balancer
+        queue = self._queue(route)
+        if not len(queue):  # nobody waits: a free slot is taken at once, without the queue's estimate
+            lease = balancer.take(route, key, tried)
+            if lease is not None:
+                if self.metrics is not None:
+                    self.metrics.waited(route.model, 0.0)
+                    self.metrics.routed(route.model, lease.reason)
+                return lease
         first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
 
         def take() -> Lease | None:
@@ -259,7 +267,7 @@ class UpstreamPool:
 
         t0 = time.perf_counter_ns()
         try:
-            lease = await self._queue(route).acquire(
+            lease = await queue.acquire(
                 trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
             )
         except HttpError:
