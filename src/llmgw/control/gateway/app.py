@@ -50,6 +50,8 @@ A profile shows the handler's Python is small beside aiohttp's client and the tw
 The keys file check and the field allow-list did not move it: +0.40/+0.42 ms after vs
 +0.40/+0.41 ms before, alternating runs of 2000 under other engineers' load (the allow-list costs
 ~2 µs when the body passes unchanged, ~6 µs when it is re-encoded; the key check ~0.7 µs).
+Those figures are from before the balancer and the queue were on the request path; the current ones,
+with the load they were measured at, are in docs/install.md ("Gateway overhead").
 No body ever names a replica's address or key: the router's reasons are phrased for clients, and a
 replica's own error body is scrubbed before it is passed through.
 """
