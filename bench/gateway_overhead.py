@@ -21,8 +21,11 @@ own venv under ``~/.cache/llmgw/bench``, made on first use; one worker, a master
    ``/proc``-backed psutil counters), and, for the choice of upstream client, CPU per event of an
    aiohttp vs an httpx (async) client reading the same stream in this process.
 
-Targets: added p50 <= 1 ms and gateway requests/s >= 30x LiteLLM's; each is printed as
-PASS/FAIL and a FAIL exits 1. Figures are printed last, one ``name: value unit`` per line.
+Targets: added p50 <= :data:`TARGET_ADDED_MS` and gateway requests/s >= :data:`TARGET_RATIO` x LiteLLM's;
+each is printed as PASS/FAIL and a FAIL exits 1. Figures are printed last, one ``name: value unit`` per
+line, with the load average at the start and the end (the machine is shared: the added milliseconds
+grow with its load, the ratio much less, and ``gateway_cpu_per_request``, the gateway process's CPU
+time per request during its ``wrk`` run, least).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ import yaml
 from aiohttp import web
 
 KEY = "sk-bench"
+TARGET_ADDED_MS = 0.5
+TARGET_RATIO = 40.0
 LITELLM_VERSION = "1.108.7"  # what PyPI (as this machine reaches it) installs with [proxy]
 LITELLM_KEY = "sk-bench-master"
 CACHE = Path.home() / ".cache" / "llmgw" / "bench"
@@ -234,8 +239,12 @@ def ensure_wrk() -> str:
 _WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 
 
-def wrk_run(wrk: str, url: str, key: str, seconds: float, tmp: Path) -> tuple[float, float]:
-    """``wrk -t2 -c16`` POSTing :data:`BODY` to ``url`` with ``key``: (requests/s, p50 ms)."""
+def wrk_run(
+    wrk: str, url: str, key: str, seconds: float, tmp: Path, pid: int | None = None
+) -> tuple[float, float, float]:
+    """``wrk -t2 -c16`` POSTing :data:`BODY` to ``url`` with ``key``: (requests/s, p50 ms, CPU µs per request
+    of process ``pid`` during the run, NaN without one: user + system time from psutil, which the machine's
+    load skews much less than requests/s)."""
     script = tmp / "post.lua"
     script.write_text(
         'wrk.method = "POST"\n'
@@ -243,18 +252,23 @@ def wrk_run(wrk: str, url: str, key: str, seconds: float, tmp: Path) -> tuple[fl
         'wrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {key}"\n'
     )
+    proc = psutil.Process(pid) if pid is not None else None
+    cpu0 = sum(proc.cpu_times()[:2]) if proc is not None else 0.0
     out = subprocess.run(
         [wrk, "-t2", "-c16", f"-d{seconds:g}s", "--latency", "-s", str(script), url],
         capture_output=True, text=True, check=True,
     ).stdout
+    cpu = sum(proc.cpu_times()[:2]) - cpu0 if proc is not None else float("nan")
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    done = re.search(r"(\d+) requests in", out)
     p50 = re.search(r"\s50%\s+([\d.]+)(us|ms|s)\b", out)
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if rps is None or p50 is None:
+    if rps is None or p50 is None or done is None:
         raise SystemExit(f"FAIL: cannot read wrk's output:\n{out}")
     if bad:
         raise SystemExit(f"FAIL: {url} answered {bad.group(1)} non-2xx responses under wrk:\n{out}")
-    return float(rps.group(1)), float(p50.group(1)) * _WRK_UNITS[p50.group(2)]
+    per_request = cpu / max(1, int(done.group(1))) * 1e6
+    return float(rps.group(1)), float(p50.group(1)) * _WRK_UNITS[p50.group(2)], per_request
 
 
 def litellm_venv() -> Path:
@@ -376,11 +390,13 @@ def main() -> None:
         try:
             direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
             gateway = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-            print(f"cores: {os.cpu_count()}; {args.n} requests each side, alternating", flush=True)
+            load_start = os.getloadavg()
+            print(f"cores: {os.cpu_count()}; load {_load(load_start)}; {args.n} requests each side, alternating",
+                  flush=True)
             d_ms, g_ms, own = asyncio.run(latency(direct, gateway, args.n))
             print(f"throughput with wrk -t2 -c16, {args.seconds:g} s each", flush=True)
-            d_rps, _ = wrk_run(wrk, direct, KEY, args.seconds, tmp)
-            g_rps, _ = wrk_run(wrk, gateway, KEY, args.seconds, tmp)
+            d_rps, _, d_cpu = wrk_run(wrk, direct, KEY, args.seconds, tmp, up.pid)
+            g_rps, _, g_cpu = wrk_run(wrk, gateway, KEY, args.seconds, tmp, gw.pid)
             l_rps = l_added = float("nan")
             if litellm is not None:
                 print("starting LiteLLM's proxy (one worker)", flush=True)
@@ -389,11 +405,12 @@ def main() -> None:
                 proxy = f"http://127.0.0.1:{l_port}/v1/chat/completions"
                 ld_ms, l_ms, _ = asyncio.run(latency(direct, proxy, max(100, args.n // 10), key=LITELLM_KEY))
                 l_added = statistics.median(l_ms) - statistics.median(ld_ms)
-                l_rps, _ = wrk_run(wrk, proxy, LITELLM_KEY, args.seconds, tmp)
+                l_rps, _, _ = wrk_run(wrk, proxy, LITELLM_KEY, args.seconds, tmp)
             print(f"streams of {args.events} events", flush=True)
             relay_us = asyncio.run(relay_cpu(gateway, gw.pid, args.events))
             aio_us, httpx_us = asyncio.run(client_cpu(direct, args.events))
             usage_rows = _usage_rows(tmp / "gw" / "bench.db")
+            load_end = os.getloadavg()
         finally:
             for p in procs:
                 p.terminate()
@@ -414,20 +431,29 @@ def main() -> None:
         ("gateway_rps_c16", g_rps, "req/s"),
         ("litellm_rps_c16", l_rps, "req/s"),
         ("usage_requests_written", float(usage_rows), "requests"),
+        ("upstream_cpu_per_request", d_cpu, "us"),
+        ("gateway_cpu_per_request", g_cpu, "us"),
         ("gateway_relay_cpu_per_event", relay_us, "us"),
         ("client_cpu_per_event_aiohttp", aio_us, "us"),
         ("client_cpu_per_event_httpx", httpx_us, "us"),
     ]
-    ok = added <= 1.0
-    print(f"{'PASS' if added <= 1.0 else 'FAIL'}: added p50 {added:.3f} ms (target <= 1 ms)")
+    ok = added <= TARGET_ADDED_MS
+    print(f"{'PASS' if ok else 'FAIL'}: added p50 {added:.3f} ms (target <= {TARGET_ADDED_MS:g} ms)")
     if litellm is not None:
-        ok &= ratio >= 30
-        print(f"{'PASS' if ratio >= 30 else 'FAIL'}: gateway {g_rps:.0f} req/s = {ratio:.1f}x LiteLLM's {l_rps:.0f} "
-              "(target >= 30x)")
+        ok &= ratio >= TARGET_RATIO
+        print(f"{'PASS' if ratio >= TARGET_RATIO else 'FAIL'}: gateway {g_rps:.0f} req/s = {ratio:.1f}x LiteLLM's "
+              f"{l_rps:.0f} (target >= {TARGET_RATIO:g}x)")
     for name, value, unit in figures:
         print(f"{name}: {value:.3f} {unit}" if unit == "ms" else f"{name}: {value:.0f} {unit}")
     print(f"rps_vs_litellm_ratio: {ratio:.1f}")
+    print(f"load_start: {_load(load_start)}")
+    print(f"load_end: {_load(load_end)}")
     sys.exit(0 if ok else 1)
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    """``os.getloadavg()`` as ``1m/5m/15m`` (runnable processes; this machine's cores are ``os.cpu_count()``)."""
+    return "/".join(f"{x:.2f}" for x in avg)
 
 
 def _usage_rows(db: Path) -> int:

@@ -115,6 +115,9 @@ def _named(data: bytes, e: _NotFinite) -> str:
     return f"{where}: {e}" if where else str(e)
 
 
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_finite)
+
+
 def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     """Parse ``raw`` as JSON within the bounds above.
 
@@ -131,7 +134,12 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
             f"the body nests arrays/objects more than {max_depth} levels deep; flatten it",
         )
     try:
-        return json.loads(data, parse_constant=_constant, parse_float=_finite)
+        # json.loads' own steps for bytes, with one decoder made once (json.loads makes one per call
+        # when given parse_* hooks: ~1.5 µs of a small body's ~4 µs)
+        text = raw if isinstance(raw, str) else data.decode(json.detect_encoding(data), "surrogatepass")
+        if text.startswith("\ufeff"):
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        return _DECODER.decode(text)
     except RecursionError as e:  # the count above makes this unreachable; kept as a guard
         raise JsonBodyError(400, "json_too_deep", "the body nests too deeply; flatten it") from e
     except _NotFinite as e:

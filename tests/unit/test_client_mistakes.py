@@ -10,8 +10,8 @@ import pytest
 from llmgw.control.gateway.app import _parse
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
+from llmgw.control.gateway.replicaerrors import client_mistake
 from llmgw.control.gateway.request import CHAT, check_chat
-from llmgw.control.gateway.upstream import _client_mistake
 from llmgw.errors import HttpError, JudgeError
 from llmgw.guard.config import Direction, Policy
 
@@ -66,11 +66,11 @@ def test_a_lone_surrogate_is_refused_a_pair_is_not() -> None:
 def test_engine_500s_for_the_clients_mistake() -> None:
     img = {"error": {"code": 500, "message": "image input is not supported - hint: if this is unexpected, you may "
                      "need to provide the mmproj", "type": "server_error"}}
-    said = _client_mistake(json.dumps(img).encode())
+    said = client_mistake(json.dumps(img).encode())
     assert "text only" in said
     assert "mmproj" not in said
-    assert _client_mistake(b'{"error": {"message": "[json.exception.type_error.302] type must be string"}}')
-    assert _client_mistake(b'{"error": {"message": "slot failed"}}') == ""
+    assert client_mistake(b'{"error": {"message": "[json.exception.type_error.302] type must be string"}}')
+    assert client_mistake(b'{"error": {"message": "slot failed"}}') == ""
 
 
 @pytest.mark.parametrize(("kind", "want"), [("timeout", 3), ("down", 5), ("missing", 5)])

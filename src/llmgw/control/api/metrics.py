@@ -39,6 +39,11 @@ request can make this page grow. A model name that did not resolve is ``unknown`
 Access: from loopback without a token (the admin listener's default address); from anywhere else
 the admin token as for every admin route (Prometheus: ``authorization: {credentials_file: …}``).
 Cost on the request path: :meth:`ControlPlaneMetrics.observe` ~6 µs (timeit, this 2-core machine).
+Each label set's child is looked up once and kept (:meth:`ControlPlaneMetrics._child`):
+``prometheus-client``'s ``labels()`` checks and converts its values under a lock on every call, which was
+a large part of ``observe``'s cost (timeit, two runs each way at load ~12 on 2 cores: ``observe``
+23.6-37.7 µs before, 17.0-31.3 µs after; ``waited`` 7.2 µs before, 1.6-3.5 µs after; ``routed`` 3.3-5.9 µs
+before, 1.9-2.0 µs after). Children are never removed here, so a kept one is always the registered one.
 """
 
 from __future__ import annotations
@@ -47,12 +52,13 @@ import hmac
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from llmgw.control.gateway.inspect import Exchange
@@ -219,6 +225,8 @@ class ControlPlaneMetrics:
                                ["model", "reason"], registry=r)
         self.autoscale = Counter("llmgw_autoscale_decisions", "The leader's autoscaling decisions, by direction",
                                  ["model", "direction"], registry=r)
+        #: (metric, label values) → its child, made once (see the module docstring).
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.queue_lengths: Callable[[], Mapping[str, int]] | None = None
         self.wanted: dict[str, int] = {}  # an autoscaled model's last decided count, read at scrape time
         self.replicas: list[ReplicaRow] = []
@@ -232,26 +240,35 @@ class ControlPlaneMetrics:
         if engines is not None:
             r.register(engines)
 
+    def _child(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """``metric.labels(*values)``, made once per label set and kept."""
+        child = self._children.get((metric, values))
+        if child is None:
+            child = self._children[(metric, values)] = metric.labels(*values)
+        return child
+
     def observe(self, ex: Exchange) -> None:
         """Count one gateway request (the gateway's ``observe``; on the event loop, memory only)."""
+        child = self._child
         if ex.refused:
-            self.refused.labels(ex.refused if ex.refused in _REFUSED_REASONS else "invalid").inc()
+            child(self.refused, ex.refused if ex.refused in _REFUSED_REASONS else "invalid").inc()
             return
         model = ex.model or "unknown"
-        self.requests.labels(model, ex.key or "-", ex.kind, str(ex.status)).inc()
-        self.latency.labels(model, ex.kind).observe((ex.overhead_ms + ex.upstream_ms) / 1000)
-        self.overhead.labels(ex.kind).observe(ex.overhead_ms / 1000)
+        key = ex.key or "-"
+        child(self.requests, model, key, ex.kind, str(ex.status)).inc()
+        child(self.latency, model, ex.kind).observe((ex.overhead_ms + ex.upstream_ms) / 1000)
+        child(self.overhead, ex.kind).observe(ex.overhead_ms / 1000)
         if ex.stream and ex.status == 200:
-            self.ttft.labels(model).observe(ex.ttft_ms / 1000)
+            child(self.ttft, model).observe(ex.ttft_ms / 1000)
         if ex.usage is not None:
             for direction, field in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
                 n = ex.usage.get(field)
                 if isinstance(n, int) and n > 0:
-                    self.tokens.labels(model, ex.key or "-", direction).inc(n)
+                    child(self.tokens, model, key, direction).inc(n)
         if ex.code in _LIMIT_CODES:
-            self.limited.labels(ex.key or "-", ex.code).inc()
+            child(self.limited, key, ex.code).inc()
         if ex.blocked:
-            self.blocks.labels(model).inc()
+            child(self.blocks, model).inc()
 
     def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
         """Export ``lengths()`` (catalog model name → requests waiting, every model with a queue, 0s
@@ -260,7 +277,7 @@ class ControlPlaneMetrics:
 
     def waited(self, model: str, seconds: float) -> None:
         """One request's wait in the queue of ``model`` (a catalog name), in seconds (0: a slot was free)."""
-        self.queue_wait.labels(model).observe(seconds)
+        self._child(self.queue_wait, model).observe(seconds)
 
     def routed(self, model: str, reason: str) -> None:
         """Count one routing decision for ``model`` (a catalog name).
@@ -270,7 +287,7 @@ class ControlPlaneMetrics:
         """
         if reason not in _ROUTING_REASONS:
             raise ValueError(f"routing reason {reason!r} is not one of {', '.join(ROUTING_REASONS)}")
-        self.routing.labels(model, reason).inc()
+        self._child(self.routing, model, reason).inc()
 
     def decided(self, row: DecisionRow) -> None:
         """Count one autoscaling decision (``direction``: ``up`` or ``down``); the leader's, any thread."""

@@ -131,7 +131,7 @@ def _h64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def _mix(x: int) -> int:
+def mix64(x: int) -> int:
     """splitmix64's finalizer: a bijection on 64 bits whose every output bit depends on every input bit."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
@@ -181,7 +181,7 @@ def replica_hash(replica_id: str) -> int:
 
 def rendezvous(key: int, hashes: list[int]) -> list[int]:
     """Indexes into ``hashes`` (replicas' :func:`replica_hash`), highest random weight first for ``key``."""
-    return sorted(range(len(hashes)), key=lambda i: _mix(key ^ hashes[i]), reverse=True)
+    return sorted(range(len(hashes)), key=lambda i: mix64(key ^ hashes[i]), reverse=True)
 
 
 def load_bound(in_flight: int, replicas: int, c: float = LOAD_BOUND_C) -> int:

@@ -14,8 +14,9 @@ Mechanism, per chat request:
    and another replica is taken (each at most once, through the queue again); when every one
    refused, the client gets 502. A replica is never retried after the request went out
    (generation is not idempotent and may be half done).
-2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used,
-   and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
+2. :func:`relay_plain` reads the whole answer, rewrites its ``model`` to the name the client used
+   (re-encoding it only when the name differs: a client that asks by the catalog name gets the
+   replica's bytes), and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
    every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
    llama-server writes its model file's path there. Both give the slot back
@@ -63,6 +64,7 @@ from yarl import URL
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
 from llmgw.control.gateway.queue import FairQueue
+from llmgw.control.gateway.replicaerrors import replica_error
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally
 from llmgw.control.gateway.starting import answer_on_stream
 from llmgw.errors import HttpError
@@ -174,7 +176,11 @@ class UpstreamPool:
     async def start(self) -> None:
         """Open the shared session (inside the running loop)."""
         connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self.plain_timeout)
+        # No cookie jar: a replica's Set-Cookie is nothing the gateway keeps or sends to the next
+        # replica, and the jar's per-request filtering cost ~10 µs (profile under wrk, this machine).
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self.plain_timeout, cookie_jar=aiohttp.DummyCookieJar()
+        )
 
     async def close(self) -> None:
         """Close the session and its pooled connections."""
@@ -244,6 +250,14 @@ class UpstreamPool:
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
         balancer = self.balancer
+        queue = self._queue(route)
+        if not len(queue):  # nobody waits: a free slot is taken at once, without the queue's estimate
+            lease = balancer.take(route, key, tried)
+            if lease is not None:
+                if self.metrics is not None:
+                    self.metrics.waited(route.model, 0.0)
+                    self.metrics.routed(route.model, lease.reason)
+                return lease
         first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
 
         def take() -> Lease | None:
@@ -254,7 +268,7 @@ class UpstreamPool:
 
         t0 = time.perf_counter_ns()
         try:
-            lease = await self._queue(route).acquire(
+            lease = await queue.acquire(
                 trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
             )
         except HttpError:
@@ -354,63 +368,6 @@ class UpstreamPool:
         )
 
 
-def _scrub(data: bytes, up: Upstream) -> bytes:
-    """Remove the replica's address and key from an error body before a client sees it."""
-    host = up.endpoint.rpartition(":")[0]
-    for secret in (up.endpoint, up.key, host):
-        if secret:
-            data = data.replace(secret.encode(), b"<replica>")
-    return data
-
-
-#: Pieces of llama-server's 500 messages that are the request's fault, not the server's: its JSON
-#: reader's type errors (``[json.exception.type_error.302] type must be string, but is number``, for a
-#: field of the wrong type the gateway does not check) and media a text-only model cannot read.
-_CLIENT_MISTAKES = ("[json.exception.", "image input is not supported", "audio input is not supported")
-
-
-def _client_mistake(data: bytes) -> str:
-    """The engine's message when a 500 body says the request was at fault (see :data:`_CLIENT_MISTAKES`),
-    shortened and without llama-server's mmproj hint; "" for a real server error."""
-    text = data.decode("utf-8", "replace")
-    try:
-        err = json.loads(text).get("error")
-        message = str(err.get("message", "")) if isinstance(err, dict) else text
-    except (ValueError, AttributeError):
-        message = text
-    if not any(m in message for m in _CLIENT_MISTAKES):
-        return ""
-    if "input is not supported" in message:
-        media = "images" if "image" in message else "audio"
-        return f"it reads text only, not {media}: send 'text' content parts"
-    return message.strip()[:300]
-
-
-async def _replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
-    """The response for a replica's 4xx/5xx: passed through (scrubbed), or a 502 when it is ours."""
-    data = await resp.read()
-    if resp.status in (401, 403):
-        log.error("replica %s of %s rejected the gateway's key (%d)", up.replica_id, route.model, resp.status)
-        return openai_error_json(
-            502, "upstream_auth", f"the replica of model '{route.model}' refused the gateway; retry shortly"
-        )
-    data = _scrub(data, up)
-    try:
-        shaped = isinstance(json.loads(data).get("error"), dict)
-    except (ValueError, AttributeError):
-        shaped = False
-    if resp.status == 500 and (mistake := _client_mistake(data)):
-        log.info("replica %s of %s: a 500 for the client's request, sent as 400: %s", up.replica_id, route.model,
-                 mistake)
-        return openai_error_json(400, "invalid_request", f"model '{route.model}' cannot take this request: {mistake}")
-    if shaped:
-        return web.Response(body=data, status=resp.status, content_type="application/json")
-    text = data.decode("utf-8", "replace").strip()[:300]
-    return openai_error_json(
-        resp.status, "upstream_error", f"model '{route.model}' answered {resp.status}: {text}"
-    )
-
-
 async def relay_plain(
     pool: UpstreamPool,
     route: Route,
@@ -432,7 +389,7 @@ async def relay_plain(
     answered = False
     try:
         if resp.status >= 400:
-            return await _replica_error(route, up, resp)
+            return await replica_error(route, up, resp)
         data = await resp.read()
         answered = True
     except TimeoutError as e:
@@ -446,8 +403,9 @@ async def relay_plain(
         trace.upstream_ns += time.perf_counter_ns() - t0
     try:
         answer = json.loads(data)
+        same = answer.get("model") == requested  # llama-server's --alias is the catalog name: the bytes stand
         answer["model"] = requested
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError) as e:
         raise HttpError(
             502, "upstream_invalid", f"the replica of model '{route.model}' sent an answer that is not JSON"
         ) from e
@@ -457,7 +415,8 @@ async def relay_plain(
         refusal = await inspector.answer(route, request_json, answer)
         if refusal is not None:
             return refusal_response(refusal)
-    return web.Response(body=json.dumps(answer).encode(), status=resp.status, content_type="application/json")
+    body_out = data if same else json.dumps(answer).encode()
+    return web.Response(body=body_out, status=resp.status, content_type="application/json")
 
 
 async def relay_stream(
@@ -496,7 +455,7 @@ async def relay_stream(
             if prepared is not None:
                 await answer_on_stream(prepared, HttpError(502, "upstream_failed", f"model '{route.model}' failed"))
                 return prepared
-            return await _replica_error(route, up, resp)
+            return await replica_error(route, up, resp)
         watcher = inspector.stream(route, request_json) if inspector is not None else None
         headers = {
             "Content-Type": "text/event-stream",
