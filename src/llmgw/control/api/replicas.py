@@ -174,6 +174,7 @@ async def restart_replica(request: web.Request) -> web.Response:
     if not await db.run(store.delete_replica, old.id, revision=old.revision):
         raise Conflict(f"replica '{rid}' changed while restarting; try again")
     await db.run(store.add_replica, new)
+    await db.run(lambda: store.note_changes(nodes=[new.node], models=[new.model], now=now))  # the leader's next pass
     ctx.changed()
     return _json(replica_view(new).model_dump(mode="json"), status=202)
 
