@@ -36,7 +36,7 @@ from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.models import must_model
 from llmgw.control.gateway.balancer import AFFINITY, ReplicaLoad
 from llmgw.control.reconcile.autoscale import wanted_replicas
-from llmgw.control.reconcile.leader import new_replica_id
+from llmgw.control.reconcile.specs import new_replica_id
 from llmgw.control.store import ModelRow, ReplicaRow, Store
 from llmgw.errors import Conflict, HttpError, UnreachableError
 from llmgw.protocol import ReplicaState

@@ -43,3 +43,10 @@ def check_members(store: Store, r: ReplicaRow, live: set[str]) -> ReplicaRow:
         return r
     log.warning("replica %s: %s; the group is replaced", r.id, err)
     return failed
+
+
+def where(r: ReplicaRow) -> str:
+    """Where a replica runs, for the explanation: its node, or a group's ``a (head) + b + c``."""
+    if not r.members:
+        return r.node
+    return " + ".join([f"{r.node} (head)", *(m.node for m in r.members[1:])])

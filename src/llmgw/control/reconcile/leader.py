@@ -20,7 +20,9 @@ already ``lost``) has its engine probed as the gateway would reach it: ``GET
 http://<endpoint>/health`` with the replica's key (:mod:`llmgw.control.reconcile.probe`, on the
 loop: it is I/O only). The pass itself never does network I/O.
 
-Each pass (:meth:`Leader.reconcile_once`), in this order:
+Each pass (:meth:`Leader.reconcile_once`), in this order (a *dirty* pass, what the loop runs
+between full ones, reads only what changed and visits only the models that may need work:
+:mod:`.view` says how, and why a full pass comes every :data:`~.view.RESYNC_S`):
 
 1. **Nodes**: a ``ready`` node whose last heartbeat is older than ``node_lost_after_s`` becomes
    ``lost`` (silence counts from this leader's first pass at the earliest, so a control plane
@@ -108,8 +110,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["Leader", "PassResult", "new_replica_id", "spec_hash", "spec_hashes"]
-
 #: Seconds between passes when nothing wakes the loop; an admin change or a heartbeat that changed
 #: something wakes it at once (events, not timers, decide how fast a model gets placed).
 DEFAULT_INTERVAL_S = 2.0
@@ -128,13 +128,6 @@ MIN_GAP_S = 1.0
 FACTS_RETRY_S = 60.0
 
 FactsReader = Callable[[str], est.GgufFacts]
-
-
-def _where(r: ReplicaRow) -> str:
-    """Where a replica runs, for the explanation: its node, or a group's ``a (head) + b + c``."""
-    if not r.members:
-        return r.node
-    return " + ".join([f"{r.node} (head)", *(m.node for m in r.members[1:])])
 
 
 def _on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -213,6 +206,8 @@ class Leader:
         self._view: View | None = None  # the cluster as of the last pass (view.py); None: next pass is full
         self._silent: tuple[float, list[str]] = (-1.0, [])  # (at, the ids silent_nodes gave then)
         self._reread: set[str] = set()  # nodes whose rows changed under the last pass: read them again
+        self._new: list[ReplicaRow] = []  # this pass's new replicas and explanations, written at its end
+        self._views: list[ExplainView] = []
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._created: dict[str, float] = {}
@@ -354,10 +349,12 @@ class Leader:
             return self._reconcile(now, set(answering), dirty=dirty and not self._full_due(now))
         except BaseException:
             self._view = None  # the view may be half-applied: the next pass reads everything
+            self._explained = {}  # and writes every explanation again
             raise
 
     def _reconcile(self, now: float, answering: set[str], *, dirty: bool) -> PassResult:
         result = PassResult()
+        self._new, self._views = [], []
         if self._first_pass is None:
             self._first_pass = now
         got = self.store.read_dirty(nodes=[*self._silent_ids(now), *self._reread] if dirty else ())
@@ -402,6 +399,8 @@ class Leader:
                 carry=carry.get(name, []), wanted=wanted[name], now=now, result=result, view=view,
             )
         view.replicas = {r.id: r for ms in by_model.values() for r in ms}
+        self.store.add_replicas(self._new)
+        self.store.set_explanations(self._views, now=now)
         self.store.forget_changes(got.change_ids)
         if result.changed and self.on_change is not None:
             self.on_change()
@@ -413,7 +412,7 @@ class Leader:
         body = view.model_copy(update={"evaluated_at": None}).model_dump_json()
         if self._explained.get(view.model) == (created, body):
             return
-        self.store.set_explanation(view, now=now)
+        self._views.append(view)  # written with the pass's others (store.set_explanations)
         self._explained[view.model] = (created, body)
 
     def _mark_lost(self, now: float, nodes: list[NodeRow], result: PassResult) -> list[NodeRow]:
@@ -559,22 +558,21 @@ class Leader:
             if decision.node is None or decision.profile is None:
                 break
             before = carry.pop(0) if carry else Carry(0, "")
-            new = self.store.add_replica(
-                ReplicaRow(
-                    id=new_replica_id(model.name),
-                    model=model.name,
-                    node=decision.node,
-                    profile=decision.profile.name,
-                    key=secrets.token_urlsafe(24),
-                    created_at=now,
-                    updated_at=now,
-                    restarts=before.restarts,
-                    last_error=before.last_error,
-                    gpu_indexes=decision.gpu_indexes,
-                    spec_hash=spec_hash(raw, decision.profile.name),
-                    members=decision.members,
-                )
+            new = ReplicaRow(
+                id=new_replica_id(model.name),
+                model=model.name,
+                node=decision.node,
+                profile=decision.profile.name,
+                key=secrets.token_urlsafe(24),
+                created_at=now,
+                updated_at=now,
+                restarts=before.restarts,
+                last_error=before.last_error,
+                gpu_indexes=decision.gpu_indexes,
+                spec_hash=spec_hash(raw, decision.profile.name),
+                members=decision.members,
             )
+            self._new.append(new)  # written with the pass's others (store.add_replicas)
             view.placed(new.id, placer.reserve_members(model, decision, new.id))
             group = f" with workers on {', '.join(m.node for m in new.members[1:])}" if new.members else ""
             log.info("placed %s on %s (profile %s)%s", new.id, new.node, new.profile, group)
@@ -592,7 +590,7 @@ class Leader:
         else:
             placer_for_view = placer
         explained = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
-                                 replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None])
+                                 replicas=[(r.id, groups.where(r)) for r in mine if r.draining_since is None])
         self._store_explanation(explained, now)
         result.explanations[model.name] = explained
         return mine

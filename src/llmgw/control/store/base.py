@@ -316,12 +316,9 @@ class Store(abc.ABC):
             out.append(BeatResult(None, changed, self.take_log_requests(b.node_id, now=b.now) if b.logs else []))
         return out
 
-    # --- the leader's dirty marks (migration 12) ---
-
-    @abc.abstractmethod
+    @abc.abstractmethod  # the leader's dirty marks (migration 12) and batched writes
     def note_changes(self, *, nodes: Collection[str] = (), models: Collection[str] = (), now: float) -> None:
-        """Mark ``nodes`` and ``models`` changed for the leader's next pass (writes that change
-        replicas outside the leader and outside the methods that mark by themselves)."""
+        """Mark ``nodes`` and ``models`` changed for the leader's next pass (for writes that do not mark)."""
 
     @abc.abstractmethod
     def read_dirty(self, *, nodes: Collection[str] = ()) -> DirtyRead:
@@ -334,6 +331,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def silent_nodes(self, *, before: float) -> list[str]:
         """The ``ready`` nodes whose ``last_seen`` is before ``before`` (unix seconds), by id."""
+
+    @abc.abstractmethod
+    def add_replicas(self, replicas: Sequence[ReplicaRow]) -> None:
+        """:meth:`add_replica` for each, in one transaction (:class:`Conflict`: an id exists; none added)."""
+
+    @abc.abstractmethod
+    def set_explanations(self, views: Sequence[ExplainView], *, now: float) -> None:
+        """:meth:`set_explanation` for each, in one transaction."""
 
     # --- explanations ---
 

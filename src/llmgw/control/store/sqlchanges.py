@@ -1,5 +1,6 @@
-"""The SQL store's dirty marks (migration 12), a part of :class:`~llmgw.control.store.sql.SqlStore`
-kept in its own module: what heartbeats and admin writes changed, for the leader's next pass.
+"""The SQL store's dirty marks (migration 12) and the leader's batched writes, a part of
+:class:`~llmgw.control.store.sql.SqlStore` kept in its own module: what heartbeats and admin
+writes changed, for the leader's next pass.
 
 A write that changes what the leader reconciles inserts one ``changes`` row per node or model it
 touched (:func:`mark`), in its own transaction, on whichever control plane it lands: a full
@@ -15,19 +16,26 @@ from a sequence commit out of order (a transaction that took id 10 may commit af
 next pass. Duplicates cost nothing (the leader reads a set). The table holds only what changed
 since the last pass: rows pile up only while no leader runs, and the next leader's first pass is
 a full one that deletes them all.
+
+A pass that places a burst (200 models added at once) writes its new replicas and explanations
+in one transaction each (:meth:`SqlChanges.add_replicas`, :meth:`SqlChanges.set_explanations`),
+not two per model: 400 commits were two thirds of such a pass at 2,000 nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from llmgw.control.store.codec import node_row, replica_row
-from llmgw.control.store.rows import DirtyRead, ModelRow, NodeRow
-from llmgw.control.store.schema import changes_t, models_t, nodes_t, replicas_t
+from llmgw.control.store.codec import node_row, replica_row, replica_values
+from llmgw.control.store.rows import DirtyRead, ModelRow, NodeRow, ReplicaRow
+from llmgw.control.store.schema import changes_t, explanations_t, models_t, nodes_t, replicas_t
 from llmgw.control.store.sqlpart import SqlPart
+from llmgw.errors import Conflict
+from llmgw.views import ExplainView
 
 #: Ids per ``IN (...)`` list (SQLite allows 32,766 parameters; PostgreSQL 65,535).
 CHUNK = 500
@@ -65,6 +73,26 @@ class SqlChanges(SqlPart):
         with self._wtx() as conn:
             for i in range(0, len(s), CHUNK):
                 conn.execute(changes_t.delete().where(changes_t.c.id.in_(s[i : i + CHUNK])))
+
+    def add_replicas(self, replicas: Sequence[ReplicaRow]) -> None:
+        if not replicas:
+            return
+        try:
+            with self._wtx() as conn:
+                conn.execute(replicas_t.insert(), [replica_values(replace(r, revision=1)) for r in replicas])
+        except sa.exc.IntegrityError as e:
+            raise Conflict(f"one of replicas {', '.join(r.id for r in replicas)} already exists") from e
+
+    def set_explanations(self, views: Sequence[ExplainView], *, now: float) -> None:
+        if not views:
+            return
+        latest = {v.model: v for v in views}
+        with self._wtx() as conn:
+            for part in _chunks(latest):
+                conn.execute(explanations_t.delete().where(explanations_t.c.model.in_(part)))
+            conn.execute(explanations_t.insert(), [
+                {"model": k, "body": v.model_dump_json(), "updated_at": now} for k, v in latest.items()
+            ])
 
     def silent_nodes(self, *, before: float) -> list[str]:
         c = nodes_t.c
