@@ -14,7 +14,7 @@ ready, cost a handful of passes, not 150.
 
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
 give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored; a
-source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
+source that failed is retried after :data:`.facts.FACTS_RETRY_S`. The pass itself never does network I/O.
 Then every ``ready`` replica whose node is silent (no heartbeat for ``node_lost_after_s``, or
 already ``lost``) has its engine probed as the gateway would reach it: ``GET
 http://<endpoint>/health`` with the replica's key (:mod:`llmgw.control.reconcile.probe`, on the
@@ -92,7 +92,7 @@ from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
 from llmgw.control.placement.explain import explain_view
 from llmgw.control.placement.inputs import effective_model, parse_facts
-from llmgw.control.reconcile import drainer, groups, restarts
+from llmgw.control.reconcile import drainer, facts, groups, restarts
 from llmgw.control.reconcile import probe as probing
 from llmgw.control.reconcile.autoscale import FRESH_S, wanted_replicas
 from llmgw.control.reconcile.probe import EngineProbe, probe_engine
@@ -101,8 +101,8 @@ from llmgw.control.reconcile.specs import new_replica_id, spec_hash, spec_hashes
 from llmgw.control.reconcile.view import RESYNC_S, View
 from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.rows import DecisionRow, GatewayLoadRow
-from llmgw.errors import Conflict, EstimateError
+from llmgw.control.store.rows import DecisionRow, DirtyRead, GatewayLoadRow
+from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView
 
@@ -124,10 +124,6 @@ COALESCE_S = 0.2
 #: within about a second.
 MIN_GAP_S = 1.0
 
-#: A GGUF header that could not be read is tried again after this long (seconds).
-FACTS_RETRY_S = 60.0
-
-FactsReader = Callable[[str], est.GgufFacts]
 
 
 def _on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -183,7 +179,7 @@ class Leader:
         clock: Callable[[], float] = time.time,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_change: Callable[[], None] | None = None,
-        read_facts: FactsReader = est.read_facts,
+        read_facts: facts.FactsReader = est.read_facts,
         backoff_reset_s: float = BACKOFF_RESET_S,
         probe: EngineProbe | None = None,
         db: OffLoop | None = None,
@@ -206,6 +202,7 @@ class Leader:
         self._view: View | None = None  # the cluster as of the last pass (view.py); None: next pass is full
         self._silent: tuple[float, list[str]] = (-1.0, [])  # (at, the ids silent_nodes gave then)
         self._reread: set[str] = set()  # nodes whose rows changed under the last pass: read them again
+        self._prefetched: tuple[float, DirtyRead, View] | None = None  # suspects() read for a full pass
         self._new: list[ReplicaRow] = []  # this pass's new replicas and explanations, written at its end
         self._views: list[ExplainView] = []
         self._wake = asyncio.Event()
@@ -263,32 +260,9 @@ class Leader:
         return await asyncio.to_thread(fn, now)
 
     def refresh_facts(self, now: float) -> list[str]:
-        """Read the GGUF header of every model source that needs an estimate and has none stored
-        (or whose last try failed :data:`FACTS_RETRY_S` ago); returns the sources read. From the
-        view when the next pass is a dirty one (no store trip unless a header is read)."""
-        view = self._view if not self._full_due(now) else None
-        stored = view.facts if view is not None else self.store.list_gguf_facts()
-        done = []
-        for row in list(view.models.values()) if view is not None else self.store.list_models():
-            m = row.model
-            if all(p.min_memory_gb > 0 for p in m.profiles):
-                continue
-            have = stored.get(m.source)
-            if have is not None and (have[0] or now - have[2] < FACTS_RETRY_S):
-                continue
-            try:
-                facts = self.read_facts(m.source)
-            except EstimateError as e:
-                log.warning("model %s: no memory estimate: %s", m.name, e)
-                self.store.set_gguf_facts(m.source, body="", error=str(e), now=now)
-                stored[m.source] = ("", str(e), now)
-                continue
-            self.store.set_gguf_facts(m.source, body=facts.model_dump_json(), error="", now=now)
-            stored[m.source] = (facts.model_dump_json(), "", now)
-            done.append(m.source)
-        if view is not None and done:
-            view.touch_models({r.name for r in view.models.values() if r.model.source in done})
-        return done
+        """Read the GGUF headers that are missing (:func:`.facts.refresh`); returns the sources
+        read. From the view when the next pass is a dirty one (no store trip unless one is read)."""
+        return facts.refresh(self.store, None if self._full_due(now) else self._view, self.read_facts, now)
 
     def _full_due(self, now: float) -> bool:
         """Whether the next dirty pass must be a full one: no view yet (a new leader, a failed
@@ -310,18 +284,28 @@ class Leader:
         return self._silent[1]
 
     def suspects(self, now: float, *, dirty: bool = False) -> list[ReplicaRow]:
-        """The ``ready`` replicas whose node is silent, lost or gone at ``now``: from the store
-        (:func:`~llmgw.control.reconcile.probe.suspects`), or for a dirty pass from the view and
+        """The ``ready`` replicas whose node is silent, lost or gone at ``now``. Before a full pass
+        from the rows it then reuses (:meth:`_read_full`); before a dirty one from the view and
         the silent nodes' ids."""
         view = self._view
         if not dirty or view is None or self._full_due(now):
-            return probing.suspects(self.store, lambda n: self.silent(n, now))
-        silent = set(self._silent_ids(now))
-        return [
-            r for r in view.replicas.values()
-            if r.state == ReplicaState.READY and r.endpoint
-            and (r.node in silent or (n := view.nodes.get(r.node)) is None or n.state != "ready")
-        ]
+            got, view = self.store.read_dirty(), View.read(self.store, now)  # marks first (_read_full)
+            self._prefetched = (now, got, view)
+            silent = {k for k, n in view.nodes.items() if self.silent(n, now)}
+        else:
+            silent = set(self._silent_ids(now)) | {k for k, n in view.nodes.items() if n.state != "ready"}
+            if not silent:  # the common case: no replica scanned (a removed node's replicas went with it)
+                return []
+        return [r for r in view.replicas.values()
+                if r.state == ReplicaState.READY and r.endpoint and (r.node in silent or r.node not in view.nodes)]
+
+    def _read_full(self, now: float) -> tuple[DirtyRead, View]:
+        """The marks, then every row: what :meth:`suspects` read for this ``now``, else read now.
+        Marks first, so a change committed between the two reads keeps its mark for the next pass."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is not None and pre[0] == now:
+            return pre[1], pre[2]
+        return self.store.read_dirty(), View.read(self.store, now)
 
     async def probe_silent(self, now: float, *, dirty: bool = False) -> set[str]:
         """Probe the engine of every ``ready`` replica whose node is silent (or gone), all at
@@ -353,20 +337,19 @@ class Leader:
             raise
 
     def _reconcile(self, now: float, answering: set[str], *, dirty: bool) -> PassResult:
-        result = PassResult()
+        result, reread, self._reread = PassResult(), self._reread, set()
         self._new, self._views = [], []
         if self._first_pass is None:
             self._first_pass = now
-        got = self.store.read_dirty(nodes=[*self._silent_ids(now), *self._reread] if dirty else ())
-        self._reread = set()
         if dirty and self._view is not None:
-            view = self._view
+            got, view = self.store.read_dirty(nodes=[*self._silent_ids(now), *reread]), self._view
             view.apply(got)
             checked = [n for n in (got.nodes[k] for k in sorted(got.nodes)) if n is not None]
             for name in (k for k, v in got.models.items() if v is None):
                 self.store.delete_explanation(name)
         else:
-            view = self._view = View.read(self.store, now)
+            got, view = self._read_full(now)
+            self._view = view
             checked = [view.nodes[k] for k in sorted(view.nodes)]
             for stale in set(self.store.explanation_summaries()) - set(view.models):
                 self.store.delete_explanation(stale)
@@ -378,7 +361,8 @@ class Leader:
         live = {n.id for n in view.nodes.values() if n.state == "ready"}
         before = dict(view.replicas)
         replicas = self._remove_orphans(rows, live, answering, list(before.values()), result)
-        replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
+        replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result,
+                                                         changed=set(got.models) if dirty else None)
         replicas = restarts.forgive(self.store, replicas, now, self.backoff_reset_s)
         view.replicas = {r.id: r for r in replicas}
         if any(m.model.scaling.autoscaled for m in rows.values()):
@@ -499,12 +483,17 @@ class Leader:
             return r
 
     def _replace_stale_and_failed(
-        self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult
+        self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult,
+        changed: set[str] | None,
     ) -> tuple[list[ReplicaRow], dict[str, list[Carry]]]:
+        """Step 3; ``changed``: the models whose spec may have changed (None: any)."""
         kept: list[ReplicaRow] = []
         carry: dict[str, list[Carry]] = {}
         hashes: dict[tuple[str, str], set[str]] = {}  # (model, profile) -> spec_hashes, once per pass
         for r in replicas:
+            if changed is not None and r.state != ReplicaState.FAILED and r.model not in changed:
+                kept.append(r)  # a dirty pass: neither failed nor of a model that changed
+                continue
             model = rows[r.model].model
             if (r.model, r.profile) not in hashes:
                 hashes[r.model, r.profile] = spec_hashes(model, r.profile)
