@@ -425,7 +425,7 @@ class Leader:
         vouched = set()
         for r in replicas:
             if r.model in models and r.node in live:
-                kept.append(groups.check_members(self.store, r, live))
+                kept.append(groups.check_members(self.store, r, live) if r.members else r)
                 continue
             if r.model in models and r.id in answering and r.state == ReplicaState.READY:
                 # The node is silent but its engine serves: keep it routable (module docstring, 2).

@@ -96,10 +96,11 @@ class View:
             else:
                 self.models[name] = mrow
         fresh = {r.id: r for r in got.replicas}
-        for rid, r in list(self.replicas.items()):
-            if rid not in fresh and (r.node in got.nodes or r.model in got.models or r.members):
-                del self.replicas[rid]  # read again, and not there: deleted by someone else
-                self.pending.add(rid)
+        gone = [rid for rid, r in self.replicas.items()  # read again, and not there: deleted by someone else
+                if (r.node in got.nodes or r.model in got.models or r.members) and rid not in fresh]
+        for rid in gone:
+            del self.replicas[rid]
+        self.pending.update(gone)
         self.replicas.update(fresh)
         self.pending |= fresh.keys()
         self.pending_nodes |= got.nodes.keys()
