@@ -8,10 +8,13 @@ Real stores (SQLite and PostgreSQL, the ``store`` fixture), real heartbeat write
 from __future__ import annotations
 
 from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement.checks import Reservation
+from llmgw.control.placement.placer import Placer
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store, open_store
 from llmgw.control.store.rows import BeatWrite
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
+from tests.helpers.nodes import node
 
 GB = 1_000_000_000
 LLAMA = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
@@ -126,3 +129,24 @@ def test_a_mark_made_after_the_read_stays_for_the_next_pass(store: Store) -> Non
     store.add_model(model("d"), now=101.0)
     store.forget_changes(got.change_ids)  # the pass deletes only what it read
     assert set(store.read_dirty().models) == {"d"}
+
+
+def test_a_kept_placer_caught_up_places_and_explains_as_a_fresh_one() -> None:
+    """Placer.release, hold and update_node (what a dirty pass applies) against a placer built
+    from scratch on the same nodes and reservations: the same node, the same summary."""
+    nodes = [node(f"n{i}", cores=4, mem_gb=32, avail_gb=30) for i in range(4)]
+    x1, x2, x3 = (Reservation(n, "x", 2.0, 1, replica=f"x-{n}") for n in ("n0", "n1", "n3"))
+    kept = Placer(nodes, [x1, x2])
+    a, big = model("a"), Model(name="big", source="http://mirror/big.gguf",
+                               profiles=[Profile(name="cpu", min_memory_gb=20, cpu_cores=4)])
+    kept.place(a), kept.place(big)  # both profiles' indexes built, as a pass leaves them
+    kept.release([("n0", "x-n0")])
+    moved = node("n2", cores=4, mem_gb=32, avail_gb=1)  # its free memory went elsewhere
+    assert kept.update_node(moved)
+    kept.hold([x3])
+    fresh = Placer([nodes[0], nodes[1], moved, nodes[3]], [x2, x3])
+    for m in (a, big):
+        got, want = kept.place(m), fresh.place(m)
+        assert (got.node, got.summary) == (want.node, want.summary)
+    assert not kept.update_node(node("n1", cores=4, mem_gb=32, avail_gb=30, cordoned=True))  # a filter's field
+    assert not kept.update_node(node("n9"))  # a node the placer never had
