@@ -250,9 +250,9 @@ def test_record_heartbeats_writes_a_batch_in_one_call(store: Store) -> None:
 class CountingLeader(Leader):
     passes = 0
 
-    def reconcile_once(self, now: float, *, answering: Collection[str] = ()) -> PassResult:
+    def reconcile_once(self, now: float, *, answering: Collection[str] = (), dirty: bool = False) -> PassResult:
         self.passes += 1
-        return super().reconcile_once(now, answering=answering)
+        return super().reconcile_once(now, answering=answering, dirty=dirty)
 
 
 async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(store: Store) -> None:

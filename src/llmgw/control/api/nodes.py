@@ -102,8 +102,11 @@ async def node_action(request: web.Request) -> web.Response:
     node = await must_node(ctx, request.match_info["id"])
     node = await db.run(store.update_node, node, cordoned=action != "uncordon")
     if action == "drain":
-        for r in await db.run(store.list_replicas, node=node.id):
+        gone = await db.run(store.list_replicas, node=node.id)
+        for r in gone:
             await db.run(store.delete_replica, r.id, revision=r.revision)
+        # The leader's next pass reads the node and these models again (on any control plane).
+        await db.run(lambda: store.note_changes(nodes=[node.id], models={r.model for r in gone}, now=ctx.clock()))
     ctx.changed()
     replicas = await db.read(store.list_replicas)
     models = {m.name: m.model for m in await db.read(store.list_models)}

@@ -36,7 +36,7 @@ from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.models import must_model
 from llmgw.control.gateway.balancer import AFFINITY, ReplicaLoad
 from llmgw.control.reconcile.autoscale import wanted_replicas
-from llmgw.control.reconcile.leader import new_replica_id
+from llmgw.control.reconcile.specs import new_replica_id
 from llmgw.control.store import ModelRow, ReplicaRow, Store
 from llmgw.errors import Conflict, HttpError, UnreachableError
 from llmgw.protocol import ReplicaState
@@ -174,6 +174,7 @@ async def restart_replica(request: web.Request) -> web.Response:
     if not await db.run(store.delete_replica, old.id, revision=old.revision):
         raise Conflict(f"replica '{rid}' changed while restarting; try again")
     await db.run(store.add_replica, new)
+    await db.run(lambda: store.note_changes(nodes=[new.node], models=[new.model], now=now))  # the leader's next pass
     ctx.changed()
     return _json(replica_view(new).model_dump(mode="json"), status=202)
 

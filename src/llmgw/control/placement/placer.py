@@ -63,6 +63,7 @@ What it does not do: preemption (evicting lower-priority replicas) or ports.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -396,6 +397,56 @@ class Placer:
         for r in out:
             self.usage.setdefault(r.node, Usage()).add(r)
         return out
+
+    # --- keeping one placer over several passes (the leader's dirty passes) ---
+
+    def hold(self, reservations: Iterable[Reservation]) -> None:
+        """Count ``reservations`` (replicas placed by someone else since this placer was built)."""
+        for r in reservations:
+            self.usage.setdefault(r.node, Usage()).add(r)
+
+    def release(self, replicas: Iterable[tuple[str, str]]) -> None:
+        """Stop counting the reservations of ``(node id, replica id)`` pairs (replicas deleted or
+        changed since); the node's fits are checked again. A pair not held is ignored."""
+        gone: dict[str, set[str]] = {}
+        for node_id, replica in replicas:
+            gone.setdefault(node_id, set()).add(replica)
+        for node_id, ids in gone.items():
+            old = self.usage.get(node_id)
+            if old is None or not any(r.replica in ids for r in old.held):
+                continue
+            known = node_id in self._by_id
+            fresh = Usage(on_add=partial(self._added, node_id)) if known else Usage()
+            self.usage[node_id] = fresh
+            for model in old.by_model:
+                self._holding.get(model, set()).discard(node_id)
+            for r in old.held:
+                if r.replica not in ids:
+                    fresh.add(r)  # logs the node (known) and holds the model again
+            if known and not fresh.held:
+                self._log.append(node_id)
+
+    def update_node(self, node: NodeInfo) -> bool:
+        """Take ``node``'s new row where only what the fits read moved (cores, available memory,
+        cards' used memory, cached weights); False, changing nothing, when the node is new or what
+        its filters read (:func:`~llmgw.control.placement.index.node_class`) changed: build a new
+        placer then."""
+        old = self._by_id.get(node.id)
+        if old is None:
+            return False
+        klass = node_class(node)
+        if klass != node_class(old):
+            return False
+        pos = bisect_left(self.nodes, node.id, key=lambda n: n.id)
+        self.nodes[pos] = self._by_id[node.id] = node
+        for w in old.cached - node.cached:
+            self._caching.get(w, set()).discard(node.id)
+        for w in node.cached - old.cached:
+            self._caching.setdefault(w, set()).add(node.id)
+        if self._classes is not None:
+            self._classes[1][pos] = fresh_class(node, klass)
+        self._log.append(node.id)
+        return True
 
 
 def _lister(

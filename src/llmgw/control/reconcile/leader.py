@@ -14,13 +14,15 @@ ready, cost a handful of passes, not 150.
 
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
 give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored; a
-source that failed is retried after :data:`FACTS_RETRY_S`. The pass itself never does network I/O.
+source that failed is retried after :data:`.facts.FACTS_RETRY_S`. The pass itself never does network I/O.
 Then every ``ready`` replica whose node is silent (no heartbeat for ``node_lost_after_s``, or
 already ``lost``) has its engine probed as the gateway would reach it: ``GET
 http://<endpoint>/health`` with the replica's key (:mod:`llmgw.control.reconcile.probe`, on the
 loop: it is I/O only). The pass itself never does network I/O.
 
-Each pass (:meth:`Leader.reconcile_once`), in this order:
+Each pass (:meth:`Leader.reconcile_once`), in this order (a *dirty* pass, what the loop runs
+between full ones, reads only what changed and visits only the models that may need work:
+:mod:`.view` says how, and why a full pass comes every :data:`~.view.RESYNC_S`):
 
 1. **Nodes**: a ``ready`` node whose last heartbeat is older than ``node_lost_after_s`` becomes
    ``lost`` (silence counts from this leader's first pass at the earliest, so a control plane
@@ -75,7 +77,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import secrets
 import time
@@ -90,16 +91,18 @@ from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as placement
 from llmgw.control.placement.explain import explain_view
-from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, reservations
-from llmgw.control.reconcile import drainer, restarts
+from llmgw.control.placement.inputs import effective_model, parse_facts
+from llmgw.control.reconcile import drainer, facts, groups, restarts
 from llmgw.control.reconcile import probe as probing
 from llmgw.control.reconcile.autoscale import FRESH_S, wanted_replicas
 from llmgw.control.reconcile.probe import EngineProbe, probe_engine
 from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
+from llmgw.control.reconcile.specs import new_replica_id, spec_hash, spec_hashes
+from llmgw.control.reconcile.view import RESYNC_S, View
 from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.rows import DecisionRow, GatewayLoadRow
-from llmgw.errors import Conflict, EstimateError
+from llmgw.control.store.rows import DecisionRow, DirtyRead, GatewayLoadRow
+from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView
 
@@ -121,48 +124,6 @@ COALESCE_S = 0.2
 #: within about a second.
 MIN_GAP_S = 1.0
 
-#: How a group's error starts when a worker made it fail (the rest names the node and why).
-WORKER_FAILED = "group worker on"
-
-#: A GGUF header that could not be read is tried again after this long (seconds).
-FACTS_RETRY_S = 60.0
-
-FactsReader = Callable[[str], est.GgufFacts]
-
-
-def _where(r: ReplicaRow) -> str:
-    """Where a replica runs, for the explanation: its node, or a group's ``a (head) + b + c``."""
-    if not r.members:
-        return r.node
-    return " + ".join([f"{r.node} (head)", *(m.node for m in r.members[1:])])
-
-
-def spec_hash(model: Model, profile_name: str) -> str:
-    """What a replica was placed from: the profile's JSON (fields at their defaults left out, so a
-    field a new release adds does not restart every replica on upgrade), the source, version and
-    digest. A change in any of them restarts the replica."""
-    prof = next((p for p in model.profiles if p.name == profile_name), None)
-    return _hash(prof.model_dump_json(exclude_defaults=True) if prof else "", model)
-
-
-#: Profile fields added after replicas were first hashed with every field (the hash of 2026-11:
-#: the whole profile). A stored hash of that form still matches while these are at their defaults.
-_ADDED_SINCE_FULL_HASH = {"nodes", "env"}
-
-
-def spec_hashes(model: Model, profile_name: str) -> set[str]:
-    """Every hash a replica of this profile may carry and still be current: :func:`spec_hash`, and
-    the older whole-profile form while the fields added since are at their defaults."""
-    out = {spec_hash(model, profile_name)}
-    prof = next((p for p in model.profiles if p.name == profile_name), None)
-    if prof is not None and prof.nodes == 1 and not prof.env:
-        out.add(_hash(prof.model_dump_json(exclude=_ADDED_SINCE_FULL_HASH), model))
-    return out
-
-
-def _hash(profile_json: str, model: Model) -> str:
-    text = "|".join([profile_json, model.source, model.version, model.sha256])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -171,11 +132,6 @@ def _on(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def new_replica_id(model: str) -> str:
-    """``<model>-<6 hex>``: short enough to read in logs, random enough not to repeat."""
-    return f"{model}-{secrets.token_hex(3)}"
 
 
 @dataclass
@@ -212,6 +168,7 @@ class Leader:
         db: the pool :meth:`run` runs passes on (default: the loop's default executor).
         coalesce_s: :data:`COALESCE_S`.
         min_gap_s: :data:`MIN_GAP_S`.
+        resync_s: seconds between full passes when the loop runs (:data:`~.view.RESYNC_S`).
     """
 
     def __init__(
@@ -222,13 +179,13 @@ class Leader:
         clock: Callable[[], float] = time.time,
         interval_s: float = DEFAULT_INTERVAL_S,
         on_change: Callable[[], None] | None = None,
-        read_facts: FactsReader = est.read_facts,
+        read_facts: facts.FactsReader = est.read_facts,
         backoff_reset_s: float = BACKOFF_RESET_S,
         probe: EngineProbe | None = None,
-
         db: OffLoop | None = None,
         coalesce_s: float = COALESCE_S,
         min_gap_s: float = MIN_GAP_S,
+        resync_s: float = RESYNC_S,
     ) -> None:
         self.store = store
         self.node_lost_after_s = node_lost_after_s
@@ -241,6 +198,13 @@ class Leader:
         self.db = db
         self.coalesce_s = coalesce_s
         self.min_gap_s = min_gap_s
+        self.resync_s = resync_s
+        self._view: View | None = None  # the cluster as of the last pass (view.py); None: next pass is full
+        self._silent: tuple[float, list[str]] = (-1.0, [])  # (at, the ids silent_nodes gave then)
+        self._reread: set[str] = set()  # nodes whose rows changed under the last pass: read them again
+        self._prefetched: tuple[float, DirtyRead, View] | None = None  # suspects() read for a full pass
+        self._new: list[ReplicaRow] = []  # this pass's new replicas and explanations, written at its end
+        self._views: list[ExplainView] = []
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._created: dict[str, float] = {}
@@ -276,7 +240,7 @@ class Leader:
             started = time.monotonic()
             try:
                 await self._off(self.refresh_facts, self.clock())
-                await self.pass_once(self.clock())
+                await self.pass_once(self.clock(), dirty=True)
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
@@ -297,82 +261,135 @@ class Leader:
         return await asyncio.to_thread(fn, now)
 
     def refresh_facts(self, now: float) -> list[str]:
-        """Read the GGUF header of every model source that needs an estimate and has none stored
-        (or whose last try failed :data:`FACTS_RETRY_S` ago); returns the sources read."""
-        stored = self.store.list_gguf_facts()
-        done = []
-        for row in self.store.list_models():
-            m = row.model
-            if all(p.min_memory_gb > 0 for p in m.profiles):
-                continue
-            have = stored.get(m.source)
-            if have is not None and (have[0] or now - have[2] < FACTS_RETRY_S):
-                continue
-            try:
-                facts = self.read_facts(m.source)
-            except EstimateError as e:
-                log.warning("model %s: no memory estimate: %s", m.name, e)
-                self.store.set_gguf_facts(m.source, body="", error=str(e), now=now)
-                continue
-            self.store.set_gguf_facts(m.source, body=facts.model_dump_json(), error="", now=now)
-            stored[m.source] = (facts.model_dump_json(), "", now)
-            done.append(m.source)
-        return done
+        """Read the GGUF headers that are missing (:func:`.facts.refresh`); returns the sources
+        read. From the view when the next pass is a dirty one (no store trip unless one is read)."""
+        return facts.refresh(self.store, None if self._full_due(now) else self._view, self.read_facts, now)
+
+    def _full_due(self, now: float) -> bool:
+        """Whether the next dirty pass must be a full one: no view yet (a new leader, a failed
+        pass), or the last full read is :attr:`resync_s` old."""
+        return self._view is None or now - self._view.full_at >= self.resync_s
 
     def silent(self, node: NodeRow, now: float) -> bool:
         """Whether ``node`` counts as silent at ``now`` (:func:`~llmgw.control.reconcile.probe.silent`,
         counted from this leader's first pass at the earliest)."""
         return probing.silent(node, now, lost_after_s=self.node_lost_after_s, since=self._first_pass)
 
-    async def probe_silent(self, now: float) -> set[str]:
+    def _silent_ids(self, now: float) -> list[str]:
+        """The ``ready`` nodes silent at ``now``, asked of the store (one query, kept for ``now``)."""
+        cutoff = now - self.node_lost_after_s
+        if self._first_pass is None or self._first_pass >= cutoff:
+            return []  # silence counts from this leader's first pass
+        if self._silent[0] != now:
+            self._silent = (now, self.store.silent_nodes(before=cutoff))
+        return self._silent[1]
+
+    def suspects(self, now: float, *, dirty: bool = False) -> list[ReplicaRow]:
+        """The ``ready`` replicas whose node is silent, lost or gone at ``now``. Before a full pass
+        from the rows it then reuses (:meth:`_read_full`); before a dirty one from the view and
+        the silent nodes' ids."""
+        view = self._view
+        if not dirty or view is None or self._full_due(now):
+            got, view = self.store.read_dirty(), View.read(self.store, now)  # marks first (_read_full)
+            self._prefetched = (now, got, view)
+            silent = {k for k, n in view.nodes.items() if self.silent(n, now)}
+        else:
+            silent = set(self._silent_ids(now)) | {k for k, n in view.nodes.items() if n.state != "ready"}
+            if not silent:  # the common case: no replica scanned (a removed node's replicas went with it)
+                return []
+        return [r for r in view.replicas.values()
+                if r.state == ReplicaState.READY and r.endpoint and (r.node in silent or r.node not in view.nodes)]
+
+    def _read_full(self, now: float) -> tuple[DirtyRead, View]:
+        """The marks, then every row: what :meth:`suspects` read for this ``now``, else read now.
+        Marks first, so a change committed between the two reads keeps its mark for the next pass."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is not None and pre[0] == now:
+            return pre[1], pre[2]
+        return self.store.read_dirty(), View.read(self.store, now)
+
+    async def probe_silent(self, now: float, *, dirty: bool = False) -> set[str]:
         """Probe the engine of every ``ready`` replica whose node is silent (or gone), all at
         once; returns the ids of those whose engine answered
         (:data:`~llmgw.control.reconcile.probe.PROBE_TIMEOUT_S` at most)."""
         if self.probe is None:
             return set()
-        suspects = await self._off(lambda t: probing.suspects(self.store, lambda n: self.silent(n, t)), now)
+        suspects = await self._off(lambda t: self.suspects(t, dirty=dirty), now)
         return await probing.answering(self.probe, suspects)
 
-    async def pass_once(self, now: float) -> PassResult:
+    async def pass_once(self, now: float, *, dirty: bool = False) -> PassResult:
         """Probe the engines of silent nodes (:meth:`probe_silent`, on the loop), then
         :meth:`reconcile_once` off it."""
-        answering = await self.probe_silent(now)
-        return await self._off(lambda t: self.reconcile_once(t, answering=answering), now)
+        answering = await self.probe_silent(now, dirty=dirty)
+        return await self._off(lambda t: self.reconcile_once(t, answering=answering, dirty=dirty), now)
 
-    def reconcile_once(self, now: float, *, answering: Collection[str] = ()) -> PassResult:
+    def reconcile_once(self, now: float, *, answering: Collection[str] = (), dirty: bool = False) -> PassResult:
         """One pass, as the module docstring describes; returns what it did.
 
         ``answering``: ids of replicas on silent nodes whose engine answered its probe this pass
         (:meth:`probe_silent`); they are kept. Without it, a silent node's replicas go.
+        ``dirty``: a dirty pass (:mod:`.view`) unless a full one is due; else a full pass.
         """
-        result = PassResult()
-        nodes = self._mark_lost(now, result)
-        rows = {m.name: m for m in self.store.list_models()}
-        facts = parse_facts(self.store.list_gguf_facts())
-        models = {k: effective_model(v.model, facts) for k, v in rows.items()}
-        live = {n.id for n in nodes if n.state == "ready"}
-        replicas = self._remove_orphans(rows, live, set(answering), result)
-        replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result)
+        try:
+            return self._reconcile(now, set(answering), dirty=dirty and not self._full_due(now))
+        except BaseException:
+            self._view = None  # the view may be half-applied: the next pass reads everything
+            self._explained = {}  # and writes every explanation again
+            raise
+
+    def _reconcile(self, now: float, answering: set[str], *, dirty: bool) -> PassResult:
+        result, reread, self._reread = PassResult(), self._reread, set()
+        self._new, self._views = [], []
+        if self._first_pass is None:
+            self._first_pass = now
+        if dirty and self._view is not None:
+            got, view = self.store.read_dirty(nodes=[*self._silent_ids(now), *reread]), self._view
+            view.apply(got)
+            checked = [n for n in (got.nodes[k] for k in sorted(got.nodes)) if n is not None]
+            for name in (k for k, v in got.models.items() if v is None):
+                self.store.delete_explanation(name)
+        else:
+            got, view = self._read_full(now)
+            self._view = view
+            checked = [view.nodes[k] for k in sorted(view.nodes)]
+            for stale in set(self.store.explanation_summaries()) - set(view.models):
+                self.store.delete_explanation(stale)
+        for node in self._mark_lost(now, checked, result):
+            view.nodes[node.id] = node
+            view.pending_nodes.add(node.id)
+        rows = view.models
+        models = {k: effective_model(v.model, parse_facts(view.facts)) for k, v in rows.items()}
+        live = {n.id for n in view.nodes.values() if n.state == "ready"}
+        before = dict(view.replicas)
+        replicas = self._remove_orphans(rows, live, answering, list(before.values()), result)
+        replicas, carry = self._replace_stale_and_failed(rows, replicas, now, result,
+                                                         changed=set(got.models) if dirty else None)
         replicas = restarts.forgive(self.store, replicas, now, self.backoff_reset_s)
+        view.replicas = {r.id: r for r in replicas}
         autoscaled = any(m.model.scaling.autoscaled for m in rows.values())
         if autoscaled:
             self._decisions = self.store.last_decisions()
         if autoscaled or any(r.draining_since is not None for r in replicas):
             self._load = self.store.read_gateway_load(since=now - FRESH_S)  # what draining replicas still serve
-        placer = placement.Placer([node_info(n) for n in nodes], reservations(replicas, models))
+        wanted = {k: wanted_replicas(m, self._decisions) for k, m in models.items()}
+        removed = [before[k] for k in result.removed if k in before]
+        visit = view.visits(models, wanted, got.models, removed) if dirty else set(models)
         self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
         self._placed = {k: v for k, v in self._placed.items() if k in rows}
         self._created = {k: v.created_at for k, v in rows.items()}
-        for name in sorted(models):
-            replicas = self._reconcile_model(
-                models[name],
-                raw=rows[name].model,
-                placer=placer,
-                replicas=replicas,
-                carry=carry.get(name, []),
-                now=now,
-                result=result,
+        by_model: dict[str, list[ReplicaRow]] = {}
+        for r in replicas:
+            by_model.setdefault(r.model, []).append(r)
+        placer = view.placer_for(models) if visit else None  # built or caught up only when needed
+        for name in sorted(visit):
+            by_model[name] = self._reconcile_model(
+                models[name], raw=rows[name].model, placer=placer, mine=by_model.get(name, []),  # type: ignore[arg-type]
+                carry=carry.get(name, []), wanted=wanted[name], now=now, result=result, view=view,
             )
+        view.replicas = {r.id: r for ms in by_model.values() for r in ms}
+        self.store.add_replicas(self._new)
+        self.store.set_explanations(self._views, now=now)
+        self.store.forget_changes(got.change_ids)
         if result.changed and self.on_change is not None:
             self.on_change()
         return result
@@ -383,14 +400,13 @@ class Leader:
         body = view.model_copy(update={"evaluated_at": None}).model_dump_json()
         if self._explained.get(view.model) == (created, body):
             return
-        self.store.set_explanation(view, now=now)
+        self._views.append(view)  # written with the pass's others (store.set_explanations)
         self._explained[view.model] = (created, body)
 
-    def _mark_lost(self, now: float, result: PassResult) -> list[NodeRow]:
-        if self._first_pass is None:
-            self._first_pass = now
-        nodes = []
-        for node in self.store.list_nodes():
+    def _mark_lost(self, now: float, nodes: list[NodeRow], result: PassResult) -> list[NodeRow]:
+        """Mark the silent ones of ``nodes`` lost; returns them as now stored."""
+        out = []
+        for node in nodes:
             # Silence counts from this leader's first pass at the earliest: a control plane that was
             # down (restart, upgrade) heard no heartbeats and must not stop every engine of every
             # node at its first pass; agents get node_lost_after_s to report again.
@@ -398,22 +414,22 @@ class Leader:
                 try:
                     lost = self.store.update_node(node, state="lost")
                 except Conflict:
-                    nodes.append(node)  # a heartbeat arrived meanwhile: it is alive
+                    self._reread.add(node.id)  # a heartbeat arrived meanwhile: it is alive
                     continue
                 result.lost.append(node.id)
                 log.warning("node %s lost: no heartbeat for %.0f s", node.id, now - node.last_seen)
-                node = lost  # noqa: PLW2901 - the row as now stored
-            nodes.append(node)
-        return nodes
+                out.append(lost)
+        return out
 
     def _remove_orphans(
-        self, models: dict[str, ModelRow], live: set[str], answering: set[str], result: PassResult
+        self, models: dict[str, ModelRow], live: set[str], answering: set[str], replicas: list[ReplicaRow],
+        result: PassResult,
     ) -> list[ReplicaRow]:
         kept = []
         vouched = set()
-        for r in self.store.list_replicas():
+        for r in replicas:
             if r.model in models and r.node in live:
-                kept.append(self._check_members(r, live))
+                kept.append(groups.check_members(self.store, r, live) if r.members else r)
                 continue
             if r.model in models and r.id in answering and r.state == ReplicaState.READY:
                 # The node is silent but its engine serves: keep it routable (module docstring, 2).
@@ -433,18 +449,15 @@ class Leader:
                 result.removed.append(r.id)
             else:
                 kept.append(r)  # changed under us; the next pass sees it fresh
+                self._reread.add(r.node)
         self._vouched = vouched
-        for stale in set(self.store.list_explanations()) - set(models):
-            self.store.delete_explanation(stale)
         return kept
 
-    def _drain(
-        self, model: Model, replicas: list[ReplicaRow], mine: list[ReplicaRow], now: float, result: PassResult
-    ) -> tuple[list[ReplicaRow], list[ReplicaRow]]:
+    def _drain(self, model: Model, mine: list[ReplicaRow], wanted: int, now: float,
+               result: PassResult) -> list[ReplicaRow]:
         """A model's replicas above its wanted count drain, drained ones are deleted,
-        draining ones are called back when more are wanted (:mod:`.drainer`); returns the replicas
-        (all, then the model's) as now stored."""
-        wanted = wanted_replicas(model, self._decisions)
+        draining ones are called back when more are wanted (:mod:`.drainer`); returns the model's
+        replicas as now stored."""
         active = [r for r in mine if r.draining_since is None]
         leaving = sorted((r for r in mine if r.draining_since is not None), key=lambda r: (r.created_at, r.id))
         back = max(wanted - len(active), 0)
@@ -461,11 +474,9 @@ class Leader:
                 result.removed.append(r.id)
                 now_rows[r.id] = None
         if not now_rows:
-            return replicas, mine
+            return mine
         result.drained.extend(k for k, v in now_rows.items() if v is not None)
-        kept = [now_rows.get(r.id, r) for r in replicas]
-        replicas = [r for r in kept if r is not None]
-        return replicas, [r for r in replicas if r.model == model.name]
+        return [x for x in (now_rows.get(r.id, r) for r in mine) if x is not None]
 
     def _write(self, r: ReplicaRow, draining_since: float | None) -> ReplicaRow:
         """``r`` with ``draining_since`` written (revision-checked); ``r`` unchanged when it changed
@@ -475,42 +486,22 @@ class Leader:
         except Conflict:
             return r
 
-    def _check_members(self, r: ReplicaRow, live: set[str]) -> ReplicaRow:
-        """A group replica whose head is live: failed when a worker's node is not (lost, removed)
-        or a worker failed, its error naming that node and, for a failed worker, the first line of
-        its error (its engine's last lines are on its member entry); a head that already failed
-        because its worker went keeps its own first line after that. The whole group is then
-        replaced with the usual backoff (:mod:`.restarts`), never half-served."""
-        if not r.members or r.err.startswith(WORKER_FAILED):
-            return r
-        cause = ""
-        for m in r.members[1:]:
-            if m.node not in live:
-                cause = f"{WORKER_FAILED} node {m.node}: the node is not ready (lost or removed)"
-                break
-            if m.state == ReplicaState.FAILED:
-                first = m.err.strip().splitlines()[0] if m.err.strip() else "failed"
-                cause = f"{WORKER_FAILED} node {m.node}: {first.removesuffix('; its last lines:')}"
-                break
-        if not cause:
-            return r
-        head = r.err.strip().splitlines()[0].removesuffix("; its last lines:") if r.err.strip() else ""
-        err = cause + (f"; the head then stopped: {head}" if r.state == ReplicaState.FAILED and head else "")
-        try:
-            failed = self.store.update_replica(replace(r, state=ReplicaState.FAILED.value, err=err, endpoint=""))
-        except Conflict:
-            return r
-        log.warning("replica %s: %s; the group is replaced", r.id, err)
-        return failed
-
     def _replace_stale_and_failed(
-        self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult
+        self, rows: dict[str, ModelRow], replicas: list[ReplicaRow], now: float, result: PassResult,
+        changed: set[str] | None,
     ) -> tuple[list[ReplicaRow], dict[str, list[Carry]]]:
+        """Step 3; ``changed``: the models whose spec may have changed (None: any)."""
         kept: list[ReplicaRow] = []
         carry: dict[str, list[Carry]] = {}
+        hashes: dict[tuple[str, str], set[str]] = {}  # (model, profile) -> spec_hashes, once per pass
         for r in replicas:
+            if changed is not None and r.state != ReplicaState.FAILED and r.model not in changed:
+                kept.append(r)  # a dirty pass: neither failed nor of a model that changed
+                continue
             model = rows[r.model].model
-            stale = bool(r.spec_hash) and r.spec_hash not in spec_hashes(model, r.profile)
+            if (r.model, r.profile) not in hashes:
+                hashes[r.model, r.profile] = spec_hashes(model, r.profile)
+            stale = bool(r.spec_hash) and r.spec_hash not in hashes[r.model, r.profile]
             failed_for = now - r.updated_at
             crashes = restarts.crashes(r, self.backoff_reset_s)
             if not (stale or restarts.due(r, now, self.backoff_reset_s)):
@@ -518,6 +509,7 @@ class Leader:
                 continue
             if not self.store.delete_replica(r.id, revision=r.revision):
                 kept.append(r)
+                self._reread.add(r.node)
                 continue
             result.removed.append(r.id)
             if stale:
@@ -536,55 +528,58 @@ class Leader:
         *,
         raw: Model,
         placer: placement.Placer,
-        replicas: list[ReplicaRow],
+        mine: list[ReplicaRow],
         carry: list[Carry],
+        wanted: int,
         now: float,
         result: PassResult,
+        view: View,
     ) -> list[ReplicaRow]:
-        mine = [r for r in replicas if r.model == model.name]
+        """Step 4 for one model: drain or remove what is above its count, place what is missing,
+        store its explanation; returns its replicas as now stored."""
         # Above the wanted count the newest drain, then stop (the oldest are the likeliest to be ready).
-        replicas, mine = self._drain(model, replicas, mine, now, result)
+        mine = self._drain(model, mine, wanted, now, result)
         decision: checks.Decision | None = None
-        wanted = wanted_replicas(model, self._decisions)
         while len([r for r in mine if r.draining_since is None]) < wanted:
             decision = placer.place(model)
             if decision.node is None or decision.profile is None:
                 break
             before = carry.pop(0) if carry else Carry(0, "")
-            new = self.store.add_replica(
-                ReplicaRow(
-                    id=new_replica_id(model.name),
-                    model=model.name,
-                    node=decision.node,
-                    profile=decision.profile.name,
-                    key=secrets.token_urlsafe(24),
-                    created_at=now,
-                    updated_at=now,
-                    restarts=before.restarts,
-                    last_error=before.last_error,
-                    gpu_indexes=decision.gpu_indexes,
-                    spec_hash=spec_hash(raw, decision.profile.name),
-                    members=decision.members,
-                )
+            new = ReplicaRow(
+                id=new_replica_id(model.name),
+                model=model.name,
+                node=decision.node,
+                profile=decision.profile.name,
+                key=secrets.token_urlsafe(24),
+                created_at=now,
+                updated_at=now,
+                restarts=before.restarts,
+                last_error=before.last_error,
+                gpu_indexes=decision.gpu_indexes,
+                spec_hash=spec_hash(raw, decision.profile.name),
+                members=decision.members,
             )
-            placer.reserve(model, decision, new.id)
+            self._new.append(new)  # written with the pass's others (store.add_replicas)
+            view.placed(new.id, placer.reserve_members(model, decision, new.id))
             group = f" with workers on {', '.join(m.node for m in new.members[1:])}" if new.members else ""
             self._placed[model.name] = decision.summary
             log.info("replica %s: %s%s", new.id, decision.summary, group)
             result.created.append(new.id)
-            replicas = [*replicas, new]
-            mine.append(new)
+            mine = [*mine, new]
         if decision is None:
             # A dry run of one more replica, the model's own replicas not counted against it, so the
             # explanation always lists every node's verdict (Placer.without shares the pass's indexes:
-            # a few ms at 5,000 nodes where a fresh placer took ~150 ms per model).
+            # a few ms at 5,000 nodes where a fresh placer took ~150 ms per model). The place() before
+            # it builds the model's profile indexes on the pass's placer (it reserves nothing), so
+            # every dry run copies them instead of building its own over every node.
+            placer.place(model)
             dry = placer.without(model.name)
             placer_for_view, decision = dry, dry.place(model)
         else:
             placer_for_view = placer
-        view = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
-                            replicas=[(r.id, _where(r)) for r in mine if r.draining_since is None],
-                            last_placed=self._placed.get(model.name, ""))
-        self._store_explanation(view, now)
-        result.explanations[model.name] = view
-        return replicas
+        explained = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
+                                 replicas=[(r.id, groups.where(r)) for r in mine if r.draining_since is None],
+                                 last_placed=self._placed.get(model.name, ""))
+        self._store_explanation(explained, now)
+        result.explanations[model.name] = explained
+        return mine

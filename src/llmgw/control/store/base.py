@@ -34,7 +34,7 @@ the driver's error chained).
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from llmgw.catalog import Model
@@ -45,6 +45,7 @@ from llmgw.control.store.rows import (
     BrokenModel,
     ControlPlaneRow,
     DecisionRow,
+    DirtyRead,
     GatewayLoadRow,
     HeartbeatRead,
     HistoryRow,
@@ -314,6 +315,30 @@ class Store(abc.ABC):
             changed = self.apply_reports(b.node_id, b.hb.replicas, b.now).changed
             out.append(BeatResult(None, changed, self.take_log_requests(b.node_id, now=b.now) if b.logs else []))
         return out
+
+    @abc.abstractmethod  # the leader's dirty marks (migration 12) and batched writes
+    def note_changes(self, *, nodes: Collection[str] = (), models: Collection[str] = (), now: float) -> None:
+        """Mark ``nodes`` and ``models`` changed for the leader's next pass (for writes that do not mark)."""
+
+    @abc.abstractmethod
+    def read_dirty(self, *, nodes: Collection[str] = ()) -> DirtyRead:
+        """Every mark, with the marked nodes (and ``nodes``), models and their replicas as stored now."""
+
+    @abc.abstractmethod
+    def forget_changes(self, ids: Collection[int]) -> None:
+        """Delete the marks ``ids`` (read by :meth:`read_dirty`; marks made since stay)."""
+
+    @abc.abstractmethod
+    def silent_nodes(self, *, before: float) -> list[str]:
+        """The ``ready`` nodes whose ``last_seen`` is before ``before`` (unix seconds), by id."""
+
+    @abc.abstractmethod
+    def add_replicas(self, replicas: Sequence[ReplicaRow]) -> None:
+        """:meth:`add_replica` for each, in one transaction (:class:`Conflict`: an id exists; none added)."""
+
+    @abc.abstractmethod
+    def set_explanations(self, views: Sequence[ExplainView], *, now: float) -> None:
+        """:meth:`set_explanation` for each, in one transaction."""
 
     # --- explanations ---
 

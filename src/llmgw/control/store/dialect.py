@@ -11,6 +11,7 @@ no preparation, no lock, the driver's defaults.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import sqlalchemy as sa
@@ -52,3 +53,23 @@ class DialectHooks:
     def lock_migrations(self, conn: Connection) -> None:
         """Called first in the migration transaction: keep other processes from migrating the same
         database at once. Nothing here (SQLite's write transaction already excludes them)."""
+
+
+def describe_url(url: sa.URL) -> str:
+    """The database in words for error messages, without the password: ``the SQLite database
+    /var/lib/llmgw/llmgw.db``, ``PostgreSQL at 10.0.0.1:5432,10.0.0.2:5432 (database llmgw)``."""
+    if url.get_backend_name() == "sqlite":
+        return f"the SQLite database {url.database}"
+    hosts = url.query.get("host")
+    if hosts:
+        where = ",".join(hosts) if isinstance(hosts, tuple) else hosts
+    else:
+        where = f"{url.host or 'localhost'}:{url.port or 5432}"
+    name = "PostgreSQL" if url.get_backend_name() == "postgresql" else url.get_backend_name()
+    return f"{name} at {where} (database {url.database})"
+
+
+def masked_url(url: str) -> str:
+    """``url`` with the password of ``scheme://user:password@…`` as ``***`` (for a URL too broken
+    for SQLAlchemy to render): a store URL in an error message must not show the password."""
+    return re.sub(r"^([^:/]+://[^:@/]*):[^@/]*@", r"\1:***@", url)

@@ -299,3 +299,23 @@ class HistoryRow:
     ready: int
     load: float
 
+
+
+@dataclass(frozen=True)
+class DirtyRead:
+    """What the leader's dirty pass reads in one transaction
+    (:meth:`~llmgw.control.store.base.Store.read_dirty`).
+
+    Attributes:
+        change_ids: the ``changes`` rows read (delete them once the pass is done:
+            :meth:`~llmgw.control.store.base.Store.forget_changes`).
+        nodes: every node marked or asked for, as stored now (None: removed).
+        models: every model marked, as stored now (None: deleted, or unreadable).
+        replicas: the replicas on those nodes (head or member), of those models, and every group
+            replica, as stored now.
+    """
+
+    change_ids: list[int]
+    nodes: dict[str, NodeRow | None]
+    models: dict[str, ModelRow | None]
+    replicas: list[ReplicaRow]

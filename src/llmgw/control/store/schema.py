@@ -28,7 +28,7 @@ leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.electi
 :mod:`llmgw.control.api.logbroker`), ``api_keys``, ``usage_daily`` and ``rate_windows`` (migration 7:
 the gateway's keys, usage and cluster-wide rate counts; ``api_keys.priority``: migration 9),
 ``gateway_load``, ``autoscale_decisions``, ``autoscale_history`` and ``replicas.draining_since``
-(migration 10: autoscaling),
+(migration 10: autoscaling), ``changes`` (migration 12: the leader's dirty marks),
 ``schema_migrations``.
 """
 
@@ -250,6 +250,15 @@ autoscale_history_t = sa.Table(
     sa.Column("load", sa.Float, nullable=False),  # requests in flight + queued, summed over control planes
 )
 
+changes_t = sa.Table(
+    "changes",  # migration 12: what heartbeats and admin writes changed, for the leader's next pass
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("kind", sa.String(8), nullable=False),  # "node" or "model"
+    sa.Column("key", sa.String(253), nullable=False),  # the node id or model name
+    sa.Column("at", sa.Float, nullable=False),
+)
+
 migrations_t = sa.Table(
     "schema_migrations",
     metadata,
@@ -451,6 +460,12 @@ def _migration_11(conn: Connection) -> None:
     _add_column(conn, "nodes", sa.Column("digest", sa.String(64), nullable=False, server_default=""))
 
 
+def _migration_12(conn: Connection) -> None:
+    """``changes``: the nodes and models heartbeats and admin writes changed, read and deleted by the
+    leader's next pass (:mod:`llmgw.control.store.sqlchanges`)."""
+    changes_t.create(conn, checkfirst=True)
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -464,6 +479,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (9, _migration_9),
     (10, _migration_10),
     (11, _migration_11),
+    (12, _migration_12),
 ]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import re
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -34,7 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 from llmgw.catalog import STORED, Model
 from llmgw.control.store.base import REMOVAL_PREFIX, Store
 from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
-from llmgw.control.store.dialect import DialectHooks
+from llmgw.control.store.dialect import DialectHooks, describe_url, masked_url
 from llmgw.control.store.postgres import PostgresHooks
 from llmgw.control.store.rows import (
     BrokenModel,
@@ -67,6 +67,7 @@ from llmgw.control.store.sqlbeats import (
     update_replica,
     upsert_node,
 )
+from llmgw.control.store.sqlchanges import SqlChanges, mark
 from llmgw.control.store.sqlite import SqliteHooks
 from llmgw.control.store.sqlkeys import SqlKeys
 from llmgw.control.store.sqllogs import SqlLogs
@@ -81,7 +82,7 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, type[DialectHooks]] = {"sqlite": SqliteHooks, "postgresql": PostgresHooks}
 
 
-class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
+class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
     """The store on a SQLAlchemy engine. Open with :meth:`open` (or
     :func:`llmgw.control.store.open_store`).
 
@@ -113,7 +114,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
             sa_url.port  # noqa: B018 - parses the port: "HOST:notaport" raises ValueError here
         except (sa.exc.ArgumentError, ValueError) as e:
             raise StoreError(
-                f"store.url '{_masked(url)}' is not a database URL ({e}); use sqlite:///PATH or "
+                f"store.url '{masked_url(url)}' is not a database URL ({e}); use sqlite:///PATH or "
                 "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
             ) from e
         if sa_url.drivername.split("+")[0] in ("postgres", "pgsql", "psql"):
@@ -209,6 +210,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
                     )
                 )
                 _claim_names(conn, model)
+                mark(conn, "model", [model.name], now)
         except sa.exc.IntegrityError as e:
             raise self._name_conflict(model, adding=True) from e
         return ModelRow(model, 1, now, now)
@@ -228,6 +230,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
                     )
                 conn.execute(model_names_t.delete().where(model_names_t.c.model == model.name))
                 _claim_names(conn, model)
+                mark(conn, "model", [model.name], now)
         except sa.exc.IntegrityError as e:
             raise self._name_conflict(model, adding=False) from e
         return ModelRow(model, revision + 1, created, now)
@@ -305,6 +308,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
             conn.execute(model_names_t.delete().where(model_names_t.c.model == name))
             conn.execute(explanations_t.delete().where(explanations_t.c.model == name))
             forget_model(conn, name)
+            mark(conn, "model", [name], time.time())
         return n > 0
 
     # --- nodes ---
@@ -315,6 +319,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
             try:
                 with self._wtx() as conn:
                     n = upsert_node(conn, node_id, values, now)
+                    mark(conn, "node", [node_id], now)
             except sa.exc.IntegrityError:
                 n = 0  # inserted by another writer meanwhile: update it on the next try
             if n:
@@ -341,6 +346,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
                         out.append(Revoked(serial, gone.node, gone.revoked_at))
                         continue
                     done = any(upsert_node(conn, node_id, values, now) for _ in range(5))
+                    mark(conn, "node", [node_id], now)
                     out.append(None if done else Conflict(
                         f"node '{node_id}' kept changing while its heartbeat was recorded; it will retry"
                     ))
@@ -391,6 +397,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
                 .where(nodes_t.c.id == node.id, nodes_t.c.revision == node.revision)
                 .values(revision=node.revision + 1, **changes)
             ).rowcount
+            mark(conn, "node", [node.id], time.time())
         if not n:
             raise Conflict(f"node '{node.id}' changed since revision {node.revision} was read")
         return replace(node, revision=node.revision + 1, **changes)
@@ -455,6 +462,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
             )).all():
                 if any(m.get("node") == node_id for m in json.loads(row.members)):
                     conn.execute(replicas_t.delete().where(replicas_t.c.id == row.id))
+            mark(conn, "node", [node_id], now)
         return serials
 
     # --- replicas ---
@@ -573,27 +581,7 @@ class SqlStore(SqlBeats, SqlKeys, SqlLogs, SqlScale, Store):
         return [ControlPlaneRow(r.name, r.agent_url, r.last_seen, r.started_at, r.version) for r in rows]
 
 
-def describe_url(url: sa.URL) -> str:
-    """The database in words for error messages, without the password: ``the SQLite database
-    /var/lib/llmgw/llmgw.db``, ``PostgreSQL at 10.0.0.1:5432,10.0.0.2:5432 (database llmgw)``."""
-    if url.get_backend_name() == "sqlite":
-        return f"the SQLite database {url.database}"
-    hosts = url.query.get("host")
-    if hosts:
-        where = ",".join(hosts) if isinstance(hosts, tuple) else hosts
-    else:
-        where = f"{url.host or 'localhost'}:{url.port or 5432}"
-    name = "PostgreSQL" if url.get_backend_name() == "postgresql" else url.get_backend_name()
-    return f"{name} at {where} (database {url.database})"
-
-
 def _claim_names(conn: Connection, model: Model) -> None:
     """Insert every name ``model`` answers to into ``model_names``; IntegrityError when one is taken."""
     names = sorted({model.name, *model.aliases})
     conn.execute(model_names_t.insert(), [{"name": n, "model": model.name} for n in names])
-
-
-def _masked(url: str) -> str:
-    """``url`` with the password of ``scheme://user:password@…`` as ``***`` (for a URL too broken
-    for SQLAlchemy to render): a store URL in an error message must not show the password."""
-    return re.sub(r"^([^:/]+://[^:@/]*):[^@/]*@", r"\1:***@", url)

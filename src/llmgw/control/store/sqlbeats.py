@@ -29,6 +29,7 @@ from llmgw.control.store.rows import (
     ReplicaRow,
 )
 from llmgw.control.store.schema import log_requests_t, models_t, node_certs_t, nodes_t, replicas_t, revoked_certs_t
+from llmgw.control.store.sqlchanges import mark as mark_changes
 from llmgw.control.store.sqlpart import SqlPart
 from llmgw.errors import Conflict, Revoked
 from llmgw.protocol import LogRequest
@@ -99,6 +100,7 @@ class SqlBeats(SqlPart):
         serial this very write remembers)."""
         denied, removed, admitted = deny_list(conn, [(b.node_id, b.serial) for b in beats])
         out = []
+        full: list[str] = []
         for b in beats:
             gone = denied.get(b.serial) if b.serial else None
             if gone is None and b.serial and b.node_id in removed and (b.node_id, b.serial) not in admitted:
@@ -125,7 +127,11 @@ class SqlBeats(SqlPart):
             placed = select_replicas(conn, node=b.node_id)
             updates = report_updates(b.node_id, placed, b.hb.replicas, b.now)
             changed = [r.id for r in updates if update_replica(conn, r)]
+            full.append(b.node_id)
             out.append(BeatResult(None, changed, take_log_requests(conn, b.node_id, b.now) if b.logs else []))
+        # A full beat is a change (its agent sends one only when its state moved): the leader's next
+        # pass reads the node again (one insert for the batch; pulses mark nothing).
+        mark_changes(conn, "node", full, max((b.now for b in beats), default=0.0))
         return out
 
 

@@ -1,0 +1,152 @@
+"""The leader's dirty passes (reconcile/view.py): marks written with the change, on any control
+plane, read and consumed by the next pass, which does the same work a full pass would for what
+changed; a path that marks nothing is caught by the full resync; a new leader starts full.
+
+Real stores (SQLite and PostgreSQL, the ``store`` fixture), real heartbeat writes; no mocks.
+"""
+
+from __future__ import annotations
+
+from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement.checks import Reservation
+from llmgw.control.placement.placer import Placer
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store import Store, open_store
+from llmgw.control.store.rows import BeatWrite
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
+from tests.helpers.nodes import node
+
+GB = 1_000_000_000
+LLAMA = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
+
+
+def model(name: str, n: int = 1) -> Model:
+    return Model(name=name, source=f"http://mirror/{name}.gguf", scaling=Scaling(min=n, max=n),
+                 profiles=[Profile(name="cpu", min_memory_gb=2, cpu_cores=1)])
+
+
+def beat(store: Store, node: str, now: float, reports: list[ReplicaStatus] | None = None) -> None:
+    """A full heartbeat of ``node`` through the store's heartbeat path (what marks it)."""
+    inv = Inventory(cores=8, memory_total_bytes=32 * GB, memory_available_bytes=30 * GB)
+    hb = Heartbeat(inventory=inv, engines=[LLAMA], replicas=reports or [], instance=f"i-{node}")
+    (res,) = store.write_heartbeats([BeatWrite(node, hb, now)])
+    assert res.refused is None
+
+
+def cluster(store: Store, nodes: int = 3, lost_after_s: float = 30) -> Leader:
+    for i in range(nodes):
+        beat(store, f"n{i}", 100.0)
+    store.add_model(model("a", 2), now=100.0)
+    leader = Leader(store, node_lost_after_s=lost_after_s)
+    first = leader.reconcile_once(100.0, dirty=True)  # a new leader: a full pass
+    assert len(first.created) == 2
+    assert store.read_dirty().change_ids == []  # the marks it read are gone
+    return leader
+
+
+def test_a_steady_dirty_pass_reads_marks_only_and_writes_nothing(store: Store) -> None:
+    leader = cluster(store)
+    res = leader.reconcile_once(101.0, dirty=True)
+    assert (res.created, res.removed, res.lost, res.explanations) == ([], [], [], {})
+
+
+def test_a_model_added_on_another_control_plane_is_placed_by_the_next_dirty_pass(store_url: str) -> None:
+    store, other = open_store(store_url), open_store(store_url)  # two control planes, one database
+    try:
+        leader = cluster(store)
+        other.add_model(model("b", 3), now=101.0)
+        res = leader.reconcile_once(101.0, dirty=True)
+        assert sorted(r.split("-")[0] for r in res.created) == ["b", "b", "b"]
+        assert list(res.explanations) == ["b"]  # only the model that changed is visited
+        placed = {r.node for r in store.list_replicas(model="b")}
+        assert placed == {"n0", "n1", "n2"}  # spread: the kept placer counts model a's replicas
+        other.delete_model("b")
+        res = leader.reconcile_once(102.0, dirty=True)
+        assert len(res.removed) == 3
+        assert store.get_explanation("b") is None
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_failed_replica_reported_by_a_heartbeat_is_replaced_after_its_backoff(store: Store) -> None:
+    leader = cluster(store)
+    r = store.list_replicas(model="a")[0]
+    beat(store, r.node, 101.0, [ReplicaStatus(id=r.id, state=ReplicaState.FAILED, err="crashed")])
+    assert leader.reconcile_once(102.0, dirty=True).removed == []  # 10 s backoff
+    res = leader.reconcile_once(112.0, dirty=True)  # no new mark: the view knows it failed
+    assert res.removed == [r.id]
+    assert len(res.created) == 1
+    assert store.get_replica(res.created[0]).restarts == 1  # type: ignore[union-attr]
+
+
+def test_a_silent_node_is_lost_and_its_replicas_move_without_any_mark(store: Store) -> None:
+    leader = cluster(store)
+    gone = store.list_replicas(model="a")[0]
+    for t in (110.0, 120.0, 131.0):  # the others keep beating (pulses: last_seen only, no mark)
+        for n in ("n0", "n1", "n2"):
+            if n != gone.node:
+                beat(store, n, t)
+        store.forget_changes(store.read_dirty().change_ids)
+    res = leader.reconcile_once(131.0, dirty=True)
+    assert res.lost == [gone.node]
+    assert res.removed == [gone.id]
+    assert [store.get_replica(c).node for c in res.created] != [gone.node]  # type: ignore[union-attr]
+
+
+def test_a_cordon_marks_the_node_and_placement_avoids_it(store: Store) -> None:
+    leader = cluster(store)
+    node = store.get_node("n2")
+    assert node is not None
+    store.update_node(node, cordoned=True)
+    store.add_model(model("c", 3), now=101.0)
+    res = leader.reconcile_once(101.0, dirty=True)
+    assert len(res.created) == 3
+    # n0 and n1 only (one of them twice): the kept placer was rebuilt for the cordoned node
+    assert {store.get_replica(c).node for c in res.created} == {"n0", "n1"}  # type: ignore[union-attr]
+
+
+def test_a_write_that_marks_nothing_is_seen_at_the_full_resync(store: Store) -> None:
+    leader = cluster(store, lost_after_s=1000)
+    r = store.list_replicas(model="a")[0]
+    store.delete_replica(r.id)  # no mark: only a full pass sees it
+    assert leader.reconcile_once(101.0, dirty=True).created == []
+    res = leader.reconcile_once(100.0 + leader.resync_s, dirty=True)
+    assert len(res.created) == 1
+
+
+def test_a_new_leader_starts_with_a_full_pass(store: Store) -> None:
+    cluster(store)
+    r = store.list_replicas(model="a")[0]
+    store.delete_replica(r.id)  # no mark
+    successor = Leader(store, node_lost_after_s=30)
+    assert len(successor.reconcile_once(101.0, dirty=True).created) == 1
+
+
+def test_a_mark_made_after_the_read_stays_for_the_next_pass(store: Store) -> None:
+    cluster(store)
+    got = store.read_dirty()
+    store.add_model(model("d"), now=101.0)
+    store.forget_changes(got.change_ids)  # the pass deletes only what it read
+    assert set(store.read_dirty().models) == {"d"}
+
+
+def test_a_kept_placer_caught_up_places_and_explains_as_a_fresh_one() -> None:
+    """Placer.release, hold and update_node (what a dirty pass applies) against a placer built
+    from scratch on the same nodes and reservations: the same node, the same summary."""
+    nodes = [node(f"n{i}", cores=4, mem_gb=32, avail_gb=30) for i in range(4)]
+    x1, x2, x3 = (Reservation(n, "x", 2.0, 1, replica=f"x-{n}") for n in ("n0", "n1", "n3"))
+    kept = Placer(nodes, [x1, x2])
+    a, big = model("a"), Model(name="big", source="http://mirror/big.gguf",
+                               profiles=[Profile(name="cpu", min_memory_gb=20, cpu_cores=4)])
+    kept.place(a), kept.place(big)  # both profiles' indexes built, as a pass leaves them
+    kept.release([("n0", "x-n0")])
+    moved = node("n2", cores=4, mem_gb=32, avail_gb=1)  # its free memory went elsewhere
+    assert kept.update_node(moved)
+    kept.hold([x3])
+    fresh = Placer([nodes[0], nodes[1], moved, nodes[3]], [x2, x3])
+    for m in (a, big):
+        got, want = kept.place(m), fresh.place(m)
+        assert (got.node, got.summary) == (want.node, want.summary)
+    assert not kept.update_node(node("n1", cores=4, mem_gb=32, avail_gb=30, cordoned=True))  # a filter's field
+    assert not kept.update_node(node("n9"))  # a node the placer never had
