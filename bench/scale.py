@@ -4,7 +4,9 @@
         [--rate 50] [--ramp-per-s 100] [--outage-s 15]
 
 A real control plane (``python -m llmgw server run`` as its own process, SQLite store, its own CA,
-``cluster.max_heartbeats_per_s`` = ``--rate``), an *instant upstream* (bench/gateway_overhead.py's,
+``cluster.max_heartbeats_per_s`` = ``--rate``; with ``--ha`` three of them on one PostgreSQL, the
+agents spread over them by their rendezvous homes, the busiest one's CPU reported, the restart
+fault on the first one), an *instant upstream* (bench/gateway_overhead.py's,
 its own process) and N simulated agents in this one asyncio process (bench/scale_fleet.py: each its
 own certificate from the cluster CA, the real agent's wire, pulses, interval and jittered backoff;
 engines simulated by their reports). For each N, in order:
@@ -41,12 +43,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,8 +62,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from gateway_overhead import _spawn  # noqa: E402
+from scale_cp import ControlPlane, installs  # noqa: E402
 from scale_fleet import Fleet, SimAgent, issue_certs  # noqa: E402
-from tests.helpers.control import TOKEN, Install, make_install  # noqa: E402
+from tests.helpers.control import TOKEN  # noqa: E402
 
 from llmgw.control.api.cadence import interval_for, lost_after_for  # noqa: E402
 from llmgw.control.reconcile.leader import DEFAULT_INTERVAL_S  # noqa: E402
@@ -89,6 +89,11 @@ class Run:
     failures: list[str] = field(default_factory=list)
 
 
+def say(n: int, phase: str) -> None:
+    """A progress line: the phase starting, the time and the load."""
+    print(f"N = {n}: {phase} at {time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.1f}", flush=True)
+
+
 def pct(xs: list[float], p: float) -> float:
     """The ``p``-th percentile of ``xs`` (nearest rank); NaN when empty."""
     if not xs:
@@ -104,55 +109,6 @@ def model_doc(name: str) -> dict[str, object]:
         "scaling": {"min": 2, "max": 2},
         "profiles": [{"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1}],
     }
-
-
-class ControlPlane:
-    """``llmgw server run`` over ``inst`` as a child process; its CPU and its largest RSS."""
-
-    def __init__(self, inst: Install) -> None:
-        self.inst = inst
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.ps: psutil.Process | None = None
-        self.rss_max = 0
-
-    async def start(self, client: httpx.AsyncClient) -> None:
-        log = (self.inst.root / "server.log").open("ab")
-        self.proc = subprocess.Popen(  # noqa: ASYNC220 - before anything is measured
-            [sys.executable, "-m", "llmgw", "server", "run"],
-            env={**os.environ, "LLMGW_ROOT": str(self.inst.root)}, stdout=log, stderr=subprocess.STDOUT,
-        )
-        self.ps = psutil.Process(self.proc.pid)
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if (await client.get("/api/v1/health")).status_code == 200:
-                    return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                print((self.inst.root / "server.log").read_text()[-3000:])
-                raise SystemExit("the control plane did not start")
-            await asyncio.sleep(0.1)
-
-    def cpu(self) -> float:
-        assert self.ps is not None
-        return sum(self.ps.cpu_times()[:2])
-
-    async def sample_rss(self) -> None:
-        while True:
-            with contextlib.suppress(psutil.Error, AssertionError):
-                assert self.ps is not None
-                self.rss_max = max(self.rss_max, self.ps.memory_info().rss)
-            await asyncio.sleep(1.0)
-
-    async def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        for _ in range(200):
-            if self.proc.poll() is not None:
-                return
-            await asyncio.sleep(0.1)
-        self.proc.kill()
-        self.proc.wait()
 
 
 async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int) -> tuple[list[float], list[float]]:
@@ -221,10 +177,14 @@ async def ramp(fleet: Fleet, agents: list[SimAgent], per_s: float, within_s: flo
         ahead = t0 + (k + 1) / per_s - time.monotonic()
         if ahead > 0:
             await asyncio.sleep(ahead)
-    while time.monotonic() - t0 < within_s:
-        if all(a.registered for a in agents):
-            break
-        await asyncio.sleep(0.5)
+        if k % 500 == 499:
+            print(f"  {sum(a.registered for a in agents)} of {k + 1} started registered after "
+                  f"{time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
+
+    async def registered() -> bool:
+        return all(a.registered for a in agents)
+
+    await until(registered, within_s - (time.monotonic() - t0), 0.5)
     return sum(a.registered for a in agents)
 
 
@@ -292,17 +252,17 @@ async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: in
         run.failures.append("the killed nodes' replicas were not all ready elsewhere in time")
 
 
-async def restart_phase(client: httpx.AsyncClient, fleet: Fleet, cp: ControlPlane, run: Run,
-                        outage_s: float, interval: float) -> None:
+async def restart_phase(fleet: Fleet, cp: ControlPlane, run: Run, outage_s: float, interval: float) -> None:
     """Stop the control plane, keep it down ``outage_s``, start it; measure the agents' return."""
     rec = fleet.records
     rec.phase = "restart"
+    say(len(fleet.agents), "restart")
     rec.restarted_at = time.monotonic()
     await cp.stop()
     stopped = time.monotonic()
     await asyncio.sleep(max(0.0, stopped + outage_s - time.monotonic()))
     starting = time.monotonic()
-    await cp.start(client)
+    await cp.start()
     up = time.monotonic()
     run.figures["cp_stop_s"] = stopped - rec.restarted_at
     run.figures["cp_start_s"] = up - starting
@@ -336,24 +296,34 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
     f = run.figures
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
-    inst = make_install(root, cluster={"max_heartbeats_per_s": args.rate}, node_lost_after_s=args.lost_after_s)
+    insts, pg = installs(root, ha=args.ha, rate=args.rate, lost_after_s=args.lost_after_s)
+    inst = insts[0]
     t = time.perf_counter()
     names = [f"sim-{i:05d}" for i in range(n)]
     certs = issue_certs(inst.ca, names, root / "agents")
     f["pki_s"] = time.perf_counter() - t
     up, up_port = _spawn(["--role", "upstream", "--events", "1"], root / "upstream-port")
-    cp = ControlPlane(inst)
+    cps = [ControlPlane(i) for i in insts]
+
+    def cpu() -> list[float]:
+        return [c.cpu() for c in cps]
+
+    def cores(before: list[float], wall: float) -> tuple[float, float]:
+        """The busiest control plane's cores since ``before``, and all of them together."""
+        each = [(b - a) / wall for a, b in zip(before, cpu(), strict=True)]
+        return max(each), sum(each)
+
     me = psutil.Process()
     auth = {"Authorization": f"Bearer {TOKEN}"}
     tasks: list[asyncio.Task[Any]] = []
-    fleet = Fleet(inst.agent_url, inst.paths.pki / "ca.pem", f"127.0.0.1:{up_port}", GW_MODEL)
+    fleet = Fleet([i.agent_url for i in insts], inst.paths.pki / "ca.pem", f"127.0.0.1:{up_port}", GW_MODEL)
     try:
         async with httpx.AsyncClient(base_url=inst.admin, headers=auth, timeout=120) as client:
-            await cp.start(client)
-            tasks.append(asyncio.create_task(cp.sample_rss()))
-            c0 = cp.cpu()
+            await asyncio.gather(*(c.start() for c in cps))
+            tasks += [asyncio.create_task(c.sample_rss()) for c in cps]
+            c0 = cpu()
             await asyncio.sleep(QUIET_S)
-            f["cp_cpu_cores_quiet"] = (cp.cpu() - c0) / QUIET_S
+            f["cp_cpu_cores_quiet"] = cores(c0, QUIET_S)[0]
             t = time.perf_counter()
             for name, (cert, key) in zip(names, certs, strict=True):
                 fleet.add(name, cert, key)
@@ -377,10 +347,18 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             d_idle, g_idle = await gateway_latency(direct, gateway, stop_gw, args.gateway_n)
             # Ramp.
             fleet.records.phase = "ramp"
-            t = time.monotonic()
+            t, c0, s0 = time.monotonic(), cpu(), sum(me.cpu_times()[:2])
             run.reached = 2 + await ramp(fleet, fleet.agents[2:], args.ramp_per_s, n / args.ramp_per_s + 60)
             f["ramp_s"] = time.monotonic() - t
+            f["cp_cpu_cores_ramp"] = cores(c0, f["ramp_s"])[0]
+            f["sim_cpu_cores_ramp"] = (sum(me.cpu_times()[:2]) - s0) / f["ramp_s"]
+            print(f"N = {n}: {run.reached} registered in {f['ramp_s']:.1f} s, control plane "
+                  f"{f['cp_cpu_cores_ramp']:.2f} cores meanwhile, this process {f['sim_cpu_cores_ramp']:.2f}, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
             if run.reached < n:
+                for ph, kept in fleet.records.errors.items():
+                    count = fleet.records.error_count[ph]
+                    print(f"N = {n}, {ph}: {count} failed exchanges, e.g.", *kept[:3], sep="\n  ")
                 return run
             nodes = (await client.get("/api/v1/nodes")).json()
             ready_nodes = sum(1 for nd in nodes if nd["state"] == "ready")
@@ -390,10 +368,16 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             # Steady.
             await asyncio.sleep(args.settle_s)
             fleet.records.phase = "steady"
-            c0, s0, t = cp.cpu(), sum(me.cpu_times()[:2]), time.monotonic()
+            say(n, "steady")
+            c0, s0, t = cpu(), sum(me.cpu_times()[:2]), time.monotonic()
             await asyncio.sleep(args.steady_s)
             wall = time.monotonic() - t
-            f["cp_cpu_cores"] = (cp.cpu() - c0) / wall
+            f["cp_cpu_cores"], total = cores(c0, wall)
+            if len(cps) > 1:
+                f["cp_cpu_cores_all"] = total
+                answered = sum(fleet.used.values())
+                for k, c in enumerate(cps):
+                    f[f"beats_share_cp{k}"] = fleet.used.get(c.inst.agent_url, 0) / max(answered, 1)
             f["sim_cpu_cores"] = (sum(me.cpu_times()[:2]) - s0) / wall
             f["heartbeats_per_s_steady"] = len(fleet.records.beats.get("steady", [])) / wall
             f["cp_cpu_cores_per_1000_nodes"] = f["cp_cpu_cores"] / n * 1000
@@ -401,9 +385,10 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             # Burst of model adds, the gateway measured meanwhile.
             interval = interval_for(n, args.rate)
             fleet.records.phase = "burst"
+            say(n, "burst")
             stop_gw = asyncio.Event()
             gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, args.gateway_n))
-            c0, t = cp.cpu(), time.monotonic()
+            c0, t = cpu(), time.monotonic()
             bench_models = {f"bench-{k:03d}" for k in range(args.models)}
             for name in sorted(bench_models):
                 r = await client.post("/api/v1/models", json=model_doc(name))
@@ -412,7 +397,7 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             f["adds_s"] = time.monotonic() - t
             ready_s = await wait_ready(client, bench_models, 2 * args.models, 1.5 * interval + 60)
             f["burst_all_ready_s"] = float("nan") if ready_s is None else time.monotonic() - t
-            f["cp_cpu_cores_burst"] = (cp.cpu() - c0) / (time.monotonic() - t)
+            f["cp_cpu_cores_burst"] = cores(c0, time.monotonic() - t)[0]
             stop_gw.set()
             d_run, g_run = await gw
             if ready_s is None:
@@ -423,9 +408,11 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             f["heartbeat_p99_ms"] = pct(burst, 99)
             # Kill a batch.
             fleet.records.phase = "kill"
+            say(n, "kill")
             await kill_phase(client, fleet, run, args.kill, lost_after_for(interval, args.lost_after_s), interval)
             # Remove the models in a burst.
             fleet.records.phase = "remove"
+            say(n, "remove")
             t = time.monotonic()
             for name in sorted(bench_models):
                 (await client.delete(f"/api/v1/models/{name}")).raise_for_status()
@@ -433,13 +420,14 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             async def gone() -> bool:
                 return not any(x["model"] in bench_models for x in await replicas(client))
 
-            await until(gone, 60, POLL_S)
+            if not await until(gone, 60, POLL_S):
+                run.failures.append("replicas of the removed models still listed after 60 s (see server.log)")
             f["remove_s"] = time.monotonic() - t
             f["heartbeat_remove_p99_ms"] = pct([b.ms for b in fleet.records.beats.get("remove", [])], 99)
-            f["cp_rss_mib"] = cp.rss_max / 2**20
+            f["cp_rss_mib"] = max(c.rss_max for c in cps) / 2**20
             f["sim_rss_mib"] = me.memory_info().rss / 2**20
             # The fault: a restart.
-            await restart_phase(client, fleet, cp, run, args.outage_s, interval)
+            await restart_phase(fleet, cps[0], run, args.outage_s, interval)
             errs = fleet.records.error_count
             f["heartbeat_errors_outside_restart"] = sum(c for ph, c in errs.items() if ph != "restart")
             for ph, kept in fleet.records.errors.items():
@@ -452,7 +440,10 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
         for task in tasks:
             task.cancel()
         await fleet.close()
-        await cp.stop()
+        for c in cps:
+            await c.stop()
+        if pg is not None:
+            pg.stop()
         up.terminate()
         up.wait(15)
         tmp.cleanup()
@@ -479,6 +470,7 @@ def main() -> None:
     ap.add_argument("--lost-after-s", type=float, default=30.0, help="server.yaml node_lost_after_s")
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="after the ramp, before the steady window")
     ap.add_argument("--steady-s", type=float, default=STEADY_S, help="the steady window (cp_cpu_cores)")
+    ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
     args = ap.parse_args()
     sizes = args.agents or [500]

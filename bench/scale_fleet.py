@@ -21,7 +21,7 @@ What it records (:class:`Records`): each exchange's latency by phase, errors, an
 fault each attempt and each agent's first answer after :attr:`Records.restarted_at`.
 
 Not simulated: the engine metrics an agent pushes, log requests (answered by no one), adoption,
-inventory changes (the memory report never moves), several control planes (one URL).
+inventory changes (the memory report never moves), the TLS diagnosis of a failure.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw import __version__, tlsconf
-from llmgw.agent.loop.controlplanes import JITTER, backoff_s, beat_wait_s
+from llmgw.agent.loop.controlplanes import JITTER, ControlPlanes, backoff_s, beat_wait_s
 from llmgw.agent.loop.wire import post_heartbeat
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.protocol import (
@@ -139,6 +139,7 @@ class SimAgent:
     index: int
     name: str
     ctx: ssl.SSLContext
+    cps: ControlPlanes
     desired: list[ReplicaSpec] = field(default_factory=list)
     desired_digest: str = ""
     acked: str = ""
@@ -152,18 +153,22 @@ class SimAgent:
 
 
 class Fleet:
-    """The simulated agents of one run, all beating to ``url`` (the agent API).
+    """The simulated agents of one run, beating to the control planes' agent APIs ``urls``.
 
     Args:
-        url: ``https://127.0.0.1:PORT`` of the control plane's agent API.
+        urls: ``https://127.0.0.1:PORT`` of each control plane's agent API; each agent ranks them
+            for itself (:class:`~llmgw.agent.loop.controlplanes.ControlPlanes`: a rendezvous home,
+            the next at once when one does not answer), as the real agent does.
         ca: the cluster CA's certificate file (to trust the control plane).
         gateway_endpoint: ``host:port`` of the instant upstream; replicas of ``gateway_model`` are
             reported there, every other replica at :data:`CLOSED_ENDPOINT`.
         gateway_model: the model whose replicas the gateway is measured through.
     """
 
-    def __init__(self, url: str, ca: Path, gateway_endpoint: str, gateway_model: str) -> None:
-        self.url = url
+    def __init__(self, urls: list[str], ca: Path, gateway_endpoint: str, gateway_model: str) -> None:
+        self.urls = urls
+        self.used: dict[str, int] = {}
+        """Answered beats by control plane URL (how the agents spread)."""
         self.ca = ca
         self.gateway_endpoint = gateway_endpoint
         self.gateway_model = gateway_model
@@ -173,7 +178,8 @@ class Fleet:
 
     def add(self, name: str, cert: Path, key: Path) -> SimAgent:
         """A new agent (not started); its TLS context is made here."""
-        agent = SimAgent(len(self.agents), name, tlsconf.client_context(self.ca, cert, key))
+        ctx = tlsconf.client_context(self.ca, cert, key)
+        agent = SimAgent(len(self.agents), name, ctx, ControlPlanes(self.urls, node=name))
         self.agents.append(agent)
         return agent
 
@@ -211,7 +217,7 @@ class Fleet:
             desired_digest=agent.desired_digest,
         )
 
-    async def _exchange(self, s: aiohttp.ClientSession, agent: SimAgent) -> tuple[HeartbeatReply, bool]:
+    async def _exchange(self, s: aiohttp.ClientSession, agent: SimAgent, url: str) -> tuple[HeartbeatReply, bool]:
         """One exchange as the real agent's ``_exchange`` makes it; returns the reply and whether a
         pulse went first."""
         hb = self.heartbeat(agent)
@@ -223,33 +229,51 @@ class Fleet:
             body = Pulse(digest=digest, instance=hb.instance, desired_digest=agent.desired_digest,
                          agent_version=__version__)
         try:
-            reply = await post_heartbeat(s, self.url, path, body)
+            reply = await post_heartbeat(s, url, path, body)
             if reply.send_full:
-                reply = await post_heartbeat(s, self.url, path, hb)
+                reply = await post_heartbeat(s, url, path, hb)
         except ApiError as e:
             if e.status != 404 or not agent.registered:
                 raise
             agent.registered = False
-            reply = await post_heartbeat(s, self.url, "/agent/v1/register", hb)
+            reply = await post_heartbeat(s, url, "/agent/v1/register", hb)
         agent.acked = "" if reply.send_full else reply.digest
         return reply, pulse
 
+    async def _cycle(self, s: aiohttp.ClientSession, agent: SimAgent) -> tuple[HeartbeatReply, bool] | None:
+        """One beat over the control planes in the agent's order, as the real agent's ``beat_once``:
+        a connect error, timeout or 5xx moves to the next one at once; None when none answered."""
+        rec = self.records
+        for url in agent.cps.order():
+            try:
+                answer = await self._exchange(s, agent, url)
+            except (UnreachableError, ApiError) as e:
+                rec.error_count[rec.phase] = rec.error_count.get(rec.phase, 0) + 1
+                if len(kept := rec.errors.setdefault(rec.phase, [])) < 100:
+                    kept.append(f"{agent.name}: {e}")
+                if isinstance(e, ApiError) and 300 <= e.status < 500:
+                    return None
+                agent.cps.failed(url)
+                continue
+            agent.cps.succeeded(url)
+            agent.cps.learn(answer[0].control_planes)
+            self.used[url] = self.used.get(url, 0) + 1
+            return answer
+        return None
+
     async def _run(self, agent: SimAgent) -> None:
         rec = self.records
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=agent.ctx, limit=1)) as s:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=agent.ctx)) as s:
             while not self.stop.is_set():
                 t = time.monotonic()
                 if rec.restarted_at:
                     rec.attempts.append(t)
                 changed = False
-                try:
-                    reply, pulse = await self._exchange(s, agent)
-                except (UnreachableError, ApiError) as e:
+                answer = await self._cycle(s, agent)
+                if answer is None:
                     agent.failed += 1
-                    rec.error_count[rec.phase] = rec.error_count.get(rec.phase, 0) + 1
-                    if len(kept := rec.errors.setdefault(rec.phase, [])) < 100:
-                        kept.append(f"{agent.name}: {e}")
                 else:
+                    reply, pulse = answer
                     done = time.monotonic()
                     beat = Beat(t, (done - t) * 1000, pulse)
                     rec.add(beat)
