@@ -24,13 +24,15 @@ engines simulated by their reports). For each N, in order:
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
    docs/operating.md states (:func:`llmgw.control.api.cadence.lost_after_for` plus one leader pass
-   and one poll), then their replicas re-placed on live nodes and ready, ``replicas_placed_twice``;
+   and one poll, plus ``--lost-slack-s``), then their replicas re-placed on live nodes and ready,
+   ``replicas_placed_twice``;
 7. ``remove``: every bench model deleted at once; the heartbeat p99 meanwhile;
 8. ``restart`` (the fault): the control plane is stopped (SIGTERM), kept down ``--outage-s``, and
    started again on the same store; every agent reconnects with the real agent's backoff (full
    jitter). ``reconnect_peak_per_s`` (the most first answers after the restart in one second),
    ``reconnect_p99_ms`` (latency of each agent's first exchange after, a new TLS connection) and
-   ``reconnect_all_s`` (until every agent has an answer).
+   ``reconnect_all_s`` (from the control plane answering again until every agent has an answer;
+   with ``--ha`` the agents fail over first, so see ``reconnect_all_since_stop_s``).
 
 ``cp_rss_mib`` is the control plane's largest resident memory over phases 1-7 (sampled each second);
 ``sim_cpu_cores`` this process's own CPU over the steady phase (it must not starve the control plane
@@ -189,7 +191,7 @@ async def ramp(fleet: Fleet, agents: list[SimAgent], per_s: float, within_s: flo
 
 
 async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: int, lost_after: float,
-                     interval: float) -> None:
+                     interval: float, slack_s: float) -> None:
     """Kill ``kill`` agents hosting bench replicas; measure detection and re-placement (see the module docstring)."""
     f = run.figures
     reps = await replicas(client)
@@ -204,14 +206,17 @@ async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: in
     for a in victims:
         fleet.kill(a)
     last_ok = {a.name: a.last_ok for a in victims}
-    bound = lost_after + DEFAULT_INTERVAL_S + POLL_S
+    bound = lost_after + DEFAULT_INTERVAL_S + POLL_S + slack_s
     await asyncio.sleep(max(0.0, min(last_ok.values()) + lost_after - 2 * POLL_S - time.monotonic()))
     seen: dict[str, float] = {}
     on_nodes: dict[str, set[str]] = {}
     deadline = time.monotonic() + lost_after + 90
+    polls: list[float] = []
     while len(seen) < len(names) and time.monotonic() < deadline:
+        asked = time.monotonic()
         r = await client.get("/api/v1/nodes")
-        now = time.monotonic()
+        now = time.monotonic()  # the state may have moved while the request was answered: count its end
+        polls.append(now - asked)
         for nd in r.json():
             if nd["id"] in names and nd["state"] == "lost":
                 seen.setdefault(nd["id"], now)
@@ -224,6 +229,7 @@ async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: in
     f["lost_detect_bound_s"] = bound
     f["lost_detect_p50_s"] = pct(detect, 50)
     f["lost_detect_s"] = max(detect) if detect else float("nan")
+    f["nodes_poll_p50_s"] = pct(polls, 50)  # what of lost_detect_s is the admin API's own answer time
     if len(seen) < len(names):
         run.failures.append(f"only {len(seen)} of {len(names)} killed nodes seen lost")
     elif max(detect) > bound:
@@ -283,7 +289,8 @@ async def restart_phase(fleet: Fleet, cp: ControlPlane, run: Run, outage_s: floa
     f["agents_backing_off_at_restart"] = backing_off
     f["attempts_during_outage_per_s"] = len(tried) / max(up - rec.restarted_at, 1e-9)
     f["reconnected"] = len(rec.reconnects)
-    f["reconnect_all_s"] = answers[-1] if answers else float("nan")
+    f["reconnect_all_s"] = answers[-1] if answers else float("nan")  # from the control plane back up
+    f["reconnect_all_since_stop_s"] = answers[-1] + up - rec.restarted_at if answers else float("nan")
     f["reconnect_peak_per_s"] = max(bins.values()) if bins else 0
     f["reconnect_p50_ms"] = pct([b.ms for b in rec.reconnects.values()], 50)
     f["reconnect_p99_ms"] = pct([b.ms for b in rec.reconnects.values()], 99)
@@ -409,7 +416,8 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             # Kill a batch.
             fleet.records.phase = "kill"
             say(n, "kill")
-            await kill_phase(client, fleet, run, args.kill, lost_after_for(interval, args.lost_after_s), interval)
+            lost_after = lost_after_for(interval, args.lost_after_s)
+            await kill_phase(client, fleet, run, args.kill, lost_after, interval, args.lost_slack_s)
             # Remove the models in a burst.
             fleet.records.phase = "remove"
             say(n, "remove")
@@ -470,6 +478,7 @@ def main() -> None:
     ap.add_argument("--lost-after-s", type=float, default=30.0, help="server.yaml node_lost_after_s")
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="after the ramp, before the steady window")
     ap.add_argument("--steady-s", type=float, default=STEADY_S, help="the steady window (cp_cpu_cores)")
+    ap.add_argument("--lost-slack-s", type=float, default=0.0, help="seconds added to the lost-detection bound")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
     args = ap.parse_args()
