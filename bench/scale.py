@@ -24,15 +24,16 @@ engines simulated by their reports). For each N, in order:
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
    docs/operating.md states (:func:`llmgw.control.api.cadence.lost_after_for` plus one leader pass
-   and one poll, plus ``--lost-slack-s``), then their replicas re-placed on live nodes and ready,
-   ``replicas_placed_twice``;
+   and one poll, plus ``--lost-slack-s``), then their replicas re-placed on live nodes and ready
+   (``replaced_ready_s``, from the last one seen lost), ``replicas_placed_twice``;
 7. ``remove``: every bench model deleted at once; the heartbeat p99 meanwhile;
 8. ``restart`` (the fault): the control plane is stopped (SIGTERM), kept down ``--outage-s``, and
    started again on the same store; every agent reconnects with the real agent's backoff (full
    jitter). ``reconnect_peak_per_s`` (the most first answers after the restart in one second),
    ``reconnect_p99_ms`` (latency of each agent's first exchange after, a new TLS connection) and
    ``reconnect_all_s`` (from the control plane answering again until every agent has an answer;
-   with ``--ha`` the agents fail over first, so see ``reconnect_all_since_stop_s``).
+   with ``--ha`` the agents fail over first, so see ``reconnect_all_since_stop_s``);
+   ``--no-backoff-jitter`` makes the agents back off as before full jitter, for comparison.
 
 ``cp_rss_mib`` is the control plane's largest resident memory over phases 1-7 (sampled each second);
 ``sim_cpu_cores`` this process's own CPU over the steady phase (it must not starve the control plane
@@ -158,13 +159,12 @@ async def replicas(client: httpx.AsyncClient) -> list[dict[str, Any]]:
     return out
 
 
-async def wait_ready(client: httpx.AsyncClient, models: set[str], want: int, within_s: float,
-                     avoid: set[str] = frozenset()) -> float | None:  # type: ignore[assignment]
-    """Seconds until ``want`` replicas of ``models`` are ready on nodes not in ``avoid``; None past ``within_s``."""
+async def wait_ready(client: httpx.AsyncClient, models: set[str], want: int, within_s: float) -> float | None:
+    """Seconds until ``want`` replicas of ``models`` are ready; None past ``within_s``."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < within_s:
         reps = await replicas(client)
-        ready = [x for x in reps if x["model"] in models and x["state"] == "ready" and x["node"] not in avoid]
+        ready = [x for x in reps if x["model"] in models and x["state"] == "ready"]
         if len(ready) >= want:
             return time.monotonic() - t0
         await asyncio.sleep(POLL_S)
@@ -324,6 +324,7 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     tasks: list[asyncio.Task[Any]] = []
     fleet = Fleet([i.agent_url for i in insts], inst.paths.pki / "ca.pem", f"127.0.0.1:{up_port}", GW_MODEL)
+    fleet.jitter = not args.no_backoff_jitter
     try:
         async with httpx.AsyncClient(base_url=inst.admin, headers=auth, timeout=120) as client:
             await asyncio.gather(*(c.start() for c in cps))
@@ -479,6 +480,8 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="after the ramp, before the steady window")
     ap.add_argument("--steady-s", type=float, default=STEADY_S, help="the steady window (cp_cpu_cores)")
     ap.add_argument("--lost-slack-s", type=float, default=0.0, help="seconds added to the lost-detection bound")
+    ap.add_argument("--no-backoff-jitter", action="store_true",
+                    help="agents back off exactly 1, 2, 5, 10 s (before full jitter), for comparison")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
     args = ap.parse_args()

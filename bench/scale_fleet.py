@@ -175,6 +175,8 @@ class Fleet:
         self.agents: list[SimAgent] = []
         self.records = Records()
         self.stop = asyncio.Event()
+        self.jitter = True
+        """False: back off exactly 1, 2, 5, 10 s (the agent before full jitter), for comparison."""
 
     def add(self, name: str, cert: Path, key: Path) -> SimAgent:
         """A new agent (not started); its TLS context is made here."""
@@ -284,7 +286,8 @@ class Fleet:
                     if not reply.desired_unchanged:
                         changed = [d.id for d in reply.desired] != [d.id for d in agent.desired]
                         agent.desired, agent.desired_digest = reply.desired, reply.desired_digest
-                wait = backoff_s(agent.failed, random.random()) or beat_wait_s(
+                draw = random.random() if self.jitter else 1.0
+                wait = backoff_s(agent.failed, draw) or beat_wait_s(
                     2.0, agent.interval_s, random.uniform(*JITTER)
                 )
                 if changed:
