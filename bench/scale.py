@@ -325,6 +325,7 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
     tasks: list[asyncio.Task[Any]] = []
     fleet = Fleet([i.agent_url for i in insts], inst.paths.pki / "ca.pem", f"127.0.0.1:{up_port}", GW_MODEL)
     fleet.jitter = not args.no_backoff_jitter
+    fleet.keepalive_s = args.keepalive_s
     try:
         async with httpx.AsyncClient(base_url=inst.admin, headers=auth, timeout=120) as client:
             await asyncio.gather(*(c.start() for c in cps))
@@ -482,6 +483,8 @@ def main() -> None:
     ap.add_argument("--lost-slack-s", type=float, default=0.0, help="seconds added to the lost-detection bound")
     ap.add_argument("--no-backoff-jitter", action="store_true",
                     help="agents back off exactly 1, 2, 5, 10 s (before full jitter), for comparison")
+    ap.add_argument("--keepalive-s", type=float, default=15.0,
+                    help="agents' idle connection lifetime (default 15: aiohttp's, as the real agent)")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
     args = ap.parse_args()

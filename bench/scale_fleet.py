@@ -176,6 +176,8 @@ class Fleet:
         self.records = Records()
         self.stop = asyncio.Event()
         self.jitter = True
+        self.keepalive_s = 15.0
+        """How long an agent keeps an idle connection (s): aiohttp's default, which the real agent uses."""
         """False: back off exactly 1, 2, 5, 10 s (the agent before full jitter), for comparison."""
 
     def add(self, name: str, cert: Path, key: Path) -> SimAgent:
@@ -265,7 +267,8 @@ class Fleet:
 
     async def _run(self, agent: SimAgent) -> None:
         rec = self.records
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=agent.ctx)) as s:
+        connector = aiohttp.TCPConnector(ssl=agent.ctx, keepalive_timeout=self.keepalive_s)
+        async with aiohttp.ClientSession(connector=connector) as s:
             while not self.stop.is_set():
                 t = time.monotonic()
                 if rec.restarted_at:
