@@ -71,6 +71,7 @@ from tests.helpers.control import TOKEN  # noqa: E402
 
 from llmgw.control.api.cadence import interval_for, lost_after_for  # noqa: E402
 from llmgw.control.reconcile.leader import DEFAULT_INTERVAL_S  # noqa: E402
+from llmgw.protocol import KEEPALIVE_S  # noqa: E402
 
 GW_MODEL = "scale-gw"
 QUIET_S = 3.0
@@ -483,8 +484,8 @@ def main() -> None:
     ap.add_argument("--lost-slack-s", type=float, default=0.0, help="seconds added to the lost-detection bound")
     ap.add_argument("--no-backoff-jitter", action="store_true",
                     help="agents back off exactly 1, 2, 5, 10 s (before full jitter), for comparison")
-    ap.add_argument("--keepalive-s", type=float, default=15.0,
-                    help="agents' idle connection lifetime (default 15: aiohttp's, as the real agent)")
+    ap.add_argument("--keepalive-s", type=float, default=KEEPALIVE_S,
+                    help=f"agents' idle connection lifetime (default {KEEPALIVE_S:g} s, the real agent's)")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
     args = ap.parse_args()

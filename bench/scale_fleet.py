@@ -1,8 +1,8 @@
 """Simulated agents for bench/scale.py: many nodes in one asyncio process, over real mTLS.
 
 Each :class:`SimAgent` has its own client certificate from the cluster CA (CN = its node id) and
-its own aiohttp session (one connection, aiohttp's default connector as the real agent uses it:
-keep-alive, idle connections closed after 15 s). It speaks the real agent's wire with the real
+its own aiohttp session (keep-alive, idle connections kept :data:`~llmgw.protocol.KEEPALIVE_S` as
+the real agent keeps them). It speaks the real agent's wire with the real
 agent's functions (:func:`llmgw.agent.loop.wire.post_heartbeat`, the beat wait and the jittered
 backoff of :mod:`llmgw.agent.loop.controlplanes`):
 
@@ -45,6 +45,7 @@ from llmgw.agent.loop.controlplanes import JITTER, ControlPlanes, backoff_s, bea
 from llmgw.agent.loop.wire import post_heartbeat
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.protocol import (
+    KEEPALIVE_S,
     EngineStatus,
     Heartbeat,
     HeartbeatReply,
@@ -176,8 +177,8 @@ class Fleet:
         self.records = Records()
         self.stop = asyncio.Event()
         self.jitter = True
-        self.keepalive_s = 15.0
-        """How long an agent keeps an idle connection (s): aiohttp's default, which the real agent uses."""
+        self.keepalive_s = KEEPALIVE_S
+        """How long an agent keeps an idle connection (s): the real agent's."""
         """False: back off exactly 1, 2, 5, 10 s (the agent before full jitter), for comparison."""
 
     def add(self, name: str, cert: Path, key: Path) -> SimAgent:

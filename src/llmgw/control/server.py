@@ -98,6 +98,7 @@ from llmgw.guard.config import closed_judges
 from llmgw.httperrors import SERVER_LOG
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
+from llmgw.protocol import KEEPALIVE_S
 
 if TYPE_CHECKING:
     from llmgw.control.gateway.balancer import ReplicaLoad
@@ -196,7 +197,9 @@ async def _start(
     config_path: Path,
     ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, tuple[str, int]]:
-    """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``."""
+    """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``. The agent
+    API keeps idle connections as long as the agents do (``KEEPALIVE_S``: an agent's beat reuses its
+    mTLS connection in a large cluster instead of a new handshake); the others aiohttp's 75 s."""
     host, port = parse_listen(listen)
     # The gateway asks to have a handler cancelled when its client disconnects (_CANCEL_ON_DISCONNECT).
     runner = web.AppRunner(
@@ -205,6 +208,7 @@ async def _start(
         logger=SERVER_LOG,  # a request aiohttp cannot parse: one line, no traceback
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False),
+        keepalive_timeout=KEEPALIVE_S if setting == "agent_listen" else 75.0,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)

@@ -88,6 +88,7 @@ from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, PkiError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.protocol import (
+    KEEPALIVE_S,
     EngineStatus,
     GroupRole,
     Heartbeat,
@@ -580,7 +581,7 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
             "run the agent as the user that owns it (root on a node)"
         ) from e
     async with (
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx)) as api,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx, keepalive_timeout=KEEPALIVE_S)) as api,
         aiohttp.ClientSession() as plain,
     ):
         agent = await asyncio.to_thread(Agent, cfg, paths, api=api, plain=plain)
