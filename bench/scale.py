@@ -299,8 +299,21 @@ async def restart_phase(fleet: Fleet, cp: ControlPlane, run: Run, outage_s: floa
         run.failures.append(f"only {len(rec.reconnects)} of {len(live)} agents reconnected in time")
 
 
-async def run_n(n: int, args: argparse.Namespace) -> Run:
-    run = Run(n)
+async def admin(client: httpx.AsyncClient, run: Run, method: str, url: str, **kw: Any) -> httpx.Response:
+    """An admin call retried on 503 (as an operator would; each counted in ``admin_503``), up to 5 times."""
+    for _ in range(4):
+        r = await client.request(method, url, **kw)
+        if r.status_code != 503:
+            return r
+        run.figures["admin_503"] = run.figures.get("admin_503", 0) + 1
+        await asyncio.sleep(1.0)
+    return await client.request(method, url, **kw)
+
+
+async def run_n(run: Run, args: argparse.Namespace) -> None:
+    """Run every phase for ``run.n`` agents, filling ``run`` as it goes (what was measured stays
+    when a phase raises)."""
+    n = run.n
     f = run.figures
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
@@ -369,12 +382,12 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
                 for ph, kept in fleet.records.errors.items():
                     count = fleet.records.error_count[ph]
                     print(f"N = {n}, {ph}: {count} failed exchanges, e.g.", *kept[:3], sep="\n  ")
-                return run
+                return
             nodes = (await client.get("/api/v1/nodes")).json()
             ready_nodes = sum(1 for nd in nodes if nd["state"] == "ready")
             if ready_nodes < n:
                 run.reached = ready_nodes
-                return run
+                return
             # Steady.
             await asyncio.sleep(args.settle_s)
             fleet.records.phase = "steady"
@@ -401,7 +414,7 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             c0, t = cpu(), time.monotonic()
             bench_models = {f"bench-{k:03d}" for k in range(args.models)}
             for name in sorted(bench_models):
-                r = await client.post("/api/v1/models", json=model_doc(name))
+                r = await admin(client, run, "POST", "/api/v1/models", json=model_doc(name))
                 if r.status_code != 201:
                     raise SystemExit(f"adding model {name}: {r.status_code} {r.text}")
             f["adds_s"] = time.monotonic() - t
@@ -426,7 +439,7 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
             say(n, "remove")
             t = time.monotonic()
             for name in sorted(bench_models):
-                (await client.delete(f"/api/v1/models/{name}")).raise_for_status()
+                (await admin(client, run, "DELETE", f"/api/v1/models/{name}")).raise_for_status()
 
             async def gone() -> bool:
                 return not any(x["model"] in bench_models for x in await replicas(client))
@@ -458,7 +471,6 @@ async def run_n(n: int, args: argparse.Namespace) -> Run:
         up.terminate()
         up.wait(15)
         tmp.cleanup()
-    return run
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -498,13 +510,20 @@ def main() -> None:
     runs = []
     for n in sizes:
         print(f"N = {n}: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}", flush=True)
-        runs.append(asyncio.run(run_n(n, args)))
+        run = Run(n)
+        runs.append(run)
+        try:
+            asyncio.run(run_n(run, args))
+        except Exception as e:
+            run.failures.append(f"{type(e).__name__}: {e}")
     failed = False
     for run in runs:
         if run.reached < run.n:
             print(f"N = {run.n} NOT REACHED on this machine: {run.reached} of {run.n} agents registered; "
                   "no figure for this N")
             print(f"nodes_reached_{run.n}: {run.reached}")
+            for why in run.failures:
+                print(f"FAIL at N = {run.n}: {why}")
             failed = True
             continue
         for why in run.failures:
