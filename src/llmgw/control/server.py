@@ -81,6 +81,7 @@ from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.load import LOAD, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.openfiles import MIN_OPEN_FILES, raise_open_files_limit
 from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
@@ -397,6 +398,10 @@ async def serve(
         StoreError: the database cannot be opened.
     """
     config = load_server_config(config_path)
+    open_files = raise_open_files_limit()
+    if open_files < MIN_OPEN_FILES:
+        log.warning("open files are limited to %d: the agent API keeps a connection per node; raise it "
+                    "(LimitNOFILE= in the unit, ulimit -n) above the node count", open_files)
     token = read_admin_token(config, config_path)
     keys = read_gateway_keys(config)
     tls = _tls(config)
