@@ -185,6 +185,15 @@ class Heartbeat(BaseModel):
         return check_labels(v)
 
 
+KEEPALIVE_S = 300.0
+"""How long the agent keeps its idle connection to the control plane (s), above the longest beat
+interval the control plane hands out at the default rate (111 s at 5,000 nodes), so a beat reuses
+the connection instead of making a new mTLS handshake. With aiohttp's default (15 s) every beat
+past ~675 nodes (interval 15 s at 50 beats/s) was a new handshake: bench/scale.py's control plane,
+at 0.2-0.3 cores of a loaded machine, spent 45 % of its time in handshakes (py-spy) and stalled at
+751 of 2,000 agents (509 at 25 beats/s); with 300 s, 1,000 registered in 102 s. The control plane's
+agent listener keeps idle connections as long (``llmgw.control.server``)."""
+
 #: The fields of a :class:`Heartbeat` the control plane stores (``nodes`` columns, the replica
 #: reports): what :func:`state_digest` covers, nothing else (``agent_version`` is not stored).
 STATE_FIELDS = frozenset({"inventory", "labels", "engines", "replicas", "instance", "cached"})

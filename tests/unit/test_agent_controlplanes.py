@@ -264,19 +264,20 @@ async def test_all_down_backs_off_then_recovers_when_one_returns(
         return len(seen) >= n
 
     await until("two failed cycles", lambda: cycles(2), within_s=8, every_s=0.02)
-    # 1 s between the first two cycles (each cycle itself costs a few refused connects: ms).
-    assert BACKOFF_S[0] - 0.05 <= seen[1] - seen[0] <= BACKOFF_S[0] + 0.5, seen
+    # At most 1 s between the first two cycles (a jittered draw below the first cap; each cycle
+    # itself costs a few refused connects: ms).
+    assert seen[1] - seen[0] <= BACKOFF_S[0] + 0.5, seen
     (down,) = [w for w in warnings(caplog) if "no control plane answers" in w]  # logged once
     assert "(3 tried)" in down
-    assert "trying again in 1 s" in down
+    assert "trying again within 1 s" in down
     for cp in world.cps:
         assert cp.url in down
 
     await b.start()  # same port
     await until("the agent beats at b again", lambda: _n(b, 1), within_s=8)
-    # The next try came after the second back-off step (2 s), not at once nor at the interval.
+    # The next try came within the second back-off step (a draw below 2 s), not at the interval.
     after = b.beats()[0].at - seen[1]
-    assert BACKOFF_S[1] - 0.05 <= after <= BACKOFF_S[1] + 0.5, after
+    assert after <= BACKOFF_S[1] + 0.5, after
     await until("beats at the interval again", lambda: _n(b, 3), within_s=3)
     assert run.agent.failed_cycles == 0
     assert any(f"control plane {b.url} answers again" in m or f"using {b.url}" in m for m in _messages(caplog))
@@ -399,7 +400,11 @@ def test_learned_members_are_dropped_after_a_while_configured_ones_never() -> No
 
 
 def test_backoff_and_terms() -> None:
-    assert [backoff_s(n) for n in range(7)] == [0, 1, 2, 5, 10, 10, 10]
+    assert [backoff_s(n) for n in range(7)] == [0, 1, 2, 5, 10, 10, 10]  # the caps (draw 1)
+    assert [backoff_s(n, 0.5) for n in range(6)] == [0, 0.5, 1, 2.5, 5, 5]
+    assert backoff_s(4, 0.0) == 0
+    with pytest.raises(ValueError, match=r"draw must be in \[0, 1\], not 1.5"):
+        backoff_s(1, 1.5)
     t = Terms()
     assert t.accept(0)
     assert t.accept(4)

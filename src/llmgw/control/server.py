@@ -81,6 +81,7 @@ from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.openfiles import MIN_OPEN_FILES, raise_open_files_limit
 from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
@@ -98,6 +99,7 @@ from llmgw.guard.config import closed_judges
 from llmgw.httperrors import SERVER_LOG
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
+from llmgw.protocol import KEEPALIVE_S
 
 if TYPE_CHECKING:
     from llmgw.control.gateway.balancer import ReplicaLoad
@@ -196,7 +198,9 @@ async def _start(
     config_path: Path,
     ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, tuple[str, int]]:
-    """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``."""
+    """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``. The agent
+    API keeps idle connections as long as the agents do (``KEEPALIVE_S``: an agent's beat reuses its
+    mTLS connection in a large cluster instead of a new handshake); the others aiohttp's 75 s."""
     host, port = parse_listen(listen)
     # The gateway asks to have a handler cancelled when its client disconnects (_CANCEL_ON_DISCONNECT).
     runner = web.AppRunner(
@@ -205,6 +209,7 @@ async def _start(
         logger=SERVER_LOG,  # a request aiohttp cannot parse: one line, no traceback
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False),
+        keepalive_timeout=KEEPALIVE_S if setting == "agent_listen" else 75.0,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
@@ -393,6 +398,10 @@ async def serve(
         StoreError: the database cannot be opened.
     """
     config = load_server_config(config_path)
+    open_files = raise_open_files_limit()
+    if open_files < MIN_OPEN_FILES:
+        log.warning("open files are limited to %d: the agent API keeps a connection per node; raise it "
+                    "(LimitNOFILE= in the unit, ulimit -n) above the node count", open_files)
     token = read_admin_token(config, config_path)
     keys = read_gateway_keys(config)
     tls = _tls(config)

@@ -17,7 +17,8 @@ heartbeat, logs), so the agent need not reach the leader, only one that answers.
   per :data:`RETURN_S` while the home is down;
 - on a connect error, a TLS failure, a timeout, a 5xx or a reply with a stale term, that one moves
   to the end (:meth:`ControlPlanes.failed`) and the next is tried at once, in the same beat;
-- a full cycle with no answer backs off :data:`BACKOFF_S` (1 → 2 → 5 → 10 s, then 10 s);
+- a full cycle with no answer backs off a random time up to :data:`BACKOFF_S` (1 → 2 → 5 → 10 s,
+  then 10 s), drawn anew each cycle (:func:`backoff_s`: "full jitter");
 - members named in replies' ``control_planes`` are added after agent.yaml's own (and the home
   ranked again over every member known); a learned member that replies stop naming is dropped
   once it has gone unnamed for :data:`FORGET_S` (agent.yaml's own are never dropped).
@@ -41,8 +42,8 @@ from collections.abc import Callable, Iterable
 log = logging.getLogger("llmgw.agent")
 
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
-"""Seconds to wait after the 1st, 2nd, 3rd, 4th and later consecutive cycle in which no control
-plane answered (docs/ha.md §5 "Agent client rules")."""
+"""The longest wait (s) after the 1st, 2nd, 3rd, 4th and later consecutive cycle in which no control
+plane answered (docs/ha.md §5 "Agent client rules"); the wait itself is drawn below it (:func:`backoff_s`)."""
 
 FORGET_S = 60.0
 """A member learned from replies is dropped once replies have not named it for this long (seconds);
@@ -76,12 +77,25 @@ def beat_wait_s(configured_s: float, asked_s: float, draw: float) -> float:
     return interval * draw
 
 
-def backoff_s(failed_cycles: int) -> float:
-    """Seconds to wait after ``failed_cycles`` consecutive cycles without an answer (≥ 1):
-    1, 2, 5, then 10 s for every later one. 0 for ``failed_cycles`` ≤ 0."""
+def backoff_s(failed_cycles: int, draw: float = 1.0) -> float:
+    """Seconds to wait after ``failed_cycles`` consecutive cycles without an answer (≥ 1): ``draw``
+    (uniform in [0, 1], drawn anew each cycle by the agent) times the cap for that cycle, 1, 2, 5,
+    then 10 s for every later one (:data:`BACKOFF_S`). 0 for ``failed_cycles`` ≤ 0.
+
+    This is "full jitter" (AWS Architecture Blog, "Exponential Backoff and Jitter", 2015): with a
+    fixed schedule, agents that failed together (every connection of a restarted control plane
+    dropped in the same second) would retry together at every step and meet it, when it comes
+    back, as one burst of TLS handshakes and full registers; drawn waits spread them over the
+    whole cap (``bench/scale.py``'s restart shows the accept rate and the reconnect p99).
+
+    Raises:
+        ValueError: ``draw`` is outside [0, 1].
+    """
+    if not 0.0 <= draw <= 1.0:
+        raise ValueError(f"backoff draw must be in [0, 1], not {draw!r}")
     if failed_cycles <= 0:
         return 0.0
-    return BACKOFF_S[min(failed_cycles, len(BACKOFF_S)) - 1]
+    return draw * BACKOFF_S[min(failed_cycles, len(BACKOFF_S)) - 1]
 
 
 def _norm(url: str) -> str:

@@ -31,8 +31,9 @@ of ``ready`` without waiting a whole interval):
    added to the list the agent rotates through.
 
 A pass in which no control plane answered is logged (first failure, then every
-:data:`LOG_REPEAT_S`) and the next pass waits 1, 2, 5, then 10 s
-(:data:`~llmgw.agent.loop.controlplanes.BACKOFF_S`); a switch to another control plane is logged once,
+:data:`LOG_REPEAT_S`) and the next pass waits a random time below 1, 2, 5, then 10 s
+(:data:`~llmgw.agent.loop.controlplanes.BACKOFF_S`, full jitter: agents cut off together do not
+come back together); a switch to another control plane is logged once,
 a stale term once per control plane and term; running engines are left alone: only an applied
 reply that no longer lists a replica stops it. A failure that can hide a TLS refusal (a disconnect
 or a reset right after connecting) is explained before it is logged (:mod:`llmgw.agent.loop.tlsdiag`: a
@@ -87,6 +88,7 @@ from llmgw.config import AgentConfig
 from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, PkiError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.protocol import (
+    KEEPALIVE_S,
     EngineStatus,
     GroupRole,
     Heartbeat,
@@ -464,7 +466,7 @@ class Agent:
         if self.failed_cycles:
             wait = backoff_s(self.failed_cycles)
             log.warning(
-                "%s; trying again in %g s (backing off to every %g s), engines keep running",
+                "%s; trying again within %g s (backing off to at most %g s, jittered), engines keep running",
                 text, wait, BACKOFF_S[-1],
             )
         else:
@@ -516,7 +518,7 @@ class Agent:
                     await self.stop_all()
                     raise
                 # After a cycle no control plane answered: back off (a replica's change waits too).
-                wait = backoff_s(self.failed_cycles) or beat_wait_s(
+                wait = backoff_s(self.failed_cycles, random.random()) or beat_wait_s(  # noqa: S311 - jitter
                     self.cfg.heartbeat_interval_s, self.state.interval_s, random.uniform(*JITTER)  # noqa: S311 - jitter
                 )
                 waiters = [asyncio.ensure_future(stop.wait())]
@@ -579,7 +581,7 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
             "run the agent as the user that owns it (root on a node)"
         ) from e
     async with (
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx)) as api,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx, keepalive_timeout=KEEPALIVE_S)) as api,
         aiohttp.ClientSession() as plain,
     ):
         agent = await asyncio.to_thread(Agent, cfg, paths, api=api, plain=plain)

@@ -1,0 +1,120 @@
+"""The control planes bench/scale.py runs: ``llmgw server run`` processes, their CPU and memory.
+
+One on SQLite (the default), or three on one throwaway PostgreSQL (``--ha``: the tests' cluster,
+tests/helpers/postgres.py, and one CA and server certificate for all three, as
+``server add-control-plane`` makes them). :class:`ControlPlane` starts and stops one process and
+reads its CPU (user + system seconds, psutil) and its largest resident set (sampled each second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.helpers.control import Install, make_install
+from tests.helpers.postgres import Cluster, start_cluster
+
+START_S = 60.0
+"""How long a control plane may take to answer ``/api/v1/health`` (s; ~6 s here under load)."""
+
+
+class ControlPlane:
+    """``llmgw server run`` over ``inst`` as a child process (its output to ``server.log`` in its root)."""
+
+    def __init__(self, inst: Install) -> None:
+        self.inst = inst
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ps: psutil.Process | None = None
+        self.rss_max = 0
+        self._cpu_before = 0.0  # CPU seconds of earlier processes (a restart starts a new one)
+
+    async def start(self) -> None:
+        """Start it and wait until its admin API answers.
+
+        Raises:
+            SystemExit: it exited or did not answer within :data:`START_S` (its log's tail printed)."""
+        if self.ps is not None:
+            with contextlib.suppress(psutil.Error):
+                self._cpu_before += sum(self.ps.cpu_times()[:2])
+        log = (self.inst.root / "server.log").open("ab")
+        self.proc = subprocess.Popen(  # noqa: ASYNC220 - its start is not what is measured
+            [sys.executable, "-m", "llmgw", "server", "run"],
+            env={**os.environ, "LLMGW_ROOT": str(self.inst.root)}, stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.ps = psutil.Process(self.proc.pid)
+        deadline = time.monotonic() + START_S
+        async with httpx.AsyncClient(base_url=self.inst.admin, timeout=5) as client:
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get("/api/v1/health")).status_code == 200:
+                        return
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    print((self.inst.root / "server.log").read_text()[-3000:])
+                    raise SystemExit(f"the control plane under {self.inst.root} did not start")
+                await asyncio.sleep(0.1)
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) of this control plane since the first start."""
+        assert self.ps is not None
+        with contextlib.suppress(psutil.Error):
+            return self._cpu_before + sum(self.ps.cpu_times()[:2])
+        return self._cpu_before
+
+    async def sample_rss(self) -> None:
+        """Keep :attr:`rss_max` (bytes) up to date, every second, until cancelled."""
+        while True:
+            if self.ps is not None:
+                with contextlib.suppress(psutil.Error):
+                    self.rss_max = max(self.rss_max, self.ps.memory_info().rss)
+            await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        """SIGTERM, up to 20 s to exit, then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        for _ in range(200):
+            if self.proc.poll() is not None:
+                return
+            await asyncio.sleep(0.1)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def installs(root: Path, *, ha: bool, rate: float, lost_after_s: float) -> tuple[list[Install], Cluster | None]:
+    """One install on SQLite, or (``ha``) three on a new PostgreSQL cluster sharing the first's CA
+    and server certificate; each with ``cluster.max_heartbeats_per_s`` ``rate`` and
+    ``node_lost_after_s`` ``lost_after_s``. Returns the installs and the PostgreSQL cluster (to stop)."""
+    if not ha:
+        return [make_install(root, cluster={"max_heartbeats_per_s": rate}, node_lost_after_s=lost_after_s)], None
+    pg = start_cluster()
+    url = pg.new_database()
+    out: list[Install] = []
+    for i in range(3):
+        inst = make_install(root / f"cp{i}")
+        over: dict[str, Any] = {
+            "store": {"url": url},
+            "cluster": {"name": f"cp{i}", "max_heartbeats_per_s": rate},
+            "node_lost_after_s": lost_after_s,
+        }
+        if out:
+            pki = out[0].paths.pki
+            over["tls"] = {"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"),
+                           "key": str(pki / "server-key.pem")}
+            inst.ca = out[0].ca
+            inst.paths.admin_token.write_text(out[0].paths.admin_token.read_text())
+        inst.write(**over)
+        out.append(inst)
+    return out, pg
