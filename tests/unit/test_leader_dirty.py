@@ -7,6 +7,8 @@ Real stores (SQLite and PostgreSQL, the ``store`` fixture), real heartbeat write
 
 from __future__ import annotations
 
+import pytest
+
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.placement.checks import Reservation
 from llmgw.control.placement.placer import Placer
@@ -150,3 +152,30 @@ def test_a_kept_placer_caught_up_places_and_explains_as_a_fresh_one() -> None:
         assert (got.node, got.summary) == (want.node, want.summary)
     assert not kept.update_node(node("n1", cores=4, mem_gb=32, avail_gb=30, cordoned=True))  # a filter's field
     assert not kept.update_node(node("n9"))  # a node the placer never had
+
+
+def test_a_replica_of_a_deleted_model_whose_delete_lost_a_race_does_not_fail_the_pass(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/scale.py's removal burst: a replica of a deleted model whose delete lost a revision race
+    (a heartbeat wrote it in between; here the store's delete answers "changed under you" once) was
+    kept without its model, and every later pass failed with KeyError on it. Now the pass goes on and
+    the next one deletes it."""
+    leader = cluster(store)
+    store.delete_model("a")
+    real = store.delete_replica
+    lost = []
+
+    def once(replica_id: str, *, revision: int) -> bool:
+        if not lost:
+            lost.append(replica_id)
+            return False
+        return real(replica_id, revision=revision)
+
+    monkeypatch.setattr(store, "delete_replica", once)
+    res = leader.reconcile_once(101.0, dirty=True)
+    assert len(res.removed) == 1  # one deleted, one kept for the next pass
+    assert lost
+    res = leader.reconcile_once(102.0, dirty=True)
+    assert res.removed == lost
+    assert store.list_replicas(model="a") == []

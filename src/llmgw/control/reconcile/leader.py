@@ -498,6 +498,9 @@ class Leader:
             if changed is not None and r.state != ReplicaState.FAILED and r.model not in changed:
                 kept.append(r)  # a dirty pass: neither failed nor of a model that changed
                 continue
+            if r.model not in rows:  # its model is gone and its delete lost a race: _remove_orphans
+                kept.append(r)  # deletes it at the next pass
+                continue
             model = rows[r.model].model
             if (r.model, r.profile) not in hashes:
                 hashes[r.model, r.profile] = spec_hashes(model, r.profile)
