@@ -85,6 +85,21 @@ REASONS = (AFFINITY, OVERFLOW, LEAST_LOAD, ROUND_ROBIN)
 #: keys spill over. 1.25 is the paper's suggested operating point (max load 1.25× average with
 #: O(1/ε²) probes, ε = 0.25).
 LOAD_BOUND_C = 1.25
+#: Requests a replica may hold beyond c × the average before its keys spill over. Without it, at 1
+#: request in flight on 3 replicas the bound is 1, so a second conversation whose first choice was
+#: busy with another one left its replica and prefilled its whole history elsewhere (~14 s for 1,000
+#: tokens on this machine) to spare one shared slot: bench/routing.py's workload A (3 to 4
+#: conversations on 3 replicas of 2 slots) lost a turn in 4-6 that way.
+AFFINITY_SLACK = 1
+#: A replica is "faster" than another when its service time is at most 1/SPEED_RATIO of the other's:
+#: below 2, the spread of equal replicas' EWMAs (cold and cached prompts, CPU contention: r1/r2 p50
+#: within 1.5x of each other in bench/routing.py's workload B) would hold requests back from free slots.
+SPEED_RATIO = 2.0
+#: Answers a replica must have given before its speed is judged (fewer: a mean of too few sizes).
+MIN_ANSWERS = 5
+#: An EWMA older than this (s since the replica's last answer) is not judged: a replica once slow is
+#: tried again, measured afresh.
+STALE_S = 30.0
 #: Weight of the newest service time in the EWMA (about the last 5 answers count).
 EWMA_ALPHA = 0.2
 #: How long (s) a replica that refused a connection is passed over.
@@ -186,14 +201,16 @@ def rendezvous(key: int, hashes: list[int]) -> list[int]:
 
 def load_bound(in_flight: int, replicas: int, c: float = LOAD_BOUND_C) -> int:
     """The most requests one replica may hold before a key's next choice is tried:
-    ``ceil(c × (in_flight + 1) / replicas)`` (in_flight: over the model's replicas, before this one)."""
-    return math.ceil(c * (in_flight + 1) / replicas)
+    ``ceil(c × (in_flight + 1) / replicas) + AFFINITY_SLACK`` (in_flight: over the model's replicas,
+    before this one)."""
+    return math.ceil(c * (in_flight + 1) / replicas) + AFFINITY_SLACK
 
 
 class _Replica:
     """What the balancer keeps per replica id."""
 
-    __slots__ = ("h", "in_flight", "known", "model", "picks", "refused_until", "service_s", "slots")
+    __slots__ = ("answered_at", "answers", "h", "in_flight", "known", "model", "picks", "refused_until", "service_s",
+                 "slots")
 
     def __init__(self, up: Upstream, model: str) -> None:
         self.h = replica_hash(up.replica_id)
@@ -202,6 +219,8 @@ class _Replica:
         self.known = False
         self.in_flight = 0
         self.service_s = 0.0
+        self.answered_at = -math.inf
+        self.answers = 0
         self.refused_until = 0.0
         self.picks = dict.fromkeys(REASONS, 0)
 
@@ -257,8 +276,11 @@ class Lease:
         rep = self._rep
         rep.in_flight -= 1
         if answered:
-            took = self._balancer.clock() - self._t0
-            rep.service_s = took if rep.service_s == 0 else rep.service_s + EWMA_ALPHA * (took - rep.service_s)
+            now = rep.answered_at = self._balancer.clock()
+            rep.answers += 1
+            # The plain mean until 1/EWMA_ALPHA answers, then the EWMA: a first short answer (a
+            # warm-up's one token) does not stand for the replica's speed for the next dozen.
+            rep.service_s += max(EWMA_ALPHA, 1 / rep.answers) * (now - self._t0 - rep.service_s)
         if self._balancer.on_free is not None:
             self._balancer.on_free(self.model)
 
@@ -339,9 +361,12 @@ class Balancer:
             rep.refused_until = self.clock() + REFUSED_S
 
     # -- the choice -----------------------------------------------------------------------------
-    def take(self, route: Route, key: int | None, exclude: Collection[str] = ()) -> Lease | None:
+    def take(self, route: Route, key: int | None, exclude: Collection[str] = (), waiting: int = 1) -> Lease | None:
         """A slot on one of ``route``'s replicas, chosen by its policy (module docstring); None when
-        every replica not in ``exclude`` has all its slots in use. Takes the slot (in flight + 1)."""
+        every replica not in ``exclude`` has all its slots in use, or (cache-aware) when the free ones
+        are slow enough that waiting for a faster one's slot finishes sooner (:meth:`_too_slow`).
+        ``waiting``: requests of the model waiting for a slot, this one included (1 when none waits).
+        Takes the slot (in flight + 1)."""
         ups = route.upstreams
         n = len(ups)
         reps = [self._rep(up, route.model) for up in ups]
@@ -357,6 +382,7 @@ class Balancer:
                 if usable[i] and reps[i].in_flight < reps[i].slots:
                     return self._lease(route.model, ups[i], reps[i], ROUND_ROBIN)
             return None
+        service = [r.service_s if r.answers >= MIN_ANSWERS and now - r.answered_at < STALE_S else 0.0 for r in reps]
         if key is not None and n > 1:
             bound = load_bound(sum(r.in_flight for r in reps), n, self.load_c)
             reason = AFFINITY
@@ -364,17 +390,42 @@ class Balancer:
                 if not usable[i]:
                     continue
                 rep = reps[i]
-                if rep.in_flight < rep.slots and rep.in_flight < bound:
+                if rep.in_flight < rep.slots and rep.in_flight < bound and not self._too_slow(i, reps, usable,
+                                                                                              service, waiting):
                     return self._lease(route.model, ups[i], rep, reason)
                 reason = OVERFLOW
-        best = -1
-        best_load = (2.0, 0.0)
-        for i, rep in enumerate(reps):
-            if usable[i] and rep.in_flight < rep.slots:
-                load = (rep.in_flight / rep.slots, rep.service_s)
-                if load < best_load:
-                    best, best_load = i, load
-        return None if best < 0 else self._lease(route.model, ups[best], reps[best], LEAST_LOAD)
+        free = sorted((reps[i].in_flight / reps[i].slots, reps[i].service_s, i) for i in range(n)
+                      if usable[i] and reps[i].in_flight < reps[i].slots)
+        for _, _, i in free:
+            if not self._too_slow(i, reps, usable, service, waiting):
+                return self._lease(route.model, ups[i], reps[i], LEAST_LOAD)
+        return None
+
+    @staticmethod
+    def _too_slow(i: int, reps: list[_Replica], usable: list[bool], service: list[float], waiting: int) -> bool:
+        """Whether replica ``i`` (with a free slot) should be passed over for faster ones: shortest
+        expected delay with a threshold (Lin & Kumar 1984, two heterogeneous servers: use the slow one
+        only when the queue is long). The faster replicas are those :data:`SPEED_RATIO` times faster
+        or more (EWMA service times; 0: fewer than :data:`MIN_ANSWERS` answers or older than
+        :data:`STALE_S`, never judged). Passed over when they would
+        finish the request sooner even after waiting for a slot: none free, ``waiting`` requests take
+        slots as they free, one every ``1 / Σ slots_j / service_j`` seconds, so
+        ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``."""
+        mine = service[i]
+        if not mine:
+            return False
+        rate = slowest = 0.0
+        free = False
+        for j, rep in enumerate(reps):
+            s = service[j]
+            if j == i or not usable[j] or not s or s * SPEED_RATIO > mine:
+                continue
+            free |= rep.in_flight < rep.slots
+            rate += rep.slots / s
+            slowest = max(slowest, s)
+        if not rate:
+            return False
+        return (0.0 if free else waiting / rate) + slowest < mine
 
     def _lease(self, model: str, up: Upstream, rep: _Replica, reason: str) -> Lease:
         rep.in_flight += 1

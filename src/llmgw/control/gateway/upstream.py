@@ -243,18 +243,18 @@ class UpstreamPool:
                 "upstream_unreachable",
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
-        balancer = self.balancer
+        balancer, queue = self.balancer, self._queue(route)
         first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
 
         def take() -> Lease | None:
-            got = balancer.take(route, key, tried)
+            got = balancer.take(route, key, tried, len(queue) or 1)
             if not first:
                 first.append(got)
             return got
 
         t0 = time.perf_counter_ns()
         try:
-            lease = await self._queue(route).acquire(
+            lease = await queue.acquire(
                 trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
             )
         except HttpError:
