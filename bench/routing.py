@@ -116,7 +116,7 @@ class Sizes:
 
 # A cold prefill of ~1,000 tokens takes ~14 s here (llama-server at --threads 1: ~70 prompt tokens/s,
 # ~12 generated tokens/s), which sets these sizes: the full run within ~10 minutes, --quick ~2.
-FULL = Sizes(conversations=6, turns=4, at_once=3, system_prompts=6, rules=30, rounds=2, per_round=6, flood=40,
+FULL = Sizes(conversations=4, turns=8, at_once=4, system_prompts=4, rules=30, rounds=3, per_round=12, flood=40,
              other=3, e_conversations=3, e_turns=4)
 QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=3, rules=8, rounds=1, per_round=4, flood=16,
               other=2, e_conversations=2, e_turns=3)
@@ -124,6 +124,11 @@ E_RULES = 8  # E: the system prompt of ~300 tokens (the decision is what is meas
 AT_ONCE = 6  # B: requests in flight (3 replicas x 2 slots: saturated)
 SLOW_AT_ONCE = 4  # C: fewer than the slots, so a policy has a choice (at 6 every slot is used, slow or not)
 MAX_TOKENS = 16
+#: A: a user's pause before each turn, uniform in [0, THINK_S) s, seeded per conversation. Without it
+#: the conversations ran in lockstep and round-robin's rotation stayed in phase with them: 3 at once
+#: on 3 replicas kept each on one replica (rr cached share 0.52 of at most 0.73); 4 at once moved
+#: each one replica on every turn (a hit never).
+THINK_S = 1.0
 
 # -- prompts ---------------------------------------------------------------------------------------
 
@@ -201,7 +206,9 @@ async def multi_turn(gateway: str, model: str, sizes: Sizes, first_conv: int = 0
             while todo:
                 conv = todo.pop(0)
                 messages = [{"role": "system", "content": system_prompt(conv % sizes.system_prompts, sizes.rules)}]
+                pause = random.Random(f"think-{conv}")
                 for turn in range(sizes.turns):
+                    await asyncio.sleep(pause.uniform(0, THINK_S))  # the user reads, then types
                     messages.append({"role": "user", "content": question(conv, turn)})
                     a = ok(await chat(s, gateway, KEYS["bench"], model, messages, max_tokens=MAX_TOKENS,
                                       stream=True), f"A {model} conversation {conv} turn {turn}")
@@ -373,7 +380,10 @@ def run_bde(sizes: Sizes, rargs: list[str], work: Path, models: list[str], which
             b = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=0, at_once=AT_ONCE))
             rps = {m: len(xs) / secs for m, (xs, secs) in b.items()}
             for m, (xs, _) in b.items():
-                print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}", flush=True)
+                p50 = {r: statistics.median(x.total_s for x in xs if x.replica == r)
+                       for r in sorted({x.replica for x in xs})}
+                print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}; latency p50 by replica "
+                      f"{' '.join(f'{r}={v:.2f}' for r, v in p50.items())} s", flush=True)
             figures += [
                 ("rr_no_prefix_rps", rps["rr"], "req/s"),
                 ("ca_no_prefix_rps", rps.get("ca", NA), "req/s"),
@@ -470,7 +480,8 @@ def main() -> None:
     merged = policy_merged()
     models = ["rr", "ca"] if merged else ["rr"]
     print(f"cores: {os.cpu_count()} (3 replicas x --threads 1, the gateways and this client share them); "
-          f"policies: {', '.join(models)}{'' if merged else ' (cache-aware not merged: round-robin only)'}",
+          f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; policies: {', '.join(models)}"
+          f"{'' if merged else ' (cache-aware not merged: round-robin only)'}",
           flush=True)
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
@@ -487,7 +498,8 @@ def main() -> None:
         print(f"logs kept in {work}", flush=True)
         raise
     shutil.rmtree(work, ignore_errors=True)
-    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'}, workloads {which})")
+    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'}, workloads {which}); "
+          f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     passed = True
     for what, result in verdicts(figures):
         print(f"{'N/A' if result is None else 'PASS' if result else 'FAIL'}: {what}")

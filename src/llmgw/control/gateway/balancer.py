@@ -22,13 +22,25 @@ Two policies, chosen per model in the catalog (``routing:``):
   replica comes or goes only the keys whose first choice it was move (1/N of them: measured
   0.250 of 20,000 keys moved when a 4th replica came, 0.334 when one of 3 left,
   ``tests/unit/test_balancer.py``). The request goes to the first replica in that order with a free
-  slot and fewer in flight than the **bound** ``ceil(c × (in flight over the model + 1) / N)``
+  slot and fewer in flight than the **bound** ``ceil(c × (in flight over the model + 1) / N) + 1``
   (consistent hashing with bounded loads, Mirrokni, Thorup & Zadimoghaddam 2018, c =
-  :data:`LOAD_BOUND_C`): no replica takes more than c times the average, so a popular prefix spills
-  to its key's second choice (the same second choice on every control plane) instead of piling up.
+  :data:`LOAD_BOUND_C`, plus :data:`AFFINITY_SLACK`): no replica takes more than c times the
+  average and one, so a popular prefix spills to its key's second choice (the same second choice on
+  every control plane) instead of piling up, while at low load two conversations that share a first
+  choice both stay on it (a miss costs the whole history's prefill, one more request a shared slot).
   When every replica is at its bound, the least-loaded one with a free slot (in flight / slots,
-  ties to the smaller service time: a slower replica gets less). A model with one replica computes
-  no key (its one replica is ``least_load``).
+  ties to the smaller service time). A model with one replica computes no key (its one replica is
+  ``least_load``).
+
+Speed, for ``cache-aware``: a replica with a free slot is passed over when the replicas at least
+:data:`SPEED_RATIO` times faster (EWMA service times) would finish the request sooner even after
+waiting for one of their slots, ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``
+(``waiting``: the model's queue, this request included): shortest expected delay with a threshold,
+the policy Lin & Kumar (1984) showed optimal for a fast and a slow server sharing a queue: the slow
+one serves only while the queue is long. So a slow replica's free slots are not filled as often as
+the fast ones' (round-robin and plain least-load fill them), and a conversation whose first choice
+is slow goes to its second. Speeds are judged only after :data:`MIN_ANSWERS` answers and for
+:data:`STALE_S` after the last (a replica once slow is tried again).
 
 Every pick is counted per replica and reason (:data:`REASONS`: ``affinity``, the key's first
 choice; ``overflow``, a later choice under the bound; ``least_load``; ``round_robin``), for
@@ -53,7 +65,9 @@ replica's slots; the engine queues the excess); the key sees text, not tokens, s
 conversations whose first turns differ only past the first user message share a replica. Past
 saturation (more requests than slots) a waiting request takes the first slot that frees, wherever
 it is: in the closed-loop model with 14 conversations on 12 slots only 28 % of turns stayed on
-their replica, for every c.
+their replica, for every c. Speed is a time per request, not per token: replicas whose requests
+differ in size (cold prefills on one, cached turns on another) differ in it too; SPEED_RATIO
+keeps equal replicas from being judged (their EWMAs spread under 1.5x in bench/routing.py).
 """
 
 from __future__ import annotations
@@ -96,7 +110,7 @@ AFFINITY_SLACK = 1
 #: within 1.5x of each other in bench/routing.py's workload B) would hold requests back from free slots.
 SPEED_RATIO = 2.0
 #: Answers a replica must have given before its speed is judged (fewer: a mean of too few sizes).
-MIN_ANSWERS = 5
+MIN_ANSWERS = 3
 #: An EWMA older than this (s since the replica's last answer) is not judged: a replica once slow is
 #: tried again, measured afresh.
 STALE_S = 30.0
