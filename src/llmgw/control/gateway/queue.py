@@ -14,8 +14,8 @@ reserved (a replica), or None when the model has no free slot for this request.
    a later waiter never jumps the head (``take()`` answers None only when no slot of the model
    fits that request, or when a free one is on a replica so slow that waiting for a faster one's
    finishes sooner: the balancer's shortest expected delay). A new arrival behind others also runs
-   this walk, so a slot freed without a ``wake()`` is not left idle. An exception from a waiter's ``take()`` goes to that waiter's
-   caller (it leaves the queue) and the walk goes on.
+   this walk, so a slot freed without a ``wake()`` is not left idle. An exception from a waiter's
+   ``take()`` goes to that waiter's caller (it leaves the queue) and the walk goes on.
 
 Fair order. Strict priority bands: a waiter of a higher ``priority`` (a key's 0–9) is always served
 before any of a lower one (llm-d's flow control does the same); a lower band waits, bounded by
