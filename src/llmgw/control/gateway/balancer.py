@@ -79,10 +79,12 @@ import logging
 import math
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmgw.control.gateway.queue import Defer
 from llmgw.errors import HttpError
 from llmgw.routing import Route, Upstream
 
@@ -109,6 +111,12 @@ AFFINITY_SLACK = 1
 #: below 2, the spread of equal replicas' EWMAs (cold and cached prompts, CPU contention: r1/r2 p50
 #: within 1.5x of each other in bench/routing.py's workload B) would hold requests back from free slots.
 SPEED_RATIO = 2.0
+#: A request whose first choice is full waits for it (while another replica has a free slot) up to
+#: HOME_WAIT × its ``service_s / slots``, the mean time between its slots freeing: twice the mean,
+#: so most such waits end at home; a miss instead costs the conversation's whole history again.
+HOME_WAIT = 2.0
+#: Prefix keys whose last replica is remembered (for :meth:`Balancer.home_wait_s`): ~100 bytes each.
+KEYS_KEPT = 65_536
 #: Answers a replica must have given before its speed is judged (fewer: a mean of too few sizes).
 MIN_ANSWERS = 3
 #: An EWMA older than this (s since the replica's last answer) is not judged: a replica once slow is
@@ -327,6 +335,8 @@ class Balancer:
         self.decisions: dict[tuple[str, str], int] = {}
         self._reps: dict[str, _Replica] = {}
         self._next: dict[str, int] = {}
+        #: prefix key → the replica its last request went to, the newest :data:`KEYS_KEPT`.
+        self._where: OrderedDict[int, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- slots ----------------------------------------------------------------------------------
@@ -383,11 +393,7 @@ class Balancer:
         Takes the slot (in flight + 1)."""
         ups = route.upstreams
         n = len(ups)
-        reps = [self._rep(up, route.model) for up in ups]
-        now = self.clock()
-        usable = [up.replica_id not in exclude and reps[i].refused_until <= now for i, up in enumerate(ups)]
-        if not any(usable):  # every replica refused lately: try them anyway, rather than none
-            usable = [up.replica_id not in exclude for up in ups]
+        reps, usable, now = self._view(route, exclude)
         if route.routing == "round-robin":
             first = self._next.get(route.model, 0)
             self._next[route.model] = first + 1
@@ -396,6 +402,20 @@ class Balancer:
                 if usable[i] and reps[i].in_flight < reps[i].slots:
                     return self._lease(route.model, ups[i], reps[i], ROUND_ROBIN)
             return None
+        lease = self._cache_aware(route, key, reps, usable, now, waiting)
+        if lease is not None and key is not None:
+            where = self._where
+            where[key] = lease.up.replica_id
+            where.move_to_end(key)
+            if len(where) > KEYS_KEPT:
+                where.popitem(last=False)
+        return lease
+
+    def _cache_aware(
+        self, route: Route, key: int | None, reps: list[_Replica], usable: list[bool], now: float, waiting: int
+    ) -> Lease | None:
+        ups = route.upstreams
+        n = len(ups)
         service = [r.service_s if r.answers >= MIN_ANSWERS and now - r.answered_at < STALE_S else 0.0 for r in reps]
         if key is not None and n > 1:
             bound = load_bound(sum(r.in_flight for r in reps), n, self.load_c)
@@ -414,6 +434,54 @@ class Balancer:
             if not self._too_slow(i, reps, usable, service, waiting):
                 return self._lease(route.model, ups[i], reps[i], LEAST_LOAD)
         return None
+
+    def _view(self, route: Route, exclude: Collection[str]) -> tuple[list[_Replica], list[bool], float]:
+        """``route``'s replicas, which of them may be given a request now, and the clock."""
+        reps = [self._rep(up, route.model) for up in route.upstreams]
+        now = self.clock()
+        usable = [up.replica_id not in exclude and reps[i].refused_until <= now for i, up in enumerate(route.upstreams)]
+        if not any(usable):  # every replica refused lately: try them anyway, rather than none
+            usable = [up.replica_id not in exclude for up in route.upstreams]
+        return reps, usable, now
+
+    def home_wait_s(self, route: Route, key: int | None, exclude: Collection[str] = ()) -> float:
+        """How long (s) a request of ``key`` should wait for its first choice rather than take a free
+        slot elsewhere now: :data:`HOME_WAIT` × the first choice's ``service_s / slots`` (the mean time
+        between its slots freeing) when it is full while another replica has a free slot and the key's
+        last request went there (its prefix is cached there), 0 otherwise (no key, not
+        ``cache-aware``, a key not seen there, its first choice free, nothing free elsewhere)."""
+        if route.routing != "cache-aware" or key is None or len(route.upstreams) < 2:
+            return 0.0
+        reps, usable, _ = self._view(route, exclude)
+        order = [i for i in rendezvous(key, [r.h for r in reps]) if usable[i]]
+        if not order:
+            return 0.0
+        home = reps[order[0]]
+        if home.in_flight < home.slots or not any(reps[i].in_flight < reps[i].slots for i in order[1:]):
+            return 0.0
+        if self._where.get(key) != route.upstreams[order[0]].replica_id:
+            return 0.0  # no earlier request of this key ran there: nothing of it is cached to wait for
+        return HOME_WAIT * home.service_s / home.slots
+
+    def taker(
+        self, route: Route, key: int | None, exclude: Collection[str], waiting: Callable[[], int]
+    ) -> Callable[[], Lease | Defer | None]:
+        """``take()`` for the model's :class:`~llmgw.control.gateway.queue.FairQueue`: :meth:`take`,
+        except that while the request's first choice is full and another replica has a free slot it
+        defers (lets a later waiter have that slot) for :meth:`home_wait_s`, counted from its first
+        deferral. ``waiting()``: the queue's length (the ``waiting`` of :meth:`take`)."""
+        until: list[float] = []
+
+        def take() -> Lease | Defer | None:
+            if key is not None and (until or (wait := self.home_wait_s(route, key, exclude)) > 0):
+                now = time.monotonic()
+                if not until:
+                    until.append(now + wait)
+                if now < until[0] and self.home_wait_s(route, key, exclude) > 0:
+                    return Defer(until[0])
+            return self.take(route, key, exclude, waiting() or 1)
+
+        return take
 
     @staticmethod
     def _too_slow(i: int, reps: list[_Replica], usable: list[bool], service: list[float], waiting: int) -> bool:

@@ -62,7 +62,7 @@ from yarl import URL
 
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
-from llmgw.control.gateway.queue import FairQueue
+from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally
 from llmgw.control.gateway.starting import answer_on_stream
 from llmgw.errors import HttpError
@@ -79,7 +79,6 @@ KEEPALIVE_S = 4.0
 PROPS_TIMEOUT_S = 5.0
 # Many concurrent streams are normal for an LLM gateway; the engine queues what its slots can't take.
 MAX_CONNECTIONS = 1024
-
 
 
 def refusal_response(refusal: Refusal) -> web.Response:
@@ -244,10 +243,11 @@ class UpstreamPool:
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
         balancer, queue = self.balancer, self._queue(route)
-        first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
+        first: list[Lease | Defer | None] = []  # what the first take() got: it waited unless that is the answer
+        inner = balancer.taker(route, key, tried, queue.__len__)
 
-        def take() -> Lease | None:
-            got = balancer.take(route, key, tried, len(queue) or 1)
+        def take() -> Lease | Defer | None:
+            got = inner()
             if not first:
                 first.append(got)
             return got
