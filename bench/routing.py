@@ -30,12 +30,15 @@ asked (the gateway drops that event for a client that did not ask, so this clien
 Workloads:
 
 A. **multi-turn chat**: conversations, each a system prompt of ~1,000 tokens and a growing history
-   (short questions, answers of ``max_tokens`` 16, temperature 0), 3 at once: more than one replica's
-   2 slots hold, fewer than all 6. Each conversation has its own system prompt (a user's document, an
-   agent's instructions: the issue's "a conversation's cached prefix"), so only a replica that served
-   the conversation holds its prefix. Then even a perfect policy cannot reuse a first turn: the best
-   share is ~(turns-1)/turns less the new tokens, 0.73 at the 4 turns the full run affords here
-   (0.81 at 6). ``--system-prompts 2`` makes them share 2 (an application's users): round-robin then
+   (short questions, answers of ``max_tokens`` 16, temperature 0, a seeded pause of up to
+   :data:`THINK_S` before each turn), 4 at once: more than one replica's 2 slots hold, fewer than all
+   6. Each conversation has its own system prompt (a user's document, an agent's instructions: the
+   issue's "a conversation's cached prefix"), so only a replica that served the conversation holds
+   its prefix. Then even a perfect policy cannot reuse a first turn: the best share is
+   ~(turns-1)/turns less the new tokens, 0.73 at 4 turns, ~0.85 at the 8 of the full run (real chats
+   run longer). ``--conversations``, ``--turns`` and ``--rules`` size it (a loaded machine prefills
+   ~1,000 tokens in 60-140 s: see the run times below). ``--system-prompts 2`` makes them share 2 (an
+   application's users): round-robin then
    reuses the system prompt on every replica (llama-server gives a request the slot whose cached
    prompt matches best) and affinity gains only the history. Per request: TTFT (streamed: to the
    first content token) and the ``timings`` above → ``cached_prompt_share`` =
@@ -467,6 +470,12 @@ def main() -> None:
                     "the whole context)")
     ap.add_argument("--system-prompts", type=int, help="system prompts workload A's conversations share "
                     "(default: one each)")
+    ap.add_argument("--conversations", type=int, help="A: conversations (default 4; --quick 3)")
+    ap.add_argument("--turns", type=int, help="A: turns per conversation (default 8; --quick 3)")
+    ap.add_argument("--rules", type=int, help="A: system prompt rules of ~33 tokens (default 30: ~1,000 "
+                    "tokens; --quick 8)")
+    ap.add_argument("--rounds", type=int, help="B, C: rounds alternating the policies (default 3; --quick 1)")
+    ap.add_argument("--per-round", type=int, help="B, C: requests per policy per round (default 12; --quick 4)")
     ap.add_argument("--workloads", default="ABCDE", help="which workloads to run (default ABCDE; a target "
                     "whose workload did not run is N/A, and the run exits 1)")
     args = ap.parse_args()
@@ -477,6 +486,14 @@ def main() -> None:
     sizes = QUICK if args.quick else FULL
     if args.system_prompts:
         sizes = Sizes(**{**sizes.__dict__, "system_prompts": args.system_prompts})
+    for name in ("conversations", "turns", "rules", "rounds", "per_round"):
+        if (value := getattr(args, name)) is not None:
+            if value < 1:
+                ap.error(f"--{name.replace('_', '-')} {value}: give 1 or more")
+            sizes = Sizes(**{**sizes.__dict__, name: value})
+            if name == "conversations" and not args.system_prompts:
+                sizes = Sizes(**{**sizes.__dict__, "system_prompts": value})
+    sizes = Sizes(**{**sizes.__dict__, "at_once": min(sizes.at_once, sizes.conversations)})
     merged = policy_merged()
     models = ["rr", "ca"] if merged else ["rr"]
     print(f"cores: {os.cpu_count()} (3 replicas x --threads 1, the gateways and this client share them); "

@@ -315,6 +315,8 @@ class Balancer:
             background the first time it is seen; None: slots stay at 1 until :meth:`set_slots`.
         clock: monotonic seconds (injected for tests).
         load_c: the bounded-load factor c (:data:`LOAD_BOUND_C`).
+        home_wait: how long a request may wait for its key's replica, in its mean slot-freeing times
+            (:data:`HOME_WAIT`; 0: never).
 
     ``on_free(model)`` (set by the owner) is called whenever a slot of ``model`` may have come
     free: a lease released, a replica's slots learned. All methods run on the event loop.
@@ -326,10 +328,12 @@ class Balancer:
         read_slots: SlotReader | None = None,
         clock: Callable[[], float] = time.monotonic,
         load_c: float = LOAD_BOUND_C,
+        home_wait: float = HOME_WAIT,
     ) -> None:
         self.read_slots = read_slots
         self.clock = clock
         self.load_c = load_c
+        self.home_wait = home_wait
         self.on_free: Callable[[str], None] | None = None
         #: (model, reason) → picks, for the metrics page (read at scrape time).
         self.decisions: dict[tuple[str, str], int] = {}
@@ -461,7 +465,7 @@ class Balancer:
             return 0.0
         if self._where.get(key) != route.upstreams[order[0]].replica_id:
             return 0.0  # no earlier request of this key ran there: nothing of it is cached to wait for
-        return HOME_WAIT * home.service_s / home.slots
+        return self.home_wait * home.service_s / home.slots
 
     def taker(
         self, route: Route, key: int | None, exclude: Collection[str], waiting: Callable[[], int]
