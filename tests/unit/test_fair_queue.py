@@ -298,8 +298,8 @@ async def test_an_error_in_a_waiters_take_goes_to_that_waiter_and_the_walk_goes_
 
 
 async def test_a_deferring_waiter_keeps_its_place_while_a_later_one_takes_the_slot() -> None:
-    """Two replicas of one slot, ``a`` and ``b``, both busy. X (head) wants ``a`` (it :class:`Defer`\\ s
-    while ``a`` is full), Y takes any. ``b`` frees: Y gets it, X keeps waiting; ``a`` frees: X gets it.
+    """Two replicas of one slot, ``a`` and ``b``, both busy. X (head) wants ``a`` (it defers while
+    ``a`` is full), Y takes any. ``b`` frees: Y gets it, X keeps waiting; ``a`` frees: X gets it.
     Then X2 alone defers for ``b`` while ``a`` is free, until its deadline: the queue walks again then
     and X2 takes ``a`` (no wake() needed)."""
     busy = {"a": True, "b": True}

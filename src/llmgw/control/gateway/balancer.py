@@ -42,6 +42,15 @@ the fast ones' (round-robin and plain least-load fill them), and a conversation 
 is slow goes to its second. Speeds are judged only after :data:`MIN_ANSWERS` answers and for
 :data:`STALE_S` after the last (a replica once slow is tried again).
 
+Past saturation, the queue (:meth:`Balancer.taker`): a waiting request whose key's last request
+went to a replica that is now full, while another has a free slot, defers
+(:class:`~.queue.Defer`): the slot goes to a later waiter in fair order (one whose replica it is,
+or one with nothing cached), and it waits for its own up to :data:`HOME_WAIT` × that replica's
+``service_s / slots`` (the mean time between its slots freeing), then takes any. Without this a waiting turn took the first slot that
+freed, wherever: 14 conversations on 3 × 4 slots through the real queue, 0.39-0.55 of turns on
+their replica; with it 0.82-0.91 (tests/unit/test_balancer.py, 5 seeds, load ~10). Keys never seen
+on that replica (unique prompts, a conversation's first turn) never wait.
+
 Every pick is counted per replica and reason (:data:`REASONS`: ``affinity``, the key's first
 choice; ``overflow``, a later choice under the bound; ``least_load``; ``round_robin``), for
 ``ctl replicas`` and ``llmgw_gateway_routing_decisions_total``.
@@ -62,12 +71,11 @@ and release ~4 µs.
 
 Not guaranteed: slots and in flight are per control plane (two control planes each fill a
 replica's slots; the engine queues the excess); the key sees text, not tokens, so two
-conversations whose first turns differ only past the first user message share a replica. Past
-saturation (more requests than slots) a waiting request takes the first slot that frees, wherever
-it is: in the closed-loop model with 14 conversations on 12 slots only 28 % of turns stayed on
-their replica, for every c. Speed is a time per request, not per token: replicas whose requests
-differ in size (cold prefills on one, cached turns on another) differ in it too; SPEED_RATIO
-keeps equal replicas from being judged (their EWMAs spread under 1.5x in bench/routing.py).
+conversations whose first turns differ only past the first user message share a replica; a
+request deferring for its replica (above) may be passed by later ones for that long. Speed is a
+time per request, not per token: replicas whose requests differ in size (cold prefills on one,
+cached turns on another) differ in it too, and SPEED_RATIO (2) is what keeps equal replicas from
+being judged.
 """
 
 from __future__ import annotations
@@ -107,9 +115,10 @@ LOAD_BOUND_C = 1.25
 #: tokens on this machine) to spare one shared slot: bench/routing.py's workload A (3 to 4
 #: conversations on 3 replicas of 2 slots) lost a turn in 4-6 that way.
 AFFINITY_SLACK = 1
-#: A replica is "faster" than another when its service time is at most 1/SPEED_RATIO of the other's:
-#: below 2, the spread of equal replicas' EWMAs (cold and cached prompts, CPU contention: r1/r2 p50
-#: within 1.5x of each other in bench/routing.py's workload B) would hold requests back from free slots.
+#: A replica is "faster" than another when its service time is at most 1/SPEED_RATIO of the other's.
+#: Equal replicas' EWMAs differ by the sizes of their last requests (a cold prefill, a cached turn)
+#: and by CPU contention; their medians agree (bench/routing.py workload B, load ~10: latency p50
+#: 19.1/19.6/17.7 s by replica); 2 leaves them unjudged and still sees a replica a third as fast.
 SPEED_RATIO = 2.0
 #: A request whose first choice is full waits for it (while another replica has a free slot) up to
 #: HOME_WAIT × its ``service_s / slots``, the mean time between its slots freeing: twice the mean,
