@@ -47,9 +47,10 @@ went to a replica that is now full, while another has a free slot, defers
 (:class:`~.queue.Defer`): the slot goes to a later waiter in fair order (one whose replica it is,
 or one with nothing cached), and it waits for its own up to :data:`HOME_WAIT` × that replica's
 ``service_s / slots`` (the mean time between its slots freeing), then takes any. Without this a
-waiting turn took the first slot that freed, wherever: 14 conversations on 3 × 4 slots through the real queue, 0.39-0.55 of turns on
-their replica; with it 0.82-0.91 (tests/unit/test_balancer.py, 5 seeds, load ~10). Keys never seen
-on that replica (unique prompts, a conversation's first turn) never wait.
+waiting turn took the first slot that freed, wherever: 14 conversations on 3 × 4 slots through
+the real queue, 0.39-0.55 of turns on their replica; with it 0.82-0.91 (tests/unit/test_balancer.py,
+5 seeds, load ~10). Keys never seen on that replica (unique prompts, a conversation's first turn)
+never wait.
 
 Every pick is counted per replica and reason (:data:`REASONS`: ``affinity``, the key's first
 choice; ``overflow``, a later choice under the bound; ``least_load``; ``round_robin``), for
