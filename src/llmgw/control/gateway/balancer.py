@@ -75,7 +75,7 @@ replica's slots; the engine queues the excess); the key sees text, not tokens, s
 conversations whose first turns differ only past the first user message share a replica; a
 request deferring for its replica (above) may be passed by later ones for that long. Speed is a
 time per request, not per token: replicas whose requests differ in size (cold prefills on one,
-cached turns on another) differ in it too, and SPEED_RATIO (2) is what keeps equal replicas from
+cached turns on another) differ in it too, and SPEED_RATIO (1.5) is what keeps equal replicas from
 being judged.
 """
 
@@ -119,8 +119,10 @@ AFFINITY_SLACK = 1
 #: A replica is "faster" than another when its service time is at most 1/SPEED_RATIO of the other's.
 #: Equal replicas' EWMAs differ by the sizes of their last requests (a cold prefill, a cached turn)
 #: and by CPU contention; their medians agree (bench/routing.py workload B, load ~10: latency p50
-#: 19.1/19.6/17.7 s by replica); 2 leaves them unjudged and still sees a replica a third as fast.
-SPEED_RATIO = 2.0
+#: 19.1/19.6/17.7 s by replica). A replica running a third of the time measured 2.9x the others'
+#: p50 (workload C, load ~11), but its EWMA, which began with warm-up answers of one token, stayed
+#: under 2x theirs for a round: at 2 it kept a quarter of the requests, as round-robin gives it.
+SPEED_RATIO = 1.5
 #: A request whose first choice is full waits for it (while another replica has a free slot) up to
 #: HOME_WAIT × its ``service_s / slots``, the mean time between its slots freeing: twice the mean,
 #: so most such waits end at home; a miss instead costs the conversation's whole history again.
@@ -130,8 +132,8 @@ KEYS_KEPT = 65_536
 #: Answers a replica must have given before its speed is judged (fewer: a mean of too few sizes).
 MIN_ANSWERS = 3
 #: An EWMA older than this (s since the replica's last answer) is not judged: a replica once slow is
-#: tried again, measured afresh.
-STALE_S = 30.0
+#: tried again, measured afresh; each such try is one request at the slow speed, one per 5 minutes.
+STALE_S = 300.0
 #: Weight of the newest service time in the EWMA (about the last 5 answers count).
 EWMA_ALPHA = 0.2
 #: How long (s) a replica that refused a connection is passed over.
