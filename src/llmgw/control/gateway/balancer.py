@@ -466,7 +466,7 @@ class Balancer:
         between its slots freeing) when it is full while another replica has a free slot and the key's
         last request went there (its prefix is cached there), 0 otherwise (no key, not
         ``cache-aware``, a key not seen there, its first choice free, nothing free elsewhere)."""
-        if route.routing != "cache-aware" or key is None or len(route.upstreams) < 2:
+        if route.routing != "cache-aware" or key is None or len(route.upstreams) < 2 or key not in self._where:
             return 0.0
         reps, usable, _ = self._view(route, exclude)
         order = [i for i in rendezvous(key, [r.h for r in reps]) if usable[i]]
@@ -485,7 +485,8 @@ class Balancer:
         """``take()`` for the model's :class:`~llmgw.control.gateway.queue.FairQueue`: :meth:`take`,
         except that while the request's first choice is full and another replica has a free slot it
         defers (lets a later waiter have that slot) for :meth:`home_wait_s`, counted from its first
-        deferral. ``waiting()``: the queue's length (the ``waiting`` of :meth:`take`)."""
+        deferral. ``waiting()``: the queue's length (the ``waiting`` of :meth:`take`). The deadline
+        is on ``time.monotonic`` (the queue's default clock)."""
         until: list[float] = []
 
         def take() -> Lease | Defer | None:
