@@ -388,3 +388,22 @@ async def test_past_saturation_a_turn_waits_briefly_for_its_replica() -> None:
     with_wait = [await _saturated(HOME_WAIT, seed) for seed in range(3)]
     assert sum(with_wait) / 3 >= 0.7, (with_wait, without)
     assert sum(with_wait) / 3 >= sum(without) / 3 + 0.2, (with_wait, without)
+
+
+def test_a_key_stays_where_its_prefix_is_cached_however_slow_that_replica_looks() -> None:
+    """r2 answers in 6 s, r0 and r1 in 1 s: a new key whose first choice is r2 goes elsewhere, but a
+    key whose last request went to r2 (its prefix is cached there) stays on r2."""
+    route, bal = _route(3, slots=2)
+    _timed(route, bal, {"r0": 1.0, "r1": 1.0, "r2": 6.0})
+    ids = [u.replica_id for u in route.upstreams]
+    homed = [k for k in range(200) if _first(k, ids) == "r2"]
+    new, old = homed[0], homed[1]
+    held = bal.take(route, old, exclude={"r0", "r1"})  # its earlier turn ran on r2 (r2 was all there was)
+    assert held is not None
+    held.release()
+    moved = bal.take(route, new)
+    assert moved is not None
+    assert moved.up.replica_id != "r2"
+    kept = bal.take(route, old)
+    assert kept is not None
+    assert (kept.up.replica_id, kept.reason) == ("r2", AFFINITY)
