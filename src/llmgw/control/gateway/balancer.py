@@ -80,7 +80,9 @@ conversations whose first turns differ only past the first user message share a 
 request deferring for its replica (above) may be passed by later ones for that long. Speed is a
 time per request, not per token: replicas whose requests differ in size (cold prefills on one,
 cached turns on another) differ in it too, and SPEED_RATIO (1.5) is what keeps equal replicas from
-being judged.
+being judged. Service times and the keys' last replicas are each control plane's own: while one
+judges a replica slow and another does not, a new conversation's turns may go to its first choice
+through one and its second through the other (equal replicas: the same replica, as before).
 """
 
 from __future__ import annotations
