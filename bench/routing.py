@@ -73,7 +73,10 @@ gateway has no ``Route.routing``), exits 1. Figures are printed last, one ``name
 Run time on this machine (2 cores; one replica prefills ~70 tokens/s alone, 22-33 while other
 engineers' tests run; every figure moves with that load): ``--quick`` (prompts of ~260 tokens)
 68 s round-robin only at load ~2, 168 s at load ~6, 236 s with both policies at load 6-8; the full
-run 213 s on main at load ~3 (95 s ``--quick``), 426 s and 533 s at load 6-11 (2026-12-03).
+run 213 s on main at load ~3 (95 s ``--quick``), 426 s and 533 s at load 6-11 (2026-12-03). At
+load 10-15 (9-20 prefill tokens/s) workload A's full size did not finish round-robin in 480 s;
+``--workloads A --conversations 3 --turns 8 --rules 8`` took 252-424 s, ``--workloads C --rounds 2
+--per-round 12`` 180 s.
 """
 
 from __future__ import annotations
