@@ -122,7 +122,7 @@ class Sizes:
 
 # A cold prefill of ~1,000 tokens takes ~14 s here (llama-server at --threads 1: ~70 prompt tokens/s,
 # ~12 generated tokens/s), which sets these sizes: the full run within ~10 minutes, --quick ~2.
-FULL = Sizes(conversations=4, turns=8, at_once=4, system_prompts=4, rules=30, rounds=3, per_round=12, flood=40,
+FULL = Sizes(conversations=4, turns=8, at_once=4, system_prompts=4, rules=30, rounds=4, per_round=12, flood=40,
              other=3, e_conversations=3, e_turns=4)
 QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=3, rules=8, rounds=1, per_round=4, flood=16,
               other=2, e_conversations=2, e_turns=3)
@@ -477,7 +477,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, help="A: turns per conversation (default 8; --quick 3)")
     ap.add_argument("--rules", type=int, help="A: system prompt rules of ~33 tokens (default 30: ~1,000 "
                     "tokens; --quick 8)")
-    ap.add_argument("--rounds", type=int, help="B, C: rounds alternating the policies (default 3; --quick 1)")
+    ap.add_argument("--rounds", type=int, help="B, C: rounds alternating the policies (default 4: each first in 2; --quick 1)")
     ap.add_argument("--per-round", type=int, help="B, C: requests per policy per round (default 12; --quick 4)")
     ap.add_argument("--workloads", default="ABCDE", help="which workloads to run (default ABCDE; a target "
                     "whose workload did not run is N/A, and the run exits 1)")
