@@ -477,7 +477,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, help="A: turns per conversation (default 8; --quick 3)")
     ap.add_argument("--rules", type=int, help="A: system prompt rules of ~33 tokens (default 30: ~1,000 "
                     "tokens; --quick 8)")
-    ap.add_argument("--rounds", type=int, help="B, C: rounds alternating the policies (default 4: each first in 2; --quick 1)")
+    ap.add_argument("--rounds", type=int, help="B, C: rounds alternating the policies (default 4: each "
+                    "first in 2; --quick 1)")
     ap.add_argument("--per-round", type=int, help="B, C: requests per policy per round (default 12; --quick 4)")
     ap.add_argument("--workloads", default="ABCDE", help="which workloads to run (default ABCDE; a target "
                     "whose workload did not run is N/A, and the run exits 1)")
