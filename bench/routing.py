@@ -30,12 +30,15 @@ asked (the gateway drops that event for a client that did not ask, so this clien
 Workloads:
 
 A. **multi-turn chat**: conversations, each a system prompt of ~1,000 tokens and a growing history
-   (short questions, answers of ``max_tokens`` 16, temperature 0), 3 at once: more than one replica's
-   2 slots hold, fewer than all 6. Each conversation has its own system prompt (a user's document, an
-   agent's instructions: the issue's "a conversation's cached prefix"), so only a replica that served
-   the conversation holds its prefix. Then even a perfect policy cannot reuse a first turn: the best
-   share is ~(turns-1)/turns less the new tokens, 0.73 at the 4 turns the full run affords here
-   (0.81 at 6). ``--system-prompts 2`` makes them share 2 (an application's users): round-robin then
+   (short questions, answers of ``max_tokens`` 16, temperature 0, a seeded pause of up to
+   :data:`THINK_S` before each turn), 4 at once: more than one replica's 2 slots hold, fewer than all
+   6. Each conversation has its own system prompt (a user's document, an agent's instructions: the
+   issue's "a conversation's cached prefix"), so only a replica that served the conversation holds
+   its prefix. Then even a perfect policy cannot reuse a first turn: the best share is
+   ~(turns-1)/turns less the new tokens, 0.73 at 4 turns, ~0.85 at the 8 of the full run (real chats
+   run longer). ``--conversations``, ``--turns`` and ``--rules`` size it (a loaded machine prefills
+   ~1,000 tokens in 60-140 s: see the run times below). ``--system-prompts 2`` makes them share 2 (an
+   application's users): round-robin then
    reuses the system prompt on every replica (llama-server gives a request the slot whose cached
    prompt matches best) and affinity gains only the history. Per request: TTFT (streamed: to the
    first content token) and the ``timings`` above → ``cached_prompt_share`` =
@@ -70,7 +73,10 @@ gateway has no ``Route.routing``), exits 1. Figures are printed last, one ``name
 Run time on this machine (2 cores; one replica prefills ~70 tokens/s alone, 22-33 while other
 engineers' tests run; every figure moves with that load): ``--quick`` (prompts of ~260 tokens)
 68 s round-robin only at load ~2, 168 s at load ~6, 236 s with both policies at load 6-8; the full
-run 213 s on main at load ~3 (95 s ``--quick``), 426 s and 533 s at load 6-11 (2026-12-03).
+run 213 s on main at load ~3 (95 s ``--quick``), 426 s and 533 s at load 6-11 (2026-12-03). At
+load 10-15 (9-20 prefill tokens/s) workload A's full size did not finish round-robin in 480 s;
+``--workloads A --conversations 3 --turns 8 --rules 8`` took 252-424 s, ``--workloads C --rounds 2
+--per-round 12`` 180 s.
 """
 
 from __future__ import annotations
@@ -116,7 +122,7 @@ class Sizes:
 
 # A cold prefill of ~1,000 tokens takes ~14 s here (llama-server at --threads 1: ~70 prompt tokens/s,
 # ~12 generated tokens/s), which sets these sizes: the full run within ~10 minutes, --quick ~2.
-FULL = Sizes(conversations=6, turns=4, at_once=3, system_prompts=6, rules=30, rounds=2, per_round=6, flood=40,
+FULL = Sizes(conversations=4, turns=8, at_once=4, system_prompts=4, rules=30, rounds=4, per_round=12, flood=40,
              other=3, e_conversations=3, e_turns=4)
 QUICK = Sizes(conversations=3, turns=3, at_once=3, system_prompts=3, rules=8, rounds=1, per_round=4, flood=16,
               other=2, e_conversations=2, e_turns=3)
@@ -124,6 +130,11 @@ E_RULES = 8  # E: the system prompt of ~300 tokens (the decision is what is meas
 AT_ONCE = 6  # B: requests in flight (3 replicas x 2 slots: saturated)
 SLOW_AT_ONCE = 4  # C: fewer than the slots, so a policy has a choice (at 6 every slot is used, slow or not)
 MAX_TOKENS = 16
+#: A: a user's pause before each turn, uniform in [0, THINK_S) s, seeded per conversation. Without it
+#: the conversations ran in lockstep and round-robin's rotation stayed in phase with them: 3 at once
+#: on 3 replicas kept each on one replica (rr cached share 0.52 of at most 0.73); 4 at once moved
+#: each one replica on every turn (a hit never).
+THINK_S = 1.0
 
 # -- prompts ---------------------------------------------------------------------------------------
 
@@ -201,7 +212,9 @@ async def multi_turn(gateway: str, model: str, sizes: Sizes, first_conv: int = 0
             while todo:
                 conv = todo.pop(0)
                 messages = [{"role": "system", "content": system_prompt(conv % sizes.system_prompts, sizes.rules)}]
+                pause = random.Random(f"think-{conv}")
                 for turn in range(sizes.turns):
+                    await asyncio.sleep(pause.uniform(0, THINK_S))  # the user reads, then types
                     messages.append({"role": "user", "content": question(conv, turn)})
                     a = ok(await chat(s, gateway, KEYS["bench"], model, messages, max_tokens=MAX_TOKENS,
                                       stream=True), f"A {model} conversation {conv} turn {turn}")
@@ -373,7 +386,10 @@ def run_bde(sizes: Sizes, rargs: list[str], work: Path, models: list[str], which
             b = asyncio.run(rounds(fleet.gateways[0], models, sizes, base=0, at_once=AT_ONCE))
             rps = {m: len(xs) / secs for m, (xs, secs) in b.items()}
             for m, (xs, _) in b.items():
-                print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}", flush=True)
+                p50 = {r: statistics.median(x.total_s for x in xs if x.replica == r)
+                       for r in sorted({x.replica for x in xs})}
+                print(f"  {m}: {rps[m]:.2f} req/s; by replica {by_replica(xs)}; latency p50 by replica "
+                      f"{' '.join(f'{r}={v:.2f}' for r, v in p50.items())} s", flush=True)
             figures += [
                 ("rr_no_prefix_rps", rps["rr"], "req/s"),
                 ("ca_no_prefix_rps", rps.get("ca", NA), "req/s"),
@@ -457,6 +473,13 @@ def main() -> None:
                     "the whole context)")
     ap.add_argument("--system-prompts", type=int, help="system prompts workload A's conversations share "
                     "(default: one each)")
+    ap.add_argument("--conversations", type=int, help="A: conversations (default 4; --quick 3)")
+    ap.add_argument("--turns", type=int, help="A: turns per conversation (default 8; --quick 3)")
+    ap.add_argument("--rules", type=int, help="A: system prompt rules of ~33 tokens (default 30: ~1,000 "
+                    "tokens; --quick 8)")
+    ap.add_argument("--rounds", type=int, help="B, C: rounds alternating the policies (default 4: each "
+                    "first in 2; --quick 1)")
+    ap.add_argument("--per-round", type=int, help="B, C: requests per policy per round (default 12; --quick 4)")
     ap.add_argument("--workloads", default="ABCDE", help="which workloads to run (default ABCDE; a target "
                     "whose workload did not run is N/A, and the run exits 1)")
     args = ap.parse_args()
@@ -467,10 +490,19 @@ def main() -> None:
     sizes = QUICK if args.quick else FULL
     if args.system_prompts:
         sizes = Sizes(**{**sizes.__dict__, "system_prompts": args.system_prompts})
+    for name in ("conversations", "turns", "rules", "rounds", "per_round"):
+        if (value := getattr(args, name)) is not None:
+            if value < 1:
+                ap.error(f"--{name.replace('_', '-')} {value}: give 1 or more")
+            sizes = Sizes(**{**sizes.__dict__, name: value})
+            if name == "conversations" and not args.system_prompts:
+                sizes = Sizes(**{**sizes.__dict__, "system_prompts": value})
+    sizes = Sizes(**{**sizes.__dict__, "at_once": min(sizes.at_once, sizes.conversations)})
     merged = policy_merged()
     models = ["rr", "ca"] if merged else ["rr"]
     print(f"cores: {os.cpu_count()} (3 replicas x --threads 1, the gateways and this client share them); "
-          f"policies: {', '.join(models)}{'' if merged else ' (cache-aware not merged: round-robin only)'}",
+          f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; policies: {', '.join(models)}"
+          f"{'' if merged else ' (cache-aware not merged: round-robin only)'}",
           flush=True)
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
@@ -487,7 +519,8 @@ def main() -> None:
         print(f"logs kept in {work}", flush=True)
         raise
     shutil.rmtree(work, ignore_errors=True)
-    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'}, workloads {which})")
+    print(f"run time: {time.monotonic() - t0:.0f} s ({'quick' if args.quick else 'full'}, workloads {which}); "
+          f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     passed = True
     for what, result in verdicts(figures):
         print(f"{'N/A' if result is None else 'PASS' if result else 'FAIL'}: {what}")

@@ -284,6 +284,52 @@ def test_a_replica_killed_while_requests_wait(world: World, assets: Assets) -> N
         world.router.routes.pop("four", None)
 
 
+def test_a_full_queue_429_at_once_and_a_client_leaving_frees_its_place(world: World) -> None:
+    """(c) ``queue: {size: 2}``: with the 6 slots busy and 2 waiting, the next request is answered 429
+    ``model_busy`` with ``Retry-After`` at once (not after a wait); a waiting client that leaves frees
+    its place at once (a new request is admitted in its place) and never reaches a replica; every
+    request admitted is answered 200, once."""
+    bal, pool = world.balancers[0], world.pools[0]
+    world.router.routes["q2"] = Route("q2", world.ups, queue_size=2, queue_wait_s=300)
+    try:
+        def body(tag: str, i: int, max_tokens: int = 4) -> dict[str, Any]:
+            return _chat("q2", [f"{tag} {i}: tell a long story about a lighthouse."], max_tokens=max_tokens)
+
+        def until(what: str, ok: Any, limit: float = 30.0) -> None:
+            deadline = time.monotonic() + limit
+            while not ok():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.01)
+
+        picks = sum(sum(x.picks.values()) for x in bal.loads().values())
+        with concurrent.futures.ThreadPoolExecutor(10) as ex:
+            busy = [ex.submit(ask, world.urls[0], body("busy", i, 200)) for i in range(6)]
+            until("6 in flight", lambda: sum(x.in_flight for x in bal.loads().values()) == 6)
+            waiting = ex.submit(ask, world.urls[0], body("waiting", 0))
+            leaver = ex.submit(ask, world.urls[0], body("leaver", 0), 4.0)
+            until("2 waiting", lambda: len(pool.queues["q2"]) == 2)
+            t0 = time.monotonic()
+            full = ask(world.urls[0], body("full", 0))
+            assert time.monotonic() - t0 < 5  # at once, while the slots stay busy
+            assert full.status_code == 429, full.text
+            assert full.json()["error"]["code"] == "model_busy"
+            assert int(full.headers["Retry-After"]) >= 1
+            with pytest.raises(httpx.ReadTimeout):
+                leaver.result()
+            until("the leaver's place freed", lambda: len(pool.queues["q2"]) == 1, 5.0)
+            assert sum(x.in_flight for x in bal.loads().values()) == 6  # the slots are still busy
+            late = ex.submit(ask, world.urls[0], body("late", 0))  # admitted in the leaver's place
+            until("the late one waiting", lambda: len(pool.queues["q2"]) == 2, 5.0)
+            answers = [f.result() for f in (*busy, waiting, late)]
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers if r.status_code != 200]
+        # 8 picks: the 6, the waiting one and the late one; the leaver and the refused one none.
+        assert sum(sum(x.picks.values()) for x in bal.loads().values()) - picks == 8
+        assert {x.in_flight for x in bal.loads().values()} == {0}
+        assert len(pool.queues["q2"]) == 0
+    finally:
+        world.router.routes.pop("q2", None)
+
+
 def test_llama_server_reports_its_slots(world: World) -> None:
     """The slots the gateway uses are llama-server's own ``total_slots``."""
     up = world.ups[0]

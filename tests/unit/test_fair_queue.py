@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
-from llmgw.control.gateway.queue import FairQueue
+from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.errors import HttpError
 
 
@@ -293,4 +294,49 @@ async def test_an_error_in_a_waiters_take_goes_to_that_waiter_and_the_walk_goes_
     with pytest.raises(RuntimeError, match="replica table gone"):
         await bad
     assert good.result() == 3
+    assert len(q) == 0
+
+
+async def test_a_deferring_waiter_keeps_its_place_while_a_later_one_takes_the_slot() -> None:
+    """Two replicas of one slot, ``a`` and ``b``, both busy. X (head) wants ``a`` (it defers while
+    ``a`` is full), Y takes any. ``b`` frees: Y gets it, X keeps waiting; ``a`` frees: X gets it.
+    Then X2 alone defers for ``b`` while ``a`` is free, until its deadline: the queue walks again then
+    and X2 takes ``a`` (no wake() needed)."""
+    busy = {"a": True, "b": True}
+    q: FairQueue[str] = FairQueue("gemma", size=10, wait_s=60.0)
+
+    def any_free() -> str | None:
+        for name in ("a", "b"):
+            if not busy[name]:
+                busy[name] = True
+                return name
+        return None
+
+    def wanting(home: str, until: float) -> Callable[[], str | Defer | None]:
+        def take() -> str | Defer | None:
+            if busy[home] and time.monotonic() < until and not all(busy.values()):
+                return Defer(until)
+            return any_free()
+        return take
+
+    x = asyncio.create_task(q.acquire("k1", 0, wanting("a", time.monotonic() + 30), service_s=1.0, slots=2))
+    await _settle()
+    y = asyncio.create_task(q.acquire("k2", 0, any_free, service_s=1.0, slots=2))
+    await _settle()
+    assert len(q) == 2
+    busy["b"] = False
+    q.wake()
+    await _settle()
+    assert y.done()
+    assert y.result() == "b"
+    assert not x.done()
+    busy["a"] = False
+    q.wake()
+    await _settle()
+    assert x.result() == "a"
+    busy["a"] = False  # x's request ended; b is still y's
+    t0 = time.monotonic()
+    x2 = asyncio.create_task(q.acquire("k1", 0, wanting("b", t0 + 0.2), service_s=1.0, slots=2))
+    assert await asyncio.wait_for(x2, 5) == "a"
+    assert time.monotonic() - t0 >= 0.2
     assert len(q) == 0

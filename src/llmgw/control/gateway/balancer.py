@@ -22,13 +22,39 @@ Two policies, chosen per model in the catalog (``routing:``):
   replica comes or goes only the keys whose first choice it was move (1/N of them: measured
   0.250 of 20,000 keys moved when a 4th replica came, 0.334 when one of 3 left,
   ``tests/unit/test_balancer.py``). The request goes to the first replica in that order with a free
-  slot and fewer in flight than the **bound** ``ceil(c × (in flight over the model + 1) / N)``
+  slot and fewer in flight than the **bound** ``ceil(c × (in flight over the model + 1) / N) + 1``
   (consistent hashing with bounded loads, Mirrokni, Thorup & Zadimoghaddam 2018, c =
-  :data:`LOAD_BOUND_C`): no replica takes more than c times the average, so a popular prefix spills
-  to its key's second choice (the same second choice on every control plane) instead of piling up.
+  :data:`LOAD_BOUND_C`, plus :data:`AFFINITY_SLACK`): no replica takes more than c times the
+  average and one, so a popular prefix spills to its key's second choice (the same second choice on
+  every control plane) instead of piling up, while at low load two conversations that share a first
+  choice both stay on it (a miss costs the whole history's prefill, one more request a shared slot).
   When every replica is at its bound, the least-loaded one with a free slot (in flight / slots,
-  ties to the smaller service time: a slower replica gets less). A model with one replica computes
-  no key (its one replica is ``least_load``).
+  ties to the smaller service time). A model with one replica computes no key (its one replica is
+  ``least_load``).
+
+Speed, for ``cache-aware``: a replica with a free slot is passed over when the replicas at least
+:data:`SPEED_RATIO` times faster (EWMA service times) would finish the request sooner even after
+waiting for one of their slots, ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``
+(``waiting``: the model's queue, this request included): shortest expected delay with a threshold,
+the policy Lin & Kumar (1984) showed optimal for a fast and a slow server sharing a queue: the slow
+one serves only while the queue is long. So a slow replica's free slots are not filled as often as
+the fast ones' (round-robin and plain least-load fill them), and a new conversation whose first
+choice is slow goes to its second. A key whose last request went to a replica stays there however
+slow it looks: its prefix is cached there, and time per request is no measure of speed when
+requests differ (a cold prefill 30 s, a cached turn 5 s: judging them moved conversations off their
+replica, bench/routing.py workload A's reuse fell to 0.59 against round-robin's 0.64). Speeds are
+judged only after :data:`MIN_ANSWERS` answers and for :data:`STALE_S` after the last (a replica
+once slow is tried again).
+
+Past saturation, the queue (:meth:`Balancer.taker`): a waiting request whose key's last request
+went to a replica that is now full, while another has a free slot, defers
+(:class:`~.queue.Defer`): the slot goes to a later waiter in fair order (one whose replica it is,
+or one with nothing cached), and it waits for its own up to :data:`HOME_WAIT` × that replica's
+``service_s / slots`` (the mean time between its slots freeing), then takes any. Without this a
+waiting turn took the first slot that freed, wherever: 14 conversations on 3 × 4 slots through
+the real queue, 0.39-0.55 of turns on their replica; with it 0.82-0.91 (tests/unit/test_balancer.py,
+5 seeds, load ~10). Keys never seen on that replica (unique prompts, a conversation's first turn)
+never wait.
 
 Every pick is counted per replica and reason (:data:`REASONS`: ``affinity``, the key's first
 choice; ``overflow``, a later choice under the bound; ``least_load``; ``round_robin``), for
@@ -50,10 +76,13 @@ and release ~4 µs.
 
 Not guaranteed: slots and in flight are per control plane (two control planes each fill a
 replica's slots; the engine queues the excess); the key sees text, not tokens, so two
-conversations whose first turns differ only past the first user message share a replica. Past
-saturation (more requests than slots) a waiting request takes the first slot that frees, wherever
-it is: in the closed-loop model with 14 conversations on 12 slots only 28 % of turns stayed on
-their replica, for every c.
+conversations whose first turns differ only past the first user message share a replica; a
+request deferring for its replica (above) may be passed by later ones for that long. Speed is a
+time per request, not per token: replicas whose requests differ in size (cold prefills on one,
+cached turns on another) differ in it too, and SPEED_RATIO (1.5) is what keeps equal replicas from
+being judged. Service times and the keys' last replicas are each control plane's own: while one
+judges a replica slow and another does not, a new conversation's turns may go to its first choice
+through one and its second through the other (equal replicas: the same replica, as before).
 """
 
 from __future__ import annotations
@@ -65,10 +94,12 @@ import logging
 import math
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmgw.control.gateway.queue import Defer
 from llmgw.errors import HttpError
 from llmgw.routing import Route, Upstream
 
@@ -85,6 +116,30 @@ REASONS = (AFFINITY, OVERFLOW, LEAST_LOAD, ROUND_ROBIN)
 #: keys spill over. 1.25 is the paper's suggested operating point (max load 1.25× average with
 #: O(1/ε²) probes, ε = 0.25).
 LOAD_BOUND_C = 1.25
+#: Requests a replica may hold beyond c × the average before its keys spill over. Without it, at 1
+#: request in flight on 3 replicas the bound is 1, so a second conversation whose first choice was
+#: busy with another one left its replica and prefilled its whole history elsewhere (~14 s for 1,000
+#: tokens on this machine) to spare one shared slot: bench/routing.py's workload A (3 to 4
+#: conversations on 3 replicas of 2 slots) lost a turn in 4-6 that way.
+AFFINITY_SLACK = 1
+#: A replica is "faster" than another when its service time is at most 1/SPEED_RATIO of the other's.
+#: Equal replicas' EWMAs differ by the sizes of their last requests (a cold prefill, a cached turn)
+#: and by CPU contention; their medians agree (bench/routing.py workload B, load ~10: latency p50
+#: 19.1/19.6/17.7 s by replica). A replica running a third of the time measured 2.9x the others'
+#: p50 (workload C, load ~11), but its EWMA, which began with warm-up answers of one token, stayed
+#: under 2x theirs for a round: at 2 it kept a quarter of the requests, as round-robin gives it.
+SPEED_RATIO = 1.5
+#: A request whose first choice is full waits for it (while another replica has a free slot) up to
+#: HOME_WAIT × its ``service_s / slots``, the mean time between its slots freeing: twice the mean,
+#: so most such waits end at home; a miss instead costs the conversation's whole history again.
+HOME_WAIT = 2.0
+#: Prefix keys whose last replica is remembered (for :meth:`Balancer.home_wait_s`): ~100 bytes each.
+KEYS_KEPT = 65_536
+#: Answers a replica must have given before its speed is judged (fewer: a mean of too few sizes).
+MIN_ANSWERS = 3
+#: An EWMA older than this (s since the replica's last answer) is not judged: a replica once slow is
+#: tried again, measured afresh; each such try is one request at the slow speed, one per 5 minutes.
+STALE_S = 300.0
 #: Weight of the newest service time in the EWMA (about the last 5 answers count).
 EWMA_ALPHA = 0.2
 #: How long (s) a replica that refused a connection is passed over.
@@ -186,14 +241,16 @@ def rendezvous(key: int, hashes: list[int]) -> list[int]:
 
 def load_bound(in_flight: int, replicas: int, c: float = LOAD_BOUND_C) -> int:
     """The most requests one replica may hold before a key's next choice is tried:
-    ``ceil(c × (in_flight + 1) / replicas)`` (in_flight: over the model's replicas, before this one)."""
-    return math.ceil(c * (in_flight + 1) / replicas)
+    ``ceil(c × (in_flight + 1) / replicas) + AFFINITY_SLACK`` (in_flight: over the model's replicas,
+    before this one)."""
+    return math.ceil(c * (in_flight + 1) / replicas) + AFFINITY_SLACK
 
 
 class _Replica:
     """What the balancer keeps per replica id."""
 
-    __slots__ = ("h", "in_flight", "known", "model", "picks", "refused_until", "service_s", "slots")
+    __slots__ = ("answered_at", "answers", "h", "in_flight", "known", "model", "picks", "refused_until", "service_s",
+                 "slots")
 
     def __init__(self, up: Upstream, model: str) -> None:
         self.h = replica_hash(up.replica_id)
@@ -202,6 +259,8 @@ class _Replica:
         self.known = False
         self.in_flight = 0
         self.service_s = 0.0
+        self.answered_at = -math.inf
+        self.answers = 0
         self.refused_until = 0.0
         self.picks = dict.fromkeys(REASONS, 0)
 
@@ -257,8 +316,11 @@ class Lease:
         rep = self._rep
         rep.in_flight -= 1
         if answered:
-            took = self._balancer.clock() - self._t0
-            rep.service_s = took if rep.service_s == 0 else rep.service_s + EWMA_ALPHA * (took - rep.service_s)
+            now = rep.answered_at = self._balancer.clock()
+            rep.answers += 1
+            # The plain mean until 1/EWMA_ALPHA answers, then the EWMA: a first short answer (a
+            # warm-up's one token) does not stand for the replica's speed for the next dozen.
+            rep.service_s += max(EWMA_ALPHA, 1 / rep.answers) * (now - self._t0 - rep.service_s)
         if self._balancer.on_free is not None:
             self._balancer.on_free(self.model)
 
@@ -271,6 +333,8 @@ class Balancer:
             background the first time it is seen; None: slots stay at 1 until :meth:`set_slots`.
         clock: monotonic seconds (injected for tests).
         load_c: the bounded-load factor c (:data:`LOAD_BOUND_C`).
+        home_wait: how long a request may wait for its key's replica, in its mean slot-freeing times
+            (:data:`HOME_WAIT`; 0: never).
 
     ``on_free(model)`` (set by the owner) is called whenever a slot of ``model`` may have come
     free: a lease released, a replica's slots learned. All methods run on the event loop.
@@ -282,15 +346,19 @@ class Balancer:
         read_slots: SlotReader | None = None,
         clock: Callable[[], float] = time.monotonic,
         load_c: float = LOAD_BOUND_C,
+        home_wait: float = HOME_WAIT,
     ) -> None:
         self.read_slots = read_slots
         self.clock = clock
         self.load_c = load_c
+        self.home_wait = home_wait
         self.on_free: Callable[[str], None] | None = None
         #: (model, reason) → picks, for the metrics page (read at scrape time).
         self.decisions: dict[tuple[str, str], int] = {}
         self._reps: dict[str, _Replica] = {}
         self._next: dict[str, int] = {}
+        #: prefix key → the replica its last request went to, the newest :data:`KEYS_KEPT`.
+        self._where: OrderedDict[int, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- slots ----------------------------------------------------------------------------------
@@ -339,16 +407,15 @@ class Balancer:
             rep.refused_until = self.clock() + REFUSED_S
 
     # -- the choice -----------------------------------------------------------------------------
-    def take(self, route: Route, key: int | None, exclude: Collection[str] = ()) -> Lease | None:
+    def take(self, route: Route, key: int | None, exclude: Collection[str] = (), waiting: int = 1) -> Lease | None:
         """A slot on one of ``route``'s replicas, chosen by its policy (module docstring); None when
-        every replica not in ``exclude`` has all its slots in use. Takes the slot (in flight + 1)."""
+        every replica not in ``exclude`` has all its slots in use, or (cache-aware) when the free ones
+        are slow enough that waiting for a faster one's slot finishes sooner (:meth:`_too_slow`).
+        ``waiting``: requests of the model waiting for a slot, this one included (1 when none waits).
+        Takes the slot (in flight + 1)."""
         ups = route.upstreams
         n = len(ups)
-        reps = [self._rep(up, route.model) for up in ups]
-        now = self.clock()
-        usable = [up.replica_id not in exclude and reps[i].refused_until <= now for i, up in enumerate(ups)]
-        if not any(usable):  # every replica refused lately: try them anyway, rather than none
-            usable = [up.replica_id not in exclude for up in ups]
+        reps, usable, now = self._view(route, exclude)
         if route.routing == "round-robin":
             first = self._next.get(route.model, 0)
             self._next[route.model] = first + 1
@@ -357,24 +424,115 @@ class Balancer:
                 if usable[i] and reps[i].in_flight < reps[i].slots:
                     return self._lease(route.model, ups[i], reps[i], ROUND_ROBIN)
             return None
+        lease = self._cache_aware(route, key, reps, usable, now, waiting)
+        if lease is not None and key is not None:
+            where = self._where
+            where[key] = lease.up.replica_id
+            where.move_to_end(key)
+            if len(where) > KEYS_KEPT:
+                where.popitem(last=False)
+        return lease
+
+    def _cache_aware(
+        self, route: Route, key: int | None, reps: list[_Replica], usable: list[bool], now: float, waiting: int
+    ) -> Lease | None:
+        ups = route.upstreams
+        n = len(ups)
+        service = [r.service_s if r.answers >= MIN_ANSWERS and now - r.answered_at < STALE_S else 0.0 for r in reps]
         if key is not None and n > 1:
             bound = load_bound(sum(r.in_flight for r in reps), n, self.load_c)
             reason = AFFINITY
+            last = self._where.get(key)  # where its prefix is cached: kept there, however slow
             for i in rendezvous(key, [r.h for r in reps]):
                 if not usable[i]:
                     continue
                 rep = reps[i]
-                if rep.in_flight < rep.slots and rep.in_flight < bound:
+                if rep.in_flight < rep.slots and rep.in_flight < bound and (
+                    ups[i].replica_id == last or not self._too_slow(i, reps, usable, service, waiting)
+                ):
                     return self._lease(route.model, ups[i], rep, reason)
                 reason = OVERFLOW
-        best = -1
-        best_load = (2.0, 0.0)
-        for i, rep in enumerate(reps):
-            if usable[i] and rep.in_flight < rep.slots:
-                load = (rep.in_flight / rep.slots, rep.service_s)
-                if load < best_load:
-                    best, best_load = i, load
-        return None if best < 0 else self._lease(route.model, ups[best], reps[best], LEAST_LOAD)
+        free = sorted((reps[i].in_flight / reps[i].slots, reps[i].service_s, i) for i in range(n)
+                      if usable[i] and reps[i].in_flight < reps[i].slots)
+        for _, _, i in free:
+            if not self._too_slow(i, reps, usable, service, waiting):
+                return self._lease(route.model, ups[i], reps[i], LEAST_LOAD)
+        return None
+
+    def _view(self, route: Route, exclude: Collection[str]) -> tuple[list[_Replica], list[bool], float]:
+        """``route``'s replicas, which of them may be given a request now, and the clock."""
+        reps = [self._rep(up, route.model) for up in route.upstreams]
+        now = self.clock()
+        usable = [up.replica_id not in exclude and reps[i].refused_until <= now for i, up in enumerate(route.upstreams)]
+        if not any(usable):  # every replica refused lately: try them anyway, rather than none
+            usable = [up.replica_id not in exclude for up in route.upstreams]
+        return reps, usable, now
+
+    def home_wait_s(self, route: Route, key: int | None, exclude: Collection[str] = ()) -> float:
+        """How long (s) a request of ``key`` should wait for its first choice rather than take a free
+        slot elsewhere now: :data:`HOME_WAIT` × the first choice's ``service_s / slots`` (the mean time
+        between its slots freeing) when it is full while another replica has a free slot and the key's
+        last request went there (its prefix is cached there), 0 otherwise (no key, not
+        ``cache-aware``, a key not seen there, its first choice free, nothing free elsewhere)."""
+        if route.routing != "cache-aware" or key is None or len(route.upstreams) < 2 or key not in self._where:
+            return 0.0
+        reps, usable, _ = self._view(route, exclude)
+        order = [i for i in rendezvous(key, [r.h for r in reps]) if usable[i]]
+        if not order:
+            return 0.0
+        home = reps[order[0]]
+        if home.in_flight < home.slots or not any(reps[i].in_flight < reps[i].slots for i in order[1:]):
+            return 0.0
+        if self._where.get(key) != route.upstreams[order[0]].replica_id:
+            return 0.0  # no earlier request of this key ran there: nothing of it is cached to wait for
+        return self.home_wait * home.service_s / home.slots
+
+    def taker(
+        self, route: Route, key: int | None, exclude: Collection[str], waiting: Callable[[], int]
+    ) -> Callable[[], Lease | Defer | None]:
+        """``take()`` for the model's :class:`~llmgw.control.gateway.queue.FairQueue`: :meth:`take`,
+        except that while the request's first choice is full and another replica has a free slot it
+        defers (lets a later waiter have that slot) for :meth:`home_wait_s`, counted from its first
+        deferral. ``waiting()``: the queue's length (the ``waiting`` of :meth:`take`). The deadline
+        is on ``time.monotonic`` (the queue's default clock)."""
+        until: list[float] = []
+
+        def take() -> Lease | Defer | None:
+            if key is not None and (until or (wait := self.home_wait_s(route, key, exclude)) > 0):
+                now = time.monotonic()
+                if not until:
+                    until.append(now + wait)
+                if now < until[0] and self.home_wait_s(route, key, exclude) > 0:
+                    return Defer(until[0])
+            return self.take(route, key, exclude, waiting() or 1)
+
+        return take
+
+    @staticmethod
+    def _too_slow(i: int, reps: list[_Replica], usable: list[bool], service: list[float], waiting: int) -> bool:
+        """Whether replica ``i`` (with a free slot) should be passed over for faster ones: shortest
+        expected delay with a threshold (Lin & Kumar 1984, two heterogeneous servers: use the slow one
+        only when the queue is long). The faster replicas are those :data:`SPEED_RATIO` times faster
+        or more (EWMA service times; 0: fewer than :data:`MIN_ANSWERS` answers or older than
+        :data:`STALE_S`, never judged). Passed over when they would
+        finish the request sooner even after waiting for a slot: none free, ``waiting`` requests take
+        slots as they free, one every ``1 / Σ slots_j / service_j`` seconds, so
+        ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``."""
+        mine = service[i]
+        if not mine:
+            return False
+        rate = slowest = 0.0
+        free = False
+        for j, rep in enumerate(reps):
+            s = service[j]
+            if j == i or not usable[j] or not s or s * SPEED_RATIO > mine:
+                continue
+            free |= rep.in_flight < rep.slots
+            rate += rep.slots / s
+            slowest = max(slowest, s)
+        if not rate:
+            return False
+        return (0.0 if free else waiting / rate) + slowest < mine
 
     def _lease(self, model: str, up: Upstream, rep: _Replica, reason: str) -> Lease:
         rep.in_flight += 1

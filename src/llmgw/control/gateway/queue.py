@@ -11,10 +11,11 @@ reserved (a replica), or None when the model has no free slot for this request.
 3. :meth:`FairQueue.wake`, called by the balancer whenever a slot frees (a request ended) or the
    replicas changed, walks the waiters in fair order and calls the *head waiter's own* ``take()``
    while it succeeds, resolving that waiter's future with the value. It stops at the first None:
-   a later waiter never jumps the head (``take()`` must answer None only when no slot of the model
-   fits that request). A new arrival behind others also runs this walk, so a slot freed without a
-   ``wake()`` is not left idle. An exception from a waiter's ``take()`` goes to that waiter's
-   caller (it leaves the queue) and the walk goes on.
+   a later waiter never jumps the head (``take()`` answers None only when no slot of the model
+   fits that request, or when a free one is on a replica so slow that waiting for a faster one's
+   finishes sooner: the balancer's shortest expected delay). A new arrival behind others also runs
+   this walk, so a slot freed without a ``wake()`` is not left idle. An exception from a waiter's
+   ``take()`` goes to that waiter's caller (it leaves the queue) and the walk goes on.
 
 Fair order. Strict priority bands: a waiter of a higher ``priority`` (a key's 0–9) is always served
 before any of a lower one (llm-d's flow control does the same); a lower band waits, bounded by
@@ -62,7 +63,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -70,12 +71,24 @@ from llmgw.errors import HttpError
 
 T = TypeVar("T")
 
+#: Waiters :meth:`FairQueue.wake` offers a free slot to, in fair order, past those that defer.
+SCAN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """What a waiter's ``take()`` returns to let a free slot go to a later waiter while it waits for
+    one it prefers (the replica holding its conversation) until ``until`` (the queue's clock, s); the
+    queue walks again then, and that ``take()`` should no longer defer."""
+
+    until: float
+
 
 @dataclass(slots=True, eq=False)
 class _Waiter(Generic[T]):
     key: str
     priority: int
-    take: Callable[[], T | None]
+    take: Callable[[], T | Defer | None]
     future: asyncio.Future[T]
     service_s: float
     slots: int
@@ -139,6 +152,8 @@ class FairQueue(Generic[T]):
         self._bands: dict[int, _Band[T]] = {}
         self._order: list[int] = []  # priorities with waiters, highest first
         self._n = 0
+        self._recheck: asyncio.TimerHandle | None = None  # the walk again when the first deferral ends
+        self._recheck_at = math.inf
 
     def __len__(self) -> int:
         """Requests waiting now."""
@@ -153,7 +168,7 @@ class FairQueue(Generic[T]):
         return out
 
     async def acquire(
-        self, key: str, priority: int, take: Callable[[], T | None], *, service_s: float, slots: int
+        self, key: str, priority: int, take: Callable[[], T | Defer | None], *, service_s: float, slots: int
     ) -> T:
         """Wait for a slot of the model in fair order and return what ``take()`` reserved.
 
@@ -172,7 +187,7 @@ class FairQueue(Generic[T]):
         """
         if not self._n:
             got = take()
-            if got is not None:
+            if got is not None and not isinstance(got, Defer):
                 return got
         slots = max(1, slots)
         if self._n >= self.size:
@@ -252,24 +267,60 @@ class FairQueue(Generic[T]):
         fifo = next(iter(self._bands[self._order[0]].keys.values()))
         return fifo[0]
 
+    def _fair(self) -> Iterator[_Waiter[T]]:
+        """The first :data:`SCAN` waiters in fair order (bands highest first; in a band, each key's
+        first in rotation, then each key's second...). Stop iterating once the queue changed."""
+        n = 0
+        for p in self._order:
+            fifos = list(self._bands[p].keys.values())
+            depth = 0
+            while row := [fifo[depth] for fifo in fifos if len(fifo) > depth]:
+                for waiter in row:
+                    yield waiter
+                    n += 1
+                    if n >= SCAN:
+                        return
+                depth += 1
+
     def _walk(self) -> None:
-        while (waiter := self._head()) is not None:
+        while self._step():
+            pass
+
+    def _step(self) -> bool:
+        """Offer the free slot to the waiters in fair order: the first whose ``take()`` does not
+        :class:`Defer` decides (served, or None: nobody behind it is tried). True when one left."""
+        until = math.inf
+        for waiter in self._fair():
             if waiter.future.done():  # cancelled, its task not yet resumed: it leaves now
                 self._remove(waiter)
-                continue
+                return True
             keys = self._bands[waiter.priority].keys
             try:
                 got = waiter.take()
             except Exception as e:  # the error is that request's: it goes to its caller
                 self._remove(waiter)
                 waiter.future.set_exception(e)
+                return True
+            if isinstance(got, Defer):
+                until = min(until, got.until)
                 continue
             if got is None:
-                return
+                break
             self._remove(waiter)
             if waiter.key in keys:
                 keys.move_to_end(waiter.key)  # the key had its turn: to the end of the rotation
             waiter.future.set_result(got)
+            return True
+        if until < self._recheck_at:
+            if self._recheck is not None:
+                self._recheck.cancel()
+            self._recheck_at = until
+            self._recheck = asyncio.get_running_loop().call_later(max(0.0, until - self._clock()), self._rewalk)
+        return False
+
+    def _rewalk(self) -> None:
+        self._recheck, self._recheck_at = None, math.inf
+        self.wake()
 
     def _abandon(self, waiter: _Waiter[T]) -> None:
         """The waiter's task was cancelled: free its place, and re-offer a value it was handed."""

@@ -63,7 +63,7 @@ from yarl import URL
 
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics, prefix_key
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
-from llmgw.control.gateway.queue import FairQueue
+from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally
 from llmgw.control.gateway.starting import answer_on_stream
@@ -81,7 +81,6 @@ KEEPALIVE_S = 4.0
 PROPS_TIMEOUT_S = 5.0
 # Many concurrent streams are normal for an LLM gateway; the engine queues what its slots can't take.
 MAX_CONNECTIONS = 1024
-
 
 
 def refusal_response(refusal: Refusal) -> web.Response:
@@ -249,19 +248,19 @@ class UpstreamPool:
                 "upstream_unreachable",
                 f"no replica of model '{route.model}' accepts connections right now; retry shortly",
             )
-        balancer = self.balancer
-        queue = self._queue(route)
+        balancer, queue = self.balancer, self._queue(route)
+        inner = balancer.taker(route, key, tried, queue.__len__)
         if not len(queue):  # nobody waits: a free slot is taken at once, without the queue's estimate
-            lease = balancer.take(route, key, tried)
-            if lease is not None:
+            got = inner()
+            if isinstance(got, Lease):
                 if self.metrics is not None:
                     self.metrics.waited(route.model, 0.0)
-                    self.metrics.routed(route.model, lease.reason)
-                return lease
-        first: list[Lease | None] = []  # what the first take() got: the request waited unless it is the answer
+                    self.metrics.routed(route.model, got.reason)
+                return got
+        first: list[Lease | Defer | None] = []  # what the first take() got: it waited unless that is the answer
 
-        def take() -> Lease | None:
-            got = balancer.take(route, key, tried)
+        def take() -> Lease | Defer | None:
+            got = inner()
             if not first:
                 first.append(got)
             return got
