@@ -107,10 +107,15 @@ def store(store_url: str) -> Iterator[Store]:
 
 #: The slowest test files, longest first (``.ci/run``'s ``--durations`` on 2 cores; a file's total of
 #: setup and calls). ``scripts/test`` runs files in parallel workers (pytest-xdist, ``--dist loadfile``:
-#: a file's module fixtures are set up once, on one worker); these go first so that no worker starts a
-#: long file near the end while the others idle (longest-processing-time-first scheduling). Files not
-#: named keep their order after them. A stale entry is harmless; a new slow file belongs here.
+#: a file's module fixtures are set up once, on one worker, and the first files are dealt to the
+#: workers in turn); these go first so that no worker starts a long file near the end while the
+#: others idle (longest-processing-time-first scheduling), and the two longest ``timed`` files land
+#: on different lanes. Files not named keep their order after them. A stale entry is harmless.
 SLOW_FILES_FIRST = (
+    "tests/ha/test_failover.py",
+    "tests/e2e/test_routing_e2e.py",
+    "tests/ha/test_orphan.py",
+    "tests/ha/test_frozen_lock.py",
     "tests/e2e/test_init_ha.py",
     "tests/e2e/test_init.py",
     "tests/e2e/test_init_rejoin.py",
@@ -124,11 +129,12 @@ SLOW_FILES_FIRST = (
 )
 
 #: Tests that assert a wall-clock bound (a takeover within the lease, a key refused within a second, a
-#: queue's order under a burst) which parallel workers on a 2-core machine can break by load alone
-#: (each failed so in a 4-worker run at load 11-20). They get the ``serial`` marker and run after the
-#: parallel part, one at a time (``scripts/test``), as do the ``ha`` tests. A node id prefix: a file,
-#: or a file and a test.
-SERIAL = (
+#: queue's order under a burst) which the parallel part's load on a 2-core machine can break (each
+#: failed so in a 4-worker run at load 11-20). They get the ``timed`` marker and, with the ``ha``
+#: tests, run after the parallel part in two lanes (``scripts/test``): at most two at once, on a
+#: machine otherwise idle (load ~2, where they were written to hold). A node id prefix: a file, or a
+#: file and a test.
+TIMED = (
     "tests/e2e/test_adoption.py",
     "tests/e2e/test_processes.py",
     "tests/e2e/test_replicas_routing.py",
@@ -145,10 +151,10 @@ SERIAL = (
 
 
 def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of :data:`SERIAL` ``serial``, and put the files of :data:`SLOW_FILES_FIRST`
+    """Mark the tests of :data:`TIMED` ``timed``, and put the files of :data:`SLOW_FILES_FIRST`
     first, in that order (a stable sort: tests inside a file, and the other files, keep their order)."""
     for item in items:
-        if item.nodeid.startswith(SERIAL):
-            item.add_marker(pytest.mark.serial)
+        if item.nodeid.startswith(TIMED):
+            item.add_marker(pytest.mark.timed)
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
