@@ -13,20 +13,14 @@ import time
 
 import aiohttp
 import pytest
-import yaml
 
 from tests.conftest import Assets
-from tests.e2e.test_cluster import Cluster, cluster, cpu_inventory, replicas_of  # noqa: F401 - a fixture
+from tests.e2e.test_cluster import Cluster, cluster, gateway_chat_url, gemma_on_node_a, replicas_of  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.e2e
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Count from one to twenty."}], "max_tokens": 48,
         "stream": True}
-
-
-def _gateway(c: Cluster) -> str:
-    listen = yaml.safe_load((c.root / "etc" / "llmgw" / "server.yaml").read_text())["gateway"]["listen"]
-    return f"http://{listen}/v1/chat/completions"
 
 
 async def _stream(s: aiohttp.ClientSession, url: str) -> int:
@@ -41,10 +35,7 @@ async def test_burst_scales_up_in_panic_then_drains_down_without_a_failed_reques
     cluster: Cluster, assets: Assets  # noqa: F811
 ) -> None:
     c = cluster
-    (c.root / "files" / "gemma.gguf").symlink_to(assets.model)
-    c.start("node-a", c.config("node-a", cpu_inventory(), engine=assets.llama_server))
-    await c.until("node-a ready", lambda: c.api("GET", "/api/v1/nodes"))
-    profile = {"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1, "args": ["--ctx-size", "512", "-np", "1"]}
+    profile = await gemma_on_node_a(c, assets)
     scaling = {"min": 1, "max": 2, "stable_window_s": 4.0, "panic_window_s": 2.0, "scale_down_after_s": 3.0}
     await c.api("POST", "/api/v1/models", {"name": "m", "source": f"{c.files}/gemma.gguf", "scaling": scaling,
                                            "profiles": [profile]})
@@ -55,7 +46,7 @@ async def test_burst_scales_up_in_panic_then_drains_down_without_a_failed_reques
     await c.until("one replica ready", lambda: ready(1), within_s=60)
     view = await c.api("GET", "/api/v1/models/m/autoscale")
     assert (view["target"], view["wanted"]) == (1.0, 1)  # target: the profile's -np 1
-    url = _gateway(c)
+    url = gateway_chat_url(c)
     statuses: list[int] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         burst = time.monotonic()

@@ -135,6 +135,22 @@ async def replicas_of(c: Cluster, model: str) -> list[dict[str, Any]]:
     return [r for r in await c.api("GET", f"/api/v1/replicas?model={model}") if r["node"]]
 
 
+async def gemma_on_node_a(c: Cluster, assets: Assets) -> dict[str, Any]:
+    """gemma-3-270m in the cluster's file server (``{c.files}/gemma.gguf``) and ``node-a``, a CPU node
+    whose agent runs the real llama-server, ready; returns a one-core ``cpu`` profile for a model of it
+    (``--ctx-size 512 -np 1``)."""
+    (c.root / "files" / "gemma.gguf").symlink_to(assets.model)
+    c.start("node-a", c.config("node-a", cpu_inventory(), engine=assets.llama_server))
+    await c.until("node-a ready", lambda: c.api("GET", "/api/v1/nodes"))
+    return {"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1, "args": ["--ctx-size", "512", "-np", "1"]}
+
+
+def gateway_chat_url(c: Cluster) -> str:
+    """The control plane's gateway ``/v1/chat/completions`` URL, from its server.yaml."""
+    listen = yaml.safe_load((c.root / "etc" / "llmgw" / "server.yaml").read_text())["gateway"]["listen"]
+    return f"http://{listen}/v1/chat/completions"
+
+
 async def test_five_nodes_spread_gpus_exclusive_cpu_fallback_outside_memory_and_explanations(cluster: Cluster) -> None:
     c = cluster
     for i in (1, 2):

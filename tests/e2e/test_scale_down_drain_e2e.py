@@ -19,20 +19,14 @@ import time
 
 import aiohttp
 import pytest
-import yaml
 
 from tests.conftest import Assets
-from tests.e2e.test_cluster import Cluster, cluster, cpu_inventory, replicas_of  # noqa: F401 - a fixture
+from tests.e2e.test_cluster import Cluster, cluster, gateway_chat_url, gemma_on_node_a, replicas_of  # noqa: F401 - a fixture
 from tests.helpers.control import TOKEN
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 160
-
-
-def _gateway(c: Cluster) -> str:
-    listen = yaml.safe_load((c.root / "etc" / "llmgw" / "server.yaml").read_text())["gateway"]["listen"]
-    return f"http://{listen}/v1/chat/completions"
 
 
 def _body(n: int) -> dict[str, object]:
@@ -44,10 +38,7 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
     cluster: Cluster, assets: Assets  # noqa: F811
 ) -> None:
     c = cluster
-    (c.root / "files" / "gemma.gguf").symlink_to(assets.model)
-    c.start("node-a", c.config("node-a", cpu_inventory(), engine=assets.llama_server))
-    await c.until("node-a ready", lambda: c.api("GET", "/api/v1/nodes"))
-    profile = {"name": "cpu", "min_memory_gb": 1, "cpu_cores": 1, "args": ["--ctx-size", "512", "-np", "1"]}
+    profile = await gemma_on_node_a(c, assets)
     await c.api("POST", "/api/v1/models", {"name": "m", "source": f"{c.files}/gemma.gguf", "routing": "round-robin",
                                            "scaling": {"min": 2, "max": 2}, "profiles": [profile]})
 
@@ -57,7 +48,7 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
     await c.until("two replicas ready", two_ready, within_s=90)
     reps = sorted(await replicas_of(c, "m"), key=lambda r: (r["created_at"], r["id"]))
     oldest, newest = reps[0]["id"], reps[1]["id"]
-    url = _gateway(c)
+    url = gateway_chat_url(c)
     seen: list[tuple[float, dict[str, float | None]]] = []  # (monotonic, {replica id: draining_since})
     ended: dict[str, float] = {}
 
