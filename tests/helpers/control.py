@@ -199,3 +199,15 @@ def wait_admin_health(inst: Install, proc: subprocess.Popen[bytes], within_s: fl
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "server run exited"
         assert time.monotonic() < deadline, f"server run did not answer /api/v1/health in {within_s:g} s"
         time.sleep(0.1)
+
+
+async def run_ctl(inst: Install, *args: str) -> tuple[int, str]:
+    """``llmgw ctl ARGS`` as a child process against ``inst`` (its root; the admin API and token from
+    its files, as an operator's shell on the machine has them): exit code and stdout+stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmgw", "--root", str(inst.root), "ctl", *args,
+        env={**os.environ, "LLMGW_ROOT": str(inst.root)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode()

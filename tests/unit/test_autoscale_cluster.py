@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
-from tests.helpers.control import TOKEN, Install, heartbeat, make_install, pg_install, serving
+from tests.helpers.control import TOKEN, Install, heartbeat, make_install, pg_install, run_ctl, serving
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 from tests.unit.test_ui import _login
@@ -124,16 +122,6 @@ async def _chat(s: aiohttp.ClientSession, inst: Install) -> int:
         return r.status
 
 
-async def _ctl(inst: Install, *args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmgw", "--root", str(inst.root), "ctl", *args,
-        env={**os.environ, "LLMGW_ROOT": str(inst.root)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode or 0, out.decode()
-
-
 async def _one_ready(s: aiohttp.ClientSession, inst: Install, node: Node, scaling: dict[str, Any]) -> None:
     await node.register()
     model = {"name": "chat", "source": "http://m/chat.gguf", "scaling": scaling,
@@ -185,11 +173,11 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
             page = await r.text()
         assert 'llmgw_autoscale_decisions_total{direction="up",model="chat"} 1.0' in page
         assert 'llmgw_autoscale_desired_replicas{model="chat"} 4.0' in page
-        code, out = await _ctl(inst, "model", "autoscale", "chat")
+        code, out = await run_ctl(inst, "model", "autoscale", "chat")
         assert code == 0, out
         assert "chat: wanted 4 (scaling 1..4)" in out
         assert "scaled 1 → 4: 4.0 in flight per replica over 6 s" in out
-        code, out = await _ctl(inst, "models")
+        code, out = await run_ctl(inst, "models")
         assert code == 0, out
         assert "WANTED" in out
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as c:

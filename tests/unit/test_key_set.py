@@ -7,8 +7,6 @@ change alike (``5.0``, ``"5"`` and ``true`` are a 400 naming the field). The eng
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,21 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers.control import TOKEN, Install, make_install, serving
+from tests.helpers.control import TOKEN, Install, make_install, run_ctl, serving
 from tests.unit.test_keys_cluster import _chat, _ready_model, fake_engine  # noqa: F401 - a fixture
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-async def _ctl(inst: Install, *args: str) -> tuple[int, str]:
-    """``llmgw ctl ARGS`` as a child process against ``inst``: exit code and output."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmgw", "--root", str(inst.root), "ctl", *args,
-        env={**os.environ, "LLMGW_ROOT": str(inst.root)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode or 0, out.decode()
 
 
 async def _first(s: aiohttp.ClientSession, inst: Install, secret: str, status: int, within_s: float) -> float:
@@ -59,12 +46,12 @@ async def test_ctl_key_set_changes_limits_on_the_gateway_within_a_second(
         await _first(s, inst, secret, 200, within_s=3)  # the key reaches the gateway (0.5 s sync)
         await _first(s, inst, secret, 429, within_s=3)  # rpm 1 (a new minute may admit one more)
 
-        code, out = await _ctl(inst, "key", "set", "team", "--rpm", "100", "--tpm", "5000")
+        code, out = await run_ctl(inst, "key", "set", "team", "--rpm", "100", "--tpm", "5000")
         assert code == 0, out
         assert "100 rpm, 5000 tpm" in out
         took = await _first(s, inst, secret, 200, within_s=1.5)  # same minute: only the new rpm admits it
 
-        code, out = await _ctl(inst, "key", "set", "team", "--clear", "rpm", "--budget-tokens", "3",
+        code, out = await run_ctl(inst, "key", "set", "team", "--clear", "rpm", "--budget-tokens", "3",
                                "--budget-period", "day", "--models", "chat")
         assert code == 0, out
         await _first(s, inst, secret, 429, within_s=1.5)  # 3 tokens/day: today's answers spent them
@@ -74,14 +61,14 @@ async def test_ctl_key_set_changes_limits_on_the_gateway_within_a_second(
             None, 5000, 3, "day", ["chat"])
         assert key["prefix"] == secret[:16]  # same secret
 
-        code, out = await _ctl(inst, "key", "set", "team", "--clear", "budget", "--clear", "tpm")
+        code, out = await run_ctl(inst, "key", "set", "team", "--clear", "budget", "--clear", "tpm")
         assert code == 0, out
         await _first(s, inst, secret, 200, within_s=1.5)
 
-        code, out = await _ctl(inst, "key", "set", "team")
+        code, out = await run_ctl(inst, "key", "set", "team")
         assert code == 2
         assert "nothing to change" in out
-        code, out = await _ctl(inst, "key", "set", "nobody", "--rpm", "5")
+        code, out = await run_ctl(inst, "key", "set", "nobody", "--rpm", "5")
         assert code == 1
         assert "no key 'nobody'" in out
     print(f"a raised rpm took {took:.2f} s to reach the gateway")
