@@ -358,7 +358,8 @@ class Leader:
             view.nodes[node.id] = node
             view.pending_nodes.add(node.id)
         rows = view.models
-        models = {k: effective_model(v.model, parse_facts(view.facts)) for k, v in rows.items()}
+        facts = parse_facts(view.facts)  # once per pass, not once per model
+        models = {k: effective_model(v.model, facts) for k, v in rows.items()}
         live = {n.id for n in view.nodes.values() if n.state == "ready"}
         before = dict(view.replicas)
         replicas = self._remove_orphans(rows, live, answering, list(before.values()), result)
