@@ -80,6 +80,8 @@ def test_the_how_to_ask_step_alone_names_the_model_and_the_gateway(tmp_path: Pat
     text = out.getvalue()
     assert "llmgw is ready (init took 1m15s)." in text
     assert "curl -s http://127.0.0.1:8099/v1/chat/completions" in text
+    # bounded: a small starter model may not stop on its own, and an unbounded answer runs to the context
+    assert '"max_tokens": 64}' in text
     assert '"model": "gemma"' in text
     token = ctx.paths.server_config.parent / "admin-token"
     assert f"Dashboard: http://127.0.0.1:9090/ui/ (log in with the token in {token};" in text

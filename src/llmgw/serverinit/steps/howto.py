@@ -23,7 +23,7 @@ def run(ctx: InitContext, served: str, took_s: float) -> None:
     print(
         f"    curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"      -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
-        f"\"content\": \"What is the capital of France?\"}}]}}'\n",
+        f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 64}}'\n",
         file=out,
     )
     print(
