@@ -199,9 +199,10 @@ def _split_host_port(addr: str, spec: str) -> tuple[str, int]:
 
 
 def _new_password() -> str:
+    """48 hex digits (192 bits): never a leading ``-`` (token_urlsafe: 1 in 64), an option to ``syncobj_admin``."""
     import secrets  # noqa: PLC0415
 
-    return secrets.token_urlsafe(24)
+    return secrets.token_hex(24)
 
 
 @dataclass
