@@ -89,6 +89,9 @@ class ReplicaRouting(BaseModel):
         picks: requests sent here, by reason: ``affinity``, ``least_load``, ``overflow``,
             ``round_robin`` (the gateway's balancer, :data:`llmgw.control.gateway.balancer.REASONS`).
         service_s: moving average of its answers' time, seconds (0 before the first).
+        tokens_per_s: moving average of its engine's decode rate, tokens per second, from the
+            engine's own timings (llama-server; 0 before the first, and for engines that report none):
+            the speed the balancer compares replicas by.
     """
 
     scope: str = ROUTING_SCOPE
@@ -98,6 +101,7 @@ class ReplicaRouting(BaseModel):
     affinity_hits: int = 0
     picks: dict[str, int] = Field(default_factory=dict)
     service_s: float = 0.0
+    tokens_per_s: float = 0.0
 
 
 class ReplicaView(BaseModel):

@@ -144,7 +144,7 @@ def test_routing_figures_through_the_api_the_cli_and_the_dashboard(world: World)
     assert sorted(r["id"] for r in before) == world.replicas
     for r in before:
         assert r["routing"] == {"scope": ROUTING_SCOPE, "slots": None, "in_flight": 0, "queued": 0,
-                                "affinity_hits": 0, "picks": {}, "service_s": 0.0}
+                                "affinity_hits": 0, "picks": {}, "service_s": 0.0, "tokens_per_s": 0.0}
 
     # The gateway learns of the ready replicas on its next routing refresh.
     first: list[httpx.Response] = []
@@ -165,6 +165,7 @@ def test_routing_figures_through_the_api_the_cli_and_the_dashboard(world: World)
     assert after[hit]["picks"] == {"affinity": CHATS, "overflow": 0, "least_load": 0, "round_robin": 0}
     assert (after[hit]["in_flight"], after[hit]["queued"], after[hit]["slots"]) == (0, 0, SLOTS)
     assert after[hit]["service_s"] > 0
+    assert after[hit]["tokens_per_s"] > 0  # llama-server's own timings: the decode rate replicas are compared by
     assert after[other]["affinity_hits"] == 0
     assert after[other]["in_flight"] == 0
 

@@ -330,6 +330,30 @@ def test_a_full_queue_429_at_once_and_a_client_leaving_frees_its_place(world: Wo
         world.router.routes.pop("q2", None)
 
 
+def test_the_decode_rate_comes_from_llama_servers_timings_plain_and_streamed(world: World) -> None:
+    """Every answer, plain or streamed, gives the balancer the engine's decode rate (llama-server's
+    ``timings``: ``predicted_n`` tokens in ``predicted_ms``): the speed replicas are compared by,
+    the same through every control plane. The streamed one comes on the usage event the gateway asks
+    for and hides from a client that did not ask."""
+    bal = world.balancers[1]
+    for stream in (False, True):
+        body = _chat("gemma", [f"Tell a long story about a lighthouse keeper ({stream})."], max_tokens=12,
+                     stream=stream)
+        rated = {rid: rep.rated for rid, rep in bal._reps.items()}
+        r = ask(world.urls[1], body)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-llmgw-replica"]
+        # The gateway counts it as the relay ends, just after the client has the last byte.
+        deadline = time.monotonic() + 5
+        while bal._reps[rid].rated == rated[rid] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bal._reps[rid].rated == rated[rid] + 1, (stream, rid)
+        if stream:
+            assert '"usage"' not in r.text  # the client did not ask for it
+        rate = bal.loads()[rid].tokens_per_s
+        assert 1.0 < rate < 5_000.0, rate  # gemma-3-270m decodes ~25 tokens/s on one core here
+
+
 def test_llama_server_reports_its_slots(world: World) -> None:
     """The slots the gateway uses are llama-server's own ``total_slots``."""
     up = world.ups[0]

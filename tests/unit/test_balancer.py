@@ -407,3 +407,86 @@ def test_a_key_stays_where_its_prefix_is_cached_however_slow_that_replica_looks(
     kept = bal.take(route, old)
     assert kept is not None
     assert (kept.up.replica_id, kept.reason) == ("r2", AFFINITY)
+
+
+def _answer(bal: Balancer, route: Route, rid: str, t: list[float], took: float, tokens_per_s: float) -> None:
+    """One answer on ``rid`` that took ``took`` s and decoded 16 tokens at ``tokens_per_s`` (llama-server's timings)."""
+    lease = bal.take(route, None, exclude={u.replica_id for u in route.upstreams} - {rid})
+    assert lease is not None
+    t[0] += took
+    lease.release()
+    lease.observe({"predicted_n": 16, "predicted_ms": 16_000 / tokens_per_s, "prompt_n": 900})
+
+
+def test_two_control_planes_that_saw_different_request_sizes_place_new_keys_alike() -> None:
+    """Two gateways (two balancers) over 3 equal replicas: one saw cold prefills on r0 (10 s) and
+    cached turns elsewhere (1 s), the other the reverse, so their service times differ 10x, but the
+    engines' decode rates agree (25 tokens/s). Speed is judged by the rates, so every new key goes to
+    the same replica through both; a replica decoding at a third of the others' rate is passed over
+    by both."""
+    planes = []
+    for slow_seen in ("r0", "r1"):
+        route, bal = _route(3, slots=2)
+        t = [100.0]
+        bal.clock = lambda t=t: t[0]  # type: ignore[misc]
+        for up in route.upstreams:
+            for _ in range(MIN_ANSWERS):
+                _answer(bal, route, up.replica_id, t, 10.0 if up.replica_id == slow_seen else 1.0, 25.0)
+        planes.append((route, bal))
+    for k in range(300):
+        picks = []
+        for route, bal in planes:
+            lease = bal.take(route, k)
+            assert lease is not None
+            picks.append(lease.up.replica_id)
+            lease.release(answered=False)
+        assert picks[0] == picks[1], k
+    for route, bal in planes:
+        t2 = [200.0]
+        bal.clock = lambda t2=t2: t2[0]  # type: ignore[misc]
+        for up in route.upstreams:
+            for _ in range(MIN_ANSWERS * 3):
+                _answer(bal, route, up.replica_id, t2, 5.0 if up.replica_id == "r2" else 1.0,
+                        8.0 if up.replica_id == "r2" else 25.0)
+        homed = [k for k in range(1000, 1300) if _first(k, ["r0", "r1", "r2"]) == "r2"]  # keys not seen yet
+        moved = [bal.take(route, k) for k in homed[:2]]
+        assert all(x is not None and x.up.replica_id != "r2" for x in moved)
+
+
+def test_timings_that_cannot_be_a_rate_are_ignored() -> None:
+    """A warm-up's one token, a missing or odd ``timings``: no decode rate (the service time is judged)."""
+    route, bal = _route(1)
+    lease = bal.take(route, None)
+    assert lease is not None
+    lease.release()
+    for timings in (None, "x", {}, {"predicted_n": 0, "predicted_ms": 10.0}, {"predicted_n": 16, "predicted_ms": 0},
+                    {"predicted_n": "16", "predicted_ms": 100.0}, {"predicted_n": 16.5, "predicted_ms": 100.0}):
+        lease.observe(timings)
+    rep = bal._reps["r0"]
+    assert (rep.rated, rep.rate) == (0, 0.0)
+    lease.observe({"predicted_n": 16, "predicted_ms": 640.0})
+    assert (rep.rated, rep.rate) == (1, 25.0)
+    # Token-weighted: a 2-token answer at 200 tokens/s (overhead, noise) barely moves a 16-token one's 25.
+    lease.observe({"predicted_n": 2, "predicted_ms": 10.0})
+    assert 25.0 < rep.rate < 30.0, rep.rate
+    assert bal.loads()["r0"].tokens_per_s == rep.rate
+
+
+def test_a_few_short_answers_are_not_judged() -> None:
+    """Below RATE_MIN_TOKENS decoded a replica's rate is not judged, however slow: r2's two 4-token
+    answers at 2 tokens/s against r0's and r1's 25 do not move a key whose first choice is r2."""
+    route, bal = _route(3, slots=2)
+    t = [100.0]
+    bal.clock = lambda: t[0]
+    for up in route.upstreams:
+        for _ in range(MIN_ANSWERS):
+            slow = up.replica_id == "r2"
+            lease = bal.take(route, None, exclude={u.replica_id for u in route.upstreams} - {up.replica_id})
+            assert lease is not None
+            t[0] += 2.0 if slow else 1.0
+            lease.release()
+            lease.observe({"predicted_n": 4, "predicted_ms": 2_000.0 if slow else 160.0})
+    homed = [k for k in range(5000, 5300) if _first(k, ["r0", "r1", "r2"]) == "r2"]
+    kept = bal.take(route, homed[0])
+    assert kept is not None
+    assert (kept.up.replica_id, kept.reason) == ("r2", AFFINITY)

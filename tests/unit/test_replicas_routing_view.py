@@ -58,13 +58,13 @@ async def test_listing_carries_the_seams_figures(store: Store) -> None:
         store.add_replica(ReplicaRow(id=rid, model="chat", node="n", profile="cpu", key="k", state="ready",
                                      endpoint="10.0.0.5:7000"))
     sent = ReplicaLoad("chat-a", "chat", slots=2, slots_known=True, in_flight=1, service_s=0.5,
-                       picks=dict(PICKS), queued=4)
+                       picks=dict(PICKS), queued=4, tokens_per_s=24.567)
     by_id = {r["id"]: r["routing"] for r in await _listed(store, {"chat-a": sent})}
     assert by_id["chat-a"] == {"scope": "this_control_plane", "slots": 2, "in_flight": 1, "queued": 4,
-                               "affinity_hits": 7, "picks": PICKS, "service_s": 0.5}
+                               "affinity_hits": 7, "picks": PICKS, "service_s": 0.5, "tokens_per_s": 24.57}
     # Not sent to yet by this gateway: zeros and slots unknown.
     assert by_id["chat-b"] == {"scope": "this_control_plane", "slots": None, "in_flight": 0, "queued": 0,
-                               "affinity_hits": 0, "picks": {}, "service_s": 0.0}
+                               "affinity_hits": 0, "picks": {}, "service_s": 0.0, "tokens_per_s": 0.0}
     assert by_id["chat#pending-1"] is None  # placed nowhere: nothing routes to it
     # An admin API without a gateway says nothing about routing.
     assert {r["id"]: r["routing"] for r in await _listed(store, None)} == dict.fromkeys(by_id)

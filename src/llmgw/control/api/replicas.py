@@ -80,6 +80,7 @@ def routing_view(load: ReplicaLoad | None) -> ReplicaRouting:
         affinity_hits=load.picks.get(AFFINITY, 0),
         picks=dict(load.picks),
         service_s=round(load.service_s, 4),
+        tokens_per_s=round(load.tokens_per_s, 2),
     )
 
 

@@ -33,8 +33,8 @@ Two policies, chosen per model in the catalog (``routing:``):
   ``least_load``).
 
 Speed, for ``cache-aware``: a replica with a free slot is passed over when the replicas at least
-:data:`SPEED_RATIO` times faster (EWMA service times) would finish the request sooner even after
-waiting for one of their slots, ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``
+:data:`RATE_RATIO` times faster (:data:`SPEED_RATIO` by service time) would finish the request
+sooner even after waiting for one of their slots, ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``
 (``waiting``: the model's queue, this request included): shortest expected delay with a threshold,
 the policy Lin & Kumar (1984) showed optimal for a fast and a slow server sharing a queue: the slow
 one serves only while the queue is long. So a slow replica's free slots are not filled as often as
@@ -42,9 +42,18 @@ the fast ones' (round-robin and plain least-load fill them), and a new conversat
 choice is slow goes to its second. A key whose last request went to a replica stays there however
 slow it looks: its prefix is cached there, and time per request is no measure of speed when
 requests differ (a cold prefill 30 s, a cached turn 5 s: judging them moved conversations off their
-replica, bench/routing.py workload A's reuse fell to 0.59 against round-robin's 0.64). Speeds are
-judged only after :data:`MIN_ANSWERS` answers and for :data:`STALE_S` after the last (a replica
-once slow is tried again).
+replica, bench/routing.py workload A's reuse fell to 0.59 against round-robin's 0.64). "Faster" is
+judged by the engine's **decode rate** (tokens/s: llama-server's ``timings``, ``predicted_n`` /
+``predicted_ms``, on every answer, :meth:`Lease.observe`), a property of the replica that both
+control planes measure alike whatever the sizes of the requests they happened to send; only for an
+engine that reports no timings (vLLM) by the EWMA service time. Judged by service time, two control
+planes disagreed: one had sent a replica cold prefills (3.0 s) and another cached turns (1.0 s), so
+it passed over a replica the other did not, and a new conversation's turns alternating between
+them landed on two replicas (bench/routing.py workload E, 3 equal replicas: 0.56-0.78 of turns on
+the first turn's replica; judged by decode rate, 1.00, and workload C's slow replica still passed
+over: p95 0.49 of round-robin's). Rates are judged only after :data:`RATE_MIN_TOKENS` decoded,
+service times after :data:`MIN_ANSWERS` answers, either for :data:`STALE_S` after the last (a
+replica once slow is tried again).
 
 Past saturation, the queue (:meth:`Balancer.taker`): a waiting request whose key's last request
 went to a replica that is now full, while another has a free slot, defers
@@ -79,10 +88,11 @@ replica's slots; the engine queues the excess); the key sees text, not tokens, s
 conversations whose first turns differ only past the first user message share a replica; a
 request deferring for its replica (above) may be passed by later ones for that long. Speed is a
 time per request, not per token: replicas whose requests differ in size (cold prefills on one,
-cached turns on another) differ in it too, and SPEED_RATIO (1.5) is what keeps equal replicas from
-being judged. Service times and the keys' last replicas are each control plane's own: while one
-judges a replica slow and another does not, a new conversation's turns may go to its first choice
-through one and its second through the other (equal replicas: the same replica, as before).
+cached turns on another) differ in it too; that is why speed is judged by decode rate where the
+engine reports it. Rates and the keys' last replicas are each control plane's own: while one
+control plane has judged a slow replica (once it decoded RATE_MIN_TOKENS through it) and another
+has not yet, a new conversation's turns may go to its first choice through one and its second
+through the other (equal replicas are not judged: their rates agree within RATE_RATIO).
 """
 
 from __future__ import annotations
@@ -137,6 +147,14 @@ HOME_WAIT = 2.0
 KEYS_KEPT = 65_536
 #: Answers a replica must have given before its speed is judged (fewer: a mean of too few sizes).
 MIN_ANSWERS = 3
+#: Tokens a replica must have decoded (through this gateway) before its decode rate is judged: a few
+#: short answers' rate is mostly per-request overhead and scheduling noise (answers of 4 tokens on a
+#: loaded machine varied enough that equal replicas were judged apart, tests/e2e/test_routing_e2e.py).
+RATE_MIN_TOKENS = 48
+#: A replica is "faster" by decode rate when it decodes at least RATE_RATIO times as many tokens per
+#: second. Equal replicas' rates differ by CPU contention only; a replica running a third of the time
+#: (bench/routing.py workload C) decodes at a third: 2 sits between with room on both sides.
+RATE_RATIO = 2.0
 #: An EWMA older than this (s since the replica's last answer) is not judged: a replica once slow is
 #: tried again, measured afresh; each such try is one request at the slow speed, one per 5 minutes.
 STALE_S = 300.0
@@ -249,8 +267,8 @@ def load_bound(in_flight: int, replicas: int, c: float = LOAD_BOUND_C) -> int:
 class _Replica:
     """What the balancer keeps per replica id."""
 
-    __slots__ = ("answered_at", "answers", "h", "in_flight", "known", "model", "picks", "refused_until", "service_s",
-                 "slots")
+    __slots__ = ("answered_at", "answers", "decode_ms", "decode_n", "decoded", "h", "in_flight", "known", "model",
+                 "picks", "rated", "refused_until", "service_s", "slots")
 
     def __init__(self, up: Upstream, model: str) -> None:
         self.h = replica_hash(up.replica_id)
@@ -261,8 +279,18 @@ class _Replica:
         self.service_s = 0.0
         self.answered_at = -math.inf
         self.answers = 0
+        self.decode_n = 0.0
+        self.decode_ms = 0.0
+        self.decoded = 0
+        self.rated = 0
         self.refused_until = 0.0
         self.picks = dict.fromkeys(REASONS, 0)
+
+    @property
+    def rate(self) -> float:
+        """Decode rate, tokens/s: the EWMA of tokens per answer over the EWMA of their decode time, a
+        token-weighted mean (a short answer weighs little); 0 before the first timed answer."""
+        return self.decode_n * 1000.0 / self.decode_ms if self.decode_ms else 0.0
 
 
 @dataclass(frozen=True)
@@ -276,6 +304,7 @@ class ReplicaLoad:
         slots_known: whether ``slots`` came from the engine or the profile (False: still 1).
         in_flight: requests this gateway sent it that have not finished.
         service_s: EWMA of its answers' time (s), 0 before the first.
+        tokens_per_s: EWMA of its engine's decode rate (tokens/s, :meth:`Lease.observe`), 0 before the first.
         picks: times it was picked, by reason (:data:`REASONS`).
         queued: requests of its model waiting at this gateway for a slot (on any of its replicas).
     """
@@ -288,6 +317,7 @@ class ReplicaLoad:
     service_s: float
     picks: dict[str, int]
     queued: int = 0
+    tokens_per_s: float = 0.0
 
 
 class Lease:
@@ -323,6 +353,24 @@ class Lease:
             rep.service_s += max(EWMA_ALPHA, 1 / rep.answers) * (now - self._t0 - rep.service_s)
         if self._balancer.on_free is not None:
             self._balancer.on_free(self.model)
+
+    def observe(self, timings: object) -> None:
+        """The engine's own ``timings`` of this answer (llama-server's ``predicted_n`` tokens decoded
+        in ``predicted_ms`` ms; anything else is ignored): feeds the replica's decode rate (tokens/s,
+        ``_Replica.rate``; the plain mean, then the EWMA, as ``service_s``), the speed the balancer
+        judges once both replicas compared have decoded :data:`RATE_MIN_TOKENS`. May come after
+        :meth:`release` (a plain answer is parsed after its slot is freed)."""
+        if not isinstance(timings, dict):
+            return
+        n, ms = timings.get("predicted_n"), timings.get("predicted_ms")
+        if type(n) is not int or not isinstance(ms, int | float) or n < 1 or ms <= 0:
+            return
+        rep = self._rep
+        rep.rated += 1
+        rep.decoded += n
+        weight = max(EWMA_ALPHA, 1 / rep.rated)
+        rep.decode_n += weight * (n - rep.decode_n)
+        rep.decode_ms += weight * (ms - rep.decode_ms)
 
 
 class Balancer:
@@ -438,7 +486,9 @@ class Balancer:
     ) -> Lease | None:
         ups = route.upstreams
         n = len(ups)
-        service = [r.service_s if r.answers >= MIN_ANSWERS and now - r.answered_at < STALE_S else 0.0 for r in reps]
+        fresh = [now - r.answered_at < STALE_S for r in reps]
+        service = [r.service_s if r.answers >= MIN_ANSWERS and fresh[i] else 0.0 for i, r in enumerate(reps)]
+        speed = [r.rate if r.decoded >= RATE_MIN_TOKENS and fresh[i] else 0.0 for i, r in enumerate(reps)]
         if key is not None and n > 1:
             bound = load_bound(sum(r.in_flight for r in reps), n, self.load_c)
             reason = AFFINITY
@@ -448,14 +498,14 @@ class Balancer:
                     continue
                 rep = reps[i]
                 if rep.in_flight < rep.slots and rep.in_flight < bound and (
-                    ups[i].replica_id == last or not self._too_slow(i, reps, usable, service, waiting)
+                    ups[i].replica_id == last or not self._too_slow(i, reps, usable, service, speed, waiting)
                 ):
                     return self._lease(route.model, ups[i], rep, reason)
                 reason = OVERFLOW
         free = sorted((reps[i].in_flight / reps[i].slots, reps[i].service_s, i) for i in range(n)
                       if usable[i] and reps[i].in_flight < reps[i].slots)
         for _, _, i in free:
-            if not self._too_slow(i, reps, usable, service, waiting):
+            if not self._too_slow(i, reps, usable, service, speed, waiting):
                 return self._lease(route.model, ups[i], reps[i], LEAST_LOAD)
         return None
 
@@ -509,12 +559,16 @@ class Balancer:
         return take
 
     @staticmethod
-    def _too_slow(i: int, reps: list[_Replica], usable: list[bool], service: list[float], waiting: int) -> bool:
+    def _too_slow(
+        i: int, reps: list[_Replica], usable: list[bool], service: list[float], speed: list[float], waiting: int
+    ) -> bool:
         """Whether replica ``i`` (with a free slot) should be passed over for faster ones: shortest
         expected delay with a threshold (Lin & Kumar 1984, two heterogeneous servers: use the slow one
-        only when the queue is long). The faster replicas are those :data:`SPEED_RATIO` times faster
-        or more (EWMA service times; 0: fewer than :data:`MIN_ANSWERS` answers or older than
-        :data:`STALE_S`, never judged). Passed over when they would
+        only when the queue is long). The faster replicas are those faster by decode rate (``speed``,
+        tokens/s, :meth:`Lease.observe`; :data:`RATE_RATIO` times or more; 0: fewer than
+        :data:`RATE_MIN_TOKENS` decoded, never judged) where the engine reports it, else by EWMA
+        service time (:data:`SPEED_RATIO` times or more; 0: fewer than :data:`MIN_ANSWERS` answers);
+        neither is judged :data:`STALE_S` after the replica's last answer. Passed over when they would
         finish the request sooner even after waiting for a slot: none free, ``waiting`` requests take
         slots as they free, one every ``1 / Σ slots_j / service_j`` seconds, so
         ``waiting / Σ(slots_j / service_j) + max(service_j) < service_i``."""
@@ -525,7 +579,12 @@ class Balancer:
         free = False
         for j, rep in enumerate(reps):
             s = service[j]
-            if j == i or not usable[j] or not s or s * SPEED_RATIO > mine:
+            if j == i or not usable[j] or not s:
+                continue
+            if rep.rated or reps[i].rated:  # the engine says its decode rate: judge by that alone
+                if not (speed[i] and speed[j]) or speed[j] < RATE_RATIO * speed[i]:
+                    continue
+            elif s * SPEED_RATIO > mine:
                 continue
             free |= rep.in_flight < rep.slots
             rate += rep.slots / s
@@ -569,7 +628,8 @@ class Balancer:
         waiting = queued or {}
         return {
             rid: ReplicaLoad(
-                rid, r.model, r.slots, r.known, r.in_flight, r.service_s, dict(r.picks), waiting.get(r.model, 0)
+                rid, r.model, r.slots, r.known, r.in_flight, r.service_s, dict(r.picks), waiting.get(r.model, 0),
+                r.rate,
             )
             for rid, r in self._reps.items()
         }

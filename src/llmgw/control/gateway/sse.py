@@ -56,13 +56,15 @@ class StreamTally:
     messages' characters / 4 (OpenAI's rule of thumb for English text), marked ``"estimated": true``.
     """
 
-    __slots__ = ("events", "hide", "prompt_chars", "seen")
+    __slots__ = ("events", "hide", "prompt_chars", "seen", "timings")
 
     def __init__(self, *, hide: bool, prompt_chars: int) -> None:
         self.hide = hide
         self.prompt_chars = prompt_chars
         self.events = 0
         self.seen: dict[str, Any] | None = None
+        #: llama-server's ``timings`` from the same event (its last), for the balancer's decode rate.
+        self.timings: object = None
 
     def feed(self, data: bytes) -> bytes:
         """Count ``data`` (complete lines); return it, less the usage event when it is hidden."""
@@ -84,6 +86,7 @@ class StreamTally:
                     event = None
                 if isinstance(event, dict) and isinstance(event.get("usage"), dict):
                     self.seen = event["usage"]
+                    self.timings = event.get("timings")
                     self.events -= 1
                     if self.hide and event.get("choices") == []:
                         drop_blank = True

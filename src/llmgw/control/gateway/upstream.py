@@ -410,6 +410,8 @@ async def relay_plain(
         ) from e
     usage = answer.get("usage")
     trace.usage = usage if isinstance(usage, dict) else None
+    if answered:
+        lease.observe(answer.get("timings"))
     if inspector is not None:
         refusal = await inspector.answer(route, request_json, answer)
         if refusal is not None:
@@ -504,6 +506,8 @@ async def relay_stream(
         else:
             resp.close()
         lease.release(answered=closed_cleanly)
+        if closed_cleanly and trace.tally is not None:
+            lease.observe(trace.tally.timings)
 
 
 async def _pump(
