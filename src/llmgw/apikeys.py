@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from llmgw.names import check_name
+from llmgw.names import check_name, valid_name
 
 SECRET_PREFIX = "sk-llmgw-"  # noqa: S105 - the public prefix of every key, not a secret
 PREFIX_CHARS = 16
@@ -63,6 +63,16 @@ def parse_duration(text: str, what: str = "duration") -> float:
     return seconds
 
 
+def _duration(text: str) -> str:
+    """``text`` when :func:`parse_duration` reads it (as ``expires``); else its ValueError."""
+    parse_duration(text, "expires")
+    return text
+
+
+Duration = Annotated[str, AfterValidator(_duration)]
+"""A key's ``expires`` as the API takes it: a duration from now (``30d``), checked, kept as text."""
+
+
 class KeySpec(BaseModel):
     """``POST /api/v1/keys``: a new key's name and limits (``llmgw ctl key create``).
 
@@ -76,31 +86,21 @@ class KeySpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="1-63 characters: lower-case letters, digits and '-', as model names")
+    name: Annotated[str, valid_name("key name")] = Field(
+        description="1-63 characters: lower-case letters, digits and '-', as model names"
+    )
     models: list[str] = Field(default_factory=list, max_length=100)
     rpm: StrictInt | None = Field(None, gt=0, le=10**9, description="requests per minute")
     tpm: StrictInt | None = Field(None, gt=0, le=10**12, description="tokens per minute")
     budget_tokens: StrictInt | None = Field(None, gt=0, le=10**15, description="tokens per budget_period")
     budget_period: Literal["day", "month"] | None = None
-    expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w")
+    expires: Duration | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w")
     priority: StrictInt = Field(0, ge=0, le=MAX_PRIORITY, description="0-9: queue band, higher served first")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return check_name(v, "key name")
 
     @field_validator("models")
     @classmethod
     def _models(cls, v: list[str]) -> list[str]:
         return sorted({check_name(m, "model name") for m in v})
-
-    @field_validator("expires")
-    @classmethod
-    def _expires(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_duration(v, "expires")
-        return v
 
     @model_validator(mode="after")
     def _budget(self) -> KeySpec:
@@ -135,20 +135,13 @@ class KeyPatch(BaseModel):
         None, gt=0, le=10**15, description="tokens per budget_period; null (with budget_period): no budget"
     )
     budget_period: Literal["day", "month"] | None = None
-    expires: str | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w; null: never")
+    expires: Duration | None = Field(None, description="a duration from now: 90m, 12h, 30d, 2w; null: never")
     priority: StrictInt | None = Field(None, ge=0, le=MAX_PRIORITY, description="0-9; null: 0")
 
     @field_validator("models")
     @classmethod
     def _models(cls, v: list[str] | None) -> list[str] | None:
         return None if v is None else sorted({check_name(m, "model name") for m in v})
-
-    @field_validator("expires")
-    @classmethod
-    def _expires(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_duration(v, "expires")
-        return v
 
     def changes(self, now: float) -> dict[str, Any]:
         """The fields given, as an :class:`~llmgw.control.store.rows.ApiKeyRow`'s: ``models`` a

@@ -41,7 +41,7 @@ from pydantic import (
 )
 
 from llmgw.engineargs import refused_args
-from llmgw.names import check_labels, check_name
+from llmgw.names import check_labels, check_name, check_unique, valid_name
 
 MAX_REPLICAS_HARD = 100_000
 """The most ``scaling.min``/``max`` can ever be; server.yaml's ``max_replicas_per_model`` (default
@@ -371,7 +371,7 @@ class Model(_Strict):
     :func:`llmgw.control.reconcile.leader.spec_hash`).
     """
 
-    name: str
+    name: Annotated[str, valid_name("model name")]
     aliases: Annotated[list[str], Field(max_length=64)] = Field(default_factory=list)
     description: _Text = ""
     source: Annotated[str, StringConstraints(max_length=2048)]
@@ -387,11 +387,6 @@ class Model(_Strict):
     queue: Queue = Field(default_factory=Queue)
     profiles: Annotated[list[Profile], Field(min_length=1, max_length=64)]
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return check_name(v, "model name")
-
     @field_validator("aliases")
     @classmethod
     def _aliases(cls, v: list[str], info: ValidationInfo) -> list[str]:
@@ -404,10 +399,7 @@ class Model(_Strict):
 
     @model_validator(mode="after")
     def _profiles_unique(self) -> Model:
-        names = [p.name for p in self.profiles]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"profiles: names must be unique, '{dup[0]}' appears more than once")
+        check_unique([p.name for p in self.profiles], "profiles")
         if self.name in self.aliases:
             raise ValueError(f"aliases: '{self.name}' is the model's own name")
         return self

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmgw import yamlsafe
 from llmgw.errors import ConfigError
 from llmgw.guard.config import GuardConfig
-from llmgw.names import check_labels, check_name
+from llmgw.names import check_labels, valid_name
 
 MIN_TOKEN_CHARS = 16
 """The shortest admin or viewer token a control plane starts with (characters). Both log in to the
@@ -300,24 +300,14 @@ class AgentConfig(_Strict):
 
     server: str = ""
     servers: list[str] = Field(default_factory=list)
-    node_id: str
+    node_id: Annotated[str, valid_name("node id")]
     tls: TLSFiles
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Annotated[dict[str, str], AfterValidator(check_labels)] = Field(default_factory=dict)
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     advertise_address: str = "127.0.0.1"
     heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
     cache_max_gb: Annotated[float, Field(gt=0)] | None = None
-
-    @field_validator("node_id")
-    @classmethod
-    def _node_id(cls, v: str) -> str:
-        return check_name(v, "node id")
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_labels(v)
 
     @field_validator("server")
     @classmethod

@@ -16,12 +16,16 @@ Label keys (:data:`LABEL_KEY_RE`) are a name, optionally after a DNS-style prefi
 ``.`` and ``-``. Label values follow Kubernetes' rule (:data:`LABEL_VALUE_RE`).
 
 :func:`check_name` and :func:`check_label_key` raise :class:`ValueError` with a message that names
-the kind, the bad value and the rule, so pydantic validators and CLI checks can share them.
+the kind, the bad value and the rule, so pydantic validators and CLI checks can share them; a pydantic
+field takes the rule as ``Annotated[str, valid_name("node id")]``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+
+from pydantic import AfterValidator
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 NAME_RULE = "1-63 characters: lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -51,6 +55,24 @@ def check_name(value: str, kind: str) -> str:
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise ValueError(f"{value!r} is not a valid {kind}: {NAME_RULE}")
     return value
+
+
+def valid_name(kind: str) -> AfterValidator:
+    """:func:`check_name` as a pydantic field's validator: ``node_id: Annotated[str, valid_name("node id")]``
+    (``kind`` as for :func:`check_name`; the ValueError becomes the field's validation error)."""
+    return AfterValidator(lambda value: check_name(value, kind))
+
+
+def check_unique(names: Sequence[str], field: str) -> None:
+    """Nothing when every one of ``names`` (the names of the items of ``field``) differs.
+
+    Raises:
+        ValueError: ``"profiles: names must be unique, 'cpu' appears more than once"`` (the first such
+            name, sorted).
+    """
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{field}: names must be unique, '{dup[0]}' appears more than once")
 
 
 def check_label_key(value: str) -> str:

@@ -36,6 +36,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmgw.names import check_unique
+
 #: Seconds one judgment may take unless a policy says otherwise.
 DEFAULT_BUDGET_S = 5.0
 
@@ -143,10 +145,7 @@ class GuardConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> GuardConfig:
-        names = [p.name for p in self.policies]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"policies: names must be unique, '{dup[0]}' appears more than once")
+        check_unique([p.name for p in self.policies], "policies")
         return self
 
     def on(self) -> bool:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
@@ -49,6 +49,9 @@ from llmgw.httperrors import error_fields
 from llmgw.mirror.models import FetchStatus
 from llmgw.paths import Paths
 
+T = TypeVar("T")
+
+_STATUS = TypeAdapter(FetchStatus)
 _STATUS_LIST = TypeAdapter(list[FetchStatus])
 
 CONNECT_TIMEOUT_S = 2.0
@@ -183,21 +186,18 @@ class MirrorClient:
 
     def files(self) -> list[FetchStatus]:
         """Every ``model/version`` the mirror knows."""
-        body = self._request("GET", "/api/v1/files")
-        try:
-            return _STATUS_LIST.validate_python(body)
-        except ValidationError as e:
-            raise ApiError(
-                f"the mirror at {self.api_url} sent a file list llmgw cannot read: {e}", status=200
-            ) from e
+        return self._read(_STATUS_LIST, self._request("GET", "/api/v1/files"), "a file list")
 
     def _status(self, body: Any) -> FetchStatus:
+        return self._read(_STATUS, body, "a status")
+
+    def _read(self, shape: TypeAdapter[T], body: Any, what: str) -> T:
+        """``body`` (a decoded answer) as ``shape``; one of another shape is an ApiError (status 200)
+        naming ``what`` the mirror sent."""
         try:
-            return FetchStatus.model_validate(body)
+            return shape.validate_python(body)
         except ValidationError as e:
-            raise ApiError(
-                f"the mirror at {self.api_url} sent a status llmgw cannot read: {e}", status=200
-            ) from e
+            raise ApiError(f"the mirror at {self.api_url} sent {what} llmgw cannot read: {e}", status=200) from e
 
     def _request(self, method: str, path: str, json: Any = None) -> Any:
         try:

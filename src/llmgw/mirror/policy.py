@@ -68,6 +68,22 @@ from llmgw.mirror.download import RefusedConnection
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+
+def parse_networks(values: Sequence[str], flag: str) -> tuple[Network, ...]:
+    """The values of ``flag`` (an IP address or a CIDR network each; host bits allowed) as networks.
+
+    Raises:
+        ConfigError: a value is neither, naming ``flag`` and the value.
+    """
+    out: list[Network] = []
+    for v in values:
+        try:
+            out.append(ipaddress.ip_network(v.strip(), strict=False))
+        except ValueError:
+            raise ConfigError(f"{flag} '{v}' is not an IP address or network (10.0.0.5, 10.0.0.0/24)") from None
+    return tuple(out)
+
+
 PSEUDO_FS = (pathlib.Path("/proc"), pathlib.Path("/sys"), pathlib.Path("/dev"))
 """Never import directories: their "files" are the kernel's (environment, memory, devices)."""
 
@@ -139,15 +155,8 @@ class SourcePolicy:
                     "give the directory that holds the model files (/srv/import)"
                 )
             dirs.append(real)
-        nets: list[Network] = []
-        for v in allow_nets:
-            try:
-                nets.append(ipaddress.ip_network(v.strip(), strict=False))
-            except ValueError:
-                raise ConfigError(
-                    f"--allow-source-net '{v}' is not an IP address or network (10.0.0.5, 10.0.0.0/24)"
-                ) from None
-        return cls(tuple(dirs), tuple(_real(p) for p in deny), tuple(nets), allow_private, public_only)
+        nets = parse_networks(allow_nets, "--allow-source-net")
+        return cls(tuple(dirs), tuple(_real(p) for p in deny), nets, allow_private, public_only)
 
     def missing_dirs(self) -> list[pathlib.Path]:
         """The import directories that are not (now) directories."""

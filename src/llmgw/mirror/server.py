@@ -58,12 +58,11 @@ from llmgw.httperrors import SERVER_LOG, error_json, error_middleware
 from llmgw.mirror.download import CHECKSUM_HEADER
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest
-from llmgw.mirror.policy import SourcePolicy
+from llmgw.mirror.policy import Network, SourcePolicy, parse_networks
 from llmgw.mirror.store import Store
 
 log = logging.getLogger(__name__)
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.1/32"), ipaddress.ip_network("::1/128"))
 
 RETRY_AFTER_S = 2
@@ -81,15 +80,7 @@ def parse_allow(values: Sequence[str]) -> tuple[Network, ...]:
     Raises:
         ConfigError: a value is neither.
     """
-    out: list[Network] = []
-    for v in values:
-        try:
-            out.append(ipaddress.ip_network(v.strip(), strict=False))
-        except ValueError:
-            raise ConfigError(
-                f"--api-allow '{v}' is not an IP address or network (10.0.0.5, 10.0.0.0/24)"
-            ) from None
-    return tuple(out)
+    return parse_networks(values, "--api-allow")
 
 
 # --- bytes ---

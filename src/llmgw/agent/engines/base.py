@@ -39,6 +39,7 @@ from typing import IO, Any, ClassVar, Generic, Protocol, TypeVar
 
 import aiohttp
 
+from llmgw import catalog
 from llmgw.errors import EngineError, GroupError
 from llmgw.protocol import ReplicaSpec, ReplicaState
 
@@ -277,12 +278,15 @@ class Engine(ABC, Generic[S]):
         label: the engine in messages (``"llama-server"``).
         health_path: polled while starting; 200 means up (and then :meth:`serving` is asked).
         stuck: why a replica whose health answered 200 never became ready (the deadline message).
+        group_binary: the program a group member runs beside the engine's binary, in the same
+            directory (its presence is :meth:`group_features`); "" for an engine without groups.
     """
 
     name: ClassVar[str]
     label: ClassVar[str]
     health_path: ClassVar[str] = "/health"
     stuck: ClassVar[str] = "GET /health answered 200 but the engine never became ready"
+    group_binary: ClassVar[str] = ""
 
     def usable(self, installed: Installed[S]) -> S:
         """The build to launch.
@@ -326,5 +330,10 @@ class Engine(ABC, Generic[S]):
 
     def group_features(self, build: S) -> list[str]:
         """What ``build`` can do beside serving alone, as the node reports it
-        (``EngineStatus.features``; placement needs a group's feature on every member)."""
-        return []
+        (``EngineStatus.features``; placement needs a group's feature on every member): the
+        engine's group feature (:attr:`llmgw.catalog.EngineTraits.group_feature`) when
+        :attr:`group_binary` stands beside the build's binary, else none."""
+        traits = catalog.engine_traits(self.name)
+        if traits is None or not self.group_binary or not (build.binary.parent / self.group_binary).is_file():
+            return []
+        return [traits.group_feature]

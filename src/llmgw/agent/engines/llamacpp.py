@@ -36,7 +36,6 @@ from pathlib import Path
 
 import aiohttp
 
-from llmgw import catalog
 from llmgw.agent.engines import llamacpp_group
 from llmgw.agent.engines.base import Engine, GroupPart, Launch
 from llmgw.config import AgentConfig
@@ -355,6 +354,7 @@ class LlamaCppEngine(Engine[LlamaServer]):
 
     name = ENGINE
     label = BINARY_NAME
+    group_binary = llamacpp_group.RPC_BINARY  # rpc-server, of the same build: the feature ``rpc``
     stuck = (
         "GET /health answered 200 but its task loop never answered GET /slots or a 1-token "
         "completion: the server is stuck"
@@ -393,11 +393,6 @@ class LlamaCppEngine(Engine[LlamaServer]):
     def group_part(self) -> GroupPart:
         """:class:`~llmgw.agent.engines.llamacpp_group.RpcGroup`: rpc-server workers, a head that dials them."""
         return llamacpp_group.RpcGroup(self)
-
-    def group_features(self, build: LlamaServer) -> list[str]:
-        """``rpc`` when an ``rpc-server`` is beside ``llama-server`` (the same build)."""
-        feature = catalog.ENGINE_TRAITS[catalog.Engine.LLAMACPP].group_feature
-        return [feature] if (build.binary.parent / llamacpp_group.RPC_BINARY).is_file() else []
 
 
 LLAMACPP = LlamaCppEngine()

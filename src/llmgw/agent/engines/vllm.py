@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw import catalog
 from llmgw.agent.engines import vllm_group
 from llmgw.agent.engines.base import Engine, GroupPart, Launch
 from llmgw.protocol import EngineStatus, ProvisionState, ReplicaSpec
@@ -214,6 +213,7 @@ class VllmEngine(Engine[VllmServer]):
 
     name = ENGINE
     label = "vllm"
+    group_binary = vllm_group.RAY_BINARY  # ray, in vllm's venv: the feature ``ray``
 
     def argv(self, build: VllmServer, launch: Launch) -> list[str]:
         """:func:`build_argv` for the launch."""
@@ -231,11 +231,6 @@ class VllmEngine(Engine[VllmServer]):
     def group_part(self) -> GroupPart:
         """:class:`~llmgw.agent.engines.vllm_group.RayGroup`: a Ray cluster per group."""
         return vllm_group.RayGroup(self)
-
-    def group_features(self, build: VllmServer) -> list[str]:
-        """``ray`` when a ``ray`` is beside ``vllm`` (its venv)."""
-        feature = catalog.ENGINE_TRAITS[catalog.Engine.VLLM].group_feature
-        return [feature] if (build.binary.parent / vllm_group.RAY_BINARY).is_file() else []
 
 
 VLLM = VllmEngine()

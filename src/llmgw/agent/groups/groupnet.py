@@ -294,10 +294,36 @@ async def _accept_loop(sock: socket.socket, relays: _Relays, handle: Callable[[s
         relays.spawn(handle(conn, addr))
 
 
+class _Relay:
+    """What both listeners (:class:`WorkerTunnel`, :class:`HeadForwarder`) share: the connections
+    they own (:class:`_Relays`), their counters and traffic, and joining an accepted connection to
+    the one opened for it (:meth:`_splice`)."""
+
+    def __init__(self) -> None:
+        self._relays = _Relays()
+        self.refused = 0  #: connections refused so far (tests and metrics)
+        self.accepted = 0  #: connections relayed so far
+        self.traffic = Traffic()
+
+    def _pipe(self, *, outward: bool) -> _Pipe:
+        """A new relay end counted in :attr:`traffic` (``outward``: toward the engine or worker)."""
+        return _Pipe(self._relays.transports, self.traffic, outward=outward)
+
+    def _splice(self, inbound: _Pipe, outbound: _Pipe) -> None:
+        """Count one more connection relayed and relay both ways between its two ends."""
+        self.accepted += 1
+        outbound.link(inbound)
+        inbound.link(outbound)
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (the engine and its link are the caller's)."""
+        await self._relays.close()
+
+
 # --- the worker's side ---------------------------------------------------------------------------
 
 
-class WorkerTunnel:
+class WorkerTunnel(_Relay):
     """On a worker node: a TLS listener that lets the group's head, and only it, reach the engine.
 
     ``host``/``port``: where to listen (the node's cluster address; port 0 = a free one).
@@ -313,11 +339,8 @@ class WorkerTunnel:
         self.engine = engine
         self.head_node_id = head_node_id
         self.host, self.port = host, port
+        super().__init__()
         self._ctx = worker_server_context(ca, cert, key)
-        self._relays = _Relays()
-        self.refused = 0  #: connections refused so far (tests and metrics)
-        self.accepted = 0  #: connections relayed so far
-        self.traffic = Traffic()
 
     async def start(self) -> str:
         """Listen; return the endpoint ``host:port`` for the head."""
@@ -341,7 +364,7 @@ class WorkerTunnel:
 
     async def _handle(self, conn: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
-        inbound = _Pipe(self._relays.transports, self.traffic, outward=True)
+        inbound = self._pipe(outward=True)
         try:
             transport, _ = await loop.connect_accepted_socket(
                 lambda: inbound, conn, ssl=self._ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S
@@ -363,21 +386,13 @@ class WorkerTunnel:
             transport.abort()
             return
         try:
-            _, outbound = await loop.create_connection(
-                lambda: _Pipe(self._relays.transports, self.traffic, outward=False), sock=sock
-            )
+            _, outbound = await loop.create_connection(lambda: self._pipe(outward=False), sock=sock)
         except OSError:
             sock.close()
             transport.abort()
             raise
-        self.accepted += 1
         log.info("groupnet: head %s (%s) connected to the engine", cn, addr)
-        outbound.link(inbound)
-        inbound.link(outbound)
-
-    async def close(self) -> None:
-        """Stop listening and drop every connection (the engine and its link are the caller's)."""
-        await self._relays.close()
+        self._splice(inbound, outbound)
 
 
 # --- the head's side -----------------------------------------------------------------------------
@@ -402,7 +417,7 @@ def _belongs_to(procs: Sequence[psutil.Process], local: tuple[str, int], peer: t
     return None
 
 
-class HeadForwarder:
+class HeadForwarder(_Relay):
     """On the head node: ``127.0.0.1`` listeners for ``llama-server --rpc``, one per worker, each
     forwarding over mTLS to that worker's :class:`WorkerTunnel`.
 
@@ -430,12 +445,9 @@ class HeadForwarder:
         self._ca_cert = load_ca_cert(ca)
         self._ctx = head_client_context(cert, key)
         self.connect_timeout_s = connect_timeout_s
+        super().__init__()  # refused and accepted count local connections
         self._allowed: dict[int, psutil.Process] = {}
-        self._relays = _Relays()
         self.local: dict[str, str] = {}  #: node id -> the local endpoint for --rpc
-        self.refused = 0  #: local connections refused so far
-        self.accepted = 0  #: local connections relayed so far
-        self.traffic = Traffic()
 
     async def start(self) -> dict[str, str]:
         """Listen on ``127.0.0.1`` for every worker; return node id -> local ``127.0.0.1:port``."""
@@ -498,7 +510,7 @@ class HeadForwarder:
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     transport, outbound = await loop.create_connection(
-                        lambda: _Pipe(self._relays.transports, self.traffic, outward=False),
+                        lambda: self._pipe(outward=False),
                         host, wport, ssl=self._ctx, server_hostname=None,
                     )  # fmt: skip
             except (OSError, TimeoutError, ssl.SSLError) as e:
@@ -514,20 +526,12 @@ class HeadForwarder:
                 conn.close()
                 return
             try:
-                _, inbound = await loop.connect_accepted_socket(
-                    lambda: _Pipe(self._relays.transports, self.traffic, outward=True), conn
-                )
+                _, inbound = await loop.connect_accepted_socket(lambda: self._pipe(outward=True), conn)
             except OSError:
                 transport.abort()
                 raise
         except BaseException:
             conn.close()
             raise
-        self.accepted += 1
         log.info("groupnet: pid %d connected to worker %s", pid, node)
-        outbound.link(inbound)
-        inbound.link(outbound)
-
-    async def close(self) -> None:
-        """Stop listening and drop every connection."""
-        await self._relays.close()
+        self._splice(inbound, outbound)

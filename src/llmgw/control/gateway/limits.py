@@ -143,28 +143,25 @@ class Limiter:
         used_req = m.requests + m.others_requests
         used_tok = m.tokens + m.others_tokens
         headers: dict[str, str] = {}
-        if caller.rpm is not None:
-            if used_req >= caller.rpm:
+        # (limit, used, unit, its name, what this request adds now): a request counts when admitted,
+        # its tokens only when it ends
+        per_minute = (
+            (caller.rpm, used_req, "requests", "requests per minute (RPM)", 1),
+            (caller.tpm, used_tok, "tokens", "tokens per minute (TPM)", 0),
+        )
+        for limit, used, unit, name, adds in per_minute:
+            if limit is None:
+                continue
+            if used >= limit:
                 return self._refuse(
                     "rate_limit_exceeded",
-                    f"Rate limit reached for key '{caller.name}' on requests per minute (RPM): limit "
-                    f"{caller.rpm}, used {used_req}. Please try again in {reset_text(reset)}.",
+                    f"Rate limit reached for key '{caller.name}' on {name}: limit {limit}, used {used}. "
+                    f"Please try again in {reset_text(reset)}.",
                     reset, caller, used_req, used_tok,
                 ), {}
-            headers["x-ratelimit-limit-requests"] = str(caller.rpm)
-            headers["x-ratelimit-remaining-requests"] = str(caller.rpm - used_req - 1)
-            headers["x-ratelimit-reset-requests"] = reset_text(reset)
-        if caller.tpm is not None:
-            if used_tok >= caller.tpm:
-                return self._refuse(
-                    "rate_limit_exceeded",
-                    f"Rate limit reached for key '{caller.name}' on tokens per minute (TPM): limit "
-                    f"{caller.tpm}, used {used_tok}. Please try again in {reset_text(reset)}.",
-                    reset, caller, used_req, used_tok,
-                ), {}
-            headers["x-ratelimit-limit-tokens"] = str(caller.tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(caller.tpm - used_tok)
-            headers["x-ratelimit-reset-tokens"] = reset_text(reset)
+            headers[f"x-ratelimit-limit-{unit}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{unit}"] = str(limit - used - adds)
+            headers[f"x-ratelimit-reset-{unit}"] = reset_text(reset)
         if caller.budget_tokens is not None:
             spent = self.budget_used(caller, now)
             ends = period_end(caller.budget_period, now) - now

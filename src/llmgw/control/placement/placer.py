@@ -63,6 +63,7 @@ What it does not do: preemption (evicting lower-priority replicas) or ports.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -121,7 +122,167 @@ class GroupFit:
     miss: GroupMiss | None = None
 
 
-class Placer:
+class GroupPlacing(ABC):
+    """What both placers (:class:`Placer` and the full scan it is checked against,
+    :class:`~llmgw.control.placement.reference.ReferencePlacer`) do the same way once every node has
+    its verdict or score: a group replica's members (:meth:`place_group`) and counting a decision
+    (:meth:`reserve`). A subclass keeps :attr:`nodes` (sorted by id) and :attr:`usage` (node id ->
+    what is reserved there) and says how it gets each node's verdict (:meth:`_evaluate`).
+    """
+
+    nodes: list[NodeInfo]
+    usage: dict[str, Usage]
+
+    @abstractmethod
+    def _evaluate(
+        self, model: Model, profile: Profile, pipeline: Sequence[Check] = PIPELINE
+    ) -> list[tuple[NodeInfo, Verdict | Score]]:
+        """Every node's verdict (or score, when it passes) for ``profile``, in node order."""
+
+    def _check_reservable(self) -> None:  # noqa: B027 (optional hook: only a dry-run placer refuses)
+        """Raise ValueError when this placer may not reserve (every placer may but a dry run)."""
+
+    def place_group(self, model: Model, profile: Profile) -> GroupFit:
+        """Choose the members of one group replica of ``model`` with ``profile`` (``nodes`` above 1),
+        all of them or none (gang placement: nothing is reserved here, and :meth:`reserve` counts
+        every member at once).
+
+        Rules, in order:
+
+        1. Every node goes through :data:`~llmgw.control.placement.checks.GROUP_PIPELINE` with the
+           member's profile (:func:`~llmgw.control.placement.checks.member_profile`): the same
+           filters as a one-node replica, cores per member, and, instead of the whole need on one
+           node, a member's share: a GPU member needs ``gpu_count`` cards with ``min_memory_gb /
+           (nodes * gpu_count)`` GB free each (GPU groups split evenly, whatever the engine); a CPU
+           member some free host memory (the layers split by each member's free memory). Nodes
+           that pass are the *candidates*; the others keep their rejection, as for one node.
+        2. Candidates are ranked by the one-node :func:`score` (fewest replicas of this model, then
+           cached weights, then most free memory, then id), so spread and cached weights count as
+           for one-node replicas. The best ``nodes`` of them are the group, when together they hold
+           ``min_memory_gb`` (CPU; a GPU member already holds its share). Otherwise the ``nodes``
+           candidates with the most free memory, when they hold it.
+        3. The head (rank 0) is the member with the most free memory (ties: id), then the workers
+           by the same order. A CPU member's share is ``min_memory_gb * free / sum(free)`` over the
+           members (never more than its free memory); a GPU member's is ``min_memory_gb / nodes``,
+           on the lowest free cards that fit (:func:`pick_gpus`). Shares are GB rounded to 0.001.
+
+        When no set fits, :attr:`GroupFit.miss` says why (too few candidates, or not enough memory
+        over the best ones) and each candidate gets an ``exhausted`` rejection
+        (:data:`~llmgw.control.placement.checks.GROUP_CODE`) saying it could be a member but the
+        group does not fit.
+        """
+        member = member_profile(profile)
+        size = profile.nodes
+        verdicts: list[Verdict] = []
+        cands: list[tuple[Score, NodeInfo]] = []
+        for node, result in self._evaluate(model, member, GROUP_PIPELINE):
+            if isinstance(result, Verdict):
+                verdicts.append(result)
+            else:
+                cands.append((result, node))
+        cands.sort(key=lambda c: c[0])
+        free = {n.id: -s[2] for s, n in cands}
+        need = 0.0 if profile.gpu_class else profile.min_memory_gb
+        if len(cands) >= size:
+            richest = sorted(cands, key=lambda c: (-free[c[1].id], c[0]))
+            for ranked in (cands, richest):
+                chosen = [n for _, n in ranked[:size]]
+                if need <= sum(free[n.id] for n in chosen) + 1e-9:
+                    return GroupFit(self._members(model, profile, member, chosen, free), verdicts)
+            by_free = [free[n.id] for _, n in richest]
+            miss = GroupMiss(
+                profile.name,
+                size,
+                len(self.nodes),
+                len(cands),
+                need,
+                last_need_gb=need - sum(by_free[: size - 1]),
+                best_free_gb=by_free[size - 1],
+                others=count_labels(verdicts),
+            )
+        else:
+            miss = GroupMiss(profile.name, size, len(self.nodes), len(cands), need, others=count_labels(verdicts),
+                             found_free_gb=sum(free.values()))
+        clause = miss.clause(others=False)
+        for _, node in sorted(cands, key=lambda c: c[1].id):
+            if profile.gpu_class:
+                cards = pick_gpus(Candidate(node, member, self.usage[node.id], model.name))
+                detail = f"cards {', '.join(map(str, cards))} free"
+                has: float | None = None
+            else:
+                has = round(free[node.id], 3)
+                detail = f"{has:.1f} GB free"
+            rej = Rejection(
+                node=node.id,
+                profile=profile.name,
+                kind=Kind.EXHAUSTED.value,
+                code=GROUP_CODE,
+                reason=f"could be a member ({detail}), but the group of {size} does not fit: {clause}",
+                free=has,
+            )
+            verdicts.append(Verdict(rej, "group does not fit"))
+        return GroupFit((), verdicts, miss)
+
+    def _members(
+        self, model: Model, profile: Profile, member: Profile, chosen: list[NodeInfo], free: dict[str, float]
+    ) -> tuple[GroupMember, ...]:
+        ordered = sorted(chosen, key=lambda n: (-free[n.id], n.id))
+        total = sum(free[n.id] for n in ordered)
+        out = []
+        for rank, node in enumerate(ordered):
+            if profile.gpu_class:
+                share = profile.min_memory_gb / profile.nodes
+                cards = pick_gpus(Candidate(node, member, self.usage[node.id], model.name))
+            else:
+                need = profile.min_memory_gb
+                share = need * free[node.id] / total if total > 0 else need / profile.nodes
+                cards = ()
+            out.append(GroupMember(node=node.id, rank=rank, memory_gb=round(share, 3), gpu_indexes=list(cards)))
+        return tuple(out)
+
+    def reserve(self, model: Model, decision: Decision, replica: str = "") -> Reservation:
+        """Count ``decision`` (a placed one) as a reservation from now on; returns it (a group's:
+        the head's). A group reserves on every member at once (:meth:`reserve_members`)."""
+        return self.reserve_members(model, decision, replica)[0]
+
+    def reserve_members(self, model: Model, decision: Decision, replica: str = "") -> list[Reservation]:
+        """Count ``decision`` (a placed one) from now on: one reservation per member of a group
+        (its memory share, the profile's cores, its cards), head first, or the one node's."""
+        if decision.node is None or decision.profile is None:
+            raise ValueError("only a placed decision can be reserved")
+        self._check_reservable()
+        p = decision.profile
+        if decision.members:
+            out = [
+                Reservation(m.node, model.name, m.memory_gb, p.cpu_cores, p.gpu_class, tuple(m.gpu_indexes), replica)
+                for m in decision.members
+            ]
+        else:
+            out = [
+                Reservation(
+                    decision.node, model.name, p.min_memory_gb, p.cpu_cores, p.gpu_class, decision.gpu_indexes, replica
+                )
+            ]
+        for r in out:
+            self.usage.setdefault(r.node, Usage()).add(r)
+        return out
+
+
+def group_decision(
+    profile: Profile, members: tuple[GroupMember, ...], found: list[Verdict] | Callable[[], list[Verdict]], nodes: int
+) -> Decision:
+    """The decision for a group placed on ``members`` (head first; :meth:`GroupPlacing.place_group`)
+    out of ``nodes``: the head's node and cards, every member, and the line
+    ``placed as a group of 2 on node-b (head), node-a (profile cpu)``."""
+    head, workers = members[0], members[1:]
+    summary = (
+        f"placed as a group of {profile.nodes} on {head.node} (head), "
+        f"{', '.join(m.node for m in workers)} (profile {profile.name})"
+    )
+    return Decision(head.node, profile, found, summary, nodes, tuple(head.gpu_indexes), members)
+
+
+class Placer(GroupPlacing):
     """Places replicas one after another over one snapshot of nodes and reservations.
 
     Each profile gets a :class:`~llmgw.control.placement.index.ProfileIndex` the first time it is
@@ -246,17 +407,10 @@ class Placer:
             if profile.nodes > 1:
                 fit = self.place_group(model, profile)
                 parts.append(fit.verdicts)
-                if fit.miss is not None:
-                    groups.append(fit.miss)
-                    continue
-                head, workers = fit.members[0], fit.members[1:]
-                summary = (
-                    f"placed as a group of {profile.nodes} on {head.node} (head), "
-                    f"{', '.join(m.node for m in workers)} (profile {profile.name})"
-                )
-                return Decision(
-                    head.node, profile, _lister(parts), summary, len(self.nodes), tuple(head.gpu_indexes), fit.members
-                )
+                if fit.miss is None:
+                    return group_decision(profile, fit.members, _lister(parts), len(self.nodes))
+                groups.append(fit.miss)
+                continue
             idx = self._index(profile)
             best = idx.best(model.name, weights, special)
             parts.append((idx, idx.snapshot()))
@@ -270,133 +424,12 @@ class Placer:
         verdicts = _lister(parts)()
         return Decision(None, None, verdicts, summarize(verdicts, n, groups), n, groups=tuple(groups))
 
-    def place_group(self, model: Model, profile: Profile) -> GroupFit:
-        """Choose the members of one group replica of ``model`` with ``profile`` (``nodes`` above 1),
-        all of them or none (gang placement: nothing is reserved here, and :meth:`reserve` counts
-        every member at once).
-
-        Rules, in order:
-
-        1. Every node goes through :data:`~llmgw.control.placement.checks.GROUP_PIPELINE` with the
-           member's profile (:func:`~llmgw.control.placement.checks.member_profile`): the same
-           filters as a one-node replica, cores per member, and, instead of the whole need on one
-           node, a member's share: a GPU member needs ``gpu_count`` cards with ``min_memory_gb /
-           (nodes * gpu_count)`` GB free each (GPU groups split evenly, whatever the engine); a CPU
-           member some free host memory (the layers split by each member's free memory). Nodes
-           that pass are the *candidates*; the others keep their rejection, as for one node.
-        2. Candidates are ranked by the one-node :func:`score` (fewest replicas of this model, then
-           cached weights, then most free memory, then id), so spread and cached weights count as
-           for one-node replicas. The best ``nodes`` of them are the group, when together they hold
-           ``min_memory_gb`` (CPU; a GPU member already holds its share). Otherwise the ``nodes``
-           candidates with the most free memory, when they hold it.
-        3. The head (rank 0) is the member with the most free memory (ties: id), then the workers
-           by the same order. A CPU member's share is ``min_memory_gb * free / sum(free)`` over the
-           members (never more than its free memory); a GPU member's is ``min_memory_gb / nodes``,
-           on the lowest free cards that fit (:func:`pick_gpus`). Shares are GB rounded to 0.001.
-
-        When no set fits, :attr:`GroupFit.miss` says why (too few candidates, or not enough memory
-        over the best ones) and each candidate gets an ``exhausted`` rejection
-        (:data:`~llmgw.control.placement.checks.GROUP_CODE`) saying it could be a member but the
-        group does not fit.
-        """
-        member = member_profile(profile)
-        size = profile.nodes
-        verdicts: list[Verdict] = []
-        cands: list[tuple[Score, NodeInfo]] = []
-        for node, result in self._evaluate(model, member, GROUP_PIPELINE):
-            if isinstance(result, Verdict):
-                verdicts.append(result)
-            else:
-                cands.append((result, node))
-        cands.sort(key=lambda c: c[0])
-        free = {n.id: -s[2] for s, n in cands}
-        need = 0.0 if profile.gpu_class else profile.min_memory_gb
-        if len(cands) >= size:
-            richest = sorted(cands, key=lambda c: (-free[c[1].id], c[0]))
-            for ranked in (cands, richest):
-                chosen = [n for _, n in ranked[:size]]
-                if need <= sum(free[n.id] for n in chosen) + 1e-9:
-                    return GroupFit(self._members(model, profile, member, chosen, free), verdicts)
-            by_free = [free[n.id] for _, n in richest]
-            miss = GroupMiss(
-                profile.name,
-                size,
-                len(self.nodes),
-                len(cands),
-                need,
-                last_need_gb=need - sum(by_free[: size - 1]),
-                best_free_gb=by_free[size - 1],
-                others=count_labels(verdicts),
-            )
-        else:
-            miss = GroupMiss(profile.name, size, len(self.nodes), len(cands), need, others=count_labels(verdicts),
-                             found_free_gb=sum(free.values()))
-        clause = miss.clause(others=False)
-        for _, node in sorted(cands, key=lambda c: c[1].id):
-            if profile.gpu_class:
-                cards = pick_gpus(Candidate(node, member, self.usage[node.id], model.name))
-                detail = f"cards {', '.join(map(str, cards))} free"
-                has: float | None = None
-            else:
-                has = round(free[node.id], 3)
-                detail = f"{has:.1f} GB free"
-            rej = Rejection(
-                node=node.id,
-                profile=profile.name,
-                kind=Kind.EXHAUSTED.value,
-                code=GROUP_CODE,
-                reason=f"could be a member ({detail}), but the group of {size} does not fit: {clause}",
-                free=has,
-            )
-            verdicts.append(Verdict(rej, "group does not fit"))
-        return GroupFit((), verdicts, miss)
-
-    def _members(
-        self, model: Model, profile: Profile, member: Profile, chosen: list[NodeInfo], free: dict[str, float]
-    ) -> tuple[GroupMember, ...]:
-        ordered = sorted(chosen, key=lambda n: (-free[n.id], n.id))
-        total = sum(free[n.id] for n in ordered)
-        out = []
-        for rank, node in enumerate(ordered):
-            if profile.gpu_class:
-                share = profile.min_memory_gb / profile.nodes
-                cards = pick_gpus(Candidate(node, member, self.usage[node.id], model.name))
-            else:
-                need = profile.min_memory_gb
-                share = need * free[node.id] / total if total > 0 else need / profile.nodes
-                cards = ()
-            out.append(GroupMember(node=node.id, rank=rank, memory_gb=round(share, 3), gpu_indexes=list(cards)))
-        return tuple(out)
-
-    def reserve(self, model: Model, decision: Decision, replica: str = "") -> Reservation:
-        """Count ``decision`` (a placed one) as a reservation from now on; returns it (a group's:
-        the head's). A group reserves on every member at once (:meth:`reserve_members`)."""
-        return self.reserve_members(model, decision, replica)[0]
-
-    def reserve_members(self, model: Model, decision: Decision, replica: str = "") -> list[Reservation]:
-        """Count ``decision`` (a placed one) from now on: one reservation per member of a group
-        (its memory share, the profile's cores, its cards), head first, or the one node's."""
-        if decision.node is None or decision.profile is None:
-            raise ValueError("only a placed decision can be reserved")
+    def _check_reservable(self) -> None:
+        """A dry-run placer (:meth:`without`) reserves nothing."""
         if self._dry_of is not None:
             raise ValueError(
                 f"a dry-run placer (without {self._dry_of}) reserves nothing; reserve on the placer it came from"
             )
-        p = decision.profile
-        if decision.members:
-            out = [
-                Reservation(m.node, model.name, m.memory_gb, p.cpu_cores, p.gpu_class, tuple(m.gpu_indexes), replica)
-                for m in decision.members
-            ]
-        else:
-            out = [
-                Reservation(
-                    decision.node, model.name, p.min_memory_gb, p.cpu_cores, p.gpu_class, decision.gpu_indexes, replica
-                )
-            ]
-        for r in out:
-            self.usage.setdefault(r.node, Usage()).add(r)
-        return out
 
     # --- keeping one placer over several passes (the leader's dirty passes) ---
 

@@ -8,6 +8,7 @@ wire shapes (:mod:`llmgw.protocol`) even where they look alike. Every row carrie
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from llmgw.catalog import Model
 from llmgw.errors import Conflict
@@ -108,34 +109,34 @@ class ReportResult:
     changed: list[str] = field(default_factory=list)
 
 
+Before = TypeVar("Before", NodeRow, NodeLiveness)
+
+
 @dataclass(frozen=True)
-class HeartbeatRead:
-    """What a heartbeat reads before it writes, in one read transaction
-    (:meth:`~llmgw.control.store.base.Store.read_heartbeat`).
+class BeatRead(Generic[Before]):
+    """What a heartbeat or a pulse reads before it writes, in one read transaction
+    (:meth:`~llmgw.control.store.base.Store.read_heartbeat`, :meth:`~llmgw.control.store.base.Store.read_pulse`).
 
     Attributes:
         refused: ``(node, revoked_at)`` when the agent's certificate is refused
             (:meth:`~llmgw.control.store.base.Store.refused_cert`), else None; the rest is empty then.
-        before: the node's row before this heartbeat, or None (its first one).
+        before: the node before this beat, or None (its first one): its whole row for a heartbeat
+            (:data:`HeartbeatRead`), its :class:`NodeLiveness` for a pulse (:data:`PulseRead`).
         replicas: the replicas placed on the node (head or member), by creation time then id.
         models: the readable models those replicas are of, by name (a model gone or broken is absent).
     """
 
     refused: tuple[str, float] | None
-    before: NodeRow | None = None
+    before: Before | None = None
     replicas: list[ReplicaRow] = field(default_factory=list)
     models: dict[str, Model] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PulseRead:
-    """What a pulse reads (:meth:`~llmgw.control.store.base.Store.read_pulse`): as
-    :class:`HeartbeatRead`, with the node's :class:`NodeLiveness` instead of its whole row."""
+HeartbeatRead = BeatRead[NodeRow]
+"""What a heartbeat reads (:meth:`~llmgw.control.store.base.Store.read_heartbeat`)."""
 
-    refused: tuple[str, float] | None
-    before: NodeLiveness | None = None
-    replicas: list[ReplicaRow] = field(default_factory=list)
-    models: dict[str, Model] = field(default_factory=dict)
+PulseRead = BeatRead[NodeLiveness]
+"""What a pulse reads (:meth:`~llmgw.control.store.base.Store.read_pulse`)."""
 
 
 @dataclass(frozen=True)
