@@ -19,7 +19,9 @@ engines simulated by their reports). For each N, in order:
    whose agents do not all register says how far it got and prints no figure for N;
 4. ``steady``: ``--settle-s`` (10) then ``--steady-s`` (20) of beats: ``cp_cpu_cores``, the beats per second;
 5. ``burst``: ``--models`` models (2 replicas each) added through the admin API one after the
-   other, until every replica is reported ready; ``heartbeat_p99_ms`` over the beats sent meanwhile,
+   other, until every replica is reported ready; ``heartbeat_p99_ms`` over the beats sent meanwhile
+   (and ``heartbeat_p99_burst_vs_steady``, its ratio to the steady phase's p99: both under the same
+   load from other work),
    and the gateway's added latency measured meanwhile (``gateway_added_p50_ms`` vs ``..._idle``);
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
@@ -403,6 +405,10 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
                     f[f"beats_share_cp{k}"] = fleet.used.get(c.inst.agent_url, 0) / max(answered, 1)
             f["sim_cpu_cores"] = (sum(me.cpu_times()[:2]) - s0) / wall
             f["heartbeats_per_s_steady"] = len(fleet.records.beats.get("steady", [])) / wall
+            steady = [b.ms for b in fleet.records.beats.get("steady", [])]
+            f["heartbeat_steady_p50_ms"] = pct(steady, 50)
+            f["heartbeat_steady_p99_ms"] = pct(steady, 99)
+            f["load_average_1m_steady"] = os.getloadavg()[0]
             f["cp_cpu_cores_per_1000_nodes"] = f["cp_cpu_cores"] / n * 1000
             f["interval_s"] = fleet.records.interval_s
             # Burst of model adds, the gateway measured meanwhile.
@@ -429,6 +435,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["heartbeats_in_burst"] = len(burst)
             f["heartbeat_burst_p50_ms"] = pct(burst, 50)
             f["heartbeat_p99_ms"] = pct(burst, 99)
+            f["heartbeat_p99_burst_vs_steady"] = f["heartbeat_p99_ms"] / max(f["heartbeat_steady_p99_ms"], 1e-9)
+            f["load_average_1m_burst"] = os.getloadavg()[0]
             # Kill a batch.
             fleet.records.phase = "kill"
             say(n, "kill")
