@@ -142,6 +142,13 @@ def test_explanations_replace(store: Store) -> None:
     assert got is not None
     assert got.placed is True
     assert store.get_explanation("nope") is None
+    assert store.explanation_summaries() == {"m1": ""}
+    store.set_explanation(ExplainView(model="m1", placed=False, summary="0 of 3 nodes fit"), now=3.0)
+    store.set_explanation(ExplainView(model="m2", placed=True, summary="placed on n"), now=3.0)
+    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit", "m2": "placed on n"}
+    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit", "m2": "placed on n"}  # read again
+    store.delete_explanation("m2")
+    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit"}
 
 
 def test_schema_is_plain_sql(store: Store) -> None:
