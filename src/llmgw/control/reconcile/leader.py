@@ -418,7 +418,7 @@ class Leader:
                     self._reread.add(node.id)  # a heartbeat arrived meanwhile: it is alive
                     continue
                 result.lost.append(node.id)
-                log.warning("node %s lost: no heartbeat for %.0f s", node.id, now - node.last_seen)
+                log.warning("node %s lost: no heartbeat for %.1f s", node.id, now - node.last_seen)
                 out.append(lost)
         return out
 
