@@ -251,6 +251,40 @@ async def test_coalescer_done_waits_for_a_run_that_started_after_it() -> None:
     assert seen == [0, 1]  # done() returned only after a run that read the new value
 
 
+async def test_coalescer_gap_spaces_plain_requests_but_not_a_done_caller() -> None:
+    """``min_gap_s``: a rerun only :meth:`request` asked for waits the gap after a run; a
+    :meth:`done` caller (an admin write waiting for the routing table) ends the wait at once."""
+    starts: list[float] = []
+    ends: list[float] = []
+    release = asyncio.Event()
+
+    async def job() -> None:
+        starts.append(time.monotonic())
+        await release.wait()
+        ends.append(time.monotonic())
+
+    c = Coalescer(job, name="test job", min_gap_s=0.5)
+    c.request()
+    await asyncio.sleep(0)
+    c.request()  # during the run: one more, after the gap
+    release.set()
+    await c.idle()
+    assert len(starts) == 2
+    assert starts[1] - ends[0] >= 0.45  # slept the gap (a loaded machine only makes it longer)
+
+    slow = Coalescer(job, name="test job", min_gap_s=30.0)
+    release.clear()
+    slow.request()
+    await asyncio.sleep(0)
+    slow.request()  # a rerun wanted, 30 s after the run
+    release.set()
+    t0 = time.monotonic()
+    await asyncio.sleep(0.05)  # the first run ended; the gap began
+    await asyncio.wait_for(slow.done(), 10)  # not 30 s: a waiter starts the run at once
+    assert time.monotonic() - t0 < 10
+    await asyncio.wait_for(slow.idle(), 10)
+
+
 def test_record_heartbeats_writes_a_batch_in_one_call(store: Store) -> None:
     hb = Heartbeat.model_validate_json(heartbeat())
     store.upsert_node_heartbeat("node-1", hb, 100.0)

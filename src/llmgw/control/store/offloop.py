@@ -311,16 +311,22 @@ class Coalescer:
     Args:
         job: the coroutine function to run (e.g. ``lambda: db.run(router.refresh)``).
         name: for the log when a run fails (the next request runs it again).
+        min_gap_s: after a run, a rerun asked for by :meth:`request` alone starts no sooner than
+            this (s) after it ended; one that a :meth:`done` caller waits for starts at once. 0:
+            back to back. Bounds the share of the process a stream of requests can take (the
+            routing refresh requested by every heartbeat that reports a replica ready).
 
     Build it on the loop that runs the job; :meth:`request` may then be called from that loop or
     from any thread (a leader pass running on a store thread calls it through ``on_change``).
     """
 
-    def __init__(self, job: Callable[[], Awaitable[object]], *, name: str) -> None:
+    def __init__(self, job: Callable[[], Awaitable[object]], *, name: str, min_gap_s: float = 0.0) -> None:
         self.job = job
         self.name = name
+        self.min_gap_s = min_gap_s
         self._loop = asyncio.get_running_loop()
         self._wanted = False
+        self._urgent = asyncio.Event()  # a done() caller waits: no gap before the next run
         self._task: asyncio.Task[None] | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._failing = ""  # why the runs fail, "" while they succeed (logged once per outage)
@@ -331,6 +337,7 @@ class Coalescer:
         on the loop."""
         fut = self._loop.create_future()
         self._waiters.append(fut)
+        self._urgent.set()
         self.request()
         await fut
 
@@ -367,6 +374,10 @@ class Coalescer:
                 for fut in waiters:
                     if not fut.done():
                         fut.set_result(None)
+            if self._wanted and self.min_gap_s > 0 and not self._waiters:
+                self._urgent.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), self.min_gap_s)
 
     async def idle(self) -> None:
         """Wait until no run is in progress or wanted (the gateway before it answers "no ready
