@@ -20,8 +20,9 @@ engines simulated by their reports). For each N, in order:
 4. ``steady``: ``--settle-s`` (10) then ``--steady-s`` (20) of beats: ``cp_cpu_cores``, the beats per second;
 5. ``burst``: ``--models`` models (2 replicas each) added through the admin API one after the
    other, until every replica is reported ready; ``heartbeat_p99_ms`` over the beats sent meanwhile
-   (and ``heartbeat_p99_burst_vs_steady``, its ratio to the steady phase's p99: both under the same
-   load from other work),
+   (and ``heartbeat_p99_burst_vs_steady``, its ratio to the p99 of ``--steady-gw-s`` (10) more
+   seconds of steady beats with the same gateway trickle on: both under the same load from other
+   work and the same gateway traffic),
    and the gateway's added latency measured meanwhile (``gateway_added_p50_ms`` vs ``..._idle``);
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
@@ -85,6 +86,7 @@ GW_MODEL = "scale-gw"
 QUIET_S = 3.0
 SETTLE_S = 10.0
 STEADY_S = 20.0
+STEADY_GW_S = 10.0
 POLL_S = 2.0
 """How often the admin API is polled for nodes and replicas (s)."""
 LOST_POLL_S = 0.5
@@ -452,6 +454,17 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["load_average_1m_steady"] = os.getloadavg()[0]
             f["cp_cpu_cores_per_1000_nodes"] = f["cp_cpu_cores"] / n * 1000
             f["interval_s"] = fleet.records.interval_s
+            # The same beats with the gateway trickle the burst measures too (it shares the loop).
+            fleet.records.phase = "steady_gw"
+            stop_gw = asyncio.Event()
+            gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, 0))
+            await asyncio.sleep(args.steady_gw_s)
+            stop_gw.set()
+            await gw
+            steady_gw = [b.ms for b in fleet.records.beats.get("steady_gw", [])]
+            f["heartbeat_steady_gw_p50_ms"] = pct(steady_gw, 50)
+            f["heartbeat_steady_gw_p99_ms"] = pct(steady_gw, 99)
+            f["load_average_1m_steady_gw"] = os.getloadavg()[0]
             # Burst of model adds, the gateway measured meanwhile.
             interval = interval_for(n, args.rate)
             fleet.records.phase = "burst"
@@ -476,7 +489,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["heartbeats_in_burst"] = len(burst)
             f["heartbeat_burst_p50_ms"] = pct(burst, 50)
             f["heartbeat_p99_ms"] = pct(burst, 99)
-            f["heartbeat_p99_burst_vs_steady"] = f["heartbeat_p99_ms"] / max(f["heartbeat_steady_p99_ms"], 1e-9)
+            f["heartbeat_p99_burst_vs_steady"] = f["heartbeat_p99_ms"] / max(f["heartbeat_steady_gw_p99_ms"], 1e-9)
             f["sim_loop_lag_burst_p99_ms"] = pct(lags.get("burst", []), 99)
             f["load_average_1m_burst"] = os.getloadavg()[0]
             # Kill a batch.
@@ -544,6 +557,8 @@ def main() -> None:
     ap.add_argument("--lost-after-s", type=float, default=30.0, help="server.yaml node_lost_after_s")
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="after the ramp, before the steady window")
     ap.add_argument("--steady-s", type=float, default=STEADY_S, help="the steady window (cp_cpu_cores)")
+    ap.add_argument("--steady-gw-s", type=float, default=STEADY_GW_S,
+                    help="steady beats with the gateway trickle on (the burst's baseline)")
     ap.add_argument("--lost-slack-s", type=float, default=0.0, help="seconds added to the lost-detection bound")
     ap.add_argument("--no-backoff-jitter", action="store_true",
                     help="agents back off exactly 1, 2, 5, 10 s (before full jitter), for comparison")
