@@ -235,9 +235,11 @@ async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: in
     by_name = {a.name: a for a in fleet.agents}
     pick = [by_name[h] for h in sorted(hosts) if h in by_name and h not in gw_hosts]
     pick += [a for a in fleet.agents if a.name not in hosts and a.name not in gw_hosts]
-    victims = pick[:kill]
-    names = {a.name for a in victims}
     wanted = {x["model"] for x in reps if x["model"] != GW_MODEL}
+    # Only agents between beats, killed with no await in between: one killed with a beat in flight
+    # may have that beat recorded, and its silence would count from before it (up to an interval).
+    victims = [a for a in pick if not a.sending][:kill]
+    names = {a.name for a in victims}
     for a in victims:
         fleet.kill(a)
     last_ok = {a.name: a.last_ok for a in victims}

@@ -149,6 +149,9 @@ class SimAgent:
     failed: int = 0
     last_ok: float = 0.0
     """Monotonic time of its last answered exchange."""
+    sending: bool = False
+    """An exchange is in flight (killed now, the control plane may still record a beat that
+    :attr:`last_ok` does not count)."""
     alive: bool = True
     task: asyncio.Task[None] | None = None
 
@@ -275,7 +278,11 @@ class Fleet:
                 if rec.restarted_at:
                     rec.attempts.append(t)
                 changed = False
-                answer = await self._cycle(s, agent)
+                agent.sending = True
+                try:
+                    answer = await self._cycle(s, agent)
+                finally:
+                    agent.sending = False
                 if answer is None:
                     agent.failed += 1
                 else:
