@@ -93,9 +93,9 @@ LOST_POLL_S = 0.5
 """How often the admin API is polled for nodes while the killed ones are expected lost (s): the
 bench's own term of the lost-detection bound, with the poll's answer time."""
 PASS_S = 1.0
-"""The leader pass's own time allowed in the lost-detection bound (s), as docs/operating.md states
-it: a dirty pass at 500 nodes takes a tenth of that on a quiet machine (bench/leader_pass.py), a
-loaded 2-core one stretches it."""
+"""The time a leader pass takes to reach its mark of silent nodes, allowed in the lost-detection
+bound (s), as docs/operating.md states it: a whole dirty pass at 500 nodes takes a tenth of that
+on a quiet machine (bench/leader_pass.py), a loaded 2-core one stretches it."""
 LOST_LOG = re.compile(r"node (\S+) lost: no heartbeat for ([\d.]+) s")
 GW_WARMUP = 50
 BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
