@@ -75,7 +75,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from gateway_overhead import _spawn  # noqa: E402
 from scale_cp import ControlPlane, installs  # noqa: E402
-from scale_fleet import Fleet, SimAgent, issue_certs  # noqa: E402
+from scale_fleet import Fleet, SimAgent, issue_certs, loop_lag  # noqa: E402
 from tests.helpers.control import TOKEN  # noqa: E402
 
 from llmgw.control.api.cadence import interval_for, lost_after_for  # noqa: E402
@@ -153,20 +153,6 @@ async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int
             i += 1
             await asyncio.sleep(0.005)  # a steady trickle, not a load test
     return d_ms, g_ms
-
-
-LAG_EVERY_S = 0.02
-"""How often :func:`loop_lag` wakes (s)."""
-
-
-async def loop_lag(fleet: Fleet, out: dict[str, list[float]]) -> None:
-    """This process's own event loop lag (ms late for a :data:`LAG_EVERY_S` sleep), by the fleet's
-    phase, until cancelled: the simulator's share of each heartbeat latency it measures (a beat's
-    answer waits for this loop too)."""
-    while True:
-        t = time.monotonic()
-        await asyncio.sleep(LAG_EVERY_S)
-        out.setdefault(fleet.records.phase, []).append((time.monotonic() - t - LAG_EVERY_S) * 1000)
 
 
 async def until(done: Callable[[], Awaitable[bool]], within_s: float, every_s: float) -> bool:

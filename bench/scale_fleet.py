@@ -305,3 +305,17 @@ class Fleet:
                     wait = CHANGE_BEAT_S
                 with contextlib.suppress(TimeoutError):  # the real agent waits at least 0.1 s too
                     await asyncio.wait_for(self.stop.wait(), max(wait, 0.1))
+
+
+LAG_EVERY_S = 0.02
+"""How often :func:`loop_lag` wakes (s)."""
+
+
+async def loop_lag(fleet: Fleet, out: dict[str, list[float]]) -> None:
+    """This process's own event loop lag (ms late for a :data:`LAG_EVERY_S` sleep), by the fleet's
+    phase, until cancelled: the simulator's share of each heartbeat latency it measures (a beat's
+    answer waits for this loop too)."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(LAG_EVERY_S)
+        out.setdefault(fleet.records.phase, []).append((time.monotonic() - t - LAG_EVERY_S) * 1000)

@@ -87,7 +87,7 @@ from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection,
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
-from llmgw.control.store.offloop import STORE_DEADLINE_S, Coalescer, OffLoop
+from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, STORE_DEADLINE_S, Coalescer, OffLoop
 from llmgw.control.store.postgres import HOLD_MAX_S
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
@@ -117,14 +117,6 @@ listeners close together, so a stop takes at most ``gateway.drain_s`` (≤ 50) +
 the unit's ``TimeoutStopSec=60s``."""
 
 _CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
-
-
-ROUTES_MIN_GAP_S = 0.25
-"""Seconds between routing refreshes that only heartbeats asked for (an admin write's runs at once).
-While replicas start in a burst, every ready report asks for one: back to back they took a quarter
-of the control plane's GIL time (py-spy, 500 simulated nodes, 200 model adds) while heartbeats
-waited for it; the gateway still routes to a replica once its ready report was answered (it waits
-for the refresh in flight when a model has no ready replica)."""
 
 
 class Wakes:

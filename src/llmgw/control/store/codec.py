@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 from pydantic import ValidationError
@@ -45,6 +46,11 @@ def heartbeat_values(hb: Heartbeat, now: float, digest: str = "") -> dict[str, A
         "instance": hb.instance,
         "cached": dumps(sorted(hb.cached)),
     }
+
+
+def explanation_summary(body: str) -> str:
+    """A stored explanation's ``summary`` (its JSON body's)."""
+    return str(json.loads(body).get("summary", ""))
 
 
 def first_problems(err: ValidationError) -> str:
@@ -113,6 +119,33 @@ class ParsedRows:
 
 
 _REPLICAS = ParsedRows()
+
+V = TypeVar("V")
+
+
+class ParsedByName(Generic[V]):
+    """One parsed value per name, kept while the name's stored text is the same (a model's spec,
+    an explanation's body): :meth:`get` compares the text (one string comparison) instead of
+    parsing it again. Readers share the value: nothing may write to it (nothing in llmgw writes to
+    a Model read from the store: changes go through ``model_copy`` and a store write)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[str, V]] = {}
+
+    def get(self, name: str, text: str, parse: Callable[[str], V]) -> V:
+        """``parse(text)``, or the value kept for ``name`` when it was parsed from this ``text``;
+        ``parse``'s exception propagates (nothing is kept then)."""
+        hit = self._kept.get(name)
+        if hit is not None and hit[0] == text:
+            return hit[1]
+        value = parse(text)
+        self._kept[name] = (text, value)
+        return value
+
+    def keep(self, names: Collection[str]) -> None:
+        """Forget every name but ``names`` (after a listing of all of them: the rest were deleted)."""
+        if len(self._kept) > len(names):
+            self._kept = {k: v for k, v in self._kept.items() if k in names}
 
 
 def replica_row(row: sa.Row[Any]) -> ReplicaRow:

@@ -33,17 +33,18 @@ from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
 from llmgw.control.store.base import REMOVAL_PREFIX, Store
-from llmgw.control.store.codec import first_problems, heartbeat_values, node_row, replica_row, replica_values
+from llmgw.control.store.codec import (
+    ParsedByName,
+    explanation_summary,
+    first_problems,
+    heartbeat_values,
+    node_row,
+    replica_row,
+    replica_values,
+)
 from llmgw.control.store.dialect import DialectHooks, describe_url, masked_url
 from llmgw.control.store.postgres import PostgresHooks
-from llmgw.control.store.rows import (
-    BrokenModel,
-    ControlPlaneRow,
-    LeaderRow,
-    ModelRow,
-    NodeRow,
-    ReplicaRow,
-)
+from llmgw.control.store.rows import BrokenModel, ControlPlaneRow, LeaderRow, ModelRow, NodeRow, ReplicaRow
 from llmgw.control.store.schema import (
     control_planes_t,
     cp_leader_t,
@@ -95,8 +96,8 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         self.engine = engine
         self.hooks = hooks or DialectHooks()
         self._logged_broken: set[tuple[str, int]] = set()
-        self._parsed: dict[str, tuple[str, Model]] = {}  # name -> (spec, Model): _readable's
-        self._summaries: dict[str, tuple[str, str]] = {}  # model -> (explanation body, its summary)
+        self._parsed: ParsedByName[Model] = ParsedByName()  # _readable's, by model name
+        self._summaries: ParsedByName[str] = ParsedByName()  # explanation_summaries', by model name
         self.term: int | None = None  # set on the stores fenced() returns
         self.where = describe_url(engine.url)
 
@@ -274,9 +275,7 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         with self._tx() as conn:
             rows = conn.execute(sa.select(models_t).order_by(models_t.c.name)).all()
         out = [m for m in (self._model_row(r) for r in rows) if m is not None]
-        if len(self._parsed) > len(rows):  # models deleted since: their parsed specs go
-            listed = {r.name for r in rows}
-            self._parsed = {k: v for k, v in self._parsed.items() if k in listed}
+        self._parsed.keep({r.name for r in rows})
         return out
 
     def list_broken_models(self) -> list[BrokenModel]:
@@ -293,16 +292,10 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
     def _readable(self, name: str, spec: str) -> Model | None:
         """``spec`` as a Model, or None when it does not validate (logged once per name and spec).
 
-        The Model parsed from a name's spec is kept and given again while the stored spec is the
-        same text (one string comparison instead of a validation: ~80 µs a model, 16 ms for 200,
-        which the routing refresh, the autoscaler and the leader each paid several times a second
-        while models were added). Readers share it: nothing writes to a Model read from the store
-        (changes go through ``model_copy`` and a store write)."""
-        hit = self._parsed.get(name)
-        if hit is not None and hit[0] == spec:
-            return hit[1]
+        Parsed once per spec text (:class:`~.codec.ParsedByName`: ~80 µs a model, which the routing
+        refresh, the autoscaler and the leader paid for every model several times a second)."""
         try:
-            model = Model.model_validate_json(spec, context=STORED)
+            return self._parsed.get(name, spec, lambda text: Model.model_validate_json(text, context=STORED))
         except ValidationError as e:
             key = (name, hash(spec))
             if key not in self._logged_broken:
@@ -312,8 +305,6 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
                     "'llmgw ctl model rm %s' and add it again", name, first_problems(e), name,
                 )
             return None
-        self._parsed[name] = (spec, model)
-        return model
 
     def _model_row(self, row: sa.Row[Any]) -> ModelRow | None:
         model = self._readable(row.name, row.spec)
@@ -533,19 +524,12 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         return {r.model: ExplainView.model_validate_json(r.body) for r in rows}
 
     def explanation_summaries(self) -> dict[str, str]:
-        """Each model's explanation's ``summary``; a body read before gives the summary read then
-        (an explanation holds a verdict per node: 200 of them over 500 nodes took a tenth of the
-        routing refresh to parse again, several times a second while models were added)."""
+        """Each model's explanation's ``summary``, parsed once per body (a verdict per node: 200 over
+        500 nodes were a tenth of the routing refresh)."""
         with self._tx() as conn:
             rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
-        known, out = self._summaries, {}
-        for r in rows:
-            hit = known.get(r.model)
-            if hit is None or hit[0] != r.body:
-                hit = known[r.model] = (r.body, str(json.loads(r.body).get("summary", "")))
-            out[r.model] = hit[1]
-        if len(known) > len(out):
-            self._summaries = {k: v for k, v in known.items() if k in out}
+        out = {r.model: self._summaries.get(r.model, r.body, explanation_summary) for r in rows}
+        self._summaries.keep(out)
         return out
 
     def delete_explanation(self, model: str) -> None:
