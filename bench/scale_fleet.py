@@ -149,6 +149,9 @@ class SimAgent:
     failed: int = 0
     last_ok: float = 0.0
     """Monotonic time of its last answered exchange."""
+    sending: bool = False
+    """An exchange is in flight (killed now, the control plane may still record a beat that
+    :attr:`last_ok` does not count)."""
     alive: bool = True
     task: asyncio.Task[None] | None = None
 
@@ -275,7 +278,11 @@ class Fleet:
                 if rec.restarted_at:
                     rec.attempts.append(t)
                 changed = False
-                answer = await self._cycle(s, agent)
+                agent.sending = True
+                try:
+                    answer = await self._cycle(s, agent)
+                finally:
+                    agent.sending = False
                 if answer is None:
                     agent.failed += 1
                 else:
@@ -298,3 +305,17 @@ class Fleet:
                     wait = CHANGE_BEAT_S
                 with contextlib.suppress(TimeoutError):  # the real agent waits at least 0.1 s too
                     await asyncio.wait_for(self.stop.wait(), max(wait, 0.1))
+
+
+LAG_EVERY_S = 0.02
+"""How often :func:`loop_lag` wakes (s)."""
+
+
+async def loop_lag(fleet: Fleet, out: dict[str, list[float]]) -> None:
+    """This process's own event loop lag (ms late for a :data:`LAG_EVERY_S` sleep), by the fleet's
+    phase, until cancelled: the simulator's share of each heartbeat latency it measures (a beat's
+    answer waits for this loop too)."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(LAG_EVERY_S)
+        out.setdefault(fleet.records.phase, []).append((time.monotonic() - t - LAG_EVERY_S) * 1000)

@@ -25,7 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 def test_scale_bench_at_20_agents() -> None:
     argv = [sys.executable, str(BENCH), "--agents", "20", "--models", "6", "--kill", "4",
             "--lost-after-s", "6", "--outage-s", "3", "--gateway-n", "40", "--ramp-per-s", "50",
-            "--settle-s", "2", "--steady-s", "3", "--lost-slack-s", "10"]
+            "--settle-s", "2", "--steady-s", "3", "--steady-gw-s", "2", "--lost-slack-s", "10"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]

@@ -179,3 +179,16 @@ def test_a_replica_of_a_deleted_model_whose_delete_lost_a_race_does_not_fail_the
     res = leader.reconcile_once(102.0, dirty=True)
     assert res.removed == lost
     assert store.list_replicas(model="a") == []
+
+
+def test_timed_passes_start_an_interval_apart_however_long_a_pass_took(store: Store) -> None:
+    """A node's silence is seen within one interval of passing ``node_lost_after_s``: the next timed
+    pass starts ``interval_s`` after the last one started (not after it ended: a 1 s pass under load
+    made it 3 s), but never sooner than ``min_gap_s`` after it ended."""
+    import time  # noqa: PLC0415 - only here
+
+    leader = Leader(store, node_lost_after_s=30, interval_s=2.0, min_gap_s=0.5)
+    now = time.monotonic()
+    assert 0.5 <= leader.until_next(now - 1.0) <= 1.0  # a 1 s pass: the next starts 1 s after it
+    assert leader.until_next(now - 0.1) <= 1.9
+    assert leader.until_next(now - 10.0) == 0.5  # a 10 s pass: still a gap after it

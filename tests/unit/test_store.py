@@ -142,6 +142,13 @@ def test_explanations_replace(store: Store) -> None:
     assert got is not None
     assert got.placed is True
     assert store.get_explanation("nope") is None
+    assert store.explanation_summaries() == {"m1": ""}
+    store.set_explanation(ExplainView(model="m1", placed=False, summary="0 of 3 nodes fit"), now=3.0)
+    store.set_explanation(ExplainView(model="m2", placed=True, summary="placed on n"), now=3.0)
+    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit", "m2": "placed on n"}
+    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit", "m2": "placed on n"}  # read again
+    store.delete_explanation("m2")
+    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit"}
 
 
 def test_schema_is_plain_sql(store: Store) -> None:
@@ -240,3 +247,45 @@ def test_the_store_fixture_is_the_interface(store: Store) -> None:
     would make the backend impossible to instantiate)."""
     assert isinstance(store, Store)
     assert not getattr(type(store), "__abstractmethods__", frozenset())
+
+
+def test_rows_read_again_unchanged_are_the_objects_parsed_before_and_changed_ones_are_new(store: Store) -> None:
+    """The routing refresh, the autoscaler and the leader list every model and replica several times
+    a second in a burst: an unchanged row is not parsed again, a written one is."""
+    store.add_model(model("m1"), now=1.0)
+    store.add_replica(ReplicaRow(id="m1-aaaaaa", model="m1", node="node-a", profile="cpu", key="k"))
+    (m_before,), (r_before,) = store.list_models(), store.list_replicas()
+    (m_again,), (r_again,) = store.list_models(), store.list_replicas()
+    assert m_again.model is m_before.model
+    assert r_again is r_before
+    store.update_model(model("m1").model_copy(update={"version": "2"}), revision=m_before.revision, now=2.0)
+    store.update_replica(replace(r_before, state="ready", endpoint="10.0.0.1:8080"))
+    (m_after,), (r_after,) = store.list_models(), store.list_replicas()
+    assert m_after.model is not m_before.model
+    assert m_after.model.version == "2"
+    assert (r_after.state, r_after.endpoint, r_after.revision) == ("ready", "10.0.0.1:8080", r_before.revision + 1)
+    assert store.get_replica("m1-aaaaaa") is r_after
+    assert store.delete_model("m1")
+    assert store.list_models() == []
+    store.add_model(model("m1", ["back"]), now=3.0)  # the same name again, another spec
+    assert store.list_models()[0].model.aliases == ["back"]
+
+
+def test_parsed_rows_keep_two_generations_at_most() -> None:
+    """:class:`ParsedRows` drops rows no longer read: at most two generations are kept."""
+    from llmgw.control.store.codec import ParsedRows, replica_values  # noqa: PLC0415 - only here
+    from llmgw.control.store.schema import replicas_t  # noqa: PLC0415
+
+    engine = sa.create_engine("sqlite://")
+    replicas_t.metadata.create_all(engine, tables=[replicas_t])
+    rows = [ReplicaRow(id=f"m-{i:06d}", model="m", node="n", profile="cpu", key="k") for i in range(25)]
+    with engine.begin() as conn:
+        conn.execute(replicas_t.insert(), [replica_values(r) for r in rows])
+        got = conn.execute(sa.select(replicas_t).order_by(replicas_t.c.id)).all()
+    cache = ParsedRows(per_generation=10)
+    first = [cache.replica(r) for r in got]
+    assert [r.id for r in first] == [r.id for r in rows]
+    assert len(cache) <= 20
+    assert cache.replica(got[-1]) is first[-1]  # the young generation kept it
+    assert cache.replica(got[0]) is not first[0]  # two generations ago: parsed again
+    assert cache.replica(got[0]) == first[0]

@@ -87,7 +87,7 @@ from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection,
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
-from llmgw.control.store.offloop import STORE_DEADLINE_S, Coalescer, OffLoop
+from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, STORE_DEADLINE_S, Coalescer, OffLoop
 from llmgw.control.store.postgres import HOLD_MAX_S
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
@@ -417,7 +417,8 @@ async def serve(
         store.bound_holds(HOLD_MAX_S)
     work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
-    routes = Coalescer(functools.partial(db.run, router.refresh), name="routing table refresh")
+    routes = Coalescer(functools.partial(db.run, router.refresh), name="routing table refresh",
+                       min_gap_s=ROUTES_MIN_GAP_S)
     router.on_stale, router.settled = routes.request, routes.idle
     wakes = Wakes(routes)
     name = config.cluster.name or socket.gethostname()

@@ -110,8 +110,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Seconds between passes when nothing wakes the loop; an admin change or a heartbeat that changed
-#: something wakes it at once (events, not timers, decide how fast a model gets placed).
+#: Seconds between the starts of passes when nothing wakes the loop (at least :data:`MIN_GAP_S`
+#: between one's end and the next's start); an admin change or a heartbeat that changed something
+#: wakes it at once (events, not timers, decide how fast a model gets placed).
 DEFAULT_INTERVAL_S = 2.0
 
 #: How long a wake waits before its pass starts (seconds), so that a burst of admin writes or
@@ -246,13 +247,20 @@ class Leader:
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), self.interval_s
+                    asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), self.until_next(started)
                 )
             for w in waiters:
                 w.cancel()
             if self._wake.is_set() and not stop.is_set():
                 # Let the rest of a burst arrive, and keep passes at least min_gap_s apart.
                 await asyncio.sleep(max(self.coalesce_s, self.min_gap_s - (time.monotonic() - started)))
+
+    def until_next(self, started: float) -> float:
+        """Seconds until the next timed pass: ``interval_s`` after the last one *started* (so a node
+        gone silent is marked at most ``interval_s`` plus the mark's own write after its silence
+        passed ``node_lost_after_s``, however long the passes take), but at least ``min_gap_s``
+        after it ended (a pass longer than the interval does not make them back to back)."""
+        return max(self.min_gap_s, self.interval_s - (time.monotonic() - started))
 
     async def _off(self, fn: Callable[[float], T], now: float) -> T:
         """``fn(now)`` on the store's pool (``db``), else on the loop's default executor."""
@@ -418,7 +426,7 @@ class Leader:
                     self._reread.add(node.id)  # a heartbeat arrived meanwhile: it is alive
                     continue
                 result.lost.append(node.id)
-                log.warning("node %s lost: no heartbeat for %.0f s", node.id, now - node.last_seen)
+                log.warning("node %s lost: no heartbeat for %.1f s", node.id, now - node.last_seen)
                 out.append(lost)
         return out
 
