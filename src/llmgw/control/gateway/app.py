@@ -37,7 +37,9 @@ same way elsewhere (tests, benchmarks) to keep that.
 Every response to a chat request carries ``x-llmgw-replica`` (the replica's id, not its address)
 and, once a replica was asked, ``x-llmgw-overhead-ms``: the time spent in the gateway excluding the
 wait on the replica, from the handler's start to the response being ready (for streams: to the
-first byte). ``observe`` receives the same figures per request, for metrics and usage.
+first byte). ``observe`` receives the same figures per request, for metrics and usage, on the loop's
+next turn (``call_soon``): after the answer is written, before any later event (cProfile, 2,000 requests:
+metrics, usage and the access-log line were 379 of the handler's own 757 µs); tokens spent count at once.
 
 Measured with ``bench/gateway_overhead.py`` (2 cores shared by client, gateway and an instant
 upstream, other jobs running; one keep-alive client, 5000 requests each way, alternating): p50
@@ -240,21 +242,19 @@ class _Gateway:
         """Tell ``observe`` about a 401 (see :meth:`authenticate`); no model, replica or usage."""
         if self.observe is None:
             return
-        self.observe(
-            Exchange(
-                requested="",
-                model="",
-                replica="",
-                status=401,
-                stream=False,
-                overhead_ms=(time.perf_counter_ns() - started_ns) / 1e6,
-                upstream_ms=0.0,
-                kind=kind,
-                request_id=request_id(request),
-                code="invalid_api_key",
-                refused=reason,
-            )
-        )
+        asyncio.get_running_loop().call_soon(self.observe, Exchange(
+            requested="",
+            model="",
+            replica="",
+            status=401,
+            stream=False,
+            overhead_ms=(time.perf_counter_ns() - started_ns) / 1e6,
+            upstream_ms=0.0,
+            kind=kind,
+            request_id=request_id(request),
+            code="invalid_api_key",
+            refused=reason,
+        ))
 
     # -- models --------------------------------------------------------------------------------
     def _visible(self, caller: Caller) -> list[str]:
@@ -384,9 +384,7 @@ class _Gateway:
                         )
         except web.HTTPRequestEntityTooLarge:
             code = "request_too_large"
-            out = openai_error_json(
-                413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
-            )
+            out = openai_error_json(413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
         except Answered as a:  # a held stream refused after its 200: the refusal is its last event
             out, code = a.response, a.code
         except HttpError as e:  # JsonBodyError included
@@ -437,24 +435,22 @@ class _Gateway:
             return
         now = time.perf_counter_ns()
         first = trace.first_byte_ns or now
-        self.observe(
-            Exchange(
-                requested=requested,
-                model=model,
-                replica=trace.replica,
-                status=status,
-                stream=stream,
-                overhead_ms=trace.setup_ns / 1e6,
-                upstream_ms=trace.upstream_ns / 1e6,
-                usage=usage,
-                key=caller.name,
-                kind=kind,
-                request_id=trace.request_id,
-                code=code,
-                blocked=blocked,
-                ttft_ms=(first - trace.started_ns) / 1e6,
-            )
-        )
+        asyncio.get_running_loop().call_soon(self.observe, Exchange(
+            requested=requested,
+            model=model,
+            replica=trace.replica,
+            status=status,
+            stream=stream,
+            overhead_ms=trace.setup_ns / 1e6,
+            upstream_ms=trace.upstream_ns / 1e6,
+            usage=usage,
+            key=caller.name,
+            kind=kind,
+            request_id=trace.request_id,
+            code=code,
+            blocked=blocked,
+            ttft_ms=(first - trace.started_ns) / 1e6,
+        ))
 
     async def healthz(self, _: web.Request) -> web.Response:
         """``GET /healthz``: the gateway process answers (no key needed, says nothing about models)."""
