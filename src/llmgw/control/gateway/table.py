@@ -119,8 +119,12 @@ def build_routes(
         by_model.setdefault(r.model, []).append(r)
     for m in models:
         mine = by_model.get(m.name, [])
+        slots: dict[str, int] = {}  # per profile: its args are scanned once per model, not once per replica
+        for r in mine:
+            if r.profile not in slots:
+                slots[r.profile] = profile_slots(m, r.profile)
         ready = tuple(
-            Upstream(r.id, r.endpoint, r.key, profile_slots(m, r.profile))
+            Upstream(r.id, r.endpoint, r.key, slots[r.profile])
             for r in mine
             if r.state == ReplicaState.READY and r.endpoint and r.draining_since is None  # draining: routed no more
         )
