@@ -31,22 +31,24 @@ from llmgw.control.store import Store, default_url, open_store
 from llmgw.tlsconf import CA
 from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
 
+TRUST_PREFIX = "llmgw-tests-trust-"
+
 
 def _one_ca_trust_store() -> None:
     """Point ``SSL_CERT_FILE`` at a bundle of one throwaway CA that signs nothing, for this run and
-    every process it starts, unless the environment already names a bundle.
+    every process it starts (an xdist worker keeps its parent's).
 
-    httpx loads certifi's ~150 public CAs into each client it makes, and every TLS context OpenSSL's
-    defaults build loads the system's: 35-45 ms of CPU each here, and the tests make thousands
-    (``httpx.get`` in polls, an admin client per ``llmgw ctl`` request): tests/unit/test_catalog_trust.py
-    took 44.3 s of CPU, 16.7 s of it in 410 such loads, and 24.8 s with this bundle. The tests run
-    offline and trust their own CAs explicitly, so no test relies on a public CA; a certificate that
-    no CA of the test signed is refused all the same. Readable by all: init's services may run as
-    another user.
+    httpx loads the bundle ``SSL_CERT_FILE`` names (this machine's environment names the system's,
+    ~140 CAs), else certifi's, into each client it makes: 30-45 ms of CPU each here, and the tests
+    make thousands (``httpx.get`` in polls, an admin client per ``llmgw ctl`` request):
+    tests/unit/test_catalog_trust.py took 44.3 s of CPU, 16.7 s of it in 410 such loads, and 24.8 s
+    with this bundle. The tests run offline and trust their own CAs explicitly, so no test relies
+    on a public CA; a certificate that no CA of the test signed is refused all the same. Readable by
+    all: init's services may run as another user.
     """
-    if os.environ.get("SSL_CERT_FILE"):
-        return  # the developer's, or the parent run's (an xdist worker)
-    directory = Path(tempfile.mkdtemp(prefix="llmgw-tests-trust-"))
+    if TRUST_PREFIX in os.environ.get("SSL_CERT_FILE", ""):
+        return
+    directory = Path(tempfile.mkdtemp(prefix=TRUST_PREFIX))
     directory.chmod(0o755)
     bundle = directory / "one-ca.pem"
     bundle.write_bytes(CA.create("llmgw tests: trusted for nothing").cert_pem)
