@@ -15,7 +15,10 @@ machine and FAIL under ``LLMGW_REQUIRE_ASSETS=1``, as the end-to-end tests do.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,36 @@ import pytest
 from _pytest.config import Config
 
 from llmgw.control.store import Store, default_url, open_store
+from llmgw.tlsconf import CA
 from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
+
+TRUST_PREFIX = "llmgw-tests-trust-"
+
+
+def _one_ca_trust_store() -> None:
+    """Point ``SSL_CERT_FILE`` at a bundle of one throwaway CA that signs nothing, for this run and
+    every process it starts (an xdist worker keeps its parent's).
+
+    httpx loads the bundle ``SSL_CERT_FILE`` names (this machine's environment names the system's,
+    ~140 CAs), else certifi's, into each client it makes: 30-45 ms of CPU each here, and the tests
+    make thousands (``httpx.get`` in polls, an admin client per ``llmgw ctl`` request):
+    tests/unit/test_catalog_trust.py took 44.3 s of CPU, 16.7 s of it in 410 such loads, and 24.8 s
+    with this bundle. The tests run offline and trust their own CAs explicitly, so no test relies
+    on a public CA; a certificate that no CA of the test signed is refused all the same. Readable by
+    all: init's services may run as another user.
+    """
+    if TRUST_PREFIX in os.environ.get("SSL_CERT_FILE", ""):
+        return
+    directory = Path(tempfile.mkdtemp(prefix=TRUST_PREFIX))
+    directory.chmod(0o755)
+    bundle = directory / "one-ca.pem"
+    bundle.write_bytes(CA.create("llmgw tests: trusted for nothing").cert_pem)
+    bundle.chmod(0o644)
+    os.environ["SSL_CERT_FILE"] = str(bundle)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+
+
+_one_ca_trust_store()
 
 CACHE = Path(os.environ.get("LLMGW_ASSETS", Path.home() / ".cache" / "llmgw"))
 DEFAULT_SERVER = CACHE / "llama-cpp-0.3.36-rpc" / "bin" / "llama-server"

@@ -22,7 +22,6 @@ from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, parse_listen
 from llmgw.errors import ApiError, UnreachableError
-from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 from llmgw.views import (
     AutoscaleView,
@@ -104,6 +103,10 @@ class AdminClient:
                 "check it with 'llmgw service status'"
             ) from e
         if r.status_code >= 400:
+            # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which an
+            # `llmgw ctl` run that gets no error answer never needs.
+            from llmgw.httperrors import error_fields  # noqa: PLC0415
+
             code, message = error_fields(r.text, limit=1000)
             raise ApiError(f"{method} {path}: {r.status_code} {message}", status=r.status_code, code=code)
         return r.json() if r.content else None

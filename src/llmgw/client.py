@@ -28,7 +28,6 @@ import httpx
 
 from llmgw.config import load_server_config, parse_listen
 from llmgw.errors import ApiError, UnreachableError
-from llmgw.httperrors import error_fields
 from llmgw.paths import Paths
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
@@ -109,6 +108,10 @@ def _unreachable(base_url: str, e: httpx.HTTPError) -> UnreachableError:
 
 
 def _api_error(status: int, data: Any, base_url: str) -> ApiError:
+    # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which `llmgw chat`
+    # never needs until an error answer.
+    from llmgw.httperrors import error_fields  # noqa: PLC0415
+
     code, message = error_fields(data)
     if status == 401:
         message += f"; pass --key KEY (a line of the gateway's keys_file) for {base_url}"

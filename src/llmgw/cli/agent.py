@@ -12,17 +12,16 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from llmgw.agent.engines.provision import install_from_file
-from llmgw.agent.loop.loop import run_agent
-from llmgw.agent.node.discovery import discover_inventory
 from llmgw.cli.common import cli_errors, paths
-from llmgw.config import AgentConfig, load_agent_config
 from llmgw.errors import NodeRemoved
-from llmgw.paths import Paths
+
+if TYPE_CHECKING:
+    from llmgw.config import AgentConfig
+    from llmgw.paths import Paths
 
 app = typer.Typer(help="The node agent: reports this machine, runs the replicas the control plane asks for.")
 
@@ -42,6 +41,8 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 async def _serve(cfg: AgentConfig, p: Paths) -> None:
+    from llmgw.agent.loop.loop import run_agent
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,6 +60,8 @@ def agent(
     """Run the node agent until SIGTERM/SIGINT; engines keep running after it stops."""
     if ctx.invoked_subcommand is not None:
         return
+    from llmgw.config import load_agent_config
+
     p = paths()
     cfg = load_agent_config(config or p.agent_config)
     setup_logging(verbose)
@@ -74,6 +77,9 @@ def agent(
 @cli_errors
 def inventory(config: ConfigOption = None) -> None:
     """Print this node's inventory (cores, memory, GPUs and their classes) as JSON."""
+    from llmgw.agent.node.discovery import discover_inventory
+    from llmgw.config import load_agent_config
+
     p = paths()
     cfg = load_agent_config(config or p.agent_config)
     print(discover_inventory(cfg).model_dump_json(indent=2))
@@ -91,6 +97,8 @@ def install_engine(
 
     The agent picks it up at its next engine check (within a minute) or restart.
     """
+    from llmgw.agent.engines.provision import install_from_file
+
     p = paths()
     binary, version, digest = install_from_file(p.agent_state, source)
     print(f"installed llama-server {version} at {binary}")

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from llmgw import client
 from llmgw.cli.common import cli_errors, paths
 
 
@@ -39,6 +38,8 @@ def chat(
     ] = 256,
 ) -> None:
     """Ask the gateway one question and print the answer as it streams."""
+    from llmgw import client
+
     target = client.resolve_target(paths(), server=server, key=key)
     name = model or client.default_model(target.base_url, target.key)
     for delta in client.stream_chat(target.base_url, target.key, name, message, max_tokens=max_tokens):

@@ -27,21 +27,17 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
-from pydantic import BaseModel
-from rich.table import Table
 
-from llmgw import yamlsafe
-from llmgw.adminclient import AdminClient
-from llmgw.catalog import scale_to
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
-from llmgw.cli.common import cli_errors, console, fail, paths
-from llmgw.config import load_server_config
+from llmgw.cli.common import cli_errors, console, fail, paths, table
 from llmgw.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmgw.adminclient import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Ask the control plane: nodes, models, replicas, placement.")
 
@@ -64,11 +60,15 @@ app.command("usage")(cli_errors(keys_cli.usage))
 
 
 def _client(server: str | None, token: str | None) -> AdminClient:
+    from llmgw.adminclient import AdminClient
+
     return AdminClient.from_paths(paths(), server=server, token=token)
 
 
 def _print_json(data: Any) -> None:
     """Print what the admin API answered, as it answered it (views are dumped as the server dumps them)."""
+    from pydantic import BaseModel
+
     if isinstance(data, BaseModel):
         data = data.model_dump(mode="json")
     elif isinstance(data, list):
@@ -100,7 +100,7 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
     if as_json:
         _print_json(data)
         return
-    t = Table("NODE", "STATE", "ENGINES", "CORES (reserved/all)", "MEMORY GB (reserved/all)", "GPUS", "LABELS",
+    t = table("NODE", "STATE", "ENGINES", "CORES (reserved/all)", "MEMORY GB (reserved/all)", "GPUS", "LABELS",
               "SEEN")
     for n in data:
         r = n.resources
@@ -134,13 +134,13 @@ def cluster(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt =
     db = "reachable" if view.database.reachable else f"UNREACHABLE: {view.database.error}"
     leader = f"leader {view.leader}" if view.leader else view.leader_text()
     console().print(f"term {view.term}, {leader}; answered by {view.me}, database {db}")
-    t = Table("CONTROL PLANE", "AGENT URL", "LEADER", "ALIVE", "SEEN")
+    t = table("CONTROL PLANE", "AGENT URL", "LEADER", "ALIVE", "SEEN")
     for cp in view.control_planes:
         t.add_row(cp.name, cp.agent_url, "yes" if cp.leader else "", "yes" if cp.alive else "NO",
                   f"{cp.last_seen_s_ago:.0f}s ago")
     console().print(t)
     if view.patroni:
-        p = Table("DATABASE MEMBER", "ROLE", "STATE", "HOST", "LAG (bytes)")
+        p = table("DATABASE MEMBER", "ROLE", "STATE", "HOST", "LAG (bytes)")
         for m in view.patroni:
             p.add_row(m.name, m.role, m.state, m.host, "-" if m.lag is None else str(m.lag))
         console().print(p)
@@ -158,7 +158,7 @@ def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = 
     if as_json:
         _print_json(data)
         return
-    t = Table("MODEL", "ALIASES", "ROLE", "SCALING", "WANTED", "READY", "SOURCE")
+    t = table("MODEL", "ALIASES", "ROLE", "SCALING", "WANTED", "READY", "SOURCE")
     for m in data:
         if m.broken:
             t.add_row(m.name, "-", "BROKEN", "-", "-", "-", m.broken)
@@ -194,7 +194,7 @@ def replicas(
         _print_json(data)
         return
     # The routing figures are the answering control plane's own (each routes on its own).
-    t = Table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS",
+    t = table("REPLICA", "MODEL", "NODE", "PROFILE", "STATE", "UP", "RESTARTS",
               "SLOTS", "IN FLIGHT", "QUEUED", "AFFINITY", "ERROR / WHY PENDING")
     for r in data:
         err = (r.err or r.pending_reason or r.last_error).strip().splitlines()
@@ -253,7 +253,7 @@ def explain_placement(
         if ex.last_placed:
             print(f"newest replica: {ex.last_placed}")
         if ex.rejections:
-            t = Table("PROFILE", "NODE", "KIND", "REASON")
+            t = table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex.rejections:
                 t.add_row(r.profile, r.node, r.kind, r.reason)
             console().print(t)
@@ -342,6 +342,10 @@ def node_rm(
 
 
 def _read_doc(path: Path) -> Any:
+    import yaml
+
+    from llmgw import yamlsafe
+
     try:
         return yamlsafe.load(path.read_text())
     except OSError as e:
@@ -418,8 +422,9 @@ def model_rm(
     client.remove_model(name)
     print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
     if delete_weights:
-        from llmgw.mirror.client import MirrorClient, local_token  # noqa: PLC0415 - only this path needs it
-        from llmgw.mirror.usage import delete_weights as delete  # noqa: PLC0415 - as above
+        from llmgw.config import load_server_config
+        from llmgw.mirror.client import MirrorClient, local_token
+        from llmgw.mirror.usage import delete_weights as delete
 
         api = load_server_config(paths().server_config).mirror.api
         if not api:
@@ -437,6 +442,8 @@ def model_scale(
 ) -> None:
     """Keep N replicas running: min = max = N, or for an autoscaled model min = N (max raised to N
     when below). Replicas above N drain (their requests finished) before they stop."""
+    from llmgw.catalog import scale_to
+
     client = _client(server, token)
     cur = client.model(name)
     scaling = scale_to(n, cur_min=cur.scaling_min, cur_max=cur.scaling_max)
@@ -464,7 +471,7 @@ def model_autoscale(
         f"{name}: wanted {data.wanted} (scaling {data.min}..{data.max}), ready {data.ready}, draining "
         f"{data.draining}; load {data.in_flight} in flight + {data.queued} queued, target {data.target:g} per replica"
     )
-    t = Table("WHEN (UTC)", "FROM", "TO", "REASON")
+    t = table("WHEN (UTC)", "FROM", "TO", "REASON")
     for d in data.decisions:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.at))
         t.add_row(when, str(d.from_n), str(d.to_n), d.reason)
@@ -490,7 +497,7 @@ def model_resources(
         )
     elif data.get("facts_error"):
         print(f"{name}: no estimate: {data['facts_error']}")
-    t = Table("PROFILE", "PRIORITY", "ENGINE", "GPU", "CORES", "MEMORY GB", "FROM", "CTX", "WEIGHTS+KV+OVERHEAD GB",
+    t = table("PROFILE", "PRIORITY", "ENGINE", "GPU", "CORES", "MEMORY GB", "FROM", "CTX", "WEIGHTS+KV+OVERHEAD GB",
               "COULD RUN ON")
     for p in data["profiles"]:
         fits = [n["node"] for n in p["nodes"] if n["fits"]]

@@ -12,13 +12,14 @@ test`` exits 4 when the text would be blocked and 5 when there was no verdict, s
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
-from llmgw.adminclient import AdminClient
-from llmgw.cli.common import cli_errors, console, paths
+from llmgw.cli.common import cli_errors, console, paths, table
+
+if TYPE_CHECKING:
+    from llmgw.adminclient import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Guardrails: judges, policies, and trying a text.")
 judge_app = typer.Typer(no_args_is_help=True, help="The judges the policies name.")
@@ -33,6 +34,8 @@ NO_VERDICT_EXIT = 5
 
 
 def _client(server: str | None, token: str | None) -> AdminClient:
+    from llmgw.adminclient import AdminClient
+
     return AdminClient.from_paths(paths(), server=server, token=token)
 
 
@@ -51,7 +54,7 @@ def judge_status(server: ServerOpt = None, token: TokenOpt = None, as_json: Json
     if not data["on"]:
         print("Guardrails are off: server.yaml has no guard policy, so prompts and answers are not judged.")
         return
-    t = Table("POLICY", "CHECKS", "FAIL", "JUDGE", "CATALOG", "READY", "P50 ms", "P95 ms", "TO DO", box=None)
+    t = table("POLICY", "CHECKS", "FAIL", "JUDGE", "CATALOG", "READY", "P50 ms", "P95 ms", "TO DO", box=None)
     for p in data["policies"]:
         for j in p["judges"]:
             todo = j["hint"]

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
-from llmgw.adminclient import AdminClient
-from llmgw.cli.common import cli_errors, console, paths
-from llmgw.views import KeyView, NewKeyView
+from llmgw.cli.common import cli_errors, console, paths, table
+
+if TYPE_CHECKING:
+    from llmgw.adminclient import AdminClient
+    from llmgw.views import KeyView, NewKeyView
 
 app = typer.Typer(no_args_is_help=True, help="The gateway's API keys: create, list, change limits, revoke, rotate.")
 
@@ -36,6 +37,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")
 
 
 def _client(server: str | None, token: str | None) -> AdminClient:
+    from llmgw.adminclient import AdminClient
+
     return AdminClient.from_paths(paths(), server=server, token=token)
 
 
@@ -159,7 +162,7 @@ def ls(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fals
     if as_json:
         print(json.dumps([k.model_dump(mode="json") for k in keys], indent=2, sort_keys=True))
         return
-    t = Table("NAME", "PREFIX", "MODELS", "LIMITS", "PRIORITY", "TODAY (req/tok)", "MONTH (tok)", "LAST USED",
+    t = table("NAME", "PREFIX", "MODELS", "LIMITS", "PRIORITY", "TODAY (req/tok)", "MONTH (tok)", "LAST USED",
               "STATE", "EXPIRES")
     for k in keys:
         t.add_row(k.name, k.prefix + "…", ", ".join(k.models) or "all", _limits(k), str(k.priority),
@@ -200,7 +203,7 @@ def usage(
     if as_json:
         print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2, sort_keys=True))
         return
-    t = Table("DAY", "KEY", "MODEL", "REQUESTS", "PROMPT TOK", "COMPLETION TOK", "GUARD BLOCKS", "ERRORS")
+    t = table("DAY", "KEY", "MODEL", "REQUESTS", "PROMPT TOK", "COMPLETION TOK", "GUARD BLOCKS", "ERRORS")
     sums = [0, 0, 0, 0, 0]
     for r in rows:
         counts = [r.requests, r.prompt_tokens, r.completion_tokens, r.guard_blocks, r.errors]

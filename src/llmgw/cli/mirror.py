@@ -10,12 +10,6 @@ from typing import Annotated
 import typer
 
 from llmgw.cli.common import cli_errors, paths
-from llmgw.mirror import server, setup
-from llmgw.mirror.client import MIRROR_TOKEN, MirrorClient, local_token, token_path
-from llmgw.mirror.policy import SourcePolicy
-from llmgw.serverinit.steps.pki import primary_address
-from llmgw.service.manager import pick_manager
-from llmgw.service.units import llmgw_binary
 
 app = typer.Typer(
     no_args_is_help=True, help="The model mirror: download weights once, serve them to every node."
@@ -82,6 +76,10 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the mirror until SIGTERM or Ctrl-C; fetches left running resume at the next start."""
+    from llmgw.mirror import server, setup
+    from llmgw.mirror.client import MIRROR_TOKEN, token_path
+    from llmgw.mirror.policy import SourcePolicy
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = paths()
     root = directory if directory is not None else p.mirror_store
@@ -141,6 +139,11 @@ def init(
     Writes the unit, creates the store, starts the mirror (systemd, else llmgw's supervisor), waits
     until it answers, and prints the line to run on the control plane.
     """
+    from llmgw.mirror import setup
+    from llmgw.serverinit.steps.pki import primary_address
+    from llmgw.service.manager import pick_manager
+    from llmgw.service.units import llmgw_binary
+
     p = paths()
     setup.init_mirror(
         p,
@@ -172,6 +175,9 @@ def add(
 
     Through the running mirror when its API answers; otherwise straight into the store directory.
     """
+    from llmgw.mirror import setup
+    from llmgw.mirror.client import local_token
+
     p = paths()
     root = directory if directory is not None else p.mirror_store
     st = setup.add_file(
@@ -191,6 +197,8 @@ def rm(
     api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
 ) -> None:
     """Cancel a download if it runs and delete MODEL/VERSION from the mirror."""
+    from llmgw.mirror.client import MirrorClient, local_token
+
     with MirrorClient(api, token=local_token(paths())) as client:
         last = client.delete(model, version)
     print(f"deleted {model}/{version} ({last.file}, was {last.state})")
@@ -200,6 +208,8 @@ def rm(
 @cli_errors
 def ls(api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082") -> None:
     """Every model/version in the mirror: state, progress, sha256."""
+    from llmgw.mirror.client import MirrorClient, local_token
+
     with MirrorClient(api, token=local_token(paths())) as client:
         rows = client.files()
     if not rows:

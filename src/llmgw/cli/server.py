@@ -34,7 +34,7 @@ def run(
     ] = None,
 ) -> None:
     """Run the control plane: admin API, agent API (mTLS), gateway and the leader, until SIGTERM."""
-    from llmgw.control.server import serve  # noqa: PLC0415 - keeps `llmgw --help` fast
+    from llmgw.control.server import serve
 
     p = paths()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,7 +54,7 @@ def add_node(
     ] = None,
 ) -> None:
     """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw."""
-    from llmgw.serverinit.onboard import add_node as issue  # noqa: PLC0415
+    from llmgw.serverinit.onboard import add_node as issue
 
     labels = {}
     for item in label or []:
@@ -78,7 +78,7 @@ def add_control_plane(
 ) -> None:
     """Write what a standby control plane needs (CA, its certificate, tokens, the database's
     member config and passwords, server.yaml) into --out, to carry to it for 'server init --join'."""
-    from llmgw.serverinit.standby import add_control_plane as issue  # noqa: PLC0415
+    from llmgw.serverinit.standby import add_control_plane as issue
 
     for f in issue(paths(), name, out, address=address):
         print(f"  done {f}")
@@ -103,9 +103,9 @@ def migrate_store(
     Stop the control plane first (llmgw service stop); afterwards set store.url in server.yaml to
     the new URL and start it again.
     """
-    from llmgw.config import load_server_config  # noqa: PLC0415
-    from llmgw.control.store import SqlStore, default_url  # noqa: PLC0415
-    from llmgw.control.store.copy import copy_store  # noqa: PLC0415
+    from llmgw.config import load_server_config
+    from llmgw.control.store import SqlStore, default_url
+    from llmgw.control.store.copy import copy_store
 
     p = paths()
     cfg_path = config or p.server_config

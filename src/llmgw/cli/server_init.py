@@ -7,16 +7,18 @@ from typing import Annotated
 
 import typer
 
-from llmgw.agent.node.discovery import discover_gpus
 from llmgw.cli.common import cli_errors, paths
-from llmgw.serverinit.options import InitOptions
-from llmgw.serverinit.plan import STARTER_SOURCE
-from llmgw.serverinit.steps import ServerInit
-from llmgw.service.manager import pick_manager
+
+STARTER_HELP = "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+"""``--starter-source``'s default as its help names it: :data:`llmgw.serverinit.plan.STARTER_SOURCE`,
+written out so that building the command tree does not import the catalog (0.2 s) for every
+``llmgw`` run; tests/unit/test_cli_startup.py holds the two equal."""
 
 
 def _gpu_classes() -> list[str]:
     """This machine's GPU classes, asked of the agent's discovery; none is an answer."""
+    from llmgw.agent.node.discovery import discover_gpus
+
     return sorted({g.klass for g in discover_gpus()})
 
 
@@ -34,8 +36,9 @@ def init(
         bool, typer.Option("--no-guard-model", help="Do not install the guardrails' judge.")
     ] = False,
     starter_source: Annotated[
-        str, typer.Option(help="The starter model: hf:ORG/REPO/FILE, https://…, or file:/abs/path.gguf.")
-    ] = STARTER_SOURCE,
+        str, typer.Option(help=f"The starter model: hf:ORG/REPO/FILE, https://…, or file:/abs/path.gguf "
+                          f"(default: {STARTER_HELP}).")
+    ] = "",
     starter_name: Annotated[str, typer.Option(help="Catalog name of the starter (default from the file).")] = "",
     starter_alias: Annotated[str, typer.Option(help="An alias clients may use for the starter.")] = "",
     llama_server: Annotated[
@@ -92,9 +95,14 @@ def init(
     here and the control plane uses it; each standby then runs 'init --join DIR' with what
     'llmgw server add-control-plane' wrote for it.
     """
+    from llmgw.serverinit.options import InitOptions
+    from llmgw.serverinit.plan import STARTER_SOURCE
+    from llmgw.serverinit.steps import ServerInit
+    from llmgw.service.manager import pick_manager
+
     opts = InitOptions(
         hosts=host or [], cpus=cpus, offline=offline, no_node=no_node, no_guard_model=no_guard_model,
-        starter_source=starter_source, starter_name=starter_name, starter_alias=starter_alias,
+        starter_source=starter_source or STARTER_SOURCE, starter_name=starter_name, starter_alias=starter_alias,
         llama_server=llama_server.resolve() if llama_server else None, mirror_url=mirror,
         judge_replicas=judge_replicas, judge_source=judge_source, judge_format=judge_format,
         node_id=node_id, admin_listen=admin_listen,

@@ -13,9 +13,8 @@ from dataclasses import asdict
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from llmgw.cli.common import cli_errors, console, paths
+from llmgw.cli.common import cli_errors, console, paths, table
 from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
 from llmgw.service.units import SERVICES, installed_services, service_name, unit_name
@@ -63,12 +62,12 @@ def status(
     if as_json:
         print(json.dumps([asdict(r) | {"manager": manager.kind} for r in rows], indent=2))
         return
-    table = Table("service", "manager", "state", "pid", "since", "restarts", "detail")
+    t = table("service", "manager", "state", "pid", "since", "restarts", "detail")
     for r in rows:
         pid = str(r.pid) if r.pid else "-"
         since, restarts = _when(r.since), str(r.restarts)
-        table.add_row(unit_name(r.name), manager.kind, r.state, pid, since, restarts, r.detail)
-    console().print(table)
+        t.add_row(unit_name(r.name), manager.kind, r.state, pid, since, restarts, r.detail)
+    console().print(t)
 
 
 @app.command()
@@ -115,7 +114,7 @@ def stop(
         stopped = manager.stop(name)
         print(f"{'stopped' if stopped else 'not running:'} {unit_name(name)}")
     if engines:
-        from llmgw.agent.node.records import stop_all_engines  # noqa: PLC0415  (only this flag needs the agent)
+        from llmgw.agent.node.records import stop_all_engines
 
         pids = stop_all_engines(paths().agent_state)
         print(f"stopped {len(pids)} engine(s)" + (f": pid {', '.join(map(str, pids))}" if pids else ""))
