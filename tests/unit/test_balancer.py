@@ -26,10 +26,8 @@ from llmgw.control.gateway.balancer import (
     Balancer,
     Lease,
     load_bound,
-    prefix_key,
-    rendezvous,
-    replica_hash,
 )
+from llmgw.control.gateway.prefix import prefix_key, rendezvous, replica_hash
 from llmgw.control.gateway.queue import FairQueue
 from llmgw.control.gateway.table import build_routes, profile_slots
 from llmgw.control.reconcile.leader import spec_hash

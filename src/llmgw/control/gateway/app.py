@@ -74,7 +74,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
-from llmgw.control.gateway.balancer import Balancer, RoutingMetrics, mix64
+from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
@@ -82,6 +82,7 @@ from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_cal
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadCounter, combined
+from llmgw.control.gateway.prefix import mix64
 from llmgw.control.gateway.request import (
     CHAT,
     COMPLETIONS,

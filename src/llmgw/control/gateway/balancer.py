@@ -12,10 +12,10 @@ None and the request waits in the model's queue (or gets 429 ``model_busy``).
 Two policies, chosen per model in the catalog (``routing:``):
 
 * ``round-robin`` (the old behaviour): the next replica in rotation that has a free slot.
-* ``cache-aware`` (the default): a **prefix key** is taken from the request (:func:`prefix_key`):
+* ``cache-aware`` (the default): a **prefix key** is taken from the request (:func:`~.prefix.prefix_key`):
   for chat, a CRC-32 of the messages up to and including the first ``user`` message (the system
   prompt and the first turn: the same for every turn of a conversation, different between
-  conversations); for ``/v1/completions`` the first :data:`PREFIX_CHARS` characters of the prompt;
+  conversations); for ``/v1/completions`` the first :data:`~.prefix.PREFIX_CHARS` characters of the prompt;
   none for embeddings. The replicas are ranked for that key by **rendezvous hashing** (highest
   random weight: ``mix(key ^ hash(replica_id))``, Thaler & Ravishankar 1998): every control plane
   computes the same order from the key and the replica ids alone, with no shared state, and when a
@@ -98,17 +98,15 @@ through the other (equal replicas are not judged: their rates agree within RATE_
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import math
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from llmgw.control.gateway.prefix import rendezvous, replica_hash
 from llmgw.control.gateway.queue import Defer
 from llmgw.errors import HttpError
 from llmgw.routing import Route, Upstream
@@ -162,14 +160,8 @@ STALE_S = 300.0
 EWMA_ALPHA = 0.2
 #: How long (s) a replica that refused a connection is passed over.
 REFUSED_S = 5.0
-#: Characters of a ``/v1/completions`` prompt that make its key (about 500 tokens of English).
-PREFIX_CHARS = 2048
-#: Token ids of a token-id prompt that make its key.
-PREFIX_TOKENS = 512
 #: Slots assumed for a replica whose engine did not say and whose profile is not known.
 FALLBACK_SLOTS = 4
-
-_M64 = (1 << 64) - 1
 
 #: Routing-decision reasons beside the balancer's picks: the request waited for its slot; it was refused 429.
 QUEUED = "queued"
@@ -197,64 +189,6 @@ class RoutingMetrics(Protocol):
 
 #: Reads a replica's slots (``GET /props`` ``total_slots``); None when its engine does not say.
 SlotReader = Callable[[Upstream], Awaitable[int | None]]
-
-
-def _h64(data: bytes) -> int:
-    """A 64-bit hash that is the same in every process (Python's ``hash`` is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
-
-def mix64(x: int) -> int:
-    """splitmix64's finalizer: a bijection on 64 bits whose every output bit depends on every input bit."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def prefix_key(body: dict[str, Any]) -> int | None:
-    """The request's prefix key (32 bits), None when it has none (embeddings, an odd prompt).
-
-    Chat (``messages``): the roles and contents of the messages up to and including the first
-    ``user`` one (all of them when none is ``user``). Completions (``prompt``): its first
-    :data:`PREFIX_CHARS` characters, or first :data:`PREFIX_TOKENS` token ids. Pure. CRC-32, not a
-    cryptographic hash: the key only spreads load (:func:`rendezvous` mixes it), and CRC-32 costs
-    ~0.5 µs for a 4 kB system prompt where BLAKE2b cost 13 µs and ``json.dumps`` of the messages
-    34 µs (timeit, this machine under load).
-    """
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        crc = 0
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            role, content = m.get("role"), m.get("content")
-            crc = zlib.crc32(f"{role}\0".encode(), crc)
-            if isinstance(content, str):
-                crc = zlib.crc32(content.encode("utf-8", "replace"), crc)
-            elif content is not None:
-                crc = zlib.crc32(json.dumps(content, ensure_ascii=False).encode("utf-8", "replace"), crc)
-            crc = zlib.crc32(b"\1", crc)
-            if role == "user":
-                break
-        return crc
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return zlib.crc32(prompt[:PREFIX_CHARS].encode("utf-8", "replace"))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:PREFIX_TOKENS]):
-        return zlib.crc32(b"ids:" + json.dumps(prompt[:PREFIX_TOKENS]).encode())
-    return None
-
-
-def replica_hash(replica_id: str) -> int:
-    """A replica's 64-bit hash for rendezvous ranking."""
-    return _h64(replica_id.encode())
-
-
-def rendezvous(key: int, hashes: list[int]) -> list[int]:
-    """Indexes into ``hashes`` (replicas' :func:`replica_hash`), highest random weight first for ``key``."""
-    return sorted(range(len(hashes)), key=lambda i: mix64(key ^ hashes[i]), reverse=True)
 
 
 def load_bound(in_flight: int, replicas: int, c: float = LOAD_BOUND_C) -> int:

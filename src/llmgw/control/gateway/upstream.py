@@ -61,8 +61,9 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics, prefix_key
+from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
 from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
+from llmgw.control.gateway.prefix import prefix_key
 from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally
