@@ -95,6 +95,7 @@ from llmgw.control.gateway.request import (
 from llmgw.control.gateway.sse import StreamTally
 from llmgw.control.gateway.starting import Answered, Starting, hold_request
 from llmgw.control.gateway.upstream import (
+    Relay,
     Trace,
     UpstreamPool,
     refusal_response,
@@ -361,28 +362,9 @@ class _Gateway:
                     if refusal is not None:
                         out = refusal_response(refusal)
                         code, blocked = refusal.code, refusal.code == "content_blocked"
-                    elif stream:
-                        out = await relay_stream(
-                            request,
-                            self.pool,
-                            route,
-                            requested=requested,
-                            body=raw,
-                            request_json=body,
-                            trace=trace,
-                            inspector=self.inspector,
-                            prepared=pre,
-                        )
                     else:
-                        out = await relay_plain(
-                            self.pool,
-                            route,
-                            requested=requested,
-                            body=raw,
-                            request_json=body,
-                            trace=trace,
-                            inspector=self.inspector,
-                        )
+                        relay = Relay(self.pool, route, requested, raw, body, trace, self.inspector)
+                        out = await (relay_stream(request, relay, pre) if stream else relay_plain(relay))
         except web.HTTPRequestEntityTooLarge:
             code = "request_too_large"
             out = openai_error_json(413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")

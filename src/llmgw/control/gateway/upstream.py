@@ -368,22 +368,38 @@ class UpstreamPool:
         )
 
 
-async def relay_plain(
-    pool: UpstreamPool,
-    route: Route,
-    *,
-    requested: str,
-    body: bytes,
-    request_json: dict[str, Any],
-    trace: Trace,
-    inspector: Inspector | None,
-) -> web.Response:
-    """Proxy a non-streamed request: the replica's answer with ``model`` set to ``requested``.
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """One request to proxy, for :func:`relay_plain` and :func:`relay_stream`.
+
+    Attributes:
+        pool: the replicas' connections, balancer and queues.
+        route: the model's route (its replicas and routing policy).
+        requested: the model name the client asked for (an alias too), put back into answers.
+        body: the bytes sent to the replica (the client's body less what engines may not see).
+        request_json: the parsed request, for the prefix key and the guard.
+        trace: the request's timings, replica and usage, filled in on the way.
+        inspector: the guard's hook, None when no policy covers the model.
+    """
+
+    pool: UpstreamPool
+    route: Route
+    requested: str
+    body: bytes
+    request_json: dict[str, Any]
+    trace: Trace
+    inspector: Inspector | None
+
+
+async def relay_plain(relay: Relay) -> web.Response:
+    """Proxy a non-streamed request: the replica's answer with ``model`` set to ``relay.requested``.
 
     Raises:
         HttpError: as :meth:`UpstreamPool.send`; 502 ``upstream_invalid`` when a 200 is not JSON.
     """
-    lease, resp = await pool.send(route, body, trace, stream=False, request_json=request_json)
+    pool, route, requested, trace, inspector = relay.pool, relay.route, relay.requested, relay.trace, relay.inspector
+    request_json = relay.request_json
+    lease, resp = await pool.send(route, relay.body, trace, stream=False, request_json=request_json)
     up = lease.up
     t0 = time.perf_counter_ns()
     answered = False
@@ -422,29 +438,22 @@ async def relay_plain(
 
 
 async def relay_stream(
-    request: web.Request,
-    pool: UpstreamPool,
-    route: Route,
-    *,
-    requested: str,
-    body: bytes,
-    request_json: dict[str, Any],
-    trace: Trace,
-    inspector: Inspector | None,
-    prepared: web.StreamResponse | None = None,
+    request: web.Request, relay: Relay, prepared: web.StreamResponse | None = None
 ) -> web.StreamResponse:
     """Proxy a streamed request: ``text/event-stream``, each upstream network chunk written as it comes.
 
     ``prepared``: the stream answered 200 while held for a replica (:mod:`.starting`); errors end it as an event.
 
-    Each chunk's complete lines go out with ``model`` set to ``requested`` (:class:`ModelRewriter`).
+    Each chunk's complete lines go out with ``model`` set to ``relay.requested`` (:class:`ModelRewriter`).
 
     Errors before the first byte raise :class:`HttpError` (as :meth:`UpstreamPool.send`) or return the
     replica's error; after it, a dead replica or a refusal ends the stream with an error event. A
     client that goes away closes the upstream connection, which makes llama-server stop generating.
     """
+    pool, route, requested, trace, inspector = relay.pool, relay.route, relay.requested, relay.trace, relay.inspector
+    request_json = relay.request_json
     try:
-        lease, resp = await pool.send(route, body, trace, stream=True, request_json=request_json)
+        lease, resp = await pool.send(route, relay.body, trace, stream=True, request_json=request_json)
     except HttpError as e:
         if prepared is None:
             raise
