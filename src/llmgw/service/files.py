@@ -3,8 +3,9 @@
 Under ``paths.supervisor`` (``/var/lib/llmgw/services``), for service ``NAME``:
 
 - ``NAME.pid``: the supervisor's pid and its start time; ``NAME.child.pid``: the child's.
-  Each holds two lines, ``<pid>`` and ``<psutil create_time>``, so the first line is what
-  tools expect of a pid file.
+  Each holds ``<pid>``, ``<psutil create_time>`` and ``<seconds from boot to its start>`` (what
+  tells it from a reused pid through a step of the wall clock: :mod:`llmgw.proctime`), a line each,
+  so the first line is what tools expect of a pid file.
 - ``NAME.log``: the child's stdout and stderr, appended, with the supervisor's own lines.
 - ``NAME.state.json``: what the supervisor last said (:class:`SupervisorState`).
 - ``NAME.lock``: held (``flock``) by the one running supervisor; the kernel drops it when it dies.
@@ -30,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from llmgw.errors import ServiceError
+from llmgw.proctime import same_start, since_boot
 
 CREATE_TIME_SLACK = 1.0
 """Seconds two readings of one process's start time may differ by: psutil adds the boot time,
@@ -71,10 +73,13 @@ class ServiceFiles:
 
 @dataclass(frozen=True)
 class PidRecord:
-    """A process as a pid file names it: ``pid`` and its start time (unix seconds)."""
+    """A process as a pid file names it: ``pid``, its start time (unix seconds) and its start in
+    seconds since boot (:func:`llmgw.proctime.since_boot`; None in a file written before it was kept),
+    which is what tells it from a reused pid (a step of the wall clock moves the unix time)."""
 
     pid: int
     create_time: float
+    since_boot: float | None = None
 
 
 @dataclass(frozen=True)
@@ -142,16 +147,19 @@ def write_pid(path: Path, pid: int) -> PidRecord:
     Raises:
         psutil.NoSuchProcess: the process has already gone.
     """
-    record = PidRecord(pid, psutil.Process(pid).create_time())
-    _atomic_write(path, f"{record.pid}\n{record.create_time:.3f}\n")
+    proc = psutil.Process(pid)
+    record = PidRecord(pid, proc.create_time(), since_boot(proc))
+    _atomic_write(path, f"{record.pid}\n{record.create_time:.3f}\n{record.since_boot:.2f}\n")
     return record
 
 
 def read_pid(path: Path) -> PidRecord | None:
-    """The record in ``path``, or None when the file is missing or not two numbers."""
+    """The record in ``path``, or None when the file is missing or does not start with two numbers
+    (a third, the start since boot, is read when there)."""
     try:
-        pid, created = path.read_text().split()[:2]
-        return PidRecord(int(pid), float(created))
+        fields = path.read_text().split()
+        pid, created = fields[:2]
+        return PidRecord(int(pid), float(created), float(fields[2]) if len(fields) > 2 else None)
     except (OSError, ValueError):
         return None
 
@@ -160,7 +168,7 @@ def alive(record: PidRecord) -> psutil.Process | None:
     """The process ``record`` names, when it still runs and is the same one; else None."""
     try:
         proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.create_time) > CREATE_TIME_SLACK:
+        if not same_start(proc, record.since_boot, record.create_time, CREATE_TIME_SLACK):
             return None  # the pid was reused
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None

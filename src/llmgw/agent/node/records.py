@@ -31,6 +31,7 @@ import psutil
 from pydantic import BaseModel, Field, ValidationError
 
 from llmgw.atomicfile import write_atomic
+from llmgw.proctime import same_start
 from llmgw.protocol import ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class ReplicaRecord(BaseModel):
     Attributes:
         id: the replica id.
         pid: the engine's pid, also its process group id (new session).
-        create_time: psutil's ``create_time`` of that pid (unix seconds), to tell pid reuse.
+        create_time: psutil's ``create_time`` of that pid (unix seconds).
+        since_boot: its start in seconds since boot (:func:`llmgw.proctime.since_boot`), to tell pid
+            reuse through a step of the wall clock; None in a record written before it was kept.
         argv: the exact command line launched.
         host: the address it listens on; port: its port.
         key: the API key it requires.
@@ -60,6 +63,7 @@ class ReplicaRecord(BaseModel):
     id: str
     pid: int
     create_time: float
+    since_boot: float | None = None
     argv: list[str]
     host: str
     port: int
@@ -179,7 +183,7 @@ def live_process(record: ReplicaRecord) -> psutil.Process | None:
     """
     try:
         proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.create_time) > CREATE_TIME_TOLERANCE_S:
+        if not same_start(proc, record.since_boot, record.create_time, CREATE_TIME_TOLERANCE_S):
             return None
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None

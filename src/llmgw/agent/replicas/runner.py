@@ -81,6 +81,7 @@ from llmgw.agent.node.records import (
     write_record,
 )
 from llmgw.errors import LlmgwError
+from llmgw.proctime import since_boot
 from llmgw.protocol import GroupRole, ReplicaSpec, ReplicaState, ReplicaStatus
 
 log = logging.getLogger(__name__)
@@ -404,11 +405,13 @@ class ReplicaRunner:
             except OSError as e:
                 log.warning("replica %s: cannot pin pid %d to cores %s: %s", self.spec.id, self.pid, self.cpus, e)
         try:
-            create_time = psutil.Process(self._proc.pid).create_time()
+            proc = psutil.Process(self._proc.pid)
+            create_time, started = proc.create_time(), since_boot(proc)
         except psutil.Error:
-            create_time = 0.0  # already gone: readiness sees the exit
+            create_time, started = 0.0, None  # already gone: readiness sees the exit
         self._record = ReplicaRecord(
-            id=self.spec.id, pid=self._proc.pid, create_time=create_time, argv=argv, host=env.advertise_address,
+            id=self.spec.id, pid=self._proc.pid, create_time=create_time, since_boot=started, argv=argv,
+            host=env.advertise_address,
             port=self.port, key=self.spec.key, spec=self.spec, started_at=self.started_at, cpus=self.cpus,
         )  # fmt: skip
         write_record(env.agent_state, self._record)
