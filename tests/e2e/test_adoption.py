@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from llmgw.agent.node.records import load_records, stop_all_engines
+from llmgw.proctime import SAME_START_S, since_boot
 from tests.conftest import Assets
 from tests.e2e.agent_world import AgentProcess, ControlPlane, make_cluster
 from tests.helpers.net import serve_files
@@ -87,7 +88,7 @@ async def test_kill9_agent_and_restart_control_plane_restart_no_engine(
     await cp.wait(lambda: len(ready_pids(cp)) == 2 and all(r.state == "ready" for r in cp.replicas()), 90, "2 ready")
     rows = {r.id: r for r in cp.replicas()}
     pids = ready_pids(cp)
-    started = {rid: psutil.Process(pid).create_time() for rid, pid in pids.items() if pid}
+    started = {rid: since_boot(psutil.Process(pid)) for rid, pid in pids.items() if pid}
     assert len(started) == 2
     # Pinned: one core each, not the same one, and --threads matches; the cores are recorded.
     engines = [psutil.Process(pid) for pid in pids.values() if pid]
@@ -125,7 +126,7 @@ async def test_kill9_agent_and_restart_control_plane_restart_no_engine(
         assert (cp.lost, cp.removed) == ([], [])
         for rid, pid in pids.items():
             assert pid is not None
-            assert psutil.Process(pid).create_time() == started[rid]  # the very same processes
+            assert since_boot(psutil.Process(pid)) == pytest.approx(started[rid], abs=SAME_START_S)  # the same ones
         assert [set(p.cpu_affinity()) for p in engines] == affinity
 
         # Restart the control plane as if it had been down for 100 s (> node_lost_after_s).

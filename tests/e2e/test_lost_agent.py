@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from llmgw.agent.node.records import load_records, stop_all_engines
+from llmgw.proctime import SAME_START_S, since_boot
 from tests.conftest import Assets
 from tests.e2e.agent_world import GEMMA_SHA256, AgentProcess
 from tests.helpers.control import TOKEN, make_install, serving
@@ -138,7 +139,7 @@ async def test_frozen_agent_keeps_its_engine_serving_and_adopts_it_back(world: W
 
     (replica,) = await until("the replica is ready", ready, 180)
     (record,) = load_records(w.agent.agent_state)
-    pid, started = record.pid, psutil.Process(record.pid).create_time()
+    pid, started = record.pid, since_boot(psutil.Process(record.pid))
 
     async with aiohttp.ClientSession() as session:
         status, text = await w.ask(session)
@@ -173,7 +174,7 @@ async def test_frozen_agent_keeps_its_engine_serving_and_adopts_it_back(world: W
         assert [(r["id"], r["state"], r["restarts"]) for r in reps] == [(replica["id"], "ready", 0)]
         (after,) = load_records(w.agent.agent_state)
         assert (after.id, after.pid) == (replica["id"], pid)
-        assert psutil.Process(pid).create_time() == started  # the very same engine process
+        assert since_boot(psutil.Process(pid)) == pytest.approx(started, abs=SAME_START_S)  # the very same engine
 
         # The agent dies and a new one starts only after the node was lost: it adopts the engine.
         w.agent.kill9()
@@ -190,7 +191,7 @@ async def test_frozen_agent_keeps_its_engine_serving_and_adopts_it_back(world: W
     assert [(r["id"], r["state"], r["restarts"]) for r in reps] == [(replica["id"], "ready", 0)]
     (after,) = load_records(w.agent.agent_state)
     assert (after.id, after.pid) == (replica["id"], pid)
-    assert psutil.Process(pid).create_time() == started
+    assert since_boot(psutil.Process(pid)) == pytest.approx(started, abs=SAME_START_S)
     log = w.agent.log.read_text()
     assert f"replica {replica['id']}: adopting llama-server pid {pid}" in log
     assert "stopping" not in log
