@@ -11,7 +11,6 @@ import io
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,17 +32,12 @@ from llmgw.serverinit.steps import ServerInit, serveryaml
 from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.manager import SupervisorManager
 from tests.helpers.mirrors import Upstream
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.e2e
 
 DATA = os.urandom(8 << 20)
 SHA = hashlib.sha256(DATA).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import hashlib
 import io
 import os
 import pathlib
-import socket
 
 import pytest
 from typer.testing import CliRunner
@@ -23,15 +22,10 @@ from llmgw.serverinit.steps import ServerInit
 from llmgw.serverinit.steps import mirror as mirror_step
 from llmgw.service.manager import SupervisorManager
 from tests.helpers.mirrors import ThreadedMirror
+from tests.helpers.net import free_port
 
 DATA = os.urandom(200_000)
 SHA = hashlib.sha256(DATA).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
