@@ -104,7 +104,12 @@ async def test_keys_limits_and_usage_hold_across_two_control_planes(
         async def works_on_b() -> bool:
             return await _chat(s, b, secret) == 200
 
+        async def works_on_a() -> bool:
+            return await _chat(s, a, secret) == 200
+
         await until("the new key works on cp-b", works_on_b, within_s=5)
+        # cp-a learns of it on its own next key sync (every 0.5 s), even though it was made there.
+        await until("the new key works on cp-a", works_on_a, within_s=5)
         assert time.monotonic() - made < 2.0
         if time.time() % 60 > 54:  # the 30 requests below take ~5 s: keep them in one minute window
             await asyncio.sleep(61 - time.time() % 60)
@@ -114,7 +119,9 @@ async def test_keys_limits_and_usage_hold_across_two_control_planes(
             await asyncio.sleep(0.15)
         admitted = statuses.count(200)
         assert statuses.count(429) == 30 - admitted
-        assert 10 <= admitted <= 10 + 7, statuses  # the limit, plus at most one second of traffic
+        # The limit (less the two answered above when they fell in this minute), plus at most one
+        # second of traffic (the control planes add each other's counts every 0.5 s).
+        assert 10 - 2 <= admitted <= 10 + 7, statuses
 
         async with s.post(b.admin + "/api/v1/keys/team/revoke", headers=AUTH) as r:
             assert r.status == 200, await r.text()
@@ -130,10 +137,10 @@ async def test_keys_limits_and_usage_hold_across_two_control_planes(
             async with s.get(a.admin + "/api/v1/usage?key=team", headers=AUTH) as r:
                 rows = await r.json()
             total = sum(row["requests"] for row in rows)
-            return rows if total >= 1 + admitted else None
+            return rows if total >= 2 + admitted else None
 
         rows = await until("usage from both control planes is written", usage, within_s=5)
         answered = sum(row["requests"] - row["errors"] for row in rows)  # errors: cp-b not routing it yet
-        assert answered >= 1 + admitted
+        assert answered >= 2 + admitted
         assert sum(row["prompt_tokens"] for row in rows) == answered
         assert sum(row["completion_tokens"] for row in rows) == 2 * answered
