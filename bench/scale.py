@@ -97,6 +97,7 @@ PASS_S = 1.0
 bound (s), as docs/operating.md states it: a whole dirty pass at 500 nodes takes a tenth of that
 on a quiet machine (bench/leader_pass.py), a loaded 2-core one stretches it."""
 LOST_LOG = re.compile(r"node (\S+) lost: no heartbeat for ([\d.]+) s")
+GC_LOG = re.compile(r"gc: a generation (\d) collection paused the control plane (\d+) ms")
 GW_WARMUP = 50
 BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
 
@@ -207,6 +208,14 @@ async def ramp(fleet: Fleet, agents: list[SimAgent], per_s: float, within_s: flo
 
     await until(registered, within_s - (time.monotonic() - t0), 0.5)
     return sum(a.registered for a in agents)
+
+
+def gc_pauses(f: dict[str, float], logs: list[Path]) -> None:
+    """``cp_gc_pauses_logged`` (the control planes' collections of 50 ms or more, from their logs:
+    :mod:`llmgw.control.gcpauses`) and ``cp_gc_pause_max_ms``, the longest."""
+    ms = [float(m[2]) for path in logs if path.exists() for m in GC_LOG.finditer(path.read_text(errors="replace"))]
+    f["cp_gc_pauses_logged"] = len(ms)
+    f["cp_gc_pause_max_ms"] = max(ms, default=0.0)
 
 
 async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: int, lost_after: float,
@@ -501,6 +510,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["remove_s"] = time.monotonic() - t
             f["heartbeat_remove_p99_ms"] = pct([b.ms for b in fleet.records.beats.get("remove", [])], 99)
             f["cp_rss_mib"] = max(c.rss_max for c in cps) / 2**20
+            gc_pauses(f, [c.inst.root / "server.log" for c in cps])
             f["sim_rss_mib"] = me.memory_info().rss / 2**20
             # The fault: a restart.
             await restart_phase(fleet, cps[0], run, args.outage_s, interval)

@@ -81,6 +81,7 @@ from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
+from llmgw.control.gcpauses import GcPauses
 from llmgw.control.openfiles import MIN_OPEN_FILES, raise_open_files_limit
 from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
@@ -474,6 +475,7 @@ async def serve(
     apps: list[tuple[str, str, web.Application, ssl.SSLContext | None]] = []
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
+    pauses = GcPauses()  # a long collection is logged: a slow heartbeat can be matched to it
     agent_port = parse_listen(config.agent_listen)[1]
     members = Membership(
         store, db, election, name=name, version=__version__, lease_s=config.cluster.lease_s,
@@ -544,6 +546,7 @@ async def serve(
         # out of the cyclic GC's scans, which otherwise stop every thread for a full collection
         # of ~120,000 objects (measured 70-260 ms on 2 busy cores) a few times a minute.
         gc.freeze()
+        pauses.install()
         if on_started is not None:
             on_started(bound)
         await members.tick()  # the first heartbeat replies name this control plane
@@ -552,6 +555,7 @@ async def serve(
             reporter.run(stop),
         )
     finally:
+        pauses.remove()
         for sig in signals:
             loop.remove_signal_handler(sig)
         if stop.is_set() and len(runners) == len(apps):
