@@ -475,7 +475,7 @@ async def serve(
     apps: list[tuple[str, str, web.Application, ssl.SSLContext | None]] = []
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
-    pauses = GcPauses()  # a long collection is logged: a slow heartbeat can be matched to it
+    pauses = GcPauses(freeze=True)  # a long collection is logged; the survivors of each full one frozen
     agent_port = parse_listen(config.agent_listen)[1]
     members = Membership(
         store, db, election, name=name, version=__version__, lease_s=config.cluster.lease_s,
@@ -552,7 +552,7 @@ async def serve(
         await members.tick()  # the first heartbeat replies name this control plane
         await asyncio.gather(
             election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop),
-            reporter.run(stop),
+            reporter.run(stop), pauses.run(stop),
         )
     finally:
         pauses.remove()
