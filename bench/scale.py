@@ -245,11 +245,16 @@ async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: in
     on_nodes: dict[str, set[str]] = {}
     deadline = time.monotonic() + lost_after + 90
     polls: list[float] = []
+    poll_errors = 0
     while len(seen) < len(names) and time.monotonic() < deadline:
         asked = time.monotonic()
         r = await client.get("/api/v1/nodes")
         now = time.monotonic()  # the state may have moved while the request was answered: count its end
         polls.append(now - asked)
+        if r.status_code != 200:  # e.g. 503 when the store is slow under load: ask again, count it
+            poll_errors += 1
+            await asyncio.sleep(LOST_POLL_S)
+            continue
         for nd in r.json():
             if nd["id"] in names and nd["state"] == "lost":
                 seen.setdefault(nd["id"], now)
@@ -263,6 +268,7 @@ async def kill_phase(client: httpx.AsyncClient, fleet: Fleet, run: Run, kill: in
     marked = [float(m[2]) for path in logs if path.exists()
               for m in LOST_LOG.finditer(path.read_text(errors="replace")) if m[1] in names]
     f["nodes_killed"] = len(victims)
+    f["nodes_poll_errors"] = poll_errors
     f["replicas_on_killed"] = sum(1 for x in reps if x["node"] in names)
     f["nodes_seen_lost"] = len(seen)
     f["lost_after_s_documented"] = lost_after
