@@ -80,9 +80,12 @@ class GcPauses:
             gc.callbacks.append(self)
 
     def remove(self) -> None:
-        """Stop timing collections."""
+        """Stop timing collections; with ``freeze``, unfreeze everything (a control plane served inside
+        another program, a test's, leaves its collections as they were)."""
         if self in gc.callbacks:
             gc.callbacks.remove(self)
+            if self.freeze:
+                gc.unfreeze()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Every ``unfreeze_s`` seconds (with ``freeze``), ``gc.unfreeze()``, until ``stop`` is set."""
