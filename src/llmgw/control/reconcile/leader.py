@@ -81,7 +81,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import TypeVar
 
 import aiohttp
@@ -152,6 +152,7 @@ class PassResult:
         return bool(self.lost or self.created or self.removed or self.drained)
 
 
+@dataclass(eq=False, repr=False)
 class Leader:
     """Runs :meth:`reconcile_once` every ``interval_s`` or when :meth:`wake` is called.
 
@@ -172,50 +173,45 @@ class Leader:
         resync_s: seconds between full passes when the loop runs (:data:`~.view.RESYNC_S`).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        node_lost_after_s: float,
-        clock: Callable[[], float] = time.time,
-        interval_s: float = DEFAULT_INTERVAL_S,
-        on_change: Callable[[], None] | None = None,
-        read_facts: facts.FactsReader = est.read_facts,
-        backoff_reset_s: float = BACKOFF_RESET_S,
-        probe: EngineProbe | None = None,
-        db: OffLoop | None = None,
-        coalesce_s: float = COALESCE_S,
-        min_gap_s: float = MIN_GAP_S,
-        resync_s: float = RESYNC_S,
-    ) -> None:
-        self.store = store
-        self.node_lost_after_s = node_lost_after_s
-        self.clock = clock
-        self.interval_s = interval_s
-        self.on_change = on_change
-        self.read_facts = read_facts
-        self.backoff_reset_s = backoff_reset_s
-        self.probe = probe
-        self.db = db
-        self.coalesce_s = coalesce_s
-        self.min_gap_s = min_gap_s
-        self.resync_s = resync_s
-        self._view: View | None = None  # the cluster as of the last pass (view.py); None: next pass is full
-        self._silent: tuple[float, list[str]] = (-1.0, [])  # (at, the ids silent_nodes gave then)
-        self._reread: set[str] = set()  # nodes whose rows changed under the last pass: read them again
-        self._prefetched: tuple[float, DirtyRead, View] | None = None  # suspects() read for a full pass
-        self._new: list[ReplicaRow] = []  # this pass's new replicas and explanations, written at its end
-        self._views: list[ExplainView] = []
-        self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._created: dict[str, float] = {}
-        self._first_pass: float | None = None
-        self._vouched: set[str] = set()  # kept by the probe at the last pass (to log changes once)
-        # model -> (its created_at, its last stored explanation without evaluated_at)
-        self._explained: dict[str, tuple[float, str]] = {}
-        self._placed: dict[str, str] = {}  # model -> its newest placement's summary (explain-placement)
-        self._decisions: dict[str, DecisionRow] = {}  # each model's last autoscaling decision, read each pass
-        self._load: list[GatewayLoadRow] = []  # the gateways' fresh load rows, read each pass (draining)
+    store: Store
+    _: KW_ONLY
+    node_lost_after_s: float
+    clock: Callable[[], float] = time.time
+    interval_s: float = DEFAULT_INTERVAL_S
+    on_change: Callable[[], None] | None = None
+    read_facts: facts.FactsReader = est.read_facts
+    backoff_reset_s: float = BACKOFF_RESET_S
+    probe: EngineProbe | None = None
+    db: OffLoop | None = None
+    coalesce_s: float = COALESCE_S
+    min_gap_s: float = MIN_GAP_S
+    resync_s: float = RESYNC_S
+    # The pass's own state (not constructor arguments):
+    #: the cluster as of the last pass (view.py); None: the next pass is full.
+    _view: View | None = field(default=None, init=False)
+    #: (at, the ids silent_nodes gave then).
+    _silent: tuple[float, list[str]] = field(default_factory=lambda: (-1.0, []), init=False)
+    #: nodes whose rows changed under the last pass: read them again.
+    _reread: set[str] = field(default_factory=set, init=False)
+    #: suspects() read for a full pass.
+    _prefetched: tuple[float, DirtyRead, View] | None = field(default=None, init=False)
+    #: this pass's new replicas and explanations, written at its end.
+    _new: list[ReplicaRow] = field(default_factory=list, init=False)
+    _views: list[ExplainView] = field(default_factory=list, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False)
+    _created: dict[str, float] = field(default_factory=dict, init=False)
+    _first_pass: float | None = field(default=None, init=False)
+    #: kept by the probe at the last pass (to log changes once).
+    _vouched: set[str] = field(default_factory=set, init=False)
+    #: model -> (its created_at, its last stored explanation without evaluated_at).
+    _explained: dict[str, tuple[float, str]] = field(default_factory=dict, init=False)
+    #: model -> its newest placement's summary (explain-placement).
+    _placed: dict[str, str] = field(default_factory=dict, init=False)
+    #: each model's last autoscaling decision, read each pass.
+    _decisions: dict[str, DecisionRow] = field(default_factory=dict, init=False)
+    #: the gateways' fresh load rows, read each pass (draining).
+    _load: list[GatewayLoadRow] = field(default_factory=list, init=False)
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node). Callable from any
