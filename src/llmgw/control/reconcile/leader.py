@@ -82,7 +82,6 @@ import secrets
 import time
 from collections.abc import Callable, Collection
 from dataclasses import KW_ONLY, dataclass, field, replace
-from typing import TypeVar
 
 import aiohttp
 
@@ -100,15 +99,13 @@ from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
 from llmgw.control.reconcile.specs import new_replica_id, spec_hash, spec_hashes
 from llmgw.control.reconcile.view import RESYNC_S, View
 from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
-from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.offloop import OffLoop, run_off
 from llmgw.control.store.rows import DecisionRow, DirtyRead, GatewayLoadRow
 from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Seconds between the starts of passes when nothing wakes the loop (at least :data:`MIN_GAP_S`
 #: between one's end and the next's start); an admin change or a heartbeat that changed something
@@ -236,7 +233,7 @@ class Leader:
             self._wake.clear()
             started = time.monotonic()
             try:
-                await self._off(self.refresh_facts, self.clock())
+                await run_off(self.db, self.refresh_facts, self.clock())
                 await self.pass_once(self.clock(), dirty=True)
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
@@ -257,12 +254,6 @@ class Leader:
         passed ``node_lost_after_s``, however long the passes take), but at least ``min_gap_s``
         after it ended (a pass longer than the interval does not make them back to back)."""
         return max(self.min_gap_s, self.interval_s - (time.monotonic() - started))
-
-    async def _off(self, fn: Callable[[float], T], now: float) -> T:
-        """``fn(now)`` on the store's pool (``db``), else on the loop's default executor."""
-        if self.db is not None:
-            return await self.db.run(fn, now)
-        return await asyncio.to_thread(fn, now)
 
     def refresh_facts(self, now: float) -> list[str]:
         """Read the GGUF headers that are missing (:func:`.facts.refresh`); returns the sources
@@ -318,14 +309,14 @@ class Leader:
         (:data:`~llmgw.control.reconcile.probe.PROBE_TIMEOUT_S` at most)."""
         if self.probe is None:
             return set()
-        suspects = await self._off(lambda t: self.suspects(t, dirty=dirty), now)
+        suspects = await run_off(self.db, self.suspects, now, dirty=dirty)
         return await probing.answering(self.probe, suspects)
 
     async def pass_once(self, now: float, *, dirty: bool = False) -> PassResult:
         """Probe the engines of silent nodes (:meth:`probe_silent`, on the loop), then
         :meth:`reconcile_once` off it."""
         answering = await self.probe_silent(now, dirty=dirty)
-        return await self._off(lambda t: self.reconcile_once(t, answering=answering, dirty=dirty), now)
+        return await run_off(self.db, self.reconcile_once, now, answering=answering, dirty=dirty)
 
     def reconcile_once(self, now: float, *, answering: Collection[str] = (), dirty: bool = False) -> PassResult:
         """One pass, as the module docstring describes; returns what it did.
