@@ -19,6 +19,9 @@ admin API: a store :class:`~llmgw.errors.Conflict` is a 409), and anything else 
 ``internal`` that names no detail. The gateway does not use it: its chat handler answers its own
 errors, because it records each answer's status and headers.
 
+:func:`start_site` starts every listener of the control plane and the mirror: a port it cannot
+bind is a :class:`~llmgw.errors.PortInUseError` naming the setting or flag and what to do.
+
 The client side reads both shapes back with one function, :func:`error_fields`: the gateway's
 client, the admin client, the mirror's client, the agent's heartbeat and the dashboard's admin API
 client all turn an error answer into an :class:`~llmgw.errors.ApiError` through it.
@@ -26,6 +29,7 @@ client all turn an error answer into an :class:`~llmgw.errors.ApiError` through 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from collections.abc import Mapping
@@ -35,7 +39,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
 
-from llmgw.errors import HttpError
+from llmgw.errors import HttpError, PortInUseError
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,33 @@ class _MalformedRequests(logging.Filter):
 #: request line) reported in one WARNING line without a traceback (:class:`_MalformedRequests`).
 SERVER_LOG = logging.getLogger("llmgw.http")
 SERVER_LOG.addFilter(_MalformedRequests())
+
+
+async def start_site(site: web.TCPSite, *, what: str, host: str, port: int, fix: str) -> None:
+    """Start a listener's ``site`` (bound to ``host:port``), translating a failure to bind.
+
+    Args:
+        site: the site, its runner set up; the caller cleans the runner up when this raises.
+        what: the setting or flag and the value it was given (``gateway_listen :8080``,
+            ``--listen 127.0.0.1:8081``), which starts the message.
+        host, port: where it binds.
+        fix: the other way out, after "stop it" (``change gateway_listen in /etc/llmgw/server.yaml``).
+
+    Raises:
+        PortInUseError: the port is taken (``EADDRINUSE``): "``what``: port N is already in use by
+            another program; stop it (e.g. 'ss -ltnp sport = :N') or ``fix``"; or it cannot be bound
+            for another reason, which the message gives (the OS's ``strerror``: an address that is
+            not this machine's).
+    """
+    try:
+        await site.start()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"{what}: port {port} is already in use by another program; stop it "
+                f"(e.g. 'ss -ltnp sport = :{port}') or {fix}"
+            ) from e
+        raise PortInUseError(f"{what}: cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
 def routing_code(e: web.HTTPException) -> str:

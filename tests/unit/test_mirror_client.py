@@ -103,4 +103,4 @@ def test_cli_port_in_use_is_an_error_naming_the_flag(tmp_path: pathlib.Path) -> 
             env={"LLMGW_ROOT": str(tmp_path / "root")},  # its token file goes there, not to /etc/llmgw
         )  # fmt: skip
     assert r.exit_code == 2, r.output
-    assert f"Error: port {port} (--listen 127.0.0.1:{port}) is already in use" in r.output
+    assert f"Error: --listen 127.0.0.1:{port}: port {port} is already in use" in r.output

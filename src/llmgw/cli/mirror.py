@@ -15,6 +15,22 @@ app = typer.Typer(
     no_args_is_help=True, help="The model mirror: download weights once, serve them to every node."
 )
 
+#: The flags ``mirror serve`` takes and ``mirror init`` writes into the unit's ``mirror serve`` line.
+ListenOpt = Annotated[str, typer.Option("--listen", help="Bytes server, for every node (HOST:PORT or :PORT).")]
+ImportDirOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--import-dir",
+        help="A directory file: sources may come from (regular files only); repeatable. None: no file: source.",
+    ),
+]
+AllowSourceNetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-source-net", help="A private address or network (CIDR) http(s) sources may reach; repeatable."
+    ),
+]
+
 
 @app.command("serve")
 @cli_errors
@@ -32,9 +48,7 @@ def serve(
             "--dir", help="The store: <model>/<version>/<file> plus manifests. Default /srv/models."
         ),
     ] = None,
-    listen: Annotated[
-        str, typer.Option("--listen", help="Bytes server, for every node (HOST:PORT or :PORT).")
-    ] = ":8081",
+    listen: ListenOpt = ":8081",
     api_listen: Annotated[
         str,
         typer.Option("--api-listen", help="Management API (HOST:PORT); answers loopback and --api-allow."),
@@ -45,20 +59,8 @@ def serve(
             "--api-allow", help="An address or network (CIDR) the management API also answers; repeatable."
         ),
     ] = None,
-    import_dir: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--import-dir",
-            help="A directory file: sources may come from (regular files only); repeatable. None: no file: source.",
-        ),
-    ] = None,
-    allow_source_net: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--allow-source-net",
-            help="A private address or network (CIDR) http(s) sources may reach; repeatable.",
-        ),
-    ] = None,
+    import_dir: ImportDirOpt = None,
+    allow_source_net: AllowSourceNetOpt = None,
     allow_private_sources: Annotated[
         bool,
         typer.Option(
@@ -123,16 +125,10 @@ def init(
             "--address", help="This machine's address as nodes reach it. Default: the first non-loopback IPv4."
         ),
     ] = None,
-    listen: Annotated[str, typer.Option("--listen", help="Bytes server, for every node.")] = ":8081",
+    listen: ListenOpt = ":8081",
     api_listen: Annotated[str, typer.Option("--api-listen", help="Management API.")] = ":8082",
-    import_dir: Annotated[
-        list[Path] | None,
-        typer.Option("--import-dir", help="A directory the mirror may import file: sources from; repeatable."),
-    ] = None,
-    allow_source_net: Annotated[
-        list[str] | None,
-        typer.Option("--allow-source-net", help="A private address or network http(s) sources may reach."),
-    ] = None,
+    import_dir: ImportDirOpt = None,
+    allow_source_net: AllowSourceNetOpt = None,
 ) -> None:
     """Make this machine a model mirror for the control plane at --control-plane.
 

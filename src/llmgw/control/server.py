@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import gc
 import logging
@@ -97,7 +96,7 @@ from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import ConfigError, PkiError, PortInUseError
 from llmgw.guard.config import closed_judges
-from llmgw.httperrors import SERVER_LOG
+from llmgw.httperrors import SERVER_LOG, start_site
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
 from llmgw.protocol import KEEPALIVE_S
@@ -217,15 +216,11 @@ async def _start(
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
     try:
-        await site.start()
-    except OSError as e:
+        await start_site(site, what=f"{setting} {listen}", host=host, port=port,
+                         fix=f"change {setting} in {config_path}")
+    except PortInUseError:
         await runner.cleanup()
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(
-                f"{setting} {listen}: port {port} is already in use by another program; stop it "
-                f"(e.g. 'ss -ltnp sport = :{port}') or change {setting} in {config_path}"
-            ) from e
-        raise PortInUseError(f"{setting} {listen}: cannot listen on {host}:{port}: {e.strerror}") from e
+        raise
     bound = runner.addresses[0]
     return runner, (str(bound[0]), int(bound[1]))
 

@@ -32,7 +32,6 @@ kept: nothing else was needed to pass the 70%-of-nginx target.
 from __future__ import annotations
 
 import asyncio
-import errno
 import hmac
 import ipaddress
 import logging
@@ -49,12 +48,11 @@ from llmgw.errors import (
     ConfigError,
     HttpError,
     LlmgwError,
-    PortInUseError,
     SourceConflict,
     SourceError,
     SourceRefused,
 )
-from llmgw.httperrors import SERVER_LOG, error_json, error_middleware
+from llmgw.httperrors import SERVER_LOG, error_json, error_middleware, start_site
 from llmgw.mirror.download import CHECKSUM_HEADER
 from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest
@@ -282,8 +280,8 @@ class MirrorServer:
         """Load the store, resume fetches, and bind both addresses.
 
         Raises:
-            ConfigError: a listen address or --api-allow value is malformed, or cannot be bound.
-            PortInUseError: a port is taken (names the port and its flag).
+            ConfigError: a listen address or --api-allow value is malformed.
+            PortInUseError: a port is taken or cannot be bound (names the port and its flag).
         """
         allow = parse_allow(self.api_allow)
         addrs = [(self._addr(self.listen, "--listen")), self._addr(self.api_listen, "--api-listen")]
@@ -300,7 +298,8 @@ class MirrorServer:
                 runner = web.AppRunner(app, handle_signals=False, logger=SERVER_LOG)
                 await runner.setup()
                 self._runners.append(runner)
-                await _bind(runner, host, port, flag)
+                await start_site(web.TCPSite(runner, host, port), what=f"{flag} {host}:{port}", host=host, port=port,
+                                 fix=f"give {flag} another port")
             self.bytes_port = _port(self._runners[0])
             self.api_port = _port(self._runners[1])
             await self.fetcher.start()
@@ -332,18 +331,6 @@ class MirrorServer:
             return parse_listen(value)
         except ValueError as e:
             raise ConfigError(f"{flag}: {e}; give HOST:PORT or :PORT") from None
-
-
-async def _bind(runner: web.AppRunner, host: str, port: int, flag: str) -> None:
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(
-                f"port {port} ({flag} {host}:{port}) is already in use by another program; "
-                f"stop it or give {flag} another port"
-            ) from e
-        raise ConfigError(f"cannot listen on {host}:{port} ({flag}): {e.strerror or e}") from e
 
 
 def _port(runner: web.AppRunner) -> int:

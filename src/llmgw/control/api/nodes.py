@@ -27,9 +27,11 @@ from aiohttp import web
 from llmgw.catalog import Model
 from llmgw.control.api.context import ADMIN, AdminContext
 from llmgw.control.api.context import json_response as _json
+from llmgw.control.placement.checks import Reservation
 from llmgw.control.placement.inputs import effective_model, parse_facts, reservations
 from llmgw.control.store import NodeRow, ReplicaRow, Store
 from llmgw.errors import HttpError
+from llmgw.protocol import Inventory
 from llmgw.views import (
     NODE_ACTIONS,
     NodeRemovalView,
@@ -48,9 +50,6 @@ def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model
     """A node: its engines (installed ones), provisioning of each, and resources reserved/free."""
     mine = [x for x in replicas if x.node == node.id or any(m.node == node.id for m in x.members)]
     held = [r for r in reservations(mine, models) if r.node == node.id]  # a group's member share here only
-    mem_reserved = int(sum(r.memory_gb for r in held if not r.gpu_class) * GB)
-    cores_reserved = sum(r.cpu_cores for r in held)
-    inv = node.inventory
     return NodeView(
         id=node.id,
         state=node.state,
@@ -61,15 +60,21 @@ def node_view(node: NodeRow, replicas: list[ReplicaRow], models: dict[str, Model
             ProvisionView(engine=e.engine, version=e.version, state=e.state.value, detail=e.detail)
             for e in node.engines
         ],
-        resources=NodeResourcesView(
-            cores=inv.cores,
-            cores_reserved=cores_reserved,
-            memory_total_bytes=inv.memory_total_bytes,
-            memory_reserved_bytes=mem_reserved,
-            memory_available_bytes=inv.memory_available_bytes,
-        ),
-        gpus=inv.gpus,
+        resources=_resources(node.inventory, held),
+        gpus=node.inventory.gpus,
         last_seen=node.last_seen,
+    )
+
+
+def _resources(inv: Inventory, held: list[Reservation]) -> NodeResourcesView:
+    """A node's cores and memory, and what the replicas placed on it reserve of them (``held``; a
+    GPU profile's memory is on its cards, not the node's)."""
+    return NodeResourcesView(
+        cores=inv.cores,
+        cores_reserved=sum(r.cpu_cores for r in held),
+        memory_total_bytes=inv.memory_total_bytes,
+        memory_reserved_bytes=int(sum(r.memory_gb for r in held if not r.gpu_class) * GB),
+        memory_available_bytes=inv.memory_available_bytes,
     )
 
 

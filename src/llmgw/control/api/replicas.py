@@ -87,24 +87,11 @@ def routing_view(load: ReplicaLoad | None) -> ReplicaRouting:
 def replica_view(r: ReplicaRow, load: ReplicaLoad | None = None, *, routed: bool = False) -> ReplicaView:
     """A replica without its key; with ``routed``, its ``routing`` from ``load`` (the gateway's
     :class:`~llmgw.control.gateway.balancer.ReplicaLoad` of it, None when never sent to)."""
-    return ReplicaView(
-        id=r.id,
-        model=r.model,
-        node=r.node,
-        profile=r.profile,
-        state=r.state,
-        err=r.err,
-        endpoint=r.endpoint,
-        created_at=r.created_at,
-        ready_at=r.ready_at,
-        restarts=r.restarts,
-        last_error=r.last_error,
-        gpu_indexes=list(r.gpu_indexes),
-        # The head's own entry carries no state (its state is the replica's): show it there too.
-        members=[m.model_copy(update={"state": r.state}) if m.rank == 0 else m for m in r.members],
-        draining_since=r.draining_since,
-        routing=routing_view(load) if routed else None,
-    )
+    view = ReplicaView.model_validate(r, from_attributes=True)  # its fields by name: the view has no key
+    # The head's own entry carries no state (its state is the replica's): show it there too.
+    view.members = [m.model_copy(update={"state": r.state}) if m.rank == 0 else m for m in r.members]
+    view.routing = routing_view(load) if routed else None
+    return view
 
 
 async def list_replicas(request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from llmgw.control.gateway.callers import Callers
 from llmgw.control.gateway.inspect import Exchange
@@ -64,6 +64,7 @@ class _Read:
     day_tokens: dict[tuple[str, str], int]
 
 
+@dataclass(eq=False, repr=False)
 class Accounting:
     """This control plane's usage and limit counts, synced with the store (see the module docstring).
 
@@ -77,29 +78,19 @@ class Accounting:
         clock: wall-clock seconds (injected for tests).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        db: OffLoop,
-        cp: str,
-        callers: Callers,
-        limiter: Limiter,
-        *,
-        sync_s: float = SYNC_S,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.store = store
-        self.db = db
-        self.cp = cp
-        self.callers = callers
-        self.limiter = limiter
-        self.sync_s = sync_s
-        self.clock = clock
-        self._usage: dict[tuple[str, str, str], list[int]] = {}
-        self._last_used: dict[str, float] = {}
-        self._pruned = 0.0
-        self._failing = ""
-        self.syncs = 0
+    store: Store
+    db: OffLoop
+    cp: str
+    callers: Callers
+    limiter: Limiter
+    _: KW_ONLY
+    sync_s: float = SYNC_S
+    clock: Callable[[], float] = time.time
+    syncs: int = field(default=0, init=False)
+    _usage: dict[tuple[str, str, str], list[int]] = field(default_factory=dict, init=False)
+    _last_used: dict[str, float] = field(default_factory=dict, init=False)
+    _pruned: float = field(default=0.0, init=False)
+    _failing: str = field(default="", init=False)
 
     # -- the request path ------------------------------------------------------------------------
     def observe(self, ex: Exchange) -> None:

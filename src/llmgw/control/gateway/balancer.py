@@ -103,7 +103,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
 from llmgw.control.gateway.prefix import rendezvous, replica_hash
@@ -307,6 +307,7 @@ class Lease:
         rep.decode_ms += weight * (ms - rep.decode_ms)
 
 
+@dataclass(eq=False, repr=False)
 class Balancer:
     """Slots, load and the choice of replica, for every model of one gateway.
 
@@ -322,26 +323,19 @@ class Balancer:
     free: a lease released, a replica's slots learned. All methods run on the event loop.
     """
 
-    def __init__(
-        self,
-        *,
-        read_slots: SlotReader | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        load_c: float = LOAD_BOUND_C,
-        home_wait: float = HOME_WAIT,
-    ) -> None:
-        self.read_slots = read_slots
-        self.clock = clock
-        self.load_c = load_c
-        self.home_wait = home_wait
-        self.on_free: Callable[[str], None] | None = None
-        #: (model, reason) → picks, for the metrics page (read at scrape time).
-        self.decisions: dict[tuple[str, str], int] = {}
-        self._reps: dict[str, _Replica] = {}
-        self._next: dict[str, int] = {}
-        #: prefix key → the replica its last request went to, the newest :data:`KEYS_KEPT`.
-        self._where: OrderedDict[int, str] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+    _: KW_ONLY
+    read_slots: SlotReader | None = None
+    clock: Callable[[], float] = time.monotonic
+    load_c: float = LOAD_BOUND_C
+    home_wait: float = HOME_WAIT
+    on_free: Callable[[str], None] | None = field(default=None, init=False)
+    #: (model, reason) → picks, for the metrics page (read at scrape time).
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
+    _reps: dict[str, _Replica] = field(default_factory=dict, init=False)
+    _next: dict[str, int] = field(default_factory=dict, init=False)
+    #: prefix key → the replica its last request went to, the newest :data:`KEYS_KEPT`.
+    _where: OrderedDict[int, str] = field(default_factory=OrderedDict, init=False)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     # -- slots ----------------------------------------------------------------------------------
     def _rep(self, up: Upstream, model: str) -> _Replica:

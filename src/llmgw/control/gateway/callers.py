@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from llmgw.control.gateway.keys import GatewayKeys, digest
 from llmgw.control.store.rows import ApiKeyRow
@@ -92,6 +92,7 @@ def caller_of(row: ApiKeyRow) -> Caller:
     )
 
 
+@dataclass(eq=False, repr=False)
 class Callers:
     """Key digest → :class:`Caller`, for the stored keys and the keys file.
 
@@ -103,22 +104,18 @@ class Callers:
         monotonic: monotonic seconds, for staleness (injected for tests).
     """
 
-    def __init__(
-        self,
-        file_keys: GatewayKeys,
-        *,
-        clock: Callable[[], float] = time.time,
-        stale_after_s: float | None = None,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.file_keys = file_keys
-        self._clock = clock
-        self.stale_after_s = stale_after_s
-        self._monotonic = monotonic
-        self._read_at = monotonic()
-        self._stored: dict[bytes, Caller] = {}
-        self._seen: tuple[tuple[str, int], ...] = ()
-        self.by_name: dict[str, Caller] = {}
+    file_keys: GatewayKeys
+    _: KW_ONLY
+    clock: Callable[[], float] = time.time
+    stale_after_s: float | None = None
+    monotonic: Callable[[], float] = time.monotonic
+    by_name: dict[str, Caller] = field(default_factory=dict, init=False)
+    _read_at: float = field(init=False)
+    _stored: dict[bytes, Caller] = field(default_factory=dict, init=False)
+    _seen: tuple[tuple[str, int], ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        self._read_at = self.monotonic()
 
     def set_rows(self, rows: Iterable[ApiKeyRow]) -> bool:
         """Use these stored keys from now on (revoked ones left out); True when anything changed.
@@ -126,7 +123,7 @@ class Callers:
         Cheap when nothing changed: rows are compared by (name, revision) first. Call it after every
         successful read of the stored keys, changed or not: it restarts the staleness clock.
         """
-        self._read_at = self._monotonic()
+        self._read_at = self.monotonic()
         rows = list(rows)
         seen = tuple((r.name, r.revision) for r in rows)
         if seen == self._seen:
@@ -143,7 +140,7 @@ class Callers:
         d = digest(key)
         caller = self._stored.get(d)
         if caller is not None:
-            if caller.expires_at is not None and caller.expires_at <= self._clock():
+            if caller.expires_at is not None and caller.expires_at <= self.clock():
                 return None
             return caller
         return FILE_CALLER if d in self.file_keys.digests() else None
@@ -153,7 +150,7 @@ class Callers:
         past ``stale_after_s`` (it may have been revoked since: refuse it with 503); else None."""
         if self.stale_after_s is None or caller is FILE_CALLER or caller is LOOPBACK_CALLER:
             return None
-        age = self._monotonic() - self._read_at
+        age = self.monotonic() - self._read_at
         return age if age > self.stale_after_s else None
 
     def may_use(self, caller: Caller, requested: str, model: str, resolve: Callable[[str], str | None]) -> bool:

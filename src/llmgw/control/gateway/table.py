@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from llmgw.catalog import Model, Role
 from llmgw.control.store import ReplicaRow, Store
@@ -146,6 +146,7 @@ def build_routes(
     return routes, aliases, roles
 
 
+@dataclass(eq=False, repr=False)
 class StoreRouter:
     """A :class:`~llmgw.routing.Router` over the store, cached in memory.
 
@@ -160,21 +161,13 @@ class StoreRouter:
             (the control plane's ``Coalescer.idle``); None: nothing to wait for.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        max_age_s: float = MAX_AGE_S,
-        on_stale: Callable[[], None] | None = None,
-        settled: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.store = store
-        self.clock = clock
-        self.max_age_s = max_age_s
-        self.on_stale = on_stale
-        self.settled = settled
-        self._snap = _Snapshot()
+    store: Store
+    _: KW_ONLY
+    clock: Callable[[], float] = time.monotonic
+    max_age_s: float = MAX_AGE_S
+    on_stale: Callable[[], None] | None = None
+    settled: Callable[[], Awaitable[None]] | None = None
+    _snap: _Snapshot = field(default_factory=_Snapshot, init=False)
 
     def refresh(self) -> None:
         """Rebuild the snapshot from the store now (blocking: three reads). Thread-safe: the new

@@ -49,18 +49,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from llmgw.catalog import Model, Scaling, scaling_target
 from llmgw.control.store import ReplicaRow, Store
-from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.offloop import OffLoop, run_off
 from llmgw.control.store.rows import DecisionRow, GatewayLoadRow, HistoryRow
 from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Seconds between two decisions; with the gateways' writes every second
 #: (:data:`~llmgw.control.gateway.load.REPORT_EVERY_S`) a load step is seen within ~1.5 s.
@@ -345,13 +342,9 @@ class Autoscaler:
         """:meth:`tick_once` every ``tick_s`` until ``stop`` is set; a failed tick is logged."""
         while not stop.is_set():
             try:
-                await self._off(self.tick_once, self.clock())
+                await run_off(self.db, self.tick_once, self.clock())
             except Exception:
                 log.exception("autoscaling pass failed; the next one retries")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.tick_s)
 
-    async def _off(self, fn: Callable[[float], T], now: float) -> T:
-        if self.db is not None:
-            return await self.db.run(fn, now)
-        return await asyncio.to_thread(fn, now)

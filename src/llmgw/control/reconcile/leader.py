@@ -81,8 +81,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import aiohttp
 
@@ -100,15 +99,13 @@ from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
 from llmgw.control.reconcile.specs import new_replica_id, spec_hash, spec_hashes
 from llmgw.control.reconcile.view import RESYNC_S, View
 from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
-from llmgw.control.store.offloop import OffLoop
+from llmgw.control.store.offloop import OffLoop, run_off
 from llmgw.control.store.rows import DecisionRow, DirtyRead, GatewayLoadRow
 from llmgw.errors import Conflict
 from llmgw.protocol import ReplicaState
 from llmgw.views import ExplainView
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Seconds between the starts of passes when nothing wakes the loop (at least :data:`MIN_GAP_S`
 #: between one's end and the next's start); an admin change or a heartbeat that changed something
@@ -152,6 +149,7 @@ class PassResult:
         return bool(self.lost or self.created or self.removed or self.drained)
 
 
+@dataclass(eq=False, repr=False)
 class Leader:
     """Runs :meth:`reconcile_once` every ``interval_s`` or when :meth:`wake` is called.
 
@@ -172,50 +170,45 @@ class Leader:
         resync_s: seconds between full passes when the loop runs (:data:`~.view.RESYNC_S`).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        node_lost_after_s: float,
-        clock: Callable[[], float] = time.time,
-        interval_s: float = DEFAULT_INTERVAL_S,
-        on_change: Callable[[], None] | None = None,
-        read_facts: facts.FactsReader = est.read_facts,
-        backoff_reset_s: float = BACKOFF_RESET_S,
-        probe: EngineProbe | None = None,
-        db: OffLoop | None = None,
-        coalesce_s: float = COALESCE_S,
-        min_gap_s: float = MIN_GAP_S,
-        resync_s: float = RESYNC_S,
-    ) -> None:
-        self.store = store
-        self.node_lost_after_s = node_lost_after_s
-        self.clock = clock
-        self.interval_s = interval_s
-        self.on_change = on_change
-        self.read_facts = read_facts
-        self.backoff_reset_s = backoff_reset_s
-        self.probe = probe
-        self.db = db
-        self.coalesce_s = coalesce_s
-        self.min_gap_s = min_gap_s
-        self.resync_s = resync_s
-        self._view: View | None = None  # the cluster as of the last pass (view.py); None: next pass is full
-        self._silent: tuple[float, list[str]] = (-1.0, [])  # (at, the ids silent_nodes gave then)
-        self._reread: set[str] = set()  # nodes whose rows changed under the last pass: read them again
-        self._prefetched: tuple[float, DirtyRead, View] | None = None  # suspects() read for a full pass
-        self._new: list[ReplicaRow] = []  # this pass's new replicas and explanations, written at its end
-        self._views: list[ExplainView] = []
-        self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._created: dict[str, float] = {}
-        self._first_pass: float | None = None
-        self._vouched: set[str] = set()  # kept by the probe at the last pass (to log changes once)
-        # model -> (its created_at, its last stored explanation without evaluated_at)
-        self._explained: dict[str, tuple[float, str]] = {}
-        self._placed: dict[str, str] = {}  # model -> its newest placement's summary (explain-placement)
-        self._decisions: dict[str, DecisionRow] = {}  # each model's last autoscaling decision, read each pass
-        self._load: list[GatewayLoadRow] = []  # the gateways' fresh load rows, read each pass (draining)
+    store: Store
+    _: KW_ONLY
+    node_lost_after_s: float
+    clock: Callable[[], float] = time.time
+    interval_s: float = DEFAULT_INTERVAL_S
+    on_change: Callable[[], None] | None = None
+    read_facts: facts.FactsReader = est.read_facts
+    backoff_reset_s: float = BACKOFF_RESET_S
+    probe: EngineProbe | None = None
+    db: OffLoop | None = None
+    coalesce_s: float = COALESCE_S
+    min_gap_s: float = MIN_GAP_S
+    resync_s: float = RESYNC_S
+    # The pass's own state (not constructor arguments):
+    #: the cluster as of the last pass (view.py); None: the next pass is full.
+    _view: View | None = field(default=None, init=False)
+    #: (at, the ids silent_nodes gave then).
+    _silent: tuple[float, list[str]] = field(default_factory=lambda: (-1.0, []), init=False)
+    #: nodes whose rows changed under the last pass: read them again.
+    _reread: set[str] = field(default_factory=set, init=False)
+    #: suspects() read for a full pass.
+    _prefetched: tuple[float, DirtyRead, View] | None = field(default=None, init=False)
+    #: this pass's new replicas and explanations, written at its end.
+    _new: list[ReplicaRow] = field(default_factory=list, init=False)
+    _views: list[ExplainView] = field(default_factory=list, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False)
+    _created: dict[str, float] = field(default_factory=dict, init=False)
+    _first_pass: float | None = field(default=None, init=False)
+    #: kept by the probe at the last pass (to log changes once).
+    _vouched: set[str] = field(default_factory=set, init=False)
+    #: model -> (its created_at, its last stored explanation without evaluated_at).
+    _explained: dict[str, tuple[float, str]] = field(default_factory=dict, init=False)
+    #: model -> its newest placement's summary (explain-placement).
+    _placed: dict[str, str] = field(default_factory=dict, init=False)
+    #: each model's last autoscaling decision, read each pass.
+    _decisions: dict[str, DecisionRow] = field(default_factory=dict, init=False)
+    #: the gateways' fresh load rows, read each pass (draining).
+    _load: list[GatewayLoadRow] = field(default_factory=list, init=False)
 
     def wake(self) -> None:
         """Ask for a pass now (an admin change, a heartbeat that changed a node). Callable from any
@@ -240,7 +233,7 @@ class Leader:
             self._wake.clear()
             started = time.monotonic()
             try:
-                await self._off(self.refresh_facts, self.clock())
+                await run_off(self.db, self.refresh_facts, self.clock())
                 await self.pass_once(self.clock(), dirty=True)
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
@@ -261,12 +254,6 @@ class Leader:
         passed ``node_lost_after_s``, however long the passes take), but at least ``min_gap_s``
         after it ended (a pass longer than the interval does not make them back to back)."""
         return max(self.min_gap_s, self.interval_s - (time.monotonic() - started))
-
-    async def _off(self, fn: Callable[[float], T], now: float) -> T:
-        """``fn(now)`` on the store's pool (``db``), else on the loop's default executor."""
-        if self.db is not None:
-            return await self.db.run(fn, now)
-        return await asyncio.to_thread(fn, now)
 
     def refresh_facts(self, now: float) -> list[str]:
         """Read the GGUF headers that are missing (:func:`.facts.refresh`); returns the sources
@@ -322,14 +309,14 @@ class Leader:
         (:data:`~llmgw.control.reconcile.probe.PROBE_TIMEOUT_S` at most)."""
         if self.probe is None:
             return set()
-        suspects = await self._off(lambda t: self.suspects(t, dirty=dirty), now)
+        suspects = await run_off(self.db, self.suspects, now, dirty=dirty)
         return await probing.answering(self.probe, suspects)
 
     async def pass_once(self, now: float, *, dirty: bool = False) -> PassResult:
         """Probe the engines of silent nodes (:meth:`probe_silent`, on the loop), then
         :meth:`reconcile_once` off it."""
         answering = await self.probe_silent(now, dirty=dirty)
-        return await self._off(lambda t: self.reconcile_once(t, answering=answering, dirty=dirty), now)
+        return await run_off(self.db, self.reconcile_once, now, answering=answering, dirty=dirty)
 
     def reconcile_once(self, now: float, *, answering: Collection[str] = (), dirty: bool = False) -> PassResult:
         """One pass, as the module docstring describes; returns what it did.

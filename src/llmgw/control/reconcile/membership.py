@@ -22,7 +22,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from llmgw.config import parse_listen
 from llmgw.control.reconcile.election import Election
@@ -76,6 +76,7 @@ class Snapshot:
     members: tuple[ControlPlaneRow, ...] = field(default_factory=tuple)
 
 
+@dataclass(eq=False, repr=False)
 class Membership:
     """This control plane's row, and the cluster as last read (module docstring).
 
@@ -90,31 +91,24 @@ class Membership:
         lease_s: ``cluster.lease_s``: a holder whose ``renewed_at`` is older than this leads no more.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        db: OffLoop,
-        election: Election,
-        *,
-        name: str,
-        agent_url: str,
-        version: str,
-        clock: Callable[[], float] = time.time,
-        lease_s: float = 5.0,
-    ) -> None:
-        self.store = store
-        self.lease_s = lease_s
-        self.db = db
-        self.election = election
-        self.name = name
-        self.agent_url = agent_url
-        self.version = version
-        self.clock = clock
-        self.started_at = clock()
-        self.snapshot = Snapshot()
-        self.database_error = ""  # "" while the last store call succeeded
-        self._written = 0.0
-        self._intruder = ""  # the agent URL of another control plane last seen writing our row
+    store: Store
+    db: OffLoop
+    election: Election
+    _: KW_ONLY
+    name: str
+    agent_url: str
+    version: str
+    clock: Callable[[], float] = time.time
+    lease_s: float = 5.0
+    started_at: float = field(init=False)
+    snapshot: Snapshot = field(default_factory=Snapshot, init=False)
+    database_error: str = field(default="", init=False)  # "" while the last store call succeeded
+    _written: float = field(default=0.0, init=False)
+    #: the agent URL of another control plane last seen writing our row.
+    _intruder: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self.started_at = self.clock()
 
     @property
     def database_ok(self) -> bool:

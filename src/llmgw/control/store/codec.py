@@ -26,6 +26,8 @@ from pydantic import ValidationError
 from llmgw.control.store.rows import NodeRow, ReplicaRow
 from llmgw.protocol import EngineStatus, GroupMember, Heartbeat, Inventory, ReplicaStatus, state_digest
 
+R = TypeVar("R")
+
 
 def dumps(value: Any) -> str:
     """``value`` as compact JSON with sorted keys."""
@@ -60,22 +62,28 @@ def first_problems(err: ValidationError) -> str:
     )
 
 
+def from_columns(cls: Callable[..., R], row: sa.Row[Any], **decoded: Any) -> R:
+    """A row dataclass ``cls`` from a table row whose columns are named as its fields (every table
+    the store reads whole: ``nodes``, ``replicas``, ``api_keys``); ``decoded``: the columns stored
+    otherwise than the field holds them (JSON, SQLite's integer for a bool), already converted.
+
+    Raises:
+        TypeError: the row has a column ``cls`` has no field for, or lacks one it needs.
+    """
+    return cls(**{**row._mapping, **decoded})
+
+
 def node_row(row: sa.Row[Any]) -> NodeRow:
     """A ``nodes`` row as a :class:`NodeRow`."""
-    return NodeRow(
-        id=row.id,
-        revision=row.revision,
-        state=row.state,
+    return from_columns(
+        NodeRow,
+        row,
         cordoned=bool(row.cordoned),
         labels=json.loads(row.labels),
         inventory=Inventory.model_validate_json(row.inventory),
         engines=[EngineStatus.model_validate(e) for e in json.loads(row.engines)],
         replicas=[ReplicaStatus.model_validate(r) for r in json.loads(row.replicas)],
-        first_seen=row.first_seen,
-        last_seen=row.last_seen,
-        instance=row.instance,
         cached=json.loads(row.cached),
-        digest=row.digest,
     )
 
 
@@ -155,25 +163,11 @@ def replica_row(row: sa.Row[Any]) -> ReplicaRow:
 
 def parse_replica(row: sa.Row[Any]) -> ReplicaRow:
     """A ``replicas`` row as a new :class:`ReplicaRow` (~30 µs: 18 columns, two JSON ones)."""
-    return ReplicaRow(
-        id=row.id,
-        model=row.model,
-        node=row.node,
-        profile=row.profile,
-        key=row.key,
-        state=row.state,
-        err=row.err,
-        endpoint=row.endpoint,
-        revision=row.revision,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        ready_at=row.ready_at,
-        restarts=row.restarts,
+    return from_columns(
+        ReplicaRow,
+        row,
         gpu_indexes=tuple(json.loads(row.gpu_indexes)),
-        last_error=row.last_error,
-        spec_hash=row.spec_hash,
         members=tuple(GroupMember.model_validate(m) for m in json.loads(row.members)),
-        draining_since=row.draining_since,
     )
 
 

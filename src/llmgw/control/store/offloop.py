@@ -270,6 +270,15 @@ class OffLoop:
         self._pool.shutdown(wait=True)
 
 
+async def run_off(db: OffLoop | None, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` on ``db`` (:meth:`OffLoop.run`, with its deadline) when there is one,
+    else on the loop's default executor (a reconciler built without a pool: tools and tests).
+    Raises what ``fn`` raises, and as :meth:`OffLoop.run`."""
+    if db is not None:
+        return await db.run(fn, *args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 class Batcher(Generic[ItemT, ResultT]):
     """Hands items submitted on the loop to ``write(batch)`` on the pool, one batch at a time: the
     items that arrive while a batch is written make the next batch.

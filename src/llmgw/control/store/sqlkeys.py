@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from llmgw.control.store.codec import from_columns
 from llmgw.control.store.rows import ApiKeyRow, RateDelta, UsageDelta
 from llmgw.control.store.schema import api_keys_t, rate_windows_t, usage_daily_t
 from llmgw.control.store.sqlpart import SqlPart
@@ -27,22 +28,7 @@ _USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "guard_blocks
 
 
 def _key_row(r: sa.Row[Any]) -> ApiKeyRow:
-    return ApiKeyRow(
-        name=r.name,
-        prefix=r.prefix,
-        digest=r.digest,
-        models=tuple(json.loads(r.models)),
-        rpm=r.rpm,
-        tpm=r.tpm,
-        budget_tokens=r.budget_tokens,
-        budget_period=r.budget_period,
-        expires_at=r.expires_at,
-        created_at=r.created_at,
-        revoked_at=r.revoked_at,
-        last_used_at=r.last_used_at,
-        priority=r.priority,
-        revision=r.revision,
-    )
+    return from_columns(ApiKeyRow, r, models=tuple(json.loads(r.models)))
 
 
 def _key_values(row: ApiKeyRow) -> dict[str, Any]:

@@ -210,10 +210,11 @@ async def _base(request: web.Request, title: str) -> dict[str, Any]:
 
 
 async def _render(request: web.Request, page: str, title: str, context: dict[str, Any]) -> web.Response:
-    """``<page>.html``, or only its live part ``<page>_live.html`` when htmx polls (``?part=live``)."""
+    """``<page>.html``, or only its live part ``<page>_live.html`` when htmx polls (``?part=live``);
+    the page includes it through ``live.html`` (``live_part``), which polls it."""
     if request.query.get("part") == "live":
         return _page(f"{page}_live.html", **await _live_base(request), **context)
-    return _page(f"{page}.html", **await _base(request, title), **context)
+    return _page(f"{page}.html", **await _base(request, title), live_part=f"{page}_live.html", **context)
 
 
 def _segment(value: str) -> str:
