@@ -15,6 +15,12 @@ app = typer.Typer(
     no_args_is_help=True, help="The model mirror: download weights once, serve them to every node."
 )
 
+#: The mirror's store, which ``mirror serve`` serves and ``mirror add`` copies into when the mirror
+#: does not answer.
+StoreDirOpt = Annotated[
+    Path | None,
+    typer.Option("--dir", help="The store: <model>/<version>/<file> plus manifests. Default /srv/models."),
+]
 #: The flags ``mirror serve`` takes and ``mirror init`` writes into the unit's ``mirror serve`` line.
 ListenOpt = Annotated[str, typer.Option("--listen", help="Bytes server, for every node (HOST:PORT or :PORT).")]
 ImportDirOpt = Annotated[
@@ -42,12 +48,7 @@ def serve(
             help="The URL nodes reach the bytes server at (http://ADDR:8081); status URLs start with it.",
         ),
     ],
-    directory: Annotated[
-        Path | None,
-        typer.Option(
-            "--dir", help="The store: <model>/<version>/<file> plus manifests. Default /srv/models."
-        ),
-    ] = None,
+    directory: StoreDirOpt = None,
     listen: ListenOpt = ":8081",
     api_listen: Annotated[
         str,
@@ -162,14 +163,11 @@ def add(
     model: Annotated[str, typer.Option("--model", help="The model's name in the mirror.")],
     version: Annotated[str, typer.Option("--version", help="The version it is stored as.")],
     api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
-    directory: Annotated[
-        Path | None,
-        typer.Option("--dir", help="The store to copy into when the mirror does not answer. Default /srv/models."),
-    ] = None,
+    directory: StoreDirOpt = None,
 ) -> None:
     """Carry a file into the mirror (offline clusters): copied, hashed, served as MODEL/VERSION.
 
-    Through the running mirror when its API answers; otherwise straight into the store directory.
+    Through the running mirror when its API answers; otherwise straight into the store (--dir).
     """
     from llmgw.mirror import setup
     from llmgw.mirror.client import local_token
