@@ -43,7 +43,7 @@ class GcPauses:
     ``freeze``, freezes the survivors of each full collection (see the module's docstring).
 
     ``longest_s`` and ``count`` are per generation (0, 1, 2): the longest pause in seconds and how
-    many collections ran; ``total_s`` all pauses together. :meth:`install`/:meth:`remove` add and
+    many collections ran. :meth:`install`/:meth:`remove` add and
     take away the callback; :meth:`run` unfreezes every ``unfreeze_s`` until its event is set.
     """
 
@@ -53,7 +53,6 @@ class GcPauses:
         self.unfreeze_s = unfreeze_s
         self.longest_s = [0.0, 0.0, 0.0]
         self.count = [0, 0, 0]
-        self.total_s = 0.0
         self._started = self._started_cpu = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -63,7 +62,6 @@ class GcPauses:
         took = time.perf_counter() - self._started
         gen = int(info.get("generation", 2))
         self.count[gen] += 1
-        self.total_s += took
         self.longest_s[gen] = max(self.longest_s[gen], took)
         if took >= self.log_over_s:
             # The CPU time tells a long walk from a thread descheduled on a loaded machine.
