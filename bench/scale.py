@@ -41,7 +41,8 @@ engines simulated by their reports). For each N, in order:
    with ``--ha`` the agents fail over first, so see ``reconnect_all_since_stop_s``);
    ``--no-backoff-jitter`` makes the agents back off as before full jitter, for comparison.
 
-``cp_rss_mib`` is the control plane's largest resident memory over phases 1-7 (sampled each second);
+``cp_rss_mib`` is the control plane's largest resident memory over phases 1-7 (sampled each second;
+``cp_rss_mib_<phase>`` the largest in each);
 ``sim_cpu_cores`` this process's own CPU over the steady phase (it must not starve the control plane
 on a 2-core machine), ``sim_loop_lag_*_p99_ms`` its own event loop's lag in the steady phase and
 the burst (what of a heartbeat's latency is the simulator's own wait, not the control plane's).
@@ -110,6 +111,13 @@ class Run:
     figures: dict[str, float] = field(default_factory=dict)
     reached: int = 0
     failures: list[str] = field(default_factory=list)
+
+
+def enter(phase: str, fleet: Fleet, cps: list[ControlPlane]) -> None:
+    """Heartbeats and each control plane's resident memory are recorded under ``phase`` from now."""
+    fleet.records.phase = phase
+    for c in cps:
+        c.phase = phase
 
 
 def say(n: int, phase: str) -> None:
@@ -418,7 +426,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             stop_gw.set()
             d_idle, g_idle = await gateway_latency(direct, gateway, stop_gw, args.gateway_n)
             # Ramp.
-            fleet.records.phase = "ramp"
+            enter("ramp", fleet, cps)
             t, c0, s0 = time.monotonic(), cpu(), sum(me.cpu_times()[:2])
             run.reached = 2 + await ramp(fleet, fleet.agents[2:], args.ramp_per_s, n / args.ramp_per_s + 60)
             f["ramp_s"] = time.monotonic() - t
@@ -439,7 +447,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
                 return
             # Steady.
             await asyncio.sleep(args.settle_s)
-            fleet.records.phase = "steady"
+            enter("steady", fleet, cps)
             say(n, "steady")
             c0, s0, t = cpu(), sum(me.cpu_times()[:2]), time.monotonic()
             await asyncio.sleep(args.steady_s)
@@ -460,7 +468,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["cp_cpu_cores_per_1000_nodes"] = f["cp_cpu_cores"] / n * 1000
             f["interval_s"] = fleet.records.interval_s
             # The same beats with the gateway trickle the burst measures too (it shares the loop).
-            fleet.records.phase = "steady_gw"
+            enter("steady_gw", fleet, cps)
             stop_gw = asyncio.Event()
             gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, 0))
             await asyncio.sleep(args.steady_gw_s)
@@ -472,7 +480,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["load_average_1m_steady_gw"] = os.getloadavg()[0]
             # Burst of model adds, the gateway measured meanwhile.
             interval = interval_for(n, args.rate)
-            fleet.records.phase = "burst"
+            enter("burst", fleet, cps)
             say(n, "burst")
             stop_gw = asyncio.Event()
             gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, args.gateway_n))
@@ -498,13 +506,13 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["sim_loop_lag_burst_p99_ms"] = pct(lags.get("burst", []), 99)
             f["load_average_1m_burst"] = os.getloadavg()[0]
             # Kill a batch.
-            fleet.records.phase = "kill"
+            enter("kill", fleet, cps)
             say(n, "kill")
             lost_after = lost_after_for(interval, args.lost_after_s)
             await kill_phase(client, fleet, run, args.kill, lost_after, interval, args.lost_slack_s,
                              [c.inst.root / "server.log" for c in cps])
             # Remove the models in a burst.
-            fleet.records.phase = "remove"
+            enter("remove", fleet, cps)
             say(n, "remove")
             t = time.monotonic()
             for name in sorted(bench_models):
@@ -518,6 +526,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["remove_s"] = time.monotonic() - t
             f["heartbeat_remove_p99_ms"] = pct([b.ms for b in fleet.records.beats.get("remove", [])], 99)
             f["cp_rss_mib"] = max(c.rss_max for c in cps) / 2**20
+            for ph in ("ramp", "steady", "steady_gw", "burst", "kill", "remove"):  # where the largest was
+                f[f"cp_rss_mib_{ph}"] = max(c.rss_phase_max.get(ph, 0) for c in cps) / 2**20
             gc_pauses(f, [c.inst.root / "server.log" for c in cps])
             f["sim_rss_mib"] = me.memory_info().rss / 2**20
             # The fault: a restart.

@@ -37,6 +37,8 @@ class ControlPlane:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ps: psutil.Process | None = None
         self.rss_max = 0
+        self.rss_phase_max: dict[str, int] = {}  # bytes, the largest in each phase :attr:`phase` named
+        self.phase = ""
         self._cpu_before = 0.0  # CPU seconds of earlier processes (a restart starts a new one)
 
     async def start(self) -> None:
@@ -73,11 +75,13 @@ class ControlPlane:
         return self._cpu_before
 
     async def sample_rss(self) -> None:
-        """Keep :attr:`rss_max` (bytes) up to date, every second, until cancelled."""
+        """Keep :attr:`rss_max` and :attr:`rss_phase_max` (bytes) up to date, every second, until cancelled."""
         while True:
             if self.ps is not None:
                 with contextlib.suppress(psutil.Error):
-                    self.rss_max = max(self.rss_max, self.ps.memory_info().rss)
+                    rss = self.ps.memory_info().rss
+                    self.rss_max = max(self.rss_max, rss)
+                    self.rss_phase_max[self.phase] = max(self.rss_phase_max.get(self.phase, 0), rss)
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:

@@ -4,6 +4,7 @@ collections of real objects, timed on this thread's CPU clock (load on the machi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -55,28 +56,74 @@ def test_survivors_of_a_full_collection_are_frozen_and_the_next_walks_only_what_
     del state, new
 
 
+def test_the_interpreter_makes_no_full_collection_of_its_own_and_run_makes_one_each_period(clean_gc: None) -> None:
+    timing = GcPauses()  # without the policy: the interpreter's own full collections, counted
+    timing.install()
+    try:
+        state = [_state(50_000) for _ in range(4)]
+    finally:
+        timing.remove()
+    assert timing.count[2] >= 1
+    del state
+    gc.collect()
+
+    pauses = GcPauses(freeze=True, full_every_s=0.05, unfreeze_s=3600)
+    before = gc.get_threshold()
+    pauses.install()
+    try:
+        # the same ~1,200,000 tracked objects: many generation-0 and -1 collections, no full one
+        state = [_state(50_000) for _ in range(4)]
+        assert pauses.count[1] > 50
+        assert pauses.count[2] == 0
+
+        async def periods() -> None:
+            stop, twice = asyncio.Event(), asyncio.Event()
+            gc.callbacks.append(lambda phase, info: twice.set() if pauses.count[2] >= 2 else None)
+            task = asyncio.create_task(pauses.run(stop))
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(twice.wait(), 20)
+            finally:
+                gc.callbacks.pop()
+                stop.set()
+                await task
+
+        asyncio.run(periods())
+        assert pauses.count[2] >= 2  # one a period
+        assert gc.get_freeze_count() >= 1_000_000  # the state survived and is frozen
+    finally:
+        pauses.remove()
+    assert gc.get_threshold() == before  # removed: the interpreter's thresholds again
+    del state
+
+
 def test_garbage_made_among_frozen_objects_is_reclaimed_once_unfrozen(clean_gc: None) -> None:
     class Node:
         def __init__(self) -> None:
             self.me = self  # a cycle: only the cyclic GC frees it
 
-    pauses = GcPauses(freeze=True, unfreeze_s=0.05)
+    pauses = GcPauses(freeze=True, full_every_s=0.05, unfreeze_s=0.12)
     pauses.install()
     try:
         nodes = [Node() for _ in range(1_000)]
         gc.collect(2)  # frozen now
         del nodes
         assert gc.collect(2) == 0  # frozen garbage: not reclaimed yet
+        collected: list[int] = []
+        gc.callbacks.append(lambda phase, info: collected.append(info["collected"]) if phase == "stop" else None)
 
-        async def one_period() -> None:
+        async def periods() -> None:
             stop = asyncio.Event()
             task = asyncio.create_task(pauses.run(stop))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.4)
             stop.set()
             await task
 
-        asyncio.run(one_period())
-        assert gc.collect(2) >= 1_000  # unfrozen: the full collection frees the cycles
+        try:
+            asyncio.run(periods())
+        finally:
+            gc.callbacks.pop()
+        assert sum(collected) >= 1_000  # the period's unfreeze: its full collection freed the cycles
     finally:
         pauses.remove()
 

@@ -10,12 +10,24 @@ were the heartbeat p99.
 
 :class:`GcPauses` times every collection and logs one of :data:`LOG_OVER_S` or more (a slow
 heartbeat can be matched to it in the log). With ``freeze`` (the control plane's setting) it also
-moves what survived each full collection into the permanent generation (``gc.freeze()``), so the
-next full collection walks only what was made since: long-lived state is walked once, not every
-10 s. What becomes cyclic garbage while frozen is not reclaimed until :meth:`GcPauses.run`
-unfreezes everything, every :data:`UNFREEZE_S`; the next full collection then walks (and frees)
-all of it, one long pause per period. Measured at 2,000 nodes, collections found 25-650 cyclic
-objects each (most objects die by reference count), so what waits for the period is small.
+takes full collections out of the allocator's hands and freezes what survives each:
+
+- The interpreter starts a full collection once the objects promoted since the last one reach a
+  quarter of what that one left (CPython 3.11 ``gc_collect_generations``). Once the survivors are
+  frozen that quarter is of a small figure, so at 5,000 nodes full collections came every ~8 s
+  (121 of 50 ms or more in a 17-minute bench/scale.py run, the longest 254 ms: the heartbeat p99).
+  What they walked was each idle keep-alive connection's last request (aiohttp's
+  ``RequestHandler.start`` keeps it in its locals while it waits for the next one, ~45 tracked
+  objects), replaced at every beat and so living a beat interval: promoted, walked, and then freed
+  by reference count, never by the collector.
+- So :meth:`install` raises the third threshold (:data:`NO_AUTOMATIC_FULL`) and :meth:`run` makes
+  the full collection itself every :data:`FULL_EVERY_S`; each one's survivors are frozen
+  (``gc.freeze()``), so the next walks only what was made since and is still alive. Generations 0
+  and 1 are collected as before (a few thousand objects each).
+- What becomes cyclic garbage while frozen is not reclaimed until :meth:`run` unfreezes everything,
+  every :data:`UNFREEZE_S`; that period's full collection walks (and frees) all of it, one long
+  pause per period. Measured at 2,000 nodes, collections found 25-650 cyclic objects each (most
+  objects die by reference count), so what waits for the period is small.
 """
 
 from __future__ import annotations
@@ -33,24 +45,43 @@ LOG_OVER_S = 0.05
 """A collection at least this long (s) is logged (INFO): half the heartbeat p99 the control plane
 is held to at 5,000 nodes (docs/operating.md)."""
 
+FULL_EVERY_S = 60.0
+"""Seconds between the full collections :meth:`GcPauses.run` makes. Each walks what was promoted in
+the period and is still alive: at 5,000 nodes beating 50 times a second (~45 objects a beat) about
+135,000 objects, ~40 ms of CPU on this machine (~50 ms per 180,000), once a minute."""
+
 UNFREEZE_S = 900.0
-"""Every this many seconds everything frozen is unfrozen, so that the next full collection reclaims
-the cyclic garbage made among frozen objects meanwhile (one long pause per period)."""
+"""Every this many seconds everything frozen is unfrozen before the full collection, so that it
+reclaims the cyclic garbage made among frozen objects meanwhile (one long pause per period)."""
+
+NO_AUTOMATIC_FULL = 1_000_000_000
+"""The third ``gc.set_threshold`` value while :class:`GcPauses` schedules full collections: the
+number of generation-1 collections before the interpreter starts a full one, out of reach."""
 
 
 class GcPauses:
     """Times every collection of the cyclic GC while installed (a ``gc.callbacks`` entry) and, with
-    ``freeze``, freezes the survivors of each full collection (see the module's docstring).
+    ``freeze``, schedules the full collections and freezes their survivors (see the module's docstring).
 
     ``longest_s`` and ``count`` are per generation (0, 1, 2): the longest pause in seconds and how
-    many collections ran. :meth:`install`/:meth:`remove` add and
-    take away the callback; :meth:`run` unfreezes every ``unfreeze_s`` until its event is set.
+    many collections ran. :meth:`install`/:meth:`remove` add and take away the callback (and, with
+    ``freeze``, the raised threshold); :meth:`run` makes a full collection every ``full_every_s``
+    seconds, unfreezing everything first every ``unfreeze_s``, until its event is set.
     """
 
-    def __init__(self, log_over_s: float = LOG_OVER_S, *, freeze: bool = False, unfreeze_s: float = UNFREEZE_S) -> None:
+    def __init__(
+        self,
+        log_over_s: float = LOG_OVER_S,
+        *,
+        freeze: bool = False,
+        full_every_s: float = FULL_EVERY_S,
+        unfreeze_s: float = UNFREEZE_S,
+    ) -> None:
         self.log_over_s = log_over_s
         self.freeze = freeze
+        self.full_every_s = full_every_s
         self.unfreeze_s = unfreeze_s
+        self._thresholds: tuple[int, int, int] | None = None
         self.longest_s = [0.0, 0.0, 0.0]
         self.count = [0, 0, 0]
         self._started = self._started_cpu = 0.0
@@ -73,25 +104,39 @@ class GcPauses:
             gc.freeze()
 
     def install(self) -> None:
-        """Start timing collections (idempotent)."""
+        """Start timing collections and, with ``freeze``, stop the interpreter's own full collections
+        (idempotent)."""
         if self not in gc.callbacks:
             gc.callbacks.append(self)
+            if self.freeze:
+                self._thresholds = gc.get_threshold()
+                gc.set_threshold(self._thresholds[0], self._thresholds[1], NO_AUTOMATIC_FULL)
 
     def remove(self) -> None:
         """Stop timing collections; with ``freeze``, unfreeze everything (a control plane served inside
         another program, a test's, leaves its collections as they were)."""
         if self in gc.callbacks:
             gc.callbacks.remove(self)
+            if self._thresholds is not None:
+                gc.set_threshold(*self._thresholds)
+                self._thresholds = None
             if self.freeze:
                 gc.unfreeze()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Every ``unfreeze_s`` seconds (with ``freeze``), ``gc.unfreeze()``, until ``stop`` is set."""
+        """With ``freeze``: a full collection every ``full_every_s`` seconds (its survivors frozen), the
+        first after ``unfreeze_s`` or more since the last unfreeze preceded by ``gc.unfreeze()``;
+        until ``stop`` is set. Without ``freeze``: returns at once (the interpreter collects)."""
         if not self.freeze:
             return
+        unfrozen = time.monotonic()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.unfreeze_s)
-            if not stop.is_set():
-                log.info("gc: unfreezing %d objects; the next full collection walks them all", gc.get_freeze_count())
+                await asyncio.wait_for(stop.wait(), self.full_every_s)
+            if stop.is_set():
+                break
+            if time.monotonic() - unfrozen >= self.unfreeze_s:
+                log.info("gc: unfreezing %d objects; this full collection walks them all", gc.get_freeze_count())
                 gc.unfreeze()
+                unfrozen = time.monotonic()
+            gc.collect(2)
