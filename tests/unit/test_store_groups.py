@@ -89,3 +89,11 @@ def test_each_node_view_holds_its_own_share_of_a_group() -> None:
              for n in ("head", "w_1", "w%2")}
     got = {n: v.resources.memory_reserved_bytes for n, v in views.items() if v.resources}
     assert got == {"head": 6_000_000_000, "w_1": 4_000_000_000, "w%2": 3_500_000_000}
+
+
+def test_the_node_list_index_holds_a_group_under_each_member_once() -> None:
+    from llmgw.control.api.nodes import by_node  # noqa: PLC0415
+
+    solo = ReplicaRow(id="solo-1", model="solo", node="head", profile="cpu", key="k", created_at=2.0)
+    got = {n: [r.id for r in rs] for n, rs in by_node([_group(), solo]).items()}
+    assert got == {"head": ["big-1", "solo-1"], "w_1": ["big-1"], "w%2": ["big-1"]}
