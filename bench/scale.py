@@ -55,9 +55,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -550,6 +552,11 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             pg.stop()
         up.terminate()
         up.wait(15)
+        if args.logs is not None:  # the control planes' logs outlive the run's directory
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for k, c in enumerate(cps):
+                with contextlib.suppress(OSError):
+                    shutil.copy(c.inst.root / "server.log", args.logs / f"server-{n}-cp{k}.log")
         tmp.cleanup()
 
 
@@ -582,6 +589,7 @@ def main() -> None:
                     help=f"agents' idle connection lifetime (default {KEEPALIVE_S:g} s, the real agent's)")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
+    ap.add_argument("--logs", type=Path, help="copy each control plane's server.log into this directory")
     args = ap.parse_args()
     sizes = args.agents or [500]
     for name, v in (("--agents", min(sizes)), ("--models", args.models), ("--kill", args.kill)):
