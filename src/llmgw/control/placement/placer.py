@@ -68,7 +68,6 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.placement.checks import (
@@ -76,6 +75,7 @@ from llmgw.control.placement.checks import (
     GROUP_PIPELINE,
     PIPELINE,
     STAGE,
+    AddLog,
     Candidate,
     Check,
     Decision,
@@ -301,9 +301,10 @@ class Placer(GroupPlacing):
         self._by_id: dict[str, NodeInfo] = {}
         for n in self.nodes:
             self._by_id.setdefault(n.id, n)
-        self._log: list[str] = []  # node ids, one per reservation added since the start
-        self._holding: dict[str, set[str]] = {}  # model -> nodes holding one of its replicas
-        self.usage: dict[str, Usage] = {n.id: Usage(on_add=partial(self._added, n.id)) for n in self.nodes}
+        self._adds = AddLog()  # what each Usage.add notes, for this placer
+        self._log = self._adds.nodes  # node ids, one per reservation added since the start
+        self._holding = self._adds.holding  # model -> nodes holding one of its replicas
+        self.usage: dict[str, Usage] = {n.id: Usage(log=self._adds, node=n.id) for n in self.nodes}
         for r in reservations:
             self.usage.setdefault(r.node, Usage()).add(r)
         self._caching: dict[str, set[str]] = {}  # model/version -> nodes holding those weights
@@ -331,13 +332,13 @@ class Placer(GroupPlacing):
             idx.sync(self._log)
         dry = Placer.__new__(Placer)
         dry.nodes, dry._by_id, dry._caching, dry._classes = self.nodes, self._by_id, self._caching, self._classes
-        dry._log, dry._keys, dry._dry_of = [], dict(self._keys), model
-        dry._holding = {m: set(ns) for m, ns in self._holding.items() if m != model}
+        dry._adds = AddLog(holding={m: set(ns) for m, ns in self._holding.items() if m != model})
+        dry._log, dry._holding, dry._keys, dry._dry_of = dry._adds.nodes, dry._adds.holding, dict(self._keys), model
         dry.usage = dict(self.usage)
         touched = [k for k, u in self.usage.items() if model in u.by_model]
         for node_id in touched:
             known = node_id in self._by_id
-            fresh = Usage(on_add=partial(dry._added, node_id)) if known else Usage()
+            fresh = Usage(log=dry._adds, node=node_id) if known else Usage()
             for r in self.usage[node_id].held:
                 if r.model != model:
                     fresh.add(r)
@@ -346,10 +347,6 @@ class Placer(GroupPlacing):
                 dry._log.append(node_id)
         dry._indexes = {key: idx.copy(dry.usage) for key, idx in self._indexes.items()}
         return dry
-
-    def _added(self, node: str, r: Reservation) -> None:
-        self._log.append(node)
-        self._holding.setdefault(r.model, set()).add(node)
 
     def node(self, node_id: str) -> NodeInfo | None:
         """The node with this id (the first, sorted, if two share it), or None."""
@@ -449,7 +446,7 @@ class Placer(GroupPlacing):
             if old is None or not any(r.replica in ids for r in old.held):
                 continue
             known = node_id in self._by_id
-            fresh = Usage(on_add=partial(self._added, node_id)) if known else Usage()
+            fresh = Usage(log=self._adds, node=node_id) if known else Usage()
             self.usage[node_id] = fresh
             for model in old.by_model:
                 self._holding.get(model, set()).discard(node_id)
