@@ -507,6 +507,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["heartbeat_p99_burst_vs_steady"] = f["heartbeat_p99_ms"] / max(f["heartbeat_steady_gw_p99_ms"], 1e-9)
             f["sim_loop_lag_burst_p99_ms"] = pct(lags.get("burst", []), 99)
             f["load_average_1m_burst"] = os.getloadavg()[0]
+            if args.stop_after == "burst":
+                return
             # Kill a batch.
             enter("kill", fleet, cps)
             say(n, "kill")
@@ -589,6 +591,7 @@ def main() -> None:
                     help=f"agents' idle connection lifetime (default {KEEPALIVE_S:g} s, the real agent's)")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
+    ap.add_argument("--stop-after", choices=["burst"], help="end the run after this phase (a quick look)")
     ap.add_argument("--logs", type=Path, help="copy each control plane's server.log into this directory")
     args = ap.parse_args()
     sizes = args.agents or [500]
