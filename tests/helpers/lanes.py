@@ -18,9 +18,8 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 #: Seconds each file of the ``timed`` and ``ha`` tests takes in CI (the lanes' part of ``.ci/run``'s
-#: ``--durations``, setup and teardown included, 2026-12-03; less
-#: what the tests' own cuts saved that day). A file not named counts
-#: :data:`UNKNOWN_S`; a stale figure only unbalances the lanes.
+#: ``--durations``, setup and teardown included, 2026-12-03, less what that day's cuts saved). A
+#: file not named counts :data:`UNKNOWN_S`; a stale figure only unbalances the lanes.
 FILE_S = {
     "tests/ha/test_failover.py": 148,
     "tests/e2e/test_routing_e2e.py": 80,
