@@ -438,10 +438,11 @@ class ControlPlane:
             _kill9(self.proc.pid)
             self.proc.wait(10)
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 15 s."""
+    def stop(self, *, signalled: bool = False) -> None:
+        """SIGTERM (unless ``signalled``: it was sent already), then SIGKILL after 15 s."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            if not signalled:
+                self.proc.terminate()
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -549,8 +550,14 @@ class HACluster:
         """Stop the agent (and so its engines), the control planes, the file server and Patroni."""
         if self.agent is not None:
             self.agent.stop()
+        # SIGTERM to every control plane at once, then wait for each: one after the other, each
+        # drain (and, after an orphan, each store thread still in a commit) was waited out in turn.
+        running = {cp.name for cp in self.control_planes if cp.proc is not None and cp.proc.poll() is None}
         for cp in self.control_planes:
-            cp.stop()
+            if cp.name in running and cp.proc is not None:
+                cp.proc.terminate()
+        for cp in self.control_planes:
+            cp.stop(signalled=cp.name in running)
         if self.files is not None:
             self.files.stop()
         self.patroni.stop()
