@@ -42,8 +42,8 @@ from tests.helpers.hacluster import (
     gemma_model,
     post_model,
     start_ha_cluster,
-    wait_for,
 )
+from tests.helpers.waits import wait_for
 
 pytestmark = [pytest.mark.ha, pytest.mark.e2e]
 

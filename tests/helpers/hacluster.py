@@ -31,11 +31,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import psycopg
@@ -45,8 +44,7 @@ from llmgw.agent.node.records import stop_all_engines
 from llmgw.paths import Paths
 from tests.helpers.control import TOKEN, Install, make_install
 from tests.helpers.net import free_port
-
-T = TypeVar("T")
+from tests.helpers.waits import wait_for
 
 #: Where ``scripts/assets`` builds the Patroni venv (override: env ``PATRONI``, the binary's path).
 DEFAULT_PATRONI = Path(os.environ.get("LLMGW_PATRONI_VENV", "/var/cache/llmgw/patroni-4.1.5")) / "bin" / "patroni"
@@ -97,20 +95,6 @@ def patroni_binary() -> Path:
     except KeyError:
         raise HAUnavailable("no 'postgres' user to run PostgreSQL as (apt-get install postgresql-15)") from None
     return patroni
-
-
-def wait_for(what: str, check: Callable[[], T | None], within_s: float, every_s: float = 0.2) -> T:
-    """Call ``check`` every ``every_s`` seconds until it returns something truthy (HTTP errors count
-    as not yet) and return that; AssertionError naming ``what`` after ``within_s`` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
-            got = check()
-            if got:
-                return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s:g} s: {what}")
-        time.sleep(every_s)
 
 
 def _kill9(pid: int) -> None:
