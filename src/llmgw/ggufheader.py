@@ -101,6 +101,10 @@ class _Reader:
             if item in scalars and not keep:
                 self.take(struct.calcsize(scalars[item]) * count)  # skipped in one read
                 return None
+            if item == self.format.string and not keep:  # the vocabulary: lengths read, text skipped
+                for _ in range(count):
+                    self.take(struct.unpack("<Q", self.take(8))[0])
+                return None
             values = [self.value(item, keep) for _ in range(count)]
             return values if keep else None
         raise EstimateError(f"{self.source}: unknown GGUF value type {vtype}; not a GGUF this build can read")
