@@ -29,6 +29,7 @@ from _pytest.config import Config
 
 from llmgw.control.store import Store, default_url, open_store
 from llmgw.tlsconf import CA
+from tests.helpers import lanes
 from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
 
 TRUST_PREFIX = "llmgw-tests-trust-"
@@ -190,3 +191,8 @@ def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> N
             item.add_marker(pytest.mark.timed)
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_xdist_make_scheduler(config: Config, log: object) -> object:
+    """The lanes of ``scripts/test``'s second part (:mod:`tests.helpers.lanes`), else xdist's own."""
+    return lanes.make_scheduler(config, log)

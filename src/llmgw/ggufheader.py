@@ -2,7 +2,9 @@
 
 Read by the control plane's memory estimate (:mod:`llmgw.control.placement.estimate`, over HTTP from
 the mirror) and by a group head's agent (:mod:`llmgw.agent.engines.llamacpp_group`, the layer count of its local
-file). The value types come from the ``gguf`` package (``gguf.constants.GGUFValueType``); its
+file). The value types come from the ``gguf`` package (``gguf.constants.GGUFValueType``), imported
+at the first header read, not with this module: it pulls numpy, 0.25-0.3 s of CPU that every control
+plane and agent start paid (measured on 2 cores, 2026-12-04), most of them never reading a header. Its
 ``GGUFReader`` is not used: it maps the whole file, cannot read a truncated one, and took 9.7-13.7 s
 here on gemma-3-270m, parsing every vocabulary entry into numpy views (this reads the header in
 tens of milliseconds and skips the vocabulary).
@@ -10,10 +12,11 @@ tens of milliseconds and skips the vocabulary).
 
 from __future__ import annotations
 
+import functools
 import struct
+from dataclasses import dataclass
 from typing import IO, Any
 
-from gguf.constants import GGUF_MAGIC, GGUFValueType
 from pydantic import BaseModel, Field
 
 from llmgw.errors import EstimateError
@@ -38,19 +41,27 @@ class GgufFacts(BaseModel):
     header_bytes: int = 0
 
 
-_SCALARS: dict[int, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
+@dataclass(frozen=True)
+class _Format:
+    """The GGUF format's numbers: the magic (``GGUF`` as a little-endian uint32), the string and
+    array value types, and the struct format of each scalar value type."""
+
+    magic: int
+    string: int
+    array: int
+    scalars: dict[int, str]
+
+
+@functools.cache
+def _format() -> _Format:
+    from gguf.constants import GGUF_MAGIC, GGUFValueType  # noqa: PLC0415 - here: it pulls numpy (module docstring)
+
+    t = GGUFValueType
+    return _Format(int(GGUF_MAGIC), int(t.STRING), int(t.ARRAY), {
+        int(t.UINT8): "<B", int(t.INT8): "<b", int(t.UINT16): "<H", int(t.INT16): "<h", int(t.UINT32): "<I",
+        int(t.INT32): "<i", int(t.FLOAT32): "<f", int(t.BOOL): "<?", int(t.UINT64): "<Q", int(t.INT64): "<q",
+        int(t.FLOAT64): "<d",
+    })
 
 
 class _Reader:
@@ -58,6 +69,7 @@ class _Reader:
 
     def __init__(self, stream: IO[bytes], source: str) -> None:
         self.stream, self.source, self.pos = stream, source, 0
+        self.format = _format()
 
     def take(self, n: int) -> bytes:
         if self.pos + n > HEADER_LIMIT_BYTES:
@@ -79,14 +91,19 @@ class _Reader:
         return self.take(n).decode("utf-8", errors="replace")
 
     def value(self, vtype: int, keep: bool) -> Any:
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
-        if vtype == GGUFValueType.STRING:
+        scalars = self.format.scalars
+        if vtype in scalars:
+            return self.scalar(scalars[vtype])
+        if vtype == self.format.string:
             return self.string()
-        if vtype == GGUFValueType.ARRAY:
+        if vtype == self.format.array:
             item, count = self.scalar("<I"), self.scalar("<Q")
-            if item in _SCALARS and not keep:
-                self.take(struct.calcsize(_SCALARS[item]) * count)  # skipped in one read
+            if item in scalars and not keep:
+                self.take(struct.calcsize(scalars[item]) * count)  # skipped in one read
+                return None
+            if item == self.format.string and not keep:  # the vocabulary: lengths read, text skipped
+                for _ in range(count):
+                    self.take(struct.unpack("<Q", self.take(8))[0])
                 return None
             values = [self.value(item, keep) for _ in range(count)]
             return values if keep else None
@@ -102,7 +119,7 @@ def parse_header(stream: IO[bytes], *, source: str, file_size: int) -> GgufFacts
     """
     r = _Reader(stream, source)
     magic = struct.unpack("<I", r.take(4))[0]
-    if magic != GGUF_MAGIC:
+    if magic != r.format.magic:
         raise EstimateError(f"{source}: not a GGUF file (magic {magic:#010x}); the estimate needs a GGUF")
     version = r.scalar("<I")
     if version not in (2, 3):

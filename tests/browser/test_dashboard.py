@@ -25,6 +25,7 @@ import yaml
 from tests.browser.conftest import axe_violations, format_violations, shot
 from tests.conftest import Assets
 from tests.helpers.processes import llmgw, offline_init
+from tests.helpers.waits import wait_for
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -161,7 +162,8 @@ def test_guard_and_keys_pages_with_a_usage_plot(page: Page, install: Install) ->
             break
         time.sleep(0.2)
     assert answer.status_code == 200, answer.text
-    time.sleep(1.5)  # usage reaches the store within 0.5 s (accounting's sync)
+    # usage reaches the store within 0.5 s (accounting's sync): the plot draws from it
+    wait_for("alice's usage in the store", lambda: install.api("GET", "/api/v1/usage?key=alice").json(), 20, 0.1)
     _login(page, install)
     page.get_by_role("link", name="Keys and usage").click()
     page.wait_for_url(re.compile(r"/ui/keys"))
@@ -181,7 +183,9 @@ def test_an_autoscaled_models_page_plots_wanted_ready_and_load(page: Page, insta
     r = install.api("PATCH", f"/api/v1/models/{STARTER}", {"scaling": {"min": 1, "max": 2}})
     assert r.status_code == 200, r.text
     try:
-        time.sleep(1.0)  # the autoscaler's first pass writes the model's first point (every 0.5 s)
+        # the autoscaler's first pass writes the model's first point (every 0.5 s): the plot draws from it
+        wait_for(f"{STARTER}'s first autoscale point",
+                 lambda: install.api("GET", f"/api/v1/models/{STARTER}/autoscale").json()["history"], 20, 0.1)
         _login(page, install)
         page.goto(install.admin + f"/ui/models/{STARTER}")
         page.locator("#autoscale-plot[data-drawn='3']").wait_for(timeout=WAIT_MS)  # wanted, ready, load

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,7 +38,7 @@ from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.manager import SupervisorManager
 from llmgw.tlsconf import CA
 from tests.conftest import Assets, skip_or_fail
-from tests.helpers.processes import exposed, listen_args, llmgw, stop_install
+from tests.helpers.processes import exposed, listen_args, llmgw, stop_installs
 
 pytestmark = pytest.mark.e2e
 
@@ -81,11 +82,14 @@ def roots() -> Iterator[list[Path]]:
     for r in made:
         r.chmod(0o755)
     yield made
-    for r in made:
-        mgr = SupervisorManager(Paths(r))
+
+    def stop(r: Path) -> None:  # all at once: see stop_installs
         with contextlib.suppress(LlmgwError):
-            mgr.stop("patroni")
+            SupervisorManager(Paths(r)).stop("patroni")
         shutil.rmtree(r, ignore_errors=True)
+
+    with ThreadPoolExecutor(len(made)) as pool:
+        list(pool.map(stop, made))
 
 
 def ctx_for(root: Path, **kw: object) -> tuple[InitContext, io.StringIO]:
@@ -155,8 +159,9 @@ def test_three_members_bootstrap_a_primary_and_two_streaming_replicas(
     r = httpx.post(f"{got.me.rest_url}/switchover", json={"leader": "cp1"}, timeout=30,
                    auth=("llmgw", plan.passwords["restapi"]))
     assert r.status_code == 200, r.text
+    # Streaming can show while PostgreSQL is still "starting" (its restart as a replica): wait for both.
     deadline = time.monotonic() + 30
-    while not rest.is_streaming() and time.monotonic() < deadline:
+    while rest.state() != "replica running streaming" and time.monotonic() < deadline:
         time.sleep(0.5)
     again, out = ctx_for(roots[0], control_planes=specs, patroni_venv=patroni_venv)
     database.run(again)
@@ -375,5 +380,4 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
         assert load_agent_config(conf).control_planes == agent_cfg.control_planes
         assert [p.read_text() for p in conf.parent.glob("agent.yaml.bak-*")] == [old + "\n"]
     finally:
-        for root in (standby, first):
-            stop_install(root)
+        stop_installs(standby, first)

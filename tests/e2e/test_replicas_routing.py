@@ -205,8 +205,9 @@ def test_in_flight_and_queued_while_every_slot_is_busy(world: World) -> None:
     n = 2 * SLOTS + 3
 
     def one(i: int) -> int:
+        # 32 tokens: a wave of 4 lasts seconds, against a 50 ms poll (96 took 38 s for the two waves in CI).
         body = {"model": "chat", "messages": [{"role": "user", "content": f"Count to 100, conversation {i}."}],
-                "max_tokens": 96, "temperature": 0}
+                "max_tokens": 32, "temperature": 0}
         return httpx.post(url, json=body, timeout=120).status_code
 
     seen_in_flight, seen_queued = 0, 0

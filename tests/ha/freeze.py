@@ -20,7 +20,8 @@ import httpx
 
 from llmgw.control.reconcile.election import LOCK_KEY
 from tests.ha.load import agreed_leader, cluster_views
-from tests.helpers.hacluster import DATABASE, HACluster, wait_for
+from tests.helpers.hacluster import DATABASE, HACluster
+from tests.helpers.waits import wait_for
 
 #: The control planes' lease (``cluster.lease_s``, the default the helpers' installs keep), seconds.
 LEASE_S = 5.0

@@ -30,6 +30,7 @@ import httpx
 
 from tests.helpers.control import heartbeat
 from tests.helpers.hacluster import AUTH, ControlPlane, HACluster, Member, chat
+from tests.helpers.waits import wait_for
 
 
 @dataclass
@@ -258,6 +259,13 @@ class Load:
             t.start()
         return load
 
+    def running(self) -> bool:
+        """Whether the load is under way end to end: a write acknowledged, a chat answered and a
+        round of leader views taken."""
+        with self.writer.lock:
+            acked = bool(self.writer.acked)
+        return acked and self.gateway.ok > 0 and bool(self.watch.samples)
+
     def stop(self) -> None:
         """Stop the threads and wait for them (a request in flight finishes: at most its timeout)."""
         for t in (self.writer, self.gateway, self.watch):
@@ -362,6 +370,16 @@ class OrphanLoad:
             t.start()
         return load
 
+    def running(self) -> bool:
+        """Whether the load is under way end to end: every writer has had a write acknowledged and
+        every probe has had each kind of call answered."""
+        for ws in self.writers.values():
+            for w in ws:
+                with w.lock:
+                    if not w.acked:
+                        return False
+        return all(p.successes_after(kind, 0.0) for p in self.probes.values() for kind in Probe.KINDS)
+
     def threads(self) -> list[_Loop]:
         """Every thread of the load."""
         return [w for ws in self.writers.values() for w in ws] + list(self.probes.values())
@@ -413,11 +431,12 @@ def orphan_run(
     (``ha.stop()`` ends it).
 
     Raises:
-        AssertionError: no promotion within 60 s, or the orphan's PostgreSQL died meanwhile.
+        AssertionError: the load not under way within 30 s (:meth:`OrphanLoad.running`), no
+            promotion within 60 s, or the orphan's PostgreSQL died meanwhile.
     """
     load = OrphanLoad.start(ha, writers=writers)
     try:
-        time.sleep(5)
+        wait_for("the load under way (every writer acknowledged, every probe answered)", load.running, 30, 0.1)
         p = ha.patroni.primary()
         assert p is not None, "no primary"
         p.kill9_patroni()

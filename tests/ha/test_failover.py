@@ -42,8 +42,8 @@ from tests.helpers.hacluster import (
     gemma_model,
     post_model,
     start_ha_cluster,
-    wait_for,
 )
+from tests.helpers.waits import wait_for
 
 pytestmark = [pytest.mark.ha, pytest.mark.e2e]
 
@@ -73,7 +73,7 @@ def ha(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HAC
         r = post_model(cluster.control_planes[0], gemma_model(cluster.files.url))
         assert r.status_code == 201, r.text
         for cp in cluster.control_planes:
-            wait_for(f"gemma answering through {cp.name}", lambda cp=cp: chat(cp, "gemma").status_code == 200, 240, 1)
+            wait_for(f"gemma answering through {cp.name}", lambda cp=cp: chat(cp, "gemma").status_code == 200, 240, 0.2)
         yield cluster
     finally:
         cluster.stop()
@@ -129,7 +129,7 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
             terms.append(got)
 
     try:
-        time.sleep(3)
+        wait_for("the load under way (a write acknowledged, a chat answered, a leader view)", load.running, 30, 0.1)
         start = _leader(ha, 10)
         views = cluster_views(ha)
         f.check(start, f"start: no agreed leader: {dump(views)}")

@@ -31,11 +31,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import psycopg
@@ -45,8 +44,7 @@ from llmgw.agent.node.records import stop_all_engines
 from llmgw.paths import Paths
 from tests.helpers.control import TOKEN, Install, make_install
 from tests.helpers.net import free_port
-
-T = TypeVar("T")
+from tests.helpers.waits import wait_for
 
 #: Where ``scripts/assets`` builds the Patroni venv (override: env ``PATRONI``, the binary's path).
 DEFAULT_PATRONI = Path(os.environ.get("LLMGW_PATRONI_VENV", "/var/cache/llmgw/patroni-4.1.5")) / "bin" / "patroni"
@@ -97,20 +95,6 @@ def patroni_binary() -> Path:
     except KeyError:
         raise HAUnavailable("no 'postgres' user to run PostgreSQL as (apt-get install postgresql-15)") from None
     return patroni
-
-
-def wait_for(what: str, check: Callable[[], T | None], within_s: float, every_s: float = 0.2) -> T:
-    """Call ``check`` every ``every_s`` seconds until it returns something truthy (HTTP errors count
-    as not yet) and return that; AssertionError naming ``what`` after ``within_s`` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
-            got = check()
-            if got:
-                return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s:g} s: {what}")
-        time.sleep(every_s)
 
 
 def _kill9(pid: int) -> None:
@@ -438,10 +422,11 @@ class ControlPlane:
             _kill9(self.proc.pid)
             self.proc.wait(10)
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 15 s."""
+    def stop(self, *, signalled: bool = False) -> None:
+        """SIGTERM (unless ``signalled``: it was sent already), then SIGKILL after 15 s."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            if not signalled:
+                self.proc.terminate()
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -549,8 +534,14 @@ class HACluster:
         """Stop the agent (and so its engines), the control planes, the file server and Patroni."""
         if self.agent is not None:
             self.agent.stop()
+        # SIGTERM to every control plane at once, then wait for each: one after the other, each
+        # drain (and, after an orphan, each store thread still in a commit) was waited out in turn.
+        running = {cp.name for cp in self.control_planes if cp.proc is not None and cp.proc.poll() is None}
         for cp in self.control_planes:
-            cp.stop()
+            if cp.name in running and cp.proc is not None:
+                cp.proc.terminate()
+        for cp in self.control_planes:
+            cp.stop(signalled=cp.name in running)
         if self.files is not None:
             self.files.stop()
         self.patroni.stop()

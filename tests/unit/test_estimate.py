@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import time
 from pathlib import Path
 
 import httpx
@@ -105,3 +106,27 @@ def test_real_gemma3_sliding_window(assets: Assets, tmp_path: Path) -> None:
     cut.write_bytes(assets.model.read_bytes()[: 1 << 20])
     with pytest.raises(EstimateError, match="ends early"):
         est.read_facts(f"file:{cut}")
+
+
+def test_a_stream_of_chunks_reads_across_their_edges() -> None:
+    stream = est._ChunkStream(iter([b"ab", b"", b"cdefg", b"h"]))
+    assert [stream.read(n) for n in (1, 3, 0, 2, 5, 1)] == [b"a", b"bcd", b"", b"ef", b"gh", b""]
+
+
+@pytest.mark.e2e
+def test_real_gemma3_by_http_as_from_the_file_in_linear_time(assets: Assets) -> None:
+    """Its 6.5 MB header (a 262,144-token vocabulary) read from an HTTP body, as the control plane reads
+    the mirror's file: the same facts as from the file, and CPU time that grows with the header, not
+    with the header times the body's chunk (9.6 s of CPU before, 0.6 s after, on 2 cores; process
+    time, which others' load does not add to)."""
+    head = assets.model.read_bytes()[: 8 << 20]
+    size = assets.model.stat().st_size
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(206, content=head, headers={"content-range": f"bytes 0-{len(head) - 1}/{size}"})
+
+    t0 = time.process_time()
+    by_http = est.read_facts("http://mirror:8081/gemma/1/g.gguf", transport=httpx.MockTransport(handler))
+    cpu_s = time.process_time() - t0
+    assert by_http == est.read_facts(f"file:{assets.model}")
+    assert cpu_s < 5, f"{cpu_s:.1f} s of CPU to read the header"

@@ -98,18 +98,27 @@ class Estimate:
 
 
 class _ChunkStream:
-    """A file-like ``read`` over an iterator of byte chunks (an HTTP body)."""
+    """A file-like ``read`` over an iterator of byte chunks (an HTTP body). A read copies what it
+    returns and nothing more: the header is read in ~500,000 small reads (two per vocabulary entry),
+    and cutting each off the front of the 1 MiB chunk (a copy of the rest) took 9.6 s of CPU for
+    gemma-3-270m's header, 0.5 s now (measured on 2 cores)."""
 
     def __init__(self, chunks: Iterator[bytes]) -> None:
-        self.chunks, self.buf = chunks, b""
+        self.chunks, self.buf, self.pos = chunks, b"", 0
 
     def read(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            try:
-                self.buf += next(self.chunks)
-            except StopIteration:
-                break
-        out, self.buf = self.buf[:n], self.buf[n:]
+        if len(self.buf) - self.pos < n:
+            parts, have = [self.buf[self.pos :]], len(self.buf) - self.pos
+            while have < n:
+                try:
+                    chunk = next(self.chunks)
+                except StopIteration:
+                    break
+                parts.append(chunk)
+                have += len(chunk)
+            self.buf, self.pos = b"".join(parts), 0
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += len(out)
         return out
 
 
