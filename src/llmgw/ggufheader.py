@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -41,8 +40,7 @@ class GgufFacts(BaseModel):
     header_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class _Format:
+class _Format(NamedTuple):
     """The GGUF format's numbers: the magic (``GGUF`` as a little-endian uint32), the string and
     array value types, and the struct format of each scalar value type."""
 
