@@ -54,6 +54,7 @@ import logging
 import signal
 import socket
 import ssl
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,7 +88,7 @@ from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection,
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.store import SqlStore, Store, default_url, open_store
-from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, STORE_DEADLINE_S, Coalescer, OffLoop
+from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, STORE_DEADLINE_S, SWITCH_INTERVAL_S, Coalescer, OffLoop
 from llmgw.control.store.postgres import HOLD_MAX_S
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
@@ -485,6 +486,8 @@ async def serve(
     ui_api = AdminApi(lambda: _admin_base(bound), token)
     ui_throttle = LoginThrottle()  # one for both listeners: no second guessing budget on ui.listen
     bound: dict[str, tuple[str, int]] = {}
+    switch_was = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # restored below: a test may serve in its own process
     try:
         await db.run(router.refresh)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
@@ -550,6 +553,7 @@ async def serve(
             reporter.run(stop), pauses.run(stop),
         )
     finally:
+        sys.setswitchinterval(switch_was)
         pauses.remove()
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -65,11 +65,12 @@ not by every replica report, and at most once a second (``leader.MIN_GAP_S``).
 The switch interval went back to CPython's default (5 ms) once a heartbeat was one read and one
 write instead of five trips (about a dozen hand-offs) with a routing rebuild awaited before the
 reply: measured then with ``bench/heartbeats.py`` (200 agents, 50 models; the 2-core machine at
-load 4-5 from other work, runs alternated, 09:14-09:18 on 2026-12-03), burst p50 / p99 with 5 ms
-89-264 / 669-1,238 ms (three runs) and with 0.2 ms 200-728 / 748-2,057 ms (three runs), idle p99
-132-202 vs 452-3,472 ms: no gain left to keep it for (the machine's load dominates both). The
-five-trip code had measured, at load ~2, burst p99 115-119 ms with 5 ms and 29-52 ms with 0.2 ms;
-a quieter machine is where to measure again if heartbeats' p99 grows.
+load 4-5 from other work), no gain either way (the machine's load dominated both). It is
+:data:`SWITCH_INTERVAL_S` again since ``bench/scale.py`` measured 5,000 nodes on a quiet machine
+(load 1.2-2, 2026-12-04, 200 model adds): burst heartbeat p99 240 and 130 ms with 5 ms (two runs),
+81 ms with 1 ms (see :data:`SWITCH_INTERVAL_S`). There a leader pass over 5,000 nodes runs for
+tenths of a second on a worker thread, and each of a heartbeat's hand-offs (the loop, a store
+thread, SQLite releasing the GIL around each step) waits out the interval behind it.
 
 SQLite serializes writers; the pool is small (:data:`WORKERS`) so few transactions contend, and
 writers queue on the store's in-process lock (:mod:`llmgw.control.store.sqlite`), not in SQLite's
@@ -125,6 +126,11 @@ ResultT = TypeVar("ResultT")
 #: Threads for store calls. Four: one for a long leader pass, one for a routing rebuild, two for
 #: heartbeats and admin calls; more only adds writers contending for SQLite's single write lock.
 WORKERS = 4
+
+#: Seconds a thread holds the GIL while another waits for it (``sys.setswitchinterval``) in the
+#: control plane: 1 ms, not CPython's 5, so that a heartbeat's hand-offs do not each wait 5 ms behind
+#: a leader pass (module docstring: burst p99 81 ms against 130-240 ms at 5,000 nodes).
+SWITCH_INTERVAL_S = 0.001
 
 #: Threads for :meth:`OffLoop.read` (besides :data:`WORKERS`): two, so one slow read leaves one.
 READERS = 2
