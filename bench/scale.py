@@ -22,7 +22,8 @@ engines simulated by their reports). For each N, in order:
    other, until every replica is reported ready; ``heartbeat_p99_ms`` over the beats sent meanwhile
    (and ``heartbeat_p99_burst_vs_steady``, its ratio to the p99 of ``--steady-gw-s`` (10) more
    seconds of steady beats with the same gateway trickle on: both under the same load from other
-   work and the same gateway traffic),
+   work and the same gateway traffic; ``heartbeat_burst_pulse_p99_ms`` and ``..._full_p99_ms``
+   the p99 of the digest-only beats and of the full states apart),
    and the gateway's added latency measured meanwhile (``gateway_added_p50_ms`` vs ``..._idle``);
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
@@ -505,6 +506,12 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["heartbeat_burst_p50_ms"] = pct(burst, 50)
             f["heartbeat_p99_ms"] = pct(burst, 99)
             f["heartbeat_p99_burst_vs_steady"] = f["heartbeat_p99_ms"] / max(f["heartbeat_steady_gw_p99_ms"], 1e-9)
+            # Which beats make the tail: pulses (a digest only) or full states (new replicas reported).
+            pulses = [b.ms for b in fleet.records.beats.get("burst", []) if b.pulse]
+            fulls = [b.ms for b in fleet.records.beats.get("burst", []) if not b.pulse]
+            f["heartbeats_in_burst_full"] = len(fulls)
+            f["heartbeat_burst_pulse_p99_ms"] = pct(pulses, 99)
+            f["heartbeat_burst_full_p99_ms"] = pct(fulls, 99)
             f["sim_loop_lag_burst_p99_ms"] = pct(lags.get("burst", []), 99)
             f["load_average_1m_burst"] = os.getloadavg()[0]
             if args.stop_after == "burst":
