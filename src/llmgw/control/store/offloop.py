@@ -67,11 +67,11 @@ write instead of five trips (about a dozen hand-offs) with a routing rebuild awa
 reply: measured then with ``bench/heartbeats.py`` (200 agents, 50 models; the 2-core machine at
 load 4-5 from other work), no gain either way (the machine's load dominated both). It is
 :data:`SWITCH_INTERVAL_S` again since ``bench/scale.py`` measured 5,000 nodes on a quiet machine
-(load 1.2-2, 2026-12-04, 200 model adds): burst heartbeat p99 130 and 240 ms with 5 ms, 81 and
-180 ms with 1 ms (two runs each; the spread between runs of one setting is as large as the
-gain). There a leader pass over 5,000 nodes runs for tenths of a second on a worker thread, and
-each of a heartbeat's hand-offs (the loop, a store thread, SQLite releasing the GIL around each
-step) waits out the interval behind it.
+(load 1.2-2, 2026-12-04, 200 model adds): burst heartbeat p99 130 and 240 ms with 5 ms, 81, 180
+and 97 ms with 1 ms (the spread between runs of one setting is as large as the gain). There a
+leader pass over 5,000 nodes runs for tenths of a second on a worker thread, and each of a
+heartbeat's hand-offs (the loop, a store thread, SQLite releasing the GIL around each step) waits
+out the interval behind it.
 
 SQLite serializes writers; the pool is small (:data:`WORKERS`) so few transactions contend, and
 writers queue on the store's in-process lock (:mod:`llmgw.control.store.sqlite`), not in SQLite's
@@ -130,7 +130,7 @@ WORKERS = 4
 
 #: Seconds a thread holds the GIL while another waits for it (``sys.setswitchinterval``) in the
 #: control plane: 1 ms, not CPython's 5, so that a heartbeat's hand-offs do not each wait 5 ms behind
-#: a leader pass (module docstring: burst p99 81-180 ms against 130-240 ms at 5,000 nodes).
+#: a leader pass (module docstring: burst p99 81-180 ms, median 97, against 130-240 ms).
 SWITCH_INTERVAL_S = 0.001
 
 #: Threads for :meth:`OffLoop.read` (besides :data:`WORKERS`): two, so one slow read leaves one.
