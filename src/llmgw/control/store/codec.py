@@ -135,7 +135,12 @@ class ParsedByName(Generic[V]):
     """One parsed value per name, kept while the name's stored text is the same (a model's spec,
     an explanation's body): :meth:`get` compares the text (one string comparison) instead of
     parsing it again. Readers share the value: nothing may write to it (nothing in llmgw writes to
-    a Model read from the store: changes go through ``model_copy`` and a store write)."""
+    a Model read from the store: changes go through ``model_copy`` and a store write).
+
+    Store calls run on several threads at once (:mod:`llmgw.control.store.offloop`), so :meth:`keep`
+    filters a copy: iterating the dict itself while another thread's :meth:`get` added a name raised
+    ``RuntimeError: dictionary changed size during iteration`` (an admin list answered 500 in CI's
+    HA orphan test). A name added meanwhile may be dropped: it is parsed again at its next read."""
 
     def __init__(self) -> None:
         self._kept: dict[str, tuple[str, V]] = {}
@@ -153,7 +158,8 @@ class ParsedByName(Generic[V]):
     def keep(self, names: Collection[str]) -> None:
         """Forget every name but ``names`` (after a listing of all of them: the rest were deleted)."""
         if len(self._kept) > len(names):
-            self._kept = {k: v for k, v in self._kept.items() if k in names}
+            kept = self._kept.copy()  # one C call: no other thread runs during it
+            self._kept = {k: v for k, v in kept.items() if k in names}
 
 
 def replica_row(row: sa.Row[Any]) -> ReplicaRow:
