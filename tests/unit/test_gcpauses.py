@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw.control.gcpauses import GcPauses
+from llmgw.control.gcpauses import NO_AUTOMATIC_FULL, GcPauses
 
 
 @pytest.fixture
@@ -60,6 +60,7 @@ def test_the_interpreter_makes_no_full_collection_of_its_own_and_run_makes_one_e
     # The interpreter starts a full collection once the objects promoted since the last pass a
     # quarter of what it left (clean_gc just made one over this process's whole heap, which in a
     # test worker holds every module imported so far): keep enough, ~6 tracked objects a _state.
+    assert gc.get_threshold()[2] < NO_AUTOMATIC_FULL, "an earlier test left the full collections off"
     n = len(gc.get_objects()) // 4 // 6 + 50_000
     timing = GcPauses()  # without the policy: the interpreter's own full collections, counted
     timing.install()
@@ -142,3 +143,20 @@ def test_a_long_collection_is_logged_with_its_generation(clean_gc: None, caplog:
             pauses.remove()
     assert "gc: a generation 1 collection paused the control plane" in caplog.text
     assert gc.get_freeze_count() == 0  # without freeze nothing is frozen
+
+
+@pytest.mark.parametrize("order", ["first installed first removed", "last installed first removed"])
+def test_two_installed_at_once_give_the_interpreter_its_thresholds_back(clean_gc: None, order: str) -> None:
+    # Two control planes served side by side in one process (the HA tests): the second must not save
+    # the first's raised threshold as "the interpreter's" and put it back when removed last (it did:
+    # the next test in that worker had no full collections of the interpreter's own).
+    before = gc.get_threshold()
+    a, b = GcPauses(freeze=True), GcPauses(freeze=True)
+    a.install()
+    b.install()
+    assert gc.get_threshold()[2] == NO_AUTOMATIC_FULL
+    first, last = (a, b) if order.startswith("first") else (b, a)
+    first.remove()
+    assert gc.get_threshold()[2] == NO_AUTOMATIC_FULL  # the other still schedules them
+    last.remove()
+    assert gc.get_threshold() == before

@@ -63,6 +63,12 @@ NO_AUTOMATIC_FULL = 1_000_000_000
 number of generation-1 collections before the interpreter starts a full one, out of reach."""
 
 
+_scheduling: list[GcPauses] = []
+"""The installed :class:`GcPauses` with ``freeze``: while any is, the third threshold is raised."""
+_saved_thresholds: list[int] = []
+"""The interpreter's thresholds from before the first of :data:`_scheduling` was installed."""
+
+
 class GcPauses:
     """Times every collection of the cyclic GC while installed (a ``gc.callbacks`` entry) and, with
     ``freeze``, schedules the full collections and freezes their survivors (see the module's docstring).
@@ -85,7 +91,6 @@ class GcPauses:
         self.freeze = freeze
         self.full_every_s = full_every_s
         self.unfreeze_s = unfreeze_s
-        self._thresholds: tuple[int, int, int] | None = None
         self.longest_s = [0.0, 0.0, 0.0]
         self.count = [0, 0, 0]
         self._started = self._started_cpu = 0.0
@@ -109,23 +114,28 @@ class GcPauses:
 
     def install(self) -> None:
         """Start timing collections and, with ``freeze``, stop the interpreter's own full collections
-        (idempotent)."""
+        (idempotent). Several installed at once (control planes served side by side in one test
+        process) share the raised threshold: the interpreter's own comes back when the last is removed."""
         if self not in gc.callbacks:
             gc.callbacks.append(self)
             if self.freeze:
-                self._thresholds = gc.get_threshold()
-                gc.set_threshold(self._thresholds[0], self._thresholds[1], NO_AUTOMATIC_FULL)
+                if not _scheduling:
+                    _saved_thresholds[:] = gc.get_threshold()
+                _scheduling.append(self)
+                first, second, _ = gc.get_threshold()
+                gc.set_threshold(first, second, NO_AUTOMATIC_FULL)
 
     def remove(self) -> None:
-        """Stop timing collections; with ``freeze``, unfreeze everything (a control plane served inside
-        another program, a test's, leaves its collections as they were)."""
+        """Stop timing collections; with ``freeze``, and when no other is installed, the interpreter's
+        thresholds again and everything unfrozen (a control plane served inside another program, a
+        test's, leaves its collections as they were)."""
         if self in gc.callbacks:
             gc.callbacks.remove(self)
-            if self._thresholds is not None:
-                gc.set_threshold(*self._thresholds)
-                self._thresholds = None
-            if self.freeze:
-                gc.unfreeze()
+            if self in _scheduling:
+                _scheduling.remove(self)
+                if not _scheduling:
+                    gc.set_threshold(*_saved_thresholds)
+                    gc.unfreeze()
 
     async def run(self, stop: asyncio.Event) -> None:
         """With ``freeze``: a full collection every ``full_every_s`` seconds (its survivors frozen), the
