@@ -139,6 +139,10 @@ class GroupPlacing(ABC):
     ) -> list[tuple[NodeInfo, Verdict | Score]]:
         """Every node's verdict (or score, when it passes) for ``profile``, in node order."""
 
+    def _count(self, r: Reservation) -> None:
+        """Add ``r`` to its node's usage (made when the node has none)."""
+        self.usage.setdefault(r.node, Usage()).add(r)
+
     def _check_reservable(self) -> None:  # noqa: B027 (optional hook: only a dry-run placer refuses)
         """Raise ValueError when this placer may not reserve (every placer may but a dry run)."""
 
@@ -264,7 +268,7 @@ class GroupPlacing(ABC):
                 )
             ]
         for r in out:
-            self.usage.setdefault(r.node, Usage()).add(r)
+            self._count(r)
         return out
 
 
@@ -305,8 +309,9 @@ class Placer(GroupPlacing):
         self._log = self._adds.nodes  # node ids, one per reservation added since the start
         self._holding = self._adds.holding  # model -> nodes holding one of its replicas
         self.usage: dict[str, Usage] = {n.id: Usage(log=self._adds, node=n.id) for n in self.nodes}
+        self._elsewhere: set[str] = set()  # nodes not in ``nodes`` holding a reservation (no AddLog)
         for r in reservations:
-            self.usage.setdefault(r.node, Usage()).add(r)
+            self._count(r)
         self._caching: dict[str, set[str]] = {}  # model/version -> nodes holding those weights
         for n in self.nodes:
             for w in n.cached:
@@ -317,6 +322,15 @@ class Placer(GroupPlacing):
         self._indexes: dict[tuple[str, int], ProfileIndex] = {}
         self._keys: dict[int, tuple[Profile, str]] = {}  # id(profile) -> (profile, its JSON)
         self._dry_of: str | None = None  # set on a without() placer: the model left out
+
+    def _count(self, r: Reservation) -> None:
+        """Add ``r`` to its node's usage; a node this placer does not know gets a usage without the
+        add log, and is remembered in ``_elsewhere`` (:meth:`without` looks there)."""
+        usage = self.usage.get(r.node)
+        if usage is None:
+            usage = self.usage[r.node] = Usage()
+            self._elsewhere.add(r.node)
+        usage.add(r)
 
     def without(self, model: str) -> Placer:
         """A dry-run placer: the same nodes and every reservation except ``model``'s, to ask where
@@ -335,7 +349,11 @@ class Placer(GroupPlacing):
         dry._adds = AddLog(holding={m: set(ns) for m, ns in self._holding.items() if m != model})
         dry._log, dry._holding, dry._keys, dry._dry_of = dry._adds.nodes, dry._adds.holding, dict(self._keys), model
         dry.usage = dict(self.usage)
-        touched = [k for k, u in self.usage.items() if model in u.by_model]
+        dry._elsewhere = self._elsewhere
+        # The model's holders, from the add log and the unknown nodes, not a walk over every usage
+        # (200 models explained at 5,000 nodes: 0.16 s of a 0.8 s full pass).
+        candidates = self._holding.get(model, set()) | self._elsewhere
+        touched = sorted(k for k in candidates if model in self.usage[k].by_model)
         for node_id in touched:
             known = node_id in self._by_id
             fresh = Usage(log=dry._adds, node=node_id) if known else Usage()
@@ -433,7 +451,7 @@ class Placer(GroupPlacing):
     def hold(self, reservations: Iterable[Reservation]) -> None:
         """Count ``reservations`` (replicas placed by someone else since this placer was built)."""
         for r in reservations:
-            self.usage.setdefault(r.node, Usage()).add(r)
+            self._count(r)
 
     def release(self, replicas: Iterable[tuple[str, str]]) -> None:
         """Stop counting the reservations of ``(node id, replica id)`` pairs (replicas deleted or
