@@ -74,17 +74,41 @@ def from_columns(cls: Callable[..., R], row: sa.Row[Any], **decoded: Any) -> R:
 
 
 def node_row(row: sa.Row[Any]) -> NodeRow:
-    """A ``nodes`` row as a :class:`NodeRow`."""
+    """A ``nodes`` row as a :class:`NodeRow`. Its JSON columns are parsed once per node while their
+    text stays the same (:data:`_NODE_STATES`: a pulse moves ``last_seen``, not them): the leader's
+    full read of 5,000 nodes parsed 20,000 JSON texts and 10,000 pydantic models, 0.32 s of the GIL
+    once a minute. The containers are the row's own; the pydantic objects in them are shared, and
+    nothing writes to those (changes go through ``model_copy`` and a store write)."""
+    text = "\x00".join((row.labels, row.inventory, row.engines, row.replicas, row.cached))
+    labels, inventory, engines, replicas, cached = _NODE_STATES.get(row.id, text, lambda _: _node_state(row))
     return from_columns(
         NodeRow,
         row,
         cordoned=bool(row.cordoned),
-        labels=json.loads(row.labels),
-        inventory=Inventory.model_validate_json(row.inventory),
-        engines=[EngineStatus.model_validate(e) for e in json.loads(row.engines)],
-        replicas=[ReplicaStatus.model_validate(r) for r in json.loads(row.replicas)],
-        cached=json.loads(row.cached),
+        labels=dict(labels),
+        inventory=inventory,
+        engines=list(engines),
+        replicas=list(replicas),
+        cached=list(cached),
     )
+
+
+_NodeState = tuple[dict[str, str], Inventory, list[EngineStatus], list[ReplicaStatus], list[str]]
+
+
+def _node_state(row: sa.Row[Any]) -> _NodeState:
+    return (
+        json.loads(row.labels),
+        Inventory.model_validate_json(row.inventory),
+        [EngineStatus.model_validate(e) for e in json.loads(row.engines)],
+        [ReplicaStatus.model_validate(r) for r in json.loads(row.replicas)],
+        json.loads(row.cached),
+    )
+
+
+def keep_node_states(ids: Collection[str]) -> None:
+    """Forget the parsed state of every node but ``ids`` (after a listing of every node)."""
+    _NODE_STATES.keep(ids)
 
 
 ROWS_PER_GENERATION = 32_768
@@ -160,6 +184,10 @@ class ParsedByName(Generic[V]):
         if len(self._kept) > len(names):
             kept = self._kept.copy()  # one C call: no other thread runs during it
             self._kept = {k: v for k, v in kept.items() if k in names}
+
+
+_NODE_STATES: ParsedByName[_NodeState] = ParsedByName()
+"""Each node's parsed JSON columns, by node id, while their text is the same (:func:`node_row`)."""
 
 
 def replica_row(row: sa.Row[Any]) -> ReplicaRow:

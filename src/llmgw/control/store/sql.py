@@ -38,6 +38,7 @@ from llmgw.control.store.codec import (
     explanation_summary,
     first_problems,
     heartbeat_values,
+    keep_node_states,
     node_row,
     replica_row,
     replica_values,
@@ -389,7 +390,9 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
     def list_nodes(self) -> list[NodeRow]:
         with self._tx() as conn:
             rows = conn.execute(sa.select(nodes_t).order_by(nodes_t.c.id)).all()
-        return [node_row(r) for r in rows]
+        nodes = [node_row(r) for r in rows]
+        keep_node_states([n.id for n in nodes])
+        return nodes
 
     def update_node(
         self, node: NodeRow, *, state: str | None = None, cordoned: bool | None = None
