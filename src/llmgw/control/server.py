@@ -501,7 +501,6 @@ async def serve(
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
                                      token_file=token_file, throttle=ui_throttle))
         apps += [
-            ("admin_listen", config.admin_listen, admin, None),
             (
                 "agent_listen",
                 config.agent_listen,
@@ -522,6 +521,9 @@ async def serve(
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
             apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
+        # The admin API last: its /api/v1/health answering means every listener is bound (init and
+        # the tests wait for it, then connect to the agent API: CI saw that refused in between).
+        apps.append(("admin_listen", config.admin_listen, admin, None))
         # the gateway's load, every second and at once when a model's first request is held
         reporter = LoadReporter(store, db, name, gateway[LOAD], kick=gateway.get(LOAD_KICK))
         # SIGTERM/SIGINT set ``stop`` from before the first listener answers: a signal that arrives
