@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
@@ -106,7 +107,7 @@ def _node_state(row: sa.Row[Any]) -> _NodeState:
     )
 
 
-def keep_node_states(ids: Collection[str]) -> None:
+def keep_node_states(ids: AbstractSet[str]) -> None:
     """Forget the parsed state of every node but ``ids`` (after a listing of every node)."""
     _NODE_STATES.keep(ids)
 
@@ -179,8 +180,9 @@ class ParsedByName(Generic[V]):
         self._kept[name] = (text, value)
         return value
 
-    def keep(self, names: Collection[str]) -> None:
-        """Forget every name but ``names`` (after a listing of all of them: the rest were deleted)."""
+    def keep(self, names: AbstractSet[str]) -> None:
+        """Forget every name but ``names`` (after a listing of all of them: the rest were deleted).
+        A set (or a dict's keys): each kept name is looked up in it (5,000 names in a list: 197 ms)."""
         if len(self._kept) > len(names):
             kept = self._kept.copy()  # one C call: no other thread runs during it
             self._kept = {k: v for k, v in kept.items() if k in names}

@@ -391,7 +391,7 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         with self._tx() as conn:
             rows = conn.execute(sa.select(nodes_t).order_by(nodes_t.c.id)).all()
         nodes = [node_row(r) for r in rows]
-        keep_node_states([n.id for n in nodes])
+        keep_node_states({n.id for n in nodes})
         return nodes
 
     def update_node(
@@ -532,7 +532,7 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         with self._tx() as conn:
             rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
         out = {r.model: self._summaries.get(r.model, r.body, explanation_summary) for r in rows}
-        self._summaries.keep(out)
+        self._summaries.keep(out.keys())
         return out
 
     def delete_explanation(self, model: str) -> None:
