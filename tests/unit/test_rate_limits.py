@@ -160,13 +160,23 @@ class Env:
     def chat(self, key: str | None, model: str = "gemma", text: str = "hi", **extra: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         body = {"model": model, "messages": [{"role": "user", "content": text}], **extra}
-        seen = len(self.exchanges)
         r = httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers)
-        for _ in range(100):  # its exchange is observed once the server finished it, just after the client
-            if len(self.exchanges) > seen:
-                break
-            time.sleep(0.02)
+        self.exchange(r)
         return r
+
+    def exchange(self, r: httpx.Response, within_s: float = 5.0) -> Exchange:
+        """The exchange of the request ``r`` answered, once the gateway's loop has handed it to ``observe``.
+
+        ``observe`` runs on the server thread's loop just after the handler returns, so the client can
+        hold its answer first; and an earlier request's exchange (another test's too) can land after
+        this one was sent: it is picked by its ``x-request-id``, never as ``exchanges[-1]``."""
+        rid = r.headers["x-request-id"]
+        deadline = time.monotonic() + within_s
+        while not (mine := [e for e in list(self.exchanges) if e.request_id == rid]):
+            assert time.monotonic() < deadline, f"the exchange of request {rid} not recorded within {within_s} s"
+            time.sleep(0.01)
+        (ex,) = mine
+        return ex
 
 
 ROWS = [
@@ -209,8 +219,8 @@ def test_rate_limited_key_gets_429_in_openai_shape(env: Env) -> None:
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(r.headers["Retry-After"]) <= 60
     assert r.headers["x-ratelimit-limit-requests"] == "2"
-    assert env.exchanges[-1].code == "rate_limit_exceeded"
-    assert env.exchanges[-1].key == "limited"
+    assert env.exchange(r).code == "rate_limit_exceeded"
+    assert env.exchange(r).key == "limited"
     client = openai.OpenAI(base_url=f"{env.url}/v1", api_key="sk-limited", max_retries=0)
     with pytest.raises(openai.RateLimitError):
         client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}])
@@ -301,9 +311,7 @@ def test_request_id_on_every_response_and_sent_to_the_engine(env: Env) -> None:
 
 
 def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCaptureFixture) -> None:
-    env.exchanges.clear()
-    env.chat("sk-file", text="my secret prompt sk-limited", stream=True)
-    ex = env.exchanges[-1]
+    ex = env.exchange(env.chat("sk-file", text="my secret prompt sk-limited", stream=True))
     with caplog.at_level(logging.INFO, logger="llmgw.access"):
         log_exchange(ex)
     line = caplog.records[-1].getMessage()
