@@ -314,7 +314,9 @@ def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCap
     ex = env.exchange(env.chat("sk-file", text="my secret prompt sk-limited", stream=True))
     with caplog.at_level(logging.INFO, logger="llmgw.access"):
         log_exchange(ex)
-    line = caplog.records[-1].getMessage()
+    # only this logger's: the caplog handler also takes what the server thread logs meanwhile
+    (record,) = [r for r in caplog.records if r.name == "llmgw.access"]
+    line = record.getMessage()
     assert f"request_id={ex.request_id} key=keys-file kind=chat model=gemma replica=r-a status=200 stream=true" in line
     assert "prompt_tokens=5 completion_tokens=4" in line
     assert "secret" not in line
