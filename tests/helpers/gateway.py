@@ -73,7 +73,8 @@ def fake_llama(
 
     ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
     gateway) closes the connection first, as llama-server then stops generating; ``slow-plain``
-    does the same for a non-streamed answer (it watches the connection while it "generates").
+    does the same for a non-streamed answer (it watches the connection while it "generates"), and
+    first appends ``"generating"``, so a test knows the request reached it.
     """
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -96,6 +97,8 @@ def fake_llama(
             answer["choices"][0]["message"]["content"] = json.dumps(body)
             return web.json_response(answer)
         if text == "slow-plain":
+            if notes is not None:
+                notes.append("generating")
             for _ in range(500):
                 await asyncio.sleep(0.02)
                 if request.transport is None or request.transport.is_closing():

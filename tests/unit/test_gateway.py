@@ -476,14 +476,21 @@ def test_client_going_away_closes_the_replica_request(env: Env) -> None:
     with socket.create_connection((host, int(port))) as s:
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + f"Authorization: Bearer {KEY}\r\nX-Request-Id: abandoned-plain\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        time.sleep(0.2)
+        # leave only once the engine has the request: a fixed 0.2 s could end before the gateway
+        # forwarded it, and the cancelled handler never reached the engine
+        deadline = time.monotonic() + 5
+        while not env.notes:
+            assert time.monotonic() < deadline, "the engine did not get the request within 5 s"
+            time.sleep(0.02)
     deadline = time.monotonic() + 5
-    while not env.notes and time.monotonic() < deadline:
+    while len(env.notes) < 2:
+        assert time.monotonic() < deadline, f"the engine did not see its client leave within 5 s: {env.notes}"
         time.sleep(0.02)
-    assert env.notes == ["aborted"]
+    assert env.notes == ["generating", "aborted"]
     assert [e.status for e in _recorded(env, lambda e: not e.stream, 1)] == [499]
 
 
