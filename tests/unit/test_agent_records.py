@@ -51,6 +51,16 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
+def _children(proc: subprocess.Popen[bytes], within_s: float = 10.0) -> list[psutil.Process]:
+    """``proc``'s children, once the shell has forked them: a fixed sleep before reading them (or
+    before signalling a shell whose ``trap`` comes first) was a guess a loaded machine can miss."""
+    deadline = time.monotonic() + within_s
+    while not (children := psutil.Process(proc.pid).children()):
+        assert time.monotonic() < deadline, f"the shell {proc.pid} started no child within {within_s} s"
+        time.sleep(0.01)
+    return children
+
+
 def record_for(proc: subprocess.Popen[bytes], rid: str = "r1", **kw: object) -> ReplicaRecord:
     p = psutil.Process(proc.pid)
     fields: dict[str, object] = {
@@ -126,9 +136,7 @@ def test_stop_all_engines_stops_recorded_groups_only(
     # The engine and a child of it in its group (vLLM keeps workers there).
     engine = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
     try:
-        time.sleep(0.2)
-        members = psutil.Process(engine.pid).children()
-        assert members
+        members = _children(engine)
         write_record(tmp_path, record_for(engine, "e1"))
         write_record(tmp_path, record_for(sleeper, "stranger", create_time=0.0))
         assert stop_all_engines(tmp_path, grace_s=5) == [engine.pid]
@@ -146,7 +154,7 @@ def test_sigkill_after_grace(tmp_path: Path) -> None:
     stubborn = subprocess.Popen(
         ["sh", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], start_new_session=True
     )
-    time.sleep(0.2)
+    _children(stubborn)  # its trap is set: the shell forks only after it
     started = time.monotonic()
     assert stop_process_group(stubborn.pid, grace_s=0.5, reap=False)
     assert stubborn.wait(timeout=5) == -9
