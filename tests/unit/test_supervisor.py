@@ -212,10 +212,10 @@ def test_killed_child_is_restarted(manager: SupervisorManager) -> None:
 def test_failing_program_gives_up_after_the_start_limit(manager: SupervisorManager) -> None:
     manager.install("mirror", unit("import sys; sys.exit(1)", extra="StartLimitBurst=3\n"))
     manager.start("mirror")
-    wait_for(
-        "the supervisor to give up",
-        lambda: manager.status("mirror").state == "failed" and read_pid(manager.files("mirror").pid) is None,
-    )
+    # Its last line comes after the final state is written. "failed" alone is not the end (a live
+    # supervisor's "restarting" reads as failed), nor is the pid file gone (the final state comes after).
+    wait_for("the supervisor to give up", lambda: "supervisor exits: failed" in manager.logs("mirror"))
+    assert read_pid(manager.files("mirror").pid) is None
     st = manager.status("mirror")
     assert st.restarts == 2
     assert "exit code 1" in st.detail
@@ -226,7 +226,9 @@ def test_failing_program_gives_up_after_the_start_limit(manager: SupervisorManag
 def test_clean_exit_ends_the_supervisor(manager: SupervisorManager) -> None:
     manager.install("agent", unit("print('done')"))
     manager.start("agent")
-    wait_for("the clean end", lambda: read_pid(manager.files("agent").pid) is None)
+    # not the pid file's removal: the supervisor writes its final state just after, then this line
+    wait_for("the clean end", lambda: "supervisor exits: stopped" in manager.logs("agent"))
+    assert read_pid(manager.files("agent").pid) is None
     st = manager.status("agent")
     assert (st.state, st.restarts, st.detail) == ("stopped", 0, "exit code 0")
 
