@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def install(root: Path, name: str, code: str) -> None:
     SupervisorManager(Paths.from_env(root)).install(name, body)
 
 
+def logs_saying(root: Path, name: str, text: str, within_s: float = 10.0) -> str:
+    """``service logs NAME -n 5`` once it shows ``text``. ``start`` returns when the supervisor has
+    launched the program, which prints only after its interpreter has started: reading the log at
+    once could come first."""
+    deadline = time.monotonic() + within_s
+    while True:
+        code, out = llmgw(root, "logs", name, "-n", "5")
+        assert code == 0, out
+        if text in out:
+            return out
+        assert time.monotonic() < deadline, f"{text!r} not in {name}'s log within {within_s} s: {out}"
+        time.sleep(0.05)
+
+
 def test_status_of_a_fresh_root(root: Path) -> None:
     code, out = llmgw(root, "status", "--json")
     assert code == 0
@@ -67,9 +82,7 @@ def test_start_status_logs_stop(root: Path) -> None:
     pid = row["pid"]
     assert psutil.pid_exists(pid)
 
-    code, out = llmgw(root, "logs", "agent", "-n", "5")
-    assert code == 0
-    assert "hello from the service" in out
+    logs_saying(root, "agent", "hello from the service")
 
     code, out = llmgw(root, "stop")
     assert code == 0
@@ -86,8 +99,7 @@ def test_a_service_may_be_named_as_status_shows_it(root: Path) -> None:
     install(root, "agent", SLEEPER)
     code, out = llmgw(root, "start", "llmgw-agent")
     assert code == 0, out
-    code, out = llmgw(root, "logs", "llmgw-agent.service", "-n", "5")
-    assert (code, "hello from the service" in out) == (0, True), out
+    logs_saying(root, "llmgw-agent.service", "hello from the service")
     code, out = llmgw(root, "stop", "llmgw-agent")
     assert out.splitlines() == ["stopped llmgw-agent"]
 
