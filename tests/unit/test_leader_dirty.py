@@ -1,6 +1,7 @@
 """The leader's dirty passes (reconcile/view.py): marks written with the change, on any control
 plane, read and consumed by the next pass, which does the same work a full pass would for what
-changed; a path that marks nothing is caught by the full resync; a new leader starts full.
+changed; a path that marks nothing is caught by the parts each reads again (view.Roll) or the
+full resync; a new leader starts full.
 
 Real stores (SQLite and PostgreSQL, the ``store`` fixture), real heartbeat writes; no mocks.
 """
@@ -12,7 +13,8 @@ import pytest
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.placement.checks import Reservation
 from llmgw.control.placement.placer import Placer
-from llmgw.control.reconcile.leader import Leader
+from llmgw.control.reconcile.leader import DEFAULT_INTERVAL_S, Leader
+from llmgw.control.reconcile.view import ROLL_PARTS, ROLL_S, Roll, View
 from llmgw.control.store import Store, open_store
 from llmgw.control.store.rows import BeatWrite
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
@@ -115,6 +117,46 @@ def test_a_write_that_marks_nothing_is_seen_at_the_full_resync(store: Store) -> 
     assert leader.reconcile_once(101.0, dirty=True).created == []
     res = leader.reconcile_once(100.0 + leader.resync_s, dirty=True)
     assert len(res.created) == 1
+
+
+def test_a_write_that_marks_nothing_is_seen_within_the_roll_by_dirty_passes(store: Store) -> None:
+    """A replica deleted and a node's row changed without a mark: read again by the parts of the
+    passes that follow, within ROLL_S and without a full pass."""
+    leader = cluster(store, lost_after_s=1000)
+    view = leader._view
+    assert view is not None
+    full_at = view.full_at
+    r = store.list_replicas(model="a")[0]
+    store.delete_replica(r.id)  # no mark
+    created: list[str] = []
+    t = 101.0
+    while not created:
+        assert t < 101.0 + ROLL_S, "not read again within ROLL_S"
+        created = leader.reconcile_once(t, dirty=True).created
+        t += DEFAULT_INTERVAL_S
+    assert len(created) == 1
+    assert leader._view is view  # dirty passes only
+    assert view.full_at == full_at
+
+
+def test_the_parts_cover_every_row_once_per_roll_and_passes_within_a_slot_read_none() -> None:
+    """Roll: 30 timed passes 2 s apart read each of 1,000 nodes and 50 models exactly once, about a
+    thirtieth each; passes closer than a slot read nothing; a long gap reads everything."""
+    nodes = {f"node-{i}": None for i in range(1000)}
+    models = {f"model-{i}": None for i in range(50)}
+    view = View(nodes, models, {}, {}, full_at=0.0)  # type: ignore[arg-type]
+    roll = Roll()
+    roll.start(1000.0)
+    seen: list[str] = []
+    sizes = []
+    for k in range(1, ROLL_PARTS + 1):
+        assert roll.due(view, 1000.0 + k * 2.0 - 0.5) == ([], [])  # a burst's pass within the slot
+        got_nodes, got_models = roll.due(view, 1000.0 + k * 2.0)
+        seen += got_nodes + got_models
+        sizes.append(len(got_nodes))
+    assert sorted(seen) == sorted([*nodes, *models])  # every row once
+    assert max(sizes) < 3 * 1000 / ROLL_PARTS  # spread: no part holds much more than its share
+    assert roll.due(view, 1000.0 + 2 * ROLL_S) == (list(nodes), list(models))  # a gap of a whole roll
 
 
 def test_a_new_leader_starts_with_a_full_pass(store: Store) -> None:

@@ -17,8 +17,8 @@ takes full collections out of the allocator's hands and freezes what survives ea
   frozen that quarter is of a small figure, so at 5,000 nodes full collections came every ~8 s
   (121 of 50 ms or more in a 17-minute bench/scale.py run, the longest 254 ms: the heartbeat p99).
 - What a full collection walks is what was promoted since the last and is still alive, and at 5,000
-  nodes that stops growing within two minutes: the leader's view of every node, rebuilt by each
-  full pass (:data:`llmgw.control.reconcile.view.RESYNC_S`; ~100,000 objects: a ``NodeRow``,
+  nodes that stops growing within two minutes: the leader's view of every node, each row read
+  again within a minute (:data:`llmgw.control.reconcile.view.ROLL_S`; ~100,000 objects: a ``NodeRow``,
   ``NodeInfo``, ``Usage``, ``Inventory``... per node), and each idle keep-alive connection's last
   request (aiohttp's ``RequestHandler.start`` keeps it in its locals until the next, ~45 objects,
   so it lives a beat interval). Both are freed by reference count, not by the collector: counted

@@ -22,7 +22,8 @@ loop: it is I/O only). The pass itself never does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order (a *dirty* pass, what the loop runs
 between full ones, reads only what changed and visits only the models that may need work:
-:mod:`.view` says how, and why a full pass comes every :data:`~.view.RESYNC_S`):
+:mod:`.view` says how, how each also reads a part of the view's rows again, and why a full pass
+comes every :data:`~.view.RESYNC_S`):
 
 1. **Nodes**: a ``ready`` node whose last heartbeat is older than ``node_lost_after_s`` becomes
    ``lost`` (silence counts from this leader's first pass at the earliest, so a control plane
@@ -97,7 +98,7 @@ from llmgw.control.reconcile.autoscale import FRESH_S, wanted_replicas
 from llmgw.control.reconcile.probe import EngineProbe, probe_engine
 from llmgw.control.reconcile.restarts import BACKOFF_RESET_S, Carry
 from llmgw.control.reconcile.specs import new_replica_id, spec_hash, spec_hashes
-from llmgw.control.reconcile.view import RESYNC_S, View
+from llmgw.control.reconcile.view import RESYNC_S, Roll, View
 from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.offloop import OffLoop, run_off
 from llmgw.control.store.rows import DecisionRow, DirtyRead, GatewayLoadRow
@@ -167,7 +168,8 @@ class Leader:
         db: the pool :meth:`run` runs passes on (default: the loop's default executor).
         coalesce_s: :data:`COALESCE_S`.
         min_gap_s: :data:`MIN_GAP_S`.
-        resync_s: seconds between full passes when the loop runs (:data:`~.view.RESYNC_S`).
+        resync_s: seconds between full passes when the loop runs (:data:`~.view.RESYNC_S`); the dirty
+            passes between read the view's rows again in parts (:class:`~.view.Roll`).
     """
 
     store: Store
@@ -188,6 +190,8 @@ class Leader:
     _view: View | None = field(default=None, init=False)
     #: (at, the ids silent_nodes gave then).
     _silent: tuple[float, list[str]] = field(default_factory=lambda: (-1.0, []), init=False)
+    #: which of the view's rows each dirty pass reads again (view.py, "Rolling re-reads").
+    _roll: Roll = field(default_factory=Roll, init=False)
     #: nodes whose rows changed under the last pass: read them again.
     _reread: set[str] = field(default_factory=set, init=False)
     #: suspects() read for a full pass.
@@ -338,7 +342,9 @@ class Leader:
         if self._first_pass is None:
             self._first_pass = now
         if dirty and self._view is not None:
-            got, view = self.store.read_dirty(nodes=[*self._silent_ids(now), *reread]), self._view
+            view = self._view
+            roll_nodes, roll_models = self._roll.due(view, now)
+            got = self.store.read_dirty(nodes=[*self._silent_ids(now), *reread, *roll_nodes], models=roll_models)
             view.apply(got)
             checked = [n for n in (got.nodes[k] for k in sorted(got.nodes)) if n is not None]
             for name in (k for k, v in got.models.items() if v is None):
@@ -346,6 +352,7 @@ class Leader:
         else:
             got, view = self._read_full(now)
             self._view = view
+            self._roll.start(now)
             checked = [view.nodes[k] for k in sorted(view.nodes)]
             for stale in set(self.store.explanation_summaries()) - set(view.models):
                 self.store.delete_explanation(stale)

@@ -18,20 +18,32 @@ building it over every node again; a node whose filters' fields moved (lost, cor
 or engines), a node added or removed, builds a new one. Changes are applied when a pass needs
 the placer, so passes that place nothing touch it not at all.
 
-Why a full resync at all, and why every 60 s: the marks are written in the same transaction as the
-change, so none is lost while the store works; the resync bounds what could still drift (a write
-path that forgot to mark, an explanation whose other nodes' verdicts moved: a model not visited
-keeps the explanation of the last pass that visited it) to a minute, and its cost (a full pass is
-seconds at 5,000 nodes: bench/leader_pass.py) at a few percent of one core. A new leader (another
-control plane taking over, a restart) starts with a full pass; a pass that raised drops the view,
-so the next one is full.
+**Rolling re-reads.** Each dirty pass also reads again a part of the rows the view holds (:class:`Roll`):
+the nodes and models whose id falls in the parts of :data:`ROLL_PARTS` due since the last pass, one
+part every :data:`ROLL_S` / :data:`ROLL_PARTS` seconds, with their replicas (the same
+:meth:`~llmgw.control.store.base.Store.read_dirty`, asked for those ids). So every node, model and
+replica the view holds is read again within :data:`ROLL_S`, and every model is visited (its
+explanation's verdicts for other nodes made fresh) within it, in parts of a thirtieth: the
+once-a-minute full pass this replaced was the heartbeat tail at 5,000 nodes (its full read and
+pass, 0.3-0.7 s of the GIL on a worker thread, every 60 s: docs/install.md, "where the remaining
+tail sits").
 
-What it does not guarantee: a row changed by a path that marks nothing is seen at the next
-resync; an explanation's verdicts for other nodes may be up to :data:`RESYNC_S` old.
+Why re-read at all: the marks are written in the same transaction as the change, so none is lost
+while the store works; the re-reads bound what could still drift (a write path that forgot to mark,
+an explanation whose other nodes' verdicts moved: a model not visited keeps the explanation of the
+last pass that visited it) to :data:`ROLL_S`. What a part cannot find is a row the view does not
+hold and no mark names (a node or model inserted by a path that marks nothing): a **full pass**
+every :data:`RESYNC_S` reads every row for that. A new leader (another control plane taking over, a
+restart) starts with a full pass; a pass that raised drops the view, so the next one is full.
+
+What it does not guarantee: a row changed by a path that marks nothing is seen within
+:data:`ROLL_S` (a new one within :data:`RESYNC_S`); an explanation's verdicts for other nodes may be
+up to :data:`ROLL_S` old.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -42,8 +54,17 @@ from llmgw.control.placement.placer import Placer
 from llmgw.control.store import ModelRow, NodeRow, ReplicaRow, Store
 from llmgw.control.store.rows import DirtyRead
 
-#: Seconds between full passes (module docstring: why 60).
-RESYNC_S = 60.0
+#: Seconds within which a dirty pass has read again every node and model the view holds, with their
+#: replicas, and visited every model (module docstring: the full pass's old period).
+ROLL_S = 60.0
+
+#: The parts those rows are read in: one part every ``ROLL_S / ROLL_PARTS`` = 2 s, a timed pass's
+#: interval (``leader.DEFAULT_INTERVAL_S``), so each timed pass reads about a thirtieth.
+ROLL_PARTS = 30
+
+#: Seconds between full passes: only a row the view does not hold and no mark names waits for one
+#: (module docstring).
+RESYNC_S = 600.0
 
 
 @dataclass
@@ -172,3 +193,50 @@ class View:
     def touch_models(self, names: Collection[str]) -> None:
         """The reservations of these models' replicas may have changed (their GGUF facts did)."""
         self.pending |= {r.id for r in self.replicas.values() if r.model in names}
+
+
+@dataclass
+class Roll:
+    """Which rows of the view a dirty pass reads again (module docstring, "Rolling re-reads").
+
+    Time is cut in slots of ``roll_s / parts`` seconds; slot ``k`` is part ``k % parts``, and a
+    row's part is the CRC-32 of its id modulo ``parts`` (stable across passes and control planes).
+    A pass reads the parts of every slot since the last pass's, all of them when ``parts`` slots or
+    more went by. Passes closer than a slot (a burst's wakes) read none: the work per minute does not
+    grow with the number of passes.
+
+    Attributes:
+        roll_s: seconds within which every row is read again (:data:`ROLL_S`).
+        parts: :data:`ROLL_PARTS`.
+        slot: the last slot read (None: none yet; :meth:`start` sets it at a full pass).
+    """
+
+    roll_s: float = ROLL_S
+    parts: int = ROLL_PARTS
+    slot: int | None = None
+
+    def start(self, now: float) -> None:
+        """A full pass read everything at ``now`` (unix seconds): the next parts are those after it."""
+        self.slot = self._slot(now)
+
+    def due(self, view: View, now: float) -> tuple[list[str], list[str]]:
+        """The node ids and model names of ``view`` to read again at ``now``, and take them as read."""
+        slot, last = self._slot(now), self.slot
+        if last is None:
+            self.slot = slot
+            return [], []
+        if slot <= last:  # within the last pass's slot (or the clock stepped back): nothing new
+            return [], []
+        self.slot = slot
+        if slot - last >= self.parts:
+            return list(view.nodes), list(view.models)
+        want = {k % self.parts for k in range(last + 1, slot + 1)}
+        return ([k for k in view.nodes if self.part(k) in want],
+                [k for k in view.models if self.part(k) in want])
+
+    def part(self, key: str) -> int:
+        """The part ``key`` (a node id or model name) is read in: 0 to ``parts - 1``."""
+        return zlib.crc32(key.encode()) % self.parts
+
+    def _slot(self, now: float) -> int:
+        return int(now // (self.roll_s / self.parts))

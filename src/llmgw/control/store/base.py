@@ -321,8 +321,9 @@ class Store(abc.ABC):
         """Mark ``nodes`` and ``models`` changed for the leader's next pass (for writes that do not mark)."""
 
     @abc.abstractmethod
-    def read_dirty(self, *, nodes: Collection[str] = ()) -> DirtyRead:
-        """Every mark, with the marked nodes (and ``nodes``), models and their replicas as stored now."""
+    def read_dirty(self, *, nodes: Collection[str] = (), models: Collection[str] = ()) -> DirtyRead:
+        """Every mark, with the marked nodes (and ``nodes``), models (and ``models``) and their
+        replicas as stored now (one transaction)."""
 
     @abc.abstractmethod
     def forget_changes(self, ids: Collection[int]) -> None:

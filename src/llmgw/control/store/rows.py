@@ -311,7 +311,7 @@ class DirtyRead:
         change_ids: the ``changes`` rows read (delete them once the pass is done:
             :meth:`~llmgw.control.store.base.Store.forget_changes`).
         nodes: every node marked or asked for, as stored now (None: removed).
-        models: every model marked, as stored now (None: deleted, or unreadable).
+        models: every model marked or asked for, as stored now (None: deleted, or unreadable).
         replicas: the replicas on those nodes (head or member), of those models, and every group
             replica, as stored now.
     """

@@ -99,11 +99,11 @@ class SqlChanges(SqlPart):
         with self._tx() as conn:
             return list(conn.scalars(sa.select(c.id).where(c.state == "ready", c.last_seen < before).order_by(c.id)))
 
-    def read_dirty(self, *, nodes: Collection[str] = ()) -> DirtyRead:
+    def read_dirty(self, *, nodes: Collection[str] = (), models: Collection[str] = ()) -> DirtyRead:
         with self._tx() as conn:
             marks = conn.execute(sa.select(changes_t.c.id, changes_t.c.kind, changes_t.c.key)).all()
             node_ids = {m.key for m in marks if m.kind == "node"} | set(nodes)
-            names = {m.key for m in marks if m.kind == "model"}
+            names = {m.key for m in marks if m.kind == "model"} | set(models)
             got: dict[str, NodeRow | None] = dict.fromkeys(node_ids)
             for part in _chunks(node_ids):
                 for r in conn.execute(sa.select(nodes_t).where(nodes_t.c.id.in_(part))):
