@@ -46,7 +46,10 @@ engines simulated by their reports). For each N, in order:
 ``cp_rss_mib_<phase>`` the largest in each);
 ``sim_cpu_cores`` this process's own CPU over the steady phase (it must not starve the control plane
 on a 2-core machine), ``sim_loop_lag_*_p99_ms`` its own event loop's lag in the steady phase and
-the burst (what of a heartbeat's latency is the simulator's own wait, not the control plane's).
+the burst (what of a heartbeat's latency is the simulator's own wait, not the control plane's;
+``..._max_ms`` the longest), ``sim_gc_pause_max_ms_*`` its longest garbage collection there (its full
+collections are off once the fleet is up: :class:`scale_fleet.SimGc`). With ``--logs DIR``, each
+control plane's log and every burst beat (``burst-beats-N.tsv``: wall time sent, ms, pulse or not).
 With several ``--agents``, ``cp_cpu_cores_per_1000_nodes`` at each N and a
 straight line through them (least squares, ``cores = a + b × N``) read at 20,000 nodes.
 Figures last, one ``name: value`` per line, each run's labelled with its N.
@@ -79,7 +82,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from gateway_overhead import _spawn  # noqa: E402
 from scale_cp import ControlPlane, installs  # noqa: E402
-from scale_fleet import Fleet, SimAgent, issue_certs, loop_lag  # noqa: E402
+from scale_fleet import Fleet, SimAgent, SimGc, issue_certs, loop_lag  # noqa: E402
 from tests.helpers.control import TOKEN  # noqa: E402
 
 from llmgw.control.api.cadence import interval_for, lost_after_for  # noqa: E402
@@ -398,6 +401,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
     fleet = Fleet([i.agent_url for i in insts], inst.paths.pki / "ca.pem", f"127.0.0.1:{up_port}", GW_MODEL)
     fleet.jitter = not args.no_backoff_jitter
     fleet.keepalive_s = args.keepalive_s
+    sim_gc = SimGc(fleet)
     try:
         async with httpx.AsyncClient(base_url=inst.admin, headers=auth, timeout=120) as client:
             await asyncio.gather(*(c.start() for c in cps))
@@ -449,6 +453,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
                 run.reached = ready_nodes
                 return
             # Steady.
+            sim_gc.quiet()  # the simulator's own full collections off from here (SimGc)
             await asyncio.sleep(args.settle_s)
             enter("steady", fleet, cps)
             say(n, "steady")
@@ -467,6 +472,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["heartbeat_steady_p50_ms"] = pct(steady, 50)
             f["heartbeat_steady_p99_ms"] = pct(steady, 99)
             f["sim_loop_lag_steady_p99_ms"] = pct(lags.get("steady", []), 99)
+            f["sim_loop_lag_steady_max_ms"] = max(lags.get("steady", [0.0]))
+            f["sim_gc_pause_max_ms_steady"] = sim_gc.longest_ms("steady")
             f["load_average_1m_steady"] = os.getloadavg()[0]
             f["cp_cpu_cores_per_1000_nodes"] = f["cp_cpu_cores"] / n * 1000
             f["interval_s"] = fleet.records.interval_s
@@ -502,6 +509,11 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             if ready_s is None:
                 run.failures.append("the burst's replicas were not all ready in time")
             burst = [b.ms for b in fleet.records.beats.get("burst", [])]
+            if args.logs is not None:  # each burst beat: wall time sent, ms, pulse (to line up with the logs)
+                args.logs.mkdir(parents=True, exist_ok=True)
+                off = time.time() - time.monotonic()
+                (args.logs / f"burst-beats-{n}.tsv").write_text("".join(
+                    f"{b.at + off:.3f}\t{b.ms:.1f}\t{int(b.pulse)}\n" for b in fleet.records.beats.get("burst", [])))
             f["heartbeats_in_burst"] = len(burst)
             f["heartbeat_burst_p50_ms"] = pct(burst, 50)
             f["heartbeat_p99_ms"] = pct(burst, 99)
@@ -513,6 +525,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["heartbeat_burst_pulse_p99_ms"] = pct(pulses, 99)
             f["heartbeat_burst_full_p99_ms"] = pct(fulls, 99)
             f["sim_loop_lag_burst_p99_ms"] = pct(lags.get("burst", []), 99)
+            f["sim_loop_lag_burst_max_ms"] = max(lags.get("burst", [0.0]))
+            f["sim_gc_pause_max_ms_burst"] = sim_gc.longest_ms("burst")
             f["load_average_1m_burst"] = os.getloadavg()[0]
             if args.stop_after == "burst":
                 return
@@ -552,6 +566,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["added_p50_ms"] = added(d_run, g_run)
             f["load_average_1m"] = os.getloadavg()[0]
     finally:
+        sim_gc.close()
         for task in tasks:
             task.cancel()
         await fleet.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import ssl
 import time
@@ -319,3 +320,53 @@ async def loop_lag(fleet: Fleet, out: dict[str, list[float]]) -> None:
         t = time.monotonic()
         await asyncio.sleep(LAG_EVERY_S)
         out.setdefault(fleet.records.phase, []).append((time.monotonic() - t - LAG_EVERY_S) * 1000)
+
+
+#: Collections of the simulator's own heap at least this long (ms) are recorded (:class:`SimGc`).
+SIM_GC_MS = 20.0
+
+
+class SimGc:
+    """The simulator's own garbage collections, so its pauses are not read as the control plane's.
+
+    5,000 simulated agents are a large heap in this process: one full collection stopped its loop
+    for ~650 ms in a burst (2026-12-04, seen as 3 beats in flight for 660 ms, then none sent for
+    that time and ~40 sent at once on its end, the next 50-90 ms queued behind each other: the
+    burst's p99 was those ~50 beats). :meth:`quiet` is called once the fleet is up: it collects,
+    freezes the survivors (``gc.freeze()``) and stops automatic full collections (the third
+    threshold), as the control plane does for itself (:mod:`llmgw.control.gcpauses`); young
+    generations are still collected. Every collection of :data:`SIM_GC_MS` or more is recorded by
+    phase (``pauses``: phase -> [(generation, ms)]).
+    """
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.pauses: dict[str, list[tuple[int, float]]] = {}
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def quiet(self) -> None:
+        """Collect now, freeze what survives, and leave full collections off from here on."""
+        gc.collect()
+        gc.freeze()
+        g0, g1, _ = gc.get_threshold()
+        gc.set_threshold(g0, g1, 1_000_000_000)
+
+    def close(self) -> None:
+        """Stop recording; the interpreter's thresholds back (frozen objects stay frozen)."""
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+        g0, g1, _ = gc.get_threshold()
+        gc.set_threshold(g0, g1, 10)
+
+    def longest_ms(self, phase: str) -> float:
+        """The longest collection recorded in ``phase`` (ms; 0.0: none of :data:`SIM_GC_MS` or more)."""
+        return max((ms for _, ms in self.pauses.get(phase, [])), default=0.0)
+
+    def _on_gc(self, what: str, info: dict[str, int]) -> None:
+        if what == "start":
+            self._started = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._started) * 1000
+        if ms >= SIM_GC_MS:
+            self.pauses.setdefault(self.fleet.records.phase, []).append((info["generation"], ms))
