@@ -86,8 +86,36 @@ def test_the_how_to_ask_step_alone_names_the_model_and_the_gateway(tmp_path: Pat
     token = ctx.paths.server_config.parent / "admin-token"
     assert f"Dashboard: http://127.0.0.1:9090/ui/ (log in with the token in {token};" in text
     ctx2, out2 = context(tmp_path)
+    ctx2.admin_transport = models_answer([])
     howto.run(ctx2, "", 3.0)
     assert out2.getvalue().endswith("No model is served yet: add one with 'llmgw ctl' once a node has joined.\n")
+
+
+def models_answer(models: list[dict[str, Any]]) -> httpx.MockTransport:
+    """The admin API answering GET /api/v1/models with ``models`` (the control plane is not run here)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/api/v1/models", request.url
+        return httpx.Response(200, json=models)
+
+    return httpx.MockTransport(handler)
+
+
+def test_a_second_init_whose_starter_was_skipped_names_the_chat_model_already_serving(tmp_path: Path) -> None:
+    """A later ``server init --offline`` skips the default starter (not in the mirror) while the
+    first run's starter serves: the end names that one, not "no model is served" (a new user's
+    report). Guard models and models with no ready replica are not offered."""
+    ctx, out = context(tmp_path)
+    pki.run(ctx)  # the admin token the client sends
+    serveryaml.run(ctx)
+    ctx.admin_transport = models_answer([
+        {"name": "a-judge", "role": "guard", "replicas_ready": 1},
+        {"name": "b-idle", "role": "chat", "replicas_ready": 0},
+        {"name": "gemma", "role": "chat", "replicas_ready": 1},
+    ])
+    howto.run(ctx, "", 3.0)
+    text = out.getvalue()
+    assert "No model is served yet" not in text
+    assert '"model": "gemma"' in text
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,25 @@ def test_status_of_a_fresh_root(root: Path) -> None:
     assert "supervisor" in out
 
 
+def test_start_with_no_names_starts_every_installed_service_in_order(root: Path) -> None:
+    """What ``service stop`` with no names stopped, ``service start`` with none starts again: the
+    installed ones only, the mirror before the agent (a new user's report: it wanted names)."""
+    code, out = llmgw(root, "start")
+    assert code != 0
+    assert "no llmgw service is installed" in out
+    assert "llmgw server init" in out
+    install(root, "agent", SLEEPER)
+    install(root, "mirror", SLEEPER)
+    code, out = llmgw(root, "start")
+    assert code == 0, out
+    assert [line.split(" (")[0] for line in out.splitlines()] == ["started llmgw-mirror", "started llmgw-agent"]
+    code, out = llmgw(root, "stop")
+    assert code == 0, out
+    code, out = llmgw(root, "start")
+    assert code == 0, out
+    assert [line.split(" (")[0] for line in out.splitlines()] == ["started llmgw-mirror", "started llmgw-agent"]
+
+
 def test_start_status_logs_stop(root: Path) -> None:
     install(root, "agent", SLEEPER)
     code, out = llmgw(root, "start", "agent")

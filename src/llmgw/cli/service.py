@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 
 from llmgw.cli.common import cli_errors, console, paths, table
+from llmgw.errors import ServiceError
 from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
-from llmgw.service.units import SERVICES, installed_services, service_name, unit_name
+from llmgw.service.units import SERVICES, installed_services, service_name, startable_services, unit_name
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -72,10 +73,21 @@ def status(
 
 @app.command()
 @cli_errors
-def start(names: Names) -> None:
-    """Start services (systemd also enables them); a running one is left as it is."""
+def start(
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(help=f"Services ({', '.join(SERVICES)}, and patroni where installed); every installed "
+                       "one when none are given (patroni, mirror, server, agent).", show_default=False),
+    ] = None,
+) -> None:
+    """Start services (systemd also enables them); a running one is left as it is. With no names,
+    every installed service, each after those it needs (what ``service stop`` with no names stopped)."""
     manager = _manager()
-    for name in _names(names):
+    todo = [service_name(n) for n in names] if names else startable_services(paths())
+    if not todo:
+        raise ServiceError(f"no llmgw service is installed under {paths().root}: run 'llmgw server init' first "
+                           "(a node: 'llmgw server add-node' on the control plane, docs/operating.md)")
+    for name in todo:
         started = manager.start(name)
         if started:
             wait_up(manager, name, probe=probe_for(paths(), name, manager))

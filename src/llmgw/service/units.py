@@ -104,6 +104,17 @@ def installed_services(paths: Paths) -> list[str]:
     return [*SERVICES, *(s for s in HA_SERVICES if paths.unit(s).exists())]
 
 
+#: The order ``service start`` starts every installed service in when given no names: the database
+#: member before its control plane, the mirror and the control plane before the agent that uses them.
+START_ORDER = ("patroni", "mirror", "server", "agent")
+
+
+def startable_services(paths: Paths) -> list[str]:
+    """What ``service start`` starts when given no names: each service whose unit is installed
+    (``paths.unit``; init writes them for systemd and the supervisor alike), in :data:`START_ORDER`."""
+    return [s for s in START_ORDER if paths.unit(s).exists()]
+
+
 def _escape(word: str, *, dollar: bool = True) -> str:
     """One word for a unit line: ``%`` and (for ExecStart) ``$`` doubled, quoted when it has spaces."""
     out = word.replace("%", "%%")

@@ -3,14 +3,18 @@ no model is served yet, what to do next."""
 
 from __future__ import annotations
 
+from llmgw.catalog import Role
+from llmgw.errors import LlmgwError
 from llmgw.serverinit.steps.context import InitContext, connect_url
-from llmgw.serverinit.wait import format_duration
+from llmgw.serverinit.wait import PROBE_TIMEOUT_S, format_duration
 
 
 def run(ctx: InitContext, served: str, took_s: float) -> None:
-    """Print how to ask the gateway for ``served`` (a model name; ``""`` when none), and how long
-    init took (``took_s``, seconds)."""
+    """Print how to ask the gateway for ``served`` (a model name; ``""`` when this run's starter
+    was skipped: then a chat model the catalog already serves, from an earlier init or an operator,
+    :func:`serving_chat_model`), and how long init took (``took_s``, seconds)."""
     out = ctx.out
+    served = served or serving_chat_model(ctx)
     url = connect_url(ctx.config().gateway.listen)
     root = f"--root {ctx.paths.root} " if ctx.paths.prefixed else ""
     print(f"\nllmgw is ready (init took {format_duration(took_s)}).", file=out)
@@ -31,6 +35,17 @@ def run(ctx: InitContext, served: str, took_s: float) -> None:
         f"and use this machine's address.",
         file=out,
     )
+
+
+def serving_chat_model(ctx: InitContext) -> str:
+    """The first (by name) chat model of the catalog with a ready replica; ``""`` when there is
+    none or the control plane does not answer (within :data:`PROBE_TIMEOUT_S`)."""
+    try:
+        models = ctx.admin(PROBE_TIMEOUT_S).models()
+    except LlmgwError:
+        return ""
+    ready = sorted(m.name for m in models if m.role in ("", Role.CHAT) and m.replicas_ready > 0)
+    return ready[0] if ready else ""
 
 
 def dashboard(ctx: InitContext) -> None:
