@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from llmgw.cli.main import app
 from llmgw.control.gateway.app import _parse
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
@@ -85,3 +88,12 @@ def test_every_judge_503_says_when_to_retry(kind: str, want: int) -> None:
     assert r.extra is not None
     assert r.extra["retry_after_s"] == want
     assert call.headers["Retry-After"] == str(want)
+
+
+def test_chat_refuses_an_empty_model_name(tmp_path: Path) -> None:
+    """``llmgw chat --model ""`` used the default model silently (a new user's report): now a usage
+    error (exit 2) before any request, naming the option and where the names are."""
+    r = CliRunner().invoke(app, ["--root", str(tmp_path), "chat", "--model", " ", "hi"])
+    assert r.exit_code == 2, r.output
+    assert "--model" in r.output
+    assert "llmgw ctl models" in r.output

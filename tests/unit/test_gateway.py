@@ -279,6 +279,19 @@ def test_bad_body_400(env: Env, body: bytes, code: str) -> None:
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("messages", "said"),
+    [(None, "'messages' is required"), ("hi", "not a str"), ([], "not an empty list")],
+)
+def test_messages_of_the_wrong_type_say_what_was_sent(env: Env, messages: Any, said: str) -> None:
+    """A string where the list goes is not reported as missing (a new user's report)."""
+    body = {"model": "g"} if messages is None else {"model": "g", "messages": messages}
+    r = env.post(body)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_messages"
+    assert said in r.json()["error"]["message"]
+
+
 def test_unknown_path_and_method_are_openai_errors(env: Env) -> None:
     r = httpx.post(f"{env.url}/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404

@@ -273,6 +273,16 @@ def test_the_cli_refuses_it_and_writes_nothing(tmp_path: Path) -> None:
     assert written(root) == []
 
 
+def test_cpus_below_one_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    """``--cpus 0`` was accepted and silently ignored (a new user's report)."""
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--host", "127.0.0.1", "--cpus", "0")
+    assert code == 2, out
+    assert "--cpus" in out
+    assert "greater than or equal to 1" in out, out
+    assert written(root) == []
+
+
 def test_a_starter_alias_equal_to_its_name_is_refused_by_the_cli_before_anything_is_written(tmp_path: Path) -> None:
     """The real CLI in a child process (issue 19, item 17): ``--starter-alias`` equal to the
     starter's name used to pass every check, set up the control plane, the mirror and the starter's

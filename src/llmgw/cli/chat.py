@@ -40,6 +40,9 @@ def chat(
     """Ask the gateway one question and print the answer as it streams."""
     from llmgw import client
 
+    if model is not None and not model.strip():
+        raise typer.BadParameter("an empty model name: leave --model out for the default, or see 'llmgw ctl models'",
+                                 param_hint="--model")
     target = client.resolve_target(paths(), server=server, key=key)
     name = model or client.default_model(target.base_url, target.key)
     for delta in client.stream_chat(target.base_url, target.key, name, message, max_tokens=max_tokens):

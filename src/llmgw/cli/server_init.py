@@ -29,7 +29,9 @@ def init(
         typer.Option("--host", help="A name or address of this machine for the certificate (repeatable); "
                      "the first is the one nodes use."),
     ] = None,
-    cpus: Annotated[int | None, typer.Option(help="Cores to plan with (default: all of this machine's).")] = None,
+    cpus: Annotated[
+        int | None, typer.Option(min=1, help="Cores to plan with (default: all of this machine's).")
+    ] = None,
     offline: Annotated[bool, typer.Option(help="Never download: skip what is not carried in.")] = False,
     no_node: Annotated[bool, typer.Option("--no-node", help="Do not make this machine a node.")] = False,
     no_guard_model: Annotated[

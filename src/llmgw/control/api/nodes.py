@@ -107,7 +107,8 @@ async def must_node(ctx: AdminContext, node_id: str) -> NodeRow:
     """The node ``node_id``; else 404 ``node_not_found``."""
     node = await ctx.db.read(ctx.store.get_node, node_id)
     if node is None:
-        raise HttpError(404, "node_not_found", f"no node '{node_id}'; list them with GET /api/v1/nodes")
+        raise HttpError(404, "node_not_found",
+                        f"no node '{node_id}'; list them with 'llmgw ctl nodes' (GET /api/v1/nodes)")
     return node
 
 

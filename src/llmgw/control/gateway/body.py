@@ -84,8 +84,12 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     field = endpoint.text_field
     value = body.get(field)
     if field == "messages":
-        if not isinstance(value, list) or not value:
+        if value is None:
             raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
+        if not isinstance(value, list) or not value:
+            got = "an empty list" if isinstance(value, list) else f"a {type(value).__name__}"
+            raise HttpError(400, "invalid_messages", f"'messages' must be a non-empty list of messages, "
+                            f'not {got} (e.g. [{{"role": "user", "content": "hi"}}])')
     elif not (isinstance(value, str) or (isinstance(value, list) and value)):
         raise HttpError(
             400, f"invalid_{field}",
