@@ -44,6 +44,9 @@ def test_create_list_rotate_revoke_through_the_cli(cp: Install) -> None:
     secret = next(ln for ln in out.splitlines() if ln.startswith("sk-llmgw-"))
     assert len(secret) == 9 + 43
     assert "not shown again" in out
+    # neither model is in this catalog: said, and the key kept (a new user's report)
+    assert "!! no model or alias 'chat' in the catalog yet" in out
+    assert "!! no model or alias 'gemma' in the catalog yet" in out
     code, out = _ctl(cp, "key", "ls", "--json")
     (key,) = json.loads(out)
     assert key["prefix"] == secret[:16]
@@ -81,6 +84,24 @@ def test_create_list_rotate_revoke_through_the_cli(cp: Install) -> None:
     code, out = _ctl(cp, "usage", "--json")
     assert code == 0
     assert json.loads(out) == []
+
+
+def test_a_key_limited_to_models_not_served_is_told_which_it_may_use(cp: Install) -> None:
+    """A key whose model list names nothing served gets a 404 that says what the key may use, not
+    "known models: (none yet)" (a new user's report)."""
+    code, out = _ctl(cp, "key", "create", "solo", "--models", "nosuch")
+    assert code == 0, out
+    assert "!! no model or alias 'nosuch' in the catalog yet" in out
+    secret = next(ln for ln in out.splitlines() if ln.startswith("sk-llmgw-"))
+    t0 = time.monotonic()
+    while _gateway_models(cp, secret).status_code != 200:  # the gateway reads stored keys every 0.5 s
+        assert time.monotonic() - t0 < 3
+        time.sleep(0.1)
+    chat = httpx.post(f"http://127.0.0.1:{cp.ports['gateway']}/v1/chat/completions",
+                      json={"model": "gemma", "messages": [{"role": "user", "content": "hi"}]},
+                      headers={"Authorization": f"Bearer {secret}"})
+    assert chat.status_code == 404
+    assert "none this key may use (it may use only nosuch" in chat.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

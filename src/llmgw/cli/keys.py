@@ -18,6 +18,7 @@ wrong), 3 the control plane does not answer.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -100,7 +101,22 @@ def create(
                          ("budget_period", budget_period), ("expires", expires), ("priority", priority)):
         if value is not None:
             spec[field] = value
-    _print_secret(_client(server, token).create_key(spec), as_json, "made")
+    client = _client(server, token)
+    _print_secret(client.create_key(spec), as_json, "made")
+    _warn_unknown_models(client, spec.get("models", []))
+
+
+def _warn_unknown_models(client: AdminClient, names: list[str]) -> None:
+    """Say on stderr which of a key's ``names`` the catalog has neither as a model nor as an alias
+    (the key is kept: the model may be added later; a typo shows here rather than as a 404 to its user)."""
+    if not names:
+        return
+    catalog = client.models()
+    known = {m.name for m in catalog} | {a for m in catalog for a in m.aliases}
+    for name in names:
+        if name not in known:
+            print(f"!! no model or alias '{name}' in the catalog yet: this key cannot use it until one is added "
+                  "(see 'llmgw ctl models')", file=sys.stderr)
 
 
 #: ``key set --clear`` names → the PATCH fields they null.
@@ -146,12 +162,14 @@ def set_limits(
             "nothing to change: give --rpm, --tpm, --budget-tokens/--budget-period, --models, --expires, "
             "--priority or --clear"
         )
-    k = _client(server, token).set_key(name, patch)
+    client = _client(server, token)
+    k = client.set_key(name, patch)
     if as_json:
         print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))
-        return
-    console().print(f"key '{k.name}': {_limits(k)}; models: {', '.join(k.models) or 'all'}; "
-                    f"priority: {k.priority}; expires: {_when(k.expires_at)}")
+    else:
+        console().print(f"key '{k.name}': {_limits(k)}; models: {', '.join(k.models) or 'all'}; "
+                        f"priority: {k.priority}; expires: {_when(k.expires_at)}")
+    _warn_unknown_models(client, patch.get("models") or [])
 
 
 @app.command("ls")

@@ -292,7 +292,9 @@ class _Gateway:
         return web.json_response(_model_object(route.model, route.created))
 
     def _not_found(self, name: str, caller: Caller) -> web.Response:
-        known = ", ".join(self._visible(caller)) or "(none yet)"
+        known = ", ".join(self._visible(caller)) or (
+            f"none this key may use (it may use only {', '.join(sorted(caller.models))}; see 'llmgw ctl key ls')"
+            if caller.models is not None else "(none yet)")
         return openai_error_json(404, "model_not_found", f"model '{name}' does not exist; known models: {known}")
 
     # -- chat, completions, embeddings ------------------------------------------------------------
