@@ -71,7 +71,8 @@ def test_add_through_a_running_mirror_then_ls_and_rm(tmp_path: pathlib.Path, wei
 
         code, out = llmgw("ls", "--api", mirror.api)
         assert code == 0, out
-        assert f"m/1\tpresent\tw.gguf\t{SHA[:16]}" in out
+        # the last column is the URL a model's source names (docs/operating.md; a new user found none)
+        assert f"m/1\tpresent\tw.gguf\t{SHA[:16]}\thttp://m.test:8081/m/1/w.gguf" in out
 
         code, out = llmgw("rm", "m", "1", "--api", mirror.api)
         assert code == 0, out

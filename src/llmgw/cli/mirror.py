@@ -201,7 +201,8 @@ def rm(
 @app.command("ls")
 @cli_errors
 def ls(api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082") -> None:
-    """Every model/version in the mirror: state, progress, sha256."""
+    """Every model/version in the mirror: state, file, sha256 (or progress, or the error), and the
+    URL nodes fetch it from (a model's ``source``)."""
     from llmgw.mirror.client import MirrorClient, local_token
 
     with MirrorClient(api, token=local_token(paths())) as client:
@@ -210,4 +211,4 @@ def ls(api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082") -> None:
         print("the mirror holds nothing yet")
     for st in rows:
         detail = st.sha256[:16] if st.state == "present" else (st.progress_text() if st.state == "fetching" else st.err)
-        print(f"{st.model}/{st.version}\t{st.state}\t{st.file}\t{detail}")
+        print(f"{st.model}/{st.version}\t{st.state}\t{st.file}\t{detail}\t{st.url}")
