@@ -34,7 +34,7 @@ import typer
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import cli_errors, console, fail, paths, table
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, LlmgwError
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
@@ -384,11 +384,42 @@ def model_add(
         }
     else:
         raise fail("give -f model.yaml, or at least --name and --source", 2)
-    data = _client(server, token).add_model(spec)
+    client = _client(server, token)
+    data = client.add_model(spec)
     if as_json:
         _print_json(data)
     else:
         print(f"added {data.name} (replicas {data.scaling_min}..{data.scaling_max})")
+    _warn_unreadable_source(client, data.name)
+
+
+#: Seconds ``ctl model add`` waits for the leader to read the new model's GGUF header (it does at
+#: the pass the add wakes, within about a second) before it stops looking.
+SOURCE_CHECK_S = 5.0
+
+
+def _warn_unreadable_source(client: AdminClient, name: str) -> None:
+    """Say on stderr when the control plane cannot read the GGUF header of ``name``'s source (a 404,
+    a file that is not GGUF, a mirror that does not answer): its replicas would fail to start. The
+    model stays added (the file may be carried in next); a typo shows here, not as a failed replica.
+    Only a profile without ``min_memory_gb`` has its header read (for the estimate), so only then is
+    there something to wait for (:data:`SOURCE_CHECK_S` at most)."""
+    deadline = time.monotonic() + SOURCE_CHECK_S
+    error = ""
+    try:
+        while True:
+            got = client.model_resources(name)
+            error = got.get("facts_error") or ""
+            waiting = got.get("facts") is None and any(p.get("memory_from") == "unknown" for p in got["profiles"])
+            if error or not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except LlmgwError:
+        return  # the add itself worked; the check is a courtesy
+    if error:
+        print(f"!! {name}: its source cannot be read as a GGUF file: {error}. Its replicas will fail until it can "
+              "(check the source against 'llmgw mirror ls'; fix it with 'llmgw ctl model rm' and add again)",
+              file=sys.stderr)
 
 
 @model_app.command("set-profiles")
