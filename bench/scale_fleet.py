@@ -343,21 +343,21 @@ class SimGc:
         self.fleet = fleet
         self.pauses: dict[str, list[tuple[int, float]]] = {}
         self._started = 0.0
+        self._threshold = gc.get_threshold()  # the interpreter's, put back by close()
         gc.callbacks.append(self._on_gc)
 
     def quiet(self) -> None:
         """Collect now, freeze what survives, and leave full collections off from here on."""
         gc.collect()
         gc.freeze()
-        g0, g1, _ = gc.get_threshold()
+        g0, g1, _ = self._threshold
         gc.set_threshold(g0, g1, 1_000_000_000)
 
     def close(self) -> None:
         """Stop recording; the interpreter's thresholds back (frozen objects stay frozen)."""
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
-        g0, g1, _ = gc.get_threshold()
-        gc.set_threshold(g0, g1, 10)
+        gc.set_threshold(*self._threshold)
 
     def longest_ms(self, phase: str) -> float:
         """The longest collection recorded in ``phase`` (ms; 0.0: none of :data:`SIM_GC_MS` or more)."""

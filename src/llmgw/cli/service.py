@@ -73,15 +73,9 @@ def status(
 
 @app.command()
 @cli_errors
-def start(
-    names: Annotated[
-        list[str] | None,
-        typer.Argument(help=f"Services ({', '.join(SERVICES)}, and patroni where installed); every installed "
-                       "one when none are given (patroni, mirror, server, agent).", show_default=False),
-    ] = None,
-) -> None:
+def start(names: OptionalNames = None) -> None:
     """Start services (systemd also enables them); a running one is left as it is. With no names,
-    every installed service, each after those it needs (what ``service stop`` with no names stopped)."""
+    every installed service, each after those it needs (what 'service stop' with no names stopped)."""
     manager = _manager()
     todo = [service_name(n) for n in names] if names else startable_services(paths())
     if not todo:
