@@ -32,6 +32,9 @@ from llmgw.tlsconf import CA
 from tests.helpers import lanes
 from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
 
+#: Each test's CPU seconds, with LLMGW_TEST_CPU=<file> (:mod:`tests.helpers.cputime`).
+pytest_plugins = ("tests.helpers.cputime",)
+
 TRUST_PREFIX = "llmgw-tests-trust-"
 
 
@@ -140,16 +143,18 @@ def store(store_url: str) -> Iterator[Store]:
 
 #: The slowest test files, longest first (``.ci/run``'s ``--durations`` on 2 cores; a file's total of
 #: setup and calls). ``scripts/test`` runs files in parallel workers (pytest-xdist, ``--dist loadfile``:
-#: a file's module fixtures are set up once, on one worker, and the first files are dealt to the
-#: workers in turn); these go first so that no worker starts a long file near the end while the
-#: others idle (longest-processing-time-first scheduling), and the two longest ``timed`` files land
-#: on different lanes. Files not named keep their order after them. A stale entry is harmless.
+#: a file's module fixtures are set up once, on one worker, and the files are dealt to the workers
+#: in this order: ``--no-loadscope-reorder``, else xdist deals the files with the most tests first);
+#: these go first so that no worker starts a long file near the end while the others idle
+#: (longest-processing-time-first scheduling). Files not named keep their order after them. A stale
+#: entry is harmless. The ``timed`` and ``ha`` files are dealt to lanes by tests/helpers/lanes.py.
 SLOW_FILES_FIRST = (
     "tests/ha/test_failover.py",
     "tests/e2e/test_routing_e2e.py",
     "tests/ha/test_orphan.py",
     "tests/ha/test_frozen_lock.py",
     "tests/e2e/test_init_ha.py",
+    "tests/e2e/test_scale_bench.py",
     "tests/e2e/test_init.py",
     "tests/e2e/test_init_rejoin.py",
     "tests/e2e/test_init_llama_server.py",
