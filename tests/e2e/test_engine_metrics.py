@@ -21,6 +21,7 @@ from llmgw.protocol import ReplicaState, ReplicaStatus
 from tests.conftest import Assets
 from tests.helpers.control import make_install, serving
 from tests.helpers.net import free_port
+from tests.helpers.processes import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -49,8 +50,7 @@ def engine(assets: Assets) -> Iterator[str]:
         assert r.status_code == 200, r.text
         yield f"127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc)
 
 
 async def test_llama_server_metrics_reach_the_control_planes_page(engine: str, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
 from tests.helpers.gateway import ServerThread, fake_llama
 from tests.helpers.net import free_port
+from tests.helpers.processes import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -87,8 +88,7 @@ def env(assets: Assets) -> Iterator[Env]:
         servers.run(guard.client.close())
     finally:
         servers.close()
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc)
 
 
 def test_plain_request_is_judged_in_and_out(env: Env) -> None:

@@ -31,6 +31,7 @@ from tests.conftest import Assets
 from tests.e2e.test_guard_e2e import wait_ready
 from tests.helpers.gateway import JUDGE_KEY, FakeJudge, ServerThread
 from tests.helpers.net import free_port
+from tests.helpers.processes import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -84,8 +85,7 @@ def env(assets: Assets) -> Iterator[Env]:
     finally:
         servers.close()
         for p in (engine, small_judge):
-            p.terminate()
-            p.wait(10)
+            stop_process(p)
 
 
 def _chat(env: Env, messages: list[dict[str, Any]], model: str = "gemma") -> httpx.Response:

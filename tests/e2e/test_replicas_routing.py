@@ -30,6 +30,7 @@ from llmgw.views import ROUTING_SCOPE
 from tests.conftest import Assets
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install
 from tests.helpers.net import free_port
+from tests.helpers.processes import stop_process
 from tests.unit.test_ctl_model_rm import ThreadedControlPlane
 
 pytestmark = pytest.mark.e2e
@@ -123,12 +124,7 @@ def world(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             yield World(inst, sorted(specs))
         finally:
             for proc in engines:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc)
 
 
 def _healthy(endpoint: str) -> bool:

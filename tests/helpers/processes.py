@@ -19,6 +19,20 @@ LISTEN_FLAGS = ("--admin-listen", "--agent-listen", "--gateway-listen", "--mirro
 """``server init``'s one flag per port."""
 
 
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10) -> None:
+    """SIGTERM ``proc``, and SIGKILL it if it is still running after ``grace_s`` seconds; reaped either
+    way. For a test's own llama-server: one that had a burst of requests cut short can hang in its
+    shutdown (seen 2026-12-04 after tests/e2e/test_guard_e2e.py: a fixture's ``wait(10)`` raised and
+    the llama-server was still there 12 minutes later, every thread waiting on a futex), which is not
+    what the tests are about."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def llmgw(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``python -m llmgw ARGS`` with ``LLMGW_ROOT=root``; text output captured, never raises on exit code."""
     env = {**os.environ, "LLMGW_ROOT": str(root)}
