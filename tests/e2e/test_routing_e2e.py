@@ -31,6 +31,7 @@ from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
 from tests.helpers.gateway import ServerThread
 from tests.helpers.net import free_port
+from tests.helpers.processes import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -126,7 +127,7 @@ def world(assets: Assets) -> Iterator[World]:
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(10)
+            stop_process(p)
 
 
 def test_a_conversation_stays_on_one_replica_on_both_control_planes(world: World) -> None:
@@ -165,7 +166,7 @@ def _burst(world: World, model: str, n: int) -> tuple[list[httpx.Response], Coun
     sampler.start()
     try:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            bodies = [_chat(model, [f"Burst {i}: count to five."], max_tokens=24) for i in range(n)]
+            bodies = [_chat(model, [f"Burst {i}: count to five."], max_tokens=12) for i in range(n)]
             results = list(pool.map(lambda b: ask(world.urls[0], b), bodies))
     finally:
         stop.set()
