@@ -48,6 +48,7 @@ from llmgw.protocol import (
 from tests.helpers.control import TOKEN as HELPER_TOKEN
 from tests.helpers.control import make_install, start_server_run, wait_admin_health
 from tests.helpers.postgres import Cluster
+from tests.helpers.waits import until
 
 TOKEN = "admin-token-for-tests"
 GB = 1_000_000_000
@@ -305,7 +306,8 @@ class CountingLeader(Leader):
 
 async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(store: Store) -> None:
     """50 wakes (say 50 model adds) within ~0.5 s: the leader coalesces them (COALESCE_S, MIN_GAP_S);
-    the bound is loose on purpose (a loaded machine stretches the burst), the point is not 50."""
+    the bounds are loose on purpose (a loaded machine stretches the burst, a starved one may run its
+    first pass after the last wake: one pass), the point is not 50."""
     db = OffLoop(workers=2)
     leader = CountingLeader(store, node_lost_after_s=30, db=db, interval_s=60)
     stop = asyncio.Event()
@@ -314,8 +316,14 @@ async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(store
         for _ in range(50):
             leader.wake()
             await asyncio.sleep(0.01)
+        # At least one pass (bounded: a starved machine may run it late, and then all 50 wakes are
+        # coalesced into it), then time for the passes the burst's later wakes may still cause.
+        async def passed() -> bool:
+            return leader.passes >= 1
+
+        await until("the leader's first pass", passed, within_s=30, every_s=0.05)
         await asyncio.sleep(1.5)
-        assert 2 <= leader.passes <= 6
+        assert 1 <= leader.passes <= 6
     finally:
         stop.set()
         await asyncio.wait_for(running, GATE_TIMEOUT_S)
