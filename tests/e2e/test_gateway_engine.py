@@ -26,6 +26,7 @@ from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.conftest import Assets
 from tests.helpers.control import TOKEN, heartbeat, make_install, start_server_run, wait_admin_health
 from tests.helpers.net import free_port
+from tests.helpers.processes import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -118,12 +119,7 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         for proc, grace in ((engine, 10), (server, 15)):
             if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc, grace)
         log.close()
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -19,7 +20,7 @@ LISTEN_FLAGS = ("--admin-listen", "--agent-listen", "--gateway-listen", "--mirro
 """``server init``'s one flag per port."""
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10) -> None:
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10) -> None:
     """SIGTERM ``proc``, and SIGKILL it if it is still running after ``grace_s`` seconds; reaped either
     way. For a test's own llama-server: one that had a burst of requests cut short can hang in its
     shutdown (seen 2026-12-04 after tests/e2e/test_guard_e2e.py: a fixture's ``wait(10)`` raised and
