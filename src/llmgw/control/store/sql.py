@@ -575,15 +575,11 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         return LeaderRow(int(row.term), row.holder, row.since, row.renewed_at)
 
     def take_term(self, holder: str, *, now: float) -> int:
+        bump = (cp_leader_t.update().where(cp_leader_t.c.id == 1)
+                .values(term=cp_leader_t.c.term + 1, holder=holder, since=now, renewed_at=now)
+                .returning(cp_leader_t.c.term))
         with self._wtx() as conn:
-            return int(
-                conn.execute(
-                    cp_leader_t.update()
-                    .where(cp_leader_t.c.id == 1)
-                    .values(term=cp_leader_t.c.term + 1, holder=holder, since=now, renewed_at=now)
-                    .returning(cp_leader_t.c.term)
-                ).scalar_one()
-            )
+            return int(conn.execute(bump).scalar_one())
 
     def upsert_control_plane(self, row: ControlPlaneRow) -> None:
         values = {"agent_url": row.agent_url, "last_seen": row.last_seen, "started_at": row.started_at,
