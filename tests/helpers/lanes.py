@@ -17,24 +17,27 @@ import os
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-#: Seconds each file of the ``timed`` and ``ha`` tests takes in CI (the lanes' part of ``.ci/run``'s
-#: ``--durations``, setup and teardown included: its 30 longest on 2026-12-04, plus a few seconds
-#: for a file's shorter tests). A file not named counts :data:`UNKNOWN_S`; a stale figure only
-#: unbalances the lanes.
+#: Seconds each file of the ``timed`` and ``ha`` tests takes in CI, setup and teardown included (the
+#: lanes' part of ``.ci/run``'s ``--durations`` on 2026-12-04 18:34, and ``LLMGW_TEST_CPU``'s wall
+#: column, tests/helpers/cputime.py, of a run at 18:51). A file not named counts :data:`UNKNOWN_S`; a
+#: stale figure only unbalances the lanes (the figures before these, from test_routing_e2e at 145 s,
+#: left one lane ~250 s and the other ~210 s).
 FILE_S = {
-    "tests/e2e/test_routing_e2e.py": 145,
-    "tests/ha/test_failover.py": 134,
-    "tests/ha/test_orphan.py": 68,
-    "tests/ha/test_frozen_lock.py": 41,
-    "tests/e2e/test_service_restart.py": 36,
-    "tests/unit/test_autoscale_cluster.py": 28,
-    "tests/e2e/test_processes.py": 15,
-    "tests/e2e/test_adoption.py": 13,
-    "tests/unit/test_election.py": 12,
-    "tests/e2e/test_replicas_routing.py": 12,
-    "tests/unit/test_key_set.py": 7,
+    "tests/ha/test_failover.py": 132,
+    "tests/e2e/test_routing_e2e.py": 95,
+    "tests/ha/test_orphan.py": 64,
+    "tests/ha/test_frozen_lock.py": 40,
+    "tests/e2e/test_service_restart.py": 38,
+    "tests/unit/test_autoscale_cluster.py": 27,
+    "tests/unit/test_election.py": 15,
+    "tests/e2e/test_replicas_routing.py": 11,
+    "tests/unit/test_gateway_routing.py": 7,
     "tests/unit/test_gateway_reload.py": 7,
-    "tests/unit/test_gateway_routing.py": 6,
+    "tests/e2e/test_adoption.py": 7,
+    "tests/unit/test_judge_admission.py": 6,
+    "tests/unit/test_key_set.py": 5,
+    "tests/e2e/test_processes.py": 4,
+    "tests/unit/test_fair_queue.py": 1,
 }
 UNKNOWN_S = 5
 #: Set (to the lane count) by ``scripts/test`` for its second part: then :class:`LaneScheduling`
