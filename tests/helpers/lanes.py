@@ -18,8 +18,8 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 #: Seconds each file of the ``timed`` and ``ha`` tests takes in CI, setup and teardown included (the
-#: lanes' part of ``.ci/run``'s ``--durations`` on 2026-12-04 18:34, and ``LLMGW_TEST_CPU``'s wall
-#: column, tests/helpers/cputime.py, of a run at 18:51). A file not named counts :data:`UNKNOWN_S`; a
+#: lanes' part of ``.ci/run``'s ``--durations`` on 2026-12-04 18:33, and ``LLMGW_TEST_CPU``'s wall
+#: column, tests/helpers/cputime.py, of a run at 18:23). A file not named counts :data:`UNKNOWN_S`; a
 #: stale figure only unbalances the lanes (the figures before these, from test_routing_e2e at 145 s,
 #: left one lane ~250 s and the other ~210 s).
 FILE_S = {
