@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,15 +20,20 @@ from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
 from llmgw.service.units import SERVICES, installed_services, service_name, startable_services, unit_name
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from llmgw.paths import Paths
+
 app = typer.Typer(
     no_args_is_help=True,
     help="The control plane, agent and mirror as services: systemd's, or llmgw's own supervisor.",
 )
 
-def _names(given: list[str] | None) -> list[str]:
+def _names(given: list[str] | None, every: Callable[[Paths], list[str]] = installed_services) -> list[str]:
     """Each name as :func:`service_name` reads it (``llmgw-agent`` is ``agent``); with none given,
-    every installed service (:func:`installed_services`)."""
-    return [service_name(n) for n in given] if given else installed_services(paths())
+    ``every(paths)``: every installed service (:func:`installed_services`) unless said otherwise."""
+    return [service_name(n) for n in given] if given else every(paths())
 
 
 Names = Annotated[
@@ -77,7 +82,7 @@ def start(names: OptionalNames = None) -> None:
     """Start services (systemd also enables them); a running one is left as it is. With no names,
     every installed service, each after those it needs (what 'service stop' with no names stopped)."""
     manager = _manager()
-    todo = [service_name(n) for n in names] if names else startable_services(paths())
+    todo = _names(names, every=startable_services)
     if not todo:
         raise ServiceError(f"no llmgw service is installed under {paths().root}: run 'llmgw server init' first "
                            "(a node: 'llmgw server add-node' on the control plane, docs/operating.md)")
