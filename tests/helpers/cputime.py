@@ -13,6 +13,7 @@ children it waited for (``getrusage``): a detached process is not counted.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import resource
@@ -70,7 +71,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write the cgroups' usage, one line per test (see :func:`pytest_runtest_protocol`)."""
+    """Write the cgroups' usage, one line per test (see :func:`pytest_runtest_protocol`), and remove
+    the groups."""
     path = os.environ.get(ENV)
     if not path or not _groups:
         return
@@ -78,3 +80,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         for nodeid, group, wall, began in _groups:
             cpu = int((group / "cpuacct.usage").read_text()) / 1e9
             out.write(f"{nodeid}\t{cpu:.2f}\t{wall:.2f}\t{began:.1f}\n")
+    # Back to the root group, then the tests' groups removed; one a leftover process still holds
+    # (a test that leaked a child) stays, and names that test's process in its cgroup.procs.
+    with contextlib.suppress(OSError):
+        (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+    for _, group, _, _ in _groups:
+        with contextlib.suppress(OSError):
+            group.rmdir()
