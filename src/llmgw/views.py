@@ -162,6 +162,9 @@ class ExplainView(BaseModel):
     would_fit_if: list[str] = Field(default_factory=list)  # what would let one more replica fit
     # the newest replica this leader placed, and where: "placed on node-b (profile cpu; weights m/1 in its cache)"
     last_placed: str = ""
+    # replicas placed whose engine failed, read when asked: "r-1a2b on node-a: <the engine's error>"; a
+    # placed model can still serve nothing, and this says so (``llmgw ctl logs`` shows the whole log)
+    failed: list[str] = Field(default_factory=list)
 
 
 class ModelView(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -181,6 +182,16 @@ async def test_nodes_replicas_explain_and_restart(client: TestClient[Any, Any], 
     ex = await (await client.get("/api/v1/explain-placement?model=chat", headers=AUTH)).json()
     assert ex["placed"] is True
     assert ex["summary"] == "1/1 replicas placed on node-a"
+    assert ex["failed"] == []
+
+    # placed, then its engine fails: the explanation (the leader's, from before) says so when read
+    (row,) = store.list_replicas(model="chat")
+    store.update_replica(
+        replace(row, state="failed", err="llama-server exited with status 1\nerror: unknown model architecture")
+    )
+    ex = await (await client.get("/api/v1/explain-placement?model=chat", headers=AUTH)).json()
+    assert ex["placed"] is True
+    assert ex["failed"] == [f"{row.id} on node-a: llama-server exited with status 1"]
 
     resp = await client.post(f"/api/v1/replicas/{rep['id']}/restart", headers=AUTH)
     assert resp.status == 202

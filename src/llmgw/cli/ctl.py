@@ -252,6 +252,8 @@ def explain_placement(
             print(ex.summary)
         if ex.last_placed:
             print(f"newest replica: {ex.last_placed}")
+        for line in ex.failed:
+            print(f"placed but its engine failed: {line} (its log: 'llmgw ctl logs {line.split()[0]}')")
         if ex.rejections:
             t = table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex.rejections:

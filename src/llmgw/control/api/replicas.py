@@ -180,7 +180,22 @@ async def explain(request: web.Request) -> web.Response:
         wanted=row.model.scaling.min,
         summary="not evaluated yet: the leader looks at new models within a few seconds",
     )
+    # The explanation is the leader's, from its last pass; whether a placed replica's engine failed
+    # since is the store's now (the node reports it), so it is read here.
+    replicas = await ctx.db.read(lambda: ctx.store.list_replicas(model=row.name))
+    view.failed = [failed_line(r) for r in replicas if r.state == ReplicaState.FAILED]
     return _json(view.model_dump(mode="json"))
+
+
+#: Characters of a failed engine's error an explanation quotes (its first line; the log has the rest).
+FAILED_ERR_CHARS = 200
+
+
+def failed_line(row: ReplicaRow) -> str:
+    """``"r-1a2b on node-a: <the first line of its error>"`` for a replica whose engine failed."""
+    err = (row.err or row.last_error).strip().splitlines()
+    first = err[0][:FAILED_ERR_CHARS] if err else "no error reported"
+    return f"{row.id} on {row.node}: {first}"
 
 
 #: The replicas' routes.
