@@ -283,6 +283,35 @@ def test_cpus_below_one_is_refused_and_nothing_written(tmp_path: Path) -> None:
     assert written(root) == []
 
 
+def test_cpus_above_the_machines_cores_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    """``--cpus 99999`` was accepted: init wrote the install, started the services and waited ~90 s
+    for a starter planned for more cores than the node has (a new user's report, 2026-12-04)."""
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--host", "127.0.0.1", "--cpus", str((os.cpu_count() or 1) + 1))
+    assert code == 2, out
+    assert f"this machine has {os.cpu_count()} cores" in out, out
+    assert written(root) == []
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--gateway-listen", "127.0.0.1:99999", "'127.0.0.1:99999' has port 99999, outside 1..65535"),
+    ("--admin-listen", "localhost", "'localhost' is not HOST:PORT or :PORT"),
+    ("--mirror-listen", ":0", "':0' has port 0, outside 1..65535"),
+])
+def test_a_listen_flag_that_is_not_an_address_is_refused_naming_it(
+    tmp_path: Path, flag: str, value: str, says: str
+) -> None:
+    """``--gateway-listen 127.0.0.1:99999`` ended in a traceback from the port check (a new user's
+    report, 2026-12-04): now exit 2 naming the flag, and nothing written."""
+    root = tmp_path / "root"
+    code, out = init_cli(root, "--host", "127.0.0.1", flag, value)
+    assert code == 2, out
+    assert f"Invalid value for '{flag}'" in out, out
+    assert says in " ".join(out.replace("│", " ").split()), out  # Rich wraps the message in a box
+    assert "Traceback" not in out
+    assert written(root) == []
+
+
 def test_a_starter_alias_equal_to_its_name_is_refused_by_the_cli_before_anything_is_written(tmp_path: Path) -> None:
     """The real CLI in a child process (issue 19, item 17): ``--starter-alias`` equal to the
     starter's name used to pass every check, set up the control plane, the mirror and the starter's

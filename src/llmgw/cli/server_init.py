@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,37 @@ STARTER_HELP = "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.
 """``--starter-source``'s default as its help names it: :data:`llmgw.serverinit.plan.STARTER_SOURCE`,
 written out so that building the command tree does not import the catalog (0.2 s) for every
 ``llmgw`` run; tests/unit/test_cli_startup.py holds the two equal."""
+
+
+def _listen(value: str) -> str:
+    """A listen flag's value, checked before init starts (exit 2 naming the flag, not a traceback).
+
+    Raises:
+        typer.BadParameter: not ``HOST:PORT`` or ``:PORT``, or the port is outside 1..65535.
+    """
+    from llmgw.config import parse_listen
+
+    try:
+        parse_listen(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
+def _cpus(value: int | None) -> int | None:
+    """``--cpus``, at most this machine's logical cores: the starter's profile is planned with it,
+    and a profile asking for more cores than the node has is placed nowhere.
+
+    Raises:
+        typer.BadParameter: more cores than ``os.cpu_count()``.
+    """
+    have = os.cpu_count() or 1
+    if value is not None and value > have:
+        raise typer.BadParameter(
+            f"this machine has {have} cores; plan with at most that many (the starter's profile asks for "
+            "the cores given here, and a node with fewer never runs it)"
+        )
+    return value
 
 
 def _gpu_classes() -> list[str]:
@@ -30,7 +62,8 @@ def init(
                      "the first is the one nodes use."),
     ] = None,
     cpus: Annotated[
-        int | None, typer.Option(min=1, help="Cores to plan with (default: all of this machine's).")
+        int | None,
+        typer.Option(min=1, callback=_cpus, help="Cores to plan with, at most this machine's (default: all of them)."),
     ] = None,
     offline: Annotated[bool, typer.Option(help="Never download: skip what is not carried in.")] = False,
     no_node: Annotated[bool, typer.Option("--no-node", help="Do not make this machine a node.")] = False,
@@ -59,11 +92,15 @@ def init(
         str, typer.Option(help="The judge's format when it is not a Qwen3Guard: llamaguard3 or prompted.")
     ] = "",
     node_id: Annotated[str, typer.Option(help="This node's id (default: the hostname).")] = "",
-    admin_listen: Annotated[str, typer.Option(help="Admin API address.")] = "127.0.0.1:9090",
-    agent_listen: Annotated[str, typer.Option(help="Agent API address (TLS).")] = ":7443",
-    gateway_listen: Annotated[str, typer.Option(help="Gateway address (OpenAI-compatible).")] = ":8080",
-    mirror_listen: Annotated[str, typer.Option(help="Mirror bytes address.")] = ":8081",
-    mirror_api_listen: Annotated[str, typer.Option(help="Mirror management API address.")] = "127.0.0.1:8082",
+    admin_listen: Annotated[str, typer.Option(callback=_listen, help="Admin API address.")] = "127.0.0.1:9090",
+    agent_listen: Annotated[str, typer.Option(callback=_listen, help="Agent API address (TLS).")] = ":7443",
+    gateway_listen: Annotated[
+        str, typer.Option(callback=_listen, help="Gateway address (OpenAI-compatible).")
+    ] = ":8080",
+    mirror_listen: Annotated[str, typer.Option(callback=_listen, help="Mirror bytes address.")] = ":8081",
+    mirror_api_listen: Annotated[
+        str, typer.Option(callback=_listen, help="Mirror management API address.")
+    ] = "127.0.0.1:8082",
     control_plane: Annotated[
         list[str] | None,
         typer.Option("--control-plane", help="HA: a control plane as NAME=HOST[:PORT] (PORT: PostgreSQL's, 5432; "
