@@ -124,6 +124,10 @@ async def test_models_crud(client: TestClient[Any, Any]) -> None:
         ({**MODEL, "profiles": [{"name": "cpu", "nodes": 0}]}, "profiles.0.nodes: Input should be greater than or equal to 1"),  # noqa: E501
         ({**MODEL, "profiles": [{"name": "cpu", "nodes": 17}]}, "profiles.0.nodes: Input should be less than or equal to 16"),  # noqa: E501
         ({**MODEL, "profiles": [{"name": "cpu", "env": {"LD_PRELOAD": "/x.so"}}]}, "profiles.0.env: Value error, LD_PRELOAD: only NCCL_*"),  # noqa: E501
+        # a new user's finding (2026-12-04): the control plane read file:/etc/shadow as root to estimate
+        # it (and quoted its first bytes), and every node then failed to download it, 6 tries each
+        ({**MODEL, "source": "file:/etc/shadow"}, "source: 'file:/etc/shadow' is not a URL nodes can download"),
+        ({**MODEL, "source": "hf:o/r/m.gguf"}, "source: 'hf:o/r/m.gguf' is not a URL nodes can download"),
     ],
 )
 async def test_invalid_model_is_400_naming_the_field(
@@ -132,6 +136,16 @@ async def test_invalid_model_is_400_naming_the_field(
     e = await err(await client.post("/api/v1/models", json=body, headers=AUTH), 400)
     assert e["code"] == "invalid_model"
     assert e["message"].startswith(field), e["message"]
+    assert (await client.get("/api/v1/models", headers=AUTH)).status == 200
+    assert await (await client.get("/api/v1/models", headers=AUTH)).json() == []  # nothing stored
+
+
+async def test_a_patch_to_a_file_source_is_refused(client: TestClient[Any, Any]) -> None:
+    assert (await client.post("/api/v1/models", json=MODEL, headers=AUTH)).status == 201
+    e = await err(await client.patch("/api/v1/models/chat", json={"source": "file:/srv/m.gguf"}, headers=AUTH), 400)
+    assert "put the weights in the mirror first ('llmgw mirror add FILE" in e["message"]
+    view = await (await client.get("/api/v1/models/chat", headers=AUTH)).json()
+    assert view["source"] == MODEL["source"]
 
 
 async def test_not_json_and_unknown_routes(client: TestClient[Any, Any]) -> None:

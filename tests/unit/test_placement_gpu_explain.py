@@ -201,6 +201,7 @@ async def test_the_nodes_view_and_the_explanation_report_the_discovery_problem(
         "cpu-a", Heartbeat(inventory=Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=8 * GB),
                            engines=[LLAMA]), 999.0)
     body = model(Profile(name="gpu", gpu_class="rtx-4090-24gb", min_memory_gb=8)).model_dump(mode="json")
+    body["source"] = "http://mirror:8081/big/1/big.gguf"  # the API takes only sources nodes can download
     assert (await client.post("/api/v1/models", json=body, headers=AUTH)).status == 201
     Leader(store, node_lost_after_s=30).reconcile_once(1000.0)
 

@@ -153,11 +153,33 @@ def within_limit(ctx: AdminContext, model: Model) -> Model:
     return model
 
 
+def downloadable(model: Model) -> Model:
+    """``model`` when nodes can download its ``source``: an ``http://`` or ``https://`` URL (normally
+    the mirror's, which ``llmgw mirror ls`` shows). A node's cache fetches the source over HTTP, so a
+    ``file:`` path or an ``hf:`` name in the catalog leaves every replica failing to download; and the
+    control plane would read a ``file:`` path itself (as its user, root on some installs) to estimate it.
+
+    Raises:
+        HttpError: 400 ``invalid_model`` naming the source and the way to bring the file in.
+    """
+    scheme = model.source.strip().partition(":")[0].lower()
+    if scheme in ("http", "https"):
+        return model
+    raise HttpError(
+        400,
+        "invalid_model",
+        f"source: '{model.source[:200]}' is not a URL nodes can download (http:// or https://, normally the "
+        "mirror's); put the weights in the mirror first ('llmgw mirror add FILE --model M --version V' for a "
+        "file, the mirror's POST /api/v1/fetch for hf: and https:// sources) and use the URL 'llmgw mirror ls' "
+        "shows",
+    )
+
+
 async def add_model(request: web.Request) -> web.Response:
     """``POST /api/v1/models`` (a :class:`~llmgw.catalog.Model`): 201 with its view."""
     ctx = request.app[ADMIN]
     try:
-        model = within_limit(ctx, Model.model_validate(await jsonbody.read_json(request)))
+        model = downloadable(within_limit(ctx, Model.model_validate(await jsonbody.read_json(request))))
     except ValidationError as e:
         raise HttpError(400, "invalid_model", describe(e)) from e
     row = await ctx.db.run(ctx.store.add_model, model, now=ctx.clock())
@@ -181,7 +203,7 @@ async def save(ctx: AdminContext, row: ModelRow, spec: Any) -> web.Response:
     """Store ``spec`` over ``row`` (its revision checked: 409 when it lost a race); the model's view."""
     store, db = ctx.store, ctx.db
     try:
-        model = within_limit(ctx, Model.model_validate(spec))
+        model = downloadable(within_limit(ctx, Model.model_validate(spec)))
     except ValidationError as e:
         raise HttpError(400, "invalid_model", describe(e)) from e
     if model.name != row.name:
