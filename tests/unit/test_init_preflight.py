@@ -388,3 +388,29 @@ def test_waiting_for_a_model_placement_has_not_explained_is_not_silent(tmp_path:
     assert lines, out.getvalue()
     assert_never_silent(lines, clock.t)
     assert lines[-1][1] == "m: no replica placed yet (placement has not run)"
+
+
+def test_a_listen_flag_server_yaml_already_overrides_is_said_not_used(tmp_path: Path) -> None:
+    """A second init with ``--gateway-listen`` other than server.yaml's printed ``kept server.yaml``
+    and nothing else: the flag was silently dropped (a new user's report, 2026-12-04). Now a ``!!``
+    line names the flag, the value in force and what to do; a flag left at its default, or equal to
+    the file's value, says nothing."""
+    from llmgw.serverinit.steps import pki, serveryaml  # noqa: PLC0415
+
+    first = opts(tmp_path, hosts=["127.0.0.1"])
+    init, _ = make(tmp_path, first)
+    checks.run(init.ctx)
+    pki.run(init.ctx)
+    serveryaml.run(init.ctx)
+    moved = f"127.0.0.1:{free_port()}"
+    again, out = make(tmp_path, InitOptions(**{**first.__dict__, "gateway_listen": moved}))
+    checks.run(again.ctx)
+    said = out.getvalue()
+    assert f"!! --gateway-listen {moved} is not used: {init.ctx.paths.server_config} already says " \
+        f"{first.gateway_listen}" in said, said
+    assert "'llmgw service restart server'" in said
+    assert "--admin-listen" not in said  # the same as the file's
+    assert "--agent-listen" not in said
+    default, out = make(tmp_path, InitOptions(**{**first.__dict__, "gateway_listen": ":8080"}))
+    checks.run(default.ctx)  # the flag's default: not given, so nothing to say
+    assert "!!" not in out.getvalue()

@@ -9,14 +9,16 @@ on loopback with nowhere for the node to reach it
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from pathlib import Path
 
 from llmgw import sourcecheck
-from llmgw.config import load_agent_config, load_server_config, parse_listen
+from llmgw.config import ServerConfig, load_agent_config, load_server_config, parse_listen
 from llmgw.errors import ConfigError, PortInUseError, SourceError
 from llmgw.guard.formats import FORMATS
 from llmgw.serverinit import plan, preflight
+from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps.context import InitContext
 
 
@@ -59,6 +61,8 @@ def run(ctx: InitContext) -> None:
         ("server", cfg.agent_listen if cfg else opts.agent_listen, "--agent-listen"),
         ("server", cfg.gateway.listen if cfg else opts.gateway_listen, "--gateway-listen"),
     ]
+    if cfg is not None:
+        _say_ignored_listens(ctx, cfg)
     if not opts.mirror_url:
         listeners += [
             ("mirror", opts.mirror_listen, "--mirror-listen"),
@@ -78,6 +82,23 @@ def run(ctx: InitContext) -> None:
         preflight.check_agent_address(
             cfg.agent_listen if cfg else opts.agent_listen, opts.hosts, flag_given=cfg is None
         )
+
+
+def _say_ignored_listens(ctx: InitContext, cfg: ServerConfig) -> None:
+    """A ``!!`` line for each of the control plane's listen flags given with a value other than the
+    one server.yaml already has: init writes server.yaml once and keeps it, so the flag changes
+    nothing, and a silent keep read as if it had worked (a new user's report, 2026-12-04)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(InitOptions)}
+    opts = ctx.opts
+    for attr, flag, now in (
+        ("admin_listen", "--admin-listen", cfg.admin_listen),
+        ("agent_listen", "--agent-listen", cfg.agent_listen),
+        ("gateway_listen", "--gateway-listen", cfg.gateway.listen),
+    ):
+        given = getattr(opts, attr)
+        if given != defaults[attr] and given != now:
+            ctx.say("!!", f"{flag} {given} is not used: {ctx.paths.server_config} already says {now}, and init "
+                          "keeps the file it wrote; change it there, then 'llmgw service restart server'")
 
 
 def _agent_yaml_names(ctx: InitContext, binary: Path) -> bool:
