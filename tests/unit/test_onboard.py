@@ -61,3 +61,46 @@ def test_without_the_ca_key_it_says_so(cluster: Paths, tmp_path: Path) -> None:
     with pytest.raises(PkiError, match=r"the CA key .* is missing"):
         add_node(cluster, "n2", tmp_path / "y", address="10.0.0.9")
     assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("address", ["not an address!!", "http://10.0.0.8", "10.0.0.8:7000", "", "a" * 64])
+def test_an_address_that_is_not_one_is_refused_and_nothing_written(
+    cluster: Paths, tmp_path: Path, address: str
+) -> None:
+    """A new user's ``--address 'not an address!!'`` went into agent.yaml as it was (2026-12-04)."""
+    with pytest.raises(ConfigError, match="is not an IP address or a host name; give the node's address"):
+        add_node(cluster, "n3", tmp_path / "z", address=address)
+    assert not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize("address", ["10.0.0.8", "fe80::1", "[fe80::1]", "gpu-1.lan", "gpu_1", "node-b."])
+def test_addresses_and_host_names_are_taken(cluster: Paths, tmp_path: Path, address: str) -> None:
+    add_node(cluster, "n4", tmp_path / "w", address=address)
+    assert load_agent_config(tmp_path / "w" / "agent.yaml").advertise_address == address
+
+
+def test_the_cli_says_when_agent_yaml_names_a_loopback_control_plane(tmp_path: Path) -> None:
+    """After a quickstart (``--host 127.0.0.1``) add-node wrote ``server: https://127.0.0.1:7443`` for a
+    remote node and said only "copy it to /etc/llmgw" (a new user's report): now a ``!!`` line says a
+    loopback address reaches only this machine, and what to pass."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.cli.main import app  # noqa: PLC0415
+
+    paths = Paths(tmp_path / "root")
+    ca = CA.create()
+    ca.write(paths.pki)
+    ca.issue_server(["127.0.0.1"]).write(paths.pki, "server")
+    files.write_atomic(paths.server_config, files.server_yaml(
+        admin_listen="127.0.0.1:9090", agent_listen=":7443", gateway_listen=":8080", pki=paths.pki,
+        keys_file=paths.client_keys))
+    runner = CliRunner()
+    args = ["server", "add-node", "n5", "--out", str(tmp_path / "n5"), "--address", "10.0.0.5"]
+    r = runner.invoke(app, args, env={"LLMGW_ROOT": str(paths.root)})
+    assert r.exit_code == 0, r.output
+    assert "!! agent.yaml names the control plane as https://127.0.0.1:7443, a loopback address" in r.output
+    other = ["server", "add-node", "n6", "--out", str(tmp_path / "n6"), "--address", "10.0.0.6",
+             "--server", "https://cp.lan:7443"]
+    r = runner.invoke(app, other, env={"LLMGW_ROOT": str(paths.root)})
+    assert r.exit_code == 0, r.output
+    assert "!!" not in r.output

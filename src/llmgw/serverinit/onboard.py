@@ -10,7 +10,10 @@ key is missing, the node id is not a valid name, or DIR already holds an identit
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import shutil
+import urllib.parse
 from pathlib import Path
 
 import yaml
@@ -52,6 +55,7 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         check_labels(labels or {})
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    check_address(address)
     existing = [p for p in (out / "agent.pem", out / "agent.yaml") if p.exists()]
     if existing:
         raise ConfigError(f"{existing[0]} already exists; give an empty directory with --out")
@@ -88,6 +92,44 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     AgentConfig.model_validate(doc)
     write_atomic(out / "agent.yaml", body, 0o644)
     return [out / "ca.pem", cert, key, out / "agent.yaml"]
+
+
+_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}\.?$){_LABEL}(\.{_LABEL})*\.?")
+"""A host name (RFC 1123: labels of letters, digits and inner hyphens, 1-63 each, 253 in all; `_` let in
+as well, as /etc/hosts and many resolvers take it)."""
+
+
+def check_address(address: str) -> None:
+    """``--address``: an IP address or a host name, which the gateway dials as ``ADDRESS:PORT``.
+
+    Raises:
+        ConfigError: anything else (a URL, a port, spaces), with what to give instead. A new user's
+            ``--address 'not an address!!'`` was written into agent.yaml as it was.
+    """
+    try:
+        ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        is_ip = False
+    else:
+        is_ip = True
+    if not is_ip and not _HOSTNAME.fullmatch(address):
+        raise ConfigError(
+            f"--address {address!r} is not an IP address or a host name; give the node's address as the "
+            "gateway reaches it, without a scheme or port (10.0.0.7, gpu-1.lan)"
+        )
+
+
+def loopback_server(server: str) -> bool:
+    """Whether the agent API URL ``server`` names a loopback host (127.0.0.0/8, ::1, localhost), which
+    a node on another machine cannot reach."""
+    host = urllib.parse.urlsplit(server).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def ha_servers(paths: Paths, agent_listen: str, server: str) -> list[str]:
