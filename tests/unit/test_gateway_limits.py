@@ -62,12 +62,25 @@ def test_only_openai_fields_are_forwarded() -> None:
         ({"top_logprobs": 21}, "'top_logprobs' must be between 0 and 20"),
         ({"top_logprobs": -1}, "'top_logprobs' must be between 0 and 20"),
         ({"stream": 1}, "'stream' must be true or false"),
+        ({"temperature": "hot"}, "'temperature' must be a number, got \"hot\""),
+        ({"top_p": True}, "'top_p' must be a number"),
+        ({"seed": [1]}, "'seed' must be a number"),
+        ({"stop": 3}, "'stop' must be a string or a list of strings"),
+        ({"stop": ["a", None]}, "'stop' must be a string or a list of strings"),
     ],
 )
 def test_fields_an_engine_would_misread_are_a_400(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(HttpError, match=named) as e:
         upstream_body({"model": "m", "messages": [], **extra}, b"", 64)
     assert e.value.status == 400
+
+
+def test_well_typed_sampling_fields_pass() -> None:
+    body = {"model": "m", "messages": [], "temperature": 0, "top_p": 0.9, "seed": None, "stop": ["\n"],
+            "frequency_penalty": -0.5, "presence_penalty": 1}
+    raw = json.dumps(body).encode()
+    assert upstream_body(dict(body), raw, 0) == (raw, [])
+    assert upstream_body({"model": "m", "messages": [], "stop": "x"}, b"{}", 0)[1] == []
 
 
 def test_the_header_names_only_plain_identifiers() -> None:

@@ -28,7 +28,9 @@ positive asks pass, others are removed (the engine's default applies).
 **Refused** (400 ``invalid_request_error``), because an engine would misread them: ``n`` other than
 1 (each choice is a whole generation; llama-server serves one), ``max_tokens`` /
 ``max_completion_tokens`` / ``top_logprobs`` that are not integers, ``top_logprobs`` outside 0-20
-(OpenAI's range), ``stream`` that is not a boolean; on ``/v1/completions``, a ``prompt`` listing
+(OpenAI's range), ``stream`` that is not a boolean, ``temperature`` / ``top_p`` /
+``frequency_penalty`` / ``presence_penalty`` / ``seed`` that are not numbers, ``stop`` that is not a
+string or a list of strings; on ``/v1/completions``, a ``prompt`` listing
 more than one prompt (:func:`check_prompts`: one request, one generation).
 
 Cost: one pass over the body's top-level keys; the body is re-encoded (once) only when something
@@ -140,6 +142,21 @@ def _check(body: dict[str, Any]) -> None:
     top = _int_field(body, "top_logprobs", "alternatives per token")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+    for k in _NUMBERS:
+        v = body.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise _bad(f"'{k}' must be a number, got {json.dumps(v)[:40]}")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(x, str) for x in stop)
+    ):
+        raise _bad(f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}")
+
+
+#: Sampling fields that are numbers in OpenAI's API: a string there (``"temperature": "hot"``) made
+#: llama-server answer with its JSON library's exception text and a numeric ``code`` (a new user's
+#: finding, 2026-12-04), not an OpenAI-shaped error naming the field.
+_NUMBERS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "seed")
 
 
 #: Prompts one ``/v1/completions`` request may carry (see :func:`check_prompts`).
