@@ -13,6 +13,7 @@ tens of milliseconds and skips the vocabulary).
 from __future__ import annotations
 
 import functools
+import pathlib
 import struct
 from typing import IO, Any, NamedTuple
 
@@ -22,6 +23,20 @@ from llmgw.errors import EstimateError
 
 HEADER_LIMIT_BYTES = 64 << 20
 """Give up on a key/value section longer than this (a 256k vocabulary takes ~7 MB)."""
+
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file."""
+
+
+def is_gguf(path: pathlib.Path) -> bool:
+    """True when ``path`` starts with the GGUF magic bytes ``GGUF`` (``server init``'s starter and
+    judge, ``mirror add`` of a ``.gguf``).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
 
 
 class GgufFacts(BaseModel):

@@ -24,15 +24,17 @@ from llmgw.service.manager import SupervisorManager
 from tests.helpers.mirrors import ThreadedMirror
 from tests.helpers.net import free_port
 
-DATA = os.urandom(200_000)
+DATA = b"GGUF" + os.urandom(200_000)  # a .gguf must start with the magic (mirror add checks it)
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
 @pytest.fixture
 def weights(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A world-readable .gguf in a directory others may search (pytest's tmp_path itself is 0700)."""
     p = tmp_path / "carried" / "w.gguf"
-    p.parent.mkdir()
+    p.parent.mkdir(mode=0o755)
     p.write_bytes(DATA)
+    p.chmod(0o644)
     return p
 
 
@@ -74,12 +76,12 @@ def test_add_through_a_running_mirror_then_ls_and_rm(tmp_path: pathlib.Path, wei
         # the last column is the URL a model's source names (docs/operating.md; a new user found none)
         assert f"m/1\tpresent\tw.gguf\t{SHA[:16]}\thttp://m.test:8081/m/1/w.gguf" in out
 
-        code, out = llmgw("rm", "m", "1", "--api", mirror.api)
+        code, out = llmgw("rm", "m", "1", "--api", mirror.api, "--force")  # no control plane to ask here
         assert code == 0, out
         assert "deleted m/1 (w.gguf, was present)" in out
         assert not (tmp_path / "store" / "m").exists()
 
-        code, out = llmgw("rm", "m", "1", "--api", mirror.api)
+        code, out = llmgw("rm", "m", "1", "--api", mirror.api, "--force")
         assert code == 1
         assert "404" in out
 
@@ -93,8 +95,8 @@ def test_add_of_a_missing_file_or_another_source_is_refused(
     assert code != 0
     assert "is not a file" in out
     assert llmgw("add", str(weights), "--model", "m", "--version", "1", "--api", api, "--dir", store)[0] == 0
-    other = tmp_path / "w.gguf"
-    other.write_bytes(b"other")
+    other = weights.parent / "other.gguf"
+    other.write_bytes(b"GGUF other")
     code, out = llmgw("add", str(other), "--model", "m", "--version", "1", "--api", api, "--dir", store)
     assert code != 0
     assert "give the new source a new version" in out

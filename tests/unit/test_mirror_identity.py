@@ -142,8 +142,9 @@ def test_the_mirror_never_imports_a_file_other_users_could_not_read(served: Serv
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "source_refused"
-    assert "not readable by other users (mode 0600)" in err["message"]
-    assert f"chmod o+r {s.home}/id_ed25519" in err["message"]
+    assert "is readable only by its owner and group (mode 0600)" in err["message"]
+    assert f"chmod 644 {s.home}/id_ed25519" in err["message"]
+    assert "sudo" not in err["message"]  # it once advised 'sudo llmgw mirror add', which copied it anyway
     time.sleep(0.5)
     assert httpx.get(f"{s.files}/k/1/id_ed25519", timeout=10).status_code == 404
 

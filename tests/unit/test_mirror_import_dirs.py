@@ -73,7 +73,7 @@ def test_server_init_copies_its_file_starter_into_the_store_and_gives_the_mirror
 def test_mirror_add_of_a_refused_file_copies_it_when_the_store_is_writable(tmp_path: pathlib.Path) -> None:
     carried = tmp_path / "carried" / "w.gguf"
     carried.parent.mkdir()
-    carried.write_bytes(os.urandom(5000))
+    carried.write_bytes(b"GGUF" + os.urandom(5000))  # mirror add checks a .gguf's magic
     store = tmp_path / "store"
     with ThreadedMirror(store, policy=SourcePolicy()) as mirror:
         r = CliRunner().invoke(
@@ -92,7 +92,7 @@ def test_mirror_add_of_a_refused_file_names_the_flag_when_it_cannot_write_the_st
     """The store this user would copy into is not there (it is the mirror's, on its machine)."""
     carried = tmp_path / "carried" / "w.gguf"
     carried.parent.mkdir()
-    carried.write_bytes(b"x" * 100)
+    carried.write_bytes(b"GGUF" + b"x" * 100)
     with ThreadedMirror(tmp_path / "store", policy=SourcePolicy()) as mirror:
         r = CliRunner().invoke(
             app, ["mirror", "add", str(carried), "--model", "m", "--version", "1", "--api", mirror.api,

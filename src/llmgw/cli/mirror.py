@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from llmgw.cli.common import cli_errors, paths
+
+if TYPE_CHECKING:
+    from llmgw.paths import Paths
 
 app = typer.Typer(
     no_args_is_help=True, help="The model mirror: download weights once, serve them to every node."
@@ -189,13 +192,55 @@ def rm(
     model: Annotated[str, typer.Argument(help="The model.")],
     version: Annotated[str, typer.Argument(help="The version.")],
     api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Delete even when a catalog model uses it, or when the control plane cannot be asked.",
+        ),
+    ] = False,
 ) -> None:
-    """Cancel a download if it runs and delete MODEL/VERSION from the mirror."""
-    from llmgw.mirror.client import MirrorClient, local_token
+    """Cancel a download if it runs and delete MODEL/VERSION from the mirror.
 
-    with MirrorClient(api, token=local_token(paths())) as client:
+    First asks this machine's control plane (server.yaml's admin API and token) which catalog
+    models' source points at it, and refuses while any does, or when it cannot ask, unless --force.
+    """
+    from llmgw.errors import MirrorError
+    from llmgw.mirror.client import MirrorClient, local_token
+    from llmgw.mirror.usage import models_using
+
+    p = paths()
+    with MirrorClient(api, token=local_token(p)) as client:
+        if not force:
+            catalog, why = _catalog(p)
+            if catalog is None:
+                raise MirrorError(
+                    f"could not check whether a catalog model uses {model}/{version}: {why}; run "
+                    "'llmgw mirror rm' where the control plane's admin API answers (its server.yaml and "
+                    "admin token), or give --force to delete it without checking"
+                )
+            if users := models_using(model, version, client.files(), catalog):
+                raise MirrorError(
+                    f"{model}/{version} is the weights of catalog model{'s' if len(users) > 1 else ''} "
+                    f"{', '.join(users)} (their source points at it): a node starting a replica could no "
+                    "longer fetch them. Remove those models first ('llmgw ctl model rm NAME "
+                    "--delete-weights' deletes the weights once no model uses them), or give --force"
+                )
         last = client.delete(model, version)
     print(f"deleted {model}/{version} ({last.file}, was {last.state})")
+
+
+def _catalog(p: Paths) -> tuple[list[tuple[str, str]] | None, str]:
+    """``(name, source)`` of every catalog model from this machine's control plane, or None and why not."""
+    from llmgw.adminclient import AdminClient
+    from llmgw.errors import LlmgwError
+
+    try:
+        client = AdminClient.from_paths(p)
+        client.timeout_s = 5.0
+        return [(m.name, m.source) for m in client.models()], ""
+    except LlmgwError as e:
+        return None, str(e)
 
 
 @app.command("ls")

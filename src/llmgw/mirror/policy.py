@@ -22,9 +22,11 @@ and an ``http://127.0.0.1:…`` source made the mirror a proxy into the machine 
    and every directory walked from the import directory down, that one included, searchable by
    others (o+x): the mirror imports only what every local user could read already, so a mirror
    that runs as root (when the ``llmgw`` user cannot run the install) never publishes a file
-   only root could read (a 0600 ssh key beside the model). Files carried in by hand
-   (``mirror add`` copying with its user's rights) and ``server init``'s own copy of its starter
-   are an operator's explicit act and are not held to it.
+   only root could read (a 0600 ssh key beside the model). ``mirror add`` holds a file carried in
+   by hand to the same rule, with the file's own directory as the import directory, on both of
+   its paths (:func:`llmgw.mirror.setup.add_file`): it used to copy a 0600 file itself, as root,
+   and the mirror then served it to anyone. ``server init``'s own copy of the one ``file:``
+   starter or judge named on its command line is not held to it.
 
 ``http(s):`` sources, and what ``hf:`` turns into: every address a connection goes to is checked
 (:meth:`SourcePolicy.refusal`): loopback, link-local, private, shared, reserved, unspecified and
@@ -324,9 +326,10 @@ def _check_opened(fd: int, real: pathlib.Path, source: str, *, public_only: bool
         )
     if public_only and not st.st_mode & stat.S_IROTH:
         raise SourceRefused(
-            f"{source}: {real} is not readable by other users (mode {stat.S_IMODE(st.st_mode):04o}); the "
-            "mirror imports only files every local user could read, so it never publishes a private "
-            f"one: if it is meant to be public, 'chmod o+r {real}', or add it with 'sudo llmgw mirror add'"
+            f"{source}: {real} is readable only by its owner and group (mode {stat.S_IMODE(st.st_mode):04o}), "
+            "and the mirror serves what it holds to anyone who reaches its bytes port, so it would publish "
+            "a file other local users cannot read; if it is meant to be served, make it world-readable "
+            f"deliberately ('chmod 644 {real}') and try again"
         )
 
 
@@ -336,8 +339,9 @@ def _check_searchable(fd: int, where: pathlib.Path, source: str) -> None:
     if not mode & stat.S_IXOTH:
         raise SourceRefused(
             f"{source}: the directory {where} is closed to other users (mode {mode:04o}), so what it "
-            f"holds is private; the mirror imports only files every local user could read: 'chmod o+x "
-            f"{where}' if it is meant to be public, or add the file with 'sudo llmgw mirror add'"
+            "holds is private, and the mirror serves what it holds to anyone who reaches its bytes port; "
+            f"if the file is meant to be served, make the directory searchable deliberately ('chmod o+x "
+            f"{where}') or move the file to one that is, and try again"
         )
 
 

@@ -20,6 +20,15 @@
      mirror started later finds it; one already running on that store picks it up the first time
      it is asked for it. The copy still refuses special files, hard links and llmgw's own
      configuration and state (``deny``).
+
+  Before either, and before anything is copied (:func:`check_carried`): the names are checked
+  (a :class:`~llmgw.errors.ConfigError` naming ``--model`` or ``--version`` and the rule, not a
+  pydantic traceback), a ``*.gguf`` must start with the GGUF magic, and the file is held to the
+  mirror's public-only rule (:mod:`llmgw.mirror.policy`, step 4, with the file's directory as the
+  import directory): readable by others, its directory searchable by others. The bytes port
+  serves it to anyone, so a file only its owner (root, run with sudo) could read is refused
+  rather than published; the direct copy's policy is ``public_only`` too, so the rule holds again
+  when the file is opened.
 """
 
 from __future__ import annotations
@@ -35,10 +44,11 @@ from typing import TextIO
 
 from llmgw.atomicfile import write_atomic
 from llmgw.config import parse_listen
-from llmgw.errors import ApiError, ConfigError, LlmgwError, MirrorError, ServiceError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, LlmgwError, MirrorError, ServiceError, SourceError, UnreachableError
+from llmgw.ggufheader import is_gguf
 from llmgw.mirror.client import MIRROR_TOKEN, MirrorClient, read_token
 from llmgw.mirror.fetch import Fetcher
-from llmgw.mirror.models import FetchRequest, FetchStatus
+from llmgw.mirror.models import FetchRequest, FetchStatus, check_name
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import parse_allow
 from llmgw.mirror.store import Store
@@ -207,16 +217,19 @@ def add_file(
         token: the management API's token (:func:`~llmgw.mirror.client.read_token`).
 
     Raises:
-        MirrorError: the file is missing, the copy failed (disk full, unreadable), the mirror
+        ConfigError: ``model`` or ``version`` is not a valid name (checked before anything is copied).
+        SourceError: a ``*.gguf`` file without the GGUF magic. SourceRefused (a SourceError): the
+            file is not readable by others or its directory not searchable by others (the mirror
+            would publish what they cannot read), or a special file, a hard link, inside ``deny``.
+        MirrorError: the file is missing or unreadable, the copy failed (disk full), the mirror
             refused the file and this user cannot write the store, or ``model/version`` already
             holds another source.
-        ApiError: the mirror refused the request (a bad name).
     """
     path = file.expanduser().resolve()
     if not path.is_file():
         raise MirrorError(f"{file} is not a file")
-    req = FetchRequest(source=f"file:{path}", model=model, version=version)
-    policy = SourcePolicy.build(import_dirs=[path.parent], deny=deny)
+    req = fetch_request(f"file:{path}", model, version, flags=("--model", "--version"))
+    policy = check_carried(path, req.source, deny=deny)
     client = MirrorClient(api_url, timeout=5.0, token=token)
     try:
         try:
@@ -253,6 +266,56 @@ def add_file(
     return st
 
 
+def fetch_request(
+    source: str, model: str, version: str, *, flags: tuple[str, str] = ("model", "version")
+) -> FetchRequest:
+    """The fetch of ``source`` as ``model/version``, its names checked first.
+
+    Args:
+        flags: what the message calls the model and the version (``--model``, ``--version``).
+
+    Raises:
+        ConfigError: a name breaks the rule (:func:`~llmgw.mirror.models.check_name`); the
+            message names the flag, the value and the rule.
+    """
+    try:
+        check_name(model, flags[0])
+        check_name(version, flags[1])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return FetchRequest(source=source, model=model, version=version)
+
+
+def check_carried(path: pathlib.Path, source: str, *, deny: Sequence[pathlib.Path] = ()) -> SourcePolicy:
+    """Check a file carried in by hand (``mirror add``) before anything is copied; returns the
+    policy the direct copy opens it with (the file's directory its one import directory,
+    ``public_only``).
+
+    Args:
+        path: the file's real path.
+        source: ``file:<path>``, for the messages.
+        deny: directories no file may be copied from.
+
+    Raises:
+        SourceRefused: not readable by others, its directory not searchable by others, a special
+            file, a hard link, or inside ``deny`` (the message says what to do).
+        SourceError: the name ends in ``.gguf`` but the file does not start with the GGUF magic.
+        MirrorError: it cannot be opened or read.
+    """
+    policy = SourcePolicy.build(import_dirs=[path.parent], deny=deny, public_only=True)
+    try:
+        os.close(policy.open_file(path, source))
+        if path.name.lower().endswith(".gguf") and not is_gguf(path):
+            raise SourceError(
+                f"{path} is not a GGUF file (it does not start with the bytes 'GGUF') although its "
+                "name ends in .gguf; give the model's .gguf file (a download cut short or an HTML "
+                "error page saved under that name looks like this)"
+            )
+    except OSError as e:
+        raise MirrorError(f"cannot read {path}: {e.strerror or e}") from e
+    return policy
+
+
 def copy_file(
     source: str, model: str, version: str, *, store_dir: pathlib.Path, deny: Sequence[pathlib.Path] = ()
 ) -> FetchStatus:
@@ -261,11 +324,15 @@ def copy_file(
     manifest keeps ``source``, so a mirror asked for it later finds it present. What ``server
     init`` does with its ``file:`` starter and judge instead of giving the mirror their directory.
 
+    Unlike :func:`add_file` it does not hold the file to the public-only rule: ``server init``
+    copies the one file its operator named on its command line (docs/operating.md says so).
+
     Raises:
+        ConfigError: ``model`` or ``version`` is not a valid name.
         MirrorError: the file cannot be copied (missing, unreadable, a special file, a hard link,
             inside ``deny``), or ``model/version`` holds another source.
     """
-    req = FetchRequest(source=source, model=model, version=version)
+    req = fetch_request(source, model, version)
     path = to_download(source).path
     if path is None:
         raise MirrorError(f"{source} is not a file: source")

@@ -7,7 +7,8 @@ segments, which need not be the catalog model's own name and version (two catalo
 serve one file; init names the judge's entry after its file). :func:`entry_for` finds the entry
 by that URL (the same path on the mirror's ``--base``; the host may be spelled differently),
 else, for a source given as ``hf:``/``https://``/``file:``, by the one entry fetched from that
-source. :func:`delete_weights` deletes it only when no other catalog model points at it.
+source. :func:`delete_weights` deletes it only when no other catalog model points at it;
+:func:`models_using` is what ``llmgw mirror rm`` asks before it deletes an entry.
 """
 
 from __future__ import annotations
@@ -47,6 +48,22 @@ def entry_for(source: str, files: Sequence[FetchStatus]) -> FetchStatus | None:
             return by_path[0]
     by_source = [f for f in files if f.source == source]
     return by_source[0] if len(by_source) == 1 else None
+
+
+def models_using(
+    model: str, version: str, files: Sequence[FetchStatus], catalog: Sequence[tuple[str, str]]
+) -> list[str]:
+    """The catalog models whose source points at the mirror entry ``model/version``, sorted.
+
+    Args:
+        model, version: the mirror entry.
+        files: the mirror's entries (``GET /api/v1/files``); an entry not among them has no users.
+        catalog: ``(name, source)`` of every catalog model.
+    """
+    entry = next((f for f in files if (f.model, f.version) == (model, version)), None)
+    if entry is None:
+        return []
+    return sorted(n for n, s in catalog if entry_for(s, files) == entry)
 
 
 def delete_weights(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from llmgw.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
 from llmgw.guard.sizing import JUDGE_MEMORY_GB
@@ -181,10 +180,3 @@ def judge_name(source: str, fmt: str) -> str:
     return f"judge-{stem}"[:63]
 
 
-GGUF_MAGIC = b"GGUF"
-
-
-def is_gguf(path: Path) -> bool:
-    """True when ``path`` starts with the GGUF magic bytes ``GGUF``."""
-    with path.open("rb") as f:
-        return f.read(4) == GGUF_MAGIC

@@ -16,8 +16,9 @@ from pathlib import Path
 from llmgw import sourcecheck
 from llmgw.config import ServerConfig, load_agent_config, load_server_config, parse_listen
 from llmgw.errors import ConfigError, PortInUseError, SourceError
+from llmgw.ggufheader import is_gguf
 from llmgw.guard.formats import FORMATS
-from llmgw.serverinit import plan, preflight
+from llmgw.serverinit import preflight
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps.context import InitContext
 
@@ -123,7 +124,7 @@ def check_judge_source(src: str, fmt: str, *, no_guard_model: bool) -> None:
     d = sourcecheck.to_download(src)
     if d.kind == "file":
         path = Path(d.path or "")
-        if not path.is_file() or not plan.is_gguf(path):
+        if not path.is_file() or not is_gguf(path):
             raise SourceError(
                 f"--judge-source {src}: {path} is not a GGUF file; give the path of the judge's .gguf"
             )
@@ -143,7 +144,7 @@ def check_starter_source(src: str) -> None:
                 f"--starter-source {src}: {path} does not exist; give the path of a GGUF file "
                 "(scripts/assets assembles one)"
             )
-        if not plan.is_gguf(path):
+        if not is_gguf(path):
             raise SourceError(
                 f"--starter-source {src}: {path} is not a GGUF file (it does not start with the "
                 "bytes 'GGUF'); give a .gguf model file"
