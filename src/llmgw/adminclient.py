@@ -13,9 +13,10 @@ answer that is not the view it should be is an ApiError too (status 502, code ``
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -98,9 +99,13 @@ class AdminClient:
                     headers={"Authorization": f"Bearer {self.token}"},
                 )
         except httpx.HTTPError as e:
+            where = (
+                "check it with 'llmgw service status'" if _on_this_machine(self.base_url)
+                else "check the URL, and 'llmgw service status' on that machine"
+            )
             raise UnreachableError(
                 f"the control plane's admin API at {self.base_url} does not answer ({e.__class__.__name__}: {e}); "
-                "check it with 'llmgw service status'"
+                + where
             ) from e
         if r.status_code >= 400:
             # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which an
@@ -293,3 +298,14 @@ class AdminClient:
         except httpx.HTTPError:
             return False
 
+
+def _on_this_machine(url: str) -> bool:
+    """Whether ``url``'s host is loopback (``localhost``, 127.0.0.0/8, ``::1``): where ``llmgw service
+    status`` on this machine is the check to suggest; another host's control plane is checked there."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -58,3 +58,16 @@ async def test_the_dashboards_client_raises_api_error_with_the_code_and_unreacha
     finally:
         await api.close()
         await runner.cleanup()
+
+
+def test_an_unreachable_admin_api_names_the_check_for_where_it_is() -> None:
+    """``llmgw ctl --server https://other:9090`` that got no answer said to run ``llmgw service status``
+    here (a new user's report, 2026-12-04): on loopback that is the check; elsewhere, that machine's."""
+    from llmgw.adminclient import AdminClient  # noqa: PLC0415
+
+    here = AdminClient(f"http://127.0.0.1:{free_port()}", "t", timeout_s=2)
+    with pytest.raises(UnreachableError, match=r"; check it with 'llmgw service status'$"):
+        here.get("/api/v1/models")
+    there = AdminClient("http://192.0.2.1:9", "t", timeout_s=0.2)  # TEST-NET-1: never answers
+    with pytest.raises(UnreachableError, match=r"check the URL, and 'llmgw service status' on that machine$"):
+        there.get("/api/v1/models")
