@@ -28,6 +28,8 @@ from llmgw.config import load_server_config
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.metrics import ControlPlaneMetrics
 from llmgw.control.api.openapi import build_openapi
+from llmgw.control.gateway.callers import Callers
+from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.server import _admin_app
 from llmgw.control.store import open_store
 from llmgw.control.store.offloop import OffLoop
@@ -50,7 +52,7 @@ def _served_routes(inst: Install) -> set[tuple[str, str]]:
         return None
 
     app = _admin_app(store, TOKEN, lambda: None, config, None, LogBroker(), db, settle,
-                     cast(Any, None), ControlPlaneMetrics(), inst.paths)
+                     cast(Any, None), ControlPlaneMetrics(), inst.paths, Callers(GatewayKeys(None)), dict)
     routes = set()
     for r in app.router.routes():
         info = r.resource.get_info() if r.resource is not None else {}

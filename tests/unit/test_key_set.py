@@ -120,3 +120,32 @@ async def test_patch_on_a_revoked_key_is_409(tmp_path: Path) -> None:
         async with s.patch(inst.admin + "/api/v1/keys/gone", json={"rpm": 5}, headers=AUTH) as r:
             assert r.status == 409
             assert "revoked" in (await r.json())["error"]["message"]
+
+
+async def test_admin_writes_hold_on_this_control_plane_before_the_answer(
+    tmp_path: Path, fake_engine: str  # noqa: F811
+) -> None:
+    """A key made, changed, rotated or revoked through a control plane's admin API is taken (or
+    refused) by that control plane's gateway from the API's answer on, not at its next 0.5 s sync
+    (a new user's report: a key used right after 'ctl key create' got 401 for ~0.3 s). Three keys: a
+    sync landing between a write and the request after it could hide one case, not all three."""
+    inst = _install(tmp_path)
+    async with serving(inst), aiohttp.ClientSession() as s:
+        await _ready_model(s, inst, fake_engine)
+        for i in range(3):
+            async with s.post(inst.admin + "/api/v1/keys", json={"name": f"now-{i}", "models": ["other"]},
+                              headers=AUTH) as r:
+                assert r.status == 201, await r.text()
+                secret = (await r.json())["secret"]
+            assert await _chat(s, inst, secret) == 404  # made: known at once (not 401), and only for 'other'
+            async with s.patch(inst.admin + f"/api/v1/keys/now-{i}", json={"models": None}, headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+            assert await _chat(s, inst, secret) == 200  # set: every model, at once
+            async with s.post(inst.admin + f"/api/v1/keys/now-{i}/rotate", headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+                new = (await r.json())["secret"]
+            assert await _chat(s, inst, secret) == 401  # rotated: the old secret is refused at once
+            assert await _chat(s, inst, new) == 200  # ... and the new one taken
+            async with s.post(inst.admin + f"/api/v1/keys/now-{i}/revoke", headers=AUTH) as r:
+                assert r.status == 200, await r.text()
+            assert await _chat(s, inst, new) == 401  # revoked: refused at once

@@ -2,9 +2,11 @@
 
 - ``key create NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N --budget-period day|month]
   [--expires 30d] [--priority 0-9]``: prints the secret once (the store keeps its SHA-256).
+  The key works on the control plane that answered at once.
 - ``key set NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N] [--budget-period day|month]
   [--expires 30d] [--priority 0-9] [--clear rpm|tpm|budget|models|expires …]``: change a key's limits
-  (what is not named stays); every control plane applies the change within a second.
+  (what is not named stays); the control plane that answers applies it before it answers, every
+  other one within a second.
 - ``key ls``: name, prefix, models, limits, priority, usage today / this month, last use, state and
   expiry.
 - ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once).
@@ -192,7 +194,7 @@ def ls(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fals
 @app.command("revoke")
 @cli_errors
 def revoke(name: str, server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """Revoke a key: every control plane refuses it within a second."""
+    """Revoke a key: refused by this control plane at once, by every other within a second."""
     k = _client(server, token).revoke_key(name)
     if as_json:
         print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))

@@ -294,11 +294,11 @@ def _guard(config: ServerConfig, router: StoreRouter) -> GuardInspector | None:
 def _admin_app(
     store: Store, token: str, changed: Callable[[], None], config: ServerConfig, guard: GuardInspector | None,
     logs: LogBroker, db: OffLoop, settle: Callable[[], Awaitable[None]], members: Membership,
-    metrics: ControlPlaneMetrics, paths: Paths, loads: Callable[[], Mapping[str, ReplicaLoad]] | None = None,
+    metrics: ControlPlaneMetrics, paths: Paths, callers: Callers, loads: Callable[[], Mapping[str, ReplicaLoad]],
 ) -> web.Application:
-    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`),
-    the cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the gateway keys' and
-    usage (``/api/v1/keys``, ``/api/v1/usage``, :mod:`llmgw.control.api.keys`)."""
+    """The admin API with the guard's routes (``/api/v1/guard/...``, :mod:`llmgw.control.api.guard`), the
+    cluster's (``/api/v1/cluster``, :mod:`llmgw.control.api.cluster`) and the keys' and usage (``/api/v1/keys``,
+    ``/api/v1/usage``, :mod:`llmgw.control.api.keys`: a write updates the gateway's ``callers`` before its answer)."""
     from llmgw.control.api.guard import MirrorServe, add_guard_routes  # noqa: PLC0415
 
     app = build_admin_app(
@@ -313,7 +313,7 @@ def _admin_app(
         serve = MirrorServe(store, config.mirror.api, on_added=changed, mirror_token=mirror_token)
     add_guard_routes(app, inspector=guard, config=config.guard, store=store, serve=serve, db=db)
     add_cluster_routes(app, members, config.cluster.patroni)
-    add_key_routes(app, store, db, on_change=changed)
+    add_key_routes(app, store, db, callers=callers, on_change=changed)
     add_metrics_route(app, metrics, token)
     return app
 
@@ -495,7 +495,7 @@ async def serve(
         gateway = _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics)
         admin = _admin_app(
             store, token, wakes.changed, config, guard, logs, db, routes.done, members, metrics, paths,
-            loads=_loads_of(gateway),
+            accounting.callers, _loads_of(gateway),
         )
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,

@@ -13,8 +13,10 @@
   ``until`` are a duration back from now (``7d``, ``12h``) or a UTC day (``YYYY-MM-DD``); ``since``
   defaults to 7 days, ``until`` to today; at most 400 days.
 
-Every control plane reads the keys from the store every 0.5 s
-(:mod:`llmgw.control.gateway.accounting`), so a change here holds on all of them within a second.
+Every write is handed to this control plane's gateway (:meth:`~llmgw.control.gateway.callers.Callers.put`)
+before it is answered: a key made here works here, and one revoked here is refused here, from the
+answer on. Every other control plane reads the keys from the store every 0.5 s
+(:mod:`llmgw.control.gateway.accounting`), so a change holds on all of them within about a second.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmgw import jsonbody
 from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
+from llmgw.control.gateway.callers import Callers
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import ApiKeyRow
@@ -84,13 +87,21 @@ def usage_day(text: str, now: float, what: str) -> str:
 @dataclass(frozen=True)
 class KeysContext:
     """What the key and usage handlers share, kept on the admin app under :data:`KEYS` by
-    :func:`add_key_routes`: the store, the off-loop pool its calls go through, ``on_change``
+    :func:`add_key_routes`: the store, the off-loop pool its calls go through, ``callers`` (this
+    control plane's gateway's keys: every written row is put there before the answer), ``on_change``
     (called after every write) and the clock (unix seconds)."""
 
     store: Store
     db: OffLoop
+    callers: Callers
     on_change: Callable[[], None]
     clock: Callable[[], float] = time.time
+
+    def written(self, row: ApiKeyRow) -> None:
+        """After a key was written: this control plane's gateway uses ``row`` from now on (before the
+        API answers), then ``on_change``."""
+        self.callers.put(row)
+        self.on_change()
 
 
 #: Where the admin app keeps its :class:`KeysContext`.
@@ -110,7 +121,11 @@ def _views(ctx: KeysContext, rows: list[ApiKeyRow]) -> list[KeyView]:
 
 
 async def must_key(ctx: KeysContext, name: str) -> ApiKeyRow:
-    """The key ``name``; else 404 ``key_not_found``."""
+    """The key ``name``.
+
+    Raises:
+        HttpError: 404 ``key_not_found``.
+    """
     row = await ctx.db.read(ctx.store.get_key, name)
     if row is None:
         raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
@@ -145,7 +160,7 @@ async def create(request: web.Request) -> web.Response:
         expires_at=spec.expires_at(now), created_at=now, priority=spec.priority,
     )
     row = await ctx.db.run(ctx.store.add_key, row)
-    ctx.on_change()
+    ctx.written(row)
     return _json(NewKeyView(key=key_view(row, now), secret=secret).model_dump(mode="json"), 201)
 
 
@@ -171,7 +186,7 @@ async def set_limits(request: web.Request) -> web.Response:
         )
     if new != row:
         new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
-        ctx.on_change()
+        ctx.written(new)
     return _json(key_view(new, ctx.clock()).model_dump(mode="json"))
 
 
@@ -182,7 +197,7 @@ async def revoke(request: web.Request) -> web.Response:
     row = await must_key(ctx, request.match_info["name"])
     if row.revoked_at is None:
         row = await ctx.db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
-        ctx.on_change()
+        ctx.written(row)
     return _json(key_view(row, clock()).model_dump(mode="json"))
 
 
@@ -193,7 +208,7 @@ async def rotate(request: web.Request) -> web.Response:
     secret = new_secret()
     new = replace(row, prefix=key_prefix(secret), digest=key_digest(secret))
     new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
-    ctx.on_change()
+    ctx.written(new)
     return _json(NewKeyView(key=key_view(new, ctx.clock()), secret=secret).model_dump(mode="json"))
 
 
@@ -227,11 +242,12 @@ ROUTES = [
 ]
 
 
-def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, on_change: Callable[[], None],
-                   clock: Callable[[], float] = time.time) -> None:
+def add_key_routes(app: web.Application, store: Store, db: OffLoop, *, callers: Callers,
+                   on_change: Callable[[], None], clock: Callable[[], float] = time.time) -> None:
     """Add the key and usage routes (see the module docstring, :data:`ROUTES`) to the admin API
-    ``app``, with a :class:`KeysContext` from the arguments under :data:`KEYS`."""
-    app[KEYS] = KeysContext(store=store, db=db, on_change=on_change, clock=clock)
+    ``app``, with a :class:`KeysContext` from the arguments under :data:`KEYS` (``callers``: this
+    control plane's gateway's keys, which every write updates before it is answered)."""
+    app[KEYS] = KeysContext(store=store, db=db, callers=callers, on_change=on_change, clock=clock)
     app.add_routes(ROUTES)
 
 

@@ -15,13 +15,14 @@ counts its tokens against the key's limits (:meth:`~llmgw.control.gateway.limits
    :class:`~llmgw.control.gateway.limits.Limiter` and :class:`~llmgw.control.gateway.callers.Callers`.
 
 ``SYNC_S`` = 0.5 s gives the issue's two bounds: a revoked key is refused on every control plane
-within a second, and a limit holds cluster-wide within about a second of traffic. With the database
-down the writes are kept (and merged into the next try), limits go on from what this control plane
-counts, the keys in memory stay in use for at most ``callers.KEYS_STALE_S`` (5 s) after their last
-successful read (then stored keys get 503 until a read works again: a revocation made elsewhere is
-not missed for longer), and the failure is logged once until it recovers. The keys are read in a call
-of their own before the write, so a write that hangs does not hold them back. Rate windows older than
-ten minutes are deleted once a minute.
+within a second (on the one whose admin API revoked it, from the API's answer on:
+:meth:`~llmgw.control.gateway.callers.Callers.put`), and a limit holds cluster-wide within about a
+second of traffic. With the database down the writes are kept (and merged into the next try), limits
+go on from what this control plane counts, the keys in memory stay in use for at most
+``callers.KEYS_STALE_S`` (5 s) after their last successful read (then stored keys get 503 until a
+read works again: a revocation made elsewhere is not missed for longer), and the failure is logged
+once until it recovers. The keys are read in a call of their own before the write, so a write that
+hangs does not hold them back. Rate windows older than ten minutes are deleted once a minute.
 
 Usage counts ``requests``, ``prompt_tokens`` and ``completion_tokens`` (from the answer's ``usage``,
 streams included), ``guard_blocks`` (the guard refused the prompt or the answer) and ``errors``
@@ -135,10 +136,14 @@ class Accounting:
         prune = now - self._pruned >= PRUNE_EVERY_S
         # The keys first, in a call of their own: a write that hangs (an orphaned primary waiting on
         # its standby) must not keep revocations out, nor make the keys stale (callers.KEYS_STALE_S).
+        # Each read is handed over with the callers' write count from before it: one that an admin
+        # write on this control plane overtook (Callers.put) is not used.
         keys_read = False
+        since = self.callers.writes
         with contextlib.suppress(Exception):  # a failure is said below, by the write's
-            self.callers.set_rows(await self.db.read(self.store.list_keys))
+            self.callers.set_rows(await self.db.read(self.store.list_keys), since=since)
             keys_read = True
+        since = self.callers.writes
         try:
             read = await self.db.run(self._write_read, usage, rates, last_used, now, prune, not keys_read)
         except Exception as e:  # any store failure: keep the counts, say it once
@@ -154,7 +159,7 @@ class Accounting:
         if prune:
             self._pruned = now
         if read.keys is not None:
-            self.callers.set_rows(read.keys)
+            self.callers.set_rows(read.keys, since=since)
         self.limiter.set_others(read.others)
         self.limiter.set_budget_base(read.day_tokens)
         self.syncs += 1

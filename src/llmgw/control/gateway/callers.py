@@ -3,7 +3,11 @@
 The hot path never reaches the database. :class:`Callers` holds a dict from a key's SHA-256 to its
 :class:`Caller`, rebuilt by the accounting loop (:mod:`llmgw.control.gateway.accounting`) from
 :meth:`~llmgw.control.store.base.Store.list_keys` every ``SYNC_S`` (0.5 s): a key revoked or rotated on
-any control plane is refused on every one within about a second (the poll plus the store call). An
+any control plane is refused on every one within about a second (the poll plus the store call). The
+control plane whose admin API made the change does not wait for its poll: the API hands the written
+row to :meth:`Callers.put` before it answers (:mod:`llmgw.control.api.keys`), so a key made there
+works there, and a key revoked there is refused there, from the API's answer on. A read of the
+stored keys that began before such a put may predate the write; it is not used (the next one is). An
 expired key is refused from the first request after ``expires_at`` (checked against the wall clock
 on each lookup, ~0.1 µs). A lookup is one SHA-256 of the presented key (~0.7 µs) and one dict probe,
 so it takes the same time for every wrong key.
@@ -110,29 +114,62 @@ class Callers:
     stale_after_s: float | None = None
     monotonic: Callable[[], float] = time.monotonic
     by_name: dict[str, Caller] = field(default_factory=dict, init=False)
+    #: How many :meth:`put` calls there were: a reader takes it before reading the stored keys and
+    #: gives it to :meth:`set_rows` (``since``), which drops a read that a put overtook.
+    writes: int = field(default=0, init=False)
     _read_at: float = field(init=False)
+    _rows: dict[str, ApiKeyRow] = field(default_factory=dict, init=False)
     _stored: dict[bytes, Caller] = field(default_factory=dict, init=False)
     _seen: tuple[tuple[str, int], ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         self._read_at = self.monotonic()
 
-    def set_rows(self, rows: Iterable[ApiKeyRow]) -> bool:
+    def set_rows(self, rows: Iterable[ApiKeyRow], *, since: int | None = None) -> bool:
         """Use these stored keys from now on (revoked ones left out); True when anything changed.
 
         Cheap when nothing changed: rows are compared by (name, revision) first. Call it after every
         successful read of the stored keys, changed or not: it restarts the staleness clock.
+
+        Args:
+            rows: every stored key, by name (:meth:`~llmgw.control.store.base.Store.list_keys`).
+            since: :attr:`writes` as it was when the read began. When a :meth:`put` came since, the
+                read may be from before that write: it is not used (False; the staleness clock
+                still restarts: the store answered). None: use the rows whatever came since.
         """
         self._read_at = self.monotonic()
+        if since is not None and since != self.writes:
+            return False
         rows = list(rows)
         seen = tuple((r.name, r.revision) for r in rows)
         if seen == self._seen:
             return False
-        live = [r for r in rows if r.revoked_at is None]
+        self._use({r.name: r for r in rows}, seen)
+        return True
+
+    def put(self, row: ApiKeyRow) -> bool:
+        """Use one stored key as this control plane just wrote it (made, changed, rotated or revoked),
+        without waiting for the next read of every key; True when it was used.
+
+        A row older than the one held (a lower revision: another control plane changed the key since,
+        and it was read already) is not used (False). Reads that began before this call are not used
+        either (:meth:`set_rows`' ``since``). Costs a rebuild of the table (admin writes are rare).
+        """
+        self.writes += 1
+        held = self._rows.get(row.name)
+        if held is not None and held.revision > row.revision:
+            return False
+        rows = dict(sorted({**self._rows, row.name: row}.items()))
+        self._use(rows, tuple((r.name, r.revision) for r in rows.values()))
+        return True
+
+    def _use(self, rows: dict[str, ApiKeyRow], seen: tuple[tuple[str, int], ...]) -> None:
+        """Rebuild the lookup tables from ``rows`` (name → row), revoked keys left out."""
+        live = [r for r in rows.values() if r.revoked_at is None]
         self._stored = {bytes.fromhex(r.digest): caller_of(r) for r in live}
         self.by_name = {r.name: caller_of(r) for r in live}
+        self._rows = rows
         self._seen = seen
-        return True
 
     def lookup(self, key: str) -> Caller | None:
         """The caller presenting ``key`` (a bearer key as sent), or None when it is not a valid key:
