@@ -147,3 +147,27 @@ def test_duplicate_and_unknown_keys(cp: Install) -> None:
     r = httpx.post(cp.admin + "/api/v1/keys/nobody/revoke", headers=AUTH)
     assert r.status_code == 404
     assert "ctl key ls" in r.json()["error"]["message"]
+
+
+def test_a_revoked_keys_name_stays_taken_and_the_messages_say_so(cp: Install) -> None:
+    """A new user's report: set/rotate of a revoked key said 'create a new one instead', and create
+    under its name said 'already exists; ... or rotate it': a circle. A revoked key's name stays
+    taken (usage and budgets are counted by name), and every message says to pick another name."""
+    assert _ctl(cp, "key", "create", "bob")[0] == 0
+    assert _ctl(cp, "key", "revoke", "bob")[0] == 0
+    code, out = _ctl(cp, "key", "create", "bob")
+    assert code == 1, out
+    assert "the name 'bob' belongs to a revoked key" in out
+    assert "pick another name" in out
+    assert "rotate" not in out
+    for args in (("rotate", "bob"), ("set", "bob", "--rpm", "5")):
+        code, out = _ctl(cp, "key", *args)
+        assert code == 1, out
+        assert "key 'bob' is revoked" in out
+        assert "make a new key under another name" in out
+        assert "create a new one instead" not in out
+    r = httpx.post(cp.admin + "/api/v1/keys", json={"name": "bob"}, headers=AUTH)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "conflict"), r.text
+    code, out = _ctl(cp, "key", "create", "bob-2")
+    assert code == 0, out
+

@@ -9,7 +9,8 @@
   other one within a second.
 - ``key ls``: name, prefix, models, limits, priority, usage today / this month, last use, state and
   expiry.
-- ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once).
+- ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once). A revoked key cannot be
+  changed or rotated, and its name stays taken (its usage stays its own): a replacement needs a new name.
 - ``usage [--key K] [--model M] [--since 7d] [--until …]``: requests, tokens, guard blocks and errors per
   key, model and UTC day, with a total.
 
@@ -194,7 +195,8 @@ def ls(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fals
 @app.command("revoke")
 @cli_errors
 def revoke(name: str, server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """Revoke a key: refused by this control plane at once, by every other within a second."""
+    """Revoke a key: refused by this control plane at once, by every other within a second. It stays
+    revoked, and its name taken."""
     k = _client(server, token).revoke_key(name)
     if as_json:
         print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))

@@ -1,14 +1,18 @@
 """The admin API's gateway keys and usage (bearer token, like every admin route).
 
 - ``POST /api/v1/keys`` (:class:`~llmgw.apikeys.KeySpec`) → 201 :class:`~llmgw.views.NewKeyView`: the
-  secret, shown this once; the store keeps its SHA-256.
+  secret, shown this once; the store keeps its SHA-256. 409 when the name is taken, by a live key or
+  by a revoked one: a revoked key's name stays taken, so its usage stays its own (usage and budgets
+  are counted by name).
 - ``GET /api/v1/keys`` → [:class:`~llmgw.views.KeyView`], with each key's usage today and this month.
 - ``PATCH /api/v1/keys/{name}`` (:class:`~llmgw.apikeys.KeyPatch`, a JSON merge patch of its limits:
   ``rpm``, ``tpm``, ``budget_tokens``/``budget_period``, ``models``, ``expires``, ``priority``;
-  ``null`` removes one) → KeyView; 409 on a revoked key. The secret, usage and rate windows stay: a request counted
+  ``null`` removes one) → KeyView; 409 ``key_revoked`` on a revoked key (it stays revoked: make a
+  new key under another name). The secret, usage and rate windows stay: a request counted
   this minute still counts against a lowered ``rpm``.
 - ``POST /api/v1/keys/{name}/revoke`` → KeyView (again on a revoked key: the same answer).
-- ``POST /api/v1/keys/{name}/rotate`` → NewKeyView: a new secret; the old one stops working.
+- ``POST /api/v1/keys/{name}/rotate`` → NewKeyView: a new secret; the old one stops working; 409
+  ``key_revoked`` on a revoked key, as for a patch.
 - ``GET /api/v1/usage?key=&model=&since=7d&until=`` → [:class:`~llmgw.views.UsageView`]: ``since`` and
   ``until`` are a duration back from now (``7d``, ``12h``) or a UTC day (``YYYY-MM-DD``); ``since``
   defaults to 7 days, ``until`` to today; at most 400 days.
@@ -133,11 +137,24 @@ async def must_key(ctx: KeysContext, name: str) -> ApiKeyRow:
 
 
 async def must_active_key(ctx: KeysContext, name: str) -> ApiKeyRow:
-    """The key ``name`` (404 ``key_not_found``), not revoked (409 ``key_revoked``)."""
+    """The key ``name``, not revoked.
+
+    Raises:
+        HttpError: 404 ``key_not_found``; 409 ``key_revoked`` (a revoked key stays revoked, and its
+            name stays taken: the message says to make a key under another name).
+    """
     row = await must_key(ctx, name)
     if row.revoked_at is not None:
-        raise HttpError(409, "key_revoked", f"key '{row.name}' is revoked; create a new one instead")
+        raise HttpError(409, "key_revoked", revoked_message(row.name))
     return row
+
+
+def revoked_message(name: str) -> str:
+    """What a change to the revoked key ``name`` is told: it cannot be changed or rotated, and its
+    name stays taken, so a replacement needs a new name."""
+    return (f"key '{name}' is revoked, and a revoked key cannot be changed or rotated; make a new key "
+            f"under another name ('llmgw ctl key create NEW-NAME'): '{name}' stays taken so its usage "
+            "stays its own")
 
 
 async def _read(request: web.Request, shape: type[_Body]) -> _Body:

@@ -446,7 +446,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def add_key(self, row: ApiKeyRow) -> ApiKeyRow:
-        """Store a new key (revision 1). Raises :class:`Conflict` when the name (or the digest) exists."""
+        """Store a new key (revision 1). Raises :class:`Conflict` for a name (a revoked key's too) or digest taken."""
 
     @abc.abstractmethod
     def get_key(self, name: str) -> ApiKeyRow | None:

@@ -71,6 +71,14 @@ class SqlKeys(SqlPart):
             with self._wtx() as conn:
                 conn.execute(api_keys_t.insert().values(name=row.name, revision=1, **_key_values(row)))
         except sa.exc.IntegrityError as e:
+            held = self.get_key(row.name)
+            if held is not None and held.revoked_at is not None:
+                # Usage, rate windows and budgets are counted by name: a new key under a revoked
+                # one's name would inherit its usage (and this month's budget spent).
+                raise Conflict(
+                    f"the name '{row.name}' belongs to a revoked key, and a revoked key's name stays taken "
+                    "(its usage stays its own): pick another name"
+                ) from e
             raise Conflict(
                 f"a key named '{row.name}' already exists; pick another name, or 'llmgw ctl key rotate {row.name}'"
             ) from e
