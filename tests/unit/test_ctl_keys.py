@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import calendar
 import json
 import pathlib
+import re
 import time
 from collections.abc import Iterator
 
@@ -170,4 +172,17 @@ def test_a_revoked_keys_name_stays_taken_and_the_messages_say_so(cp: Install) ->
     assert (r.status_code, r.json()["error"]["code"]) == (409, "conflict"), r.text
     code, out = _ctl(cp, "key", "create", "bob-2")
     assert code == 0, out
+
+def test_create_prints_the_expiry_it_set(cp: Install) -> None:
+    """A new user's report: 'key create exp --expires 1m' printed no expiry at all."""
+    code, out = _ctl(cp, "key", "create", "exp", "--expires", "1m")
+    assert code == 0, out
+    ((_, when),) = re.findall(r"made key 'exp' \(-; models: all; priority: 0; expires: (([0-9-]+ [0-9:]+) UTC)\)",
+                              out)
+    at = calendar.timegm(time.strptime(when, "%Y-%m-%d %H:%M"))
+    assert time.time() - 60 < at <= time.time() + 60
+    code, out = _ctl(cp, "key", "create", "forever")
+    assert "made key 'forever' (-; models: all; priority: 0; expires: never)" in out
+    code, out = _ctl(cp, "key", "rotate", "exp")
+    assert f"rotated key 'exp' (-; models: all; priority: 0; expires: {when} UTC)" in out
 

@@ -1,8 +1,8 @@
 """``llmgw ctl key …`` and ``llmgw ctl usage``: the gateway's API keys, their limits, and who used how much.
 
 - ``key create NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N --budget-period day|month]
-  [--expires 30d] [--priority 0-9]``: prints the secret once (the store keeps its SHA-256).
-  The key works on the control plane that answered at once.
+  [--expires 30d] [--priority 0-9]``: prints the secret once (the store keeps its SHA-256) and what
+  was set, the expiry included. The key works on the control plane that answered at once.
 - ``key set NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N] [--budget-period day|month]
   [--expires 30d] [--priority 0-9] [--clear rpm|tpm|budget|models|expires …]``: change a key's limits
   (what is not named stays); the control plane that answers applies it before it answers, every
@@ -50,6 +50,11 @@ def _when(ts: float | None) -> str:
     return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts))
 
 
+def _expiry(k: KeyView) -> str:
+    """When the key expires, for a line about it: ``2026-05-01 12:00 UTC``, or ``never``."""
+    return "never" if k.expires_at is None else f"{_when(k.expires_at)} UTC"
+
+
 def _limits(k: KeyView) -> str:
     parts = [f"{k.rpm} rpm" if k.rpm else "", f"{k.tpm} tpm" if k.tpm else ""]
     if k.budget_tokens:
@@ -63,7 +68,7 @@ def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
         return
     models = ", ".join(made.key.models) or "all"
     console().print(f"{what} key '{made.key.name}' ({_limits(made.key)}; models: {models}; "
-                    f"priority: {made.key.priority})")
+                    f"priority: {made.key.priority}; expires: {_expiry(made.key)})")
     print(made.secret)
     console().print("This secret is not shown again: give it to its user now (Authorization: Bearer <secret>).")
 
@@ -171,7 +176,7 @@ def set_limits(
         print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))
     else:
         console().print(f"key '{k.name}': {_limits(k)}; models: {', '.join(k.models) or 'all'}; "
-                        f"priority: {k.priority}; expires: {_when(k.expires_at)}")
+                        f"priority: {k.priority}; expires: {_expiry(k)}")
     _warn_unknown_models(client, patch.get("models") or [])
 
 
