@@ -173,6 +173,7 @@ def test_a_revoked_keys_name_stays_taken_and_the_messages_say_so(cp: Install) ->
     code, out = _ctl(cp, "key", "create", "bob-2")
     assert code == 0, out
 
+
 def test_create_prints_the_expiry_it_set(cp: Install) -> None:
     """A new user's report: 'key create exp --expires 1m' printed no expiry at all."""
     code, out = _ctl(cp, "key", "create", "exp", "--expires", "1m")
@@ -186,3 +187,16 @@ def test_create_prints_the_expiry_it_set(cp: Install) -> None:
     code, out = _ctl(cp, "key", "rotate", "exp")
     assert f"rotated key 'exp' (-; models: all; priority: 0; expires: {when} UTC)" in out
 
+
+def test_usage_of_a_key_that_does_not_exist_is_an_error(cp: Install) -> None:
+    """A new user's report: 'ctl usage --key nobody' printed 'no usage in that range' and exited 0."""
+    code, out = _ctl(cp, "usage", "--key", "nobody")
+    assert code == 1, out
+    assert "no key 'nobody'" in out
+    r = httpx.get(cp.admin + "/api/v1/usage?key=nobody", headers=AUTH)
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "key_not_found"), r.text
+    assert _ctl(cp, "key", "create", "quiet")[0] == 0
+    code, out = _ctl(cp, "usage", "--key", "quiet")
+    assert (code, out.strip()) == (0, "no usage in that range")
+    for name in ("keys-file", "loopback"):  # usage names that are no stored key's
+        assert _ctl(cp, "usage", "--key", name)[0] == 0

@@ -12,7 +12,7 @@
 - ``key revoke NAME``; ``key rotate NAME`` (prints the new secret once). A revoked key cannot be
   changed or rotated, and its name stays taken (its usage stays its own): a replacement needs a new name.
 - ``usage [--key K] [--model M] [--since 7d] [--until …]``: requests, tokens, guard blocks and errors per
-  key, model and UTC day, with a total.
+  key, model and UTC day, with a total; a ``--key`` that names no key is an error (exit 1).
 
 Exit codes as ``llmgw ctl``: 0 fine, 1 an API error (a bad name or limit is a 400 that says what was
 wrong), 3 the control plane does not answer.

@@ -15,7 +15,9 @@
   ``key_revoked`` on a revoked key, as for a patch.
 - ``GET /api/v1/usage?key=&model=&since=7d&until=`` → [:class:`~llmgw.views.UsageView`]: ``since`` and
   ``until`` are a duration back from now (``7d``, ``12h``) or a UTC day (``YYYY-MM-DD``); ``since``
-  defaults to 7 days, ``until`` to today; at most 400 days.
+  defaults to 7 days, ``until`` to today; at most 400 days. 404 ``key_not_found`` when ``key`` names
+  no stored key (nor ``keys-file`` or ``loopback``, the usage names of the keys file's keys and of
+  loopback clients without a key).
 
 Every write is handed to this control plane's gateway (:meth:`~llmgw.control.gateway.callers.Callers.put`)
 before it is answered: a key made here works here, and one revoked here is refused here, from the
@@ -37,7 +39,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmgw import jsonbody
 from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
-from llmgw.control.gateway.callers import Callers
+from llmgw.control.gateway.callers import FILE_CALLER_NAME, LOOPBACK_CALLER_NAME, Callers
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import ApiKeyRow
@@ -230,7 +232,12 @@ async def rotate(request: web.Request) -> web.Response:
 
 
 async def usage(request: web.Request) -> web.Response:
-    """``GET /api/v1/usage?key=&model=&since=7d&until=``: usage per key, model and day."""
+    """``GET /api/v1/usage?key=&model=&since=7d&until=``: usage per key, model and day.
+
+    Raises:
+        HttpError: 400 ``invalid_range`` for a bad ``since``/``until``; 404 ``key_not_found`` when
+            ``key`` names no stored key (``keys-file`` and ``loopback`` are usage names too).
+    """
     ctx = request.app[KEYS]
     db, store = ctx.db, ctx.store
     q, now = request.query, ctx.clock()
@@ -241,8 +248,11 @@ async def usage(request: web.Request) -> web.Response:
     span = (time.mktime(time.strptime(until, "%Y-%m-%d")) - time.mktime(time.strptime(since, "%Y-%m-%d"))) / 86400
     if span > MAX_USAGE_DAYS:
         raise HttpError(400, "invalid_range", f"since..until spans {span:.0f} days; at most {MAX_USAGE_DAYS}")
+    key = q.get("key") or None
+    if key is not None and key not in (FILE_CALLER_NAME, LOOPBACK_CALLER_NAME):
+        await must_key(ctx, key)  # a typo is told, not answered "no usage"
     rows = await db.run(
-        lambda: store.usage(key=q.get("key") or None, model=q.get("model") or None, since_day=since,
+        lambda: store.usage(key=key, model=q.get("model") or None, since_day=since,
                             until_day=until)
     )
     return _json([UsageView(**vars(u)).model_dump(mode="json") for u in rows])
