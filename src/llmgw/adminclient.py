@@ -13,15 +13,14 @@ answer that is not the view it should be is an ApiError too (status 502, code ``
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from llmgw.config import load_server_config, parse_listen
+from llmgw.config import load_server_config, loopback_url, parse_listen
 from llmgw.errors import ApiError, UnreachableError
 from llmgw.paths import Paths
 from llmgw.views import (
@@ -100,7 +99,7 @@ class AdminClient:
                 )
         except httpx.HTTPError as e:
             where = (
-                "check it with 'llmgw service status'" if _on_this_machine(self.base_url)
+                "check it with 'llmgw service status'" if loopback_url(self.base_url)
                 else "check the URL, and 'llmgw service status' on that machine"
             )
             raise UnreachableError(
@@ -298,14 +297,3 @@ class AdminClient:
         except httpx.HTTPError:
             return False
 
-
-def _on_this_machine(url: str) -> bool:
-    """Whether ``url``'s host is loopback (``localhost``, 127.0.0.0/8, ``::1``): where ``llmgw service
-    status`` on this machine is the check to suggest; another host's control plane is checked there."""
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

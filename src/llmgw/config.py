@@ -11,6 +11,8 @@ Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces).
 
 from __future__ import annotations
 
+import ipaddress
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -61,6 +63,18 @@ def parse_listen(value: str) -> tuple[str, int]:
         raise ValueError(f"'{value}' has port {port}, outside 1..65535")
     host = host.strip("[]") or "0.0.0.0"
     return host, port
+
+
+def loopback_url(url: str) -> bool:
+    """Whether ``url``'s host is ``localhost`` or a loopback address (127.0.0.0/8, ``::1``): a URL only
+    this machine reaches. A name is not resolved."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_listen(value: str) -> str:

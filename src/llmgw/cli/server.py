@@ -57,8 +57,8 @@ def add_node(
     """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw."""
     import yaml
 
+    from llmgw.config import loopback_url
     from llmgw.serverinit.onboard import add_node as issue
-    from llmgw.serverinit.onboard import loopback_server
 
     labels = {}
     for item in label or []:
@@ -72,7 +72,7 @@ def add_node(
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
           "(or install deploy/systemd/llmgw-agent.service).")
     written = yaml.safe_load((out / "agent.yaml").read_text())
-    if loopback_server(written["server"]):
+    if loopback_url(written["server"]):
         print(f"!! agent.yaml names the control plane as {written['server']}, a loopback address: only an agent "
               "on this machine reaches it. For another machine pass --server https://HOST:PORT with a name "
               "or address of this machine that its certificate holds (init's --host)", file=sys.stderr)

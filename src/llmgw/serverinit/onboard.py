@@ -13,7 +13,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import shutil
-import urllib.parse
 from pathlib import Path
 
 import yaml
@@ -118,18 +117,6 @@ def check_address(address: str) -> None:
             f"--address {address!r} is not an IP address or a host name; give the node's address as the "
             "gateway reaches it, without a scheme or port (10.0.0.7, gpu-1.lan)"
         )
-
-
-def loopback_server(server: str) -> bool:
-    """Whether the agent API URL ``server`` names a loopback host (127.0.0.0/8, ::1, localhost), which
-    a node on another machine cannot reach."""
-    host = urllib.parse.urlsplit(server).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def ha_servers(paths: Paths, agent_listen: str, server: str) -> list[str]:
