@@ -104,3 +104,36 @@ def test_the_cli_says_when_agent_yaml_names_a_loopback_control_plane(tmp_path: P
     r = runner.invoke(app, other, env={"LLMGW_ROOT": str(paths.root)})
     assert r.exit_code == 0, r.output
     assert "!!" not in r.output
+
+
+def test_add_node_says_when_the_id_is_a_node_the_cluster_has(tmp_path: Path) -> None:
+    """``server add-node vm`` for a live node ``vm`` issued a second certificate without a word (a new
+    user's report, 2026-12-04). A real control plane (``serve`` in a thread, SQLite) knows ``node-a``
+    from a heartbeat; add-node for it says so, for ``node-b`` it does not; with the control plane down
+    it issues without asking."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.cli.main import app  # noqa: PLC0415
+    from llmgw.control.store import default_url, open_store  # noqa: PLC0415
+    from llmgw.protocol import Heartbeat, Inventory  # noqa: PLC0415
+    from tests.helpers.control import make_install  # noqa: PLC0415
+    from tests.unit.test_ctl_model_rm import ThreadedControlPlane  # noqa: PLC0415
+
+    inst = make_install(tmp_path / "root")
+    store = open_store(default_url("", inst.paths.database))
+    inv = Inventory(cores=2, memory_total_bytes=4 << 30, memory_available_bytes=4 << 30)
+    store.upsert_node_heartbeat("node-a", Heartbeat(inventory=inv), 1e12)
+
+    def add(node: str) -> str:
+        r = CliRunner().invoke(app, ["--root", str(inst.root), "server", "add-node", node, "--out",
+                                     str(tmp_path / node), "--address", "10.0.0.5"])
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    with ThreadedControlPlane(inst):
+        said = add("node-a")
+        assert "!! node 'node-a' is already in the cluster (state ready): this is a second identity" in said
+        assert "run 'llmgw ctl node rm node-a' first" in said
+        assert "already in the cluster" not in add("node-b")
+    assert "already in the cluster" not in add("node-c")  # nobody to ask: issued, nothing said
+    assert (tmp_path / "node-c" / "agent.pem").exists()

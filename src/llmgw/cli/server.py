@@ -66,9 +66,15 @@ def add_node(
         if not sep or not key:
             raise typer.BadParameter(f"--label {item!r} is not KEY=VALUE")
         labels[key] = value
+    known = _registered(node_id)
     for f in issue(paths(), node_id, out, address=address, server=server, labels=labels,
                    llama_server=llama_server):
         print(f"  done {f}")
+    if known is not None:
+        print(f"!! node '{node_id}' is already in the cluster ({known}): this is a second identity for it, and "
+              "the first stays valid. For a new machine pick another id; to move the id to a new machine, "
+              f"run 'llmgw ctl node rm {node_id}' first (it revokes what was issued to the id before), then "
+              "add-node again into an empty --out", file=sys.stderr)
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
           "(or install deploy/systemd/llmgw-agent.service).")
     written = yaml.safe_load((out / "agent.yaml").read_text())
@@ -76,6 +82,21 @@ def add_node(
         print(f"!! agent.yaml names the control plane as {written['server']}, a loopback address: only an agent "
               "on this machine reaches it. For another machine pass --server https://HOST:PORT with a name "
               "or address of this machine that its certificate holds (init's --host)", file=sys.stderr)
+
+
+def _registered(node_id: str) -> str | None:
+    """``"state ready"`` when this machine's control plane knows a node ``node_id``; None when it does
+    not, or cannot be asked (add-node needs only the CA; a control plane that is down is no error)."""
+    from llmgw.adminclient import AdminClient
+    from llmgw.errors import LlmgwError
+
+    try:
+        client = AdminClient.from_paths(paths())
+        client.timeout_s = 5.0
+        nodes = client.nodes()
+    except LlmgwError:
+        return None
+    return next((f"state {n.state}" for n in nodes if n.id == node_id), None)
 
 
 @app.command("add-control-plane")
