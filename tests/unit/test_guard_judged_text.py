@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.control.gateway.guardtext import conversation_text, token_prompts
+from llmgw.control.gateway.guardtext import answer_text, conversation_text, token_prompts
 from llmgw.guard.judge import _error_kind
 
 
@@ -26,9 +26,27 @@ def test_every_message_and_the_tools_are_judged() -> None:
     }
     text = conversation_text(req)
     assert text.split("\n\n") == [
-        "SYSTEM: sys", "USER: first", 'ASSISTANT: {"q": "x"}', "TOOL: result", "USER: last",
+        "SYSTEM: sys", "USER: first", 'ASSISTANT: f\n{"q": "x"}', "TOOL: result", "USER: last",
         'TOOLS: [{"type": "function", "function": {"name": "f", "description": "desc"}}]',
     ]
+
+
+def test_names_reasoning_and_tool_names_are_judged_too() -> None:
+    """A second new user's finding (2026-12-04): a message's ``name``, an assistant turn's
+    ``reasoning_content`` and a tool call's function name were left out of what the guard judges,
+    while chat templates render them into the engine's prompt."""
+    call = {"id": "c", "type": "function", "function": {"name": "HIDDEN_IN_NAME", "arguments": "{}"}}
+    req = {
+        "messages": [
+            {"role": "user", "name": "HIDDEN_IN_USER_NAME", "content": "hi"},
+            {"role": "assistant", "reasoning_content": "HIDDEN_IN_REASONING", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "name": "HIDDEN_IN_TOOL_NAME", "content": "r"},
+        ],
+    }
+    text = conversation_text(req)
+    for hidden in ("HIDDEN_IN_USER_NAME", "HIDDEN_IN_REASONING", "HIDDEN_IN_NAME", "HIDDEN_IN_TOOL_NAME"):
+        assert hidden in text, text
+    assert answer_text({"choices": [{"message": {"tool_calls": [call]}}]}) == "HIDDEN_IN_NAME\n{}"
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ from typing import Any
 import aiohttp
 
 from llmgw.catalog import Model, Role
-from llmgw.control.gateway.guardtext import answer_text, conversation_text, prompt_text, token_prompts, tool_args
+from llmgw.control.gateway.guardtext import answer_text, conversation_text, prompt_text, token_prompts, tool_texts
 from llmgw.control.gateway.inspect import Refusal, current_call
 from llmgw.errors import JudgeError
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy
@@ -439,7 +439,7 @@ class HeldStream:
                 for key in ("reasoning_content", "content"):
                     if isinstance(delta.get(key), str):
                         self.parts.append(delta[key])
-                self.parts.extend(tool_args(delta.get("tool_calls")))
+                self.parts.extend(tool_texts(delta.get("tool_calls")))
         return b""
 
     async def end(self) -> bytes | Refusal:

@@ -40,16 +40,23 @@ def prompt_text(request: dict[str, Any]) -> str:
     return message_text(last.get("content"))
 
 
-#: The label of each message's text in what the guard judges (``ROLE: text``), by role.
-_ROLES = {"system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL"}
+#: The label of each message's text in what the guard judges (``ROLE: text``), by role. The gateway
+#: refuses any other role (:func:`llmgw.control.gateway.request.check_chat`): llama-server writes the
+#: role string into the prompt, so text hidden there would reach the model unjudged (a new user's
+#: finding, 2026-12-04: ``"role": "user\n<200 tokens>"`` took the engine's prompt from 25 to 207 tokens).
+_ROLES = {
+    "system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL",
+    "function": "TOOL",
+}
 
 
 def conversation_text(request: dict[str, Any]) -> str:
     """The whole text of a chat request an engine reads, as the guard judges it (direction in).
 
     Every message of every role (system and developer, each user turn, assistant turns the client
-    wrote, tool results): its ``content`` (a string, or the ``text`` parts of a list of parts) and
-    its tool calls' arguments; and the ``tools`` the request declares (their JSON: names,
+    wrote, tool results): its ``name``, its ``reasoning_content``, its ``content`` (a string, or the
+    ``text`` parts of a list of parts) and its tool calls' names and arguments (chat templates render
+    each of them into the prompt); and the ``tools`` the request declares (their JSON: names,
     descriptions and parameter schemas are rendered into the engine's prompt too). A request whose
     only text is one user message is judged as that text alone, as before; otherwise each message is
     a paragraph ``ROLE: text`` in order (``SYSTEM``, ``USER``, ``ASSISTANT``, ``TOOL``), then
@@ -59,7 +66,8 @@ def conversation_text(request: dict[str, Any]) -> str:
     for m in request.get("messages") or ():
         if not isinstance(m, dict):
             continue
-        text = "\n".join(t for t in (message_text(m.get("content")), *tool_args(m.get("tool_calls"))) if t)
+        said = (_str(m.get("name")), _str(m.get("reasoning_content")), message_text(m.get("content")))
+        text = "\n".join(t for t in (*said, *tool_texts(m.get("tool_calls"))) if t)
         if text:
             parts.append((_ROLES.get(str(m.get("role")), "MESSAGE"), text))
     tools = request.get("tools")
@@ -83,16 +91,20 @@ def token_prompts(value: Any) -> list[list[int | str]] | None:
     return None
 
 
-def tool_args(calls: Any) -> list[str]:
-    """The argument strings of OpenAI ``tool_calls`` (a list of ``{"function":
-    {"name", "arguments"}}``), in order; [] for anything else."""
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def tool_texts(calls: Any) -> list[str]:
+    """Each OpenAI tool call's function name, then its argument string, in order; [] for anything else
+    (what a chat template renders of a message's ``tool_calls``)."""
     if not isinstance(calls, list):
         return []
     out = []
     for c in calls:
         fn = c.get("function") if isinstance(c, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            out.append(fn["arguments"])
+        if isinstance(fn, dict):
+            out += [v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str) and v]
     return out
 
 
@@ -108,5 +120,5 @@ def answer_text(response: dict[str, Any]) -> str:
         for key in ("reasoning_content", "content"):
             if isinstance(msg.get(key), str) and msg[key]:
                 parts.append(msg[key])
-        parts.extend(tool_args(msg.get("tool_calls")))
+        parts.extend(tool_texts(msg.get("tool_calls")))
     return "\n".join(parts)
