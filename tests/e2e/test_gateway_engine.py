@@ -149,6 +149,23 @@ def test_no_field_lets_a_request_past_max_output(cluster: Cluster, extra: dict[s
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_prompt_past_the_context_is_openais_context_length_exceeded(cluster: Cluster) -> None:
+    """A prompt longer than the engine's context (1024 tokens here): llama-server answers 400 with its
+    own ``code: 400`` (a number) and "try increasing it" (a second new user's finding, 2026-12-04);
+    the client gets OpenAI's ``context_length_exceeded`` with llama-server's counts and what to do."""
+    r = httpx.post(
+        f"{cluster.gateway}/v1/chat/completions",
+        json={"model": "long", "messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 1},
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded", err
+    assert "exceeds the available context size (1024 tokens)" in err["message"], err
+    assert err["message"].endswith("; shorten the messages or ask for fewer max_tokens"), err
+    assert "try increasing it" not in err["message"]
+
+
 def _abandon(gateway: str, body: bytes) -> None:
     """Send a non-streamed request on a raw socket, then close the socket without reading."""
     host, port = gateway.removeprefix("http://").split(":")

@@ -378,6 +378,7 @@ def test_replica_error_passes_through_scrubbed(env: Env) -> None:
     r = env.post(_chat("gemma", "fail"))
     assert r.status_code == 500
     assert r.json()["error"]["message"] == "slot failed at <replica>"
+    assert r.json()["error"]["code"] == "server_error"  # llama-server's type; its numeric code is not OpenAI's
     env.assert_no_internals(r.text)
 
 

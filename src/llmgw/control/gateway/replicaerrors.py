@@ -1,6 +1,8 @@
 """A replica's error answer as the client gets it (:func:`replica_error`): passed through scrubbed of the
 replica's address and key (:func:`scrub`), a 500 that is the client's own mistake made the 400 it is
-(:func:`client_mistake`), and a 401/403 (the replica does not know the gateway's key) made a 502.
+(:func:`client_mistake`), a prompt past the model's context a 400 ``context_length_exceeded`` (OpenAI's
+code for it, which clients test for), an error whose ``code`` is a number (llama-server's HTTP status)
+given a string code, and a 401/403 (the replica does not know the gateway's key) made a 502.
 Used by both relays of :mod:`llmgw.control.gateway.upstream`."""
 
 from __future__ import annotations
@@ -59,9 +61,21 @@ async def replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse
         )
     data = scrub(data, up)
     try:
-        shaped = isinstance(json.loads(data).get("error"), dict)
+        err = json.loads(data).get("error")
     except (ValueError, AttributeError):
-        shaped = False
+        err = None
+    shaped = isinstance(err, dict)
+    if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
+        said = str(err.get("message", "")).split(", try increasing it")[0][:200]
+        return openai_error_json(
+            400, "context_length_exceeded",
+            f"model '{route.model}': {said}; shorten the messages or ask for fewer max_tokens",
+        )
+    if isinstance(err, dict) and not isinstance(err.get("code"), str | None):
+        # llama-server puts the HTTP status in ``code`` (a number); OpenAI's is a string or null
+        kind = err.get("type")
+        code = kind if isinstance(kind, str) and kind else "upstream_error"
+        return openai_error_json(resp.status, code, str(err.get("message", ""))[:1000])
     if resp.status == 500 and (mistake := client_mistake(data)):
         log.info("replica %s of %s: a 500 for the client's request, sent as 400: %s", up.replica_id, route.model,
                  mistake)
