@@ -261,6 +261,7 @@ def test_unavailable_503_with_reason(env: Env) -> None:
     err = r.json()["error"]
     assert err["code"] == "model_unavailable"
     assert "no replica is ready: 1 starting on node-1" in err["message"]
+    assert r.headers["Retry-After"] == "5"  # a second new user's finding: it had none
 
 
 @pytest.mark.parametrize(
