@@ -71,15 +71,15 @@ async def replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse
             400, "context_length_exceeded",
             f"model '{route.model}': {said}; shorten the messages or ask for fewer max_tokens",
         )
+    if resp.status == 500 and (mistake := client_mistake(data)):
+        log.info("replica %s of %s: a 500 for the client's request, sent as 400: %s", up.replica_id, route.model,
+                 mistake)
+        return openai_error_json(400, "invalid_request", f"model '{route.model}' cannot take this request: {mistake}")
     if isinstance(err, dict) and not isinstance(err.get("code"), str | None):
         # llama-server puts the HTTP status in ``code`` (a number); OpenAI's is a string or null
         kind = err.get("type")
         code = kind if isinstance(kind, str) and kind else "upstream_error"
         return openai_error_json(resp.status, code, str(err.get("message", ""))[:1000])
-    if resp.status == 500 and (mistake := client_mistake(data)):
-        log.info("replica %s of %s: a 500 for the client's request, sent as 400: %s", up.replica_id, route.model,
-                 mistake)
-        return openai_error_json(400, "invalid_request", f"model '{route.model}' cannot take this request: {mistake}")
     if shaped:
         return web.Response(body=data, status=resp.status, content_type="application/json")
     text = data.decode("utf-8", "replace").strip()[:300]
