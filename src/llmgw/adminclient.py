@@ -65,6 +65,11 @@ def connect_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+ASK_TIMEOUT_S = 5.0
+"""Seconds a command waits on the admin API for a check it makes on the side (``mirror rm`` asking which
+models use an entry, ``server add-node`` whether the node exists), not for its own work."""
+
+
 @dataclass
 class AdminClient:
     """The admin API at ``base_url`` with the bearer ``token``; ``transport`` is a seam for tests."""
@@ -75,20 +80,23 @@ class AdminClient:
     transport: httpx.BaseTransport | None = None
 
     @classmethod
-    def from_paths(cls, paths: Paths, *, server: str | None = None, token: str | None = None) -> AdminClient:
-        """The client for this machine's control plane: ``admin_listen`` and the token file of server.yaml.
+    def from_paths(
+        cls, paths: Paths, *, server: str | None = None, token: str | None = None, timeout_s: float = 15.0
+    ) -> AdminClient:
+        """The client for this machine's control plane: ``admin_listen`` and the token file of server.yaml
+        (``timeout_s``: per request; :data:`ASK_TIMEOUT_S` for a courtesy check another command makes).
 
         Raises:
             ConfigError: server.yaml or the token file cannot be read (and no override was given).
         """
         if server and token:
-            return cls(server.rstrip("/"), token)
+            return cls(server.rstrip("/"), token, timeout_s)
         cfg = load_server_config(paths.server_config)
         host, port = parse_listen(cfg.admin_listen)
         base = server or f"http://{connect_host(host)}:{port}"
         if token is None:
             token = cfg.read_admin_token(paths.server_config)
-        return cls(base.rstrip("/"), token)
+        return cls(base.rstrip("/"), token, timeout_s)
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:

@@ -14,16 +14,18 @@ from __future__ import annotations
 import os
 import pathlib
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
-from llmgw.cli import mirror as mirror_cli
 from llmgw.cli.main import app
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.store import Store
+from tests.helpers.control import TOKEN, make_install
 from tests.helpers.mirrors import ThreadedMirror
 from tests.helpers.net import free_port
+from tests.unit.test_ctl_model_rm import ThreadedControlPlane
 
 DATA = b"GGUF" + os.urandom(50_000)
 
@@ -142,32 +144,41 @@ def test_a_gguf_without_the_magic_is_refused_other_files_are_not(
     assert Store(store).servable("tok", "1", "tokenizer.json") is not None
 
 
+def _rm_is_refused(mirror: ThreadedMirror, says: str) -> None:
+    """``mirror rm m 1`` exits 1 saying ``says`` and what --force does, and the entry stays."""
+    code, out = llmgw("rm", "m", "1", "--api", mirror.api)
+    assert code == 1, out
+    assert says in " ".join(out.split()), out
+    assert "--force" in out
+    with MirrorClient(mirror.api) as c:
+        assert c.status("m", "1").state == "present"
+
+
 def test_rm_refuses_weights_a_catalog_model_uses_unless_forced(
     tmp_path: pathlib.Path, carried: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = tmp_path / "store"
-    catalog = [
-        ("chat-a", "http://m.test:8081/m/1/w.gguf"),  # the mirror's URL of the entry
-        ("chat-b", "http://mirror.lan:8081/m/1/w.gguf"),  # the same path, the host spelled otherwise
-        ("other", "http://m.test:8081/n/1/w.gguf"),
-    ]
-    monkeypatch.setattr(mirror_cli, "_catalog", lambda _p: (catalog, ""))
-    with ThreadedMirror(store) as mirror:
+    """Against a real control plane (``serve`` in a thread, SQLite) whose catalog has two models on
+    the entry (its URL, and the same path with the host spelled otherwise) and one on another."""
+    inst = make_install(tmp_path / "cp")
+    monkeypatch.setenv("LLMGW_ROOT", str(inst.root))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with ThreadedControlPlane(inst), ThreadedMirror(tmp_path / "store") as mirror:
+        for name, source in (("chat-a", "http://m.test:8081/m/1/w.gguf"),
+                             ("chat-b", "http://mirror.lan:8081/m/1/w.gguf"), ("other", "http://m.test:8081/n/1/w.gguf")):
+            body = {"name": name, "source": source, "profiles": [{"name": "cpu"}]}
+            assert httpx.post(inst.admin + "/api/v1/models", json=body, headers=auth).status_code == 201
         assert llmgw("add", str(carried / "w.gguf"), "--model", "m", "--version", "1", "--api", mirror.api)[0] == 0
-        code, out = llmgw("rm", "m", "1", "--api", mirror.api)
-        assert code == 1, out
-        assert "m/1 is the weights of catalog models chat-a, chat-b" in out
-        assert "--force" in out
-        with MirrorClient(mirror.api) as c:
-            assert c.status("m", "1").state == "present"
+        _rm_is_refused(mirror, "m/1 is the weights of catalog models chat-a, chat-b")
 
-        monkeypatch.setattr(mirror_cli, "_catalog", lambda _p: (catalog[2:], ""))
+        for name in ("chat-a", "chat-b"):
+            assert httpx.delete(f"{inst.admin}/api/v1/models/{name}", headers=auth).status_code == 204
         code, out = llmgw("rm", "m", "1", "--api", mirror.api)
         assert code == 0, out
         assert "deleted m/1 (w.gguf, was present)" in out
 
         assert llmgw("add", str(carried / "w.gguf"), "--model", "m", "--version", "2", "--api", mirror.api)[0] == 0
-        monkeypatch.setattr(mirror_cli, "_catalog", lambda _p: ([("c", "http://m.test:8081/m/2/w.gguf")], ""))
+        body = {"name": "c", "source": "http://m.test:8081/m/2/w.gguf", "profiles": [{"name": "cpu"}]}
+        assert httpx.post(inst.admin + "/api/v1/models", json=body, headers=auth).status_code == 201
         code, out = llmgw("rm", "m", "2", "--api", mirror.api, "--force")
         assert code == 0, out
         assert "deleted m/2" in out
@@ -181,11 +192,6 @@ def test_rm_without_a_control_plane_to_ask_needs_force(
     store = tmp_path / "store"
     with ThreadedMirror(store) as mirror:
         assert llmgw("add", str(carried / "w.gguf"), "--model", "m", "--version", "1", "--api", mirror.api)[0] == 0
-        code, out = llmgw("rm", "m", "1", "--api", mirror.api)
-        assert code == 1, out
-        assert "could not check whether a catalog model uses m/1" in out
-        assert "give --force" in out
-        with MirrorClient(mirror.api) as c:
-            assert c.status("m", "1").state == "present"
+        _rm_is_refused(mirror, "could not check whether a catalog model uses m/1")
         code, out = llmgw("rm", "m", "1", "--api", mirror.api, "--force")
         assert code == 0, out

@@ -33,7 +33,8 @@ def test_a_node_gets_a_certificate_from_the_ca_and_an_agent_yaml(cluster: Paths,
     out = tmp_path / "node-b"
     written = add_node(cluster, "node-b", out, address="10.0.0.7", labels={"zone": "a"},
                        llama_server=Path("/opt/llama/llama-server"))
-    assert sorted(p.name for p in written) == ["agent-key.pem", "agent.pem", "agent.yaml", "ca.pem"]
+    assert sorted(p.name for p in written.files) == ["agent-key.pem", "agent.pem", "agent.yaml", "ca.pem"]
+    assert written.server == "https://cp.example:7443"
     cert = x509.load_pem_x509_certificate((out / "agent.pem").read_bytes())
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "node-b"
     assert (out / "agent-key.pem").stat().st_mode & 0o777 == 0o600

@@ -232,13 +232,12 @@ def rm(
 
 def _catalog(p: Paths) -> tuple[list[tuple[str, str]] | None, str]:
     """``(name, source)`` of every catalog model from this machine's control plane, or None and why not."""
-    from llmgw.adminclient import AdminClient
+    from llmgw.adminclient import ASK_TIMEOUT_S, AdminClient
     from llmgw.errors import LlmgwError
 
     try:
-        client = AdminClient.from_paths(p)
-        client.timeout_s = 5.0
-        return [(m.name, m.source) for m in client.models()], ""
+        models = AdminClient.from_paths(p, timeout_s=ASK_TIMEOUT_S).models()
+        return [(m.name, m.source) for m in models], ""
     except LlmgwError as e:
         return None, str(e)
 

@@ -55,8 +55,6 @@ def add_node(
     ] = None,
 ) -> None:
     """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw."""
-    import yaml
-
     from llmgw.config import loopback_url
     from llmgw.serverinit.onboard import add_node as issue
 
@@ -67,8 +65,8 @@ def add_node(
             raise typer.BadParameter(f"--label {item!r} is not KEY=VALUE")
         labels[key] = value
     known = _registered(node_id)
-    for f in issue(paths(), node_id, out, address=address, server=server, labels=labels,
-                   llama_server=llama_server):
+    made = issue(paths(), node_id, out, address=address, server=server, labels=labels, llama_server=llama_server)
+    for f in made.files:
         print(f"  done {f}")
     if known is not None:
         print(f"!! node '{node_id}' is already in the cluster ({known}): this is a second identity for it, and "
@@ -77,9 +75,8 @@ def add_node(
               "add-node again into an empty --out", file=sys.stderr)
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
           "(or install deploy/systemd/llmgw-agent.service).")
-    written = yaml.safe_load((out / "agent.yaml").read_text())
-    if loopback_url(written["server"]):
-        print(f"!! agent.yaml names the control plane as {written['server']}, a loopback address: only an agent "
+    if loopback_url(made.server):
+        print(f"!! agent.yaml names the control plane as {made.server}, a loopback address: only an agent "
               "on this machine reaches it. For another machine pass --server https://HOST:PORT with a name "
               "or address of this machine that its certificate holds (init's --host)", file=sys.stderr)
 
@@ -87,13 +84,11 @@ def add_node(
 def _registered(node_id: str) -> str | None:
     """``"state ready"`` when this machine's control plane knows a node ``node_id``; None when it does
     not, or cannot be asked (add-node needs only the CA; a control plane that is down is no error)."""
-    from llmgw.adminclient import AdminClient
+    from llmgw.adminclient import ASK_TIMEOUT_S, AdminClient
     from llmgw.errors import LlmgwError
 
     try:
-        client = AdminClient.from_paths(paths())
-        client.timeout_s = 5.0
-        nodes = client.nodes()
+        nodes = AdminClient.from_paths(paths(), timeout_s=ASK_TIMEOUT_S).nodes()
     except LlmgwError:
         return None
     return next((f"state {n.state}" for n in nodes if n.id == node_id), None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -29,10 +30,20 @@ from llmgw.serverinit.standby import agent_url
 from llmgw.tlsconf import CA
 
 
+@dataclass(frozen=True)
+class Onboarded:
+    """What :func:`add_node` wrote: ``files`` (CA, certificate, key, agent.yaml) and ``server``, the
+    agent API URL agent.yaml names (given, or derived from the server certificate)."""
+
+    files: list[Path]
+    server: str
+
+
 def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str = "",
              labels: dict[str, str] | None = None, node_etc: Path = Path("/etc/llmgw"),
-             llama_server: Path | None = None) -> list[Path]:
-    """Write a node's identity and agent.yaml into ``out``; return the files written.
+             llama_server: Path | None = None) -> Onboarded:
+    """Write a node's identity and agent.yaml into ``out``; return the files written and the agent
+    API URL agent.yaml names.
 
     Args:
         node_id: the node's id, the CN of its certificate (:mod:`llmgw.names`: lowercase letters,
@@ -90,7 +101,7 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     body += f"# {node_etc} on the node, then run 'llmgw agent'.\n" + yaml.safe_dump(doc, sort_keys=False)
     AgentConfig.model_validate(doc)
     write_atomic(out / "agent.yaml", body, 0o644)
-    return [out / "ca.pem", cert, key, out / "agent.yaml"]
+    return Onboarded([out / "ca.pem", cert, key, out / "agent.yaml"], server)
 
 
 _LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
