@@ -147,6 +147,14 @@ class Rejection(BaseModel):
     total: float | None = None
 
 
+class FailedReplica(BaseModel):
+    """A placed replica whose engine failed: its id, its node and the first line of its error."""
+
+    replica: str
+    node: str
+    error: str
+
+
 class ExplainView(BaseModel):
     """Placement's explanation for one model: placed or not, a one-line summary, and every rejection."""
 
@@ -162,9 +170,9 @@ class ExplainView(BaseModel):
     would_fit_if: list[str] = Field(default_factory=list)  # what would let one more replica fit
     # the newest replica this leader placed, and where: "placed on node-b (profile cpu; weights m/1 in its cache)"
     last_placed: str = ""
-    # replicas placed whose engine failed, read when asked: "r-1a2b on node-a: <the engine's error>"; a
-    # placed model can still serve nothing, and this says so (``llmgw ctl logs`` shows the whole log)
-    failed: list[str] = Field(default_factory=list)
+    # replicas placed whose engine failed, read when asked: a placed model can still serve nothing,
+    # and this says so (``llmgw ctl logs REPLICA`` shows the whole log)
+    failed: list[FailedReplica] = Field(default_factory=list)
 
 
 class ModelView(BaseModel):

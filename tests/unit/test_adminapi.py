@@ -205,7 +205,7 @@ async def test_nodes_replicas_explain_and_restart(client: TestClient[Any, Any], 
     )
     ex = await (await client.get("/api/v1/explain-placement?model=chat", headers=AUTH)).json()
     assert ex["placed"] is True
-    assert ex["failed"] == [f"{row.id} on node-a: llama-server exited with status 1"]
+    assert ex["failed"] == [{"replica": row.id, "node": "node-a", "error": "llama-server exited with status 1"}]
 
     resp = await client.post(f"/api/v1/replicas/{rep['id']}/restart", headers=AUTH)
     assert resp.status == 202

@@ -252,8 +252,9 @@ def explain_placement(
             print(ex.summary)
         if ex.last_placed:
             print(f"newest replica: {ex.last_placed}")
-        for line in ex.failed:
-            print(f"placed but its engine failed: {line} (its log: 'llmgw ctl logs {line.split()[0]}')")
+        for f in ex.failed:
+            print(f"placed but its engine failed: {f.replica} on {f.node}: {f.error} (its log: 'llmgw ctl logs "
+                  f"{f.replica}')")
         if ex.rejections:
             t = table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex.rejections:

@@ -40,7 +40,7 @@ from llmgw.control.reconcile.specs import new_replica_id
 from llmgw.control.store import ModelRow, ReplicaRow, Store
 from llmgw.errors import Conflict, HttpError, UnreachableError
 from llmgw.protocol import ReplicaState
-from llmgw.views import ExplainView, ReplicaRouting, ReplicaView
+from llmgw.views import ExplainView, FailedReplica, ReplicaRouting, ReplicaView
 
 
 def pending_views(
@@ -183,7 +183,7 @@ async def explain(request: web.Request) -> web.Response:
     # The explanation is the leader's, from its last pass; whether a placed replica's engine failed
     # since is the store's now (the node reports it), so it is read here.
     replicas = await ctx.db.read(lambda: ctx.store.list_replicas(model=row.name))
-    view.failed = [failed_line(r) for r in replicas if r.state == ReplicaState.FAILED]
+    view.failed = [failed_replica(r) for r in replicas if r.state == ReplicaState.FAILED]
     return _json(view.model_dump(mode="json"))
 
 
@@ -191,11 +191,10 @@ async def explain(request: web.Request) -> web.Response:
 FAILED_ERR_CHARS = 200
 
 
-def failed_line(row: ReplicaRow) -> str:
-    """``"r-1a2b on node-a: <the first line of its error>"`` for a replica whose engine failed."""
+def failed_replica(row: ReplicaRow) -> FailedReplica:
+    """The view of a replica whose engine failed, its error cut to the first line."""
     err = (row.err or row.last_error).strip().splitlines()
-    first = err[0][:FAILED_ERR_CHARS] if err else "no error reported"
-    return f"{row.id} on {row.node}: {first}"
+    return FailedReplica(replica=row.id, node=row.node, error=err[0][:FAILED_ERR_CHARS] if err else "no error reported")
 
 
 #: The replicas' routes.

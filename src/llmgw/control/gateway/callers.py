@@ -144,7 +144,7 @@ class Callers:
         seen = tuple((r.name, r.revision) for r in rows)
         if seen == self._seen:
             return False
-        self._use({r.name: r for r in rows}, seen)
+        self._use({r.name: r for r in rows})
         return True
 
     def put(self, row: ApiKeyRow) -> bool:
@@ -159,17 +159,16 @@ class Callers:
         held = self._rows.get(row.name)
         if held is not None and held.revision > row.revision:
             return False
-        rows = dict(sorted({**self._rows, row.name: row}.items()))
-        self._use(rows, tuple((r.name, r.revision) for r in rows.values()))
+        self._use(dict(sorted({**self._rows, row.name: row}.items())))
         return True
 
-    def _use(self, rows: dict[str, ApiKeyRow], seen: tuple[tuple[str, int], ...]) -> None:
-        """Rebuild the lookup tables from ``rows`` (name → row), revoked keys left out."""
+    def _use(self, rows: dict[str, ApiKeyRow]) -> None:
+        """Rebuild the lookup tables from ``rows`` (name → row, by name), revoked keys left out."""
         live = [r for r in rows.values() if r.revoked_at is None]
         self._stored = {bytes.fromhex(r.digest): caller_of(r) for r in live}
         self.by_name = {r.name: caller_of(r) for r in live}
         self._rows = rows
-        self._seen = seen
+        self._seen = tuple((r.name, r.revision) for r in rows.values())
 
     def lookup(self, key: str) -> Caller | None:
         """The caller presenting ``key`` (a bearer key as sent), or None when it is not a valid key:

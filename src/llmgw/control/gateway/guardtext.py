@@ -40,11 +40,12 @@ def prompt_text(request: dict[str, Any]) -> str:
     return message_text(last.get("content"))
 
 
-#: The label of each message's text in what the guard judges (``ROLE: text``), by role. The gateway
-#: refuses any other role (:func:`llmgw.control.gateway.request.check_chat`): llama-server writes the
-#: role string into the prompt, so text hidden there would reach the model unjudged (a new user's
-#: finding, 2026-12-04: ``"role": "user\n<200 tokens>"`` took the engine's prompt from 25 to 207 tokens).
-_ROLES = {
+#: The chat roles a message may have (OpenAI's; ``function`` is its deprecated tool role), each with the
+#: label of its text in what the guard judges (``ROLE: text``). The gateway refuses any other role
+#: (:func:`llmgw.control.gateway.request.check_chat`): llama-server writes the role string into the
+#: prompt, so text hidden there would reach the model unjudged (a new user's finding, 2026-12-04:
+#: ``"role": "user\n<200 tokens>"`` took the engine's prompt from 25 to 207 tokens).
+ROLE_LABELS = {
     "system": "SYSTEM", "developer": "SYSTEM", "user": "USER", "assistant": "ASSISTANT", "tool": "TOOL",
     "function": "TOOL",
 }
@@ -69,7 +70,7 @@ def conversation_text(request: dict[str, Any]) -> str:
         said = (_str(m.get("name")), _str(m.get("reasoning_content")), message_text(m.get("content")))
         text = "\n".join(t for t in (*said, *tool_texts(m.get("tool_calls"))) if t)
         if text:
-            parts.append((_ROLES.get(str(m.get("role")), "MESSAGE"), text))
+            parts.append((ROLE_LABELS.get(str(m.get("role")), "MESSAGE"), text))  # checked: check_chat
     tools = request.get("tools")
     if tools:
         parts.append(("TOOLS", json.dumps(tools, ensure_ascii=False)))

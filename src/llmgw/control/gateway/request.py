@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.control.gateway.guardtext import ROLE_LABELS
 from llmgw.errors import HttpError
 
 #: The top-level fields that reach an engine (see the module docstring).
@@ -152,11 +153,6 @@ def _check(body: dict[str, Any]) -> None:
     ):
         raise _bad(f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:40]}")
 
-
-#: The roles a chat message may have (OpenAI's; ``function`` is its deprecated tool role). Any other
-#: is refused: llama-server writes the role string into the prompt, and text hidden in a role reached
-#: the model without the guard judging it (a new user's finding, 2026-12-04).
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 #: Sampling fields that are numbers in OpenAI's API: a string there (``"temperature": "hot"``) made
 #: llama-server answer with its JSON library's exception text and a numeric ``code`` (a new user's
@@ -279,7 +275,7 @@ def check_chat(body: dict[str, Any]) -> None:
         at = f"messages[{i}]"
         _want(isinstance(m, dict), at, "an object with 'role' and 'content'", m)
         role = m.get("role")
-        if not (isinstance(role, str) and role in _CHAT_ROLES):
+        if not (isinstance(role, str) and role in ROLE_LABELS):
             shown = json.dumps(role)[:40] if isinstance(role, str) else _kind(role)
             raise _bad(f"'{at}.role' must be one of system, developer, user, assistant or tool, got {shown}")
         content = m.get("content")

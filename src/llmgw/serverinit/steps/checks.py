@@ -56,14 +56,7 @@ def run(ctx: InitContext) -> None:
         version = preflight.check_llama_server(ls)
         ctx.say("kept" if _agent_yaml_names(ctx, ls) else "done", f"--llama-server {ls} is llama.cpp build {version}")
     cfg = load_server_config(paths.server_config) if paths.server_config.exists() else None
-    listeners: list[tuple[str, str, str]] = []  # service, address, flag
-    listeners += [
-        ("server", cfg.admin_listen if cfg else opts.admin_listen, "--admin-listen"),
-        ("server", cfg.agent_listen if cfg else opts.agent_listen, "--agent-listen"),
-        ("server", cfg.gateway.listen if cfg else opts.gateway_listen, "--gateway-listen"),
-    ]
-    if cfg is not None:
-        _say_ignored_listens(ctx, cfg)
+    listeners = [("server", listen, flag) for flag, listen in _server_listens(ctx, cfg)]  # service, address, flag
     if not opts.mirror_url:
         listeners += [
             ("mirror", opts.mirror_listen, "--mirror-listen"),
@@ -85,21 +78,25 @@ def run(ctx: InitContext) -> None:
         )
 
 
-def _say_ignored_listens(ctx: InitContext, cfg: ServerConfig) -> None:
-    """A ``!!`` line for each of the control plane's listen flags given with a value other than the
-    one server.yaml already has: init writes server.yaml once and keeps it, so the flag changes
-    nothing, and a silent keep read as if it had worked (a new user's report, 2026-12-04)."""
+def _server_listens(ctx: InitContext, cfg: ServerConfig | None) -> list[tuple[str, str]]:
+    """``(flag, address)`` of the control plane's listeners: the flags', or server.yaml's when it
+    exists. Then a ``!!`` line for each flag given with a value other than the file's: init writes
+    server.yaml once and keeps it, so the flag changes nothing, and a silent keep read as if it had
+    worked (a new user's report, 2026-12-04)."""
     defaults = {f.name: f.default for f in dataclasses.fields(InitOptions)}
-    opts = ctx.opts
-    for attr, flag, now in (
-        ("admin_listen", "--admin-listen", cfg.admin_listen),
-        ("agent_listen", "--agent-listen", cfg.agent_listen),
-        ("gateway_listen", "--gateway-listen", cfg.gateway.listen),
+    out = []
+    for flag, in_file in (
+        ("--admin-listen", cfg.admin_listen if cfg else None),
+        ("--agent-listen", cfg.agent_listen if cfg else None),
+        ("--gateway-listen", cfg.gateway.listen if cfg else None),
     ):
-        given = getattr(opts, attr)
-        if given != defaults[attr] and given != now:
-            ctx.say("!!", f"{flag} {given} is not used: {ctx.paths.server_config} already says {now}, and init "
-                          "keeps the file it wrote; change it there, then 'llmgw service restart server'")
+        attr = flag.removeprefix("--").replace("-", "_")
+        given = getattr(ctx.opts, attr)
+        if in_file is not None and given not in (defaults[attr], in_file):
+            ctx.say("!!", f"{flag} {given} is not used: {ctx.paths.server_config} already says {in_file}, and "
+                          "init keeps the file it wrote; change it there, then 'llmgw service restart server'")
+        out.append((flag, in_file or given))
+    return out
 
 
 def _agent_yaml_names(ctx: InitContext, binary: Path) -> bool:
