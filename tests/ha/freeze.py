@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from llmgw.control.reconcile.election import LOCK_KEY
+from llmgw.control.reconcile.election import APP_LEADER, LOCK_KEY
 from tests.ha.load import agreed_leader, cluster_views
 from tests.helpers.hacluster import DATABASE, HACluster
 from tests.helpers.waits import wait_for
@@ -33,7 +33,10 @@ class Freeze:
 
     Attributes:
         old: the leader and term before the freeze.
-        pid: the frozen backend (``pg_locks``' holder of the advisory lock).
+        pid: the frozen backend: ``pg_locks``' holder of the advisory lock, or with
+            ``whole_control_plane`` the frozen control plane's own session of the term (which need not
+            hold the lock: after an earlier freeze a follower may have taken the lock the leader had
+            not yet taken back, and then that follower takes the term by the lock's path).
         app: its ``application_name`` in ``pg_stat_activity``.
         stepped_down_s: seconds from the freeze until the old leader's ``GET /api/v1/health`` said
             ``leader: false`` (None: it never did while watched).
@@ -70,6 +73,18 @@ def lock_holder(cluster: HACluster) -> tuple[int, str] | None:
     return (int(row[0]), str(row[1])) if row else None
 
 
+def term_session(cluster: HACluster, leader: str, term: int) -> tuple[int, str] | None:
+    """``(pid, application_name)`` of ``leader``'s session leading ``term`` (named by the election's
+    ``APP_LEADER`` rule, ``llmgw leader term <term> <name>``), None when it has none."""
+    app = f"{APP_LEADER}{term} {leader}"[:63]
+    with cluster.patroni.connect(DATABASE) as conn:
+        row = conn.execute(
+            "SELECT pid, application_name FROM pg_stat_activity WHERE application_name = %s"
+            " AND datname = current_database()", (app,),
+        ).fetchone()
+    return (int(row[0]), str(row[1])) if row else None
+
+
 def _health(cluster: HACluster, name: str) -> dict[str, object] | None:
     with contextlib.suppress(httpx.HTTPError, ValueError):
         r = httpx.get(f"{cluster.cp(name).admin}/api/v1/health", timeout=1)
@@ -91,7 +106,10 @@ def freeze_lock_holder(
         AssertionError: no agreed leader before the freeze, or nobody holds the lock.
     """
     old = wait_for("an agreed leader", lambda: agreed_leader(cluster), 30, 0.2)
-    held = wait_for("the advisory lock's holder", lambda: lock_holder(cluster), 10, 0.2)
+    if whole_control_plane:
+        held = wait_for("the leader's session", lambda: term_session(cluster, *old), 10, 0.2)
+    else:
+        held = wait_for("the advisory lock's holder", lambda: lock_holder(cluster), 10, 0.2)
     out = Freeze(old, held[0], held[1])
     proc = cluster.cp(old[0]).proc
     assert proc is not None
@@ -139,7 +157,8 @@ def freeze_lock_holder(
                 out.findings.append(f"{name} names {v['leader']} in term {v['term']} after SIGCONT")
         time.sleep(0.2)
     try:
-        wait_for("the frozen backend exits (it was terminated)", lambda: _gone(cluster, out.pid), 10, 0.2)
+        ended = "the frozen session ends (terminated, or closed by its control plane once it runs)"
+        wait_for(ended, lambda: _gone(cluster, out.pid), 10, 0.2)
     except AssertionError as e:
         out.findings.append(str(e))
     return out
