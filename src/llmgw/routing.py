@@ -7,8 +7,12 @@ benchmarks give the gateway a :class:`StaticRouter`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+#: Told the catalog names of the models whose routed replicas changed (on the event loop).
+RouteWatcher = Callable[[frozenset[str]], None]
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class Router(Protocol):
         (:meth:`llmgw.control.gateway.table.StoreRouter.resolve_settled`); a fixed table: :meth:`resolve`."""
         ...
 
+    def watch(self, watcher: RouteWatcher) -> None:
+        """Call ``watcher`` on the event loop with the models whose routed replicas changed, after
+        each change of the table (the gateway's queues offer waiting requests the new replicas)."""
+        ...
+
 
 @dataclass
 class StaticRouter:
@@ -81,6 +90,7 @@ class StaticRouter:
 
     routes: dict[str, Route] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    _watchers: list[RouteWatcher] = field(default_factory=list, init=False, repr=False)
 
     def resolve(self, name: str) -> Route | None:
         """See :meth:`Router.resolve`."""
@@ -93,3 +103,13 @@ class StaticRouter:
     async def resolve_settled(self, name: str) -> Route | None:
         """See :meth:`Router.resolve_settled` (nothing to wait for)."""
         return self.resolve(name)
+
+    def watch(self, watcher: RouteWatcher) -> None:
+        """See :meth:`Router.watch`: told of each :meth:`put`."""
+        self._watchers.append(watcher)
+
+    def put(self, route: Route) -> None:
+        """Replace (or add) ``route.model``'s route and tell the watchers; on the event loop."""
+        self.routes[route.model] = route
+        for watcher in self._watchers:
+            watcher(frozenset({route.model}))

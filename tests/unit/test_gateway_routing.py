@@ -176,3 +176,35 @@ def test_a_refused_replica_is_passed_over(env: Env) -> None:
     assert [r.status_code for r in results] == [200] * 6
     assert {r.headers["x-llmgw-replica"] for r in results} <= {"a", "b"}
     assert env.pool.loads()["dead"].in_flight == 0
+
+
+def test_a_replica_added_while_requests_wait_serves_them_at_once(env: Env) -> None:
+    """An autoscaler's new replica relieves the requests already queued, not only those that come
+    after it (a new user's scale-up left 3 waiters on the one busy replica, the 4th a 429, while the
+    new replica served nothing). The table's change reaches the queue through ``Router.watch``, as
+    the control plane's routing refresh tells it (``StoreRouter.refresh_in``)."""
+    ups = env.router.routes["m"].upstreams
+    env.router.put(Route("grow", ups[:1]))  # engine a only: 2 slots
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        busy = [ex.submit(env.ask, "grow", f"busy{i} sleep:3.0") for i in range(2)]
+        deadline = time.monotonic() + 5
+        while env.engines[0].running < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        waiting = [ex.submit(env.ask, "grow", f"waiter{i} sleep:0.1") for i in range(2)]
+        deadline = time.monotonic() + 5
+        while env.pool.queue_lengths().get("grow", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert env.pool.queue_lengths()["grow"] == 2  # both wait for engine a
+        env.servers.run(_put(env.router, Route("grow", ups)))  # engine b is ready: routed now
+        answers = [f.result() for f in waiting]
+        took = time.monotonic() - t0
+        assert [f.result().status_code for f in busy] == [200, 200]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert [r.headers["x-llmgw-replica"] for r in answers] == ["b", "b"]
+    assert took < 2.5, f"the waiters were served {took:.1f} s after they came (engine a frees at 3 s)"
+    assert {t for t in env.engines[1].served if t.startswith("waiter")} == {"waiter0 sleep:0.1", "waiter1 sleep:0.1"}
+
+
+async def _put(router: StaticRouter, route: Route) -> None:
+    router.put(route)  # on the gateway's loop, as the control plane's refresh tells its watchers

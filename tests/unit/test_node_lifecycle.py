@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -187,3 +187,31 @@ async def test_an_operator_restart_is_not_a_crash(store: Store, admin: TestClien
     report(store, "a", r, ReplicaState.FAILED, 1000.0)
     assert leader.reconcile_once(1000.0 + backoff_s(2) - 1).removed == []
     assert leader.reconcile_once(1000.0 + backoff_s(2)).removed == [r.id]
+
+
+async def test_the_routing_refresh_tells_watchers_which_models_replicas_changed(store: Store) -> None:
+    """``StoreRouter.refresh_in`` (the control plane's routing refresh) tells the gateway's queues
+    the models whose routed replicas changed, and nothing when none did: a replica that turns ready
+    is offered to the requests already waiting (test_gateway_routing's waiter test)."""
+    store.upsert_node_heartbeat("a", beat(), 100.0)
+    store.add_model(chat_model(2), now=100.0)
+    router = StoreRouter(store)
+    told: list[frozenset[str]] = []
+    router.watch(told.append)
+
+    async def run(fn: Callable[[], frozenset[str]]) -> frozenset[str]:
+        return fn()
+
+    await router.refresh_in(run)
+    assert told == [frozenset({"m"})]  # the first table: every model is new
+    await router.refresh_in(run)
+    assert told == [frozenset({"m"})]  # nothing changed: nobody is woken
+    one = store.add_replica(ReplicaRow("m-1", "m", "a", "cpu", "k1"))
+    await router.refresh_in(run)
+    assert len(told) == 1  # a pending replica is not routed: no change
+    report(store, "a", one, ReplicaState.READY, 101.0, "127.0.0.1:1")
+    await router.refresh_in(run)
+    assert told[1:] == [frozenset({"m"})]
+    route = router.resolve("m")
+    assert route is not None
+    assert [u.replica_id for u in route.upstreams] == ["m-1"]

@@ -416,7 +416,7 @@ async def serve(
         store.bound_holds(HOLD_MAX_S)
     work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
-    routes = Coalescer(functools.partial(db.run, router.refresh), name="routing table refresh",
+    routes = Coalescer(functools.partial(router.refresh_in, db.run), name="routing table refresh",
                        min_gap_s=ROUTES_MIN_GAP_S)
     router.on_stale, router.settled = routes.request, routes.idle
     wakes = Wakes(routes)
@@ -489,7 +489,7 @@ async def serve(
     switch_was = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # restored below: a test may serve in its own process
     try:
-        await db.run(router.refresh)  # the gateway's first requests see the catalog
+        await router.refresh_in(db.run)  # the gateway's first requests see the catalog
         await accounting.sync()  # ... and the stored keys
         counting = asyncio.create_task(accounting.run(counted))  # stops after the drain: nothing uncounted
         gateway = _gateway_app(router, config, guard, drain, keys, accounting, observers, metrics)

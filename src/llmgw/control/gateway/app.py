@@ -538,8 +538,11 @@ def build_gateway_app(
     engine slot (see the module docstring).
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    pool = UpstreamPool(upstream_timeout_s=upstream_timeout_s, balancer=balancer, metrics=routing_metrics)
+    pool = UpstreamPool(
+        upstream_timeout_s=upstream_timeout_s, balancer=balancer, metrics=routing_metrics, routes=router.resolve
+    )
     app[_POOL] = pool
+    router.watch(pool.routes_changed)  # a replica added while requests wait serves them (an autoscaler's)
     gw = _Gateway(
         router,
         pool,

@@ -34,7 +34,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from llmgw.catalog import Model, Role
 from llmgw.control.store import ReplicaRow, Store
 from llmgw.protocol import ReplicaState
-from llmgw.routing import Route, Upstream
+from llmgw.routing import Route, RouteWatcher, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,27 @@ class StoreRouter:
     on_stale: Callable[[], None] | None = None
     settled: Callable[[], Awaitable[None]] | None = None
     _snap: _Snapshot = field(default_factory=_Snapshot, init=False)
+    _watchers: list[RouteWatcher] = field(default_factory=list, init=False)
 
-    def refresh(self) -> None:
+    async def refresh_in(self, run: Callable[[Callable[[], frozenset[str]]], Awaitable[frozenset[str]]]) -> None:
+        """:meth:`refresh` through ``run`` (the control plane's store thread, ``OffLoop.run``), then,
+        on the loop, tell the watchers (:meth:`watch`) which models' routed replicas changed."""
+        changed = await run(self.refresh)
+        if changed:
+            for watcher in self._watchers:
+                watcher(changed)
+
+    def watch(self, watcher: RouteWatcher) -> None:
+        """See :meth:`llmgw.routing.Router.watch`: told after each :meth:`refresh_in` that changed a route."""
+        self._watchers.append(watcher)
+
+    def refresh(self) -> frozenset[str]:
         """Rebuild the snapshot from the store now (blocking: three reads). Thread-safe: the new
-        snapshot replaces the old one in one assignment."""
+        snapshot replaces the old one in one assignment.
+
+        Returns the models whose routed replicas changed (ids or slots; a model added or removed
+        included), so that requests waiting in a model's queue can be handed a replica added while
+        they wait (:meth:`~llmgw.control.gateway.upstream.UpstreamPool.routes_changed`)."""
         started = self.clock()
         rows = self.store.list_models()
         routes, aliases, roles = build_routes(
@@ -180,7 +197,12 @@ class StoreRouter:
             self.store.explanation_summaries(),
             {r.name: r.created_at for r in rows},
         )
+        before = self._snap.routes
         self._snap = _Snapshot(routes, aliases, roles, tuple(r.model for r in rows), started)
+        return frozenset(
+            m for m in before.keys() | routes.keys()
+            if (old := before.get(m)) is None or (new := routes.get(m)) is None or old.upstreams != new.upstreams
+        )
 
     def _current(self) -> _Snapshot:
         if self.clock() - self._snap.built_at > self.max_age_s:

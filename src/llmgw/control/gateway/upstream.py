@@ -54,6 +54,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,11 +153,20 @@ class UpstreamPool:
     Call :meth:`start` on app startup and :meth:`close` on cleanup. ``upstream_timeout_s``: see the
     module docstring. ``balancer``: the slots and the choice (one is made when None; its slot reader
     is :meth:`read_slots`). ``metrics``: where decisions and waits are counted (:class:`RoutingMetrics`).
+    ``routes``: the model's route now, by catalog name (the router's ``resolve``), read again by a
+    request waiting in the queue each time it is offered a slot, so it can take a replica added
+    while it waits (an autoscaler's); None: a request keeps the route it came with.
     """
 
     def __init__(
-        self, *, upstream_timeout_s: float, balancer: Balancer | None = None, metrics: RoutingMetrics | None = None
+        self,
+        *,
+        upstream_timeout_s: float,
+        balancer: Balancer | None = None,
+        metrics: RoutingMetrics | None = None,
+        routes: Callable[[str], Route | None] | None = None,
     ) -> None:
+        self.routes = routes
         self._session: aiohttp.ClientSession | None = None
         self.plain_timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.stream_timeout = aiohttp.ClientTimeout(
@@ -214,6 +224,19 @@ class UpstreamPool:
         if queue is not None:
             queue.wake()
 
+    def routes_changed(self, models: Iterable[str]) -> None:
+        """The routed replicas of ``models`` changed (:meth:`llmgw.routing.Router.watch`): their
+        waiting requests are offered the replicas as they are now (one added while they wait serves
+        them at once, not only the requests that come after it). On the loop."""
+        for model in models:
+            self._wake(model)
+
+    def _latest(self, route: Route) -> Route:
+        """``route`` as the router has it now (see ``routes``); ``route`` itself when the router has
+        none for the model or none with a ready replica (a waiter keeps what it had rather than none)."""
+        now = self.routes(route.model) if self.routes is not None else None
+        return now if now is not None and now.upstreams and now.model == route.model else route
+
     def _queue(self, route: Route) -> FairQueue[Lease]:
         """The model's queue, its bounds as the route (the catalog) says now."""
         queue = self.queues.get(route.model)
@@ -259,9 +282,14 @@ class UpstreamPool:
                     self.metrics.routed(route.model, got.reason)
                 return got
         first: list[Lease | Defer | None] = []  # what the first take() got: it waited unless that is the answer
+        taking, taker = route, inner  # the route this waiter takes from and its taker, renewed when it changes
 
         def take() -> Lease | Defer | None:
-            got = inner()
+            nonlocal taking, taker
+            now = self._latest(route)
+            if now is not taking:  # the table was rebuilt while this request waited (a replica added)
+                taking, taker = now, balancer.taker(now, key, tried, queue.__len__)
+            got = taker()
             if not first:
                 first.append(got)
             return got
@@ -317,6 +345,7 @@ class UpstreamPool:
         t0 = time.perf_counter_ns()
         try:
             while True:
+                route = self._latest(route) if tried else route  # a retry sees replicas added since
                 lease = await self._reserve(route, key, tried, trace)
                 up = lease.up
                 trace.replica = up.replica_id
