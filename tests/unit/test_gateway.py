@@ -394,6 +394,7 @@ def test_replica_dying_mid_request_is_a_502(env: Env) -> None:
     r = env.post(_chat("gemma", "cut"))
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_failed"
+    assert "closed the connection before answering; retry" in r.json()["error"]["message"]
     env.assert_no_internals(r.text)
 
 
@@ -405,6 +406,8 @@ def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
     assert events[-1] == "data: [DONE]"  # well-formed to the end
     last = json.loads(events[-2].removeprefix("data: "))
     assert last["error"]["code"] == "upstream_failed"
+    # part of the answer went out: not "before answering" (a new user's drained replica said so)
+    assert "closed the connection in the middle of its answer; retry" in last["error"]["message"]
     env.assert_no_internals(r.text)
 
 

@@ -388,13 +388,12 @@ class UpstreamPool:
         )
 
     @staticmethod
-    def broken_error(route: Route) -> HttpError:
-        """502 ``upstream_failed``: the replica's connection broke after the request went out."""
-        return HttpError(
-            502,
-            "upstream_failed",
-            f"the replica of model '{route.model}' closed the connection before answering; retry",
-        )
+    def broken_error(route: Route, *, mid_answer: bool = False) -> HttpError:
+        """502 ``upstream_failed``: the replica's connection broke after the request went out
+        (``mid_answer``: after part of a stream was relayed: the replica stopped, was drained or failed)."""
+        when = "in the middle of its answer" if mid_answer else "before answering"
+        message = f"the replica of model '{route.model}' closed the connection {when}; retry"
+        return HttpError(502, "upstream_failed", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,8 +528,9 @@ async def relay_stream(
             aiohttp.ServerDisconnectedError,
             aiohttp.ClientOSError,
         ) as e:
-            err = pool.timeout_error(route) if isinstance(e, TimeoutError) else pool.broken_error(route)
-            if not isinstance(e, TimeoutError):
+            timed_out = isinstance(e, TimeoutError)
+            err = pool.timeout_error(route) if timed_out else pool.broken_error(route, mid_answer=True)
+            if not timed_out:
                 pool.balancer.refused(up.replica_id)
             log.warning("stream of %s broke: %r", route.model, e)
             trace.error_code = err.code
