@@ -290,6 +290,34 @@ async def test_from_zero_held_then_answered_and_back_to_zero(tmp_path: Path, eng
         print(f"from_zero_decision_s: {took:.3f} held_answered_s: {cold:.1f} back_to_zero_s: {down:.1f}")
 
 
+async def test_from_zero_that_fits_nowhere_is_refused_with_the_reason_within_seconds(
+    tmp_path: Path, engines: Engines
+) -> None:
+    """``min: 0`` and a profile no node can hold: the held request is answered 503
+    ``model_unavailable`` with placement's reason a few seconds after the leader's failed attempt
+    (``starting.UNPLACEABLE_S``), not held the whole 60 s and told to retry (a new user's finding)."""
+    inst = make_install(tmp_path)
+    scaling = {"min": 0, "max": 1, "scale_to_zero_after_s": 15.0}
+    async with serving(inst), aiohttp.ClientSession() as s:
+        node = Node(s, inst, engines)
+        await node.register()
+        model = {"name": "chat", "source": "http://m/chat.gguf", "scaling": scaling,
+                 "profiles": [{"name": "cpu", "min_memory_gb": 1000}]}  # the node has 64 GB
+        async with s.post(inst.admin + "/api/v1/models", json=model, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+        t0 = time.monotonic()
+        url = f"http://127.0.0.1:{inst.ports['gateway']}/v1/chat/completions"
+        async with s.post(url, json=BODY) as r:
+            body = await r.json()
+            status, retry = r.status, r.headers.get("Retry-After")
+        took = time.monotonic() - t0
+        assert (status, body["error"]["code"], retry) == (503, "model_unavailable", "5"), body
+        assert body["error"]["message"].startswith("model 'chat' is not available: it cannot start: 0/1 nodes"), body
+        assert "memory" in body["error"]["message"], body
+        assert took < 10, took
+        print(f"unplaceable_from_zero_refused_s: {took:.1f}")
+
+
 async def _stream(s: aiohttp.ClientSession, inst: Install) -> tuple[int, str]:
     body = {**BODY, "stream": True}
     async with s.post(f"http://127.0.0.1:{inst.ports['gateway']}/v1/chat/completions", json=body) as r:

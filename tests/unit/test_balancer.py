@@ -31,7 +31,7 @@ from llmgw.control.gateway.prefix import prefix_key, rendezvous, replica_hash
 from llmgw.control.gateway.queue import FairQueue
 from llmgw.control.gateway.table import build_routes, profile_slots
 from llmgw.control.reconcile.leader import spec_hash
-from llmgw.control.store.rows import ReplicaRow
+from llmgw.control.store.rows import PlacementSummary, ReplicaRow
 from llmgw.routing import Route, Upstream
 
 KEYS = 20_000
@@ -272,6 +272,22 @@ def test_catalog_routing_and_queue_reach_the_route() -> None:
     assert (r.routing, r.queue_size, r.queue_wait_s) == ("round-robin", 0, 2.5)
     assert [u.slots for u in r.upstreams] == [3, 4]
     assert profile_slots(Model(name="m", source="s", profiles=[{"name": "p", "args": ["-np=2"]}]), "p") == 2
+
+
+def test_a_model_whose_placement_failed_is_unplaceable_on_its_route() -> None:
+    """``Route.unplaceable``: the explanation's summary when nothing is placed and the last placement
+    failed (a from-zero model's held requests are refused with it); never when placed or with replicas."""
+    why = "0/2 nodes can run it: 2 not enough cores"
+    failed = {"m": PlacementSummary(why, placed=False)}
+    routes, _, _ = build_routes([_model()], [], failed, {})
+    assert (routes["m"].unplaceable, routes["m"].unavailable) == (why, why)
+    routes, _, _ = build_routes([_model()], [], {"m": PlacementSummary("0/0 replicas placed", placed=True)}, {})
+    assert routes["m"].unplaceable == ""
+    pending = [ReplicaRow(id="r1", model="m", node="n", profile="cpu", key="k")]
+    routes, _, _ = build_routes([_model()], pending, failed, {})  # one placed, the next one failed
+    assert routes["m"].unplaceable == ""
+    routes, _, _ = build_routes([_model()], [], {}, {})
+    assert routes["m"].unplaceable == ""
 
 
 def test_new_fields_at_their_defaults_keep_the_spec_hash() -> None:

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from llmgw.catalog import Model, Profile
 from llmgw.control.store import ReplicaRow, Store, default_url, open_store
+from llmgw.control.store.rows import PlacementSummary
 from llmgw.control.store.schema import MIGRATIONS
 from llmgw.errors import Conflict, StoreError
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
@@ -142,13 +143,15 @@ def test_explanations_replace(store: Store) -> None:
     assert got is not None
     assert got.placed is True
     assert store.get_explanation("nope") is None
-    assert store.explanation_summaries() == {"m1": ""}
+    assert store.explanation_summaries() == {"m1": PlacementSummary("", placed=True)}
     store.set_explanation(ExplainView(model="m1", placed=False, summary="0 of 3 nodes fit"), now=3.0)
     store.set_explanation(ExplainView(model="m2", placed=True, summary="placed on n"), now=3.0)
-    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit", "m2": "placed on n"}
-    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit", "m2": "placed on n"}  # read again
+    both = {"m1": PlacementSummary("0 of 3 nodes fit", placed=False),
+            "m2": PlacementSummary("placed on n", placed=True)}
+    assert store.explanation_summaries() == both
+    assert store.explanation_summaries() == both  # read again
     store.delete_explanation("m2")
-    assert store.explanation_summaries() == {"m1": "0 of 3 nodes fit"}
+    assert store.explanation_summaries() == {"m1": PlacementSummary("0 of 3 nodes fit", placed=False)}
 
 
 def test_schema_is_plain_sql(store: Store) -> None:

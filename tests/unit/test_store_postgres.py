@@ -24,6 +24,7 @@ from llmgw.catalog import Model, Profile
 from llmgw.cli.main import app as cli_app
 from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.control.store.postgres import with_defaults
+from llmgw.control.store.rows import PlacementSummary
 from llmgw.control.store.schema import MIGRATIONS
 from llmgw.errors import Conflict, StoreError
 from llmgw.protocol import Heartbeat, Inventory
@@ -213,7 +214,7 @@ def test_racing_heartbeats_of_new_nodes_are_all_recorded(store: Store) -> None:
 def test_racing_first_writes_of_explanations_and_facts(store: Store) -> None:
     view = ExplainView(model="m", placed=False, summary="s")
     assert at_once(6, lambda i: store.set_explanation(view, now=float(i))) == [None] * 6
-    assert store.explanation_summaries() == {"m": "s"}
+    assert store.explanation_summaries() == {"m": PlacementSummary("s", placed=False)}
     assert at_once(6, lambda i: store.set_gguf_facts("hf:x", body="", error=f"e{i}", now=float(i))) == [None] * 6
     assert list(store.list_gguf_facts()) == ["hf:x"]
     assert at_once(6, lambda _i: store.note_cert("n", "AB", 1.0)) == [None] * 6

@@ -12,6 +12,12 @@ Bounds, per model: at most :data:`MAX_HELD` requests held (one more is answered 
 503). A held stream is told every :data:`KEEPALIVE_S` that it is still waiting (the caller's
 ``keepalive``: an SSE comment line), so clients and proxies with idle timeouts do not give up.
 
+A model that cannot start is not held for nothing: once the routing table has said for
+:data:`UNPLACEABLE_S` that the model's wanted replica could not be placed (``Route.unplaceable``,
+the placement explanation's summary), its held requests are answered 503 ``model_unavailable``
+with that reason, as a model with ``min`` ≥ 1 that cannot be placed is at once (before, a held
+request waited the whole :data:`HOLD_S` and was told to retry).
+
 One poller per model (not one per request) reads the routing table every :data:`POLL_S` while
 anything is held: 1,000 held requests cost one in-memory lookup every 0.1 s, and each held request
 is a parked coroutine (a few KB), nothing more.
@@ -43,6 +49,14 @@ POLL_S = 0.1
 KEEPALIVE_S = 5.0
 #: What a refused request is told to wait before retrying (s).
 RETRY_AFTER_S = 5
+#: How long (s) the routing table must keep saying the model cannot be placed, while requests are
+#: held, before they are refused: the leader tries a from-zero model's first replica about a second
+#: after its first held request (measured 1.00 s, docs/operating.md) and rewrites the explanation
+#: then, so an explanation left from an earlier attempt is replaced well within it.
+UNPLACEABLE_S = 3.0
+#: The error code of a request refused because its model cannot start (as the gateway's for a model
+#: with no ready replica).
+MODEL_UNAVAILABLE = "model_unavailable"
 
 #: The error code of a request refused while its model starts.
 MODEL_STARTING = "model_starting"
@@ -53,6 +67,7 @@ class _Model:
     held: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     poller: asyncio.Task[None] | None = None
+    blocked: str = ""  # why the model cannot start (the poller saw it for UNPLACEABLE_S): "" while it may
 
 
 class Starting:
@@ -66,6 +81,7 @@ class Starting:
         hold_s: :data:`HOLD_S`.
         poll_s: :data:`POLL_S`.
         keepalive_s: :data:`KEEPALIVE_S`.
+        unplaceable_s: :data:`UNPLACEABLE_S`.
         on_hold: called when a model's first request is held (none were): the load reporter's
             kick, so the leader hears of it at once (:data:`~llmgw.control.gateway.load.LOAD_KICK`).
     """
@@ -79,10 +95,12 @@ class Starting:
         hold_s: float = HOLD_S,
         poll_s: float = POLL_S,
         keepalive_s: float = KEEPALIVE_S,
+        unplaceable_s: float = UNPLACEABLE_S,
         on_hold: Callable[[], None] = lambda: None,
     ) -> None:
         self.resolve, self.holds, self.max_held, self.hold_s = resolve, holds, max_held, hold_s
         self.poll_s, self.keepalive_s, self.on_hold = poll_s, keepalive_s, on_hold
+        self.unplaceable_s = unplaceable_s
         self._models: dict[str, _Model] = {}
 
     def held(self) -> dict[str, int]:
@@ -98,7 +116,9 @@ class Starting:
 
         Raises:
             HttpError: 503 ``model_starting`` with ``Retry-After`` when :attr:`max_held` requests of
-                the model are held already (at once), or when none became ready within :attr:`hold_s`.
+                the model are held already (at once), or when none became ready within :attr:`hold_s`;
+                503 ``model_unavailable`` with ``Retry-After`` when the model cannot be placed (see
+                the module docstring).
         """
         name = route.model
         st = self._models.setdefault(name, _Model())
@@ -108,7 +128,7 @@ class Starting:
         if st.held == 1:
             self.on_hold()
         if st.poller is None or st.poller.done():
-            st.ready = asyncio.Event()
+            st.ready, st.blocked = asyncio.Event(), ""
             st.poller = asyncio.create_task(self._poll(name, st), name=f"llmgw-starting-{name}")
         deadline = time.monotonic() + self.hold_s
         try:
@@ -122,6 +142,9 @@ class Starting:
                     got = self.resolve(name)
                     if got is not None and got.upstreams:
                         return got
+                    if st.blocked:
+                        raise HttpError(503, MODEL_UNAVAILABLE, f"model '{name}' is not available: it cannot start: "
+                                        f"{st.blocked}", headers={"Retry-After": str(RETRY_AFTER_S)})
                     st.ready = asyncio.Event()  # gone again before this waiter looked: wait on
                 elif keepalive is not None and deadline - time.monotonic() > 0:
                     await keepalive()
@@ -132,10 +155,19 @@ class Starting:
                 st.poller = None
 
     async def _poll(self, name: str, st: _Model) -> None:
+        since: float | None = None  # when the table began saying the model cannot be placed
         while st.held:
             got = self.resolve(name)
             if got is not None and got.upstreams:
                 st.ready.set()
+            elif got is not None and got.unplaceable:
+                now = time.monotonic()
+                since = now if since is None else since
+                if now - since >= self.unplaceable_s:
+                    st.blocked = got.unplaceable
+                    st.ready.set()
+            else:
+                since = None
             await asyncio.sleep(self.poll_s)
 
     @staticmethod

@@ -33,6 +33,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from llmgw.catalog import Model, Role
 from llmgw.control.store import ReplicaRow, Store
+from llmgw.control.store.rows import PlacementSummary
 from llmgw.protocol import ReplicaState
 from llmgw.routing import Route, RouteWatcher, Upstream
 
@@ -108,7 +109,7 @@ def profile_slots(model: Model, profile: str) -> int:
 
 
 def build_routes(
-    models: list[Model], replicas: list[ReplicaRow], summaries: dict[str, str], created: dict[str, float]
+    models: list[Model], replicas: list[ReplicaRow], summaries: dict[str, PlacementSummary], created: dict[str, float]
 ) -> tuple[dict[str, Route], dict[str, str], dict[str, Role]]:
     """Pure: the routes (by name), aliases (alias → name) and roles from store contents."""
     routes: dict[str, Route] = {}
@@ -128,10 +129,13 @@ def build_routes(
             for r in mine
             if r.state == ReplicaState.READY and r.endpoint and r.draining_since is None  # draining: routed no more
         )
+        placement = summaries.get(m.name)
+        summary = placement.summary if placement is not None else ""
         routes[m.name] = Route(
             model=m.name,
             upstreams=ready,
-            unavailable="" if ready else unavailable_reason(mine, summaries.get(m.name, "")),
+            unavailable="" if ready else unavailable_reason(mine, summary),
+            unplaceable=_scrub(summary) if not mine and placement is not None and not placement.placed else "",
             context_length=m.context_length,
             max_output=m.max_output,
             created=int(created.get(m.name, 0)),

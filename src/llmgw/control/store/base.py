@@ -53,6 +53,7 @@ from llmgw.control.store.rows import (
     ModelRow,
     NodeLiveness,
     NodeRow,
+    PlacementSummary,
     PulseRead,
     RateDelta,
     ReplicaRow,
@@ -356,10 +357,9 @@ class Store(abc.ABC):
         """Every stored explanation, by model."""
 
     @abc.abstractmethod
-    def explanation_summaries(self) -> dict[str, str]:
-        """Every stored explanation's one-line summary, by model (the routing table needs only
-        these; parsing whole explanations, a verdict per node each, cost a heartbeat's worth of
-        CPU per model with 200 nodes)."""
+    def explanation_summaries(self) -> dict[str, PlacementSummary]:
+        """Every stored explanation's summary and ``placed``, by model (the routing table needs only these:
+        whole explanations, a verdict per node, cost a heartbeat's CPU per model with 200 nodes)."""
 
     @abc.abstractmethod
     def delete_explanation(self, model: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import sqlalchemy as sa
 from pydantic import ValidationError
 
-from llmgw.control.store.rows import NodeRow, ReplicaRow
+from llmgw.control.store.rows import NodeRow, PlacementSummary, ReplicaRow
 from llmgw.protocol import EngineStatus, GroupMember, Heartbeat, Inventory, ReplicaStatus, state_digest
 
 R = TypeVar("R")
@@ -51,9 +51,10 @@ def heartbeat_values(hb: Heartbeat, now: float, digest: str = "") -> dict[str, A
     }
 
 
-def explanation_summary(body: str) -> str:
-    """A stored explanation's ``summary`` (its JSON body's)."""
-    return str(json.loads(body).get("summary", ""))
+def explanation_summary(body: str) -> PlacementSummary:
+    """A stored explanation's ``summary`` and ``placed`` (its JSON body's)."""
+    view = json.loads(body)
+    return PlacementSummary(str(view.get("summary", "")), bool(view.get("placed", False)))
 
 
 def first_problems(err: ValidationError) -> str:

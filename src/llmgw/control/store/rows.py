@@ -101,6 +101,16 @@ class ReplicaRow:
     draining_since: float | None = None  # unix seconds it was chosen to go (routed no more); None: serving
 
 
+@dataclass(frozen=True, slots=True)
+class PlacementSummary:
+    """A stored placement explanation as the routing table reads it: its one-line ``summary`` and
+    whether the model's wanted replicas were all placed (``placed``; False: the last attempt could
+    not place them, and ``summary`` says why)."""
+
+    summary: str
+    placed: bool
+
+
 @dataclass(frozen=True)
 class ReportResult:
     """What :meth:`~llmgw.control.store.base.Store.apply_reports` changed: the replica ids whose

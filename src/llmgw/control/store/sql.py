@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Connection, Engine
 
 from llmgw.catalog import STORED, Model
+from llmgw.control.store import rows as row_types
 from llmgw.control.store.base import REMOVAL_PREFIX, Store
 from llmgw.control.store.codec import (
     ParsedByName,
@@ -98,7 +99,7 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         self.hooks = hooks or DialectHooks()
         self._logged_broken: set[tuple[str, int]] = set()
         self._parsed: ParsedByName[Model] = ParsedByName()  # _readable's, by model name
-        self._summaries: ParsedByName[str] = ParsedByName()  # explanation_summaries', by model name
+        self._summaries: ParsedByName[row_types.PlacementSummary] = ParsedByName()  # explanation_summaries'
         self.term: int | None = None  # set on the stores fenced() returns
         self.where = describe_url(engine.url)
 
@@ -526,7 +527,7 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
             rows = conn.execute(sa.select(explanations_t.c.model, explanations_t.c.body)).all()
         return {r.model: ExplainView.model_validate_json(r.body) for r in rows}
 
-    def explanation_summaries(self) -> dict[str, str]:
+    def explanation_summaries(self) -> dict[str, row_types.PlacementSummary]:
         """Each model's explanation's ``summary``, parsed once per body (a verdict per node: 200 over
         500 nodes were a tenth of the routing refresh)."""
         with self._tx() as conn:
