@@ -116,9 +116,11 @@ async def _autoscale(s: aiohttp.ClientSession, inst: Install) -> dict[str, Any]:
         return got
 
 
-async def _chat(s: aiohttp.ClientSession, inst: Install) -> int:
+async def _chat(s: aiohttp.ClientSession, inst: Install, headers: dict[str, str] | None = None) -> int:
     async with s.post(f"http://127.0.0.1:{inst.ports['gateway']}/v1/chat/completions", json=BODY) as r:
         await r.read()
+        if headers is not None:
+            headers.update(r.headers)
         return r.status
 
 
@@ -258,7 +260,8 @@ async def test_from_zero_held_then_answered_and_back_to_zero(tmp_path: Path, eng
             assert r.status == 201, await r.text()
         assert await node.beat() == []
         asked = time.monotonic()
-        plain = asyncio.create_task(_chat(s, inst))
+        answer: dict[str, str] = {}
+        plain = asyncio.create_task(_chat(s, inst, answer))
         stream = asyncio.create_task(_stream(s, inst))
 
         async def wanted_one() -> bool:
@@ -273,6 +276,8 @@ async def test_from_zero_held_then_answered_and_back_to_zero(tmp_path: Path, eng
         assert not plain.done()
         await node.beat()  # ready
         assert await plain == 200
+        # held ~6 s: that is waiting for a replica, not the gateway's own overhead (it read 3,740 ms)
+        assert float(answer["x-llmgw-overhead-ms"]) < 1000, answer
         status, text = await stream
         assert status == 200
         assert text.startswith(": waiting for a replica\n\n"), text[:200]

@@ -332,7 +332,11 @@ class _Gateway:
             pre: web.StreamResponse | None = None  # a held stream's response, prepared while it waited
             held = self._starting(route, endpoint, caller, requested) if route and not route.upstreams else None
             if route is not None and held is not None:  # a model starting from zero: wait for its replica
-                route, pre = await hold_request(held, request, route, stream=stream)
+                t_held = time.perf_counter_ns()
+                try:
+                    route, pre = await hold_request(held, request, route, stream=stream)
+                finally:  # waiting for a replica, as a queue's wait: upstream time, not the gateway's overhead
+                    trace.upstream_ns += time.perf_counter_ns() - t_held
             if route is None or not self.callers.may_use(caller, requested, route.model, self._resolve_name):
                 out: web.StreamResponse = self._not_found(requested, caller)
             elif route.role != endpoint.role:
