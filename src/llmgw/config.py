@@ -93,6 +93,10 @@ class TLSFiles(_Strict):
     cert: Path
     key: Path
 
+    def beside(self, base: Path) -> TLSFiles:
+        """These paths with each relative one taken inside ``base`` (an absolute one is kept)."""
+        return TLSFiles(ca=base / self.ca, cert=base / self.cert, key=base / self.key)
+
 
 class GatewayConfig(_Strict):
     """The OpenAI-compatible gateway.
@@ -403,5 +407,14 @@ def load_server_config(path: Path) -> ServerConfig:
 
 
 def load_agent_config(path: Path) -> AgentConfig:
-    """Load ``agent.yaml``. Raises :class:`ConfigError` naming the file and field."""
-    return load_yaml_model(path, AgentConfig)
+    """Load ``agent.yaml``, a relative ``tls`` path taken in the file's own directory.
+
+    ``server add-node`` writes ``tls: {ca: ca.pem, cert: agent.pem, ...}`` beside agent.yaml, so its
+    directory works wherever it is copied: ``/etc/llmgw`` on a node, ``$LLMGW_ROOT/etc/llmgw`` under
+    ``--root`` (absolute ``/etc/llmgw/...`` paths failed there), or read in place with ``--config``.
+
+    Raises:
+        ConfigError: naming the file and field.
+    """
+    cfg = load_yaml_model(path, AgentConfig)
+    return cfg.model_copy(update={"tls": cfg.tls.beside(path.absolute().parent)})

@@ -44,7 +44,8 @@ def test_a_node_gets_a_certificate_from_the_ca_and_an_agent_yaml(cluster: Paths,
     cfg = load_agent_config(out / "agent.yaml")
     assert cfg.server == "https://cp.example:7443"  # the certificate's CN: init's first --host
     assert (cfg.node_id, cfg.advertise_address, cfg.labels) == ("node-b", "10.0.0.7", {"zone": "a"})
-    assert cfg.tls.cert == Path("/etc/llmgw/agent.pem")
+    assert cfg.tls.cert == out / "agent.pem"  # named beside agent.yaml (was /etc/llmgw/agent.pem)
+    assert "cert: agent.pem" in (out / "agent.yaml").read_text()
     assert cfg.engines.llamacpp.binary == Path("/opt/llama/llama-server")
 
 
@@ -138,3 +139,86 @@ def test_add_node_says_when_the_id_is_a_node_the_cluster_has(tmp_path: Path) -> 
         assert "already in the cluster" not in add("node-b")
     assert "already in the cluster" not in add("node-c")  # nobody to ask: issued, nothing said
     assert (tmp_path / "node-c" / "agent.pem").exists()
+
+
+async def test_the_copied_bundle_runs_an_agent_under_another_root(tmp_path: Path) -> None:
+    """``server add-node node-b --out DIR``, ``cp DIR/* $RB/etc/llmgw/`` and ``LLMGW_ROOT=$RB llmgw
+    agent`` failed: agent.yaml named ``/etc/llmgw/ca.pem``, outside the node's root (a new operator's
+    report). agent.yaml now names its files relative to itself, so the documented copy works under any
+    root: the agent, started from the copied files only, registers with a real control plane."""
+    import asyncio  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.adminclient import AdminClient  # noqa: PLC0415
+    from llmgw.agent.loop.loop import run_agent  # noqa: PLC0415
+    from llmgw.cli.main import app  # noqa: PLC0415
+    from tests.helpers.control import TOKEN, make_install, serving  # noqa: PLC0415
+    from tests.helpers.waits import until  # noqa: PLC0415
+
+    inst = make_install(tmp_path / "cp")
+    bundle = tmp_path / "bundle"
+    rb = Paths(tmp_path / "rb")
+    async with serving(inst):
+        r = await asyncio.to_thread(CliRunner().invoke, app, [
+            "--root", str(inst.root), "server", "add-node", "node-b", "--address", "127.0.0.1", "--out", str(bundle)])
+        assert r.exit_code == 0, r.output
+        rb.etc.mkdir(parents=True)
+        for f in bundle.iterdir():  # cp DIR/* $RB/etc/llmgw/
+            shutil.copy(f, rb.etc / f.name)
+        shutil.rmtree(bundle)  # nothing left where add-node wrote it
+        # The test's own additions (a declared inventory, a fast beat); tls stays as add-node wrote it.
+        doc = yaml.safe_load(rb.agent_config.read_text())
+        inventory = tmp_path / "inventory.yaml"
+        inventory.write_text(yaml.safe_dump({"cores": 2, "memory_total_bytes": 4 << 30,
+                                             "memory_available_bytes": 4 << 30}))
+        doc.update(discovery={"inventory_file": str(inventory)}, heartbeat_interval_s=0.2)
+        rb.agent_config.write_text(yaml.safe_dump(doc))
+        cfg = load_agent_config(rb.agent_config)
+        stop = asyncio.Event()
+        agent = asyncio.create_task(run_agent(cfg, rb, stop=stop))
+        admin = AdminClient(inst.admin, TOKEN)
+
+        async def registered() -> list[str]:
+            assert not agent.done(), agent.exception()
+            nodes = await asyncio.to_thread(admin.nodes)
+            return [f"{n.id} {n.state}" for n in nodes]
+
+        try:
+            assert await until("node-b registered", registered, within_s=30) == ["node-b ready"]
+        finally:
+            stop.set()
+            await asyncio.wait_for(agent, 20)
+    assert doc["tls"] == {"ca": "ca.pem", "cert": "agent.pem", "key": "agent-key.pem"}
+    assert (cfg.tls.ca, cfg.tls.cert, cfg.tls.key) == (
+        rb.etc / "ca.pem", rb.etc / "agent.pem", rb.etc / "agent-key.pem")
+    assert os.stat(rb.agent_state).st_mode & 0o777 == 0o700
+
+
+def test_relative_tls_paths_in_agent_yaml_are_relative_to_its_directory(tmp_path: Path) -> None:
+    """What add-node writes (``ca.pem``) is taken beside agent.yaml; an absolute path stays as it is."""
+    conf = tmp_path / "etc" / "agent.yaml"
+    conf.parent.mkdir()
+    conf.write_text("server: https://cp:7443\nnode_id: n\ntls: {ca: ca.pem, cert: sub/agent.pem, key: /k/key.pem}\n")
+    tls = load_agent_config(conf).tls
+    assert (tls.ca, tls.cert, tls.key) == (conf.parent / "ca.pem", conf.parent / "sub/agent.pem", Path("/k/key.pem"))
+
+
+async def test_an_agent_without_its_certificate_is_told_to_run_add_node(tmp_path: Path) -> None:
+    """The advice named 'llmgw server init', which issues only the control plane's own node; a node's
+    certificate comes from 'server add-node NODE' on the control plane."""
+    from llmgw.agent.loop.loop import run_agent  # noqa: PLC0415
+
+    conf = tmp_path / "agent.yaml"
+    conf.write_text("server: https://cp:7443\nnode_id: node-b\n"
+                    "tls: {ca: ca.pem, cert: agent.pem, key: agent-key.pem}\n")
+    with pytest.raises(PkiError) as got:
+        await run_agent(load_agent_config(conf), Paths(tmp_path / "root"))
+    named = f"{tmp_path / 'ca.pem'}, {tmp_path / 'agent.pem'}, {tmp_path / 'agent-key.pem'}"
+    assert f"agent.yaml: tls ({named}) cannot be loaded: " in str(got.value)
+    assert str(got.value).endswith(
+        "issue this node a certificate with 'llmgw server add-node node-b --address ADDR --out DIR' on the control "
+        "plane and copy DIR's files beside agent.yaml")

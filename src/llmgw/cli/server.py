@@ -54,7 +54,7 @@ def add_node(
         Path | None, typer.Option("--llama-server", help="The llama-server binary's path on the node.")
     ] = None,
 ) -> None:
-    """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw."""
+    """Issue another machine's node identity and agent.yaml, to copy to its /etc/llmgw (under its --root)."""
     from llmgw.config import loopback_url
     from llmgw.serverinit.onboard import add_node as issue
 
@@ -73,8 +73,8 @@ def add_node(
               "the first stays valid. For a new machine pick another id; to move the id to a new machine, "
               f"run 'llmgw ctl node rm {node_id}' first (it revokes what was issued to the id before), then "
               "add-node again into an empty --out", file=sys.stderr)
-    print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/, then run 'llmgw agent' "
-          "(or install deploy/systemd/llmgw-agent.service).")
+    print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/ ($LLMGW_ROOT/etc/llmgw/ for an agent run under --root), "
+          "then run 'llmgw agent' (or install deploy/systemd/llmgw-agent.service).")
     if loopback_url(made.server):
         print(f"!! agent.yaml names the control plane as {made.server}, a loopback address: only an agent "
               "on this machine reaches it. For another machine pass --server https://HOST:PORT with a name "

@@ -2,9 +2,11 @@
 control plane — what ``server init`` does for its own machine, packed into a directory to carry.
 
 ``llmgw server add-node NODE --out DIR`` (on the machine holding the CA key) writes
-``DIR/ca.pem``, ``DIR/agent.pem`` (CN = NODE), ``DIR/agent-key.pem`` (0600) and ``DIR/agent.yaml``
-with the paths as they will be on the node (``/etc/llmgw/...``). On the node: copy DIR to
-``/etc/llmgw`` and run ``llmgw agent`` (or install the agent unit). Nothing is written when the CA
+``DIR/ca.pem``, ``DIR/agent.pem`` (CN = NODE), ``DIR/agent-key.pem`` (0600) and ``DIR/agent.yaml``,
+which names the other three by file name alone: :func:`~llmgw.config.load_agent_config` takes them
+beside agent.yaml. On the node: copy DIR's files to ``/etc/llmgw`` (``$LLMGW_ROOT/etc/llmgw`` for an
+agent run under ``--root``) and run ``llmgw agent`` (or install the agent unit); absolute
+``/etc/llmgw/...`` paths, written before, failed under a root. Nothing is written when the CA
 key is missing, the node id is not a valid name, or DIR already holds an identity.
 """
 
@@ -40,8 +42,7 @@ class Onboarded:
 
 
 def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str = "",
-             labels: dict[str, str] | None = None, node_etc: Path = Path("/etc/llmgw"),
-             llama_server: Path | None = None) -> Onboarded:
+             labels: dict[str, str] | None = None, llama_server: Path | None = None) -> Onboarded:
     """Write a node's identity and agent.yaml into ``out``; return the files written and the agent
     API URL agent.yaml names.
 
@@ -54,7 +55,6 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         llama_server: the llama-server binary on the node (``engines.llamacpp.binary``); without
             it the node finds one on PATH or downloads the pinned release.
         labels: the node's labels (placement's ``node_selector`` matches them).
-        node_etc: where the files will live on the node (the paths agent.yaml names).
 
     Raises:
         ConfigError: a bad node id, or ``out`` already holds an identity (never overwritten).
@@ -87,8 +87,7 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
     doc = {
         "server": server,
         "node_id": node_id,
-        "tls": {"ca": str(node_etc / "ca.pem"), "cert": str(node_etc / "agent.pem"),
-                "key": str(node_etc / "agent-key.pem")},
+        "tls": {"ca": "ca.pem", "cert": "agent.pem", "key": "agent-key.pem"},  # beside agent.yaml
         "labels": dict(sorted((labels or {}).items())),
         "advertise_address": address,
     }
@@ -97,8 +96,9 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         doc["servers"] = others
     if llama_server is not None:
         doc["engines"] = {"llamacpp": {"binary": str(llama_server)}}
-    body = "# A node of the llmgw cluster, written by 'llmgw server add-node'. Copy this directory to\n"
-    body += f"# {node_etc} on the node, then run 'llmgw agent'.\n" + yaml.safe_dump(doc, sort_keys=False)
+    body = "# A node of the llmgw cluster, written by 'llmgw server add-node'. Copy this directory's files to\n"
+    body += "# /etc/llmgw on the node (or $LLMGW_ROOT/etc/llmgw), then run 'llmgw agent'. The tls files are\n"
+    body += "# named relative to this file's directory.\n" + yaml.safe_dump(doc, sort_keys=False)
     AgentConfig.model_validate(doc)
     write_atomic(out / "agent.yaml", body, 0o644)
     return Onboarded([out / "ca.pem", cert, key, out / "agent.yaml"], server)

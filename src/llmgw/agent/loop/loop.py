@@ -568,7 +568,8 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
     except (OSError, ssl.SSLError) as e:
         raise PkiError(
             f"agent.yaml: tls ({cfg.tls.ca}, {cfg.tls.cert}, {cfg.tls.key}) cannot be loaded: {e}; "
-            "issue this node a certificate with 'llmgw server init' on the control plane"
+            f"issue this node a certificate with 'llmgw server add-node {cfg.node_id} --address ADDR --out DIR' "
+            "on the control plane and copy DIR's files beside agent.yaml"
         ) from e
     # Its own modes, whoever made the directory (init does too; a node started by hand with
     # 'server add-node' and 'llmgw agent' had 0755 and 0644 engine logs under the default umask).
