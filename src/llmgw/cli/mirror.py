@@ -110,7 +110,9 @@ def serve(
     )
 
 
-API_OPTION = typer.Option("--api", help="The mirror's management API.")
+API_OPTION = typer.Option(
+    "--api", help="The mirror's management API (default: server.yaml's mirror.api, else http://127.0.0.1:8082)."
+)
 
 
 @app.command("init")
@@ -165,7 +167,7 @@ def add(
     file: Annotated[Path, typer.Argument(help="The weights file, on this machine.")],
     model: Annotated[str, typer.Option("--model", help="The model's name in the mirror.")],
     version: Annotated[str, typer.Option("--version", help="The version it is stored as.")],
-    api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
+    api: Annotated[str | None, API_OPTION] = None,
     directory: StoreDirOpt = None,
 ) -> None:
     """Carry a file into the mirror (offline clusters): copied, hashed, served as MODEL/VERSION.
@@ -173,16 +175,17 @@ def add(
     Through the running mirror when its API answers; otherwise straight into the store (--dir).
     """
     from llmgw.mirror import setup
-    from llmgw.mirror.client import local_token
+    from llmgw.mirror.client import local_api, local_token
 
     p = paths()
     root = directory if directory is not None else p.mirror_store
     st = setup.add_file(
-        file, model, version, api_url=api, store_dir=root, out=sys.stdout, deny=[p.etc, p.state, p.agent_state],
-        token=local_token(p),
+        file, model, version, api_url=api or local_api(p), store_dir=root, out=sys.stdout,
+        deny=[p.etc, p.state, p.agent_state], token=local_token(p),
     )
     print(f"  done {st.model}/{st.version}: {st.file}, {st.bytes_total} bytes, sha256 {st.sha256}")
-    where = st.url or f"/{st.model}/{st.version}/{st.file} on the mirror's bytes server"
+    where = st.url or (f"/{st.model}/{st.version}/{st.file} on the mirror's bytes server ('llmgw mirror ls' "
+                       "gives the whole URL once the mirror runs)")
     print(f"nodes fetch it from {where}")
 
 
@@ -191,7 +194,7 @@ def add(
 def rm(
     model: Annotated[str, typer.Argument(help="The model.")],
     version: Annotated[str, typer.Argument(help="The version.")],
-    api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082",
+    api: Annotated[str | None, API_OPTION] = None,
     force: Annotated[
         bool,
         typer.Option(
@@ -206,11 +209,11 @@ def rm(
     models' source points at it, and refuses while any does, or when it cannot ask, unless --force.
     """
     from llmgw.errors import MirrorError
-    from llmgw.mirror.client import MirrorClient, local_token
+    from llmgw.mirror.client import MirrorClient, local_api, local_token
     from llmgw.mirror.usage import models_using
 
     p = paths()
-    with MirrorClient(api, token=local_token(p)) as client:
+    with MirrorClient(api or local_api(p), token=local_token(p)) as client:
         if not force:
             catalog, why = _catalog(p)
             if catalog is None:
@@ -244,12 +247,13 @@ def _catalog(p: Paths) -> tuple[list[tuple[str, str]] | None, str]:
 
 @app.command("ls")
 @cli_errors
-def ls(api: Annotated[str, API_OPTION] = "http://127.0.0.1:8082") -> None:
+def ls(api: Annotated[str | None, API_OPTION] = None) -> None:
     """Every model/version in the mirror: state, file, sha256 (or progress, or the error), and the
     URL nodes fetch it from (a model's ``source``)."""
-    from llmgw.mirror.client import MirrorClient, local_token
+    from llmgw.mirror.client import MirrorClient, local_api, local_token
 
-    with MirrorClient(api, token=local_token(paths())) as client:
+    p = paths()
+    with MirrorClient(api or local_api(p), token=local_token(p)) as client:
         rows = client.files()
     if not rows:
         print("the mirror holds nothing yet")

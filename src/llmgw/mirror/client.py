@@ -59,6 +59,32 @@ CONNECT_TIMEOUT_S = 2.0
 request timeout (``docs/ha.md`` §5: connect 2 s)."""
 
 
+DEFAULT_API = "http://127.0.0.1:8082"
+"""The management API a CLI asks when nothing names another: ``mirror serve``'s and ``server init``'s
+default ``--api-listen``/``--mirror-api-listen``, on loopback."""
+
+
+def local_api(paths: Paths) -> str:
+    """The management API of this machine's mirror, for a command given no ``--api``: server.yaml's
+    ``mirror.api`` when there is a server.yaml naming one (``server init`` writes it, with its
+    ``--mirror-api-listen``), else :data:`DEFAULT_API` (a mirror's own machine, made by ``mirror
+    init``, has no server.yaml). Before, the commands always asked :data:`DEFAULT_API`, and an
+    install on another port answered ``does not answer`` until ``--api`` was given.
+
+    Raises:
+        ConfigError: server.yaml is there but does not load (naming the file and field).
+    """
+    if not paths.server_config.exists():
+        return DEFAULT_API
+    from llmgw.config import load_server_config  # noqa: PLC0415 (pydantic config: only when there is one)
+
+    try:
+        api = load_server_config(paths.server_config).mirror.api
+    except ConfigError as e:
+        raise ConfigError(f"{e}; fix it, or pass --api") from e
+    return api or DEFAULT_API
+
+
 MIRROR_TOKEN = "mirror-token"  # noqa: S105 (a file name, not a secret)
 """The name of a mirror's own token file in ``/etc/llmgw`` (:func:`token_path`)."""
 

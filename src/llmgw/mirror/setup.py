@@ -9,7 +9,8 @@
   same verified path a ``file:`` source takes (copy to a hidden partial name while hashing, fsync,
   rename, manifest ``present`` with the sha256). Two ways, chosen by whether the mirror answers:
 
-  1. the running mirror's management API answers (``--api``, default ``http://127.0.0.1:8082``):
+  1. the running mirror's management API answers (``--api``, default server.yaml's ``mirror.api``,
+     else ``http://127.0.0.1:8082``: :func:`~llmgw.mirror.client.local_api`):
      ``POST /api/v1/fetch`` with ``file:/abs/path``; the mirror copies the file itself, so it
      knows the file at once, and the progress is polled and printed. The file must be inside one
      of the mirror's ``--import-dir`` directories and readable by the mirror's user (its unit has
@@ -19,7 +20,9 @@
      directory (``--dir``) by this process, with this user's rights and no fetches resumed. A
      mirror started later finds it; one already running on that store picks it up the first time
      it is asked for it. The copy still refuses special files, hard links and llmgw's own
-     configuration and state (``deny``).
+     configuration and state (``deny``). Only a running mirror knows the base URL it serves
+     under, so the status this way has the mirror's ``url`` when the mirror answered (it refused
+     the import), and an empty ``url`` when nothing did.
 
   Before either, and before anything is copied (:func:`check_carried`): the names are checked
   (a :class:`~llmgw.errors.ConfigError` naming ``--model`` or ``--version`` and the rule, not a
@@ -251,7 +254,11 @@ def add_file(
                 ) from e
             print(f"  .. the mirror does not import from {path.parent}: copying into {store_dir} "
                   "directly, as this user", file=out, flush=True)
-            return asyncio.run(_add_direct(req, store_dir, policy))
+            copied = asyncio.run(_add_direct(req, store_dir, policy))
+            try:
+                return client.status(model, version)  # the running mirror's view: its URL
+            except (ApiError, UnreachableError):
+                return copied  # it serves another store, or went away: no URL to give
         last = ""
         while st.state == "fetching":
             if (line := st.progress_text()) != last:
@@ -353,4 +360,4 @@ async def _add_direct(req: FetchRequest, store_dir: pathlib.Path, policy: Source
     assert st is not None  # noqa: S101 - fetch just created it
     if st.state != "present":
         raise MirrorError(f"cannot add {req.source} as {req.model}/{req.version}: {st.err}")
-    return st
+    return st.model_copy(update={"url": ""})  # base "": a bare path, which no node could fetch
