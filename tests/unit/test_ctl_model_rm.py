@@ -148,3 +148,23 @@ def test_entry_for_matches_url_path_then_source() -> None:
     assert entry_for("http://10.0.0.5:8081/b/1/b.gguf", files) == files[1]  # the host spelled otherwise
     assert entry_for("hf:o/r/a.gguf", files) == files[0]
     assert entry_for("http://m.test:8081/a/2/a.gguf", files) is None
+
+
+def test_rm_by_alias_names_the_model_and_deletes_its_weights(
+    world: tuple[Install, MirrorClient], tmp_path: pathlib.Path
+) -> None:
+    """``ctl model rm gc`` printed ``removed gc; …``, the alias alone, and with ``--delete-weights`` it
+    counted the model itself among the others using its file (its name is not ``gc``), so kept it."""
+    inst, mirror = world
+    admin = AdminClient(f"http://127.0.0.1:{inst.ports['admin']}", TOKEN)
+    st = _put(mirror, tmp_path, "gemma-copy", "g.gguf")
+    admin.post("/api/v1/models", {"name": "gemma-copy", "aliases": ["gc"], "source": st.url,
+                                  "profiles": [{"name": "cpu"}]})
+    code, out = _rm(inst, "gc")
+    assert code == 0, out
+    assert out.splitlines() == [
+        "removed gemma-copy (alias gc); its replicas stop at their nodes' next heartbeat",
+        f"deleted gemma-copy/1 (g.gguf) from the mirror at {mirror.api_url}",
+    ]
+    assert admin.get("/api/v1/models") == []
+    assert mirror.files() == []

@@ -447,14 +447,20 @@ def model_rm(
     delete_weights: Annotated[bool, typer.Option("--delete-weights", help="Also delete it from the mirror.")] = False,
     server: ServerOpt = None, token: TokenOpt = None,
 ) -> None:
-    """Remove a model: its replicas stop; the weights stay on the mirror unless --delete-weights."""
+    """Remove a model (by name or alias): its replicas stop; the weights stay on the mirror unless
+    --delete-weights."""
     client = _client(server, token)
-    source = client.model(name).source
+    # The catalog's name, NAME being an alias or not: DELETE answers 204 with no body, so the name
+    # comes from the GET (it printed the alias alone, and --delete-weights counted the model itself
+    # among the others using its file, its name not being the alias).
+    model = client.model(name)
+    source = model.source
     others: list[tuple[str, str]] = []
     if delete_weights:
-        others = [(m.name, m.source) for m in client.models() if m.name != name]
-    client.remove_model(name)
-    print(f"removed {name}; its replicas stop at their nodes' next heartbeat")
+        others = [(m.name, m.source) for m in client.models() if m.name != model.name]
+    client.remove_model(model.name)
+    called = model.name if model.name == name else f"{model.name} (alias {name})"
+    print(f"removed {called}; its replicas stop at their nodes' next heartbeat")
     if delete_weights:
         from llmgw.config import load_server_config
         from llmgw.mirror.client import MirrorClient, local_token
@@ -464,7 +470,7 @@ def model_rm(
         if not api:
             raise fail("server.yaml has no mirror.api; delete the weights with 'llmgw mirror rm'", 1)
         with MirrorClient(api, token=local_token(paths())) as mirror:
-            print(delete(mirror, name=name, source=source, others=others, api=api))
+            print(delete(mirror, name=model.name, source=source, others=others, api=api))
 
 
 @model_app.command("scale")
