@@ -473,11 +473,20 @@ def model_rm(
             print(delete(mirror, name=model.name, source=source, others=others, api=api))
 
 
-@model_app.command("scale")
+def _replica_count(n: int) -> int:
+    """``scale``'s N: 0 or more (a check of its own: Typer's ``min=0`` never saw ``-1``, see below)."""
+    if n < 0:
+        raise typer.BadParameter(f"replicas must be 0 or more, not {n}")
+    return n
+
+
+# ignore_unknown_options: Click reads "-1" as an option ("No such option: -1"), so a negative N
+# never reached N's check; this way it does, and options the command has still parse as options.
+@model_app.command("scale", context_settings={"ignore_unknown_options": True})
 @cli_errors
 def model_scale(
     name: Annotated[str, typer.Argument(help="The model.")],
-    n: Annotated[int, typer.Argument(min=0, help="Replicas to keep running (scaling.min).")],
+    n: Annotated[int, typer.Argument(callback=_replica_count, help="Replicas to keep running (scaling.min).")],
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Keep N replicas running: min = max = N, or for an autoscaled model min = N (max raised to N

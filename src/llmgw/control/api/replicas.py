@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from llmgw.control.api.context import ADMIN
+from llmgw.control.api.context import ADMIN, AdminContext
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.models import must_model
 from llmgw.control.gateway.balancer import AFFINITY, ReplicaLoad
@@ -108,14 +108,22 @@ async def list_replicas(request: web.Request) -> web.Response:
     return _json([v.model_dump(mode="json") for v in views])
 
 
+async def must_replica(ctx: AdminContext, rid: str) -> ReplicaRow:
+    """The replica ``rid``; else 404 ``replica_not_found`` naming the command that lists them (as
+    :func:`~llmgw.control.api.nodes.must_node` does for nodes)."""
+    rep = await ctx.db.read(ctx.store.get_replica, rid)
+    if rep is None:
+        raise HttpError(404, "replica_not_found",
+                        f"no replica '{rid}'; list them with 'llmgw ctl replicas' (GET /api/v1/replicas)")
+    return rep
+
+
 async def replica_logs(request: web.Request) -> web.Response:
     """``GET /api/v1/replicas/{id}/logs[?lines=N|offset=B]``: the engine's log, through its agent."""
     ctx = request.app[ADMIN]
     logs = ctx.logs
     rid = request.match_info["id"]
-    rep = await ctx.db.read(ctx.store.get_replica, rid)
-    if rep is None:
-        raise HttpError(404, "replica_not_found", f"no replica '{rid}'; 'llmgw ctl replicas' lists them")
+    rep = await must_replica(ctx, rid)
     if not rep.node or logs is None:
         raise HttpError(409, "not_placed", f"replica '{rid}' runs on no node, so it has no engine log")
     try:
@@ -137,11 +145,7 @@ async def restart_replica(request: web.Request) -> web.Response:
     ctx = request.app[ADMIN]
     store, db = ctx.store, ctx.db
     rid = request.match_info["id"]
-    old = await db.read(store.get_replica, rid)
-    if old is None:
-        raise HttpError(
-            404, "replica_not_found", f"no replica '{rid}'; list them with GET /api/v1/replicas"
-        )
+    old = await must_replica(ctx, rid)
     now = ctx.clock()
     # A restart is a replacement: the agent stops the id that is no longer desired and starts
     # the new one (new key too), on the same node and profile, so nothing else moves. It is
