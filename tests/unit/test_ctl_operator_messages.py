@@ -59,3 +59,40 @@ def test_scale_to_a_negative_count_says_what_is_allowed(cp: Install) -> None:
     assert (admin.model("m").scaling_min, admin.model("m").scaling_max) == (3, 3)
     code, out = ctl(cp, "model", "scale", "m", "0")
     assert (code, out) == (0, "m: scaling 0..0\n")
+
+
+def test_add_of_a_model_that_fits_nowhere_points_at_explain_placement(tmp_path: pathlib.Path) -> None:
+    """A node with 4 GiB: a model needing 100 GB is added (rc 0) and a ``!!`` line says it fits on no
+    node, why, and to run ``explain-placement``; one needing 1 GB gets no such line."""
+    from llmgw.control.store import default_url, open_store  # noqa: PLC0415
+    from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState  # noqa: PLC0415
+
+    inst = make_install(tmp_path / "root")
+    store = open_store(default_url("", inst.paths.database))
+    inv = Inventory(cores=2, memory_total_bytes=4 << 30, memory_available_bytes=4 << 30)
+    engines = [EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")]
+    store.upsert_node_heartbeat("node-a", Heartbeat(inventory=inv, engines=engines), 1e12)
+    src = "http://m.test:8081/m/1/m.gguf"
+    with ThreadedControlPlane(inst):
+        code, out = ctl(inst, "model", "add", "--name", "big", "--source", src, "--memory-gb", "100")
+        assert code == 0, out
+        lines = out.splitlines()
+        assert lines[0] == "added big (replicas 1..1)"
+        assert lines[1].startswith("!! big fits on no node now (node-a: ")
+        assert "needs 100.0 GB memory, the node has 4.3 GB in all: too small" in lines[1]
+        assert lines[1].endswith("); its replica stays pending until a node has room: see "
+                                 "'llmgw ctl explain-placement big'")
+        assert len(lines) == 2
+        code, out = ctl(inst, "model", "add", "--name", "small", "--source", src, "--memory-gb", "1")
+        assert (code, out) == (0, "added small (replicas 1..1)\n")
+
+
+def test_add_with_no_node_at_all_says_so(cp: Install) -> None:
+    code, out = ctl(cp, "model", "add", "--name", "m", "--source", "http://m.test:8081/m/1/m.gguf",
+                    "--memory-gb", "1", "--replicas", "2")
+    assert code == 0, out
+    assert out.splitlines() == [
+        "added m (replicas 2..2)",
+        "!! m fits on no node now (no node has joined the cluster); its replicas stay pending until a node "
+        "has room: see 'llmgw ctl explain-placement m'",
+    ]

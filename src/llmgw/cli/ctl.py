@@ -393,7 +393,9 @@ def model_add(
         _print_json(data)
     else:
         print(f"added {data.name} (replicas {data.scaling_min}..{data.scaling_max})")
-    _warn_unreadable_source(client, data.name)
+    resources = _warn_unreadable_source(client, data.name)
+    if resources is not None:
+        _warn_fits_nowhere(client, data.name, resources, wanted=data.scaling_min)
 
 
 #: Seconds ``ctl model add`` waits for the leader to read the new model's GGUF header (it does at
@@ -401,12 +403,13 @@ def model_add(
 SOURCE_CHECK_S = 5.0
 
 
-def _warn_unreadable_source(client: AdminClient, name: str) -> None:
+def _warn_unreadable_source(client: AdminClient, name: str) -> dict[str, Any] | None:
     """Say on stderr when the control plane cannot read the GGUF header of ``name``'s source (a 404,
     a file that is not GGUF, a mirror that does not answer): its replicas would fail to start. The
     model stays added (the file may be carried in next); a typo shows here, not as a failed replica.
     Only a profile without ``min_memory_gb`` has its header read (for the estimate), so only then is
-    there something to wait for (:data:`SOURCE_CHECK_S` at most)."""
+    there something to wait for (:data:`SOURCE_CHECK_S` at most). Returns the last
+    ``GET …/resources`` answer, None when it could not be read."""
     deadline = time.monotonic() + SOURCE_CHECK_S
     error = ""
     try:
@@ -418,11 +421,39 @@ def _warn_unreadable_source(client: AdminClient, name: str) -> None:
                 break
             time.sleep(0.2)
     except LlmgwError:
-        return  # the add itself worked; the check is a courtesy
+        return None  # the add itself worked; the check is a courtesy
     if error:
         print(f"!! {name}: its source cannot be read as a GGUF file: {error}. Its replicas will fail until it can "
               "(check the source against 'llmgw mirror ls'; fix it with 'llmgw ctl model rm' and add again)",
               file=sys.stderr)
+    return got
+
+
+def _warn_fits_nowhere(client: AdminClient, name: str, resources: dict[str, Any], *, wanted: int) -> None:
+    """Say on stderr when no node could take a replica of the model just added, with why and what to
+    run: ``ctl model add`` printed ``added …`` alone and the model then waited, pending, unnoticed.
+
+    From answers already there, nothing waited for: ``resources`` (placement's own checks of one
+    more replica against every node now, :mod:`llmgw.control.placement.resources`), then the
+    model's placed replicas. The leader places asynchronously (the add only wakes it), and a
+    replica it placed already holds its room, so "no node fits one more" says "fits nowhere" only
+    when none is placed: the replicas are asked second, so one placed in between is seen. A group
+    profile counts as fitting when one node could be a member (no warning rather than a wrong one).
+    """
+    profiles = resources.get("profiles") or []
+    if wanted < 1 or any(n.get("fits") for p in profiles for n in p.get("nodes", [])):
+        return
+    try:
+        if any(r.node for r in client.replicas(name)):
+            return
+    except LlmgwError:
+        return  # the add itself worked; the check is a courtesy
+    misses = profiles[0].get("nodes", []) if profiles else []
+    why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
+    why += f"; {len(misses) - 3} more" if len(misses) > 3 else ""
+    those = "its replica stays" if wanted == 1 else "its replicas stay"
+    print(f"!! {name} fits on no node now ({why or 'no node has joined the cluster'}); {those} pending until a node "
+          f"has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
 
 
 @model_app.command("set-profiles")
