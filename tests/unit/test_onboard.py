@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import ssl
 from pathlib import Path
 
@@ -222,3 +223,40 @@ async def test_an_agent_without_its_certificate_is_told_to_run_add_node(tmp_path
     assert str(got.value).endswith(
         "issue this node a certificate with 'llmgw server add-node node-b --address ADDR --out DIR' on the control "
         "plane and copy DIR's files beside agent.yaml")
+
+
+def test_add_node_says_when_it_could_not_ask_whether_the_id_is_live(tmp_path: Path) -> None:
+    """A new operator's ``add-node node-a`` for the control plane's own live node succeeded without a
+    word (LLMGW_ROOT, listeners on other ports): the check of the previous report swallowed every error
+    of the admin API (a refused token, a 5xx, a timeout, an answer it could not read) as 'not a node'.
+    Now a check that could not be made says so and why: here the admin token file no longer holds the
+    token the control plane started with (a 401), and an admin address that accepts and never answers
+    (a timeout, after ASK_TIMEOUT_S = 5 s); a control plane that is down is still nobody to ask."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.cli.main import app  # noqa: PLC0415
+    from tests.helpers.control import make_install  # noqa: PLC0415
+    from tests.unit.test_ctl_model_rm import ThreadedControlPlane  # noqa: PLC0415
+
+    inst = make_install(tmp_path / "root")  # its listeners on free ports, not the defaults
+
+    def add(node: str) -> str:
+        r = CliRunner().invoke(app, ["server", "add-node", node, "--out", str(tmp_path / node), "--address",
+                                     "10.0.0.5"], env={"LLMGW_ROOT": str(inst.root)})
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / node / "agent.pem").exists()
+        return r.output
+
+    with ThreadedControlPlane(inst):
+        inst.paths.admin_token.write_text("not-the-token\n")
+        said = add("node-a")
+    assert "!! could not check whether node 'node-a' is already in the cluster (GET /api/v1/nodes: 401 " in said
+    assert ("if it is, this is a second identity for it: see 'llmgw ctl nodes', and 'llmgw ctl node rm node-a' "
+            "before moving the id to a new machine") in said
+    assert "!! could not check" not in add("node-c")  # the control plane is down: nobody to ask, as before
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # listens, never answers: a control plane too busy
+        port = mute.getsockname()[1]
+        inst.write(admin_listen=f"127.0.0.1:{port}")
+        said = add("node-d")
+    assert ("!! could not check whether node 'node-d' is already in the cluster (the control plane's admin API at "
+            f"http://127.0.0.1:{port} does not answer (ReadTimeout: ") in said

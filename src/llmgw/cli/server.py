@@ -64,7 +64,7 @@ def add_node(
         if not sep or not key:
             raise typer.BadParameter(f"--label {item!r} is not KEY=VALUE")
         labels[key] = value
-    known = _registered(node_id)
+    known, unasked = _registered(node_id)
     made = issue(paths(), node_id, out, address=address, server=server, labels=labels, llama_server=llama_server)
     for f in made.files:
         print(f"  done {f}")
@@ -73,6 +73,10 @@ def add_node(
               "the first stays valid. For a new machine pick another id; to move the id to a new machine, "
               f"run 'llmgw ctl node rm {node_id}' first (it revokes what was issued to the id before), then "
               "add-node again into an empty --out", file=sys.stderr)
+    elif unasked:
+        print(f"!! could not check whether node '{node_id}' is already in the cluster ({unasked}); if it is, this "
+              f"is a second identity for it: see 'llmgw ctl nodes', and 'llmgw ctl node rm {node_id}' before "
+              "moving the id to a new machine", file=sys.stderr)
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/ ($LLMGW_ROOT/etc/llmgw/ for an agent run under --root), "
           "then run 'llmgw agent' (or install deploy/systemd/llmgw-agent.service).")
     if loopback_url(made.server):
@@ -81,17 +85,32 @@ def add_node(
               "or address of this machine that its certificate holds (init's --host)", file=sys.stderr)
 
 
-def _registered(node_id: str) -> str | None:
-    """``"state ready"`` when this machine's control plane knows a node ``node_id``; None when it does
-    not, or cannot be asked (add-node needs only the CA; a control plane that is down is no error)."""
+def _registered(node_id: str) -> tuple[str | None, str]:
+    """Whether this machine's control plane (server.yaml's admin API and token) knows a node
+    ``node_id``: ``("state ready", "")`` when it does, ``(None, "")`` when it does not, and
+    ``(None, why)`` when it could not be asked. add-node needs only the CA, so a failed check is no
+    error; but it is said: every failure (a refused token, a 5xx, a timeout, an answer it could not
+    read) read as 'not a node' before, and a new operator's add-node for a live node said nothing.
+    Nobody to ask is still silent: no server.yaml or admin token here (a machine holding only the
+    CA), or nothing listening on the admin address (the control plane is down)."""
+    import httpx
+
     from llmgw.adminclient import ASK_TIMEOUT_S, AdminClient
-    from llmgw.errors import LlmgwError
+    from llmgw.errors import LlmgwError, UnreachableError
 
     try:
-        nodes = AdminClient.from_paths(paths(), timeout_s=ASK_TIMEOUT_S).nodes()
+        client = AdminClient.from_paths(paths(), timeout_s=ASK_TIMEOUT_S)
     except LlmgwError:
-        return None
-    return next((f"state {n.state}" for n in nodes if n.id == node_id), None)
+        return None, ""
+    try:
+        nodes = client.nodes()
+    except UnreachableError as e:
+        # A refused connection is a control plane that is not running; a timeout is one that is
+        # there and did not answer in ASK_TIMEOUT_S (busy), which may well know the node.
+        return None, "" if isinstance(e.__cause__, httpx.ConnectError) else str(e)
+    except LlmgwError as e:
+        return None, str(e)
+    return next((f"state {n.state}" for n in nodes if n.id == node_id), None), ""
 
 
 @app.command("add-control-plane")
