@@ -1,7 +1,8 @@
 """``llmgw ctl``: what operators ask the control plane. Tables for people, ``--json`` for scripts.
 
 Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``, ``models``,
-``model add -f FILE`` (or flags), ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
+``model add -f FILE`` (or flags), ``model set NAME KEY=VALUE…`` (:mod:`llmgw.cli.modelset`),
+``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
 ``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
 ``explain-placement MODEL``, ``cluster`` (the control planes, which leads, the term, the
 database's members), ``key create|ls|revoke|rotate`` and ``usage`` (:mod:`llmgw.cli.keys`).
@@ -34,6 +35,7 @@ import typer
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import cli_errors, console, fail, paths, table
+from llmgw.cli.modelset import model_set
 from llmgw.errors import ConfigError, LlmgwError
 
 if TYPE_CHECKING:
@@ -51,7 +53,8 @@ FOLLOW_POLL_S = 1.0
 NOT_PLACED_EXIT = 6
 
 node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon, drain or remove a node.")
-model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change profiles, scale, remove, resources.")
+model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change fields or profiles, scale, remove.")
+model_app.command("set")(cli_errors(model_set))
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
 app.add_typer(guard_cli.app, name="guard")

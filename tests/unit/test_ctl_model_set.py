@@ -1,0 +1,90 @@
+"""``llmgw ctl model set NAME KEY=VALUE…`` (a new user had to write curl with the admin token to change
+a model's queue, routing, max_output or autoscaling target): the assignments as a merge patch
+(:mod:`llmgw.modelpatch`), and the real CLI against a real control plane (``serve`` in a thread)."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+from typer.testing import CliRunner
+
+from llmgw.adminclient import AdminClient
+from llmgw.cli.main import app
+from llmgw.modelpatch import AssignmentError, assignments_text, merge_patch
+from tests.helpers.control import TOKEN, Install, make_install
+from tests.unit.test_ctl_model_rm import ThreadedControlPlane
+
+
+def test_assignments_become_a_merge_patch_with_yaml_values() -> None:
+    patch = merge_patch(["scaling.target=2.5", "scaling.max=4", "queue.size=0", "routing=round-robin",
+                         "aliases=[a, b]", "max_output=null", "version='007'"])
+    assert patch == {"scaling": {"target": 2.5, "max": 4}, "queue": {"size": 0}, "routing": "round-robin",
+                     "aliases": ["a", "b"], "max_output": None, "version": "007"}
+    assert assignments_text(patch) == ["scaling.target=2.5", "scaling.max=4", "queue.size=0",
+                                       "routing=round-robin", "aliases=[a, b]", "max_output=null", "version='007'"]
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["scaling.target"], "is not KEY=VALUE"),
+    (["=2"], "is not KEY=VALUE"),
+    (["scaling..min=1"], "is not KEY=VALUE"),
+    (["queue.size=1", "queue.size=2"], "queue.size is set twice"),
+    (["scaling=null", "scaling.min=1"], "scaling is set to a value already"),
+    (["routing=[a"], "is not valid YAML"),
+])
+def test_a_bad_assignment_says_what_to_write(args: list[str], words: str) -> None:
+    with pytest.raises(AssignmentError, match=words.replace(".", r"\.").replace("[", r"\[")):
+        merge_patch(args)
+
+
+@pytest.fixture
+def cp(tmp_path: pathlib.Path) -> Iterator[tuple[Install, AdminClient]]:
+    inst = make_install(tmp_path)
+    with ThreadedControlPlane(inst):
+        admin = AdminClient(f"http://127.0.0.1:{inst.ports['admin']}", TOKEN)
+        admin.post("/api/v1/models", {"name": "gemma", "aliases": ["g"], "source": "http://m.test/g.gguf",
+                                      "profiles": [{"name": "cpu"}]})
+        yield inst, admin
+
+
+def _set(inst: Install, *args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(app, ["--root", str(inst.root), "ctl", "model", "set", *args])
+    return r.exit_code, r.output
+
+
+def test_set_changes_the_fields_and_says_what_it_set(cp: tuple[Install, AdminClient]) -> None:
+    inst, admin = cp
+    code, out = _set(inst, "g", "queue.size=0", "queue.wait_s=7.5", "routing=round-robin", "max_output=256",
+                     "scaling.max=3", "scaling.target=2")
+    assert code == 0, out
+    assert out.strip() == ("gemma (alias g): set queue.size=0, queue.wait_s=7.5, routing=round-robin, "
+                           "max_output=256, scaling.max=3, scaling.target=2")
+    spec = admin.get("/api/v1/models/gemma")["spec"]
+    assert (spec["queue"], spec["routing"], spec["max_output"]) == ({"size": 0, "wait_s": 7.5}, "round-robin", 256)
+    assert (spec["scaling"]["max"], spec["scaling"]["target"]) == (3, 2.0)
+    code, out = _set(inst, "gemma", "max_output=null")  # back to its default
+    assert code == 0, out
+    assert admin.get("/api/v1/models/gemma")["spec"].get("max_output", 0) == 0
+
+
+def test_a_value_the_catalog_refuses_is_the_api_s_400_naming_the_field(cp: tuple[Install, AdminClient]) -> None:
+    inst, admin = cp
+    code, out = _set(inst, "gemma", "queue.size=-1")
+    assert code == 1, out
+    assert "queue.size" in out
+    code, out = _set(inst, "gemma", "routing=fastest")
+    assert code == 1, out
+    assert "routing" in out
+    assert admin.get("/api/v1/models/gemma")["spec"].get("routing", "cache-aware") == "cache-aware"  # unchanged
+
+
+def test_a_bad_assignment_exits_2_before_asking(cp: tuple[Install, AdminClient]) -> None:
+    inst, _ = cp
+    code, out = _set(inst, "gemma", "queue.size")
+    assert code == 2, out
+    assert "'queue.size' is not KEY=VALUE" in out
+    code, out = _set(inst, "nosuch", "queue.size=1")
+    assert code == 1, out
+    assert "nosuch" in out
