@@ -93,7 +93,7 @@ def test_explanation_word_for_word() -> None:
     d = placer.place(m)
     assert not d.placed
     assert d.summary == (
-        "0/4 nodes can run it: 1 node cordoned, 1 node lost, 1 not enough cores, 1 not enough memory"
+        "0/4 nodes can run it: 1 node cordoned, 1 node lost, 1 node with too few cores, 1 not enough memory"
     )
     assert [(r.node, r.profile, r.kind, r.reason) for r in d.rejections] == [
         ("a", "gpu", "filtered", "no GPU of class h100-80gb (has: none)"),
@@ -101,17 +101,17 @@ def test_explanation_word_for_word() -> None:
         ("c", "gpu", "filtered", "node is cordoned"),
         ("d", "gpu", "filtered", "node is lost"),
         ("a", "cpu", "exhausted", "needs 2.0 GB memory, 1.0 of 4.0 GB free"),
-        ("b", "cpu", "exhausted", "needs 4 cores, 2 of 2 free"),
+        ("b", "cpu", "filtered", "needs 4 cores, the node has 2 in all: too small"),
         ("c", "cpu", "filtered", "node is cordoned"),
         ("d", "cpu", "filtered", "node is lost"),
     ]
     assert d.rejections[4].held_by == ["other-111111"]
     assert would_fit_if(d, placer, m) == [
         "free 1.0 GB on a by stopping replica other-111111 (other, 3.0 GB)",
-        "free 2 cores on b",
         "add a node with GPU class h100-80gb",
         "uncordon c ('llmgw ctl node uncordon c')",
         "bring d back: its agent is not reporting",
+        "b is too small (2 cores in all, needs 4): add a node with at least 4 cores",
     ]
 
 

@@ -102,9 +102,12 @@ def test_too_few_candidates_names_the_others() -> None:
     d = placer.place(m)
     assert d.summary == (
         "0/4 nodes can run it as a group of 3: 2 of 3 nodes found: 1 more is needed; "
-        "the others: 1 node lost, 1 not enough cores"
+        "the others: 1 node lost, 1 node with too few cores"
     )
-    assert would_fit_if(d, placer, m) == ["free 1 cores on c", "bring b back: its agent is not reporting"]
+    assert would_fit_if(d, placer, m) == [
+        "bring b back: its agent is not reporting",
+        "c is too small (1 core in all, needs 2): add a node with at least 2 cores",
+    ]
 
 
 def test_cordoned_unready_and_filtered_nodes_are_never_members() -> None:

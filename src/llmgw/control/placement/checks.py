@@ -21,6 +21,7 @@ from llmgw.catalog import Profile, engine_traits
 from llmgw.control.placement.groupmiss import GroupMiss as GroupMiss  # noqa: PLC0414 - re-exported (checks.GroupMiss)
 from llmgw.protocol import GPU, EngineStatus, GroupMember, Inventory, ProvisionState
 from llmgw.views import Rejection
+from llmgw.words import counted
 
 GB = 1e9
 
@@ -124,7 +125,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Miss:
-    """A failed check: ``label`` is the summary's words (equal labels are counted together).
+    """A failed check: ``label`` is the summary's words (equal labels are counted together; one that
+    starts with ``node`` is said of the node and counted on it, ``2 nodes cordoned``:
+    :func:`~llmgw.control.placement.placer.counted_label`).
 
     ``need``/``free``/``total`` are GB or cores; ``gpu_index`` names the one card the reason is
     about (a card too small, or the card short of free memory)."""
@@ -287,6 +290,21 @@ def memory_size(c: Candidate) -> Miss | None:
     )
 
 
+def cores_size(c: Candidate) -> Miss | None:
+    """The node's logical cores hold ``cpu_cores`` (a node with fewer never fits however many are
+    freed on it, as :func:`memory_size` for memory; a group's ``cpu_cores`` are per member)."""
+    need = c.profile.cpu_cores
+    total = c.node.inventory.cores
+    if need <= total:
+        return None
+    return Miss(
+        f"needs {counted(need, 'core')}, the node has {total} in all: too small",
+        "node with too few cores",
+        float(need),
+        total=float(total),
+    )
+
+
 # --- fits ---
 
 
@@ -335,7 +353,9 @@ def cores(c: Candidate) -> Miss | None:
     if need <= free:
         return None
     held = tuple(r.replica for r in c.usage.held if r.cpu_cores > 0)
-    return Miss(f"needs {need} cores, {free} of {total} free", "not enough cores", float(need), float(free), held)
+    return Miss(
+        f"needs {counted(need, 'core')}, {free} of {total} free", "not enough cores", float(need), float(free), held
+    )
 
 
 def card_free_gb(g: GPU) -> float:
@@ -443,6 +463,7 @@ PIPELINE: tuple[Check, ...] = (
     Check("gpu_class_mismatch", Kind.FILTERED, gpu_class),
     Check("gpu_too_small", Kind.FILTERED, gpu_size),
     Check("memory_too_small", Kind.FILTERED, memory_size),
+    Check("cores_too_small", Kind.FILTERED, cores_size),
     Check("memory_exhausted", Kind.EXHAUSTED, memory),
     Check("cores_exhausted", Kind.EXHAUSTED, cores),
     Check("gpu_exhausted", Kind.EXHAUSTED, gpus),

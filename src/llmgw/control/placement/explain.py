@@ -17,8 +17,10 @@ answers with short lines, most useful first:
 * **filtered** only, one line per distinct rule: ``add a node with GPU class h100-80gb``,
   ``label a node llmgw.zone=eu (agent.yaml labels)``, ``install engine vllm on a node``,
   ``uncordon node-c ('llmgw ctl node uncordon node-c')``, ``bring node-d back: its agent is not reporting``;
-  a card or node smaller than what the profile needs is *too small*, never "free …" (no amount
-  of freeing helps); a card reported with 0 GB memory is a discovery problem to fix on the node.
+  a card or node smaller than what the profile needs (memory or cores in all) is *too small*, never
+  "free …" (no amount of freeing helps), the nodes too small for one need on one line (``node-a and
+  node-b are too small (2 cores each, needs 64): add a node with at least 64 cores``); a card
+  reported with 0 GB memory is a discovery problem to fix on the node.
 
 Preemption is never done for the operator: these are suggestions (Kubernetes' "preemption: …"
 verdict, in words). At most :data:`MAX_SUGGESTIONS` lines.
@@ -33,6 +35,7 @@ from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.groupmiss import gb_up
 from llmgw.views import ExplainView
+from llmgw.words import counted, names
 
 MAX_SUGGESTIONS = 5
 
@@ -107,12 +110,31 @@ def _filtered_line(v: checks.Verdict, model: Model) -> str:  # noqa: PLR0911 - o
             "no amount of freeing helps; add a node with bigger cards, or raise the profile's gpu_count "
             "to split the model over more cards"
         )
-    if rej.code == "memory_too_small" and rej.need is not None and rej.total is not None:
-        return (
-            f"{rej.node} is too small ({rej.total:.1f} GB memory in all, needs {rej.need:.1f}): "
-            f"add a node with at least {rej.need:.1f} GB"
-        )
     return rej.reason
+
+
+#: The filters that reject a node smaller than the profile in all (no freeing helps), said once per
+#: profile need for every node they reject: ``node-a and node-b are too small (2 cores each, needs 64)``.
+TOO_SMALL = ("memory_too_small", "cores_too_small")
+
+
+def _amount(code: str, x: float) -> str:
+    return f"{x:.1f} GB memory" if code == "memory_too_small" else counted(round(x), "core")
+
+
+def _too_small_line(code: str, need: float, hits: list[tuple[str, float]]) -> str:
+    """The nodes ``hits`` (``(node, total)``) too small for ``need`` in one line."""
+    want = f"{need:.1f}" if code == "memory_too_small" else f"{need:.0f}"
+    add = f"add a node with at least {need:.1f} GB" if code == "memory_too_small" else (
+        f"add a node with at least {counted(round(need), 'core')}"
+    )
+    totals = sorted({t for _, t in hits})
+    if len(hits) == 1:
+        return f"{hits[0][0]} is too small ({_amount(code, totals[0])} in all, needs {want}): {add}"
+    has = f"{_amount(code, totals[0])} each" if len(totals) == 1 else (
+        f"{_amount(code, totals[0])} to {_amount(code, totals[-1])}"
+    )
+    return f"{names([n for n, _ in hits])} are too small ({has}, needs {want}): {add}"
 
 
 def _group_lines(g: checks.GroupMiss, model: Model) -> list[str]:
@@ -149,12 +171,31 @@ def would_fit_if(decision: checks.Decision, placer: pl.Placer, model: Model) -> 
     for _, text in sorted(exhausted):
         if text not in out:
             out.append(text)
-    for v in decision.verdicts:
-        if v.rejection.kind == checks.Kind.FILTERED:
-            text = _filtered_line(v, model)
-            if text not in out:
-                out.append(text)
+    for text in _filtered_lines(decision.verdicts, model):
+        if text not in out:
+            out.append(text)
     return out[:MAX_SUGGESTIONS]
+
+
+def _filtered_lines(verdicts: Sequence[checks.Verdict], model: Model) -> list[str]:
+    """One line per distinct rule, in the order first met; the nodes too small for one need are one
+    line (:func:`_too_small_line`) where the first of them was met."""
+    order: list[str | tuple[str, float]] = []
+    small: dict[tuple[str, float], list[tuple[str, float]]] = {}  # (code, need) -> [(node, total)]
+    for v in verdicts:
+        rej = v.rejection
+        if rej.kind != checks.Kind.FILTERED:
+            continue
+        if rej.code in TOO_SMALL and rej.need is not None and rej.total is not None:
+            key = (rej.code, rej.need)
+            if key not in small:
+                small[key] = []
+                order.append(key)
+            if all(n != rej.node for n, _ in small[key]):  # a node rejected for two profiles alike
+                small[key].append((rej.node, rej.total))
+        else:
+            order.append(_filtered_line(v, model))
+    return [x if isinstance(x, str) else _too_small_line(*x, small[x]) for x in order]
 
 
 def explain_view(

@@ -6,8 +6,8 @@ Mechanism (:class:`ProfileIndex`), built the first time a profile is placed and 
 :class:`~llmgw.control.placement.placer.Placer`'s life:
 
 1. **Filters once per node class.** The ``filtered`` stages of a pipeline (state, cordon, labels,
-   engine, GPU class and size, host memory size) read the node and the profile, never the usage,
-   so their outcome is fixed for the snapshot. Nodes are grouped by :func:`node_class`, the fields
+   engine, GPU class and size, host memory size, cores in all) read the node and the profile, never
+   the usage, so their outcome is fixed for the snapshot. Nodes are grouped by :func:`node_class`, the fields
    those stages read (Nomad's *computed node class*, which memoizes feasibility per class); each
    class is checked once through the real check functions and its nodes share the outcome.
    A rejected node's :class:`~llmgw.control.placement.checks.Verdict` is built only when someone
@@ -85,8 +85,9 @@ _NO_USAGE = Usage()
 
 def node_class(n: NodeInfo) -> Hashable:
     """The fields the ``filtered`` checks read, as one hashable key: nodes with equal keys get the
-    same filter outcome (the node id aside). Left out: the id, cached weights, cores and available
-    memory, each card's used memory (read only by the fits and the score)."""
+    same filter outcome (the node id aside). Left out: the id, cached weights, available memory,
+    each card's used memory (read only by the fits and the score). The cores are in: the
+    ``cores_too_small`` filter reads the node's total."""
     inv = n.inventory
     return (
         n.state,
@@ -94,6 +95,7 @@ def node_class(n: NodeInfo) -> Hashable:
         frozenset(n.labels.items()),
         frozenset((k, e.engine, e.state, e.detail, tuple(e.features)) for k, e in n.engines.items()),
         inv.memory_total_bytes,
+        inv.cores,
         tuple((g.index, g.name, g.klass, g.memory_total_bytes) for g in inv.gpus),
     )
 

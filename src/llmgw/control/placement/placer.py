@@ -15,6 +15,7 @@ A pipeline in the Kubernetes-scheduler/Nomad shape, pure functions throughout::
             gpu_size        GPU profiles: ``gpu_count`` cards of the class whose *total* memory
                             holds min_memory_gb / gpu_count (freeing cannot make a card bigger)
             memory_size     CPU profiles: the node's total memory holds min_memory_gb
+            cores_size      the node's logical cores hold cpu_cores (per member for a group)
         fits     (resources; freeing some would help -> kind "exhausted")
             memory          host memory, CPU profiles: min(total - reserved, available), so memory
                             used outside llmgw (observed: total - available - reserved) counts
@@ -91,6 +92,7 @@ from llmgw.control.placement.checks import (
 from llmgw.control.placement.index import ProfileIndex, free_for_score, fresh_class, node_class
 from llmgw.protocol import GroupMember
 from llmgw.views import Rejection
+from llmgw.words import counted
 
 #: A passing node's :func:`score`: lower wins.
 Score = tuple[int, int, float, str]
@@ -540,7 +542,16 @@ def count_labels(verdicts: Sequence[Verdict]) -> str:
         if cur is None or STAGE.get(v.rejection.code, 0) > STAGE.get(cur.rejection.code, 0):
             best[v.rejection.node] = v
     counts = Counter(v.label for v in best.values())
-    return ", ".join(sorted(f"{n} {label}" for label, n in counts.items()))
+    return ", ".join(sorted(counted_label(n, label) for label, n in counts.items()))
+
+
+def counted_label(n: int, label: str) -> str:
+    """``n`` nodes under one label: a label about the node (``node cordoned``, ``node without the
+    label zone=eu``) gets the count on its noun (``2 nodes cordoned``); a resource's (``not enough
+    memory``) is counted as Kubernetes counts (``2 not enough memory``)."""
+    if label.startswith("node "):
+        return f"{counted(n, 'node')} {label.removeprefix('node ')}"
+    return f"{n} {label}"
 
 
 def summarize(verdicts: Sequence[Verdict], nodes: int, groups: Sequence[GroupMiss] = ()) -> str:

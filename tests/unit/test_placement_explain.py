@@ -1,0 +1,65 @@
+"""Placement's explanations as an operator reads them (:mod:`llmgw.control.placement.explain`): no
+line sends them to free what freeing cannot give (a node too small, the model's own replicas), the
+"newest replica" line stays true, and the words agree with their counts."""
+
+from __future__ import annotations
+
+from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement import checks
+from llmgw.control.placement import placer as pl
+from llmgw.control.placement.explain import would_fit_if
+from llmgw.control.placement.reference import ReferencePlacer
+from tests.helpers.nodes import node
+
+
+def model(name: str, *profiles: Profile, n: int = 1) -> Model:
+    return Model(name=name, source="file:/m.gguf", profiles=list(profiles), scaling=Scaling(min=n, max=n))
+
+
+# --- 1: cores beyond a node's total are "too small", never "free N" ---
+
+
+def test_cores_beyond_every_node_are_too_small_not_free() -> None:
+    nodes = [node("node-a", cores=2), node("node-b", cores=2)]
+    held = [checks.Reservation("node-b", "other", 0, 1, replica="other-111111")]
+    placer = pl.Placer(nodes, held)
+    m = model("big", Profile(name="cpu", cpu_cores=64))
+    d = placer.place(m)
+    assert not d.placed
+    assert [(r.node, r.kind, r.code, r.reason, r.need, r.total) for r in d.rejections] == [
+        ("node-a", "filtered", "cores_too_small", "needs 64 cores, the node has 2 in all: too small", 64.0, 2.0),
+        ("node-b", "filtered", "cores_too_small", "needs 64 cores, the node has 2 in all: too small", 64.0, 2.0),
+    ]
+    assert d.summary == "0/2 nodes can run it: 2 nodes with too few cores"
+    assert would_fit_if(d, placer, m) == [
+        "node-a and node-b are too small (2 cores each, needs 64): add a node with at least 64 cores"
+    ]
+
+
+def test_cores_too_small_is_judged_per_node_not_per_node_class() -> None:
+    """Two nodes alike but for their cores: the small one is too small, the big one takes the
+    replica (the index shares a filter's outcome per node class, so cores must be part of it)."""
+    nodes = [node("a", cores=2), node("b", cores=16)]
+    m = model("m", Profile(name="cpu", cpu_cores=8))
+    for placer in (pl.Placer(nodes, []), ReferencePlacer(nodes, [])):
+        d = placer.place(m)
+        assert d.node == "b"
+        assert [(r.node, r.code) for r in d.rejections] == [("a", "cores_too_small")]
+
+
+def test_a_node_with_fewer_cores_than_asked_but_busy_is_still_too_small() -> None:
+    """Exhausted (some held) and too small at once: too small wins, no "free" line for it; the node
+    that has the cores in all gets the "free" line."""
+    nodes = [node("a", cores=2), node("b", cores=8)]
+    held = [
+        checks.Reservation("a", "x", 0, 2, replica="x-aaaaaa"),
+        checks.Reservation("b", "y", 0, 6, replica="y-bbbbbb"),
+    ]
+    placer = pl.Placer(nodes, held)
+    m = model("m", Profile(name="cpu", cpu_cores=4))
+    d = placer.place(m)
+    assert [(r.node, r.code) for r in d.rejections] == [("a", "cores_too_small"), ("b", "cores_exhausted")]
+    assert would_fit_if(d, placer, m) == [
+        "free 2 cores on b by stopping replica y-bbbbbb (y)",
+        "a is too small (2 cores in all, needs 4): add a node with at least 4 cores",
+    ]
