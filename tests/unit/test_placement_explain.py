@@ -9,7 +9,7 @@ from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.placement.reference import ReferencePlacer
-from tests.helpers.nodes import node
+from tests.helpers.nodes import h100, node
 
 
 def model(name: str, *profiles: Profile, n: int = 1) -> Model:
@@ -62,4 +62,57 @@ def test_a_node_with_fewer_cores_than_asked_but_busy_is_still_too_small() -> Non
     assert would_fit_if(d, placer, m) == [
         "free 2 cores on b by stopping replica y-bbbbbb (y)",
         "a is too small (2 cores in all, needs 4): add a node with at least 4 cores",
+    ]
+
+
+# --- 2: never stop a replica of the model being explained ---
+
+
+def test_no_line_stops_a_replica_of_the_model_itself() -> None:
+    """Scaling gemma-copy to 3 with its 2 replicas on node-b, the only node with room: stopping one
+    of them leaves it at 2 of 3, so no line says so; node-a's other model may be stopped."""
+    nodes = [node("node-a", cores=2), node("node-b", cores=2)]
+    held = [
+        checks.Reservation("node-a", "other", 1, 2, replica="other-aaaaaa"),
+        checks.Reservation("node-b", "gemma-copy", 1, 1, replica="gemma-copy-7cb876"),
+        checks.Reservation("node-b", "gemma-copy", 1, 1, replica="gemma-copy-99e0f1"),
+    ]
+    placer = pl.Placer(nodes, held)
+    m = model("gemma-copy", Profile(name="cpu", min_memory_gb=1, cpu_cores=1), n=3)
+    d = placer.place(m)
+    assert not d.placed
+    assert would_fit_if(d, placer, m) == [
+        "free 1 core on node-a by stopping replica other-aaaaaa (other)",
+        "add a node with room for another replica of gemma-copy: on node-b its own replicas hold what is "
+        "short, and stopping one of them would not help",
+    ]
+
+
+def test_own_replicas_are_never_named_for_memory_or_gpus() -> None:
+    nodes = [node("g", gpus=[h100()]), node("c", mem_gb=4)]
+    held = [
+        checks.Reservation("g", "m", 40, 0, gpu_class="h100-80gb", gpu_indexes=(0,), replica="m-111111"),
+        checks.Reservation("c", "m", 3, 0, replica="m-222222"),
+    ]
+    placer = pl.Placer(nodes, held)
+    gpu = model("m", Profile(name="gpu", gpu_class="h100-80gb", min_memory_gb=40), n=2)
+    d = placer.place(gpu)
+    assert [(r.node, r.code, r.held_by) for r in d.rejections] == [
+        ("c", "gpu_class_mismatch", []),
+        ("g", "gpu_exhausted", ["m-111111"]),
+    ]
+    assert would_fit_if(d, placer, gpu) == [
+        "add a node with room for another replica of m: on g its own replicas hold what is short, "
+        "and stopping one of them would not help",
+        "add a node with GPU class h100-80gb",
+    ]
+    cpu = model("m", Profile(name="cpu", min_memory_gb=2), n=2)
+    placer = pl.Placer([nodes[1]], held)
+    d = placer.place(cpu)
+    assert [(r.node, r.code, r.reason) for r in d.rejections] == [
+        ("c", "memory_exhausted", "needs 2.0 GB memory, 1.0 of 4.0 GB free"),
+    ]
+    assert would_fit_if(d, placer, cpu) == [
+        "add a node with room for another replica of m: on c its own replicas hold what is short, "
+        "and stopping one of them would not help",
     ]

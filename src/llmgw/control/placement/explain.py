@@ -8,7 +8,10 @@ answers with short lines, most useful first:
   holds enough, ``free 0.6 GB on node-b (2.0 GB there is used outside llmgw)`` when another program
   holds it, ``free a h100-80gb GPU on gpu-a by stopping replica big-0f0f0f``,
   ``free 14.0 GB on card 0 of gpu-a (18.0 GB there is used outside llmgw)`` (the card that is
-  short, by index; never a negative amount);
+  short, by index; never a negative amount); never a replica of the model explained (stopping one
+  of its own leaves it as short): where only those hold what is short, one line names the nodes
+  and says to add one (``add a node with room for another replica of chat: on node-b its own
+  replicas hold what is short, and stopping one of them would not help``);
 * **groups** (a profile's ``nodes`` above 1), first: ``a node with at least 14.2 GB free joins (or
   one of the candidates frees 4.4 GB)`` when the best candidates lack memory together (the last
   member's need, and what one of the best candidates would have to free), ``1 more node joins
@@ -34,15 +37,31 @@ from llmgw.catalog import Model
 from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
 from llmgw.control.placement.groupmiss import gb_up
-from llmgw.views import ExplainView
+from llmgw.views import ExplainView, Rejection
 from llmgw.words import counted, names
 
 MAX_SUGGESTIONS = 5
 
 
+def _freeable(rej: Rejection, usage: checks.Usage, node: checks.NodeInfo, model: Model) -> float:
+    """How much of ``rej``'s resource on its node something other than ``model``'s own replicas
+    holds (GB, cores, or GPU cards): all that stopping or freeing could give one more of its
+    replicas (stopping one of its own leaves it as short as before)."""
+    others = [r for r in usage.held if r.model != model.name]
+    if rej.code == "memory_exhausted":
+        return sum(r.memory_gb for r in others if not r.gpu_class) + checks.host_free_gb(node.inventory, usage)[2]
+    if rej.code == "cores_exhausted":
+        return float(sum(r.cpu_cores for r in others))
+    if rej.code == "gpu_exhausted" and rej.gpu_index is None:  # no free card: cards held by others
+        return float(sum(len(r.gpu_indexes) for r in others if r.gpu_class))
+    return float("inf")  # a card short of memory: what uses it is outside llmgw, never a replica
+
+
 def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat is clearer
     v: checks.Verdict, placer: pl.Placer, model: Model, nodes: dict[str, checks.NodeInfo]
 ) -> tuple[float, str] | None:
+    """The line for one exhausted node, with the shortfall it is sorted by; ``(short, "")`` when only
+    ``model``'s own replicas could free it (:func:`_own_line` says so once for all such nodes)."""
     rej = v.rejection
     usage = placer.usage.get(rej.node, checks.Usage())
     node = nodes.get(rej.node)
@@ -51,13 +70,16 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
     short = rej.need - rej.free
     if short <= 1e-9:  # nothing to free: never suggest a negative or zero amount
         return None
+    if _freeable(rej, usage, node, model) < short - 1e-9:
+        return short, ""
+    others = [r for r in usage.held if r.model != model.name]  # never stop one of its own
     if rej.code == "memory_exhausted":
-        others = sorted(
-            (r for r in usage.held if not r.gpu_class and r.memory_gb >= short - 1e-9),
+        holders = sorted(
+            (r for r in others if not r.gpu_class and r.memory_gb >= short - 1e-9),
             key=lambda r: (r.memory_gb, r.replica),
         )
-        if others:
-            r = others[0]
+        if holders:
+            r = holders[0]
             return short, (
                 f"free {short:.1f} GB on {rej.node} by stopping replica {r.replica} ({r.model}, {r.memory_gb:.1f} GB)"
             )
@@ -66,19 +88,20 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
             return short, f"free {short:.1f} GB on {rej.node} ({outside:.1f} GB there is used outside llmgw)"
         return short, f"free {short:.1f} GB memory on {rej.node}"
     if rej.code == "cores_exhausted":
-        holders = sorted((r for r in usage.held if r.cpu_cores >= short), key=lambda r: (r.cpu_cores, r.replica))
+        holders = sorted((r for r in others if r.cpu_cores >= short), key=lambda r: (r.cpu_cores, r.replica))
+        cores = counted(round(short), "core")
         if holders:
             r = holders[0]
-            return short, f"free {short:.0f} cores on {rej.node} by stopping replica {r.replica} ({r.model})"
-        return short, f"free {short:.0f} cores on {rej.node}"
+            return short, f"free {cores} on {rej.node} by stopping replica {r.replica} ({r.model})"
+        return short, f"free {cores} on {rej.node}"
     if rej.code == "gpu_exhausted":
         prof = next((p for p in model.profiles if p.name == rej.profile), None)
         klass = prof.gpu_class if prof else "GPU"
         if v.label == "no free GPU":
-            if not usage.gpus_taken:
+            gpu_holders = sorted(r.replica or r.model for r in others if r.gpu_class and r.gpu_indexes)
+            if not gpu_holders:
                 return None
-            holder = sorted(set(usage.gpus_taken.values()))[0]
-            return short + 1000, f"free a {klass} GPU on {rej.node} by stopping replica {holder}"
+            return short + 1000, f"free a {klass} GPU on {rej.node} by stopping replica {gpu_holders[0]}"
         if rej.gpu_index is None or short <= 0:
             return None
         card = next((g for g in node.inventory.gpus if g.index == rej.gpu_index), None)
@@ -86,6 +109,14 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
         note = f" ({used:.1f} GB there is used outside llmgw)" if used >= checks.OUTSIDE_NOTE_GB else ""
         return short + 1000, f"free {short:.1f} GB on card {rej.gpu_index} of {rej.node}{note}"
     return None
+
+
+def _own_line(model: Model, blocked: list[str]) -> str:
+    """One line for the nodes where only ``model``'s own replicas hold what one more would need."""
+    return (
+        f"add a node with room for another replica of {model.name}: on {names(blocked)} its own replicas "
+        "hold what is short, and stopping one of them would not help"
+    )
 
 
 def _filtered_line(v: checks.Verdict, model: Model) -> str:  # noqa: PLR0911 - one answer per rule, flat is clearer
@@ -163,14 +194,19 @@ def would_fit_if(decision: checks.Decision, placer: pl.Placer, model: Model) -> 
     out: list[str] = [line for g in decision.groups for line in _group_lines(g, model)]
     exhausted: list[tuple[float, str]] = []
     nodes = {n.id: n for n in reversed(placer.nodes)}  # the first of equal ids wins, as a scan would
+    blocked: set[str] = set()  # nodes where only the model's own replicas hold what is short
+    helped: set[str] = set()  # nodes with a line (for another profile, say): that one is said
     for v in decision.verdicts:
-        if v.rejection.kind == checks.Kind.EXHAUSTED:
-            line = _exhausted_line(v, placer, model, nodes)
-            if line is not None:
+        line = _exhausted_line(v, placer, model, nodes) if v.rejection.kind == checks.Kind.EXHAUSTED else None
+        if line is not None:
+            (helped if line[1] else blocked).add(v.rejection.node)
+            if line[1]:
                 exhausted.append(line)
     for _, text in sorted(exhausted):
         if text not in out:
             out.append(text)
+    if blocked - helped:
+        out.append(_own_line(model, sorted(blocked - helped)))
     for text in _filtered_lines(decision.verdicts, model):
         if text not in out:
             out.append(text)
