@@ -168,7 +168,8 @@ class ExplainView(BaseModel):
     nodes: int = 0
     profiles: list[str] = Field(default_factory=list)  # in the order tried (priority)
     would_fit_if: list[str] = Field(default_factory=list)  # what would let one more replica fit
-    # the newest replica this leader placed, and where: "placed on node-b (profile cpu; weights m/1 in its cache)"
+    # the newest replica this leader placed, and where: "placed on node-b (profile cpu; weights m/1 in its cache)",
+    # with "; that replica is gone" (or "is draining") once it is no longer among the replicas placed
     last_placed: str = ""
     # replicas placed whose engine failed, read when asked: a placed model can still serve nothing,
     # and this says so (``llmgw ctl logs REPLICA`` shows the whole log)

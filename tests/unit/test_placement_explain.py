@@ -7,9 +7,14 @@ from __future__ import annotations
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
-from llmgw.control.placement.explain import would_fit_if
+from llmgw.control.placement.explain import newest_line, would_fit_if
 from llmgw.control.placement.reference import ReferencePlacer
-from tests.helpers.nodes import h100, node
+from llmgw.control.reconcile.leader import Leader
+from llmgw.control.store import Store
+from llmgw.protocol import Heartbeat, Inventory
+from tests.helpers.nodes import LLAMA, h100, node
+
+GB = 1_000_000_000
 
 
 def model(name: str, *profiles: Profile, n: int = 1) -> Model:
@@ -116,3 +121,38 @@ def test_own_replicas_are_never_named_for_memory_or_gpus() -> None:
         "add a node with room for another replica of m: on c its own replicas hold what is short, "
         "and stopping one of them would not help",
     ]
+
+
+# --- 3: the "newest replica" line describes a replica that is there ---
+
+
+def beat(mem_gb: float) -> Heartbeat:
+    inv = Inventory(cores=4, memory_total_bytes=int(mem_gb * GB), memory_available_bytes=int(mem_gb * GB))
+    return Heartbeat(inventory=inv, engines=[LLAMA])
+
+
+def test_newest_replica_line_says_it_is_gone_once_its_node_is_lost(store: Store) -> None:
+    store.upsert_node_heartbeat("node-a", beat(1), 100.0)
+    store.upsert_node_heartbeat("node-b", beat(8), 100.0)
+    store.add_model(model("chat", Profile(name="cpu", min_memory_gb=2), n=2), now=100.0)
+    leader = Leader(store, node_lost_after_s=30)
+    leader.reconcile_once(100.0)
+    ex = store.get_explanation("chat")
+    assert ex is not None
+    assert (ex.placed, ex.replicas, ex.last_placed) == (True, 2, "placed on node-b (profile cpu)")
+    store.upsert_node_heartbeat("node-a", beat(1), 125.0)  # node-b goes silent
+    assert leader.reconcile_once(135.0).lost == ["node-b"]
+    ex = store.get_explanation("chat")
+    assert ex is not None
+    assert (ex.placed, ex.replicas, ex.wanted) == (False, 0, 2)
+    assert ex.last_placed == "placed on node-b (profile cpu); that replica is gone"
+
+
+def test_newest_line_follows_the_replica() -> None:
+    newest = ("chat-1a2b3c", "placed on node-b (profile cpu)")
+    assert newest_line(newest, {"chat-1a2b3c", "chat-999999"}, ()) == "placed on node-b (profile cpu)"
+    assert newest_line(newest, {"chat-999999"}, {"chat-1a2b3c"}) == (
+        "placed on node-b (profile cpu); that replica is draining"
+    )
+    assert newest_line(newest, set(), ()) == "placed on node-b (profile cpu); that replica is gone"
+    assert newest_line(None, set(), ()) == ""

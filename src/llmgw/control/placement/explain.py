@@ -31,7 +31,7 @@ verdict, in words). At most :data:`MAX_SUGGESTIONS` lines.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from llmgw.catalog import Model
 from llmgw.control.placement import checks
@@ -242,7 +242,8 @@ def explain_view(
     replicas: Sequence[tuple[str, str]],
     now: float,
     wanted: int | None = None,
-    last_placed: str = "",
+    newest: tuple[str, str] | None = None,
+    draining: Collection[str] = (),
 ) -> ExplainView:
     """The view ``GET /api/v1/explain-placement`` serves.
 
@@ -253,7 +254,9 @@ def explain_view(
         replicas: ``(id, node)`` of the model's replicas placed now.
         now: unix seconds.
         wanted: the replicas wanted (an autoscaled model's decided count); None: ``scaling.min``.
-        last_placed: the summary of the newest replica's placement (:func:`~.placer.placed_summary`).
+        newest: the newest replica this leader placed and its placement's summary
+            (:func:`~.placer.placed_summary`), for the ``newest replica:`` line (:func:`newest_line`).
+        draining: the model's draining replicas (not in ``replicas``).
     """
     wanted = model.scaling.min if wanted is None else wanted
     placed = len(replicas) >= wanted
@@ -275,5 +278,18 @@ def explain_view(
         nodes=decision.nodes,
         profiles=[p.name for p in model.profiles_by_priority()],
         would_fit_if=[] if placed else would_fit_if(decision, placer, model),
-        last_placed=last_placed,
+        last_placed=newest_line(newest, {rid for rid, _ in replicas}, draining),
     )
+
+
+def newest_line(newest: tuple[str, str] | None, placed: Collection[str], draining: Collection[str]) -> str:
+    """What the ``newest replica:`` line says of ``newest`` (``(replica id, placement summary)``): the
+    summary while the replica is among ``placed``, else the summary with ``; that replica is draining``
+    or ``; that replica is gone`` (stopped, its node lost or drained), so the line never describes a
+    replica the placed count no longer has; "" when this leader placed none."""
+    if newest is None:
+        return ""
+    replica, summary = newest
+    if replica in placed:
+        return summary
+    return f"{summary}; that replica is {'draining' if replica in draining else 'gone'}"

@@ -207,8 +207,8 @@ class Leader:
     _vouched: set[str] = field(default_factory=set, init=False)
     #: model -> (its created_at, its last stored explanation without evaluated_at).
     _explained: dict[str, tuple[float, str]] = field(default_factory=dict, init=False)
-    #: model -> its newest placement's summary (explain-placement).
-    _placed: dict[str, str] = field(default_factory=dict, init=False)
+    #: model -> (its newest replica placed, the placement's summary) (explain-placement).
+    _placed: dict[str, tuple[str, str]] = field(default_factory=dict, init=False)
     #: each model's last autoscaling decision, read each pass.
     _decisions: dict[str, DecisionRow] = field(default_factory=dict, init=False)
     #: the gateways' fresh load rows, read each pass (draining).
@@ -568,7 +568,7 @@ class Leader:
             self._new.append(new)  # written with the pass's others (store.add_replicas)
             view.placed(new.id, placer.reserve_members(model, decision, new.id))
             group = f" with workers on {', '.join(m.node for m in new.members[1:])}" if new.members else ""
-            self._placed[model.name] = decision.summary
+            self._placed[model.name] = (new.id, decision.summary)
             log.info("replica %s: %s%s", new.id, decision.summary, group)
             result.created.append(new.id)
             mine = [*mine, new]
@@ -585,7 +585,8 @@ class Leader:
             placer_for_view = placer
         explained = explain_view(model, decision=decision, placer=placer_for_view, now=now, wanted=wanted,
                                  replicas=[(r.id, groups.where(r)) for r in mine if r.draining_since is None],
-                                 last_placed=self._placed.get(model.name, ""))
+                                 newest=self._placed.get(model.name),
+                                 draining=[r.id for r in mine if r.draining_since is not None])
         self._store_explanation(explained, now)
         result.explanations[model.name] = explained
         return mine
