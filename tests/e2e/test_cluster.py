@@ -205,7 +205,7 @@ async def test_five_nodes_spread_gpus_exclusive_cpu_fallback_outside_memory_and_
     ex = await c.until("huge explained", explained)
     assert ex["placed"] is False
     # 100 GB on nodes of 8 and 64: too small, whatever is freed there
-    assert ex["summary"] == "0/5 nodes can run it: 5 memory too small"
+    assert ex["summary"] == "0/5 nodes can run it: 5 nodes with too little memory"
     assert [(r["node"], r["code"], r["reason"]) for r in ex["rejections"]] == [
         (n, "memory_too_small", f"needs 100.0 GB memory, the node has {gb} GB in all: too small")
         for n, gb in (("cpu-1", "8.0"), ("cpu-2", "8.0"), ("cpu-3", "8.0"), ("gpu-1", "64.0"), ("gpu-2", "64.0"))
@@ -216,7 +216,7 @@ async def test_five_nodes_spread_gpus_exclusive_cpu_fallback_outside_memory_and_
     assert not any(line.startswith("free") for line in ex["would_fit_if"])
     pending = [r for r in await c.api("GET", "/api/v1/replicas?model=huge") if r["state"] == "pending"]
     assert [(r["id"], r["pending_reason"]) for r in pending] == [
-        ("huge#pending-1", "0/5 nodes can run it: 5 memory too small")
+        ("huge#pending-1", "0/5 nodes can run it: 5 nodes with too little memory")
     ]
 
 

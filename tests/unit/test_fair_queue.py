@@ -188,7 +188,7 @@ async def test_a_long_expected_wait_refuses_at_once_counting_fair_order() -> Non
         await q.acquire("a", 0, slots.take, service_s=2.0, slots=1)
     assert refused.value.status == 429
     assert refused.value.headers == {"Retry-After": "1"}  # 6 s expected - 5 s bound
-    assert "2 requests are ahead of this one for its 1 slots, about 6 s" in refused.value.message
+    assert "2 requests are ahead of this one for its 1 slot, about 6 s" in refused.value.message
     waiting.append(asyncio.create_task(q.acquire("b", 0, slots.take, service_s=2.0, slots=1)))
     await _settle()
     assert q.queued() == {"a": 2, "b": 1}
@@ -347,3 +347,17 @@ async def test_a_deferring_waiter_keeps_its_place_while_a_later_one_takes_the_sl
     assert await asyncio.wait_for(x2, 5) == "a"
     assert time.monotonic() - t0 >= 0.2
     assert len(q) == 0
+
+
+async def test_one_request_ahead_reads_in_the_singular() -> None:
+    """wait_s 5 s, service 4 s, 1 slot: the second request would wait (1 + 1) × 4 = 8 s."""
+    slots = Slots(1)
+    q = _queue(slots, wait_s=5.0)
+    slots.take()
+    waiting = asyncio.create_task(q.acquire("a", 0, slots.take, service_s=4.0, slots=1))
+    await _settle()
+    with pytest.raises(HttpError) as refused:
+        await q.acquire("a", 0, slots.take, service_s=4.0, slots=1)
+    assert "1 request is ahead of this one for its 1 slot, about 8 s of waiting" in refused.value.message
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)

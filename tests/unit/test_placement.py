@@ -223,7 +223,7 @@ def test_summary_counts_per_reason_sorted() -> None:
     assert not d.placed
     assert (
         d.summary
-        == "0/3 nodes can run it: 1 not enough memory, 2 label llmgw.control-plane=true does not match"
+        == "0/3 nodes can run it: 1 not enough memory, 2 nodes without the label llmgw.control-plane=true"
     )
     assert {r.node: r.kind for r in d.rejections} == {"a": "exhausted", "b": "filtered", "c": "filtered"}
     assert pl.place(model(p), [], []).summary.startswith("0/0 nodes can run it: no node has registered")
@@ -235,7 +235,7 @@ def test_summary_counts_a_node_under_its_furthest_verdict() -> None:
     d = pl.place(model(cpu, gpu), [node("a", mem_gb=16, avail_gb=8)], [])
     assert d.summary == "0/1 nodes can run it: 1 not enough memory"
     d = pl.place(model(cpu, gpu), [node("a", mem_gb=8)], [])  # too small: a filter past the GPU class
-    assert d.summary == "0/1 nodes can run it: 1 memory too small"
+    assert d.summary == "0/1 nodes can run it: 1 node with too little memory"
 
 
 # --- the leader, over a real store ---
@@ -298,7 +298,7 @@ def test_leader_explains_when_nothing_fits(store: Store) -> None:
     ex = store.get_explanation("big")
     assert ex is not None
     assert not ex.placed
-    assert ex.summary == "0/1 nodes can run it: 1 memory too small"
+    assert ex.summary == "0/1 nodes can run it: 1 node with too little memory"
     assert ex.rejections[0].reason == "needs 4.0 GB memory, the node has 1.0 GB in all: too small"
     assert ex.would_fit_if == ["a is too small (1.0 GB memory in all, needs 4.0): add a node with at least 4.0 GB"]
     assert store.list_replicas() == []

@@ -202,7 +202,7 @@ def test_gpu_indexes_reach_the_replica_and_the_lost_node_replicas_move(store: St
 def test_missing_engine_reported_per_node() -> None:
     failed = EngineStatus(engine="llamacpp", state=ProvisionState.FAILED, detail="no binary")
     d = pl.place(model("m"), [node("a", engines=[failed])], [])
-    assert d.summary == "0/1 nodes can run it: 1 engine llamacpp not installed"
+    assert d.summary == "0/1 nodes can run it: 1 node without engine llamacpp installed"
     assert would_fit_if(d, pl.Placer([node("a", engines=[failed])], []), model("m")) == [
         "install engine llamacpp on a node"
     ]

@@ -156,3 +156,41 @@ def test_newest_line_follows_the_replica() -> None:
     )
     assert newest_line(newest, set(), ()) == "placed on node-b (profile cpu); that replica is gone"
     assert newest_line(None, set(), ()) == ""
+
+
+# --- 4: words that agree with their counts ---
+
+
+def test_summary_counts_read_as_sentences() -> None:
+    zone = Profile(name="cpu", node_selector={"zone": "nowhere"})
+    d = pl.place(model("m", zone), [node("node-a"), node("node-b")], [])
+    assert d.summary == "0/2 nodes can run it: 2 nodes without the label zone=nowhere"
+    d = pl.place(model("m", Profile(name="cpu", min_memory_gb=16)), [node("a"), node("b")], [])
+    assert d.summary == "0/2 nodes can run it: 2 nodes with too little memory"
+    gpu = Profile(name="gpu", gpu_class="h100-80gb", min_memory_gb=100)
+    nodes = [
+        node("a"), node("b", engines=[]), node("g", gpus=[h100()]), node("k", state="lost"), node("l", state="lost")
+    ]
+    d = pl.place(model("m", gpu), nodes, [])
+    assert d.summary == (
+        "0/5 nodes can run it: 1 node with a GPU too small, 1 node without a GPU of class h100-80gb, "
+        "1 node without engine llamacpp installed, 2 nodes lost"
+    )
+
+
+def test_one_core_is_singular() -> None:
+    placer = pl.Placer([node("a", cores=2)], [checks.Reservation("a", "x", 0, 2, replica="x-aaaaaa")])
+    m = model("m", Profile(name="cpu", cpu_cores=1))
+    d = placer.place(m)
+    assert d.rejections[0].reason == "needs 1 core, 0 of 2 free"
+    assert would_fit_if(d, placer, m) == ["free 1 core on a by stopping replica x-aaaaaa (x)"]
+
+
+def test_nodes_too_small_for_memory_are_one_line() -> None:
+    nodes = [node("a", mem_gb=4), node("b", mem_gb=8), node("c", mem_gb=8), node("d", mem_gb=2), node("e", mem_gb=2)]
+    placer = pl.Placer(nodes, [])
+    m = model("m", Profile(name="cpu", min_memory_gb=1000))
+    assert would_fit_if(placer.place(m), placer, m) == [
+        "a, b, c and 2 more are too small (2.0 to 8.0 GB memory, needs 1000.0): "
+        "add a node with at least 1000.0 GB"
+    ]

@@ -104,7 +104,7 @@ def test_a_card_smaller_than_its_share_is_too_small_not_something_to_free(tmp_pa
         "cards 0, 1 have 25.8 GB in all, need 30.0 each: too small "
         "(0 of the 2 rtx-4090-24gb cards the profile needs are big enough)"
     )
-    assert d.summary == "0/1 nodes can run it: 1 GPU too small"
+    assert d.summary == "0/1 nodes can run it: 1 node with a GPU too small"
     assert fix == [
         "card 0 of gpu-a is too small (25.8 GB, needs 30.0): no amount of freeing helps; add a node with "
         "bigger cards, or raise the profile's gpu_count to split the model over more cards"
@@ -212,7 +212,7 @@ async def test_the_nodes_view_and_the_explanation_report_the_discovery_problem(
     assert nodes["cpu-a"]["problems"] == []
 
     ex = await (await client.get("/api/v1/explain-placement?model=big", headers=AUTH)).json()
-    assert ex["summary"] == "0/2 nodes can run it: 1 GPU discovery problem, 1 no GPU of class rtx-4090-24gb"
+    assert ex["summary"] == "0/2 nodes can run it: 1 GPU discovery problem, 1 node without a GPU of class rtx-4090-24gb"
     by_node = {r["node"]: r for r in ex["rejections"]}
     assert by_node["gpu-a"]["code"] == "gpu_discovery_problem"
     assert "not enough GPU memory" not in str(ex)

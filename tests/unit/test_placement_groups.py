@@ -184,7 +184,7 @@ def test_gpu_group_gets_cards_on_every_member() -> None:
     again = placer.place(m)
     assert again.summary == (
         "0/4 nodes can run it as a group of 2: 1 of 2 nodes found: 1 more is needed; "
-        "the others: 1 no GPU of class h100-80gb, 2 no free GPU"
+        "the others: 1 node without a GPU of class h100-80gb, 2 no free GPU"
     )
     assert [(r.node, r.code, r.reason) for r in again.rejections][-1] == (
         "g2",
@@ -197,7 +197,7 @@ def test_gpu_group_member_share_decides_card_size() -> None:
     """A card smaller than the whole model still serves a member's stage."""
     nodes = [node("g1", gpus=[h100(mem_gb=24)]), node("g2", gpus=[h100(mem_gb=24)])]
     one = model(Profile(name="gpu", gpu_class=GPU_CLASS, min_memory_gb=40))
-    assert pl.Placer(nodes, []).place(one).summary == "0/2 nodes can run it: 2 GPU too small"
+    assert pl.Placer(nodes, []).place(one).summary == "0/2 nodes can run it: 2 nodes with a GPU too small"
     two = model(group(2, 40.0, gpu_class=GPU_CLASS))
     assert shares(pl.Placer(nodes, []).place(two)) == [("g1", 0, 20.0, [0]), ("g2", 1, 20.0, [0])]
 
@@ -207,7 +207,7 @@ def test_a_group_profile_among_one_node_profiles() -> None:
     m = model(gpu, group(3, 30.0))
     d = pl.Placer([node("a"), node("b"), node("c")], []).place(m)
     assert d.summary == (
-        "0/3 nodes can run it: 3 no GPU of class h100-80gb; as a group of 3 (profile cpu): "
+        "0/3 nodes can run it: 3 nodes without a GPU of class h100-80gb; as a group of 3 (profile cpu): "
         "2 of 3 nodes found: the third needs 14.0 GB, best remaining node has 8.0 GB free"
     )
     assert would_fit_if(d, pl.Placer([node("a"), node("b"), node("c")], []), m)[:2] == [

@@ -108,7 +108,7 @@ async def test_the_explanation_and_the_escaping(install: Install, served: Served
                 break
             await asyncio.sleep(0.1)
         assert "huge: NOT placed</strong> (0/1 replicas)" in page
-        assert "0/1 nodes can run it: 1 memory too small" in page
+        assert "0/1 nodes can run it: 1 node with too little memory" in page
         assert "<td>cpu</td><td>node-1</td><td>filtered</td><td>needs 500.0 GB memory, the node has 8.0 GB" in page
         assert "would fit if: node-1 is too small (8.0 GB memory in all, needs 500.0)" in page
         r = await c.get(base + "/ui/models/%3Cscript%3Ealert(1)%3C%2Fscript%3E")

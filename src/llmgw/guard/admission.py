@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from llmgw.errors import JudgeError
+from llmgw.words import counted
 
 #: Seconds a judgment is assumed to take before the judge's first one is measured (a warm
 #: judgment with a 270M model on 2 cores was measured at ~1 s).
@@ -127,8 +128,9 @@ class JudgeQueue:
             if finish > deadline:
                 self.refused += 1
                 fut.set_exception(JudgeError(
-                    f"judge {self.name} is busy: {ahead} judgments ahead on {self.slots} slot(s) would take "
-                    f"past the budget", kind="busy", retry_after_s=max(1.0, math.ceil(finish - deadline)),
+                    f"judge {self.name} is busy: {counted(ahead, 'judgment')} ahead on "
+                    f"{counted(self.slots, 'slot')} would take past the budget",
+                    kind="busy", retry_after_s=max(1.0, math.ceil(finish - deadline)),
                 ))
             else:
                 kept.append((fut, deadline))
@@ -149,7 +151,8 @@ class JudgeQueue:
                 ahead = self.in_flight + len(self.waiters)
                 retry = max(1.0, math.ceil(wait + own - left_s))
                 raise JudgeError(
-                    f"judge {self.name} is busy: {ahead} judgments ahead on {self.slots} slot(s), about "
+                    f"judge {self.name} is busy: {counted(ahead, 'judgment')} ahead on "
+                    f"{counted(self.slots, 'slot')}, about "
                     f"{wait:.1f} s to wait and {own:.1f} s to judge, over the {left_s:.1f} s left of the budget",
                     kind="busy", retry_after_s=retry,
                 )

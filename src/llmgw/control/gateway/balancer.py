@@ -110,6 +110,7 @@ from llmgw.control.gateway.prefix import rendezvous, replica_hash
 from llmgw.control.gateway.queue import Defer
 from llmgw.errors import HttpError
 from llmgw.routing import Route, Upstream
+from llmgw.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -545,7 +546,7 @@ class Balancer:
         return HttpError(
             429,
             "model_busy",
-            f"every slot of model '{route.model}' is busy ({self.slots(route)} slots); retry in {wait} s",
+            f"every slot of model '{route.model}' is busy ({counted(self.slots(route), 'slot')}); retry in {wait} s",
             headers={"Retry-After": str(wait)},
         )
 

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from llmgw.errors import HttpError
+from llmgw.words import counted, plural
 
 T = TypeVar("T")
 
@@ -192,12 +193,14 @@ class FairQueue(Generic[T]):
         slots = max(1, slots)
         if self._n >= self.size:
             # Room for one more once n - size + 1 waiters have left, one per service_s / slots.
-            self._refuse(f"{self._n} requests already wait, the most the gateway holds",
+            self._refuse(f"{counted(self._n, 'request')} already {plural(self._n, 'waits', 'wait')}, the most the "
+                         "gateway holds",
                          (self._n - self.size + 1) * service_s / slots)
         ahead = self._ahead(key, priority, len(self._keys(priority).get(key, ())))
         expected = (ahead + 1) * service_s / slots
         if expected > self.wait_s:
-            self._refuse(f"{ahead} requests are ahead of this one for its {slots} slots, about {expected:.0f} s "
+            self._refuse(f"{counted(ahead, 'request')} {plural(ahead, 'is', 'are')} ahead of this one for its "
+                         f"{counted(slots, 'slot')}, about {expected:.0f} s "
                          f"of waiting, over the bound of {self.wait_s:g} s", expected - self.wait_s)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()

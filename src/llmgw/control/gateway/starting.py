@@ -36,6 +36,7 @@ from aiohttp import web
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_event
 from llmgw.routing import Route
+from llmgw.words import counted, plural
 
 #: Requests held per model at most (the issue: a burst of 1,000 at zero replicas; the bound holds).
 MAX_HELD = 1000
@@ -123,7 +124,8 @@ class Starting:
         name = route.model
         st = self._models.setdefault(name, _Model())
         if st.held >= self.max_held:
-            raise self._refusal(name, f"{st.held} requests already wait for it")
+            waits = plural(st.held, "waits", "wait")
+            raise self._refusal(name, f"{counted(st.held, 'request')} already {waits} for it")
         st.held += 1
         if st.held == 1:
             self.on_hold()

@@ -170,8 +170,7 @@ def node_selector(c: Candidate) -> Miss | None:
     for key in sorted(c.profile.node_selector):
         want = c.profile.node_selector[key]
         if c.node.labels.get(key) != want:
-            text = f"label {key}={want} does not match"
-            return Miss(text, text)
+            return Miss(f"label {key}={want} does not match", f"node without the label {key}={want}")
     return None
 
 
@@ -181,11 +180,11 @@ def engine_installed(c: Candidate) -> Miss | None:
     status = c.node.engines.get(engine)
     if status is not None and status.state == ProvisionState.INSTALLED:
         return None
-    label = f"engine {engine} not installed"
+    label = f"node without engine {engine} installed"
     if status is None:
-        return Miss(f"{label} (not reported by the node)", label)
+        return Miss(f"engine {engine} not installed (not reported by the node)", label)
     detail = f": {status.detail}" if status.detail else ""
-    return Miss(f"{label} ({status.state.value}{detail})", label)
+    return Miss(f"engine {engine} not installed ({status.state.value}{detail})", label)
 
 
 def group_capable(c: Candidate) -> Miss | None:
@@ -207,7 +206,7 @@ def gpu_class(c: Candidate) -> Miss | None:
     have = sorted({g.klass for g in c.node.inventory.gpus})
     if want in have:
         return None
-    return Miss(f"no GPU of class {want} (has: {', '.join(have) or 'none'})", f"no GPU of class {want}")
+    return Miss(f"no GPU of class {want} (has: {', '.join(have) or 'none'})", f"node without a GPU of class {want}")
 
 
 def gpu_discovery(c: Candidate) -> Miss | None:
@@ -270,7 +269,9 @@ def gpu_size(c: Candidate) -> Miss | None:
         text = f"cards {_indexes(small)} have {largest:.1f} GB in all, need {per_card:.1f} each: too small"
     if want > 1:
         text += f" ({big} of the {want} {klass} cards the profile needs are big enough)"
-    return Miss(text, "GPU too small", round(per_card, 3), gpu_index=small[0].index, total=round(largest, 3))
+    return Miss(
+        text, "node with a GPU too small", round(per_card, 3), gpu_index=small[0].index, total=round(largest, 3)
+    )
 
 
 def memory_size(c: Candidate) -> Miss | None:
@@ -284,7 +285,7 @@ def memory_size(c: Candidate) -> Miss | None:
         return None
     return Miss(
         f"needs {need:.1f} GB memory, the node has {total:.1f} GB in all: too small",
-        "memory too small",
+        "node with too little memory",
         need,
         total=round(total, 3),
     )

@@ -149,22 +149,22 @@ def _filtered_line(v: checks.Verdict, model: Model) -> str:  # noqa: PLR0911 - o
 TOO_SMALL = ("memory_too_small", "cores_too_small")
 
 
-def _amount(code: str, x: float) -> str:
-    return f"{x:.1f} GB memory" if code == "memory_too_small" else counted(round(x), "core")
+def _amount(code: str, lo: float, hi: float | None = None) -> str:
+    """``2.0 GB memory``, ``2 cores``; with ``hi``: ``2.0 to 8.0 GB memory``, ``2 to 4 cores``."""
+    if code == "memory_too_small":
+        return f"{lo:.1f} GB memory" if hi is None else f"{lo:.1f} to {hi:.1f} GB memory"
+    return counted(round(lo), "core") if hi is None else f"{lo:.0f} to {hi:.0f} cores"
 
 
 def _too_small_line(code: str, need: float, hits: list[tuple[str, float]]) -> str:
     """The nodes ``hits`` (``(node, total)``) too small for ``need`` in one line."""
-    want = f"{need:.1f}" if code == "memory_too_small" else f"{need:.0f}"
-    add = f"add a node with at least {need:.1f} GB" if code == "memory_too_small" else (
-        f"add a node with at least {counted(round(need), 'core')}"
-    )
+    memory = code == "memory_too_small"
+    want = f"{need:.1f}" if memory else f"{need:.0f}"
+    add = f"add a node with at least {need:.1f} GB" if memory else f"add a node with at least {_amount(code, need)}"
     totals = sorted({t for _, t in hits})
     if len(hits) == 1:
         return f"{hits[0][0]} is too small ({_amount(code, totals[0])} in all, needs {want}): {add}"
-    has = f"{_amount(code, totals[0])} each" if len(totals) == 1 else (
-        f"{_amount(code, totals[0])} to {_amount(code, totals[-1])}"
-    )
+    has = f"{_amount(code, totals[0])} each" if len(totals) == 1 else _amount(code, totals[0], totals[-1])
     return f"{names([n for n, _ in hits])} are too small ({has}, needs {want}): {add}"
 
 

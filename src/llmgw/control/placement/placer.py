@@ -556,7 +556,8 @@ def counted_label(n: int, label: str) -> str:
 
 def summarize(verdicts: Sequence[Verdict], nodes: int, groups: Sequence[GroupMiss] = ()) -> str:
     """The Kubernetes-style line: ``0/N nodes can run it: <count> <label>, …`` (sorted; each node
-    counted once, :func:`count_labels`).
+    counted once, :func:`count_labels`): ``0/3 nodes can run it: 1 not enough memory, 2 nodes without
+    the label zone=eu``.
 
     A group profile (``nodes`` above 1) speaks of its candidate set instead (:meth:`GroupMiss.clause`):
     ``0/3 nodes can run it as a group of 3: 2 of 3 nodes found: the third needs 14.2 GB, best
