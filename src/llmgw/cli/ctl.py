@@ -40,6 +40,7 @@ from llmgw.errors import ConfigError, LlmgwError
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
+    from llmgw.views import ModelView
 
 app = typer.Typer(no_args_is_help=True, help="Ask the control plane: nodes, models, replicas, placement.")
 
@@ -153,10 +154,18 @@ def cluster(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt =
         print("database members: no Patroni REST URL in server.yaml (cluster.patroni)")
 
 
+def ready_cell(m: ModelView) -> str:
+    """``ctl models``' READY: replicas ready of the replicas wanted (``2/3``: one short, ``0/1``: none
+    placed), and how many are placed when that differs from ready (``1/2 (2 placed)``: one starting)."""
+    cell = f"{m.replicas_ready}/{m.replicas_wanted}"
+    return cell if m.replicas == m.replicas_ready else f"{cell} ({m.replicas} placed)"
+
+
 @app.command()
 @cli_errors
 def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """The catalog: each model, its aliases, role, scaling and replicas ready; broken rows named."""
+    """The catalog: each model, its aliases, role, scaling, replicas wanted and ready (of wanted);
+    broken rows named."""
     data = _client(server, token).models()
     if as_json:
         _print_json(data)
@@ -168,7 +177,7 @@ def models(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = 
             continue
         t.add_row(
             m.name, ", ".join(m.aliases) or "-", m.role, f"{m.scaling_min}..{m.scaling_max}",
-            str(m.replicas_wanted), f"{m.replicas_ready}/{m.replicas}", m.source,
+            str(m.replicas_wanted), ready_cell(m), m.source,
         )
     console().print(t)
     for m in data:
