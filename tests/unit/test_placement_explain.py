@@ -194,3 +194,21 @@ def test_nodes_too_small_for_memory_are_one_line() -> None:
         "a, b, c and 2 more are too small (2.0 to 8.0 GB memory, needs 1000.0): "
         "add a node with at least 1000.0 GB"
     ]
+
+
+def test_fewer_gpus_than_gpu_count_is_too_small_not_free() -> None:
+    """gpu_count 2 on nodes with one card of the class: stopping the replica holding g1's card frees
+    one card, never two."""
+    nodes = [node("g1", gpus=[h100()]), node("g2", gpus=[h100()])]
+    held = [checks.Reservation("g1", "other", 40, 0, gpu_class="h100-80gb", gpu_indexes=(0,), replica="other-aaaaaa")]
+    placer = pl.Placer(nodes, held)
+    m = model("m", Profile(name="gpu", gpu_class="h100-80gb", gpu_count=2, min_memory_gb=80))
+    d = placer.place(m)
+    assert [(r.node, r.kind, r.code, r.reason) for r in d.rejections] == [
+        ("g1", "filtered", "gpu_count_too_small", "has 1 h100-80gb card, the profile needs 2: too small"),
+        ("g2", "filtered", "gpu_count_too_small", "has 1 h100-80gb card, the profile needs 2: too small"),
+    ]
+    assert d.summary == "0/2 nodes can run it: 2 nodes with too few GPUs"
+    assert would_fit_if(d, placer, m) == [
+        "g1 and g2 are too small (1 h100-80gb card each, needs 2): add a node with at least 2 h100-80gb cards"
+    ]

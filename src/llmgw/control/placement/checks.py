@@ -244,6 +244,24 @@ def _indexes(gpus: Sequence[GPU]) -> str:
     return ", ".join(str(g.index) for g in gpus)
 
 
+def gpu_count(c: Candidate) -> Miss | None:
+    """GPU profiles: the node has at least ``gpu_count`` cards of the class (fewer never fit however
+    many are freed; :func:`gpus` would say "0 of 1 free" and "free a GPU" would not help)."""
+    klass = c.profile.gpu_class
+    if not klass:
+        return None
+    have = sum(1 for g in c.node.inventory.gpus if g.klass == klass)
+    want = c.profile.gpu_count
+    if have >= want:
+        return None
+    return Miss(
+        f"has {counted(have, f'{klass} card')}, the profile needs {want}: too small",
+        "node with too few GPUs",
+        float(want),
+        total=float(have),
+    )
+
+
 def gpu_size(c: Candidate) -> Miss | None:
     """GPU profiles: at least ``gpu_count`` cards of the class whose total memory holds the
     per-card share ``min_memory_gb / gpu_count``. A card smaller than its share never fits however
@@ -462,6 +480,7 @@ PIPELINE: tuple[Check, ...] = (
     Check("engine_not_installed", Kind.FILTERED, engine_installed),
     Check("gpu_discovery_problem", Kind.FILTERED, gpu_discovery),
     Check("gpu_class_mismatch", Kind.FILTERED, gpu_class),
+    Check("gpu_count_too_small", Kind.FILTERED, gpu_count),
     Check("gpu_too_small", Kind.FILTERED, gpu_size),
     Check("memory_too_small", Kind.FILTERED, memory_size),
     Check("cores_too_small", Kind.FILTERED, cores_size),

@@ -20,7 +20,7 @@ answers with short lines, most useful first:
 * **filtered** only, one line per distinct rule: ``add a node with GPU class h100-80gb``,
   ``label a node llmgw.zone=eu (agent.yaml labels)``, ``install engine vllm on a node``,
   ``uncordon node-c ('llmgw ctl node uncordon node-c')``, ``bring node-d back: its agent is not reporting``;
-  a card or node smaller than what the profile needs (memory or cores in all) is *too small*, never
+  a card or node smaller than what the profile needs (memory, cores or cards in all) is *too small*, never
   "free …" (no amount of freeing helps), the nodes too small for one need on one line (``node-a and
   node-b are too small (2 cores each, needs 64): add a node with at least 64 cores``); a card
   reported with 0 GB memory is a discovery problem to fix on the node.
@@ -146,25 +146,34 @@ def _filtered_line(v: checks.Verdict, model: Model) -> str:  # noqa: PLR0911 - o
 
 #: The filters that reject a node smaller than the profile in all (no freeing helps), said once per
 #: profile need for every node they reject: ``node-a and node-b are too small (2 cores each, needs 64)``.
-TOO_SMALL = ("memory_too_small", "cores_too_small")
+TOO_SMALL = ("memory_too_small", "cores_too_small", "gpu_count_too_small")
 
 
-def _amount(code: str, lo: float, hi: float | None = None) -> str:
-    """``2.0 GB memory``, ``2 cores``; with ``hi``: ``2.0 to 8.0 GB memory``, ``2 to 4 cores``."""
-    if code == "memory_too_small":
+def _unit(rej: Rejection, model: Model) -> str:
+    """What a too-small rejection counts: ``GB memory``, ``core`` or ``<class> card``."""
+    if rej.code == "memory_too_small":
+        return "GB memory"
+    prof = next((p for p in model.profiles if p.name == rej.profile), None)
+    return f"{prof.gpu_class} card" if rej.code == "gpu_count_too_small" and prof else "core"
+
+
+def _amount(unit: str, lo: float, hi: float | None = None) -> str:
+    """``2.0 GB memory``, ``2 cores``, ``1 h100-80gb card``; with ``hi``: ``2.0 to 8.0 GB memory``,
+    ``2 to 4 cores``."""
+    if unit == "GB memory":
         return f"{lo:.1f} GB memory" if hi is None else f"{lo:.1f} to {hi:.1f} GB memory"
-    return counted(round(lo), "core") if hi is None else f"{lo:.0f} to {hi:.0f} cores"
+    return counted(round(lo), unit) if hi is None else f"{lo:.0f} to {hi:.0f} {unit}s"
 
 
-def _too_small_line(code: str, need: float, hits: list[tuple[str, float]]) -> str:
-    """The nodes ``hits`` (``(node, total)``) too small for ``need`` in one line."""
-    memory = code == "memory_too_small"
+def _too_small_line(unit: str, need: float, hits: list[tuple[str, float]]) -> str:
+    """The nodes ``hits`` (``(node, total)``) too small for ``need`` (counted in ``unit``) in one line."""
+    memory = unit == "GB memory"
     want = f"{need:.1f}" if memory else f"{need:.0f}"
-    add = f"add a node with at least {need:.1f} GB" if memory else f"add a node with at least {_amount(code, need)}"
+    add = f"add a node with at least {need:.1f} GB" if memory else f"add a node with at least {_amount(unit, need)}"
     totals = sorted({t for _, t in hits})
     if len(hits) == 1:
-        return f"{hits[0][0]} is too small ({_amount(code, totals[0])} in all, needs {want}): {add}"
-    has = f"{_amount(code, totals[0])} each" if len(totals) == 1 else _amount(code, totals[0], totals[-1])
+        return f"{hits[0][0]} is too small ({_amount(unit, totals[0])} in all, needs {want}): {add}"
+    has = f"{_amount(unit, totals[0])} each" if len(totals) == 1 else _amount(unit, totals[0], totals[-1])
     return f"{names([n for n, _ in hits])} are too small ({has}, needs {want}): {add}"
 
 
@@ -223,7 +232,7 @@ def _filtered_lines(verdicts: Sequence[checks.Verdict], model: Model) -> list[st
         if rej.kind != checks.Kind.FILTERED:
             continue
         if rej.code in TOO_SMALL and rej.need is not None and rej.total is not None:
-            key = (rej.code, rej.need)
+            key = (_unit(rej, model), rej.need)
             if key not in small:
                 small[key] = []
                 order.append(key)

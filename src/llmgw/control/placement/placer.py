@@ -12,6 +12,7 @@ A pipeline in the Kubernetes-scheduler/Nomad shape, pure functions throughout::
             gpu_discovery   GPU profiles: not enough measured cards of the class while the node has
                             cards reported with 0 GB memory (a discovery problem, named as one)
             gpu_class       it has a GPU of the profile's class (GPU profiles only)
+            gpu_count       GPU profiles: at least ``gpu_count`` cards of the class
             gpu_size        GPU profiles: ``gpu_count`` cards of the class whose *total* memory
                             holds min_memory_gb / gpu_count (freeing cannot make a card bigger)
             memory_size     CPU profiles: the node's total memory holds min_memory_gb
