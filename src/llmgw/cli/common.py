@@ -13,6 +13,7 @@ before, a CPU-second paid by every ``llmgw ctl`` a script or a test runs).
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -25,6 +26,8 @@ from llmgw.paths import Paths
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
+
+    from llmgw.adminclient import AdminClient
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -73,3 +76,22 @@ def table(*headers: str, **options: Any) -> Table:
     from rich.table import Table
 
     return Table(*headers, **options)
+
+
+def admin_client(server: str | None, token: str | None) -> AdminClient:
+    """The admin API client of ``llmgw ctl``: ``server``/``token`` as given, else this machine's
+    server.yaml and admin-token file (:meth:`~llmgw.adminclient.AdminClient.from_paths`)."""
+    from llmgw.adminclient import AdminClient
+
+    return AdminClient.from_paths(paths(), server=server, token=token)
+
+
+def print_json(data: Any) -> None:
+    """Print what the admin API answered, as it answered it (views are dumped as the server dumps them)."""
+    from pydantic import BaseModel
+
+    if isinstance(data, BaseModel):
+        data = data.model_dump(mode="json")
+    elif isinstance(data, list):
+        data = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in data]
+    print(json.dumps(data, indent=2, sort_keys=True))

@@ -1,6 +1,7 @@
 """``llmgw ctl``: what operators ask the control plane. Tables for people, ``--json`` for scripts.
 
-Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``, ``models``,
+Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``
+(:mod:`llmgw.cli.ctlnodes`), ``models``,
 ``model add -f FILE`` (or flags), ``model set NAME KEY=VALUE…`` (:mod:`llmgw.cli.modelset`),
 ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
 ``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
@@ -24,7 +25,6 @@ Exit codes: 0 fine; 1 an API error; 2 bad input; 3 the control plane does not an
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,7 +34,10 @@ import typer
 
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
+from llmgw.cli.common import admin_client as _client
 from llmgw.cli.common import cli_errors, console, fail, paths, table
+from llmgw.cli.common import print_json as _print_json
+from llmgw.cli.ctlnodes import app as node_app
 from llmgw.cli.modelset import model_set
 from llmgw.errors import ConfigError, LlmgwError
 
@@ -53,7 +56,6 @@ FOLLOW_POLL_S = 1.0
 
 NOT_PLACED_EXIT = 6
 
-node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon, drain or remove a node.")
 model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change fields or profiles, scale, remove.")
 model_app.command("set")(cli_errors(model_set))
 app.add_typer(node_app, name="node")
@@ -61,23 +63,6 @@ app.add_typer(model_app, name="model")
 app.add_typer(guard_cli.app, name="guard")
 app.add_typer(keys_cli.app, name="key")
 app.command("usage")(cli_errors(keys_cli.usage))
-
-
-def _client(server: str | None, token: str | None) -> AdminClient:
-    from llmgw.adminclient import AdminClient
-
-    return AdminClient.from_paths(paths(), server=server, token=token)
-
-
-def _print_json(data: Any) -> None:
-    """Print what the admin API answered, as it answered it (views are dumped as the server dumps them)."""
-    from pydantic import BaseModel
-
-    if isinstance(data, BaseModel):
-        data = data.model_dump(mode="json")
-    elif isinstance(data, list):
-        data = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in data]
-    print(json.dumps(data, indent=2, sort_keys=True))
 
 
 def _gb(n: float | None) -> str:
@@ -290,70 +275,6 @@ def restart(
         _print_json(new)
     else:
         print(f"{replica} replaced by {new.id} on {new.node}")
-
-
-def _node_action(action: str, node: str, server: str | None, token: str | None, as_json: bool) -> None:
-    data = _client(server, token).node_action(node, action)
-    if as_json:
-        _print_json(data)
-    else:
-        print(f"{node}: {action}ed" if action != "drain" else f"{node}: cordoned and drained")
-
-
-@node_app.command("cordon")
-@cli_errors
-def node_cordon(
-    node: Annotated[str, typer.Argument(help="The node id.")],
-    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
-) -> None:
-    """No new replicas on NODE; the ones there keep running."""
-    _node_action("cordon", node, server, token, as_json)
-
-
-@node_app.command("uncordon")
-@cli_errors
-def node_uncordon(
-    node: Annotated[str, typer.Argument(help="The node id.")],
-    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
-) -> None:
-    """Let placement use NODE again."""
-    _node_action("uncordon", node, server, token, as_json)
-
-
-@node_app.command("drain")
-@cli_errors
-def node_drain(
-    node: Annotated[str, typer.Argument(help="The node id.")],
-    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
-) -> None:
-    """Cordon NODE and move its replicas elsewhere (they stop there at once)."""
-    _node_action("drain", node, server, token, as_json)
-
-
-@node_app.command("rm")
-@cli_errors
-def node_rm(
-    node: Annotated[str, typer.Argument(help="The node id.")],
-    force: Annotated[bool, typer.Option("--force", help="Drain it first when replicas are placed there.")] = False,
-    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
-) -> None:
-    """Remove NODE and revoke every certificate issued for it so far; refused while replicas run there
-    (--force drains)."""
-    data = _client(server, token).remove_node(node, force=force)
-    if as_json:
-        _print_json(data)
-        return
-    if data.drained:
-        print(f"{node}: drained {len(data.drained)} replica(s); they will be placed when a node can run "
-              "them ('llmgw ctl replicas' shows where)")
-    if data.revoked:
-        print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, and every other "
-              "certificate issued for it until now is refused, so its agent stops at its next heartbeat")
-    else:
-        print(f"{node}: removed; no certificate of it was seen, but every certificate issued for it until "
-              "now is refused, so its agent stops at its next heartbeat")
-    print(f"To re-join it: 'llmgw server add-node {node} --address ADDR --out DIR' (a new certificate), "
-          "copy DIR to its /etc/llmgw and start its agent")
 
 
 def _read_doc(path: Path) -> Any:

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from llmgw.cli.common import paths
+from llmgw.cli.common import admin_client, print_json
 from llmgw.cli.keys import JsonOpt, ServerOpt, TokenOpt
 from llmgw.modelpatch import AssignmentError, assignments_text, merge_patch
 
@@ -34,17 +34,14 @@ def model_set(
     """Change model fields as in model.yaml: scaling.target=2, queue.size=0, queue.wait_s=10,
     routing=round-robin, max_output=512 (values are YAML: a list is written in brackets); null puts a
     field back to its default."""
-    from llmgw.adminclient import AdminClient
-
     try:
         patch = merge_patch(assignments)
     except AssignmentError as e:
         print(f"Error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    client = AdminClient.from_paths(paths(), server=server, token=token)
-    data = client.patch_model(name, patch)
+    data = admin_client(server, token).patch_model(name, patch)
     if as_json:
-        print(data.model_dump_json(indent=2))
+        print_json(data)
         return
     called = data.name if data.name == name else f"{data.name} (alias {name})"
     print(f"{called}: set {', '.join(assignments_text(patch))}")
