@@ -1,7 +1,6 @@
 """``llmgw ctl``: what operators ask the control plane. Tables for people, ``--json`` for scripts.
 
-Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``
-(:mod:`llmgw.cli.ctlnodes`), ``models``,
+Commands: ``nodes``, ``node cordon|uncordon|drain NODE``, ``node rm NODE [--force]``, ``models``,
 ``model add -f FILE`` (or flags), ``model set NAME KEY=VALUE…`` (:mod:`llmgw.cli.modelset`),
 ``model set-profiles NAME -f FILE``, ``model rm NAME [--delete-weights]``,
 ``model scale NAME N``, ``model resources NAME``, ``replicas [MODEL]``, ``restart ID``,
@@ -37,12 +36,11 @@ from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import admin_client as _client
 from llmgw.cli.common import cli_errors, console, fail, paths, table
 from llmgw.cli.common import print_json as _print_json
-from llmgw.cli.ctlnodes import app as node_app
 from llmgw.cli.modelset import model_set
-from llmgw.errors import ConfigError, LlmgwError
+from llmgw.cli.modelwarn import warn_fits_nowhere, warn_unreadable_source
+from llmgw.errors import ConfigError
 
 if TYPE_CHECKING:
-    from llmgw.adminclient import AdminClient
     from llmgw.views import ModelView
 
 app = typer.Typer(no_args_is_help=True, help="Ask the control plane: nodes, models, replicas, placement.")
@@ -56,6 +54,7 @@ FOLLOW_POLL_S = 1.0
 
 NOT_PLACED_EXIT = 6
 
+node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon, drain or remove a node.")
 model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change fields or profiles, scale, remove.")
 model_app.command("set")(cli_errors(model_set))
 app.add_typer(node_app, name="node")
@@ -277,6 +276,70 @@ def restart(
         print(f"{replica} replaced by {new.id} on {new.node}")
 
 
+def _node_action(action: str, node: str, server: str | None, token: str | None, as_json: bool) -> None:
+    data = _client(server, token).node_action(node, action)
+    if as_json:
+        _print_json(data)
+    else:
+        print(f"{node}: {action}ed" if action != "drain" else f"{node}: cordoned and drained")
+
+
+@node_app.command("cordon")
+@cli_errors
+def node_cordon(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """No new replicas on NODE; the ones there keep running."""
+    _node_action("cordon", node, server, token, as_json)
+
+
+@node_app.command("uncordon")
+@cli_errors
+def node_uncordon(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Let placement use NODE again."""
+    _node_action("uncordon", node, server, token, as_json)
+
+
+@node_app.command("drain")
+@cli_errors
+def node_drain(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Cordon NODE and move its replicas elsewhere (they stop there at once)."""
+    _node_action("drain", node, server, token, as_json)
+
+
+@node_app.command("rm")
+@cli_errors
+def node_rm(
+    node: Annotated[str, typer.Argument(help="The node id.")],
+    force: Annotated[bool, typer.Option("--force", help="Drain it first when replicas are placed there.")] = False,
+    server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Remove NODE and revoke every certificate issued for it so far; refused while replicas run there
+    (--force drains)."""
+    data = _client(server, token).remove_node(node, force=force)
+    if as_json:
+        _print_json(data)
+        return
+    if data.drained:
+        print(f"{node}: drained {len(data.drained)} replica(s); they will be placed when a node can run "
+              "them ('llmgw ctl replicas' shows where)")
+    if data.revoked:
+        print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, and every other "
+              "certificate issued for it until now is refused, so its agent stops at its next heartbeat")
+    else:
+        print(f"{node}: removed; no certificate of it was seen, but every certificate issued for it until "
+              "now is refused, so its agent stops at its next heartbeat")
+    print(f"To re-join it: 'llmgw server add-node {node} --address ADDR --out DIR' (a new certificate), "
+          "copy DIR to its /etc/llmgw and start its agent")
+
+
 def _read_doc(path: Path) -> Any:
     import yaml
 
@@ -326,67 +389,9 @@ def model_add(
         _print_json(data)
     else:
         print(f"added {data.name} (replicas {data.scaling_min}..{data.scaling_max})")
-    resources = _warn_unreadable_source(client, data.name)
+    resources = warn_unreadable_source(client, data.name)
     if resources is not None:
-        _warn_fits_nowhere(client, data.name, resources, wanted=data.scaling_min)
-
-
-#: Seconds ``ctl model add`` waits for the leader to read the new model's GGUF header (it does at
-#: the pass the add wakes, within about a second) before it stops looking.
-SOURCE_CHECK_S = 5.0
-
-
-def _warn_unreadable_source(client: AdminClient, name: str) -> dict[str, Any] | None:
-    """Say on stderr when the control plane cannot read the GGUF header of ``name``'s source (a 404,
-    a file that is not GGUF, a mirror that does not answer): its replicas would fail to start. The
-    model stays added (the file may be carried in next); a typo shows here, not as a failed replica.
-    Only a profile without ``min_memory_gb`` has its header read (for the estimate), so only then is
-    there something to wait for (:data:`SOURCE_CHECK_S` at most). Returns the last
-    ``GET …/resources`` answer, None when it could not be read."""
-    deadline = time.monotonic() + SOURCE_CHECK_S
-    error = ""
-    try:
-        while True:
-            got = client.model_resources(name)
-            error = got.get("facts_error") or ""
-            waiting = got.get("facts") is None and any(p.get("memory_from") == "unknown" for p in got["profiles"])
-            if error or not waiting or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    except LlmgwError:
-        return None  # the add itself worked; the check is a courtesy
-    if error:
-        print(f"!! {name}: its source cannot be read as a GGUF file: {error}. Its replicas will fail until it can "
-              "(check the source against 'llmgw mirror ls'; fix it with 'llmgw ctl model rm' and add again)",
-              file=sys.stderr)
-    return got
-
-
-def _warn_fits_nowhere(client: AdminClient, name: str, resources: dict[str, Any], *, wanted: int) -> None:
-    """Say on stderr when no node could take a replica of the model just added, with why and what to
-    run: ``ctl model add`` printed ``added …`` alone and the model then waited, pending, unnoticed.
-
-    From answers already there, nothing waited for: ``resources`` (placement's own checks of one
-    more replica against every node now, :mod:`llmgw.control.placement.resources`), then the
-    model's placed replicas. The leader places asynchronously (the add only wakes it), and a
-    replica it placed already holds its room, so "no node fits one more" says "fits nowhere" only
-    when none is placed: the replicas are asked second, so one placed in between is seen. A group
-    profile counts as fitting when one node could be a member (no warning rather than a wrong one).
-    """
-    profiles = resources.get("profiles") or []
-    if wanted < 1 or any(n.get("fits") for p in profiles for n in p.get("nodes", [])):
-        return
-    try:
-        if any(r.node for r in client.replicas(name)):
-            return
-    except LlmgwError:
-        return  # the add itself worked; the check is a courtesy
-    misses = profiles[0].get("nodes", []) if profiles else []
-    why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
-    why += f"; {len(misses) - 3} more" if len(misses) > 3 else ""
-    those = "its replica stays" if wanted == 1 else "its replicas stay"
-    print(f"!! {name} fits on no node now ({why or 'no node has joined the cluster'}); {those} pending until a node "
-          f"has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
+        warn_fits_nowhere(client, data.name, resources, wanted=data.scaling_min)
 
 
 @model_app.command("set-profiles")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -21,6 +21,7 @@ from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.gateway.balancer import ReplicaLoad
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
+from llmgw.errors import HttpError
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,19 @@ def admin_context(request: web.Request) -> AdminContext:
 def json_response(data: Any, status: int = 200) -> web.Response:
     """``data`` as a JSON answer (``json.dumps``: the admin API's bodies byte for byte)."""
     return web.json_response(text=json.dumps(data), status=status)
+
+
+T = TypeVar("T")
+
+
+async def must_exist(ctx: AdminContext, get: Callable[[str], T | None], key: str, *, what: str, listing: str) -> T:
+    """``get(key)`` (a store read, off the loop); when it finds nothing, 404 ``{what}_not_found``
+    saying ``no {what} 'key'; list them with {listing}`` (the command that lists them, and the path).
+
+    Raises:
+        HttpError: 404 as above; the store read's errors as :meth:`OffLoop.read`.
+    """
+    found = await ctx.db.read(get, key)
+    if found is None:
+        raise HttpError(404, f"{what}_not_found", f"no {what} '{key}'; list them with {listing}")
+    return found

@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.catalog import Model
-from llmgw.control.api.context import ADMIN, AdminContext
+from llmgw.control.api.context import ADMIN, AdminContext, must_exist
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.placement.checks import Reservation
 from llmgw.control.placement.inputs import effective_model, parse_facts, reservations
@@ -104,12 +104,9 @@ async def list_nodes(request: web.Request) -> web.Response:
 
 
 async def must_node(ctx: AdminContext, node_id: str) -> NodeRow:
-    """The node ``node_id``; else 404 ``node_not_found``."""
-    node = await ctx.db.read(ctx.store.get_node, node_id)
-    if node is None:
-        raise HttpError(404, "node_not_found",
-                        f"no node '{node_id}'; list them with 'llmgw ctl nodes' (GET /api/v1/nodes)")
-    return node
+    """The node ``node_id``; else 404 ``node_not_found`` (:func:`~llmgw.control.api.context.must_exist`)."""
+    return await must_exist(ctx, ctx.store.get_node, node_id, what="node",
+                            listing="'llmgw ctl nodes' (GET /api/v1/nodes)")
 
 
 async def node_action(request: web.Request) -> web.Response:

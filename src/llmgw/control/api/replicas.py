@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from llmgw.control.api.context import ADMIN, AdminContext
+from llmgw.control.api.context import ADMIN, AdminContext, must_exist
 from llmgw.control.api.context import json_response as _json
 from llmgw.control.api.models import must_model
 from llmgw.control.gateway.balancer import AFFINITY, ReplicaLoad
@@ -109,13 +109,10 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 
 async def must_replica(ctx: AdminContext, rid: str) -> ReplicaRow:
-    """The replica ``rid``; else 404 ``replica_not_found`` naming the command that lists them (as
-    :func:`~llmgw.control.api.nodes.must_node` does for nodes)."""
-    rep = await ctx.db.read(ctx.store.get_replica, rid)
-    if rep is None:
-        raise HttpError(404, "replica_not_found",
-                        f"no replica '{rid}'; list them with 'llmgw ctl replicas' (GET /api/v1/replicas)")
-    return rep
+    """The replica ``rid``; else 404 ``replica_not_found`` naming the command that lists them
+    (:func:`~llmgw.control.api.context.must_exist`)."""
+    return await must_exist(ctx, ctx.store.get_replica, rid, what="replica",
+                            listing="'llmgw ctl replicas' (GET /api/v1/replicas)")
 
 
 async def replica_logs(request: web.Request) -> web.Response:
