@@ -200,6 +200,50 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
         print(f"scale_up_reaction_s: {took:.3f}")
 
 
+async def test_requests_waiting_in_the_queue_go_to_a_replica_added_meanwhile(tmp_path: Path, engines: Engines) -> None:
+    """A scale-up relieves the requests already queued, not only later ones (a new user's finding: 3
+    queued streams stayed on the one busy replica while the new one idled): one replica with one
+    slot holds a chat, two more wait in the gateway's queue; the model is scaled to 2 and the new
+    replica reported ready: a waiting chat reaches it while the first replica still holds its own.
+    The routing refresh tells the gateway's queue (``Router.watch``), on the real control plane."""
+    inst = make_install(tmp_path)
+    async with serving(inst), aiohttp.ClientSession() as s:
+        node = Node(s, inst, engines)
+        await node.register()
+        model = {"name": "chat", "source": "http://m/chat.gguf", "scaling": {"min": 1, "max": 1},
+                 "profiles": [{"name": "cpu", "min_memory_gb": 1, "args": ["--parallel", "1"]}]}
+        async with s.post(inst.admin + "/api/v1/models", json=model, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+        await until("a replica is placed", node.beat, within_s=10)
+        await node.beat()  # reported ready
+
+        async def routed() -> bool:
+            return (await _autoscale(s, inst))["ready"] == 1
+
+        await until("the replica is ready", routed, within_s=10)
+        chats = [asyncio.create_task(_chat(s, inst)) for _ in range(3)]
+
+        async def at_engines(n: int) -> bool:
+            return engines.holding == n
+
+        await until("one chat at its replica", lambda: at_engines(1), within_s=5, every_s=0.01)
+        await asyncio.sleep(0.3)
+        assert engines.holding == 1  # one slot: the other two wait in the gateway's queue
+        async with s.patch(inst.admin + "/api/v1/models/chat", json={"scaling": {"min": 2, "max": 2}},
+                           headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        await until("the leader places a second", lambda: _count(node, 2), within_s=5)
+        ready = time.monotonic()
+        await node.beat()  # the second reported ready
+        await until("a waiting chat reaches the new replica", lambda: at_engines(2), within_s=5, every_s=0.01)
+        took = time.monotonic() - ready
+        assert took < 2, took
+        engines.release.set()
+        assert await asyncio.gather(*chats) == [200] * 3
+        assert len(set(engines.served_by)) == 2, engines.served_by
+        print(f"queued_to_new_replica_s: {took:.2f}")
+
+
 async def _count(node: Node, n: int) -> list[str] | None:
     wanted = await node.beat()
     return wanted if len(wanted) == n else None
