@@ -28,7 +28,7 @@ FILE_S = {
     "tests/ha/test_orphan.py": 64,
     "tests/ha/test_frozen_lock.py": 40,
     "tests/e2e/test_service_restart.py": 38,
-    "tests/unit/test_autoscale_cluster.py": 27,
+    "tests/unit/test_autoscale_cluster.py": 34,
     "tests/unit/test_election.py": 15,
     "tests/e2e/test_replicas_routing.py": 11,
     "tests/unit/test_gateway_routing.py": 7,
