@@ -37,7 +37,7 @@ from llmgw.cli.common import admin_client as _client
 from llmgw.cli.common import cli_errors, console, fail, paths, table
 from llmgw.cli.common import print_json as _print_json
 from llmgw.cli.modelset import model_set
-from llmgw.cli.modelwarn import warn_fits_nowhere, warn_unreadable_source
+from llmgw.cli.modelwarn import warn_drained_nowhere, warn_fits_nowhere, warn_unreadable_source
 from llmgw.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -277,11 +277,15 @@ def restart(
 
 
 def _node_action(action: str, node: str, server: str | None, token: str | None, as_json: bool) -> None:
-    data = _client(server, token).node_action(node, action)
+    client = _client(server, token)
+    before = client.replicas() if action == "drain" else []
+    data = client.node_action(node, action)
     if as_json:
         _print_json(data)
     else:
         print(f"{node}: {action}ed" if action != "drain" else f"{node}: cordoned and drained")
+    if action == "drain":
+        warn_drained_nowhere(client, node, before)
 
 
 @node_app.command("cordon")

@@ -1,6 +1,7 @@
-"""What ``llmgw ctl model add`` warns about once the model is in the catalog (``!!`` lines on
-stderr, the exit code stays 0: the add succeeded): a source the control plane cannot read, and a
-model that fits on no node now (its replica stays pending; ``ctl explain-placement`` says why).
+"""What ``llmgw ctl`` warns about once a change is made (``!!`` lines on stderr, the exit code stays
+0: the change succeeded): after ``model add``, a source the control plane cannot read and a model
+that fits on no node now (its replica stays pending; ``ctl explain-placement`` says why); after
+``node drain``, a model whose drained replicas no other node can take now.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from llmgw.errors import LlmgwError
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
+    from llmgw.views import ReplicaView
 
 #: Seconds ``ctl model add`` waits for the leader to read the new model's GGUF header (it does at
 #: the pass the add wakes, within about a second) before it stops looking.
@@ -70,3 +72,26 @@ def warn_fits_nowhere(client: AdminClient, name: str, resources: dict[str, Any],
     those = "its replica stays" if wanted == 1 else "its replicas stay"
     print(f"!! {name} fits on no node now ({why or 'no node has joined the cluster'}); {those} pending until a node "
           f"has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
+
+
+def warn_drained_nowhere(client: AdminClient, node: str, before: list[ReplicaView]) -> None:
+    """After ``node`` was drained: for each model that had replicas there (``before``: every replica
+    as listed just before the drain), say on stderr when no other node could take one of them now
+    (placement's own check of one more replica, as :func:`warn_fits_nowhere`), and how many of its
+    replicas are still ready elsewhere. A drain stops the replicas at once and places their
+    replacements where they fit; a new user drained the only node of a model and got a plain
+    ``cordoned and drained`` while the model served nothing until the node was uncordoned."""
+    for model in sorted({r.model for r in before if r.node == node}):
+        try:
+            profiles = client.model_resources(model).get("profiles") or []
+        except LlmgwError:
+            continue  # the drain itself worked; the check is a courtesy
+        if any(n.get("fits") for p in profiles for n in p.get("nodes", [])):
+            continue
+        left = sum(1 for r in before if r.model == model and r.node not in ("", node) and r.state == "ready")
+        misses = [n for n in (profiles[0].get("nodes", []) if profiles else []) if n.get("node") != node]
+        why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3]) or "no other node"
+        print(f"!! {model}: no other node can take the replicas drained from {node} now ({why}); "
+              f"{left} of its replicas {'is' if left == 1 else 'are'} ready elsewhere. They are placed when a "
+              f"node has room ('llmgw ctl node uncordon {node}' brings it back): see "
+              f"'llmgw ctl explain-placement {model}'", file=sys.stderr)

@@ -140,7 +140,8 @@ async def remove_node(request: web.Request) -> web.Response:
         raise HttpError(
             409, "node_busy",
             f"node '{node.id}' has {len(placed)} replica(s) placed on it ({ids}); drain it first "
-            f"('llmgw ctl node drain {node.id}': they move elsewhere) or remove it with --force, "
+            f"('llmgw ctl node drain {node.id}': they stop and are placed on other nodes where they fit) "
+            "or remove it with --force, "
             "which drains it and then removes it",
         )
     # One transaction: the node, its replicas (drained: the leader places them elsewhere at its
