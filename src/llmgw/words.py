@@ -21,7 +21,9 @@ def counted(n: int, noun: str, many: str | None = None) -> str:
 
 
 def names(items: Sequence[str], most: int = 3) -> str:
-    """``a``, ``a and b``, ``a, b and c``; past ``most`` names: ``a, b, c and 4 more``."""
+    """``a``, ``a and b``, ``a, b and c``; past ``most`` names: ``a, b, c and 4 more``; "" for none."""
+    if not items:
+        return ""
     if len(items) <= most:
         return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
     return f"{', '.join(items[:most])} and {len(items) - most} more"
