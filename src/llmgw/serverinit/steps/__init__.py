@@ -103,6 +103,8 @@ class ServerInit:
                 return ""
             me = ha.prepare(ctx) if ctx.opts.ha else None
             checks.run(ctx)
+            if me is not None:
+                database.check_new_member_ports(ctx)  # with the other checks: before anything is written
             pki.run(ctx)
             serveryaml.run(ctx)
             if me is not None:

@@ -370,6 +370,42 @@ def server_yaml_block(plan: HaPlan, me: Member, agent_url: str) -> str:
     )
 
 
+def check_new_member_ports(ctx: InitContext) -> None:
+    """The first control plane's member, when this init makes it (no patroni.yml yet): its ports,
+    checked with the other inputs before anything is written (:func:`check_member_ports`; they were
+    checked only once the PKI and server.yaml were written, which a corrected rerun then kept).
+
+    Raises:
+        PortInUseError: as :func:`check_member_ports`.
+    """
+    plan = plan_from_options(ctx)
+    if not patroni_yml_path(plan).exists():
+        check_member_ports(plan, plan.members[0])
+
+
+def check_not_sqlite(ctx: InitContext) -> None:
+    """Refuse to make a single-machine install the first control plane of an HA cluster while its
+    catalog, keys and usage are in SQLite: server.yaml names no ``store.url`` and the SQLite file
+    exists. Init would write the PostgreSQL store into server.yaml and the control plane, once
+    restarted, would start from an empty catalog (a new user's catalog was lost so, init saying
+    ``done``).
+
+    Raises:
+        ConfigError: naming the file and the two ways on (start the cluster empty, or keep the
+            single-machine install).
+    """
+    path, db = ctx.paths.server_config, ctx.paths.database
+    if not path.exists() or not db.exists() or load_server_config(path).store.url:
+        return
+    raise ConfigError(
+        f"this install keeps its catalog, API keys and usage in SQLite ({db}); an HA cluster keeps them in "
+        "PostgreSQL, which this init would make empty, so they would be left behind. To start the cluster "
+        f"empty: 'llmgw service stop --engines', move {db} (and its -wal/-shm files) aside, and run this init "
+        "again; to keep them, keep this install as it is ('llmgw server migrate-store' copies a store into an "
+        "empty database only, and the cluster's is not empty once init has made it)"
+    )
+
+
 def point_server_yaml(ctx: InitContext, plan: HaPlan, me: Member, agent_url: str) -> None:
     """Append the store and cluster blocks to server.yaml unless it has them (``kept``).
 

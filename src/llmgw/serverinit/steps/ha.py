@@ -39,9 +39,11 @@ def prepare(ctx: InitContext) -> Member:
 
     Raises:
         ConfigError: the flags do not describe a cluster (see :func:`.database.plan_from_options`),
-            or this machine lacks PostgreSQL 15 or Patroni (:func:`.database.check_machine`).
+            this machine lacks PostgreSQL 15 or Patroni (:func:`.database.check_machine`), or it is
+            a single-machine install whose catalog is in SQLite (:func:`.database.check_not_sqlite`).
     """
     plan = database.plan_from_options(ctx)
+    database.check_not_sqlite(ctx)
     database.check_machine(ctx, plan)
     me = plan.members[0]
     opts = ctx.opts
