@@ -36,6 +36,7 @@ from llmgw.serverinit.patroni import HaPlan, Member, ensure_venv, patroni_yml
 from llmgw.serverinit.standby import Bundle, add_control_plane, check_bundle, check_cluster_ca, install_bundle
 from llmgw.serverinit.steps import database, ha, pki, serveryaml
 from llmgw.serverinit.steps.context import InitContext
+from llmgw.serverinit.steps.node import own_advertise
 from llmgw.service.haunits import patroni_unit
 from llmgw.service.manager import SupervisorManager
 from llmgw.service.unitfile import parse_unit
@@ -316,6 +317,23 @@ def test_the_agent_yaml_init_writes_on_an_ha_control_plane_names_every_control_p
     assert cfg.engines.llamacpp.binary == Path("/opt/llama-server")
     (tmp_path / "single").mkdir()
     assert load_agent_config(init_agent_yaml(tmp_path / "single")).control_planes == CPS[:1]
+
+
+def test_init_s_own_node_on_an_ha_cluster_advertises_its_member_address_not_loopback(tmp_path: Path) -> None:
+    """A new user's HA node advertised 127.0.0.1 (engines bound loopback): the other control planes'
+    gateways, on other machines, would dial their own loopback for its replicas. On one machine
+    loopback stays (nothing else calls the engines)."""
+    assert own_advertise(["10.0.0.1", "cp1.example"], CPS[1:]) == "10.0.0.1"
+    assert own_advertise(["[fd00::1]"], CPS[1:]) == "fd00::1"
+    assert own_advertise(["10.0.0.1"], []) == "127.0.0.1"
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(files.agent_yaml(
+        server=CPS[0], node_id="cp1", etc=tmp_path, label_key="llmgw.control-plane", label_value="true",
+        llama_server=None, servers=CPS[1:], advertise=own_advertise(["10.0.0.1"], CPS[1:])))
+    assert load_agent_config(conf).advertise_address == "10.0.0.1"
+    assert "every control plane's gateway calls them here" in conf.read_text()
+    (tmp_path / "single").mkdir()
+    assert load_agent_config(init_agent_yaml(tmp_path / "single")).advertise_address == "127.0.0.1"
 
 
 def test_a_rerun_adds_the_missing_control_planes_keeping_the_rest_and_a_backup(tmp_path: Path) -> None:

@@ -98,13 +98,21 @@ gateway:
 """
 
 
+def _advertise_comment(advertise: str) -> str:
+    if advertise == "127.0.0.1":
+        return "# Engines bind loopback: on one machine only the gateway beside them calls them."
+    return "# Engines bind this address: every control plane's gateway calls them here (HA)."
+
+
 def agent_yaml(
     *, server: str, node_id: str, etc: Path, label_key: str, label_value: str, llama_server: Path | None,
-    servers: list[str] | None = None,
+    servers: list[str] | None = None, advertise: str = "127.0.0.1",
 ) -> str:
     """This machine's agent.yaml as the node of its own control plane (plus the engine when one is
     given). ``servers``: the other control planes' agent API URLs on an HA cluster (the agent
-    tries ``server`` first, then these)."""
+    tries ``server`` first, then these). ``advertise``: where its engines bind and gateways dial
+    them: loopback on one machine; on an HA cluster this machine's address, which the other control
+    planes' gateways reach (:func:`llmgw.serverinit.steps.node.own_advertise`)."""
     others = ""
     if servers:
         others = "# The other control planes of the HA cluster: the agent turns to them when this one is down.\n"
@@ -121,6 +129,6 @@ tls:
   key: {etc / "agent-key.pem"}
 labels:
   {label_key}: "{label_value}"
-# Engines bind loopback: on one machine only the gateway beside them calls them.
-advertise_address: "127.0.0.1"
+{_advertise_comment(advertise)}
+advertise_address: "{advertise}"
 {engine}"""

@@ -100,6 +100,7 @@ def run(ctx: InitContext) -> str:
             files.agent_yaml(
                 server=server, node_id=node, etc=etc, label_key=plan.LOCAL_LABEL_KEY,
                 label_value=plan.LOCAL_LABEL_VALUE, llama_server=ctx.opts.llama_server, servers=others,
+                advertise=own_advertise(ctx.opts.hosts, others),
             ),
             0o644,
         )
@@ -111,6 +112,16 @@ def run(ctx: InitContext) -> str:
 
     wait_node_ready(ctx, node, kept=kept, since=None if kept else started)
     return node
+
+
+def own_advertise(hosts: list[str], others: list[str]) -> str:
+    """Where this machine's engines bind and every gateway dials them: ``127.0.0.1`` on a
+    single-machine install; on an HA cluster (``others``: the other control planes' agent URLs) the
+    first ``--host``, this member's address (:func:`~llmgw.serverinit.steps.ha.prepare` puts it
+    first), since the other control planes' gateways route to these engines too (a new user's HA
+    node advertised loopback, which another machine's gateway would dial on itself).
+    """
+    return reachable_addr(hosts).strip("[]") if others else "127.0.0.1"
 
 
 def revoked_by_node_rm(ctx: InitContext, cert: Path) -> bool:
