@@ -412,6 +412,22 @@ def test_join_refuses_a_bundle_from_another_cluster_s_ca(tmp_path: Path) -> None
     assert not (other.etc / "ha-me").exists()
 
 
+def test_join_on_a_member_of_the_same_cluster_says_where_to_run_it_not_to_remove_anything(tmp_path: Path) -> None:
+    """A new user ran cp2's bundle on cp1 (the primary, the leader) and was told to remove its
+    server.pem "(or /etc/llmgw)": that advice destroys a live member. Now: which member this machine
+    is, where the bundle belongs, and that nothing needs removing."""
+    first = first_control_plane(tmp_path / "cp1")
+    (first.etc / "ha-me").write_text("cp1\n")
+    add_control_plane(first, "cp2", tmp_path / "bundle", address="10.0.0.2")
+    before = written(tmp_path / "cp1")
+    with pytest.raises(ConfigError) as e:
+        check_bundle(tmp_path / "bundle", first)
+    assert str(e.value).startswith("this machine is already control plane cp1 of a cluster")
+    assert "this bundle is for cp2 at 10.0.0.2: run 'llmgw server init --join DIR' on that machine" in str(e.value)
+    assert "nothing here needs removing" in str(e.value)
+    assert written(tmp_path / "cp1") == before
+
+
 def test_join_refuses_a_bundle_whose_certificate_another_ca_signed(tmp_path: Path) -> None:
     first = first_control_plane(tmp_path / "cp1")
     bundle = tmp_path / "bundle"

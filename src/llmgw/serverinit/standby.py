@@ -194,6 +194,14 @@ def check_bundle(bundle: Path, paths: Paths) -> Bundle:
         )
     plan = HaPlan.load(bundle / "ha.yaml")
     me = plan.member((bundle / "ha-me").read_text().strip())
+    here = paths.etc / "ha-me"  # which member this machine is, when it is one already
+    name = here.read_text().strip() if here.is_file() else ""
+    if name and name != me.name:
+        raise ConfigError(
+            f"this machine is already control plane {name} of a cluster ({here}); this bundle is for {me.name} "
+            f"at {me.host}: run 'llmgw server init --join DIR' on that machine instead. Nothing of the bundle "
+            "was copied, and nothing here needs removing"
+        )
     load_bundle_yaml(bundle / "server.yaml")
     return Bundle(bundle, plan, me)
 
@@ -280,7 +288,8 @@ def install_bundle(b: Bundle, paths: Paths, listen: dict[str, str] | None = None
         if dst.exists():
             if dst.read_bytes() != data:
                 raise ConfigError(f"{dst} is there and differs from {b.dir / f}; this machine was set up "
-                                  "otherwise: remove it (or /etc/llmgw) to join with this bundle")
+                                  "otherwise (an older bundle, or another setup): if it is no member you still "
+                                  "use, remove it (or /etc/llmgw) to join with this bundle")
             result.append(("kept", dst))
             continue
         write_atomic(dst, data, 0o644 if f in ("ca.pem", "server.pem") else 0o600)
