@@ -251,6 +251,19 @@ def test_check_agent_address(listen: str, hosts: list[str], refused: bool) -> No
         preflight.check_agent_address(listen, hosts)
 
 
+def test_on_ha_the_address_is_named_as_the_control_plane_s_not_a_host_never_given() -> None:
+    """A new user's HA init (``--host 127.0.0.1 --control-plane cp1=10.99.0.1 --agent-listen
+    127.0.0.1:P``) was told of "the first --host, 10.99.0.1": the member's address, not a --host."""
+    with pytest.raises(ConfigError) as e:
+        preflight.check_agent_address("127.0.0.1:22443", ["10.99.0.1", "127.0.0.1"], ha=True)
+    assert "pointed at this control plane's --control-plane address, 10.99.0.1, on port 22443" in str(e.value)
+    assert "first --host" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        preflight.check_agent_address("127.0.0.1:22443", ["127.0.0.2"], ha=True)
+    advice = "give this control plane 127.0.0.1 in --control-plane, or make --agent-listen 127.0.0.2:22443"
+    assert advice in str(e.value)
+
+
 def test_a_loopback_host_the_loopback_listener_does_not_accept_is_refused(tmp_path: Path) -> None:
     """A new user's item 24: ``--host 127.0.0.2 --agent-listen 127.0.0.1:P`` passed preflight, and
     init then waited for an agent pointed at 127.0.0.2, where nothing listens."""

@@ -138,13 +138,17 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def check_agent_address(agent_listen: str, hosts: Sequence[str], *, flag_given: bool = True) -> None:
+def check_agent_address(
+    agent_listen: str, hosts: Sequence[str], *, flag_given: bool = True, ha: bool = False
+) -> None:
     """Refuse an agent API on loopback when this machine's agent would be pointed elsewhere.
 
     Args:
         agent_listen: the agent API's ``HOST:PORT`` (``--agent-listen`` or server.yaml's).
         hosts: ``--host`` values; the first is the address the node is given.
         flag_given: False when ``agent_listen`` comes from an existing server.yaml (named so).
+        ha: an HA init, whose first host is this control plane's ``--control-plane`` address (named
+            so: a new user was told of a "first --host" they never gave).
 
     Raises:
         ConfigError: the listen address is loopback and there is no ``--host``, or the first
@@ -154,17 +158,19 @@ def check_agent_address(agent_listen: str, hosts: Sequence[str], *, flag_given: 
     host, port = parse_listen(agent_listen)
     if host in ("", "0.0.0.0", "::") or not is_loopback(host):
         return
+    first = f"this control plane's --control-plane address, {hosts[0]}," if ha and hosts else (
+        f"the first --host, {hosts[0]}," if hosts else "")
+    source = f"--agent-listen {agent_listen}" if flag_given else f"agent_listen {agent_listen} (server.yaml)"
     if hosts and is_loopback(hosts[0]):
         if _addresses(hosts[0]) & _addresses(host):
             return
-        source = f"--agent-listen {agent_listen}" if flag_given else f"agent_listen {agent_listen} (server.yaml)"
         raise ConfigError(
-            f"{source} accepts agents at {host} only, but this machine's node would be pointed at the first "
-            f"--host, {hosts[0]}, a loopback address the agent API does not listen on, so nothing would "
-            f"answer it; pass --host {host} first, or make --agent-listen {url_host(hosts[0])}:{port}"
+            f"{source} accepts agents at {host} only, but this machine's node would be pointed at {first} a "
+            "loopback address the agent API does not listen on, so nothing would answer it; "
+            f"{'give this control plane ' + host + ' in --control-plane' if ha else 'pass --host ' + host + ' first'}"
+            f", or make --agent-listen {url_host(hosts[0])}:{port}"
         )
-    source = f"--agent-listen {agent_listen}" if flag_given else f"agent_listen {agent_listen} (server.yaml)"
-    where = f"the first --host, {hosts[0]}," if hosts else "this machine's network address (no --host was given)"
+    where = first or "this machine's network address (no --host was given)"
     raise ConfigError(
         f"{source} accepts agents on loopback only, but this machine's node would be pointed at {where} "
         f"on port {port}, where nothing listens; pass --host {host} for a one-machine cluster, or listen "

@@ -74,7 +74,7 @@ def run(ctx: InitContext) -> None:
             )
     if not opts.no_node and not paths.agent_config.exists():
         preflight.check_agent_address(
-            cfg.agent_listen if cfg else opts.agent_listen, opts.hosts, flag_given=cfg is None
+            cfg.agent_listen if cfg else opts.agent_listen, opts.hosts, flag_given=cfg is None, ha=opts.ha
         )
 
 
