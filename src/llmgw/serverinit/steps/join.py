@@ -89,17 +89,18 @@ def preflight(ctx: InitContext, b: Bundle, listen: dict[str, str]) -> None:
                "gateway_listen": cfg.gateway.listen}
     if not have.exists():
         current.update(listen)
-    if not ctx.running("server"):
-        for key, address in current.items():
-            if port_free(address):
-                continue
-            _h, port = parse_listen(address)
-            fix = (f"or change {key} in {have} (written by the first --join; the flag is not read again)"
-                   if have.exists() else f"or give this standby another address with {LISTEN_FLAGS[key]}")
-            raise PortInUseError(
-                f"port {port} ({LISTEN_FLAGS[key].lstrip('-')}, {address}) is already taken by another "
-                f"program; stop it, {fix}; nothing of the bundle was copied"
-            )
+    # Every taken port at once: a new user learned of --admin-listen, --agent-listen and
+    # --gateway-listen in three runs, one refusal each.
+    taken = [] if ctx.running("server") else [(k, a) for k, a in current.items() if not port_free(a)]
+    if taken:
+        ports = ", ".join(f"{parse_listen(a)[1]} ({LISTEN_FLAGS[k].lstrip('-')}, {a})" for k, a in taken)
+        fix = (f"or change {' and '.join(k for k, _ in taken)} in {have} (written by the first --join; the flags "
+               "are not read again)" if have.exists()
+               else f"or give this standby other addresses with {' '.join(LISTEN_FLAGS[k] for k, _ in taken)}")
+        raise PortInUseError(
+            f"{'port' if len(taken) == 1 else 'ports'} {ports} {'is' if len(taken) == 1 else 'are'} already taken "
+            f"by another program; stop it, {fix}; nothing of the bundle was copied"
+        )
     plan = database.local_dirs(ctx, b.plan)
     database.check_machine(ctx, plan)
     if not patroni_yml_path(plan).exists():
