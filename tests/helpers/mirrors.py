@@ -153,3 +153,13 @@ class Upstream:
                 await asyncio.sleep(self.delay_s)
         await resp.write_eof()
         return resp
+
+
+def public_gguf(where: pathlib.Path, data: bytes) -> pathlib.Path:
+    """``where/carried/w.gguf`` holding ``data``, 0644 in a directory others may search (0755:
+    pytest's tmp_path itself is 0700), as the mirror publishes only what others could read; the file."""
+    d = where / "carried"
+    d.mkdir(mode=0o755)
+    (d / "w.gguf").write_bytes(data)
+    (d / "w.gguf").chmod(0o644)
+    return d / "w.gguf"

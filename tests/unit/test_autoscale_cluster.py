@@ -124,10 +124,12 @@ async def _chat(s: aiohttp.ClientSession, inst: Install, headers: dict[str, str]
         return r.status
 
 
-async def _one_ready(s: aiohttp.ClientSession, inst: Install, node: Node, scaling: dict[str, Any]) -> None:
+async def _one_ready(
+    s: aiohttp.ClientSession, inst: Install, node: Node, scaling: dict[str, Any], args: list[str] | None = None
+) -> None:
     await node.register()
     model = {"name": "chat", "source": "http://m/chat.gguf", "scaling": scaling,
-             "profiles": [{"name": "cpu", "min_memory_gb": 1}]}
+             "profiles": [{"name": "cpu", "min_memory_gb": 1, **({"args": args} if args else {})}]}
     async with s.post(inst.admin + "/api/v1/models", json=model, headers=AUTH) as r:
         assert r.status == 201, await r.text()
     await until("a replica is placed", node.beat, within_s=10)
@@ -209,18 +211,7 @@ async def test_requests_waiting_in_the_queue_go_to_a_replica_added_meanwhile(tmp
     inst = make_install(tmp_path)
     async with serving(inst), aiohttp.ClientSession() as s:
         node = Node(s, inst, engines)
-        await node.register()
-        model = {"name": "chat", "source": "http://m/chat.gguf", "scaling": {"min": 1, "max": 1},
-                 "profiles": [{"name": "cpu", "min_memory_gb": 1, "args": ["--parallel", "1"]}]}
-        async with s.post(inst.admin + "/api/v1/models", json=model, headers=AUTH) as r:
-            assert r.status == 201, await r.text()
-        await until("a replica is placed", node.beat, within_s=10)
-        await node.beat()  # reported ready
-
-        async def routed() -> bool:
-            return (await _autoscale(s, inst))["ready"] == 1
-
-        await until("the replica is ready", routed, within_s=10)
+        await _one_ready(s, inst, node, {"min": 1, "max": 1}, args=["--parallel", "1"])
         chats = [asyncio.create_task(_chat(s, inst)) for _ in range(3)]
 
         async def at_engines(n: int) -> bool:

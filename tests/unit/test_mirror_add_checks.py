@@ -23,7 +23,7 @@ from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.store import Store
 from tests.helpers.control import TOKEN, make_install
-from tests.helpers.mirrors import ThreadedMirror
+from tests.helpers.mirrors import ThreadedMirror, public_gguf
 from tests.helpers.net import free_port
 from tests.unit.test_ctl_model_rm import ThreadedControlPlane
 
@@ -38,11 +38,7 @@ def llmgw(*args: str) -> tuple[int, str]:
 @pytest.fixture
 def carried(tmp_path: pathlib.Path) -> pathlib.Path:
     """A directory others may search (pytest's tmp_path itself is 0700), holding a 0644 GGUF w.gguf."""
-    d = tmp_path / "carried"
-    d.mkdir(mode=0o755)
-    (d / "w.gguf").write_bytes(DATA)
-    (d / "w.gguf").chmod(0o644)
-    return d
+    return public_gguf(tmp_path, DATA).parent
 
 
 def nowhere() -> str:

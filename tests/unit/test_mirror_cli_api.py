@@ -22,7 +22,7 @@ from llmgw.mirror.client import DEFAULT_API, MirrorClient, local_api
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.paths import Paths
 from tests.helpers.control import Install, make_install
-from tests.helpers.mirrors import ThreadedMirror
+from tests.helpers.mirrors import ThreadedMirror, public_gguf
 
 DATA = b"GGUF" + os.urandom(20_000)
 
@@ -30,11 +30,7 @@ DATA = b"GGUF" + os.urandom(20_000)
 @pytest.fixture
 def carried(tmp_path: pathlib.Path) -> pathlib.Path:
     """A 0644 GGUF in a directory others may search (the mirror publishes only what others could read)."""
-    d = tmp_path / "carried"
-    d.mkdir(mode=0o755)
-    (d / "w.gguf").write_bytes(DATA)
-    (d / "w.gguf").chmod(0o644)
-    return d / "w.gguf"
+    return public_gguf(tmp_path, DATA)
 
 
 def mirror(inst: Install, *args: str) -> tuple[int, str]:
