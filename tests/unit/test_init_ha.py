@@ -291,6 +291,17 @@ def test_add_node_on_an_ha_cluster_names_every_control_plane(tmp_path: Path) -> 
     assert cfg.control_planes == [cfg.server, *cfg.servers]
 
 
+def test_add_node_names_a_standby_at_the_agent_url_it_wrote_itself(tmp_path: Path) -> None:
+    """A new user's cp3 joined with its own --agent-listen port; add-node listed it at this control
+    plane's port, where nothing listens. The URLs the control planes wrote (``GET /api/v1/cluster``,
+    asked by the CLI) win; a member without a row yet keeps the guess."""
+    paths = first_control_plane(tmp_path / "cp1")
+    add_node(paths, "gpu-1", tmp_path / "node", address="10.0.0.7", known={"cp3": "https://10.0.0.3:21643"})
+    cfg = load_agent_config(tmp_path / "node" / "agent.yaml")
+    port = cfg.server.rsplit(":", 1)[1]
+    assert cfg.servers == [f"https://10.0.0.2:{port}", "https://10.0.0.3:21643"]
+
+
 def test_add_node_on_a_single_machine_install_names_one_control_plane(tmp_path: Path) -> None:
     paths = first_control_plane(tmp_path / "cp1")
     (paths.etc / "ha.yaml").unlink()

@@ -64,8 +64,9 @@ def add_node(
         if not sep or not key:
             raise typer.BadParameter(f"--label {item!r} is not KEY=VALUE")
         labels[key] = value
-    known, unasked = _registered(node_id)
-    made = issue(paths(), node_id, out, address=address, server=server, labels=labels, llama_server=llama_server)
+    known, unasked, urls = _registered(node_id)
+    made = issue(paths(), node_id, out, address=address, server=server, labels=labels, llama_server=llama_server,
+                 known=urls)
     for f in made.files:
         print(f"  done {f}")
     if known is not None:
@@ -85,14 +86,16 @@ def add_node(
               "or address of this machine that its certificate holds (init's --host)", file=sys.stderr)
 
 
-def _registered(node_id: str) -> tuple[str | None, str]:
+def _registered(node_id: str) -> tuple[str | None, str, dict[str, str]]:
     """Whether this machine's control plane (server.yaml's admin API and token) knows a node
     ``node_id``: ``("state ready", "")`` when it does, ``(None, "")`` when it does not, and
-    ``(None, why)`` when it could not be asked. add-node needs only the CA, so a failed check is no
-    error; but it is said: every failure (a refused token, a 5xx, a timeout, an answer it could not
-    read) read as 'not a node' before, and a new operator's add-node for a live node said nothing.
-    Nobody to ask is still silent: no server.yaml or admin token here (a machine holding only the
-    CA), or nothing listening on the admin address (the control plane is down)."""
+    ``(None, why)`` when it could not be asked; third, the control planes' own agent URLs by name
+    (``GET /api/v1/cluster``, for agent.yaml's ``servers``; {} when not asked or not answered).
+    add-node needs only the CA, so a failed check is no error; but it is said: every failure (a
+    refused token, a 5xx, a timeout, an answer it could not read) read as 'not a node' before, and
+    a new operator's add-node for a live node said nothing. Nobody to ask is still silent: no
+    server.yaml or admin token here (a machine holding only the CA), or nothing listening on the
+    admin address (the control plane is down)."""
     import httpx
 
     from llmgw.adminclient import ASK_TIMEOUT_S, AdminClient
@@ -101,16 +104,20 @@ def _registered(node_id: str) -> tuple[str | None, str]:
     try:
         client = AdminClient.from_paths(paths(), timeout_s=ASK_TIMEOUT_S)
     except LlmgwError:
-        return None, ""
+        return None, "", {}
     try:
         nodes = client.nodes()
     except UnreachableError as e:
         # A refused connection is a control plane that is not running; a timeout is one that is
         # there and did not answer in ASK_TIMEOUT_S (busy), which may well know the node.
-        return None, "" if isinstance(e.__cause__, httpx.ConnectError) else str(e)
+        return None, "" if isinstance(e.__cause__, httpx.ConnectError) else str(e), {}
     except LlmgwError as e:
-        return None, str(e)
-    return next((f"state {n.state}" for n in nodes if n.id == node_id), None), ""
+        return None, str(e), {}
+    try:
+        urls = {cp.name: cp.agent_url for cp in client.cluster().control_planes if cp.agent_url}
+    except LlmgwError:
+        urls = {}
+    return next((f"state {n.state}" for n in nodes if n.id == node_id), None), "", urls
 
 
 @app.command("add-control-plane")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,8 @@ class Onboarded:
 
 
 def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str = "",
-             labels: dict[str, str] | None = None, llama_server: Path | None = None) -> Onboarded:
+             labels: dict[str, str] | None = None, llama_server: Path | None = None,
+             known: Mapping[str, str] | None = None) -> Onboarded:
     """Write a node's identity and agent.yaml into ``out``; return the files written and the agent
     API URL agent.yaml names.
 
@@ -55,6 +57,7 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         llama_server: the llama-server binary on the node (``engines.llamacpp.binary``); without
             it the node finds one on PATH or downloads the pinned release.
         labels: the node's labels (placement's ``node_selector`` matches them).
+        known: the control planes' own agent URLs by name, for ``servers`` (:func:`ha_servers`).
 
     Raises:
         ConfigError: a bad node id, or ``out`` already holds an identity (never overwritten).
@@ -91,7 +94,7 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         "labels": dict(sorted((labels or {}).items())),
         "advertise_address": address,
     }
-    others = ha_servers(paths, cfg.agent_listen if cfg else "", server)
+    others = ha_servers(paths, cfg.agent_listen if cfg else "", server, known)
     if others:
         doc["servers"] = others
     if llama_server is not None:
@@ -130,11 +133,14 @@ def check_address(address: str) -> None:
         )
 
 
-def ha_servers(paths: Paths, agent_listen: str, server: str) -> list[str]:
+def ha_servers(paths: Paths, agent_listen: str, server: str, known: Mapping[str, str] | None = None) -> list[str]:
     """The agent-API URLs of an HA cluster's other control planes (``agent.yaml``'s ``servers``),
     from ``/etc/llmgw/ha.yaml`` (:class:`~llmgw.serverinit.patroni.HaPlan`) with ``agent_listen``'s
-    port; [] on a single-machine install (no ha.yaml) or without ``agent_listen``. The agent also
-    learns the members from its heartbeat replies; these are the ones it can try before any reply.
+    port; [] on a single-machine install (no ha.yaml) or without ``agent_listen``. ``known``: control
+    plane name -> the agent URL it wrote itself (``GET /api/v1/cluster``), used where there is one (a
+    standby joined with another ``--agent-listen`` port was listed at this one's port, where nothing
+    listens). The agent also learns the members from its heartbeat replies; these are the ones it can
+    try before any reply.
 
     Raises:
         ConfigError: ha.yaml is there but does not parse.
@@ -142,5 +148,5 @@ def ha_servers(paths: Paths, agent_listen: str, server: str) -> list[str]:
     plan_path = paths.etc / "ha.yaml"
     if not agent_listen or not plan_path.exists():
         return []
-    urls = [agent_url(m.host, agent_listen) for m in HaPlan.load(plan_path).members]
+    urls = [(known or {}).get(m.name) or agent_url(m.host, agent_listen) for m in HaPlan.load(plan_path).members]
     return [u for u in dict.fromkeys(urls) if u != server]
