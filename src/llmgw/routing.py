@@ -48,9 +48,9 @@ class Route:
             (:data:`llmgw.catalog.RoutingPolicy`).
         queue_size: requests that may wait for a slot at the gateway (0: none).
         queue_wait_s: the longest a request waits for a slot (s).
-        unplaceable: when no replica is placed because the last placement could not place the
-            wanted ones, its explanation's summary (phrased for a client); "" otherwise. A model
-            starting from zero stops holding requests on it (:mod:`llmgw.control.gateway.starting`).
+        unplaceable: no replica is placed because the last placement could not place the wanted
+            ones (``unavailable`` is then its explanation's summary); a model starting from zero
+            stops holding requests on it (:mod:`llmgw.control.gateway.starting`).
     """
 
     model: str
@@ -63,7 +63,7 @@ class Route:
     routing: str = "cache-aware"
     queue_size: int = 64
     queue_wait_s: float = 30.0
-    unplaceable: str = ""
+    unplaceable: bool = False
 
 
 class Router(Protocol):

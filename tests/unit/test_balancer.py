@@ -280,14 +280,14 @@ def test_a_model_whose_placement_failed_is_unplaceable_on_its_route() -> None:
     why = "0/2 nodes can run it: 2 not enough cores"
     failed = {"m": PlacementSummary(why, placed=False)}
     routes, _, _ = build_routes([_model()], [], failed, {})
-    assert (routes["m"].unplaceable, routes["m"].unavailable) == (why, why)
+    assert (routes["m"].unplaceable, routes["m"].unavailable) == (True, why)
     routes, _, _ = build_routes([_model()], [], {"m": PlacementSummary("0/0 replicas placed", placed=True)}, {})
-    assert routes["m"].unplaceable == ""
+    assert routes["m"].unplaceable is False
     pending = [ReplicaRow(id="r1", model="m", node="n", profile="cpu", key="k")]
     routes, _, _ = build_routes([_model()], pending, failed, {})  # one placed, the next one failed
-    assert routes["m"].unplaceable == ""
+    assert routes["m"].unplaceable is False
     routes, _, _ = build_routes([_model()], [], {}, {})
-    assert routes["m"].unplaceable == ""
+    assert routes["m"].unplaceable is False
 
 
 def test_new_fields_at_their_defaults_keep_the_spec_hash() -> None:

@@ -134,7 +134,7 @@ async def test_a_model_that_cannot_be_placed_is_refused_with_the_reason_not_held
     retry in 5 s', while explain-placement already said why; now its held requests get the reason
     once the table has said so for ``unplaceable_s``, as a min >= 1 model's requests get it at once."""
     why = "0/2 nodes can run it: 2 not enough cores"
-    table = {"m": Route("m", unplaceable=why)}
+    table = {"m": Route("m", unavailable=why, unplaceable=True)}
     st = Starting(table.get, hold_s=30.0, poll_s=0.01, keepalive_s=0.05, unplaceable_s=0.3)
     t0 = time.monotonic()
     waiters = [asyncio.create_task(st.hold(COLD)) for _ in range(2)]
@@ -151,7 +151,7 @@ async def test_a_model_that_cannot_be_placed_is_refused_with_the_reason_not_held
 async def test_an_old_cannot_be_placed_that_clears_within_the_grace_is_not_refused() -> None:
     """The explanation left from an earlier attempt says 'cannot be placed'; the leader's new attempt
     places a replica within ``unplaceable_s``: the held request is served, not refused."""
-    table = {"m": Route("m", unplaceable="0/1 nodes can run it: 1 not enough memory")}
+    table = {"m": Route("m", unavailable="0/1 nodes can run it: 1 not enough memory", unplaceable=True)}
     st = Starting(table.get, hold_s=30.0, poll_s=0.01, keepalive_s=0.05, unplaceable_s=0.5)
     waiter = asyncio.create_task(st.hold(COLD))
     await asyncio.sleep(0.2)

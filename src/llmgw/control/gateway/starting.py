@@ -166,10 +166,10 @@ class Starting:
                 now = time.monotonic()
                 since = now if since is None else since
                 if now - since >= self.unplaceable_s:
-                    st.blocked = got.unplaceable
+                    st.blocked = got.unavailable or "it cannot be placed on any node now"
                     st.ready.set()
-            else:
-                since = None
+            else:  # placeable again (a node came, a replica was placed): no longer refused
+                since, st.blocked = None, ""
             await asyncio.sleep(self.poll_s)
 
     @staticmethod

@@ -135,7 +135,7 @@ def build_routes(
             model=m.name,
             upstreams=ready,
             unavailable="" if ready else unavailable_reason(mine, summary),
-            unplaceable=_scrub(summary) if not mine and placement is not None and not placement.placed else "",
+            unplaceable=not mine and placement is not None and not placement.placed,
             context_length=m.context_length,
             max_output=m.max_output,
             created=int(created.get(m.name, 0)),
