@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from llmgw.catalog import Model
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.guard import add_guard_routes
 from llmgw.control.api.openapi import build_openapi
@@ -128,6 +129,8 @@ async def test_models_crud(client: TestClient[Any, Any]) -> None:
         # it (and quoted its first bytes), and every node then failed to download it, 6 tries each
         ({**MODEL, "source": "file:/etc/shadow"}, "source: 'file:/etc/shadow' is not a URL nodes can download"),
         ({**MODEL, "source": "hf:o/r/m.gguf"}, "source: 'hf:o/r/m.gguf' is not a URL nodes can download"),
+        ({**MODEL, "source": "https://mirror.test/"}, "source: cannot turn 'https://mirror.test/' into a download: "
+                                                      "the URL names no file"),
     ],
 )
 async def test_invalid_model_is_400_naming_the_field(
@@ -146,6 +149,16 @@ async def test_a_patch_to_a_file_source_is_refused(client: TestClient[Any, Any])
     assert "put the weights in the mirror first ('llmgw mirror add FILE" in e["message"]
     view = await (await client.get("/api/v1/models/chat", headers=AUTH)).json()
     assert view["source"] == MODEL["source"]
+
+
+async def test_a_model_stored_before_the_source_rule_stays_editable(store: Store, client: TestClient[Any, Any]) -> None:
+    """The http(s) rule is checked when the source is written, not at every edit: a model stored with a
+    file: source (before the rule) can still be scaled to 0, and its source changed to a URL."""
+    store.add_model(Model.model_validate({**MODEL, "source": "file:/srv/m.gguf"}), now=1.0)
+    resp = await client.patch("/api/v1/models/chat", json={"scaling": {"min": 0, "max": 1}}, headers=AUTH)
+    assert resp.status == 200, await resp.text()
+    resp = await client.patch("/api/v1/models/chat", json={"source": "http://mirror.test/m/1/m.gguf"}, headers=AUTH)
+    assert resp.status == 200, await resp.text()
 
 
 async def test_not_json_and_unknown_routes(client: TestClient[Any, Any]) -> None:

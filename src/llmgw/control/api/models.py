@@ -29,8 +29,9 @@ from llmgw.control.placement.resources import resources_view
 from llmgw.control.reconcile.autoscale import FRESH_S, HISTORY_S, serving, wanted_replicas
 from llmgw.control.store import BrokenModel, ModelRow, ReplicaRow, Store
 from llmgw.control.store.rows import DecisionRow
-from llmgw.errors import HttpError
+from llmgw.errors import HttpError, SourceError
 from llmgw.protocol import ReplicaState
+from llmgw.sourcecheck import to_download
 from llmgw.views import AutoscaleView, DecisionView, HistoryPoint, ModelView
 
 _PROFILES = TypeAdapter(list[Profile])
@@ -160,10 +161,15 @@ def downloadable(model: Model) -> Model:
     control plane would read a ``file:`` path itself (as its user, root on some installs) to estimate it.
 
     Raises:
-        HttpError: 400 ``invalid_model`` naming the source and the way to bring the file in.
+        HttpError: 400 ``invalid_model`` naming the source and the way to bring the file in, or what
+            is wrong with the URL (:func:`llmgw.sourcecheck.to_download`: no host, no file).
     """
     scheme = model.source.strip().partition(":")[0].lower()
     if scheme in ("http", "https"):
+        try:
+            to_download(model.source, env={})  # the URL's host and file named (no I/O for http)
+        except SourceError as e:
+            raise HttpError(400, "invalid_model", f"source: {e}") from e
         return model
     raise HttpError(
         400,
@@ -203,9 +209,11 @@ async def save(ctx: AdminContext, row: ModelRow, spec: Any) -> web.Response:
     """Store ``spec`` over ``row`` (its revision checked: 409 when it lost a race); the model's view."""
     store, db = ctx.store, ctx.db
     try:
-        model = downloadable(within_limit(ctx, Model.model_validate(spec)))
+        model = within_limit(ctx, Model.model_validate(spec))
     except ValidationError as e:
         raise HttpError(400, "invalid_model", describe(e)) from e
+    if model.source != row.model.source:  # a model stored before the rule stays editable
+        downloadable(model)
     if model.name != row.name:
         raise HttpError(
             400,
