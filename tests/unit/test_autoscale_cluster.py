@@ -351,7 +351,7 @@ async def test_from_zero_that_fits_nowhere_is_refused_with_the_reason_within_sec
             body = await r.json()
             status, retry = r.status, r.headers.get("Retry-After")
         took = time.monotonic() - t0
-        assert (status, body["error"]["code"], retry) == (503, "model_unavailable", "5"), body
+        assert (status, body["error"]["code"], retry) == (503, "model_unavailable", None), body  # no retry helps
         assert body["error"]["message"].startswith("model 'chat' is not available: it cannot start: 0/1 nodes"), body
         assert "memory" in body["error"]["message"], body
         assert took < 10, took

@@ -52,7 +52,7 @@ def test_a_role_that_is_not_one_of_openais_is_refused(role: str) -> None:
     with pytest.raises(HttpError) as e:
         check_chat({"messages": [{"role": role, "content": "hi"}]})
     assert e.value.status == 400
-    assert "'messages[0].role' must be one of system, developer, user, assistant or tool" in e.value.message
+    assert "'messages[0].role' must be one of system, developer, user, assistant, tool, function" in e.value.message
 
 
 def test_well_formed_requests_pass() -> None:

@@ -96,6 +96,7 @@ def env() -> Iterator[Env]:
             "badkey": Route("badkey", (Upstream("r-x", ua.endpoint, "wrong-key"),)),
             "pathy": Route("pathy", (Upstream("r-c", f"127.0.0.1:{c}", "key-c"),)),
             "down": Route("down", (), unavailable="no replica is ready: 1 starting on node-1"),
+            "nowhere": Route("nowhere", (), unavailable="0/2 nodes can run it: 2 nodes too small", unplaceable=True),
             "capped": Route("capped", (ua,), max_output=16),
         },
         aliases={"g": "gemma"},
@@ -237,6 +238,7 @@ def test_models_list_shape(env: Env) -> None:
         "down",
         "failover",
         "gemma",
+        "nowhere",
         "pair",
         "pathy",
     ]
@@ -251,7 +253,8 @@ def test_unknown_model_404_names_known_ones(env: Env) -> None:
     assert err["type"] == "invalid_request_error"
     assert (
         err["message"]
-        == "model 'nope' does not exist; known models: alldead, badkey, capped, down, failover, gemma, pair, pathy"
+        == "model 'nope' does not exist; known models: alldead, badkey, capped, down, failover, gemma, nowhere, pair, "
+        "pathy"
     )
 
 
@@ -262,6 +265,9 @@ def test_unavailable_503_with_reason(env: Env) -> None:
     assert err["code"] == "model_unavailable"
     assert "no replica is ready: 1 starting on node-1" in err["message"]
     assert r.headers["Retry-After"] == "5"  # a second new user's finding: it had none
+    r = env.post(_chat("nowhere"))
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "model_unavailable")
+    assert "Retry-After" not in r.headers  # placement says no node can run it: a retry would not help
 
 
 @pytest.mark.parametrize(

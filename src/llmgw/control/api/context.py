@@ -76,14 +76,14 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 T = TypeVar("T")
 
 
-async def must_exist(ctx: AdminContext, get: Callable[[str], T | None], key: str, *, what: str, listing: str) -> T:
+async def must_exist(db: OffLoop, get: Callable[[str], T | None], key: str, *, what: str, listing: str) -> T:
     """``get(key)`` (a store read, off the loop); when it finds nothing, 404 ``{what}_not_found``
     saying ``no {what} 'key'; list them with {listing}`` (the command that lists them, and the path).
 
     Raises:
         HttpError: 404 as above; the store read's errors as :meth:`OffLoop.read`.
     """
-    found = await ctx.db.read(get, key)
+    found = await db.read(get, key)
     if found is None:
         raise HttpError(404, f"{what}_not_found", f"no {what} '{key}'; list them with {listing}")
     return found

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmgw import jsonbody
 from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
+from llmgw.control.api.context import must_exist
 from llmgw.control.gateway.callers import FILE_CALLER_NAME, LOOPBACK_CALLER_NAME, Callers
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
@@ -132,10 +133,8 @@ async def must_key(ctx: KeysContext, name: str) -> ApiKeyRow:
     Raises:
         HttpError: 404 ``key_not_found``.
     """
-    row = await ctx.db.read(ctx.store.get_key, name)
-    if row is None:
-        raise HttpError(404, "key_not_found", f"no key '{name}'; 'llmgw ctl key ls' lists them")
-    return row
+    return await must_exist(ctx.db, ctx.store.get_key, name, what="key",
+                            listing="'llmgw ctl key ls' (GET /api/v1/keys)")
 
 
 async def must_active_key(ctx: KeysContext, name: str) -> ApiKeyRow:

@@ -105,7 +105,7 @@ async def list_nodes(request: web.Request) -> web.Response:
 
 async def must_node(ctx: AdminContext, node_id: str) -> NodeRow:
     """The node ``node_id``; else 404 ``node_not_found`` (:func:`~llmgw.control.api.context.must_exist`)."""
-    return await must_exist(ctx, ctx.store.get_node, node_id, what="node",
+    return await must_exist(ctx.db, ctx.store.get_node, node_id, what="node",
                             listing="'llmgw ctl nodes' (GET /api/v1/nodes)")
 
 

@@ -111,7 +111,7 @@ async def list_replicas(request: web.Request) -> web.Response:
 async def must_replica(ctx: AdminContext, rid: str) -> ReplicaRow:
     """The replica ``rid``; else 404 ``replica_not_found`` naming the command that lists them
     (:func:`~llmgw.control.api.context.must_exist`)."""
-    return await must_exist(ctx, ctx.store.get_replica, rid, what="replica",
+    return await must_exist(ctx.db, ctx.store.get_replica, rid, what="replica",
                             listing="'llmgw ctl replicas' (GET /api/v1/replicas)")
 
 
@@ -175,15 +175,17 @@ async def explain(request: web.Request) -> web.Response:
     if not name:
         raise HttpError(400, "missing_model", "explain-placement needs ?model=NAME")
     row = await must_model(ctx, name)
-    view = await ctx.db.read(ctx.store.get_explanation, row.name) or ExplainView(
+    # The explanation is the leader's, from its last pass; whether a placed replica's engine failed
+    # since is the store's now (the node reports it), so it is read here: both in one off-loop call.
+    stored, replicas = await ctx.db.read(
+        lambda: (ctx.store.get_explanation(row.name), ctx.store.list_replicas(model=row.name))
+    )
+    view = stored or ExplainView(
         model=row.name,
         placed=False,
         wanted=row.model.scaling.min,
         summary="not evaluated yet: the leader looks at new models within a few seconds",
     )
-    # The explanation is the leader's, from its last pass; whether a placed replica's engine failed
-    # since is the store's now (the node reports it), so it is read here.
-    replicas = await ctx.db.read(lambda: ctx.store.list_replicas(model=row.name))
     view.failed = [failed_replica(r) for r in replicas if r.state == ReplicaState.FAILED]
     return _json(view.model_dump(mode="json"))
 

@@ -93,7 +93,7 @@ from llmgw.control.gateway.request import (
     with_stream_usage,
 )
 from llmgw.control.gateway.sse import StreamTally
-from llmgw.control.gateway.starting import RETRY_AFTER_S, Answered, Starting, hold_request
+from llmgw.control.gateway.starting import Answered, Starting, hold_request, unavailable_error
 from llmgw.control.gateway.upstream import (
     Relay,
     Trace,
@@ -346,11 +346,9 @@ class _Gateway:
             elif not route.upstreams:
                 model = route.model
                 self.load.missed(model)  # demand the autoscaler sees (a model at zero replicas starts one)
-                reason = route.unavailable or "no replica is ready yet"
-                out = openai_error_json(
-                    503, "model_unavailable", f"model '{route.model}' is not available: {reason}",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},  # as a model starting from zero: a replica is coming
-                )
+                e = unavailable_error(route.model, route.unavailable or "no replica is ready yet",
+                                      retry=not route.unplaceable)
+                out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
             else:
                 model = route.model
                 refused, limit_headers = self.limiter.admit(caller) if self.limiter is not None else (None, {})

@@ -277,7 +277,7 @@ def check_chat(body: dict[str, Any]) -> None:
         role = m.get("role")
         if not (isinstance(role, str) and role in ROLE_LABELS):
             shown = json.dumps(role)[:40] if isinstance(role, str) else _kind(role)
-            raise _bad(f"'{at}.role' must be one of system, developer, user, assistant or tool, got {shown}")
+            raise _bad(f"'{at}.role' must be one of {', '.join(ROLE_LABELS)}, got {shown}")
         content = m.get("content")
         if isinstance(content, list):
             _check_parts(content, f"{at}.content")

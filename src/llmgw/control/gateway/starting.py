@@ -145,8 +145,7 @@ class Starting:
                     if got is not None and got.upstreams:
                         return got
                     if st.blocked:
-                        raise HttpError(503, MODEL_UNAVAILABLE, f"model '{name}' is not available: it cannot start: "
-                                        f"{st.blocked}", headers={"Retry-After": str(RETRY_AFTER_S)})
+                        raise unavailable_error(name, f"it cannot start: {st.blocked}", retry=False)
                     st.ready = asyncio.Event()  # gone again before this waiter looked: wait on
                 elif keepalive is not None and deadline - time.monotonic() > 0:
                     await keepalive()
@@ -179,6 +178,14 @@ class Starting:
             f"model '{name}' is starting (it had no replica running): {why}; retry in {RETRY_AFTER_S} s",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+
+def unavailable_error(model: str, reason: str, *, retry: bool) -> HttpError:
+    """503 ``model_unavailable``: ``model 'M' is not available: REASON``, with ``Retry-After``
+    (:data:`RETRY_AFTER_S`) only when ``retry``: a replica is coming (a start, a restart, a node's
+    return), not when placement says no node can run the model (retrying would not change that)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+    return HttpError(503, MODEL_UNAVAILABLE, f"model '{model}' is not available: {reason}", headers=headers)
 
 
 #: What a held stream is sent every :data:`KEEPALIVE_S` (an SSE comment: clients ignore it).
