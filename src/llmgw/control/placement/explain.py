@@ -43,11 +43,11 @@ from llmgw.words import counted, names
 MAX_SUGGESTIONS = 5
 
 
-def _freeable(rej: Rejection, usage: checks.Usage, node: checks.NodeInfo, model: Model) -> float:
-    """How much of ``rej``'s resource on its node something other than ``model``'s own replicas
-    holds (GB, cores, or GPU cards): all that stopping or freeing could give one more of its
-    replicas (stopping one of its own leaves it as short as before)."""
-    others = [r for r in usage.held if r.model != model.name]
+def _freeable(rej: Rejection, usage: checks.Usage, node: checks.NodeInfo, others: list[checks.Reservation]) -> float:
+    """How much of ``rej``'s resource on its node ``others`` (the replicas there of other models than
+    the one explained) hold, plus what is used outside llmgw (GB, cores, or GPU cards): all that
+    stopping or freeing could give one more of its replicas (stopping one of its own leaves it as
+    short as before)."""
     if rej.code == "memory_exhausted":
         return sum(r.memory_gb for r in others if not r.gpu_class) + checks.host_free_gb(node.inventory, usage)[2]
     if rej.code == "cores_exhausted":
@@ -70,9 +70,9 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
     short = rej.need - rej.free
     if short <= 1e-9:  # nothing to free: never suggest a negative or zero amount
         return None
-    if _freeable(rej, usage, node, model) < short - 1e-9:
-        return short, ""
     others = [r for r in usage.held if r.model != model.name]  # never stop one of its own
+    if _freeable(rej, usage, node, others) < short - 1e-9:
+        return short, ""
     if rej.code == "memory_exhausted":
         holders = sorted(
             (r for r in others if not r.gpu_class and r.memory_gb >= short - 1e-9),
@@ -98,9 +98,8 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
         prof = next((p for p in model.profiles if p.name == rej.profile), None)
         klass = prof.gpu_class if prof else "GPU"
         if v.label == "no free GPU":
+            # _freeable above: other models hold at least one card here
             gpu_holders = sorted(r.replica or r.model for r in others if r.gpu_class and r.gpu_indexes)
-            if not gpu_holders:
-                return None
             return short + 1000, f"free a {klass} GPU on {rej.node} by stopping replica {gpu_holders[0]}"
         if rej.gpu_index is None or short <= 0:
             return None
@@ -153,8 +152,10 @@ def _unit(rej: Rejection, model: Model) -> str:
     """What a too-small rejection counts: ``GB memory``, ``core`` or ``<class> card``."""
     if rej.code == "memory_too_small":
         return "GB memory"
-    prof = next((p for p in model.profiles if p.name == rej.profile), None)
-    return f"{prof.gpu_class} card" if rej.code == "gpu_count_too_small" and prof else "core"
+    if rej.code == "gpu_count_too_small":
+        prof = next((p for p in model.profiles if p.name == rej.profile), None)
+        return f"{prof.gpu_class} card" if prof and prof.gpu_class else "GPU card"
+    return "core"
 
 
 def _amount(unit: str, lo: float, hi: float | None = None) -> str:
