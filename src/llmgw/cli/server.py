@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -113,10 +114,10 @@ def _registered(node_id: str) -> tuple[str | None, str, dict[str, str]]:
         return None, "" if isinstance(e.__cause__, httpx.ConnectError) else str(e), {}
     except LlmgwError as e:
         return None, str(e), {}
-    try:
-        urls = {cp.name: cp.agent_url for cp in client.cluster().control_planes if cp.agent_url}
-    except LlmgwError:
-        urls = {}
+    urls: dict[str, str] = {}
+    if (paths().etc / "ha.yaml").exists():  # only an HA cluster's agent.yaml lists other control planes
+        with contextlib.suppress(LlmgwError):  # the node's files need none of it: a guess stays
+            urls = {cp.name: cp.agent_url for cp in client.cluster().control_planes if cp.agent_url}
     return next((f"state {n.state}" for n in nodes if n.id == node_id), None), "", urls
 
 

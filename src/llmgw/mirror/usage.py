@@ -92,7 +92,7 @@ def delete_weights(
             "(see 'llmgw mirror ls')"
         )
     where = f"{entry.model}/{entry.version}"
-    users = sorted(n for n, s in others if entry_for(s, files) == entry)
+    users = models_using(entry.model, entry.version, files, others)
     if users:
         return (
             f"kept {where} ({entry.file}) in the mirror: {', '.join(users)} use{'s' if len(users) == 1 else ''} "

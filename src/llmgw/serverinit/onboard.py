@@ -92,7 +92,7 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         "node_id": node_id,
         "tls": {"ca": "ca.pem", "cert": "agent.pem", "key": "agent-key.pem"},  # beside agent.yaml
         "labels": dict(sorted((labels or {}).items())),
-        "advertise_address": address,
+        "advertise_address": address.strip("[]"),  # an address, not a URL host: engines bind it
     }
     others = ha_servers(paths, cfg.agent_listen if cfg else "", server, known)
     if others:
