@@ -312,11 +312,12 @@ def test_add_node_on_a_single_machine_install_names_one_control_plane(tmp_path: 
 CPS = ["https://10.0.0.1:7443", "https://10.0.0.2:7443", "https://10.0.0.3:7443"]
 
 
-def init_agent_yaml(tmp_path: Path, servers: list[str] | None = None) -> Path:
+def init_agent_yaml(tmp_path: Path, servers: list[str] | None = None, hosts: tuple[str, ...] = ("10.0.0.1",)) -> Path:
+    """agent.yaml as init's node step writes it (its advertise address from ``own_advertise``)."""
     conf = tmp_path / "agent.yaml"
     conf.write_text(files.agent_yaml(
         server=CPS[0], node_id="cp1", etc=tmp_path, label_key="llmgw.control-plane", label_value="true",
-        llama_server=Path("/opt/llama-server"), servers=servers))
+        llama_server=Path("/opt/llama-server"), servers=servers, advertise=own_advertise(list(hosts), servers or [])))
     return conf
 
 
@@ -337,10 +338,7 @@ def test_init_s_own_node_on_an_ha_cluster_advertises_its_member_address_not_loop
     assert own_advertise(["10.0.0.1", "cp1.example"], CPS[1:]) == "10.0.0.1"
     assert own_advertise(["[fd00::1]"], CPS[1:]) == "fd00::1"
     assert own_advertise(["10.0.0.1"], []) == "127.0.0.1"
-    conf = tmp_path / "agent.yaml"
-    conf.write_text(files.agent_yaml(
-        server=CPS[0], node_id="cp1", etc=tmp_path, label_key="llmgw.control-plane", label_value="true",
-        llama_server=None, servers=CPS[1:], advertise=own_advertise(["10.0.0.1"], CPS[1:])))
+    conf = init_agent_yaml(tmp_path, CPS[1:])
     assert load_agent_config(conf).advertise_address == "10.0.0.1"
     assert "every control plane's gateway calls them here" in conf.read_text()
     (tmp_path / "single").mkdir()

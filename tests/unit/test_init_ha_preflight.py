@@ -6,6 +6,7 @@ the PKI and server.yaml are written (a corrected rerun then kept them, and their
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import tempfile
@@ -41,6 +42,10 @@ def _pg_port() -> int:
 def test_a_new_member_s_taken_postgresql_port_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     if not Path("/usr/lib/postgresql/15/bin/postgres").exists():
         skip_or_fail("needs the PostgreSQL 15 binaries (/usr/lib/postgresql/15/bin) to get past their check")
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        skip_or_fail("needs the postgres user (the postgresql-15 package makes it) to get past the machine's check")
     patroni = Path(os.environ.get("PATRONI") or DEFAULT_PATRONI)
     if not patroni.exists():
         skip_or_fail(f"needs Patroni's venv ({patroni}; scripts/assets makes it) to get past its check")

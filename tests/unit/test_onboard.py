@@ -226,13 +226,16 @@ async def test_an_agent_without_its_certificate_is_told_to_run_add_node(tmp_path
         "plane and copy DIR's files beside agent.yaml")
 
 
-def test_add_node_says_when_it_could_not_ask_whether_the_id_is_live(tmp_path: Path) -> None:
+def test_add_node_says_when_it_could_not_ask_whether_the_id_is_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A new operator's ``add-node node-a`` for the control plane's own live node succeeded without a
     word (LLMGW_ROOT, listeners on other ports): the check of the previous report swallowed every error
     of the admin API (a refused token, a 5xx, a timeout, an answer it could not read) as 'not a node'.
     Now a check that could not be made says so and why: here the admin token file no longer holds the
     token the control plane started with (a 401), and an admin address that accepts and never answers
-    (a timeout, after ASK_TIMEOUT_S = 5 s); a control plane that is down is still nobody to ask."""
+    (a timeout, after ASK_TIMEOUT_S: 0.5 s here, 5 s in use); a control plane that is down is still
+    nobody to ask."""
     from typer.testing import CliRunner  # noqa: PLC0415
 
     from llmgw.cli.main import app  # noqa: PLC0415
@@ -240,6 +243,7 @@ def test_add_node_says_when_it_could_not_ask_whether_the_id_is_live(tmp_path: Pa
     from tests.unit.test_ctl_model_rm import ThreadedControlPlane  # noqa: PLC0415
 
     inst = make_install(tmp_path / "root")  # its listeners on free ports, not the defaults
+    monkeypatch.setattr("llmgw.adminclient.ASK_TIMEOUT_S", 0.5)  # the CLI imports it when it runs
 
     def add(node: str) -> str:
         r = CliRunner().invoke(app, ["server", "add-node", node, "--out", str(tmp_path / node), "--address",
