@@ -24,6 +24,7 @@ from llmgw.agent.engines.provision import (
     OFFLINE_ADVICE,
     Provisioner,
     Release,
+    _checked_members,
     install_from_file,
     install_release,
     install_root,
@@ -199,3 +200,44 @@ def test_install_engine_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     out = CliRunner().invoke(app, ["agent", "install-engine", "--from", str(tmp_path / "nope")])
     assert out.exit_code != 0
     assert "is not a file" in out.output
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+@pytest.mark.parametrize(
+    ("member", "why"),
+    [
+        (_member("/etc/cron.d/x"), "outside the destination"),
+        (_member("a/../../evil"), "outside the destination"),
+        (_member("bin/sh", tarfile.SYMTYPE, "../../../bin/sh"), "links outside"),
+        (_member("bin/sh", tarfile.SYMTYPE, "/bin/sh"), "links outside"),
+        (_member("bin/hard", tarfile.LNKTYPE, "../outside"), "links outside"),
+        (_member("dev/sda", tarfile.BLKTYPE), "device or FIFO"),
+        (_member("fifo", tarfile.FIFOTYPE), "device or FIFO"),
+    ],
+)
+def test_the_checks_for_a_python_without_extraction_filters_refuse_what_the_data_filter_does(
+    tmp_path: Path, member: tarfile.TarInfo, why: str
+) -> None:
+    """``_checked_members`` (used where tarfile has no ``data`` filter: Python before 3.11.4, e.g.
+    Debian 12's 3.11.2) refuses each kind of member the filter refuses, and lets a plain layout
+    through (a file, a directory, a link inside)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for ok in (_member("llama/llama-server"), _member("llama", tarfile.DIRTYPE),
+                   _member("llama/server", tarfile.SYMTYPE, "llama-server")):
+            tf.addfile(ok)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tf:
+        assert [m.name for m in _checked_members(tf, tmp_path)] == ["llama/llama-server", "llama", "llama/server"]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.addfile(_member("llama/llama-server"))
+        tf.addfile(member)
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tf, pytest.raises(tarfile.TarError, match=why):
+        _checked_members(tf, tmp_path)

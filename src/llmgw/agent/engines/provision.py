@@ -16,10 +16,11 @@ What a node gets (:func:`plan`):
 :func:`install_release`, in this order: stream the asset to a ``.part`` file while hashing it;
 compare with the pinned digest and, on a mismatch, delete the file and fail naming both digests
 (nothing unverified is unpacked, run or left on disk); unpack with tarfile's ``data`` filter (no
-absolute paths, links out, devices) into a temporary directory; run ``llama-server --version``
-and check the build number; rename the directory to ``<agent_state>/engines/llamacpp/b<N>/``.
-A failure at any step leaves no partial install. Offline (the base URL does not answer), the
-install fails with the same advice as a GPU node, so the operator knows the two ways out.
+absolute paths, links out, devices; the same checks by hand on a Python without it) into a
+temporary directory; run ``llama-server --version`` and check the build number; rename the
+directory to ``<agent_state>/engines/llamacpp/b<N>/``. A failure at any step leaves no partial
+install. Offline (the base URL does not answer), the install fails with the same advice as a GPU
+node, so the operator knows the two ways out.
 
 :func:`install_from_file` is ``llmgw agent install-engine --from FILE``: a llama-server binary
 or a tarball holding one, installed as ``<agent_state>/engines/llamacpp/current/`` (which the
@@ -129,11 +130,43 @@ def _find_binary(root: Path) -> Path | None:
     return None
 
 
+def _checked_members(tf: tarfile.TarFile, into: Path) -> list[tarfile.TarInfo]:
+    """The members of ``tf`` if unpacking them into ``into`` stays inside it: what tarfile's ``data``
+    filter refuses (PEP 706), for a Python without extraction filters (they came in 3.11.4; Debian
+    12's python3 is 3.11.2). tarfile.TarError (its ``OutsideDestinationError`` and friends are
+    3.11.4+ too): an absolute name, a name or link that leads out of ``into``, or a device or FIFO."""
+    root = into.resolve()
+
+    def inside(name: str, base: Path = root) -> bool:
+        return (base / name).resolve().is_relative_to(root)
+
+    members = tf.getmembers()
+    for m in members:
+        if m.name.startswith("/") or not inside(m.name):
+            raise tarfile.TarError(f"{m.name!r} would be written outside the destination")
+        if m.isdev() or m.isfifo():
+            raise tarfile.TarError(f"{m.name!r} is a device or FIFO")
+        if m.issym() and (m.linkname.startswith("/") or not inside(m.linkname, (root / m.name).parent)):
+            raise tarfile.TarError(f"{m.name!r} links outside the destination: {m.linkname!r}")
+        if m.islnk() and (m.linkname.startswith("/") or not inside(m.linkname)):
+            raise tarfile.TarError(f"{m.name!r} links outside the destination: {m.linkname!r}")
+    return members
+
+
 def _unpack(tarball: Path, into: Path) -> Path:
-    """Unpack safely into ``into``; returns the directory that holds ``llama-server`` (flattened)."""
+    """Unpack safely into ``into`` (tarfile's ``data`` filter, or :func:`_checked_members` where
+    this Python has none); returns the directory that holds ``llama-server`` (flattened).
+
+    Raises:
+        EngineError: the tarball cannot be read, would write outside ``into``, or holds no
+            llama-server.
+    """
     try:
         with tarfile.open(tarball) as tf:
-            tf.extractall(into, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                tf.extractall(into, filter="data")
+            else:  # Python 3.11.0-3.11.3
+                tf.extractall(into, members=_checked_members(tf, into))  # noqa: S202 - checked
     except (tarfile.TarError, OSError) as e:
         raise EngineError(f"{tarball.name} cannot be unpacked: {e}") from e
     binary = _find_binary(into)
