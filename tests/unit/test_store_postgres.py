@@ -26,6 +26,7 @@ from llmgw.control.store import ReplicaRow, Store, default_url, open_store
 from llmgw.control.store.postgres import with_defaults
 from llmgw.control.store.rows import PlacementSummary
 from llmgw.control.store.schema import MIGRATIONS
+from llmgw.control.store.sql import SqlStore
 from llmgw.errors import Conflict, StoreError
 from llmgw.protocol import Heartbeat, Inventory
 from llmgw.views import ExplainView
@@ -303,3 +304,35 @@ def test_a_database_that_does_not_answer_is_named_with_what_to_check() -> None:
     assert f"port {port} failed" in text
     assert "check that PostgreSQL runs there" in text
     assert "S3cretPW" not in text
+
+
+def test_busy_store_threads_reuse_pooled_connections(pg_cluster: Cluster) -> None:
+    """Eight threads holding a store connection at once (``server run`` has about that many that
+    may: the API pool's workers and readers, the leader's), five rounds: at most eight connections
+    opened in all, kept in the pool. With SQLAlchemy's default pool of 5, each round opened three more and
+    closed them at checkin (a backend fork and a SCRAM handshake each): a busy control plane opened
+    35 sessions in 10 s."""
+    s = open_store(pg_cluster.new_database())
+    try:
+        assert isinstance(s, SqlStore)
+        made = 0
+
+        def connected(*_: object) -> None:
+            nonlocal made
+            made += 1
+
+        sa.event.listen(s.engine, "connect", connected)
+        together = threading.Barrier(8)
+
+        def hold(_i: int) -> int:
+            with s.engine.connect() as conn:
+                one = conn.execute(sa.text("select 1")).scalar_one()
+                together.wait(10)  # all eight hold one at once
+                return int(one)
+
+        for _ in range(5):
+            assert at_once(8, hold) == [1] * 8
+        # at most one each (opening the store left one in the pool, which a thread takes)
+        assert made <= 8, f"{made} connections opened for 8 threads over 5 rounds"
+    finally:
+        s.close()

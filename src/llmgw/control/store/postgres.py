@@ -33,7 +33,8 @@ the URL wins):
 first, and a dead one, e.g. after PostgreSQL restarted or failed over, is replaced transparently,
 so the store reconnects without a restart; done by :class:`Holds` on checkout rather than by
 SQLAlchemy's ``pool_pre_ping``, which pings before any hook could follow the connection);
-``pool_timeout=5`` (seconds to wait for a free pooled connection, instead of 30).
+``pool_timeout=5`` (seconds to wait for a free pooled connection, instead of 30); ``pool_size``
+:data:`POOL_SIZE` (12, instead of 5: no connection made and closed per call when busy).
 
 What these do not bound: a server that is frozen (SIGSTOP, a paused VM) or a commit waiting on
 synchronous replication on an orphaned primary (its Patroni dead, its PostgreSQL alive and still
@@ -103,6 +104,14 @@ SERVER_SETTINGS: dict[str, int] = {
 
 #: Seconds to wait for a free connection from the engine's pool.
 POOL_TIMEOUT_S = 5
+
+#: Connections the engine's pool keeps (SQLAlchemy's default is 5): as many as ``server run``'s threads
+#: may hold at once (the API pool's 4 workers and 2 readers, :mod:`llmgw.control.store.offloop`; the
+#: leader's 2; the usage sync, the guard API's and judge keeper's threads). Past the pool's size
+#: SQLAlchemy opens an overflow connection and closes it at checkin, so a busy control plane forked
+#: a PostgreSQL backend and ran a SCRAM handshake for every few requests: 35 sessions opened in 10 s
+#: under 8 concurrent admin clients (869 requests) with 5, 5 (the pool filling) with 12 (2026-12-05).
+POOL_SIZE = 12
 
 #: The ``pg_advisory_xact_lock`` key migrations hold (an arbitrary constant: "llmgw" in ASCII).
 MIGRATION_LOCK = 0x6C6C6D6777
@@ -296,7 +305,7 @@ class PostgresHooks(DialectHooks):
         """``url`` with psycopg as its driver and :data:`LIBPQ_DEFAULTS` / :data:`SERVER_SETTINGS`
         added where it sets none. The pre-ping is :class:`Holds`' (on checkout, where it can be ended),
         not the pool's."""
-        return with_defaults(url), {"pool_timeout": POOL_TIMEOUT_S}
+        return with_defaults(url), {"pool_timeout": POOL_TIMEOUT_S, "pool_size": POOL_SIZE}
 
     def writer(self) -> contextlib.AbstractContextManager[object]:
         """Nothing: the server queues writers on row locks without sleeping."""
