@@ -20,14 +20,16 @@ Errors, translated here with the cause chained:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from llmgw.config import load_server_config, parse_listen
-from llmgw.errors import ApiError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, UnreachableError
 from llmgw.paths import Paths
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
@@ -59,16 +61,28 @@ def _first_key(path: Any) -> str | None:
     return next((s for line in lines if (s := line.strip()) and not s.startswith("#")), None)
 
 
+def _may_read(path: Path) -> bool:
+    """Whether this process may read ``path``."""
+    return os.access(path, os.R_OK)
+
+
 def local_target(paths: Paths) -> Target:
     """This machine's gateway, from ``server.yaml`` (see the module docstring).
 
     Without a ``server.yaml``: ``http://127.0.0.1:8080`` and no key.
 
     Raises:
-        ConfigError: ``server.yaml`` exists but is invalid (the message names the field).
+        ConfigError: ``server.yaml`` exists but is invalid (the message names the field), or this
+            user may not read it (root's, mode 0600: the message says to pass ``--server``).
     """
     if not paths.server_config.exists():
         return Target(DEFAULT_GATEWAY, None)
+    if not _may_read(paths.server_config):
+        raise ConfigError(
+            f"{paths.server_config} cannot be read as uid {os.geteuid()} (it names this machine's gateway "
+            "and its key): pass the gateway with --server URL and a key with --key (or LLMGW_SERVER, "
+            "LLMGW_API_KEY), or run as root"
+        )
     cfg = load_server_config(paths.server_config).gateway
     host, port = parse_listen(cfg.listen)
     if host in ("0.0.0.0", "::"):

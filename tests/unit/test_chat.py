@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from llmgw import client
 from llmgw.cli import chat as chat_cli
 from llmgw.control.gateway.app import build_gateway_app
-from llmgw.errors import ApiError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, UnreachableError
 from llmgw.paths import ROOT_ENV, Paths
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.helpers.gateway import ServerThread, fake_llama
@@ -154,6 +154,20 @@ def test_local_target_hosts(tmp_path: Path, block: str, target: client.Target) -
 
 def test_local_target_without_server_yaml(tmp_path: Path) -> None:
     assert client.local_target(Paths.from_env(tmp_path)) == client.Target("http://127.0.0.1:8080", None)
+
+
+def test_a_server_yaml_this_user_may_not_read_says_to_pass_the_gateway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sudo llmgw server init`` then ``llmgw chat`` as a user: server.yaml is root's (0600). The error
+    says what to pass instead of only "Permission denied" (a new user's report). This suite runs as
+    root, who may read anything: the refusal, os.access's answer, is patched."""
+    paths = _server_yaml(tmp_path, "  listen: ':18080'\n")
+    monkeypatch.setattr(client, "_may_read", lambda _path: False)
+    with pytest.raises(ConfigError, match="cannot be read as uid") as e:
+        client.local_target(paths)
+    assert "--server URL" in str(e.value)
+    assert client.resolve_target(paths, server="http://gw:8080", key="sk-x") == client.Target("http://gw:8080", "sk-x")
 
 
 # -- the command -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from llmgw.cli.main import app
 from llmgw.paths import Paths
 from llmgw.service.manager import SupervisorManager
-from llmgw.service.units import SERVICES
+from llmgw.service.units import SERVICES, restartable_services, startable_services
 
 SLEEPER = "import time; print('hello from the service', flush=True); time.sleep(60)"
 
@@ -84,6 +84,37 @@ def test_start_with_no_names_starts_every_installed_service_in_order(root: Path)
     code, out = llmgw(root, "start")
     assert code == 0, out
     assert [line.split(" (")[0] for line in out.splitlines()] == ["started llmgw-mirror", "started llmgw-agent"]
+
+
+def test_restart_with_no_names_means_llmgws_own_installed_services(root: Path) -> None:
+    """``service restart`` with no names (after an upgrade: README) acts on the installed llmgw
+    services in start order, never on an HA database member (a new user's report: it wanted names)."""
+    code, out = llmgw(root, "restart")
+    assert code != 0
+    assert "no llmgw service is installed" in out
+    paths = Paths.from_env(root)
+    for name in ("agent", "patroni", "mirror"):
+        install(root, name, SLEEPER)
+    assert restartable_services(paths) == ["mirror", "agent"]
+    assert startable_services(paths) == ["patroni", "mirror", "agent"]
+
+
+def test_status_that_cannot_read_the_supervisors_files_says_unknown_not_stopped(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as a user who may not read root's supervisor files (mode 0700), ``service status`` said
+    "stopped" for a running service (a new user's report). It says "unknown" and why. (This suite
+    runs as root, who may read anything: the refusal, os.access's answer, is patched.)"""
+    install(root, "agent", SLEEPER)
+    code, out = llmgw(root, "start", "agent")
+    assert code == 0, out
+    monkeypatch.setattr("llmgw.service.manager._may_read", lambda _dir: False)
+    code, out = llmgw(root, "status", "agent", "--json")
+    assert code == 0, out
+    [row] = json.loads(out)
+    assert row["state"] == "unknown"
+    assert "cannot read" in row["detail"]
+    assert "as root" in row["detail"]
 
 
 def test_start_status_logs_stop(root: Path) -> None:

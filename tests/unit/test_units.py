@@ -185,6 +185,12 @@ def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: py
     script.write_text("#!/bin/sh\n")
     monkeypatch.setattr(sys, "argv", [str(script), "server", "init"])
     assert llmgw_binary() == str(script)
+    # run through a link on PATH (README: /usr/local/bin/llmgw -> the venv's): the same units
+    link = tmp_path / "local-bin" / "llmgw"
+    link.parent.mkdir()
+    link.symlink_to(script)
+    monkeypatch.setattr(sys, "argv", [str(link), "server", "init"])
+    assert llmgw_binary() == str(script)
 
     monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest"])
     monkeypatch.setattr(sys, "executable", str(tmp_path / "other-python" / "python"))

@@ -18,7 +18,14 @@ from llmgw.cli.common import cli_errors, console, paths, table
 from llmgw.errors import ServiceError
 from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
-from llmgw.service.units import SERVICES, installed_services, service_name, startable_services, unit_name
+from llmgw.service.units import (
+    SERVICES,
+    installed_services,
+    restartable_services,
+    service_name,
+    startable_services,
+    unit_name,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,11 +43,6 @@ def _names(given: list[str] | None, every: Callable[[Paths], list[str]] = instal
     return [service_name(n) for n in given] if given else every(paths())
 
 
-Names = Annotated[
-    list[str],
-    typer.Argument(help=f"Services: {', '.join(SERVICES)} (and patroni on an HA control plane).",
-                   show_default=False),
-]
 OptionalNames = Annotated[
     list[str] | None,
     typer.Argument(help=f"Services ({', '.join(SERVICES)}, and patroni where installed); all when none are given.",
@@ -98,12 +100,16 @@ def start(names: OptionalNames = None) -> None:
 
 @app.command()
 @cli_errors
-def restart(names: Names) -> None:
+def restart(names: OptionalNames = None) -> None:
     """Check each service's config, stop it (the control plane drains its streams first) and start
     it again; fails, leaving the running one up, when the config does not load, and fails when
-    the new one does not come up."""
+    the new one does not come up. With no names, every installed llmgw service (mirror, server,
+    agent; not patroni: name it)."""
     manager = _manager()
-    for name in _names(names):
+    todo = _names(names, every=restartable_services)
+    if not todo:
+        raise ServiceError(f"no llmgw service is installed under {paths().root}: run 'llmgw server init' first")
+    for name in todo:
         restart_checked(manager, paths(), name)
         st = manager.status(name)
         pid = f"pid {st.pid}" if st.pid else st.state

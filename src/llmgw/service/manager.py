@@ -290,6 +290,11 @@ def tail(path: Path, lines: int) -> str:
     return b"".join(line + b"\n" for line in kept).decode(errors="replace")
 
 
+def _may_read(directory: Path) -> bool:
+    """Whether this process may list ``directory`` and read what is in it."""
+    return os.access(directory, os.R_OK | os.X_OK)
+
+
 class SupervisorManager:
     """Services under llmgw's own supervisor (:mod:`llmgw.service.supervisor`), one per service.
 
@@ -409,8 +414,16 @@ class SupervisorManager:
         self.start(name)
 
     def status(self, name: str) -> ServiceStatus:
-        """From the pid files (believed only when live) and the supervisor's state file."""
+        """From the pid files (believed only when live) and the supervisor's state file; "unknown",
+        saying why, when this user may not read them (root's supervisor keeps them mode 0700: a
+        running service read as "stopped")."""
         files = self.files(name)
+        if files.dir.exists() and not _may_read(files.dir):
+            return ServiceStatus(name, "unknown", detail=f"cannot read {files.dir} as uid {os.geteuid()}: "
+                                 "run 'llmgw service status' as root")
+        return self._status(name, files)
+
+    def _status(self, name: str, files: ServiceFiles) -> ServiceStatus:
         state = read_state(files)
         restarts = state.restarts if state else 0
         supervisor = read_live(files.pid)

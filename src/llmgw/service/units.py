@@ -109,6 +109,13 @@ def installed_services(paths: Paths) -> list[str]:
 START_ORDER = ("patroni", "mirror", "server", "agent")
 
 
+def restartable_services(paths: Paths) -> list[str]:
+    """What ``service restart`` restarts when given no names (after an upgrade, say): llmgw's own
+    services whose unit is installed, in :data:`START_ORDER`; not an HA database member, whose
+    restart is a PostgreSQL failover and which runs no llmgw code (name it to restart it)."""
+    return [s for s in startable_services(paths) if s not in HA_SERVICES]
+
+
 def startable_services(paths: Paths) -> list[str]:
     """What ``service start`` starts when given no names: each service whose unit is installed
     (``paths.unit``; init writes them for systemd and the supervisor alike), in :data:`START_ORDER`."""
@@ -374,13 +381,15 @@ def llmgw_binary() -> str:
 
     ``sys.argv[0]`` when it is an ``llmgw`` script (a venv or pipx install names its own), else
     the ``llmgw`` script beside the running Python (``python -m llmgw`` from a venv), else
-    ``llmgw`` on ``PATH``, else :data:`DEFAULT_BINARY`.
+    ``llmgw`` on ``PATH``, else :data:`DEFAULT_BINARY`. Symbolic links are resolved: the same
+    install run through ``/usr/local/bin/llmgw`` (a link into a venv) or the venv's own path
+    writes the same units (the second run had rewritten and restarted every service).
     """
     arg0 = sys.argv[0] if sys.argv else ""
     if arg0 and Path(arg0).name == "llmgw":
         found = arg0 if os.sep in arg0 else shutil.which(arg0)
         if found and Path(found).is_file():
-            return os.path.abspath(found)
+            return os.path.realpath(found)
     beside = Path(sys.executable).parent / "llmgw"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)

@@ -158,8 +158,9 @@ def choose_service_user(
     if systemd:
         raise ServiceError(
             f"the control plane and the mirror run as the user {SERVICE_USER} under systemd, but {why}; "
-            f"put it where {SERVICE_USER} may read it (llmgw itself: as root, 'pip install .' puts it in "
-            "/usr/local; a file: model source: outside /root and /home)"
+            f"put it where {SERVICE_USER} may read it (llmgw itself: a venv outside /root and /home, made "
+            "from a Python outside them, e.g. '/usr/bin/python3 -m venv /opt/llmgw/venv'; a file the "
+            "mirror copies: outside /root and /home)"
         )
     return UserChoice(None, why, made)
 
