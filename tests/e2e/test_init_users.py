@@ -83,6 +83,9 @@ def test_init_runs_the_control_plane_and_mirror_as_llmgw(system_install: Path, a
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "run as root, not as llmgw" not in done.stdout, done.stdout
+    # which user they run as is said, whether the user was made now or before (a new user's report)
+    assert re.search(r"^\s*(done|kept) system user llmgw: the control plane and the mirror run as it$",
+                     done.stdout, re.M), done.stdout
 
     paths = Paths(root)
     for name in ("server", "mirror"):

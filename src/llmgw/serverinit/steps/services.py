@@ -20,7 +20,7 @@ from llmgw.service.users import choose_service_user
 def service_user(ctx: InitContext) -> str | None:
     """The user the control plane and the mirror run as (``llmgw``), or None: see
     :func:`llmgw.service.users.choose_service_user`. Decided once per run, and said: ``done``
-    when the user was made, ``!!`` when they run as root instead, with the reason (``skip``
+    when the user was made, ``kept`` when it was there, ``!!`` when they run as root instead, with the reason (``skip``
     when their units already say so, and when not root: nothing can switch users then)."""
     if ctx.user is not None:
         return ctx.user.user
@@ -33,6 +33,8 @@ def service_user(ctx: InitContext) -> str | None:
     ctx.user = choice
     if choice.made:
         ctx.say("done", f"system user {SERVICE_USER}: the control plane and the mirror run as it")
+    elif choice.user is not None:  # said each run: a user made before this one went unmentioned
+        ctx.say("kept", f"system user {SERVICE_USER}: the control plane and the mirror run as it")
     if choice.user is None:
         me = pwd.getpwuid(os.geteuid()).pw_name
         text = f"the control plane and the mirror run as {me}, not as {SERVICE_USER}: {choice.why}"
