@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -32,7 +33,7 @@ from llmgw.service.manager import (
     SystemdManager,
     pick_manager,
 )
-from llmgw.service.supervisor import should_restart
+from llmgw.service.supervisor import restart_delay, should_restart
 from llmgw.service.unitfile import credentials, parse_timespan, parse_unit
 from llmgw.service.units import SERVICES
 
@@ -221,6 +222,22 @@ def test_failing_program_gives_up_after_the_start_limit(manager: SupervisorManag
     assert "exit code 1" in st.detail
     assert "StartLimitBurst" in st.detail
     assert manager.logs("mirror").count("program ended: exit code 1") == 3
+
+
+def test_a_program_failing_at_once_waits_longer_each_time(manager: SupervisorManager) -> None:
+    """A program that fails again right after each start (a config typo) is started after
+    RestartSec, then 2x, 4x... (supervisor.restart_delay, up to a minute), and the state says how
+    many times in a row and where the reason is: it restarted every RestartSec for ever (a new
+    user's report: 24 starts of the control plane in 70 s)."""
+    manager.install("mirror", unit("import sys; sys.exit(2)", extra="StartLimitBurst=4\n"))
+    manager.start("mirror")
+    wait_for("the supervisor to give up", lambda: "supervisor exits: failed" in manager.logs("mirror"))
+    log = manager.logs("mirror")
+    waits = re.findall(r"restarting in ([0-9.]+)s", log)
+    assert waits == ["0.05", "0.1", "0.2"], log
+    assert "it failed 3 times in a row within 10s of starting; 'llmgw service logs mirror' says why" in log
+    assert [restart_delay(2.0, n) for n in range(1, 9)] == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert restart_delay(90.0, 5) == 90.0  # never below the unit's own RestartSec
 
 
 def test_clean_exit_ends_the_supervisor(manager: SupervisorManager) -> None:

@@ -30,7 +30,8 @@ started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
    SIGCHLD included);
 4. program ended: ``Restart=`` decides as systemd does (``on-failure``: a non-zero exit or death by
    a signal other than HUP, INT, TERM, PIPE). No restart: state ``stopped`` (clean) or ``failed``,
-   and the supervisor exits. Restart: wait ``RestartSec`` and go to 2, unless the program has
+   and the supervisor exits. Restart: wait ``RestartSec`` (doubled for each further failure in a
+   row that came within 10 s of its start, up to a minute: :func:`restart_delay`) and go to 2, unless the program has
    started ``StartLimitBurst`` times within ``StartLimitIntervalSec`` (systemd's defaults: 5 in
    10 s), in which case it gives up as ``failed``;
 5. SIGTERM: send SIGTERM to the program itself only (``KillMode=process``: the agent's engines live
@@ -77,6 +78,29 @@ EXEC_FAILED = 203
 
 ALREADY_RUNNING = 3
 """The supervisor's exit status when another one holds the lock."""
+
+STABLE_S = 10.0
+"""Seconds a program must run for its next failure to count as new: a shorter run doubles the wait
+before the next start (systemd's StartLimitIntervalSec default, 10 s, as the measure of "at once")."""
+
+MAX_RESTART_DELAY_S = 60.0
+"""The longest wait between starts of a program that keeps failing at once, in seconds."""
+
+
+def restart_delay(restart_sec: float, quick_failures: int) -> float:
+    """Seconds to wait before the next start: ``restart_sec`` (the unit's RestartSec) after the first
+    failure in a row that came within :data:`STABLE_S` of its start, then doubled for each further
+    one, up to :data:`MAX_RESTART_DELAY_S` (never below ``restart_sec``). systemd 254's
+    RestartSteps/RestartMaxDelaySec grow the delay the same way; without it a server.yaml typo
+    restarted the control plane every ~3 s for as long as nobody looked (24 starts in 70 s, about
+    1 CPU-second each; a new user's report, 2026-12-05).
+
+    >>> [restart_delay(2, n) for n in (0, 1, 2, 3, 6, 7)]
+    [2, 2, 4, 8, 60.0, 60.0]
+    """
+    if quick_failures <= 1:
+        return restart_sec
+    return max(restart_sec, min(restart_sec * 2 ** (quick_failures - 1), MAX_RESTART_DELAY_S))
 
 
 def should_restart(policy: str, returncode: int) -> bool:
@@ -258,8 +282,10 @@ class Supervisor:
     def _loop(self) -> SupervisorState:
         """Steps 2-5 of the module docstring; returns the state to leave behind."""
         starts: deque[float] = deque()
+        quick = 0  # failures in a row, each within STABLE_S of its start
         while not self._stopping:
-            starts.append(time.monotonic())
+            started = time.monotonic()
+            starts.append(started)
             proc = self._launch()
             if proc is None:
                 rc = EXEC_FAILED
@@ -283,10 +309,15 @@ class Supervisor:
                 self.say(f"program ended: {detail}")
                 return SupervisorState("failed", self._restarts, None, detail)
             self._restarts += 1
-            detail = f"{how}; restarting in {self.spec.restart_sec:g}s"
+            quick = quick + 1 if time.monotonic() - started < STABLE_S else 0
+            delay = restart_delay(self.spec.restart_sec, quick)
+            detail = f"{how}; restarting in {delay:g}s"
+            if quick > 1:
+                detail += (f" (it failed {quick} times in a row within {STABLE_S:g}s of starting; "
+                           f"'llmgw service logs {self.name}' says why)")
             self.say(f"program ended: {detail}")
             self._state("restarting", detail=detail)
-            deadline = time.monotonic() + self.spec.restart_sec
+            deadline = time.monotonic() + delay
             while not self._stopping and time.monotonic() < deadline:
                 self._pause(deadline - time.monotonic())
         return SupervisorState("stopped", self._restarts, None, "stopped on request")
