@@ -100,7 +100,8 @@ def restart_delay(restart_sec: float, quick_failures: int) -> float:
     """
     if quick_failures <= 1:
         return restart_sec
-    return max(restart_sec, min(restart_sec * 2 ** (quick_failures - 1), MAX_RESTART_DELAY_S))
+    grown: float = restart_sec * 2.0 ** (quick_failures - 1)
+    return max(restart_sec, min(grown, MAX_RESTART_DELAY_S))
 
 
 def should_restart(policy: str, returncode: int) -> bool:
