@@ -95,8 +95,8 @@ def restart_delay(restart_sec: float, quick_failures: int) -> float:
     restarted the control plane every ~3 s for as long as nobody looked (24 starts in 70 s, about
     1 CPU-second each; a new user's report, 2026-12-05).
 
-    >>> [restart_delay(2, n) for n in (0, 1, 2, 3, 6, 7)]
-    [2, 2, 4, 8, 60.0, 60.0]
+    >>> [restart_delay(2.0, n) for n in (0, 1, 2, 3, 6, 7)]
+    [2.0, 2.0, 4.0, 8.0, 60.0, 60.0]
     """
     if quick_failures <= 1:
         return restart_sec
