@@ -80,7 +80,8 @@ def add_node(
               f"is a second identity for it: see 'llmgw ctl nodes', and 'llmgw ctl node rm {node_id}' before "
               "moving the id to a new machine", file=sys.stderr)
     print(f"\nOn {node_id}: copy {out}/* to /etc/llmgw/ ($LLMGW_ROOT/etc/llmgw/ for an agent run under --root), "
-          "then run 'llmgw agent' (or install deploy/systemd/llmgw-agent.service).")
+          "then run 'llmgw agent'; under systemd, copy deploy/systemd/llmgw-agent.service from llmgw's "
+          "repository (pip does not install it) to /etc/systemd/system/ and 'systemctl enable --now llmgw-agent'.")
     if loopback_url(made.server):
         print(f"!! agent.yaml names the control plane as {made.server}, a loopback address: only an agent "
               "on this machine reaches it. For another machine pass --server https://HOST:PORT with a name "
