@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from llmgw.cli.common import cli_errors, paths
+from llmgw.cli.common import cli_errors, paths, typer_app
 from llmgw.errors import NodeRemoved
 
 if TYPE_CHECKING:
     from llmgw.config import AgentConfig
     from llmgw.paths import Paths
 
-app = typer.Typer(help="The node agent: reports this machine, runs the replicas the control plane asks for.")
+app = typer_app(help="The node agent: reports this machine, runs the replicas the control plane asks for.")
 
 ConfigOption = Annotated[
     Path | None,

@@ -34,7 +34,7 @@ import typer
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import admin_client as _client
-from llmgw.cli.common import cli_errors, console, fail, paths, table
+from llmgw.cli.common import cli_errors, console, fail, paths, table, typer_app
 from llmgw.cli.common import print_json as _print_json
 from llmgw.cli.modelset import model_set
 from llmgw.cli.modelwarn import warn_drained_nowhere, warn_fits_nowhere, warn_unreadable_source
@@ -43,7 +43,7 @@ from llmgw.errors import ConfigError
 if TYPE_CHECKING:
     from llmgw.views import ModelView
 
-app = typer.Typer(no_args_is_help=True, help="Ask the control plane: nodes, models, replicas, placement.")
+app = typer_app(no_args_is_help=True, help="Ask the control plane: nodes, models, replicas, placement.")
 
 ServerOpt = Annotated[str | None, typer.Option("--server", help="Admin API URL (default: this machine's).")]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="LLMGW_TOKEN", help="Admin bearer token.")]
@@ -54,8 +54,8 @@ FOLLOW_POLL_S = 1.0
 
 NOT_PLACED_EXIT = 6
 
-node_app = typer.Typer(no_args_is_help=True, help="Cordon, uncordon, drain or remove a node.")
-model_app = typer.Typer(no_args_is_help=True, help="The catalog: add, change fields or profiles, scale, remove.")
+node_app = typer_app(no_args_is_help=True, help="Cordon, uncordon, drain or remove a node.")
+model_app = typer_app(no_args_is_help=True, help="The catalog: add, change fields or profiles, scale, remove.")
 model_app.command("set")(cli_errors(model_set))
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")

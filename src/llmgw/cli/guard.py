@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from llmgw.cli.common import cli_errors, console, paths, table
+from llmgw.cli.common import cli_errors, console, paths, table, typer_app
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
 
-app = typer.Typer(no_args_is_help=True, help="Guardrails: judges, policies, and trying a text.")
-judge_app = typer.Typer(no_args_is_help=True, help="The judges the policies name.")
+app = typer_app(no_args_is_help=True, help="Guardrails: judges, policies, and trying a text.")
+judge_app = typer_app(no_args_is_help=True, help="The judges the policies name.")
 app.add_typer(judge_app, name="judge")
 
 ServerOpt = Annotated[str | None, typer.Option("--server", help="Admin API URL (default: this machine's).")]

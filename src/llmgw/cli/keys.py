@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from llmgw.cli.common import cli_errors, console, paths, table
+from llmgw.cli.common import cli_errors, console, paths, table, typer_app
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
     from llmgw.views import KeyView, NewKeyView
 
-app = typer.Typer(no_args_is_help=True, help="The gateway's API keys: create, list, change limits, revoke, rotate.")
+app = typer_app(no_args_is_help=True, help="The gateway's API keys: create, list, change limits, revoke, rotate.")
 
 ServerOpt = Annotated[str | None, typer.Option("--server", help="Admin API URL (default: this machine's).")]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="LLMGW_TOKEN", help="Admin bearer token.")]

@@ -10,9 +10,10 @@ import typer
 
 from llmgw import __version__
 from llmgw.cli import agent, chat, ctl, mirror, server, server_init, service
+from llmgw.cli.common import typer_app
 from llmgw.paths import ROOT_ENV
 
-app = typer.Typer(
+app = typer_app(
     name="llmgw",
     help="A self-hosted LLM service: control plane, model mirror, nodes, and a guarded gateway.",
     no_args_is_help=True,

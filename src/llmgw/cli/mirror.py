@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from llmgw.cli.common import cli_errors, paths
+from llmgw.cli.common import cli_errors, paths, typer_app
 
 if TYPE_CHECKING:
     from llmgw.paths import Paths
 
-app = typer.Typer(
+app = typer_app(
     no_args_is_help=True, help="The model mirror: download weights once, serve them to every node."
 )
 

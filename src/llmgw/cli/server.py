@@ -12,9 +12,9 @@ from typing import Annotated
 
 import typer
 
-from llmgw.cli.common import cli_errors, fail, paths
+from llmgw.cli.common import cli_errors, fail, paths, typer_app
 
-app = typer.Typer(
+app = typer_app(
     no_args_is_help=True,
     help="The control plane: run it, or make this machine a whole llmgw (init).",
     pretty_exceptions_show_locals=False,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from llmgw.cli.common import cli_errors, console, paths, table
+from llmgw.cli.common import cli_errors, console, paths, table, typer_app
 from llmgw.errors import ServiceError
 from llmgw.service.check import probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from llmgw.paths import Paths
 
-app = typer.Typer(
+app = typer_app(
     no_args_is_help=True,
     help="The control plane, agent and mirror as services: systemd's, or llmgw's own supervisor.",
 )
