@@ -42,8 +42,9 @@ def init_cli(root: Path, *args: str) -> tuple[int, str]:
 
 
 def written(root: Path) -> list[str]:
-    """Every file under ``root`` but the init lock, relative and sorted."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "init.lock")
+    """Every file under ``root``, relative and sorted (the init lock too: a failed init removes the
+    one it made, with the directories it made for it)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
 def scripted_init(

@@ -130,6 +130,8 @@ def test_a_fake_llama_server_leaves_nothing_written(tmp_path: Path) -> None:
     assert code == 2, out
     assert "is not a working llama-server" in out
     assert written(root) == []
+    # not even the init lock or the directory made for it (they were left behind before)
+    assert [str(p.relative_to(root)) for p in root.rglob("*")] == []
 
 
 def test_the_real_llama_server_passes_preflight(tmp_path: Path, assets: Assets) -> None:

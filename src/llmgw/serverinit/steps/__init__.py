@@ -36,12 +36,14 @@ half-written. At the end, :mod:`.howto` prints how to ask. Models are served by 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TextIO
 
 import httpx
@@ -129,7 +131,9 @@ class ServerInit:
             LockedError: another init holds it (the message names its pid), or the lock is a symlink.
         """
         paths = self.ctx.paths
+        made = [d for d in (paths.state, *paths.state.parents) if not d.exists()]  # deepest first
         paths.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        created = not paths.init_lock.exists()
         # O_NOFOLLOW: the state directory may be the llmgw user's, and root must not truncate
         # whatever a symlink planted there points at.
         try:
@@ -147,6 +151,22 @@ class ServerInit:
                 ) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
-            yield
+            try:
+                yield
+            except BaseException:
+                if created:
+                    _forget_lock(paths.init_lock, made)
+                raise
         finally:
             os.close(fd)
+
+
+def _forget_lock(lock: Path, made: list[Path]) -> None:
+    """After a failed init: remove ``lock`` (made by this run) and the directories this run made
+    for it that are still empty (``made``, deepest first), so that a failed check leaves nothing
+    behind, as docs/install.md says. Removed while still held: an init that opened it meanwhile
+    was refused at once (the lock is taken without waiting), and one that comes later makes its own."""
+    with contextlib.suppress(OSError):
+        lock.unlink()
+        for d in made:
+            d.rmdir()
