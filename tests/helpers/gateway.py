@@ -74,7 +74,9 @@ def fake_llama(
     ``slow-stream`` streams for ~10 s and appends ``"aborted"`` to ``notes`` when its client (the
     gateway) closes the connection first, as llama-server then stops generating; ``slow-plain``
     does the same for a non-streamed answer (it watches the connection while it "generates"), and
-    first appends ``"generating"``, so a test knows the request reached it.
+    first appends ``"generating"``, so a test knows the request reached it. ``think-first`` sends
+    its stream's headers at once and its first event 0.3 s later, as llama-server does while it
+    reads the prompt.
     """
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -114,6 +116,8 @@ def fake_llama(
             return web.json_response(completion(model, replica))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if text == "think-first":  # the headers at once, the first token 0.3 s later (a prompt to read)
+            await asyncio.sleep(0.3)
         if text == "slow-stream":
             try:
                 for _ in range(500):

@@ -564,6 +564,19 @@ def test_observe_gets_one_exchange_per_request(env: Env) -> None:
     assert ok.request_id != down.request_id
 
 
+def test_time_to_first_token_is_the_first_event_not_the_headers(env: Env) -> None:
+    """A replica sends a stream's headers at once and its first token 0.3 s later: the exchange's
+    ``ttft_ms`` (``llmgw_gateway_ttft_seconds``, the access log's ``ttft_ms``) counts to the first
+    token. It counted to the headers (3-16 ms while the first token took 0.2-1.6 s: a new user's
+    report)."""
+    env.exchanges.clear()
+    r = env.post(_chat("gemma", "think-first", stream=True))
+    assert r.status_code == 200, r.text
+    assert r.text.endswith("data: [DONE]\n\n")
+    [ex] = _recorded(env, lambda e: e.requested == "gemma" and e.stream, 1)
+    assert 300 <= ex.ttft_ms < 300 + ex.upstream_ms, (ex.ttft_ms, ex.upstream_ms)
+
+
 # -- the official client ---------------------------------------------------------------------------
 
 

@@ -50,6 +50,10 @@ def test_observe_counts_by_label_values_from_the_catalog_only() -> None:
     assert got[("llmgw_gateway_guard_blocks_total", frozenset({"model": "gemma"}.items()))] == 1
     assert got[("llmgw_gateway_ttft_seconds_count", frozenset({"model": "gemma"}.items()))] == 1
     assert "whatever-the-client-typed" not in m.exposition().decode()
+    # timed only when a replica answered: the 429 and the 400 of gemma, refused before one, would
+    # have read as 0 s answers (and the 404 as a "model=unknown" series)
+    assert got[("llmgw_gateway_request_seconds_count", frozenset({"model": "gemma", "kind": "chat"}.items()))] == 1
+    assert ("llmgw_gateway_request_seconds_count", frozenset({"model": "unknown", "kind": "chat"}.items())) not in got
 
 
 def test_engine_pages_merge_into_one_family_per_name() -> None:

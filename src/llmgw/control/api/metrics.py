@@ -73,8 +73,11 @@ if TYPE_CHECKING:
 
 #: Latency buckets (s): LLM answers take from milliseconds to minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-#: The gateway's own time (s): its target is under a millisecond.
-OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+#: The gateway's own time (s): its target is under a millisecond without a guard policy.
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05,
+                    0.1, 0.25, 0.5, 1, 2.5, 5)
+"""With a guard policy the gateway's own time includes judging the prompt (and the answer): up to
+seconds on a CPU judge; the buckets past 0.05 s keep those from all reading as 0.05 s."""
 JUDGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LIMIT_CODES = frozenset({"rate_limit_exceeded", "insufficient_quota"})
 #: Queue waits (s): from none (a slot was free) to the queue's longest bounds (a minute or two).
@@ -203,8 +206,9 @@ class ControlPlaneMetrics:
                                 registry=r)
         self.latency = Histogram("llmgw_gateway_request_seconds", "Whole request time (s)", ["model", "kind"],
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("llmgw_gateway_ttft_seconds", "Time to the first byte of a stream (s)", ["model"],
-                              buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("llmgw_gateway_ttft_seconds",
+                              "Time to a stream's first token: its first body bytes sent to the client (s)",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.overhead = Histogram("llmgw_gateway_overhead_seconds", "The gateway's own time per request (s)",
                                   ["kind"], buckets=OVERHEAD_BUCKETS, registry=r)
         self.tokens = Counter("llmgw_gateway_tokens", "Tokens in (prompt) and out (completion)",
@@ -256,7 +260,9 @@ class ControlPlaneMetrics:
         model = ex.model or "unknown"
         key = ex.key or "-"
         child(self.requests, model, key, ex.kind, str(ex.status)).inc()
-        child(self.latency, model, ex.kind).observe((ex.overhead_ms + ex.upstream_ms) / 1000)
+        if ex.replica:  # answered by a replica: a request refused before one (400, 404, 429, 503) is
+            # counted above, not timed (its 0 s pulled a model's latency quantiles down)
+            child(self.latency, model, ex.kind).observe((ex.overhead_ms + ex.upstream_ms) / 1000)
         child(self.overhead, ex.kind).observe(ex.overhead_ms / 1000)
         if ex.stream and ex.status == 200:
             child(self.ttft, model).observe(ex.ttft_ms / 1000)

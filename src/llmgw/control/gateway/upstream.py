@@ -63,11 +63,11 @@ from aiohttp import web
 from yarl import URL
 
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
-from llmgw.control.gateway.inspect import Inspector, Refusal, StreamInspector, current_call
+from llmgw.control.gateway.inspect import Inspector, Refusal, current_call
 from llmgw.control.gateway.prefix import prefix_key
 from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
-from llmgw.control.gateway.sse import ModelRewriter, StreamTally
+from llmgw.control.gateway.sse import ModelRewriter, StreamTally, pump
 from llmgw.control.gateway.starting import answer_on_stream
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_event, openai_error_json
@@ -122,12 +122,12 @@ class Trace:
     being ready (non-streamed), minus the upstream wait inside it. ``dropped``: the
     ``x-llmgw-dropped`` header's value, "" when no field was dropped. ``request_id`` is sent to the
     replica as ``x-request-id``; ``headers`` are added to the client's response (rate-limit headers);
-    ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the answer's first byte went out
-    (``perf_counter_ns``), 0 before; ``error_code`` is the code of the error event that ended a
-    stream after its 200 (a refusal, a broken replica), "" otherwise; ``path`` is the endpoint's path
-    on the engine; ``caller`` and ``priority`` are the key's name and priority (the queue's
-    fairness); ``queued_ns``: time spent waiting for a slot, counted in ``upstream_ns`` too (it is
-    the replicas' time, not the gateway's).
+    ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the first byte of a stream's body went
+    out (``perf_counter_ns``: the first token, not the headers), 0 before; ``error_code`` is the code of
+    the error event that ended a stream after its 200 (a refusal, a broken replica), "" otherwise;
+    ``path`` is the endpoint's path on the engine; ``caller`` and ``priority`` are the key's name and
+    priority (the queue's fairness); ``queued_ns``: time spent waiting for a slot, counted in
+    ``upstream_ns`` too (it is the replicas' time, not the gateway's).
     """
 
     started_ns: int
@@ -513,9 +513,9 @@ async def relay_stream(
         trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
         if prepared is None:
             await out.prepare(request)
-        t0 = trace.first_byte_ns = time.perf_counter_ns()
+        t0 = time.perf_counter_ns()
         try:
-            refusal = await _pump(resp, out, watcher, ModelRewriter(requested), trace.tally)
+            refusal = await pump(resp, out, watcher, ModelRewriter(requested), trace)
             closed_cleanly = refusal is None
             if refusal is not None:
                 trace.error_code = refusal.code
@@ -547,53 +547,6 @@ async def relay_stream(
         lease.release(answered=closed_cleanly)
         if closed_cleanly and trace.tally is not None:
             lease.observe(trace.tally.timings)
-
-
-async def _pump(
-    resp: aiohttp.ClientResponse,
-    out: web.StreamResponse,
-    watcher: StreamInspector | None,
-    rewriter: ModelRewriter,
-    tally: StreamTally | None = None,
-) -> Refusal | None:
-    """Copy chunks (rewritten, counted by ``tally``) until the replica's end; a refusal stops it and
-    is returned."""
-    if watcher is None:
-        async for chunk in resp.content.iter_any():
-            data = rewriter.feed(chunk)
-            if data and tally is not None:
-                data = tally.feed(data)
-            if data:
-                await out.write(data)
-        tail = rewriter.tail()
-        if tail and tally is not None:
-            tail = tally.feed(tail)
-        if tail:
-            await out.write(tail)
-        return None
-    async for chunk in resp.content.iter_any():
-        data = rewriter.feed(chunk)
-        if data and tally is not None:
-            data = tally.feed(data)
-        if not data:
-            continue
-        seen = await watcher.chunk(data)
-        if isinstance(seen, Refusal):
-            return seen
-        if seen:
-            await out.write(seen)
-    last = rewriter.tail()
-    if last and tally is not None:
-        last = tally.feed(last)
-    seen = await watcher.chunk(last) if last else b""
-    if isinstance(seen, Refusal):
-        return seen
-    end = await watcher.end()
-    if isinstance(end, Refusal):
-        return end
-    if seen + end:
-        await out.write(seen + end)
-    return None
 
 
 def _ms(ns: int) -> str:
