@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.metrics import ControlPlaneMetrics
+from llmgw.control.gateway.guard import GuardStats
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.protocol import EngineMetricsText
 from tests.helpers.control import TOKEN, make_install, serving
@@ -103,3 +104,18 @@ async def test_metrics_page_of_a_served_control_plane(tmp_path: Path, fake_engin
     assert got[("llmgw_store_up", frozenset())] == 1
     assert got[("llamacpp:tokens_predicted_total", frozenset(
         {"replica": "r-x", "model": "chat", "node": "node-1"}.items()))] == 4
+
+
+def test_guard_counters_start_at_zero_for_every_direction_and_verdict() -> None:
+    """``rate()``/``increase()`` need a series' 0 before its first event: without it the first
+    block after a start read as nothing (a new user measured increase() 3.45 for 4 verdicts)."""
+    stats = GuardStats()
+    got = _samples(ControlPlaneMetrics(guard=stats).exposition().decode())
+    for direction in ("in", "out"):
+        for verdict in ("safe", "unsafe", "controversial"):
+            key = ("llmgw_guard_verdicts_total", frozenset({"direction": direction, "verdict": verdict}.items()))
+            assert got[key] == 0
+        assert got[("llmgw_guard_unjudged_total", frozenset({"direction": direction}.items()))] == 0
+    stats.verdicts["in unsafe"] = 2
+    got = _samples(ControlPlaneMetrics(guard=stats).exposition().decode())
+    assert got[("llmgw_guard_verdicts_total", frozenset({"direction": "in", "verdict": "unsafe"}.items()))] == 2

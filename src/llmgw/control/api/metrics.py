@@ -65,6 +65,7 @@ from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import DecisionRow, NodeRow, ReplicaRow
+from llmgw.guard.formats import Safety
 
 if TYPE_CHECKING:
     from llmgw.control.api.enginemetrics import EngineMetrics
@@ -153,6 +154,10 @@ class _QueueCollector(Collector):
         yield family
 
 
+#: The directions a guard policy judges: the prompt (``in``) and the answer (``out``).
+_DIRECTIONS = ("in", "out")
+
+
 class _GuardCollector(Collector):
     """The guard's counters (:class:`~llmgw.control.gateway.guard.GuardStats`) at scrape time."""
 
@@ -161,8 +166,10 @@ class _GuardCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         s = self.stats
+        # Every (direction, verdict) and direction from 0, not from its first event: rate() and increase()
+        # lose a series' first sample, so a first block read as nothing (a new user's report).
         verdicts = CounterMetricFamily("llmgw_guard_verdicts", "Judge verdicts", labels=["direction", "verdict"])
-        for key, n in sorted(s.verdicts.items()):
+        for key, n in sorted(({f"{d} {v}": 0 for d in _DIRECTIONS for v in Safety} | s.verdicts).items()):
             direction, _, verdict = key.partition(" ")
             verdicts.add_metric([direction, verdict], n)
         errors = CounterMetricFamily("llmgw_guard_errors", "Judgments without a verdict, by kind (timeout, ...)",
@@ -174,7 +181,7 @@ class _GuardCollector(Collector):
         refused = CounterMetricFamily("llmgw_guard_refused_unavailable", "Refused without a verdict (fail: closed)",
                                       labels=["direction"])
         for family, d in ((unjudged, s.unjudged), (refused, s.refused_unavailable)):
-            for direction, n in sorted(d.items()):
+            for direction, n in sorted((dict.fromkeys(_DIRECTIONS, 0) | d).items()):
                 family.add_metric([direction], n)
         yield from (verdicts, errors, unjudged, refused)
 
