@@ -99,6 +99,9 @@ async def test_metrics_page_of_a_served_control_plane(tmp_path: Path, fake_engin
     assert got[("llmgw_gateway_rate_limited_total", frozenset(
         {"key": "team", "code": "rate_limit_exceeded"}.items()))] == 1
     assert got[("llmgw_replicas", frozenset({"model": "chat", "state": "ready"}.items()))] == 1
+    # every state from 0 (a vanished series cannot be compared), and what the model wants
+    assert got[("llmgw_replicas", frozenset({"model": "chat", "state": "failed"}.items()))] == 0
+    assert got[("llmgw_model_replicas_wanted", frozenset({"model": "chat"}.items()))] == 1
     assert got[("llmgw_node_cores", frozenset({"node": "node-1"}.items()))] == 4
     assert got[("llmgw_leader", frozenset())] == 1
     assert got[("llmgw_store_up", frozenset())] == 1

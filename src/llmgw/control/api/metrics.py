@@ -22,7 +22,8 @@ What it exports (``prometheus-client``, one registry per control plane, never th
   ``llmgw_guard_refused_unavailable_total{direction}``, and ``llmgw_guard_judgment_seconds{judge}``,
   a histogram fed per judgment;
 - the cluster, read from the store at scrape time (with the store's deadline; while the database
-  is down the last read is exported and ``llmgw_store_up`` is 0): ``llmgw_replicas{model,state}``,
+  is down the last read is exported and ``llmgw_store_up`` is 0): ``llmgw_replicas{model,state}``
+  (every catalog model in every state, 0s included), ``llmgw_model_replicas_wanted{model}``,
   ``llmgw_node_up{node,state}``, ``llmgw_node_cores{node}``, ``llmgw_node_memory_total_bytes{node}``,
   ``llmgw_node_memory_available_bytes{node}``, ``llmgw_node_gpus{node}``, ``llmgw_leader`` (1 when this
   control plane leads), ``llmgw_term``, ``llmgw_autoscale_desired_replicas{model}`` (an autoscaled
@@ -66,6 +67,7 @@ from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import DecisionRow, NodeRow, ReplicaRow
 from llmgw.guard.formats import Safety
+from llmgw.protocol import ReplicaState
 
 if TYPE_CHECKING:
     from llmgw.control.api.enginemetrics import EngineMetrics
@@ -106,7 +108,9 @@ class _ClusterCollector(Collector):
         up.add_metric([], 1.0 if o.store_ok else 0.0)
         yield up
         replicas = GaugeMetricFamily("llmgw_replicas", "Replicas per model and state", labels=["model", "state"])
-        counts: dict[tuple[str, str], int] = {}
+        # every catalog model in every state from 0: a model scaled to 0, or its last ready replica gone,
+        # reads 0 rather than a series that vanishes (an alert on "ready < wanted" needs both)
+        counts = {(m, str(st)): 0 for m in o.models for st in ReplicaState}
         for r in o.replicas:
             counts[(r.model, r.state)] = counts.get((r.model, r.state), 0) + 1
         for (model, state), n in sorted(counts.items()):
@@ -130,7 +134,12 @@ class _ClusterCollector(Collector):
                                    "Replicas an autoscaled model wants (the leader's last decision)", labels=["model"])
         for model, n in sorted(o.wanted.items()):
             wanted.add_metric([model], n)
-        yield wanted
+        want = GaugeMetricFamily("llmgw_model_replicas_wanted",
+                                 "Replicas a catalog model wants now (autoscaled: the last decision; else scaling.min)",
+                                 labels=["model"])
+        for model, n in sorted(o.models.items()):
+            want.add_metric([model], n)
+        yield from (wanted, want)
         if o.members is not None:
             leader = GaugeMetricFamily("llmgw_leader", "1 when this control plane leads (runs the reconcilers)")
             leader.add_metric([], 1.0 if o.members.election.leading else 0.0)
@@ -240,6 +249,7 @@ class ControlPlaneMetrics:
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.queue_lengths: Callable[[], Mapping[str, int]] | None = None
         self.wanted: dict[str, int] = {}  # an autoscaled model's last decided count, read at scrape time
+        self.models: dict[str, int] = {}  # every catalog model -> the replicas it wants now
         self.replicas: list[ReplicaRow] = []
         self.nodes: list[NodeRow] = []
         self.store_ok = True
@@ -313,10 +323,12 @@ class ControlPlaneMetrics:
             return
         store = self.store
         try:
-            self.replicas, self.nodes, last = await self.db.run(
-                lambda: (store.list_replicas(), store.list_nodes(), store.last_decisions())
+            self.replicas, self.nodes, last, models = await self.db.run(
+                lambda: (store.list_replicas(), store.list_nodes(), store.last_decisions(), store.list_models())
             )
             self.wanted = {m: d.to_n for m, d in last.items()}
+            # each catalog model's wanted count: the autoscaler's last decision, else scaling.min
+            self.models = {r.name: self.wanted.get(r.name, r.model.scaling.min) for r in models}
             self.store_ok = True
         except Exception:  # any store failure: the page still answers, saying so
             self.store_ok = False
