@@ -47,7 +47,7 @@ SETTINGS = {
     "fsync": "off",
     "synchronous_commit": "off",
     "full_page_writes": "off",
-    "max_connections": "200",  # tests open a store (a pool of up to 15) each; a few at once
+    "max_connections": "200",  # tests open a store (a pool of up to 22) each; a few at once
     "shared_buffers": "32MB",
 }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from aiohttp import web
 
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.guard import GuardInspector, HeldStream
+from llmgw.control.gateway.inspect import Exchange
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
@@ -69,6 +71,10 @@ class Env:
             assert s not in text
 
 
+#: Every exchange the module's gateway hands its ``observe`` (what metrics, usage and limits get).
+EXCHANGES: list[Exchange] = []
+
+
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
     servers = ServerThread()
@@ -93,7 +99,8 @@ def env() -> Iterator[Env]:
     }
     guard = GuardInspector(GuardConfig(policies=POLICIES), JudgeClient(judges.get))
     app = build_gateway_app(
-        StaticRouter(routes=routes), keys={KEY, "sk-team"}, allow_loopback_without_key=False, inspector=guard
+        StaticRouter(routes=routes), keys={KEY, "sk-team"}, allow_loopback_without_key=False, inspector=guard,
+        observe=EXCHANGES.append,
     )
     port = servers.serve(app)
     yield Env(
@@ -322,6 +329,14 @@ def test_a_stream_whose_out_judgment_times_out_ends_with_an_error_event_and_done
     assert "slowjudge" not in r.text.replace("llmgw-guard", "")  # nothing unjudged got out
     assert len(events) == 2
     env.clean(r.text)
+    # the replica generated the whole answer: it is charged (usage, limits) though no byte of it was
+    # sent (a regression once the first-byte time moved to the first body write)
+    deadline = time.monotonic() + 5
+    while not (mine := [e for e in EXCHANGES if e.requested == "slowout" and e.stream]):
+        assert time.monotonic() < deadline, "no exchange recorded"
+        time.sleep(0.01)
+    assert mine[-1].usage is not None
+    assert mine[-1].usage["completion_tokens"] > 0
 
 
 def test_a_stream_whose_out_judgment_times_out_with_the_openai_client(env: Env) -> None:

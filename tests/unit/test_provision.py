@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import io
+import os
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -218,6 +219,8 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile
         (_member("bin/hard", tarfile.LNKTYPE, "../outside"), "links outside"),
         (_member("dev/sda", tarfile.BLKTYPE), "device or FIFO"),
         (_member("fifo", tarfile.FIFOTYPE), "device or FIFO"),
+        # a chain: l1 -> . passes; l2 -> l1/.. is the destination's parent once l1 is on disk
+        (_member("l2", tarfile.SYMTYPE, "l1/.."), "links outside"),
     ],
 )
 def test_the_checks_for_a_python_without_extraction_filters_refuse_what_the_data_filter_does(
@@ -228,16 +231,21 @@ def test_the_checks_for_a_python_without_extraction_filters_refuse_what_the_data
     through (a file, a directory, a link inside)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        for ok in (_member("llama/llama-server"), _member("llama", tarfile.DIRTYPE),
+        setuid = _member("llama/llama-server")
+        setuid.mode, setuid.uid = 0o4777, 1001
+        for ok in (setuid, _member("llama", tarfile.DIRTYPE),
                    _member("llama/server", tarfile.SYMTYPE, "llama-server")):
             tf.addfile(ok)
     buf.seek(0)
     with tarfile.open(fileobj=buf) as tf:
-        assert [m.name for m in _checked_members(tf, tmp_path)] == ["llama/llama-server", "llama", "llama/server"]
+        checked = _checked_members(tf)
+        assert [m.name for m in checked] == ["llama/llama-server", "llama", "llama/server"]
+        assert all(m.mode & 0o7022 == 0 and m.uid == os.getuid() for m in checked)  # as the filter does
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         tf.addfile(_member("llama/llama-server"))
+        tf.addfile(_member("l1", tarfile.SYMTYPE, "."))
         tf.addfile(member)
     buf.seek(0)
     with tarfile.open(fileobj=buf) as tf, pytest.raises(tarfile.TarError, match=why):
-        _checked_members(tf, tmp_path)
+        _checked_members(tf)

@@ -83,7 +83,7 @@ DYNAMIC = {
 
 PG_PARAMETERS = {
     "wal_log_hints": "on",  # pg_rewind needs it (or checksums)
-    "max_connections": 200,  # each control plane's pool takes up to 15, plus its leader's lock
+    "max_connections": 200,  # each control plane's pool takes up to 22 (12 + 10 overflow), plus its leader's lock
     # A client (or a standby) on a crashed machine is noticed in about 5 + 2*3 = 11 s.
     "tcp_keepalives_idle": 5,
     "tcp_keepalives_interval": 2,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import tarfile
@@ -130,26 +131,28 @@ def _find_binary(root: Path) -> Path | None:
     return None
 
 
-def _checked_members(tf: tarfile.TarFile, into: Path) -> list[tarfile.TarInfo]:
-    """The members of ``tf`` if unpacking them into ``into`` stays inside it: what tarfile's ``data``
-    filter refuses (PEP 706), for a Python without extraction filters (they came in 3.11.4; Debian
-    12's python3 is 3.11.2). tarfile.TarError (its ``OutsideDestinationError`` and friends are
-    3.11.4+ too): an absolute name, a name or link that leads out of ``into``, or a device or FIFO."""
-    root = into.resolve()
+def _checked_members(tf: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """The members of ``tf``, checked and made safe to unpack, for a Python without
+    tarfile's extraction filters (PEP 706; they came in 3.11.4, and Debian 12's python3 is 3.11.2).
+    Stricter than the ``data`` filter where a check by name alone could be fooled: no name or link
+    target may be absolute or hold ``..`` at all (then every link leads down from its own directory,
+    so no chain of links leaves the destination: ``l1 -> .`` then ``l2 -> l1/..`` passed a check of
+    resolved names, links not being on disk yet). Each member's owner becomes this process's and its
+    mode loses setuid, setgid, sticky and group/other write, as the filter does.
 
-    def inside(name: str, base: Path = root) -> bool:
-        return (base / name).resolve().is_relative_to(root)
-
+    Raises:
+        tarfile.TarError: an absolute or ``..`` name or link target, or a device or FIFO.
+    """
     members = tf.getmembers()
     for m in members:
-        if m.name.startswith("/") or not inside(m.name):
+        if m.name.startswith("/") or ".." in m.name.split("/"):
             raise tarfile.TarError(f"{m.name!r} would be written outside the destination")
         if m.isdev() or m.isfifo():
             raise tarfile.TarError(f"{m.name!r} is a device or FIFO")
-        if m.issym() and (m.linkname.startswith("/") or not inside(m.linkname, (root / m.name).parent)):
+        if (m.issym() or m.islnk()) and (m.linkname.startswith("/") or ".." in m.linkname.split("/")):
             raise tarfile.TarError(f"{m.name!r} links outside the destination: {m.linkname!r}")
-        if m.islnk() and (m.linkname.startswith("/") or not inside(m.linkname)):
-            raise tarfile.TarError(f"{m.name!r} links outside the destination: {m.linkname!r}")
+        m.uid, m.gid, m.uname, m.gname = os.getuid(), os.getgid(), "", ""
+        m.mode &= 0o755
     return members
 
 
@@ -166,7 +169,7 @@ def _unpack(tarball: Path, into: Path) -> Path:
             if hasattr(tarfile, "data_filter"):
                 tf.extractall(into, filter="data")
             else:  # Python 3.11.0-3.11.3
-                tf.extractall(into, members=_checked_members(tf, into))  # noqa: S202 - checked
+                tf.extractall(into, members=_checked_members(tf))  # noqa: S202 - checked
     except (tarfile.TarError, OSError) as e:
         raise EngineError(f"{tarball.name} cannot be unpacked: {e}") from e
     binary = _find_binary(into)

@@ -63,6 +63,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from llmgw.control.gateway.inspect import Exchange
+from llmgw.control.reconcile.autoscale import wanted_replicas
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import DecisionRow, NodeRow, ReplicaRow
@@ -135,7 +136,7 @@ class _ClusterCollector(Collector):
         for model, n in sorted(o.wanted.items()):
             wanted.add_metric([model], n)
         want = GaugeMetricFamily("llmgw_model_replicas_wanted",
-                                 "Replicas a catalog model wants now (autoscaled: the last decision; else scaling.min)",
+                                 "Replicas a model wants now (autoscaled: the last decision in [min, max]; else min)",
                                  labels=["model"])
         for model, n in sorted(o.models.items()):
             want.add_metric([model], n)
@@ -281,7 +282,7 @@ class ControlPlaneMetrics:
             # counted above, not timed (its 0 s pulled a model's latency quantiles down)
             child(self.latency, model, ex.kind).observe((ex.overhead_ms + ex.upstream_ms) / 1000)
         child(self.overhead, ex.kind).observe(ex.overhead_ms / 1000)
-        if ex.stream and ex.status == 200:
+        if ex.stream and ex.status == 200 and ex.ttft_ms > 0:  # 0: no token reached the client
             child(self.ttft, model).observe(ex.ttft_ms / 1000)
         if ex.usage is not None:
             for direction, field in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
@@ -327,8 +328,8 @@ class ControlPlaneMetrics:
                 lambda: (store.list_replicas(), store.list_nodes(), store.last_decisions(), store.list_models())
             )
             self.wanted = {m: d.to_n for m, d in last.items()}
-            # each catalog model's wanted count: the autoscaler's last decision, else scaling.min
-            self.models = {r.name: self.wanted.get(r.name, r.model.scaling.min) for r in models}
+            # each catalog model's wanted count, as the leader places it (autoscale.wanted_replicas)
+            self.models = {r.name: wanted_replicas(r.model, last) for r in models}
             self.store_ok = True
         except Exception:  # any store failure: the page still answers, saying so
             self.store_ok = False

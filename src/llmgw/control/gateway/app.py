@@ -412,7 +412,9 @@ class _Gateway:
         """Count the request's tokens against ``caller``'s limits and hand ``observe`` its
         :class:`Exchange` (499: the client went away first)."""
         usage = trace.usage
-        if usage is None and trace.tally is not None and trace.first_byte_ns:
+        # a stream whose 200 went out is charged what its tally counted, even if no body followed (a
+        # held answer the client left, or refused at its end: the replica generated it all the same)
+        if usage is None and trace.tally is not None and trace.prepared_ns:
             usage = trace.tally.usage()
         if self.limiter is not None and usage is not None and caller.limited:
             tokens = usage.get("total_tokens")
@@ -422,7 +424,7 @@ class _Gateway:
         if self.observe is None:
             return
         now = time.perf_counter_ns()
-        first = trace.first_byte_ns or now
+        first = trace.first_byte_ns or (0 if stream else now)  # a stream that sent no token has no ttft
         asyncio.get_running_loop().call_soon(self.observe, Exchange(
             requested=requested,
             model=model,
@@ -437,7 +439,7 @@ class _Gateway:
             request_id=trace.request_id,
             code=code,
             blocked=blocked,
-            ttft_ms=(first - trace.started_ns) / 1e6,
+            ttft_ms=(first - trace.started_ns) / 1e6 if first else 0.0,
         ))
 
     async def healthz(self, _: web.Request) -> web.Response:

@@ -123,7 +123,8 @@ class Trace:
     ``x-llmgw-dropped`` header's value, "" when no field was dropped. ``request_id`` is sent to the
     replica as ``x-request-id``; ``headers`` are added to the client's response (rate-limit headers);
     ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the first byte of a stream's body went
-    out (``perf_counter_ns``: the first token, not the headers), 0 before; ``error_code`` is the code of
+    out (``perf_counter_ns``: the first token, not the headers), 0 before; ``prepared_ns`` when its
+    headers (the 200) went out, 0 before; ``error_code`` is the code of
     the error event that ended a stream after its 200 (a refusal, a broken replica), "" otherwise;
     ``path`` is the endpoint's path on the engine; ``caller`` and ``priority`` are the key's name and
     priority (the queue's fairness); ``queued_ns``: time spent waiting for a slot, counted in
@@ -140,6 +141,7 @@ class Trace:
     headers: dict[str, str] | None = None
     tally: StreamTally | None = None
     first_byte_ns: int = 0
+    prepared_ns: int = 0
     error_code: str = ""
     path: str = "/v1/chat/completions"
     caller: str = ""
@@ -513,7 +515,7 @@ async def relay_stream(
         trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
         if prepared is None:
             await out.prepare(request)
-        t0 = time.perf_counter_ns()
+        t0 = trace.prepared_ns = time.perf_counter_ns()
         try:
             refusal = await pump(resp, out, watcher, ModelRewriter(requested), trace)
             closed_cleanly = refusal is None
