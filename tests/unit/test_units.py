@@ -22,6 +22,7 @@ from llmgw.service.units import (
     SERVICES,
     agent_unit,
     deploy_units,
+    installed_binary,
     llmgw_binary,
     mirror_unit,
     server_unit,
@@ -185,12 +186,22 @@ def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: py
     script.write_text("#!/bin/sh\n")
     monkeypatch.setattr(sys, "argv", [str(script), "server", "init"])
     assert llmgw_binary() == str(script)
-    # run through a link on PATH (README: /usr/local/bin/llmgw -> the venv's): the same units
+    # run through a link on PATH (README: /usr/local/bin/llmgw -> the venv's): the link, as given
     link = tmp_path / "local-bin" / "llmgw"
     link.parent.mkdir()
     link.symlink_to(script)
     monkeypatch.setattr(sys, "argv", [str(link), "server", "init"])
-    assert llmgw_binary() == str(script)
+    assert llmgw_binary() == str(link)
+    # and a unit written through one path keeps it when init runs through the other (it had
+    # rewritten and restarted every service); another program is not taken for it
+    paths = Paths(tmp_path / "root")
+    write_unit(paths.unit("server"), f"[Service]\nExecStart={link} server run\n")
+    assert installed_binary(paths, str(script)) == str(link)
+    other = tmp_path / "other" / "llmgw"
+    other.parent.mkdir()
+    other.write_text("#!/bin/sh\n")
+    assert installed_binary(paths, str(other)) == str(other)
+    assert installed_binary(Paths(tmp_path / "empty"), str(script)) == str(script)
 
     monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest"])
     monkeypatch.setattr(sys, "executable", str(tmp_path / "other-python" / "python"))

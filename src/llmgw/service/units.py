@@ -25,6 +25,7 @@ from pathlib import Path
 
 from llmgw.errors import ServiceError
 from llmgw.paths import ROOT_ENV, Paths
+from llmgw.service.unitfile import parse_unit
 
 SERVICES = ("server", "agent", "mirror")
 """The services llmgw runs; unit ``llmgw-<name>.service`` each."""
@@ -381,19 +382,33 @@ def llmgw_binary() -> str:
 
     ``sys.argv[0]`` when it is an ``llmgw`` script (a venv or pipx install names its own), else
     the ``llmgw`` script beside the running Python (``python -m llmgw`` from a venv), else
-    ``llmgw`` on ``PATH``, else :data:`DEFAULT_BINARY`. Symbolic links are resolved: the same
-    install run through ``/usr/local/bin/llmgw`` (a link into a venv) or the venv's own path
-    writes the same units (the second run had rewritten and restarted every service).
+    ``llmgw`` on ``PATH``, else :data:`DEFAULT_BINARY`. Links are kept as given (a unit naming
+    ``/usr/local/bin/llmgw`` follows the link to whatever it points at after an upgrade);
+    :func:`installed_binary` keeps a unit's path when it is the same program.
     """
     arg0 = sys.argv[0] if sys.argv else ""
     if arg0 and Path(arg0).name == "llmgw":
         found = arg0 if os.sep in arg0 else shutil.which(arg0)
         if found and Path(found).is_file():
-            return os.path.realpath(found)
+            return os.path.abspath(found)
     beside = Path(sys.executable).parent / "llmgw"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("llmgw") or DEFAULT_BINARY
+
+
+def installed_binary(paths: Paths, binary: str) -> str:
+    """``binary``, or the llmgw an installed unit already names when both lead to the same file:
+    init run once through ``/usr/local/bin/llmgw`` (a link into a venv) and once through the venv's
+    own path wrote different units and restarted every service (a new user's report)."""
+    for name in SERVICES:
+        try:
+            argv = parse_unit(paths.unit(name).read_text()).argv
+        except (OSError, ServiceError):
+            continue
+        if argv and argv[0] != binary and os.path.realpath(argv[0]) == os.path.realpath(binary):
+            return argv[0]
+    return binary
 
 
 def write_unit(path: Path, body: str) -> bool:

@@ -26,7 +26,7 @@ from llmgw.paths import Paths
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.wait import Clock, wait_for
 from llmgw.service.manager import ServiceManager
-from llmgw.service.units import llmgw_binary
+from llmgw.service.units import installed_binary, llmgw_binary
 from llmgw.service.users import UserChoice
 
 
@@ -74,6 +74,9 @@ class InitContext:
     _state: str = field(default="", init=False, repr=False)
 
     # --- output -----------------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        self.bin = installed_binary(self.paths, self.bin)  # the units' own path to this same llmgw
 
     def say(self, tag: str, text: str) -> None:
         """Print one step line: ``  <tag> <text>`` (tags: done, kept, skip, updated, .., !!)."""
