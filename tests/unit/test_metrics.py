@@ -11,6 +11,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+import llmgw
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.metrics import ControlPlaneMetrics
 from llmgw.control.gateway.guard import GuardStats
@@ -105,6 +106,9 @@ async def test_metrics_page_of_a_served_control_plane(tmp_path: Path, fake_engin
     assert got[("llmgw_node_cores", frozenset({"node": "node-1"}.items()))] == 4
     assert got[("llmgw_leader", frozenset())] == 1
     assert got[("llmgw_store_up", frozenset())] == 1
+    # the process itself, as operators watch any service (issue 23's cp_rss_mib, from the page)
+    assert got[("process_resident_memory_bytes", frozenset())] > 10_000_000
+    assert got[("llmgw_build_info", frozenset({"version": llmgw.__version__}.items()))] == 1
     assert got[("llamacpp:tokens_predicted_total", frozenset(
         {"replica": "r-x", "model": "chat", "node": "node-1"}.items()))] == 4
 

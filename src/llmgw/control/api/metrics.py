@@ -2,6 +2,8 @@
 
 What it exports (``prometheus-client``, one registry per control plane, never the global one):
 
+- the process: prometheus-client's ``process_*`` (resident memory, CPU seconds, open files) and
+  ``python_info``, and ``llmgw_build_info{version}``;
 - the gateway, fed by :meth:`ControlPlaneMetrics.observe` once per request
   (:class:`~llmgw.control.gateway.inspect.Exchange`): ``llmgw_gateway_requests_total{model,key,kind,status}``,
   ``llmgw_gateway_request_seconds{model,kind}`` (whole time), ``llmgw_gateway_ttft_seconds{model}``
@@ -56,12 +58,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from llmgw import __version__
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.reconcile.autoscale import wanted_replicas
 from llmgw.control.store import Store
@@ -219,6 +222,11 @@ class ControlPlaneMetrics:
         self.store, self.db, self.members, self.engines = store, db, members, engines
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        # the control plane's own process (process_resident_memory_bytes, process_cpu_seconds_total,
+        # open fds...) and which llmgw and Python it is, as prometheus_client's default registry has them
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        Info("llmgw_build", "This control plane's llmgw version", registry=r).info({"version": __version__})
         self.requests = Counter("llmgw_gateway_requests", "Gateway requests", ["model", "key", "kind", "status"],
                                 registry=r)
         self.latency = Histogram("llmgw_gateway_request_seconds", "Whole request time (s)", ["model", "kind"],
