@@ -602,6 +602,9 @@ def test_a_program_run_as_the_supervisors_own_user_keeps_its_environment(
     assert manager.start("mirror") is True
     st = manager.status("mirror")
     assert st.pid is not None
+    # Once the program runs (its line is out): start() returns as soon as exec began, and the
+    # kernel fills /proc/PID/environ a moment later, so an early read found it empty under load.
+    wait_for("the program's first line", lambda: "up supervised" in manager.logs("mirror"))
     env = psutil.Process(st.pid).environ()
     assert env["LLMGW_TEST_INHERITED"] == "kept"
     assert env["LLMGW_TEST_MARK"] == "supervised"
