@@ -134,6 +134,18 @@ async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, serve
         assert '<span class="state state-cordoned">cordoned</span>' in page
         r = await c.post(base + "/ui/nodes/node-1/uncordon", data={"csrf": csrf})
         assert "schedulable" in await r.text()
+        # An action's message waits for the page: an htmx poll or a browser's image fetch that fails
+        # in between (an error page) no longer takes it (a cordon's "cordoned" went missing so).
+        async with c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": csrf}, allow_redirects=False) as r:
+            assert r.status == 303
+        for headers in ({"HX-Request": "true"}, {"Sec-Fetch-Dest": "image"}):
+            async with c.get(base + "/ui/nodes/no-such-node?part=live", headers=headers) as r:
+                assert r.status == 404
+                assert "cordoned" not in await r.text()
+        r = await c.get(base + "/ui/nodes/node-1", headers={"Sec-Fetch-Dest": "document"})
+        assert "node node-1 cordoned" in await r.text()
+        r = await c.post(base + "/ui/nodes/node-1/uncordon", data={"csrf": csrf})
+        assert "schedulable" in await r.text()
         # The admin API's own 400 comes back as the page's message.
         r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "5000"},
                          headers={"Referer": base + "/ui/models/chat"})

@@ -196,6 +196,14 @@ async def _live_base(request: web.Request) -> dict[str, Any]:
     return {"can_act": role is auth.Role.ADMIN, "csrf": await auth.csrf_token(request)}
 
 
+def _navigation(request: web.Request) -> bool:
+    """Whether ``request`` loads a whole page (what shows an action's message): not htmx's polls,
+    and for a browser (``Sec-Fetch-Dest``, Fetch Metadata) a document, not an image or a fetch."""
+    if "HX-Request" in request.headers:
+        return False
+    return request.headers.get("Sec-Fetch-Dest", "document") in ("document", "iframe")
+
+
 async def _base(request: web.Request, title: str) -> dict[str, Any]:
     """What every whole page's template needs: the live part's, plus the title, the role, the
     message an action left, and the path (the navigation marks the current page)."""
@@ -204,7 +212,10 @@ async def _base(request: web.Request, title: str) -> dict[str, Any]:
         **await _live_base(request),
         "title": title,
         "role": role.value if role else "",
-        "flash": await auth.take_flash(request),
+        # only a page the browser navigates to shows the message, so only such a page takes it: an
+        # htmx poll, a fragment or a subresource that fails renders the error page too, and took the
+        # message its redirect was carrying to the page (a cordon's "cordoned" went missing under load)
+        "flash": await auth.take_flash(request) if _navigation(request) else None,
         "path": request.path,
     }
 
