@@ -108,3 +108,13 @@ class Paths:
     def agent_state(self) -> Path:
         """``/var/lib/llmgw-agent``: engines installed, model cache, running replicas."""
         return self._p("/var/lib/llmgw-agent")
+
+
+def exists_or_hidden(path: Path) -> bool:
+    """Whether ``path`` exists, or may: True when a parent this user may not enter hides it
+    (``Path.exists`` raises PermissionError then on Python 3.11; /var/lib/llmgw is the llmgw user's,
+    mode 0700), so a caller neither reports it missing nor removes it."""
+    try:
+        return path.exists()
+    except OSError:
+        return True

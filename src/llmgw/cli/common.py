@@ -33,12 +33,12 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-
 def typer_app(**kwargs: Any) -> typer.Typer:
     """A Typer app (or sub-app) of llmgw's CLI: ``typer.Typer(**kwargs)`` with click's plain help,
     which wraps long flags, types and defaults; Rich's panels cut them at 80 columns or in a pipe
     (``--mirror-api-list…``, ``hf:Qwen/Qwen2.5-0…``: a new user's report, 2026-12-05)."""
     return typer.Typer(rich_markup_mode=None, **kwargs)
+
 
 def paths() -> Paths:
     """The Paths for this invocation (``--root`` sets ``LLMGW_ROOT`` before any command runs)."""

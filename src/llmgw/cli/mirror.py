@@ -144,7 +144,7 @@ def init(
     from llmgw.mirror import setup
     from llmgw.serverinit.steps.pki import primary_address
     from llmgw.service.manager import pick_manager
-    from llmgw.service.units import llmgw_binary
+    from llmgw.service.units import installed_binary, llmgw_binary
 
     p = paths()
     setup.init_mirror(
@@ -152,7 +152,7 @@ def init(
         pick_manager(p),
         control_planes=control_plane,
         address=address or primary_address(),
-        llmgw_bin=llmgw_binary(),
+        llmgw_bin=installed_binary(p, llmgw_binary()),
         listen=listen,
         api_listen=api_listen,
         import_dirs=[str(d.resolve()) for d in import_dir or []],

@@ -43,6 +43,19 @@ def _names(given: list[str] | None, every: Callable[[Paths], list[str]] = instal
     return [service_name(n) for n in given] if given else every(paths())
 
 
+def _installed(given: list[str] | None, every: Callable[[Paths], list[str]]) -> list[str]:
+    """:func:`_names`, refusing an empty list (nothing given, nothing installed).
+
+    Raises:
+        ServiceError: no service is installed here; the message says how to install one.
+    """
+    todo = _names(given, every)
+    if not todo:
+        raise ServiceError(f"no llmgw service is installed under {paths().root}: run 'llmgw server init' first "
+                           "(a node: 'llmgw server add-node' on the control plane, docs/operating.md)")
+    return todo
+
+
 OptionalNames = Annotated[
     list[str] | None,
     typer.Argument(help=f"Services ({', '.join(SERVICES)}, and patroni where installed); all when none are given.",
@@ -84,10 +97,7 @@ def start(names: OptionalNames = None) -> None:
     """Start services (systemd also enables them); a running one is left as it is. With no names,
     every installed service, each after those it needs (what 'service stop' with no names stopped)."""
     manager = _manager()
-    todo = _names(names, every=startable_services)
-    if not todo:
-        raise ServiceError(f"no llmgw service is installed under {paths().root}: run 'llmgw server init' first "
-                           "(a node: 'llmgw server add-node' on the control plane, docs/operating.md)")
+    todo = _installed(names, startable_services)
     for name in todo:
         started = manager.start(name)
         if started:
@@ -106,9 +116,7 @@ def restart(names: OptionalNames = None) -> None:
     the new one does not come up. With no names, every installed llmgw service (mirror, server,
     agent; not patroni: name it)."""
     manager = _manager()
-    todo = _names(names, every=restartable_services)
-    if not todo:
-        raise ServiceError(f"no llmgw service is installed under {paths().root}: run 'llmgw server init' first")
+    todo = _installed(names, restartable_services)
     for name in todo:
         restart_checked(manager, paths(), name)
         st = manager.status(name)

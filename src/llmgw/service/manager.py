@@ -30,7 +30,7 @@ from typing import Protocol
 import psutil
 
 from llmgw.errors import ServiceError
-from llmgw.paths import Paths
+from llmgw.paths import Paths, exists_or_hidden
 from llmgw.service.files import ServiceFiles, open_log, private_dir, read_live, read_state
 from llmgw.service.supervisor import ALREADY_RUNNING
 from llmgw.service.unitfile import STOP_TIMEOUT, parse_unit
@@ -295,15 +295,6 @@ def _may_read(directory: Path) -> bool:
     return os.access(directory, os.R_OK | os.X_OK)
 
 
-def _there(path: Path) -> bool:
-    """Whether ``path`` exists, or may: True when a parent this user may not enter hides it (where
-    ``Path.exists`` raises PermissionError on Python 3.11: /var/lib/llmgw is the llmgw user's, 0700)."""
-    try:
-        return path.exists()
-    except PermissionError:
-        return True
-
-
 class SupervisorManager:
     """Services under llmgw's own supervisor (:mod:`llmgw.service.supervisor`), one per service.
 
@@ -427,7 +418,7 @@ class SupervisorManager:
         saying why, when this user may not read them (root's supervisor keeps them mode 0700: a
         running service read as "stopped")."""
         files = self.files(name)
-        if not _may_read(files.dir) and _there(files.dir):
+        if not _may_read(files.dir) and exists_or_hidden(files.dir):
             return ServiceStatus(name, "unknown", detail=f"cannot read {files.dir} as uid {os.geteuid()}: "
                                  "run 'llmgw service status' as root")
         return self._status(name, files)

@@ -31,9 +31,9 @@ started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
 4. program ended: ``Restart=`` decides as systemd does (``on-failure``: a non-zero exit or death by
    a signal other than HUP, INT, TERM, PIPE). No restart: state ``stopped`` (clean) or ``failed``,
    and the supervisor exits. Restart: wait ``RestartSec`` (doubled for each further failure in a
-   row that came within 10 s of its start, up to a minute: :func:`restart_delay`) and go to 2, unless the program has
-   started ``StartLimitBurst`` times within ``StartLimitIntervalSec`` (systemd's defaults: 5 in
-   10 s), in which case it gives up as ``failed``;
+   row that came within 10 s of its start, up to a minute: :func:`restart_delay`) and go to 2,
+   unless the program has started ``StartLimitBurst`` times within ``StartLimitIntervalSec``
+   (systemd's defaults: 5 in 10 s), in which case it gives up as ``failed``;
 5. SIGTERM: send SIGTERM to the program itself only (``KillMode=process``: the agent's engines live
    in their own sessions and must outlive it), wait up to ``TimeoutStopSec`` (default
    :data:`~llmgw.service.unitfile.STOP_TIMEOUT`), then SIGKILL;

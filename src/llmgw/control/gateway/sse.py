@@ -139,38 +139,28 @@ async def pump(
     the first token came 0.2-1.6 s later: a new user's report, 2026-12-05)."""
     tally = trace.tally
 
+    def counted(data: bytes) -> bytes:
+        return tally.feed(data) if data and tally is not None else data
+
     async def write(data: bytes) -> None:
         if not trace.first_byte_ns:
             trace.first_byte_ns = time.perf_counter_ns()
         await out.write(data)
 
-    if watcher is None:
-        async for chunk in resp.content.iter_any():
-            data = rewriter.feed(chunk)
-            if data and tally is not None:
-                data = tally.feed(data)
-            if data:
-                await write(data)
-        tail = rewriter.tail()
-        if tail and tally is not None:
-            tail = tally.feed(tail)
-        if tail:
-            await write(tail)
-        return None
     async for chunk in resp.content.iter_any():
-        data = rewriter.feed(chunk)
-        if data and tally is not None:
-            data = tally.feed(data)
+        data = counted(rewriter.feed(chunk))
         if not data:
             continue
-        seen = await watcher.chunk(data)
+        seen = data if watcher is None else await watcher.chunk(data)
         if isinstance(seen, Refusal):
             return seen
         if seen:
             await write(seen)
-    last = rewriter.tail()
-    if last and tally is not None:
-        last = tally.feed(last)
+    last = counted(rewriter.tail())
+    if watcher is None:
+        if last:
+            await write(last)
+        return None
     seen = await watcher.chunk(last) if last else b""
     if isinstance(seen, Refusal):
         return seen

@@ -49,7 +49,7 @@ from typing import TextIO
 import httpx
 
 from llmgw.errors import LockedError
-from llmgw.paths import Paths
+from llmgw.paths import Paths, exists_or_hidden
 from llmgw.serverinit.options import InitOptions
 from llmgw.serverinit.steps import (
     checks,
@@ -131,9 +131,9 @@ class ServerInit:
             LockedError: another init holds it (the message names its pid), or the lock is a symlink.
         """
         paths = self.ctx.paths
-        made = [d for d in (paths.state, *paths.state.parents) if not _there(d)]  # deepest first
+        made = [d for d in (paths.state, *paths.state.parents) if not exists_or_hidden(d)]  # deepest first
         paths.state.mkdir(mode=0o700, parents=True, exist_ok=True)
-        created = not _there(paths.init_lock)
+        created = not exists_or_hidden(paths.init_lock)
         # O_NOFOLLOW: the state directory may be the llmgw user's, and root must not truncate
         # whatever a symlink planted there points at.
         try:
@@ -171,11 +171,3 @@ def _forget_lock(lock: Path, made: list[Path]) -> None:
         for d in made:
             d.rmdir()
 
-
-def _there(path: Path) -> bool:
-    """Whether ``path`` exists, or may (a parent this user may not enter: Path.exists raises then,
-    and what init cannot see it never removes)."""
-    try:
-        return path.exists()
-    except OSError:
-        return True

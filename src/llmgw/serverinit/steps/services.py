@@ -20,8 +20,9 @@ from llmgw.service.users import choose_service_user
 def service_user(ctx: InitContext) -> str | None:
     """The user the control plane and the mirror run as (``llmgw``), or None: see
     :func:`llmgw.service.users.choose_service_user`. Decided once per run, and said: ``done``
-    when the user was made, ``kept`` when it was there, ``!!`` when they run as root instead, with the reason (``skip``
-    when their units already say so, and when not root: nothing can switch users then)."""
+    when the user was made, ``kept`` when it was there, ``!!`` when they run as root instead, with
+    the reason (``skip`` when their units already say so, and when not root: nothing can switch
+    users then)."""
     if ctx.user is not None:
         return ctx.user.user
     paths = ctx.paths
