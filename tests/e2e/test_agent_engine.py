@@ -98,7 +98,7 @@ def gemma_spec(world: World, rid: str = "r-1", **kw: object) -> ReplicaSpec:
         "sha256": GEMMA_SHA256,
         "file_name": "gemma.gguf",
         "args": ["--ctx-size", "2048"],
-        "cpu_cores": 2,
+        "cpu_cores": 1,
         "key": new_key(),
     }
     return ReplicaSpec.model_validate(fields | kw)

@@ -33,7 +33,7 @@ def engine(assets: Assets) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
-         "--api-key", KEY, "--metrics", "-c", "512", "--threads", "2", "-np", "1"],
+         "--api-key", KEY, "--metrics", "-c", "512", "--threads", "1", "-np", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

@@ -26,7 +26,7 @@ def gateway_url(assets: Assets) -> Iterator[str]:
     engine = subprocess.Popen(
         [
             *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
-            *("--api-key", "replica-key", "-c", "1024", "--threads", "2", "-np", "1"),
+            *("--api-key", "replica-key", "-c", "1024", "--threads", "1", "-np", "1"),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

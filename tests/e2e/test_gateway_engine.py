@@ -107,7 +107,7 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         engine = subprocess.Popen(
             [
                 *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
-                *("--api-key-file", str(keys), "-c", "1024", "--threads", "2", "-np", "1"),
+                *("--api-key-file", str(keys), "-c", "1024", "--threads", "1", "-np", "1"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

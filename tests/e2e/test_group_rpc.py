@@ -49,7 +49,7 @@ async def _group(w: World, model: str) -> dict[str, Any] | None:
 async def test_a_group_over_two_nodes_answers_and_survives_a_workers_death(world: World) -> None:
     w = world
     await until("three nodes", lambda: _count_nodes(w, 3), 30)
-    profile = {"name": "rpc", "nodes": 2, "min_memory_gb": 1.0, "args": ["--ctx-size", "512"]}
+    profile = {"name": "rpc", "nodes": 2, "min_memory_gb": 1.0, "cpu_cores": 1, "args": ["--ctx-size", "512"]}
     await w.api("POST", "/api/v1/models", {"name": "gemma", "source": f"{w.files}/gemma.gguf", "profiles": [profile]})
 
     async def ready() -> dict[str, Any] | None:

@@ -76,7 +76,7 @@ async def group(binaries: Binaries, tmp_path: Path) -> AsyncIterator[Group]:
     head_cert = ca.issue_client("head-1").write(tmp_path, "head")
     worker_cert = ca.issue_client("worker-1").write(tmp_path, "worker")
     with (tmp_path / "worker.log").open("ab") as wlog:
-        worker = await start_isolated(rpc_server_argv(binaries.rpc_server, "-t", "4"), stdout=wlog, ready_timeout_s=60)
+        worker = await start_isolated(rpc_server_argv(binaries.rpc_server, "-t", "1"), stdout=wlog, ready_timeout_s=60)
     tunnel = WorkerTunnel(
         engine=worker.link, head_node_id="head-1", ca=tmp_path / "ca.pem", cert=worker_cert[0], key=worker_cert[1],
         host="127.0.0.1",
@@ -89,7 +89,7 @@ async def group(binaries: Binaries, tmp_path: Path) -> AsyncIterator[Group]:
     with (tmp_path / "head.log").open("ab") as hlog:
         head = subprocess.Popen(  # noqa: ASYNC220 (as the agent's runner does)
             [str(binaries.llama_server), "-m", str(binaries.model), "--rpc", forwarder.rpc_arg, "-ngl", "99",
-             "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1", "--threads", "2"],
+             "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1", "--threads", "1"],
             stdout=hlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     forwarder.allow(head.pid)  # at once: before llama-server gets to connect to its RPC servers

@@ -48,11 +48,12 @@ class Env:
 
 
 def start_llama(assets: Assets, port: int) -> subprocess.Popen[bytes]:
-    """gemma-3-270m on one slot, no prompt cache RAM, full SWA cache (prefix reuse), 2 threads."""
+    """gemma-3-270m on one slot, no prompt cache RAM, full SWA cache (prefix reuse), one thread
+    (tests/helpers/processes.py ENGINE_CORES: why one)."""
     return subprocess.Popen(
         [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
          "--api-key", KEY, "-np", "1", "--ctx-size", "4096", "--cache-ram", "0", "--swa-full",
-         "--threads", "2", "--no-webui"],
+         "--threads", "1", "--no-webui"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
 

@@ -38,7 +38,7 @@ from llmgw.serverinit.steps.context import InitContext
 from llmgw.service.manager import SupervisorManager
 from llmgw.tlsconf import CA
 from tests.conftest import Assets, skip_or_fail
-from tests.helpers.processes import exposed, listen_args, llmgw, stop_installs
+from tests.helpers.processes import ENGINE_CORES, exposed, listen_args, llmgw, stop_installs
 
 pytestmark = pytest.mark.e2e
 
@@ -279,8 +279,8 @@ def test_ha_init_then_a_standby_joins_and_a_foreign_bundle_is_refused(
     agent_port = int(listen[listen.index("--agent-listen") + 1].rsplit(":", 1)[1])
     args = ["server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node", "--no-guard-model",
             "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
-            "--llama-server", str(assets.llama_server), "--patroni-venv", str(patroni_venv), *listen,
-            *members]
+            "--llama-server", str(assets.llama_server), "--cpus", str(ENGINE_CORES),
+            "--patroni-venv", str(patroni_venv), *listen, *members]
     standby_listen = [*listen_args(skip=("--mirror-listen", "--mirror-api-listen", "--agent-listen")),
                       "--agent-listen", f"127.0.0.2:{agent_port}"]
     try:

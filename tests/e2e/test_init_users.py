@@ -31,7 +31,7 @@ import llmgw
 from llmgw.paths import Paths
 from llmgw.service.manager import SupervisorManager
 from tests.conftest import Assets
-from tests.helpers.processes import exposed, listen_args, stop_install
+from tests.helpers.processes import ENGINE_CORES, exposed, listen_args, stop_install
 
 pytestmark = [
     pytest.mark.e2e,
@@ -76,7 +76,7 @@ def test_init_runs_the_control_plane_and_mirror_as_llmgw(system_install: Path, a
         str(system_install / "venv/bin/llmgw"), "server", "init", "--offline", "--host", "127.0.0.1",
         "--node-id", "users-node", "--no-guard-model",
         "--starter-source", f"file:{system_install / 'models/starter.gguf'}", "--starter-alias", "gemma",
-        "--llama-server", str(assets.llama_server), *listen_args(),
+        "--llama-server", str(assets.llama_server), "--cpus", str(ENGINE_CORES), *listen_args(),
     ]
     env = {**os.environ, "LLMGW_ROOT": str(root)}
     env.pop("VIRTUAL_ENV", None)

@@ -83,15 +83,24 @@ def stop_installs(*roots: Path) -> None:
         list(pool.map(stop_install, roots))
 
 
+#: The cores a test plans its engines with (``server init --cpus``, a profile's ``cpu_cores``, a
+#: llama-server's ``--threads``): one. With a thread per core (2 here), llama.cpp's threads wait for
+#: each other at every step, and on a machine the suite keeps busy that is ruinous: the nine tests
+#: of tests/e2e/test_gateway_engine.py took 56 s with 2 threads and 15 s with 1 beside two busy
+#: loops (2026-12-05); alone, 128 tokens cost 42% more CPU with 2 threads (11.1 vs 7.8 CPU-s for 384).
+ENGINE_CORES = 1
+
+
 @contextmanager
 def offline_init(tmp_path: Path, assets: Assets) -> Iterator[tuple[Path, list[str]]]:
     """``(root, args)``: the arguments of an offline ``server init`` of the test assets (node
-    ``e2e-node``, starter alias ``gemma``, every port free); the install is stopped afterwards."""
+    ``e2e-node``, starter alias ``gemma``, planned with :data:`ENGINE_CORES`, every port free); the
+    install is stopped afterwards."""
     root = tmp_path / "root"
     args = [
         "server", "init", "--offline", "--host", "127.0.0.1", "--node-id", "e2e-node",
         "--starter-source", f"file:{assets.model}", "--starter-alias", "gemma",
-        "--llama-server", str(assets.llama_server), *listen_args(),
+        "--llama-server", str(assets.llama_server), "--cpus", str(ENGINE_CORES), *listen_args(),
     ]
     try:
         yield root, args

@@ -12,7 +12,7 @@ from llmgw.serverinit import plan
 @pytest.mark.parametrize(
     ("cpus", "judges", "want"),
     [
-        (1, 0, (0, 0)), (1, 1, (0, 0)), (1, 3, (0, 0)),
+        (1, 0, (0, 1)), (1, 1, (0, 0)), (1, 3, (0, 0)),
         (2, 0, (2, 2)), (2, 1, (2, 0)), (2, 2, (1, 0)), (2, 3, (1, 0)),
         (4, 1, (4, 0)), (4, 2, (2, 0)), (4, 3, (1, 1)),
         (5, 3, (1, 2)), (6, 3, (2, 0)),
@@ -30,8 +30,8 @@ def test_cpu_plan_table(cpus: int, judges: int, want: tuple[int, int]) -> None:
 def test_cpu_plan_never_reserves_more_than_the_machine(cpus: int, judges: int) -> None:
     split = sizing.cpu_plan(cpus=cpus, judges=judges)
     assert split.starter <= 8
-    if cpus < 2:
-        assert (split.judge, split.starter) == (0, 0)
+    if cpus < 2:  # the judges reserve none; the starter alone has the core
+        assert (split.judge, split.starter) == (0, 0 if judges else cpus)
         return
     # Judges get at least one core each; the starter only what is left.
     assert split.judge >= 1

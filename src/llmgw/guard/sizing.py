@@ -52,7 +52,9 @@ def cpu_plan(*, cpus: int, judges: int, no_node: bool = False) -> CpuSplit:
     each (one each only where two would not fit both). The starter has what is left, up to 8, or
     no reservation at all (0) when nothing is, rather than a starter that fits nowhere. A machine
     that is not the node reserves two a judge on whichever node takes it, and the starter, on a
-    node not known yet, none.
+    node not known yet, none. With fewer than two cores the judges reserve none; the starter
+    alone there has the one core (``--cpus 1`` on a bigger machine: one engine thread, not all the
+    machine's: with no reservation the engine runs a thread per core of the node).
 
     Args:
         cpus: this machine's cores (``--cpus`` or the count the OS gives).
@@ -62,7 +64,7 @@ def cpu_plan(*, cpus: int, judges: int, no_node: bool = False) -> CpuSplit:
     if no_node:
         return CpuSplit(judge=JUDGE_CORES, starter=0)
     if cpus < 2:
-        return CpuSplit(judge=0, starter=0)
+        return CpuSplit(judge=0, starter=0 if judges else cpus)
     judge = JUDGE_CORES
     if judges == 1:
         judge = min(cpus, JUDGE_CORES_ALONE)
