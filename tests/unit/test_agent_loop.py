@@ -167,3 +167,40 @@ async def test_unreachable_control_plane_is_retried(
     stop.set()
     await asyncio.wait_for(task, 10)
     assert cp.calls == []
+
+
+async def test_a_replica_reserving_no_cores_gets_the_cores_the_others_leave(
+    tmp_path: Path, world: tuple[AgentConfig, ControlPlane, str]
+) -> None:
+    """``server init`` on a small machine: its judge reserves cores, its starter none. The starter's
+    engine gets the cores left (4 - 3 = 1 thread here), not a thread per core of the node, which made
+    two engines decoding at once on 2 cores run at a quarter of their speed (llmgw.agent.node.pinning).
+    The engine is a script that records its arguments and exits (no llama-server needed for argv)."""
+    cfg, cp, files = world
+    argv_log = tmp_path / "argv.log"
+    Path(cfg.engines.llamacpp.binary).write_text(  # noqa: ASYNC240 (before the agent starts)
+        '#!/bin/sh\nif [ "$1" = "--version" ]; then echo "version: 4242 (feedbee)"; exit 0; fi\n'
+        f'echo "$*" >> {argv_log}\nexit 1\n'
+    )
+
+    def spec(rid: str, cores: int) -> ReplicaSpec:
+        return ReplicaSpec(
+            id=rid, model=rid, version="v1", profile="cpu", engine="llamacpp", cpu_cores=cores,
+            source_url=f"{files}/{rid}/v1/w.gguf", sha256=hashlib.sha256(WEIGHTS).hexdigest(),
+            file_name="w.gguf", key="k",
+        )
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_agent(cfg, Paths(tmp_path / "root"), stop=stop))
+    try:
+        cp.desired = [spec("judge", 3), spec("starter", 0)]
+        await wait_for(cp, lambda c: sum(r.state == "failed" for r in c[2].replicas) == 2, 20)
+        threads = {}
+        for words in (line.split() for line in argv_log.read_text().splitlines()):
+            if "-m" in words:  # a launch (not a probe of the build's flags)
+                model = words[words.index("-m") + 1].split("/cache/")[1].split("/")[0]
+                threads[model] = words[words.index("--threads") + 1]
+        assert threads == {"judge": "3", "starter": "1"}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
