@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from llmgw.agent.node.pinning import CoreAllocator, format_cpus, pin_process, shared_threads, usable_cpus
-from llmgw.protocol import GroupRole, ReplicaSpec
+from llmgw.agent.node.pinning import CoreAllocator, format_cpus, pin_process, usable_cpus
 
 
 def test_allocations_never_overlap_and_are_released() -> None:
@@ -57,21 +56,3 @@ def test_pin_gone_process_raises() -> None:
     proc.wait()
     with pytest.raises(ProcessLookupError):
         pin_process(proc.pid, [0])
-
-
-def _spec(rid: str, cores: int = 0, **kw: object) -> ReplicaSpec:
-    fields = {"id": rid, "model": rid, "version": "1", "profile": "cpu", "engine": "llamacpp",
-              "source_url": "http://m/w.gguf", "file_name": "w.gguf", "key": "k", "cpu_cores": cores}
-    return ReplicaSpec.model_validate(fields | kw)
-
-
-def test_a_replica_reserving_no_cores_shares_what_the_others_leave() -> None:
-    starter, judge = _spec("starter"), _spec("judge", 2)
-    assert shared_threads(2, starter, [judge, starter]) == 1  # init on 2 cores: never below 1
-    assert shared_threads(8, starter, [judge, starter]) == 6
-    assert shared_threads(8, starter, [starter, _spec("other")]) == 4  # two share: half each
-    assert shared_threads(8, starter, [starter, _spec("other"), _spec("third", 3)]) == 2
-    assert shared_threads(4, starter, []) == 4  # alone (not yet in a desired list): the node
-    assert shared_threads(8, judge, [judge, starter]) is None  # its own reservation rules
-    assert shared_threads(8, _spec("gpu", gpu_indexes=[0]), [starter]) is None
-    assert shared_threads(8, _spec("head", role=GroupRole.HEAD), [starter]) is None

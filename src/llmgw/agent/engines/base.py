@@ -91,9 +91,7 @@ class Launch:
         host, port: where the engine listens (the runner picked the port free just now).
         key_file: a 0600 file holding ``spec.key`` (keeps the key out of the world-readable argv).
         node_cores: the node's logical cores; node_has_gpus: whether the node has GPUs.
-        threads: the engine's threads: the cores the replica is pinned to, or for one that reserves
-            none its share of the node (:func:`llmgw.agent.node.pinning.shared_threads`); None: the
-            engine's own rule (its reservation, else the node's cores).
+        threads: the cores the replica is pinned to, or None when it is not pinned.
         extra_args: flags the agent adds for this launch (a group head's ``--rpc …``).
     """
 

@@ -74,7 +74,6 @@ from llmgw.agent.loop.wire import REQUEST_TIMEOUT, STALE_TERM, cached_weights, p
 from llmgw.agent.node import logs
 from llmgw.agent.node.cache import NodeCache
 from llmgw.agent.node.discovery import discover_inventory
-from llmgw.agent.node.pinning import shared_threads
 from llmgw.agent.node.records import (
     adoptable,
     drop_record,
@@ -428,8 +427,7 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
 
     async def reconcile(self, desired: list[ReplicaSpec]) -> None:
-        """Start new specs, stop undesired runners, restart runners whose spec changed; each runner's
-        engine threads when it reserves no cores (:func:`~llmgw.agent.node.pinning.shared_threads`)."""
+        """Start new specs, stop undesired runners, restart runners whose spec changed."""
         wanted = {s.id: s for s in desired}
         for rid, runner in list(self.state.runners.items()):
             spec = wanted.get(rid)
@@ -447,11 +445,9 @@ class Agent:
                 log.info(
                     "replica %s: starting %s/%s (profile %s)", rid, spec.model, spec.version, spec.profile
                 )
-                runner = ReplicaRunner(spec, self.env, threads=shared_threads(self.env.cores, spec, desired))
+                runner = ReplicaRunner(spec, self.env)
                 self.state.runners[rid] = runner
                 runner.start()
-            else:  # kept (or adopted): its next start, after a crash, takes its share of the node as it is now
-                self.state.runners[rid].threads = shared_threads(self.env.cores, spec, desired)
 
     async def _log_failure(self, failures: list[tuple[str, LlmgwError]]) -> None:
         """Log a beat that got no usable answer (one ``(url, error)`` per control plane tried),

@@ -12,14 +12,7 @@ Why pin at all (bench/pinning.py, this 2-core machine): two CPU engines left to 
 spin their ggml threadpool (``--poll 50`` by default) across both cores and slow each other down;
 pinned to one core each they do not meet.
 
-A replica with ``cpu_cores == 0`` reserves nothing and is not pinned (it shares the node). Its
-engine gets as many threads as the node has cores that the other replicas desired here do not
-reserve, split among the replicas that reserve none, at least one (:func:`shared_threads`), not a
-thread per core of the node: llama.cpp's threads wait for each other at every step, so two engines
-with a thread per core each collapse when both work. Measured on this 2-core machine
-(gemma-3-270m, 256 tokens each, both decoding at once, 2026-12-05): 10.5-11.8 tokens/s each with 2
-threads each, 28.5 with 2 and 1, 43-47 with 1 each (alone: 49 with 1 thread, 70 with 2). That is
-``server init`` on a small machine: its judge reserves every core and its starter none. When
+A replica with ``cpu_cores == 0`` reserves nothing and is not pinned (it shares the node). When
 fewer cores are free than asked (a node whose cores changed, records from an older agent), the
 replica runs unpinned and the reason is logged: a slower replica is better than none.
 """
@@ -30,8 +23,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable
-
-from llmgw.protocol import ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -140,26 +131,3 @@ def format_cpus(cpus: Iterable[int]) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out)
-
-
-def _shares(spec: ReplicaSpec) -> bool:
-    """A replica of one node on the CPU that reserves no cores: it shares what the others leave."""
-    return spec.cpu_cores == 0 and not spec.gpu_indexes and spec.role is None
-
-
-def shared_threads(cores: int, spec: ReplicaSpec, desired: Iterable[ReplicaSpec]) -> int | None:
-    """The engine threads of ``spec`` when it reserves no cores (see the module docstring): the
-    node's ``cores`` less the cores the other ``desired`` replicas reserve, divided among the
-    replicas that reserve none (``spec`` included), at least 1. None for a replica this rule does not
-    cover (one that reserves cores, holds GPUs or is a group member): the engine's own rule applies.
-
-    E.g. 2 cores, a judge reserving 2 and the starter none: 1 thread for the starter; 8 cores and two
-    replicas reserving none: 4 each. A replica added later does not change the threads of an engine
-    already running (it takes effect at the engine's next start).
-    """
-    if not _shares(spec):
-        return None
-    others = [s for s in desired if s.id != spec.id]
-    reserved = sum(s.cpu_cores for s in others)
-    sharers = 1 + sum(1 for s in others if _shares(s))
-    return max(1, (cores - reserved) // sharers)

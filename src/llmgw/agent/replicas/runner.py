@@ -189,15 +189,11 @@ class ReplicaRunner:
     Use :meth:`start` (or :meth:`adopt` for an engine an earlier agent launched), read
     :meth:`status` at will, and end with :meth:`stop` (engine stopped) or :meth:`detach` (the
     agent exits; the engine keeps serving).
-
-    ``threads``: the engine's threads when it is not pinned to cores of its own (a replica that
-    reserves none: :func:`llmgw.agent.node.pinning.shared_threads`); None: the engine's own rule.
     """
 
-    def __init__(self, spec: ReplicaSpec, env: RunnerEnv, *, threads: int | None = None) -> None:
+    def __init__(self, spec: ReplicaSpec, env: RunnerEnv) -> None:
         self.spec = spec
         self.env = env
-        self.threads = threads
         self.state = ReplicaState.PENDING
         self.err = ""
         self.port = 0
@@ -382,7 +378,7 @@ class ReplicaRunner:
             key_file=key_file,
             node_cores=env.cores,
             node_has_gpus=env.has_gpus,
-            threads=len(self.cpus) or self.threads,
+            threads=len(self.cpus) or None,
             extra_args=tuple(extra or ()),
         )
         argv = engine.argv(build, launch)
