@@ -83,12 +83,12 @@ def stop_installs(*roots: Path) -> None:
         list(pool.map(stop_install, roots))
 
 
-#: The cores ``server init`` plans with in the tests that run it (``--cpus``): one, as every test that
-#: starts an engine itself or through a profile gives it (``--threads 1``, ``cpu_cores: 1``). With a
-#: thread per core (2 here), llama.cpp's threads wait for
-#: each other at every step, and on a machine the suite keeps busy that is ruinous: the nine tests
-#: of tests/e2e/test_gateway_engine.py took 56 s with 2 threads and 15 s with 1 beside two busy
-#: loops (2026-12-05); alone, 128 tokens cost 42% more CPU with 2 threads (11.1 vs 7.8 CPU-s for 384).
+#: The cores ``server init`` plans with in the tests that run it (``--cpus``): one, as the tests
+#: that start an engine themselves or through a profile give it (``--threads 1``, ``cpu_cores: 1``).
+#: With a thread per core (2 here), llama.cpp's threads wait for each other at every step, and on
+#: a machine the suite keeps busy that is ruinous: the nine tests of test_gateway_engine.py took
+#: 56 s with 2 threads and 15 s with 1 beside two busy loops (2026-12-05). Alone, 384 tokens cost
+#: 11.1 CPU-s with 2 threads and 7.8 with 1 (42% more, for 70 against 49 tokens/s).
 ENGINE_CORES = 1
 
 
