@@ -161,8 +161,8 @@ async def test_a_full_queue_refuses_at_once_with_retry_after() -> None:
     waiting = [asyncio.create_task(q.acquire("a", 0, slots.take, service_s=3.0, slots=1)) for _ in range(2)]
     await _settle()
     t0 = time.monotonic()
-    with pytest.raises(HttpError) as refused:
-        await q.acquire("b", 0, slots.take, service_s=3.0, slots=1)
+    with pytest.raises(HttpError) as refused:  # the key holding every place asks for one more
+        await q.acquire("a", 0, slots.take, service_s=3.0, slots=1)
     assert time.monotonic() - t0 < 0.01
     assert (refused.value.status, refused.value.code) == (429, "model_busy")
     # Room once one waiter left: one service time over one slot.
@@ -173,6 +173,47 @@ async def test_a_full_queue_refuses_at_once_with_retry_after() -> None:
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+    assert len(q) == 0
+
+
+async def test_a_full_queue_pushes_out_the_flooding_keys_newest_not_another_keys_request() -> None:
+    """A new user's finding: one key holding all ``size`` places locked every other key out, priority
+    9 included. Now another key's request takes the place of the flooding key's newest waiter, which
+    gets 429 ``model_busy`` at once; a key as long as the newcomer's would be is not pushed out."""
+    slots = Slots(1)
+    q = _queue(slots, size=4)
+    slots.take()
+    flood = [asyncio.create_task(q.acquire("flood", 0, slots.take, service_s=2.0, slots=1)) for _ in range(4)]
+    await _settle()
+    other = asyncio.create_task(q.acquire("dave", 0, slots.take, service_s=2.0, slots=1))
+    await _settle()
+    assert len(q) == 4 and q.queued() == {"flood": 3, "dave": 1}
+    with pytest.raises(HttpError) as pushed:
+        await flood[3]  # the newest of the key holding the most places
+    assert (pushed.value.status, pushed.value.code) == (429, "model_busy")
+    assert "another key's request took this one's place" in pushed.value.message
+    assert pushed.value.headers == {"Retry-After": "8"}  # its key's 4 requests, one per 2 s
+    vip = asyncio.create_task(q.acquire("vip", 9, slots.take, service_s=2.0, slots=1))  # a higher band
+    await _settle()
+    assert q.queued() == {"flood": 2, "dave": 1, "vip": 1} and flood[2].done()
+    # dave again: flood's 2 would not be more than dave's 2, so the newcomer is the one refused.
+    with pytest.raises(HttpError) as refused:
+        await q.acquire("dave", 0, slots.take, service_s=2.0, slots=1)
+    assert "already wait, the most the gateway holds" in refused.value.message
+    # Served in fair order: vip, then flood's first (its key came first in the rotation), then dave
+    # before flood's second.
+    _free_one(slots, q)
+    await _settle()
+    assert vip.done() and not flood[0].done()
+    _free_one(slots, q)
+    await _settle()
+    assert flood[0].done() and not other.done()
+    _free_one(slots, q)
+    await _settle()
+    assert other.done() and not flood[1].done()
+    for t in (*flood, other, vip):
+        t.cancel()
+    await asyncio.gather(*flood, other, vip, return_exceptions=True)
     assert len(q) == 0
 
 

@@ -35,7 +35,14 @@ band min(its waiters, K's waiters + 1), and is ``(ahead + 1) × service_s / slot
 busy and one frees every ``service_s / slots`` seconds on average (``service_s``, the model's recent
 median service time, and ``slots``, its slots now, come from the balancer's measurements; ``size``
 and ``wait_s`` from the gateway's configuration: this module holds no numbers of its own). So a
-flooding key is refused on its own backlog while another key's request is still admitted.
+flooding key is refused on its own backlog while another key's request is still admitted. A full
+queue refuses the request that ranks last, not the newcomer: a request that finds ``size`` waiting
+pushes out the newest waiter of the key holding the most places in the lowest band (429
+``model_busy`` at once), when that band is below its own, or is its own and that key would still
+hold more places than the newcomer's key (longest-queue drop, as fair-queueing routers drop from
+the fattest flow); otherwise the newcomer is refused. Without it one key filling the queue locked
+every other key out, priority 9 included (a new user's finding, 2026-12-05: 30 concurrent requests
+of one key, ``size`` 8, and the other keys' first requests were refused at once).
 
 Why refuse at once: a 429 ``model_busy`` with ``Retry-After`` tells the client now that it will not
 be served within the bound, and when to come back (OpenAI's clients retry 429s after
@@ -191,17 +198,23 @@ class FairQueue(Generic[T]):
             if got is not None and not isinstance(got, Defer):
                 return got
         slots = max(1, slots)
+        own = len(self._keys(priority).get(key, ()))
+        victim = None
         if self._n >= self.size:
-            # Room for one more once n - size + 1 waiters have left, one per service_s / slots.
-            self._refuse(f"{counted(self._n, 'request')} already {plural(self._n, 'waits', 'wait')}, the most the "
-                         "gateway holds",
-                         (self._n - self.size + 1) * service_s / slots)
-        ahead = self._ahead(key, priority, len(self._keys(priority).get(key, ())))
+            victim = self._victim(key, priority, own)
+            if victim is None:
+                # Room for one more once n - size + 1 waiters have left, one per service_s / slots.
+                self._refuse(f"{counted(self._n, 'request')} already {plural(self._n, 'waits', 'wait')}, the most "
+                             "the gateway holds",
+                             (self._n - self.size + 1) * service_s / slots)
+        ahead = self._ahead(key, priority, own)
         expected = (ahead + 1) * service_s / slots
         if expected > self.wait_s:
             self._refuse(f"{counted(ahead, 'request')} {plural(ahead, 'is', 'are')} ahead of this one for its "
                          f"{counted(slots, 'slot')}, about {expected:.0f} s "
                          f"of waiting, over the bound of {self.wait_s:g} s", expected - self.wait_s)
+        if victim is not None:
+            self._push_out(victim)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         waiter = _Waiter(key, priority, take, future, service_s, slots, self._clock())
@@ -224,6 +237,34 @@ class FairQueue(Generic[T]):
             self._walk()
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _victim(self, key: str, priority: int, own: int) -> _Waiter[T] | None:
+        """When the queue is full: the waiter a new request of ``key`` at ``priority`` (holding ``own``
+        waiters of its band) pushes out, or None (the new request is refused). The newest waiter of
+        the key with the most waiters in the lowest band, when that band is below ``priority``, or is
+        ``priority`` and that key would still hold more than ``key`` does with the new request."""
+        if not self._order or self._order[-1] > priority:
+            return None
+        band = self._bands[self._order[-1]]
+        fifo = max(band.keys.values(), key=len)
+        if self._order[-1] == priority and len(fifo) <= own + 1:
+            return None
+        return fifo[-1]
+
+    def _push_out(self, waiter: _Waiter[T]) -> None:
+        """Refuse ``waiter`` (429 ``model_busy``) to make room for a request that ranks above it."""
+        self._remove(waiter)
+        if waiter.future.done():
+            return
+        mine = len(self._keys(waiter.priority).get(waiter.key, ())) + 1
+        retry = max(1, math.ceil(mine * waiter.service_s / waiter.slots))
+        waiter.future.set_exception(HttpError(
+            429, "model_busy",
+            f"model '{self.model}' is busy: the queue is full and this key held {mine} of its "
+            f"{counted(self.size, 'place')}, so another key's request took this one's place; retry after "
+            f"{retry} s, or ask the operator for more replicas of it",
+            headers={"Retry-After": str(retry)},
+        ))
 
     def _keys(self, priority: int) -> OrderedDict[str, deque[_Waiter[T]]]:
         band = self._bands.get(priority)
