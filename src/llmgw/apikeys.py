@@ -72,6 +72,21 @@ def _duration(text: str) -> str:
 Duration = Annotated[str, AfterValidator(_duration)]
 """A key's ``expires`` as the API takes it: a duration from now (``30d``), checked, kept as text."""
 
+#: The usage name of a key from the gateway's keys file, and of a loopback client without a key: no
+#: stored key may take them, or its usage would merge with theirs (a new user's finding, 2026-12-05).
+FILE_CALLER_NAME = "keys-file"
+LOOPBACK_CALLER_NAME = "loopback"
+
+
+def _not_a_usage_name(name: str) -> str:
+    if name in (FILE_CALLER_NAME, LOOPBACK_CALLER_NAME):
+        raise ValueError(
+            f"'{name}' is the name usage, metrics and the access log give "
+            + ("the keys file's keys" if name == FILE_CALLER_NAME else "loopback clients without a key")
+            + "; choose another name"
+        )
+    return name
+
 
 class KeySpec(BaseModel):
     """``POST /api/v1/keys``: a new key's name and limits (``llmgw ctl key create``).
@@ -86,7 +101,7 @@ class KeySpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[str, valid_name("key name")] = Field(
+    name: Annotated[str, valid_name("key name"), AfterValidator(_not_a_usage_name)] = Field(
         description="1-63 characters: lower-case letters, digits and '-', as model names"
     )
     models: list[str] = Field(default_factory=list, max_length=100)

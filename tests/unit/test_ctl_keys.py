@@ -118,6 +118,10 @@ def test_a_key_limited_to_models_not_served_is_told_which_it_may_use(cp: Install
         ({"name": "k", "models": ["Not A Model"]}, "is not a valid model name"),
         ({"name": "k", "secret": "mine"}, "secret: Extra inputs are not permitted"),
         ([1, 2], "Input should be a valid dictionary"),
+        # the usage names of the keys file's keys and of loopback clients (a new user's finding: a
+        # stored key named so merged its usage with theirs)
+        ({"name": "keys-file"}, "'keys-file' is the name usage, metrics and the access log give the keys file's"),
+        ({"name": "loopback"}, "'loopback' is the name usage, metrics and the access log give loopback clients"),
     ],
 )
 def test_bad_key_specs_are_400_saying_what_is_wrong(cp: Install, body: object, says: str) -> None:
@@ -186,6 +190,16 @@ def test_create_prints_the_expiry_it_set(cp: Install) -> None:
     assert "made key 'forever' (-; models: all; priority: 0; expires: never)" in out
     code, out = _ctl(cp, "key", "rotate", "exp")
     assert f"rotated key 'exp' (-; models: all; priority: 0; expires: {when} UTC)" in out
+
+
+def test_an_empty_models_option_is_refused_not_every_model(cp: Install) -> None:
+    """A new user's finding: ``--models ''`` (an empty variable in a script) made a key for every model."""
+    for args in (("key", "create", "m2", "--models", ""), ("key", "set", "m2", "--models", " , ")):
+        code, out = _ctl(cp, *args)
+        assert code == 2, out
+        assert "names no model: give model names or aliases, comma-separated" in out
+    code, out = _ctl(cp, "key", "ls")
+    assert "m2" not in out
 
 
 def test_usage_of_a_key_that_does_not_exist_is_an_error(cp: Install) -> None:

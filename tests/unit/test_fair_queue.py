@@ -187,7 +187,8 @@ async def test_a_full_queue_pushes_out_the_flooding_keys_newest_not_another_keys
     await _settle()
     other = asyncio.create_task(q.acquire("dave", 0, slots.take, service_s=2.0, slots=1))
     await _settle()
-    assert len(q) == 4 and q.queued() == {"flood": 3, "dave": 1}
+    assert len(q) == 4
+    assert q.queued() == {"flood": 3, "dave": 1}
     with pytest.raises(HttpError) as pushed:
         await flood[3]  # the newest of the key holding the most places
     assert (pushed.value.status, pushed.value.code) == (429, "model_busy")
@@ -195,7 +196,8 @@ async def test_a_full_queue_pushes_out_the_flooding_keys_newest_not_another_keys
     assert pushed.value.headers == {"Retry-After": "8"}  # its key's 4 requests, one per 2 s
     vip = asyncio.create_task(q.acquire("vip", 9, slots.take, service_s=2.0, slots=1))  # a higher band
     await _settle()
-    assert q.queued() == {"flood": 2, "dave": 1, "vip": 1} and flood[2].done()
+    assert q.queued() == {"flood": 2, "dave": 1, "vip": 1}
+    assert flood[2].done()
     # dave again: flood's 2 would not be more than dave's 2, so the newcomer is the one refused.
     with pytest.raises(HttpError) as refused:
         await q.acquire("dave", 0, slots.take, service_s=2.0, slots=1)
@@ -204,13 +206,16 @@ async def test_a_full_queue_pushes_out_the_flooding_keys_newest_not_another_keys
     # before flood's second.
     _free_one(slots, q)
     await _settle()
-    assert vip.done() and not flood[0].done()
+    assert vip.done()
+    assert not flood[0].done()
     _free_one(slots, q)
     await _settle()
-    assert flood[0].done() and not other.done()
+    assert flood[0].done()
+    assert not other.done()
     _free_one(slots, q)
     await _settle()
-    assert other.done() and not flood[1].done()
+    assert other.done()
+    assert not flood[1].done()
     for t in (*flood, other, vip):
         t.cancel()
     await asyncio.gather(*flood, other, vip, return_exceptions=True)

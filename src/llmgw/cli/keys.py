@@ -75,6 +75,18 @@ def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
 
 #: The limits ``key create`` sets and ``key set`` changes, one option each.
 ModelsOpt = Annotated[str | None, typer.Option("--models", help="Comma-separated models or aliases.")]
+
+
+def _model_list(models: str) -> list[str]:
+    """``--models a,b`` as a list. BadParameter when it names none (``--models ''``, an empty
+    variable in a script): an empty list would mean every model, the opposite of a restriction."""
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names:
+        raise typer.BadParameter(
+            f"{models!r} names no model: give model names or aliases, comma-separated; for every model "
+            "leave --models out (key set: --clear models)", param_hint="--models",
+        )
+    return names
 RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")]
 TpmOpt = Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")]
 BudgetTokensOpt = Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")]
@@ -103,8 +115,8 @@ def create(
 ) -> None:
     """Make a key; its secret is printed once."""
     spec: dict[str, Any] = {"name": name}
-    if models:
-        spec["models"] = [m.strip() for m in models.split(",") if m.strip()]
+    if models is not None:
+        spec["models"] = _model_list(models)
     for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_tokens", budget_tokens),
                          ("budget_period", budget_period), ("expires", expires), ("priority", priority)):
         if value is not None:
@@ -158,7 +170,7 @@ def set_limits(
             raise typer.BadParameter(f"--clear {what!r}: give one of {', '.join(_CLEARS)}", param_hint="--clear")
         patch.update(dict.fromkeys(_CLEARS[what]))
     if models is not None:
-        patch["models"] = [m.strip() for m in models.split(",") if m.strip()]
+        patch["models"] = _model_list(models)
     for field, value in (("rpm", rpm), ("tpm", tpm), ("budget_tokens", budget_tokens),
                          ("budget_period", budget_period), ("expires", expires), ("priority", priority)):
         if value is not None:

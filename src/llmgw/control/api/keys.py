@@ -38,9 +38,18 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from llmgw import jsonbody
-from llmgw.apikeys import KeyPatch, KeySpec, key_digest, key_prefix, new_secret, parse_duration
+from llmgw.apikeys import (
+    FILE_CALLER_NAME,
+    LOOPBACK_CALLER_NAME,
+    KeyPatch,
+    KeySpec,
+    key_digest,
+    key_prefix,
+    new_secret,
+    parse_duration,
+)
 from llmgw.control.api.context import must_exist
-from llmgw.control.gateway.callers import FILE_CALLER_NAME, LOOPBACK_CALLER_NAME, Callers
+from llmgw.control.gateway.callers import Callers
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import ApiKeyRow

@@ -31,12 +31,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import KW_ONLY, dataclass, field
 
+from llmgw.apikeys import FILE_CALLER_NAME, LOOPBACK_CALLER_NAME
 from llmgw.control.gateway.keys import GatewayKeys, digest
 from llmgw.control.store.rows import ApiKeyRow
-
-#: The caller name of a key from gateway.keys_file, and of a loopback client without a key.
-FILE_CALLER_NAME = "keys-file"
-LOOPBACK_CALLER_NAME = "loopback"
 
 #: Seconds after the last successful read of the stored keys past which they are refused with 503
 #: (module docstring): 10 syncs of 0.5 s, so a store call that is slow once (a failover's first
