@@ -10,6 +10,7 @@ model.yaml would; ``null`` removes an optional field (back to its default), as R
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,6 +41,8 @@ def merge_patch(assignments: Iterable[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise AssignmentError(f"'{text}': the value is not valid YAML ({e}); quote it: {key}='\"…\"'") from e
+        if not _finite(value):  # YAML's .nan and .inf: JSON has no such numbers (the CLI crashed sending one)
+            raise AssignmentError(f"'{text}': {raw.strip()} is not a finite number; give a number such as {key}=2")
         node = patch
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part.strip(), {})
@@ -51,6 +54,17 @@ def merge_patch(assignments: Iterable[str]) -> dict[str, Any]:
             raise AssignmentError(f"'{text}': {key.strip()} is set twice")
         node[last] = value
     return patch
+
+
+def _finite(value: Any) -> bool:
+    """False when ``value`` holds a NaN or an infinity anywhere (YAML reads ``.nan``, ``.inf``)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
 
 
 def assignments_text(patch: dict[str, Any], prefix: str = "") -> list[str]:

@@ -33,6 +33,10 @@ def test_assignments_become_a_merge_patch_with_yaml_values() -> None:
     (["queue.size=1", "queue.size=2"], "queue.size is set twice"),
     (["scaling=null", "scaling.min=1"], "scaling is set to a value already"),
     (["routing=[a"], "is not valid YAML"),
+    # YAML's NaN and infinity: the CLI crashed with a traceback encoding them (a new user's finding)
+    (["scaling.target=.nan"], "'scaling.target=.nan': .nan is not a finite number"),
+    (["scaling.target=-.inf"], "is not a finite number"),
+    (["aliases=[a, .inf]"], "is not a finite number"),
 ])
 def test_a_bad_assignment_says_what_to_write(args: list[str], words: str) -> None:
     with pytest.raises(AssignmentError, match=words.replace(".", r"\.").replace("[", r"\[")):

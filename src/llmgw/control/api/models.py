@@ -43,7 +43,9 @@ def describe(err: ValidationError) -> str:
     for e in err.errors()[:3]:
         where = ".".join(str(p) for p in e["loc"]) or "(body)"
         msg = "unknown field; remove it or check its spelling" if e["type"] == "extra_forbidden" else e["msg"]
-        parts.append(f"{where}: {msg}")
+        if e["type"] == "list_type" and where == "profiles":
+            msg += " (a model's profiles are set whole: 'llmgw ctl model set-profiles NAME -f profiles.yaml')"
+        parts.append(f"{where}: {msg.removeprefix('Value error, ')}")  # pydantic's prefix to our own messages
     return "; ".join(parts)
 
 
