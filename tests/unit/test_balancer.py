@@ -290,6 +290,20 @@ def test_a_model_whose_placement_failed_is_unplaceable_on_its_route() -> None:
     assert routes["m"].unplaceable is False
 
 
+def test_a_model_switched_off_with_max_0_says_so_and_is_not_retried() -> None:
+    """A new user's finding: ``scaling.max=0`` made every request a 503 'placed on no node (scaling.min
+    is 0)' with ``Retry-After``, though no retry could help. Now the route says what to raise, and is
+    unplaceable (no Retry-After); a replica still serving (draining away) keeps it routable."""
+    off = _model(scaling={"min": 0, "max": 0})
+    routes, _, _ = build_routes([off], [], {"m": PlacementSummary("0/0 replicas placed", placed=True)}, {})
+    assert routes["m"].unplaceable is True
+    assert routes["m"].unavailable == (
+        "scaling.max is 0, so no replica may run; raise it: llmgw ctl model set m scaling.max=1")
+    ready = [ReplicaRow(id="r1", model="m", node="n", profile="cpu", key="k", state="ready", endpoint="h:1")]
+    routes, _, _ = build_routes([off], ready, {}, {})
+    assert (routes["m"].unplaceable, len(routes["m"].upstreams)) == (False, 1)
+
+
 def test_new_fields_at_their_defaults_keep_the_spec_hash() -> None:
     """Replicas must not restart on upgrade: the spec hash covers the profile, not routing/queue."""
     assert spec_hash(_model(), "cpu") == spec_hash(_model(routing="round-robin", queue={"size": 1}), "cpu")

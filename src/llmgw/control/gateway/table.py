@@ -131,11 +131,15 @@ def build_routes(
         )
         placement = summaries.get(m.name)
         summary = placement.summary if placement is not None else ""
+        off = m.scaling.max == 0 and not ready  # switched off: no replica may run, a retry cannot help
+        if off:
+            summary = (f"scaling.max is 0, so no replica may run; raise it: "
+                       f"llmgw ctl model set {m.name} scaling.max=1")
         routes[m.name] = Route(
             model=m.name,
             upstreams=ready,
             unavailable="" if ready else unavailable_reason(mine, summary),
-            unplaceable=not mine and placement is not None and not placement.placed,
+            unplaceable=off or (not mine and placement is not None and not placement.placed),
             context_length=m.context_length,
             max_output=m.max_output,
             created=int(created.get(m.name, 0)),
