@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,12 +18,15 @@ import openai
 import pytest
 
 from llmgw.control.gateway.accesslog import log_exchange
+from llmgw.control.gateway.accounting import Accounting
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.callers import Caller, Callers
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys, digest
 from llmgw.control.gateway.limits import Limiter, period_end, reset_text
 from llmgw.control.gateway.sse import StreamTally
+from llmgw.control.store import open_store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import ApiKeyRow
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.helpers.gateway import ServerThread, fake_llama
@@ -322,3 +326,18 @@ def test_access_log_line_has_no_prompt_or_secret(env: Env, caplog: pytest.LogCap
     assert "secret" not in line
     assert "sk-" not in line
     json.dumps(line)
+
+
+async def test_refused_by_a_limit_or_a_busy_model_is_not_usage(tmp_path: Path) -> None:
+    """A new user's flood: one key's usage read 1,063 requests and 1,046 errors for 17 answered, the
+    rest 429 ``model_busy`` (the model's capacity, not the key's errors). Those are not usage, as a
+    limit's 429s were not; an answer and a replica's failure are (a real SQLite store, synced)."""
+    store = open_store(f"sqlite:///{tmp_path / 'usage.db'}")
+    callers = Callers(GatewayKeys(None))
+    accounting = Accounting(store, OffLoop(), "cp", callers, Limiter())
+    for status, code in ((200, ""), (429, "model_busy"), (429, "rate_limit_exceeded"), (502, "upstream_failed")):
+        accounting.observe(Exchange(requested="m", model="m", replica="", status=status, stream=False,
+                                    overhead_ms=0.0, upstream_ms=0.0, key="alice", code=code))
+    await accounting.sync()
+    (row,) = store.usage(key="alice", since_day="2000-01-01")
+    assert (row.requests, row.errors) == (2, 1)
