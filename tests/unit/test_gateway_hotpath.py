@@ -76,7 +76,7 @@ def test_access_line_goes_through_the_logger(caplog: pytest.LogCaptureFixture) -
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
         "request_id=rid-1 key=alice kind=chat model=gemma replica=r-1 status=200 stream=false prompt_tokens=9 "
-        "completion_tokens=1 overhead_ms=0.100 upstream_ms=2.0 ttft_ms=0.0 code=-"
+        "completion_tokens=1 overhead_ms=0.100 upstream_ms=2.0 ttft_ms=0.0 code=- queued_ms=0.0"
     )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="llmgw.access"):

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.control.gateway.app import build_gateway_app, gateway_pool
+from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.upstream import UpstreamPool
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.helpers.gateway import ServerThread
@@ -87,6 +88,7 @@ class Env:
     router: StaticRouter
     servers: ServerThread
     metrics: Recorder
+    exchanges: list[Exchange] = field(default_factory=list)
 
     def ask(self, model: str, text: str, timeout: float = 30) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": text}]}
@@ -106,9 +108,11 @@ def env() -> Iterator[Env]:
         "deadfirst": Route("deadfirst", (Upstream("dead", f"127.0.0.1:{free_port()}", "k"), *ups)),
     })
     metrics = Recorder()
-    app = build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False, routing_metrics=metrics)
+    exchanges: list[Exchange] = []
+    app = build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False, routing_metrics=metrics,
+                            observe=exchanges.append)
     url = f"http://127.0.0.1:{servers.serve(app, handler_cancellation=True)}"
-    env = Env(url, engines, gateway_pool(app), router, servers, metrics)
+    env = Env(url, engines, gateway_pool(app), router, servers, metrics, exchanges)
     assert env.ask("m", "warm").status_code == 200
     servers.run(env.pool.balancer.settle())
     yield env
@@ -136,6 +140,16 @@ def test_requests_beyond_the_slots_wait_and_all_are_served(env: Env) -> None:
     assert sorted(w > 0 for model, w in m.waits if model == "m").count(True) == 8
     assert m.lengths is not None
     assert m.lengths() == {"m": 0}
+    # The access log's queued_ms: the 8 that waited say so, and it is part of upstream_ms (a new user
+    # read 30 s of queueing as 30 s of engine time).
+    deadline = time.monotonic() + 5
+    while len(served := [e for e in env.exchanges if e.status == 200 and e.model == "m"]) < 13:
+        assert time.monotonic() < deadline, len(served)
+        time.sleep(0.01)
+    waited = [e for e in served if e.queued_ms > 0]
+    assert len(waited) == 8
+    assert all(e.queued_ms < e.upstream_ms for e in waited)
+    assert all(e.queued_ms >= 500 for e in waited[-4:])  # the last four waited for a 1 s answer
 
 
 def test_no_queue_429_at_once_with_retry_after(env: Env) -> None:

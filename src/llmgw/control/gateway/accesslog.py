@@ -4,6 +4,11 @@ Fields, ``name=value`` separated by spaces (logfmt, which Loki, Vector and ``gre
 
     request_id=3f9c… key=alice kind=chat model=gemma replica=r-1a2b status=200 stream=true
     prompt_tokens=26 completion_tokens=64 overhead_ms=0.081 upstream_ms=2561.2 ttft_ms=41.7 code=-
+    queued_ms=0.0
+
+``upstream_ms`` includes the wait for a slot in the model's queue; ``queued_ms`` is that wait (a new
+user read 30 s of queueing as 30 s of engine time), last so that parsers of the older line still read
+every field they knew.
 
 Every value comes from the catalog, the store or the gateway itself (key and model names follow
 :mod:`llmgw.names`' rules, a client's ``x-request-id`` is kept only when it is plain, see
@@ -16,7 +21,7 @@ line too, ``key=invalid`` when a key was presented that is unknown, revoked or e
 key itself, nor any part or hash of it) and ``key=missing`` when none was::
 
     request_id=9b1e… key=invalid kind=chat model=- replica=- status=401 stream=false prompt_tokens=-
-    completion_tokens=- overhead_ms=0.012 upstream_ms=0.0 ttft_ms=0.0 code=invalid_api_key
+    completion_tokens=- overhead_ms=0.012 upstream_ms=0.0 ttft_ms=0.0 code=invalid_api_key queued_ms=0.0
 
 A key may be named ``invalid`` or ``missing`` too; ``status=401 code=invalid_api_key`` tells them
 apart. So a guessing run shows up as a burst of such lines (and in
@@ -62,6 +67,7 @@ def log_exchange(ex: Exchange) -> None:
         ex.ttft_ms,
         ex.code or "-",
         " estimated=true" if usage.get("estimated") else "",
+        ex.queued_ms,
     )
     # What Logger.info does, less findCaller (see the module docstring): fn, lno and func stay unknown.
     access.handle(access.makeRecord(access.name, logging.INFO, "(unknown file)", 0, _LINE, args, None))
@@ -69,5 +75,5 @@ def log_exchange(ex: Exchange) -> None:
 
 _LINE = (
     "request_id=%s key=%s kind=%s model=%s replica=%s status=%d stream=%s prompt_tokens=%s "
-    "completion_tokens=%s overhead_ms=%.3f upstream_ms=%.1f ttft_ms=%.1f code=%s%s"
+    "completion_tokens=%s overhead_ms=%.3f upstream_ms=%.1f ttft_ms=%.1f code=%s%s queued_ms=%.1f"
 )

@@ -440,6 +440,7 @@ class _Gateway:
             code=code,
             blocked=blocked,
             ttft_ms=(first - trace.started_ns) / 1e6 if first else 0.0,
+            queued_ms=trace.queued_ns / 1e6,
         ))
 
     async def healthz(self, _: web.Request) -> web.Response:

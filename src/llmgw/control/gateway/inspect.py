@@ -104,7 +104,8 @@ class Exchange:
         stream: whether the client asked for a stream.
         overhead_ms: time in the gateway, not counting the wait on the replica (to the stream's first
             byte, for streams).
-        upstream_ms: time waiting on the replica (whole stream included).
+        upstream_ms: time waiting on the replica (whole stream included), the wait for a slot in the
+            model's queue included (``queued_ms`` says how much of it that was).
         usage: the answer's ``usage`` object (``prompt_tokens``, ``completion_tokens``,
             ``total_tokens``) when known, for streams too (asked of the engine with
             ``stream_options.include_usage``, or counted from the events relayed when the client left
@@ -123,6 +124,7 @@ class Exchange:
         refused: "" for a request whose key was accepted; for a 401, why: ``invalid`` (a key was
             presented and is unknown, revoked or expired: never the key itself) or ``missing`` (no
             key). A refused exchange has ``key`` "", no model and no usage; ``kind`` may be ``models``.
+        queued_ms: time waiting in the model's queue for a free slot (ms), part of ``upstream_ms``.
     """
 
     requested: str
@@ -140,3 +142,4 @@ class Exchange:
     blocked: bool = False
     ttft_ms: float = 0.0
     refused: str = ""
+    queued_ms: float = 0.0
