@@ -214,3 +214,33 @@ def test_usage_of_a_key_that_does_not_exist_is_an_error(cp: Install) -> None:
     assert (code, out.strip()) == (0, "no usage in that range")
     for name in ("keys-file", "loopback"):  # usage names that are no stored key's
         assert _ctl(cp, "usage", "--key", name)[0] == 0
+
+
+def test_patch_and_get_answer_the_keys_usage_as_the_list_does(cp: Install) -> None:
+    """A new user's finding: ``PATCH /api/v1/keys/alice`` answered ``requests_today: 0`` while the list
+    said 3; and there was no ``GET /api/v1/keys/{name}`` (405)."""
+    made = httpx.post(cp.admin + "/api/v1/keys", json={"name": "alice"}, headers=AUTH)
+    assert made.status_code == 201, made.text
+    secret = made.json()["secret"]
+    chat = httpx.post(f"http://127.0.0.1:{cp.ports['gateway']}/v1/chat/completions",
+                      json={"model": "nosuch", "messages": [{"role": "user", "content": "hi"}]},
+                      headers={"Authorization": f"Bearer {secret}"})
+    assert chat.status_code == 404  # a request all the same: usage counts it
+
+    def listed() -> dict[str, object]:
+        (view,) = [k for k in httpx.get(cp.admin + "/api/v1/keys", headers=AUTH).json() if k["name"] == "alice"]
+        return dict(view)
+
+    deadline = time.monotonic() + 10
+    while listed()["requests_today"] != 1:  # the gateway's usage is synced every 0.5 s
+        assert time.monotonic() < deadline, listed()
+        time.sleep(0.1)
+    patched = httpx.patch(cp.admin + "/api/v1/keys/alice", json={"rpm": 3}, headers=AUTH)
+    assert patched.status_code == 200, patched.text
+    assert patched.json() == listed()
+    assert patched.json()["requests_today"] == 1
+    assert patched.json()["rpm"] == 3
+    got = httpx.get(cp.admin + "/api/v1/keys/alice", headers=AUTH)
+    assert got.json() == listed()
+    missing = httpx.get(cp.admin + "/api/v1/keys/nobody", headers=AUTH)
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "key_not_found")

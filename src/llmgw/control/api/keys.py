@@ -4,7 +4,8 @@
   secret, shown this once; the store keeps its SHA-256. 409 when the name is taken, by a live key or
   by a revoked one: a revoked key's name stays taken, so its usage stays its own (usage and budgets
   are counted by name).
-- ``GET /api/v1/keys`` → [:class:`~llmgw.views.KeyView`], with each key's usage today and this month.
+- ``GET /api/v1/keys`` → [:class:`~llmgw.views.KeyView`], with each key's usage today and this month;
+  ``GET /api/v1/keys/{name}`` → one of them (404 ``key_not_found``). PATCH and revoke answer the same view.
 - ``PATCH /api/v1/keys/{name}`` (:class:`~llmgw.apikeys.KeyPatch`, a JSON merge patch of its limits:
   ``rpm``, ``tpm``, ``budget_tokens``/``budget_period``, ``models``, ``expires``, ``priority``;
   ``null`` removes one) → KeyView; 409 ``key_revoked`` on a revoked key (it stays revoked: make a
@@ -214,7 +215,19 @@ async def set_limits(request: web.Request) -> web.Response:
     if new != row:
         new = await ctx.db.run(lambda: ctx.store.update_key(new, revision=row.revision))
         ctx.written(new)
-    return _json(key_view(new, ctx.clock()).model_dump(mode="json"))
+    return await _one_view(ctx, new)
+
+
+async def _one_view(ctx: KeysContext, row: ApiKeyRow) -> web.Response:
+    """``row``'s view with its usage, as ``GET /api/v1/keys`` lists it (a PATCH answered zeros)."""
+    (view,) = await ctx.db.read(lambda: _views(ctx, [row]))
+    return _json(view.model_dump(mode="json"))
+
+
+async def get_key(request: web.Request) -> web.Response:
+    """``GET /api/v1/keys/{name}``: one key's view, as the list gives it; 404 for an unknown name."""
+    ctx = request.app[KEYS]
+    return await _one_view(ctx, await must_key(ctx, request.match_info["name"]))
 
 
 async def revoke(request: web.Request) -> web.Response:
@@ -225,7 +238,7 @@ async def revoke(request: web.Request) -> web.Response:
     if row.revoked_at is None:
         row = await ctx.db.run(lambda: store.update_key(replace(row, revoked_at=clock()), revision=row.revision))
         ctx.written(row)
-    return _json(key_view(row, clock()).model_dump(mode="json"))
+    return await _one_view(ctx, row)
 
 
 async def rotate(request: web.Request) -> web.Response:
@@ -270,6 +283,7 @@ async def usage(request: web.Request) -> web.Response:
 ROUTES = [
     web.post("/api/v1/keys", create),
     web.get("/api/v1/keys", list_keys),
+    web.get("/api/v1/keys/{name}", get_key),
     web.patch("/api/v1/keys/{name}", set_limits),
     web.post("/api/v1/keys/{name}/revoke", revoke),
     web.post("/api/v1/keys/{name}/rotate", rotate),

@@ -170,6 +170,8 @@ OPS: tuple[Op, ...] = (
        body=KeySpec, status=201, errors=(400, 409)),
     Op("get", "/api/v1/keys", "The gateway API keys (never their secrets), their limits and usage", views.KeyView,
        many=True),
+    Op("get", "/api/v1/keys/{name}", "One gateway API key (never its secret), its limits and usage", views.KeyView,
+       errors=(404,)),
     Op("patch", "/api/v1/keys/{name}", "Change a key's limits (JSON merge patch; null removes a limit); "
        "every control plane applies it within a second", views.KeyView, body=KeyPatch, errors=(400, 404, 409)),
     Op("post", "/api/v1/keys/{name}/revoke", "Revoke a key: refused by every control plane within a second",
