@@ -8,7 +8,7 @@ from pathlib import Path
 from llmgw.catalog import Model, Profile, Scaling
 from llmgw.control.placement import checks
 from llmgw.control.placement import placer as pl
-from llmgw.control.placement.explain import would_fit_if
+from llmgw.control.placement.explain import explain_view, would_fit_if
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.restarts import backoff_s
 from llmgw.control.store import ReplicaRow, Store, default_url, open_store
@@ -228,3 +228,21 @@ def test_migration_2_adds_the_columns_to_a_database_made_before_it(tmp_path: Pat
     s.set_gguf_facts("http://x", body="", error="boom", now=1.0)
     assert s.list_gguf_facts() == {"http://x": ("", "boom", 1.0)}
     s.close()
+
+
+def test_a_model_at_zero_that_would_fit_nowhere_says_so_though_placed() -> None:
+    """A new user's finding: ``scaling.min 0`` and a profile needing 4 cores on 2-core nodes read
+    ``placed (0/0 replicas)`` and nothing else; the explanation now says a replica would not fit and
+    what would make it fit (the leader's dry run of one more replica is the decision)."""
+    placer = pl.Placer([node("small", mem_gb=8, cores=2)], [])
+    m = Model(name="m", source="file:/m.gguf", scaling=Scaling(min=0, max=1),
+              profiles=[Profile(name="cpu", min_memory_gb=2, cpu_cores=4)])
+    view = explain_view(m, decision=placer.place(m), placer=placer, replicas=[], now=0.0)
+    assert view.placed
+    assert view.summary.startswith("0/0 replicas placed on no node (scaling.min is 0); a replica would not fit "
+                                   "when one is wanted: 0/1 nodes can run it")
+    assert view.would_fit_if
+    fits = Model(name="f", source="file:/m.gguf", scaling=Scaling(min=0, max=1),
+                 profiles=[Profile(name="cpu", min_memory_gb=2, cpu_cores=1)])
+    view = explain_view(fits, decision=placer.place(fits), placer=placer, replicas=[], now=0.0)
+    assert (view.summary, view.would_fit_if) == ("0/0 replicas placed on no node (scaling.min is 0)", [])

@@ -270,9 +270,14 @@ def explain_view(
     """
     wanted = model.scaling.min if wanted is None else wanted
     placed = len(replicas) >= wanted
+    # None wanted now (scaling.min 0, no load): placed, but say whether one would start from zero (a
+    # new user's model that fits nowhere read "placed (0/0 replicas)" and nothing else).
+    idle_unfit = placed and wanted == 0 and not decision.placed
     if placed:
         where = ", ".join(sorted({node for _, node in replicas})) or "no node (scaling.min is 0)"
         summary = f"{len(replicas)}/{wanted} replicas placed on {where}"
+        if idle_unfit:
+            summary += f"; a replica would not fit when one is wanted: {decision.summary}"
     elif decision.placed:
         summary = f"{len(replicas)}/{wanted} replicas placed"
     else:
@@ -287,7 +292,7 @@ def explain_view(
         evaluated_at=now,
         nodes=decision.nodes,
         profiles=[p.name for p in model.profiles_by_priority()],
-        would_fit_if=[] if placed else would_fit_if(decision, placer, model),
+        would_fit_if=would_fit_if(decision, placer, model) if not placed or idle_unfit else [],
         last_placed=newest_line(newest, {rid for rid, _ in replicas}, draining),
     )
 
