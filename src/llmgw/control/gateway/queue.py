@@ -257,14 +257,9 @@ class FairQueue(Generic[T]):
         if waiter.future.done():
             return
         mine = len(self._keys(waiter.priority).get(waiter.key, ())) + 1
-        retry = max(1, math.ceil(mine * waiter.service_s / waiter.slots))
-        waiter.future.set_exception(HttpError(
-            429, "model_busy",
-            f"model '{self.model}' is busy: the queue is full and this key held {mine} of its "
-            f"{counted(self.size, 'place')}, so another key's request took this one's place; retry after "
-            f"{retry} s, or ask the operator for more replicas of it",
-            headers={"Retry-After": str(retry)},
-        ))
+        waiter.future.set_exception(self._busy(
+            f"the queue is full and this key held {mine} of its {counted(self.size, 'place')}, so another key's "
+            "request took this one's place", mine * waiter.service_s / waiter.slots))
 
     def _keys(self, priority: int) -> OrderedDict[str, deque[_Waiter[T]]]:
         band = self._bands.get(priority)
@@ -391,11 +386,9 @@ class FairQueue(Generic[T]):
         ahead = self._ahead(waiter.key, waiter.priority, fifo.index(waiter))
         self._remove(waiter)
         waited = self._clock() - waiter.arrived
-        try:
-            self._refuse(f"this request waited {waited:.0f} s for a slot, the bound, and {ahead} are still ahead",
-                         (ahead + 1) * waiter.service_s / waiter.slots)
-        except HttpError as e:
-            waiter.future.set_exception(e)
+        waiter.future.set_exception(self._busy(
+            f"this request waited {waited:.0f} s for a slot, the bound, and {ahead} are still ahead",
+            (ahead + 1) * waiter.service_s / waiter.slots))
 
     def _ahead(self, key: str, priority: int, own: int) -> int:
         """Requests fair order serves before the ``own + 1``-th of ``key`` at ``priority`` (docstring)."""
@@ -408,8 +401,12 @@ class FairQueue(Generic[T]):
         return ahead
 
     def _refuse(self, why: str, retry_s: float) -> None:
+        raise self._busy(why, retry_s)
+
+    def _busy(self, why: str, retry_s: float) -> HttpError:
+        """429 ``model_busy`` saying ``why``, with ``Retry-After`` of ``retry_s`` (whole seconds, at least 1)."""
         retry = max(1, math.ceil(retry_s))
-        raise HttpError(
+        return HttpError(
             429, "model_busy",
             f"model '{self.model}' is busy: {why}; retry after {retry} s, or ask the operator for more "
             "replicas of it",
