@@ -164,6 +164,23 @@ SLOW_FILES_FIRST = (
     "tests/e2e/test_engine_metrics.py",
     "tests/e2e/test_init_users.py",
     "tests/browser/test_dashboard.py",
+    # Files that mostly wait (a service's 3 s settle, login throttles, a control plane's back-off):
+    # 5-26 s each at 0-0.4 of a core. Started last they left a ~25 s tail with one or two workers busy
+    # (LLMGW_TEST_CPU, 2026-12-05); started among the engines they wait while the cores are full.
+    "tests/unit/test_service_cli.py",
+    "tests/unit/test_ui_login_trust.py",
+    "tests/unit/test_groupnet.py",
+    "tests/unit/test_agent_controlplanes.py",
+    "tests/unit/test_catalog_trust.py",
+    "tests/unit/test_offloop.py",
+    "tests/unit/test_gateway_routing.py",
+    "tests/unit/test_keys_cluster.py",
+    "tests/unit/test_cluster_api.py",
+    "tests/unit/test_node_trust.py",
+    "tests/unit/test_ui.py",
+    "tests/unit/test_listener_shutdown.py",
+    "tests/unit/test_ctl_model_add_source.py",
+    "tests/unit/test_judge_admission.py",
 )
 
 #: Tests that assert a wall-clock bound (a takeover within the lease, a key refused within a second, a
