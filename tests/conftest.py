@@ -183,35 +183,16 @@ SLOW_FILES_FIRST = (
     "tests/unit/test_judge_admission.py",
 )
 
-#: Tests that assert a wall-clock bound (a takeover within the lease, a key refused within a second, a
-#: queue's order under a burst) which the parallel part's load on a 2-core machine can break (each
-#: failed so in a 4-worker run at load 11-20). They get the ``timed`` marker and, with the ``ha``
-#: tests, run after the parallel part in three lanes (``scripts/test``): at most two that keep a core
-#: busy at once (tests/helpers/lanes.py), on a machine otherwise idle (load ~2-3, where they were
-#: written to hold). A node id prefix: a file, or a
-#: file and a test.
-TIMED = (
-    "tests/e2e/test_adoption.py",
-    "tests/e2e/test_processes.py",
-    "tests/e2e/test_replicas_routing.py",
-    "tests/e2e/test_routing_e2e.py",
-    "tests/e2e/test_service_restart.py",
-    "tests/unit/test_autoscale_cluster.py",
-    "tests/unit/test_election.py",
-    "tests/unit/test_gateway_reload.py",
-    "tests/unit/test_fair_queue.py::test_one_key_with_500_waiting_does_not_delay_another_keys_request",
-    "tests/unit/test_gateway_routing.py::test_requests_beyond_the_slots_wait_and_all_are_served",
-    "tests/unit/test_judge_admission.py::test_without_a_queue_a_free_slot_is_never_refused",
-    "tests/unit/test_key_set.py::test_ctl_key_set_changes_limits_on_the_gateway_within_a_second",
-)
-
-
 def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of :data:`TIMED` ``timed``, and put the files of :data:`SLOW_FILES_FIRST`
-    first, in that order (a stable sort: tests inside a file, and the other files, keep their order)."""
+    """Mark the tests of :data:`tests.helpers.lanes.TIMED` ``timed`` (and refuse an ``ha`` test outside
+    tests/ha/), and put the files of :data:`SLOW_FILES_FIRST` first, in that order (a stable sort:
+    tests inside a file, and the other files, keep their order)."""
     for item in items:
-        if item.nodeid.startswith(TIMED):
+        if item.nodeid.startswith(lanes.TIMED):
             item.add_marker(pytest.mark.timed)
+        if item.get_closest_marker("ha") and not item.nodeid.startswith(lanes.HA_DIR):
+            # scripts/test's lanes collect only lanes.files(): an ``ha`` test elsewhere would run in neither part
+            raise pytest.UsageError(f"{item.nodeid} is marked ha: the ha tests live in {lanes.HA_DIR}")
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 

@@ -47,6 +47,31 @@ HEAVY = 0.5
 #: by wall time alone, the three heavy HA and routing files ran together at load 8-12, where the
 #: timed bounds have no measured margin (2026-12-04).
 HEAVY_LANES = 2
+#: Tests that assert a wall-clock bound (a takeover within the lease, a key refused within a second, a
+#: queue's order under a burst) which the parallel part's load on a 2-core machine can break (each
+#: failed so in a 4-worker run at load 11-20). They get the ``timed`` marker (tests/conftest.py) and, with the ``ha``
+#: tests, run after the parallel part in three lanes (``scripts/test``): at most two that keep a core
+#: busy at once (tests/helpers/lanes.py), on a machine otherwise idle (load ~2-3, where they were
+#: written to hold). A node id prefix: a file, or a
+#: file and a test.
+TIMED = (
+    "tests/e2e/test_adoption.py",
+    "tests/e2e/test_processes.py",
+    "tests/e2e/test_replicas_routing.py",
+    "tests/e2e/test_routing_e2e.py",
+    "tests/e2e/test_service_restart.py",
+    "tests/unit/test_autoscale_cluster.py",
+    "tests/unit/test_election.py",
+    "tests/unit/test_gateway_reload.py",
+    "tests/unit/test_fair_queue.py::test_one_key_with_500_waiting_does_not_delay_another_keys_request",
+    "tests/unit/test_gateway_routing.py::test_requests_beyond_the_slots_wait_and_all_are_served",
+    "tests/unit/test_judge_admission.py::test_without_a_queue_a_free_slot_is_never_refused",
+    "tests/unit/test_key_set.py::test_ctl_key_set_changes_limits_on_the_gateway_within_a_second",
+)
+
+
+#: Where the ``ha`` tests live (``pytestmark = pytest.mark.ha``): tests/conftest.py refuses one elsewhere.
+HA_DIR = "tests/ha/"
 #: Set (to the lane count) by ``scripts/test`` for its second part: then :class:`LaneScheduling`
 #: schedules the run.
 ENV = "LLMGW_TIMED_LANES"
@@ -76,6 +101,12 @@ def deal(files: list[str], lanes: int, heavy_lanes: int = HEAVY_LANES) -> dict[s
     return dealt
 
 
+def files() -> list[str]:
+    """What ``scripts/test``'s second part collects: :data:`HA_DIR` and the files of :data:`TIMED`
+    (every worker collects what it is given: the whole suite cost each ~5 CPU-s and a few seconds)."""
+    return [HA_DIR.rstrip("/"), *sorted({_file(prefix) for prefix in TIMED})]
+
+
 def _file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
@@ -98,3 +129,7 @@ class LaneScheduling(LoadScopeScheduling):
 def make_scheduler(config: pytest.Config, log: object) -> LaneScheduling | None:
     """:class:`LaneScheduling` when ``scripts/test`` asked for lanes (:data:`ENV`), else None (xdist's own)."""
     return LaneScheduling(config, log) if os.environ.get(ENV) else None
+
+
+if __name__ == "__main__":
+    print(" ".join(files()))

@@ -3,9 +3,11 @@ logic, the figures of :data:`tests.helpers.lanes.FILE_S`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers.lanes import FILE_S, UNKNOWN, deal, heavy
+from tests.helpers.lanes import FILE_S, TIMED, UNKNOWN, deal, files, heavy
 
 
 def _ends(dealt: dict[str, int], lanes: int) -> list[int]:
@@ -47,3 +49,13 @@ def test_one_lane_takes_everything_and_none_is_refused() -> None:
     assert set(deal(sorted(FILE_S), 1).values()) == {0}
     with pytest.raises(ValueError, match="lanes and heavy_lanes must be at least 1, got 0 and 2"):
         deal(["tests/unit/test_x.py"], 0)
+
+
+def test_the_second_part_collects_every_timed_file_and_the_ha_directory() -> None:
+    """scripts/test's second part collects only :func:`files`: each must exist, and every file named
+    in TIMED or FILE_S is among them (a renamed file would otherwise run in neither part)."""
+    collected = files()
+    assert collected[0] == "tests/ha"
+    assert all(Path(f).exists() for f in collected), collected
+    named = {p.split("::", 1)[0] for p in TIMED} | {f for f in FILE_S if not f.startswith("tests/ha/")}
+    assert named <= set(collected), named - set(collected)
