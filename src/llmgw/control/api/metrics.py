@@ -283,7 +283,7 @@ class ControlPlaneMetrics:
         if ex.refused:
             child(self.refused, ex.refused if ex.refused in _REFUSED_REASONS else "invalid").inc()
             return
-        model = ex.model or "unknown"
+        model = ex.model or ("-" if ex.kind == "models" else "unknown")  # "-": the list, no model asked
         key = ex.key or "-"
         child(self.requests, model, key, ex.kind, str(ex.status)).inc()
         if ex.replica:  # answered by a replica: a request refused before one (400, 404, 429, 503) is

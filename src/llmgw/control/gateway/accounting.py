@@ -99,7 +99,7 @@ class Accounting:
     # -- the request path ------------------------------------------------------------------------
     def observe(self, ex: Exchange) -> None:
         """Count one request (on the event loop; memory only)."""
-        if not ex.key:
+        if not ex.key or ex.kind == "models":  # usage counts model calls; a listing is logged and metered only
             return
         now = self.clock()
         usage = ex.usage

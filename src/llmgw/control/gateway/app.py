@@ -272,24 +272,49 @@ class _Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the chat models this key may use, OpenAI list shape."""
+        started_ns = time.perf_counter_ns()
         caller = self.authenticate(request, "models")
         if isinstance(caller, web.Response):
             return caller
         visible = set(self._visible(caller))
         data = [_model_object(r.model, r.created) for r in self.router.chat_models() if r.model in visible]
-        return web.json_response({"object": "list", "data": data})
+        return self._listed(request, caller, "", web.json_response({"object": "list", "data": data}), started_ns)
 
     async def model(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{id}``: one model (aliases resolve to their model); 404 for one the key
         may not use, as if it did not exist."""
+        started_ns = time.perf_counter_ns()
         caller = self.authenticate(request, "models")
         if isinstance(caller, web.Response):
             return caller
         name = request.match_info["id"]
         route = self.router.resolve(name)
         if route is None or not self.callers.may_use(caller, name, route.model, self._resolve_name):
-            return self._not_found(name, caller)
-        return web.json_response(_model_object(route.model, route.created))
+            return self._listed(request, caller, "", self._not_found(name, caller), started_ns)
+        return self._listed(request, caller, route.model, web.json_response(_model_object(route.model, route.created)),
+                            started_ns)
+
+    def _listed(
+        self, request: web.Request, caller: Caller, model: str, response: web.Response, started_ns: int
+    ) -> web.Response:
+        """``response`` to a ``/v1/models`` request of ``caller``, handed to ``observe`` first (kind
+        ``models``: an access-log line and ``llmgw_gateway_requests_total``; not usage, which counts
+        model calls); ``model`` the catalog name asked about, "" for the list or one not found."""
+        if self.observe is not None:
+            asyncio.get_running_loop().call_soon(self.observe, Exchange(
+                requested=model,
+                model=model,
+                replica="",
+                status=response.status,
+                stream=False,
+                overhead_ms=(time.perf_counter_ns() - started_ns) / 1e6,
+                upstream_ms=0.0,
+                key=caller.name,
+                kind="models",
+                request_id=request_id(request),
+                code=_answer_code(response) if response.status >= 400 else "",
+            ))
+        return response
 
     def _not_found(self, name: str, caller: Caller) -> web.Response:
         known = ", ".join(self._visible(caller)) or (

@@ -113,7 +113,8 @@ class Exchange:
         key: the caller's name: an API key's name from the store, ``keys-file`` for a key from
             ``gateway.keys_file``, ``loopback`` for a loopback client without a key, "" when the key
             was refused. A label value for metrics: it comes from the store, never from request text.
-        kind: ``chat``, ``completions`` or ``embeddings`` (the endpoint).
+        kind: ``chat``, ``completions`` or ``embeddings`` (the endpoint), or ``models`` (``GET
+            /v1/models`` and ``/v1/models/{id}``: logged and metered, not usage).
         request_id: the ``x-request-id`` sent back (the client's, or one the gateway made).
         code: the OpenAI error ``code`` sent when ``status`` >= 400 (e.g. ``rate_limit_exceeded``,
             ``content_blocked``, ``model_not_found``), or the code of an error event that ended a stream;
