@@ -250,6 +250,11 @@ class AdminClient:
         """``GET /api/v1/keys``: every key (never a secret), its limits, state and usage."""
         return [_view(KeyView, k, "GET /api/v1/keys") for k in self.get("/api/v1/keys")]
 
+    def key(self, name: str) -> KeyView:
+        """``GET /api/v1/keys/{name}``: one key as the list shows it. ApiError 404 ``key_not_found``."""
+        path = f"/api/v1/keys/{quote(name, safe='')}"
+        return _view(KeyView, self.get(path), f"GET {path}")
+
     def set_key(self, name: str, patch: dict[str, Any]) -> KeyView:
         """``PATCH /api/v1/keys/{name}`` (a :class:`~llmgw.apikeys.KeyPatch` as JSON): the key as changed."""
         path = f"/api/v1/keys/{quote(name, safe='')}"

@@ -160,7 +160,11 @@ def test_a_revoked_keys_name_stays_taken_and_the_messages_say_so(cp: Install) ->
     under its name said 'already exists; ... or rotate it': a circle. A revoked key's name stays
     taken (usage and budgets are counted by name), and every message says to pick another name."""
     assert _ctl(cp, "key", "create", "bob")[0] == 0
-    assert _ctl(cp, "key", "revoke", "bob")[0] == 0
+    code, out = _ctl(cp, "key", "revoke", "bob")
+    assert code == 0, out
+    ((when,),) = [re.findall(r"key 'bob' revoked at ([0-9-]+ [0-9:]+) UTC", out)]
+    code, out = _ctl(cp, "key", "revoke", "bob")  # again: said so, its time unchanged (it was silent)
+    assert (code, out.strip()) == (0, f"key 'bob' was already revoked at {when} UTC; nothing changed")
     code, out = _ctl(cp, "key", "create", "bob")
     assert code == 1, out
     assert "the name 'bob' belongs to a revoked key" in out
