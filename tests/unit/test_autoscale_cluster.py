@@ -166,7 +166,7 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
         assert view["in_flight"] == 4
         (d,) = view["decisions"]
         assert (d["from_n"], d["to_n"], d["panic"]) == (1, 4, True)
-        assert d["reason"] == "scaled 1 → 4: 4.0 in flight per replica over 6 s, target 1, panic"
+        assert d["reason"] == "scaled 1 → 4: 4.0 in flight or queued per replica over 6 s, target 1, panic"
 
         placed = await until("the leader places 4", lambda: _count(node, 4), within_s=5)
         assert len(placed) == 4
@@ -180,7 +180,7 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
         code, out = await run_ctl(inst, "model", "autoscale", "chat")
         assert code == 0, out
         assert "chat: wanted 4 (scaling 1..4)" in out
-        assert "scaled 1 → 4: 4.0 in flight per replica over 6 s" in out
+        assert "scaled 1 → 4: 4.0 in flight or queued per replica over 6 s" in out
         code, out = await run_ctl(inst, "models")
         assert code == 0, out
         assert "WANTED" in out
@@ -189,7 +189,7 @@ async def test_load_step_raises_the_wanted_count_within_two_seconds_in_panic(
             page = await (await c.get(inst.admin + "/ui/models/chat")).text()
             assert "Replicas (1 ready of 4 wanted)" in page  # the 3 new ones not reported ready yet
             assert "4 wanted (scaling 1..4), 1 ready, 0 draining" in page
-            assert "scaled 1 → 4: 4.0 in flight per replica over 6 s, target 1, panic" in page
+            assert "scaled 1 → 4: 4.0 in flight or queued per replica over 6 s, target 1, panic" in page
             assert 'id="autoscale-plot"' in page
             plot = await (await c.get(inst.admin + "/ui/models/chat/autoscale.json")).json()
         # the first point is the autoscaler's first pass, before the load; a point is kept each 15 s, so a
@@ -397,7 +397,7 @@ async def test_two_control_planes_load_is_summed(
         # the two control planes' rows may land in different ticks: 1 → 2 on the first, then → 4
         newest = view["decisions"][0]
         assert newest["to_n"] == 4
-        assert newest["reason"].endswith("→ 4: 4.0 in flight per replica over 1 s, target 1, panic"), newest
+        assert newest["reason"].endswith("→ 4: 4.0 in flight or queued per replica over 1 s, target 1, panic"), newest
         engines.release.set()
         assert await asyncio.gather(*chats) == [200] * 4
 

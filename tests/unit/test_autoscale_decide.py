@@ -44,7 +44,7 @@ def test_stable_load_settles_on_ceil_of_load_over_target() -> None:
     # 5 in flight with 1 replica ready: 2.5x capacity -> panic at once, ceil(5/2) = 3
     changes = _run(s, 2.0, [(120, 5.0)])
     assert changes[0][:2] == (0.0, 3)
-    assert changes[0][2] == "scaled 1 → 3: 5.0 in flight per replica over 6 s, target 2, panic"
+    assert changes[0][2] == "scaled 1 → 3: 5.0 in flight or queued per replica over 6 s, target 2, panic"
     assert len(changes) == 1  # then steady: no flapping
 
 
@@ -67,7 +67,7 @@ def test_panic_decides_from_the_newest_sample_within_one_tick() -> None:
     v = decide(s, 2.0, step, 1, state, T0 + 30.5)
     # the panic window's average is 8/13 = 0.6; the newest sample (8 >= 2 x 2) decides: ceil(8/2) = 4
     assert (v.state.wanted, v.panic) == (4, True)
-    assert v.reason == "scaled 1 → 4: 8.0 in flight per replica over 6 s, target 2, panic"
+    assert v.reason == "scaled 1 → 4: 8.0 in flight or queued per replica over 6 s, target 2, panic"
 
 
 def test_no_scale_down_in_panic_nor_before_scale_down_after_s() -> None:
@@ -78,7 +78,7 @@ def test_no_scale_down_in_panic_nor_before_scale_down_after_s() -> None:
     # on, 8 < 2 x 8); at t=60 the stable average (2.1) wants 2, and 120 s later it goes to 2; the
     # next quiet period (the average of 1.0 wants 1) ends 120 s after that
     assert [(t, n) for t, n, _ in changes[1:]] == [(180.0, 2), (300.5, 1)]
-    assert changes[1][2] == "scaled 4 → 2: 0.2 in flight per replica over 60 s, target 2, lower for 120 s"
+    assert changes[1][2] == "scaled 4 → 2: 0.2 in flight or queued per replica over 60 s, target 2, lower for 120 s"
 
 
 def test_scale_down_goes_to_the_highest_desire_of_the_quiet_period() -> None:
@@ -102,7 +102,7 @@ def test_from_zero_any_load_scales_to_one_at_once() -> None:
     s = Scaling(min=0, max=3, target=4.0)
     v = decide(s, 4.0, [Sample(T0, 1.0)], 0, ScaleState(wanted=0), T0)
     assert (v.state.wanted, v.panic) == (1, True)
-    assert v.reason == "scaled 0 → 1: 1.0 in flight per replica over 6 s, target 4, panic"
+    assert v.reason == "scaled 0 → 1: 1.0 in flight or queued per replica over 6 s, target 4, panic"
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_from_zero_any_load_scales_to_one_at_once() -> None:
     [
         (Scaling(min=2, max=5), 100.0, 1, 2, "scaled 1 → 2: scaling.min is 2"),
         (Scaling(min=1, max=3), 0.0, 5, 3, "scaled 5 → 3: scaling.max is 3"),
-        (Scaling(min=1, max=3, target=1.0), 100.0, 1, 3, "scaled 1 → 3: 100.0 in flight per replica"),
+        (Scaling(min=1, max=3, target=1.0), 100.0, 1, 3, "scaled 1 → 3: 100.0 in flight or queued per replica"),
     ],
 )
 def test_clamped_to_min_and_max(scaling: Scaling, load: float, wanted: int, expect: int, why: str) -> None:

@@ -54,7 +54,7 @@ def test_a_new_leader_continues_from_the_recorded_decision(tmp_path: Path) -> No
     store.write_gateway_load("cp-b", [GatewayLoadRow("cp-b", "chat", 2, 1, T0 + 1)], now=T0 + 1)
     (d,) = a.tick_once(T0 + 1.2)
     assert (d.from_n, d.to_n, d.panic) == (1, 3, True)
-    assert d.reason == "scaled 1 → 3: 6.0 in flight per replica over 6 s, target 2, panic"
+    assert d.reason == "scaled 1 → 3: 6.0 in flight or queued per replica over 6 s, target 2, panic"
     leader_a.reconcile_once(T0 + 1.3)
     assert len(store.list_replicas()) == 3
 

@@ -137,7 +137,7 @@ def decide(
 
     Returns:
         the :class:`Verdict`; its ``reason`` names the load per replica, the window, the target and
-        ``panic`` (``scaled 1 → 3: 7.4 in flight per replica over 6 s, target 2, panic``).
+        ``panic`` (``scaled 1 → 3: 7.4 in flight or queued per replica over 6 s, target 2, panic``).
     """
     stable, _ = _mean(samples, now - scaling.stable_window_s)
     panic_avg, _ = _mean(samples, now - scaling.panic_window_s)
@@ -156,7 +156,7 @@ def decide(
         load, window = stable, scaling.stable_window_s
     desired = min(max(desired, scaling.min), scaling.max)
     st = replace(state, panic_until=panic_until, last_load_at=last_load_at)
-    per = f"{load / max(ready, 1):.1f} in flight per replica over {window:g} s, target {target:g}"
+    per = f"{load / max(ready, 1):.1f} in flight or queued per replica over {window:g} s, target {target:g}"
     wanted = min(max(state.wanted, scaling.min), scaling.max)
     if wanted != state.wanted:  # the operator moved min or max past the count
         which = "min" if wanted == scaling.min and state.wanted < wanted else "max"
