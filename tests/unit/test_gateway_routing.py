@@ -165,8 +165,15 @@ def test_no_queue_429_at_once_with_retry_after(env: Env) -> None:
 
 
 def test_a_wait_past_wait_s_is_a_429(env: Env) -> None:
+    """The two beyond the 4 slots wait their 0.3 s and are refused; each wait is in the queue-wait
+    metric like a served request's (it left out the requests refused after waiting)."""
     results = _many(env, "short", [f"r{i} sleep:1.5" for i in range(6)])
     assert Counter(r.status_code for r in results) == {200: 4, 429: 2}
+    waited_out = [r for r in results if r.status_code == 429 and "waited" in r.json()["error"]["message"]]
+    waits = sorted(w for model, w in env.metrics.waits if model == "short")
+    assert len(waits) == 4 + len(waited_out), waits  # the 4 served at once (0 s) and each refused after waiting
+    assert all(w >= 0.3 for w in waits[4:]), waits
+    assert waited_out, [r.text for r in results]  # the estimate had no service time: both waited
 
 
 def test_a_client_leaving_frees_its_slot_and_its_place(env: Env) -> None:

@@ -83,6 +83,12 @@ T = TypeVar("T")
 SCAN = 16
 
 
+class WaitedOut(HttpError):
+    """The 429 ``model_busy`` of a request refused after it waited in the queue (its wait reached the
+    bound, or a request that ranks above it took its place), as opposed to one refused at once: its
+    wait counts in ``llmgw_gateway_queue_wait_seconds`` like a served one's."""
+
+
 @dataclass(frozen=True, slots=True)
 class Defer:
     """What a waiter's ``take()`` returns to let a free slot go to a later waiter while it waits for
@@ -259,7 +265,7 @@ class FairQueue(Generic[T]):
         mine = len(self._keys(waiter.priority).get(waiter.key, ())) + 1
         waiter.future.set_exception(self._busy(
             f"the queue is full and this key held {mine} of its {counted(self.size, 'place')}, so another key's "
-            "request took this one's place", mine * waiter.service_s / waiter.slots))
+            "request took this one's place", mine * waiter.service_s / waiter.slots, waited=True))
 
     def _keys(self, priority: int) -> OrderedDict[str, deque[_Waiter[T]]]:
         band = self._bands.get(priority)
@@ -388,7 +394,7 @@ class FairQueue(Generic[T]):
         waited = self._clock() - waiter.arrived
         waiter.future.set_exception(self._busy(
             f"this request waited {waited:.0f} s for a slot, the bound, and {ahead} are still ahead",
-            (ahead + 1) * waiter.service_s / waiter.slots))
+            (ahead + 1) * waiter.service_s / waiter.slots, waited=True))
 
     def _ahead(self, key: str, priority: int, own: int) -> int:
         """Requests fair order serves before the ``own + 1``-th of ``key`` at ``priority`` (docstring)."""
@@ -403,10 +409,11 @@ class FairQueue(Generic[T]):
     def _refuse(self, why: str, retry_s: float) -> None:
         raise self._busy(why, retry_s)
 
-    def _busy(self, why: str, retry_s: float) -> HttpError:
-        """429 ``model_busy`` saying ``why``, with ``Retry-After`` of ``retry_s`` (whole seconds, at least 1)."""
+    def _busy(self, why: str, retry_s: float, *, waited: bool = False) -> HttpError:
+        """429 ``model_busy`` saying ``why``, with ``Retry-After`` of ``retry_s`` (whole seconds, at
+        least 1); a :class:`WaitedOut` when the request ``waited`` in the queue first."""
         retry = max(1, math.ceil(retry_s))
-        return HttpError(
+        return (WaitedOut if waited else HttpError)(
             429, "model_busy",
             f"model '{self.model}' is busy: {why}; retry after {retry} s, or ask the operator for more "
             "replicas of it",

@@ -65,7 +65,7 @@ from yarl import URL
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
 from llmgw.control.gateway.inspect import Inspector, Refusal, current_call
 from llmgw.control.gateway.prefix import prefix_key
-from llmgw.control.gateway.queue import Defer, FairQueue
+from llmgw.control.gateway.queue import Defer, FairQueue, WaitedOut
 from llmgw.control.gateway.replicaerrors import replica_error
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally, pump
 from llmgw.control.gateway.starting import answer_on_stream
@@ -301,8 +301,10 @@ class UpstreamPool:
             lease = await queue.acquire(
                 trace.caller, trace.priority, take, service_s=balancer.service_s(route), slots=balancer.slots(route)
             )
-        except HttpError:
+        except HttpError as e:
             if self.metrics is not None:
+                if isinstance(e, WaitedOut):  # it waited, then was refused: the wait counts too
+                    self.metrics.waited(route.model, (time.perf_counter_ns() - t0) / 1e9)
                 self.metrics.routed(route.model, BUSY)
             raise
         finally:
