@@ -91,7 +91,9 @@ RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute."
 TpmOpt = Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")]
 BudgetTokensOpt = Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")]
 BudgetPeriodOpt = Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")]
-ExpiresOpt = Annotated[str | None, typer.Option("--expires", help="A duration from now: 90s, 30m (minutes), 12h, 30d, 2w (no months: 60d).")]
+ExpiresOpt = Annotated[
+    str | None, typer.Option("--expires", help="A duration from now: 90s, 30m (minutes), 12h, 30d, 2w (no months).")
+]
 PriorityOpt = Annotated[
     int | None,
     typer.Option("--priority", help="0-9 (default 0): when a model is busy, higher is served first."),

@@ -16,7 +16,8 @@ What it exports (``prometheus-client``, one registry per control plane, never th
   ``llmgw_gateway_queue_length{model}`` (requests waiting now, read at scrape time from
   :meth:`ControlPlaneMetrics.track_queues`), ``llmgw_gateway_queue_wait_seconds{model}``
   (:meth:`ControlPlaneMetrics.waited`, once per request that asked the queue, 0 when a slot was
-  free; a request refused after waiting counts its wait, one refused at once nothing) and ``llmgw_gateway_routing_decisions_total{model,reason}`` (:meth:`ControlPlaneMetrics.routed`,
+  free; a request refused after waiting counts its wait, one refused at once nothing) and
+  ``llmgw_gateway_routing_decisions_total{model,reason}`` (:meth:`ControlPlaneMetrics.routed`,
   ``reason`` one of :data:`ROUTING_REASONS`);
 - the judges, read at scrape time from the guard's own counters
   (:class:`~llmgw.control.gateway.guard.GuardStats`): ``llmgw_guard_verdicts_total{direction,verdict}``,
