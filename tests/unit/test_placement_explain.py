@@ -212,3 +212,29 @@ def test_fewer_gpus_than_gpu_count_is_too_small_not_free() -> None:
     assert would_fit_if(d, placer, m) == [
         "g1 and g2 are too small (1 h100-80gb card each, needs 2): add a node with at least 2 h100-80gb cards"
     ]
+
+
+def test_a_node_whose_cores_the_models_own_replica_holds_suggests_a_smaller_cpu_cores() -> None:
+    """One machine of 2 cores whose only replica (the starter, cpu_cores 2) holds both: a second one
+    (autoscaling) fits nowhere, and stopping the first would not help; with cpu_cores 1 each, two
+    would share the 2 cores, so that is said too (the lines said only "add a node": a new user's
+    finding). At 1 core already there is nothing smaller to suggest."""
+    nodes = [node("box", cores=2)]
+    held = [checks.Reservation("box", "starter", 0, 2, replica="starter-aaaaaa")]
+    placer = pl.Placer(nodes, held)
+    m = model("starter", Profile(name="cpu", cpu_cores=2), n=2)
+    d = placer.place(m)
+    assert not d.placed
+    assert would_fit_if(d, placer, m) == [
+        "add a node with room for another replica of starter: on box its own replicas hold what is short, "
+        "and stopping one of them would not help",
+        "or give profile cpu of starter cpu_cores 1 ('llmgw ctl model set-profiles'): 2 replicas would share "
+        "the 2 cores they may use on box",
+    ]
+    one = pl.Placer([node("box", cores=2)], [checks.Reservation("box", "small", 0, 1, replica="small-a"),
+                                              checks.Reservation("box", "small", 0, 1, replica="small-b")])
+    small = model("small", Profile(name="cpu", cpu_cores=1), n=3)
+    assert would_fit_if(one.place(small), one, small) == [
+        "add a node with room for another replica of small: on box its own replicas hold what is short, "
+        "and stopping one of them would not help",
+    ]

@@ -31,6 +31,7 @@ verdict, in words). At most :data:`MAX_SUGGESTIONS` lines.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 from llmgw.catalog import Model
@@ -108,6 +109,24 @@ def _exhausted_line(  # noqa: PLR0911 - one answer per resource and cause, flat 
         note = f" ({used:.1f} GB there is used outside llmgw)" if used >= checks.OUTSIDE_NOTE_GB else ""
         return short + 1000, f"free {short:.1f} GB on card {rej.gpu_index} of {rej.node}{note}"
     return None
+
+
+def _share_line(v: checks.Verdict, placer: pl.Placer, model: Model) -> str | None:
+    """For a node short of cores only because ``model``'s own replicas hold them: the smaller
+    ``cpu_cores`` at which one more replica would share them (the cores free there and those its
+    replicas hold, split evenly), or None when even 1 core each would not do (a new user's finding:
+    the starter reserved a single machine's cores, so autoscaling it placed nothing and the lines said
+    only "add a node")."""
+    rej = v.rejection
+    if rej.need is None or rej.free is None:
+        return None
+    own = [r for r in placer.usage.get(rej.node, checks.Usage()).held if r.model == model.name]
+    pool = rej.free + sum(r.cpu_cores for r in own)
+    each = math.floor(pool / (len(own) + 1) + 1e-9)
+    if not 1 <= each < rej.need:
+        return None
+    return (f"or give profile {rej.profile} of {model.name} cpu_cores {each} ('llmgw ctl model set-profiles'): "
+            f"{len(own) + 1} replicas would share the {counted(round(pool), 'core')} they may use on {rej.node}")
 
 
 def _own_line(model: Model, blocked: list[str]) -> str:
@@ -206,17 +225,23 @@ def would_fit_if(decision: checks.Decision, placer: pl.Placer, model: Model) -> 
     nodes = {n.id: n for n in reversed(placer.nodes)}  # the first of equal ids wins, as a scan would
     blocked: set[str] = set()  # nodes where only the model's own replicas hold what is short
     helped: set[str] = set()  # nodes with a line (for another profile, say): that one is said
+    shares: list[str] = []  # for blocked nodes short of cores: a smaller cpu_cores that would share them
     for v in decision.verdicts:
         line = _exhausted_line(v, placer, model, nodes) if v.rejection.kind == checks.Kind.EXHAUSTED else None
         if line is not None:
             (helped if line[1] else blocked).add(v.rejection.node)
             if line[1]:
                 exhausted.append(line)
+            elif v.rejection.code == "cores_exhausted":
+                share = _share_line(v, placer, model)
+                if share is not None and share not in shares:
+                    shares.append(share)
     for _, text in sorted(exhausted):
         if text not in out:
             out.append(text)
     if blocked - helped:
         out.append(_own_line(model, sorted(blocked - helped)))
+        out.extend(shares)
     for text in _filtered_lines(decision.verdicts, model):
         if text not in out:
             out.append(text)
