@@ -12,9 +12,9 @@ import pytest
 from llmgw import jsonbody
 from llmgw.control.api.metrics import ControlPlaneMetrics
 from llmgw.control.gateway.accesslog import log_exchange
-from llmgw.control.gateway.app import new_request_id
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.limits import day_of
+from llmgw.control.gateway.requestid import new_request_id
 from llmgw.errors import JsonBodyError
 
 

@@ -12,7 +12,7 @@ every field they knew.
 
 Every value comes from the catalog, the store or the gateway itself (key and model names follow
 :mod:`llmgw.names`' rules, a client's ``x-request-id`` is kept only when it is plain, see
-:func:`llmgw.control.gateway.app.request_id`): never a prompt, an answer, a secret, or the model
+:func:`llmgw.control.gateway.requestid.request_id`): never a prompt, an answer, a secret, or the model
 name as the client typed it. ``prompt_tokens``/``completion_tokens`` are ``-`` when no replica
 answered; ``estimated=true`` marks a stream counted from its events (the client left early).
 

@@ -62,10 +62,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import logging
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import KW_ONLY, dataclass, field
@@ -82,7 +80,6 @@ from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_cal
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadCounter, combined
-from llmgw.control.gateway.prefix import mix64
 from llmgw.control.gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -92,6 +89,7 @@ from llmgw.control.gateway.request import (
     upstream_body,
     with_stream_usage,
 )
+from llmgw.control.gateway.requestid import request_id, send_request_id
 from llmgw.control.gateway.sse import StreamTally
 from llmgw.control.gateway.starting import Answered, Starting, hold_request, unavailable_error
 from llmgw.control.gateway.upstream import (
@@ -112,40 +110,6 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 _POOL = web.AppKey("llmgw_gateway_pool", UpstreamPool)
-_REQUEST_ID = web.RequestKey("llmgw_request_id", str)
-#: A client's ``x-request-id`` is kept when it is 1-128 of these characters; else the gateway makes one.
-_CLIENT_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
-
-
-#: A made request id: this process's 8 random hex digits, then a counter passed through splitmix64's
-#: finalizer (a bijection, so unique within the process for 2**64 requests, and not the count of
-#: requests served). No system call per request: ``secrets.token_hex`` read the kernel's random
-#: source for every one (``getrandom``, ~3 µs here under load).
-_ID_PREFIX = secrets.token_hex(4)
-_ID_COUNTER = itertools.count(int.from_bytes(secrets.token_bytes(8), "big"))
-
-
-def new_request_id() -> str:
-    """24 hex digits, unique in this process (see ``_ID_PREFIX``)."""
-    return f"{_ID_PREFIX}{mix64(next(_ID_COUNTER) & 0xFFFFFFFFFFFFFFFF):016x}"
-
-
-def request_id(request: web.Request) -> str:
-    """The request's id: the client's ``x-request-id`` when it is plain (see ``_CLIENT_ID``), else 24 new
-    hex digits (:func:`new_request_id`); kept on the request so every response to it carries the same one."""
-    rid = request.get(_REQUEST_ID)
-    if rid is None:
-        sent = request.headers.get("x-request-id", "")
-        rid = sent if sent and _CLIENT_ID.fullmatch(sent) else new_request_id()
-        request[_REQUEST_ID] = rid
-    return rid
-
-
-async def _send_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: every response carries ``x-request-id``."""
-    response.headers.setdefault("x-request-id", request_id(request))
-
-
 def gateway_pool(app: web.Application) -> UpstreamPool:
     """The gateway app's :class:`UpstreamPool`: its balancer and queues (``pool.loads()``: each
     replica's slots, in flight, queued and picks, for ``ctl replicas`` and the metrics page)."""
@@ -597,7 +561,7 @@ def build_gateway_app(
         await pool.close()
 
     app.cleanup_ctx.append(_lifecycle)
-    app.on_response_prepare.append(_send_request_id)
+    app.on_response_prepare.append(send_request_id)
     app.router.add_post("/v1/chat/completions", gw.chat)
     app.router.add_post("/v1/completions", gw.completions)
     app.router.add_post("/v1/embeddings", gw.embeddings)
