@@ -14,6 +14,7 @@ CLI turns an ``LlmgwError`` into ``Error: <message>`` and its ``exit_code``, nev
     │   └── SourceRefused          exit 2   the mirror's policy refuses a source (names the flag allowing it)
     ├── ApiError                   exit 1   an llmgw HTTP API answered with an error (status, code): client side
     ├── HttpError                  exit 1   a handler refuses a request (status, code, message): server side
+    │   ├── WaitedOut              exit 1   the gateway queue's 429 for a request refused after waiting
     │   └── JsonBodyError          exit 1   a request body is not bounded JSON (400/413); also a ValueError
     ├── UnreachableError           exit 3   an llmgw service does not answer at its address
     ├── GroupError                 exit 1   a node's part in a replica over several nodes cannot run
@@ -119,6 +120,12 @@ class HttpError(LlmgwError):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.headers = headers
+
+
+class WaitedOut(HttpError):
+    """The gateway queue's 429 ``model_busy`` for a request refused after it waited for a slot (its
+    wait reached the bound, or a request that ranks above it took its place), as opposed to one
+    refused at once: its wait counts in ``llmgw_gateway_queue_wait_seconds`` like a served one's."""
 
 
 class JsonBodyError(HttpError, ValueError):

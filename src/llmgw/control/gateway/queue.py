@@ -74,19 +74,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from llmgw.errors import HttpError
+from llmgw.errors import HttpError, WaitedOut
 from llmgw.words import counted, plural
 
 T = TypeVar("T")
 
 #: Waiters :meth:`FairQueue.wake` offers a free slot to, in fair order, past those that defer.
 SCAN = 16
-
-
-class WaitedOut(HttpError):
-    """The 429 ``model_busy`` of a request refused after it waited in the queue (its wait reached the
-    bound, or a request that ranks above it took its place), as opposed to one refused at once: its
-    wait counts in ``llmgw_gateway_queue_wait_seconds`` like a served one's."""
 
 
 @dataclass(frozen=True, slots=True)

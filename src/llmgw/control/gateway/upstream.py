@@ -65,11 +65,11 @@ from yarl import URL
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
 from llmgw.control.gateway.inspect import Inspector, Refusal, current_call
 from llmgw.control.gateway.prefix import prefix_key
-from llmgw.control.gateway.queue import Defer, FairQueue, WaitedOut
+from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally, pump
 from llmgw.control.gateway.starting import answer_on_stream
-from llmgw.errors import HttpError
+from llmgw.errors import HttpError, WaitedOut
 from llmgw.httperrors import openai_error_event, openai_error_json
 from llmgw.routing import Route, Upstream
 
