@@ -218,6 +218,11 @@ def test_usage_of_a_key_that_does_not_exist_is_an_error(cp: Install) -> None:
     assert (code, out.strip()) == (0, "no usage in that range")
     for name in ("keys-file", "loopback"):  # usage names that are no stored key's
         assert _ctl(cp, "usage", "--key", name)[0] == 0
+    # a model: none may be a deleted model's history, so not an error; but the line says usage is by
+    # catalog name (an alias finds none: a new user asked by alias and read "no usage")
+    code, out = _ctl(cp, "usage", "--model", "nope")
+    assert code == 0, out
+    assert "no usage of model 'nope' in that range (usage is by catalog name, not alias" in " ".join(out.split())
 
 
 def test_patch_and_get_answer_the_keys_usage_as_the_list_does(cp: Install) -> None:

@@ -256,4 +256,10 @@ def usage(
         sums = [a + b for a, b in zip(sums, counts, strict=True)]
         t.add_row(r.day, r.key, r.model or "-", *map(str, counts))
     t.add_row("total", "", "", *map(str, sums), style="bold")
-    console().print(t if rows else "no usage in that range")
+    if rows:
+        console().print(t)
+    elif model:  # usage is kept by catalog name: an alias, or a name mistyped, finds none
+        console().print(f"no usage of model '{model}' in that range (usage is by catalog name, not alias: "
+                        "'llmgw ctl model ls' lists them)")
+    else:
+        console().print("no usage in that range")
