@@ -206,20 +206,29 @@ class _Gateway:
 
     def _refused(self, request: web.Request, kind: str, reason: str, started_ns: int) -> None:
         """Tell ``observe`` about a 401 (see :meth:`authenticate`); no model, replica or usage."""
+        self._note(request, kind, 401, started_ns, code="invalid_api_key", refused=reason)
+
+    def _note(
+        self, request: web.Request, kind: str, status: int, started_ns: int, *, key: str = "", model: str = "",
+        code: str = "", refused: str = "",
+    ) -> None:
+        """Hand ``observe`` an :class:`Exchange` of a request no replica was asked for (a 401, a
+        ``/v1/models`` answer), after this handler returns."""
         if self.observe is None:
             return
         asyncio.get_running_loop().call_soon(self.observe, Exchange(
-            requested="",
-            model="",
+            requested=model,
+            model=model,
             replica="",
-            status=401,
+            status=status,
             stream=False,
             overhead_ms=(time.perf_counter_ns() - started_ns) / 1e6,
             upstream_ms=0.0,
+            key=key,
             kind=kind,
             request_id=request_id(request),
-            code="invalid_api_key",
-            refused=reason,
+            code=code,
+            refused=refused,
         ))
 
     # -- models --------------------------------------------------------------------------------
@@ -261,23 +270,11 @@ class _Gateway:
     def _listed(
         self, request: web.Request, caller: Caller, model: str, response: web.Response, started_ns: int
     ) -> web.Response:
-        """``response`` to a ``/v1/models`` request of ``caller``, handed to ``observe`` first (kind
-        ``models``: an access-log line and ``llmgw_gateway_requests_total``; not usage, which counts
-        model calls); ``model`` the catalog name asked about, "" for the list or one not found."""
-        if self.observe is not None:
-            asyncio.get_running_loop().call_soon(self.observe, Exchange(
-                requested=model,
-                model=model,
-                replica="",
-                status=response.status,
-                stream=False,
-                overhead_ms=(time.perf_counter_ns() - started_ns) / 1e6,
-                upstream_ms=0.0,
-                key=caller.name,
-                kind="models",
-                request_id=request_id(request),
-                code=_answer_code(response) if response.status >= 400 else "",
-            ))
+        """``response`` to a ``/v1/models`` request of ``caller``, noted first (kind ``models``: an
+        access-log line and ``llmgw_gateway_requests_total``; not usage, which counts model calls);
+        ``model`` the catalog name asked about, "" for the list or one not found."""
+        code = _answer_code(response) if response.status >= 400 else ""
+        self._note(request, "models", response.status, started_ns, key=caller.name, model=model, code=code)
         return response
 
     def _not_found(self, name: str, caller: Caller) -> web.Response:
