@@ -6,7 +6,6 @@ calls: a chat to an unknown model, sent alongside, is."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import aiohttp
 import pytest
 
 from tests.helpers.control import TOKEN, make_keyed_install, serving
+from tests.helpers.waits import until
 from tests.unit.test_metrics import _samples
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -36,12 +36,12 @@ async def test_model_listings_are_logged_and_counted_but_are_not_usage(
         body = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
         async with s.post(gw + "/v1/chat/completions", json=body, headers=key) as r:
             assert r.status == 404
-        for _ in range(50):  # usage is written every 0.5 s
+
+        async def usage() -> list[dict[str, int]]:
             async with s.get(inst.admin + "/api/v1/usage?key=keys-file", headers=AUTH) as r:
-                rows = await r.json()
-            if rows:
-                break
-            await asyncio.sleep(0.1)
+                return await r.json()
+
+        rows = await until("the chat's usage is written (every 0.5 s)", usage, within_s=5)
         async with s.get(inst.admin + "/metrics") as r:
             page = await r.text()
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.access"]
