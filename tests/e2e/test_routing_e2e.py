@@ -31,7 +31,7 @@ from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
 from tests.helpers.gateway import ServerThread
 from tests.helpers.net import free_port
-from tests.helpers.processes import stop_process
+from tests.helpers.processes import stop_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -124,10 +124,7 @@ def world(assets: Assets) -> Iterator[World]:
         yield w
     finally:
         servers.close()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            stop_process(p)
+        stop_processes(procs)
 
 
 def test_a_conversation_stays_on_one_replica_on_both_control_planes(world: World) -> None:
@@ -255,7 +252,7 @@ def test_a_replica_killed_while_requests_wait(world: World, assets: Assets) -> N
         world.settle()
         assert bal.loads()["rep-x"].slots == SLOTS
 
-        def body(tag: str, i: int, max_tokens: int = 96) -> dict[str, Any]:
+        def body(tag: str, i: int, max_tokens: int = 48) -> dict[str, Any]:
             return _chat("four", [f"{tag} {i}: tell a long story."], max_tokens=max_tokens)
 
         with concurrent.futures.ThreadPoolExecutor(16) as ex:
@@ -305,7 +302,7 @@ def test_a_full_queue_429_at_once_and_a_client_leaving_frees_its_place(world: Wo
 
         picks = sum(sum(x.picks.values()) for x in bal.loads().values())
         with concurrent.futures.ThreadPoolExecutor(10) as ex:
-            busy = [ex.submit(ask, world.urls[0], body("busy", i, 200)) for i in range(6)]
+            busy = [ex.submit(ask, world.urls[0], body("busy", i, 120)) for i in range(6)]
             until("6 in flight", lambda: sum(x.in_flight for x in bal.loads().values()) == 6)
             waiting = ex.submit(ask, world.urls[0], body("waiting", 0))
             leaver = ex.submit(ask, world.urls[0], body("leaver", 0), 4.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -22,16 +23,32 @@ LISTEN_FLAGS = ("--admin-listen", "--agent-listen", "--gateway-listen", "--mirro
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10) -> None:
     """SIGTERM ``proc``, and SIGKILL it if it is still running after ``grace_s`` seconds; reaped either
-    way. For a test's own llama-server: one that had a burst of requests cut short can hang in its
-    shutdown (seen 2026-12-04 after tests/e2e/test_guard_e2e.py: a fixture's ``wait(10)`` raised and
-    the llama-server was still there 12 minutes later, every thread waiting on a futex), which is not
-    what the tests are about."""
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    way (:func:`stop_processes` of one)."""
+    stop_processes([proc], grace_s)
+
+
+def stop_processes(procs: list[subprocess.Popen[Any]], grace_s: float = 10) -> None:
+    """SIGTERM each of ``procs`` once, wait up to ``grace_s`` seconds in all for them to exit, SIGKILL
+    those still running; all reaped. For a test's own llama-servers, stopped together.
+
+    One SIGTERM, never two: llama-server takes a second SIGINT/SIGTERM as "terminating immediately"
+    and calls ``exit(1)`` from its signal handler (tools/server/server.cpp, ``signal_handler``), which
+    can deadlock in the exit handlers while its other threads still shut down: every thread waits on a
+    futex until SIGKILL. tests/e2e/test_routing_e2e.py's teardown signalled its three twice (a
+    ``terminate()`` each, then this helper's): one of them hung its full 10 s in 1 of 2 runs
+    (2026-12-05), 0 in 3 since. The SIGKILL after the grace stays: one that had a burst of requests cut
+    short was seen hanging in its shutdown after a single SIGTERM too (2026-12-04, after
+    tests/e2e/test_guard_e2e.py: still there 12 minutes later, every thread waiting on a futex)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def llmgw(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
