@@ -292,7 +292,9 @@ def test_a_full_queue_429_at_once_and_a_client_leaving_frees_its_place(world: Wo
     world.router.routes["q2"] = Route("q2", world.ups, queue_size=2, queue_wait_s=300)
     try:
         def body(tag: str, i: int, max_tokens: int = 4) -> dict[str, Any]:
-            return _chat("q2", [f"{tag} {i}: tell a long story about a lighthouse."], max_tokens=max_tokens)
+            # gemma's end tokens banned (1 <eos>, 106 <end_of_turn>): each answer runs to its max_tokens
+            return _chat("q2", [f"{tag} {i}: tell a long story about a lighthouse."], max_tokens=max_tokens,
+                         logit_bias={"1": -100, "106": -100})
 
         def until(what: str, ok: Any, limit: float = 30.0) -> None:
             deadline = time.monotonic() + limit
@@ -302,10 +304,12 @@ def test_a_full_queue_429_at_once_and_a_client_leaving_frees_its_place(world: Wo
 
         picks = sum(sum(x.picks.values()) for x in bal.loads().values())
         with concurrent.futures.ThreadPoolExecutor(10) as ex:
-            busy = [ex.submit(ask, world.urls[0], body("busy", i, 120)) for i in range(6)]
+            # Busy for as long as the steps below take (the leaver's 2 s at most of it): 64 tokens on
+            # three 1-thread engines sharing 2 cores, ~6 s here idle, longer under load.
+            busy = [ex.submit(ask, world.urls[0], body("busy", i, 64)) for i in range(6)]
             until("6 in flight", lambda: sum(x.in_flight for x in bal.loads().values()) == 6)
             waiting = ex.submit(ask, world.urls[0], body("waiting", 0))
-            leaver = ex.submit(ask, world.urls[0], body("leaver", 0), 4.0)
+            leaver = ex.submit(ask, world.urls[0], body("leaver", 0), 2.0)
             until("2 waiting", lambda: len(pool.queues["q2"]) == 2)
             t0 = time.monotonic()
             full = ask(world.urls[0], body("full", 0))
