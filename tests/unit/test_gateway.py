@@ -162,7 +162,9 @@ def test_a_wrong_key_from_loopback_is_refused(env: Env, header: str) -> None:
     r = httpx.get(f"{env.open_url}/v1/models", headers={"Authorization": header})
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
-    assert "send no key" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert message.startswith("Incorrect API key provided (unknown, revoked or expired); "), message
+    assert message.endswith("from this machine you may also send no key at all"), message
     r = httpx.post(
         f"{env.open_url}/v1/chat/completions", json=_chat("g"), headers={"Authorization": header}
     )

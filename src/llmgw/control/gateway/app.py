@@ -198,10 +198,12 @@ class _Gateway:
         self._refused(request, kind, "invalid" if presented else "missing", started_ns)
         if not presented:
             message = "Missing API key: send 'Authorization: Bearer <key>'"
-        elif open_here:
-            message = "Incorrect API key provided; from this machine you may also send no key at all"
         else:
+            # From loopback too: a revoked key is refused, and the client is told so first (the
+            # loopback hint alone read as if the key did not matter).
             message = "Incorrect API key provided (unknown, revoked or expired)"
+            if open_here:
+                message += "; from this machine you may also send no key at all"
         return openai_error_json(401, "invalid_api_key", message)
 
     def _refused(self, request: web.Request, kind: str, reason: str, started_ns: int) -> None:
