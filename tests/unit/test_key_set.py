@@ -74,6 +74,24 @@ async def test_ctl_key_set_changes_limits_on_the_gateway_within_a_second(
     print(f"a raised rpm took {took:.2f} s to reach the gateway")
 
 
+async def test_ctl_key_set_clear_priority_puts_it_back_to_0(tmp_path: Path) -> None:
+    """``--clear priority`` (an earlier new user's finding: it was refused, though the API takes
+    ``priority: null`` as 0); with ``--priority`` in the same command it is refused like any pair."""
+    inst = _install(tmp_path)
+    async with serving(inst), aiohttp.ClientSession() as s:
+        async with s.post(inst.admin + "/api/v1/keys", json={"name": "team", "priority": 7}, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+        code, out = await run_ctl(inst, "key", "set", "team", "--priority", "3", "--clear", "priority")
+        assert code == 2, out
+        assert "--priority and --clear of it together: give one" in out
+        code, out = await run_ctl(inst, "key", "set", "team", "--clear", "priority")
+        assert code == 0, out
+        assert "priority: 0;" in out
+        async with s.get(inst.admin + "/api/v1/keys", headers=AUTH) as r:
+            (key,) = await r.json()
+        assert key["priority"] == 0
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [

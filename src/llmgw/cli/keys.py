@@ -4,7 +4,7 @@
   [--expires 30d] [--priority 0-9]``: prints the secret once (the store keeps its SHA-256) and what
   was set, the expiry included. The key works on the control plane that answered at once.
 - ``key set NAME [--models M,…] [--rpm N] [--tpm N] [--budget-tokens N] [--budget-period day|month]
-  [--expires 30d] [--priority 0-9] [--clear rpm|tpm|budget|models|expires …]``: change a key's limits
+  [--expires 30d] [--priority 0-9] [--clear rpm|tpm|budget|models|expires|priority …]``: change a key's limits
   (what is not named stays); the control plane that answers applies it before it answers, every
   other one within a second.
 - ``key ls``: name, prefix, models, limits, priority, usage today / this month, last use, state and
@@ -143,7 +143,7 @@ def _warn_unknown_models(client: AdminClient, names: list[str]) -> None:
 
 #: ``key set --clear`` names → the PATCH fields they null.
 _CLEARS = {"rpm": ("rpm",), "tpm": ("tpm",), "budget": ("budget_tokens", "budget_period"), "models": ("models",),
-           "expires": ("expires",)}
+           "expires": ("expires",), "priority": ("priority",)}  # priority: null is back to 0 (KeyPatch)
 
 
 @app.command("set")
@@ -159,7 +159,8 @@ def set_limits(
     priority: PriorityOpt = None,
     clear: Annotated[
         list[str] | None,
-        typer.Option("--clear", help="Remove a limit: rpm, tpm, budget, models (every model) or expires; repeat."),
+        typer.Option("--clear", help="Remove a limit: rpm, tpm, budget, models (every model) or expires; "
+                     "priority back to 0; repeat."),
     ] = None,
     server: ServerOpt = None,
     token: TokenOpt = None,
