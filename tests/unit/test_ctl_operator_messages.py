@@ -14,6 +14,7 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from llmgw.adminclient import AdminClient
@@ -96,3 +97,54 @@ def test_add_with_no_node_at_all_says_so(cp: Install) -> None:
         "!! m fits on no node now (no node has joined the cluster); its replicas stay pending until a node "
         "has room: see 'llmgw ctl explain-placement m'",
     ]
+
+
+def test_set_profiles_that_fit_no_node_say_so_but_not_for_room_the_models_own_replicas_hold(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A node with 4 GiB and 2 cores. ``set-profiles`` asking 100 GB prints ``profiles set`` and a
+    ``!!`` line (the node is too small whatever runs there); asking 2 GB, nothing more. A model whose
+    own replica holds the node's 2 cores gets no warning when its new profile needs them again: the
+    profile change replaces that replica, freeing them (an earlier new user's finding, carried:
+    ``set-profiles`` never warned)."""
+    from llmgw.control.store import default_url, open_store  # noqa: PLC0415
+    from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState  # noqa: PLC0415
+    from tests.helpers.waits import wait_for  # noqa: PLC0415
+
+    inst = make_install(tmp_path / "root")
+    store = open_store(default_url("", inst.paths.database))
+    inv = Inventory(cores=2, memory_total_bytes=4 << 30, memory_available_bytes=4 << 30)
+    engines = [EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")]
+    store.upsert_node_heartbeat("node-a", Heartbeat(inventory=inv, engines=engines), 1e12)
+    src = "http://m.test:8081/m/1/m.gguf"
+
+    def profiles(**profile: object) -> str:
+        path = tmp_path / "profiles.yaml"
+        path.write_text(yaml.safe_dump([{"name": "cpu", **profile}]))
+        return str(path)
+
+    with ThreadedControlPlane(inst):
+        admin = AdminClient(inst.admin, TOKEN)
+        code, out = ctl(inst, "model", "add", "--name", "m", "--source", src, "--memory-gb", "1")
+        assert (code, out) == (0, "added m (replicas 1..1)\n")
+        code, out = ctl(inst, "model", "set-profiles", "m", "-f", profiles(min_memory_gb=100))
+        assert code == 0, out
+        lines = out.splitlines()
+        assert lines[0] == "m: profiles set; replicas restart onto them"
+        assert lines[1].startswith("!! m: its profiles fit on no node (node-a: ")
+        assert "needs 100.0 GB memory, the node has 4.3 GB in all: too small" in lines[1]
+        assert lines[1].endswith("); its replicas stay pending until a profile or a node changes: see "
+                                 "'llmgw ctl explain-placement m'")
+        assert len(lines) == 2
+        code, out = ctl(inst, "model", "set-profiles", "m", "-f", profiles(min_memory_gb=2))
+        assert (code, out) == (0, "m: profiles set; replicas restart onto them\n")
+        code, out = ctl(inst, "model", "rm", "m")
+        assert code == 0, out
+
+        code, out = ctl(inst, "model", "add", "--name", "c", "--source", src, "--memory-gb", "1", "--cpu-cores", "2")
+        assert code == 0, out
+        wait_for("c's replica placed on node-a", lambda: any(r.node == "node-a" for r in admin.replicas("c")), 10, 0.1)
+        fits = admin.model_resources("c")["profiles"][0]["nodes"]
+        assert [(n["fits"], n["kind"]) for n in fits] == [(False, "exhausted")]  # its own replica holds the cores
+        code, out = ctl(inst, "model", "set-profiles", "c", "-f", profiles(min_memory_gb=2, cpu_cores=2))
+        assert (code, out) == (0, "c: profiles set; replicas restart onto them\n")

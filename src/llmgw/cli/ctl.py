@@ -37,7 +37,12 @@ from llmgw.cli.common import admin_client as _client
 from llmgw.cli.common import cli_errors, console, fail, paths, table, typer_app
 from llmgw.cli.common import print_json as _print_json
 from llmgw.cli.modelset import model_set
-from llmgw.cli.modelwarn import warn_drained_nowhere, warn_fits_nowhere, warn_unreadable_source
+from llmgw.cli.modelwarn import (
+    warn_drained_nowhere,
+    warn_fits_nowhere,
+    warn_profiles_fit_no_node,
+    warn_unreadable_source,
+)
 from llmgw.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -406,11 +411,13 @@ def model_set_profiles(
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Replace a model's profiles; its replicas restart onto the new ones."""
-    data = _client(server, token).set_profiles(name, _read_doc(file))
+    client = _client(server, token)
+    data = client.set_profiles(name, _read_doc(file))
     if as_json:
         _print_json(data)
     else:
         print(f"{name}: profiles set; replicas restart onto them")
+    warn_profiles_fit_no_node(client, name)
 
 
 @model_app.command("rm")

@@ -1,7 +1,8 @@
 """What ``llmgw ctl`` warns about once a change is made (``!!`` lines on stderr, the exit code stays
 0: the change succeeded): after ``model add``, a source the control plane cannot read and a model
 that fits on no node now (its replica stays pending; ``ctl explain-placement`` says why); after
-``node drain``, a model whose drained replicas no other node can take now.
+``model set-profiles``, new profiles that no node can take whatever runs there; after ``node drain``,
+a model whose drained replicas no other node can take now.
 """
 
 from __future__ import annotations
@@ -72,6 +73,29 @@ def warn_fits_nowhere(client: AdminClient, name: str, resources: dict[str, Any],
     those = "its replica stays" if wanted == 1 else "its replicas stay"
     print(f"!! {name} fits on no node now ({why or 'no node has joined the cluster'}); {those} pending until a node "
           f"has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
+
+
+def warn_profiles_fit_no_node(client: AdminClient, name: str) -> None:
+    """After ``model set-profiles``: say on stderr when no node could take a replica on any of the
+    model's new profiles *whatever runs there*: every node's verdict for every profile is a rule
+    (``filtered``: its state, a selector, the engine or GPU class, a node or card too small), none a
+    resource held now (``exhausted``). A profile change restarts the model's replicas (the leader
+    replaces each whose profile changed), so room its own replicas hold now may be free for their
+    replacements: such a verdict says nothing, and no warning rather than a wrong one. A new
+    user's profile asking more memory than any node has got a plain ``profiles set`` while the
+    model then served nothing. Nothing is said when no node has joined (nothing changed there)."""
+    try:
+        profiles = client.model_resources(name).get("profiles") or []
+    except LlmgwError:
+        return  # the change itself worked; the check is a courtesy
+    verdicts = [n for p in profiles for n in p.get("nodes", [])]
+    if not verdicts or any(n.get("fits") or n.get("kind") != "filtered" for n in verdicts):
+        return
+    misses = profiles[0].get("nodes", [])
+    why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
+    why += f"; {len(misses) - 3} more" if len(misses) > 3 else ""
+    print(f"!! {name}: its profiles fit on no node ({why}); its replicas stay pending until a profile or a node "
+          f"changes: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
 
 
 def warn_drained_nowhere(client: AdminClient, node: str, before: list[ReplicaView]) -> None:
