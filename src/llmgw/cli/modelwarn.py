@@ -68,8 +68,7 @@ def warn_fits_nowhere(client: AdminClient, name: str, resources: dict[str, Any],
     except LlmgwError:
         return  # the add itself worked; the check is a courtesy
     misses = profiles[0].get("nodes", []) if profiles else []
-    why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
-    why += f"; {len(misses) - 3} more" if len(misses) > 3 else ""
+    why = _reasons(misses)
     those = "its replica stays" if wanted == 1 else "its replicas stay"
     print(f"!! {name} fits on no node now ({why or 'no node has joined the cluster'}); {those} pending until a node "
           f"has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
@@ -92,8 +91,7 @@ def warn_profiles_fit_no_node(client: AdminClient, name: str) -> None:
     if not verdicts or any(n.get("fits") or n.get("kind") != "filtered" for n in verdicts):
         return
     misses = profiles[0].get("nodes", [])
-    why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
-    why += f"; {len(misses) - 3} more" if len(misses) > 3 else ""
+    why = _reasons(misses)
     print(f"!! {name}: its profiles fit on no node ({why}); its replicas stay pending until a profile or a node "
           f"changes: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
 
@@ -114,8 +112,15 @@ def warn_drained_nowhere(client: AdminClient, node: str, before: list[ReplicaVie
             continue
         left = sum(1 for r in before if r.model == model and r.node not in ("", node) and r.state == "ready")
         misses = [n for n in (profiles[0].get("nodes", []) if profiles else []) if n.get("node") != node]
-        why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3]) or "no other node"
+        why = _reasons(misses, more=False) or "no other node"
         print(f"!! {model}: no other node can take the replicas drained from {node} now ({why}); "
               f"{left} of its replicas {'is' if left == 1 else 'are'} ready elsewhere. They are placed when a "
               f"node has room ('llmgw ctl node uncordon {node}' brings it back): see "
               f"'llmgw ctl explain-placement {model}'", file=sys.stderr)
+
+
+def _reasons(misses: list[dict[str, Any]], *, more: bool = True) -> str:
+    """The first three nodes' verdicts from ``GET …/resources`` as ``node: reason; …`` (and how many
+    more when ``more``)."""
+    why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
+    return why + (f"; {len(misses) - 3} more" if more and len(misses) > 3 else "")
