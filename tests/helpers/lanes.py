@@ -51,11 +51,10 @@ HEAVY = 0.5
 HEAVY_LANES = 2
 #: Tests that assert a wall-clock bound (a takeover within the lease, a key refused within a second, a
 #: queue's order under a burst) which the parallel part's load on a 2-core machine can break (each
-#: failed so in a 4-worker run at load 11-20). They get the ``timed`` marker (tests/conftest.py) and, with the ``ha``
-#: tests, run after the parallel part in three lanes (``scripts/test``): at most two that keep a core
-#: busy at once (tests/helpers/lanes.py), on a machine otherwise idle (load ~2-3, where they were
-#: written to hold). A node id prefix: a file, or a
-#: file and a test.
+#: failed so in a 4-worker run at load 11-20). They get the ``timed`` marker (tests/conftest.py) and,
+#: with the ``ha`` tests, run after the parallel part in three lanes (``scripts/test``): at most two
+#: that keep a core busy at once (:func:`deal`), on a machine otherwise idle (load ~2-3, where they
+#: were written to hold). A node id prefix: a file, or a file and a test.
 TIMED = (
     "tests/e2e/test_adoption.py",
     "tests/e2e/test_processes.py",

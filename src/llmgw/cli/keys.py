@@ -218,15 +218,16 @@ def revoke(name: str, server: ServerOpt = None, token: TokenOpt = None, as_json:
     """Revoke a key: refused by this control plane at once, by every other within a second. It stays
     revoked, and its name taken. A key revoked already is left as it was, and said so."""
     client = _client(server, token)
-    before = client.key(name)
-    k = before if before.revoked_at is not None else client.revoke_key(name)
+    k = client.key(name)
+    already = k.revoked_at is not None
+    if not already:
+        k = client.revoke_key(name)
     if as_json:
         print(json.dumps(k.model_dump(mode="json"), indent=2, sort_keys=True))
-        return
-    if before.revoked_at is not None:
+    elif already:
         console().print(f"key '{k.name}' was already revoked at {_when(k.revoked_at)} UTC; nothing changed")
-        return
-    console().print(f"key '{k.name}' revoked at {_when(k.revoked_at)} UTC")
+    else:
+        console().print(f"key '{k.name}' revoked at {_when(k.revoked_at)} UTC")
 
 
 @app.command("rotate")

@@ -90,8 +90,7 @@ def warn_profiles_fit_no_node(client: AdminClient, name: str) -> None:
     verdicts = [n for p in profiles for n in p.get("nodes", [])]
     if not verdicts or any(n.get("fits") or n.get("kind") != "filtered" for n in verdicts):
         return
-    misses = profiles[0].get("nodes", [])
-    why = _reasons(misses)
+    why = _reasons(profiles[0].get("nodes", []))
     print(f"!! {name}: its profiles fit on no node ({why}); its replicas stay pending until a profile or a node "
           f"changes: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
 
