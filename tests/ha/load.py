@@ -23,6 +23,7 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -423,12 +424,14 @@ class OrphanLoad:
 
 
 def orphan_run(
-    ha: HACluster, writers: int = 4, watch_s: float = 35
-) -> tuple[OrphanLoad, float, float, Member]:
+    ha: HACluster, writers: int = 4, watch_s: float = 35,
+    settled: Callable[[OrphanLoad, float], bool] | None = None,
+) -> tuple[OrphanLoad, float, float, float, Member]:
     """Run the load, orphan the primary (its Patroni SIGKILLed, its PostgreSQL left running), wait for
-    another member's promotion, watch ``watch_s`` more seconds; returns the stopped load, the kill's
-    and the promotion's monotonic times, and the new primary. The orphan still runs afterwards
-    (``ha.stop()`` ends it).
+    another member's promotion, watch ``watch_s`` more seconds, or less once ``settled(load,
+    promoted)`` says what the caller waits for has been seen (asked every 0.5 s); returns the stopped
+    load, the kill's, the promotion's and the watch's end's monotonic times, and the new primary. The
+    orphan still runs afterwards (``ha.stop()`` ends it).
 
     Raises:
         AssertionError: the load not under way within 30 s (:meth:`OrphanLoad.running`), no
@@ -443,8 +446,10 @@ def orphan_run(
         killed = time.monotonic()
         new = ha.patroni.wait_primary(60, not_=p)
         promoted = time.monotonic()
-        time.sleep(watch_s)
+        while time.monotonic() < promoted + watch_s and not (settled is not None and settled(load, promoted)):
+            time.sleep(0.5)
+        ended = time.monotonic()
         assert p.postmaster_pid() is not None, f"the orphan {p.name}'s PostgreSQL died: it was meant to live on"
     finally:
         load.stop()
-    return load, killed, promoted, new
+    return load, killed, promoted, ended, new
