@@ -19,20 +19,20 @@ from xdist.scheduler import LoadScopeScheduling
 
 #: Each file of the ``timed`` and ``ha`` tests in CI: (wall seconds, CPU seconds), setup and teardown
 #: included (``LLMGW_TEST_CPU``'s columns, tests/helpers/cputime.py: a cgroup per test, so a file's
-#: CPU counts every process it started; the lanes part on 2026-12-05 09:00, 3 lanes, this machine
+#: CPU counts every process it started; the lanes part on 2026-12-05 10:55, 3 lanes, this machine
 #: otherwise idle). A file not named counts :data:`UNKNOWN`; a stale figure only unbalances the lanes.
 FILE_S = {
-    "tests/ha/test_failover.py": (135, 114),  # 140 s, 131 CPU-s with 4-token chats in its load
-    "tests/e2e/test_routing_e2e.py": (85, 65),  # 104 s, 81 CPU-s before its requests were shortened
-    "tests/ha/test_orphan.py": (67, 60),
-    "tests/ha/test_frozen_lock.py": (44, 15),
-    "tests/unit/test_autoscale_cluster.py": (41, 6),
-    "tests/e2e/test_service_restart.py": (26, 18),
-    "tests/unit/test_election.py": (15, 1),
-    "tests/e2e/test_adoption.py": (13, 8),
-    "tests/e2e/test_replicas_routing.py": (11, 13),
+    "tests/ha/test_failover.py": (129, 103),  # 140 s, 131 CPU-s with 4-token chats in its load
+    "tests/e2e/test_routing_e2e.py": (77, 61),  # 85 s, 65 CPU-s with four turns a conversation
+    "tests/ha/test_orphan.py": (58, 45),  # 67 s, 60 CPU-s with a fixed 25 s watch
+    "tests/ha/test_frozen_lock.py": (39, 13),
+    "tests/unit/test_autoscale_cluster.py": (37, 6),
+    "tests/e2e/test_service_restart.py": (23, 16),
+    "tests/unit/test_election.py": (16, 1),
+    "tests/e2e/test_replicas_routing.py": (14, 14),
+    "tests/e2e/test_processes.py": (12, 3),
+    "tests/e2e/test_adoption.py": (9, 7),
     "tests/unit/test_gateway_reload.py": (8, 0),
-    "tests/e2e/test_processes.py": (7, 3),
     "tests/unit/test_key_set.py": (3, 2),
     "tests/unit/test_gateway_routing.py": (3, 0),
     "tests/unit/test_judge_admission.py": (1, 0),
