@@ -258,8 +258,25 @@ async def test_a_waiter_still_waiting_at_wait_s_gets_429() -> None:
     assert 0.05 <= waited < 0.2
     assert refused.value.status == 429
     assert refused.value.headers == {"Retry-After": "1"}
-    assert "waited 0 s for a slot, the bound" in refused.value.message
+    assert "waited 0 s for a slot, the bound, and none came free for it; retry after" in refused.value.message
     assert len(q) == 0
+
+
+async def test_a_waiter_that_waited_out_says_how_many_are_still_ahead_of_it() -> None:
+    """A low-priority request that waited its bound names the higher-priority one that came later and
+    still waits ahead of it (1, singular); that one, alone when it waits out in turn, names none."""
+    slots = Slots(1)
+    q = _queue(slots, wait_s=0.1)
+    slots.take()
+    low = asyncio.create_task(q.acquire("a", 0, slots.take, service_s=0.01, slots=1))
+    await asyncio.sleep(0.03)
+    high = asyncio.create_task(q.acquire("b", 5, slots.take, service_s=0.01, slots=1))
+    with pytest.raises(HttpError) as first:
+        await low
+    assert "and none came free for it (1 request still ahead of it); retry after" in first.value.message
+    with pytest.raises(HttpError) as second:
+        await high
+    assert "and none came free for it; retry after" in second.value.message
 
 
 @pytest.mark.parametrize("give_back", [True, False])

@@ -386,8 +386,11 @@ class FairQueue(Generic[T]):
         ahead = self._ahead(waiter.key, waiter.priority, fifo.index(waiter))
         self._remove(waiter)
         waited = self._clock() - waiter.arrived
+        # No slot came free for it; who is still ahead now (waiters that expired with it are gone:
+        # "0 are still ahead" read as if it had been next all along) only when someone is.
+        still = f" ({counted(ahead, 'request')} still ahead of it)" if ahead else ""
         waiter.future.set_exception(self._busy(
-            f"this request waited {waited:.0f} s for a slot, the bound, and {ahead} are still ahead",
+            f"this request waited {waited:.0f} s for a slot, the bound, and none came free for it{still}",
             (ahead + 1) * waiter.service_s / waiter.slots, waited=True))
 
     def _ahead(self, key: str, priority: int, own: int) -> int:
