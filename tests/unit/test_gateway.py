@@ -171,6 +171,19 @@ def test_a_wrong_key_from_loopback_is_refused(env: Env, header: str) -> None:
     assert r.status_code == 401
 
 
+@pytest.mark.parametrize("header", [(b"authorization", b"Bearer \xff\xfe"), (b"x-api-key", b"caf\xe9")])
+def test_a_key_that_is_not_utf8_is_a_wrong_key(env: Env, header: tuple[bytes, bytes]) -> None:
+    """A new user's finding: a key of bytes that are not UTF-8 (aiohttp hands them on as lone
+    surrogates) got a 500 and an ERROR traceback in the log, and was not counted as refused. It is a
+    wrong key: 401 ``invalid_api_key``, from loopback and from afar, on the list and on a chat."""
+    for base in (env.url, env.open_url):
+        r = httpx.get(f"{base}/v1/models", headers=[header])
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{base}/v1/chat/completions", json=_chat("g"), headers=[header])
+        assert r.status_code == 401, r.text
+
+
 @pytest.mark.parametrize("x_key", ["none", f"{KEY}x"])
 def test_a_wrong_x_api_key_from_loopback_is_refused(env: Env, x_key: str) -> None:
     """A new user's report: a wrong key sent as ``x-api-key`` (Anthropic's clients' header) from

@@ -123,6 +123,8 @@ def test_the_management_api_needs_its_token_and_a_local_user_cannot_delete_serve
         assert httpx.post(f"{s.api}/api/v1/fetch", json=body, headers=headers, timeout=10).status_code == 401
         assert httpx.get(f"{s.api}/api/v1/files", headers=headers, timeout=10).status_code == 401
         assert httpx.get(f"{s.api}/api/v1/status/m/1", headers=headers, timeout=10).status_code == 401
+    r = httpx.delete(f"{s.api}/api/v1/files/m/1", headers=[(b"authorization", b"Bearer \xff\xfe")], timeout=10)
+    assert r.status_code == 401, r.text  # bytes that are not UTF-8: a wrong token, not a 500
     assert httpx.get(served_url, timeout=10).content == MODEL
     assert hashlib.sha256(httpx.get(served_url, timeout=10).content).hexdigest() == hashlib.sha256(MODEL).hexdigest()
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import httpx
 import pytest
 from yarl import URL
 
@@ -237,6 +238,10 @@ async def test_the_admin_api_still_wants_its_token(install: Install, served: Ser
         await _login(c, install.admin)
         r = await c.get(install.admin + "/api/v1/nodes")  # the UI cookie is not an admin token
         assert r.status == 401
+    async with httpx.AsyncClient() as h:  # a token of bytes that are not UTF-8 is a wrong one, not a 500
+        r2 = await h.get(install.admin + "/api/v1/nodes", headers=[(b"authorization", b"Bearer \xff\xfe")])
+        assert r2.status_code == 401, r2.text
+        assert r2.json()["error"]["code"] == "unauthorized"
 
 
 async def test_ui_listen_serves_the_dashboard_alone_over_tls(tmp_path: Path) -> None:

@@ -32,7 +32,6 @@ kept: nothing else was needed to pass the 70%-of-nginx target.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 import pathlib
@@ -43,6 +42,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import ValidationError
 
+from llmgw.bearer import bearer_is
 from llmgw.config import parse_listen
 from llmgw.errors import (
     ConfigError,
@@ -177,15 +177,13 @@ async def _auth(
 ) -> web.StreamResponse:
     """The token on every route but health (401 without it; compared in constant time)."""
     token = request.app[_TOKEN]
-    if token and request.path != "/api/v1/health":
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HttpError(
-                401,
-                "unauthorized",
-                "the mirror's management API needs its token (Authorization: Bearer …): llmgw's CLI "
-                "reads it from /etc/llmgw/mirror-token, else /etc/llmgw/admin-token; run it as root (sudo)",
-            )
+    if token and request.path != "/api/v1/health" and not bearer_is(request.headers.get("Authorization", ""), token):
+        raise HttpError(
+            401,
+            "unauthorized",
+            "the mirror's management API needs its token (Authorization: Bearer …): llmgw's CLI "
+            "reads it from /etc/llmgw/mirror-token, else /etc/llmgw/admin-token; run it as root (sudo)",
+        )
     return await handler(request)
 
 

@@ -40,7 +40,6 @@ gateway, which waited seconds behind admin writes when store calls ran on it.
 
 from __future__ import annotations
 
-import hmac
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -49,6 +48,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
+from llmgw.bearer import bearer_is
 from llmgw.control.api import models, nodes, replicas
 from llmgw.control.api.context import ADMIN, AdminContext
 from llmgw.control.api.context import json_response as _json
@@ -72,8 +72,7 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     token = request.config_dict[ADMIN].token  # config_dict: also under a sub-app (/ui)
     header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not bearer_is(header, token):
         why = "missing" if not header else "wrong"
         return error_json(
             401,

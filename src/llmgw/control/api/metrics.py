@@ -52,7 +52,6 @@ before, 1.9-2.0 µs after). Children are never removed here, so a kept one is al
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from llmgw import __version__
+from llmgw.bearer import bearer_is
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.reconcile.autoscale import wanted_replicas
 from llmgw.control.store import Store
@@ -367,8 +367,7 @@ METRICS: web.AppKey[MetricsContext] = web.AppKey("metrics", MetricsContext)
 
 def token_ok(request: web.Request, token: str) -> bool:
     """Whether ``request`` carries ``Authorization: Bearer <token>`` (compared in constant time)."""
-    want = ("Bearer " + token).encode()
-    return hmac.compare_digest(request.headers.get("Authorization", "").strip().encode(), want)
+    return bearer_is(request.headers.get("Authorization", ""), token)
 
 
 async def page(request: web.Request) -> web.Response:

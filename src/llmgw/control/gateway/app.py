@@ -72,6 +72,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
+from llmgw.bearer import sent_bytes
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
@@ -127,7 +128,7 @@ def _caller(request: web.Request) -> str:
     """The bearer key's id (first 12 hex digits of its SHA-256), "" without one; for the inspector."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     key = key.strip()
-    return hashlib.sha256(key.encode()).hexdigest()[:12] if scheme.lower() == "bearer" and key else ""
+    return hashlib.sha256(sent_bytes(key)).hexdigest()[:12] if scheme.lower() == "bearer" and key else ""
 
 
 @dataclass(eq=False)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from llmgw.bearer import sent_bytes
 from llmgw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ _Signature = tuple[int, int, int, int, int]
 
 
 def digest(key: str) -> bytes:
-    """The SHA-256 of a key as sent (UTF-8), the form keys are compared in."""
-    return hashlib.sha256(key.encode()).digest()
+    """The SHA-256 of a key as sent (its bytes: :func:`llmgw.bearer.sent_bytes`), the form keys are
+    compared in."""
+    return hashlib.sha256(sent_bytes(key)).digest()
 
 
 def parse_keys(text: str, path: Path) -> set[str]:

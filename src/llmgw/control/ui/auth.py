@@ -28,6 +28,8 @@ from aiohttp_session import setup as setup_session
 from aiohttp_session.cookie_storage import EncryptedCookieStorage
 from cryptography.fernet import Fernet
 
+from llmgw.bearer import sent_bytes
+
 COOKIE = "llmgw_ui"
 CSRF_FIELD = "csrf"
 
@@ -48,7 +50,7 @@ class Tokens:
 
     def role_of(self, given: str) -> Role | None:
         """The role ``given`` logs in as, or None when it is neither token."""
-        given_b = given.strip().encode()
+        given_b = sent_bytes(given.strip())
         if given_b and hmac.compare_digest(given_b, self.admin.encode()):
             return Role.ADMIN
         if self.viewer and given_b and hmac.compare_digest(given_b, self.viewer.encode()):
@@ -115,7 +117,7 @@ async def check_csrf(request: web.Request) -> None:
     form = await request.post()
     given = str(form.get(CSRF_FIELD, ""))
     want = session.get(CSRF_FIELD)
-    if not isinstance(want, str) or not hmac.compare_digest(given.encode(), want.encode()):
+    if not isinstance(want, str) or not hmac.compare_digest(sent_bytes(given), want.encode()):
         raise web.HTTPForbidden(text="the form has expired or did not come from this dashboard; reload the page")
 
 
