@@ -76,7 +76,8 @@ def fake_llama(
     does the same for a non-streamed answer (it watches the connection while it "generates"), and
     first appends ``"generating"``, so a test knows the request reached it. ``think-first`` sends
     its stream's headers at once and its first event 0.3 s later, as llama-server does while it
-    reads the prompt.
+    reads the prompt. ``linger-after-done`` ends its response 2 s after its ``data: [DONE]`` event,
+    so a client that closes on reading that event leaves before the replica is done.
     """
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -141,6 +142,8 @@ def fake_llama(
                 await resp.write(b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n")
             await resp.write(event)
             await asyncio.sleep(0.003)  # separate network chunks, as tokens are
+        if text == "linger-after-done":
+            await asyncio.sleep(2)
         await resp.write_eof()
         return resp
 

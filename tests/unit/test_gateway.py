@@ -534,6 +534,29 @@ def test_client_going_away_closes_the_replica_request(env: Env) -> None:
     assert [e.status for e in _recorded(env, lambda e: e.request_id == "abandoned-plain", 1)] == [499]
 
 
+def test_a_client_that_closes_on_done_was_answered(env: Env) -> None:
+    """A new user's finding: ``llmgw chat`` reads a stream to ``data: [DONE]`` and closes, and when
+    the replica had not ended its response by then the gateway counted the whole answer as a 499
+    ``client_closed`` (3 of 13 chats in the access log and the metrics). Once the stream's last event
+    has gone out, the client's close is an answered request: 200, with its usage."""
+    env.exchanges.clear()
+    body = _chat("gemma", "linger-after-done", stream=True, stream_options={"include_usage": True})
+    headers = {"Authorization": f"Bearer {KEY}", "x-request-id": "closes-on-done"}
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{env.url}/v1/chat/completions", json=body, headers=headers, timeout=10) as r:
+        assert r.status_code == 200
+        lines = []
+        for line in r.iter_lines():  # as llmgw chat and the openai client: stop at [DONE], close
+            lines.append(line)
+            if line == "data: [DONE]":
+                break
+    assert time.monotonic() - t0 < 1.5, "the client did not leave before the replica ended its response"
+    assert lines[-1] == "data: [DONE]"
+    [ex] = _recorded(env, lambda e: e.request_id == "closes-on-done", 1)
+    assert (ex.status, ex.code) == (200, ""), ex
+    assert ex.usage == {"completion_tokens": 4, "prompt_tokens": 5, "total_tokens": 9}
+
+
 # -- seams -----------------------------------------------------------------------------------------
 
 

@@ -368,9 +368,14 @@ class _Gateway:
             code = e.code
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
-            self._observe(
-                trace, caller, requested, model, stream, status=499, code="client_closed", kind=endpoint.kind
-            )
+            if trace.ended_ns:  # after the stream's last event (llmgw chat, the openai client): answered
+                code = trace.error_code
+                self._observe(trace, caller, requested, model, stream, status=200, code=code,
+                              blocked=code == "content_blocked", kind=endpoint.kind)
+            else:
+                self._observe(
+                    trace, caller, requested, model, stream, status=499, code="client_closed", kind=endpoint.kind
+                )
             raise
         if call is not None and not out.prepared:
             out.headers.update(call.headers)

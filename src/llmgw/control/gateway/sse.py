@@ -123,6 +123,11 @@ class Relayed(Protocol):
 
     tally: StreamTally | None
     first_byte_ns: int
+    ended_ns: int
+
+
+#: The event that ends an OpenAI stream; a client may close as soon as it has read it.
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 async def pump(
@@ -136,7 +141,9 @@ async def pump(
     and is returned. ``trace.first_byte_ns`` is set at the first body bytes written: the time to the
     first token the client gets (llama-server sends its first event with the first token), which
     ``llmgw_gateway_ttft_seconds`` reports; it was the time the headers went out (~3-16 ms, while
-    the first token came 0.2-1.6 s later: a new user's report, 2026-12-05)."""
+    the first token came 0.2-1.6 s later: a new user's report, 2026-12-05). ``trace.ended_ns`` is set
+    when the stream's last event (:data:`DONE_EVENT`) has been written: a client that closes from then
+    on had the whole answer."""
     tally = trace.tally
 
     def counted(data: bytes) -> bytes:
@@ -146,6 +153,8 @@ async def pump(
         if not trace.first_byte_ns:
             trace.first_byte_ns = time.perf_counter_ns()
         await out.write(data)
+        if data.endswith(DONE_EVENT):
+            trace.ended_ns = time.perf_counter_ns()
 
     async for chunk in resp.content.iter_any():
         data = counted(rewriter.feed(chunk))

@@ -123,7 +123,8 @@ class Trace:
     ``x-llmgw-dropped`` header's value, "" when no field was dropped. ``request_id`` is sent to the
     replica as ``x-request-id``; ``headers`` are added to the client's response (rate-limit headers);
     ``tally`` counts a stream's tokens; ``first_byte_ns`` is when the first byte of a stream's body went
-    out (``perf_counter_ns``: the first token, not the headers), 0 before; ``prepared_ns`` when its
+    out (``perf_counter_ns``: the first token, not the headers), 0 before; ``ended_ns`` when its last
+    event (``data: [DONE]``) went out, 0 before; ``prepared_ns`` when its
     headers (the 200) went out, 0 before; ``error_code`` is the code of
     the error event that ended a stream after its 200 (a refusal, a broken replica), "" otherwise;
     ``path`` is the endpoint's path on the engine; ``caller`` and ``priority`` are the key's name and
@@ -141,6 +142,7 @@ class Trace:
     headers: dict[str, str] | None = None
     tally: StreamTally | None = None
     first_byte_ns: int = 0
+    ended_ns: int = 0
     prepared_ns: int = 0
     error_code: str = ""
     path: str = "/v1/chat/completions"
@@ -548,8 +550,9 @@ async def relay_stream(
             resp.release()
         else:
             resp.close()
-        lease.release(answered=closed_cleanly)
-        if closed_cleanly and trace.tally is not None:
+        answered = closed_cleanly or trace.ended_ns > 0  # a client may close once it has read [DONE]
+        lease.release(answered=answered)
+        if answered and trace.tally is not None:
             lease.observe(trace.tally.timings)
 
 
