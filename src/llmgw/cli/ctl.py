@@ -349,19 +349,35 @@ def node_rm(
           "copy DIR to its /etc/llmgw and start its agent")
 
 
-def _read_doc(path: Path) -> Any:
+def _read_doc(path: Path, want: tuple[type, ...], what: str) -> Any:
+    """The YAML document in ``path``, which must be one of ``want`` (``what`` names it for the error).
+
+    Raises:
+        ConfigError (exit 2): the file cannot be read, is not UTF-8 text (a .gguf given for its
+            model.yaml), is not YAML, or holds something else (empty, a list for a mapping).
+    """
     import yaml
 
     from llmgw import yamlsafe
 
     try:
-        return yamlsafe.load(path.read_text())
+        doc = yamlsafe.load(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"{path} cannot be read: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is not): give a YAML file of {what}") from e
     except yamlsafe.DuplicateKeyError as e:
         raise ConfigError(f"{path}: {e.problem}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(doc, want):
+        held = "nothing" if doc is None else f"a YAML {_yaml_kind(doc)}"
+        raise ConfigError(f"{path} holds {held}; give a YAML file of {what}")
+    return doc
+
+
+def _yaml_kind(doc: object) -> str:
+    return {dict: "mapping", list: "list", str: "string", bool: "boolean"}.get(type(doc), "number")
 
 
 @model_app.command("add")
@@ -382,7 +398,7 @@ def model_add(
     if file is not None and (name or source):
         raise fail("give either -f FILE or --name/--source, not both", 2)
     if file is not None:
-        spec = _read_doc(file)
+        spec = _read_doc(file, (dict,), "a model: a mapping of its fields (name, source, profiles...)")
     elif name and source:
         args = ["--ctx-size", str(ctx_size)] if ctx_size else []
         spec = {
@@ -412,7 +428,7 @@ def model_set_profiles(
 ) -> None:
     """Replace a model's profiles; its replicas restart onto the new ones."""
     client = _client(server, token)
-    data = client.set_profiles(name, _read_doc(file))
+    data = client.set_profiles(name, _read_doc(file, (list, dict), "profiles: a list of them, or {profiles: [...]}"))
     if as_json:
         _print_json(data)
     else:
