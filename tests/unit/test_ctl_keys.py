@@ -253,3 +253,14 @@ def test_patch_and_get_answer_the_keys_usage_as_the_list_does(cp: Install) -> No
     assert got.json() == listed()
     missing = httpx.get(cp.admin + "/api/v1/keys/nobody", headers=AUTH)
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "key_not_found")
+
+
+@pytest.mark.parametrize("half", [["--budget-tokens", "10"], ["--budget-period", "month"]])
+def test_a_budget_needs_both_flags_and_says_so_with_them(cp: Install, half: list[str]) -> None:
+    """A new user's finding: ``key create dave --budget-tokens 10`` got the API's '400 budget_tokens and
+    budget_period go together', naming fields rather than the flags to add. Refused before the call
+    (exit 2), naming both flags; no key made."""
+    code, out = _ctl(cp, "key", "create", "dave", *half)
+    assert code == 2, out
+    assert "--budget-tokens and --budget-period go together" in " ".join(out.split())
+    assert "dave" not in _ctl(cp, "key", "ls")[1]

@@ -116,6 +116,9 @@ def create(
     as_json: JsonOpt = False,
 ) -> None:
     """Make a key; its secret is printed once."""
+    if (budget_tokens is None) != (budget_period is None):  # the API's message names its fields, not these flags
+        raise typer.BadParameter("--budget-tokens and --budget-period go together (e.g. --budget-tokens 100000 "
+                                 "--budget-period month)")
     spec: dict[str, Any] = {"name": name}
     if models is not None:
         spec["models"] = _model_list(models)
