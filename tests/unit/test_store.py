@@ -188,6 +188,8 @@ def test_names_and_aliases_follow_updates_and_deletes(store: Store) -> None:
     store.add_model(model("m3", ["a"]), now=3.0)
     with pytest.raises(Conflict, match=r"^'b' is already a name or alias of model 'm1'; pick another alias"):
         store.add_model(model("m4", ["b"]), now=3.0)
+    with pytest.raises(Conflict, match=r"^'a' is already a name or alias of model 'm3'; pick another name or"):
+        store.add_model(model("a"), now=3.0)  # the new model's own name is taken (a new user read 'alias')
     with pytest.raises(Conflict, match=r"^'b' is already a name or alias of model 'm1'$"):
         store.update_model(model("m2", ["b", "c"]), revision=m2.revision, now=4.0)
     after = store.get_model("m2")  # the refused update wrote nothing, not even 'c'

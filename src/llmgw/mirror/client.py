@@ -81,7 +81,7 @@ def local_api(paths: Paths) -> str:
     try:
         api = load_server_config(paths.server_config).mirror.api
     except ConfigError as e:
-        raise ConfigError(f"{e}; fix it, or pass --api") from e
+        raise ConfigError(f"{e} (or pass --api)") from e
     return api or DEFAULT_API
 
 

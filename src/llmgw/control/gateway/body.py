@@ -91,13 +91,23 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
             raise HttpError(400, "invalid_messages", f"'messages' must be a non-empty list of messages, "
                             f'not {got} (e.g. [{{"role": "user", "content": "hi"}}])')
     elif not (isinstance(value, str) or (isinstance(value, list) and value)):
-        raise HttpError(
-            400, f"invalid_{field}",
-            f"'{field}' is required: a string, or a non-empty list of strings (or of token ids)",
-        )
+        wanted = "a string, or a non-empty list of strings (or of token ids)"
+        if value is None:
+            raise HttpError(400, f"invalid_{field}", f"'{field}' is required: {wanted}")
+        got = "an empty list" if isinstance(value, list) else f"a {_json_kind(value)}"
+        raise HttpError(400, f"invalid_{field}", f"'{field}' must be {wanted}, not {got}")
     if endpoint is COMPLETIONS:
         check_prompts(value)
     _check_unicode(raw, body)
     if endpoint is EMBEDDINGS and body.get("stream") is True:
         raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
     return body
+
+
+def _json_kind(value: object) -> str:
+    """What a JSON value is, in JSON's words (an object, a number...), for an error message."""
+    if isinstance(value, dict):
+        return "JSON object"
+    if isinstance(value, bool):
+        return "boolean"
+    return "number" if isinstance(value, int | float) else type(value).__name__

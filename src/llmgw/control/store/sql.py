@@ -262,9 +262,10 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
         if held is None:  # the other writer's row went meanwhile
             return Conflict(f"model '{model.name}' or one of its aliases was taken meanwhile; try again")
         if adding:
+            pick = "pick another name" if held.name == model.name else "pick another alias"
             return Conflict(
                 f"'{held.name}' is already a name or alias of model '{held.model}'; "
-                "pick another alias or remove it from that model"
+                f"{pick} or remove it from that model"
             )
         return Conflict(f"'{held.name}' is already a name or alias of model '{held.model}'")
 
