@@ -57,6 +57,25 @@ def test_a_taken_port_is_named_with_its_flag(tmp_path: Path) -> None:
     assert written(tmp_path / "root") == []
 
 
+def test_every_taken_port_is_named_at_once(tmp_path: Path) -> None:
+    """A new user's finding: a second install beside the first learnt of its taken ports one run at a
+    time (five defaults: up to five runs). All of them, with their flags, in one refusal."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 100)
+    with socket.socket() as a, socket.socket() as g:
+        for s in (a, g):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        admin, gateway = a.getsockname()[1], g.getsockname()[1]
+        code, out = init_cli(tmp_path / "root", "--starter-source", f"file:{model}",
+                          "--admin-listen", f"127.0.0.1:{admin}", "--gateway-listen", f"127.0.0.1:{gateway}")
+    assert code == 2
+    said = " ".join(out.split())
+    assert f"ports {admin} (admin-listen), {gateway} (gateway-listen) are already taken by other programs" in said
+    assert "--admin-listen HOST:PORT --gateway-listen HOST:PORT" in said
+    assert written(tmp_path / "root") == []
+
+
 def test_two_inits_at_once_are_refused(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 100)

@@ -63,15 +63,21 @@ def run(ctx: InitContext) -> None:
             ("mirror", opts.mirror_api_listen, "--mirror-api-listen"),
         ]
     running = {s: ctx.running(s) for s in ("server", "mirror")}
-    for service, listen, flag in listeners:
-        if running[service]:
-            continue
-        if not port_free(listen):
-            _host, port = parse_listen(listen)
-            raise PortInUseError(
-                f"port {port} ({flag.lstrip('-')}) is already taken by another program; stop it, "
-                f"or choose another address with {flag}"
-            )
+    # every taken port at once: one at a time cost a second install up to five runs (a new user's finding)
+    taken = [(parse_listen(listen)[1], flag) for service, listen, flag in listeners
+             if not running[service] and not port_free(listen)]
+    if len(taken) == 1:
+        (port, flag), = taken
+        raise PortInUseError(
+            f"port {port} ({flag.lstrip('-')}) is already taken by another program; stop it, "
+            f"or choose another address with {flag}"
+        )
+    if taken:
+        ports = ", ".join(f"{port} ({flag.lstrip('-')})" for port, flag in taken)
+        raise PortInUseError(
+            f"ports {ports} are already taken by other programs; stop them, or choose other addresses with "
+            + " ".join(f"{flag} HOST:PORT" for _port, flag in taken)
+        )
     if not opts.no_node and not paths.agent_config.exists():
         preflight.check_agent_address(
             cfg.agent_listen if cfg else opts.agent_listen, opts.hosts, flag_given=cfg is None, ha=opts.ha
