@@ -24,19 +24,26 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def write_atomic(path: Path, data: str | bytes, mode: int = 0o644, *, durable: bool = True) -> None:
+def write_atomic(
+    path: Path, data: str | bytes, mode: int = 0o644, *, durable: bool = True, owner: tuple[int, int] | None = None
+) -> None:
     """Replace ``path`` with ``data`` (str is UTF-8 encoded) at ``mode``, atomically.
 
     ``durable`` fsyncs the file and its directory; progress records that are rewritten every
     second pass False and accept losing the last one in a power cut. Parent directories are made.
+    ``owner`` (uid, gid; needs root) is given the temp file before the rename, so the file has
+    that owner from the moment it has its name.
 
     Raises:
-        OSError: the directory cannot be written; nothing is left behind but what was there.
+        OSError: the directory cannot be written, or ``owner`` cannot be given the file (chown
+            refused); nothing is left behind but what was there.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as fh:
+            if owner is not None:
+                os.fchown(fh.fileno(), *owner)
             fh.write(data.encode() if isinstance(data, str) else data)
             if durable:
                 fh.flush()

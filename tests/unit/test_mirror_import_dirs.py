@@ -5,11 +5,13 @@ directories a mirror needs are the ones it is given, and nothing more.
   import directory.
 - The unit carries them (``--import-dir`` each), and llmgw's supervisor reads them back intact.
 - ``llmgw mirror add`` of a file the mirror refuses copies it itself when it may write the store,
-  and otherwise says which flag to add.
+  and otherwise says which flag to add. Run by root into a store the mirror's user owns, the copy
+  is given to that owner; when it cannot be, nothing is left behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 
@@ -21,6 +23,7 @@ from llmgw.errors import ApiError
 from llmgw.mirror.client import MirrorClient
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.setup import copy_file
+from llmgw.mirror.store import Store
 from llmgw.paths import Paths
 from llmgw.service.unitfile import parse_unit
 from llmgw.service.units import mirror_unit
@@ -84,6 +87,75 @@ def test_mirror_add_of_a_refused_file_copies_it_when_the_store_is_writable(tmp_p
         assert f"the mirror does not import from {carried.parent}: copying into {store} directly" in r.output
         with MirrorClient(mirror.api) as c:
             assert c.status("m", "1").state == "present"
+
+
+NOBODY = 65534
+"""``nobody``'s uid and ``nogroup``'s gid on Debian: a store owner that is not root (the mirror's user)."""
+
+
+def _carried(tmp_path: pathlib.Path) -> pathlib.Path:
+    carried = tmp_path / "carried" / "w.gguf"
+    carried.parent.mkdir()
+    carried.write_bytes(b"GGUF" + os.urandom(5000))  # mirror add checks a .gguf's magic
+    return carried
+
+
+def _add_refused(carried: pathlib.Path, store: pathlib.Path) -> tuple[int, str]:
+    """``llmgw mirror add`` of ``carried`` as m/1 through a running mirror that refuses it."""
+    with ThreadedMirror(store, policy=SourcePolicy()) as mirror:
+        r = CliRunner().invoke(
+            app, ["mirror", "add", str(carried), "--model", "m", "--version", "1", "--api", mirror.api,
+                  "--dir", str(store)],
+        )  # fmt: skip
+    return r.exit_code, r.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root; CI runs as root")
+def test_mirror_add_by_root_gives_the_copy_to_the_stores_owner(tmp_path: pathlib.Path) -> None:
+    """Root's direct copy into a store the mirror's user owns (as ``server init`` leaves it) left
+    ``m/``, ``m/1/`` and their files root's, so the mirror, running as that user, answered 500
+    Permission denied to 'mirror rm'. Each is now the store directory's uid and gid."""
+    carried = _carried(tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    os.chown(store, NOBODY, NOBODY)
+    code, out = _add_refused(carried, store)
+    assert code == 0, out
+    for made in (store / "m", store / "m" / "1", store / "m" / "1" / "w.gguf", store / "m" / "1" / "manifest.json"):
+        st = made.lstat()
+        assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), made
+    assert f"copying into {store} directly, as this user, then given to" in out
+    assert os.listdir(store) == ["m"]  # no hidden directory left from the making
+    assert sorted(os.listdir(store / "m" / "1")) == ["manifest.json", "w.gguf"]
+    assert Store(store).servable("m", "1", "w.gguf") is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root; CI runs as root")
+@pytest.mark.parametrize(("refused", "named"), [(1, "/m"), (4, "/m/1/.w.gguf.partial")])
+def test_mirror_add_by_root_that_cannot_give_the_copy_away_leaves_nothing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, refused: int, named: str
+) -> None:
+    """A chown refused (NFS with root_squash) on the model's directory (the first one made), or on
+    the file being copied: one error naming the path and what to do, and the store as it was."""
+    carried = _carried(tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    os.chown(store, NOBODY, NOBODY)
+    real, calls = os.fchown, []
+
+    def fchown(fd: int, uid: int, gid: int) -> None:
+        calls.append(fd)
+        if len(calls) == refused:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        real(fd, uid, gid)
+
+    monkeypatch.setattr(os, "fchown", fchown)
+    code, out = _add_refused(carried, store)
+    assert code != 0
+    assert f"{store}{named}" in " ".join(out.split())  # typer may wrap the line
+    assert "Operation not permitted" in out
+    assert "root_squash" in out
+    assert os.listdir(store) == []
 
 
 def test_mirror_add_of_a_refused_file_names_the_flag_when_it_cannot_write_the_store(

@@ -92,7 +92,8 @@ class Fetcher:
     """Fetches sources into a :class:`Store` and reports their :class:`FetchStatus`.
 
     Args:
-        store: where files and manifests live.
+        store: where files and manifests live; what is written there is given to its ``owner``
+            when it has one (before it gets its name).
         base: the bytes server's public URL (``--base``); ``FetchStatus.url`` starts with it.
         env: environment for source resolution (``HF_TOKEN``, ``HF_ENDPOINT``); default ``os.environ``.
         clock: monotonic seconds, for the transfer rate and manifest write pacing.
@@ -296,10 +297,13 @@ class Fetcher:
                 self._save(entry, durable=False)
 
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.store.make_version_dir(entry.model, entry.version)
             if dl.kind == "file":
                 assert dl.path is not None  # noqa: S101 - to_download sets it for kind "file"
-                sha = await _copy(dl.path, dest, progress, lambda p: self.policy.open_file(p, entry.manifest.source))
+                sha = await _copy(
+                    dl.path, dest, progress, lambda p: self.policy.open_file(p, entry.manifest.source),
+                    owner=self.store.owner,
+                )
             else:
                 if dl.kind == "hf" and not entry.manifest.expected_sha256:
                     await self._ask_hf(entry, dl, dest)
@@ -307,6 +311,8 @@ class Fetcher:
                     self._http(), dl.url, dest, headers=dl.headers, progress=progress,
                     expected_sha256=entry.manifest.expected_sha256,
                 )
+                if self.store.owner is not None:  # before the manifest says present
+                    os.chown(dest, *self.store.owner, follow_symlinks=False)
             size = dest.stat().st_size
         except asyncio.CancelledError:
             self._save(entry, durable=False)
@@ -434,10 +440,15 @@ async def _copy(
     dest: pathlib.Path,
     progress: Callable[[int, int | None], None],
     opener: Callable[[pathlib.Path], int],
+    *,
+    owner: tuple[int, int] | None = None,
 ) -> str:
     """Copy ``src`` (opened by ``opener``, which returns a file descriptor and raises
     :class:`~llmgw.errors.SourceRefused` or OSError) to ``dest`` via a hidden partial name,
-    hashing as it goes; return the sha256.
+    hashing as it goes; return the sha256. ``owner`` (uid, gid; needs root) is given the partial
+    file as soon as it is made, so ``dest`` is the owner's from the moment it has its name; a
+    chown refused is a :class:`~llmgw.errors.MirrorError` naming the file (the partial file is
+    deleted).
 
     Files are opened on the loop (a few quick syscalls): opened in a worker thread, they would
     leak when the fetch is cancelled meanwhile. Reading, hashing and writing run in a thread.
@@ -453,6 +464,8 @@ async def _copy(
     done = 0
     try:
         with fin, open(part, "wb") as fout:  # noqa: ASYNC230 - see the docstring
+            if owner is not None:
+                _give(fout, part, owner)
             size = os.fstat(fin.fileno()).st_size
             progress(0, size)
             while n := await asyncio.to_thread(_copy_step, fin, fout, sha):
@@ -470,6 +483,17 @@ async def _copy(
     os.replace(part, dest)
     fsync_dir(dest.parent)
     return sha.hexdigest()
+
+
+def _give(fh: BinaryIO, path: pathlib.Path, owner: tuple[int, int]) -> None:
+    """chown the open file ``fh`` (at ``path``) to ``owner``; MirrorError naming it when refused."""
+    try:
+        os.fchown(fh.fileno(), *owner)
+    except OSError as e:
+        raise MirrorError(
+            f"cannot give {path} to uid {owner[0]} gid {owner[1]}, the owner of the store: {e.strerror or e}; "
+            "where root may not chown there (NFS with root_squash), copy it as that user"
+        ) from e
 
 
 def _copy_step(fin: BinaryIO, fout: BinaryIO, sha: hashlib._Hash) -> int:

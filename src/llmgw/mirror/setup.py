@@ -17,7 +17,11 @@
      ``ProtectHome=true``: /home and /root are not visible to it).
   2. nothing answers there, or the mirror refuses the file (``source_refused``: not in an import
      directory) and this user may write the store: the file is copied straight into the store
-     directory (``--dir``) by this process, with this user's rights and no fetches resumed. A
+     directory (``--dir``) by this process, with this user's rights and no fetches resumed. Run
+     by root into a store another user owns (the mirror's user, as ``server init`` leaves it),
+     each directory and file it makes is given to the store directory's uid and gid before it
+     gets its name (:func:`~llmgw.mirror.store.store_owner`), so the mirror can replace and
+     delete it; a chown refused is an error naming the path and leaves nothing behind. A
      mirror started later finds it; one already running on that store picks it up the first time
      it is asked for it. The copy still refuses special files, hard links and llmgw's own
      configuration and state (``deny``). Only a running mirror knows the base URL it serves
@@ -37,10 +41,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import pwd
 import secrets
+import shutil
 import time
 from collections.abc import Sequence
 from typing import TextIO
@@ -54,7 +60,7 @@ from llmgw.mirror.fetch import Fetcher
 from llmgw.mirror.models import FetchRequest, FetchStatus, check_name
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import parse_allow
-from llmgw.mirror.store import Store
+from llmgw.mirror.store import Store, store_owner
 from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
 from llmgw.service.units import mirror_unit
@@ -225,8 +231,9 @@ def add_file(
             file is not readable by others or its directory not searchable by others (the mirror
             would publish what they cannot read), or a special file, a hard link, inside ``deny``.
         MirrorError: the file is missing or unreadable, the copy failed (disk full), the mirror
-            refused the file and this user cannot write the store, or ``model/version`` already
-            holds another source.
+            refused the file and this user cannot write the store, root could not give the copy
+            to the store's owner (nothing is left behind), or ``model/version`` already holds
+            another source.
     """
     path = file.expanduser().resolve()
     if not path.is_file():
@@ -238,8 +245,8 @@ def add_file(
         try:
             client.health()
         except UnreachableError:
-            print(f"  .. the mirror at {api_url} does not answer: copying into {store_dir} directly",
-                  file=out, flush=True)
+            print(f"  .. the mirror at {api_url} does not answer: copying into {store_dir} directly"
+                  f"{_given_to(store_dir)}", file=out, flush=True)
             return asyncio.run(_add_direct(req, store_dir, policy))
         print(f"  .. asking the mirror at {api_url} to copy {path}", file=out, flush=True)
         try:
@@ -253,7 +260,7 @@ def add_file(
                     "which copies the file there directly"
                 ) from e
             print(f"  .. the mirror does not import from {path.parent}: copying into {store_dir} "
-                  "directly, as this user", file=out, flush=True)
+                  f"directly, as this user{_given_to(store_dir)}", file=out, flush=True)
             copied = asyncio.run(_add_direct(req, store_dir, policy))
             try:
                 return client.status(model, version)  # the running mirror's view: its URL
@@ -327,7 +334,8 @@ def copy_file(
     source: str, model: str, version: str, *, store_dir: pathlib.Path, deny: Sequence[pathlib.Path] = ()
 ) -> FetchStatus:
     """Copy the file of a ``file:`` ``source`` into the store at ``store_dir`` as ``model/version``,
-    with this process's rights, through the same verified path the mirror's fetches take; the
+    with this process's rights (given to the store's owner when root copies into another user's
+    store, as :func:`add_file` does), through the same verified path the mirror's fetches take; the
     manifest keeps ``source``, so a mirror asked for it later finds it present. What ``server
     init`` does with its ``file:`` starter and judge instead of giving the mirror their directory.
 
@@ -337,7 +345,7 @@ def copy_file(
     Raises:
         ConfigError: ``model`` or ``version`` is not a valid name.
         MirrorError: the file cannot be copied (missing, unreadable, a special file, a hard link,
-            inside ``deny``), or ``model/version`` holds another source.
+            inside ``deny``), or given to the store's owner, or ``model/version`` holds another source.
     """
     req = fetch_request(source, model, version)
     path = to_download(source).path
@@ -350,7 +358,47 @@ def copy_file(
 
 
 async def _add_direct(req: FetchRequest, store_dir: pathlib.Path, policy: SourcePolicy) -> FetchStatus:
-    fetcher = Fetcher(Store(store_dir), base="", policy=policy)
+    """Copy ``req.source`` into the store at ``store_dir`` with this process's rights; the
+    ``present`` status, with an empty ``url``.
+
+    Run by root in a store another user owns (the mirror's user, as ``server init`` leaves it:
+    :func:`~llmgw.mirror.store.store_owner`), every directory and file it makes is given to the
+    store directory's uid and gid before it gets its name, so the mirror can delete it later;
+    then a failure takes back the directories this call made, leaving nothing half-added.
+
+    Raises:
+        MirrorError: the copy failed (its error), or, given to the store's owner, what is made
+            there cannot be made or given (names the path and what to do).
+        SourceConflict: ``model/version`` holds another source.
+        OSError: not given to an owner, the store cannot be written.
+    """
+    store = Store(store_dir, owner=store_owner(store_dir))
+    vdir = store.version_dir(req.model, req.version)
+    made = [d for d in (vdir, vdir.parent) if not d.exists()]
+    try:
+        st = await _copy_into(store, req, policy)
+    except (MirrorError, OSError) as e:
+        if store.owner is None:  # this user's files: as before, what failed stays (a failed manifest)
+            raise
+        _take_back(vdir, made)
+        if isinstance(e, OSError):
+            raise MirrorError(
+                f"cannot make {e.filename or vdir} and give it to {_who(store.owner)}, who owns {store.root}: "
+                f"{e.strerror or e}; nothing was added. Where root may not chown (NFS with root_squash), put "
+                "the file where that user may read it and run 'llmgw mirror add' as that user (sudo -u)"
+            ) from e
+        raise
+    return st.model_copy(update={"url": ""})  # base "": a bare path, which no node could fetch
+
+
+async def _copy_into(store: Store, req: FetchRequest, policy: SourcePolicy) -> FetchStatus:
+    """The fetch of ``req`` into ``store``, to its end; the ``present`` status.
+
+    Raises:
+        MirrorError: it ended ``failed`` (its error), or another source holds ``model/version``.
+        OSError: a manifest or directory cannot be written.
+    """
+    fetcher = Fetcher(store, base="", policy=policy)
     await fetcher.start(resume=False)
     try:
         await fetcher.fetch(req)
@@ -360,4 +408,29 @@ async def _add_direct(req: FetchRequest, store_dir: pathlib.Path, policy: Source
     assert st is not None  # noqa: S101 - fetch just created it
     if st.state != "present":
         raise MirrorError(f"cannot add {req.source} as {req.model}/{req.version}: {st.err}")
-    return st.model_copy(update={"url": ""})  # base "": a bare path, which no node could fetch
+    return st
+
+
+def _take_back(vdir: pathlib.Path, made: Sequence[pathlib.Path]) -> None:
+    """Remove what a failed direct add made: the version directory ``vdir`` (with what is in it)
+    and its model directory, each only when in ``made``; best effort."""
+    if vdir in made:
+        shutil.rmtree(vdir, ignore_errors=True)
+    if vdir.parent in made:
+        with contextlib.suppress(OSError):
+            vdir.parent.rmdir()  # only when empty: another version may have come meanwhile
+
+
+def _given_to(store_dir: pathlib.Path) -> str:
+    """What the direct copy's line adds when the copy is given to the store's owner; else ''."""
+    owner = store_owner(store_dir)
+    return "" if owner is None else f", then given to {_who(owner)}, who owns the store"
+
+
+def _who(owner: tuple[int, int]) -> str:
+    """``user (uid N, gid M)``, or the ids alone when the uid has no name here."""
+    try:
+        name = pwd.getpwuid(owner[0]).pw_name
+    except KeyError:
+        return f"uid {owner[0]} gid {owner[1]}"
+    return f"{name} (uid {owner[0]}, gid {owner[1]})"

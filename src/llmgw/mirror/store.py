@@ -4,6 +4,11 @@
   are still arriving (or a file someone dropped in by hand) never reach a node.
 - Partial bytes live under a hidden name (``.<file>.partial``) that no request can name, and are
   renamed onto ``<file>`` only when whole and verified.
+- What root writes into a store another user owns (``llmgw mirror add`` with sudo, into the
+  store ``server init`` gave the mirror's user) is given to that owner (:func:`store_owner`)
+  before it gets its name: directories are made under a hidden name, given and renamed into
+  place; files are given while still hidden (temp or partial names). The mirror, running as that
+  user, can then replace and delete all of it, and a crash leaves nothing of root's in view.
 - Manifests are written atomically (temp file, ``os.replace``); state changes are fsynced, progress
   updates are not (losing the last second of progress in a crash costs nothing: the download
   resumes from the partial file's length, not from the manifest).
@@ -16,9 +21,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import pathlib
 import stat
+import tempfile
 
 from pydantic import ValidationError
 
@@ -33,15 +41,36 @@ class Store:
 
     Args:
         root: the store directory (``--dir``); created if missing.
+        owner: ``(uid, gid)`` every directory and manifest this object makes is given (needs root;
+            :func:`store_owner`); None: they are this process's.
     """
 
-    def __init__(self, root: pathlib.Path) -> None:
+    def __init__(self, root: pathlib.Path, *, owner: tuple[int, int] | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root.resolve()
+        self.owner = owner
 
     def version_dir(self, model: str, version: str) -> pathlib.Path:
         """``<root>/<model>/<version>``; names are checked by the caller (FetchRequest)."""
         return self.root / model / version
+
+    def make_version_dir(self, model: str, version: str) -> pathlib.Path:
+        """Make ``<root>/<model>/<version>`` where missing and return it.
+
+        With an ``owner``, each missing level is made under a hidden name, given to the owner and
+        renamed into place, so a crash leaves no directory of this process's under a served name.
+
+        Raises:
+            OSError: a directory cannot be made, or given to the owner (chown refused).
+        """
+        vdir = self.version_dir(model, version)
+        if self.owner is None:
+            vdir.mkdir(parents=True, exist_ok=True)
+            return vdir
+        for d in (vdir.parent, vdir):
+            if not d.is_dir():
+                _make_owned_dir(d, self.owner)
+        return vdir
 
     def manifest_path(self, model: str, version: str) -> pathlib.Path:
         return self.version_dir(model, version) / MANIFEST
@@ -61,10 +90,13 @@ class Store:
         """Replace the manifest atomically; ``durable`` fsyncs it and its directory (state changes).
 
         Raises:
-            OSError: the directory cannot be written (the caller reports it).
+            OSError: the directory cannot be written, or the manifest or a directory made for it
+                cannot be given to ``owner`` (the caller reports it).
         """
-        vdir = self.version_dir(model, version)
-        write_atomic(vdir / MANIFEST, manifest.model_dump_json(indent=2) + "\n", 0o644, durable=durable)
+        vdir = self.make_version_dir(model, version)
+        write_atomic(
+            vdir / MANIFEST, manifest.model_dump_json(indent=2) + "\n", 0o644, durable=durable, owner=self.owner
+        )
 
     def all(self) -> list[tuple[str, str, Manifest]]:
         """Every ``(model, version, manifest)`` in the store, sorted by model then version."""
@@ -106,3 +138,53 @@ class Store:
             if in_place and stat.S_ISREG(st.st_mode) and manifest.size in (None, st.st_size):
                 return path, manifest
         return None
+
+
+def store_owner(root: pathlib.Path) -> tuple[int, int] | None:
+    """The ``(uid, gid)`` to give what this process writes into the store ``root``: the store
+    directory's own, when this process is root and the store belongs to another user or group
+    (``server init`` gives it to the mirror's user, which runs the mirror and must be able to
+    replace and delete what is added). None when not root (nothing changes: the files are this
+    user's), when the store is root's own, or when it does not exist yet.
+    """
+    if os.geteuid() != 0:
+        return None
+    try:
+        st = root.stat()
+    except OSError:
+        return None
+    ids = (st.st_uid, st.st_gid)
+    return None if ids == (os.geteuid(), os.getegid()) else ids
+
+
+def _make_owned_dir(path: pathlib.Path, owner: tuple[int, int]) -> None:
+    """Make the directory ``path`` (mode 0755; its parent exists) owned by ``owner`` from the moment
+    it has its name: made under a hidden temp name, given through a descriptor (a name swapped for
+    a symlink meanwhile is not followed), renamed into place. Another process making ``path``
+    meanwhile wins; ours is removed.
+
+    Raises:
+        OSError: it cannot be made or given (chown refused); the temp directory is removed.
+    """
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o755)
+            os.fchown(fd, *owner)
+        except OSError as e:
+            e.filename = e.filename or str(path)
+            raise
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.rmdir()
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY) and path.is_dir():
+            return
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.rmdir()
+        raise
