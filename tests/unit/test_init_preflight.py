@@ -429,3 +429,18 @@ def test_a_listen_flag_server_yaml_already_overrides_is_said_not_used(tmp_path: 
     default, out = make(tmp_path, InitOptions(**{**first.__dict__, "gateway_listen": ":8080"}))
     checks.run(default.ctx)  # the flag's default: not given, so nothing to say
     assert "!!" not in out.getvalue()
+
+
+def test_a_starter_alias_the_kept_starter_lacks_is_said_not_used(tmp_path: Path) -> None:
+    """A second init with ``--starter-alias gemma2`` kept the starter already in the catalog, alias
+    ``gemma``, without a word (a new user's finding): a ``!!`` line names the flag, the aliases in force
+    and the command that changes them; an alias it has, or none given, says nothing."""
+    from llmgw.serverinit.steps import starter  # noqa: PLC0415
+
+    catalog = {"/api/v1/models": [{"name": "gemma-3-270m-q4-k-m", "aliases": ["gemma"]}]}
+    for alias, said in (("gemma2", True), ("gemma", False), ("", False)):
+        init, out, _ = scripted(tmp_path, catalog, starter_alias=alias)
+        starter._say_alias_kept(init.ctx, "gemma-3-270m-q4-k-m", alias)
+        assert ("!! --starter-alias gemma2 is not used: gemma-3-270m-q4-k-m is already in the catalog (aliases: "
+                "gemma); change them with 'llmgw ctl model set gemma-3-270m-q4-k-m aliases=[gemma2]'"
+                in out.getvalue()) is said, out.getvalue()

@@ -26,9 +26,23 @@ def run(ctx: InitContext) -> str:
         size = Path(d.path).stat().st_size
     spec = plan.starter_spec(opts.starter_source, name=opts.starter_name, alias=opts.starter_alias, size_bytes=size)
     cores = sizing.cpu_plan(cpus=ctx.cpus(), judges=judge.replicas(opts), no_node=opts.no_node).starter
+    _say_alias_kept(ctx, spec.name, opts.starter_alias)
 
     def entry(url: str, sha256: str, classes: list[str]) -> Model:
         return plan.starter_model(spec, plan.STARTER_CONTEXT, cores, url, classes, pinned=pinned, sha256=sha256)
 
     ok = ensure_served(ctx, spec.name, spec.source, plan.STARTER_VERSION, pinned, entry)
     return spec.name if ok else ""
+
+
+def _say_alias_kept(ctx: InitContext, name: str, alias: str) -> None:
+    """A ``!!`` line when ``--starter-alias`` names an alias the starter already in the catalog lacks:
+    init keeps a catalog entry it finds, so the flag changes nothing (a new user's finding: dropped
+    without a word, where ``--gateway-listen`` said so)."""
+    if not alias:
+        return
+    kept = next((m for m in ctx.admin().models() if m.name == name), None)
+    if kept is not None and alias not in kept.aliases:
+        now = ", ".join(kept.aliases) or "none"
+        ctx.say("!!", f"--starter-alias {alias} is not used: {name} is already in the catalog (aliases: {now}); "
+                      f"change them with 'llmgw ctl model set {name} aliases=[{alias}]'")
