@@ -122,6 +122,26 @@ def test_a_bad_name_is_one_line_naming_the_flag_before_anything_is_copied(
     assert not store.exists()
 
 
+@pytest.mark.parametrize(("flags", "field", "value"), [
+    (["--model", "Big_Model", "--version", "1"], "--model", "Big_Model"),
+    (["--model", "big", "--version", "V1"], "--version", "V1"),
+])
+def test_a_name_no_catalog_entry_could_refer_to_is_refused(
+    tmp_path: pathlib.Path, carried: pathlib.Path, flags: list[str], field: str, value: str
+) -> None:
+    """A new user's finding: the mirror took ``Big_Model/V1`` (its path rule), which no model.yaml
+    could then name (the catalog's rule: lowercase). New names follow the catalog's rule."""
+    store = tmp_path / "store"
+    r = CliRunner().invoke(app, ["mirror", "add", str(carried / "w.gguf"), *flags, "--api", nowhere(),
+                                 "--dir", str(store)])  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines() == [
+        f"Error: '{value}' is not a valid {field}: 1-63 characters: lowercase letters, digits, '.', '_' or '-', "
+        "starting with a letter or digit"
+    ]
+    assert not store.exists()
+
+
 def test_a_gguf_without_the_magic_is_refused_other_files_are_not(
     tmp_path: pathlib.Path, carried: pathlib.Path
 ) -> None:

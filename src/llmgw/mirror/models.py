@@ -23,6 +23,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from llmgw import names
+
 State = Literal["fetching", "present", "failed"]
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -42,12 +44,26 @@ def check_name(value: str, what: str = "name") -> str:
     return value
 
 
+def check_catalog_name(value: str, what: str) -> str:
+    """A model or version name for something new in the store: the catalog's rule
+    (:func:`llmgw.names.check_name`, lowercase, at most 63 characters), so that a catalog entry can
+    name what the mirror holds (a new user stored ``Big_Model/V1``, which no model.yaml could then
+    refer to), and a safe path segment (:func:`check_name`). What is already stored under a name of
+    the wider rule stays listed, served and removable.
+
+    Raises:
+        ValueError: the message names ``what``, the value and the rule.
+    """
+    check_name(value, what)
+    return names.check_name(value, what)
+
+
 def _model(v: str) -> str:
-    return check_name(v, "model")
+    return check_catalog_name(v, "model")
 
 
 def _version(v: str) -> str:
-    return check_name(v, "version")
+    return check_catalog_name(v, "version")
 
 
 class FetchRequest(BaseModel):

@@ -57,7 +57,7 @@ from llmgw.errors import ApiError, ConfigError, LlmgwError, MirrorError, Service
 from llmgw.ggufheader import is_gguf
 from llmgw.mirror.client import MIRROR_TOKEN, MirrorClient, read_token
 from llmgw.mirror.fetch import Fetcher
-from llmgw.mirror.models import FetchRequest, FetchStatus, check_name
+from llmgw.mirror.models import FetchRequest, FetchStatus, check_catalog_name
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.server import parse_allow
 from llmgw.mirror.store import Store, store_owner
@@ -289,12 +289,12 @@ def fetch_request(
         flags: what the message calls the model and the version (``--model``, ``--version``).
 
     Raises:
-        ConfigError: a name breaks the rule (:func:`~llmgw.mirror.models.check_name`); the
+        ConfigError: a name breaks the rule (:func:`~llmgw.mirror.models.check_catalog_name`); the
             message names the flag, the value and the rule.
     """
     try:
-        check_name(model, flags[0])
-        check_name(version, flags[1])
+        check_catalog_name(model, flags[0])
+        check_catalog_name(version, flags[1])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return FetchRequest(source=source, model=model, version=version)
