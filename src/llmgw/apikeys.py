@@ -29,7 +29,7 @@ MAX_PRIORITY = 9
 #: The longest ``expires`` or usage range: ten years (s).
 MAX_DURATION_S = 10 * 366 * 86400
 
-_DURATION = re.compile(r"(\d{1,6})([smhdw])")
+_DURATION = re.compile(r"(\d{1,15})([smhdw])")  # past ten years is refused as such, not as no duration
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -56,7 +56,7 @@ def parse_duration(text: str, what: str = "duration") -> float:
     """
     m = _DURATION.fullmatch(text.strip()) if isinstance(text, str) else None
     if m is None:
-        raise ValueError(f"{what} {text!r} is not a duration: a number and a unit, e.g. 90m, 12h, 30d or 2w")
+        raise ValueError(f"{what} {text!r} is not a duration: a number and a unit, e.g. 90s, 30m, 12h, 30d or 2w")
     seconds = float(int(m.group(1)) * _UNIT_S[m.group(2)])
     if not 0 < seconds <= MAX_DURATION_S:
         raise ValueError(f"{what} {text!r} must be more than 0 and at most ten years")

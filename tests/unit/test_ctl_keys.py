@@ -114,7 +114,9 @@ def test_a_key_limited_to_models_not_served_is_told_which_it_may_use(cp: Install
         ({"name": "k", "rpm": "many"}, "rpm: Input should be a valid integer"),
         ({"name": "k", "budget_tokens": 10}, "budget_tokens and budget_period go together"),
         ({"name": "k", "budget_tokens": 10, "budget_period": "week"}, "Input should be 'day' or 'month'"),
-        ({"name": "k", "expires": "soon"}, "expires 'soon' is not a duration"),
+        ({"name": "k", "expires": "soon"}, "expires 'soon' is not a duration: a number and a unit, e.g. 90s, 30m"),
+        # a new user's finding: 5000d was 'at most ten years' but 99999999d 'not a duration'
+        ({"name": "k", "expires": "99999999d"}, "expires '99999999d' must be more than 0 and at most ten years"),
         ({"name": "k", "models": ["Not A Model"]}, "is not a valid model name"),
         ({"name": "k", "secret": "mine"}, "secret: Extra inputs are not permitted"),
         ([1, 2], "Input should be a valid dictionary"),
