@@ -120,6 +120,9 @@ class AdminClient:
             from llmgw.httperrors import error_fields  # noqa: PLC0415
 
             code, message = error_fields(r.text, limit=1000)
+            if not code:  # every answer of llmgw's admin API carries one: something else answered
+                message = (f"{message or '(no body)'}; that is not an answer of llmgw's admin API: is "
+                           f"{self.base_url} a control plane's admin_listen (server.yaml)?")
             raise ApiError(f"{method} {path}: {r.status_code} {message}", status=r.status_code, code=code)
         return r.json() if r.content else None
 

@@ -71,3 +71,30 @@ def test_an_unreachable_admin_api_names_the_check_for_where_it_is() -> None:
     there = AdminClient("http://192.0.2.1:9", "t", timeout_s=0.2)  # TEST-NET-1: never answers
     with pytest.raises(UnreachableError, match=r"check the URL, and 'llmgw service status' on that machine$"):
         there.get("/api/v1/models")
+
+
+def test_an_answer_that_is_not_llmgws_says_the_url_may_be_wrong() -> None:
+    """A new user's finding: ``llmgw ctl --server`` pointed at a server that is not llmgw's admin API
+    printed a bare ``Error: GET /api/v1/models: 404 ``. Every answer of that API carries an error code:
+    one without says the URL may not be a control plane's; llmgw's own errors read as before."""
+    from llmgw.adminclient import AdminClient  # noqa: PLC0415
+    from tests.helpers.gateway import ServerThread  # noqa: PLC0415
+
+    async def llmgw_like(_: web.Request) -> web.Response:
+        return error_json(409, "node_busy", "2 replicas run on node-1; pass force")
+
+    other, ours = web.Application(), web.Application()  # aiohttp's own 404 page; llmgw's envelope
+    ours.router.add_get("/api/v1/nodes", llmgw_like)
+    servers = ServerThread()
+    try:
+        stranger = AdminClient(f"http://127.0.0.1:{servers.serve(other)}", "t", timeout_s=5)
+        with pytest.raises(ApiError) as e:
+            stranger.get("/api/v1/models")
+        assert str(e.value) == (f"GET /api/v1/models: 404 404: Not Found; that is not an answer of llmgw's admin "
+                                f"API: is {stranger.base_url} a control plane's admin_listen (server.yaml)?")
+        admin = AdminClient(f"http://127.0.0.1:{servers.serve(ours)}", "t", timeout_s=5)
+        with pytest.raises(ApiError) as e:
+            admin.get("/api/v1/nodes")
+        assert str(e.value) == "GET /api/v1/nodes: 409 2 replicas run on node-1; pass force"
+    finally:
+        servers.close()
