@@ -24,6 +24,7 @@ found out when the mirror fetches it.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pathlib
 import re
@@ -178,3 +179,23 @@ def _file(source: str, s: str) -> Download:
 
 def _bad(source: str, reason: str) -> SourceError:
     return SourceError(f"cannot turn '{source}' into a download: {reason}; use one of {FORMS}")
+
+
+def link_local(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` (a URL's host, or an address a name resolved to) as an address when it is link-local
+    (169.254.0.0/16, fe80::/10, either mapped in IPv6), else None. Clouds serve instance metadata and
+    credentials there (169.254.169.254, fd00:ec2::254 aside); no mirror lives there, so nodes, which
+    fetch a catalog source as root, refuse it (a new user pointed a model's source at
+    http://169.254.169.254/x and the agent fetched it)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip if ip.is_link_local else None
+
+
+LINK_LOCAL_FIX = "nodes never download weights from a link-local address (a cloud's metadata service lives there); " \
+    "use the mirror's URL ('llmgw mirror ls')"
+"""The end of the refusal of a link-local source, for the control plane's and the agent's messages."""

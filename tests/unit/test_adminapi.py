@@ -134,6 +134,11 @@ async def test_models_crud(client: TestClient[Any, Any]) -> None:
         ({**MODEL, "source": "hf:o/r/m.gguf"}, "source: 'hf:o/r/m.gguf' is not a URL nodes can download"),
         ({**MODEL, "source": "https://mirror.test/"}, "source: cannot turn 'https://mirror.test/' into a download: "
                                                       "the URL names no file"),
+        # a new user's finding: the agent (root) fetched a source at the cloud's metadata address
+        ({**MODEL, "source": "http://169.254.169.254/latest/x.gguf"},
+         "source: 169.254.169.254 is a link-local address: nodes never download weights from a link-local address"),
+        ({**MODEL, "source": "http://[fe80::1]:8081/m/1/x.gguf"}, "source: fe80::1 is a link-local address"),
+        ({**MODEL, "source": "http://[::ffff:169.254.1.1]/x.gguf"}, "source: 169.254.1.1 is a link-local address"),
     ],
 )
 async def test_invalid_model_is_400_naming_the_field(

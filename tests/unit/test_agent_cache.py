@@ -101,6 +101,21 @@ async def test_wrong_digest_is_an_error_naming_the_url(tmp_path: Path, mirror: M
     assert not cache.path_for(spec(mirror.base)).exists()
 
 
+@pytest.mark.parametrize(("base", "says"), [
+    ("http://169.254.169.254", "169.254.169.254 is a link-local address"),
+    ("http://[fe80::1%25lo]:8081", "fe80::1 is a link-local address"),
+])
+async def test_a_link_local_source_is_refused_before_any_connection(tmp_path: Path, base: str, says: str) -> None:
+    """A new user's finding: the agent (root) fetched a catalog source at the cloud's metadata address.
+    A catalog row from before the control plane refused such sources, or a name that resolves there, is
+    refused here, nothing written."""
+    cache = NodeCache(tmp_path / "cache")
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(MirrorError, match=f"{says}: nodes never download weights from a link-local address"):
+            await cache.ensure(session, spec(base))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.gguf*"))
+
+
 def test_unsafe_names_are_refused(tmp_path: Path) -> None:
     cache = NodeCache(tmp_path)
     for kw in ({"model": ".."}, {"file_name": "../../etc/passwd"}, {"version": ""}):

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import urllib.parse
 from pathlib import Path
 
 import aiohttp
@@ -33,6 +34,7 @@ import aiohttp
 from llmgw.errors import MirrorError
 from llmgw.mirror.download import download
 from llmgw.protocol import ReplicaSpec
+from llmgw.sourcecheck import LINK_LOCAL_FIX, link_local
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,32 @@ def _safe_part(value: str, what: str) -> str:
     if not value or value in {".", ".."} or "/" in value or "\\" in value or "\0" in value:
         raise MirrorError(f"replica {what} {value!r} cannot be a file name in the node cache")
     return value
+
+
+#: Seconds a source's host may take to resolve before the download goes ahead (and reports it).
+RESOLVE_TIMEOUT_S = 5.0
+
+
+async def refuse_link_local(url: str) -> None:
+    """Refuse ``url`` when its host is, or resolves to, a link-local address (:func:`llmgw.sourcecheck.link_local`:
+    a cloud's metadata service; the control plane refuses a literal one at add, a name is only known
+    here). A host that does not resolve within :data:`RESOLVE_TIMEOUT_S` passes: the download says why.
+
+    Raises:
+        MirrorError: naming the URL, the host and the address.
+    """
+    host = urllib.parse.urlsplit(url).hostname or ""
+    addresses = [host]
+    if link_local(host) is None:
+        try:
+            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None), RESOLVE_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            infos = []
+        addresses = [str(info[4][0]) for info in infos]
+    for address in addresses:
+        if (ip := link_local(address)) is not None:
+            named = f"{ip} is" if address == host else f"{host} resolves to {ip},"
+            raise MirrorError(f"{url}: {named} a link-local address: {LINK_LOCAL_FIX}")
 
 
 def sha256_file(path: Path) -> str:
@@ -108,7 +136,8 @@ class NodeCache:
         """The local path of the spec's weights, fetched and verified if needed.
 
         Raises:
-            MirrorError: the download failed or the digest does not match (message names the URL).
+            MirrorError: the download failed or the digest does not match (message names the URL);
+                the URL's host is or resolves to a link-local address (:func:`refuse_link_local`).
         """
         path = self.path_for(spec)
         lock = self._locks.setdefault(path, asyncio.Lock())
@@ -118,6 +147,7 @@ class NodeCache:
             if have and (not want or have == want):
                 log.info("cache: %s is present (sha256 %s), reused", path, have[:12])
             else:
+                await refuse_link_local(spec.source_url)
                 log.info("cache: fetching %s into %s", spec.source_url, path)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 digest = await download(session, spec.source_url, path, expected_sha256=want)

@@ -15,6 +15,7 @@ removes it. Handlers read the shared state from ``request.app[ADMIN]``
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ from llmgw.control.store import BrokenModel, ModelRow, ReplicaRow, Store
 from llmgw.control.store.rows import DecisionRow
 from llmgw.errors import HttpError, SourceError
 from llmgw.protocol import ReplicaState
-from llmgw.sourcecheck import to_download
+from llmgw.sourcecheck import LINK_LOCAL_FIX, link_local, to_download
 from llmgw.views import AutoscaleView, DecisionView, HistoryPoint, ModelView
 
 _PROFILES = TypeAdapter(list[Profile])
@@ -172,6 +173,9 @@ def downloadable(model: Model) -> Model:
             to_download(model.source, env={})  # the URL's host and file named (no I/O for http)
         except SourceError as e:
             raise HttpError(400, "invalid_model", f"source: {e}") from e
+        host = urllib.parse.urlsplit(model.source.strip()).hostname or ""
+        if (ip := link_local(host)) is not None:
+            raise HttpError(400, "invalid_model", f"source: {ip} is a link-local address: {LINK_LOCAL_FIX}")
         return model
     raise HttpError(
         400,
