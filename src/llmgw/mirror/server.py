@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from pydantic import ValidationError
 
 from llmgw.bearer import bearer_is
@@ -125,6 +126,15 @@ class _ShaFileResponse(web.FileResponse):
     def __init__(self, path: pathlib.Path, etag: str, headers: dict[str, str]) -> None:
         super().__init__(path, headers=headers)
         self.sha_etag = etag
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        """Send the file for ``request`` once: :func:`_serve_file` prepares it with its cleaned request,
+        and aiohttp's own second call (on the handler's return) would send it again, which
+        FileResponse does not expect (an AssertionError and an ERROR traceback after every GET, and no
+        access line, a new user's finding)."""
+        if self.prepared:
+            return self._payload_writer
+        return await super().prepare(request)
 
 
 async def _etag_hook(_: web.Request, resp: web.StreamResponse) -> None:
