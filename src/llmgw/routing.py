@@ -51,6 +51,7 @@ class Route:
         unplaceable: no replica is placed because the last placement could not place the wanted
             ones (``unavailable`` is then its explanation's summary); a model starting from zero
             stops holding requests on it (:mod:`llmgw.control.gateway.starting`).
+        aliases: the model's other names in the catalog (a guard policy's ``models`` may name one).
     """
 
     model: str
@@ -64,6 +65,7 @@ class Route:
     queue_size: int = 64
     queue_wait_s: float = 30.0
     unplaceable: bool = False
+    aliases: tuple[str, ...] = ()
 
 
 class Router(Protocol):

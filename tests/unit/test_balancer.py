@@ -270,6 +270,7 @@ def test_catalog_routing_and_queue_reach_the_route() -> None:
     routes, _, _ = build_routes([m], rows, {}, {})
     r = routes["m"]
     assert (r.routing, r.queue_size, r.queue_wait_s) == ("round-robin", 0, 2.5)
+    assert build_routes([_model(aliases=["a1", "a2"])], [], {}, {})[0]["m"].aliases == ("a1", "a2")  # guard policies
     assert [u.slots for u in r.upstreams] == [3, 4]
     assert profile_slots(Model(name="m", source="s", profiles=[{"name": "p", "args": ["-np=2"]}]), "p") == 2
 

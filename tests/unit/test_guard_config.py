@@ -70,3 +70,13 @@ def test_first_matching_policy_applies() -> None:
     assert g.policy_for("gemma", "").name == "rest"  # type: ignore[union-attr]
     assert g.judge_names() == ["a", "b", "j"]
     assert not g.policies[2].checks(Direction.OUT)
+
+
+def test_a_policys_models_may_name_an_alias() -> None:
+    """A new user's finding: ``models: [gemma]``, ``gemma`` an alias of the starter, guarded nothing,
+    whatever name the client used (the policy was matched against the catalog name only)."""
+    g = GuardConfig(policies=[Policy(name="byalias", judge="j", models=["gemma"]),
+                              Policy(name="qwen", judge="j", models=["qwen*"])])
+    assert g.policy_for("gemma-3-270m-q4_k_m", "", ("gemma", "g")).name == "byalias"  # type: ignore[union-attr]
+    assert g.policy_for("gemma-3-270m-q4_k_m", "") is None  # no alias: not named
+    assert g.policy_for("small", "", ("qwen-small",)).name == "qwen"  # type: ignore[union-attr]

@@ -19,7 +19,7 @@ Example::
           controversial: warn
           fail: closed
           budget_s: 5
-          models: []                   # empty: every model; names or shell patterns ("qwen*")
+          models: []                   # empty: every model; names, aliases or shell patterns ("qwen*")
           keys: []                     # empty: every caller; API key ids (sha256 hex prefixes)
 
 With no policy, guardrails are off (:meth:`GuardConfig.on` is False) and the gateway relays
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated
 
@@ -128,12 +129,15 @@ class Policy(_Strict):
         """Whether this policy judges ``direction``."""
         return direction in self.check
 
-    def applies(self, model: str, caller: str) -> bool:
-        """Whether this policy covers ``model`` (catalog name) for the caller whose key id is ``caller``.
+    def applies(self, model: str, caller: str, aliases: Sequence[str] = ()) -> bool:
+        """Whether this policy covers ``model`` (catalog name; ``aliases``: its other names, which a
+        pattern may name too) for the caller whose key id is ``caller``.
 
         ``caller`` is "" for a loopback client without a key; a policy limited to keys skips it.
+        (``models: [gemma]`` with ``gemma`` an alias guarded nothing, without a word: a new user's finding.)
         """
-        if self.models and not any(fnmatch.fnmatchcase(model, p) for p in self.models):
+        names = (model, *aliases)
+        if self.models and not any(fnmatch.fnmatchcase(n, p) for p in self.models for n in names):
             return False
         return not self.keys or (bool(caller) and any(caller.startswith(k) or k.startswith(caller) for k in self.keys))
 
@@ -152,10 +156,11 @@ class GuardConfig(_Strict):
         """Whether any policy is set."""
         return bool(self.policies)
 
-    def policy_for(self, model: str, caller: str = "") -> Policy | None:
-        """The first policy that applies to ``model`` and ``caller`` (a key id), or None."""
+    def policy_for(self, model: str, caller: str = "", aliases: Sequence[str] = ()) -> Policy | None:
+        """The first policy that applies to ``model`` (with its ``aliases``) and ``caller`` (a key id),
+        or None."""
         for p in self.policies:
-            if p.applies(model, caller):
+            if p.applies(model, caller, aliases):
                 return p
         return None
 

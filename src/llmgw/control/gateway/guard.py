@@ -161,10 +161,10 @@ class GuardInspector:
         """The guard configuration in force."""
         return self._config()
 
-    def policy(self, model: str) -> Policy | None:
-        """The policy for ``model`` and the current request's caller, or None."""
+    def policy(self, route: Route) -> Policy | None:
+        """The policy for ``route``'s model (by its name or an alias) and the current request's caller, or None."""
         call = current_call.get()
-        return self.config().policy_for(model, call.caller if call else "")
+        return self.config().policy_for(route.model, call.caller if call else "", route.aliases)
 
     # -- the Inspector hooks -------------------------------------------------------------------
     async def prompt(self, route: Route, request: dict[str, Any]) -> Refusal | None:
@@ -175,7 +175,7 @@ class GuardInspector:
         are first turned back into text by the model's own engine (:meth:`detokenize`; a prompt whose
         ids it cannot turn into text is refused with 400 ``unjudgeable_prompt``, never judged as empty).
         """
-        policy = self.policy(route.model)
+        policy = self.policy(route)
         if policy is None or not policy.checks(Direction.IN):
             return None
         if "messages" in request:
@@ -239,14 +239,14 @@ class GuardInspector:
 
     async def answer(self, route: Route, request: dict[str, Any], response: dict[str, Any]) -> Refusal | None:
         """Judge a complete answer (out) before it is sent; a refusal or None."""
-        policy = self.policy(route.model)
+        policy = self.policy(route)
         if policy is None or not policy.checks(Direction.OUT):
             return None
         return await self.decide(policy, Direction.OUT, route.model, prompt_text(request), answer_text(response))
 
     def stream(self, route: Route, request: dict[str, Any]) -> HeldStream | None:
         """A holder for a streamed answer when the policy checks ``out``."""
-        policy = self.policy(route.model)
+        policy = self.policy(route)
         if policy is None or not policy.checks(Direction.OUT):
             return None
         if (call := current_call.get()) is not None:

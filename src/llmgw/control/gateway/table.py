@@ -147,6 +147,7 @@ def build_routes(
             routing=m.routing,
             queue_size=m.queue.size,
             queue_wait_s=m.queue.wait_s,
+            aliases=tuple(m.aliases),
         )
         roles[m.name] = m.role
         for a in m.aliases:
