@@ -454,3 +454,35 @@ def test_a_prompted_judge_flags_in_two_steps_and_closes_as_soon_as_it_is_safe() 
     assert (flagged.verdict.safety.value, flagged.verdict.categories) == ("unsafe", ("Violent", "PII"))
     assert flagged.raw == "Safety: Unsafe\nCategories: Violent, PII"
     assert (safe.verdict.safety.value, safe.raw) == ("safe", "Safety: Safe")
+
+
+def test_a_judge_at_zero_replicas_is_asked_for_by_the_requests_it_missed() -> None:
+    """A new user's finding: a judge scaled to zero (``scaling.min: 0``) under ``fail: open`` never
+    started again: the requests were served unjudged and nothing counted them as demand for the
+    judge, so the autoscaler kept it at zero for good. The judgments it missed now count in the
+    gateway's load (:data:`llmgw.control.gateway.load.LOAD`, what the autoscaler reads) as queued
+    requests of the judge's model, as a model's own requests at zero replicas do."""
+    from llmgw.control.gateway.load import LOAD, LoadCounter  # noqa: PLC0415
+
+    servers = ServerThread()
+    try:
+        up = Upstream("r-m", f"127.0.0.1:{servers.serve(fake_llama('replica-m', 'key-m'))}", "key-m")
+        client = JudgeClient({"sleepy": JudgeRoute("sleepy", "qwen3guard", (), "scaled to zero")}.get)
+        policy = Policy(name="open", judge="sleepy", fail=FailMode.OPEN, check=[Direction.IN])
+        guard = GuardInspector(GuardConfig(policies=[policy]), client)
+        load = LoadCounter()
+        client.on_missing = load.missed  # as the control plane wires it (llmgw.control.server)
+        app = build_gateway_app(StaticRouter(routes={"m": Route("m", (up,))}), keys={KEY},
+                                allow_loopback_without_key=False, inspector=guard, load=load)
+        url = f"http://127.0.0.1:{servers.serve(app)}/v1/chat/completions"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(2):
+            r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-llmgw-guard-in"] == "unjudged"
+        demand = app[LOAD]()
+        assert demand["sleepy"].queued == 2, demand
+        assert "sleepy" not in app[LOAD]()  # reported once, as a model's missed requests are
+        servers.run(client.close())
+    finally:
+        servers.close()

@@ -7,9 +7,8 @@
    ``agent_listen`` (TLS, client certificates from the cluster CA), gateway on ``gateway.listen``
    (API keys from ``gateway.keys_file``, re-read when the file changes and on SIGHUP,
    :mod:`llmgw.control.gateway.keys`; its handlers are cancelled when their client disconnects, which
-   frees the engine's slot). All three bind before anything is served, so a port
-   already taken stops the process with a :class:`~llmgw.errors.PortInUseError` naming it, and
-   nothing half-started stays behind;
+   frees the engine's slot). All three bind before anything is served, so a port already taken
+   stops the process with a :class:`~llmgw.errors.PortInUseError` naming it, nothing half-started left;
 3. the **election** (:mod:`llmgw.control.reconcile.election`: PostgreSQL, a session advisory lock
    with a written lease and a term; SQLite, this process) and **membership**
    (:mod:`llmgw.control.reconcile.membership`: this control plane's row, the others', the term);
@@ -79,7 +78,7 @@ from llmgw.control.gateway.drain import Drain
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
-from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadReporter
+from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadCounter, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.gcpauses import GcPauses
 from llmgw.control.openfiles import MIN_OPEN_FILES, raise_open_files_limit
@@ -236,14 +235,15 @@ def _gateway_app(
     observers: tuple[Callable[[Exchange], None], ...] = (),
     metrics: ControlPlaneMetrics | None = None,
 ) -> web.Application:
-    # Imported here: the gateway pulls in its upstream client and guard hooks, which the other
-    # listeners and the tests of this module do not need.
-    from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415
+    from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415 - its upstream client: this listener's alone
 
     def observe(ex: Exchange) -> None:
         for each in observers:
             each(ex)
 
+    load = LoadCounter()  # the autoscaler's demand: a judge at zero replicas starts on the judgments it missed
+    if inspector is not None:
+        inspector.client.on_missing = load.missed
     app = build_gateway_app(
         router,
         keys=keys if keys is not None else read_gateway_keys(config),
@@ -254,6 +254,7 @@ def _gateway_app(
         limiter=accounting.limiter if accounting is not None else None,
         routing_metrics=metrics,
         holds=lambda name: any(m.name == name and m.scaling.min == 0 < m.scaling.max for m in router.catalog()),
+        load=load,
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).

@@ -119,6 +119,11 @@ class JudgeClient:
         self.queues: dict[str, JudgeQueue] = {}
         #: Replica id → judgments it runs at once (``GET /props`` ``total_slots``; 1 until read).
         self.slots: dict[str, int] = {}
+        #: Told the name of a judge in the catalog with no ready replica when a judgment wanted it: the
+        #: gateway's demand for models at zero (``LoadCounter.missed``), so that a judge scaled to zero
+        #: (``scaling.min: 0`` under ``fail: open``) starts on the requests it could not judge. Without
+        #: it such a judge never started again and every request went unjudged (a new user's finding).
+        self.on_missing: Callable[[str], None] | None = None
         self._busy: dict[str, int] = {}
         self._judged: set[str] = set()
 
@@ -160,6 +165,8 @@ class JudgeClient:
                 why.append(f"{name}: its replicas render the wrong chat template")
             else:
                 why.append(f"{name}: {route.unavailable or 'no replica is ready'}")
+                if self.on_missing is not None:
+                    self.on_missing(route.name)
         raise JudgeError("no judge is available (" + "; ".join(why) + ")", kind="missing")
 
     def queue(self, name: str) -> JudgeQueue:

@@ -508,6 +508,7 @@ def build_gateway_app(
     balancer: Balancer | None = None,
     routing_metrics: RoutingMetrics | None = None,
     holds: Callable[[str], bool] | None = None,
+    load: LoadCounter | None = None,
 ) -> web.Application:
     """The gateway as an aiohttp application (the control plane serves it on ``gateway.listen``).
 
@@ -531,6 +532,8 @@ def build_gateway_app(
             control plane's metrics); None: nowhere.
         holds: whether a model's requests are held while it has no ready replica (a model that
             scales from zero: :mod:`llmgw.control.gateway.starting`); None: never, 503 at once.
+        load: the counter of requests in flight and refused for want of a replica (the autoscaler's
+            demand), for an owner that adds to it (the guard's judges at zero); None: the app's own.
 
     The app opens one pooled upstream session on startup and closes it on cleanup. Serve it with
     ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects frees its
@@ -550,6 +553,7 @@ def build_gateway_app(
         inspector=inspector,
         observe=observe,
         limiter=limiter,
+        load=load or LoadCounter(),
     )
 
     if holds is not None:
