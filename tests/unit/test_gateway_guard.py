@@ -162,7 +162,10 @@ def test_blocked_answer_not_streamed(env: Env) -> None:
 
 
 def test_blocked_stream_is_valid_sse_ending_content_filter(env: Env) -> None:
-    """Bug reports: out-check skipped with stream: true; a blocked stream that is not valid SSE."""
+    """Bug reports: out-check skipped with stream: true; a blocked stream that is not valid SSE; a
+    blocked stream counted as a plain 200 (access log ``code=-``, no guard block in metrics or usage:
+    a new user's finding)."""
+    EXCHANGES.clear()
     r = env.post("evil", stream=True)
     assert r.status_code == 200
     assert r.headers["x-llmgw-guard-out"] == "held"
@@ -175,6 +178,11 @@ def test_blocked_stream_is_valid_sse_ending_content_filter(env: Env) -> None:
     assert final["llmgw_guard"] == {"direction": "out", "categories": ["Violent"], "policy": "strict"}
     assert ": llmgw-guard out=unsafe categories=Violent" in r.text
     env.clean(r.text)
+    deadline = time.monotonic() + 5
+    while not (mine := [e for e in EXCHANGES if e.requested == "evil" and e.stream]):
+        assert time.monotonic() < deadline, "no exchange recorded"
+        time.sleep(0.01)
+    assert (mine[-1].status, mine[-1].code, mine[-1].blocked) == (200, "content_blocked", True)
 
 
 def test_blocked_stream_with_the_openai_client(env: Env) -> None:

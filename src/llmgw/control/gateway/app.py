@@ -391,8 +391,8 @@ class _Gateway:
             if out.status >= 400 and not code:
                 code = _answer_code(out)
                 blocked = blocked or code == "content_blocked"
-        elif trace.error_code:
-            code = trace.error_code
+        elif trace.error_code or (call is not None and call.blocked):
+            code = trace.error_code or (call.blocked if call is not None else "")
             blocked = code == "content_blocked"
         self._observe(
             trace, caller, requested, model, stream, status=out.status, code=code, blocked=blocked, kind=endpoint.kind

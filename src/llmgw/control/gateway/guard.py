@@ -456,6 +456,8 @@ class HeldStream:
             return comment + b"".join(self.held)
         if refusal.code != "content_blocked":
             return refusal
+        if notes_call is not None:  # counted as a block, as a refused plain answer is (a new user's finding)
+            notes_call.blocked = refusal.code
         final = {
             "id": self.meta.get("id", "chatcmpl-llmgw"),
             "object": "chat.completion.chunk",

@@ -49,10 +49,14 @@ class Call:
         caller: the API key's id (:func:`llmgw.guard.config.key_id`), "" for a client without a key.
         headers: response headers the inspector adds (verdicts, judge time); the gateway copies them
             onto the response before it is sent (for a stream, those set before its first byte).
+        blocked: the refusal's code when the inspector ended a stream it had let start (its 200 sent)
+            with a ``content_filter`` chunk, "" otherwise: the gateway counts the request as blocked
+            (the access log's ``code``, guard blocks in metrics and usage), as a refused answer.
     """
 
     caller: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    blocked: str = ""
 
 
 #: The current chat request's :class:`Call` (each aiohttp handler runs in its own task and context).
