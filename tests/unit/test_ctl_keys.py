@@ -220,11 +220,17 @@ def test_usage_of_a_key_that_does_not_exist_is_an_error(cp: Install) -> None:
     assert (code, out.strip()) == (0, "no usage in that range")
     for name in ("keys-file", "loopback"):  # usage names that are no stored key's
         assert _ctl(cp, "usage", "--key", name)[0] == 0
-    # a model: none may be a deleted model's history, so not an error; but the line says usage is by
-    # catalog name (an alias finds none: a new user asked by alias and read "no usage")
+    # a model: none may be a deleted model's history, so not an error
     code, out = _ctl(cp, "usage", "--model", "nope")
     assert code == 0, out
-    assert "no usage of model 'nope' in that range (usage is by catalog name, not alias" in " ".join(out.split())
+    assert "no usage of model 'nope' in that range ('llmgw ctl models' lists the models)" in " ".join(out.split())
+    # an alias names its model, as elsewhere in ctl (a new user asked by alias, read "no usage", and was
+    # pointed at 'llmgw ctl model ls', which does not exist)
+    model = {"name": "m-usage", "aliases": ["mu"], "source": "http://127.0.0.1:9/m.gguf", "profiles": [{"name": "cpu"}]}
+    assert httpx.post(cp.admin + "/api/v1/models", json=model, headers=AUTH).status_code == 201
+    code, out = _ctl(cp, "usage", "--model", "mu")
+    assert code == 0, out
+    assert "no usage of model 'm-usage' in that range" in " ".join(out.split())
 
 
 def test_patch_and_get_answer_the_keys_usage_as_the_list_does(cp: Install) -> None:

@@ -250,7 +250,10 @@ def usage(
     as_json: JsonOpt = False,
 ) -> None:
     """Requests, tokens, guard blocks and errors per key, model and UTC day."""
-    rows = _client(server, token).usage(key=key, model=model, since=since, until=until)
+    client = _client(server, token)
+    if model is not None:  # usage is kept by catalog name: an alias names its model (as elsewhere in ctl)
+        model = next((m.name for m in client.models() if model in m.aliases), model)
+    rows = client.usage(key=key, model=model, since=since, until=until)
     if as_json:
         print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2, sort_keys=True))
         return
@@ -263,8 +266,7 @@ def usage(
     t.add_row("total", "", "", *map(str, sums), style="bold")
     if rows:
         console().print(t)
-    elif model:  # usage is kept by catalog name: an alias, or a name mistyped, finds none
-        console().print(f"no usage of model '{model}' in that range (usage is by catalog name, not alias: "
-                        "'llmgw ctl model ls' lists them)")
+    elif model:  # a name mistyped finds none
+        console().print(f"no usage of model '{model}' in that range ('llmgw ctl models' lists the models)")
     else:
         console().print("no usage in that range")
