@@ -16,7 +16,7 @@ from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store, open_store
 from llmgw.control.store.rows import GatewayLoadRow
-from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
+from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 T0 = 1_700_000_000.0
 GB = 1_000_000_000
@@ -231,3 +231,38 @@ def test_a_judge_of_a_fail_closed_policy_stored_at_min_zero_is_raised_to_one(tmp
         assert [d for d in scaler.tick_once(t) if d.model == "judge-b"] == []
         leader.reconcile_once(t + 0.1)
     assert [r.model for r in store.list_replicas() if r.model == "judge-b"] == ["judge-b"]
+
+
+def test_a_running_model_made_autoscaled_keeps_its_replica_until_it_is_quiet_for_long_enough(tmp_path: Path) -> None:
+    """A new user's finding: ``ctl model set onb scaling.min=0 scaling.max=1 scaling.scale_to_zero_after_s=60``
+    on a model serving one replica stopped it at once, with no decision recorded (before its first
+    decision an autoscaled model was placed at ``scaling.min``). It now starts from the replicas it
+    has: kept while quiet, then 1 → 0 with its reason once ``scale_to_zero_after_s`` passed."""
+    store = _store(tmp_path)
+    fixed = Model.model_validate({"name": "onb", "source": "http://m/onb.gguf", "scaling": {"min": 1, "max": 1},
+                                  "profiles": [{"name": "cpu", "min_memory_gb": 1}]})
+    row = store.add_model(fixed, now=T0)
+    a, leader = Autoscaler(store), _leader(store)
+    leader.reconcile_once(T0)
+    (rep,) = store.list_replicas(model="onb")
+    ready = ReplicaStatus(id=rep.id, state=ReplicaState.READY, endpoint="127.0.0.1:1")
+    store.upsert_node_heartbeat("node-1", Heartbeat(
+        inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")], replicas=[ready],
+    ), T0 + 1)
+    spec = fixed.model_dump() | {"scaling": {"min": 0, "max": 1, "scale_to_zero_after_s": 60.0,
+                                             "scale_down_after_s": 30.0}}
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 2)
+    made = []
+    t = T0 + 2.0
+    while t < T0 + 61.0:  # quiet, but not for scale_to_zero_after_s yet: the replica stays
+        leader.reconcile_once(t)
+        made += a.tick_once(t)
+        t += 0.5
+    assert made == []
+    assert [r.id for r in store.list_replicas(model="onb") if r.draining_since is None] == [rep.id]
+    while t < T0 + 64.0:
+        made += a.tick_once(t)
+        t += 0.5
+    assert [(d.from_n, d.to_n) for d in made] == [(1, 0)]
+    assert made[0].reason.startswith("scaled 1 → 0: no request for 6")

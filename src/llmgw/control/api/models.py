@@ -65,7 +65,7 @@ def model_view(row: ModelRow, replicas: list[ReplicaRow], last: Mapping[str, Dec
         scaling_max=m.scaling.max,
         replicas=len(mine),
         replicas_ready=sum(r.state == ReplicaState.READY for r in mine),
-        replicas_wanted=wanted_replicas(m, last or {}),
+        replicas_wanted=wanted_replicas(m, last or {}, sum(r.draining_since is None for r in mine)),
         spec=m.model_dump(mode="json"),
     )
 
@@ -295,10 +295,12 @@ def _autoscale_view(store: Store, row: ModelRow, now: float) -> AutoscaleView:
     mine = store.list_replicas(model=m.name)
     decisions = store.list_decisions(m.name)
     load = [x for x in store.read_gateway_load(since=now - FRESH_S) if x.model == m.name]
+    draining = sum(r.draining_since is not None for r in mine)
     return AutoscaleView(
         model=m.name, autoscaled=m.scaling.autoscaled, min=m.scaling.min, max=m.scaling.max,
-        target=scaling_target(m), wanted=wanted_replicas(m, {m.name: decisions[0]} if decisions else {}),
-        ready=sum(serving(r) for r in mine), draining=sum(r.draining_since is not None for r in mine),
+        target=scaling_target(m),
+        wanted=wanted_replicas(m, {m.name: decisions[0]} if decisions else {}, len(mine) - draining),
+        ready=sum(serving(r) for r in mine), draining=draining,
         in_flight=sum(x.in_flight for x in load), queued=sum(x.queued for x in load),
         decisions=[DecisionView(at=d.at, from_n=d.from_n, to_n=d.to_n, reason=d.reason, panic=d.panic)
                    for d in decisions],

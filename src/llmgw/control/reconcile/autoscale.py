@@ -216,13 +216,18 @@ def floor_closed_judges(store: Store, closed: Mapping[str, str], now: float) -> 
     return raised
 
 
-def wanted_replicas(model: Model, last: Mapping[str, DecisionRow]) -> int:
+def wanted_replicas(model: Model, last: Mapping[str, DecisionRow], current: int = 0) -> int:
     """How many replicas the leader places for ``model``: ``scaling.min`` unless it autoscales
-    (``max > min``), else its last decision's count (``min`` before the first), within ``[min, max]``."""
+    (``max > min``), else its last decision's count, within ``[min, max]``. Before its first decision,
+    the ``current`` replicas (not draining) within ``[min, max]``: a model made autoscaled (``min`` set
+    to 0 on a running one) keeps what runs until the autoscaler decides, which it does from there
+    (:meth:`Autoscaler.tick_once`); it was cut to ``min`` at once, without a decision or
+    ``scale_to_zero_after_s`` (a new user's finding)."""
     s = model.scaling
-    if not s.autoscaled or model.name not in last:
+    if not s.autoscaled:
         return s.min
-    return min(max(last[model.name].to_n, s.min), s.max)
+    count = last[model.name].to_n if model.name in last else current
+    return min(max(count, s.min), s.max)
 
 
 def serving(r: ReplicaRow) -> bool:
@@ -298,9 +303,12 @@ class Autoscaler:
         states = self.states if self.states is not None else {}
         load = sum_load(self.store.read_gateway_load(since=now - FRESH_S))
         ready: dict[str, int] = {}
+        placed: dict[str, int] = {}  # not draining: the count a model made autoscaled starts from
         for r in self.store.list_replicas():
             if serving(r):
                 ready[r.model] = ready.get(r.model, 0) + 1
+            if r.draining_since is None:
+                placed[r.model] = placed.get(r.model, 0) + 1
         made = []
         names = {m.name for m in models}
         for gone in [k for k in states if k not in names]:
@@ -318,7 +326,8 @@ class Autoscaler:
             q.append(Sample(now, load.get(m.name, 0.0)))
             while q and q[0].at <= now - m.scaling.stable_window_s:
                 q.popleft()
-            state = states.get(m.name) or ScaleState(wanted=m.scaling.min, last_load_at=now)
+            state = states.get(m.name) or ScaleState(wanted=wanted_replicas(m, {}, placed.get(m.name, 0)),
+                                                     last_load_at=now)
             states[m.name] = state  # known from now on (even before its first decision)
             verdict = decide(m.scaling, scaling_target(m), q, ready.get(m.name, 0), state, now)
             states[m.name] = verdict.state

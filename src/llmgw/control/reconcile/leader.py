@@ -81,6 +81,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import KW_ONLY, dataclass, field, replace
 
@@ -374,7 +375,8 @@ class Leader:
             self._decisions = self.store.last_decisions()
         if autoscaled or any(r.draining_since is not None for r in replicas):
             self._load = self.store.read_gateway_load(since=now - FRESH_S)  # what draining replicas still serve
-        wanted = {k: wanted_replicas(m, self._decisions) for k, m in models.items()}
+        running = Counter(r.model for r in replicas if r.draining_since is None)  # before a first decision
+        wanted = {k: wanted_replicas(m, self._decisions, running[k]) for k, m in models.items()}
         removed = [before[k] for k in result.removed if k in before]
         visit = view.visits(models, wanted, got.models, removed) if dirty else set(models)
         self._explained = {k: v for k, v in self._explained.items() if k in rows and v[0] == rows[k].created_at}
