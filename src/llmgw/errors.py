@@ -180,10 +180,12 @@ class JudgeError(LlmgwError):
     renders the wrong template.
 
     Attributes:
-        kind: ``missing`` | ``down`` | ``timeout`` | ``busy`` | ``unparseable`` | ``template`` |
-            ``too_long`` | ``error``. ``busy``: refused at once because the judge's queue would not
-            reach it within the budget. ``too_long``: the text does not fit in the judge's context (the
-            judge's engine said so); the guard refuses the request whatever the policy's ``fail``.
+        kind: ``absent`` | ``missing`` | ``down`` | ``timeout`` | ``busy`` | ``unparseable`` | ``template`` |
+            ``too_long`` | ``error``. ``absent``: no judge of the policy is in the catalog as a guard
+            model (a retry cannot help); ``missing``: none has a usable replica now. ``busy``: refused
+            at once because the judge's queue would not reach it within the budget. ``too_long``: the
+            text does not fit in the judge's context (the judge's engine said so); the guard refuses the
+            request whatever the policy's ``fail``.
         raw: the judge's own text, when it answered (kept for logs, never shown to clients).
         retry_after_s: for ``busy``, the seconds after which the queue should have room (else None).
     """

@@ -49,6 +49,7 @@ POLICIES = [
     Policy(name="fallback", judge=["nowhere", "unready", "judge"], models=["fallback"]),
     Policy(name="chatml", judge="chatml-judge", models=["chatml"]),
     Policy(name="nojudge", judge=["nowhere", "unready"], models=["nojudge"]),
+    Policy(name="ghost", judge=["nowhere", "nothere"], models=["ghost"]),
 ]
 
 
@@ -87,7 +88,7 @@ def env() -> Iterator[Env]:
     ua = Upstream("r-a", f"127.0.0.1:{a}", "key-a")
     ub = Upstream("r-bomb", f"127.0.0.1:{b}", "key-b")
     names = ["chat", "warned", "inonly", "opendead", "openlive", "closeddead", "budget", "fallback", "chatml"]
-    names.append("nojudge")
+    names += ["nojudge", "ghost"]
     routes = {n: Route(n, (ua,)) for n in names}
     routes |= {n: Route(n, (ub,)) for n in ("evil", "openbomb", "openevil")}
     routes["slowout"] = Route("slowout", (Upstream("r-slow", f"127.0.0.1:{s}", "key-s"),))
@@ -274,6 +275,22 @@ def test_judge_down_or_missing_fail_closed_is_503(env: Env, model: str) -> None:
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "judge_unavailable"
     assert "nowhere" not in r.text  # which judges are missing is for logs and guard judge status
+    env.clean(r.text)
+
+
+def test_a_policy_whose_judges_are_not_in_the_catalog_says_no_retry_helps(env: Env) -> None:
+    """A new user's finding: a policy naming a judge that does not exist answered every request
+    "its judge is unavailable; retry in 5 s" with ``Retry-After: 5``, which can never help. It says
+    the judges are not in the catalog and what the operator does, without Retry-After; a judge that
+    exists but has no ready replica still says when to retry."""
+    r = env.post("ghost")
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "judge_unavailable")
+    assert "Retry-After" not in r.headers
+    said = r.json()["error"]["message"]
+    assert "none of its judges is in the catalog as a guard model; the operator adds one" in said
+    assert "nowhere" not in r.text
+    r = env.post("nojudge")  # "unready" is in the catalog, at no ready replica
+    assert (r.status_code, r.headers["Retry-After"]) == (503, "5")
     env.clean(r.text)
 
 

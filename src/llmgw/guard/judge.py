@@ -150,14 +150,17 @@ class JudgeClient:
         """The first of ``judges`` with a usable replica, and its format.
 
         Raises:
-            JudgeError: ``missing`` naming why each judge cannot serve; ``error`` for an unknown format.
+            JudgeError: ``missing`` naming why each judge cannot serve (``absent`` when none is in the
+                catalog as a guard model); ``error`` for an unknown format.
         """
         why = []
+        known = False
         for name in judges:
             route = self.lookup(name)
             if route is None:
                 why.append(f"{name}: not in the catalog as a guard model")
                 continue
+            known = True
             usable = tuple(u for u in route.upstreams if u.replica_id not in self.template_failed)
             if usable:
                 return JudgeRoute(route.name, route.format, usable), format_named(route.format)
@@ -167,7 +170,7 @@ class JudgeClient:
                 why.append(f"{name}: {route.unavailable or 'no replica is ready'}")
                 if self.on_missing is not None:
                     self.on_missing(route.name)
-        raise JudgeError("no judge is available (" + "; ".join(why) + ")", kind="missing")
+        raise JudgeError("no judge is available (" + "; ".join(why) + ")", kind="missing" if known else "absent")
 
     def queue(self, name: str) -> JudgeQueue:
         """The admission queue of judge ``name`` (made on first use)."""

@@ -321,11 +321,11 @@ class GuardInspector:
 def unavailable(policy: Policy, direction: Direction, error: JudgeError) -> Refusal:
     """The 503 ``judge_unavailable`` refusal when ``policy`` got no verdict (``fail: closed``).
 
-    Every one says when to retry: ``retry_after_s`` in the error object and a ``Retry-After`` header
+    Every one but ``absent`` says when to retry: ``retry_after_s`` in the error object and a ``Retry-After`` header
     (whole seconds) on a response not yet started. A ``busy`` judge (refused at once by admission,
     :mod:`llmgw.guard.admission`): when its queue should have room; a spent budget (``timeout``): the
     policy's budget (the judge was that slow just now); any other (judge missing or down):
-    :data:`RETRY_UNAVAILABLE_S`.
+    :data:`RETRY_UNAVAILABLE_S`; but none when no judge of the policy is in the catalog (``absent``).
     """
     what = "prompt" if direction is Direction.IN else "answer"
     extra: dict[str, Any] = {"direction": direction.value, "policy": policy.name}
@@ -334,6 +334,12 @@ def unavailable(policy: Policy, direction: Direction, error: JudgeError) -> Refu
         message = (
             f"policy '{policy.name}' could not judge the {what} within its budget of {policy.budget_s:g} s: "
             f"its judge is busy (too many judgments queued); retry in {retry} s"
+        )
+    elif error.kind == "absent":  # no retry helps (a new user's finding: told to retry in 5 s, forever)
+        return Refusal(
+            f"policy '{policy.name}' could not judge the {what}: none of its judges is in the catalog as a guard "
+            "model; the operator adds one ('llmgw ctl guard judge enable') or changes the policy",
+            status=503, code="judge_unavailable", extra=extra,
         )
     elif error.kind == "timeout":
         retry = max(1, math.ceil(policy.budget_s))
