@@ -40,6 +40,7 @@ from llmgw.cli.modelset import model_set
 from llmgw.cli.modelwarn import (
     warn_drained_nowhere,
     warn_fits_nowhere,
+    warn_judge_removed,
     warn_profiles_fit_no_node,
     warn_unreadable_source,
 )
@@ -457,6 +458,7 @@ def model_rm(
     client.remove_model(model.name)
     called = model.name if model.name == name else f"{model.name} (alias {name})"
     print(f"removed {called}; its replicas stop at their nodes' next heartbeat")
+    warn_judge_removed(client, model.name, model.aliases)
     if delete_weights:
         from llmgw.config import load_server_config
         from llmgw.mirror.client import MirrorClient, local_token

@@ -123,3 +123,26 @@ def _reasons(misses: list[dict[str, Any]], *, more: bool = True) -> str:
     more when ``more``)."""
     why = "; ".join(f"{n['node']}: {n.get('reason') or n.get('kind')}" for n in misses[:3])
     return why + (f"; {len(misses) - 3} more" if more and len(misses) > 3 else "")
+
+
+def warn_judge_removed(client: AdminClient, name: str, aliases: list[str]) -> None:
+    """After ``model rm``: say on stderr which guard policies judged with the removed model (by
+    ``name`` or one of its ``aliases``) and now have no other judge with a ready replica: a
+    ``fail: closed`` one refuses every request it guards, a ``fail: open`` one serves them unjudged.
+    The admin API refuses ``scaling.min: 0`` for such a judge, but its removal said nothing (a new
+    user's finding)."""
+    try:
+        policies = client.guard_status().get("policies") or []
+    except LlmgwError:
+        return  # the removal itself worked; the check is a courtesy
+    gone = {name, *aliases}
+    for p in policies:
+        judges = p.get("judges") or []
+        if not gone & {j.get("name") for j in judges}:
+            continue
+        if any(j.get("replicas_ready") and j.get("name") not in gone for j in judges):
+            continue
+        effect = ("refuses every request it guards (503 judge_unavailable)" if p.get("fail") == "closed"
+                  else "serves the requests it guards unjudged")
+        print(f"!! guard policy '{p.get('name')}' judged with {name} and has no other judge ready: it now {effect}; "
+              f"add a judge ('llmgw ctl guard judge enable') or change the policy in server.yaml", file=sys.stderr)
