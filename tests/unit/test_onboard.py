@@ -57,6 +57,17 @@ def test_nothing_is_overwritten_and_bad_ids_are_named(cluster: Paths, tmp_path: 
         add_node(cluster, "n1", out, address="10.0.0.8")
     with pytest.raises(ConfigError, match="is not a valid node id: 1-63 characters"):
         add_node(cluster, "bad id!", tmp_path / "x", address="10.0.0.8")
+    # a new user's findings: a directory of other files was taken (and told to copy all of it to
+    # /etc/llmgw), and the label init pins the starter and the judges with could be given to a node
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"busy is not empty \(notes.txt\); give an empty directory with --out"):
+        add_node(cluster, "n2", busy, address="10.0.0.9")
+    with pytest.raises(ConfigError, match=r"--label llmgw\.control-plane is llmgw's own"):
+        add_node(cluster, "n3", tmp_path / "n3", address="10.0.0.9", labels={"llmgw.control-plane": "true"})
+    assert not (tmp_path / "n3").exists()
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
 
 
 def test_without_the_ca_key_it_says_so(cluster: Paths, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from llmgw.errors import ConfigError, PkiError
 from llmgw.names import check_labels, check_name
 from llmgw.paths import Paths
 from llmgw.serverinit.patroni import HaPlan
+from llmgw.serverinit.plan import LOCAL_LABEL_KEY
 from llmgw.serverinit.standby import agent_url
 from llmgw.tlsconf import CA
 
@@ -68,10 +69,16 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         check_labels(labels or {})
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if LOCAL_LABEL_KEY in (labels or {}):  # a node given it could take them (a new user's finding)
+        raise ConfigError(f"--label {LOCAL_LABEL_KEY} is llmgw's own: init pins the starter and the judges to the "
+                          "control plane's machine with it; give the node another label")
     check_address(address)
     existing = [p for p in (out / "agent.pem", out / "agent.yaml") if p.exists()]
     if existing:
         raise ConfigError(f"{existing[0]} already exists; give an empty directory with --out")
+    if out.is_dir() and (others := sorted(p.name for p in out.iterdir())):  # the bundle is copied whole (dir/*)
+        raise ConfigError(f"{out} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+                          "give an empty directory with --out: the node's files are copied from it whole")
     ca = CA.load(paths.pki)
     cfg = load_server_config(paths.server_config) if paths.server_config.exists() else None
     if not server:
