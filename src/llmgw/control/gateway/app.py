@@ -321,6 +321,7 @@ class _Gateway:
             pre: web.StreamResponse | None = None  # a held stream's response, prepared while it waited
             held = self._starting(route, endpoint, caller, requested) if route and not route.upstreams else None
             if route is not None and held is not None:  # a model starting from zero: wait for its replica
+                model = route.model  # a hold that ends in a 503 is this model's (it was logged as '-')
                 t_held = time.perf_counter_ns()
                 try:
                     route, pre = await hold_request(held, request, route, stream=stream)
