@@ -119,3 +119,27 @@ def test_guard_status_answers_503_when_the_store_does_not(store: Store) -> None:
         release.set()
         servers.close()
         db.close()  # waits for the held call, so the store is not closed under it
+
+
+def test_enable_with_a_source_the_mirror_would_refuse_is_a_400_before_any_job(store: Store) -> None:
+    """A new user's finding: ``ctl guard judge enable x --repo ../../etc --file passwd`` printed
+    'fetching hf:../../etc/passwd as x (job serve-1)' while the mirror had refused it at once, and
+    'judge status' never showed it. The source is checked first: a 400 naming what is wrong, no job.
+    (The job starter here is a stand-in that fails the test if it is called: nothing reaches it.)"""
+
+    class NoJob:
+        def start(self, *_: object, **__: object) -> object:
+            raise AssertionError("a job was started for a source the mirror refuses")
+
+    servers = ServerThread()
+    try:
+        app = web.Application()
+        add_guard_routes(app, inspector=None, config=GuardConfig(), store=store, serve=NoJob(),  # type: ignore[arg-type]
+                         db=OffLoop())
+        url = f"http://127.0.0.1:{servers.serve(app)}/api/v1/guard/judges/x/enable"
+        r = httpx.post(url, json={"repo": "../../etc", "file": "passwd"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_source"
+        assert "'.' and '..' are not allowed in an hf: path" in r.json()["error"]["message"]
+    finally:
+        servers.close()

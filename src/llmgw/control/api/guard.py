@@ -34,13 +34,14 @@ from llmgw.control.gateway.guard import GuardInspector
 from llmgw.control.reconcile.judgekeeper import ClassUse, JudgeKeeper, ServeJob
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.errors import ConfigError, JudgeError, LlmgwError, MirrorError, WaitTimeout
+from llmgw.errors import ConfigError, JudgeError, LlmgwError, MirrorError, SourceError, WaitTimeout
 from llmgw.guard.config import Controversial, Direction, GuardConfig
 from llmgw.guard.formats import FORMATS, Safety
 from llmgw.guard.judges import DEFAULT_JUDGE, ServeRequest, known_judge
 from llmgw.httperrors import error_json
 from llmgw.mirror.client import MirrorClient
 from llmgw.protocol import ReplicaState
+from llmgw.sourcecheck import to_download
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,10 @@ async def enable(request: web.Request) -> web.Response:  # noqa: PLR0911 - one r
         return error_json(
             400, "unknown_judge", f"llmgw does not know '{name}': give --repo ORG/REPO and --file FILE.gguf"
         )
+    try:  # a source the mirror refuses at once (hf:../../etc/passwd) is a 400 now, not a job that fails unseen
+        to_download(req.source, env={})
+    except SourceError as e:
+        return error_json(400, "invalid_source", f"{e}; give --repo ORG/REPO and --file FILE.gguf")
     try:
         job = await asyncio.to_thread(
             serve.start, replace(req, by="llmgw ctl guard judge enable", if_absent=True)
