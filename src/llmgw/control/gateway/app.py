@@ -370,7 +370,7 @@ class _Gateway:
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
             if trace.ended_ns:  # after the stream's last event (llmgw chat, the openai client): answered
-                code = trace.error_code
+                code = trace.error_code or (call.blocked if call is not None else "")
                 self._observe(trace, caller, requested, model, stream, status=200, code=code,
                               blocked=code == "content_blocked", kind=endpoint.kind)
             else:
