@@ -143,3 +143,15 @@ def test_enable_with_a_source_the_mirror_would_refuse_is_a_400_before_any_job(st
         assert "'.' and '..' are not allowed in an hf: path" in r.json()["error"]["message"]
     finally:
         servers.close()
+
+
+def test_judge_status_through_the_cli_prints_counts_not_python_dicts(env: Env) -> None:
+    """A new user's finding: the status footer printed ``blocked {'in': 2}, ... judge errors {'timeout': 2}``."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.cli.main import app  # noqa: PLC0415
+
+    r = CliRunner().invoke(app, ["ctl", "guard", "judge", "status", "--server", env.url, "--token", "t" * 32])
+    assert r.exit_code == 0, r.output
+    assert "blocked 0, unjudged (fail open) 0, refused for no verdict 0, judge errors 0" in r.output
+    assert "{" not in r.output

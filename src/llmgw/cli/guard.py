@@ -69,9 +69,14 @@ def judge_status(server: ServerOpt = None, token: TokenOpt = None, as_json: Json
     s = data.get("stats") or {}
     if s:
         print(
-            f"blocked {s.get('blocked', {})}, unjudged (fail open) {s.get('unjudged', {})}, "
-            f"refused for no verdict {s.get('refused_unavailable', {})}, judge errors {s.get('errors', {})}"
+            f"blocked {_counts(s.get('blocked'))}, unjudged (fail open) {_counts(s.get('unjudged'))}, "
+            f"refused for no verdict {_counts(s.get('refused_unavailable'))}, judge errors {_counts(s.get('errors'))}"
         )
+
+
+def _counts(by: Any) -> str:
+    """``{"in": 2, "out": 1}`` as ``2 in, 1 out`` (``0`` when empty); it printed the Python dict."""
+    return ", ".join(f"{n} {k}" for k, n in sorted(by.items())) if isinstance(by, dict) and by else "0"
 
 
 @judge_app.command("enable")
