@@ -155,3 +155,19 @@ def test_judge_status_through_the_cli_prints_counts_not_python_dicts(env: Env) -
     assert r.exit_code == 0, r.output
     assert "blocked 0, unjudged (fail open) 0, refused for no verdict 0, judge errors 0" in r.output
     assert "{" not in r.output
+
+
+def test_status_of_a_policy_naming_a_chat_model_says_it_is_not_a_guard_model(store: Store) -> None:
+    """A new user's finding: ``judge: gemma`` (the starter's alias) showed ``CATALOG no`` and 'llmgw ctl
+    guard judge enable gemma --repo ORG/REPO --file FILE.gguf', which then answered "llmgw does not know
+    'gemma'"; the model was in the catalog, as a chat model. Now it says what it is."""
+    from llmgw.catalog import Model  # noqa: PLC0415
+
+    store.add_model(Model(name="chat-m", aliases=["cm"], source="http://m/c.gguf", profiles=[{"name": "cpu"}]),
+                    now=1.0)
+    data = guard_status(None, GuardConfig(policies=[Policy(name="p", judge=["cm", "chat-m"])]), store)
+    by = {j["name"]: j for j in data["policies"][0]["judges"]}
+    assert by["cm"]["in_catalog"] is True
+    assert by["cm"]["hint"] == ("'cm' is an alias of the chat model 'chat-m', not a guard model: name one in the "
+                                "policy (llmgw ctl guard judge enable)")
+    assert by["chat-m"]["hint"].startswith("'chat-m' is a chat model, not a guard model")

@@ -148,24 +148,29 @@ def build_keeper(store: Store, guard: Callable[[], GuardConfig], serve: MirrorSe
 def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: Store) -> dict[str, Any]:
     """What ``GET /api/v1/guard/status`` answers (see the module docstring)."""
     models = {r.model.name: r.model for r in store.list_models()}
+    aliases = {a: m for m in models.values() for a in m.aliases}
     replicas = store.list_replicas()
     failed = inspector.client.template_failed if inspector else {}
     policies = []
     for p in config.policies:
         judges = []
         for name in p.judges():
-            m = models.get(name)
-            mine = [r for r in replicas if r.model == name]
+            m = models.get(name) or aliases.get(name)
+            mine = [r for r in replicas if m is not None and r.model == m.name]
             ready = [r for r in mine if r.state == ReplicaState.READY]
             pct = inspector.stats.percentiles(name) if inspector else None
             hint = ""
-            if m is None:
+            if m is not None and m.guard is None:  # a new user named the starter: told to enable it with --repo
+                role = m.role.value
+                called = f"an alias of the {role} model '{m.name}'" if m.name != name else f"a {role} model"
+                hint = f"'{name}' is {called}, not a guard model: name one in the policy (llmgw ctl guard judge enable)"
+            elif m is None:
                 hint = (
                     f"llmgw ctl guard judge enable {name}" if known_judge(name)
                     else f"llmgw ctl guard judge enable {name} --repo ORG/REPO --file FILE.gguf"
                 )
             elif not ready:
-                hint = f"llmgw ctl explain-placement {name}"
+                hint = f"llmgw ctl explain-placement {m.name}"
             judges.append({
                 "name": name,
                 "in_catalog": m is not None,
