@@ -246,3 +246,8 @@ def test_a_model_at_zero_that_would_fit_nowhere_says_so_though_placed() -> None:
                  profiles=[Profile(name="cpu", min_memory_gb=2, cpu_cores=1)])
     view = explain_view(fits, decision=placer.place(fits), placer=placer, replicas=[], now=0.0)
     assert (view.summary, view.would_fit_if) == ("0/0 replicas placed on no node (scaling.min is 0)", [])
+    # switched off (scaling.max 0): said so, not as if at zero by choice (a new user's finding)
+    off = fits.model_copy(update={"scaling": Scaling(min=0, max=0)})
+    view = explain_view(off, decision=placer.place(off), placer=placer, replicas=[], now=0.0)
+    assert view.summary == ("0/0 replicas placed on no node (scaling.max is 0: switched off, no replica may run; "
+                            "raise it to serve it)")

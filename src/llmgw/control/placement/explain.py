@@ -299,7 +299,10 @@ def explain_view(
     # new user's model that fits nowhere read "placed (0/0 replicas)" and nothing else).
     idle_unfit = placed and wanted == 0 and not decision.placed
     if placed:
-        where = ", ".join(sorted({node for _, node in replicas})) or "no node (scaling.min is 0)"
+        where = ", ".join(sorted({node for _, node in replicas})) or (
+            "no node (scaling.max is 0: switched off, no replica may run; raise it to serve it)"
+            if model.scaling.max == 0 else "no node (scaling.min is 0)"  # max 0 read as placed (a new user's finding)
+        )
         summary = f"{len(replicas)}/{wanted} replicas placed on {where}"
         if idle_unfit:
             summary += f"; a replica would not fit when one is wanted: {decision.summary}"
