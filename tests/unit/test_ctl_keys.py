@@ -138,6 +138,8 @@ def test_bad_key_specs_are_400_saying_what_is_wrong(cp: Install, body: object, s
         ("since=yesterday", "since 'yesterday' is not a duration"),
         ("since=2027-02-30", "is not a date"),
         ("since=2026-12-01&until=2026-11-01", "is after until"),
+        # a new user's finding: two durations on the same UTC day, backwards, answered the whole day
+        ("since=30m&until=1h", "since (30m ago) is after until (1h ago)"),
         ("since=2020-01-01", "at most 400"),
     ],
 )
@@ -145,6 +147,12 @@ def test_bad_usage_ranges_are_400(cp: Install, query: str, says: str) -> None:
     r = httpx.get(cp.admin + "/api/v1/usage?" + query, headers=AUTH)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
+
+
+def test_a_day_and_a_duration_or_two_durations_in_order_are_a_range(cp: Install) -> None:
+    for query in ("since=3d&until=1d", "since=2h&until=30m", "since=2026-01-01&until=1d"):
+        r = httpx.get(cp.admin + "/api/v1/usage?" + query, headers=AUTH)
+        assert r.status_code == 200, (query, r.text)
 
 
 def test_duplicate_and_unknown_keys(cp: Install) -> None:

@@ -101,6 +101,14 @@ def usage_day(text: str, now: float, what: str) -> str:
         raise HttpError(400, "invalid_range", f"{e}; or give a UTC day as YYYY-MM-DD") from None
 
 
+def _backwards(since: str, until: str) -> bool:
+    """Whether ``since`` and ``until`` are both durations (checked by :func:`usage_day`) and ``since``
+    is the nearer: on one UTC day both name the same day, so the day's check cannot see it."""
+    if not until or _DAY.fullmatch(since) or _DAY.fullmatch(until):
+        return False
+    return parse_duration(since, "since") < parse_duration(until, "until")
+
+
 @dataclass(frozen=True)
 class KeysContext:
     """What the key and usage handlers share, kept on the admin app under :data:`KEYS` by
@@ -264,6 +272,8 @@ async def usage(request: web.Request) -> web.Response:
     q, now = request.query, ctx.clock()
     since = usage_day(q.get("since") or "7d", now, "since")
     until = usage_day(q["until"], now, "until") if q.get("until") else _day(now)
+    if _backwards(q.get("since") or "7d", q.get("until") or ""):  # two durations on one day (30m..1h)
+        raise HttpError(400, "invalid_range", f"since ({q.get('since')} ago) is after until ({q.get('until')} ago)")
     if since > until:
         raise HttpError(400, "invalid_range", f"since ({since}) is after until ({until})")
     span = (time.mktime(time.strptime(until, "%Y-%m-%d")) - time.mktime(time.strptime(since, "%Y-%m-%d"))) / 86400
