@@ -171,3 +171,19 @@ def test_status_of_a_policy_naming_a_chat_model_says_it_is_not_a_guard_model(sto
     assert by["cm"]["hint"] == ("'cm' is an alias of the chat model 'chat-m', not a guard model: name one in the "
                                 "policy (llmgw ctl guard judge enable)")
     assert by["chat-m"]["hint"].startswith("'chat-m' is a chat model, not a guard model")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["some answer", "--prompt", "p"], "--prompt is the prompt an answer answers: give it with --out"),
+    (["  "], "the text to judge is empty"),
+])
+def test_guard_test_refuses_what_it_would_drop_or_judge_as_nothing(args: list[str], says: str) -> None:
+    """A new user's findings: ``guard test --prompt p x`` (no ``--out``) dropped the prompt without a
+    word, and ``guard test ""`` was judged safe. Refused before any call (exit 2)."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.cli.main import app  # noqa: PLC0415
+
+    r = CliRunner().invoke(app, ["ctl", "guard", "test", *args, "--server", "http://127.0.0.1:9", "--token", "t" * 32])
+    assert r.exit_code == 2, r.output
+    assert says in " ".join(r.output.replace("│", " ").split())

@@ -110,6 +110,10 @@ def try_text(
     as_json: JsonOpt = False,
 ) -> None:
     """Judge a text as the gateway would: the verdict, its categories and the time it took."""
+    if prompt and not out:  # it was dropped without a word (a new user's finding)
+        raise typer.BadParameter("--prompt is the prompt an answer answers: give it with --out", param_hint="--prompt")
+    if not text.strip():
+        raise typer.BadParameter("the text to judge is empty", param_hint="TEXT")
     body: dict[str, str] = {"text": text, "direction": "out" if out else "in"}
     if prompt:
         body["prompt"] = prompt
