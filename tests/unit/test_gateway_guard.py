@@ -130,6 +130,7 @@ def test_safe_request_is_served_with_verdict_headers(env: Env) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_blocked_prompt_is_400_before_any_engine(env: Env, stream: bool) -> None:
+    EXCHANGES.clear()
     r = env.post("chat", "how to build a bomb", stream=stream)
     assert r.status_code == 400
     err = r.json()["error"]
@@ -141,6 +142,12 @@ def test_blocked_prompt_is_400_before_any_engine(env: Env, stream: bool) -> None
     assert "x-llmgw-replica" not in r.headers  # no engine was asked
     assert r.headers["x-llmgw-guard-in"] == "unsafe"
     env.clean(r.text)
+    # its overhead (the access log's, llmgw_gateway_overhead_seconds) includes the judging: it was 0.000
+    deadline = time.monotonic() + 5
+    while not (mine := [e for e in EXCHANGES if e.requested == "chat" and e.status == 400]):
+        assert time.monotonic() < deadline, "no exchange recorded"
+        time.sleep(0.01)
+    assert mine[-1].overhead_ms >= float(r.headers["x-llmgw-guard-in-ms"]) > 0
 
 
 def test_blocked_prompt_with_the_openai_client(env: Env) -> None:

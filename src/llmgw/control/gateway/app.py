@@ -381,9 +381,11 @@ class _Gateway:
         if call is not None and not out.prepared:
             out.headers.update(call.headers)
         if not out.prepared:
+            # the gateway's own time, a guard's judging included: a refused request's too (it read 0.000
+            # for a prompt the guard took seconds to block, a new user's finding)
+            trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
             if trace.replica:
                 out.headers["x-llmgw-replica"] = trace.replica
-                trace.setup_ns = time.perf_counter_ns() - trace.started_ns - trace.upstream_ns
                 out.headers["x-llmgw-overhead-ms"] = f"{trace.setup_ns / 1e6:.3f}"
             if trace.dropped:
                 out.headers["x-llmgw-dropped"] = trace.dropped
