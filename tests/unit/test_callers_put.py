@@ -54,3 +54,15 @@ def test_other_keys_stay_when_one_is_put() -> None:
     callers.put(ROW)
     assert set(callers.by_name) == {"other", "team"}
     assert callers.set_rows([other, ROW]) is False  # the next read finds what the put made: nothing to rebuild
+
+
+def test_a_revoked_key_whose_secret_is_also_in_the_keys_file_stays_refused() -> None:
+    """A new user's finding: a stored key revoked, its secret also in ``gateway.keys_file``, went on
+    working as a keys-file key, without its limits. The revocation holds; another file key still works."""
+    callers = Callers(GatewayKeys(None, initial={"sk-team", "sk-file"}))
+    callers.set_rows([ROW])
+    assert callers.lookup("sk-team") is not None
+    assert callers.lookup("sk-team").name == "team"  # type: ignore[union-attr]
+    assert callers.put(replace(ROW, revoked_at=5.0, revision=2))
+    assert callers.lookup("sk-team") is None
+    assert callers.lookup("sk-file") is not None

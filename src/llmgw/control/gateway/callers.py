@@ -117,6 +117,9 @@ class Callers:
     _read_at: float = field(init=False)
     _rows: dict[str, ApiKeyRow] = field(default_factory=dict, init=False)
     _stored: dict[bytes, Caller] = field(default_factory=dict, init=False)
+    #: Digests of revoked stored keys: refused even when the keys file has the same secret (it made a
+    #: revoked key a keys-file key, with no limits, a new user's finding).
+    _revoked: frozenset[bytes] = field(default=frozenset(), init=False)
     _seen: tuple[tuple[str, int], ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -163,20 +166,22 @@ class Callers:
         """Rebuild the lookup tables from ``rows`` (name → row, by name), revoked keys left out."""
         live = [r for r in rows.values() if r.revoked_at is None]
         self._stored = {bytes.fromhex(r.digest): caller_of(r) for r in live}
+        self._revoked = frozenset(bytes.fromhex(r.digest) for r in rows.values() if r.revoked_at is not None)
         self.by_name = {r.name: caller_of(r) for r in live}
         self._rows = rows
         self._seen = tuple((r.name, r.revision) for r in rows.values())
 
     def lookup(self, key: str) -> Caller | None:
         """The caller presenting ``key`` (a bearer key as sent), or None when it is not a valid key:
-        unknown, revoked, or expired."""
+        unknown, revoked, or expired. A stored key's revocation or expiry holds even when the keys
+        file has the same secret (the file does not bring it back, without limits)."""
         d = digest(key)
         caller = self._stored.get(d)
         if caller is not None:
             if caller.expires_at is not None and caller.expires_at <= self.clock():
                 return None
             return caller
-        return FILE_CALLER if d in self.file_keys.digests() else None
+        return FILE_CALLER if d not in self._revoked and d in self.file_keys.digests() else None
 
     def stale(self, caller: Caller) -> float | None:
         """Seconds since the stored keys were last read, when ``caller`` is a stored key's and that is
