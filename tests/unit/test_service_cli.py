@@ -183,3 +183,14 @@ def test_stop_engines(root: Path) -> None:
     code, out = llmgw(root, "stop", "agent", "--engines")
     assert code == 0, out
     assert out.splitlines() == ["not running: llmgw-agent", "stopped 0 engine(s)"]
+
+
+def test_stop_engines_without_the_agent_is_refused(root: Path) -> None:
+    """A new user's finding: ``service stop mirror --engines`` stopped the mirror and every engine while
+    the agent served them (it marked them failed and placed new ones). The engines are the agent's:
+    refused unless the agent is stopped with them (or no service is named)."""
+    code, out = llmgw(root, "stop", "mirror", "--engines")
+    assert code == 2, out
+    assert "--engines stops the engines the agent left running: stop the agent with them" in " ".join(
+        out.replace("│", " ").split())
+    assert "stopped" not in out.replace("stops", "")

@@ -135,7 +135,13 @@ def stop(
     """Stop services (when none are named: server, agent, mirror, then patroni where installed).
     Engines outlive the agent unless --engines."""
     manager = _manager()
-    for name in _names(names):
+    todo = _names(names)
+    # the engines are the agent's: stopped under a running agent, it marked them failed and replaced them
+    if engines and names and "agent" not in todo:
+        raise typer.BadParameter("--engines stops the engines the agent left running: stop the agent with them "
+                                 "('llmgw service stop agent --engines', or no names for everything)",
+                                 param_hint="--engines")
+    for name in todo:
         stopped = manager.stop(name)
         print(f"{'stopped' if stopped else 'not running:'} {unit_name(name)}")
     if engines:
