@@ -194,3 +194,22 @@ def test_stop_engines_without_the_agent_is_refused(root: Path) -> None:
     assert "--engines stops the engines the agent left running: stop the agent with them" in " ".join(
         out.replace("│", " ").split())
     assert "stopped" not in out.replace("stops", "")
+
+
+def test_restart_checks_every_config_before_restarting_any(root: Path) -> None:
+    """A new user's finding: ``service restart`` with no names restarted the mirror, then refused the
+    server for its broken config and never reached the agent: an upgrade left half on new code. Every
+    config is checked first; one that does not load restarts none."""
+    paths = Paths.from_env(root)
+    for name in ("mirror", "server"):
+        install(root, name, SLEEPER)
+    paths.server_config.parent.mkdir(parents=True, exist_ok=True)
+    paths.server_config.write_text("admin_listen: [\n")
+    code, out = llmgw(root, "start", "mirror")
+    assert code == 0, out
+    before = SupervisorManager(paths).status("mirror").pid
+    code, out = llmgw(root, "restart")
+    assert code != 0
+    assert "server.yaml" in out
+    assert "restarted llmgw-mirror" not in out
+    assert SupervisorManager(paths).status("mirror").pid == before

@@ -16,7 +16,7 @@ import typer
 
 from llmgw.cli.common import cli_errors, console, paths, table, typer_app
 from llmgw.errors import ServiceError
-from llmgw.service.check import probe_for, restart_checked, wait_up
+from llmgw.service.check import preflight, probe_for, restart_checked, wait_up
 from llmgw.service.manager import ServiceManager, pick_manager
 from llmgw.service.units import (
     SERVICES,
@@ -117,6 +117,8 @@ def restart(names: OptionalNames = None) -> None:
     agent; not patroni: name it)."""
     manager = _manager()
     todo = _installed(names, restartable_services)
+    for name in todo:  # every config first: one that does not load restarts none (an upgrade half done, a
+        preflight(paths(), name)  # new user's finding: the mirror on new code, the server and agent on old)
     for name in todo:
         restart_checked(manager, paths(), name)
         st = manager.status(name)
