@@ -120,7 +120,7 @@ def restart(names: OptionalNames = None) -> None:
     for name in todo:  # every config first: one that does not load restarts none (an upgrade half done, a
         preflight(paths(), name)  # new user's finding: the mirror on new code, the server and agent on old)
     for name in todo:
-        restart_checked(manager, paths(), name)
+        restart_checked(manager, paths(), name, checked=True)
         st = manager.status(name)
         pid = f"pid {st.pid}" if st.pid else st.state
         print(f"restarted {unit_name(name)} ({manager.kind}, {pid})")

@@ -158,13 +158,17 @@ def wait_up(
         time.sleep(poll_s)
 
 
-def restart_checked(manager: ServiceManager, paths: Paths, name: str, *, timeout_s: float = UP_TIMEOUT_S) -> None:
-    """:func:`preflight`, restart, :func:`wait_up`; see the module docstring.
+def restart_checked(
+    manager: ServiceManager, paths: Paths, name: str, *, timeout_s: float = UP_TIMEOUT_S, checked: bool = False
+) -> None:
+    """:func:`preflight` (unless the caller just ran it: ``checked``), restart, :func:`wait_up`; see the
+    module docstring.
 
     Raises:
         ServiceError: the config does not load (nothing restarted), or the service did not come back.
     """
-    preflight(paths, name)
+    if not checked:
+        preflight(paths, name)
     probe = probe_for(paths, name, manager)
     manager.restart(name)
     wait_up(manager, name, probe=probe, timeout_s=timeout_s, restarts=manager.status(name).restarts)
