@@ -34,7 +34,7 @@ def test_the_message_says_what_to_do() -> None:
 @pytest.mark.parametrize(("body", "says"), [
     ({"model": "m"}, "'prompt' is required: a string, or a non-empty list"),
     ({"model": "m", "prompt": {"a": 1}}, "'prompt' must be a string, or a non-empty list of strings (or of token "
-                                        "ids), not a JSON object"),
+                                        "ids), not an object"),
     ({"model": "m", "prompt": []}, "not an empty list"),
     ({"model": "m", "prompt": 5}, "not a number"),
 ])

@@ -303,7 +303,7 @@ def test_bad_body_400(env: Env, body: bytes, code: str) -> None:
 
 @pytest.mark.parametrize(
     ("messages", "said"),
-    [(None, "'messages' is required"), ("hi", "not a str"), ([], "not an empty list")],
+    [(None, "'messages' is required"), ("hi", "not a string"), ([], "not an empty list")],
 )
 def test_messages_of_the_wrong_type_say_what_was_sent(env: Env, messages: Any, said: str) -> None:
     """A string where the list goes is not reported as missing (a new user's report)."""

@@ -370,7 +370,7 @@ class _Gateway:
             out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
             if trace.ended_ns:  # after the stream's last event (llmgw chat, the openai client): answered
-                code = trace.error_code or (call.blocked if call is not None else "")
+                code = _stream_end_code(trace, call)
                 self._observe(trace, caller, requested, model, stream, status=200, code=code,
                               blocked=code == "content_blocked", kind=endpoint.kind)
             else:
@@ -394,8 +394,7 @@ class _Gateway:
             if out.status >= 400 and not code:
                 code = _answer_code(out)
                 blocked = blocked or code == "content_blocked"
-        elif trace.error_code or (call is not None and call.blocked):
-            code = trace.error_code or (call.blocked if call is not None else "")
+        elif code := _stream_end_code(trace, call):
             blocked = code == "content_blocked"
         self._observe(
             trace, caller, requested, model, stream, status=out.status, code=code, blocked=blocked, kind=endpoint.kind
@@ -470,6 +469,12 @@ _ALLOW = {
     "/healthz": "GET, HEAD",
 }
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
+
+
+def _stream_end_code(trace: Trace, call: Call | None) -> str:
+    """The code a stream that went out (its 200 sent) ended with: its error event's (a broken replica, a
+    refusal) or the guard's block of a held answer (a ``content_filter`` chunk); "" when it ended well."""
+    return trace.error_code or (call.blocked if call is not None else "")
 
 
 def _answer_code(out: web.StreamResponse) -> str:

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from llmgw import jsonbody
-from llmgw.control.gateway.request import COMPLETIONS, EMBEDDINGS, Endpoint, check_prompts
+from llmgw.control.gateway.request import COMPLETIONS, EMBEDDINGS, Endpoint, check_prompts, json_kind
 from llmgw.errors import HttpError
 
 
@@ -87,14 +87,14 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         if value is None:
             raise HttpError(400, "invalid_messages", "'messages' is required: a non-empty list of messages")
         if not isinstance(value, list) or not value:
-            got = "an empty list" if isinstance(value, list) else f"a {type(value).__name__}"
+            got = "an empty list" if isinstance(value, list) else json_kind(value)
             raise HttpError(400, "invalid_messages", f"'messages' must be a non-empty list of messages, "
                             f'not {got} (e.g. [{{"role": "user", "content": "hi"}}])')
     elif not (isinstance(value, str) or (isinstance(value, list) and value)):
         wanted = "a string, or a non-empty list of strings (or of token ids)"
         if value is None:
             raise HttpError(400, f"invalid_{field}", f"'{field}' is required: {wanted}")
-        got = "an empty list" if isinstance(value, list) else f"a {_json_kind(value)}"
+        got = "an empty list" if isinstance(value, list) else json_kind(value)
         raise HttpError(400, f"invalid_{field}", f"'{field}' must be {wanted}, not {got}")
     if endpoint is COMPLETIONS:
         check_prompts(value)
@@ -102,12 +102,3 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if endpoint is EMBEDDINGS and body.get("stream") is True:
         raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")
     return body
-
-
-def _json_kind(value: object) -> str:
-    """What a JSON value is, in JSON's words (an object, a number...), for an error message."""
-    if isinstance(value, dict):
-        return "JSON object"
-    if isinstance(value, bool):
-        return "boolean"
-    return "number" if isinstance(value, int | float) else type(value).__name__

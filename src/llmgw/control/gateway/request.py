@@ -208,7 +208,7 @@ def check_prompts(prompt: Any) -> int:
 _TOOL_CHOICES = ("none", "auto", "required")
 
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """A JSON value's type as a message names it (``a number``, ``null``...)."""
     if value is None:
         return "null"
@@ -224,7 +224,7 @@ def _kind(value: Any) -> str:
 def _want(cond: bool, where: str, what: str, value: Any) -> None:
     """Raise the 400 naming the field ``where`` (``messages[2].tool_call_id``) when ``cond`` is false."""
     if not cond:
-        raise _bad(f"'{where}' must be {what}, got {_kind(value)}")
+        raise _bad(f"'{where}' must be {what}, got {json_kind(value)}")
 
 
 def _check_parts(parts: list[Any], where: str) -> None:
@@ -276,7 +276,7 @@ def check_chat(body: dict[str, Any]) -> None:
         _want(isinstance(m, dict), at, "an object with 'role' and 'content'", m)
         role = m.get("role")
         if not (isinstance(role, str) and role in ROLE_LABELS):
-            shown = json.dumps(role)[:40] if isinstance(role, str) else _kind(role)
+            shown = json.dumps(role)[:40] if isinstance(role, str) else json_kind(role)
             raise _bad(f"'{at}.role' must be one of {', '.join(ROLE_LABELS)}, got {shown}")
         content = m.get("content")
         if isinstance(content, list):
