@@ -53,7 +53,7 @@ def test_a_node_gets_a_certificate_from_the_ca_and_an_agent_yaml(cluster: Paths,
 def test_nothing_is_overwritten_and_bad_ids_are_named(cluster: Paths, tmp_path: Path) -> None:
     out = tmp_path / "n"
     add_node(cluster, "n1", out, address="10.0.0.8")
-    with pytest.raises(ConfigError, match="already exists; give an empty directory"):
+    with pytest.raises(ConfigError, match=r"n is not empty \(agent-key\.pem, agent\.pem, agent\.yaml, \.\.\.\)"):
         add_node(cluster, "n1", out, address="10.0.0.8")
     with pytest.raises(ConfigError, match="is not a valid node id: 1-63 characters"):
         add_node(cluster, "bad id!", tmp_path / "x", address="10.0.0.8")

@@ -61,7 +61,8 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         known: the control planes' own agent URLs by name, for ``servers`` (:func:`ha_servers`).
 
     Raises:
-        ConfigError: a bad node id, or ``out`` already holds an identity (never overwritten).
+        ConfigError: a bad node id or label, or ``out`` is not empty (an identity there is never
+            overwritten; other files would be copied to the node with the bundle).
         PkiError: the CA key is not on this machine.
     """
     try:
@@ -73,9 +74,6 @@ def add_node(paths: Paths, node_id: str, out: Path, *, address: str, server: str
         raise ConfigError(f"--label {LOCAL_LABEL_KEY} is llmgw's own: init pins the starter and the judges to the "
                           "control plane's machine with it; give the node another label")
     check_address(address)
-    existing = [p for p in (out / "agent.pem", out / "agent.yaml") if p.exists()]
-    if existing:
-        raise ConfigError(f"{existing[0]} already exists; give an empty directory with --out")
     if out.is_dir() and (others := sorted(p.name for p in out.iterdir())):  # the bundle is copied whole (dir/*)
         raise ConfigError(f"{out} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
                           "give an empty directory with --out: the node's files are copied from it whole")
