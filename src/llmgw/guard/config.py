@@ -37,6 +37,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmgw.bearer import sent_bytes
 from llmgw.names import check_unique
 
 #: Seconds one judgment may take unless a policy says otherwise.
@@ -70,8 +71,9 @@ class _Strict(BaseModel):
 
 
 def key_id(key: str) -> str:
-    """An API key's id for policies and logs: the first 12 hex digits of its SHA-256 (never the key)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    """An API key's id for policies and logs: the first 12 hex digits of its SHA-256 (never the key) of
+    its bytes as sent (:func:`llmgw.bearer.sent_bytes`)."""
+    return hashlib.sha256(sent_bytes(key)).hexdigest()[:12]
 
 
 class Policy(_Strict):

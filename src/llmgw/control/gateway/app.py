@@ -61,7 +61,6 @@ replica's own error body is scrubbed before it is passed through.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
 import time
@@ -72,7 +71,6 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import jsonbody
-from llmgw.bearer import sent_bytes
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
@@ -102,6 +100,7 @@ from llmgw.control.gateway.upstream import (
     relay_stream,
 )
 from llmgw.errors import HttpError
+from llmgw.guard.config import key_id
 from llmgw.httperrors import openai_error_json
 from llmgw.routing import Route, Router
 
@@ -125,10 +124,10 @@ def is_loopback(remote: str | None) -> bool:
 
 
 def _caller(request: web.Request) -> str:
-    """The bearer key's id (first 12 hex digits of its SHA-256), "" without one; for the inspector."""
+    """The bearer key's id (:func:`llmgw.guard.config.key_id`), "" without one; for the inspector."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     key = key.strip()
-    return hashlib.sha256(sent_bytes(key)).hexdigest()[:12] if scheme.lower() == "bearer" and key else ""
+    return key_id(key) if scheme.lower() == "bearer" and key else ""
 
 
 @dataclass(eq=False)
