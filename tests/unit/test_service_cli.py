@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app
 from llmgw.paths import Paths
+from llmgw.service.files import read_live
 from llmgw.service.manager import SupervisorManager
 from llmgw.service.units import SERVICES, restartable_services, startable_services
 
@@ -55,14 +56,15 @@ def logs_saying(root: Path, name: str, text: str, within_s: float = 10.0) -> str
 
 
 def test_status_of_a_fresh_root(root: Path) -> None:
+    """Nothing installed: each service unknown, and the exit status 3 (not running), as systemctl's."""
     code, out = llmgw(root, "status", "--json")
-    assert code == 0
+    assert code == 3
     rows = json.loads(out)
     assert [r["name"] for r in rows] == list(SERVICES)
     assert {(r["state"], r["manager"]) for r in rows} == {("unknown", "supervisor")}
 
     code, out = llmgw(root, "status")
-    assert code == 0
+    assert code == 3
     assert "llmgw-mirror" in out
     assert "supervisor" in out
 
@@ -110,7 +112,7 @@ def test_status_that_cannot_read_the_supervisors_files_says_unknown_not_stopped(
     assert code == 0, out
     monkeypatch.setattr("llmgw.service.manager._may_read", lambda _dir: False)
     code, out = llmgw(root, "status", "agent", "--json")
-    assert code == 0, out
+    assert code == 3, out
     [row] = json.loads(out)
     assert row["state"] == "unknown"
     assert "cannot read" in row["detail"]
@@ -127,10 +129,13 @@ def test_start_status_logs_stop(root: Path) -> None:
     assert (code, out.split(" (")[0]) == (0, "already running: llmgw-agent")
 
     code, out = llmgw(root, "status", "agent", "--json")
+    assert code == 0, out  # every service shown runs
     [row] = json.loads(out)
     assert row["state"] == "running"
     pid = row["pid"]
     assert psutil.pid_exists(pid)
+    code, out = llmgw(root, "status", "--json")
+    assert code == 3, out  # the server and the mirror do not
 
     logs_saying(root, "agent", "hello from the service")
 
@@ -213,3 +218,31 @@ def test_restart_checks_every_config_before_restarting_any(root: Path) -> None:
     assert "server.yaml" in out
     assert "restarted llmgw-mirror" not in out
     assert SupervisorManager(paths).status("mirror").pid == before
+
+
+def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) -> None:
+    """A supervisor SIGKILLed with its program (the OOM killer, a kill -9 of the group) leaves no
+    'stopped' behind: ``status`` said "stopped", as after a requested stop, and exited 0 (a new
+    user's finding). It says failed, why, and what to run; a requested stop after is "stopped"."""
+    install(root, "agent", SLEEPER)
+    code, out = llmgw(root, "start", "agent")
+    assert code == 0, out
+    manager = SupervisorManager(Paths.from_env(root))
+    files = manager.files("agent")
+    supervisor, program = read_live(files.pid), read_live(files.child_pid)
+    assert supervisor is not None and program is not None
+    for proc in (supervisor, program):
+        proc.kill()
+        proc.wait(10)
+    code, out = llmgw(root, "status", "agent", "--json")
+    assert code == 3, out
+    [row] = json.loads(out)
+    assert row["state"] == "failed", row
+    assert "no stop was recorded" in row["detail"] and "llmgw service start agent" in row["detail"], row
+
+    code, out = llmgw(root, "start", "agent")
+    assert code == 0, out
+    code, out = llmgw(root, "stop", "agent")
+    assert out.splitlines() == ["stopped llmgw-agent"]
+    code, out = llmgw(root, "status", "agent", "--json")
+    assert (code, json.loads(out)[0]["state"]) == (3, "stopped"), out

@@ -63,6 +63,10 @@ OptionalNames = Annotated[
 ]
 
 
+#: ``service status``'s exit status when a service shown does not run (systemctl's for an inactive unit).
+NOT_RUNNING = 3
+
+
 def _manager() -> ServiceManager:
     return pick_manager(paths())
 
@@ -77,18 +81,21 @@ def status(
     names: OptionalNames = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Show each service's state, pid, start time and restarts."""
+    """Show each service's state, pid, start time and restarts. Exits 0 when every service shown
+    runs, 3 when one does not (stopped, failed or unknown), as 'systemctl status' does."""
     manager = _manager()
     rows = [manager.status(n) for n in _names(names)]
     if as_json:
         print(json.dumps([asdict(r) | {"manager": manager.kind} for r in rows], indent=2))
-        return
-    t = table("service", "manager", "state", "pid", "since", "restarts", "detail")
-    for r in rows:
-        pid = str(r.pid) if r.pid else "-"
-        since, restarts = _when(r.since), str(r.restarts)
-        t.add_row(unit_name(r.name), manager.kind, r.state, pid, since, restarts, r.detail)
-    console().print(t)
+    else:
+        t = table("service", "manager", "state", "pid", "since", "restarts", "detail")
+        for r in rows:
+            pid = str(r.pid) if r.pid else "-"
+            since, restarts = _when(r.since), str(r.restarts)
+            t.add_row(unit_name(r.name), manager.kind, r.state, pid, since, restarts, r.detail)
+        console().print(t)
+    if any(r.state != "running" for r in rows):
+        raise typer.Exit(NOT_RUNNING)
 
 
 @app.command()

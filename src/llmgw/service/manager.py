@@ -31,10 +31,30 @@ import psutil
 
 from llmgw.errors import ServiceError
 from llmgw.paths import Paths, exists_or_hidden
-from llmgw.service.files import ServiceFiles, open_log, private_dir, read_live, read_state
+from llmgw.service.files import (
+    ServiceFiles,
+    SupervisorState,
+    open_log,
+    private_dir,
+    read_live,
+    read_state,
+    write_state,
+)
 from llmgw.service.supervisor import ALREADY_RUNNING
 from llmgw.service.unitfile import STOP_TIMEOUT, parse_unit
 from llmgw.service.units import check_service, unit_name, write_unit
+
+#: The supervisor's states that a live supervisor leaves behind only when it ends without writing its
+#: last one: killed (SIGKILL, the OOM killer) with its program, or the machine went down under it.
+UNENDED = ("starting", "running", "restarting", "stopping")
+
+
+def _unended(name: str, state: SupervisorState) -> str:
+    """The detail of a service whose supervisor and program are gone without a stop recorded
+    (``state.state`` in :data:`UNENDED`): a crash, not a stop, as ``systemctl`` would say failed."""
+    return (f"not running, and no stop was recorded (it was {state.state}): its supervisor ended "
+            f"without a word (killed, or the machine restarted); 'llmgw service start {name}'")
+
 
 STATES = ("running", "stopped", "failed", "unknown")
 
@@ -399,6 +419,9 @@ class SupervisorManager:
             _end(orphan, timeout)
         files.pid.unlink(missing_ok=True)
         files.child_pid.unlink(missing_ok=True)
+        state = read_state(files)
+        if stopped and state is not None and state.state in UNENDED:  # a supervisor SIGKILLed, or gone before
+            write_state(files, SupervisorState("stopped", state.restarts, None, "stopped on request"))
         return stopped
 
     def _stop_timeout(self, name: str) -> float:
@@ -437,6 +460,8 @@ class SupervisorManager:
                 return ServiceStatus(name, "unknown", detail=f"not installed: no {unit.name}")
             if state is not None and state.state == "failed":
                 return ServiceStatus(name, "failed", None, None, restarts, state.detail)
+            if state is not None and state.state in UNENDED:
+                return ServiceStatus(name, "failed", None, None, restarts, _unended(name, state))
             return ServiceStatus(name, "stopped", None, None, restarts, state.detail if state else "")
         if state is not None and state.state == "restarting":
             return ServiceStatus(name, "failed", None, None, restarts, state.detail)
