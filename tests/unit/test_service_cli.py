@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
+import llmgw as llmgw_package
 from llmgw.cli.main import app
 from llmgw.paths import Paths
 from llmgw.service.files import read_live
@@ -220,6 +222,41 @@ def test_restart_checks_every_config_before_restarting_any(root: Path) -> None:
     assert SupervisorManager(paths).status("mirror").pid == before
 
 
+def test_restart_after_an_upgrade_whose_code_does_not_import_restarts_nothing(
+    root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A new user's finding: an upgrade whose new code had a syntax error, then ``service restart``:
+    the config checked out, the running server was stopped and the new one never came up. The check
+    now imports every llmgw module the unit's own interpreter finds, with the unit's environment
+    (here ``PYTHONPATH`` naming a copy of llmgw with one module broken: the upgrade), and restarts
+    nothing; the message names the module, its file and line."""
+    broken = tmp_path_factory.mktemp("upgrade")
+    shutil.copytree(Path(llmgw_package.__file__).parent, broken / "llmgw",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    app_py = broken / "llmgw" / "control" / "gateway" / "app.py"
+    app_py.write_text(app_py.read_text() + "\ndef half_written(:\n")
+    lines = len(app_py.read_text().splitlines())
+    exec_start = shlex.join([sys.executable, "-c", SLEEPER])
+    body = f"[Service]\nExecStart={exec_start}\nEnvironment=PYTHONPATH={broken}\nRestart=on-failure\n"
+    paths = Paths.from_env(root)
+    SupervisorManager(paths).install("mirror", body)  # the mirror: a service with no config to read
+    code, out = llmgw(root, "start", "mirror")
+    assert code == 0, out
+    before = SupervisorManager(paths).status("mirror").pid
+    code, out = llmgw(root, "restart")
+    assert code != 0, out
+    said = " ".join(out.split())
+    assert "llmgw-mirror was not restarted, and the running one is left as it is" in said, out
+    assert f"its code does not import: llmgw.control.gateway.app ({app_py}:{lines})" in said, out
+    assert "SyntaxError" in said, out
+    assert SupervisorManager(paths).status("mirror").pid == before
+
+    app_py.write_text(app_py.read_text().replace("def half_written(:\n", ""))  # the fix
+    code, out = llmgw(root, "restart")
+    assert code == 0, out
+    assert out.split(" (")[0] == "restarted llmgw-mirror", out
+
+
 def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) -> None:
     """A supervisor SIGKILLed with its program (the OOM killer, a kill -9 of the group) leaves no
     'stopped' behind: ``status`` said "stopped", as after a requested stop, and exited 0 (a new
@@ -230,7 +267,8 @@ def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) 
     manager = SupervisorManager(Paths.from_env(root))
     files = manager.files("agent")
     supervisor, program = read_live(files.pid), read_live(files.child_pid)
-    assert supervisor is not None and program is not None
+    assert supervisor is not None
+    assert program is not None
     for proc in (supervisor, program):
         proc.kill()
         proc.wait(10)
@@ -238,7 +276,8 @@ def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) 
     assert code == 3, out
     [row] = json.loads(out)
     assert row["state"] == "failed", row
-    assert "no stop was recorded" in row["detail"] and "llmgw service start agent" in row["detail"], row
+    assert "no stop was recorded" in row["detail"], row
+    assert "llmgw service start agent" in row["detail"], row
 
     code, out = llmgw(root, "start", "agent")
     assert code == 0, out

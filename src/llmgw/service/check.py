@@ -4,10 +4,13 @@
 read its server.yaml, print ``restarted`` and exit 0, with the gateway down. Now
 (:func:`restart_checked`):
 
-1. :func:`preflight`: the config the unit names (``--config``) is read and checked by
-   ``python -m llmgw.service.check NAME CONFIG``, run as the unit's ``User=`` (the supervisor's
-   :func:`~llmgw.service.unitfile.credentials`), so a file the service could not read fails
-   here too. On failure nothing is stopped: :class:`~llmgw.errors.ServiceError` with the reason.
+1. :func:`preflight`: ``python -m llmgw.service.check NAME [CONFIG]``, run by the interpreter the
+   unit's program runs on (:func:`unit_python`), as the unit's ``User=`` (the supervisor's
+   :func:`~llmgw.service.unitfile.credentials`) with its environment, imports every module of
+   the llmgw it would run (:func:`import_all`: an upgrade whose new code does not import stopped the
+   server and left it down, a new user's finding) and reads the config the unit names
+   (``--config``), so a file the service could not read fails here too. On failure nothing is
+   stopped: :class:`~llmgw.errors.ServiceError` with the reason.
 2. the manager restarts it (SIGTERM: the control plane drains its streams, :mod:`llmgw.control.gateway.drain`);
 3. :func:`wait_up`: the service must answer (the control plane: its admin API's health) or, for
    the others, run :data:`SETTLE_S` without exiting; it failing, exiting or not answering within
@@ -32,6 +35,9 @@ from llmgw.service.units import unit_name
 SETTLE_S = 3.0
 """Seconds a service without a health probe must keep running after a (re)start to count as up:
 a config or import error ends a Python program well within it."""
+
+#: The services that run llmgw's code (patroni's runs none of it: nothing to check before it restarts).
+LLMGW_SERVICES = ("server", "agent", "mirror")
 
 UP_TIMEOUT_S = 60.0
 """Seconds a restarted service has to answer (the control plane opens its store and binds three
@@ -62,19 +68,38 @@ def config_path(spec: UnitSpec, paths: Paths, name: str) -> Path | None:
     return {"server": paths.server_config, "agent": paths.agent_config}.get(name)
 
 
+def unit_python(spec: UnitSpec) -> str:
+    """The Python interpreter the unit's program runs on: the program itself when it is one (its
+    name starts with ``python``), else the one its ``#!`` line names when that is one (pip's
+    ``llmgw`` script in the venv the unit was written from), else this process's own."""
+    program = Path(spec.argv[0]) if spec.argv else Path(sys.executable)
+    if program.name.startswith("python"):
+        return str(program)
+    try:
+        with program.open("rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return sys.executable
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if words and Path(words[0]).name.startswith("python") and os.access(words[0], os.X_OK):
+        return words[0]
+    return sys.executable
+
+
 def preflight(paths: Paths, name: str) -> None:
-    """Check ``name``'s config as the service would read it, without touching the running one.
+    """Check ``name``'s code and config as the service would run them, without touching the running
+    one (see the module docstring). Nothing for a service that runs no llmgw code (patroni).
 
     Raises:
-        ServiceError: the config does not load (its error, word for word), or the check could
-            not run as the unit's user.
+        ServiceError: a module does not import or the config does not load (the error, word for
+            word), or the check could not run as the unit's user.
     """
+    if name not in LLMGW_SERVICES:
+        return
     spec = unit_spec(paths, name)
     config = config_path(spec, paths, name)
-    if config is None:
-        return
     who = credentials(spec)
-    argv = [sys.executable, "-m", "llmgw.service.check", name, str(config)]
+    argv = [unit_python(spec), "-m", "llmgw.service.check", name, *([str(config)] if config else [])]
     try:
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=60, check=False, cwd="/",
@@ -82,9 +107,10 @@ def preflight(paths: Paths, name: str) -> None:
             user=who.user, group=who.group, extra_groups=who.extra_groups,
         )
     except (OSError, subprocess.SubprocessError) as e:
-        raise ServiceError(f"checking {config} as the service would read it: {e}") from e
+        raise ServiceError(f"checking {name}'s code and config as the service would run them: {e}") from e
     if done.returncode != 0:
-        reason = (done.stderr or done.stdout).strip().removeprefix("Error: ")
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        reason = (lines[-1] if lines else f"exit status {done.returncode}").removeprefix("Error: ")
         raise ServiceError(
             f"{unit_name(name)} was not restarted, and the running one is left as it is: {reason}"
         )
@@ -174,15 +200,47 @@ def restart_checked(
     wait_up(manager, name, probe=probe, timeout_s=timeout_s, restarts=manager.status(name).restarts)
 
 
+def import_all() -> None:
+    """Import every module of the llmgw package this interpreter finds (~0.8 s, 206 modules), as the
+    service will over its life (most import their dependencies lazily, on first use).
+
+    Raises:
+        ServiceError: the first module that does not import, with the file, line and error.
+    """
+    import importlib  # noqa: PLC0415  (the check's own)
+    import pkgutil  # noqa: PLC0415
+    import traceback  # noqa: PLC0415
+
+    import llmgw  # noqa: PLC0415
+
+    for module in pkgutil.walk_packages(llmgw.__path__, "llmgw."):
+        if module.name.endswith(".__main__"):
+            continue
+        try:
+            importlib.import_module(module.name)
+        except Exception as e:  # any error: the code cannot run
+            where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+            if isinstance(e, SyntaxError) and e.filename:
+                at = f"{e.filename}:{e.lineno}"
+            else:
+                at = f"{where.filename}:{where.lineno}" if where else module.name
+            raise ServiceError(f"its code does not import: {module.name} ({at}): "
+                               f"{type(e).__name__}: {e}; reinstall llmgw or fix it first") from e
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m llmgw.service.check NAME CONFIG``: 0 when the config loads, else 2 with the error."""
+    """``python -m llmgw.service.check NAME [CONFIG]``: 0 when llmgw's modules import
+    (:func:`import_all`) and the config loads, else 2 with the error."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m llmgw.service.check server|agent CONFIG", file=sys.stderr)
+    if len(args) not in (1, 2):
+        print("usage: python -m llmgw.service.check server|agent|mirror [CONFIG]", file=sys.stderr)
         return 2
-    name, config = args[0], Path(args[1])
+    name, config = args[0], Path(args[1]) if len(args) == 2 else None
     try:
-        if name == "server":
+        import_all()
+        if config is None:
+            pass
+        elif name == "server":
             from llmgw.control.server import check_config  # noqa: PLC0415
 
             check_config(config)

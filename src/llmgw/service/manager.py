@@ -452,23 +452,29 @@ class SupervisorManager:
         supervisor = read_live(files.pid)
         child = read_live(files.child_pid)
         if supervisor is None:
-            if child is not None:
-                detail = f"its supervisor is gone; 'llmgw service stop {name}' ends pid {child.pid}"
-                return ServiceStatus(name, "failed", child.pid, child.create_time(), restarts, detail)
-            unit = self.paths.unit(name)
-            if not unit.exists():
-                return ServiceStatus(name, "unknown", detail=f"not installed: no {unit.name}")
-            if state is not None and state.state == "failed":
-                return ServiceStatus(name, "failed", None, None, restarts, state.detail)
-            if state is not None and state.state in UNENDED:
-                return ServiceStatus(name, "failed", None, None, restarts, _unended(name, state))
-            return ServiceStatus(name, "stopped", None, None, restarts, state.detail if state else "")
+            return self._unsupervised(name, state, child)
         if state is not None and state.state == "restarting":
             return ServiceStatus(name, "failed", None, None, restarts, state.detail)
         pid = child.pid if child is not None else None
         since = state.since if state and state.since else (child.create_time() if child else None)
         detail = "" if state is None or state.state == "running" else state.state
         return ServiceStatus(name, "running", pid, since, restarts, detail)
+
+    def _unsupervised(self, name: str, state: SupervisorState | None, child: psutil.Process | None) -> ServiceStatus:
+        """The status of ``name`` with no supervisor alive: its program left behind (failed), not
+        installed (unknown), ended as :data:`UNENDED` says (failed), or stopped."""
+        restarts = state.restarts if state else 0
+        if child is not None:
+            detail = f"its supervisor is gone; 'llmgw service stop {name}' ends pid {child.pid}"
+            return ServiceStatus(name, "failed", child.pid, child.create_time(), restarts, detail)
+        unit = self.paths.unit(name)
+        if not unit.exists():
+            return ServiceStatus(name, "unknown", detail=f"not installed: no {unit.name}")
+        if state is not None and state.state == "failed":
+            return ServiceStatus(name, "failed", None, None, restarts, state.detail)
+        if state is not None and state.state in UNENDED:
+            return ServiceStatus(name, "failed", None, None, restarts, _unended(name, state))
+        return ServiceStatus(name, "stopped", None, None, restarts, state.detail if state else "")
 
     def logs(self, name: str, lines: int = 50) -> str:
         """The last ``lines`` lines of ``NAME.log``."""
