@@ -43,8 +43,8 @@ at the gateway, ``{"error": {"code", "message"}}`` at the admin, agent and mirro
 Not in the tree, on purpose: exceptions private to one module's control flow
 (``agent.replicas.runner._Failed``, ``mirror.download._Retry`` and ``_Busy``), and two that must be a
 library's own type to work and are translated where they leave llmgw's code:
-``mirror.download.RefusedConnection`` (an ``OSError``, so aiohttp reports a refused connect; the
-policy's private ``_Refused`` subclasses it) and
+``mirror.download.RefusedConnection`` (an ``OSError``, so aiohttp reports a refused connect:
+``mirror.refusing``'s connector raises it) and
 ``yamlsafe.DuplicateKeyError`` (a PyYAML ``ConstructorError``; its callers raise
 :class:`ConfigError`).
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.agent.node.cache import NodeCache, digest_record_path, recorded_digest
+from llmgw.agent.node.cache import NodeCache, digest_record_path, link_local_connector, recorded_digest
 from llmgw.errors import MirrorError
 from llmgw.protocol import ReplicaSpec
 
@@ -114,6 +115,33 @@ async def test_a_link_local_source_is_refused_before_any_connection(tmp_path: Pa
         with pytest.raises(MirrorError, match=f"{says}: nodes never download weights from a link-local address"):
             await cache.ensure(session, spec(base))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.gguf*"))
+
+
+async def test_a_redirect_to_a_link_local_address_is_refused_at_the_connection(tmp_path: Path) -> None:
+    """The check before the download reads the source's own host; a redirect (or a DNS answer that
+    changes after the check) reached the metadata address all the same (a new user's finding). The
+    agent's downloads go through :func:`link_local_connector`, which refuses the address as the
+    connection is made: at once, not after the retries a connect time-out gets, nothing written."""
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound("http://169.254.169.254/latest/meta-data/w.gguf")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", redirect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    cache = NodeCache(tmp_path / "cache")
+    try:
+        async with aiohttp.ClientSession(connector=link_local_connector()) as session:
+            started = time.monotonic()
+            with pytest.raises(MirrorError, match=r"169\.254\.169\.254 is a link-local address: nodes never download"):
+                await cache.ensure(session, spec(f"http://127.0.0.1:{port}"))
+            assert time.monotonic() - started < 5
+    finally:
+        await runner.cleanup()
+    assert not any((tmp_path / "cache").rglob("*.gguf*"))
 
 
 def test_unsafe_names_are_refused(tmp_path: Path) -> None:

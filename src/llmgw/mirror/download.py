@@ -33,6 +33,7 @@ or a local write failure; each names the URL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import os
@@ -172,7 +173,7 @@ async def download(
 
     Raises:
         MirrorError: a 4xx answer, retries used up, the digest does not match (the partial file is
-            deleted), or the file cannot be written.
+            deleted), or the file cannot be written. A partial file that got no byte is not kept.
     """
     try:
         part = _Partial.open(partial_path(dest))
@@ -233,6 +234,9 @@ async def download(
         return digest
     finally:
         part.close()
+        if part.done == 0:  # nothing arrived (refused, a 4xx, no answer): no empty file left behind
+            with contextlib.suppress(OSError):
+                part.path.unlink(missing_ok=True)
 
 
 async def _one_try(

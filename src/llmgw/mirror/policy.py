@@ -61,11 +61,9 @@ from dataclasses import dataclass
 
 import aiohttp
 import psutil
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import ThreadedResolver
 
 from llmgw.errors import ConfigError, SourceRefused
-from llmgw.mirror.download import RefusedConnection
+from llmgw.mirror.refusing import refusing_connector
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -91,10 +89,6 @@ PSEUDO_FS = (pathlib.Path("/proc"), pathlib.Path("/sys"), pathlib.Path("/dev"))
 
 RESOLVE_TIMEOUT_S = 5.0
 """How long :meth:`SourcePolicy.check_url` waits for DNS; past it the connect-time check decides."""
-
-
-class _Refused(RefusedConnection):
-    """A connection to an address the policy refuses (an OSError, so aiohttp reports it)."""
 
 
 def _real(p: str | os.PathLike[str]) -> pathlib.Path:
@@ -255,47 +249,10 @@ class SourcePolicy:
                 raise SourceRefused(self.refuse_message(source, host.strip("[]"), ip, why))
 
     def connector(self) -> aiohttp.TCPConnector:
-        """A connector that never connects to a refused address: hostnames resolve to the allowed
-        addresses only, and a literal address (a URL or a redirect naming one) is refused at the
-        socket. The refusal is a :class:`~llmgw.mirror.download.RefusedConnection`, which
-        downloads do not retry."""
-        return aiohttp.TCPConnector(
-            resolver=_FilteringResolver(self), socket_factory=self._socket, use_dns_cache=False
-        )
-
-    def _socket(self, addr_info: tuple[int, int, int, str, tuple[object, ...]]) -> socket.socket:
-        family, type_, proto, _, sockaddr = addr_info
-        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
-        if why := self.refusal(ip):
-            raise _Refused(errno.EACCES, self.refuse_message("the source", str(ip), ip, why))
-        return socket.socket(family=family, type=type_, proto=proto)
-
-
-class _FilteringResolver(AbstractResolver):
-    """aiohttp's resolver, less the addresses the policy refuses (none left: :class:`_Refused`)."""
-
-    def __init__(self, policy: SourcePolicy) -> None:
-        self._policy = policy
-        self._inner = ThreadedResolver()  # holds nothing to close: the connector does not close a resolver it was given
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        found = await self._inner.resolve(host, port, family)
-        kept, first = [], None
-        for r in found:
-            ip = ipaddress.ip_address(r["host"].split("%", 1)[0])
-            if reason := self._policy.refusal(ip):
-                first = first or (ip, reason)
-            else:
-                kept.append(r)
-        if not kept:
-            ip, reason = first if first else (ipaddress.ip_address("0.0.0.0"), "no address")
-            raise _Refused(errno.EACCES, self._policy.refuse_message("the source", host, ip, reason))
-        return kept
-
-    async def close(self) -> None:
-        await self._inner.close()
+        """A connector that never connects to a refused address (:func:`~llmgw.mirror.refusing.refusing_connector`:
+        checked when each connection is made, so a DNS answer that changes after :meth:`check_url`
+        or a redirect to such an address is refused too)."""
+        return refusing_connector(self.refusal, lambda host, ip, why: self.refuse_message("the source", host, ip, why))
 
 
 def _own_addresses() -> set[Address]:

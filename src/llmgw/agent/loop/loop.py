@@ -72,7 +72,7 @@ from llmgw.agent.loop.controlplanes import BACKOFF_S, JITTER, ControlPlanes, Ter
 from llmgw.agent.loop.metrics import push_loop
 from llmgw.agent.loop.wire import REQUEST_TIMEOUT, STALE_TERM, cached_weights, post_heartbeat, reason
 from llmgw.agent.node import logs
-from llmgw.agent.node.cache import NodeCache
+from llmgw.agent.node.cache import NodeCache, link_local_connector
 from llmgw.agent.node.discovery import discover_inventory
 from llmgw.agent.node.records import (
     adoptable,
@@ -583,7 +583,7 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
         ) from e
     async with (
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx, keepalive_timeout=KEEPALIVE_S)) as api,
-        aiohttp.ClientSession() as plain,
+        aiohttp.ClientSession(connector=link_local_connector()) as plain,  # weights' downloads
     ):
         agent = await asyncio.to_thread(Agent, cfg, paths, api=api, plain=plain)
         await agent.run(stop)

@@ -33,6 +33,7 @@ import aiohttp
 
 from llmgw.errors import MirrorError
 from llmgw.mirror.download import download
+from llmgw.mirror.refusing import Address, refusing_connector
 from llmgw.protocol import ReplicaSpec
 from llmgw.sourcecheck import LINK_LOCAL_FIX, link_local
 
@@ -71,6 +72,23 @@ async def refuse_link_local(url: str) -> None:
         if (ip := link_local(address)) is not None:
             named = f"{ip} is" if address == host else f"{host} resolves to {ip},"
             raise MirrorError(f"{url}: {named} a link-local address: {LINK_LOCAL_FIX}")
+
+
+def _link_local_refusal(ip: Address) -> str:
+    return "a link-local address" if link_local(str(ip)) is not None else ""
+
+
+def _link_local_message(host: str, ip: Address, why: str) -> str:
+    named = f"{ip} is" if host == str(ip) else f"{host} resolves to {ip},"
+    return f"{named} {why}: {LINK_LOCAL_FIX}"
+
+
+def link_local_connector() -> aiohttp.TCPConnector:
+    """The connector of the agent's downloads: it never connects to a link-local address, checked as
+    each connection is made (:func:`~llmgw.mirror.refusing.refusing_connector`), so neither a DNS
+    answer that changes after :func:`refuse_link_local` nor a redirect reaches a cloud's metadata
+    service."""
+    return refusing_connector(_link_local_refusal, _link_local_message)
 
 
 def sha256_file(path: Path) -> str:
