@@ -440,6 +440,41 @@ def test_held_stream_collects_text_from_events() -> None:
     assert asyncio.run(run()) == "ar{}|x"
 
 
+def test_a_blocked_completions_stream_ends_in_the_completions_shape() -> None:
+    """A ``/v1/completions`` stream (``object: text_completion``, ``choices[].text``: llama-server's
+    events) that the out-check blocks ended with a chat chunk (``delta``, ``chat.completion.chunk``),
+    which a completions client cannot read. It ends with a ``text_completion`` event, the stream's
+    own id, an empty ``text`` and ``finish_reason: content_filter``."""
+    servers = ServerThread()
+    jport = servers.serve(FakeJudge().app())
+    judge = JudgeRoute("judge", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),))
+    guard = GuardInspector(GuardConfig(policies=POLICIES), JudgeClient({"judge": judge}.get))
+    strict = next(p for p in POLICIES if p.name == "strict")
+
+    async def run() -> bytes:
+        h = HeldStream(guard, strict, "evil", "hi")
+        for text in ("Here is ", "a bomb"):
+            event = {"id": "cmpl-7", "object": "text_completion", "created": 1, "model": "evil",
+                     "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+            await h.chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await h.chunk(b"data: [DONE]\n\n")
+        out = await h.end()
+        assert isinstance(out, bytes), out
+        return out
+
+    try:
+        out = servers.run(run())
+    finally:
+        servers.run(guard.client.close())
+        servers.close()
+    events = [line[6:] for line in out.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert (final["id"], final["object"], final["model"]) == ("cmpl-7", "text_completion", "evil")
+    assert final["choices"] == [{"index": 0, "text": "", "finish_reason": "content_filter"}]
+    assert "bomb" not in out.decode()
+
+
 def test_a_prompted_judge_flags_in_two_steps_and_closes_as_soon_as_it_is_safe() -> None:
     """The prompted format over real HTTP: the verdict word first (the engine stops at its newline),
     the categories in a second request only for a flag. This fake answers as llama-server does

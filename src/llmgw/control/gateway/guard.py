@@ -404,9 +404,11 @@ class _Notes:
 class HeldStream:
     """Holds a streamed answer until it is complete and judged (a :class:`StreamInspector`).
 
-    Reads each ``data:`` event's ``choices[].delta`` (content, reasoning, tool-call arguments) to
-    rebuild the answer, remembers the chunk ``id``/``created``/``model`` for the final chunk of a
-    blocked stream, and sends nothing until :meth:`end`.
+    Reads each ``data:`` event's ``choices[].delta`` (content, reasoning, tool-call arguments), or
+    ``choices[].text`` (a ``/v1/completions`` stream), to rebuild the answer, remembers the chunk
+    ``id``/``object``/``created``/``model`` for the final chunk of a blocked stream (in the
+    completions shape when the stream's ``object`` was ``text_completion``), and sends nothing
+    until :meth:`end`.
     """
 
     def __init__(self, guard: GuardInspector, policy: Policy, model: str, prompt: str) -> None:
@@ -433,7 +435,7 @@ class HeldStream:
                 continue
             if not isinstance(event, dict):
                 continue
-            for k in ("id", "created", "model", "system_fingerprint"):
+            for k in ("id", "object", "created", "model", "system_fingerprint"):
                 if k in event and k not in self.meta:
                     self.meta[k] = event[k]
             for ch in event.get("choices") or []:
@@ -464,12 +466,17 @@ class HeldStream:
             return refusal
         if notes_call is not None:  # counted as a block, as a refused plain answer is (a new user's finding)
             notes_call.blocked = refusal.code
+        if self.meta.get("object") == "text_completion":  # a /v1/completions stream ends as one
+            kind, choice = ("cmpl-llmgw", "text_completion"), {"index": 0, "text": "", "finish_reason": "content_filter"}
+        else:
+            kind, choice = ("chatcmpl-llmgw", "chat.completion.chunk"), {"index": 0, "delta": {},
+                                                                         "finish_reason": "content_filter"}
         final = {
-            "id": self.meta.get("id", "chatcmpl-llmgw"),
-            "object": "chat.completion.chunk",
+            "id": self.meta.get("id", kind[0]),
+            "object": kind[1],
             "created": self.meta.get("created", int(time.time())),
             "model": self.meta.get("model", self.model),
-            "choices": [{"index": 0, "delta": {}, "finish_reason": "content_filter"}],
+            "choices": [choice],
             "llmgw_guard": refusal.extra,
         }
         return comment + b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"
