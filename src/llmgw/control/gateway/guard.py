@@ -466,11 +466,11 @@ class HeldStream:
             return refusal
         if notes_call is not None:  # counted as a block, as a refused plain answer is (a new user's finding)
             notes_call.blocked = refusal.code
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "content_filter"}
         if self.meta.get("object") == "text_completion":  # a /v1/completions stream ends as one
-            kind, choice = ("cmpl-llmgw", "text_completion"), {"index": 0, "text": "", "finish_reason": "content_filter"}
+            kind, choice["text"] = ("cmpl-llmgw", "text_completion"), ""
         else:
-            kind, choice = ("chatcmpl-llmgw", "chat.completion.chunk"), {"index": 0, "delta": {},
-                                                                         "finish_reason": "content_filter"}
+            kind, choice["delta"] = ("chatcmpl-llmgw", "chat.completion.chunk"), {}
         final = {
             "id": self.meta.get("id", kind[0]),
             "object": kind[1],
