@@ -184,6 +184,10 @@ def test_errors_are_one_line_and_an_exit_code(root: Path) -> None:
     assert "'llmgw server init' writes it" in out
     assert "Traceback" not in out
 
+    code, out = llmgw(root, "logs", "agent", "-n", "-3")  # was accepted (a new user's finding)
+    assert code == 2
+    assert "'--lines': Input should be greater than or equal to 1" in " ".join(out.replace("│", " ").split())
+
 
 def test_stop_engines(root: Path) -> None:
     pytest.importorskip("llmgw.agent.node.records")

@@ -166,7 +166,7 @@ def logs(
     name: Annotated[
         str, typer.Argument(help=f"One of {', '.join(SERVICES)} (or patroni).", show_default=False),
     ],
-    lines: Annotated[int, typer.Option("-n", "--lines", help="How many of the last lines.")] = 50,
+    lines: Annotated[int, typer.Option("-n", "--lines", min=1, help="How many of the last lines.")] = 50,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
 ) -> None:
     """Print a service's last lines of output (journalctl under systemd, its log file otherwise)."""
