@@ -32,10 +32,14 @@ def test_a_line_that_is_not_a_key_is_named_by_number_only(line: str) -> None:
 
 
 def test_an_unreadable_file_at_startup_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"cannot be read \(No such file"):
+    """Each says what to do about it (a new user's finding: an unreadable file said "create it", and a
+    byte that is not UTF-8 was named by its offset in the file, not by its line)."""
+    with pytest.raises(ConfigError, match=r"missing does not exist; create it with one key per line"):
         GatewayKeys(tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"cannot be read \(Is a directory\); let the control plane's user read"):
+        GatewayKeys(tmp_path)
     (tmp_path / "bin").write_bytes(b"sk-a\n\xff\n")
-    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+    with pytest.raises(ConfigError, match="is not UTF-8 text: line 2 has byte 0xff; a key is visible ASCII"):
         GatewayKeys(tmp_path / "bin")
 
 

@@ -87,15 +87,23 @@ def _read(path: Path) -> tuple[_Signature, set[str]]:
                     f"{MAX_FILE_BYTES} bytes"
                 )
             data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"gateway.keys_file {path} does not exist; create it with one key per line or remove the setting"
+        ) from e
     except OSError as e:
         raise ConfigError(
-            f"gateway.keys_file {path} cannot be read ({e.strerror}); create it with one key per line "
-            "or remove the setting"
+            f"gateway.keys_file {path} cannot be read ({e.strerror}); let the control plane's user read it "
+            "(it runs as 'llmgw' on an installed server) or remove the setting"
         ) from e
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
-        raise ConfigError(f"gateway.keys_file {path} is not UTF-8 text (byte {e.start})") from e
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"gateway.keys_file {path} is not UTF-8 text: line {line} has byte 0x{data[e.start]:02x}; "
+            "a key is visible ASCII characters"
+        ) from e
     return _signature(before), parse_keys(text, path)
 
 
