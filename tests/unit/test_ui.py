@@ -215,11 +215,11 @@ async def test_guard_and_keys_pages(install: Install, served: Served) -> None:
 
 
 async def test_a_gpu_nodes_cards_each_get_a_bar_and_a_row(install: Install, served: Served) -> None:
-    gib = 1024**3
-    cards = [GPU(index=i, name="NVIDIA L4", klass="l4-24gb", memory_total_bytes=24 * gib,
-                 memory_used_bytes=(6 if i else 12) * gib) for i in range(2)]
+    gb = 10**9  # the dashboard shows GB, as ctl nodes does (it showed GiB: a new user's finding)
+    cards = [GPU(index=i, name="NVIDIA L4", klass="l4-24gb", memory_total_bytes=24 * gb,
+                 memory_used_bytes=(6 if i else 12) * gb) for i in range(2)]
     beat = Heartbeat(
-        inventory=Inventory(cores=16, memory_total_bytes=64 * gib, memory_available_bytes=60 * gib, gpus=cards),
+        inventory=Inventory(cores=16, memory_total_bytes=64 * gb, memory_available_bytes=60 * gb, gpus=cards),
         engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")],
     ).model_dump_json()
     async with _session() as c:
@@ -227,10 +227,10 @@ async def test_a_gpu_nodes_cards_each_get_a_bar_and_a_row(install: Install, serv
         assert r.status == 200, await r.text()
         await _login(c, install.admin)
         page = await (await c.get(install.admin + "/ui/nodes/gpu-1")).text()
-    assert 'aria-label="GPU 0 (NVIDIA L4): 12.0 of 24.0 GiB in use"' in page
-    assert 'aria-label="GPU 1 (NVIDIA L4): 6.0 of 24.0 GiB in use"' in page
-    assert "<td>1</td><td>NVIDIA L4</td><td>l4-24gb</td><td>6.0 GiB</td><td>24.0 GiB</td>" in page
-    assert "16 cores, 64.0 GiB memory (60.0 GiB available)" in page
+    assert 'aria-label="GPU 0 (NVIDIA L4): 12.0 of 24.0 GB in use"' in page
+    assert 'aria-label="GPU 1 (NVIDIA L4): 6.0 of 24.0 GB in use"' in page
+    assert "<td>1</td><td>NVIDIA L4</td><td>l4-24gb</td><td>6.0 GB</td><td>24.0 GB</td>" in page
+    assert "16 cores, 64.0 GB memory (60.0 GB available)" in page
 
 
 async def test_the_admin_api_still_wants_its_token(install: Install, served: Served) -> None:

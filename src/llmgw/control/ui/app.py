@@ -66,7 +66,7 @@ _ENV = jinja2.Environment(
     lstrip_blocks=True,
 )
 _ENV.globals.update(ago=pages.ago, until=pages.until, poll_s=POLL_S)
-_ENV.filters["gib"] = lambda b: f"{(b or 0) / pages.GIB:.1f} GiB"
+_ENV.filters["gb"] = lambda b: f"{(b or 0) / pages.GB:.1f} GB"  # the unit ctl nodes shows
 _ENV.filters["urlpart"] = lambda s: quote(str(s), safe="")
 
 

@@ -16,7 +16,8 @@ from datetime import UTC, date, datetime, timedelta
 
 from llmgw.views import AutoscaleView, ModelView, NodeView, ReplicaView, UsageView
 
-GIB = 1024**3
+#: Bytes in a GB: the unit ``ctl nodes``, the catalog's ``min_memory_gb`` and placement's reasons use.
+GB = 10**9
 STATE_ORDER = ("ready", "starting", "pending", "failed", "stopping")
 
 
@@ -35,15 +36,15 @@ def _bar(label: str, used: float, total: float, unit: str, digits: int = 1) -> B
 
 
 def node_bars(node: NodeView) -> list[Bar]:
-    """Cores reserved of total, memory reserved of total (GiB), and each GPU's memory in use (GiB,
-    as discovery measured it)."""
+    """Cores reserved of total, memory reserved of total (GB, as ``ctl nodes`` shows it), and each
+    GPU's memory in use (GB, as discovery measured it)."""
     out = []
     res = node.resources
     if res is not None:
         out.append(_bar("Cores", res.cores_reserved, res.cores, "cores", 0))
-        out.append(_bar("Memory", res.memory_reserved_bytes / GIB, res.memory_total_bytes / GIB, "GiB"))
+        out.append(_bar("Memory", res.memory_reserved_bytes / GB, res.memory_total_bytes / GB, "GB"))
     for g in node.gpus:
-        b = _bar(f"GPU {g.index} ({g.name})", g.memory_used_bytes / GIB, g.memory_total_bytes / GIB, "GiB")
+        b = _bar(f"GPU {g.index} ({g.name})", g.memory_used_bytes / GB, g.memory_total_bytes / GB, "GB")
         out.append(Bar(b.label, b.pct, b.text.replace("reserved", "in use")))
     return out
 
