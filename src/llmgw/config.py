@@ -370,6 +370,7 @@ def describe_validation_error(path: Path, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+
 def load_yaml_model(path: Path, model: type[M]) -> M:
     """Read ``path`` as YAML and validate it as ``model``.
 
@@ -388,9 +389,7 @@ def load_yaml_model(path: Path, model: type[M]) -> M:
     except yamlsafe.DuplicateKeyError as e:
         raise ConfigError(f"{path}: {e.problem}") from e
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}; fix the file") from e
+        raise ConfigError(f"{path}: {yamlsafe.problem(e)}; fix the file") from e
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -57,3 +57,23 @@ def load(text: str) -> Any:
         yaml.YAMLError: not valid YAML; :class:`DuplicateKeyError` (a subclass) for a repeated key.
     """
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+#: PyYAML's problem for a key line whose value runs on: it points at the line where it stopped.
+_MAPPING_HERE = "mapping values are not allowed here"
+
+
+def problem(e: yaml.YAMLError) -> str:
+    """``not valid YAML at line L, column C: <problem>`` for a PyYAML error, with where its context
+    began when that is another line (an unclosed ``[``), and, for "mapping values are not allowed
+    here", the usual cause: PyYAML names the line where it stopped, often the one after the mistake
+    (a new user's key without its ``:`` was reported one line down)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    what = str(getattr(e, "problem", None) or e)
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and cmark is not None and (mark is None or cmark.line != mark.line):
+        what += f" ({context} that starts at line {cmark.line + 1})"
+    if what == _MAPPING_HERE and mark is not None and mark.line > 0:
+        what += f"; check line {mark.line} too: a key without its ':', or a value indented under a key"
+    return f"not valid YAML{where}: {what}"

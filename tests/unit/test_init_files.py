@@ -66,6 +66,23 @@ def test_a_broken_config_names_file_and_line_and_is_left_alone(tmp_path: Path) -
     assert s.read_text() == "tls: [unclosed\n"
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    # PyYAML stops a line after a key that lacks its ':' (a new user read "line 4" and looked there)
+    ('admin_listen: "127.0.0.1:1"\ngateway:\n  listen 127.0.0.1:2\n  drain_s: 3\n',
+     "not valid YAML at line 4, column 10: mapping values are not allowed here; check line 3 too: "
+     "a key without its ':', or a value indented under a key; fix the file"),
+    ("a: 1\nb: [1, 2\nc: 3\n",
+     "not valid YAML at line 3, column 2: expected ',' or ']', but got ':' "
+     "(while parsing a flow sequence that starts at line 2); fix the file"),
+])
+def test_a_yaml_error_says_where_the_mistake_may_be(tmp_path: Path, text: str, says: str) -> None:
+    s = tmp_path / "server.yaml"
+    s.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_server_config(s)
+    assert str(e.value) == f"{s}: {says}"
+
+
 def test_write_atomic_sets_mode(tmp_path: Path) -> None:
     p = tmp_path / "d" / "token"
     files.write_atomic(p, "x\n", 0o600)

@@ -370,7 +370,7 @@ def _read_doc(path: Path, want: tuple[type, ...], what: str) -> Any:
     except yamlsafe.DuplicateKeyError as e:
         raise ConfigError(f"{path}: {e.problem}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: {yamlsafe.problem(e)}") from e
     if not isinstance(doc, want):
         held = "nothing" if doc is None else f"a YAML {_yaml_kind(doc)}"
         raise ConfigError(f"{path} holds {held}; give a YAML file of {what}")
