@@ -50,13 +50,19 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {_BLOCK.start}-{_BLOCK.stop - 1}")
 
 
-async def serve_files(files_dir: Path) -> tuple[web.AppRunner, str]:
-    """A static file server over ``files_dir`` on a free loopback port (symlinks followed, as the
-    mirror's files would be served); returns its runner (``cleanup()`` it) and base URL."""
-    app = web.Application()
-    app.router.add_static("/", files_dir, follow_symlinks=True)
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` served on a free loopback port, on the running loop; returns its runner
+    (``cleanup()`` it) and base URL (``http://127.0.0.1:PORT``)."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def serve_files(files_dir: Path) -> tuple[web.AppRunner, str]:
+    """A static file server over ``files_dir`` on a free loopback port (symlinks followed, as the
+    mirror's files would be served); returns its runner (``cleanup()`` it) and base URL."""
+    app = web.Application()
+    app.router.add_static("/", files_dir, follow_symlinks=True)
+    return await serve_app(app)

@@ -15,6 +15,7 @@ from aiohttp import web
 from llmgw.agent.node.cache import NodeCache, digest_record_path, link_local_connector, recorded_digest
 from llmgw.errors import MirrorError
 from llmgw.protocol import ReplicaSpec
+from tests.helpers.net import serve_app
 
 BODY = os.urandom(300_000)
 SHA = hashlib.sha256(BODY).hexdigest()
@@ -35,12 +36,7 @@ async def mirror() -> AsyncIterator[Mirror]:
     m = Mirror()
     app = web.Application()
     app.router.add_get("/{tail:.*}", m.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    m.base = f"http://127.0.0.1:{port}"
+    runner, m.base = await serve_app(app)
     yield m
     await runner.cleanup()
 
@@ -127,17 +123,13 @@ async def test_a_redirect_to_a_link_local_address_is_refused_at_the_connection(t
 
     app = web.Application()
     app.router.add_get("/{tail:.*}", redirect)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, base = await serve_app(app)
     cache = NodeCache(tmp_path / "cache")
     try:
         async with aiohttp.ClientSession(connector=link_local_connector()) as session:
             started = time.monotonic()
             with pytest.raises(MirrorError, match=r"169\.254\.169\.254 is a link-local address: nodes never download"):
-                await cache.ensure(session, spec(f"http://127.0.0.1:{port}"))
+                await cache.ensure(session, spec(base))
             assert time.monotonic() - started < 5
     finally:
         await runner.cleanup()

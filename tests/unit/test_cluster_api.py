@@ -28,7 +28,7 @@ from llmgw.control.api.cluster import parse_patroni, read_patroni
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from llmgw.views import ClusterView
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
-from tests.helpers.net import free_port
+from tests.helpers.net import free_port, serve_app
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 
@@ -56,11 +56,8 @@ async def patroni_stand_in() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/cluster", cluster)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, base = await serve_app(app)
+    yield base
     await runner.cleanup()
 
 
@@ -79,11 +76,8 @@ async def fake_engine() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"127.0.0.1:{runner.addresses[0][1]}"
+    runner, base = await serve_app(app)
+    yield base.removeprefix("http://")
     await runner.cleanup()
 
 

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
+from tests.helpers.net import serve_app
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 
@@ -39,11 +40,8 @@ async def fake_engine() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"127.0.0.1:{runner.addresses[0][1]}"
+    runner, base = await serve_app(app)
+    yield base.removeprefix("http://")
     await runner.cleanup()
 
 

@@ -30,6 +30,7 @@ from tests.helpers.control import (
     make_install,
     serving,
 )
+from tests.helpers.net import serve_app
 
 
 @pytest.fixture
@@ -70,12 +71,8 @@ async def fake_engine() -> AsyncIterator[tuple[str, list[str]]]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"127.0.0.1:{port}", seen
+    runner, base = await serve_app(app)
+    yield base.removeprefix("http://"), seen
     await runner.cleanup()
 
 
