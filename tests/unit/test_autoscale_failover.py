@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmgw.catalog import Model
+from llmgw.control.gateway.load import LoadCounter, LoadReporter
 from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store, open_store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import GatewayLoadRow
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
@@ -266,3 +268,47 @@ def test_a_running_model_made_autoscaled_keeps_its_replica_until_it_is_quiet_for
         t += 0.5
     assert [(d.from_n, d.to_n) for d in made] == [(1, 0)]
     assert made[0].reason.startswith("scaled 1 → 0: no request for 6")
+
+
+def test_short_requests_keep_the_last_replica_from_going_to_zero(tmp_path: Path) -> None:
+    """A new user's finding: a model asked for 0.1 s every 8 s went 1 → 0 "no request for 30 s" every
+    30 s, the next request waiting for a start: the gateway's load is read once a second and a
+    request that starts and ends between two readings was never seen. Each reading now carries the
+    requests that arrived since the last (a real :class:`LoadCounter` read by the
+    :class:`LoadReporter` into the store), and the last replica stays while they come; once they
+    stop, it goes after ``scale_to_zero_after_s``."""
+    store = _store(tmp_path)
+    fixed = Model.model_validate({"name": "onb", "source": "http://m/onb.gguf", "scaling": {"min": 1, "max": 1},
+                                  "profiles": [{"name": "cpu", "min_memory_gb": 1}]})
+    row = store.add_model(fixed, now=T0)
+    a, leader = Autoscaler(store), _leader(store)
+    leader.reconcile_once(T0)
+    (rep,) = store.list_replicas(model="onb")
+    ready = ReplicaStatus(id=rep.id, state=ReplicaState.READY, endpoint="127.0.0.1:1")
+    store.upsert_node_heartbeat("node-1", Heartbeat(
+        inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
+        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")], replicas=[ready],
+    ), T0 + 1)
+    spec = fixed.model_dump() | {"scaling": {"min": 0, "max": 1, "scale_to_zero_after_s": 30.0,
+                                             "scale_down_after_s": 10.0}}
+    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 2)
+    counter = LoadCounter()
+    reporter = LoadReporter(store, OffLoop(), "cp-a", counter)
+    made = []
+    t = T0 + 2.0
+    while t < T0 + 100.0:  # a request of 0.1 s every 8 s: never in flight at a reading
+        if (t - T0) % 8 == 0:
+            with counter.holding("onb"):
+                counter.arrived("onb")
+        if (t - T0) % 1 == 0:  # the reporter's second
+            store.write_gateway_load("cp-a", reporter.rows(t), now=t)
+        made += a.tick_once(t)
+        t += 0.5
+    assert made == [], [d.reason for d in made]
+    while t < T0 + 140.0:  # no request any more
+        if (t - T0) % 1 == 0:
+            store.write_gateway_load("cp-a", reporter.rows(t), now=t)
+        made += a.tick_once(t)
+        t += 0.5
+    assert [(d.from_n, d.to_n) for d in made] == [(1, 0)]
+    assert made[0].reason.startswith("scaled 1 → 0: no request for 3")

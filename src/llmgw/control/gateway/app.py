@@ -340,6 +340,7 @@ class _Gateway:
                 out = openai_error_json(e.status, e.code, e.message, headers=e.headers)
             else:
                 model = route.model
+                self.load.arrived(model)  # a request for scale to zero, however short (load.ModelLoad.arrived)
                 refused, limit_headers = self.limiter.admit(caller) if self.limiter is not None else (None, {})
                 if refused is not None:
                     out = openai_error_json(429, refused.code, refused.message, headers=refused.headers)

@@ -76,10 +76,13 @@ HISTORY_S = 3600.0
 @dataclass(frozen=True)
 class Sample:
     """The cluster's load of one model at ``at`` (unix seconds): requests in flight plus queued,
-    summed over the control planes' fresh rows."""
+    summed over the control planes' fresh rows, and the requests that arrived since each control
+    plane's previous reading (``arrived``: a request too short to be seen in flight still counts
+    as a request for scale to zero)."""
 
     at: float
     load: float
+    arrived: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,9 +144,11 @@ def decide(
     """
     stable, _ = _mean(samples, now - scaling.stable_window_s)
     panic_avg, _ = _mean(samples, now - scaling.panic_window_s)
-    newest = samples[-1].load if samples and samples[-1].at > now - NEWEST_S else 0.0
+    fresh = samples[-1] if samples and samples[-1].at > now - NEWEST_S else None
+    newest = fresh.load if fresh is not None else 0.0
     burst = max(panic_avg, newest)
-    last_load_at = now if newest > 0 else state.last_load_at  # a sample with a request in flight or queued
+    asked = newest > 0 or (fresh is not None and fresh.arrived > 0)  # in flight, queued, or come and gone
+    last_load_at = now if asked else state.last_load_at
     capacity = ready * target
     panicking = burst > 0 and (ready == 0 or burst >= 2 * capacity)
     panic_until = now + scaling.stable_window_s if panicking else state.panic_until
@@ -243,6 +248,15 @@ def sum_load(rows: Sequence[GatewayLoadRow]) -> dict[str, float]:
     return out
 
 
+def sum_arrived(rows: Sequence[GatewayLoadRow]) -> dict[str, int]:
+    """``{model: requests arrived}`` over every control plane's rows (each its last reading's)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if r.arrived:
+            out[r.model] = out.get(r.model, 0) + r.arrived
+    return out
+
+
 class Autoscaler:
     """The leader's autoscaling loop (module docstring).
 
@@ -301,7 +315,8 @@ class Autoscaler:
             self.resume(now, models)
             models = [r.model for r in self.store.list_models()]
         states = self.states if self.states is not None else {}
-        load = sum_load(self.store.read_gateway_load(since=now - FRESH_S))
+        rows = self.store.read_gateway_load(since=now - FRESH_S)
+        load, arrived = sum_load(rows), sum_arrived(rows)
         ready: dict[str, int] = {}
         placed: dict[str, int] = {}  # not draining: the count a model made autoscaled starts from
         for r in self.store.list_replicas():
@@ -323,7 +338,7 @@ class Autoscaler:
                 self.samples.pop(m.name, None)
                 continue
             q = self.samples.setdefault(m.name, deque())
-            q.append(Sample(now, load.get(m.name, 0.0)))
+            q.append(Sample(now, load.get(m.name, 0.0), arrived.get(m.name, 0)))
             while q and q[0].at <= now - m.scaling.stable_window_s:
                 q.popleft()
             state = states.get(m.name) or ScaleState(wanted=wanted_replicas(m, {}, placed.get(m.name, 0)),

@@ -276,7 +276,8 @@ class RateDelta:
 class GatewayLoadRow:
     """One control plane's gateway load for one model at ``at`` (unix seconds): requests sent to a
     replica and not yet answered (``in_flight``), requests waiting at the gateway for a slot
-    (``queued``), and in flight per replica id where the gateway knows it (``replicas``)."""
+    (``queued``), in flight per replica id where the gateway knows it (``replicas``), and requests
+    of the model that arrived since the control plane's previous reading (``arrived``)."""
 
     control_plane: str
     model: str
@@ -284,6 +285,7 @@ class GatewayLoadRow:
     queued: int
     at: float
     replicas: dict[str, int] = field(default_factory=dict)
+    arrived: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ released ("migrations, never delete the file").
 
 The tables below are today's shape, for the store's queries. A migration never reads them for the
 shape it creates: migration 1 creates its four tables from a frozen copy of their first shape
-(:data:`_V1`; migration 7's ``api_keys``: :data:`_V7`), and each later migration creates its tables
-or adds its columns as they were when it was written, so a fresh database goes through the same
-steps as one made by the first release, and ``test_store.py`` checks that the two end at today's
-tables. A column is added with SQLAlchemy's own DDL (:func:`_add_column`: ``CreateColumn`` compiled
-for the connection's dialect).
+(:data:`_V1`; migration 7's ``api_keys``: :data:`_V7`; migration 10's ``gateway_load``:
+:data:`_V10`), and each later migration creates its tables or adds its columns as they were when it
+was written, so a fresh database goes through the same steps as one made by the first release, and
+``test_store.py`` checks that the two end at today's tables. A column is added with SQLAlchemy's own
+DDL (:func:`_add_column`: ``CreateColumn`` compiled for the connection's dialect).
 
 Why not Alembic: it would add a dependency and a second version table (``alembic_version``) for
 what ``MIGRATIONS`` already does in ~200 lines: an ordered list, applied once under the advisory
@@ -28,7 +28,8 @@ leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.electi
 :mod:`llmgw.control.api.logbroker`), ``api_keys``, ``usage_daily`` and ``rate_windows`` (migration 7:
 the gateway's keys, usage and cluster-wide rate counts; ``api_keys.priority``: migration 9),
 ``gateway_load``, ``autoscale_decisions``, ``autoscale_history`` and ``replicas.draining_since``
-(migration 10: autoscaling), ``changes`` (migration 12: the leader's dirty marks),
+(migration 10: autoscaling; ``gateway_load.arrived``: migration 13), ``changes`` (migration 12:
+the leader's dirty marks),
 ``schema_migrations``.
 """
 
@@ -226,6 +227,8 @@ gateway_load_t = sa.Table(
     sa.Column("queued", sa.Integer, nullable=False),  # requests waiting at the gateway for a slot
     sa.Column("replicas", sa.Text, nullable=False, server_default="{}"),  # {replica id: in flight}, where known
     sa.Column("at", sa.Float, nullable=False),  # unix seconds of the control plane's reading
+    # migration 13: requests of the model that arrived since the control plane's previous reading
+    sa.Column("arrived", sa.Integer, nullable=False, server_default="0"),
 )
 
 autoscale_decisions_t = sa.Table(
@@ -338,6 +341,21 @@ sa.Table(
 )
 
 
+_V10 = sa.MetaData()
+"""Migration 10's ``gateway_load`` as it made it, frozen when migration 13 added ``arrived`` to
+today's table: never edit."""
+
+sa.Table(
+    "gateway_load", _V10,
+    sa.Column("control_plane", sa.String(253), primary_key=True),
+    sa.Column("model", sa.String(63), primary_key=True),
+    sa.Column("in_flight", sa.Integer, nullable=False),
+    sa.Column("queued", sa.Integer, nullable=False),
+    sa.Column("replicas", sa.Text, nullable=False, server_default="{}"),
+    sa.Column("at", sa.Float, nullable=False),
+)
+
+
 def _add_column(conn: Connection, table: str, column: sa.Column[object]) -> None:
     """``ALTER TABLE table ADD COLUMN <column>``, the column's specification (type, NOT NULL,
     server default) compiled by SQLAlchemy for ``conn``'s dialect (``CreateColumn``); ``column``
@@ -447,7 +465,7 @@ def _migration_10(conn: Connection) -> None:
     (what the leader decided, and why), ``autoscale_history`` (the dashboard's plot) and
     ``replicas.draining_since`` (a replica leaving: routed no more, stopped once its requests
     finished; :mod:`llmgw.control.reconcile.drainer`)."""
-    gateway_load_t.create(conn, checkfirst=True)
+    _V10.tables["gateway_load"].create(conn, checkfirst=True)
     autoscale_decisions_t.create(conn, checkfirst=True)
     autoscale_history_t.create(conn, checkfirst=True)
     _add_column(conn, "replicas", sa.Column("draining_since", sa.Float, nullable=True))
@@ -466,6 +484,13 @@ def _migration_12(conn: Connection) -> None:
     changes_t.create(conn, checkfirst=True)
 
 
+def _migration_13(conn: Connection) -> None:
+    """``gateway_load.arrived``: the requests of a model each control plane saw arrive since its
+    previous reading, so that scale to zero counts short requests (ones that start and end between
+    two readings were never seen in flight); rows written before it hold 0."""
+    _add_column(conn, "gateway_load", sa.Column("arrived", sa.Integer, nullable=False, server_default="0"))
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -480,6 +505,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (10, _migration_10),
     (11, _migration_11),
     (12, _migration_12),
+    (13, _migration_13),
 ]
 
 

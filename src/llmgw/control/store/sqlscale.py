@@ -38,7 +38,8 @@ class SqlScale(SqlPart):
                     gateway_load_t.insert(),
                     [
                         {"control_plane": control_plane, "model": r.model, "in_flight": r.in_flight,
-                         "queued": r.queued, "replicas": json.dumps(r.replicas, sort_keys=True), "at": r.at}
+                         "queued": r.queued, "replicas": json.dumps(r.replicas, sort_keys=True), "at": r.at,
+                         "arrived": r.arrived}
                         for r in rows
                     ],
                 )
@@ -49,7 +50,7 @@ class SqlScale(SqlPart):
             rows = conn.execute(sa.select(gateway_load_t).where(g.at >= since)).all()
         return [
             GatewayLoadRow(r.control_plane, r.model, int(r.in_flight), int(r.queued), float(r.at),
-                           {str(k): int(v) for k, v in json.loads(r.replicas or "{}").items()})
+                           {str(k): int(v) for k, v in json.loads(r.replicas or "{}").items()}, int(r.arrived))
             for r in rows
         ]
 
