@@ -32,6 +32,7 @@ from llmgw.service.manager import (
     SupervisorManager,
     SystemdManager,
     pick_manager,
+    tail,
 )
 from llmgw.service.supervisor import restart_delay, should_restart
 from llmgw.service.unitfile import credentials, parse_timespan, parse_unit
@@ -608,3 +609,44 @@ def test_a_program_run_as_the_supervisors_own_user_keeps_its_environment(
     env = psutil.Process(st.pid).environ()
     assert env["LLMGW_TEST_INHERITED"] == "kept"
     assert env["LLMGW_TEST_MARK"] == "supervised"
+
+
+def test_a_services_log_is_rotated_while_it_runs_and_read_across_the_rotation(tmp_path: Path) -> None:
+    """A new user's finding: the control plane writes an access line per request to its service log,
+    which grew without bound under llmgw's supervisor. The supervisor rotates it (copy-truncate) past
+    its size while the program keeps writing; at most three rotated files are kept, and ``service
+    logs`` (:func:`tail`) reads the last lines across a rotation. A real supervisor process (limits
+    made small: 20 kB, checked every 0.1 s) over a program printing 3,000 lines."""
+    printer = ("import time\nfor i in range(3000):\n    print(f'line {i:05d} ' + 'x' * 40, flush=True)\n"
+               "    time.sleep(0.0005)\nprint('all printed', flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "printer.py").write_text(printer)
+    unit_file = tmp_path / "agent.service"
+    unit_file.write_text(f"[Service]\nExecStart={shlex.join([sys.executable, str(tmp_path / 'printer.py')])}\n")
+    files_dir = tmp_path / "services"
+    run = ("import pathlib, sys\nfrom llmgw.service.files import ServiceFiles\n"
+           "from llmgw.service.supervisor import Supervisor\nfrom llmgw.service.unitfile import parse_unit\n"
+           f"spec = parse_unit(pathlib.Path({str(unit_file)!r}).read_text())\n"
+           f"files = ServiceFiles(pathlib.Path({str(files_dir)!r}), 'agent')\n"
+           "sys.exit(Supervisor('agent', spec, files, log_max_bytes=20_000, log_check_s=0.1).run())\n")
+    files_dir.mkdir(mode=0o700)
+    supervisor = subprocess.Popen([sys.executable, "-c", run])
+    log = files_dir / "agent.log"
+    try:
+        deadline = time.monotonic() + 60
+        while "all printed" not in tail(log, 3):
+            assert supervisor.poll() is None, tail(log, 20)
+            assert time.monotonic() < deadline, tail(log, 20)
+            time.sleep(0.1)
+        time.sleep(0.3)  # one more check past the last line
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait(30)
+    names = sorted(p.name for p in files_dir.iterdir() if p.name.startswith("agent.log"))
+    assert names == ["agent.log", "agent.log.1", "agent.log.2", "agent.log.3"], names
+    assert all((files_dir / n).stat().st_size < 40_000 for n in names)  # ~20 kB, plus what came in 0.1 s
+    assert all(stat.S_IMODE((files_dir / n).stat().st_mode) == 0o600 for n in names)
+    assert "rotated past 20000 bytes" in log.read_text() + (files_dir / "agent.log.1").read_text()
+    current = log.read_text().count("\n")
+    last = tail(log, current + 50).splitlines()
+    assert len(last) == current + 50  # across the rotation: the current file, then agent.log.1's end
+    assert "line 02999" in tail(log, 30)

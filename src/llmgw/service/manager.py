@@ -29,6 +29,7 @@ from typing import Protocol
 
 import psutil
 
+from llmgw import logrotate
 from llmgw.errors import ServiceError
 from llmgw.paths import Paths, exists_or_hidden
 from llmgw.service.files import (
@@ -40,7 +41,7 @@ from llmgw.service.files import (
     read_state,
     write_state,
 )
-from llmgw.service.supervisor import ALREADY_RUNNING
+from llmgw.service.supervisor import ALREADY_RUNNING, LOG_KEEP
 from llmgw.service.unitfile import STOP_TIMEOUT, parse_unit
 from llmgw.service.units import check_service, unit_name, write_unit
 
@@ -295,18 +296,27 @@ def _end(proc: psutil.Process, timeout: float) -> None:
 
 
 def tail(path: Path, lines: int) -> str:
-    """The last ``lines`` lines of ``path`` (read from the end; "" when missing or lines <= 0)."""
-    if lines <= 0 or not path.exists():
-        return ""
-    with path.open("rb") as f:
-        pos = f.seek(0, 2)
-        data = b""
-        while pos > 0 and data.count(b"\n") <= lines:
-            step = min(65536, pos)
-            pos -= step
-            f.seek(pos)
-            data = f.read(step) + data
-    kept = data.splitlines()[-lines:]
+    """The last ``lines`` lines of ``path``, and of its rotated copies (``path.1``…, the
+    supervisor's :data:`~llmgw.service.supervisor.LOG_KEEP`) when it has fewer since it was
+    rotated (read from the end; "" when missing or lines <= 0)."""
+    data = b""
+    for p in [path, *logrotate.rotated(path, LOG_KEEP)]:
+        if lines <= 0 or data.count(b"\n") > lines:
+            break
+        try:
+            f = p.open("rb")
+        except FileNotFoundError:
+            continue
+        with f:
+            pos = f.seek(0, 2)
+            older = b""
+            while pos > 0 and (older + data).count(b"\n") <= lines:
+                step = min(65536, pos)
+                pos -= step
+                f.seek(pos)
+                older = f.read(step) + older
+        data = older + data
+    kept = data.splitlines()[-lines:] if lines > 0 else []
     return b"".join(line + b"\n" for line in kept).decode(errors="replace")
 
 

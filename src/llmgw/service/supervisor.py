@@ -27,7 +27,10 @@ started detached by :class:`llmgw.service.manager.SupervisorManager`). Its loop:
    so a program running as another user needs no right to the file; user, groups and umask from
    the unit); write ``NAME.child.pid`` and the state ``running``;
 3. wait for the program to end or for SIGTERM/SIGINT (a signal wakes it at once through a pipe,
-   SIGCHLD included);
+   SIGCHLD included); meanwhile ``NAME.log`` is rotated past :data:`LOG_MAX_BYTES` (copy-truncate,
+   :mod:`llmgw.logrotate`: the program keeps writing to its descriptor), keeping
+   ``NAME.log.1``-``.3``: the control plane writes an access line per request there, and the file
+   grew without bound (a new user's finding; systemd's journal has its own limits);
 4. program ended: ``Restart=`` decides as systemd does (``on-failure``: a non-zero exit or death by
    a signal other than HUP, INT, TERM, PIPE). No restart: state ``stopped`` (clean) or ``failed``,
    and the supervisor exits. Restart: wait ``RestartSec`` (doubled for each further failure in a
@@ -66,6 +69,7 @@ from typing import BinaryIO
 
 import psutil
 
+from llmgw import logrotate
 from llmgw.errors import ServiceError
 from llmgw.service.files import ServiceFiles, SupervisorState, open_log, private_dir, write_pid, write_state
 from llmgw.service.unitfile import UnitSpec, credentials, parse_unit, service_env
@@ -78,6 +82,12 @@ EXEC_FAILED = 203
 
 ALREADY_RUNNING = 3
 """The supervisor's exit status when another one holds the lock."""
+
+#: A service's ``NAME.log`` is rotated past this size (10 MiB: ~35,000 access lines), checked every
+#: :data:`LOG_CHECK_S`; :data:`LOG_KEEP` rotated files are kept (40 MiB in all at most).
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_KEEP = 3
+LOG_CHECK_S = 10.0
 
 STABLE_S = 10.0
 """Seconds a program must run for its next failure to count as new: a shorter run doubles the wait
@@ -134,13 +144,16 @@ def describe_exit(returncode: int) -> str:
 
 @dataclass(eq=False)
 class Supervisor:
-    """Runs one unit's program under the loop in this module's docstring; see :meth:`run`."""
+    """Runs one unit's program under the loop in this module's docstring; see :meth:`run`.
+    ``log_max_bytes``/``log_check_s``: the log's rotation (:data:`LOG_MAX_BYTES`, :data:`LOG_CHECK_S`)."""
 
     name: str
     spec: UnitSpec
     files: ServiceFiles
     _: KW_ONLY
     clock: Callable[[], float] = time.time
+    log_max_bytes: int = LOG_MAX_BYTES
+    log_check_s: float = LOG_CHECK_S
     _stopping: bool = field(default=False, init=False)
     _restarts: int = field(default=0, init=False)
     _log: BinaryIO | None = field(default=None, init=False)
@@ -220,14 +233,23 @@ class Supervisor:
         return proc
 
     def _wait(self, proc: subprocess.Popen[bytes]) -> int | None:
-        """The program's return code once it ends, or None when a stop was asked first."""
+        """The program's return code once it ends, or None when a stop was asked first; rotates the
+        log every :data:`LOG_CHECK_S` meanwhile (step 3)."""
+        checked = time.monotonic()
         while True:
             rc = proc.poll()
             if rc is not None:
                 return rc
             if self._stopping:
                 return None
-            self._pause(1.0)
+            if time.monotonic() - checked >= self.log_check_s:
+                checked = time.monotonic()
+                try:
+                    if logrotate.rotate(self.files.log, max_bytes=self.log_max_bytes, keep=LOG_KEEP):
+                        self.say(f"{self.files.log.name} rotated past {self.log_max_bytes} bytes")
+                except OSError as e:
+                    self.say(f"{self.files.log.name} could not be rotated: {e}")
+            self._pause(min(1.0, self.log_check_s))
 
     def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM the program itself (not its group), SIGKILL after TimeoutStopSec; reap it."""

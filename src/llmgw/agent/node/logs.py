@@ -14,10 +14,10 @@ the current file and the rotated ones; :func:`tail_after` those of the current l
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 from pathlib import Path
+
+from llmgw import logrotate
 
 MAX_BYTES = 10 * 1024 * 1024
 """A log past this size is rotated (10 MiB: days of llama-server output at default verbosity)."""
@@ -28,27 +28,13 @@ KEEP = 3
 
 def rotated(path: Path, keep: int = KEEP) -> list[Path]:
     """``[path.1, …, path.keep]`` that exist, newest first."""
-    return [p for i in range(1, keep + 1) if (p := path.with_name(f"{path.name}.{i}")).exists()]
+    return logrotate.rotated(path, keep)
 
 
 def rotate(path: Path, *, max_bytes: int = MAX_BYTES, keep: int = KEEP) -> bool:
-    """Copy-truncate ``path`` when it is larger than ``max_bytes``; True when it rotated."""
-    try:
-        if path.stat().st_size <= max_bytes:
-            return False
-    except FileNotFoundError:
-        return False
-    oldest = path.with_name(f"{path.name}.{keep}")
-    oldest.unlink(missing_ok=True)
-    for i in range(keep - 1, 0, -1):
-        src = path.with_name(f"{path.name}.{i}")
-        if src.exists():
-            src.rename(path.with_name(f"{path.name}.{i + 1}"))
-    shutil.copyfile(path, path.with_name(f"{path.name}.1"))
-    os.chmod(path.with_name(f"{path.name}.1"), path.stat().st_mode & 0o777)  # as private as the log
-    with contextlib.suppress(FileNotFoundError):
-        os.truncate(path, 0)
-    return True
+    """Copy-truncate ``path`` when it is larger than ``max_bytes`` (:func:`llmgw.logrotate.rotate`);
+    True when it rotated."""
+    return logrotate.rotate(path, max_bytes=max_bytes, keep=keep)
 
 
 def tail(path: Path, lines: int = 100, *, keep: int = KEEP, max_read: int = 1 << 20) -> list[str]:
