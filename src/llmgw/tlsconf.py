@@ -199,6 +199,17 @@ def small_read_buffers() -> None:
     asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
 
 
+def missing_files(files: dict[str, Path]) -> str:
+    """Which of ``files`` (``{"tls.cert": path, …}``, the names a config gives them) do not exist, as
+    ``tls.cert /etc/llmgw/agnt.pem does not exist``; ``""`` when all do. Said before loading them:
+    ``ssl`` names neither the file nor which of three it could not open ("[Errno 2] No such file
+    or directory", a new user's finding)."""
+    gone = [f"{name} {path}" for name, path in files.items() if not path.exists()]
+    if not gone:
+        return ""
+    return f"{' and '.join(gone)} {'does' if len(gone) == 1 else 'do'} not exist"
+
+
 def server_context(ca: Path, cert: Path, key: Path) -> ssl.SSLContext:
     """The agent API's TLS context: our certificate, and client certificates required from ``ca``."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))

@@ -230,8 +230,9 @@ async def test_an_agent_without_its_certificate_is_told_to_run_add_node(tmp_path
                     "tls: {ca: ca.pem, cert: agent.pem, key: agent-key.pem}\n")
     with pytest.raises(PkiError) as got:
         await run_agent(load_agent_config(conf), Paths(tmp_path / "root"))
-    named = f"{tmp_path / 'ca.pem'}, {tmp_path / 'agent.pem'}, {tmp_path / 'agent-key.pem'}"
-    assert f"agent.yaml: tls ({named}) cannot be loaded: " in str(got.value)
+    named = (f"tls.ca {tmp_path / 'ca.pem'} and tls.cert {tmp_path / 'agent.pem'} "
+             f"and tls.key {tmp_path / 'agent-key.pem'}")
+    assert str(got.value).startswith(f"agent.yaml: {named} do not exist; fix the path in agent.yaml, or "), got.value
     assert str(got.value).endswith(
         "issue this node a certificate with 'llmgw server add-node node-b --address ADDR --out DIR' on the control "
         "plane and copy DIR's files beside agent.yaml")

@@ -261,6 +261,31 @@ def test_restart_after_an_upgrade_whose_code_does_not_import_restarts_nothing(
     assert out.split(" (")[0] == "restarted llmgw-mirror", out
 
 
+def test_restart_agent_with_a_tls_path_that_is_not_there_restarts_nothing(root: Path) -> None:
+    """A new user's finding: ``cert: agnt.pem`` (a typo) in agent.yaml, then ``service restart agent``:
+    the check read the YAML only, the running agent was stopped and the new one crash-looped on
+    "[Errno 2] No such file or directory", naming none of the three files. The check loads the TLS
+    files as the agent does; the message names the one missing and its key; nothing is restarted."""
+    paths = Paths.from_env(root)
+    install(root, "agent", SLEEPER)
+    etc = paths.agent_config.parent
+    etc.mkdir(parents=True, exist_ok=True)
+    for name in ("ca.pem", "agent.pem", "agent-key.pem"):
+        (etc / name).write_text("not read: the check stops at the missing one\n")
+    paths.agent_config.write_text(
+        "server: https://127.0.0.1:7443\nnode_id: node-1\n"
+        "tls: {ca: ca.pem, cert: agnt.pem, key: agent-key.pem}\n"
+    )
+    code, out = llmgw(root, "start", "agent")
+    assert code == 0, out
+    before = SupervisorManager(paths).status("agent").pid
+    code, out = llmgw(root, "restart", "agent")
+    said = " ".join(out.split())
+    assert code != 0, out
+    assert f"agent.yaml: tls.cert {etc / 'agnt.pem'} does not exist; fix the path in agent.yaml" in said, out
+    assert SupervisorManager(paths).status("agent").pid == before
+
+
 def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) -> None:
     """A supervisor SIGKILLed with its program (the OOM killer, a kill -9 of the group) leaves no
     'stopped' behind: ``status`` said "stopped", as after a requested stop, and exited 0 (a new

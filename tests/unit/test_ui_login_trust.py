@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from llmgw.config import MIN_TOKEN_CHARS
-from llmgw.control.server import check_config
+from llmgw.control.startcheck import check_config
 from llmgw.errors import ConfigError
 from tests.helpers.control import TOKEN, heartbeat, make_install, serving
 

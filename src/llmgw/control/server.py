@@ -62,9 +62,9 @@ from aiohttp import web
 
 from llmgw import __version__, tlsconf
 from llmgw.adminclient import connect_host
-from llmgw.config import ServerConfig, check_token_length, load_server_config, parse_listen
+from llmgw.config import ServerConfig, load_server_config, parse_listen
 from llmgw.control.api.admin import build_admin_app
-from llmgw.control.api.agent import agent_ssl_context, build_agent_app
+from llmgw.control.api.agent import build_agent_app
 from llmgw.control.api.cadence import Cadence
 from llmgw.control.api.cluster import add_cluster_routes, health_fields
 from llmgw.control.api.enginemetrics import EngineMetrics
@@ -86,6 +86,7 @@ from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
+from llmgw.control.startcheck import agent_api_tls, read_admin_token, read_gateway_keys, ui_tls
 from llmgw.control.store import SqlStore, Store, default_url, open_store
 from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, STORE_DEADLINE_S, SWITCH_INTERVAL_S, Coalescer, OffLoop
 from llmgw.control.store.postgres import HOLD_MAX_S
@@ -94,7 +95,7 @@ from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
-from llmgw.errors import ConfigError, PkiError, PortInUseError
+from llmgw.errors import ConfigError, PortInUseError
 from llmgw.guard.config import closed_judges
 from llmgw.httperrors import SERVER_LOG, start_site
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
@@ -158,37 +159,6 @@ class Wakes:
         """An admin write (or a judge added to the mirror): both a routing refresh and a leader pass."""
         self.routes.request()
         self.wake_leader()
-
-
-def read_admin_token(config: ServerConfig, config_path: Path) -> str:
-    """The admin token (:meth:`ServerConfig.read_admin_token`), refused when shorter than
-    :data:`~llmgw.config.MIN_TOKEN_CHARS` (it logs in to the dashboard too). Clients reading the
-    file (``ctl``) do not check its length: the control plane's start does.
-
-    Raises:
-        ConfigError: the file is missing, unreadable or empty, or the token is too short.
-    """
-    return check_token_length(config.read_admin_token(config_path), config.admin_token_path(config_path))
-
-
-def read_gateway_keys(config: ServerConfig) -> GatewayKeys:
-    """API keys from ``gateway.keys_file`` (:mod:`llmgw.control.gateway.keys`), followed as it changes.
-    No file configured: no keys (only loopback clients, when ``allow_loopback_without_key``).
-
-    Raises:
-        ConfigError: the file is configured but cannot be read, or a line is not a key.
-    """
-    return GatewayKeys(config.gateway.keys_file)
-
-
-def _tls(config: ServerConfig) -> ssl.SSLContext:
-    try:
-        return agent_ssl_context(config)
-    except (OSError, ssl.SSLError) as e:
-        raise PkiError(
-            f"the agent API's TLS files (tls.ca {config.tls.ca}, tls.cert {config.tls.cert}, "
-            f"tls.key {config.tls.key}) cannot be loaded: {e}; run 'llmgw server init' to create them"
-        ) from e
 
 
 async def _start(
@@ -356,25 +326,6 @@ def _keeper(
     return build_keeper(store, lambda: guard, serve)
 
 
-def check_config(config_path: Path) -> ServerConfig:
-    """Everything :func:`serve` reads before it binds, read and checked: server.yaml, the admin
-    token, the TLS files and the gateway keys file. What ``llmgw service restart server`` checks
-    (as the service's user) before it stops the running control plane.
-
-    Raises:
-        ConfigError: server.yaml, the admin token or the keys file is invalid or unreadable.
-        PkiError: the TLS files cannot be loaded.
-    """
-    config = load_server_config(config_path)
-    read_admin_token(config, config_path)
-    _tls(config)
-    read_gateway_keys(config)
-    config.ui.viewer_token(config_path)
-    if config.ui.listen:
-        _ui_tls(config)
-    return config
-
-
 async def serve(
     config_path: Path,
     paths: Paths,
@@ -404,7 +355,7 @@ async def serve(
                     "(LimitNOFILE= in the unit, ulimit -n) above the node count", open_files)
     token = read_admin_token(config, config_path)
     keys = read_gateway_keys(config)
-    tls = _tls(config)
+    tls = agent_api_tls(config)
     stop = stop or asyncio.Event()
     url = default_url(config.store.url, paths.database)
     store = open_store(url)
@@ -521,7 +472,7 @@ async def serve(
         if config.ui.listen:  # the dashboard alone, over TLS with the server certificate
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
-            apps.append(("ui.listen", config.ui.listen, ui_site(ui), _ui_tls(config)))
+            apps.append(("ui.listen", config.ui.listen, ui_site(ui), ui_tls(config)))
         # The admin API last: its /api/v1/health answering means every listener is bound (init and
         # the tests wait for it, then connect to the agent API: CI saw that refused in between).
         apps.append(("admin_listen", config.admin_listen, admin, None))
@@ -578,16 +529,6 @@ def _admin_base(bound: dict[str, tuple[str, int]]) -> str:
     """The admin API's URL on this machine, from the address it is bound to."""
     host, port = bound["admin_listen"]
     return f"http://{connect_host(host)}:{port}"
-
-
-def _ui_tls(config: ServerConfig) -> ssl.SSLContext:
-    try:
-        return tlsconf.web_server_context(config.tls.cert, config.tls.key)
-    except (OSError, ssl.SSLError) as e:
-        raise PkiError(
-            f"ui.listen: the server certificate (tls.cert {config.tls.cert}, tls.key {config.tls.key}) cannot be "
-            f"loaded: {e}; run 'llmgw server init' to create it"
-        ) from e
 
 
 async def _drain(runners: list[web.AppRunner], drain: Drain, deadline_s: float) -> None:

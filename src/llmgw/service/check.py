@@ -241,13 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         if config is None:
             pass
         elif name == "server":
-            from llmgw.control.server import check_config  # noqa: PLC0415
+            from llmgw.control.startcheck import check_config  # noqa: PLC0415
 
             check_config(config)
         elif name == "agent":
+            from llmgw.agent.loop.identity import agent_tls  # noqa: PLC0415
             from llmgw.config import load_agent_config  # noqa: PLC0415
 
-            load_agent_config(config)
+            agent_tls(load_agent_config(config))
     except LlmgwError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

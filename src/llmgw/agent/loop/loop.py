@@ -56,7 +56,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +68,7 @@ from llmgw.agent.engines.provision import GITHUB_RELEASES, Provisioner
 from llmgw.agent.engines.vllm import VLLM, VllmProvisioner
 from llmgw.agent.loop import tlsdiag
 from llmgw.agent.loop.controlplanes import BACKOFF_S, JITTER, ControlPlanes, Terms, backoff_s, beat_wait_s
+from llmgw.agent.loop.identity import agent_tls
 from llmgw.agent.loop.metrics import push_loop
 from llmgw.agent.loop.wire import REQUEST_TIMEOUT, STALE_TERM, cached_weights, post_heartbeat, reason
 from llmgw.agent.node import logs
@@ -85,7 +85,7 @@ from llmgw.agent.node.records import (
 )
 from llmgw.agent.replicas.runner import ReplicaRunner, RunnerEnv
 from llmgw.config import AgentConfig
-from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, PkiError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, LlmgwError, NodeRemoved, UnreachableError
 from llmgw.paths import Paths
 from llmgw.protocol import (
     KEEPALIVE_S,
@@ -100,7 +100,6 @@ from llmgw.protocol import (
     ReplicaSpec,
     state_digest,
 )
-from llmgw.tlsconf import client_context
 
 log = logging.getLogger("llmgw.agent")
 
@@ -563,14 +562,7 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
             cannot be made 0700.
     """
     stop = stop or asyncio.Event()
-    try:
-        ssl_ctx = client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
-    except (OSError, ssl.SSLError) as e:
-        raise PkiError(
-            f"agent.yaml: tls ({cfg.tls.ca}, {cfg.tls.cert}, {cfg.tls.key}) cannot be loaded: {e}; "
-            f"issue this node a certificate with 'llmgw server add-node {cfg.node_id} --address ADDR --out DIR' "
-            "on the control plane and copy DIR's files beside agent.yaml"
-        ) from e
+    ssl_ctx = agent_tls(cfg)
     # Its own modes, whoever made the directory (init does too; a node started by hand with
     # 'server add-node' and 'llmgw agent' had 0755 and 0644 engine logs under the default umask).
     try:
