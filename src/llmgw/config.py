@@ -11,7 +11,10 @@ Listen addresses are ``HOST:PORT`` or ``:PORT`` (all interfaces).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
+import pwd
 import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -29,6 +32,21 @@ MIN_TOKEN_CHARS = 16
 dashboard, where guesses are throttled to about one a minute (:mod:`llmgw.control.ui.throttle`);
 16 characters of base64 (96 bits) are out of reach at any pace. The tokens ``server init`` makes
 are 43 characters (256 bits)."""
+
+
+def unreadable(path: Path, e: OSError) -> str:
+    """Why ``path`` could not be read, for a message: ``e.strerror``, and for a permission denied the
+    user this process runs as and how to let it read the file (the control plane and the mirror run
+    as ``llmgw``: a file root made 0600, as the docs' token recipe does, is refused to them; a new
+    user's finding)."""
+    if e.errno != errno.EACCES:
+        return str(e.strerror or e)
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = str(os.geteuid())
+    return (f"{e.strerror} for user {user}, whom the service runs as; let it read the file "
+            f"(chgrp {user} {path} && chmod g+r {path}) or put it where it can")
 
 
 def check_token_length(token: str, path: Path) -> str:
@@ -203,7 +221,7 @@ class UiConfig(_Strict):
                 return None
             raise ConfigError(f"ui.viewer_token_file {path} does not exist; create it or remove the setting") from None
         except OSError as e:
-            raise ConfigError(f"ui.viewer_token_file {path} cannot be read: {e.strerror}") from e
+            raise ConfigError(f"ui.viewer_token_file {path} cannot be read: {unreadable(path, e)}") from e
         return check_token_length(text.splitlines()[0].strip(), path) if text else None
 
 
@@ -383,7 +401,7 @@ def load_yaml_model(path: Path, model: type[M]) -> M:
     except FileNotFoundError as e:
         raise ConfigError(f"{path} does not exist; run 'llmgw server init' or pass --config") from e
     except OSError as e:
-        raise ConfigError(f"{path} cannot be read: {e.strerror}") from e
+        raise ConfigError(f"{path} cannot be read: {unreadable(path, e)}") from e
     try:
         data: Any = yamlsafe.load(text)
     except yamlsafe.DuplicateKeyError as e:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import pwd
 from pathlib import Path
 
 import pytest
 
-from llmgw.config import load_agent_config, load_server_config
+from llmgw.config import load_agent_config, load_server_config, unreadable
 from llmgw.errors import ConfigError, WaitTimeout
 from llmgw.serverinit import files
 from llmgw.serverinit.wait import Clock, format_duration, wait_for
@@ -120,3 +122,16 @@ def test_durations_read_like_go_durations() -> None:
     assert format_duration(90) == "1m30s"
     assert format_duration(1200) == "20m0s"
     assert format_duration(30) == "30s"
+
+
+def test_a_file_the_services_user_may_not_read_says_who_and_how() -> None:
+    """A new user's finding: the docs' ``chmod 600`` viewer token, made by root, was refused to the
+    control plane (user ``llmgw``) with a bare "Permission denied". The message names the user this
+    process runs as and the commands that let it read the file. (The suite runs as root, whom no file
+    is refused to: the error is built as open() would raise it.)"""
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    said = unreadable(Path("/etc/llmgw/viewer-token"), PermissionError(errno.EACCES, "Permission denied"))
+    assert said == (f"Permission denied for user {user}, whom the service runs as; let it read the file "
+                    f"(chgrp {user} /etc/llmgw/viewer-token && chmod g+r /etc/llmgw/viewer-token) "
+                    "or put it where it can")
+    assert unreadable(Path("/x"), IsADirectoryError(errno.EISDIR, "Is a directory")) == "Is a directory"
