@@ -99,10 +99,14 @@ def service_name(given: str) -> str:
 
 
 def installed_services(paths: Paths) -> list[str]:
-    """What ``service status`` and ``service stop`` act on when given no names: :data:`SERVICES`,
-    then each of :data:`HA_SERVICES` whose unit is installed (an HA control plane's database member
-    is stopped after its control plane, and shown beside it)."""
-    return [*SERVICES, *(s for s in HA_SERVICES if paths.unit(s).exists())]
+    """What ``service status`` and ``service stop`` act on when given no names: each of
+    :data:`SERVICES`, then of :data:`HA_SERVICES`, whose unit is installed (an HA control plane's
+    database member is stopped after its control plane, and shown beside it); all of
+    :data:`SERVICES` when none is (each then says it is not installed). A node that runs only an
+    agent is not shown a server and a mirror it does not have (whose "unknown" made ``status`` exit
+    3 with its agent running: a new user's finding)."""
+    have = [s for s in (*SERVICES, *HA_SERVICES) if paths.unit(s).exists()]
+    return have or list(SERVICES)
 
 
 #: The order ``service start`` starts every installed service in when given no names: the database
