@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 from llmgw.cli.main import app
 from llmgw.errors import ApiError
 from llmgw.mirror.client import MirrorClient
+from llmgw.mirror.models import Manifest
 from llmgw.mirror.policy import SourcePolicy
 from llmgw.mirror.setup import copy_file
 from llmgw.mirror.store import Store
@@ -186,3 +188,51 @@ def test_mirror_init_refuses_an_import_dir_that_is_not_there(tmp_path: pathlib.P
     assert r.exit_code == 2, r.output
     assert f"--import-dir {tmp_path / 'typo'} is not a directory; create it" in r.output
     assert not Paths.from_env(root).unit("mirror").exists()
+
+
+def _cut_off(store: pathlib.Path, carried: pathlib.Path) -> None:
+    """What a ``llmgw mirror add`` SIGKILLed in the middle of its direct copy leaves in the store: the
+    version directory, a ``fetching`` manifest and a partial file (its lock file, whose flock died with
+    the process, too)."""
+    vdir = Store(store).make_version_dir("m", "1")
+    manifest = Manifest(file="w.gguf", source=f"file:{carried.resolve()}", state="fetching", updated_at=time.time(),
+                        bytes_done=2000, bytes_total=carried.stat().st_size)
+    Store(store).write("m", "1", manifest, durable=True)
+    (vdir / ".w.gguf.partial").write_bytes(carried.read_bytes()[:2000])
+    (vdir / ".fetch.lock").touch()
+
+
+def test_a_mirror_add_cut_off_is_shown_removed_and_finished_by_adding_it_again(tmp_path: pathlib.Path) -> None:
+    """A new user's finding: ``mirror add`` killed mid-copy (its direct copy into the store) left a
+    ``fetching`` manifest and a partial file that the running mirror did not list, answered 404 to
+    'mirror rm' for, and a second add failed with an empty reason. Now, over a real mirror and the
+    real CLI: the mirror lists the entry as failed, cut off, saying what to do; while a copy holds
+    its lock (another process), fetching; a second add finishes it, and the mirror says present
+    with its size; one cut off again is removed by 'mirror rm'."""
+    carried = _carried(tmp_path)
+    store = tmp_path / "store"
+    with ThreadedMirror(store, policy=SourcePolicy()) as mirror, MirrorClient(mirror.api) as client:
+        _cut_off(store, carried)
+        (got,) = [st for st in client.files() if (st.model, st.version) == ("m", "1")]
+        assert got.state == "failed", got
+        assert "was cut off before it finished" in got.err, got.err
+        assert "'llmgw mirror rm m 1'" in got.err, got.err
+
+        lock = Store(store).claim("m", "1")  # a copy running in another process: fetching
+        assert lock is not None
+        assert client.status("m", "1").state == "fetching"
+        Store(store).release("m", "1", lock)
+
+        r = CliRunner().invoke(app, ["mirror", "add", str(carried), "--model", "m", "--version", "1",
+                                     "--api", mirror.api, "--dir", str(store)])
+        assert r.exit_code == 0, r.output
+        st = client.status("m", "1")
+        assert (st.state, st.bytes_total) == ("present", carried.stat().st_size), st
+        assert f"{carried.stat().st_size} bytes" in r.output
+        assert sorted(os.listdir(store / "m" / "1")) == ["manifest.json", "w.gguf"]
+
+        client.delete("m", "1")
+        _cut_off(store, carried)
+        assert client.status("m", "1").state == "failed"
+        assert client.delete("m", "1").state == "failed"  # 'mirror rm' finds it (it answered 404)
+        assert not (store / "m").exists()

@@ -86,6 +86,7 @@ class _Entry:
     task: asyncio.Task[None] | None = None
     samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
     last_write: float = 0.0
+    lock: int | None = None  # the version directory's fetch lock while this process fetches (Store.claim)
 
 
 class Fetcher:
@@ -128,10 +129,12 @@ class Fetcher:
         for model, version, manifest in self.store.all():
             entry = _Entry(model, version, manifest)
             self._entries[model, version] = entry
-            if manifest.state == "fetching" and resume:
+            if manifest.state == "fetching" and resume and not self.store.claimed_elsewhere(model, version):
                 log.info("resuming %s/%s from %s", model, version, manifest.source)
                 try:
                     self._launch(entry, to_download(manifest.source, env=self._env))
+                except SourceRefused as e:  # a 'mirror add' copy cut off, from where this mirror does not import
+                    self._fail(entry, MirrorError(f"{_cut_off(model, version)} ({e})"))
                 except LlmgwError as e:
                     self._fail(entry, e)
 
@@ -163,6 +166,9 @@ class Fetcher:
             return None
         if entry.task is not None:
             await asyncio.gather(entry.task, return_exceptions=True)
+        while entry.manifest.state == "fetching" and entry.task is None and self._elsewhere(entry):
+            await asyncio.sleep(0.5)  # another process fetches it: its manifest says when it ends
+            entry = self._entry(model, version) or entry
         return self._view(entry)
 
     async def delete(self, model: str, version: str) -> FetchStatus | None:
@@ -195,17 +201,24 @@ class Fetcher:
         return last
 
     def _entry(self, model: str, version: str) -> _Entry | None:
-        """The known entry, or one adopted from a ``present`` manifest another process wrote."""
+        """The known entry, or the manifest on disk when another process wrote it (a ``llmgw mirror
+        add`` that copied straight into the store: present, failed, or still or no longer fetching),
+        adopted or refreshed; None when there is neither."""
         entry = self._entries.get((model, version))
-        if entry is not None:
-            return entry
+        if entry is not None and entry.task is not None:
+            return entry  # this process fetches it: its memory is ahead of the disk
         if not (NAME_RE.fullmatch(model) and NAME_RE.fullmatch(version)):
             return None
         manifest = self.store.read(model, version)
-        if manifest is None or manifest.state != "present":
-            return None
-        entry = self._entries[model, version] = _Entry(model, version, manifest)
+        if manifest is None:
+            return entry
+        if entry is None or manifest.updated_at > entry.manifest.updated_at:
+            entry = self._entries[model, version] = _Entry(model, version, manifest)
         return entry
+
+    def _elsewhere(self, entry: _Entry) -> bool:
+        """Whether another process fetches ``entry`` now (holds its lock: :meth:`Store.claim`)."""
+        return self.store.claimed_elsewhere(entry.model, entry.version)
 
     async def fetch(self, req: FetchRequest) -> tuple[FetchStatus, bool]:
         """Start (or join) fetching ``req.source`` as ``req.model/req.version``.
@@ -237,7 +250,10 @@ class Fetcher:
         entry = _Entry(req.model, req.version, manifest)
         self._entries[req.model, req.version] = entry
         self._save(entry, durable=True)
-        self._launch(entry, dl)
+        try:
+            self._launch(entry, dl)
+        except (OSError, MirrorError) as e:
+            self._fail(entry, e)
         return self._view(entry), True
 
     def _known(self, req: FetchRequest) -> tuple[FetchStatus, bool] | None:
@@ -249,6 +265,9 @@ class Fetcher:
         entry = self._entry(req.model, req.version)
         if entry is None or entry.manifest.state == "failed":
             return None
+        cut_off = entry.manifest.state == "fetching" and entry.task is None and not self._elsewhere(entry)
+        if cut_off and entry.manifest.source == req.source:
+            return None  # its process died: fetched again, resuming its partial bytes
         if entry.manifest.source != req.source:
             raise SourceConflict(
                 f"{req.model}/{req.version} is already {entry.manifest.state} from "
@@ -276,7 +295,22 @@ class Fetcher:
     # --- running one fetch ---
 
     def _launch(self, entry: _Entry, dl: Download) -> None:
+        """Run the fetch of ``entry`` as a task holding its version directory's lock (released when it
+        ends). Raises MirrorError when another process holds the lock (it fetches the same)."""
+        self.store.make_version_dir(entry.model, entry.version)
+        lock = self.store.claim(entry.model, entry.version)
+        if lock is None:
+            raise MirrorError(f"{entry.model}/{entry.version} is being fetched by another process (a 'llmgw "
+                              "mirror add', or the mirror); wait for it, or stop it first")
+        entry.lock = lock
         entry.task = asyncio.create_task(self._run(entry, dl), name=f"fetch {entry.model}/{entry.version}")
+
+        def release(_task: asyncio.Task[None]) -> None:
+            if entry.lock is not None:
+                self.store.release(entry.model, entry.version, entry.lock)
+                entry.lock = None
+
+        entry.task.add_done_callback(release)
 
     async def _run(self, entry: _Entry, dl: Download) -> None:
         dest = self.store.version_dir(entry.model, entry.version) / entry.manifest.file
@@ -382,6 +416,8 @@ class Fetcher:
 
     def _view(self, entry: _Entry) -> FetchStatus:
         m = entry.manifest
+        if m.state == "fetching" and entry.task is None and not self._elsewhere(entry):
+            m = m.model_copy(update={"state": "failed", "err": _cut_off(entry.model, entry.version)})
         return FetchStatus(
             model=entry.model,
             version=entry.version,
@@ -406,6 +442,12 @@ class Fetcher:
         if t1 - t0 <= 0 or self._clock() - t1 > RATE_WINDOW_S:
             return 0.0
         return (b1 - b0) / (t1 - t0)
+
+
+def _cut_off(model: str, version: str) -> str:
+    """What a fetch whose process ended before it did (a ``llmgw mirror add`` interrupted) reads as."""
+    return (f"the copy into {model}/{version} was cut off before it finished (its process ended); add it again to "
+            f"finish (its partial bytes are kept), or 'llmgw mirror rm {model} {version}'")
 
 
 def _eta(m: Manifest, rate: float) -> float | None:

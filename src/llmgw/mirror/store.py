@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import pathlib
@@ -34,6 +35,11 @@ from llmgw.atomicfile import write_atomic
 from llmgw.mirror.models import MANIFEST, NAME_RE, Manifest
 
 log = logging.getLogger(__name__)
+
+#: A version directory's fetch lock (:meth:`Store.claim`): held by the process copying or downloading
+#: into it, so another can tell a live fetch from one whose process died (a name no file may have:
+#: names start with a letter or digit).
+LOCK = ".fetch.lock"
 
 
 class Store:
@@ -97,6 +103,47 @@ class Store:
         write_atomic(
             vdir / MANIFEST, manifest.model_dump_json(indent=2) + "\n", 0o644, durable=durable, owner=self.owner
         )
+
+    def claim(self, model: str, version: str) -> int | None:
+        """Take ``model/version``'s fetch lock (``flock`` on ``<version dir>/.fetch.lock``, made 0644:
+        any user may open it to test or take it; the owner of the directory may delete it), for as
+        long as a fetch into it runs: the descriptor (:meth:`release` it), or None when another process
+        holds it (a ``llmgw mirror add`` copying, or the mirror).
+
+        Raises:
+            OSError: the lock file cannot be made or opened (its version directory is missing).
+        """
+        lock = self.version_dir(model, version) / LOCK
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def release(self, model: str, version: str, fd: int) -> None:
+        """Let go of a lock :meth:`claim` took, and remove its file (nothing is left behind a fetch)."""
+        with contextlib.suppress(OSError):
+            (self.version_dir(model, version) / LOCK).unlink()
+        os.close(fd)
+
+    def claimed_elsewhere(self, model: str, version: str) -> bool:
+        """Whether another process holds ``model/version``'s fetch lock (:meth:`claim`) now."""
+        try:
+            fd = os.open(self.version_dir(model, version) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False  # no lock file: nothing ever fetched here while locking, or it is gone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     def all(self) -> list[tuple[str, str, Manifest]]:
         """Every ``(model, version, manifest)`` in the store, sorted by model then version."""
