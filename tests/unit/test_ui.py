@@ -147,6 +147,20 @@ async def test_actions_need_csrf_and_pass_the_api_checks(install: Install, serve
         assert "node node-1 cordoned" in await r.text()
         r = await c.post(base + "/ui/nodes/node-1/uncordon", data={"csrf": csrf})
         assert "schedulable" in await r.text()
+        # A drain of the only node: it said "replicas moved" while they waited for room (a new user's finding).
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for _ in range(100):  # chat placed on node-1 again since the uncordon (a leader pass)
+            async with c.get(base + "/api/v1/replicas", headers=auth) as got:
+                if any(x["model"] == "chat" and x["node"] == "node-1" for x in await got.json()):
+                    break
+            await asyncio.sleep(0.05)
+        r = await c.post(base + "/ui/nodes/node-1/drain", data={"csrf": csrf})
+        page = await r.text()
+        assert "node node-1 drained (cordoned; its replicas stopped, placed again where they fit); no other " \
+               "node can take the replicas of chat now: see their pages" in page, page
+        assert 'class="flash error"' in page
+        r = await c.post(base + "/ui/nodes/node-1/uncordon", data={"csrf": csrf})
+        assert "schedulable" in await r.text()
         # The admin API's own 400 comes back as the page's message.
         r = await c.post(base + "/ui/models/chat/scale", data={"csrf": csrf, "min": "5000"},
                          headers={"Referer": base + "/ui/models/chat"})

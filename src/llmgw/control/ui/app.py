@@ -411,12 +411,23 @@ async def node(request: web.Request) -> web.Response:
 
 
 async def node_action(request: web.Request) -> web.Response:
-    """Cordon, uncordon or drain a node (``POST /api/v1/nodes/{id}/{action}``)."""
+    """Cordon, uncordon or drain a node (``POST /api/v1/nodes/{id}/{action}``). A drain says which
+    models no other node can take the replicas of now (placement's check of each, as ``ctl node
+    drain`` does): it said "replicas moved" while they waited, pending, for room (a new user's finding)."""
     await auth.check_csrf(request)
     nid, action = request.match_info["id"], request.match_info["action"]
-    await _api(request).post(f"/api/v1/nodes/{_segment(nid)}/{action}")
-    done = {"cordon": "cordoned", "uncordon": "uncordoned", "drain": "drained (cordoned, replicas moved)"}
-    await auth.flash(request, f"node {nid} {done[action]}")
+    api = _api(request)
+    before = await api.get("/api/v1/replicas") if action == "drain" else []
+    await api.post(f"/api/v1/nodes/{_segment(nid)}/{action}")
+    done = {"cordon": "cordoned", "uncordon": "uncordoned",
+            "drain": "drained (cordoned; its replicas stopped, placed again where they fit)"}
+    stuck = []
+    for model in sorted({r.get("model", "") for r in before if r.get("node") == nid}):
+        profiles = (await api.get(f"/api/v1/models/{_segment(model)}/resources")).get("profiles") or []
+        if not any(n.get("fits") for p in profiles for n in p.get("nodes", [])):
+            stuck.append(model)
+    nowhere = f"; no other node can take the replicas of {', '.join(stuck)} now: see their pages" if stuck else ""
+    await auth.flash(request, f"node {nid} {done[action]}{nowhere}", error=bool(stuck))
     raise web.HTTPSeeOther(f"/ui/nodes/{_segment(nid)}")
 
 
