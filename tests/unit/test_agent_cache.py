@@ -90,6 +90,34 @@ async def test_changed_file_is_fetched_again(tmp_path: Path, mirror: Mirror) -> 
     assert mirror.gets == 2
 
 
+async def test_the_same_weights_under_another_model_are_linked_not_fetched_again(
+    tmp_path: Path, mirror: Mirror
+) -> None:
+    """A new user's finding: three catalog models on one mirror file made a node hold three copies
+    (242 MB each). A spec whose sha256 a cached file already has gets a hard link to it: no
+    download, no second copy on disk; each name is its own model's, with its digest recorded."""
+    cache = NodeCache(tmp_path / "cache", max_bytes=len(BODY) + 10)  # room for one copy: the two names fit
+    async with aiohttp.ClientSession() as session:
+        first = await cache.ensure(session, spec(mirror.base))
+        cache.release(first)
+        other = await cache.ensure(session, spec(mirror.base, model="copy", version="2"))
+    assert first.exists()  # its bytes counted once: nothing evicted
+    assert mirror.gets == 1
+    assert other == tmp_path / "cache" / "copy" / "2" / "w.gguf"
+    assert other.read_bytes() == BODY
+    assert os.stat(other).st_ino == os.stat(first).st_ino  # one file on disk, two names
+    assert recorded_digest(other) == SHA
+
+
+async def test_a_failed_first_fetch_leaves_no_empty_directories(tmp_path: Path, mirror: Mirror) -> None:
+    """A download that fails (a 404, here a wrong digest) left ``cache/<model>/<version>/`` behind, empty."""
+    cache = NodeCache(tmp_path / "cache")
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(MirrorError):
+            await cache.ensure(session, spec(mirror.base, model="ghost", sha="0" * 64))
+    assert not (tmp_path / "cache" / "ghost").exists()
+
+
 async def test_wrong_digest_is_an_error_naming_the_url(tmp_path: Path, mirror: Mirror) -> None:
     cache = NodeCache(tmp_path / "cache")
     async with aiohttp.ClientSession() as session:
@@ -144,13 +172,14 @@ def test_unsafe_names_are_refused(tmp_path: Path) -> None:
 
 
 async def test_eviction_keeps_files_in_use(tmp_path: Path, mirror: Mirror) -> None:
+    # No digest in the specs: each version is its own download (equal digests are linked, not fetched).
     cache = NodeCache(tmp_path / "cache", max_bytes=len(BODY) + 10)
     async with aiohttp.ClientSession() as session:
-        first = await cache.ensure(session, spec(mirror.base, version="a"))
-        second = await cache.ensure(session, spec(mirror.base, version="b"))
+        first = await cache.ensure(session, spec(mirror.base, sha="", version="a"))
+        second = await cache.ensure(session, spec(mirror.base, sha="", version="b"))
         assert first.exists()  # in use: never evicted
         cache.release(first)
-        third = await cache.ensure(session, spec(mirror.base, version="c"))
+        third = await cache.ensure(session, spec(mirror.base, sha="", version="c"))
     assert not first.exists()
     assert not digest_record_path(first).exists()
     assert second.exists()
@@ -158,17 +187,18 @@ async def test_eviction_keeps_files_in_use(tmp_path: Path, mirror: Mirror) -> No
 
 
 async def test_eviction_takes_the_least_recently_used_not_the_oldest_fetched(tmp_path: Path, mirror: Mirror) -> None:
+    # No digest in the specs: each version is its own download (equal digests are linked, not fetched).
     cache = NodeCache(tmp_path / "cache", max_bytes=2 * len(BODY) + 10)
     async with aiohttp.ClientSession() as session:
-        a = await cache.ensure(session, spec(mirror.base, version="a"))
-        b = await cache.ensure(session, spec(mirror.base, version="b"))
+        a = await cache.ensure(session, spec(mirror.base, sha="", version="a"))
+        b = await cache.ensure(session, spec(mirror.base, sha="", version="b"))
         cache.release(a)
         cache.release(b)
         os.utime(digest_record_path(a), (1_000, 1_000))  # used long ago ...
         os.utime(digest_record_path(b), (2_000, 2_000))
-        assert await cache.ensure(session, spec(mirror.base, version="a")) == a  # ... and used again now
+        assert await cache.ensure(session, spec(mirror.base, sha="", version="a")) == a  # ... and used again now
         cache.release(a)
-        c = await cache.ensure(session, spec(mirror.base, version="c"))
+        c = await cache.ensure(session, spec(mirror.base, sha="", version="c"))
     assert a.exists()
     assert not b.exists()  # the least recently used one went
     assert c.exists()

@@ -151,7 +151,8 @@ class NodeCache:
         )
 
     async def ensure(self, session: aiohttp.ClientSession, spec: ReplicaSpec) -> Path:
-        """The local path of the spec's weights, fetched and verified if needed.
+        """The local path of the spec's weights, fetched and verified if needed; bytes already cached
+        under another model or version with the spec's sha256 are linked, not fetched again.
 
         Raises:
             MirrorError: the download failed or the digest does not match (message names the URL);
@@ -164,11 +165,21 @@ class NodeCache:
             have = await asyncio.to_thread(self._present_digest, path, want)
             if have and (not want or have == want):
                 log.info("cache: %s is present (sha256 %s), reused", path, have[:12])
+            elif want and (same := await asyncio.to_thread(self._linked_copy, path, want)) is not None:
+                log.info("cache: %s holds the same bytes (sha256 %s): linked as %s, not fetched again",
+                         same, want[:12], path)
             else:
                 await refuse_link_local(spec.source_url)
                 log.info("cache: fetching %s into %s", spec.source_url, path)
+                made = [d for d in (path.parent.parent, path.parent) if not d.exists()]
                 path.parent.mkdir(parents=True, exist_ok=True)
-                digest = await download(session, spec.source_url, path, expected_sha256=want)
+                try:
+                    digest = await download(session, spec.source_url, path, expected_sha256=want)
+                except BaseException:
+                    for d in reversed(made):  # a failed first fetch leaves no empty directories
+                        with contextlib.suppress(OSError):
+                            d.rmdir()
+                    raise
                 await asyncio.to_thread(record_digest, path, digest)
                 log.info("cache: %s fetched (sha256 %s)", path, digest[:12])
             with contextlib.suppress(OSError):
@@ -181,6 +192,25 @@ class NodeCache:
     def release(self, path: Path) -> None:
         """Mark ``path`` as no longer used by a running replica (eviction may take it)."""
         self.in_use.discard(path)
+
+    def _linked_copy(self, path: Path, want: str) -> Path | None:
+        """Give ``path`` the bytes of a cached file whose recorded sha256 is ``want`` (another model
+        or version with the same weights: a node held three 242 MB copies of one mirror file under
+        three model names, a new user's finding), as a hard link (no copy, no disk); the file linked,
+        or None when none is cached (or it cannot be linked: another filesystem)."""
+        for rec in self.root.glob("*/*/.*.sha256"):
+            have = rec.parent / rec.name[1 : -len(".sha256")]
+            if have == path or recorded_digest(have) != want:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.unlink(missing_ok=True)  # a stale file of that name (its digest did not match)
+                os.link(have, path)
+            except OSError:
+                return None
+            record_digest(path, want)
+            return have
+        return None
 
     @staticmethod
     def _present_digest(path: Path, want: str) -> str:
@@ -195,21 +225,27 @@ class NodeCache:
         return digest
 
     def evict(self, keep: set[Path]) -> list[Path]:
-        """Delete least recently used files until the cache fits ``max_bytes``; returns what went."""
+        """Delete least recently used files until the cache fits ``max_bytes``; returns what went.
+        Names linked to one file (the same weights under two models: :meth:`_linked_copy`) count
+        its bytes once, and deleting one of them frees them only when it was the last."""
         if self.max_bytes is None:
             return []
         files = []
+        names: dict[tuple[int, int], int] = {}  # (device, inode) -> names of it in the cache
         total = 0
         for rec in self.root.glob("*/*/.*.sha256"):
             f = rec.parent / rec.name[1 : -len(".sha256")]
             try:
-                size, used = f.stat().st_size, rec.stat().st_mtime
+                st, used = f.stat(), rec.stat().st_mtime
             except OSError:
                 continue
-            total += size
-            files.append((used, f, rec, size))
+            inode = (st.st_dev, st.st_ino)
+            if inode not in names:
+                total += st.st_size
+            names[inode] = names.get(inode, 0) + 1
+            files.append((used, f, rec, st.st_size, inode))
         gone = []
-        for _, f, rec, size in sorted(files):
+        for _, f, rec, size, inode in sorted(files):
             if total <= self.max_bytes:
                 break
             if f in keep or f in self.in_use:
@@ -217,7 +253,8 @@ class NodeCache:
             with contextlib.suppress(OSError):
                 f.unlink()
                 rec.unlink()
-                total -= size
+                names[inode] -= 1
+                total -= size if names[inode] == 0 else 0
                 gone.append(f)
                 log.info("cache: evicted %s (%d bytes) to stay under %d", f, size, self.max_bytes)
         return gone
