@@ -5,6 +5,7 @@ Real processes (``sleep``) in their own sessions, as engines are launched; every
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,9 +17,11 @@ import pytest
 from llmgw.agent.node.records import (
     ReplicaRecord,
     adoptable,
+    drop_record,
     live_process,
     load_records,
     replica_dir,
+    replicas_dir,
     stop_all_engines,
     stop_process_group,
     write_record,
@@ -165,3 +168,26 @@ def test_stop_of_a_gone_group_is_false() -> None:
     proc = subprocess.Popen(["true"], start_new_session=True)
     proc.wait()
     assert stop_process_group(proc.pid, grace_s=0.1) is False
+
+
+def test_the_directories_of_replicas_ended_long_ago_go_when_a_record_is_dropped(tmp_path: Path) -> None:
+    """A new user's finding: every replica a node ever ran kept its directory (12 for 3 live ones).
+    Dropping a record now removes the ended ones beyond the newest 20 that are over 7 days old; a
+    live replica's directory (its record) and the recent ones stay."""
+    now = time.time()
+    root = replicas_dir(tmp_path)
+    for i in range(30):  # ended replicas, the newest first: r00 ended 0 days ago, r29 29 days ago
+        d = root / f"r{i:02d}"
+        d.mkdir(parents=True)
+        (d / "engine.log").write_text("a log\n")
+        for f in (d / "engine.log", d):
+            os.utime(f, (now - i * 86400, now - i * 86400))
+    live = root / "live"
+    live.mkdir()
+    (live / "record.json").write_text("{}")
+    os.utime(live, (now - 90 * 86400, now - 90 * 86400))
+    (root / "r00" / "record.json").write_text("{}")  # the one being dropped
+    drop_record(tmp_path, "r00", now=now)
+    left = sorted(p.name for p in root.iterdir())
+    assert left == ["live", *(f"r{i:02d}" for i in range(20))]  # 20 newest ended kept (r00-r19)
+    assert not (root / "r00" / "record.json").exists()

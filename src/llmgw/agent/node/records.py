@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -136,12 +137,40 @@ def write_record(agent_state: Path, record: ReplicaRecord) -> Path:
     return path
 
 
-def drop_record(agent_state: Path, replica_id: str) -> None:
-    """Remove a replica's record and key file (its log stays for whoever looks into a failure)."""
+#: The directories of ended replicas (their logs) kept: the newest :data:`KEEP_ENDED` of them, and
+#: any younger than :data:`KEEP_ENDED_S`. Before, every replica a node ever ran kept its directory
+#: (12 for 3 live ones after a morning: a new user's finding).
+KEEP_ENDED = 20
+KEEP_ENDED_S = 7 * 86400.0
+
+
+def drop_record(agent_state: Path, replica_id: str, *, now: float | None = None) -> None:
+    """Remove a replica's record and key file (its log stays for whoever looks into a failure), and
+    the directories of replicas ended long ago (:func:`prune_ended`)."""
     d = replica_dir(agent_state, replica_id)
     for name in ("record.json", "api-key"):
         with contextlib.suppress(FileNotFoundError):
             (d / name).unlink()
+    prune_ended(agent_state, time.time() if now is None else now)
+
+
+def prune_ended(agent_state: Path, now: float, *, keep: int = KEEP_ENDED, keep_s: float = KEEP_ENDED_S) -> list[Path]:
+    """Delete the directories of ended replicas (no ``record.json``) beyond the newest ``keep`` and
+    older than ``keep_s`` (by their last change, unix seconds); returns what went."""
+    root = replicas_dir(agent_state)
+    ended = []
+    for d in root.iterdir() if root.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if d.is_dir() and not d.is_symlink() and not (d / "record.json").exists():
+                ended.append((max(f.stat().st_mtime for f in [d, *d.iterdir()]), d))
+    gone = []
+    for changed, d in sorted(ended, reverse=True)[keep:]:
+        if now - changed > keep_s:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    if gone:
+        log.info("removed the directories of %d replicas ended over %.0f days ago", len(gone), keep_s / 86400)
+    return gone
 
 
 def instance_id(agent_state: Path) -> str:
