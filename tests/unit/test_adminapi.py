@@ -17,6 +17,7 @@ from llmgw.control.api.openapi import build_openapi
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
+from llmgw.ggufheader import GgufFacts
 from llmgw.guard.config import GuardConfig
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState
 
@@ -258,3 +259,23 @@ def test_every_admin_route_is_in_the_openapi_document(store: Store) -> None:
         if r.method not in ("HEAD", "*") and str(path).startswith("/api/"):
             routes.add((r.method, path))
     assert routes - documented == set()
+
+
+async def test_a_cordon_answers_the_node_as_get_nodes_shows_it(client: TestClient[Any, Any], store: Store) -> None:
+    """A new user's finding: ``ctl node cordon --json`` said ``memory_reserved_bytes: 0`` for a node
+    whose ``ctl nodes --json`` said 600000000: the cordon's answer counted the catalog's profile
+    (no ``min_memory_gb``), not the estimate placement reserves from the GGUF header. Both count
+    the estimate now."""
+    inv = Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=6 * GB)
+    engines = [EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")]
+    store.upsert_node_heartbeat("node-a", Heartbeat(inventory=inv, engines=engines), 999.0)
+    model = {"name": "est", "source": "http://m/est.gguf", "profiles": [{"name": "cpu"}]}  # no min_memory_gb
+    assert (await client.post("/api/v1/models", json=model, headers=AUTH)).status == 201
+    facts = GgufFacts(architecture="llama", file_size=400_000_000, block_count=16, head_count=8, head_count_kv=[8],
+                      key_length=64, value_length=64, embedding_length=1024, context_length=4096)
+    store.set_gguf_facts("http://m/est.gguf", body=facts.model_dump_json(), error="", now=999.0)
+    Leader(store, node_lost_after_s=30).reconcile_once(1000.0)
+    (listed,) = await (await client.get("/api/v1/nodes", headers=AUTH)).json()
+    assert listed["resources"]["memory_reserved_bytes"] > 400_000_000  # the weights at least
+    cordoned = await (await client.post("/api/v1/nodes/node-a/cordon", headers=AUTH)).json()
+    assert cordoned["resources"] == listed["resources"]

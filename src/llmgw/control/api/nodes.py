@@ -90,10 +90,16 @@ def by_node(replicas: list[ReplicaRow]) -> dict[str, list[ReplicaRow]]:
     return out
 
 
+def _models(store: Store) -> dict[str, Model]:
+    """Every model as placement sees it (its memory estimated from the GGUF facts where the profile
+    gives none), for the reservations a node view shows."""
+    facts = parse_facts(store.list_gguf_facts())
+    return {m.name: effective_model(m.model, facts) for m in store.list_models()}
+
+
 def _list_nodes(store: Store) -> list[Any]:
     replicas = by_node(store.list_replicas())
-    facts = parse_facts(store.list_gguf_facts())
-    models = {m.name: effective_model(m.model, facts) for m in store.list_models()}
+    models = _models(store)
     return [node_view(n, replicas.get(n.id, []), models).model_dump(mode="json") for n in store.list_nodes()]
 
 
@@ -124,7 +130,7 @@ async def node_action(request: web.Request) -> web.Response:
         await db.run(lambda: store.note_changes(nodes=[node.id], models={r.model for r in gone}, now=ctx.clock()))
     ctx.changed()
     replicas = await db.read(store.list_replicas)
-    models = {m.name: m.model for m in await db.read(store.list_models)}
+    models = await db.read(_models, store)  # estimated as GET /api/v1/nodes has them (it said 0 reserved)
     return _json(node_view(node, replicas, models).model_dump(mode="json"))
 
 
