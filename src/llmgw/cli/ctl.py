@@ -333,13 +333,16 @@ def node_rm(
 ) -> None:
     """Remove NODE and revoke every certificate issued for it so far; refused while replicas run there
     (--force drains)."""
-    data = _client(server, token).remove_node(node, force=force)
+    client = _client(server, token)
+    before = client.replicas() if force else []
+    data = client.remove_node(node, force=force)
     if as_json:
         _print_json(data)
         return
     if data.drained:
         print(f"{node}: drained {len(data.drained)} replica(s); they will be placed when a node can run "
               "them ('llmgw ctl replicas' shows where)")
+        warn_drained_nowhere(client, node, before)  # as a drain does (a new user's finding: rm said nothing)
     if data.revoked:
         print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, and every other "
               "certificate issued for it until now is refused, so its agent stops at its next heartbeat")
