@@ -43,7 +43,7 @@ def warn_unreadable_source(client: AdminClient, name: str) -> dict[str, Any] | N
         return None  # the add itself worked; the check is a courtesy
     if error:
         print(f"!! {name}: its source cannot be read as a GGUF file: {error}. Its replicas will fail until it can "
-              "(check the source against 'llmgw mirror ls'; fix it with 'llmgw ctl model rm' and add again)",
+              f"(check the source against 'llmgw mirror ls'; fix it with 'llmgw ctl model set {name} source=URL')",
               file=sys.stderr)
     return got
 

@@ -248,10 +248,10 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
             if adding:
                 spec = conn.scalar(sa.select(models_t.c.spec).where(models_t.c.name == model.name))
                 if spec is not None:
-                    how = (
-                        "PATCH it or DELETE it first"
+                    how = (  # the API's verbs, and the CLI's ('ctl model set' is a PATCH)
+                        "change it ('llmgw ctl model set', PATCH) or remove it first ('llmgw ctl model rm', DELETE)"
                         if self._readable(model.name, spec)
-                        else "its stored row is broken: DELETE it first"
+                        else "its stored row is broken: remove it first ('llmgw ctl model rm', DELETE)"
                     )
                     return Conflict(f"model '{model.name}' already exists; {how}")
             held = conn.execute(
