@@ -405,11 +405,17 @@ def test_a_judge_whose_template_fell_back_is_failed(env: Env) -> None:
 
 
 def test_policy_by_key(env: Env) -> None:
-    """The team's key has its own policy (fail open), others get 'strict'."""
+    """The team's key has its own policy (fail open), others get 'strict'; the key is the team's
+    however it is sent: as ``x-api-key`` it escaped the policy (a new user's finding: a guard bypass)."""
     r = env.post("chat", key="sk-team")
     assert r.headers["x-llmgw-guard-policy"] == "team"
     r = env.post("chat")
     assert r.headers["x-llmgw-guard-policy"] == "strict"
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+    for key in ("sk-team", KEY):
+        r = httpx.post(f"{env.url}/v1/chat/completions", json=body, headers={"x-api-key": key})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-llmgw-guard-policy"] == ("team" if key == "sk-team" else "strict")
 
 
 def test_stats(env: Env) -> None:

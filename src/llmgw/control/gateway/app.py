@@ -124,10 +124,16 @@ def is_loopback(remote: str | None) -> bool:
 
 
 def _caller(request: web.Request) -> str:
-    """The bearer key's id (:func:`llmgw.guard.config.key_id`), "" without one; for the inspector."""
+    """The id (:func:`llmgw.guard.config.key_id`) of the key the request was let in with, for the
+    inspector's policies: its ``Authorization: Bearer`` key, else its ``x-api-key`` (as
+    :meth:`_Gateway.authenticate` takes them); "" without one. Only the bearer key was read, so a key
+    sent as ``x-api-key`` escaped every policy scoped to it with ``keys:`` (a new user's finding)."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     key = key.strip()
-    return key_id(key) if scheme.lower() == "bearer" and key else ""
+    if scheme.lower() == "bearer" and key:
+        return key_id(key)
+    x_key = request.headers.get("x-api-key", "").strip()
+    return key_id(x_key) if x_key else ""
 
 
 @dataclass(eq=False)
