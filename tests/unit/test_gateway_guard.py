@@ -27,9 +27,13 @@ import openai
 import pytest
 from aiohttp import web
 
+from llmgw.apikeys import key_digest
 from llmgw.control.gateway.app import build_gateway_app
+from llmgw.control.gateway.callers import Callers
 from llmgw.control.gateway.guard import GuardInspector, HeldStream
 from llmgw.control.gateway.inspect import Exchange
+from llmgw.control.gateway.keys import GatewayKeys
+from llmgw.control.store.rows import ApiKeyRow
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
@@ -416,6 +420,39 @@ def test_policy_by_key(env: Env) -> None:
         r = httpx.post(f"{env.url}/v1/chat/completions", json=body, headers={"x-api-key": key})
         assert r.status_code == 200, r.text
         assert r.headers["x-llmgw-guard-policy"] == ("team" if key == "sk-team" else "strict")
+
+
+def test_a_policy_naming_a_stored_key_holds_across_its_rotation() -> None:
+    """Over real HTTP, with the real gateway's key table: a policy with ``key_names: [ivy]`` judges
+    the stored key ivy's requests, before and after its secret is rotated (a policy listing its id
+    stopped applying to the new secret: a new user's finding); a keys-file key is not ivy."""
+    servers = ServerThread()
+    try:
+        jport = servers.serve(FakeJudge().app())
+        a = servers.serve(fake_llama("replica-a", "key-a"))
+        judge = JudgeRoute("judge", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),))
+        policy = Policy(name="ivys", judge="judge", check=[Direction.IN], key_names=["ivy"])
+        guard = GuardInspector(GuardConfig(policies=[policy]), JudgeClient({"judge": judge}.get))
+        callers = Callers(GatewayKeys(None, initial={"sk-file"}))
+        callers.set_rows([ApiKeyRow("ivy", "sk-ivy-1", key_digest("sk-ivy-1"), revision=1)])
+        route = Route("chat", (Upstream("r-a", f"127.0.0.1:{a}", "key-a"),))
+        app = build_gateway_app(StaticRouter(routes={"chat": route}), keys=callers.file_keys,
+                                allow_loopback_without_key=False, inspector=guard, callers=callers)
+        url = f"http://127.0.0.1:{servers.serve(app)}/v1/chat/completions"
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+
+        def policy_of(key: str) -> str:
+            r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return r.headers.get("x-llmgw-guard-policy", "")
+
+        assert policy_of("sk-ivy-1") == "ivys"
+        assert policy_of("sk-file") == ""  # no policy applies: not judged
+        callers.set_rows([ApiKeyRow("ivy", "sk-ivy-2", key_digest("sk-ivy-2"), revision=2)])  # rotated
+        assert policy_of("sk-ivy-2") == "ivys"
+        servers.run(guard.client.close())
+    finally:
+        servers.close()
 
 
 def test_stats(env: Env) -> None:

@@ -80,3 +80,21 @@ def test_a_policys_models_may_name_an_alias() -> None:
     assert g.policy_for("gemma-3-270m-q4_k_m", "", ("gemma", "g")).name == "byalias"  # type: ignore[union-attr]
     assert g.policy_for("gemma-3-270m-q4_k_m", "") is None  # no alias: not named
     assert g.policy_for("small", "", ("qwen-small",)).name == "qwen"  # type: ignore[union-attr]
+
+
+def test_a_policy_names_stored_keys_by_name_which_survives_a_rotation() -> None:
+    """A new user's finding: a policy listing a stored key's id stopped applying once the key was
+    rotated (a new secret, a new id), without a word. ``key_names`` names the stored key itself;
+    the keys-file and keyless callers (no name) are not it."""
+    cfg = GuardConfig(policies=[
+        Policy(name="team", judge="j", key_names=["ivy"]),
+        Policy(name="rest", judge="j"),
+    ])
+    assert cfg.policy_for("chat", key_id("sk-ivy-new"), key_name="ivy").name == "team"
+    assert cfg.policy_for("chat", key_id("sk-ivy-old"), key_name="ivy").name == "team"
+    assert cfg.policy_for("chat", key_id("sk-other"), key_name="olga").name == "rest"
+    assert cfg.policy_for("chat", key_id("sk-file")).name == "rest"
+    both = Policy(name="both", judge="j", keys=[key_id("sk-x")], key_names=["ivy"])
+    assert both.applies("chat", key_id("sk-x"))
+    assert both.applies("chat", "", key_name="ivy")
+    assert not both.applies("chat", key_id("sk-y"), key_name="olga")

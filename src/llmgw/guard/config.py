@@ -21,10 +21,14 @@ Example::
           budget_s: 5
           models: []                   # empty: every model; names, aliases or shell patterns ("qwen*")
           keys: []                     # empty: every caller; API key ids (sha256 hex prefixes)
+          key_names: []                # stored keys by name ('ctl key create NAME'): they survive 'ctl key rotate'
 
 With no policy, guardrails are off (:meth:`GuardConfig.on` is False) and the gateway relays
 untouched. The first policy (in file order) whose ``models`` and ``keys`` match a request is the
-one that applies.
+one that applies. ``keys`` and ``key_names`` together say which callers: a key whose id is in
+``keys`` or which is the stored key named in ``key_names`` (an id changes when its key is rotated,
+so a policy listing it stopped applying to the new secret, without a word: a new user's finding);
+both empty, every caller.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class Policy(_Strict):
     budget_s: Annotated[float, Field(gt=0, le=600)] = DEFAULT_BUDGET_S
     models: list[str] = Field(default_factory=list)
     keys: list[str] = Field(default_factory=list)
+    key_names: list[str] = Field(default_factory=list)
 
     @field_validator("name")
     @classmethod
@@ -131,9 +136,10 @@ class Policy(_Strict):
         """Whether this policy judges ``direction``."""
         return direction in self.check
 
-    def applies(self, model: str, caller: str, aliases: Sequence[str] = ()) -> bool:
+    def applies(self, model: str, caller: str, aliases: Sequence[str] = (), key_name: str = "") -> bool:
         """Whether this policy covers ``model`` (catalog name; ``aliases``: its other names, which a
-        pattern may name too) for the caller whose key id is ``caller``.
+        pattern may name too) for the caller whose key id is ``caller`` and, for a stored key, whose
+        name is ``key_name`` ("" for a keys-file key or no key).
 
         ``caller`` is "" for a loopback client without a key; a policy limited to keys skips it.
         (``models: [gemma]`` with ``gemma`` an alias guarded nothing, without a word: a new user's finding.)
@@ -141,7 +147,10 @@ class Policy(_Strict):
         names = (model, *aliases)
         if self.models and not any(fnmatch.fnmatchcase(n, p) for p in self.models for n in names):
             return False
-        return not self.keys or (bool(caller) and any(caller.startswith(k) or k.startswith(caller) for k in self.keys))
+        if not self.keys and not self.key_names:
+            return True
+        by_id = bool(caller) and any(caller.startswith(k) or k.startswith(caller) for k in self.keys)
+        return by_id or (bool(key_name) and key_name in self.key_names)
 
 
 class GuardConfig(_Strict):
@@ -158,11 +167,13 @@ class GuardConfig(_Strict):
         """Whether any policy is set."""
         return bool(self.policies)
 
-    def policy_for(self, model: str, caller: str = "", aliases: Sequence[str] = ()) -> Policy | None:
-        """The first policy that applies to ``model`` (with its ``aliases``) and ``caller`` (a key id),
-        or None."""
+    def policy_for(
+        self, model: str, caller: str = "", aliases: Sequence[str] = (), key_name: str = ""
+    ) -> Policy | None:
+        """The first policy that applies to ``model`` (with its ``aliases``) and ``caller`` (a key id;
+        ``key_name``: a stored key's name), or None."""
         for p in self.policies:
-            if p.applies(model, caller, aliases):
+            if p.applies(model, caller, aliases, key_name):
                 return p
         return None
 

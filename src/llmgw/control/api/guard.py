@@ -187,7 +187,7 @@ def guard_status(inspector: GuardInspector | None, config: GuardConfig, store: S
         policies.append({
             "name": p.name, "check": [d.value for d in p.check], "fail": p.fail.value,
             "controversial": p.controversial.value, "budget_s": p.budget_s, "models": p.models,
-            "keys": p.keys, "judges": judges,
+            "keys": p.keys, "key_names": p.key_names, "judges": judges,
         })
     return {
         "on": config.on(),

@@ -74,7 +74,7 @@ from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
-from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
+from llmgw.control.gateway.callers import FILE_CALLER, LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
@@ -315,7 +315,8 @@ class _Gateway:
         requested, model, stream, code, blocked = "", "", False, "", False
         call: Call | None = None
         if self.inspector is not None:
-            call = Call(caller=_caller(request))
+            stored = caller is not FILE_CALLER and caller is not LOOPBACK_CALLER  # a stored key: its name
+            call = Call(caller=_caller(request), key_name=caller.name if stored else "")
             current_call.set(call)
         try:
             raw = await request.read()

@@ -164,7 +164,9 @@ class GuardInspector:
     def policy(self, route: Route) -> Policy | None:
         """The policy for ``route``'s model (by its name or an alias) and the current request's caller, or None."""
         call = current_call.get()
-        return self.config().policy_for(route.model, call.caller if call else "", route.aliases)
+        if call is None:
+            return self.config().policy_for(route.model, "", route.aliases)
+        return self.config().policy_for(route.model, call.caller, route.aliases, call.key_name)
 
     # -- the Inspector hooks -------------------------------------------------------------------
     async def prompt(self, route: Route, request: dict[str, Any]) -> Refusal | None:

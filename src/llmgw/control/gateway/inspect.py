@@ -47,6 +47,7 @@ class Call:
 
     Attributes:
         caller: the API key's id (:func:`llmgw.guard.config.key_id`), "" for a client without a key.
+        key_name: a stored key's name (the policies' ``key_names``), "" for a keys-file key or none.
         headers: response headers the inspector adds (verdicts, judge time); the gateway copies them
             onto the response before it is sent (for a stream, those set before its first byte).
         blocked: the refusal's code when the inspector ended a stream it had let start (its 200 sent)
@@ -55,6 +56,7 @@ class Call:
     """
 
     caller: str = ""
+    key_name: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     blocked: str = ""
 
