@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app
+from llmgw.guard.config import key_id
 from tests.helpers.control import TOKEN, Install, make_install
 from tests.unit.test_ctl_model_rm import ThreadedControlPlane
 
@@ -68,6 +69,9 @@ def test_create_list_rotate_revoke_through_the_cli(cp: Install) -> None:
     assert code == 0, out
     new = next(ln for ln in out.splitlines() if ln.startswith("sk-llmgw-"))
     assert new != secret
+    # the id a guard policy would list, and the name that outlives it (a new user's finding: a rotated
+    # key left its policy silently, and no command showed a key's id)
+    assert f"Its id for a guard policy's keys: {key_id(new)} (key_names: [team-a] names it" in " ".join(out.split())
     t0 = time.monotonic()
     while _gateway_models(cp, new).status_code != 200:
         assert time.monotonic() - t0 < 1.5, "a rotated key's new secret was not taken within 1.5 s"
