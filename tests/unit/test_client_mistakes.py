@@ -13,10 +13,11 @@ from llmgw.cli.main import app
 from llmgw.control.gateway.app import _parse
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
-from llmgw.control.gateway.replicaerrors import client_mistake
+from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
 from llmgw.control.gateway.request import CHAT, check_chat
 from llmgw.errors import HttpError, JudgeError
 from llmgw.guard.config import Direction, Policy
+from llmgw.routing import Route
 
 USER = {"role": "user", "content": "hi"}
 
@@ -108,3 +109,22 @@ def test_chat_refuses_an_empty_model_name(tmp_path: Path) -> None:
     assert r.exit_code == 2, r.output
     assert "--model" in r.output
     assert "llmgw ctl models" in r.output
+
+
+def test_an_embedding_input_past_the_engines_batch_is_a_400_for_the_client() -> None:
+    """llama-server answers an embedding input longer than its micro-batch with a 500 "input (602
+    tokens) is too large to process. increase the physical batch size" (operator advice, a server
+    error, for the client's input: a new user's finding); the gateway answers 400
+    ``context_length_exceeded``. (A recorded engine answer: the real engine now gets a micro-batch of
+    a slot's context, tests/e2e/test_embedding_engine.py, so only an input past that meets it.)"""
+    route = Route("embed", ())
+    said = ("input (5000 tokens) is too large to process. increase the physical batch size (current batch size: "
+            "2048)")
+    got = _context_error(route, 500, {"code": 500, "message": said, "type": "server_error"})
+    assert got is not None
+    assert got.status == 400
+    body = json.loads(got.body)  # type: ignore[arg-type]
+    assert body["error"]["code"] == "context_length_exceeded"
+    assert body["error"]["message"] == ("model 'embed': input (5000 tokens) is too large to process; "
+                                        "send a shorter input")
+    assert _context_error(route, 500, {"message": "slot failed", "type": "server_error"}) is None

@@ -25,6 +25,7 @@ args win over the agent's defaults and ``--threads``, without a flag appearing t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -85,6 +86,9 @@ _SPELLINGS: dict[str, tuple[str, ...]] = {
     "webui": ("--no-webui", "--webui", "--ui", "--no-ui"),
     "device": ("-dev", "--device"),
     "metrics": ("--metrics",),
+    "embeddings": ("--embedding", "--embeddings"),
+    "batch-size": ("-b", "--batch-size"),
+    "ubatch-size": ("-ub", "--ubatch-size"),
 }
 AGENT_OWNED = ("model", "host", "port", "api-key")
 """Flags only the agent sets: a profile's value is dropped (the agent must know where the engine
@@ -252,6 +256,28 @@ def sets(args: Iterable[str], name: str) -> bool:
     return any(_flag_of(a) in spellings for a in args)
 
 
+def int_value(args: Sequence[str], name: str, default: int) -> int:
+    """The integer ``args`` give the flag ``name`` (``-c 8192``, ``--ctx-size=8192``; the last one
+    counts), else ``default`` (also for a value that is not an integer: llama-server refuses it)."""
+    spellings = _SPELLINGS[name]
+    found = default
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag not in spellings:
+            continue
+        text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        with contextlib.suppress(ValueError):
+            found = int(text)
+    return found
+
+
+def slot_tokens(args: Sequence[str]) -> int:
+    """The context of one slot with ``args``: ``--ctx-size`` over ``--parallel``, with the defaults
+    this module adds (:data:`DEFAULT_CTX_SIZE`, :data:`DEFAULT_PARALLEL`)."""
+    ctx = int_value(args, "ctx-size", DEFAULT_CTX_SIZE)
+    return max(1, ctx // max(1, int_value(args, "parallel", DEFAULT_PARALLEL)))
+
+
 def drop_owned(args: Sequence[str]) -> tuple[list[str], list[str]]:
     """Profile args without the agent-owned flags (and their values); returns ``(kept, dropped)``."""
     owned = {s for name in AGENT_OWNED for s in _SPELLINGS[name]}
@@ -293,8 +319,9 @@ def build_argv(
     (0) the node's logical cores. The key goes by
     ``--api-key-file`` when ``key_file`` is given and the build knows it (argv is readable by every
     user in ``/proc``), else ``--api-key``. Defaults (``--ctx-size 4096``, ``--parallel 4``, ``--cache-ram 1024``,
-    ``--alias <model>``, ``--no-webui``, ``--metrics``, and ``--device none`` for a CPU replica
-    on a node with GPUs, so a "CPU" profile does not quietly take VRAM) are added only when the
+    ``--alias <model>``, ``--no-webui``, ``--metrics``, ``--device none`` for a CPU replica
+    on a node with GPUs, so a "CPU" profile does not quietly take VRAM, and for an embedding
+    model ``--batch-size``/``--ubatch-size`` of one slot's context) are added only when the
     profile does not set them in any spelling and the build knows the flag. ``--threads`` likewise
     yields to the profile's. Agent-owned flags in the profile are dropped (see :data:`AGENT_OWNED`).
     """
@@ -320,6 +347,12 @@ def build_argv(
     ]
     if node_has_gpus and not spec.gpu_indexes and "--rpc" not in extra:  # a head's devices are its workers
         defaults.append(("device", ["--device", "none"]))
+    if sets(profile, "embeddings"):
+        # An embedding's input must fit one micro-batch (512 by default): any input past 512 tokens was
+        # a 500 "input (602 tokens) is too large to process" (a new user's finding). A slot's context
+        # is the longest input there is room for anyway.
+        n = str(slot_tokens(profile))
+        defaults += [("batch-size", ["--batch-size", n]), ("ubatch-size", ["--ubatch-size", n])]
     for name, flag in defaults:
         if not sets(profile, name) and server.knows(flag[0]):
             argv += flag

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -65,12 +66,8 @@ async def replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse
     except (ValueError, AttributeError):
         err = None
     shaped = isinstance(err, dict)
-    if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
-        said = str(err.get("message", "")).split(", try increasing it")[0][:200]
-        return openai_error_json(
-            400, "context_length_exceeded",
-            f"model '{route.model}': {said}; shorten the messages or ask for fewer max_tokens",
-        )
+    if isinstance(err, dict) and (too_long := _context_error(route, resp.status, err)) is not None:
+        return too_long
     if resp.status == 500 and (mistake := client_mistake(data)):
         log.info("replica %s of %s: a 500 for the client's request, sent as 400: %s", up.replica_id, route.model,
                  mistake)
@@ -86,3 +83,28 @@ async def replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse
     return openai_error_json(
         resp.status, "upstream_error", f"model '{route.model}' answered {resp.status}: {text}"
     )
+
+
+def _context_error(route: Route, status: int, err: dict[str, Any]) -> web.Response | None:
+    """The 400 ``context_length_exceeded`` for an engine's answer that the input was too long: a
+    prompt past the context (llama-server's own 400), or an embedding input past the micro-batch (its
+    500, "increase the physical batch size", no advice for a client: a new user's finding); None
+    for any other error."""
+    message = str(err.get("message", ""))
+    if err.get("type") == "exceed_context_size_error":
+        said = message.split(", try increasing it", maxsplit=1)[0][:200]
+        return openai_error_json(
+            400, "context_length_exceeded",
+            f"model '{route.model}': {said}; shorten the messages or ask for fewer max_tokens",
+        )
+    if status == 500 and (said := _too_large(message)):
+        return openai_error_json(400, "context_length_exceeded", f"model '{route.model}': {said}; send a shorter input")
+    return None
+
+
+def _too_large(message: str) -> str:
+    """llama-server's 500 for an embedding input longer than it can take in one micro-batch
+    (``input (602 tokens) is too large to process. increase the physical batch size …``) as
+    ``input (602 tokens) is too large to process``; "" for any other message."""
+    head = message.split(". increase the physical batch size", 1)[0]
+    return head[:200] if head != message and "is too large to process" in head else ""
