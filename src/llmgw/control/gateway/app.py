@@ -74,7 +74,14 @@ from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
-from llmgw.control.gateway.callers import FILE_CALLER, LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers
+from llmgw.control.gateway.callers import (
+    FILE_CALLER,
+    LOOPBACK_CALLER,
+    STALE_RETRY_AFTER_S,
+    Caller,
+    Callers,
+    presented_key_id,
+)
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter
@@ -100,7 +107,6 @@ from llmgw.control.gateway.upstream import (
     relay_stream,
 )
 from llmgw.errors import HttpError
-from llmgw.guard.config import key_id
 from llmgw.httperrors import openai_error_json
 from llmgw.routing import Route, Router
 
@@ -121,19 +127,6 @@ def is_loopback(remote: str | None) -> bool:
     if not remote:
         return False
     return remote.startswith(("127.", "::ffff:127.")) or remote == "::1"
-
-
-def _caller(request: web.Request) -> str:
-    """The id (:func:`llmgw.guard.config.key_id`) of the key the request was let in with, for the
-    inspector's policies: its ``Authorization: Bearer`` key, else its ``x-api-key`` (as
-    :meth:`_Gateway.authenticate` takes them); "" without one. Only the bearer key was read, so a key
-    sent as ``x-api-key`` escaped every policy scoped to it with ``keys:`` (a new user's finding)."""
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    key = key.strip()
-    if scheme.lower() == "bearer" and key:
-        return key_id(key)
-    x_key = request.headers.get("x-api-key", "").strip()
-    return key_id(x_key) if x_key else ""
 
 
 @dataclass(eq=False)
@@ -316,7 +309,7 @@ class _Gateway:
         call: Call | None = None
         if self.inspector is not None:
             stored = caller is not FILE_CALLER and caller is not LOOPBACK_CALLER  # a stored key: its name
-            call = Call(caller=_caller(request), key_name=caller.name if stored else "")
+            call = Call(caller=presented_key_id(request.headers), key_name=caller.name if stored else "")
             current_call.set(call)
         try:
             raw = await request.read()

@@ -28,12 +28,13 @@ cut-off control plane for at most ``stale_after_s`` plus one sync (0.5 s) after 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
 from llmgw.apikeys import FILE_CALLER_NAME, LOOPBACK_CALLER_NAME
 from llmgw.control.gateway.keys import GatewayKeys, digest
 from llmgw.control.store.rows import ApiKeyRow
+from llmgw.guard.config import key_id
 
 #: Seconds after the last successful read of the stored keys past which they are refused with 503
 #: (module docstring): 10 syncs of 0.5 s, so a store call that is slow once (a failover's first
@@ -201,3 +202,16 @@ class Callers:
         if allowed is None or requested in allowed or model in allowed:
             return True
         return any(resolve(m) == model for m in allowed)
+
+
+def presented_key_id(headers: Mapping[str, str]) -> str:
+    """The id (:func:`llmgw.guard.config.key_id`) of the key the request was let in with, for the
+    inspector's policies: its ``Authorization: Bearer`` key, else its ``x-api-key`` (as
+    the gateway's ``authenticate`` takes them); "" without one. Only the bearer key was read, so a key
+    sent as ``x-api-key`` escaped every policy scoped to it with ``keys:`` (a new user's finding)."""
+    scheme, _, key = headers.get("Authorization", "").partition(" ")
+    key = key.strip()
+    if scheme.lower() == "bearer" and key:
+        return key_id(key)
+    x_key = headers.get("x-api-key", "").strip()
+    return key_id(x_key) if x_key else ""
