@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app
 from llmgw.control.gateway.app import _parse
+from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
 from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
@@ -128,3 +129,13 @@ def test_an_embedding_input_past_the_engines_batch_is_a_400_for_the_client() -> 
     assert body["error"]["message"] == ("model 'embed': input (5000 tokens) is too large to process; "
                                         "send a shorter input")
     assert _context_error(route, 500, {"message": "slot failed", "type": "server_error"}) is None
+
+
+def test_a_plain_request_left_by_its_client_is_charged_an_estimate() -> None:
+    """Its prompt's characters / 4, and the tokens decoded meanwhile at the replica's rate, held to the
+    request's max_tokens (tests/unit/test_gateway.py has it through the gateway)."""
+    body = {"messages": [{"role": "user", "content": "x" * 400}]}
+    assert abandoned_usage(body, 6.0, 25.0, 0) == {
+        "prompt_tokens": 100, "completion_tokens": 150, "total_tokens": 250, "estimated": True}
+    assert abandoned_usage(body, 6.0, 25.0, 64)["completion_tokens"] == 64
+    assert abandoned_usage(body, 6.0, 0.0, 0)["completion_tokens"] == 0  # no rate known yet

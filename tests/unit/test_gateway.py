@@ -531,7 +531,12 @@ def test_client_going_away_closes_the_replica_request(env: Env) -> None:
         time.sleep(0.02)
     assert env.notes == ["generating", "aborted"]
     # its own exchange: the previous test's last one (a 400) can be recorded after the clear above
-    assert [e.status for e in _recorded(env, lambda e: e.request_id == "abandoned-plain", 1)] == [499]
+    (left,) = _recorded(env, lambda e: e.request_id == "abandoned-plain", 1)
+    assert left.status == 499
+    # charged, estimated: its prompt ('slow-plain', 10 characters / 4) and what was decoded meanwhile (it
+    # was charged nothing: a client timing out used the engine past its limits, a new user's finding)
+    assert left.usage is not None
+    assert (left.usage["prompt_tokens"], left.usage["estimated"]) == (2, True), left.usage
 
 
 def test_a_client_that_closes_on_done_was_answered(env: Env) -> None:

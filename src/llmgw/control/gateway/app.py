@@ -41,19 +41,8 @@ first byte). ``observe`` receives the same figures per request, for metrics and 
 next turn (``call_soon``): after the answer is written, before any later event (cProfile, 2,000 requests:
 metrics, usage and the access-log line were 379 of the handler's own 757 µs); tokens spent count at once.
 
-Measured with ``bench/gateway_overhead.py`` (2 cores shared by client, gateway and an instant
-upstream, other jobs running; one keep-alive client, 5000 requests each way, alternating): p50
-0.42 ms direct vs 0.90 ms through the gateway, **+0.48 ms** (runs: +0.48..0.54; target <= 5 ms;
-LiteLLM 1.108.7 adds ~14 ms here); p95 0.53 vs 1.06 ms; at concurrency 16, 5260 vs 2010 requests/s;
-relaying a stream costs the gateway 90-140 µs of CPU per SSE event (the ``model`` rewrite ~1 µs of
-it). ``x-llmgw-overhead-ms`` read 0.08 ms at the median: it counts the handler's own work only, not
-aiohttp parsing the request and writing the response, nor the extra loopback hop.
-A profile shows the handler's Python is small beside aiohttp's client and the two socket sends.
-The keys file check and the field allow-list did not move it: +0.40/+0.42 ms after vs
-+0.40/+0.41 ms before, alternating runs of 2000 under other engineers' load (the allow-list costs
-~2 µs when the body passes unchanged, ~6 µs when it is re-encoded; the key check ~0.7 µs).
-Those figures are from before the balancer and the queue were on the request path; the current ones,
-with the load they were measured at, are in docs/install.md ("Gateway overhead").
+What the gateway costs a request (``bench/gateway_overhead.py``: added p50, requests/s against
+LiteLLM, CPU per request and where it goes) is measured in docs/install.md ("Gateway overhead").
 No body ever names a replica's address or key: the router's reasons are phrased for clients, and a
 replica's own error body is scrubbed before it is passed through.
 """
@@ -72,6 +61,7 @@ from aiohttp import web
 
 from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
+from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import (
@@ -306,6 +296,7 @@ class _Gateway:
         trace.caller = caller.name
         trace.priority = caller.priority
         requested, model, stream, code, blocked = "", "", False, "", False
+        body: dict[str, Any] = {}
         call: Call | None = None
         if self.inspector is not None:
             stored = caller is not FILE_CALLER and caller is not LOOPBACK_CALLER  # a stored key: its name
@@ -374,6 +365,8 @@ class _Gateway:
                 self._observe(trace, caller, requested, model, stream, status=200, code=code,
                               blocked=code == "content_blocked", kind=endpoint.kind)
             else:
+                if not stream and trace.replica and trace.usage is None:  # charged what was decoded meanwhile
+                    trace.usage = self._abandoned(trace, body)
                 self._observe(
                     trace, caller, requested, model, stream, status=499, code="client_closed", kind=endpoint.kind
                 )
@@ -438,6 +431,13 @@ class _Gateway:
             ttft_ms=(first - trace.started_ns) / 1e6 if first else 0.0,
             queued_ms=trace.queued_ns / 1e6,
         ))
+
+    def _abandoned(self, trace: Trace, body: dict[str, Any]) -> dict[str, Any]:
+        """:func:`~llmgw.control.gateway.body.abandoned_usage` of a plain request left after it was sent."""
+        load = self.pool.balancer.loads().get(trace.replica)
+        cap = body.get("max_tokens")
+        return abandoned_usage(body, trace.upstream_ns / 1e9, load.tokens_per_s if load else 0.0,
+                               cap if isinstance(cap, int) and not isinstance(cap, bool) else 0)
 
     async def healthz(self, _: web.Request) -> web.Response:
         """``GET /healthz``: the gateway process answers (no key needed, says nothing about models)."""

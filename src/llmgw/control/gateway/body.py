@@ -29,6 +29,21 @@ def prompt_chars(body: dict[str, Any]) -> int:
     return n
 
 
+def abandoned_usage(body: dict[str, Any], upstream_s: float, rate: float, cap: int) -> dict[str, Any]:
+    """The tokens charged for a plain (not streamed) request its client left before the answer
+    (a 499): the prompt's characters / 4 (OpenAI's rule of thumb, as for a stream left early) and
+    what the replica decoded meanwhile, ``upstream_s`` seconds at its decode ``rate`` (tokens/s; 0
+    before one is known), at most ``cap`` tokens (the request's output limit; 0: none), marked
+    ``"estimated": true``. Such a request was charged nothing, so a client timing out after 6 s
+    of generation used the engine for free, past its tpm and budget (a new user's finding)."""
+    prompt = prompt_chars(body) // 4
+    completion = int(max(0.0, upstream_s) * max(0.0, rate))
+    if cap > 0:
+        completion = min(completion, cap)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "estimated": True}
+
+
 #: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes: a UTF-16 surrogate, valid JSON only in a pair.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
