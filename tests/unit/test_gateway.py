@@ -163,7 +163,12 @@ def test_a_wrong_key_from_loopback_is_refused(env: Env, header: str) -> None:
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
     message = r.json()["error"]["message"]
-    assert message.startswith("Incorrect API key provided (unknown, revoked or expired); "), message
+    if header.startswith("Basic"):  # a valid key in another scheme: the scheme is what is wrong (a new user's finding)
+        assert message.startswith("The Authorization header must be 'Bearer <key>' (this one has another "
+                                  "scheme, or none); "), message
+        assert KEY not in message
+    else:
+        assert message.startswith("Incorrect API key provided (unknown, revoked or expired); "), message
     assert message.endswith("from this machine you may also send no key at all"), message
     r = httpx.post(
         f"{env.open_url}/v1/chat/completions", json=_chat("g"), headers={"Authorization": header}
@@ -651,3 +656,14 @@ def test_openai_client_errors(env: Env) -> None:
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     bad.close()
+
+
+@pytest.mark.parametrize("model", [5, ["gemma"], {"name": "gemma"}, True])
+def test_a_model_that_is_not_a_string_says_so(env: Env, model: object) -> None:
+    """``"model": 5`` was answered "'model' is required" (code missing_model): it is there, of the wrong
+    type (a new user's finding)."""
+    r = env.post({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request"
+    assert err["message"].startswith("'model' must be a string (a model name from GET /v1/models), not "), err

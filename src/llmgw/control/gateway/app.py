@@ -191,6 +191,8 @@ class _Gateway:
             # From loopback too: a revoked key is refused, and the client is told so first (the
             # loopback hint alone read as if the key did not matter).
             message = "Incorrect API key provided (unknown, revoked or expired)"
+            if malformed:  # 'Token KEY', 'Basic …', a bare KEY: a valid key read as wrong (a new user's finding)
+                message = "The Authorization header must be 'Bearer <key>' (this one has another scheme, or none)"
             if open_here:
                 message += "; from this machine you may also send no key at all"
         return openai_error_json(401, "invalid_api_key", message)

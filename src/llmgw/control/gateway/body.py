@@ -94,6 +94,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HttpError(400, "invalid_request", "the request body must be a JSON object")
     model = body.get("model")
+    if model is not None and model != "" and not isinstance(model, str):  # said "required" for 5 or ["x"]
+        raise HttpError(400, "invalid_request", f"'model' must be a string (a model name from GET /v1/models), "
+                                                f"not {json_kind(model)}")
     if not isinstance(model, str) or not model:
         raise HttpError(400, "missing_model", "'model' is required: a model name from GET /v1/models")
     field = endpoint.text_field
