@@ -229,3 +229,15 @@ def test_store_router_caches_resolves_aliases_and_explains(store: Store) -> None
     assert route.unavailable == (
         "no replica is ready yet (failed (llama-server exited with code 1: error: cannot bind <internal>))"
     )
+
+
+def test_a_model_whose_replicas_all_drain_says_they_are_being_stopped() -> None:
+    """A new user's finding: right after 'ctl model scale gemma 0' the gateway said "no replica is
+    ready yet (ready)" for about 2 s: the replica was still ready, and draining."""
+    from llmgw.control.gateway.table import unavailable_reason  # noqa: PLC0415
+
+    draining = ReplicaRow(id="chat-1", model="chat", node="n", profile="cpu", key="k", state="ready",
+                          draining_since=5.0)
+    assert unavailable_reason([draining], "") == "its replicas are being stopped (scaled down, or their node drained)"
+    starting = ReplicaRow(id="chat-2", model="chat", node="n", profile="cpu", key="k", state="starting")
+    assert unavailable_reason([draining, starting], "") == "no replica is ready yet (draining, starting)"

@@ -73,9 +73,11 @@ def unavailable_reason(replicas: list[ReplicaRow], summary: str) -> str:
     the model's name (``model 'x' is not available: <this>``)."""
     if not replicas:
         return _scrub(summary) if summary else "it has not been placed on a node yet"
+    if all(r.draining_since is not None for r in replicas):  # read "not ready yet (ready)": a new user's finding
+        return "its replicas are being stopped (scaled down, or their node drained)"
     parts = []
     for r in replicas:
-        text = r.state
+        text = "draining" if r.draining_since is not None else r.state
         if r.state == ReplicaState.FAILED and r.err:
             # The first line is the cause (the agent puts it there); the rest is the engine's log.
             text += f" ({_scrub(r.err.strip().splitlines()[0].removesuffix('; its last lines:'))})"
