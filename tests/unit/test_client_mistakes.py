@@ -15,7 +15,7 @@ from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
 from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
-from llmgw.control.gateway.request import CHAT, check_chat
+from llmgw.control.gateway.request import CHAT, EMBEDDINGS, check_chat
 from llmgw.errors import HttpError, JudgeError
 from llmgw.guard.config import Direction, Policy
 from llmgw.routing import Route
@@ -139,3 +139,14 @@ def test_a_plain_request_left_by_its_client_is_charged_an_estimate() -> None:
         "prompt_tokens": 100, "completion_tokens": 150, "total_tokens": 250, "estimated": True}
     assert abandoned_usage(body, 6.0, 25.0, 64)["completion_tokens"] == 64
     assert abandoned_usage(body, 6.0, 0.0, 0)["completion_tokens"] == 0  # no rate known yet
+
+
+def test_an_embeddings_request_of_more_inputs_than_openai_takes_is_refused() -> None:
+    """3,000 inputs were one request holding an engine for 1 min 43 s (a new user's finding); OpenAI
+    takes at most 2,048 a request."""
+    ok = _parse(json.dumps({"model": "e", "input": ["x"] * 2048}).encode(), EMBEDDINGS)
+    assert len(ok["input"]) == 2048
+    with pytest.raises(HttpError) as e:
+        _parse(json.dumps({"model": "e", "input": ["x"] * 2049}).encode(), EMBEDDINGS)
+    assert (e.value.status, e.value.code) == (400, "invalid_input")
+    assert "'input' holds 2049 items; at most 2048 a request" in e.value.message
