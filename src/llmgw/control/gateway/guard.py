@@ -365,7 +365,7 @@ def too_long(policy: Policy, direction: Direction) -> Refusal:
     what = "prompt" if direction is Direction.IN else "answer"
     hint = "shorten the conversation" if direction is Direction.IN else "ask for a shorter answer (max_tokens)"
     return Refusal(
-        f"the {what} is longer than policy '{policy.name}''s judge can read (its context); it is not served "
+        f"the {what} is longer than the judge of policy '{policy.name}' can read (its context); it is not served "
         f"unjudged: {hint}",
         status=400, code="too_long_to_judge", extra={"direction": direction.value, "policy": policy.name},
     )
