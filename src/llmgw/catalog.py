@@ -257,14 +257,40 @@ def scaling_target(model: Model) -> float:
     if model.scaling.target is not None:
         return model.scaling.target
     profiles = model.profiles_by_priority()
-    args = profiles[0].args if profiles else []
+    return float(profile_slots(profiles[0]) if profiles else DEFAULT_SLOTS)
+
+
+def profile_slots(profile: Profile) -> int:
+    """Requests a replica on ``profile`` runs at once: ``--parallel N``/``-np N`` (llama.cpp) or
+    ``--max-num-seqs N`` (vLLM) in its ``args``, else :data:`DEFAULT_SLOTS`."""
+    args = profile.args
     for i, a in enumerate(args):
-        flag, _, inline = a.partition("=")
+        flag, eq, inline = a.partition("=")
         if flag in _SLOT_FLAGS:
-            value = inline or (args[i + 1] if i + 1 < len(args) else "")
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
             if value.isdigit() and int(value) > 0:
-                return float(value)
-    return float(DEFAULT_SLOTS)
+                return int(value)
+    return DEFAULT_SLOTS
+
+
+#: The flags that set an engine's context, by engine name.
+_CONTEXT_FLAGS = {"llamacpp": ("-c", "--ctx-size"), "vllm": ("--max-model-len",)}
+
+
+def context_args(model: Model, profile: Profile) -> list[str]:
+    """The engine flags that give each request the catalog's ``context_length`` (tokens) when
+    ``profile`` sets no context of its own: llama.cpp ``--ctx-size context_length × slots`` (its
+    context is shared by its slots, :func:`profile_slots`; init's starter writes the same in its
+    profiles), vLLM ``--max-model-len context_length``; [] when ``context_length`` is 0 or the
+    profile sets one. Before, a model's ``context_length`` reached no engine: llama-server ran with
+    the agent's 4096 cells, 1024 a request, whatever the catalog said (a new user's finding)."""
+    n = model.context_length
+    flags = _CONTEXT_FLAGS.get(profile.engine.value, ())
+    if n <= 0 or not flags or any(a.partition("=")[0] in flags for a in profile.args):
+        return []
+    if profile.engine == Engine.LLAMACPP:
+        return ["--ctx-size", str(n * profile_slots(profile))]
+    return ["--max-model-len", str(n)]
 
 
 RoutingPolicy = Literal["cache-aware", "round-robin"]

@@ -356,7 +356,7 @@ def test_a_broken_row_takes_nothing_else_down(world: World) -> None:
     # A new model still goes in, and the broken name stays taken until it is removed.
     assert httpx.post(w.admin + "/api/v1/models", json=model("other"), headers=AUTH).status_code == 201
     r = httpx.post(w.admin + "/api/v1/models", json=model("poisoned"), headers=AUTH)
-    assert "its stored row is broken: DELETE it first" in error_of(r, 409)["message"]
+    assert "its stored row is broken: remove it first" in error_of(r, 409)["message"]
 
     # Heartbeats (real mTLS) still get their desired replicas.
     r = _heartbeat(w)

@@ -241,7 +241,7 @@ def test_migration_4_fills_model_names_and_survives_a_clash(store_url: str, capl
         with pytest.raises(Conflict, match=r"^'x' is already a name or alias of model 'a'$"):
             again.update_model(model("b", ["x", "y"]), revision=1, now=4.0)
         assert again.update_model(model("b", ["y"]), revision=1, now=4.0).revision == 2
-        with pytest.raises(Conflict, match="its stored row is broken: DELETE it first"):
+        with pytest.raises(Conflict, match="its stored row is broken: remove it first"):
             again.add_model(model("junk"), now=5.0)
     finally:
         again.close()

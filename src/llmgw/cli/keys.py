@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from llmgw.cli.common import cli_errors, console, paths, table, typer_app
-from llmgw.guard.config import key_id
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
@@ -73,6 +72,8 @@ def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
     print(made.secret)
     console().print("This secret is not shown again: give it to its user now (Authorization: Bearer <secret>).")
     # A guard policy names a key by its id (this secret's) or, lasting across rotations, by key_names.
+    from llmgw.guard.config import key_id
+
     print(f"Its id for a guard policy's keys: {key_id(made.secret)} (key_names: [{made.key.name}] "
           "names it whatever its secret: a rotation changes the id)")  # print: Rich took [...] as markup
 

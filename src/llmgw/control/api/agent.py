@@ -59,7 +59,7 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
-from llmgw.catalog import Model, Role, engine_traits
+from llmgw.catalog import Model, Role, context_args, engine_traits
 from llmgw.config import ServerConfig
 from llmgw.control.api.cadence import MIN_INTERVAL_S, Cadence
 from llmgw.control.api.enginemetrics import EngineMetrics
@@ -199,7 +199,7 @@ def desired_specs(node_id: str, replicas: Sequence[ReplicaRow], models: Mapping[
                 source_url=model.source,
                 sha256=model.sha256,
                 file_name=model.file_name,
-                args=list(prof.args) + role_args(model.role, prof.engine.value, prof.args),
+                args=[*prof.args, *context_args(model, prof), *role_args(model.role, prof.engine.value, prof.args)],
                 cpu_cores=prof.cpu_cores,
                 key=r.key,
                 env=dict(prof.env),

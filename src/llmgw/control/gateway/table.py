@@ -31,7 +31,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
 
-from llmgw.catalog import Model, Role
+from llmgw.catalog import DEFAULT_SLOTS, Model, Role
+from llmgw.catalog import profile_slots as slots_of
 from llmgw.control.store import ReplicaRow, Store
 from llmgw.control.store.rows import PlacementSummary
 from llmgw.protocol import ReplicaState
@@ -85,29 +86,11 @@ def unavailable_reason(replicas: list[ReplicaRow], summary: str) -> str:
     return f"no replica is ready yet ({', '.join(parts)})"
 
 
-#: The flags that set how many requests an engine runs at once, by engine name.
-_SLOT_FLAGS = {"llamacpp": ("--parallel", "-np"), "vllm": ("--max-num-seqs",)}
-#: Slots when a profile sets none: the agent's ``--parallel`` default for llama-server
-#: (:data:`llmgw.agent.engines.llamacpp.DEFAULT_PARALLEL`); vLLM's own default (256) is no count
-#: of what runs well at once, so 4 there too until its engine says.
-DEFAULT_SLOTS = 4
-
-
 def profile_slots(model: Model, profile: str) -> int:
-    """Requests a replica of ``model`` on ``profile`` runs at once, as the profile's args say (see
-    :data:`_SLOT_FLAGS`), :data:`DEFAULT_SLOTS` when they say nothing usable."""
+    """Requests a replica of ``model`` on ``profile`` runs at once (:func:`llmgw.catalog.profile_slots`;
+    :data:`~llmgw.catalog.DEFAULT_SLOTS` for a profile it does not have)."""
     prof = next((p for p in model.profiles if p.name == profile), None)
-    if prof is None:
-        return DEFAULT_SLOTS
-    flags = _SLOT_FLAGS.get(prof.engine.value, ())
-    args = prof.args
-    for i, a in enumerate(args):
-        name, eq, value = a.partition("=")
-        if name in flags:
-            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if value.isdigit() and int(value) > 0:
-                return int(value)
-    return DEFAULT_SLOTS
+    return DEFAULT_SLOTS if prof is None else slots_of(prof)
 
 
 def build_routes(

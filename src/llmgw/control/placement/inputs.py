@@ -8,7 +8,7 @@ same way: a profile without ``min_memory_gb`` reserves its GGUF estimate (weight
 
 from __future__ import annotations
 
-from llmgw.catalog import Model
+from llmgw.catalog import Model, context_args
 from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.store import NodeRow, ReplicaRow
@@ -41,7 +41,7 @@ def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
     profiles = []
     for p in model.profiles:
         if p.min_memory_gb <= 0:
-            gb = est.estimate(f, p.args, context_length=model.context_length).total_gb
+            gb = est.estimate(f, [*p.args, *context_args(model, p)], context_length=model.context_length).total_gb
             p = p.model_copy(update={"min_memory_gb": -(-gb * 100 // 1) / 100})  # noqa: PLW2901
         profiles.append(p)
     return model.model_copy(update={"profiles": profiles})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from llmgw.catalog import Model
+from llmgw.catalog import Model, context_args
 from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as pl
@@ -90,7 +90,7 @@ def resources_view(
             memory_from="min_memory_gb" if raw.min_memory_gb > 0 else ("estimate" if f else "unknown"),
         )
         if f is not None:
-            e = est.estimate(f, p.args, context_length=model.context_length)
+            e = est.estimate(f, [*p.args, *context_args(model, p)], context_length=model.context_length)
             item.ctx, item.weights_gb = e.ctx, round(e.weights / est.GB, 3)
             item.kv_gb, item.overhead_gb = round(e.kv / est.GB, 3), round(e.overhead / est.GB, 3)
         member, pipeline = checks.member_profile(p), checks.PIPELINE

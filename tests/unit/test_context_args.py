@@ -1,0 +1,41 @@
+"""A model's ``context_length`` reaches its engine (``llmgw.catalog.context_args``) and placement's
+memory estimate alike: the context one request may use, a llama.cpp replica's ``--ctx-size`` being
+shared by its slots. Before, ``context_length`` reached no engine: llama-server ran with the agent's
+4096 cells (1024 a request) whatever the catalog said, while placement sized the KV cache for
+``context_length`` cells (a new user's finding: ``context_length: 500`` let a 1,024-token prompt in)."""
+
+from __future__ import annotations
+
+from llmgw.catalog import Model, context_args
+from llmgw.control.api.agent import desired_specs
+from llmgw.control.placement import estimate as est
+from llmgw.control.placement.inputs import effective_model
+from llmgw.control.store.rows import ReplicaRow
+from llmgw.ggufheader import GgufFacts
+
+
+def _model(context_length: int, *profiles: dict[str, object]) -> Model:
+    return Model.model_validate({"name": "m", "source": "http://m/m.gguf", "context_length": context_length,
+                                 "profiles": list(profiles) or [{"name": "cpu"}]})
+
+
+def test_the_context_one_request_may_use_times_the_slots() -> None:
+    m = _model(2048, {"name": "cpu"}, {"name": "two", "args": ["-np", "2"]}, {"name": "own", "args": ["-c", "999"]},
+               {"name": "gpu", "engine": "vllm", "gpu_class": "l4-24gb"})
+    cpu, two, own, gpu = m.profiles
+    assert context_args(m, cpu) == ["--ctx-size", "8192"]  # 4 slots by default
+    assert context_args(m, two) == ["--ctx-size", "4096"]
+    assert context_args(m, own) == []  # the profile's own context stands
+    assert context_args(m, gpu) == ["--max-model-len", "2048"]  # vLLM's is per request
+    assert context_args(_model(0), _model(0).profiles[0]) == []  # not set: the engine's defaults
+
+
+def test_the_agent_gets_it_and_placement_sizes_the_kv_cache_for_it() -> None:
+    m = _model(2048)
+    row = ReplicaRow(id="m-1", model="m", node="n", profile="cpu", key="k")
+    (spec,) = desired_specs("n", [row], {"m": m})
+    assert spec.args == ["--ctx-size", "8192"]
+    facts = GgufFacts(architecture="llama", file_size=400_000_000, block_count=16, head_count=8, head_count_kv=[8],
+                      key_length=64, value_length=64, embedding_length=1024, context_length=32768)
+    sized = effective_model(m, {"http://m/m.gguf": facts}).profiles[0].min_memory_gb
+    assert sized == -(-est.estimate(facts, ["--ctx-size", "8192"]).total_gb * 100 // 1) / 100
