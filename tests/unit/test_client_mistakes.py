@@ -15,7 +15,7 @@ from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
 from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
-from llmgw.control.gateway.request import CHAT, EMBEDDINGS, check_chat
+from llmgw.control.gateway.request import CHAT, EMBEDDINGS, check_chat, upstream_body
 from llmgw.errors import HttpError, JudgeError
 from llmgw.guard.config import Direction, Policy
 from llmgw.routing import Route
@@ -150,3 +150,17 @@ def test_an_embeddings_request_of_more_inputs_than_openai_takes_is_refused() -> 
         _parse(json.dumps({"model": "e", "input": ["x"] * 2049}).encode(), EMBEDDINGS)
     assert (e.value.status, e.value.code) == (400, "invalid_input")
     assert "'input' holds 2049 items; at most 2048 a request" in e.value.message
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "'stream_options' must be an object like"),
+    ({"stream": True, "stream_options": "x"}, "'stream_options' must be an object like"),
+    ({"stream_options": {"include_usage": True}}, "'stream_options' is only for a stream"),
+])
+def test_stream_options_are_checked_as_openai_does(extra: dict[str, Any], said: str) -> None:
+    """``"include_usage": "yes"`` was read as false, and stream_options on a plain request accepted
+    (OpenAI answers 400 to both: a new user's finding)."""
+    with pytest.raises(HttpError) as e:
+        upstream_body({"model": "m", "messages": [USER], **extra}, b"", 0, CHAT.forwarded)
+    assert e.value.status == 400
+    assert said in e.value.message

@@ -140,6 +140,13 @@ def _check(body: dict[str, Any]) -> None:
         raise _bad(f"'n' must be 1 (one choice per request), got {json.dumps(n)[:40]}; send n requests instead")
     if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
         raise _bad(f"'stream' must be true or false, got {json.dumps(body['stream'])[:40]}")
+    opts = body.get("stream_options")
+    if opts is not None:  # as OpenAI: an object, for a stream ('include_usage': "yes" was read as false)
+        if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+            raise _bad("'stream_options' must be an object like {\"include_usage\": true}, got "
+                       f"{json.dumps(opts)[:60]}")
+        if body.get("stream") is not True:
+            raise _bad("'stream_options' is only for a stream: set 'stream': true, or leave it out")
     top = _int_field(body, "top_logprobs", "alternatives per token")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
