@@ -234,7 +234,7 @@ async def test_a_long_expected_wait_refuses_at_once_counting_fair_order() -> Non
         await q.acquire("a", 0, slots.take, service_s=2.0, slots=1)
     assert refused.value.status == 429
     assert refused.value.headers == {"Retry-After": "1"}  # 6 s expected - 5 s bound
-    assert "2 requests are ahead of this one for its 1 slot, about 6 s" in refused.value.message
+    assert "2 requests are ahead of this one for its 1 slot, about 6.0 s" in refused.value.message
     waiting.append(asyncio.create_task(q.acquire("b", 0, slots.take, service_s=2.0, slots=1)))
     await _settle()
     assert q.queued() == {"a": 2, "b": 1}
@@ -421,6 +421,18 @@ async def test_one_request_ahead_reads_in_the_singular() -> None:
     await _settle()
     with pytest.raises(HttpError) as refused:
         await q.acquire("a", 0, slots.take, service_s=4.0, slots=1)
-    assert "1 request is ahead of this one for its 1 slot, about 8 s of waiting" in refused.value.message
+    assert "1 request is ahead of this one for its 1 slot, about 8.0 s of waiting" in refused.value.message
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_a_model_without_a_queue_says_so_when_busy() -> None:
+    """``queue.size: 0``: the refusal said "0 requests already wait, the most the gateway holds" (a new
+    user's finding); it says the gateway holds none waiting."""
+    slots = Slots(1)
+    q = _queue(slots, size=0)
+    first = await q.acquire("a", 0, slots.take, service_s=2.0, slots=1)  # the one slot, at once
+    assert first is not None
+    with pytest.raises(HttpError) as refused:
+        await q.acquire("b", 0, slots.take, service_s=2.0, slots=1)
+    assert "the gateway holds none waiting (queue.size 0)" in refused.value.message

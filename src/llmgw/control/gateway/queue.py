@@ -204,14 +204,15 @@ class FairQueue(Generic[T]):
             victim = self._victim(key, priority, own)
             if victim is None:
                 # Room for one more once n - size + 1 waiters have left, one per service_s / slots.
-                self._refuse(f"{counted(self._n, 'request')} already {plural(self._n, 'waits', 'wait')}, the most "
-                             "the gateway holds",
-                             (self._n - self.size + 1) * service_s / slots)
+                held = ("the gateway holds none waiting (queue.size 0)" if self.size == 0 else
+                        f"{counted(self._n, 'request')} already {plural(self._n, 'waits', 'wait')}, the most "
+                        "the gateway holds")  # "0 requests already wait, the most…" read oddly: a new user's finding
+                self._refuse(held, (self._n - self.size + 1) * service_s / slots)
         ahead = self._ahead(key, priority, own)
         expected = (ahead + 1) * service_s / slots
         if expected > self.wait_s:
             self._refuse(f"{counted(ahead, 'request')} {plural(ahead, 'is', 'are')} ahead of this one for its "
-                         f"{counted(slots, 'slot')}, about {expected:.0f} s "
+                         f"{counted(slots, 'slot')}, about {expected:.1f} s "
                          f"of waiting, over the bound of {self.wait_s:g} s", expected - self.wait_s)
         if victim is not None:
             self._push_out(victim)
