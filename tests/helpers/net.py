@@ -16,8 +16,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-#: Each worker's block of ports: [BASE + n × BLOCK, BASE + (n + 1) × BLOCK), n from PYTEST_XDIST_WORKER.
-BASE, BLOCK, WORKERS = 10_000, 2_500, 4
+#: Each worker's block of ports: [BASE + n × BLOCK, BASE + (n + 1) × BLOCK), n from PYTEST_XDIST_WORKER,
+#: for up to WORKERS workers (scripts/test starts 5), all below 20,000 (test_init_ha's PostgreSQL ports).
+BASE, BLOCK, WORKERS = 10_000, 2_000, 5
 
 
 def _block() -> range:
