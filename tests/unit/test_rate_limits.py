@@ -152,6 +152,27 @@ def test_stream_tally_hides_the_usage_event_it_asked_for() -> None:
     assert left.usage() == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11, "estimated": True}
 
 
+def test_a_completions_streams_usage_on_its_last_token_is_hidden_and_the_token_kept() -> None:
+    """llama-server's ``/v1/completions`` stream carries ``usage`` (and ``timings``) on its last token's
+    event, asked or not: a client that did not ask got them (the chat path hid them: a new user's
+    finding). Hidden, the event keeps its text and finish_reason; counted all the same."""
+    events = (
+        b'data: {"choices":[{"text":"Once","index":0,"finish_reason":null}],"object":"text_completion"}\n\n'
+        b'data: {"choices":[{"text":" upon","index":0,"finish_reason":"length"}],"object":"text_completion",'
+        b'"usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6},"timings":{"predicted_n":2}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    hidden = StreamTally(hide=True, prompt_chars=16)
+    out = hidden.feed(events)
+    assert b'"usage"' not in out
+    assert b'"timings"' not in out
+    assert b'"text":" upon"' in out
+    assert b'"finish_reason":"length"' in out
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert hidden.usage() == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert StreamTally(hide=False, prompt_chars=16).feed(events) == events
+
+
 # -- the gateway with stored keys ---------------------------------------------------------------
 
 

@@ -61,8 +61,10 @@ class StreamTally:
     holds it is parsed. That event comes when the engine was asked for it
     (:func:`~llmgw.control.gateway.request.with_stream_usage`): it has ``"choices": []`` and the
     answer's ``usage``, and is removed from what the client gets when the client did not ask for it
-    (``hide``). :meth:`usage` is the engine's ``usage`` when it came, else an estimate for a stream
-    the client left early: completion tokens = content events relayed, prompt tokens = the
+    (``hide``); where it rides on a token's event (llama-server's ``/v1/completions``, whose last
+    chunk always has it), that event's ``usage`` and ``timings`` are taken out instead.
+    :meth:`usage` is the engine's ``usage`` when it came, else an estimate for a stream the client
+    left early: completion tokens = content events relayed, prompt tokens = the
     messages' characters / 4 (OpenAI's rule of thumb for English text), marked ``"estimated": true``.
     """
 
@@ -100,6 +102,11 @@ class StreamTally:
                     self.events -= 1
                     if self.hide and event.get("choices") == []:
                         drop_blank = True
+                        continue
+                    if self.hide:  # on a token's event (a /v1/completions stream's last): the token stays
+                        event.pop("usage", None)
+                        event.pop("timings", None)
+                        kept.append(b"data: " + json.dumps(event, separators=(",", ":")).encode())
                         continue
             kept.append(line)
         return b"\n".join(kept)
