@@ -320,12 +320,18 @@ def test_messages_of_the_wrong_type_say_what_was_sent(env: Env, messages: Any, s
 
 
 def test_unknown_path_and_method_are_openai_errors(env: Env) -> None:
-    r = httpx.post(f"{env.url}/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"})
+    """Each with its exchange (an access line and a metric, kind ``other``): they had none (a new user's
+    finding: the README says one access line per request)."""
+    auth = {"Authorization": f"Bearer {KEY}", "x-request-id": "r-404"}
+    r = httpx.post(f"{env.url}/v1/images/generations", headers=auth)
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "not_found"
-    r = httpx.get(f"{env.url}/v1/chat/completions")
+    r = httpx.get(f"{env.url}/v1/chat/completions", headers={"x-request-id": "r-405"})
     assert r.status_code == 405
     assert r.json()["error"]["code"] == "method_not_allowed"
+    got = _recorded(env, lambda e: e.request_id in ("r-404", "r-405"), 2)
+    assert sorted((e.request_id, e.kind, e.status, e.code) for e in got) == [
+        ("r-404", "other", 404, "not_found"), ("r-405", "other", 405, "method_not_allowed")]
 
 
 def test_healthz_needs_no_key(env: Env) -> None:

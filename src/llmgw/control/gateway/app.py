@@ -447,19 +447,19 @@ class _Gateway:
 
     async def unknown(self, request: web.Request) -> web.Response:
         """Any other path or method: an OpenAI-shaped error instead of aiohttp's text page; a path
-        served with another method is a 405 with ``Allow`` naming the methods it takes (RFC 9110)."""
+        served with another method is a 405 with ``Allow`` naming the methods it takes (RFC 9110).
+        Logged and metered as kind ``other`` (they had no access line: a new user's finding)."""
+        started_ns = time.perf_counter_ns()
         allow = _ALLOW.get(request.path) or ("GET" if _MODEL_PATH.fullmatch(request.path) else None)
         if allow is not None:
+            self._note(request, "other", 405, started_ns, code="method_not_allowed")
             return openai_error_json(
                 405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use {allow}",
                 headers={"Allow": allow},
             )
-        return openai_error_json(
-            404,
-            "not_found",
-            f"unknown path {request.path}; this gateway serves /v1/chat/completions, /v1/completions, "
-            "/v1/embeddings and /v1/models",
-        )
+        self._note(request, "other", 404, started_ns, code="not_found")
+        return openai_error_json(404, "not_found", f"unknown path {request.path}; this gateway serves "
+                                 "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models")
 
 
 #: The methods each path takes, for a 405's ``Allow`` (the routes of :func:`build_gateway_app`).
