@@ -236,3 +236,36 @@ def test_a_mirror_add_cut_off_is_shown_removed_and_finished_by_adding_it_again(t
         assert client.status("m", "1").state == "failed"
         assert client.delete("m", "1").state == "failed"  # 'mirror rm' finds it (it answered 404)
         assert not (store / "m").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root; CI runs as root")
+@pytest.mark.parametrize("plant", ["partial", "version-dir"])
+def test_root_never_writes_through_a_symlink_the_stores_owner_planted(tmp_path: pathlib.Path, plant: str) -> None:
+    """A new user's finding: the store's owner (the mirror's user) put a symlink where root's 'mirror
+    add' writes its partial file; root copied through it, overwrote the target (a root-only file) and
+    gave it to that user. Neither a symlinked partial file nor a symlinked version directory is
+    followed: the add fails naming it, and the target is untouched and root's."""
+    carried = _carried(tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    os.chown(store, NOBODY, NOBODY)
+    victim = tmp_path / "victim"
+    victim.write_text("root's secret\n")
+    victim.chmod(0o600)
+    (store / "m").mkdir()
+    os.chown(store / "m", NOBODY, NOBODY)
+    if plant == "partial":
+        (store / "m" / "1").mkdir()
+        os.chown(store / "m" / "1", NOBODY, NOBODY)
+        (store / "m" / "1" / ".w.gguf.partial").symlink_to(victim)
+    else:
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (store / "m" / "1").symlink_to(elsewhere)
+    code, out = _add_refused(carried, store)
+    assert code != 0, out
+    assert "symbolic link" in " ".join(out.split()), out
+    assert victim.read_text() == "root's secret\n"
+    assert (victim.stat().st_uid, victim.stat().st_mode & 0o777) == (0, 0o600)
+    if plant == "version-dir":
+        assert list((tmp_path / "elsewhere").iterdir()) == []

@@ -58,7 +58,6 @@ from typing import BinaryIO
 
 import aiohttp
 
-from llmgw.atomicfile import fsync_dir
 from llmgw.errors import LlmgwError, MirrorError, NoSpaceError, SourceConflict, SourceRefused
 from llmgw.mirror.download import CHUNK_BYTES, download, no_space, partial_path
 from llmgw.mirror.models import NAME_RE, FetchRequest, FetchStatus, Manifest, check_name
@@ -505,26 +504,68 @@ async def _copy(
     sha = hashlib.sha256()
     done = 0
     try:
-        with fin, open(part, "wb") as fout:  # noqa: ASYNC230 - see the docstring
-            if owner is not None:
-                _give(fout, part, owner)
-            size = os.fstat(fin.fileno()).st_size
-            progress(0, size)
-            while n := await asyncio.to_thread(_copy_step, fin, fout, sha):
-                done += n
-                progress(done, size)
-            await asyncio.to_thread(_sync, fout)
+        vdir = _open_below(dest.parent, levels=2)
     except OSError as e:
-        part.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
-            raise no_space(dest.parent, f"copying {src} (the disk filled after {done} bytes)", None) from e
-        raise
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    os.replace(part, dest)
-    fsync_dir(dest.parent)
+        fin.close()
+        raise MirrorError(f"cannot open {dest.parent} without following a symbolic link: {e.strerror or e}; "
+                          "the store holds real directories only (remove what is there)") from e
+    try:
+        try:
+            # Never through a symlink the store's owner planted (a root 'mirror add' wrote through one
+            # and gave the target away: a new user's finding): opened below the version directory's fd.
+            try:
+                fout = os.fdopen(os.open(part.name, _PART_FLAGS, 0o644, dir_fd=vdir), "wb")
+            except BaseException:
+                fin.close()
+                raise
+            with fin, fout:
+                if owner is not None:
+                    _give(fout, part, owner)
+                size = os.fstat(fin.fileno()).st_size
+                progress(0, size)
+                while n := await asyncio.to_thread(_copy_step, fin, fout, sha):
+                    done += n
+                    progress(done, size)
+                await asyncio.to_thread(_sync, fout)
+        except OSError as e:
+            _unlink_below(vdir, part.name)
+            if e.errno == errno.ENOSPC:
+                raise no_space(dest.parent, f"copying {src} (the disk filled after {done} bytes)", None) from e
+            if e.errno == errno.ELOOP:
+                raise MirrorError(f"{part} is a symbolic link; the mirror never writes through one (remove it)") from e
+            raise
+        except BaseException:
+            _unlink_below(vdir, part.name)
+            raise
+        os.replace(part.name, dest.name, src_dir_fd=vdir, dst_dir_fd=vdir)
+        os.fsync(vdir)
+    finally:
+        os.close(vdir)
     return sha.hexdigest()
+
+
+#: The partial file of a copy: created or truncated, never through a symlink.
+_PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_below(vdir: pathlib.Path, *, levels: int) -> int:
+    """A descriptor of ``vdir``, its last ``levels`` components (model and version) each opened without
+    following a symbolic link, below its ancestor's (the store's root). Raises OSError (ELOOP, ENOTDIR)."""
+    fd = os.open(vdir.parents[levels - 1], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in vdir.parts[-levels:]:
+            below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlink_below(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dir_fd)
 
 
 def _give(fh: BinaryIO, path: pathlib.Path, owner: tuple[int, int]) -> None:

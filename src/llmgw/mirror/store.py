@@ -74,6 +74,8 @@ class Store:
             vdir.mkdir(parents=True, exist_ok=True)
             return vdir
         for d in (vdir.parent, vdir):
+            if d.is_symlink():  # the store's owner could point a level anywhere root may write
+                raise OSError(errno.ELOOP, "a symbolic link where the store holds a directory", str(d))
             if not d.is_dir():
                 _make_owned_dir(d, self.owner)
         return vdir
