@@ -245,7 +245,10 @@ class Supervisor:
             if time.monotonic() - checked >= self.log_check_s:
                 checked = time.monotonic()
                 try:
-                    if logrotate.rotate(self.files.log, max_bytes=self.log_max_bytes, keep=LOG_KEEP):
+                    assert self._log is not None  # noqa: S101  (run() opened it before the loop)
+                    mine = os.fstat(self._log.fileno())  # never a file put in its place
+                    if logrotate.rotate(self.files.log, max_bytes=self.log_max_bytes, keep=LOG_KEEP,
+                                        inode=(mine.st_dev, mine.st_ino)):
                         self.say(f"{self.files.log.name} rotated past {self.log_max_bytes} bytes")
                 except OSError as e:
                     self.say(f"{self.files.log.name} could not be rotated: {e}")
