@@ -289,8 +289,23 @@ def context_args(model: Model, profile: Profile) -> list[str]:
     if n <= 0 or not flags or any(a.partition("=")[0] in flags for a in profile.args):
         return []
     if profile.engine == Engine.LLAMACPP:
-        return ["--ctx-size", str(n * profile_slots(profile))]
+        # '-np -1' (llama-server's auto) and --kv-unified share one pool: any request may use all of it
+        # (counted as 4 slots, a 512-token context let a 1,524-token prompt in: a new user's finding)
+        unified = _unified_kv(profile.args)
+        return ["--ctx-size", str(n if unified else n * profile_slots(profile))]
     return ["--max-model-len", str(n)]
+
+
+def _unified_kv(args: Sequence[str]) -> bool:
+    """Whether llama.cpp ``args`` give its slots one shared KV pool: ``--kv-unified``/``-kvu``, or
+    ``--parallel -1`` (auto, which turns it on)."""
+    for i, a in enumerate(args):
+        flag, eq, inline = a.partition("=")
+        if flag in ("--kv-unified", "-kvu"):
+            return True
+        if flag in ("--parallel", "-np") and (inline if eq else (args[i + 1] if i + 1 < len(args) else "")) == "-1":
+            return True
+    return False
 
 
 RoutingPolicy = Literal["cache-aware", "round-robin"]

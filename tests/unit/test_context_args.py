@@ -39,3 +39,11 @@ def test_the_agent_gets_it_and_placement_sizes_the_kv_cache_for_it() -> None:
                       key_length=64, value_length=64, embedding_length=1024, context_length=32768)
     sized = effective_model(m, {"http://m/m.gguf": facts}).profiles[0].min_memory_gb
     assert sized == -(-est.estimate(facts, ["--ctx-size", "8192"]).total_gb * 100 // 1) / 100
+
+
+def test_a_shared_kv_pool_gives_any_request_the_whole_context() -> None:
+    """'-np -1' (llama-server's auto) and --kv-unified share one pool across slots: counted as 4 slots,
+    context_length 512 gave --ctx-size 2048 and a 1,524-token prompt was served (a new user's finding)."""
+    m = _model(512, {"name": "auto", "args": ["-np", "-1"]}, {"name": "kvu", "args": ["--kv-unified", "-np", "4"]},
+               {"name": "eq", "args": ["--parallel=-1"]})
+    assert [context_args(m, p) for p in m.profiles] == [["--ctx-size", "512"]] * 3

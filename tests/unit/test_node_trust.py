@@ -160,6 +160,7 @@ async def test_node_rm_refused_while_busy_force_drains_revokes_and_the_agent_sto
         assert "node-1: drained 1 replica(s)" in out
         # as a drain does: the only node gone, its model has nowhere to go (rm said nothing: a new user's finding)
         assert "!! m: no other node can take the replicas drained from node-1 now" in out
+        assert "'llmgw server add-node node-1' re-joins it" in out  # not 'uncordon': the node is gone
         assert f"certificate serial(s) {serial_of(cert)} revoked" in out
         assert "llmgw server add-node node-1" in out
 

@@ -342,7 +342,7 @@ def node_rm(
     if data.drained:
         print(f"{node}: drained {len(data.drained)} replica(s); they will be placed when a node can run "
               "them ('llmgw ctl replicas' shows where)")
-        warn_drained_nowhere(client, node, before)  # as a drain does (a new user's finding: rm said nothing)
+        warn_drained_nowhere(client, node, before, removed=True)  # as a drain does (rm said nothing before)
     if data.revoked:
         print(f"{node}: removed; certificate serial(s) {', '.join(data.revoked)} revoked, and every other "
               "certificate issued for it until now is refused, so its agent stops at its next heartbeat")

@@ -95,13 +95,16 @@ def warn_profiles_fit_no_node(client: AdminClient, name: str) -> None:
           f"changes: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
 
 
-def warn_drained_nowhere(client: AdminClient, node: str, before: list[ReplicaView]) -> None:
+def warn_drained_nowhere(client: AdminClient, node: str, before: list[ReplicaView], *, removed: bool = False) -> None:
     """After ``node`` was drained: for each model that had replicas there (``before``: every replica
     as listed just before the drain), say on stderr when no other node could take one of them now
     (placement's own check of one more replica, as :func:`warn_fits_nowhere`), and how many of its
     replicas are still ready elsewhere. A drain stops the replicas at once and places their
     replacements where they fit; a new user drained the only node of a model and got a plain
     ``cordoned and drained`` while the model served nothing until the node was uncordoned."""
+    # a removed node cannot be uncordoned: it re-joins with a new certificate (a new user's finding)
+    back = (f"'llmgw server add-node {node}' re-joins it" if removed
+            else f"'llmgw ctl node uncordon {node}' brings it back")
     for model in sorted({r.model for r in before if r.node == node}):
         try:
             profiles = client.model_resources(model).get("profiles") or []
@@ -114,8 +117,7 @@ def warn_drained_nowhere(client: AdminClient, node: str, before: list[ReplicaVie
         why = _reasons(misses, more=False) or "no other node"
         print(f"!! {model}: no other node can take the replicas drained from {node} now ({why}); "
               f"{left} of its replicas {'is' if left == 1 else 'are'} ready elsewhere. They are placed when a "
-              f"node has room ('llmgw ctl node uncordon {node}' brings it back): see "
-              f"'llmgw ctl explain-placement {model}'", file=sys.stderr)
+              f"node has room ({back}): see 'llmgw ctl explain-placement {model}'", file=sys.stderr)
 
 
 def _reasons(misses: list[dict[str, Any]], *, more: bool = True) -> str:

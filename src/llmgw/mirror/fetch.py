@@ -446,7 +446,7 @@ class Fetcher:
 def _cut_off(model: str, version: str) -> str:
     """What a fetch whose process ended before it did (a ``llmgw mirror add`` interrupted) reads as."""
     return (f"the copy into {model}/{version} was cut off before it finished (its process ended); add it again to "
-            f"finish (its partial bytes are kept), or 'llmgw mirror rm {model} {version}'")
+            f"finish it, or 'llmgw mirror rm {model} {version}'")
 
 
 def _eta(m: Manifest, rate: float) -> float | None:
