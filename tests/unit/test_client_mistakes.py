@@ -15,7 +15,7 @@ from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
 from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
-from llmgw.control.gateway.request import CHAT, EMBEDDINGS, check_chat, upstream_body
+from llmgw.control.gateway.request import CHAT, EMBEDDINGS, check_chat, check_fields
 from llmgw.errors import HttpError, JudgeError
 from llmgw.guard.config import Direction, Policy
 from llmgw.routing import Route
@@ -161,6 +161,6 @@ def test_stream_options_are_checked_as_openai_does(extra: dict[str, Any], said: 
     """``"include_usage": "yes"`` was read as false, and stream_options on a plain request accepted
     (OpenAI answers 400 to both: a new user's finding)."""
     with pytest.raises(HttpError) as e:
-        upstream_body({"model": "m", "messages": [USER], **extra}, b"", 0, CHAT.forwarded)
+        check_fields({"model": "m", "messages": [USER], **extra})
     assert e.value.status == 400
     assert said in e.value.message

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.control.gateway.request import FORWARDED, dropped_header, upstream_body
+from llmgw.control.gateway.request import FORWARDED, check_fields, dropped_header, upstream_body
 from llmgw.errors import HttpError
 
 
@@ -71,7 +71,7 @@ def test_only_openai_fields_are_forwarded() -> None:
 )
 def test_fields_an_engine_would_misread_are_a_400(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(HttpError, match=named) as e:
-        upstream_body({"model": "m", "messages": [], **extra}, b"", 64)
+        check_fields({"model": "m", "messages": [], **extra})
     assert e.value.status == 400
 
 

@@ -234,6 +234,10 @@ def env() -> Iterator[Env]:
 
 
 def test_rate_limited_key_gets_429_in_openai_shape(env: Env) -> None:
+    # malformed requests are refused before they are counted: three spent the rpm of 2 and the next
+    # valid one got 429 (a new user's finding)
+    bad = [env.chat("sk-limited", stream=True, stream_options={"include_usage": "yes"}) for _ in range(3)]
+    assert [r.status_code for r in bad] == [400, 400, 400]
     ok = [env.chat("sk-limited") for _ in range(2)]
     assert [r.status_code for r in ok] == [200, 200]
     assert ok[1].headers["x-ratelimit-remaining-requests"] == "0"

@@ -8,7 +8,14 @@ import re
 from typing import Any
 
 from llmgw import jsonbody
-from llmgw.control.gateway.request import COMPLETIONS, EMBEDDINGS, Endpoint, check_prompts, json_kind
+from llmgw.control.gateway.request import (
+    COMPLETIONS,
+    EMBEDDINGS,
+    Endpoint,
+    check_fields,
+    check_prompts,
+    json_kind,
+)
 from llmgw.errors import HttpError
 
 #: Items an embeddings request's ``input`` list may hold: OpenAI's bound. 3,000 inputs were taken as
@@ -120,6 +127,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         raise HttpError(400, f"invalid_{field}", f"'{field}' must be {wanted}, not {got}")
     if endpoint is COMPLETIONS:
         check_prompts(value)
+    check_fields(body)
     _check_unicode(raw, body)
     if endpoint is EMBEDDINGS and body.get("stream") is True:
         raise HttpError(400, "invalid_request", "embeddings are not streamed: leave 'stream' out")

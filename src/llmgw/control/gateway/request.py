@@ -324,6 +324,19 @@ def dropped_header(dropped: list[str]) -> str:
     return ", ".join(named) + (f" (+{more} more)" if more else "")
 
 
+def check_fields(body: dict[str, Any]) -> None:
+    """Refuse (HttpError 400 ``invalid_request``, naming the field) what an engine would misread: the
+    sampling and limit fields' types, ``n``, ``stream`` and ``stream_options``, and a chat request's
+    shapes (:func:`check_chat`). Run as the body is parsed, before the request is routed, held for a
+    model starting from zero or counted against its key's limits: a malformed request started a
+    model at zero and spent the key's rpm before its 400 (a new user's finding)."""
+    _check(body)
+    if "messages" in body:
+        check_chat(body)
+    for k in _LIMITS:
+        _int_field(body, k)
+
+
 def upstream_body(
     body: dict[str, Any], raw: bytes, max_output: int, forwarded: frozenset[str] = FORWARDED
 ) -> tuple[bytes, list[str]]:
@@ -337,11 +350,10 @@ def upstream_body(
         forwarded: the endpoint's fields (:data:`FORWARDED` for chat; :class:`Endpoint`).
 
     Raises:
-        HttpError: 400 ``invalid_request`` for a field an engine would misread (the message names it).
+        HttpError: 400 ``invalid_request`` for a limit field that is not an integer (:func:`check_fields`,
+            which the gateway runs when it parses the body, refuses it first, with every other field
+            an engine would misread).
     """
-    _check(body)
-    if "messages" in body:
-        check_chat(body)
     dropped = [k for k in body if k not in forwarded]
     for k in dropped:
         del body[k]
