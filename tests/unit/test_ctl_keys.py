@@ -71,7 +71,7 @@ def test_create_list_rotate_revoke_through_the_cli(cp: Install) -> None:
     assert new != secret
     # the id a guard policy would list, and the name that outlives it (a new user's finding: a rotated
     # key left its policy silently, and no command showed a key's id)
-    assert f"Its id for a guard policy's keys: {key_id(new)} (key_names: [team-a] names it" in " ".join(out.split())
+    assert f"Its id for a guard policy's keys: {key_id(new)} (key_names: [\"team-a\"] names it" in " ".join(out.split())
     t0 = time.monotonic()
     while _gateway_models(cp, new).status_code != 200:
         assert time.monotonic() - t0 < 1.5, "a rotated key's new secret was not taken within 1.5 s"

@@ -425,14 +425,16 @@ def test_policy_by_key(env: Env) -> None:
 def test_a_policy_naming_a_stored_key_holds_across_its_rotation() -> None:
     """Over real HTTP, with the real gateway's key table: a policy with ``key_names: [ivy]`` judges
     the stored key ivy's requests, before and after its secret is rotated (a policy listing its id
-    stopped applying to the new secret: a new user's finding); a keys-file key is not ivy."""
+    stopped applying to the new secret: a new user's finding); a keys-file key is not ivy, and
+    ``key_names: [keys-file]`` names the keys file's keys."""
     servers = ServerThread()
     try:
         jport = servers.serve(FakeJudge().app())
         a = servers.serve(fake_llama("replica-a", "key-a"))
         judge = JudgeRoute("judge", "qwen3guard", (Upstream("j-1", f"127.0.0.1:{jport}", JUDGE_KEY),))
         policy = Policy(name="ivys", judge="judge", check=[Direction.IN], key_names=["ivy"])
-        guard = GuardInspector(GuardConfig(policies=[policy]), JudgeClient({"judge": judge}.get))
+        files = Policy(name="files", judge="judge", check=[Direction.IN], key_names=["keys-file"])
+        guard = GuardInspector(GuardConfig(policies=[policy, files]), JudgeClient({"judge": judge}.get))
         callers = Callers(GatewayKeys(None, initial={"sk-file"}))
         callers.set_rows([ApiKeyRow("ivy", "sk-ivy-1", key_digest("sk-ivy-1"), revision=1)])
         route = Route("chat", (Upstream("r-a", f"127.0.0.1:{a}", "key-a"),))
@@ -447,7 +449,7 @@ def test_a_policy_naming_a_stored_key_holds_across_its_rotation() -> None:
             return r.headers.get("x-llmgw-guard-policy", "")
 
         assert policy_of("sk-ivy-1") == "ivys"
-        assert policy_of("sk-file") == ""  # no policy applies: not judged
+        assert policy_of("sk-file") == "files"  # the keys file's keys, by the name the access log gives them
         callers.set_rows([ApiKeyRow("ivy", "sk-ivy-2", key_digest("sk-ivy-2"), revision=2)])  # rotated
         assert policy_of("sk-ivy-2") == "ivys"
         servers.run(guard.client.close())

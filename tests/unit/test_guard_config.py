@@ -98,3 +98,13 @@ def test_a_policy_names_stored_keys_by_name_which_survives_a_rotation() -> None:
     assert both.applies("chat", key_id("sk-x"))
     assert both.applies("chat", "", key_name="ivy")
     assert not both.applies("chat", key_id("sk-y"), key_name="olga")
+
+
+def test_key_names_may_name_the_keys_file_and_loopback_callers() -> None:
+    """The access log and usage name those callers ``keys-file`` and ``loopback`` (names no stored key
+    may take), and an operator writes them in ``key_names``: they matched nobody (found checking this
+    stop's changes)."""
+    p = Policy(name="p", judge="j", key_names=["keys-file", "loopback"])
+    assert p.applies("chat", key_id("sk-file"), key_name="keys-file")
+    assert p.applies("chat", "", key_name="loopback")
+    assert not p.applies("chat", key_id("sk-x"), key_name="alice")

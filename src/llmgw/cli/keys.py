@@ -74,7 +74,8 @@ def _print_secret(made: NewKeyView, as_json: bool, what: str) -> None:
     # A guard policy names a key by its id (this secret's) or, lasting across rotations, by key_names.
     from llmgw.guard.config import key_id
 
-    print(f"Its id for a guard policy's keys: {key_id(made.secret)} (key_names: [{made.key.name}] "
+    # quoted: a name like 12345678 or 'on' is read as a number or a boolean in YAML (found checking this)
+    print(f"Its id for a guard policy's keys: {key_id(made.secret)} (key_names: [{json.dumps(made.key.name)}] "
           "names it whatever its secret: a rotation changes the id)")  # print: Rich took [...] as markup
 
 

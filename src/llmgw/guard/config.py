@@ -21,7 +21,8 @@ Example::
           budget_s: 5
           models: []                   # empty: every model; names, aliases or shell patterns ("qwen*")
           keys: []                     # empty: every caller; API key ids (sha256 hex prefixes)
-          key_names: []                # stored keys by name ('ctl key create NAME'): they survive 'ctl key rotate'
+          key_names: []                # stored keys by name ('ctl key create NAME': they survive 'ctl key rotate'),
+                                       # keys-file (the keys file's keys), loopback (this machine, no key)
 
 With no policy, guardrails are off (:meth:`GuardConfig.on` is False) and the gateway relays
 untouched. The first policy (in file order) whose ``models`` and ``keys`` match a request is the

@@ -65,7 +65,6 @@ from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import (
-    FILE_CALLER,
     LOOPBACK_CALLER,
     STALE_RETRY_AFTER_S,
     Caller,
@@ -301,8 +300,7 @@ class _Gateway:
         body: dict[str, Any] = {}
         call: Call | None = None
         if self.inspector is not None:
-            stored = caller is not FILE_CALLER and caller is not LOOPBACK_CALLER  # a stored key: its name
-            call = Call(caller=presented_key_id(request.headers), key_name=caller.name if stored else "")
+            call = Call(caller=presented_key_id(request.headers), key_name=caller.name)  # keys-file, loopback too
             current_call.set(call)
         try:
             raw = await request.read()

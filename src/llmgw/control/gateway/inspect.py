@@ -47,7 +47,8 @@ class Call:
 
     Attributes:
         caller: the API key's id (:func:`llmgw.guard.config.key_id`), "" for a client without a key.
-        key_name: a stored key's name (the policies' ``key_names``), "" for a keys-file key or none.
+        key_name: the caller's name (the policies' ``key_names``): a stored key's, ``keys-file`` for a key of
+            the keys file, ``loopback`` for a client on this machine without a key; "" when unknown.
         headers: response headers the inspector adds (verdicts, judge time); the gateway copies them
             onto the response before it is sent (for a stream, those set before its first byte).
         blocked: the refusal's code when the inspector ended a stream it had let start (its 200 sent)
