@@ -186,3 +186,16 @@ def test_panic_window_longer_than_stable_is_refused() -> None:
 )
 def test_scale_to_keeps_a_fixed_model_fixed(n: int, cur: tuple[int, int], patch: dict[str, int]) -> None:
     assert scale_to(n, cur_min=cur[0], cur_max=cur[1]) == patch
+
+
+def test_the_last_replica_goes_after_scale_to_zero_after_s_even_below_scale_down_after_s() -> None:
+    """``scale_to_zero_after_s`` 20 with the default ``scale_down_after_s`` 300: the model stayed at one
+    replica for 300 s of quiet (found checking this stop's changes); the last replica goes 20 s
+    after the last request, as the docs say."""
+    s = Scaling(min=0, max=3, target=2.0, scale_to_zero_after_s=20.0, stable_window_s=6.0)
+    assert s.scale_down_after_s > 20
+    changes = _run(s, 2.0, [(5, 2.0), (100, 0.0)], wanted=1)
+    assert [c[1] for c in changes] == [0]
+    t, _, reason = changes[0]
+    assert 24 <= t <= 26, t  # the last load at t=4.5
+    assert reason.startswith("scaled 1 → 0: no request for 2")

@@ -173,10 +173,13 @@ def decide(
     since = state.lower_since if state.lower_since is not None else now
     peak = max(state.lower_peak, desired) if state.lower_since is not None else desired
     st = replace(st, lower_since=since, lower_peak=peak)
-    if now - since < scaling.scale_down_after_s:
+    quiet = now - last_load_at
+    # The last replica goes after scale_to_zero_after_s without a request, even when scale_down_after_s
+    # is longer (with the default 300 s, scale_to_zero_after_s 20 did nothing: found checking this stop)
+    last_idle = wanted == 1 and peak == 0 and quiet >= scaling.scale_to_zero_after_s
+    if now - since < scaling.scale_down_after_s and not last_idle:
         return Verdict(st, panic=in_panic)
     to = peak
-    quiet = now - last_load_at
     if to == 0 and quiet < scaling.scale_to_zero_after_s:
         to = 1  # the last replica waits for scale_to_zero_after_s without any request
     if to >= wanted:
