@@ -344,7 +344,8 @@ class KeyView(BaseModel):
 
     ``state`` is ``active``, ``revoked`` or ``expired``; ``tokens_today``/``tokens_this_month`` and
     ``requests_today`` are its usage (UTC) as written by every control plane (synced every 0.5 s);
-    ``priority`` (0-9) its band in the gateway's queue, higher served first.
+    ``priority`` (0-9) its band in the gateway's queue, higher served first; ``id`` the id a guard
+    policy's ``keys`` name it by (the first 12 hex digits of its SHA-256: a script had no way to it).
     """
 
     name: str
@@ -363,6 +364,7 @@ class KeyView(BaseModel):
     requests_today: int = 0
     tokens_today: int = 0
     tokens_this_month: int = 0
+    id: str = ""
 
 
 class NewKeyView(BaseModel):

@@ -53,6 +53,7 @@ def test_create_list_rotate_revoke_through_the_cli(cp: Install) -> None:
     code, out = _ctl(cp, "key", "ls", "--json")
     (key,) = json.loads(out)
     assert key["prefix"] == secret[:16]
+    assert key["id"] == key_id(secret)  # what a guard policy's keys name it by (no command gave it)
     assert secret not in out
     assert (key["models"], key["rpm"], key["budget_tokens"], key["budget_period"], key["state"]) == (
         ["chat", "gemma"], 60, 100000, "day", "active")

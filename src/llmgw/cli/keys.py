@@ -212,10 +212,10 @@ def ls(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = Fals
     if as_json:
         print(json.dumps([k.model_dump(mode="json") for k in keys], indent=2, sort_keys=True))
         return
-    t = table("NAME", "PREFIX", "MODELS", "LIMITS", "PRIORITY", "TODAY (req/tok)", "MONTH (tok)", "LAST USED",
-              "STATE", "EXPIRES")
+    t = table("NAME", "PREFIX", "ID", "MODELS", "LIMITS", "PRIORITY", "TODAY (req/tok)", "MONTH (tok)",
+              "LAST USED", "STATE", "EXPIRES")
     for k in keys:
-        t.add_row(k.name, k.prefix + "…", ", ".join(k.models) or "all", _limits(k), str(k.priority),
+        t.add_row(k.name, k.prefix + "…", k.id, ", ".join(k.models) or "all", _limits(k), str(k.priority),
                   f"{k.requests_today}/{k.tokens_today}", str(k.tokens_this_month), _when(k.last_used_at),
                   k.state, _when(k.expires_at))
     console().print(t if keys else "no keys yet: 'llmgw ctl key create NAME'")

@@ -78,7 +78,7 @@ def key_view(row: ApiKeyRow, now: float, tokens: dict[tuple[str, str], int] | No
         name=row.name, prefix=row.prefix, models=list(row.models), rpm=row.rpm, tpm=row.tpm,
         budget_tokens=row.budget_tokens, budget_period=row.budget_period or None, expires_at=row.expires_at,
         created_at=row.created_at, revoked_at=row.revoked_at, last_used_at=row.last_used_at, state=state,
-        priority=row.priority,
+        priority=row.priority, id=row.digest[:12],
         requests_today=requests_today, tokens_today=mine.get(today, 0), tokens_this_month=sum(mine.values()),
     )
 
