@@ -650,3 +650,25 @@ def test_a_services_log_is_rotated_while_it_runs_and_read_across_the_rotation(tm
     last = tail(log, current + 50).splitlines()
     assert len(last) == current + 50  # across the rotation: the current file, then agent.log.1's end
     assert "line 02999" in tail(log, 30)
+
+
+def test_following_a_log_across_its_rotation_loses_no_line(tmp_path: Path) -> None:
+    """``service logs -f`` jumped from line 210 to 245 across a rotation (the lines written after its
+    last read went to NAME.log.1 with the copy; found checking this stop's changes): they are read
+    from there first. The rotation is the supervisor's own (llmgw/logrotate.py)."""
+    from llmgw import logrotate  # noqa: PLC0415
+
+    manager = SupervisorManager(Paths.from_env(tmp_path))
+    log = manager.files("agent").log
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"line {i}\n" for i in range(10)))
+    follow = manager.follow("agent", lines=100, poll=0.01)
+    seen = next(follow)
+    with log.open("a") as f:
+        f.write("".join(f"line {i}\n" for i in range(10, 20)))
+    assert logrotate.rotate(log, max_bytes=10, keep=3)  # before the follower read lines 10-19
+    with log.open("a") as f:
+        f.write("".join(f"line {i}\n" for i in range(20, 25)))
+    while "line 24\n" not in seen:
+        seen += next(follow)
+    assert seen.splitlines() == [f"line {i}" for i in range(25)]

@@ -497,7 +497,10 @@ class SupervisorManager:
         yield tail(path, lines)
         while True:
             size = path.stat().st_size if path.exists() else 0
-            if size < pos:  # truncated: read it again from the start
+            if size < pos:  # rotated (copy-truncate): what came after pos is in NAME.log.1, then from 0
+                rest = _read_from(path.with_name(f"{path.name}.1"), pos)
+                if rest:
+                    yield rest
                 pos = 0
             if size == pos:
                 time.sleep(poll)
@@ -507,6 +510,16 @@ class SupervisorManager:
                 chunk = f.read(size - pos)
             pos = size
             yield chunk.decode(errors="replace")
+
+
+def _read_from(path: Path, pos: int) -> str:
+    """What ``path`` holds after byte ``pos`` ("" when it is missing or no longer)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(pos)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def pick_manager(
