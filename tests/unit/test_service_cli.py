@@ -287,6 +287,26 @@ def test_restart_agent_with_a_tls_path_that_is_not_there_restarts_nothing(root: 
     assert SupervisorManager(paths).status("agent").pid == before
 
 
+def test_restart_mirror_checks_the_units_own_options_first(
+    root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The mirror has no config file, and its check imported code only: a typo in its unit's
+    --api-token-file took it down, crash-looping (found checking this stop's changes). The check runs
+    the unit's own 'llmgw mirror serve ... --check' as the service would; nothing is restarted."""
+    here = tmp_path_factory.mktemp("mirror")
+    argv = [sys.executable, "-m", "llmgw", "mirror", "serve", "--base", "http://m.test:8081", "--dir", str(here),
+            "--listen", "127.0.0.1:1", "--api-listen", "127.0.0.1:2", "--api-token-file", str(here / "tokn")]
+    SupervisorManager(Paths.from_env(root)).install("mirror", f"[Service]\nExecStart={shlex.join(argv)}\n")
+    code, out = llmgw(root, "restart", "mirror")
+    assert code != 0, out
+    said = " ".join(out.split())
+    assert f"--api-token-file {here / 'tokn'} does not exist; fix the path in the unit" in said, out
+    assert SupervisorManager(Paths.from_env(root)).status("mirror").state == "stopped"
+    (here / "tokn").write_text("a-token-of-thirty-two-characters-x\n")
+    r = CliRunner().invoke(app, ["mirror", "serve", *argv[5:], "--check"], env={"LLMGW_ROOT": str(root)})
+    assert r.exit_code == 0, r.output  # read as serving would, and nothing served
+
+
 def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) -> None:
     """A supervisor SIGKILLed with its program (the OOM killer, a kill -9 of the group) leaves no
     'stopped' behind: ``status`` said "stopped", as after a requested stop, and exited 0 (a new

@@ -80,10 +80,15 @@ def serve(
             "else /etc/llmgw/admin-token; made (0600) when missing.",
         ),
     ] = None,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Read the options and files as serving would, say what is wrong, serve nothing."),
+    ] = False,
 ) -> None:
     """Serve the mirror until SIGTERM or Ctrl-C; fetches left running resume at the next start."""
+    from llmgw.errors import ConfigError
     from llmgw.mirror import server, setup
-    from llmgw.mirror.client import MIRROR_TOKEN, token_path
+    from llmgw.mirror.client import MIRROR_TOKEN, read_token, token_path
     from llmgw.mirror.policy import SourcePolicy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -96,6 +101,12 @@ def serve(
     token_file = api_token_file or token_path(p)
     if api_token_file is None and not token_file.exists():
         token_file = p.etc / MIRROR_TOKEN  # a mirror started by hand, on a machine without llmgw's files
+    if check:  # what 'service restart mirror' runs first: a typo'd path took the mirror down (found checking)
+        if api_token_file is not None and not api_token_file.exists():
+            raise ConfigError(f"--api-token-file {api_token_file} does not exist; fix the path in the unit")
+        if token_file.exists():
+            read_token(token_file)
+        return
     token = setup.api_token(token_file)
     print(f"management API token in {token_file} (every route but /api/v1/health needs it)")
     print(f"mirror of {root}: bytes on {listen}, management API on {api_listen}, served as {base}")

@@ -29,7 +29,7 @@ from pathlib import Path
 from llmgw.errors import LlmgwError, ServiceError
 from llmgw.paths import Paths
 from llmgw.service.manager import ServiceManager
-from llmgw.service.unitfile import UnitSpec, credentials, parse_unit, service_env
+from llmgw.service.unitfile import Credentials, UnitSpec, credentials, parse_unit, service_env
 from llmgw.service.units import unit_name
 
 SETTLE_S = 3.0
@@ -100,20 +100,37 @@ def preflight(paths: Paths, name: str) -> None:
     config = config_path(spec, paths, name)
     who = credentials(spec)
     argv = [unit_python(spec), "-m", "llmgw.service.check", name, *([str(config)] if config else [])]
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=60, check=False, cwd="/",
-            env=service_env(spec, who, os.environ),  # the service's own, none of root's
-            user=who.user, group=who.group, extra_groups=who.extra_groups,
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ServiceError(f"checking {name}'s code and config as the service would run them: {e}") from e
+    done = _run_as(who, spec, argv, name)
+    if done.returncode == 0 and name == "mirror" and _serves_mirror(spec.argv):
+        # the mirror has no config file: its unit's own options and files, read by 'mirror serve --check'
+        done = _run_as(who, spec, [*spec.argv, "--check"], name)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         reason = (lines[-1] if lines else f"exit status {done.returncode}").removeprefix("Error: ")
         raise ServiceError(
             f"{unit_name(name)} was not restarted, and the running one is left as it is: {reason}"
         )
+
+
+def _serves_mirror(argv: list[str]) -> bool:
+    """Whether ``argv`` runs ``llmgw mirror serve`` (a unit written by init or 'mirror init')."""
+    return any(a == "mirror" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))
+
+
+def _run_as(who: Credentials, spec: UnitSpec, argv: list[str], name: str) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as the unit's user, with its environment and none of root's.
+
+    Raises:
+        ServiceError: it could not be run.
+    """
+    try:
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, check=False, cwd="/",
+            env=service_env(spec, who, os.environ),  # the service's own, none of root's
+            user=who.user, group=who.group, extra_groups=who.extra_groups,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ServiceError(f"checking {name}'s code and config as the service would run them: {e}") from e
 
 
 def _server_probe(paths: Paths, config: Path | None, manager: ServiceManager) -> Callable[[], bool] | None:
