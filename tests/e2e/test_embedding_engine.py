@@ -10,7 +10,6 @@ micro-batch of one slot's context.
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from llmgw.protocol import ReplicaSpec
 from tests.conftest import Assets
 from tests.helpers.net import free_port
 from tests.helpers.processes import ENGINE_CORES, stop_process
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -42,16 +42,12 @@ def test_an_input_past_the_default_micro_batch_is_embedded(assets: Assets, tmp_p
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out)
     try:
         url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k-embed"}
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+
+        def healthy() -> bool:
             assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "llama-server not ready within 60 s"
-            time.sleep(0.1)
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+
+        wait_for("llama-server healthy", healthy, 60, 0.1)
         r = httpx.post(f"{url}/v1/embeddings", headers=auth, timeout=60,
                        json={"model": "embed", "input": "hello world " * 300})
         assert r.status_code == 200, r.text

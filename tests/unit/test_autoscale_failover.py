@@ -17,7 +17,7 @@ from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store, open_store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.rows import GatewayLoadRow
+from llmgw.control.store.rows import GatewayLoadRow, ReplicaRow
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
 
 T0 = 1_700_000_000.0
@@ -235,26 +235,32 @@ def test_a_judge_of_a_fail_closed_policy_stored_at_min_zero_is_raised_to_one(tmp
     assert [r.model for r in store.list_replicas() if r.model == "judge-b"] == ["judge-b"]
 
 
-def test_a_running_model_made_autoscaled_keeps_its_replica_until_it_is_quiet_for_long_enough(tmp_path: Path) -> None:
-    """A new user's finding: ``ctl model set onb scaling.min=0 scaling.max=1 scaling.scale_to_zero_after_s=60``
-    on a model serving one replica stopped it at once, with no decision recorded (before its first
-    decision an autoscaled model was placed at ``scaling.min``). It now starts from the replicas it
-    has: kept while quiet, then 1 → 0 with its reason once ``scale_to_zero_after_s`` passed."""
+def _one_ready_replica_made_autoscaled(tmp_path: Path, **scaling: float) -> tuple[Store, ReplicaRow]:
+    """A store with model ``onb`` placed and ready on node-1 at one fixed replica, then made
+    autoscaled (``min`` 0, ``max`` 1, and ``scaling``'s windows) at T0 + 2: the store and its replica."""
     store = _store(tmp_path)
     fixed = Model.model_validate({"name": "onb", "source": "http://m/onb.gguf", "scaling": {"min": 1, "max": 1},
                                   "profiles": [{"name": "cpu", "min_memory_gb": 1}]})
     row = store.add_model(fixed, now=T0)
-    a, leader = Autoscaler(store), _leader(store)
-    leader.reconcile_once(T0)
+    _leader(store).reconcile_once(T0)
     (rep,) = store.list_replicas(model="onb")
     ready = ReplicaStatus(id=rep.id, state=ReplicaState.READY, endpoint="127.0.0.1:1")
     store.upsert_node_heartbeat("node-1", Heartbeat(
         inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
         engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")], replicas=[ready],
     ), T0 + 1)
-    spec = fixed.model_dump() | {"scaling": {"min": 0, "max": 1, "scale_to_zero_after_s": 60.0,
-                                             "scale_down_after_s": 30.0}}
+    spec = fixed.model_dump() | {"scaling": {"min": 0, "max": 1, **scaling}}
     store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 2)
+    return store, rep
+
+
+def test_a_running_model_made_autoscaled_keeps_its_replica_until_it_is_quiet_for_long_enough(tmp_path: Path) -> None:
+    """A new user's finding: ``ctl model set onb scaling.min=0 scaling.max=1 scaling.scale_to_zero_after_s=60``
+    on a model serving one replica stopped it at once, with no decision recorded (before its first
+    decision an autoscaled model was placed at ``scaling.min``). It now starts from the replicas it
+    has: kept while quiet, then 1 → 0 with its reason once ``scale_to_zero_after_s`` passed."""
+    store, rep = _one_ready_replica_made_autoscaled(tmp_path, scale_to_zero_after_s=60.0, scale_down_after_s=30.0)
+    a, leader = Autoscaler(store), _leader(store)
     made = []
     t = T0 + 2.0
     while t < T0 + 61.0:  # quiet, but not for scale_to_zero_after_s yet: the replica stays
@@ -277,21 +283,8 @@ def test_short_requests_keep_the_last_replica_from_going_to_zero(tmp_path: Path)
     requests that arrived since the last (a real :class:`LoadCounter` read by the
     :class:`LoadReporter` into the store), and the last replica stays while they come; once they
     stop, it goes after ``scale_to_zero_after_s``."""
-    store = _store(tmp_path)
-    fixed = Model.model_validate({"name": "onb", "source": "http://m/onb.gguf", "scaling": {"min": 1, "max": 1},
-                                  "profiles": [{"name": "cpu", "min_memory_gb": 1}]})
-    row = store.add_model(fixed, now=T0)
-    a, leader = Autoscaler(store), _leader(store)
-    leader.reconcile_once(T0)
-    (rep,) = store.list_replicas(model="onb")
-    ready = ReplicaStatus(id=rep.id, state=ReplicaState.READY, endpoint="127.0.0.1:1")
-    store.upsert_node_heartbeat("node-1", Heartbeat(
-        inventory=Inventory(cores=16, memory_total_bytes=64 * GB, memory_available_bytes=64 * GB),
-        engines=[EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")], replicas=[ready],
-    ), T0 + 1)
-    spec = fixed.model_dump() | {"scaling": {"min": 0, "max": 1, "scale_to_zero_after_s": 30.0,
-                                             "scale_down_after_s": 10.0}}
-    store.update_model(Model.model_validate(spec), revision=row.revision, now=T0 + 2)
+    store, _rep = _one_ready_replica_made_autoscaled(tmp_path, scale_to_zero_after_s=30.0, scale_down_after_s=10.0)
+    a = Autoscaler(store)
     counter = LoadCounter()
     reporter = LoadReporter(store, OffLoop(), "cp-a", counter)
     made = []
