@@ -335,3 +335,17 @@ def test_a_service_killed_with_its_supervisor_is_failed_not_stopped(root: Path) 
     assert out.splitlines() == ["stopped llmgw-agent"]
     code, out = llmgw(root, "status", "agent", "--json")
     assert (code, json.loads(out)[0]["state"]) == (3, "stopped"), out
+
+
+def test_a_service_log_that_is_a_symlink_is_refused_saying_so(
+    root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The supervisor (root) never writes through a link in its log's place; it said only
+    "[Errno 40] Too many levels of symbolic links" (found checking this stop's changes)."""
+    install(root, "agent", SLEEPER)
+    files = SupervisorManager(Paths.from_env(root)).files("agent")
+    files.dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    files.log.symlink_to(tmp_path_factory.mktemp("elsewhere") / "agent.log")
+    code, out = llmgw(root, "start", "agent")
+    assert code != 0
+    assert "is a symbolic link, which the supervisor never writes through" in " ".join(out.split()), out

@@ -17,6 +17,7 @@ output, a missing unit, a supervisor that would not start), with the cause chain
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -299,9 +300,10 @@ def tail(path: Path, lines: int) -> str:
     """The last ``lines`` lines of ``path``, and of its rotated copies (``path.1``…, the
     supervisor's :data:`~llmgw.service.supervisor.LOG_KEEP`) when it has fewer since it was
     rotated (read from the end; "" when missing or lines <= 0)."""
-    data = b""
+    chunks: list[bytes] = []  # newest last; counted as read, not re-counted (a million lines took 8.8 s)
+    found = 0
     for p in [path, *logrotate.rotated(path, LOG_KEEP)]:
-        if lines <= 0 or data.count(b"\n") > lines:
+        if lines <= 0 or found > lines:
             break
         try:
             f = p.open("rb")
@@ -309,13 +311,14 @@ def tail(path: Path, lines: int) -> str:
             continue
         with f:
             pos = f.seek(0, 2)
-            older = b""
-            while pos > 0 and (older + data).count(b"\n") <= lines:
+            while pos > 0 and found <= lines:
                 step = min(65536, pos)
                 pos -= step
                 f.seek(pos)
-                older = f.read(step) + older
-        data = older + data
+                block = f.read(step)
+                found += block.count(b"\n")
+                chunks.insert(0, block)
+    data = b"".join(chunks)
     kept = data.splitlines()[-lines:] if lines > 0 else []
     return b"".join(line + b"\n" for line in kept).decode(errors="replace")
 
@@ -380,6 +383,9 @@ class SupervisorManager:
         try:
             log = open_log(files.log)
         except OSError as e:
+            if e.errno == errno.ELOOP:  # said only "[Errno 40] Too many levels of symbolic links"
+                raise ServiceError(f"the log {files.log} is a symbolic link, which the supervisor never writes "
+                                   "through (it runs as root); remove the link: the log is kept there, rotated") from e
             raise ServiceError(f"the log {files.log}: {e}") from e
         try:
             proc = subprocess.Popen(
