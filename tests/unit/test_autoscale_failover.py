@@ -305,3 +305,22 @@ def test_short_requests_keep_the_last_replica_from_going_to_zero(tmp_path: Path)
         t += 0.5
     assert [(d.from_n, d.to_n) for d in made] == [(1, 0)]
     assert made[0].reason.startswith("scaled 1 → 0: no request for 3")
+
+
+def test_a_drain_waits_for_a_reading_of_every_control_plane_after_it_settled() -> None:
+    """CI (2026-12-05): a control plane's load reading came late; with no row of it at or after the
+    drain's settling time, "no row" read as nothing in flight and the replica was stopped under a
+    stream. A control plane's reading row says when it read; the drain waits for one from each."""
+    from llmgw.control.reconcile.drainer import READING, drained  # noqa: PLC0415
+
+    r = ReplicaRow(id="m-2", model="m", node="n", profile="cpu", key="k", draining_since=T0)
+    before = [GatewayLoadRow("cp-a", "m", 1, 0, T0 + 0.5, {"m-2": 1}), GatewayLoadRow("cp-a", READING, 0, 0, T0 + 0.5)]
+    assert not drained(r, before, T0 + 2.5)  # cp-a's last reading is from before the drain settled
+    idle_a = [GatewayLoadRow("cp-a", READING, 0, 0, T0 + 1.6)]  # nothing in flight, read after it settled
+    late_b = [GatewayLoadRow("cp-b", "m", 1, 0, T0 + 0.9, {"m-2": 1}), GatewayLoadRow("cp-b", READING, 0, 0, T0 + 0.9)]
+    assert not drained(r, [*idle_a, *late_b], T0 + 2.5)  # cp-b has not read since
+    idle_b = [GatewayLoadRow("cp-b", READING, 0, 0, T0 + 1.8)]
+    assert drained(r, [*idle_a, *idle_b], T0 + 2.5)
+    busy_b = [GatewayLoadRow("cp-b", "m", 1, 0, T0 + 1.8, {"m-2": 1}), *idle_b]
+    assert not drained(r, [*idle_a, *busy_b], T0 + 2.5)
+    assert drained(r, before, T0 + 30.0)  # the bound holds whatever the readings

@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 #: Seconds between two writes of a control plane's load (the issue: at least every second).
 REPORT_EVERY_S = 1.0
 
+#: The model name of the row each reading carries whatever its load (no model is named ""): when it
+#: was made, for :func:`llmgw.control.reconcile.drainer.drained`.
+READING = ""
+
 
 @dataclass(frozen=True)
 class ModelLoad:
@@ -188,10 +192,14 @@ class LoadReporter:
         self._failed = False
 
     def rows(self, now: float) -> list[GatewayLoadRow]:
-        """What :meth:`tick` writes: one row per model with load (on the loop: memory only)."""
+        """What :meth:`tick` writes: one row per model with load, and this control plane's
+        :data:`READING` row, which says the reading was made even when nothing is in flight (a drain
+        takes "no row" for "nothing in flight" only from a control plane whose reading is that
+        recent: :func:`llmgw.control.reconcile.drainer.drained`). On the loop: memory only."""
         return [
-            GatewayLoadRow(self.name, model, ml.in_flight, ml.queued, now, dict(ml.replicas), ml.arrived)
-            for model, ml in sorted(self.source().items())
+            *(GatewayLoadRow(self.name, model, ml.in_flight, ml.queued, now, dict(ml.replicas), ml.arrived)
+              for model, ml in sorted(self.source().items())),
+            GatewayLoadRow(self.name, READING, 0, 0, now),
         ]
 
     async def tick(self) -> None:

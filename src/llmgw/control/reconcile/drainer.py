@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from llmgw.control.store import ReplicaRow
 from llmgw.control.store.rows import GatewayLoadRow
 
+#: The model name of a control plane's reading row (:data:`llmgw.control.gateway.load.READING`).
+READING = ""
+
 #: The longest a replica drains (s): a chat answer on a GPU ends well within it; the gateway's own
 #: shutdown drain (``gateway.drain_s``) is 20 s by default.
 DRAIN_BOUND_S = 30.0
@@ -54,7 +57,12 @@ def in_flight(r: ReplicaRow, rows: Sequence[GatewayLoadRow]) -> int:
 
 
 def drained(r: ReplicaRow, rows: Sequence[GatewayLoadRow], now: float, bound_s: float = DRAIN_BOUND_S) -> bool:
-    """Whether draining ``r`` may stop now (module docstring, step 3). ``rows``: the fresh load rows."""
+    """Whether draining ``r`` may stop now (module docstring, step 3). ``rows``: the fresh load rows.
+
+    Every control plane with fresh rows must have made a reading since the drain settled (its
+    :data:`~llmgw.control.gateway.load.READING` row): a reading that was late (a busy machine, a
+    slow store) left no row at or after ``since + ROUTES_SETTLE_S``, which read as nothing in flight,
+    and a replica was stopped under a stream (CI, 2026-12-05)."""
     since = r.draining_since
     if since is None:
         return False
@@ -62,4 +70,8 @@ def drained(r: ReplicaRow, rows: Sequence[GatewayLoadRow], now: float, bound_s: 
         return True
     if now - since < 2 * ROUTES_SETTLE_S:
         return False
-    return in_flight(r, [x for x in rows if x.at >= since + ROUTES_SETTLE_S]) == 0
+    settled = [x for x in rows if x.at >= since + ROUTES_SETTLE_S]
+    read = {x.control_plane for x in settled if x.model == READING}
+    if any(x.control_plane not in read for x in rows):
+        return False
+    return in_flight(r, settled) == 0
