@@ -29,16 +29,12 @@ from aiohttp import web
 
 from llmgw.control.store import Store
 from llmgw.control.store.offloop import OffLoop
-from llmgw.control.store.rows import GatewayLoadRow
+from llmgw.control.store.rows import READING, GatewayLoadRow
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two writes of a control plane's load (the issue: at least every second).
 REPORT_EVERY_S = 1.0
-
-#: The model name of the row each reading carries whatever its load (no model is named ""): when it
-#: was made, for :func:`llmgw.control.reconcile.drainer.drained`.
-READING = ""
 
 
 @dataclass(frozen=True)
@@ -193,9 +189,10 @@ class LoadReporter:
 
     def rows(self, now: float) -> list[GatewayLoadRow]:
         """What :meth:`tick` writes: one row per model with load, and this control plane's
-        :data:`READING` row, which says the reading was made even when nothing is in flight (a drain
-        takes "no row" for "nothing in flight" only from a control plane whose reading is that
-        recent: :func:`llmgw.control.reconcile.drainer.drained`). On the loop: memory only."""
+        :data:`~llmgw.control.store.rows.READING` row, which says the reading was made even when
+        nothing is in flight (a drain takes "no row" for "nothing in flight" only from a control
+        plane whose reading is that recent: :func:`llmgw.control.reconcile.drainer.drained`). On the
+        loop: memory only."""
         return [
             *(GatewayLoadRow(self.name, model, ml.in_flight, ml.queued, now, dict(ml.replicas), ml.arrived)
               for model, ml in sorted(self.source().items())),

@@ -25,10 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmgw.control.store import ReplicaRow
-from llmgw.control.store.rows import GatewayLoadRow
-
-#: The model name of a control plane's reading row (:data:`llmgw.control.gateway.load.READING`).
-READING = ""
+from llmgw.control.store.rows import READING, GatewayLoadRow
 
 #: The longest a replica drains (s): a chat answer on a GPU ends well within it; the gateway's own
 #: shutdown drain (``gateway.drain_s``) is 20 s by default.
@@ -60,7 +57,7 @@ def drained(r: ReplicaRow, rows: Sequence[GatewayLoadRow], now: float, bound_s: 
     """Whether draining ``r`` may stop now (module docstring, step 3). ``rows``: the fresh load rows.
 
     Every control plane with fresh rows must have made a reading since the drain settled (its
-    :data:`~llmgw.control.gateway.load.READING` row): a reading that was late (a busy machine, a
+    :data:`~llmgw.control.store.rows.READING` row): a reading that was late (a busy machine, a
     slow store) left no row at or after ``since + ROUTES_SETTLE_S``, which read as nothing in flight,
     and a replica was stopped under a stream (CI, 2026-12-05)."""
     since = r.draining_since

@@ -288,6 +288,11 @@ class GatewayLoadRow:
     arrived: int = 0
 
 
+#: The model name of the row each control plane's load reading carries whatever its load (no model
+#: is named ""): when it read, for the drainer (:func:`llmgw.control.reconcile.drainer.drained`).
+READING = ""
+
+
 @dataclass(frozen=True)
 class DecisionRow:
     """An autoscaling decision of the leader: ``model`` went from ``from_n`` to ``to_n`` wanted
