@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.agent.loop.metrics import push_loop, read_pages
 from llmgw.protocol import ReplicaState, ReplicaStatus
 from tests.conftest import Assets
@@ -32,7 +33,7 @@ KEY = "replica-key-e2e"
 def engine(assets: Assets) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
+        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port), *FIT_OFF,
          "--api-key", KEY, "--metrics", "-c", "512", "--threads", "1", "-np", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

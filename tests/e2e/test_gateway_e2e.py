@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.routing import Route, StaticRouter, Upstream
 from tests.conftest import Assets
@@ -25,7 +26,7 @@ def gateway_url(assets: Assets) -> Iterator[str]:
     port = free_port()
     engine = subprocess.Popen(
         [
-            *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
+            *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port), *FIT_OFF),
             *("--api-key", "replica-key", "-c", "1024", "--threads", "1", "-np", "1"),
         ],
         stdout=subprocess.DEVNULL,

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from llmgw import tlsconf
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.conftest import Assets
 from tests.helpers.control import TOKEN, heartbeat, make_install, start_server_run, wait_admin_health
@@ -107,7 +108,7 @@ def cluster(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         engine = subprocess.Popen(
             [
                 *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
-                *("--api-key-file", str(keys), "-c", "1024", "--threads", "1", "-np", "1"),
+                *FIT_OFF, *("--api-key-file", str(keys), "-c", "1024", "--threads", "1", "-np", "1"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.agent.groups.groupnet import HeadForwarder, WorkerTunnel
 from llmgw.agent.groups.isolation import NS_PORT, IsolatedProcess, rpc_server_argv, start_isolated
 from llmgw.tlsconf import CA
@@ -89,7 +90,7 @@ async def group(binaries: Binaries, tmp_path: Path) -> AsyncIterator[Group]:
     with (tmp_path / "head.log").open("ab") as hlog:
         head = subprocess.Popen(  # noqa: ASYNC220 (as the agent's runner does)
             [str(binaries.llama_server), "-m", str(binaries.model), "--rpc", forwarder.rpc_arg, "-ngl", "99",
-             "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1", "--threads", "1"],
+             "--host", "127.0.0.1", "--port", str(port), *FIT_OFF, "-c", "512", "-np", "1", "--threads", "1"],
             stdout=hlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     forwarder.allow(head.pid)  # at once: before llama-server gets to connect to its RPC servers

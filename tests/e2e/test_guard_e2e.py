@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.guard.config import Direction, FailMode, GuardConfig, Policy
@@ -51,7 +52,7 @@ def start_llama(assets: Assets, port: int) -> subprocess.Popen[bytes]:
     """gemma-3-270m on one slot, no prompt cache RAM, full SWA cache (prefix reuse), one thread
     (tests/helpers/processes.py ENGINE_CORES: why one)."""
     return subprocess.Popen(
-        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
+        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port), *FIT_OFF,
          "--api-key", KEY, "-np", "1", "--ctx-size", "4096", "--cache-ram", "0", "--swa-full",
          "--threads", "1", "--no-webui"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

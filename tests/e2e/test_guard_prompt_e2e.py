@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.guard import GuardInspector
 from llmgw.guard.config import Direction, FailMode, GuardConfig, Policy
@@ -47,7 +48,7 @@ class Env:
 
 def _llama(assets: Assets, port: int, ctx: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
+        [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port), *FIT_OFF,
          "--api-key", KEY, "-np", "1", "--ctx-size", str(ctx), "--cache-ram", "0", "--threads", "1",
          "--no-webui"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from llmgw import tlsconf
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from tests.conftest import Assets
 from tests.helpers.control import TOKEN, heartbeat, make_install, start_server_run, wait_admin_health
@@ -82,7 +83,7 @@ def world(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             port = free_port()
             engines.append(subprocess.Popen(
                 [str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port),
-                 "--api-key", specs[name].key, "-c", "1024", "--threads", "1", "-np", "1", *specs[name].args],
+                 *FIT_OFF, "--api-key", specs[name].key, "-c", "1024", "--threads", "1", "-np", "1", *specs[name].args],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))
             health = f"http://127.0.0.1:{port}/health"

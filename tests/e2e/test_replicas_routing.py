@@ -24,6 +24,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.cli.main import app
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from llmgw.views import ROUTING_SCOPE
@@ -75,7 +76,7 @@ def _engine(assets: Assets, key_file: Path) -> tuple[subprocess.Popen[bytes], st
     port = free_port()
     proc = subprocess.Popen(
         [
-            *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
+            *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port), *FIT_OFF),
             *("--api-key-file", str(key_file), "-c", str(512 * SLOTS), "--threads", "1", "-np", str(SLOTS)),
         ],
         stdout=subprocess.DEVNULL,

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmgw.agent.engines.llamacpp import FIT_OFF
 from llmgw.control.gateway.app import build_gateway_app, gateway_pool
 from llmgw.control.gateway.balancer import AFFINITY, Balancer
 from llmgw.control.gateway.upstream import UpstreamPool
@@ -45,7 +46,7 @@ def start_replica(assets: Assets, key: str) -> tuple[subprocess.Popen[bytes], st
     port = free_port()
     proc = subprocess.Popen(
         [
-            *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port)),
+            *(str(assets.llama_server), "-m", str(assets.model), "--host", "127.0.0.1", "--port", str(port), *FIT_OFF),
             *("--api-key", key, "-c", str(1024 * SLOTS), "--threads", "1", "-np", str(SLOTS), "--metrics"),
         ],
         stdout=subprocess.DEVNULL,

@@ -98,6 +98,8 @@ def test_llamacpp_argv_for_a_sample_profile() -> None:
         "gemma",
         "--no-webui",
         "--metrics",
+        "--fit",
+        "off",
     ]
 
 

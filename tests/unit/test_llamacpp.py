@@ -35,6 +35,7 @@ HELP_EXCERPT = """\
 --api-key KEY                           API key to use for authentication, multiple keys can be provided as a
 --api-key-file FNAME                    path to file containing API keys, one per line; lines starting with a
 --metrics                               enable prometheus compatible metrics endpoint (default: disabled)
+-fit,  --fit [on|off]                   whether to adjust unset arguments to fit in device memory ('on' or
 """
 FLAGS = parse_help_flags(HELP_EXCERPT)
 SERVER = LlamaServer(binary=Path("/opt/llama/llama-server"), version="1234", flags=FLAGS)
@@ -186,6 +187,19 @@ def test_profile_threads_also_governs_threads_batch() -> None:
 def test_profile_webui_choice_is_kept() -> None:
     argv = argv_for(spec(args=["--webui"]))
     assert flag_count(argv, "--webui", "--no-webui", "--ui", "--no-ui") == 1
+
+
+def test_fit_is_off_unless_the_profile_sets_it() -> None:
+    """llama-server's --fit would lower an unset -c/-ngl to the free memory it sees at start, behind
+    placement's back; off, unless the profile chooses (either spelling), and not for a build without it."""
+    assert value_of(argv_for(spec()), "-fit", "--fit") == "off"
+    assert value_of(argv_for(spec(gpu_indexes=[0]), gpus=True), "-fit", "--fit") == "off"
+    for args in (["--fit", "on"], ["-fit", "on"], ["--fit=on"]):
+        argv = argv_for(spec(args=args))
+        assert flag_count(argv, "-fit", "--fit") == 1
+        assert value_of(argv, "-fit", "--fit") == "on"
+    old = LlamaServer(binary=SERVER.binary, flags=FLAGS - {"-fit", "--fit"})
+    assert flag_count(argv_for(spec(), server=old), "-fit", "--fit") == 0
 
 
 def test_cpu_profile_on_gpu_node_gets_device_none() -> None:

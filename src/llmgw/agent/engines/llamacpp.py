@@ -71,6 +71,16 @@ DEFAULT_CACHE_RAM_MIB = 1024
 sizing by weights + KV: a 12B runner sat at 9.4 GB RSS after 25 h with it, 1.6 GB with 1024
 (ollama #18264 / PR #18265). Profiles that gain nothing from it pass ``--cache-ram 0``."""
 
+FIT_OFF = ("--fit", "off")
+"""Passed unless the profile sets ``--fit``: with it on (llama-server's default since LC PR #16653) the
+engine lowers any of ``-c``/``-ngl`` left unset to fit the free device memory it reads at start, so
+the served context would depend on what else was on the GPU at that instant, not on placement's
+estimate; with it off, ``-ngl`` left at ``auto`` means every layer (llama.cpp's
+``llama_model::n_gpu_layers``: a negative count is all of them), what placement reserved memory for.
+It also costs every start, a cold start from zero included: gemma-3-270m at ``--ctx-size 2048`` on
+2 cores was ready in 1.04 s at 1.05 CPU-s with it on, in 0.63 s at 0.63 CPU-s with it off
+(2026-12-05, 4 starts each)."""
+
 # Flags that mean the same thing, each spelling llama-server accepts.
 _SPELLINGS: dict[str, tuple[str, ...]] = {
     "model": ("-m", "--model"),
@@ -89,6 +99,7 @@ _SPELLINGS: dict[str, tuple[str, ...]] = {
     "embeddings": ("--embedding", "--embeddings"),
     "batch-size": ("-b", "--batch-size"),
     "ubatch-size": ("-ub", "--ubatch-size"),
+    "fit": ("-fit", "--fit"),
 }
 AGENT_OWNED = ("model", "host", "port", "api-key")
 """Flags only the agent sets: a profile's value is dropped (the agent must know where the engine
@@ -319,8 +330,8 @@ def build_argv(
     (0) the node's logical cores. The key goes by
     ``--api-key-file`` when ``key_file`` is given and the build knows it (argv is readable by every
     user in ``/proc``), else ``--api-key``. Defaults (``--ctx-size 4096``, ``--parallel 4``, ``--cache-ram 1024``,
-    ``--alias <model>``, ``--no-webui``, ``--metrics``, ``--device none`` for a CPU replica
-    on a node with GPUs, so a "CPU" profile does not quietly take VRAM, and for an embedding
+    ``--alias <model>``, ``--no-webui``, ``--metrics``, ``--fit off`` (:data:`FIT_OFF`), ``--device none``
+    for a CPU replica on a node with GPUs, so a "CPU" profile does not quietly take VRAM, and for an embedding
     model ``--batch-size``/``--ubatch-size`` of one slot's context) are added only when the
     profile does not set them in any spelling and the build knows the flag. ``--threads`` likewise
     yields to the profile's. Agent-owned flags in the profile are dropped (see :data:`AGENT_OWNED`).
@@ -344,6 +355,7 @@ def build_argv(
         ("alias", ["--alias", spec.model]),
         ("webui", ["--no-webui"]),
         ("metrics", ["--metrics"]),
+        ("fit", list(FIT_OFF)),
     ]
     if node_has_gpus and not spec.gpu_indexes and "--rpc" not in extra:  # a head's devices are its workers
         defaults.append(("device", ["--device", "none"]))
