@@ -247,7 +247,21 @@ DEFAULT_SLOTS = 4
 """A replica's slots when its profile names none: the agent starts llama-server with ``--parallel 4``
 (``DEFAULT_PARALLEL`` in :mod:`llmgw.agent.engines.llamacpp`)."""
 
+DEFAULT_CTX_SIZE = 4096
+"""KV cells (llama.cpp's ``--ctx-size``) a replica gets when neither its profile's args nor the model's
+``context_length`` set one: the agent starts llama-server with ``--ctx-size 4096``
+(:mod:`llmgw.agent.engines.llamacpp` takes it from here), not with the model's training context."""
+
 _SLOT_FLAGS = {"--parallel", "-np", "--max-num-seqs"}
+
+
+def default_context(profile: Profile) -> int:
+    """The context (tokens) a replica on ``profile`` runs with when neither the profile's args nor the
+    catalog's ``context_length`` set one, for placement's estimate to size the KV cache as the engine
+    will: :data:`DEFAULT_CTX_SIZE` for llama.cpp (what the agent passes), 0 for vLLM (the model's own,
+    which it takes by default). Before, placement sized a llama.cpp replica for the GGUF's training
+    context (Llama-3.1-8B: 131,072 cells, 16 GiB of KV) while the engine ran with 4,096 (0.5 GiB)."""
+    return DEFAULT_CTX_SIZE if profile.engine == Engine.LLAMACPP else 0
 
 
 def scaling_target(model: Model) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from llmgw.catalog import Model, context_args
 from llmgw.control.api.agent import desired_specs
 from llmgw.control.placement import estimate as est
-from llmgw.control.placement.inputs import effective_model
+from llmgw.control.placement.inputs import effective_model, profile_estimate
 from llmgw.control.store.rows import ReplicaRow
 from llmgw.ggufheader import GgufFacts
 
@@ -47,3 +47,23 @@ def test_a_shared_kv_pool_gives_any_request_the_whole_context() -> None:
     m = _model(512, {"name": "auto", "args": ["-np", "-1"]}, {"name": "kvu", "args": ["--kv-unified", "-np", "4"]},
                {"name": "eq", "args": ["--parallel=-1"]})
     assert [context_args(m, p) for p in m.profiles] == [["--ctx-size", "512"]] * 3
+
+
+def test_without_a_context_placement_sizes_what_the_agent_starts_not_the_training_context() -> None:
+    """Neither the profile nor the catalog sets a context: the agent starts llama-server with
+    --ctx-size 4096, and placement sizes the KV cache for 4096 cells, not for the GGUF's training
+    context (here 131,072: 128 KiB a token, 16 GiB of KV that no replica would use). vLLM takes the
+    model's own context by default, and is sized for it."""
+    m = _model(0, {"name": "cpu"}, {"name": "gpu", "engine": "vllm", "gpu_class": "l4-24gb"})
+    cpu, gpu = m.profiles
+    row = ReplicaRow(id="m-1", model="m", node="n", profile="cpu", key="k")
+    (spec,) = desired_specs("n", [row], {"m": m})
+    assert spec.args == []  # the agent adds --ctx-size 4096 (llmgw.agent.engines.llamacpp)
+    facts = GgufFacts(architecture="llama", file_size=4_900_000_000, block_count=32, head_count=32, head_count_kv=[8],
+                      key_length=128, value_length=128, embedding_length=4096, context_length=131072)
+    cpu_est, gpu_est = (profile_estimate(facts, m, p) for p in (cpu, gpu))
+    assert cpu_est.ctx == 4096
+    assert round(cpu_est.kv / 2**30, 2) == 0.5  # 32 layers x 8 heads x 256 values x 2 B x 4096 cells
+    assert gpu_est.ctx == 131072
+    sized = effective_model(m, {"http://m/m.gguf": facts}).profiles[0].min_memory_gb
+    assert sized < 6  # 4.9 GB of weights + 0.54 GB of KV + 0.3 GB: an 8 GB node fits it (before: 22.3)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw import catalog
 from llmgw.agent.engines import llamacpp_group
 from llmgw.agent.engines.base import Engine, GroupPart, Launch
 from llmgw.config import AgentConfig
@@ -57,13 +58,14 @@ READY_PROBE_TIMEOUT_S = 5.0
 """The deep readiness probe (``GET /slots``, else a 1-token completion) goes through the engine's
 task loop; a healthy one answers in milliseconds, a wedged one never (LC #27388)."""
 
-DEFAULT_PARALLEL = 4
-"""Slots. Given explicitly so each slot gets ``-c / 4`` tokens of its own: with ``-np`` omitted,
+DEFAULT_PARALLEL = catalog.DEFAULT_SLOTS
+"""Slots (4). Given explicitly so each slot gets ``-c / 4`` tokens of its own: with ``-np`` omitted,
 four slots share one unified pool and one long conversation can exhaust it for all (LC #23652)."""
 
-DEFAULT_CTX_SIZE = 4096
-"""KV cells (``--ctx-size``) when the profile gives none: llama-server's default (0) is the model's
-training context, 32k–128k+ cells and gigabytes of KV that placement did not reserve. With
+DEFAULT_CTX_SIZE = catalog.DEFAULT_CTX_SIZE
+"""KV cells (``--ctx-size``, 4096) when the profile gives none: llama-server's default (0) is the
+model's training context, 32k–128k+ cells and gigabytes of KV; placement sizes for this one
+(:func:`llmgw.catalog.default_context`). With
 :data:`DEFAULT_PARALLEL` slots each gets 1024 tokens; profiles that need more say so."""
 
 DEFAULT_CACHE_RAM_MIB = 1024

@@ -8,7 +8,7 @@ same way: a profile without ``min_memory_gb`` reserves its GGUF estimate (weight
 
 from __future__ import annotations
 
-from llmgw.catalog import Model, context_args
+from llmgw.catalog import Model, Profile, context_args, default_context
 from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.store import NodeRow, ReplicaRow
@@ -32,6 +32,15 @@ def parse_facts(stored: dict[str, tuple[str, str, float]]) -> dict[str, est.Gguf
     return {src: est.GgufFacts.model_validate_json(body) for src, (body, _, _) in stored.items() if body}
 
 
+def profile_estimate(facts: est.GgufFacts, model: Model, profile: Profile) -> est.Estimate:
+    """The memory a replica of ``model`` on ``profile`` needs (:func:`~llmgw.control.placement.estimate.estimate`),
+    with the engine args the agent will be given: the profile's, the catalog's context
+    (:func:`~llmgw.catalog.context_args`), and where neither sets one the context the engine then
+    runs with (:func:`~llmgw.catalog.default_context`)."""
+    args = [*profile.args, *context_args(model, profile)]
+    return est.estimate(facts, args, context_length=model.context_length or default_context(profile))
+
+
 def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
     """``model`` with each profile's ``min_memory_gb`` filled from its GGUF estimate where it was 0
     and the header is known (GB, rounded up to 0.01)."""
@@ -41,7 +50,7 @@ def effective_model(model: Model, facts: dict[str, est.GgufFacts]) -> Model:
     profiles = []
     for p in model.profiles:
         if p.min_memory_gb <= 0:
-            gb = est.estimate(f, [*p.args, *context_args(model, p)], context_length=model.context_length).total_gb
+            gb = profile_estimate(f, model, p).total_gb
             p = p.model_copy(update={"min_memory_gb": -(-gb * 100 // 1) / 100})  # noqa: PLW2901
         profiles.append(p)
     return model.model_copy(update={"profiles": profiles})

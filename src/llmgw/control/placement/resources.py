@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from llmgw.catalog import Model, context_args
+from llmgw.catalog import Model
 from llmgw.control.placement import checks
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement import placer as pl
-from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, reservations
+from llmgw.control.placement.inputs import effective_model, node_info, parse_facts, profile_estimate, reservations
 from llmgw.control.store import NodeRow, ReplicaRow
 
 
@@ -90,7 +90,7 @@ def resources_view(
             memory_from="min_memory_gb" if raw.min_memory_gb > 0 else ("estimate" if f else "unknown"),
         )
         if f is not None:
-            e = est.estimate(f, [*p.args, *context_args(model, p)], context_length=model.context_length)
+            e = profile_estimate(f, model, p)
             item.ctx, item.weights_gb = e.ctx, round(e.weights / est.GB, 3)
             item.kv_gb, item.overhead_gb = round(e.kv / est.GB, 3), round(e.overhead / est.GB, 3)
         member, pipeline = checks.member_profile(p), checks.PIPELINE
