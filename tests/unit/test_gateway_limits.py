@@ -75,6 +75,32 @@ def test_fields_an_engine_would_misread_are_a_400(extra: dict[str, Any], named: 
     assert e.value.status == 400
 
 
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"prompt": "Hi", "logprobs": 262144}, "between 0 and 20 .alternatives per token., got 262144"),
+        ({"prompt": "Hi", "logprobs": 21}, "'logprobs' must be between 0 and 20"),
+        ({"prompt": "Hi", "logprobs": -1}, "'logprobs' must be between 0 and 20"),
+        ({"prompt": "Hi", "logprobs": "5"}, "'logprobs' must be an integer"),
+        ({"prompt": "Hi", "logprobs": True}, "'logprobs' must be an integer"),
+        ({"messages": [], "logprobs": 1000}, "'logprobs' must be true or false on a chat request"),
+    ],
+)
+def test_logprobs_is_bounded_as_openai_types_it(body: dict[str, Any], named: str) -> None:
+    """On /v1/completions llama-server reads 'logprobs' as the alternatives per token with no bound:
+    262144 listed the whole vocabulary for each token (31 MB a token, 2 GB in the control plane)."""
+    with pytest.raises(HttpError, match=named) as e:
+        check_fields({"model": "m", **body})
+    assert e.value.status == 400
+
+
+def test_logprobs_within_openai_range_pass() -> None:
+    for body in ({"prompt": "Hi", "logprobs": 5}, {"prompt": "Hi", "logprobs": 0}, {"prompt": "Hi", "logprobs": None},
+                 {"messages": [], "logprobs": True, "top_logprobs": 20}, {"messages": [], "logprobs": False},
+                 {"input": "x", "logprobs": 99}):  # embeddings: not forwarded, dropped
+        check_fields({"model": "m", **body})
+
+
 def test_well_typed_sampling_fields_pass() -> None:
     body = {"model": "m", "messages": [], "temperature": 0, "top_p": 0.9, "seed": None, "stop": ["\n"],
             "frequency_penalty": -0.5, "presence_penalty": 1}

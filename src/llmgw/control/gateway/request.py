@@ -28,7 +28,8 @@ positive asks pass, others are removed (the engine's default applies).
 **Refused** (400 ``invalid_request_error``), because an engine would misread them: ``n`` other than
 1 (each choice is a whole generation; llama-server serves one), ``max_tokens`` /
 ``max_completion_tokens`` / ``top_logprobs`` that are not integers, ``top_logprobs`` outside 0-20
-(OpenAI's range), ``stream`` that is not a boolean, ``temperature`` / ``top_p`` /
+(OpenAI's range), ``logprobs`` that is not a boolean on chat or not an integer of 0-20 on
+``/v1/completions`` (:func:`_check_logprobs`), ``stream`` that is not a boolean, ``temperature`` / ``top_p`` /
 ``frequency_penalty`` / ``presence_penalty`` / ``seed`` that are not numbers, ``stop`` that is not a
 string or a list of strings; on ``/v1/completions``, a ``prompt`` listing
 more than one prompt (:func:`check_prompts`: one request, one generation).
@@ -317,6 +318,26 @@ def check_chat(body: dict[str, Any]) -> None:
               "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}", choice)
 
 
+def _check_logprobs(body: dict[str, Any]) -> None:
+    """``logprobs`` as OpenAI types it: a boolean on chat (how many alternatives is ``top_logprobs``),
+    on ``/v1/completions`` the number of alternatives per token, 0 to :data:`MAX_TOP_LOGPROBS`.
+    llama-server reads the completions one as ``n_probs`` with no bound of its own: ``"logprobs":
+    262144`` listed the whole vocabulary for every token, 31 MB and 3 s of engine time a token, and
+    the control plane, which buffers a plain answer, reached 2 GB and stalled its admin API 7 s on one
+    request of 8 tokens (a security tester's finding, 2026-12-05)."""
+    value = body.get("logprobs")
+    if value is None:
+        return
+    if "messages" in body:
+        if not isinstance(value, bool):
+            raise _bad(f"'logprobs' must be true or false on a chat request, got {json.dumps(value)[:40]} "
+                       "(how many alternatives per token is 'top_logprobs')")
+    elif "prompt" in body:
+        n = _int_field(body, "logprobs", "alternatives per token")
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise _bad(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS} (alternatives per token), got {n}")
+
+
 def dropped_header(dropped: list[str]) -> str:
     """The ``x-llmgw-dropped`` value: the dropped names that are plain identifiers, at most 10."""
     named = [k for k in dropped if _NAME.fullmatch(k)][:_MAX_NAMED]
@@ -333,6 +354,7 @@ def check_fields(body: dict[str, Any]) -> None:
     _check(body)
     if "messages" in body:
         check_chat(body)
+    _check_logprobs(body)
     for k in _LIMITS:
         _int_field(body, k)
 
