@@ -5,6 +5,7 @@ Fake llama-servers (``tests.helpers.gateway``) stand in for engines."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -108,6 +109,38 @@ def test_budget_per_day_counts_the_store_and_what_is_not_synced() -> None:
     assert lim.budget_used(month, now) == 9
 
 
+def test_tokens_of_requests_in_flight_count_until_they_end() -> None:
+    """Tokens are counted when an answer ends, so requests sent at once were all admitted on a budget
+    they went through many times over (8 of 150 tokens against 200: 1,472 served, a security tester's
+    finding). What each may use is held from admission to its end: a burst goes over by one request."""
+    clock = Clock(1_800_000_000.0)
+    lim = Limiter(clock=clock)
+    budget = Caller("b", budget_tokens=200, budget_period="day")
+    verdicts = [lim.admit(budget, 155)[0] for _ in range(8)]
+    assert [v is None for v in verdicts] == [True, True] + [False] * 6  # 0 and 155 held < 200; then 310
+    refused = verdicts[2]
+    assert refused is not None
+    assert refused.code == "insufficient_quota"
+    assert "(310 used, 310 of them held by requests in flight)" in refused.message
+    lim.release(budget, 155)
+    lim.spend(budget, 30)  # what the first one used
+    assert lim.admit(budget, 155)[0] is None  # 30 used + 155 held < 200
+    tpm = Caller("t", tpm=100)
+    assert lim.admit(tpm, 160)[0] is None  # a single request larger than the limit is not refused for it
+    refused, _ = lim.admit(tpm, 10)
+    assert refused is not None
+    assert "limit 100, used 160 (160 held by requests in flight)" in refused.message
+    lim.release(tpm, 160)
+    _, h = lim.admit(tpm, 10)
+    assert h["x-ratelimit-remaining-tokens"] == "100"  # nothing used; its own hold is not shown
+    _, h = lim.admit(tpm, 0)
+    assert h["x-ratelimit-remaining-tokens"] == "90"  # the one before still in flight
+    rpm_only = Caller("r", rpm=100)
+    assert lim.admit(rpm_only, 10_000)[0] is None
+    assert lim.admit(rpm_only, 10_000)[0] is None  # no token limit: nothing held
+    lim.release(rpm_only, 10_000)  # and nothing to give back
+
+
 @pytest.mark.parametrize(("s", "text"), [(0.25, "250ms"), (12, "12s"), (12.2, "13s"), (90, "1m30s"), (3725, "1h2m5s")])
 def test_reset_text_is_openais(s: float, text: str) -> None:
     assert reset_text(s) == text
@@ -209,6 +242,7 @@ ROWS = [
     ApiKeyRow("only-g", "sk-llmgw-only-g", digest("sk-only").hex(), models=("g",)),
     ApiKeyRow("old", "sk-llmgw-old000", digest("sk-old").hex(), expires_at=time.time() - 1),
     ApiKeyRow("tokens", "sk-llmgw-tokens", digest("sk-tokens").hex(), tpm=10),
+    ApiKeyRow("budget", "sk-llmgw-budget", digest("sk-budget").hex(), budget_tokens=400, budget_period="day"),
 ]
 
 
@@ -366,3 +400,28 @@ async def test_refused_by_a_limit_or_a_busy_model_is_not_usage(tmp_path: Path) -
     await accounting.sync()
     (row,) = store.usage(key="alice", since_day="2000-01-01")
     assert (row.requests, row.errors) == (2, 1)
+
+
+def test_parallel_requests_cannot_spend_a_budget_many_times_and_each_gives_back_its_hold(env: Env) -> None:
+    """Eight streams sent at once on a budget of 400 tokens, 150 each at most: those admitted while
+    the others are in flight fit the budget but for one (before, all eight were admitted). Then one at
+    a time, many more than 400 / 150 are served: each request's hold is given back when it ends,
+    a 499 included (a leaked hold would lock the key out)."""
+    def stream(_: int) -> int:
+        body = {"model": "gemma", "messages": [{"role": "user", "content": "think-first"}], "stream": True,
+                "max_tokens": 150}
+        r = httpx.post(f"{env.url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-budget"})
+        return r.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(stream, range(8)))
+    assert statuses.count(200) in (3, 4), statuses  # 0, 150, 300 held < 400 (+1 if one ended already)
+    assert statuses.count(429) == 8 - statuses.count(200)
+    for _ in range(8):  # each uses a few tokens (the fake engine's usage), far below its hold
+        with pytest.raises(httpx.ReadTimeout):  # a client leaving a plain request: a 499
+            httpx.post(f"{env.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-budget"},
+                       json={"model": "gemma", "messages": [{"role": "user", "content": "think-first"}],
+                             "max_tokens": 150, "stream": True}, timeout=httpx.Timeout(5, read=0.05))
+    _wait(lambda: env.chat("sk-budget", max_tokens=150).status_code == 200)
+    assert [env.chat("sk-budget", max_tokens=150).status_code for _ in range(6)] == [200] * 6
+

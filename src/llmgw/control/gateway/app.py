@@ -61,7 +61,7 @@ from aiohttp import web
 
 from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
-from llmgw.control.gateway.body import abandoned_usage
+from llmgw.control.gateway.body import abandoned_usage, reserved_tokens
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import (
@@ -332,14 +332,15 @@ class _Gateway:
             else:
                 model = route.model
                 self.load.arrived(model)  # a request for scale to zero, however short (load.ModelLoad.arrived)
-                refused, limit_headers = self.limiter.admit(caller) if self.limiter is not None else (None, {})
+                raw, dropped = upstream_body(body, raw, route.max_output if endpoint.limits_output else 0,
+                                             endpoint.forwarded)
+                hold = reserved_tokens(body)  # held against tpm and budgets while in flight, then released
+                refused, limit_headers = self.limiter.admit(caller, hold) if self.limiter is not None else (None, {})
                 if refused is not None:
                     out = openai_error_json(429, refused.code, refused.message, headers=refused.headers)
                     code = refused.code
                 else:
-                    trace.headers = limit_headers
-                    limit = route.max_output if endpoint.limits_output else 0
-                    raw, dropped = upstream_body(body, raw, limit, endpoint.forwarded)
+                    trace.headers, trace.reserved = limit_headers, hold
                     trace.dropped = dropped_header(dropped) if dropped else ""
                     if stream:
                         raw, asked = with_stream_usage(body, raw)
@@ -371,6 +372,9 @@ class _Gateway:
                     trace, caller, requested, model, stream, status=499, code="client_closed", kind=endpoint.kind
                 )
             raise
+        finally:  # whatever ended it (the tokens it used are spent in _observe)
+            if trace.reserved and self.limiter is not None:
+                self.limiter.release(caller, trace.reserved)
         if call is not None and not out.prepared:
             out.headers.update(call.headers)
         if not out.prepared:

@@ -40,6 +40,18 @@ def prompt_chars(body: dict[str, Any]) -> int:
     return n
 
 
+def reserved_tokens(body: dict[str, Any]) -> int:
+    """Tokens a request may use, held against its key's ``tpm`` and budget while it is in flight
+    (:meth:`~llmgw.control.gateway.limits.Limiter.admit`): its prompt's (or embedding input's)
+    characters / 4 and its ``max_tokens`` as :func:`~llmgw.control.gateway.request.upstream_body` left
+    it (the model's ``max_output`` at most; 0 when neither sets one). OpenAI's limiter counts the same."""
+    asked = body.get("max_tokens")
+    completion = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 0
+    text = body.get("input")
+    texts = [text] if isinstance(text, str) else text if isinstance(text, list) else []
+    return (prompt_chars(body) + sum(len(t) for t in texts if isinstance(t, str))) // 4 + completion
+
+
 def abandoned_usage(body: dict[str, Any], upstream_s: float, rate: float, cap: int) -> dict[str, Any]:
     """The tokens charged for a plain (not streamed) request its client left before the answer
     (a 499): the prompt's characters / 4 (OpenAI's rule of thumb, as for a stream left early) and

@@ -10,9 +10,10 @@ had written to the store at the last sync (:mod:`llmgw.control.gateway.accountin
 each control plane adds its deltas to ``rate_windows`` and reads the others' sums). So with several
 control planes a limit holds within what the others admitted since their last flush, about one
 second of traffic, as the issue asks ("within 10% plus one second"). Tokens are known only when an
-answer ends, so ``tpm`` and budgets refuse the request *after* the one that went over: a request is
-admitted while the tokens used are below the limit (OpenAI's own limiter also counts the tokens
-of requests in flight from ``max_tokens``; llmgw does not guess them).
+answer ends: a request is admitted while the tokens used, plus those its key's requests in flight
+may use (their prompt's characters / 4 and their ``max_tokens``, held from admission to the end, as
+OpenAI's own limiter counts them), are below the limit, so ``tpm`` and budgets go over by at most the
+one request admitted last.
 
 Admitted requests count, refused ones do not. Budgets read ``usage_daily`` (every control plane's
 tokens, as of the last sync) plus this control plane's tokens not yet synced.
@@ -121,6 +122,7 @@ class Limiter:
     _day_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (key, day) -> tokens, store
     _unsynced: dict[str, int] = field(default_factory=dict)  # key -> tokens not yet in _day_tokens
     _syncing: dict[str, int] = field(default_factory=dict)  # key -> tokens being written now
+    _inflight: dict[str, int] = field(default_factory=dict)  # key -> tokens held by its requests in flight
 
     def _minute(self, key: str, now: float) -> _Minute:
         w = window_of(now)
@@ -129,8 +131,13 @@ class Limiter:
             m = self._minutes[key] = _Minute(w)
         return m
 
-    def admit(self, caller: Caller) -> tuple[Refused | None, dict[str, str]]:
-        """Admit (and count) one request of ``caller``, or refuse it.
+    def admit(self, caller: Caller, hold: int = 0) -> tuple[Refused | None, dict[str, str]]:
+        """Admit (and count) one request of ``caller``, or refuse it. ``hold``: the tokens it may use
+        (:func:`~llmgw.control.gateway.body.reserved_tokens`), held against the key's ``tpm`` and
+        budget until :meth:`release`, so that requests sent at once cannot all be admitted on tokens
+        not yet counted (8 parallel requests of 150 tokens were all admitted against a budget of 200:
+        1,472 tokens served, a security tester's finding); the tokens of the requests in flight count
+        as used, so a burst goes over by at most one request.
 
         Returns ``(None, headers)`` when admitted (``headers``: the ``x-ratelimit-*`` to send, empty
         for a caller without limits), or ``(Refused, {})``.
@@ -140,8 +147,9 @@ class Limiter:
         now = self.clock()
         m = self._minute(caller.name, now)
         reset = m.window + WINDOW_S - now
+        held = self._inflight.get(caller.name, 0)
         used_req = m.requests + m.others_requests
-        used_tok = m.tokens + m.others_tokens
+        used_tok = m.tokens + m.others_tokens + held
         headers: dict[str, str] = {}
         # (limit, used, unit, its name, what this request adds now): a request counts when admitted,
         # its tokens only when it ends
@@ -153,9 +161,10 @@ class Limiter:
             if limit is None:
                 continue
             if used >= limit:
+                flight = f" ({held} held by requests in flight)" if held and unit == "tokens" else ""
                 return self._refuse(
                     "rate_limit_exceeded",
-                    f"Rate limit reached for key '{caller.name}' on {name}: limit {limit}, used {used}. "
+                    f"Rate limit reached for key '{caller.name}' on {name}: limit {limit}, used {used}{flight}. "
                     f"Please try again in {reset_text(reset)}.",
                     reset, caller, used_req, used_tok,
                 ), {}
@@ -163,13 +172,14 @@ class Limiter:
             headers[f"x-ratelimit-remaining-{unit}"] = str(limit - used - adds)
             headers[f"x-ratelimit-reset-{unit}"] = reset_text(reset)
         if caller.budget_tokens is not None:
-            spent = self.budget_used(caller, now)
+            spent = self.budget_used(caller, now) + held
             ends = period_end(caller.budget_period, now) - now
             if spent >= caller.budget_tokens:
+                flight = f", {held} of them held by requests in flight" if held else ""
                 return self._refuse(
                     "insufficient_quota",
                     f"key '{caller.name}' has used its budget of {caller.budget_tokens} tokens per "
-                    f"{caller.budget_period} ({spent} used); it renews in {reset_text(ends)} (UTC), or "
+                    f"{caller.budget_period} ({spent} used{flight}); it renews in {reset_text(ends)} (UTC), or "
                     "ask an operator to raise it ('llmgw ctl key')",
                     ends, caller, used_req, used_tok,
                 ), {}
@@ -178,6 +188,8 @@ class Limiter:
                 headers["x-ratelimit-remaining-tokens"] = str(caller.budget_tokens - spent)
                 headers["x-ratelimit-reset-tokens"] = reset_text(ends)
         m.requests += 1
+        if hold > 0 and (caller.tpm is not None or caller.budget_tokens is not None):
+            self._inflight[caller.name] = held + hold
         p = self._pending.get((caller.name, m.window))
         if p is None:
             self._pending[(caller.name, m.window)] = [1, 0]
@@ -198,6 +210,17 @@ class Limiter:
             headers["x-ratelimit-remaining-tokens"] = str(max(0, caller.tpm - used_tok))
             headers["x-ratelimit-reset-tokens"] = reset_text(reset)
         return Refused(code, message, headers)
+
+    def release(self, caller: Caller, hold: int) -> None:
+        """Give back the ``hold`` tokens :meth:`admit` held for a request of ``caller`` that ended
+        (what it used is counted by :meth:`spend`)."""
+        if hold <= 0 or (caller.tpm is None and caller.budget_tokens is None):
+            return
+        left = self._inflight.get(caller.name, 0) - hold
+        if left > 0:
+            self._inflight[caller.name] = left
+        else:
+            self._inflight.pop(caller.name, None)
 
     def budget_used(self, caller: Caller, now: float) -> int:
         """Tokens ``caller`` used in its budget period so far: the store's sums (every control plane,

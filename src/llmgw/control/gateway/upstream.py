@@ -129,7 +129,8 @@ class Trace:
     the error event that ended a stream after its 200 (a refusal, a broken replica), "" otherwise;
     ``path`` is the endpoint's path on the engine; ``caller`` and ``priority`` are the key's name and
     priority (the queue's fairness); ``queued_ns``: time spent waiting for a slot, counted in
-    ``upstream_ns`` too (it is the replicas' time, not the gateway's).
+    ``upstream_ns`` too (it is the replicas' time, not the gateway's); ``reserved``: the tokens held
+    against the key's limits while the request is in flight (:func:`~llmgw.control.gateway.body.reserved_tokens`).
     """
 
     started_ns: int
@@ -148,6 +149,7 @@ class Trace:
     path: str = "/v1/chat/completions"
     caller: str = ""
     priority: int = 0
+    reserved: int = 0
     queued_ns: int = 0
 
 
