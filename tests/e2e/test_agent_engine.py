@@ -9,6 +9,7 @@ left; a truncated GGUF fails with llama-server's own error line in ``err``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -210,3 +211,36 @@ async def test_taken_port_is_retried_with_another(world: World) -> None:
         assert await runner.wait_settled() == ReplicaState.READY, runner.err
         assert runner.port != taken.getsockname()[1]
         await runner.stop()
+
+
+async def test_a_stream_in_flight_ends_within_a_second_of_the_stop(world: World) -> None:
+    """On SIGTERM llama-server stops generating but, with a stream open, never exits by itself: it
+    held the connection silent until the agent's SIGKILL, 10 s later (a drained replica's stream, an
+    operator's finding). llama.cpp's grace (LlamaCppEngine.stop_grace_s) is 1 s: the stream ends
+    soon after the stop, however long the agent's grace (10 s here)."""
+    spec = gemma_spec(world, "r-stream")
+    runner = ReplicaRunner(spec, world.env)
+    runner.start()
+    assert await runner.wait_settled() == ReplicaState.READY, runner.err
+    endpoint = runner.status().endpoint
+    body = {"model": "gemma", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000,
+            "stream": True, "logit_bias": {"1": -100, "106": -100}}  # gemma's end tokens banned: it runs on
+    first = asyncio.Event()
+    ended = 0.0
+
+    async def read() -> None:
+        nonlocal ended
+        async with world.env.session.post(f"http://{endpoint}/v1/chat/completions", json=body,
+                                          headers={"Authorization": f"Bearer {spec.key}"}) as resp:
+            with contextlib.suppress(aiohttp.ClientError):
+                async for _ in resp.content:
+                    first.set()
+        ended = asyncio.get_running_loop().time()
+
+    reader = asyncio.create_task(read())
+    await asyncio.wait_for(first.wait(), 60)
+    stopped = asyncio.get_running_loop().time()
+    await runner.stop()
+    await asyncio.wait_for(reader, 10)
+    assert ended - stopped < 3.0, f"the stream ended {ended - stopped:.1f} s after the stop"
+    assert runner.state == ReplicaState.STOPPED

@@ -280,6 +280,8 @@ class Engine(ABC, Generic[S]):
         stuck: why a replica whose health answered 200 never became ready (the deadline message).
         group_binary: the program a group member runs beside the engine's binary, in the same
             directory (its presence is :meth:`group_features`); "" for an engine without groups.
+        stop_grace_s: the most seconds between SIGTERM and SIGKILL this engine is worth waiting
+            (the agent's own grace when shorter); None: the agent's.
     """
 
     name: ClassVar[str]
@@ -287,6 +289,7 @@ class Engine(ABC, Generic[S]):
     health_path: ClassVar[str] = "/health"
     stuck: ClassVar[str] = "GET /health answered 200 but the engine never became ready"
     group_binary: ClassVar[str] = ""
+    stop_grace_s: ClassVar[float | None] = None
 
     def usable(self, installed: Installed[S]) -> S:
         """The build to launch.

@@ -402,6 +402,11 @@ class LlamaCppEngine(Engine[LlamaServer]):
     name = ENGINE
     label = BINARY_NAME
     group_binary = llamacpp_group.RPC_BINARY  # rpc-server, of the same build: the feature ``rpc``
+    # On SIGTERM llama-server stops generating at once and exits in 0.08 s when idle, but with a stream
+    # open it never exits by itself: it holds the connection, silent, until SIGKILL (measured
+    # 2026-12-05). The agent's 10 s left a stream on a drained replica, or on a removed model, silent
+    # for 10 s before its error event, where the docs promise one at once (an operator's finding).
+    stop_grace_s = 1.0
     stuck = (
         "GET /health answered 200 but its task loop never answered GET /slots or a 1-token "
         "completion: the server is stuck"

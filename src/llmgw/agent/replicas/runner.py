@@ -80,7 +80,7 @@ from llmgw.agent.node.records import (
     write_private,
     write_record,
 )
-from llmgw.errors import LlmgwError
+from llmgw.errors import EngineError, LlmgwError
 from llmgw.proctime import since_boot
 from llmgw.protocol import GroupRole, ReplicaSpec, ReplicaState, ReplicaStatus
 
@@ -506,19 +506,22 @@ class ReplicaRunner:
 
     async def _kill(self) -> None:
         """End the engine and its group, if it still runs; reap our own child; close a group
-        member's tunnels."""
+        member's tunnels. SIGKILL follows SIGTERM after the agent's grace, or the engine's
+        (``Engine.stop_grace_s``) when shorter."""
+        grace = self.env.stop_grace_s
+        with contextlib.suppress(EngineError):  # an engine this agent does not know: the agent's grace
+            own = engine_for(self.spec.engine).stop_grace_s
+            grace = min(grace, own) if own is not None else grace
         if self._group is not None:
-            await self._group.stop(self.env.stop_grace_s)
+            await self._group.stop(grace)
         proc = self._proc
         if proc is not None:
             if proc.poll() is None:
-                await asyncio.to_thread(
-                    stop_process_group, proc.pid, grace_s=self.env.stop_grace_s, reap=False
-                )
+                await asyncio.to_thread(stop_process_group, proc.pid, grace_s=grace, reap=False)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     await asyncio.to_thread(proc.wait, 5)
         elif self._record is not None and live_process(self._record) is not None:
-            await asyncio.to_thread(stop_process_group, self._record.pid, grace_s=self.env.stop_grace_s)
+            await asyncio.to_thread(stop_process_group, self._record.pid, grace_s=grace)
 
     async def _fail(self, err: str) -> None:
         log.error("replica %s failed: %s", self.spec.id, err)
