@@ -100,6 +100,10 @@ def test_budget_per_day_counts_the_store_and_what_is_not_synced() -> None:
     assert refused.code == "insufficient_quota"
     assert "1000 tokens per day" in refused.message
     assert int(refused.headers["Retry-After"]) == int(period_end("day", now) - now)
+    # the budget's -tokens three, as on the answers before it (an operator's finding: none on the 429)
+    assert refused.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert refused.headers["x-ratelimit-reset-tokens"] == reset_text(period_end("day", now) - now)
     clock.t = period_end("day", now) + 1  # a new day
     assert lim.admit(c)[0] is None
     month = Caller("m", budget_tokens=10, budget_period="month")

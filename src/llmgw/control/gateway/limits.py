@@ -209,6 +209,11 @@ class Limiter:
             headers["x-ratelimit-limit-tokens"] = str(caller.tpm)
             headers["x-ratelimit-remaining-tokens"] = str(max(0, caller.tpm - used_tok))
             headers["x-ratelimit-reset-tokens"] = reset_text(reset)
+        elif caller.budget_tokens is not None and code == "insufficient_quota":
+            # a budget without tpm: its three, as on the answers before (they were missing here only)
+            headers["x-ratelimit-limit-tokens"] = str(caller.budget_tokens)
+            headers["x-ratelimit-remaining-tokens"] = "0"
+            headers["x-ratelimit-reset-tokens"] = reset_text(reset)
         return Refused(code, message, headers)
 
     def release(self, caller: Caller, hold: int) -> None:
