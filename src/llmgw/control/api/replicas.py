@@ -133,6 +133,10 @@ async def replica_logs(request: web.Request) -> web.Response:
     except UnreachableError as e:
         raise HttpError(504, "node_silent", str(e)) from e
     if not got.found:
+        err = (rep.err or rep.last_error).strip().splitlines()
+        if rep.state == ReplicaState.FAILED and err:  # it failed before any engine ran (its weights, say)
+            raise HttpError(404, "no_log", f"replica '{rid}' on {rep.node} failed before its engine started, so "
+                            f"there is no engine log: {err[0][:FAILED_ERR_CHARS]}")
         raise HttpError(404, "no_log", f"node {rep.node} has no engine log for replica '{rid}' (yet)")
     return _json({"replica": rid, "node": rep.node, "text": got.text, "offset": got.offset})
 
