@@ -199,3 +199,15 @@ def test_the_last_replica_goes_after_scale_to_zero_after_s_even_below_scale_down
     t, _, reason = changes[0]
     assert 24 <= t <= 26, t  # the last load at t=4.5
     assert reason.startswith("scaled 1 → 0: no request for 2")
+
+
+def test_a_stable_window_longer_than_scale_to_zero_after_s_is_named_as_what_held_the_replica() -> None:
+    """``scale_to_zero_after_s`` 5 under a 60 s ``stable_window_s``: the replica goes once the window
+    holds no load, ~60 s after the request; the reason named only the 5 s (an operator's finding)."""
+    s = Scaling(min=0, max=3, target=2.0, scale_to_zero_after_s=5.0, stable_window_s=60.0)
+    changes = _run(s, 2.0, [(5, 2.0), (200, 0.0)], wanted=1)
+    assert [c[1] for c in changes] == [0]
+    t, _, reason = changes[0]
+    assert t >= 60, t
+    assert reason.startswith("scaled 1 → 0: no request for ")
+    assert reason.endswith("(scale_to_zero_after_s 5, and stable_window_s 60 without load)"), reason

@@ -184,11 +184,10 @@ def decide(
         to = 1  # the last replica waits for scale_to_zero_after_s without any request
     if to >= wanted:
         return Verdict(st, panic=in_panic)
-    why = (
-        f"no request for {quiet:.0f} s (scale_to_zero_after_s {scaling.scale_to_zero_after_s:g})"
-        if to == 0
-        else f"{per}, lower for {now - since:.0f} s"
-    )
+    zero = f"scale_to_zero_after_s {scaling.scale_to_zero_after_s:g}"
+    if scaling.stable_window_s > scaling.scale_to_zero_after_s:  # the load it averages reaches 0 only then
+        zero += f", and stable_window_s {scaling.stable_window_s:g} without load"
+    why = f"no request for {quiet:.0f} s ({zero})" if to == 0 else f"{per}, lower for {now - since:.0f} s"
     # A new quiet period starts (the peak of the next one is measured afresh), except toward zero:
     # a count floored at 1 goes to 0 as soon as scale_to_zero_after_s without a request is reached.
     after = replace(st, lower_peak=desired) if to == 1 and desired == 0 else replace(st, lower_since=None, lower_peak=0)
