@@ -148,3 +148,26 @@ def test_set_profiles_that_fit_no_node_say_so_but_not_for_room_the_models_own_re
         assert [(n["fits"], n["kind"]) for n in fits] == [(False, "exhausted")]  # its own replica holds the cores
         code, out = ctl(inst, "model", "set-profiles", "c", "-f", profiles(min_memory_gb=2, cpu_cores=2))
         assert (code, out) == (0, "c: profiles set; replicas restart onto them\n")
+
+
+def test_scale_past_the_room_there_is_says_so(tmp_path: pathlib.Path) -> None:
+    """A node with 2 cores; a model of 2 cores a replica has one placed. ``scale c 2`` printed
+    ``scaling 2..2`` alone while the second replica stayed pending (an operator's finding): now a
+    ``!!`` line says how many are placed and why no node takes another; ``scale c 1`` says nothing."""
+    from tests.helpers.waits import wait_for  # noqa: PLC0415
+
+    inst = _install_with_node_a(tmp_path)
+    with ThreadedControlPlane(inst):
+        admin = AdminClient(inst.admin, TOKEN)
+        code, out = ctl(inst, "model", "add", "--name", "c", "--source", "http://m.test:8081/m/1/m.gguf",
+                        "--memory-gb", "1", "--cpu-cores", "2")
+        assert code == 0, out
+        wait_for("c's replica placed on node-a", lambda: any(r.node == "node-a" for r in admin.replicas("c")), 10, 0.1)
+        code, out = ctl(inst, "model", "scale", "c", "2")
+        assert code == 0, out
+        lines = out.splitlines()
+        assert lines[0] == "c: scaling 2..2"
+        assert lines[1].startswith("!! c: 1 of 2 replicas placed, and no node can take another now (node-a: ")
+        assert lines[1].endswith("the rest stay pending until a node has room: see 'llmgw ctl explain-placement c'")
+        code, out = ctl(inst, "model", "scale", "c", "1")
+        assert (code, out) == (0, "c: scaling 1..1\n")

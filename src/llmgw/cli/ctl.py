@@ -42,6 +42,7 @@ from llmgw.cli.modelwarn import (
     warn_fits_nowhere,
     warn_judge_removed,
     warn_profiles_fit_no_node,
+    warn_scaled_past_room,
     warn_unreadable_source,
 )
 from llmgw.errors import ConfigError
@@ -502,6 +503,7 @@ def model_scale(
         _print_json(data)
     else:
         print(f"{name}: scaling {data.scaling_min}..{data.scaling_max}")
+        warn_scaled_past_room(client, name, n)
 
 
 @model_app.command("autoscale")

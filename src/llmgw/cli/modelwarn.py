@@ -1,7 +1,8 @@
 """What ``llmgw ctl`` warns about once a change is made (``!!`` lines on stderr, the exit code stays
 0: the change succeeded): after ``model add``, a source the control plane cannot read and a model
 that fits on no node now (its replica stays pending; ``ctl explain-placement`` says why); after
-``model set-profiles``, new profiles that no node can take whatever runs there; after ``node drain``,
+``model set-profiles``, new profiles that no node can take whatever runs there; after ``model scale``,
+more replicas than any node has room for now; after ``node drain``,
 a model whose drained replicas no other node can take now.
 """
 
@@ -72,6 +73,26 @@ def warn_fits_nowhere(client: AdminClient, name: str, resources: dict[str, Any],
     those = "its replica stays" if wanted == 1 else "its replicas stay"
     print(f"!! {name} fits on no node now ({why or 'no node has joined the cluster'}); {those} pending until a node "
           f"has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
+
+
+def warn_scaled_past_room(client: AdminClient, name: str, n: int) -> None:
+    """After ``model scale NAME N``: say on stderr when N is more replicas than the model has placed
+    and no node could take one more now, with why: ``scale`` printed ``scaling 2..2`` alone while
+    the second replica stayed pending (an operator's finding; ``model add`` and ``set-profiles`` said
+    so). Placement's own check of one more replica against every node (``GET …/resources``); when
+    one node has room for one, nothing is said (no warning rather than a wrong one)."""
+    try:
+        placed = sum(1 for r in client.replicas(name) if r.node)
+        if n <= placed:
+            return
+        profiles = client.model_resources(name).get("profiles") or []
+    except LlmgwError:
+        return  # the change itself worked; the check is a courtesy
+    if any(node.get("fits") for p in profiles for node in p.get("nodes", [])):
+        return
+    why = _reasons(profiles[0].get("nodes", []) if profiles else []) or "no node has joined the cluster"
+    print(f"!! {name}: {placed} of {n} replicas placed, and no node can take another now ({why}); the rest "
+          f"stay pending until a node has room: see 'llmgw ctl explain-placement {name}'", file=sys.stderr)
 
 
 def warn_profiles_fit_no_node(client: AdminClient, name: str) -> None:
