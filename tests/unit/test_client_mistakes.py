@@ -15,7 +15,7 @@ from llmgw.control.gateway.body import abandoned_usage
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
 from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
-from llmgw.control.gateway.request import CHAT, EMBEDDINGS, check_chat, check_fields
+from llmgw.control.gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, check_chat, check_fields
 from llmgw.errors import HttpError, JudgeError
 from llmgw.guard.config import Direction, Policy
 from llmgw.routing import Route
@@ -75,8 +75,15 @@ def test_a_lone_surrogate_is_refused_a_pair_is_not() -> None:
     with pytest.raises(HttpError) as e:
         _parse(b'{"model": "m", "messages": [{"role": "user", "content": "a\\udc00"}]}', CHAT)
     assert "'messages[0].content'" in e.value.message
+    # a surrogate's own bytes in the UTF-8 (ED A0 80): Python's JSON reader let them through as '\ud800',
+    # and the judge's engine answered 500 (a security tester's finding)
+    with pytest.raises(HttpError) as e:
+        _parse(b'{"model": "m", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}', CHAT)
+    assert "'messages[0].content' holds a lone UTF-16 surrogate" in e.value.message
     ok = _parse(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}', CHAT)
     assert ok["messages"][0]["content"] == "\U0001f600 \\ud800"
+    valid = '{"model": "m", "prompt": "\u00e9t\u00e9 \ud55c \U0001f600"}'.encode()  # valid UTF-8 passes
+    assert _parse(valid, COMPLETIONS)["prompt"] == "\u00e9t\u00e9 \ud55c \U0001f600"
 
 
 def test_engine_500s_for_the_clients_mistake() -> None:

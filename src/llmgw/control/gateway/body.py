@@ -67,8 +67,11 @@ def abandoned_usage(body: dict[str, Any], upstream_s: float, rate: float, cap: i
             "estimated": True}
 
 
-#: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes: a UTF-16 surrogate, valid JSON only in a pair.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+#: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes (a UTF-16 surrogate, valid JSON only in a pair),
+#: or a surrogate's own bytes in the UTF-8 (``ED A0``-``ED BF``: never valid UTF-8, but Python's JSON
+#: reader passes them through as a surrogate, and the judge's engine answered 500 to it: a security
+#: tester's finding, 2026-12-05, which made judge errors at will).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
 def _lone_surrogate(value: Any, where: str) -> str | None:
@@ -101,8 +104,9 @@ def _check_unicode(raw: bytes, body: dict[str, Any]) -> None:
     if where is not None:
         raise HttpError(
             400, "invalid_request",
-            f"'{where}' holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is not "
-            "valid Unicode: send the text as valid UTF-8, or escape a character outside the BMP as a surrogate pair",
+            f"'{where}' holds a lone UTF-16 surrogate (\\ud800-\\udfff escaped without its pair, or encoded in "
+            "its UTF-8), which is not valid Unicode: send the text as valid UTF-8, or escape a character outside "
+            "the BMP as a surrogate pair",
         )
 
 
