@@ -244,3 +244,33 @@ async def test_a_stream_in_flight_ends_within_a_second_of_the_stop(world: World)
     await asyncio.wait_for(reader, 10)
     assert ended - stopped < 3.0, f"the stream ended {ended - stopped:.1f} s after the stop"
     assert runner.state == ReplicaState.STOPPED
+
+
+async def test_an_engine_started_unpinned_is_pinned_once_its_cores_are_free(world: World) -> None:
+    """A replica that starts while its cores are held (a profile change starts the new replica
+    before the old one stops) runs unpinned; it stayed so for its whole life, spinning on cores the
+    replicas placed after it were pinned to (an operator's finding). Once the cores are free, the
+    agent's next beat pins it (pin_if_free): every thread of the engine, and its record."""
+    from llmgw.agent.node.pinning import CoreAllocator  # noqa: PLC0415
+
+    world.env.cpus = CoreAllocator([0, 1])
+    old = ReplicaRunner(gemma_spec(world, "r-old", cpu_cores=2), world.env)
+    old.start()
+    assert await old.wait_settled() == ReplicaState.READY, old.err
+    assert old.cpus == [0, 1]
+    new = ReplicaRunner(gemma_spec(world, "r-new"), world.env)  # 1 core, none free
+    new.start()
+    assert await new.wait_settled() == ReplicaState.READY, new.err
+    assert new.cpus == []
+    assert new.pin_if_free() is False  # still none free
+    await old.stop()
+    assert new.pin_if_free() is True
+    assert new.cpus == [0]
+    assert new.pid is not None
+    threads = psutil.Process(new.pid).threads()
+    assert {tuple(os.sched_getaffinity(t.id)) for t in threads} == {(0,)}
+    assert [r.cpus for r in load_records(world.state) if r.id == "r-new"] == [[0]]
+    assert new.pin_if_free() is False  # pinned once
+    code, _ = await chat(world.env.session, new.status().endpoint, new.spec.key)
+    assert code == 200
+    await new.stop()

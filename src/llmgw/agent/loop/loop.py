@@ -398,6 +398,8 @@ class Agent:
         if not reply.desired_unchanged:
             await self.reconcile(reply.desired)
             self.state.desired_digest = reply.desired_digest
+        for runner in self.state.runners.values():
+            runner.pin_if_free()  # one that started while its cores were taken, once they are not
         for req in reply.log_requests:
             self._answer_log(req)
 

@@ -14,7 +14,9 @@ pinned to one core each they do not meet.
 
 A replica with ``cpu_cores == 0`` reserves nothing and is not pinned (it shares the node). When
 fewer cores are free than asked (a node whose cores changed, records from an older agent), the
-replica runs unpinned and the reason is logged: a slower replica is better than none.
+replica runs unpinned and the reason is logged: a slower replica is better than none. The agent
+pins it once enough cores are free (``ReplicaRunner.pin_if_free``, at every beat): a profile change
+starts the new replica before the old one has stopped, and the new one ran unpinned for its life.
 """
 
 from __future__ import annotations

@@ -230,6 +230,30 @@ class ReplicaRunner:
         runner._task = asyncio.create_task(runner._run_adopted(), name=f"replica-{record.id}")
         return runner
 
+    def pin_if_free(self) -> bool:
+        """Pin a ready engine that runs unpinned because its cores were taken when it started (a
+        profile change starts the new replica before the old one has stopped), now that enough are
+        free; True when it was pinned. It stayed unpinned for its whole life, spinning on cores
+        reserved for the replicas placed after it (an operator's finding)."""
+        spec = self.spec
+        if (not self.env.pin or self.cpus or spec.cpu_cores <= 0 or self.state != ReplicaState.READY
+                or self.pid is None or self._record is None or self._group is not None):
+            return False
+        cpus = self.env.cpus.allocate(spec.id, spec.cpu_cores)
+        if not cpus:
+            return False
+        try:
+            pin_process(self.pid, cpus)
+        except OSError as e:
+            self.env.cpus.release(spec.id)
+            log.warning("replica %s: cannot pin pid %d to cores %s: %s", spec.id, self.pid, cpus, e)
+            return False
+        self.cpus = cpus
+        self._record = self._record.model_copy(update={"cpus": cpus})
+        write_record(self.env.agent_state, self._record)
+        log.info("replica %s: pinned to cores %s, free now (it ran unpinned)", spec.id, format_cpus(cpus))
+        return True
+
     def status(self) -> ReplicaStatus:
         """What the agent reports for this replica now (a group worker: its part's endpoint, such
         as a llama.cpp worker's tunnel)."""
