@@ -171,3 +171,18 @@ def test_scale_past_the_room_there_is_says_so(tmp_path: pathlib.Path) -> None:
         assert lines[1].endswith("the rest stay pending until a node has room: see 'llmgw ctl explain-placement c'")
         code, out = ctl(inst, "model", "scale", "c", "1")
         assert (code, out) == (0, "c: scaling 1..1\n")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("key", "create", "k", "--rpm", "5.0"), ("key", "create", "k", "--tpm", "1e3"),
+     ("key", "create", "k", "--budget-tokens", "100.0", "--budget-period", "day"), ("model", "scale", "m", "2.0"),
+     ("model", "add", "--name", "x", "--source", "http://m.test:8081/m/1/m.gguf", "--replicas", "2.0")],
+)
+def test_counts_on_the_command_line_are_whole_numbers_as_typed(cp: Install, args: tuple[str, ...]) -> None:
+    """Typer read ``--rpm 5.0`` as 5 (an operator's finding), where the API refuses 5.0 for a count:
+    refused before anything is sent, naming the option."""
+    code, out = ctl(cp, *args)
+    assert code == 2, out
+    assert f"'{args[-1] if args[-2] != '--budget-period' else args[4]}' is not a whole number" in out
+    assert AdminClient(cp.admin, TOKEN).keys() == []

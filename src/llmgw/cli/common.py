@@ -45,6 +45,22 @@ def paths() -> Paths:
     return Paths.from_env()
 
 
+def whole(text: str | int | None) -> int | None:
+    """A whole number as typed (``5``, ``-1``), for an integer option's ``parser=``: Typer reads
+    ``5.0`` as 5, where the admin API refuses ``5.0`` for a count (an operator's finding:
+    ``ctl key set --rpm 5.0`` set 5 rpm).
+
+    Raises:
+        typer.BadParameter: anything else (``5.0``, ``5e1``, ``five``).
+    """
+    if text is None or isinstance(text, int):
+        return text
+    value = text.strip()
+    if not value.lstrip("+-").isdigit() or not value.isascii():
+        raise typer.BadParameter(f"{text!r} is not a whole number")
+    return int(value)
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print ``Error: message`` to stderr and return the Exit to raise."""
     print(f"Error: {message}", file=sys.stderr)

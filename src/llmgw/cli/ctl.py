@@ -34,7 +34,7 @@ import typer
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import admin_client as _client
-from llmgw.cli.common import cli_errors, console, fail, paths, table, typer_app
+from llmgw.cli.common import cli_errors, console, fail, paths, table, typer_app, whole
 from llmgw.cli.common import print_json as _print_json
 from llmgw.cli.modelset import model_set
 from llmgw.cli.modelwarn import (
@@ -394,9 +394,11 @@ def model_add(
     version: Annotated[str, typer.Option("--version", help="Version label.")] = "1",
     alias: Annotated[list[str] | None, typer.Option("--alias", help="An alias (repeatable).")] = None,
     memory_gb: Annotated[float, typer.Option("--memory-gb", help="min_memory_gb (0: estimate).")] = 0,
-    cpu_cores: Annotated[int, typer.Option("--cpu-cores", help="Cores per replica.")] = 0,
-    ctx_size: Annotated[int, typer.Option("--ctx-size", help="--ctx-size for the engine (0: leave).")] = 0,
-    replicas_n: Annotated[int, typer.Option("--replicas", help="scaling.min and max.")] = 1,
+    cpu_cores: Annotated[int, typer.Option("--cpu-cores", parser=whole, help="Cores per replica.")] = 0,
+    ctx_size: Annotated[
+        int, typer.Option("--ctx-size", parser=whole, help="--ctx-size for the engine (0: leave).")
+    ] = 0,
+    replicas_n: Annotated[int, typer.Option("--replicas", parser=whole, help="scaling.min and max.")] = 1,
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Add a model from model.yaml, or from flags (one CPU llama.cpp profile)."""
@@ -488,7 +490,9 @@ def _replica_count(n: int) -> int:
 @cli_errors
 def model_scale(
     name: Annotated[str, typer.Argument(help="The model.")],
-    n: Annotated[int, typer.Argument(callback=_replica_count, help="Replicas to keep running (scaling.min).")],
+    n: Annotated[
+        int, typer.Argument(parser=whole, callback=_replica_count, help="Replicas to keep running (scaling.min).")
+    ],
     server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Keep N replicas running: min = max = N, or for an autoscaled model min = N (max raised to N

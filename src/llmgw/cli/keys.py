@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from llmgw.cli.common import cli_errors, console, paths, table, typer_app
+from llmgw.cli.common import cli_errors, console, paths, table, typer_app, whole
 
 if TYPE_CHECKING:
     from llmgw.adminclient import AdminClient
@@ -93,9 +93,9 @@ def _model_list(models: str) -> list[str]:
             "leave --models out (key set: --clear models)", param_hint="--models",
         )
     return names
-RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")]
-TpmOpt = Annotated[int | None, typer.Option("--tpm", help="Tokens (prompt + completion) per minute.")]
-BudgetTokensOpt = Annotated[int | None, typer.Option("--budget-tokens", help="Tokens per budget period.")]
+RpmOpt = Annotated[int | None, typer.Option("--rpm", parser=whole, help="Requests per minute.")]
+TpmOpt = Annotated[int | None, typer.Option("--tpm", parser=whole, help="Tokens (prompt + completion) per minute.")]
+BudgetTokensOpt = Annotated[int | None, typer.Option("--budget-tokens", parser=whole, help="Tokens per budget period.")]
 BudgetPeriodOpt = Annotated[str | None, typer.Option("--budget-period", help="day or month (UTC).")]
 ExpiresOpt = Annotated[
     str | None, typer.Option("--expires", help="A duration from now: 90s, 30m (minutes), 12h, 30d, 2w (no months).")
