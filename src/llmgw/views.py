@@ -192,6 +192,7 @@ class ModelView(BaseModel):
     scaling_max: int = 0
     replicas_ready: int = 0
     replicas: int = 0
+    replicas_failed: int = 0  # placed, and their engine failed (placed again with a backoff)
     replicas_wanted: int = 0  # scaling.min, or an autoscaled model's last decided count
     spec: dict[str, object] = Field(default_factory=dict)
     broken: str = ""

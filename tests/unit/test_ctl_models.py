@@ -39,15 +39,17 @@ def test_a_model_with_no_node_reads_0_of_1(cp: Install) -> None:
 
 
 @pytest.mark.parametrize(
-    ("ready", "placed", "wanted", "cell"),
+    ("ready", "placed", "wanted", "cell", "failed"),
     [
-        (0, 0, 1, "0/1"),  # its node was removed
-        (2, 2, 3, "2/3"),  # scaled to 3, one does not fit
-        (1, 2, 2, "1/2 (2 placed)"),  # one still starting
-        (2, 2, 2, "2/2"),
-        (0, 0, 0, "0/0"),  # scaled to zero
+        (0, 0, 1, "0/1", 0),  # its node was removed
+        (2, 2, 3, "2/3", 0),  # scaled to 3, one does not fit
+        (1, 2, 2, "1/2 (2 placed)", 0),  # one still starting
+        (2, 2, 2, "2/2", 0),
+        (0, 0, 0, "0/0", 0),  # scaled to zero
+        (0, 1, 1, "0/1 (1 failed)", 1),  # its weights cannot be fetched: it read "(1 placed)", as if starting
+        (1, 3, 3, "1/3 (3 placed, 1 failed)", 1),  # one ready, one starting, one failed
     ],
 )
-def test_ready_counts_against_the_wanted(ready: int, placed: int, wanted: int, cell: str) -> None:
-    m = ModelView(name="chat", replicas_ready=ready, replicas=placed, replicas_wanted=wanted)
+def test_ready_counts_against_the_wanted(ready: int, placed: int, wanted: int, cell: str, failed: int) -> None:
+    m = ModelView(name="chat", replicas_ready=ready, replicas=placed, replicas_wanted=wanted, replicas_failed=failed)
     assert ready_cell(m) == cell

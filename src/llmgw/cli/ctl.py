@@ -147,9 +147,16 @@ def cluster(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt =
 
 def ready_cell(m: ModelView) -> str:
     """``ctl models``' READY: replicas ready of the replicas wanted (``2/3``: one short, ``0/1``: none
-    placed), and how many are placed when that differs from ready (``1/2 (2 placed)``: one starting)."""
+    placed), and how many are placed when that differs from ready (``1/2 (2 placed)``: one starting),
+    and how many of those failed (``0/1 (1 failed)``: it read as starting, an operator's finding)."""
     cell = f"{m.replicas_ready}/{m.replicas_wanted}"
-    return cell if m.replicas == m.replicas_ready else f"{cell} ({m.replicas} placed)"
+    if m.replicas == m.replicas_ready:
+        return cell
+    if not m.replicas_failed:
+        return f"{cell} ({m.replicas} placed)"
+    if m.replicas - m.replicas_failed == m.replicas_ready:
+        return f"{cell} ({m.replicas_failed} failed)"
+    return f"{cell} ({m.replicas} placed, {m.replicas_failed} failed)"
 
 
 @app.command()

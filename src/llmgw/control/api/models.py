@@ -65,6 +65,7 @@ def model_view(row: ModelRow, replicas: list[ReplicaRow], last: Mapping[str, Dec
         scaling_max=m.scaling.max,
         replicas=len(mine),
         replicas_ready=sum(r.state == ReplicaState.READY for r in mine),
+        replicas_failed=sum(r.state == ReplicaState.FAILED for r in mine),
         replicas_wanted=wanted_replicas(m, last or {}, sum(r.draining_since is None for r in mine)),
         spec=m.model_dump(mode="json"),
     )
