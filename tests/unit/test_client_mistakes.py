@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app
 from llmgw.control.gateway.app import _parse
-from llmgw.control.gateway.body import abandoned_usage
+from llmgw.control.gateway.body import abandoned_usage, input_tokens, reserved_tokens
 from llmgw.control.gateway.guard import unavailable
 from llmgw.control.gateway.inspect import Call, current_call
 from llmgw.control.gateway.replicaerrors import _context_error, client_mistake
@@ -146,6 +146,30 @@ def test_a_plain_request_left_by_its_client_is_charged_an_estimate() -> None:
         "prompt_tokens": 100, "completion_tokens": 150, "total_tokens": 250, "estimated": True}
     assert abandoned_usage(body, 6.0, 25.0, 64)["completion_tokens"] == 64
     assert abandoned_usage(body, 6.0, 0.0, 0)["completion_tokens"] == 0  # no rate known yet
+    # embeddings' input and token ids count too: an abandoned 5,900-token embedding request was charged 0
+    assert abandoned_usage({"input": ["x" * 400] * 3}, 1.0, 25.0, 0)["prompt_tokens"] == 300
+    assert abandoned_usage({"input": [[1, 2, 3], [4, 5]]}, 1.0, 25.0, 0)["prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens"),
+    [
+        ({"messages": [{"role": "user", "content": "x" * 40}]}, 10),
+        ({"prompt": "x" * 40}, 10),
+        ({"prompt": ["x" * 40]}, 10),
+        ({"prompt": [1, 2, 3]}, 3),  # token ids
+        ({"prompt": [[1, 2, 3, "x" * 8]]}, 5),  # one prompt of ids and text
+        ({"input": "x" * 40}, 10),
+        ({"input": ["x" * 40, "y" * 40]}, 20),
+        ({"input": [1, 2, 3, 4]}, 4),
+        ({"input": [[1, 2], [3, 4, 5]]}, 5),
+    ],
+)
+def test_the_input_a_request_will_cost_counts_every_endpoint_and_token_ids(body: dict[str, Any], tokens: int) -> None:
+    """Token-id inputs and embeddings' input counted 0: 8 parallel requests of 400 token ids each were
+    all admitted on a budget of 1,000 (3,200 tokens), a security tester's finding."""
+    assert input_tokens(body) == tokens
+    assert reserved_tokens({**body, "max_tokens": 7}) == (tokens + 7, tokens)
 
 
 def test_an_embeddings_request_of_more_inputs_than_openai_takes_is_refused() -> None:

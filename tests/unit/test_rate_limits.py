@@ -5,6 +5,7 @@ Fake llama-servers (``tests.helpers.gateway``) stand in for engines."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from aiohttp import web
 
 from llmgw.control.gateway.accesslog import log_exchange
 from llmgw.control.gateway.accounting import Accounting
@@ -143,6 +145,29 @@ def test_tokens_of_requests_in_flight_count_until_they_end() -> None:
     assert lim.admit(rpm_only, 10_000)[0] is None
     assert lim.admit(rpm_only, 10_000)[0] is None  # no token limit: nothing held
     lim.release(rpm_only, 10_000)  # and nothing to give back
+
+
+def test_a_request_whose_input_does_not_fit_in_what_is_left_is_refused() -> None:
+    """One embeddings request of 5,888 tokens was served on a tpm of 200 and a budget of 500 (a
+    security tester's finding): the input's tokens are certain, so they must fit in what is left.
+    Its output is not (max_tokens is a ceiling): that is held, not required to fit."""
+    lim = Limiter(clock=Clock(1_800_000_000.0))
+    c = Caller("e", tpm=200, budget_tokens=500, budget_period="day")
+    refused, _ = lim.admit(c, 5888, 5888)
+    assert refused is not None
+    assert refused.code == "rate_limit_exceeded"
+    assert "limit 200, used 0, and this request's input is about 5888 tokens" in refused.message
+    assert lim.admit(c, 1200, 150)[0] is None  # 150 of input fit; its 1,050 of output are held
+    lim.release(c, 1200)
+    lim.spend(c, 190)
+    refused, _ = lim.admit(c, 20, 20)
+    assert refused is not None  # 190 + 20 > 200
+    budget = Caller("b", budget_tokens=500, budget_period="day")
+    refused, _ = lim.admit(budget, 600, 600)
+    assert refused is not None
+    assert refused.code == "insufficient_quota"
+    assert "(0 used; this request's input is about 600 tokens)" in refused.message
+    assert lim.admit(budget, 400, 400)[0] is None
 
 
 @pytest.mark.parametrize(("s", "text"), [(0.25, "250ms"), (12, "12s"), (12.2, "13s"), (90, "1m30s"), (3725, "1h2m5s")])
@@ -429,3 +454,40 @@ def test_parallel_requests_cannot_spend_a_budget_many_times_and_each_gives_back_
     _wait(lambda: env.chat("sk-budget", max_tokens=150).status_code == 200)
     assert [env.chat("sk-budget", max_tokens=150).status_code for _ in range(6)] == [200] * 6
 
+
+
+def test_an_embedding_request_its_client_leaves_holds_its_slot_until_the_engine_answers() -> None:
+    """llama-server computes an embeddings request it accepted whatever the connection; the gateway
+    freed the slot when the client left and sent the next request at once, so abandoned requests
+    queued inside the engine out of the fair queue's sight (a 2-token request waited 3 min 10 s
+    behind them: a security tester's finding). A stand-in engine that answers after 1 s, whatever its
+    client does, and one slot: the next request reaches it only after the abandoned one is done."""
+    seen: list[tuple[str, float, float]] = []
+
+    async def embed(request: web.Request) -> web.Response:
+        body = await request.json()
+        t0 = time.monotonic()
+        await asyncio.sleep(1.0)  # computing, its client there or not
+        seen.append((body["input"], t0, time.monotonic()))
+        return web.json_response({"object": "list", "model": "emb", "data": [{"object": "embedding", "index": 0,
+                                  "embedding": [0.1]}], "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+
+    engine = web.Application()
+    engine.router.add_post("/v1/embeddings", embed)
+    engine.router.add_get("/props", lambda _r: web.json_response({"total_slots": 1}))
+    servers = ServerThread()
+    try:
+        port = servers.serve(engine)
+        router = StaticRouter(routes={"emb": Route("emb", (Upstream("r-e", f"127.0.0.1:{port}", "k", slots=1),),
+                                                   role="embedding", created=1)})
+        app = build_gateway_app(router, keys=(), allow_loopback_without_key=True, limiter=Limiter())
+        url = f"http://127.0.0.1:{servers.serve(app, handler_cancellation=True)}/v1/embeddings"
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves while the engine computes
+            httpx.post(url, json={"model": "emb", "input": "left"}, timeout=httpx.Timeout(5, read=0.3))
+        r = httpx.post(url, json={"model": "emb", "input": "next"}, timeout=10)
+        assert r.status_code == 200, r.text
+        (left, _, end_left), (nxt, t0_next, _) = sorted(seen, key=lambda s: s[1])
+        assert (left, nxt) == ("left", "next")
+        assert t0_next >= end_left - 0.05, f"the next one reached the engine {end_left - t0_next:.2f} s early"
+    finally:
+        servers.close()

@@ -61,9 +61,8 @@ from aiohttp import web
 
 from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
-from llmgw.control.gateway.body import abandoned_usage, reserved_tokens
+from llmgw.control.gateway.body import abandoned_usage, prompt_chars, reserved_tokens
 from llmgw.control.gateway.body import parse_body as _parse
-from llmgw.control.gateway.body import prompt_chars as _prompt_chars
 from llmgw.control.gateway.callers import (
     LOOPBACK_CALLER,
     STALE_RETRY_AFTER_S,
@@ -94,6 +93,7 @@ from llmgw.control.gateway.upstream import (
     refusal_response,
     relay_plain,
     relay_stream,
+    relay_to_the_answer,
 )
 from llmgw.errors import HttpError
 from llmgw.httperrors import openai_error_json
@@ -334,8 +334,8 @@ class _Gateway:
                 self.load.arrived(model)  # a request for scale to zero, however short (load.ModelLoad.arrived)
                 raw, dropped = upstream_body(body, raw, route.max_output if endpoint.limits_output else 0,
                                              endpoint.forwarded)
-                hold = reserved_tokens(body)  # held against tpm and budgets while in flight, then released
-                refused, limit_headers = self.limiter.admit(caller, hold) if self.limiter is not None else (None, {})
+                hold, need = reserved_tokens(body)  # held against tpm and budgets while in flight, then released
+                refused, limit_headers = self.limiter.admit(caller, hold, need) if self.limiter else (None, {})
                 if refused is not None:
                     out = openai_error_json(429, refused.code, refused.message, headers=refused.headers)
                     code = refused.code
@@ -344,14 +344,15 @@ class _Gateway:
                     trace.dropped = dropped_header(dropped) if dropped else ""
                     if stream:
                         raw, asked = with_stream_usage(body, raw)
-                        trace.tally = StreamTally(hide=not asked, prompt_chars=_prompt_chars(body))
+                        trace.tally = StreamTally(hide=not asked, prompt_chars=prompt_chars(body))
                     refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
                     if refusal is not None:
                         out = refusal_response(refusal)
                         code, blocked = refusal.code, refusal.code == "content_blocked"
                     else:
                         relay = Relay(self.pool, route, requested, raw, body, trace, self.inspector)
-                        out = await (relay_stream(request, relay, pre) if stream else relay_plain(relay))
+                        plain = relay_to_the_answer if endpoint.engine_finishes else relay_plain
+                        out = await (relay_stream(request, relay, pre) if stream else plain(relay))
         except web.HTTPRequestEntityTooLarge:
             code = "request_too_large"
             out = openai_error_json(413, code, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")

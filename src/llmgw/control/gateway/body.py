@@ -40,26 +40,48 @@ def prompt_chars(body: dict[str, Any]) -> int:
     return n
 
 
-def reserved_tokens(body: dict[str, Any]) -> int:
-    """Tokens a request may use, held against its key's ``tpm`` and budget while it is in flight
-    (:meth:`~llmgw.control.gateway.limits.Limiter.admit`): its prompt's (or embedding input's)
-    characters / 4 and its ``max_tokens`` as :func:`~llmgw.control.gateway.request.upstream_body` left
-    it (the model's ``max_output`` at most; 0 when neither sets one). OpenAI's limiter counts the same."""
+def input_tokens(body: dict[str, Any]) -> int:
+    """The tokens a request's input will cost, estimated before any engine reads it: its text's
+    characters / 4 (OpenAI's rule of thumb) in ``messages``, ``prompt`` or ``input``, plus one a token
+    id where ``prompt`` or ``input`` gives ids (a list of ids, or a list of such lists). Before,
+    embeddings' ``input`` and token ids counted 0: an abandoned embedding request of 5,900 tokens was
+    charged nothing, and token-id inputs held nothing against a budget (a security tester's findings)."""
+    chars, ids = prompt_chars(body), 0
+    for field in ("prompt", "input"):
+        value = body.get(field)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if field == "input" and isinstance(item, str):
+                chars += len(item)
+            elif isinstance(item, int) and not isinstance(item, bool):
+                ids += 1
+            elif isinstance(item, list):
+                ids += sum(1 for t in item if isinstance(t, int) and not isinstance(t, bool))
+                chars += sum(len(t) for t in item if isinstance(t, str))
+    return chars // 4 + ids
+
+
+def reserved_tokens(body: dict[str, Any]) -> tuple[int, int]:
+    """``(hold, need)``: the tokens a request may use, held against its key's ``tpm`` and budget while
+    it is in flight (:meth:`~llmgw.control.gateway.limits.Limiter.admit`), and those its input will
+    certainly cost (:func:`input_tokens`). ``hold`` is ``need`` plus its ``max_tokens`` as
+    :func:`~llmgw.control.gateway.request.upstream_body` left it (the model's ``max_output`` at most;
+    0 when neither sets one). OpenAI's limiter counts the same."""
     asked = body.get("max_tokens")
     completion = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 0
-    text = body.get("input")
-    texts = [text] if isinstance(text, str) else text if isinstance(text, list) else []
-    return (prompt_chars(body) + sum(len(t) for t in texts if isinstance(t, str))) // 4 + completion
+    need = input_tokens(body)
+    return need + completion, need
 
 
 def abandoned_usage(body: dict[str, Any], upstream_s: float, rate: float, cap: int) -> dict[str, Any]:
     """The tokens charged for a plain (not streamed) request its client left before the answer
-    (a 499): the prompt's characters / 4 (OpenAI's rule of thumb, as for a stream left early) and
+    (a 499): its input (:func:`input_tokens`: the prompt's characters / 4, OpenAI's rule of thumb,
+    as for a stream left early, and its token ids) and
     what the replica decoded meanwhile, ``upstream_s`` seconds at its decode ``rate`` (tokens/s; 0
     before one is known), at most ``cap`` tokens (the request's output limit; 0: none), marked
     ``"estimated": true``. Such a request was charged nothing, so a client timing out after 6 s
     of generation used the engine for free, past its tpm and budget (a new user's finding)."""
-    prompt = prompt_chars(body) // 4
+    prompt = input_tokens(body)
     completion = int(max(0.0, upstream_s) * max(0.0, rate))
     if cap > 0:
         completion = min(completion, cap)

@@ -131,13 +131,15 @@ class Limiter:
             m = self._minutes[key] = _Minute(w)
         return m
 
-    def admit(self, caller: Caller, hold: int = 0) -> tuple[Refused | None, dict[str, str]]:
+    def admit(self, caller: Caller, hold: int = 0, need: int = 0) -> tuple[Refused | None, dict[str, str]]:
         """Admit (and count) one request of ``caller``, or refuse it. ``hold``: the tokens it may use
         (:func:`~llmgw.control.gateway.body.reserved_tokens`), held against the key's ``tpm`` and
         budget until :meth:`release`, so that requests sent at once cannot all be admitted on tokens
         not yet counted (8 parallel requests of 150 tokens were all admitted against a budget of 200:
         1,472 tokens served, a security tester's finding); the tokens of the requests in flight count
-        as used, so a burst goes over by at most one request.
+        as used, so a burst goes over by at most one request. ``need``: what its input will cost for
+        certain; a request whose input does not fit in what is left is refused (one embeddings
+        request of 5,888 tokens was served on a tpm of 200 and a budget of 500, the same tester).
 
         Returns ``(None, headers)`` when admitted (``headers``: the ``x-ratelimit-*`` to send, empty
         for a caller without limits), or ``(Refused, {})``.
@@ -160,8 +162,10 @@ class Limiter:
         for limit, used, unit, name, adds in per_minute:
             if limit is None:
                 continue
-            if used >= limit:
+            big = unit == "tokens" and need > 0 and used + need > limit
+            if used >= limit or big:
                 flight = f" ({held} held by requests in flight)" if held and unit == "tokens" else ""
+                flight += f", and this request's input is about {need} tokens" if big else ""
                 return self._refuse(
                     "rate_limit_exceeded",
                     f"Rate limit reached for key '{caller.name}' on {name}: limit {limit}, used {used}{flight}. "
@@ -174,8 +178,9 @@ class Limiter:
         if caller.budget_tokens is not None:
             spent = self.budget_used(caller, now) + held
             ends = period_end(caller.budget_period, now) - now
-            if spent >= caller.budget_tokens:
+            if spent >= caller.budget_tokens or (need > 0 and spent + need > caller.budget_tokens):
                 flight = f", {held} of them held by requests in flight" if held else ""
+                flight += f"; this request's input is about {need} tokens" if spent < caller.budget_tokens else ""
                 return self._refuse(
                     "insufficient_quota",
                     f"key '{caller.name}' has used its budget of {caller.budget_tokens} tokens per "

@@ -98,6 +98,9 @@ class Endpoint:
         text_field: the body field that carries the input: ``messages``, ``prompt`` or ``input``.
         forwarded: the top-level fields that reach an engine; others are dropped (``x-llmgw-dropped``).
         limits_output: whether ``max_tokens`` is held to the model's ``max_output`` (not for embeddings).
+        engine_finishes: whether an engine computes a request it accepted to the end, whatever its
+            connection (llama-server's embeddings): then a client that leaves does not free the slot
+            before the engine answers (:func:`~llmgw.control.gateway.upstream.relay_to_the_answer`).
     """
 
     kind: str
@@ -106,11 +109,13 @@ class Endpoint:
     text_field: str
     forwarded: frozenset[str]
     limits_output: bool = True
+    engine_finishes: bool = False
 
 
 CHAT = Endpoint("chat", "/v1/chat/completions", "chat", "messages", FORWARDED)
 COMPLETIONS = Endpoint("completions", "/v1/completions", "chat", "prompt", COMPLETIONS_FORWARDED)
-EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "embedding", "input", EMBEDDINGS_FORWARDED, limits_output=False)
+EMBEDDINGS = Endpoint("embeddings", "/v1/embeddings", "embedding", "input", EMBEDDINGS_FORWARDED, limits_output=False,
+                      engine_finishes=True)
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 _LIMITS = ("max_tokens", "max_completion_tokens")

@@ -50,6 +50,7 @@ a request which the replica got before it died is not half-processed there.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -425,6 +426,24 @@ class Relay:
     request_json: dict[str, Any]
     trace: Trace
     inspector: Inspector | None
+
+
+async def relay_to_the_answer(relay: Relay) -> web.Response:
+    """:func:`relay_plain`, carried on to the replica's answer when the client leaves first, for an
+    engine that computes what it accepted whatever the connection (``Endpoint.engine_finishes``):
+    llama-server went on with an abandoned embeddings request while the gateway, taking the slot for
+    free, sent it the next one, so abandoned requests queued inside the engine out of the fair
+    queue's sight (5,900 tokens each, a 2-token request waited 3 min 10 s: a security tester's
+    finding). The slot is held until the engine answers; the request is charged as abandoned."""
+    task = asyncio.ensure_future(relay_plain(relay))
+    task.add_done_callback(_retrieved)
+    return await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a shielded relay's outcome retrieved (a client that left has no one to raise it to)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def relay_plain(relay: Relay) -> web.Response:
