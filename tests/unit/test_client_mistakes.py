@@ -195,3 +195,14 @@ def test_stream_options_are_checked_as_openai_does(extra: dict[str, Any], said: 
         check_fields({"model": "m", "messages": [USER], **extra})
     assert e.value.status == 400
     assert said in e.value.message
+
+
+@pytest.mark.parametrize("item", [[1.5], ["a"], [True], 1e308, [], None, {"a": 1}])
+def test_embeddings_input_items_are_strings_token_ids_or_lists_of_ids(item: Any) -> None:
+    """[[1.5]], [["a"]], [[true]] and [1e308] were llama-server's 500 (a security tester's finding)."""
+    with pytest.raises(HttpError) as e:
+        _parse(json.dumps({"model": "e", "input": ["ok", item]}).encode(), EMBEDDINGS)
+    assert e.value.status == 400
+    assert e.value.message.startswith("'input[1]' must be a string, a token id or a non-empty list of token ids")
+    assert _parse(b'{"model": "e", "input": ["a", 5, [1, 2]]}', EMBEDDINGS)["input"] == ["a", 5, [1, 2]]
+

@@ -4,6 +4,7 @@ before anything is awaited."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -172,4 +173,21 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if endpoint is EMBEDDINGS and isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
         raise HttpError(400, "invalid_input", f"'input' holds {len(value)} items; at most {MAX_EMBEDDING_INPUTS} "
                         "a request (OpenAI's bound): send the rest in further requests")
+    if endpoint is EMBEDDINGS and isinstance(value, list):
+        _check_input_items(value)
     return body
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_input_items(items: list[Any]) -> None:
+    """HttpError 400 unless embeddings' ``input`` list is OpenAI's: strings, token ids, or lists of
+    token ids. ``[[1.5]]``, ``[["a"]]``, ``[[true]]`` and ``[1e308]`` were llama-server's 500 ("prompt
+    elements must be..."), counted as the server failing (a security tester's finding)."""
+    for i, item in enumerate(items):
+        if isinstance(item, str) or _is_id(item) or (isinstance(item, list) and item and all(map(_is_id, item))):
+            continue
+        raise HttpError(400, "invalid_input", f"'input[{i}]' must be a string, a token id or a non-empty list of "
+                        f"token ids (integers), got {json.dumps(item)[:40]}")
