@@ -28,6 +28,7 @@ import ipaddress
 import os
 import pathlib
 import re
+import socket
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -181,18 +182,55 @@ def _bad(source: str, reason: str) -> SourceError:
     return SourceError(f"cannot turn '{source}' into a download: {reason}; use one of {FORMS}")
 
 
-def link_local(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """``host`` (a URL's host, or an address a name resolved to) as an address when it is link-local
-    (169.254.0.0/16, fe80::/10, either mapped in IPv6), else None. Clouds serve instance metadata and
-    credentials there (169.254.169.254, fd00:ec2::254 aside); no mirror lives there, so nodes, which
-    fetch a catalog source as root, refuse it (a new user pointed a model's source at
-    http://169.254.169.254/x and the agent fetched it)."""
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: NAT64's well-known prefix (RFC 6052): a NAT64 gateway connects ``64:ff9b::a.b.c.d`` to ``a.b.c.d``.
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+
+
+def carried_ipv4(ip: Address) -> Address:
+    """``ip``, or the IPv4 address an IPv6 one carries: IPv4-mapped (``::ffff:a.b.c.d``),
+    IPv4-compatible (``::a.b.c.d``, deprecated), NAT64's prefix (:data:`NAT64`) and 6to4
+    (``2002::/16``). Each refusal of loopback, private or link-local addresses asks about this one:
+    Python 3.11 takes ``::7f00:1`` and ``64:ff9b::a9fe:a9fe`` as global addresses, and only the
+    mapped form was unwrapped (a security tester's finding)."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return ip
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in NAT64 or (int(ip) >> 32 == 0 and int(ip) > 1):  # ::a.b.c.d, but not :: or ::1
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.sixtofour or ip
+
+
+def host_address(host: str) -> Address | None:
+    """``host`` (a URL's host) as the address a resolver makes of it, or None for a name: IPv6 in
+    brackets (a zone dropped), and IPv4 in every form ``inet_aton`` reads (``0xa9fea9fe``,
+    ``2852039166``, ``169.254.43518``), as the agent's resolver does."""
+    text = host.strip("[]").split("%", 1)[0]
     try:
-        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+        return ipaddress.ip_address(text)
     except ValueError:
+        pass
+    if not text or not all(c.isalnum() or c == "." for c in text) or not text.isascii():
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(text))
+    except OSError:
+        return None
+
+
+def link_local(host: str) -> Address | None:
+    """``host`` (a URL's host, or an address a name resolved to) as an address when it is link-local
+    (169.254.0.0/16, fe80::/10, or carried in IPv6: :func:`carried_ipv4`), else None. Clouds serve
+    instance metadata and credentials there (169.254.169.254, fd00:ec2::254 aside); no mirror lives
+    there, so nodes, which fetch a catalog source as root, refuse it (a new user pointed a model's
+    source at http://169.254.169.254/x and the agent fetched it; ``http://0xa9fea9fe/`` passed the
+    admin API's check, a security tester's finding)."""
+    ip = host_address(host)
+    if ip is None:
+        return None
+    ip = carried_ipv4(ip)
     return ip if ip.is_link_local else None
 
 

@@ -202,6 +202,11 @@ async def test_an_http_source_on_loopback_is_refused(
     await refused(mirror, "http://169.254.169.254/latest.gguf", "169.254.169.254 is a link-local address")
     await refused(mirror, "http://10.1.2.3/m.gguf", "10.1.2.3 is a private address")
     await refused(mirror, "http://[::ffff:127.0.0.1]/m.gguf", "127.0.0.1, a loopback address")
+    # IPv4-compatible and NAT64 forms carry an IPv4 address too (Python takes them as global: a
+    # security tester's finding; a NAT64 gateway would connect 64:ff9b::a9fe:a9fe to the metadata service)
+    await refused(mirror, "http://[::7f00:1]/m.gguf", "127.0.0.1, a loopback address")
+    await refused(mirror, "http://[64:ff9b::a9fe:a9fe]/m.gguf", "169.254.169.254, a link-local address")
+    await refused(mirror, "http://[2002:a00:1::1]/m.gguf", "10.0.0.1, a private address")
     assert hits == []
 
 

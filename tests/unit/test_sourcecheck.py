@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import pathlib
 
 import pytest
 
 from llmgw.errors import SourceError
-from llmgw.sourcecheck import Download, is_download, to_download
+from llmgw.sourcecheck import Download, carried_ipv4, host_address, is_download, link_local, to_download
 
 NOHOME = pathlib.Path("/nonexistent-home")
 
@@ -96,3 +97,34 @@ def test_hf_token_from_hf_home(tmp_path: pathlib.Path) -> None:
     (tmp_path / "token").write_text("hf_home_tok")
     d = to_download("hf:o/r/f.gguf", env={"HF_HOME": str(tmp_path)}, home=NOHOME)
     assert d.headers == {"Authorization": "Bearer hf_home_tok"}
+
+
+@pytest.mark.parametrize(
+    ("host", "address"),
+    [
+        ("169.254.169.254", "169.254.169.254"),
+        ("0xa9fea9fe", "169.254.169.254"),  # passed the admin API's check (a security tester's finding)
+        ("2852039166", "169.254.169.254"),
+        ("169.254.43518", "169.254.169.254"),
+        ("[::ffff:169.254.169.254]", "169.254.169.254"),
+        ("[::a9fe:a9fe]", "169.254.169.254"),  # IPv4-compatible
+        ("[64:ff9b::a9fe:a9fe]", "169.254.169.254"),  # NAT64
+        ("[2002:a9fe:a9fe::1]", "169.254.169.254"),  # 6to4
+        ("[fe80::1%25eth0]", "fe80::1"),
+    ],
+)
+def test_link_local_in_every_form_a_resolver_reads(host: str, address: str) -> None:
+    assert str(link_local(host)) == address
+
+
+@pytest.mark.parametrize("host", ["mirror.example", "10.0.0.1", "[::1]", "[::]", "[2001:db8::1]", "0xzz", "1.2.3.4.5"])
+def test_not_link_local(host: str) -> None:
+    assert link_local(host) is None
+
+
+def test_what_an_address_carries() -> None:
+    assert carried_ipv4(ipaddress.ip_address("::7f00:1")) == ipaddress.ip_address("127.0.0.1")
+    assert carried_ipv4(ipaddress.ip_address("::1")) == ipaddress.ip_address("::1")  # IPv6's own loopback
+    assert carried_ipv4(ipaddress.ip_address("2001:db8::1")) == ipaddress.ip_address("2001:db8::1")
+    assert host_address("example.org") is None
+

@@ -64,6 +64,7 @@ import psutil
 
 from llmgw.errors import ConfigError, SourceRefused
 from llmgw.mirror.refusing import refusing_connector
+from llmgw.sourcecheck import carried_ipv4
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -194,8 +195,7 @@ class SourcePolicy:
 
     def refusal(self, ip: Address) -> str:
         """Why a connection to ``ip`` is refused (``"a loopback address"``), or ``""`` when allowed."""
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
+        ip = carried_ipv4(ip)
         if self.allow_private or any(ip in n for n in self.allow_nets):
             return ""
         if not ip.is_global or ip.is_multicast:
@@ -214,8 +214,7 @@ class SourcePolicy:
     def refuse_message(self, source: str, host: str, ip: Address, why: str) -> str:
         """The refusal text: ``source``, ``host`` (and ``ip`` when the host is a name), ``why`` (from
         :meth:`refusal`), and the flags that would allow it."""
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
+        ip = carried_ipv4(ip)
         what = f"{ip} is {why}" if host == str(ip) else f"{host} resolves to {ip}, {why}"
         return (
             f"{source}: {what}, which the mirror does not fetch from unless told (a request could "

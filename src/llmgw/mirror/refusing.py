@@ -25,6 +25,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
 from llmgw.mirror.download import RefusedConnection
+from llmgw.sourcecheck import carried_ipv4
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: ``refusal(ip)``: why a connection to ``ip`` is refused (``"a link-local address"``), ``""`` when allowed.
@@ -34,12 +35,9 @@ Message = Callable[[str, Address, str], str]
 
 
 def _address(text: str) -> Address:
-    """``text`` (a resolver's or a socket's address, maybe with an IPv6 zone) as an address, an
-    IPv4-mapped IPv6 one as its IPv4 address."""
-    ip = ipaddress.ip_address(text.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
+    """``text`` (a resolver's or a socket's address, maybe with an IPv6 zone) as an address, one that
+    carries an IPv4 address as that (:func:`~llmgw.sourcecheck.carried_ipv4`)."""
+    return carried_ipv4(ipaddress.ip_address(text.split("%", 1)[0]))
 
 
 def refusing_connector(refusal: Refusal, message: Message, **options: Any) -> aiohttp.TCPConnector:
