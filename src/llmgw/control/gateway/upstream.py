@@ -142,6 +142,7 @@ class Trace:
     dropped: str = ""
     request_id: str = ""
     headers: dict[str, str] | None = None
+    reserved: int = 0
     tally: StreamTally | None = None
     first_byte_ns: int = 0
     ended_ns: int = 0
@@ -150,7 +151,6 @@ class Trace:
     path: str = "/v1/chat/completions"
     caller: str = ""
     priority: int = 0
-    reserved: int = 0
     queued_ns: int = 0
 
 
