@@ -461,7 +461,8 @@ def test_an_embedding_request_its_client_leaves_holds_its_slot_until_the_engine_
     freed the slot when the client left and sent the next request at once, so abandoned requests
     queued inside the engine out of the fair queue's sight (a 2-token request waited 3 min 10 s
     behind them: a security tester's finding). A stand-in engine that answers after 1 s, whatever its
-    client does, and one slot: the next request reaches it only after the abandoned one is done."""
+    client does, and one slot: the next request reaches it only after the abandoned one is done; one
+    left while it waits for the slot never reaches it."""
     seen: list[tuple[str, float, float]] = []
 
     async def embed(request: web.Request) -> web.Response:
@@ -489,5 +490,15 @@ def test_an_embedding_request_its_client_leaves_holds_its_slot_until_the_engine_
         (left, _, end_left), (nxt, t0_next, _) = sorted(seen, key=lambda s: s[1])
         assert (left, nxt) == ("left", "next")
         assert t0_next >= end_left - 0.05, f"the next one reached the engine {end_left - t0_next:.2f} s early"
+        # One whose client leaves while it still waits for the slot never reaches the engine: carried
+        # on, it would have been computed for free (nothing charged: no replica had it).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(httpx.post, url, json={"model": "emb", "input": "busy"}, timeout=10)
+            time.sleep(0.2)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url, json={"model": "emb", "input": "queued"}, timeout=httpx.Timeout(5, read=0.3))
+            assert busy.result().status_code == 200
+        time.sleep(1.5)  # what the engine would have taken for it
+        assert [s[0] for s in seen] == ["left", "next", "busy"]
     finally:
         servers.close()

@@ -434,10 +434,17 @@ async def relay_to_the_answer(relay: Relay) -> web.Response:
     llama-server went on with an abandoned embeddings request while the gateway, taking the slot for
     free, sent it the next one, so abandoned requests queued inside the engine out of the fair
     queue's sight (5,900 tokens each, a 2-token request waited 3 min 10 s: a security tester's
-    finding). The slot is held until the engine answers; the request is charged as abandoned."""
+    finding). Once a replica's slot is taken (``trace.replica``), it is held until the engine answers;
+    the request is charged as abandoned. One still waiting for a slot is dropped: nothing reached an
+    engine, and carried on it would reach one for free."""
     task = asyncio.ensure_future(relay_plain(relay))
     task.add_done_callback(_retrieved)
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not relay.trace.replica:
+            task.cancel()
+        raise
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
