@@ -89,11 +89,18 @@ def test_scale_down_goes_to_the_highest_desire_of_the_quiet_period() -> None:
     assert [(t, n) for t, n, _ in changes] == [(67.0, 5), (127.5, 1)]
 
 
-def test_to_zero_only_after_scale_to_zero_after_s_without_load() -> None:
-    s = Scaling(min=0, max=3, target=2.0, scale_down_after_s=30.0, scale_to_zero_after_s=120.0)
-    changes = _run(s, 2.0, [(5, 2.0), (400, 0.0)], wanted=1)
+def _to_zero(s: Scaling, until: float) -> tuple[float, str]:
+    """One replica under a load of 2 in flight until t=5, then none until ``until``: the one change
+    the run makes (to zero), as (when, its reason)."""
+    changes = _run(s, 2.0, [(5, 2.0), (until, 0.0)], wanted=1)
     assert [c[1] for c in changes] == [0]
     t, _, reason = changes[0]
+    return t, reason
+
+
+def test_to_zero_only_after_scale_to_zero_after_s_without_load() -> None:
+    s = Scaling(min=0, max=3, target=2.0, scale_down_after_s=30.0, scale_to_zero_after_s=120.0)
+    t, reason = _to_zero(s, 400)
     assert 124 <= t <= 126, t  # the last load at t=4.5
     assert reason.startswith("scaled 1 → 0: no request for 12")
 
@@ -194,9 +201,7 @@ def test_the_last_replica_goes_after_scale_to_zero_after_s_even_below_scale_down
     after the last request, as the docs say."""
     s = Scaling(min=0, max=3, target=2.0, scale_to_zero_after_s=20.0, stable_window_s=6.0)
     assert s.scale_down_after_s > 20
-    changes = _run(s, 2.0, [(5, 2.0), (100, 0.0)], wanted=1)
-    assert [c[1] for c in changes] == [0]
-    t, _, reason = changes[0]
+    t, reason = _to_zero(s, 100)
     assert 24 <= t <= 26, t  # the last load at t=4.5
     assert reason.startswith("scaled 1 → 0: no request for 2")
 
@@ -205,9 +210,7 @@ def test_a_stable_window_longer_than_scale_to_zero_after_s_is_named_as_what_held
     """``scale_to_zero_after_s`` 5 under a 60 s ``stable_window_s``: the replica goes once the window
     holds no load, ~60 s after the request; the reason named only the 5 s (an operator's finding)."""
     s = Scaling(min=0, max=3, target=2.0, scale_to_zero_after_s=5.0, stable_window_s=60.0)
-    changes = _run(s, 2.0, [(5, 2.0), (200, 0.0)], wanted=1)
-    assert [c[1] for c in changes] == [0]
-    t, _, reason = changes[0]
+    t, reason = _to_zero(s, 200)
     assert t >= 60, t
     assert reason.startswith("scaled 1 → 0: no request for ")
     assert reason.endswith("(scale_to_zero_after_s 5, and stable_window_s 60 without load)"), reason

@@ -64,9 +64,8 @@ import psutil
 
 from llmgw.errors import ConfigError, SourceRefused
 from llmgw.mirror.refusing import refusing_connector
-from llmgw.sourcecheck import carried_ipv4
+from llmgw.sourcecheck import Address, carried_ipv4
 
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 

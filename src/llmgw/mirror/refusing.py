@@ -25,9 +25,8 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
 from llmgw.mirror.download import RefusedConnection
-from llmgw.sourcecheck import carried_ipv4
+from llmgw.sourcecheck import Address, carried_ipv4
 
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: ``refusal(ip)``: why a connection to ``ip`` is refused (``"a link-local address"``), ``""`` when allowed.
 Refusal = Callable[[Address], str]
 #: ``message(host, ip, why)``: the error text for a refused connection (``host`` is a name or ``ip`` itself).

@@ -33,9 +33,9 @@ import aiohttp
 
 from llmgw.errors import MirrorError
 from llmgw.mirror.download import download
-from llmgw.mirror.refusing import Address, refusing_connector
+from llmgw.mirror.refusing import refusing_connector
 from llmgw.protocol import ReplicaSpec
-from llmgw.sourcecheck import LINK_LOCAL_FIX, link_local
+from llmgw.sourcecheck import LINK_LOCAL_FIX, Address, link_local
 
 log = logging.getLogger(__name__)
 
