@@ -334,7 +334,8 @@ class _Gateway:
                 self.load.arrived(model)  # a request for scale to zero, however short (load.ModelLoad.arrived)
                 raw, dropped = upstream_body(body, raw, route.max_output if endpoint.limits_output else 0,
                                              endpoint.forwarded)
-                hold, need = reserved_tokens(body)  # held against tpm and budgets while in flight, then released
+                # held against tpm and budgets while in flight, then released; walked only for such a key
+                hold, need = reserved_tokens(body) if caller.counts_tokens else (0, 0)
                 refused, limit_headers = self.limiter.admit(caller, hold, need) if self.limiter else (None, {})
                 if refused is not None:
                     out = openai_error_json(429, refused.code, refused.message, headers=refused.headers)

@@ -75,6 +75,12 @@ class Caller:
         """Whether any limit or budget applies (the limiter skips callers without one)."""
         return self.rpm is not None or self.tpm is not None or self.budget_tokens is not None
 
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether tokens count against a limit (``tpm`` or a budget): then what a request may use is
+        held while it is in flight (:meth:`~llmgw.control.gateway.limits.Limiter.admit`)."""
+        return self.tpm is not None or self.budget_tokens is not None
+
 
 FILE_CALLER = Caller(FILE_CALLER_NAME)
 LOOPBACK_CALLER = Caller(LOOPBACK_CALLER_NAME)

@@ -193,7 +193,7 @@ class Limiter:
                 headers["x-ratelimit-remaining-tokens"] = str(caller.budget_tokens - spent)
                 headers["x-ratelimit-reset-tokens"] = reset_text(ends)
         m.requests += 1
-        if hold > 0 and (caller.tpm is not None or caller.budget_tokens is not None):
+        if hold > 0 and caller.counts_tokens:
             self._inflight[caller.name] = held + hold
         p = self._pending.get((caller.name, m.window))
         if p is None:
@@ -224,7 +224,7 @@ class Limiter:
     def release(self, caller: Caller, hold: int) -> None:
         """Give back the ``hold`` tokens :meth:`admit` held for a request of ``caller`` that ended
         (what it used is counted by :meth:`spend`)."""
-        if hold <= 0 or (caller.tpm is None and caller.budget_tokens is None):
+        if hold <= 0 or not caller.counts_tokens:
             return
         left = self._inflight.get(caller.name, 0) - hold
         if left > 0:
