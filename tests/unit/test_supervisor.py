@@ -172,7 +172,9 @@ def test_start_status_stop(manager: SupervisorManager) -> None:
     assert st.since is not None
     assert abs(st.since - time.time()) < 30
     child = psutil.Process(st.pid)
-    assert "time.sleep(60)" in " ".join(child.cmdline())
+    # The supervisor learns the pid once exec has closed Popen's error pipe, which Linux does before
+    # it sets the new program's arguments: for a moment /proc/PID/cmdline is empty (CI, 2026-12-05).
+    wait_for("the child's command line", lambda: "time.sleep(60)" in " ".join(child.cmdline()), 5)
     supervisor = read_live(manager.files("agent").pid)
     assert supervisor is not None
     assert supervisor.pid != st.pid
