@@ -279,3 +279,51 @@ async def test_a_cordon_answers_the_node_as_get_nodes_shows_it(client: TestClien
     assert listed["resources"]["memory_reserved_bytes"] > 400_000_000  # the weights at least
     cordoned = await (await client.post("/api/v1/nodes/node-a/cordon", headers=AUTH)).json()
     assert cordoned["resources"] == listed["resources"]
+
+
+async def test_a_cordon_and_a_drain_hold_against_a_beat_between_the_read_and_the_write(
+    client: TestClient[Any, Any], store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI found it (the dashboard's cordon under load): the node's agent beat between the cordon's
+    read and its write, and the operator got a 409 "changed since revision 8 was read"; a drain's
+    delete at a replica's old revision removed nothing and said "drained". Here a real beat (a
+    heartbeat written to the same store, moving the node's and its replica's revisions) lands right
+    after each read of the node."""
+    inv = Inventory(cores=4, memory_total_bytes=8 * GB, memory_available_bytes=6 * GB)
+    engines = [EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")]
+    hb = Heartbeat(inventory=inv, engines=engines)
+    store.upsert_node_heartbeat("node-a", hb, 999.0)
+    assert (await client.post("/api/v1/models", json=MODEL, headers=AUTH)).status == 201
+    Leader(store, node_lost_after_s=30).reconcile_once(1000.0)
+    (placed,) = store.list_replicas(node="node-a")
+    read = store.get_node
+    beats: list[int] = []
+
+    def read_then_a_beat(node_id: str) -> Any:
+        """The node as read; the first read of each action is followed by a beat."""
+        row = read(node_id)
+        monkeypatch.setattr(store, "get_node", read)  # the beat's own reads, and the action's next
+        store.upsert_node_heartbeat(node_id, hb, 1001.0 + len(beats))
+        store.update_replica(replace(store.get_replica(placed.id) or placed, err="a report"))
+        beats.append(1)
+        return row
+
+    monkeypatch.setattr(store, "get_node", read_then_a_beat)
+    resp = await client.post("/api/v1/nodes/node-a/cordon", headers=AUTH)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["cordoned"] is True
+    assert beats == [1]
+    assert read("node-a").cordoned  # type: ignore[union-attr]
+    listing = store.list_replicas
+
+    def list_then_a_report(**where: Any) -> Any:
+        """The replicas as listed, then their agent's report moves the first one's revision."""
+        rows = listing(**where)
+        monkeypatch.setattr(store, "list_replicas", listing)
+        store.update_replica(replace(store.get_replica(placed.id) or placed, err="another report"))
+        return rows
+
+    monkeypatch.setattr(store, "list_replicas", list_then_a_report)
+    resp = await client.post("/api/v1/nodes/node-a/drain", headers=AUTH)
+    assert resp.status == 200, await resp.text()
+    assert store.list_replicas(node="node-a") == []

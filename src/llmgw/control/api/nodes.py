@@ -30,7 +30,7 @@ from llmgw.control.api.context import json_response as _json
 from llmgw.control.placement.checks import Reservation
 from llmgw.control.placement.inputs import effective_model, parse_facts, reservations
 from llmgw.control.store import NodeRow, ReplicaRow, Store
-from llmgw.errors import HttpError
+from llmgw.errors import Conflict, HttpError
 from llmgw.protocol import Inventory
 from llmgw.views import (
     NODE_ACTIONS,
@@ -115,17 +115,32 @@ async def must_node(ctx: AdminContext, node_id: str) -> NodeRow:
                             listing="'llmgw ctl nodes' (GET /api/v1/nodes)")
 
 
+async def _set_cordoned(ctx: AdminContext, node_id: str, cordoned: bool, *, tries: int = 5) -> NodeRow:
+    """The node ``node_id`` after its ``cordoned`` flag is set; 404 when there is no such node.
+
+    Every pulse of the node's agent moves its revision (:func:`~llmgw.control.store.sqlbeats.touch_node`:
+    so that a leader's "lost" mark read before it fails), about once a second, so an admin's
+    read-then-write raced it: a cordon from the dashboard failed with "changed since revision 8 was
+    read" (CI, under load). The flag does not depend on what was read, so a write that raced is read
+    and written again, ``tries`` times at most (then the :class:`~llmgw.errors.Conflict`, a 409)."""
+    for _ in range(tries - 1):
+        try:
+            return await ctx.db.run(ctx.store.update_node, await must_node(ctx, node_id), cordoned=cordoned)
+        except Conflict:
+            continue  # a beat landed between the read and the write
+    return await ctx.db.run(ctx.store.update_node, await must_node(ctx, node_id), cordoned=cordoned)
+
+
 async def node_action(request: web.Request) -> web.Response:
     """``POST /api/v1/nodes/{id}/cordon|uncordon|drain``: the node's view after it."""
     ctx = request.app[ADMIN]
     store, db = ctx.store, ctx.db
     action = request.match_info["action"]
-    node = await must_node(ctx, request.match_info["id"])
-    node = await db.run(store.update_node, node, cordoned=action != "uncordon")
+    node = await _set_cordoned(ctx, request.match_info["id"], action != "uncordon")
     if action == "drain":
         gone = await db.run(store.list_replicas, node=node.id)
-        for r in gone:
-            await db.run(store.delete_replica, r.id, revision=r.revision)
+        for r in gone:  # whatever its agent last reported (a beat moves its revision): it goes
+            await db.run(store.delete_replica, r.id)
         # The leader's next pass reads the node and these models again (on any control plane).
         await db.run(lambda: store.note_changes(nodes=[node.id], models={r.model for r in gone}, now=ctx.clock()))
     ctx.changed()
