@@ -57,3 +57,16 @@ def test_accounting_adds_up_across_calls_and_control_planes(store: Store) -> Non
     assert key.revision == 1  # a use is not an edit
     assert store.prune_rate_windows(before_window=660) == 2
     assert store.rate_totals(since_window=0, exclude_cp="") == {("alice", 660): (1, 0)}
+
+
+def test_an_admin_write_read_before_an_accounting_sync_keeps_the_newer_last_use(store: Store) -> None:
+    """``ctl key set`` reads the key, accounting's sync raises ``last_used_at`` (every 0.5 s), then
+    the set is written: it wrote the time it had read back over the newer one (found reading the
+    store: every field was written, accounting's too)."""
+    store.add_key(replace(KEY, last_used_at=10.0))
+    read = store.get_key("alice")
+    assert read is not None
+    store.record_accounting("cp1", [], [], {"alice": 20.0})
+    written = store.update_key(replace(read, rpm=5), revision=read.revision)
+    assert written.last_used_at == 20.0
+    assert store.get_key("alice") == written

@@ -458,8 +458,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def update_key(self, row: ApiKeyRow, *, revision: int) -> ApiKeyRow:
-        """Write ``row`` over the key of its name if its revision is still ``revision``; returns it
-        with the revision bumped. Raises :class:`Conflict` when it changed or went."""
+        """Write ``row`` over its key (not ``last_used_at``: accounting's) if its revision is still ``revision``;
+        returns it with the revision bumped and the stored ``last_used_at``. :class:`Conflict`: it changed or went."""
 
     @abc.abstractmethod
     def record_accounting(

@@ -95,15 +95,19 @@ class SqlKeys(SqlPart):
         return [_key_row(r) for r in rows]
 
     def update_key(self, row: ApiKeyRow, *, revision: int) -> ApiKeyRow:
+        # last_used_at is accounting's alone (record_accounting raises it without a revision, every
+        # sync): an admin's write read before a sync wrote the older time back over it.
+        values = {k: v for k, v in _key_values(row).items() if k != "last_used_at"}
         with self._wtx() as conn:
             done = conn.execute(
                 api_keys_t.update()
                 .where(api_keys_t.c.name == row.name, api_keys_t.c.revision == revision)
-                .values(revision=revision + 1, **_key_values(row))
+                .values(revision=revision + 1, **values)
             ).rowcount
+            used = conn.scalar(sa.select(api_keys_t.c.last_used_at).where(api_keys_t.c.name == row.name))
         if not done:
             raise Conflict(f"key '{row.name}' changed or was removed since it was read; read it again")
-        return replace(row, revision=revision + 1)
+        return replace(row, revision=revision + 1, last_used_at=used)
 
     def record_accounting(
         self, cp: str, usage: Sequence[UsageDelta], rates: Sequence[RateDelta], last_used: Mapping[str, float]
