@@ -8,6 +8,9 @@ Real stores (SQLite and PostgreSQL, the ``store`` fixture), real heartbeat write
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 
 from llmgw.catalog import Model, Profile, Scaling
@@ -234,3 +237,25 @@ def test_timed_passes_start_an_interval_apart_however_long_a_pass_took(store: St
     assert 0.5 <= leader.until_next(now - 1.0) <= 1.0  # a 1 s pass: the next starts 1 s after it
     assert leader.until_next(now - 0.1) <= 1.9
     assert leader.until_next(now - 10.0) == 0.5  # a 10 s pass: still a gap after it
+
+
+async def test_a_leader_cancelled_between_passes_leaves_no_task_behind(store: Store) -> None:
+    """A control plane's shutdown cancels the leader while it waits for the next pass: its two
+    waiters (the stop and the wake events) stayed pending, and CI's logs filled with "Task was
+    destroyed but it is pending!  coro=<Event.wait()>" when the loop closed. They are cancelled on
+    every way out."""
+    leader = cluster(store)
+    stop = asyncio.Event()
+    running = asyncio.create_task(leader.run(stop))
+    for _ in range(500):  # until its first pass is done and it waits for the next
+        await asyncio.sleep(0.01)
+        if sum("Event.wait" in repr(t) for t in asyncio.all_tasks()) == 2:
+            break
+    else:
+        pytest.fail("the leader never waited for its next pass")
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    await asyncio.sleep(0)  # a cancelled waiter ends at the loop's next turn
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert left == []

@@ -77,7 +77,6 @@ profile change restarts every replica of the model at once, not one by one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -243,12 +242,11 @@ class Leader:
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), self.until_next(started)
-                )
-            for w in waiters:
-                w.cancel()
+            try:
+                await asyncio.wait(waiters, timeout=self.until_next(started), return_when=asyncio.FIRST_COMPLETED)
+            finally:  # cancelled too (a shutdown): a waiter left pending was "destroyed but pending" at exit
+                for w in waiters:
+                    w.cancel()
             if self._wake.is_set() and not stop.is_set():
                 # Let the rest of a burst arrive, and keep passes at least min_gap_s apart.
                 await asyncio.sleep(max(self.coalesce_s, self.min_gap_s - (time.monotonic() - started)))
