@@ -19,7 +19,8 @@ Mechanism, per chat request:
    replica's bytes), and returns the replica's status. :func:`relay_stream` answers ``text/event-stream`` and writes
    every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
-   llama-server writes its model file's path there. Both give the slot back
+   llama-server writes its model file's path there. A ``/v1/completions`` answer that asked for
+   ``logprobs`` gets them in OpenAI's legacy shape (:mod:`.legacylogprobs`). Both give the slot back
    (:meth:`~llmgw.control.gateway.balancer.Lease.release`) on every way out: the answer's end, an
    error, a client gone (the handler cancelled).
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
@@ -65,6 +66,7 @@ from yarl import URL
 
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
 from llmgw.control.gateway.inspect import Inspector, Refusal, current_call
+from llmgw.control.gateway.legacylogprobs import COMPLETIONS_PATH, CompletionsRewriter, reshape_completion
 from llmgw.control.gateway.prefix import prefix_key
 from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
@@ -483,6 +485,8 @@ async def relay_plain(relay: Relay) -> web.Response:
         answer = json.loads(data)
         same = answer.get("model") == requested  # llama-server's --alias is the catalog name: the bytes stand
         answer["model"] = requested
+        if trace.path == COMPLETIONS_PATH and request_json.get("logprobs") is not None:
+            same = not reshape_completion(answer) and same  # llama-server's chat-shaped logprobs: legacy shape
     except (ValueError, TypeError, AttributeError) as e:
         raise HttpError(
             502, "upstream_invalid", f"the replica of model '{route.model}' sent an answer that is not JSON"
@@ -549,7 +553,9 @@ async def relay_stream(
             await out.prepare(request)
         t0 = trace.prepared_ns = time.perf_counter_ns()
         try:
-            refusal = await pump(resp, out, watcher, ModelRewriter(requested), trace)
+            legacy = trace.path == COMPLETIONS_PATH and request_json.get("logprobs") is not None
+            rewriter = CompletionsRewriter(requested) if legacy else ModelRewriter(requested)
+            refusal = await pump(resp, out, watcher, rewriter, trace)
             closed_cleanly = refusal is None
             if refusal is not None:
                 trace.error_code = refusal.code
