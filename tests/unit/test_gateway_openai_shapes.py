@@ -2,12 +2,15 @@
 gateway, where llama-server answers in another shape (a compatibility tester's findings).
 
 The fake engine answers ``/v1/completions`` with what llama-server (b0.3.36) sent for the same
-requests, captured from a real one: ``logprobs`` in the chat shape.
+requests, captured from a real one: ``logprobs`` in the chat shape. Its ``/v1/embeddings`` answers
+vectors of 640 numbers whatever ``dimensions`` says, as llama-server does.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +25,9 @@ from tests.helpers.gateway import ServerThread
 
 KEY = "sk-good"
 MODEL = "gemma"
+EMBED = "embed"
+#: The fake engine's embedding width (gemma-3-270m's).
+WIDTH = 640
 
 #: llama-server's per-token entries for " a" then " time" (``logprobs: 2``), as it sent them.
 _A = {"id": 496, "token": " a", "bytes": [32, 97], "logprob": -0.0207,
@@ -73,8 +79,20 @@ def _engine() -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def embeddings(request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        vector = [0.01 * i for i in range(WIDTH)]
+        encoded: Any = vector
+        if body.get("encoding_format") == "base64":
+            encoded = base64.b64encode(struct.pack(f"<{WIDTH}f", *vector)).decode()
+        data = [{"embedding": encoded, "index": i, "object": "embedding"} for i in range(len(inputs))]
+        return web.json_response({"model": "/models/e.gguf", "object": "list", "data": data,
+                                  "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     return app
 
 
@@ -82,7 +100,8 @@ def _engine() -> web.Application:
 def client() -> Iterator[openai.OpenAI]:
     servers = ServerThread()
     engine = servers.serve(_engine())
-    router = StaticRouter(routes={MODEL: Route(MODEL, (Upstream("r-a", f"127.0.0.1:{engine}", "key-a"),))})
+    up = Upstream("r-a", f"127.0.0.1:{engine}", "key-a")
+    router = StaticRouter(routes={MODEL: Route(MODEL, (up,)), EMBED: Route(EMBED, (up,), role="embedding")})
     port = servers.serve(build_gateway_app(router, keys={KEY}, allow_loopback_without_key=False),
                          handler_cancellation=True)
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
@@ -135,3 +154,30 @@ def test_the_stream_rewriter_reshapes_an_event_split_across_chunks() -> None:
     sent = json.loads(out.split(b"\n")[0][6:])
     assert sent["model"] == MODEL
     assert sent["choices"][0]["logprobs"]["tokens"] == [" a"]
+
+
+# -- /v1/embeddings' dimensions ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_dimensions_the_engine_cannot_give_are_a_400(client: openai.OpenAI, encoding: Any) -> None:
+    """llama-server ignores ``dimensions``: a request for 8 got 640 numbers back, silently."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=EMBED, input=["hi", "there"], dimensions=8, encoding_format=encoding)
+    assert "640-dimensional" in e.value.message
+    assert "'dimensions'" in e.value.message
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_dimensions_equal_to_the_models_width_pass(client: openai.OpenAI, encoding: Any) -> None:
+    vector: Any = client.embeddings.create(model=EMBED, input="hi", dimensions=WIDTH,
+                                           encoding_format=encoding).data[0].embedding
+    assert (len(base64.b64decode(vector)) // 4 if encoding == "base64" else len(vector)) == WIDTH
+    assert len(client.embeddings.create(model=EMBED, input="hi").data[0].embedding) == WIDTH
+
+
+@pytest.mark.parametrize("dimensions", [0, -1, 1.5, "8", True])
+def test_dimensions_that_are_no_positive_integer_are_a_400(client: openai.OpenAI, dimensions: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=EMBED, input="hi", extra_body={"dimensions": dimensions})
+    assert "'dimensions' must be a positive integer" in e.value.message

@@ -175,6 +175,12 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
                         "a request (OpenAI's bound): send the rest in further requests")
     if endpoint is EMBEDDINGS and isinstance(value, list):
         _check_input_items(value)
+    if endpoint is EMBEDDINGS:
+        dimensions = body.get("dimensions")
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
+                                       or dimensions < 1):
+            raise HttpError(400, "invalid_request",
+                            f"'dimensions' must be a positive integer, got {json.dumps(dimensions)[:40]}")
     return body
 
 

@@ -343,6 +343,30 @@ def _check_logprobs(body: dict[str, Any]) -> None:
             raise _bad(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS} (alternatives per token), got {n}")
 
 
+def check_dimensions(model: str, request: dict[str, Any], answer: dict[str, Any]) -> None:
+    """HttpError 400 when an embeddings request asked for ``dimensions`` and the engine's vectors have
+    another length. llama-server ignores the field and answers its model's full width (a request for
+    8 got 640 numbers, which an 8-wide vector index then refused or, worse, truncated on its own); OpenAI
+    refuses ``dimensions`` for a model that cannot shorten its embeddings, and vLLM does too, so the
+    client learns it here instead of storing vectors of the wrong width. A vector is counted as floats,
+    or as base64 of 4-byte floats (``encoding_format: "base64"``, the ``openai`` client's default)."""
+    asked = request.get("dimensions")
+    data = answer.get("data")
+    if not isinstance(asked, int) or not isinstance(data, list):
+        return
+    for item in data:
+        vector = item.get("embedding") if isinstance(item, dict) else None
+        if isinstance(vector, list):
+            width = len(vector)
+        elif isinstance(vector, str):
+            width = len(vector.rstrip("=")) * 3 // 4 // 4
+        else:
+            continue
+        if width != asked:
+            raise _bad(f"model '{model}' gives {width}-dimensional embeddings and cannot shorten them: leave "
+                       f"'dimensions' out, or set it to {width}")
+
+
 def dropped_header(dropped: list[str]) -> str:
     """The ``x-llmgw-dropped`` value: the dropped names that are plain identifiers, at most 10."""
     named = [k for k in dropped if _NAME.fullmatch(k)][:_MAX_NAMED]

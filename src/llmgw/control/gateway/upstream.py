@@ -70,6 +70,7 @@ from llmgw.control.gateway.legacylogprobs import COMPLETIONS_PATH, CompletionsRe
 from llmgw.control.gateway.prefix import prefix_key
 from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
+from llmgw.control.gateway.request import EMBEDDINGS, check_dimensions
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally, pump
 from llmgw.control.gateway.starting import answer_on_stream
 from llmgw.errors import HttpError, WaitedOut
@@ -495,6 +496,8 @@ async def relay_plain(relay: Relay) -> web.Response:
     trace.usage = usage if isinstance(usage, dict) else None
     if answered:
         lease.observe(answer.get("timings"))
+    if trace.path == EMBEDDINGS.path and "dimensions" in request_json:
+        check_dimensions(route.model, request_json, answer)  # llama-server ignores it: a 400, not the wrong width
     if inspector is not None:
         refusal = await inspector.answer(route, request_json, answer)
         if refusal is not None:
