@@ -3,7 +3,8 @@ gateway, where llama-server answers in another shape (a compatibility tester's f
 
 The fake engine answers ``/v1/completions`` with what llama-server (b0.3.36) sent for the same
 requests, captured from a real one: ``logprobs`` in the chat shape. Its ``/v1/embeddings`` answers
-vectors of 640 numbers whatever ``dimensions`` says, as llama-server does.
+vectors of 640 numbers whatever ``dimensions`` says, as llama-server does, and it ignores ``echo``
+as llama-server does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ MODEL = "gemma"
 EMBED = "embed"
 #: The fake engine's embedding width (gemma-3-270m's).
 WIDTH = 640
+#: The completions bodies the fake engine got.
+SEEN: list[dict[str, Any]] = []
 
 #: llama-server's per-token entries for " a" then " time" (``logprobs: 2``), as it sent them.
 _A = {"id": 496, "token": " a", "bytes": [32, 97], "logprob": -0.0207,
@@ -69,6 +72,7 @@ def _events(body: dict[str, Any]) -> list[dict[str, Any]]:
 def _engine() -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        SEEN.append(body)
         if not body.get("stream"):
             return web.json_response(_completion(body))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -154,6 +158,43 @@ def test_the_stream_rewriter_reshapes_an_event_split_across_chunks() -> None:
     sent = json.loads(out.split(b"\n")[0][6:])
     assert sent["model"] == MODEL
     assert sent["choices"][0]["logprobs"]["tokens"] == [" a"]
+
+
+# -- /v1/completions' echo ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["Once upon", ["Once upon"]])
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI, prompt: Any) -> None:
+    """llama-server ignores ``echo``: the text was " a time" alone."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True)
+    assert raw.parse().choices[0].text == "Once upon a time"
+    assert "echo" not in SEEN[-1]  # the gateway echoes, for every engine (vLLM would echo a second time)
+    assert raw.headers.get("x-llmgw-dropped") is None  # served, not dropped
+
+
+def test_a_streamed_echo_sends_the_prompt_first(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=2, echo=True, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] == "Once upon a"
+    assert "".join(texts) == "Once upon a time"
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"prompt": [1, 2, 3]}, "cannot echo token ids"),
+    ({"logprobs": 2}, "'echo' with 'logprobs' is not supported"),
+    ({"echo": "yes"}, "'echo' must be true or false"),
+])
+def test_echo_it_cannot_serve_is_a_400(client: openai.OpenAI, extra: dict[str, Any], says: str) -> None:
+    body: dict[str, Any] = {"prompt": "Once upon", "echo": True, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, max_tokens=2, **{k: v for k, v in body.items() if k != "echo"},
+                                  extra_body={"echo": body["echo"]})
+    assert says in e.value.message
+
+
+def test_echo_false_changes_nothing(client: openai.OpenAI) -> None:
+    assert client.completions.create(model=MODEL, prompt="Once upon", max_tokens=2, echo=False).choices[0].text == (
+        " a time")
 
 
 # -- /v1/embeddings' dimensions ----------------------------------------------------------------------

@@ -80,6 +80,7 @@ from llmgw.control.gateway.request import (
     EMBEDDINGS,
     Endpoint,
     dropped_header,
+    echo_text,
     upstream_body,
     with_stream_usage,
 )
@@ -332,6 +333,7 @@ class _Gateway:
             else:
                 model = route.model
                 self.load.arrived(model)  # a request for scale to zero, however short (load.ModelLoad.arrived)
+                echo = echo_text(body) if endpoint is COMPLETIONS else ""  # before upstream_body takes it out
                 raw, dropped = upstream_body(body, raw, route.max_output if endpoint.limits_output else 0,
                                              endpoint.forwarded)
                 # held against tpm and budgets while in flight, then released; walked only for such a key
@@ -351,7 +353,7 @@ class _Gateway:
                         out = refusal_response(refusal)
                         code, blocked = refusal.code, refusal.code == "content_blocked"
                     else:
-                        relay = Relay(self.pool, route, requested, raw, body, trace, self.inspector)
+                        relay = Relay(self.pool, route, requested, raw, body, trace, self.inspector, echo=echo)
                         plain = relay_to_the_answer if endpoint.engine_finishes else relay_plain
                         out = await (relay_stream(request, relay, pre) if stream else plain(relay))
         except web.HTTPRequestEntityTooLarge:

@@ -79,7 +79,7 @@ FORWARDED = frozenset(
 COMPLETIONS_FORWARDED = frozenset(
     {
         "model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
-        "presence_penalty", "frequency_penalty", "seed", "logit_bias", "logprobs", "echo", "suffix", "user",
+        "presence_penalty", "frequency_penalty", "seed", "logit_bias", "logprobs", "suffix", "user",
     }
 )
 #: ``/v1/embeddings``' fields that reach an engine.
@@ -384,8 +384,48 @@ def check_fields(body: dict[str, Any]) -> None:
     if "messages" in body:
         check_chat(body)
     _check_logprobs(body)
+    if "prompt" in body:
+        _check_echo(body)
     for k in _LIMITS:
         _int_field(body, k)
+
+
+#: ``/v1/completions``' fields the gateway serves itself: taken out of what an engine sees, never
+#: named in ``x-llmgw-dropped`` (:func:`echo_text`).
+SERVED = frozenset({"echo"})
+
+
+def echo_text(body: dict[str, Any]) -> str:
+    """The prompt a ``/v1/completions`` request asked to have echoed (``"echo": true``), "" when none.
+
+    OpenAI's ``echo`` puts the prompt before the completion in each choice's ``text``. llama-server
+    ignores the field (the answer held the completion alone: a compatibility tester's finding) and vLLM
+    honours it, so the gateway takes it out of what any engine sees and puts the prompt back itself,
+    the same for both (:mod:`.legacylogprobs` for the answer). :func:`check_fields` has refused what
+    it cannot echo: token ids, and ``logprobs`` (OpenAI's then cover the prompt's tokens too)."""
+    if body.get("echo") is not True:
+        return ""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _check_echo(body: dict[str, Any]) -> None:
+    """``echo``: a boolean; when true, a text prompt and no ``logprobs`` (see :func:`echo_text`)."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return
+    if echo is not True:
+        raise _bad(f"'echo' must be true or false, got {json.dumps(echo)[:40]}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("'echo' needs a text prompt: this gateway cannot echo token ids; send the prompt as a string")
+    if body.get("logprobs") is not None:
+        raise _bad("'echo' with 'logprobs' is not supported here (the prompt's tokens would have none): leave "
+                   "one of them out")
 
 
 def upstream_body(
@@ -408,11 +448,13 @@ def upstream_body(
     dropped = [k for k in body if k not in forwarded]
     for k in dropped:
         del body[k]
+    changed = bool(dropped)
+    if forwarded is COMPLETIONS_FORWARDED:  # served by the gateway (echo_text): gone, not "dropped"
+        dropped = [k for k in dropped if k not in SERVED]
     asked = [v for k in _LIMITS if (v := _int_field(body, k)) is not None and v > 0]
     want = min(asked) if asked else 0
     if max_output > 0 and not 0 < want <= max_output:
         want = max_output
-    changed = bool(dropped)
     for k in _LIMITS:
         if k == "max_tokens" or k in body:
             if want > 0 and body.get(k) != want:

@@ -20,7 +20,8 @@ Mechanism, per chat request:
    every network chunk as it arrives (``iter_any``), never parsing the SSE's JSON; only the
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
    llama-server writes its model file's path there. A ``/v1/completions`` answer that asked for
-   ``logprobs`` gets them in OpenAI's legacy shape (:mod:`.legacylogprobs`). Both give the slot back
+   ``logprobs`` gets them in OpenAI's legacy shape, and one that asked for ``echo`` its prompt before
+   the text (:mod:`.legacylogprobs`). Both give the slot back
    (:meth:`~llmgw.control.gateway.balancer.Lease.release`) on every way out: the answer's end, an
    error, a client gone (the handler cancelled).
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
@@ -420,6 +421,8 @@ class Relay:
         request_json: the parsed request, for the prefix key and the guard.
         trace: the request's timings, replica and usage, filled in on the way.
         inspector: the guard's hook, None when no policy covers the model.
+        echo: the prompt to put before each choice's text (``/v1/completions``' ``echo``,
+            :func:`~llmgw.control.gateway.request.echo_text`), "" for none.
     """
 
     pool: UpstreamPool
@@ -429,6 +432,7 @@ class Relay:
     request_json: dict[str, Any]
     trace: Trace
     inspector: Inspector | None
+    echo: str = ""
 
 
 async def relay_to_the_answer(relay: Relay) -> web.Response:
@@ -486,8 +490,9 @@ async def relay_plain(relay: Relay) -> web.Response:
         answer = json.loads(data)
         same = answer.get("model") == requested  # llama-server's --alias is the catalog name: the bytes stand
         answer["model"] = requested
-        if trace.path == COMPLETIONS_PATH and request_json.get("logprobs") is not None:
-            same = not reshape_completion(answer) and same  # llama-server's chat-shaped logprobs: legacy shape
+        if trace.path == COMPLETIONS_PATH and (relay.echo or request_json.get("logprobs") is not None):
+            # llama-server's chat-shaped logprobs in the legacy shape; the prompt echoed
+            same = not reshape_completion(answer, echo=relay.echo) and same
     except (ValueError, TypeError, AttributeError) as e:
         raise HttpError(
             502, "upstream_invalid", f"the replica of model '{route.model}' sent an answer that is not JSON"
@@ -556,8 +561,8 @@ async def relay_stream(
             await out.prepare(request)
         t0 = trace.prepared_ns = time.perf_counter_ns()
         try:
-            legacy = trace.path == COMPLETIONS_PATH and request_json.get("logprobs") is not None
-            rewriter = CompletionsRewriter(requested) if legacy else ModelRewriter(requested)
+            legacy = trace.path == COMPLETIONS_PATH and (relay.echo or request_json.get("logprobs") is not None)
+            rewriter = CompletionsRewriter(requested, echo=relay.echo) if legacy else ModelRewriter(requested)
             refusal = await pump(resp, out, watcher, rewriter, trace)
             closed_cleanly = refusal is None
             if refusal is not None:
