@@ -63,13 +63,7 @@ from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
 from llmgw.control.gateway.body import abandoned_usage, prompt_chars, reserved_tokens
 from llmgw.control.gateway.body import parse_body as _parse
-from llmgw.control.gateway.callers import (
-    LOOPBACK_CALLER,
-    STALE_RETRY_AFTER_S,
-    Caller,
-    Callers,
-    presented_key_id,
-)
+from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers, presented_key_id
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.gateway.limits import Limiter

@@ -21,9 +21,8 @@ Mechanism, per chat request:
    ``"model"`` field is swapped on bytes for the client's name (:class:`ModelRewriter`), since
    llama-server writes its model file's path there. A ``/v1/completions`` answer that asked for
    ``logprobs`` gets them in OpenAI's legacy shape, and one that asked for ``echo`` its prompt before
-   the text (:mod:`.legacylogprobs`). Both give the slot back
-   (:meth:`~llmgw.control.gateway.balancer.Lease.release`) on every way out: the answer's end, an
-   error, a client gone (the handler cancelled).
+   the text (:mod:`.legacylogprobs`). Both give the slot back (:meth:`~llmgw.control.gateway.balancer.Lease.release`)
+   on every way out: the answer's end, an error, a client gone (the handler cancelled).
 3. Replica errors (llama-server's are OpenAI-shaped) pass through with their status, scrubbed of the
    replica's address and key; a 500 that llama-server gives for the client's own mistake (a field of
    the wrong type, an image sent to a text-only model: :data:`_CLIENT_MISTAKES`) becomes the 400
@@ -421,8 +420,7 @@ class Relay:
         request_json: the parsed request, for the prefix key and the guard.
         trace: the request's timings, replica and usage, filled in on the way.
         inspector: the guard's hook, None when no policy covers the model.
-        echo: the prompt to put before each choice's text (``/v1/completions``' ``echo``,
-            :func:`~llmgw.control.gateway.request.echo_text`), "" for none.
+        echo: the prompt put before each choice's text (:func:`~llmgw.control.gateway.request.echo_text`), or "".
     """
 
     pool: UpstreamPool
