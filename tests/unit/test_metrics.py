@@ -75,6 +75,26 @@ def test_engine_pages_merge_into_one_family_per_name() -> None:
     assert "llamacpp" not in m.exposition().decode()
 
 
+def test_a_node_cannot_relay_the_control_planes_own_families() -> None:
+    """A compromised node's page naming llmgw's own families (``llmgw_leader 1``, a ready replica
+    count for any model, ``process_*``) is not relayed: its series kept the alert rules (no leader,
+    a model serving nothing) from firing, and duplicated their HELP/TYPE lines. Its engine's own
+    families still are."""
+    engines = EngineMetrics()
+    lie = ("# TYPE llmgw_leader gauge\nllmgw_leader 1\n"
+           "# TYPE llmgw_replicas gauge\nllmgw_replicas{state=\"ready\"} 5\n"
+           "# TYPE process_cpu_seconds counter\nprocess_cpu_seconds_total 5\n"
+           "# TYPE llamacpp:x gauge\nllmgw_store_up 1\n")
+    engines.put("evil", [EngineMetricsText(replica="r-1", model="gemma", text=lie + PAGE)])
+    text = ControlPlaneMetrics(engines=engines).exposition().decode()
+    assert "llmgw_leader" not in text  # no store here: nothing but the lie could have shown one
+    assert text.count("# TYPE process_cpu_seconds_total counter") == 1
+    got = _samples(text)
+    assert not [k for k in got if dict(k[1]).get("node") == "evil" and not k[0].startswith("llamacpp:")]
+    assert got[("llamacpp:tokens_predicted_total", frozenset(
+        {"replica": "r-1", "model": "gemma", "node": "evil"}.items()))] == 4
+
+
 async def test_metrics_page_of_a_served_control_plane(tmp_path: Path, fake_engine: str) -> None:  # noqa: F811
     inst = make_install(tmp_path)
     async with serving(inst), aiohttp.ClientSession() as s:

@@ -13,6 +13,14 @@ At scrape time the pages are parsed (``prometheus_client.parser``), every sample
 one (one HELP and TYPE each, as the text format requires). Bounds: 256 KiB per page, 64 replicas per
 node, :data:`MAX_FAMILIES` families per page; a page that does not parse is skipped and counted in
 ``llmgw_engine_metrics_errors_total``.
+
+A page is what a node says, and a node may be compromised: a family or sample whose name is one of
+the control plane's own (:data:`RESERVED_PREFIXES`: ``llmgw_``, and prometheus-client's ``process_``
+and ``python_``) is never relayed. A node posting ``llmgw_leader 1`` or ``llmgw_replicas{state="ready"} 5``
+(its page's ``model`` naming any model) made ``/metrics`` show a second family of that name, whose
+series kept the alert rules of ``deploy/prometheus/llmgw-alerts.yml`` (``max(llmgw_leader) == 0``,
+a model serving nothing) from ever firing; it also duplicated HELP/TYPE lines, which the text format
+forbids (vLLM's own ``process_*``/``python_*`` families collided the same way).
 """
 
 from __future__ import annotations
@@ -33,6 +41,16 @@ log = logging.getLogger(__name__)
 STALE_S = 60.0
 MAX_REPLICAS_PER_NODE = 64
 MAX_FAMILIES = 200
+#: Name prefixes of the control plane's own families (:mod:`llmgw.control.api.metrics`); relayed
+#: families and samples named so are dropped (see the module docstring).
+RESERVED_PREFIXES = ("llmgw_", "process_", "python_")
+
+
+def reserved(family: Metric) -> bool:
+    """Whether ``family`` (or one of its samples) takes a name of the control plane's own."""
+    return family.name.startswith(RESERVED_PREFIXES) or any(
+        s.name.startswith(RESERVED_PREFIXES) for s in family.samples
+    )
 
 
 class EngineMetrics(Collector):
@@ -62,6 +80,8 @@ class EngineMetrics(Collector):
                     continue
                 extra = {"replica": page.replica, "model": page.model, "node": node}
                 for fam in families:
+                    if reserved(fam):
+                        continue
                     out = merged.get(fam.name)
                     if out is None:
                         out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
