@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import unicodedata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -94,11 +95,33 @@ def console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
 
 
-def table(*headers: str, **options: Any) -> Table:
-    """A Rich table with these column ``headers`` (``options`` as ``rich.table.Table`` takes them)."""
-    from rich.table import Table
+def plain(text: str) -> str:
+    """``text`` with every control character but newline and tab written out (``\\x1b``), for the
+    terminal. What a node reports (an engine's version and detail, a GPU's name, a replica's error)
+    reaches ``ctl`` from the admin API as the node wrote it; a compromised node's ``ESC ]0;…`` or
+    ``ESC [2J`` would otherwise be run by the operator's terminal (retitle it, clear the screen,
+    hide lines of the table)."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch in "\n\t" or unicodedata.category(ch) != "Cc" else ascii(ch)[1:-1] for ch in text
+    )
 
-    return Table(*headers, **options)
+
+def table(*headers: str, **options: Any) -> Table:
+    """A Rich table with these column ``headers`` (``options`` as ``rich.table.Table`` takes them).
+
+    Its cells are shown as written: each string goes through :func:`plain` and becomes a Rich
+    ``Text``, so neither a control character nor Rich markup (``[link=…]``) a node reported is
+    acted on."""
+    from rich.table import Table
+    from rich.text import Text
+
+    class _PlainTable(Table):
+        def add_row(self, *renderables: Any, **kwargs: Any) -> None:
+            super().add_row(*(Text(plain(r)) if isinstance(r, str) else r for r in renderables), **kwargs)
+
+    return _PlainTable(*headers, **options)
 
 
 def admin_client(server: str | None, token: str | None) -> AdminClient:

@@ -34,7 +34,7 @@ import typer
 from llmgw.cli import guard as guard_cli
 from llmgw.cli import keys as keys_cli
 from llmgw.cli.common import admin_client as _client
-from llmgw.cli.common import cli_errors, console, fail, paths, table, typer_app, whole
+from llmgw.cli.common import cli_errors, console, fail, paths, plain, table, typer_app, whole
 from llmgw.cli.common import print_json as _print_json
 from llmgw.cli.modelset import model_set
 from llmgw.cli.modelwarn import (
@@ -113,9 +113,9 @@ def nodes(server: ServerOpt = None, token: TokenOpt = None, as_json: JsonOpt = F
     for n in data:
         for p in n.provision:
             if p.state in ("failed", "unsupported") and p.detail:
-                print(f"{n.id}: {p.engine}: {p.detail}")
+                print(plain(f"{n.id}: {p.engine}: {p.detail}"))
         for problem in n.problems:
-            print(f"{n.id}: {problem}")
+            print(plain(f"{n.id}: {problem}"))
 
 
 @app.command()
@@ -263,8 +263,8 @@ def explain_placement(
         if ex.last_placed:
             print(f"newest replica: {ex.last_placed}")
         for f in ex.failed:
-            print(f"placed but its engine failed: {f.replica} on {f.node}: {f.error} (its log: 'llmgw ctl logs "
-                  f"{f.replica}')")
+            print(plain(f"placed but its engine failed: {f.replica} on {f.node}: {f.error} (its log: 'llmgw ctl logs "
+                        f"{f.replica}')"))
         if ex.rejections:
             t = table("PROFILE", "NODE", "KIND", "REASON")
             for r in ex.rejections:
