@@ -95,6 +95,22 @@ def test_a_node_cannot_relay_the_control_planes_own_families() -> None:
         {"replica": "r-1", "model": "gemma", "node": "evil"}.items()))] == 4
 
 
+def test_a_nodes_pages_are_bounded_in_lines() -> None:
+    """A node posting 1 MiB of one-sample lines made every scrape parse and render them all on the
+    event loop (0.5 s here, a heartbeat waiting 0.45 s); past MAX_LINES_PER_NODE (10,000) a page is
+    dropped and counted, and the pages within it are still relayed."""
+    flood = "# TYPE a gauge\n" + "".join(f'a{{l="{i}"}} 1\n' for i in range(3500))  # 3,502 lines
+    engines = EngineMetrics()
+    engines.put("evil", [EngineMetricsText(replica="r-0", model="m", text=PAGE)]  # 46 lines
+                + [EngineMetricsText(replica=f"r-{j}", model="m", text=flood) for j in range(1, 17)])
+    text = ControlPlaneMetrics(engines=engines).exposition().decode()
+    assert text.count("\n") < 11_000
+    got = _samples(text)
+    r0 = frozenset({"replica": "r-0", "model": "m", "node": "evil"}.items())
+    assert got[("llamacpp:tokens_predicted_total", r0)] == 4
+    assert got[("llmgw_engine_metrics_errors_total", frozenset())] == 14  # two flood pages fit
+
+
 async def test_metrics_page_of_a_served_control_plane(tmp_path: Path, fake_engine: str) -> None:  # noqa: F811
     inst = make_install(tmp_path)
     async with serving(inst), aiohttp.ClientSession() as s:
