@@ -27,6 +27,12 @@ from collections.abc import Sequence
 
 from pydantic import AfterValidator
 
+#: The label ``server init`` gives the control plane's own node (the starter and the guard judges are
+#: pinned to it). A node cannot claim it: the agent API honours it only from a node a control plane
+#: names as its own (:mod:`llmgw.control.api.nodelabels`), as Kubernetes' NodeRestriction keeps
+#: kubelets from setting ``node-restriction.kubernetes.io/`` labels.
+CONTROL_PLANE_LABEL = "llmgw.control-plane"
+
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 NAME_RULE = "1-63 characters: lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
 

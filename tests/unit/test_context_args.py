@@ -7,7 +7,7 @@ shared by its slots. Before, ``context_length`` reached no engine: llama-server 
 from __future__ import annotations
 
 from llmgw.catalog import Model, context_args
-from llmgw.control.api.agent import desired_specs
+from llmgw.control.api.desired import desired_specs
 from llmgw.control.placement import estimate as est
 from llmgw.control.placement.inputs import effective_model, profile_estimate
 from llmgw.control.store.rows import ReplicaRow

@@ -71,6 +71,7 @@ from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.keys import add_key_routes
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.metrics import ControlPlaneMetrics, add_metrics_route
+from llmgw.control.api.nodelabels import own_node
 from llmgw.control.gateway.accesslog import log_exchange
 from llmgw.control.gateway.accounting import Accounting
 from llmgw.control.gateway.callers import KEYS_STALE_S, Callers
@@ -428,6 +429,7 @@ async def serve(
     members = Membership(
         store, db, election, name=name, version=__version__, lease_s=config.cluster.lease_s,
         agent_url=config.cluster.agent_url or default_agent_url(config.agent_listen, agent_port),
+        find_node=functools.partial(own_node, paths),  # its llmgw.control-plane label is honoured (nodelabels.py)
     )
     metrics = ControlPlaneMetrics(
         store, db, members=members, guard=guard.stats if guard is not None else None, engines=engines
@@ -459,6 +461,7 @@ async def serve(
                 build_agent_app(
                     store, on_heartbeat=wakes.heartbeat, node_lost_after_s=config.node_lost_after_s, logs=logs,
                     db=db, on_node=wakes.node_came, cluster=members.reply_fields, engines=engines, cadence=cadence,
+                    own_nodes=members.own_nodes,
                 ),
                 tls,
             ),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from llmgw.catalog import Engine, GuardModel, Model, Profile, Role, Scaling
 from llmgw.guard.sizing import JUDGE_MEMORY_GB
+from llmgw.names import CONTROL_PLANE_LABEL
 
 # The starter: small enough to download in a minute and run on any CPU, real enough to answer a
 # question. Q4_K_M is about 400 MB.
@@ -35,7 +36,7 @@ GUARD_MODEL_VERSION = "guard"
 
 # localLabel marks the control plane's own node, so the starter model is served where it was
 # asked for and does not wander to the first GPU node that joins later.
-LOCAL_LABEL_KEY = "llmgw.control-plane"
+LOCAL_LABEL_KEY = CONTROL_PLANE_LABEL
 LOCAL_LABEL_VALUE = "true"
 
 # A starter's engine reserves its weights, its KV cache and llama-server's prompt cache

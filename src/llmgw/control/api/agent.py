@@ -51,20 +51,21 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
-from llmgw.catalog import Model, Role, context_args, engine_traits
 from llmgw.config import ServerConfig
 from llmgw.control.api.cadence import MIN_INTERVAL_S, Cadence
+from llmgw.control.api.desired import desired_specs
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
-from llmgw.control.store import NodeRow, ReplicaRow, Store
+from llmgw.control.api.nodelabels import honoured
+from llmgw.control.store import NodeRow, Store
 from llmgw.control.store.offloop import Batcher, OffLoop
 from llmgw.control.store.rows import BeatResult, BeatWrite, NodeLiveness
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
@@ -72,8 +73,6 @@ from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
 from llmgw.protocol import (
     EngineMetricsText,
-    GroupMember,
-    GroupRole,
     Heartbeat,
     HeartbeatReply,
     LogReply,
@@ -122,6 +121,8 @@ class AgentContext:
         seen: ``(node, serial)`` pairs this process already remembered in the store.
         issued: a certificate's ``notBefore`` (unix s) by serial, parsed once (``strptime`` took
             ~0.14 ms of every beat).
+        own_nodes: the control planes' own nodes, the only ones whose ``llmgw.control-plane`` label
+            is stored (:mod:`llmgw.control.api.nodelabels`); None: no node's. ``warned``: those logged.
     """
 
     store: Store
@@ -137,6 +138,8 @@ class AgentContext:
     engines: EngineMetrics | None = None
     seen: set[tuple[str, str]] = field(default_factory=set)
     issued: dict[str, float | None] = field(default_factory=dict)
+    own_nodes: Callable[[], frozenset[str]] | None = None
+    warned: set[str] = field(default_factory=set)
 
 
 #: Where the agent app keeps its :class:`AgentContext`.
@@ -173,82 +176,6 @@ def revoked_message(node_id: str, serial: str, revoked_at: float) -> str:
         f"{node_id} --address ADDR --out DIR' on the control plane, copy DIR to this node's /etc/llmgw "
         "(a new certificate, issued after the removal) and start the agent again"
     )
-
-
-def desired_specs(node_id: str, replicas: Sequence[ReplicaRow], models: Mapping[str, Model]) -> list[ReplicaSpec]:
-    """The replicas placed on ``node_id`` (``replicas``, of ``models`` by name), as the agent must
-    run them (models gone are skipped).
-
-    The heartbeat's read gives only the models that have a replica on the node (not the whole
-    catalog: with 50 models and 100 heartbeats a second that was 5,000 catalog rows parsed a second)."""
-    out = []
-    for r in replicas:
-        model = models.get(r.model)
-        if model is None:
-            continue
-        prof = next((p for p in model.profiles if p.name == r.profile), None)
-        if prof is None:
-            continue
-        out.append(
-            ReplicaSpec(
-                id=r.id,
-                model=model.name,
-                version=model.version,
-                profile=r.profile,
-                engine=prof.engine.value,
-                source_url=model.source,
-                sha256=model.sha256,
-                file_name=model.file_name,
-                args=[*prof.args, *context_args(model, prof), *role_args(model.role, prof.engine.value, prof.args)],
-                cpu_cores=prof.cpu_cores,
-                key=r.key,
-                env=dict(prof.env),
-                **{"gpu_indexes": list(r.gpu_indexes), **group_fields(r, node_id, prof.engine.value)},
-            )
-        )
-    return out
-
-
-def group_fields(r: ReplicaRow, node_id: str, engine: str) -> dict[str, Any]:
-    """A group replica's ``role``, ``members`` and ``gpu_indexes`` for ``node_id`` (nothing for a
-    replica on one node).
-
-    Only what the member's engine needs goes in, so its spec changes (and the agent restarts it)
-    only when that changes: the head gets every worker's endpoint (it starts once all are there,
-    and restarts when a worker comes back on another port); a llama.cpp worker gets no endpoints;
-    a vLLM worker gets its head's Ray address (it joins that cluster), a vLLM head none (its workers
-    join it; it counts them in Ray). No states: they change as members report."""
-    if not r.members:
-        return {}
-    me = next((m for m in r.members if m.node == node_id), None)
-    head = r.node == node_id
-    # Which endpoints a member's engine waits for (the engine's traits say who dials whom): a
-    # llama.cpp head dials its workers (rpc-server); a vLLM worker joins its head's Ray cluster.
-    # Nothing else goes in, so no member's spec changes with its own report, nor a vLLM head's with
-    # its workers joining (that would restart Ray).
-    traits = engine_traits(engine)
-    dials = traits is not None and traits.head_dials_workers
-    wants = head if dials else not head
-    members = []
-    for m in r.members:
-        shown = wants and ((m.rank > 0) if dials else (m.rank == 0))
-        fields = {"node", "rank", "memory_gb", "gpu_indexes"} | ({"endpoint"} if shown else set())
-        members.append(GroupMember.model_validate(m.model_dump(include=fields)))
-    out: dict[str, Any] = {"role": GroupRole.HEAD if head else GroupRole.WORKER, "members": members}
-    if me is not None and not head:
-        out["gpu_indexes"] = list(me.gpu_indexes)
-    return out
-
-
-def role_args(role: Role, engine: str, args: Sequence[str]) -> list[str]:
-    """Engine flags a model's role needs, beyond its profile's ``args``: an ``embedding`` model's
-    engine serves embeddings, with the flags its engine's traits name
-    (:attr:`llmgw.catalog.EngineTraits.embedding_args`: llama-server ``--embeddings --pooling mean``,
-    vLLM ``--task embed``)."""
-    traits = engine_traits(engine)
-    if role != Role.EMBEDDING or traits is None:
-        return []
-    return traits.embedding_args(args)
 
 
 def hold_for(node_lost_after_s: float, interval_s: float) -> float:
@@ -417,14 +344,18 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
         raise HttpError(409, "node_id_in_use", clash)
     if isinstance(beat, Pulse):
         hb, digest = None, beat.digest
+        kept = digest
         if before is None or before.state != "ready" or not before.digest or before.digest != digest:
             return await send(request, reply_for(ctx, node_id, seen, beat.desired_digest, send_full=True))
     else:
-        hb, digest = beat, state_digest(beat)
+        hb, digest = honoured(node_id, beat, ctx.own_nodes, ctx.warned), state_digest(beat)  # as the agent sent it
+        # stored other than sent (a label dropped): no digest kept, so the agent's next pulse gets send_full
+        # and its next full beat is judged again (a control plane's own node seen before its row named it)
+        kept = digest if hb is beat else ""
     note = bool(serial) and (node_id, serial) not in ctx.seen
     wants_logs = ctx.logs is not None and ctx.logs.wants_stored(node_id)
     wrote = await ctx.beats.submit(BeatWrite(node_id, hb, now, serial, issued_at, note=note, logs=wants_logs,
-                                             digest=digest))
+                                             digest=kept))
     if isinstance(wrote.refused, Revoked):
         raise revoked_error(node_id, wrote.refused.serial, wrote.refused.revoked_at)
     if wrote.refused is not None:
@@ -538,6 +469,7 @@ def build_agent_app(
     on_node: Callable[[str], None] | None = None,
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None,
     engines: EngineMetrics | None = None,
+    own_nodes: Callable[[], frozenset[str]] | None = None,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`): an :class:`AgentContext` from
     the arguments under :data:`AGENT`, the error middleware and :data:`ROUTES`.
@@ -566,6 +498,8 @@ def build_agent_app(
         engines: keeps the engine metrics pages agents post to ``/agent/v1/metrics``
             (:mod:`llmgw.control.api.enginemetrics`); None: posts are accepted and dropped.
             default: term 0, no leader, no members.
+        own_nodes: the control planes' own nodes (:meth:`~llmgw.control.reconcile.membership.Membership.own_nodes`),
+            the only ones whose ``llmgw.control-plane`` label is stored; None: no node's.
 
     A heartbeat whose store calls fail (the database is down or does not answer within the pool's
     deadline) is answered 503 ``store_unavailable``: the agent tries another control plane.
@@ -584,7 +518,7 @@ def build_agent_app(
         store=store, db=pool, beats=Batcher(pool, store.write_heartbeats), clock=clock,
         cadence=cadence or Cadence(node_lost_after_s=node_lost_after_s, count=lambda: pool.read(store.count_nodes)),
         node_lost_after_s=node_lost_after_s, logs=logs, on_heartbeat=on_heartbeat, on_node=on_node,
-        cluster=cluster, engines=engines,
+        cluster=cluster, engines=engines, own_nodes=own_nodes,
     )
     ctx = app[AGENT]
 

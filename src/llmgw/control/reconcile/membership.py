@@ -89,6 +89,9 @@ class Membership:
         version: the llmgw version this control plane runs.
         clock: unix seconds.
         lease_s: ``cluster.lease_s``: a holder whose ``renewed_at`` is older than this leads no more.
+        node: the node on this control plane's machine (its ``agent.yaml``'s ``node_id``), "" for none.
+        find_node: reads ``node`` again while it is "" (init writes the agent.yaml after it started the
+            control plane), before each write of the row.
     """
 
     store: Store
@@ -100,6 +103,8 @@ class Membership:
     version: str
     clock: Callable[[], float] = time.time
     lease_s: float = 5.0
+    node: str = ""
+    find_node: Callable[[], str] | None = None
     started_at: float = field(init=False)
     snapshot: Snapshot = field(default_factory=Snapshot, init=False)
     database_error: str = field(default="", init=False)  # "" while the last store call succeeded
@@ -127,7 +132,9 @@ class Membership:
         now = self.clock()
         try:
             if now - self._written >= WRITE_EVERY_S:
-                row = ControlPlaneRow(self.name, self.agent_url, now, self.started_at, self.version)
+                if not self.node and self.find_node is not None:
+                    self.node = self.find_node()
+                row = ControlPlaneRow(self.name, self.agent_url, now, self.started_at, self.version, self.node)
                 await self.db.run(self.store.upsert_control_plane, row)
                 self._written = now
             leader, members = await self.db.run(self._read)
@@ -198,8 +205,15 @@ class Membership:
     def members(self) -> list[ControlPlaneRow]:
         """Every member as last read, this control plane included (even before its first write)."""
         rows = [m for m in self.snapshot.members if m.name != self.name]
-        me = ControlPlaneRow(self.name, self.agent_url, self._written or self.started_at, self.started_at, self.version)
+        me = ControlPlaneRow(
+            self.name, self.agent_url, self._written or self.started_at, self.started_at, self.version, self.node
+        )
         return sorted([*rows, me], key=lambda r: r.name)
+
+    def own_nodes(self) -> frozenset[str]:
+        """The nodes on the members' own machines, as last read (this one's included): the nodes whose
+        ``llmgw.control-plane`` label the agent API honours (:mod:`llmgw.control.api.nodelabels`)."""
+        return frozenset(m.node for m in self.members() if m.node)
 
     def reply_fields(self) -> tuple[int, str, list[str]]:
         """What a heartbeat reply carries: ``(term, leader's agent URL or "", alive members' agent URLs)``."""

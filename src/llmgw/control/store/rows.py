@@ -210,14 +210,15 @@ class LeaderRow:
 @dataclass(frozen=True)
 class ControlPlaneRow:
     """A control plane sharing this database: its ``name``, the URL agents reach its agent API at,
-    when it last wrote its row (``last_seen``) and started (``started_at``), unix seconds, and the
-    llmgw ``version`` it runs."""
+    when it last wrote its row (``last_seen``) and started (``started_at``), unix seconds, the
+    llmgw ``version`` it runs, and ``node``, the node on its own machine ("" for none)."""
 
     name: str
     agent_url: str
     last_seen: float
     started_at: float
     version: str
+    node: str = ""
 
 
 @dataclass(frozen=True)

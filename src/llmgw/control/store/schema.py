@@ -158,6 +158,7 @@ control_planes_t = sa.Table(
     sa.Column("last_seen", sa.Float, nullable=False),
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("version", sa.String(64), nullable=False),
+    sa.Column("node", sa.String(253), nullable=False, server_default=""),  # migration 14: its own node, or ""
 )
 
 log_requests_t = sa.Table(
@@ -341,6 +342,19 @@ sa.Table(
 )
 
 
+_V5 = sa.MetaData()
+"""Migration 5's ``control_planes`` as it made it, frozen when migration 14 added ``node`` to today's
+table: never edit."""
+
+sa.Table(
+    "control_planes", _V5,
+    sa.Column("name", sa.String(253), primary_key=True),
+    sa.Column("agent_url", sa.String(300), nullable=False),
+    sa.Column("last_seen", sa.Float, nullable=False),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("version", sa.String(64), nullable=False),
+)
+
 _V10 = sa.MetaData()
 """Migration 10's ``gateway_load`` as it made it, frozen when migration 13 added ``arrived`` to
 today's table: never edit."""
@@ -431,7 +445,7 @@ def _spec_aliases(spec: str) -> list[str]:
 def _migration_5(conn: Connection) -> None:
     """``cp_leader`` with its one row (term 0, no holder) and ``control_planes``."""
     cp_leader_t.create(conn, checkfirst=True)
-    control_planes_t.create(conn, checkfirst=True)
+    _V5.tables["control_planes"].create(conn, checkfirst=True)
     if conn.scalar(sa.select(sa.func.count()).select_from(cp_leader_t)) == 0:
         conn.execute(cp_leader_t.insert().values(id=1, term=0, holder="", since=0.0, renewed_at=0.0))
 
@@ -491,6 +505,13 @@ def _migration_13(conn: Connection) -> None:
     _add_column(conn, "gateway_load", sa.Column("arrived", sa.Integer, nullable=False, server_default="0"))
 
 
+def _migration_14(conn: Connection) -> None:
+    """``control_planes.node``: the node on the control plane's own machine (its ``agent.yaml``'s
+    ``node_id``), the one node whose ``llmgw.control-plane`` label is honoured
+    (:mod:`llmgw.control.api.nodelabels`); rows written before it hold "" until their next write."""
+    _add_column(conn, "control_planes", sa.Column("node", sa.String(253), nullable=False, server_default=""))
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -506,6 +527,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (11, _migration_11),
     (12, _migration_12),
     (13, _migration_13),
+    (14, _migration_14),
 ]
 
 

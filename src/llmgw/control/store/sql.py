@@ -585,13 +585,13 @@ class SqlStore(SqlBeats, SqlChanges, SqlKeys, SqlLogs, SqlScale, Store):
 
     def upsert_control_plane(self, row: ControlPlaneRow) -> None:
         values = {"agent_url": row.agent_url, "last_seen": row.last_seen, "started_at": row.started_at,
-                  "version": row.version}
+                  "version": row.version, "node": row.node}
         self._put(control_planes_t, control_planes_t.c.name, row.name, **values)
 
     def list_control_planes(self) -> list[ControlPlaneRow]:
         with self._tx() as conn:
             rows = conn.execute(sa.select(control_planes_t).order_by(control_planes_t.c.name)).all()
-        return [ControlPlaneRow(r.name, r.agent_url, r.last_seen, r.started_at, r.version) for r in rows]
+        return [ControlPlaneRow(r.name, r.agent_url, r.last_seen, r.started_at, r.version, r.node) for r in rows]
 
 
 def _claim_names(conn: Connection, model: Model) -> None:
