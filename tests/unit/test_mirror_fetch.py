@@ -241,6 +241,36 @@ async def test_file_source_larger_than_the_disk_fails_before_copying(
         assert leftovers(mirror.server.store.root) == []
 
 
+# --- a file deleted from the store by hand ---
+
+
+async def test_a_present_file_deleted_by_hand_reads_failed_and_is_added_again(
+    mirror: Mirror, tmp_path: pathlib.Path
+) -> None:
+    src = tmp_path / "w.gguf"
+    src.write_bytes(DATA)
+    await mirror.fetch(f"file:{src}")
+    st = await mirror.until(lambda s: s.state != "fetching")
+    assert st.state == "present", st.err
+    stored = mirror.server.store.version_dir("m", "1") / "w.gguf"
+    stored.unlink()  # an operator freeing space, or a bad cleanup
+    assert await mirror.get_status_code(st.url) == 404
+    gone = await mirror.status()
+    assert gone is not None
+    # It said "present" (mirror ls, and 'mirror add' said done without copying) while nodes got 404.
+    assert gone.state == "failed"
+    assert str(stored) in gone.err
+    assert "llmgw mirror add" in gone.err
+    code, body = await mirror.fetch(f"file:{src}")  # what 'llmgw mirror add' asks
+    assert code == 202, body
+    st = await mirror.until(lambda s: s.state != "fetching")
+    assert st.state == "present", st.err
+    assert stored.read_bytes() == DATA
+    async with mirror.http.get(st.url) as r:
+        assert r.status == 200
+        assert await r.read() == DATA
+
+
 # --- nodes asking while the mirror is still downloading ---
 
 

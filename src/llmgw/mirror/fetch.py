@@ -262,8 +262,8 @@ class Fetcher:
             SourceConflict: it holds or is fetching another source.
         """
         entry = self._entry(req.model, req.version)
-        if entry is None or entry.manifest.state == "failed":
-            return None
+        if entry is None or entry.manifest.state == "failed" or self._gone(entry):
+            return None  # a present file deleted from the store is fetched again, not reported present
         cut_off = entry.manifest.state == "fetching" and entry.task is None and not self._elsewhere(entry)
         if cut_off and entry.manifest.source == req.source:
             return None  # its process died: fetched again, resuming its partial bytes
@@ -413,10 +413,19 @@ class Fetcher:
         entry.last_write = self._clock()
         self.store.write(entry.model, entry.version, entry.manifest, durable=durable)
 
+    def _gone(self, entry: _Entry) -> bool:
+        """Whether ``entry``'s manifest says ``present`` but the store no longer serves its file
+        (deleted, truncated or replaced by hand): the bytes port answers 404 for it."""
+        m = entry.manifest
+        return (m.state == "present" and (entry.task is None or entry.task.done())
+                and self.store.servable(entry.model, entry.version, m.file) is None)
+
     def _view(self, entry: _Entry) -> FetchStatus:
         m = entry.manifest
         if m.state == "fetching" and entry.task is None and not self._elsewhere(entry):
             m = m.model_copy(update={"state": "failed", "err": _cut_off(entry.model, entry.version)})
+        elif self._gone(entry):
+            m = m.model_copy(update={"state": "failed", "bytes_done": 0, "err": _missing(entry, self.store)})
         return FetchStatus(
             model=entry.model,
             version=entry.version,
@@ -447,6 +456,14 @@ def _cut_off(model: str, version: str) -> str:
     """What a fetch whose process ended before it did (a ``llmgw mirror add`` interrupted) reads as."""
     return (f"the copy into {model}/{version} was cut off before it finished (its process ended); add it again to "
             f"finish it, or 'llmgw mirror rm {model} {version}'")
+
+
+def _missing(entry: _Entry, store: Store) -> str:
+    """What a ``present`` file that is no longer in the store reads as (:meth:`Fetcher._gone`)."""
+    path = store.version_dir(entry.model, entry.version) / entry.manifest.file
+    return (f"{path} is missing or not the file the manifest names (deleted or changed by hand), so nodes get 404; "
+            f"add it again ('llmgw mirror add FILE --model {entry.model} --version {entry.version}') or "
+            f"'llmgw mirror rm {entry.model} {entry.version}'")
 
 
 def _eta(m: Manifest, rate: float) -> float | None:
