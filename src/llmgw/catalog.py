@@ -447,6 +447,14 @@ class Model(_Strict):
     def _aliases(cls, v: list[str], info: ValidationInfo) -> list[str]:
         return v if _stored(info) else [check_name(a, "alias") for a in v]
 
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_text(cls, v: object) -> object:
+        # model.yaml's `version: 2` is a YAML number: say what to write, not "should be a valid string".
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            raise ValueError(f'{v} is a number; a version is text: quote it (version: "{v}")')  # noqa: TRY004 - pydantic reports ValueError only
+        return v
+
     @field_validator("version")
     @classmethod
     def _version(cls, v: str, info: ValidationInfo) -> str:

@@ -41,6 +41,8 @@ def merge_patch(assignments: Iterable[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise AssignmentError(f"'{text}': the value is not valid YAML ({e}); quote it: {key}='\"…\"'") from e
+        if len(parts) == 1 and parts[0].strip() in TEXT_FIELDS and _is_number(value):
+            value = raw.strip()  # version=2 means the version "2" (the catalog refuses a number there)
         if not _finite(value):  # YAML's .nan and .inf: JSON has no such numbers (the CLI crashed sending one)
             raise AssignmentError(f"'{text}': {raw.strip()} is not a finite number; give a number such as {key}=2")
         node = patch
@@ -54,6 +56,14 @@ def merge_patch(assignments: Iterable[str]) -> dict[str, Any]:
             raise AssignmentError(f"'{text}': {key.strip()} is set twice")
         node[last] = value
     return patch
+
+
+#: A model's top-level fields that are text: a number typed there (``version=2``) is kept as typed.
+TEXT_FIELDS = frozenset({"name", "description", "source", "version", "sha256", "routing_profile"})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _finite(value: Any) -> bool:

@@ -88,3 +88,26 @@ def test_what_is_refused_says_why_and_changes_nothing(
     assert words in out
     spec = admin.get("/api/v1/models/gemma")["spec"]
     assert (spec.get("routing", "cache-aware"), spec.get("queue", {}).get("size", 64)) == ("cache-aware", 64)
+
+
+def test_a_number_typed_for_a_text_field_is_kept_as_typed() -> None:
+    # `ctl model set tiny-b version=2` (rolling to version 2) was a 400 "version: Input should be a
+    # valid string": YAML read 2 as a number. The version is text, so it is kept as typed.
+    assert merge_patch(["version=2", "description=3.10", "scaling.min=2"]) == {
+        "version": "2", "description": "3.10", "scaling": {"min": 2}}
+
+
+def test_set_version_to_a_number_rolls_the_model(cp: tuple[Install, AdminClient]) -> None:
+    inst, admin = cp
+    code, out = _set(inst, "gemma", "version=2", "source=http://m.test/g2.gguf")
+    assert code == 0, out
+    assert admin.get("/api/v1/models/gemma")["spec"]["version"] == "2"
+
+
+def test_a_number_for_a_version_in_model_yaml_says_to_quote_it(cp: tuple[Install, AdminClient]) -> None:
+    inst, _ = cp
+    f = inst.root / "m.yaml"
+    f.write_text("name: other\nsource: http://m.test/o.gguf\nversion: 2\nprofiles: [{name: cpu}]\n")
+    r = CliRunner().invoke(app, ["--root", str(inst.root), "ctl", "model", "add", "-f", str(f)])
+    assert r.exit_code == 1, r.output
+    assert 'version: 2 is a number; a version is text: quote it (version: "2")' in r.output
