@@ -37,6 +37,7 @@ def exported() -> set[str]:
     m.observe(Exchange("m", "m", "r", 429, True, 0.1, 1.0, {"prompt_tokens": 1, "completion_tokens": 1},
                        key="k", code="rate_limit_exceeded", blocked=True, ttft_ms=1.0))
     m.observe(Exchange("m", "m", "r", 200, True, 0.1, 1.0, key="k", ttft_ms=1.0))
+    m.observe(Exchange("m", "m", "r", 200, True, 0.1, 1.0, key="k", ttft_ms=1.0, code="upstream_failed"))
     m.track_queues(lambda: {"m": 0})
     m.waited("m", 0.5)
     names = {line.split("{")[0].split(" ")[0] for line in m.exposition().decode().splitlines()

@@ -17,6 +17,7 @@ import openai
 import psutil
 import pytest
 
+from llmgw.control.api.metrics import ControlPlaneMetrics
 from llmgw.control.gateway.app import build_gateway_app, is_loopback
 from llmgw.control.gateway.inspect import Exchange, Refusal, StreamInspector
 from llmgw.control.gateway.sse import ModelRewriter
@@ -431,6 +432,7 @@ def test_replica_dying_mid_request_is_a_502(env: Env) -> None:
 
 
 def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
+    env.exchanges.clear()
     r = env.post(_chat("gemma", "cut-stream", stream=True))
     assert r.status_code == 200
     events = [line for line in r.text.split("\n\n") if line]
@@ -441,6 +443,14 @@ def test_replica_dying_mid_stream_ends_with_an_error_event(env: Env) -> None:
     # part of the answer went out: not "before answering" (a new user's drained replica said so)
     assert "closed the connection in the middle of its answer; retry" in last["error"]["message"]
     env.assert_no_internals(r.text)
+    # a 200 in llmgw_gateway_requests_total, so counted apart: an operator's rollout cut streams that
+    # showed nowhere but the access log (the 5xx alert never fired)
+    (ex,) = _recorded(env, lambda e: e.stream, 1)
+    metrics = ControlPlaneMetrics()
+    metrics.observe(ex)
+    assert (ex.status, ex.code) == (200, "upstream_failed")
+    assert 'llmgw_gateway_streams_broken_total{code="upstream_failed",model="gemma"} 1.0' in (
+        metrics.exposition().decode())
 
 
 def test_client_going_away_closes_the_replica_stream(env: Env) -> None:

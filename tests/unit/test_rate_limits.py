@@ -426,9 +426,13 @@ async def test_refused_by_a_limit_or_a_busy_model_is_not_usage(tmp_path: Path) -
     for status, code in ((200, ""), (429, "model_busy"), (429, "rate_limit_exceeded"), (502, "upstream_failed")):
         accounting.observe(Exchange(requested="m", model="m", replica="", status=status, stream=False,
                                     overhead_ms=0.0, upstream_ms=0.0, key="alice", code=code))
+    # a stream cut after its 200 (its replica died) is an error too; one that ended well is not
+    for code in ("upstream_failed", ""):
+        accounting.observe(Exchange(requested="m", model="m", replica="r", status=200, stream=True,
+                                    overhead_ms=0.0, upstream_ms=0.0, key="alice", code=code))
     await accounting.sync()
     (row,) = store.usage(key="alice", since_day="2000-01-01")
-    assert (row.requests, row.errors) == (2, 1)
+    assert (row.requests, row.errors) == (4, 2)
 
 
 def test_parallel_requests_cannot_spend_a_budget_many_times_and_each_gives_back_its_hold(env: Env) -> None:

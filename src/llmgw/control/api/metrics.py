@@ -11,7 +11,10 @@ What it exports (``prometheus-client``, one registry per control plane, never th
   buckets from 50 µs), ``llmgw_gateway_tokens_total{model,key,direction}``,
   ``llmgw_gateway_rate_limited_total{key,code}``, ``llmgw_gateway_guard_blocks_total{model}``,
   ``llmgw_gateway_refused_keys_total{reason}`` (401s: ``reason`` is ``invalid`` or ``missing``, a
-  fixed set; a refused request is counted there only, never under a key, model or kind label);
+  fixed set; a refused request is counted there only, never under a key, model or kind label),
+  ``llmgw_gateway_streams_broken_total{model,code}`` (a stream whose 200 went out and that ended with an
+  error event: counted 200 above, so a replica dying mid-answer showed nowhere but the access log;
+  ``code`` one of :data:`BROKEN_CODES` or ``other``);
 - the gateway's queue and replica choice (:mod:`llmgw.control.gateway.queue`), fed by the balancer:
   ``llmgw_gateway_queue_length{model}`` (requests waiting now, read at scrape time from
   :meth:`ControlPlaneMetrics.track_queues`), ``llmgw_gateway_queue_wait_seconds{model}``
@@ -99,6 +102,9 @@ ROUTING_REASONS = ("affinity", "least_load", "overflow", "round_robin", "queued"
 _ROUTING_REASONS = frozenset(ROUTING_REASONS)
 #: ``Exchange.refused``'s values: the only label values of ``llmgw_gateway_refused_keys_total``.
 _REFUSED_REASONS = ("invalid", "missing")
+#: The error codes a stream can end with after its 200 (the labels of ``llmgw_gateway_streams_broken_total``):
+#: its replica broke or went silent, the gateway's drain deadline cut it, the judge of its held answer was missing.
+BROKEN_CODES = ("upstream_failed", "upstream_timeout", "shutting_down", "judge_unavailable")
 
 
 class _ClusterCollector(Collector):
@@ -246,6 +252,8 @@ class ControlPlaneMetrics:
         for reason in _REFUSED_REASONS:  # exported at 0 from the start, so rate() sees the first one
             self.refused.labels(reason)
         self.blocks = Counter("llmgw_gateway_guard_blocks", "Requests the guard refused", ["model"], registry=r)
+        self.broken = Counter("llmgw_gateway_streams_broken", "Streams that ended with an error event after their 200",
+                              ["model", "code"], registry=r)
         self.judgment = Histogram("llmgw_guard_judgment_seconds", "Time a judge took per judgment (s)", ["judge"],
                                   buckets=JUDGE_BUCKETS, registry=r)
         self.queue_wait = Histogram("llmgw_gateway_queue_wait_seconds",
@@ -302,6 +310,8 @@ class ControlPlaneMetrics:
             child(self.limited, key, ex.code).inc()
         if ex.blocked:
             child(self.blocks, model).inc()
+        elif ex.stream and ex.status == 200 and ex.code:
+            child(self.broken, model, ex.code if ex.code in BROKEN_CODES else "other").inc()
 
     def track_queues(self, lengths: Callable[[], Mapping[str, int]]) -> None:
         """Export ``lengths()`` (catalog model name → requests waiting, every model with a queue, 0s

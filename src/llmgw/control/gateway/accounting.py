@@ -26,7 +26,8 @@ hangs does not hold them back. Rate windows older than ten minutes are deleted o
 
 Usage counts ``requests``, ``prompt_tokens`` and ``completion_tokens`` (from the answer's ``usage``,
 streams included), ``guard_blocks`` (the guard refused the prompt or the answer) and ``errors``
-(a status >= 400 other than a guard block or a limit; 499, the client leaving, is not an error).
+(a status >= 400 other than a guard block or a limit, or a stream that ended with an error event after
+its 200; 499, the client leaving, is not an error).
 Requests refused at the key check are not counted here (there is no key to count them for); the access
 log and ``llmgw_gateway_refused_keys_total`` have them.
 """
@@ -117,8 +118,8 @@ class Accounting:
         counts[2] += completion
         if ex.blocked:
             counts[3] += 1
-        elif ex.status >= 400 and ex.status != 499:
-            counts[4] += 1
+        elif (ex.status >= 400 and ex.status != 499) or (ex.stream and ex.status == 200 and ex.code):
+            counts[4] += 1  # a stream that broke after its 200 too
         self._last_used[ex.key] = now
 
     # -- the loop ----------------------------------------------------------------------------------
