@@ -141,6 +141,10 @@ class ReplicaSpec(BaseModel):
         members: a group's members, head first (rank 0), with the workers' endpoints as they
             are reported: the head starts its engine once every worker has one.
         env: the profile's engine environment (NCCL/Gloo settings).
+        draining: the replica is leaving (routed no more; stopped once its requests end), or was placed
+            from a profile, source or version the catalog no longer has (the leader drains or replaces
+            it): the agent keeps the engine it runs as it is, even when the rest of the spec changed
+            (restarting it onto a new version's weights in place cut its streams).
     """
 
     id: str
@@ -158,6 +162,7 @@ class ReplicaSpec(BaseModel):
     role: GroupRole | None = None
     members: list[GroupMember] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    draining: bool = False
 
 
 class Heartbeat(BaseModel):

@@ -114,3 +114,58 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
     gone_at = min([t for t, ids in seen if newest not in ids] or [gone_seen])
     assert gone_at > ended[newest]
     assert all(ids[newest] is not None for t, ids in seen if drain_seen <= t < ended[newest] and newest in ids)
+
+
+async def test_a_new_version_drains_the_old_replica_under_its_stream(cluster: Cluster, assets: Assets) -> None:  # noqa: F811
+    """Rolling a model to new weights (``PATCH`` of its ``source`` and ``version``, what ``ctl model
+    set m source=… version=2`` sends) while a stream is in flight: the old replica drains (the leader
+    routes it no more; its agent keeps its engine although the spec now names version 2) and its
+    stream ends with ``data: [DONE]``; a replica of version 2 is placed beside it and serves. Before,
+    the agent restarted the engine in place and the stream ended ``upstream_failed`` 2 s after the
+    change (an operator's finding)."""
+    c = cluster
+    profile = await gemma_on_node_a(c, assets)
+    (c.root / "files" / "gemma-2.gguf").symlink_to(assets.model)
+    await c.api("POST", "/api/v1/models", {"name": "m", "source": f"{c.files}/gemma.gguf", "version": "1",
+                                           "scaling": {"min": 1, "max": 1}, "profiles": [profile]})
+
+    async def ready_ids() -> list[str]:
+        return [r["id"] for r in await replicas_of(c, "m") if r["state"] == "ready" and not r["draining_since"]]
+
+    await c.until("a replica ready", ready_ids, within_s=90)
+    (old,) = await ready_ids()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as s:
+        first = asyncio.Event()
+
+        async def stream() -> tuple[int, str, bytes]:
+            async with s.post(gateway_chat_url(c), json=_body(0)) as r:
+                body = b""
+                async for chunk in r.content.iter_any():
+                    body += chunk
+                    if b'"content"' in body:
+                        first.set()
+                return r.status, r.headers.get("x-llmgw-replica", ""), body
+
+        running = asyncio.create_task(stream())
+        await asyncio.wait_for(first.wait(), 120)
+        await c.api("PATCH", "/api/v1/models/m", {"source": f"{c.files}/gemma-2.gguf", "version": "2"})
+
+        async def old_draining() -> bool:
+            return any(r["id"] == old and r["draining_since"] for r in await replicas_of(c, "m"))
+
+        await c.until("the old replica draining", old_draining, within_s=20)
+        assert not running.done(), "the stream ended before the change: make the answer longer"
+        status, replica, body = await running
+        assert (status, replica) == (200, old)
+        assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+        assert b'"error"' not in body, body[-300:]
+
+        async def new_only() -> bool:
+            reps = await replicas_of(c, "m")
+            return len(reps) == 1 and reps[0]["id"] != old and reps[0]["state"] == "ready"
+
+        await c.until("the old replica gone and version 2 ready", new_only, within_s=90)
+        async with s.post(gateway_chat_url(c), json={**_body(1), "max_tokens": 4}) as r:
+            assert r.status == 200
+            assert r.headers["x-llmgw-replica"] != old
+            await r.read()

@@ -312,6 +312,27 @@ async def test_a_reply_with_a_lower_term_is_not_applied(
     assert run.agent.terms.highest == 6
 
 
+async def test_a_draining_replica_keeps_its_engine_whatever_its_new_spec_says(
+    world: World, start_agent: object
+) -> None:
+    """A new version rolled out (``ctl model set NAME source=… version=2``): the old replica drains
+    while its requests finish, and its spec now names the new weights. The agent restarted it onto
+    them in place, cutting its streams (an operator's finding); a draining spec keeps the runner as
+    it is, and a draining replica the agent does not run is not started."""
+    a = ranked(world.cps[:1])[0]
+    world.db.desired = [_spec("r-1")]
+    run = await start_agent(world.config([a.url]))  # type: ignore[operator]
+    await until("r-1 runs", lambda: _has_runner(run, "r-1"))
+    runner = run.agent.state.runners["r-1"]
+    v2 = _spec("r-1").model_copy(update={"version": "v2", "source_url": "http://127.0.0.1:9/m/v2/w.gguf"})
+    world.db.desired = [v2.model_copy(update={"draining": True}), _spec("r-9").model_copy(update={"draining": True})]
+    n = len(a.beats())
+    await until("three more beats", lambda: _n(a, n + 3), within_s=10)
+    assert run.agent.state.runners == {"r-1": runner}  # the same engine; r-9 not started
+    world.db.desired = [v2]  # not draining (the control plane's view if it served again): restarted onto v2
+    await until("r-1 restarted onto v2", lambda: _runs_version(run, "r-1", "v2"), within_s=10)
+
+
 async def test_members_named_in_replies_are_used(
     world: World, start_agent: object, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -424,6 +445,11 @@ async def _logs(cp: FakeControlPlane) -> bool:
 
 async def _has_runner(run: Running, rid: str) -> bool:
     return rid in run.agent.state.runners
+
+
+async def _runs_version(run: Running, rid: str, version: str) -> bool:
+    runner = run.agent.state.runners.get(rid)
+    return runner is not None and runner.spec.version == version
 
 
 async def _only_runner(run: Running, rid: str) -> bool:

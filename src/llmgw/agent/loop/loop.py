@@ -428,10 +428,14 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
 
     async def reconcile(self, desired: list[ReplicaSpec]) -> None:
-        """Start new specs, stop undesired runners, restart runners whose spec changed."""
+        """Start new specs, stop undesired runners, restart runners whose spec changed; a draining
+        replica's runner is kept as it is (:attr:`~llmgw.protocol.ReplicaSpec.draining`), and a
+        draining spec with no runner here is not started."""
         wanted = {s.id: s for s in desired}
         for rid, runner in list(self.state.runners.items()):
             spec = wanted.get(rid)
+            if spec is not None and spec.draining:
+                continue  # its requests finish on the engine they started on
             if spec is None or spec != runner.spec:
                 why = "no longer desired" if spec is None else "its spec changed"
                 log.info("replica %s: stopping (%s)", rid, why)
@@ -442,7 +446,7 @@ class Agent:
                 if spec is not None:
                     await task  # the same id is started again below: the old one must be gone first
         for rid, spec in wanted.items():
-            if rid not in self.state.runners:
+            if rid not in self.state.runners and not spec.draining:
                 log.info(
                     "replica %s: starting %s/%s (profile %s)", rid, spec.model, spec.version, spec.profile
                 )

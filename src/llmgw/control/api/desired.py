@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmgw.catalog import Model, Role, context_args, engine_traits
+from llmgw.control.reconcile.specs import spec_hashes
 from llmgw.control.store import ReplicaRow
 from llmgw.protocol import GroupMember, GroupRole, ReplicaSpec
 
@@ -40,6 +41,7 @@ def desired_specs(node_id: str, replicas: Sequence[ReplicaRow], models: Mapping[
                 cpu_cores=prof.cpu_cores,
                 key=r.key,
                 env=dict(prof.env),
+                draining=r.draining_since is not None or _outdated(r, model),
                 **{"gpu_indexes": list(r.gpu_indexes), **group_fields(r, node_id, prof.engine.value)},
             )
         )
@@ -86,3 +88,11 @@ def role_args(role: Role, engine: str, args: Sequence[str]) -> list[str]:
     if role != Role.EMBEDDING or traits is None:
         return []
     return traits.embedding_args(args)
+
+
+def _outdated(r: ReplicaRow, model: Model) -> bool:
+    """Whether ``r`` was placed from a profile, source or version ``model`` no longer has: the leader
+    drains it (ready) or replaces it (not yet) at its next pass, under a new id; until then its agent
+    keeps what it runs (a beat answered between the change and that pass restarted the engine in place
+    onto the new weights, cutting its streams)."""
+    return bool(r.spec_hash) and r.spec_hash not in spec_hashes(model, r.profile)

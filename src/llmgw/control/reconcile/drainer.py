@@ -14,10 +14,13 @@ for every model, whoever lowered its count (the autoscaler's decision, or an ope
    knows it, else the model's whole count), or after :data:`DRAIN_BOUND_S` whatever is in flight
    (a request longer than that is cut, as a restart would cut it).
 4. **Called back**: when more are wanted again while one drains, the newest draining replica
-   serves again (its engine is still up) before a new one is placed.
+   serves again (its engine is still up) before a new one is placed; not one whose profile,
+   source or version changed since it was placed.
 
-Not drained: replicas of a model removed from the catalog, on a lost node, or replaced because their
-profile changed or they failed; those stop in the pass that finds them.
+A ready replica whose profile, source or version changed (a new version rolled out with ``ctl
+model set``, new profiles) drains the same way while its replacement is placed. Not drained:
+replicas of a model removed from the catalog, on a lost node, not yet ready when their spec
+changed, or failed; those stop in the pass that finds them.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ comes every :data:`~.view.RESYNC_S`):
    the very same engine; when the probe fails too, the replica is lost and replaced.
    Before placement, so the capacity they held is free again.
 3. **Stale and failed replicas**: a replica whose profile, source or version changed since it was
-   placed (``spec_hash``) is deleted, so the model's replicas restart onto the new profile; a
+   placed (``spec_hash``) is replaced: a ready one drains (routed no more, stopped once its
+   requests end, as a scale-down's: :mod:`.drainer`) while its replacement is placed, one not yet
+   ready is deleted, so the model's replicas restart onto the new profile; a
    ``failed`` one is deleted once its backoff has passed
    (:func:`~llmgw.control.reconcile.restarts.backoff_s`: 10 s doubling to 5 min by crashes so far),
    and the replica placed in its stead carries ``restarts + 1`` and its error as ``last_error``.
@@ -457,21 +459,23 @@ class Leader:
         return kept
 
     def _drain(self, model: Model, mine: list[ReplicaRow], wanted: int, now: float,
-               result: PassResult) -> list[ReplicaRow]:
+               result: PassResult, *, raw: Model) -> list[ReplicaRow]:
         """A model's replicas above its wanted count drain, drained ones are deleted,
-        draining ones are called back when more are wanted (:mod:`.drainer`); returns the model's
-        replicas as now stored."""
+        draining ones are called back when more are wanted (:mod:`.drainer`), never one placed from
+        a spec ``raw`` no longer has (it drains for a replacement); returns the model's replicas as
+        now stored."""
         active = [r for r in mine if r.draining_since is None]
         leaving = sorted((r for r in mine if r.draining_since is not None), key=lambda r: (r.created_at, r.id))
-        back = max(wanted - len(active), 0)
+        current = [r for r in leaving if not r.spec_hash or r.spec_hash in spec_hashes(raw, r.profile)]
+        back = current[:max(wanted - len(active), 0)]
         now_rows: dict[str, ReplicaRow | None] = {}
         for r in drainer.to_drain(active, wanted):
             now_rows[r.id] = self._write(r, now)
             log.info("replica %s of %s: draining (%d wanted)", r.id, model.name, wanted)
-        for r in reversed(leaving[:back]):
+        for r in reversed(back):
             now_rows[r.id] = self._write(r, None)
             log.info("replica %s of %s: serving again (%d wanted)", r.id, model.name, wanted)
-        for r in leaving[back:]:
+        for r in (x for x in leaving if x not in back):
             if drainer.drained(r, self._load, now) and self.store.delete_replica(r.id, revision=r.revision):
                 log.info("replica %s of %s: drained; stopping it", r.id, model.name)
                 result.removed.append(r.id)
@@ -513,6 +517,11 @@ class Leader:
             if not (stale or restarts.due(r, now, self.backoff_reset_s)):
                 kept.append(r)
                 continue
+            if stale and r.state == ReplicaState.READY:
+                # A ready replica drains rather than stopping under its requests: routed no more, stopped
+                # once they end (at most drainer.DRAIN_BOUND_S), while its replacement is placed.
+                kept.append(self._drain_stale(r, now, carry, result))
+                continue
             if not self.store.delete_replica(r.id, revision=r.revision):
                 kept.append(r)
                 self._reread.add(r.node)
@@ -527,6 +536,20 @@ class Leader:
                 )
                 carry.setdefault(r.model, []).append(Carry(crashes + 1, r.err))
         return kept, carry
+
+    def _drain_stale(self, r: ReplicaRow, now: float, carry: dict[str, list[Carry]],
+                     result: PassResult) -> ReplicaRow:
+        """``r`` (ready, its profile, source or version changed) marked draining, once; as now stored."""
+        if r.draining_since is not None:
+            return r
+        drained = self._write(r, now)
+        if drained is r:  # changed under the pass: the next one sees it fresh
+            self._reread.add(r.node)
+            return r
+        log.info("replica %s: its profile or source changed; draining it while a replacement is placed", r.id)
+        result.drained.append(r.id)  # the routing tables leave it out
+        carry.setdefault(r.model, []).append(Carry(r.restarts, r.last_error))
+        return drained
 
     def _reconcile_model(
         self,
@@ -544,7 +567,7 @@ class Leader:
         """Step 4 for one model: drain or remove what is above its count, place what is missing,
         store its explanation; returns its replicas as now stored."""
         # Above the wanted count the newest drain, then stop (the oldest are the likeliest to be ready).
-        mine = self._drain(model, mine, wanted, now, result)
+        mine = self._drain(model, mine, wanted, now, result, raw=raw)
         decision: checks.Decision | None = None
         while len([r for r in mine if r.draining_since is None]) < wanted:
             decision = placer.place(model)
