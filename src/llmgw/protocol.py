@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from enum import StrEnum
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from llmgw.names import check_labels
 
@@ -31,22 +31,31 @@ from llmgw.names import check_labels
 class GPU(BaseModel):
     """One GPU as discovery saw it. Memory in bytes; ``klass`` is the GPU class (``h100-80gb``)."""
 
-    index: int
+    index: int = Field(ge=0)
     uuid: str = ""
     name: str
     klass: str
-    memory_total_bytes: int
-    memory_used_bytes: int = 0
+    memory_total_bytes: int = Field(ge=0)
+    memory_used_bytes: int = Field(default=0, ge=0)
 
 
 class Inventory(BaseModel):
-    """A node's hardware: logical cores, memory in bytes, GPUs (empty is an answer, not an error)."""
+    """A node's hardware: logical cores, memory in bytes, GPUs (empty is an answer, not an error).
+
+    No count is negative (a 400 at the agent API: a security tester's node reported -4 cores and
+    GPUs of negative memory, and every view and capacity sum took them); available memory above
+    the total is read as the total (a reading, not a lie worth refusing a node for)."""
 
     hostname: str = ""
-    cores: int
-    memory_total_bytes: int
-    memory_available_bytes: int
+    cores: int = Field(ge=0)
+    memory_total_bytes: int = Field(ge=0)
+    memory_available_bytes: int = Field(ge=0)
     gpus: list[GPU] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _available_within_total(self) -> Inventory:
+        self.memory_available_bytes = min(self.memory_available_bytes, self.memory_total_bytes)
+        return self
 
 
 class ProvisionState(StrEnum):

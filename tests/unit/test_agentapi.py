@@ -162,6 +162,26 @@ async def test_bad_body_is_400(server: Running) -> None:
     assert body["error"]["message"].startswith("inventory")
 
 
+async def test_impossible_inventories_are_refused_or_read_within_bounds(server: Running) -> None:
+    """A security tester's node reported -4 cores, GPUs at index -1 with negative memory, and more
+    memory available than in all: each was stored and shown. Negative counts are a 400 naming the
+    field; available above the total is read as the total."""
+    ctx = server.pki.client("node-7")
+    good = hb().model_dump(mode="json")
+    bad_gpu = {"index": -1, "name": "x", "klass": "x", "memory_total_bytes": -1}
+    for field, value in (("cores", -4), ("memory_total_bytes", -1), ("gpus", [bad_gpu])):
+        body = {**good, "inventory": {**good["inventory"], field: value}}
+        async with aiohttp.ClientSession() as s, s.post(server.url + "/agent/v1/heartbeat", json=body, ssl=ctx) as r:
+            assert r.status == 400, field
+            assert (await r.json())["error"]["message"].startswith(f"inventory.{field}"), field
+    body = {**good, "inventory": {**good["inventory"], "memory_available_bytes": 10**15}}
+    async with aiohttp.ClientSession() as s, s.post(server.url + "/agent/v1/heartbeat", json=body, ssl=ctx) as r:
+        assert r.status == 200, await r.text()
+    row = server.store.get_node("node-7")
+    assert row is not None
+    assert row.inventory.memory_available_bytes == row.inventory.memory_total_bytes == 8 * GB
+
+
 # --- the routing table the heartbeats feed ---
 
 
