@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from llmgw.adminclient import AdminClient
 from llmgw.cli.main import app
+from llmgw.control.store import ReplicaRow, open_store
 from tests.helpers.control import TOKEN, Install, make_install
 from tests.unit.test_ctl_model_rm import ThreadedControlPlane
 
@@ -44,6 +45,23 @@ def test_an_unknown_replica_is_listed_with_ctl_replicas(cp: Install) -> None:
     assert code != 0
     assert out.strip().endswith(
         "404 no replica 'nosuch'; list them with 'llmgw ctl replicas' (GET /api/v1/replicas)")
+
+
+def test_a_model_name_given_for_a_replica_lists_its_replicas(cp: Install) -> None:
+    """``ctl logs tiny-b`` (a model's name) said only "no replica 'tiny-b'" (an operator's finding)."""
+    admin = AdminClient(cp.admin, TOKEN)
+    admin.add_model({"name": "m", "source": "http://m.test:8081/m/1/m.gguf", "scaling": {"min": 0, "max": 0},
+                     "profiles": [{"name": "cpu", "min_memory_gb": 1}]})
+    code, out = ctl(cp, "logs", "m")
+    assert code != 0
+    assert out.strip().endswith("404 'm' is a model, not a replica; it has no replica now")
+    store = open_store(f"sqlite:///{cp.paths.database}")  # a replica on a node, as the leader places one
+    rid = "m-0a1b2c"
+    store.add_replica(ReplicaRow(rid, "m", "node-a", "cpu", "k"))
+    store.close()
+    code, out = ctl(cp, "restart", "m")
+    assert code != 0
+    assert out.strip().endswith(f"404 'm' is a model, not a replica; its replicas: {rid} ('llmgw ctl restart {rid}')")
 
 
 def test_scale_to_a_negative_count_says_what_is_allowed(cp: Install) -> None:

@@ -108,9 +108,20 @@ async def list_replicas(request: web.Request) -> web.Response:
     return _json([v.model_dump(mode="json") for v in views])
 
 
-async def must_replica(ctx: AdminContext, rid: str) -> ReplicaRow:
+async def must_replica(ctx: AdminContext, rid: str, *, command: str = "logs") -> ReplicaRow:
     """The replica ``rid``; else 404 ``replica_not_found`` naming the command that lists them
-    (:func:`~llmgw.control.api.context.must_exist`)."""
+    (:func:`~llmgw.control.api.context.must_exist`), or, when ``rid`` is a model's name, its
+    replicas (``ctl logs MODEL`` said only "no replica 'MODEL'": an operator's finding; ``command``
+    is the ``ctl`` command the hint names)."""
+    found = await ctx.db.read(ctx.store.get_replica, rid)
+    if found is not None:
+        return found
+    model = await ctx.db.read(ctx.store.get_model, rid)
+    if model is not None:
+        ids = [r.id for r in await ctx.db.read(lambda: ctx.store.list_replicas(model=model.name))]
+        mine = (f"its replicas: {', '.join(ids[:10])}{', …' if len(ids) > 10 else ''} ('llmgw ctl {command} {ids[0]}')"
+                if ids else "it has no replica now")
+        raise HttpError(404, "replica_not_found", f"'{rid}' is a model, not a replica; {mine}")
     return await must_exist(ctx.db, ctx.store.get_replica, rid, what="replica",
                             listing="'llmgw ctl replicas' (GET /api/v1/replicas)")
 
@@ -146,7 +157,7 @@ async def restart_replica(request: web.Request) -> web.Response:
     ctx = request.app[ADMIN]
     store, db = ctx.store, ctx.db
     rid = request.match_info["id"]
-    old = await must_replica(ctx, rid)
+    old = await must_replica(ctx, rid, command="restart")
     now = ctx.clock()
     # A restart is a replacement: the agent stops the id that is no longer desired and starts
     # the new one (new key too), on the same node and profile, so nothing else moves. It is
