@@ -277,6 +277,12 @@ def test_unknown_model_404_names_known_ones(env: Env) -> None:
         == "model 'nope' does not exist; known models: alldead, badkey, capped, down, failover, gemma, nowhere, pair, "
         "pathy"
     )
+    # names are lowercase: a name or alias typed otherwise is pointed at (an operator typed 'TB' for 'tb')
+    for typed, meant in (("Gemma", "gemma"), ("G", "g")):
+        r = env.post(_chat(typed))
+        assert r.status_code == 404
+        assert r.json()["error"]["message"].startswith(
+            f"model '{typed}' does not exist (names are lowercase: '{meant}'); known models: alldead,")
 
 
 def test_unavailable_503_with_reason(env: Env) -> None:

@@ -268,7 +268,10 @@ class _Gateway:
         known = ", ".join(self._visible(caller)) or (
             f"none this key may use (it may use only {', '.join(sorted(caller.models))}; see 'llmgw ctl key ls')"
             if caller.models is not None else "(none yet)")
-        return openai_error_json(404, "model_not_found", f"model '{name}' does not exist; known models: {known}")
+        lower, model = name.lower(), self._resolve_name(name.lower())  # 'TB' for the alias 'tb' (an operator's finding)
+        hint = f" (names are lowercase: '{lower}')" if lower != name and model and self.callers.may_use(
+            caller, lower, model, self._resolve_name) else ""
+        return openai_error_json(404, "model_not_found", f"model '{name}' does not exist{hint}; known models: {known}")
 
     # -- chat, completions, embeddings ------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
