@@ -22,7 +22,8 @@ app = typer_app(
 #: does not answer.
 StoreDirOpt = Annotated[
     Path | None,
-    typer.Option("--dir", help="The store: <model>/<version>/<file> plus manifests. Default /srv/models."),
+    typer.Option("--dir", help="The store: <model>/<version>/<file> plus manifests. Default /srv/models "
+                 "(under --root or LLMGW_ROOT when set)."),
 ]
 #: The flags ``mirror serve`` takes and ``mirror init`` writes into the unit's ``mirror serve`` line.
 ListenOpt = Annotated[str, typer.Option("--listen", help="Bytes server, for every node (HOST:PORT or :PORT).")]
