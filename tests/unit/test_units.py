@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import stat
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.agent.groups.isolation import isolated_argv
 from llmgw.errors import ServiceError
 from llmgw.paths import Paths
 from llmgw.service.unitfile import parse_unit
@@ -219,10 +221,12 @@ def test_llmgw_binary_prefers_the_running_script(tmp_path: Path, monkeypatch: py
 
 # --- systemd's own verdict on the units ----------------------------------------------------
 
-EXPOSURE_TARGET = {"server": 4.5, "mirror": 4.5, "agent": 6.5}
+EXPOSURE_TARGET = {"server": 4.5, "mirror": 4.5, "agent": 6.6}
 """``systemd-analyze security`` exposure (0 safe .. 10 unsafe) each unit must stay at or under. The
 control plane and the mirror: 4.5. The agent is root for its engines (its unit says
-which powers of root and why); it is rated 6.1 today."""
+which powers of root and why); it is rated 6.6 today, 6.1 before CAP_SYS_ADMIN, CAP_NET_ADMIN and
+network namespaces were let in for a group worker's namespace of its own (without them any local
+process could drive its unauthenticated rpc-server)."""
 
 
 def _analyze(*args: str) -> subprocess.CompletedProcess[str]:
@@ -245,3 +249,19 @@ def test_units_pass_systemd_analyze_verify_and_security(name: str, tmp_path: Pat
     m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", security.stdout + security.stderr)
     assert m, security.stdout + security.stderr
     assert float(m.group(1)) <= EXPOSURE_TARGET[name], security.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bounding capabilities and making a namespace need root; CI runs as root")
+def test_the_agents_capabilities_let_a_group_worker_have_its_network_namespace() -> None:
+    """A group worker's rpc-server runs in a network namespace of its own (agent/groups/isolation.py:
+    llama.cpp's RPC has no authentication), which needs CAP_SYS_ADMIN; the agent's unit bounded it
+    out (and RestrictNamespaces=true refused the namespace), so under systemd every worker fell back
+    to the host's loopback, reachable by any local process (a docs checker's finding). The
+    launcher, run within the unit's bounding set (``setpriv``, as systemd would), makes it."""
+    caps = next(line.split("=", 1)[1].split() for line in agent_unit(Paths(), DEFAULT_BINARY).splitlines()
+                if line.startswith("CapabilityBoundingSet="))
+    bounding = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in caps)])
+    argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", *isolated_argv(["/bin/true"])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "RestrictNamespaces=net\n" in agent_unit(Paths(), DEFAULT_BINARY)
