@@ -26,7 +26,7 @@ def test_every_message_and_the_tools_are_judged() -> None:
     }
     text = conversation_text(req)
     assert text.split("\n\n") == [
-        "SYSTEM: sys", "USER: first", 'ASSISTANT: f\n{"q": "x"}', "TOOL: result", "USER: last",
+        "SYSTEM: sys", "USER: first", 'ASSISTANT: c\nf\n{"q": "x"}', "TOOL: c\nresult", "USER: last",
         'TOOLS: [{"type": "function", "function": {"name": "f", "description": "desc"}}]',
     ]
 
@@ -47,6 +47,27 @@ def test_names_reasoning_and_tool_names_are_judged_too() -> None:
     for hidden in ("HIDDEN_IN_USER_NAME", "HIDDEN_IN_REASONING", "HIDDEN_IN_NAME", "HIDDEN_IN_TOOL_NAME"):
         assert hidden in text, text
     assert answer_text({"choices": [{"message": {"tool_calls": [call]}}]}) == "HIDDEN_IN_NAME\n{}"
+
+
+def test_tool_call_ids_are_judged() -> None:
+    """A security tester's finding: ``tool_call_id`` and a client's ``tool_calls[].id`` are free text
+    that Mistral-style chat templates render into the engine's prompt (``[CALL_ID]<id>``,
+    ``[TOOL_RESULTS]<tool_call_id>``), checked only to be strings, and the judge never saw them:
+    through the gateway, text hidden there reached llama-server while the judge was sent
+    ``USER: weather?\n\nASSISTANT: get\n{}\n\nTOOL: sunny``."""
+    call = {"id": "HIDDEN_IN_CALL_ID", "type": "function", "function": {"name": "get", "arguments": "{}"}}
+    req = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "HIDDEN_IN_TOOL_CALL_ID", "content": "sunny"},
+        ],
+    }
+    text = conversation_text(req)
+    assert "HIDDEN_IN_CALL_ID" in text, text
+    assert "HIDDEN_IN_TOOL_CALL_ID" in text, text
+    # an answer's ids are the engine's own (random), not the model's text: not judged
+    assert answer_text({"choices": [{"message": {"tool_calls": [call]}}]}) == "get\n{}"
 
 
 @pytest.mark.parametrize(

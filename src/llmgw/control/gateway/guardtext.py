@@ -55,9 +55,11 @@ def conversation_text(request: dict[str, Any]) -> str:
     """The whole text of a chat request an engine reads, as the guard judges it (direction in).
 
     Every message of every role (system and developer, each user turn, assistant turns the client
-    wrote, tool results): its ``name``, its ``reasoning_content``, its ``content`` (a string, or the
-    ``text`` parts of a list of parts) and its tool calls' names and arguments (chat templates render
-    each of them into the prompt); and the ``tools`` the request declares (their JSON: names,
+    wrote, tool results): its ``name``, its ``tool_call_id``, its ``reasoning_content``, its ``content``
+    (a string, or the ``text`` parts of a list of parts) and its tool calls' ids, names and arguments
+    (chat templates render each of them into the prompt: Mistral's write ``[CALL_ID]<id>`` and
+    ``[TOOL_RESULTS]<tool_call_id>``, and an id was free text the judge never saw: a security tester's
+    finding); and the ``tools`` the request declares (their JSON: names,
     descriptions and parameter schemas are rendered into the engine's prompt too). A request whose
     only text is one user message is judged as that text alone, as before; otherwise each message is
     a paragraph ``ROLE: text`` in order (``SYSTEM``, ``USER``, ``ASSISTANT``, ``TOOL``), then
@@ -67,8 +69,9 @@ def conversation_text(request: dict[str, Any]) -> str:
     for m in request.get("messages") or ():
         if not isinstance(m, dict):
             continue
-        said = (_str(m.get("name")), _str(m.get("reasoning_content")), message_text(m.get("content")))
-        text = "\n".join(t for t in (*said, *tool_texts(m.get("tool_calls"))) if t)
+        said = (_str(m.get("name")), _str(m.get("tool_call_id")), _str(m.get("reasoning_content")),
+                message_text(m.get("content")))
+        text = "\n".join(t for t in (*said, *tool_texts(m.get("tool_calls"), ids=True)) if t)
         if text:
             parts.append((ROLE_LABELS.get(str(m.get("role")), "MESSAGE"), text))  # checked: check_chat
     tools = request.get("tools")
@@ -96,14 +99,19 @@ def _str(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def tool_texts(calls: Any) -> list[str]:
-    """Each OpenAI tool call's function name, then its argument string, in order; [] for anything else
-    (what a chat template renders of a message's ``tool_calls``)."""
+def tool_texts(calls: Any, *, ids: bool = False) -> list[str]:
+    """Each OpenAI tool call's function name, then its argument string, in order (with ``ids``, its
+    ``id`` first: a client's tool calls, which some chat templates render with their ids); [] for
+    anything else (what a chat template renders of a message's ``tool_calls``)."""
     if not isinstance(calls, list):
         return []
     out = []
     for c in calls:
-        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict):
+            continue
+        fn = c.get("function")
+        if ids and isinstance(c.get("id"), str) and c["id"]:
+            out.append(c["id"])
         if isinstance(fn, dict):
             out += [v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str) and v]
     return out
