@@ -61,7 +61,7 @@ from aiohttp import web
 
 from llmgw import jsonbody
 from llmgw.control.gateway.balancer import Balancer, RoutingMetrics
-from llmgw.control.gateway.body import abandoned_usage, prompt_chars, reserved_tokens
+from llmgw.control.gateway.body import abandoned_usage, blocked_usage, prompt_chars, reserved_tokens
 from llmgw.control.gateway.body import parse_body as _parse
 from llmgw.control.gateway.callers import LOOPBACK_CALLER, STALE_RETRY_AFTER_S, Caller, Callers, presented_key_id
 from llmgw.control.gateway.inspect import Call, Exchange, Inspector, current_call
@@ -346,8 +346,8 @@ class _Gateway:
                         raw, asked = with_stream_usage(body, raw)
                         trace.tally = StreamTally(hide=not asked, prompt_chars=prompt_chars(body))
                     refusal = await self.inspector.prompt(route, body) if self.inspector is not None else None
-                    if refusal is not None:
-                        out = refusal_response(refusal)
+                    if refusal is not None:  # a prompt its judge read and blocked is charged its input
+                        out, trace.usage = refusal_response(refusal), blocked_usage(body, refusal.code)
                         code, blocked = refusal.code, refusal.code == "content_blocked"
                     else:
                         relay = Relay(self.pool, route, requested, raw, body, trace, self.inspector, echo=echo)

@@ -90,6 +90,19 @@ def abandoned_usage(body: dict[str, Any], upstream_s: float, rate: float, cap: i
             "estimated": True}
 
 
+def blocked_usage(body: dict[str, Any], code: str) -> dict[str, Any] | None:
+    """The tokens charged for a prompt the guard refused, by the refusal's ``code``: for
+    ``content_blocked`` (the judge read the whole input to block it) the input (:func:`input_tokens`),
+    no completion, marked ``"estimated": true``; None for any other refusal (no judge read it whole:
+    unavailable, busy, too long for its context). A blocked prompt was charged nothing, so a key
+    limited to 1,000 tokens a minute had its judge read 800-token prompts as often as its ``rpm``
+    allowed, at no cost to it (a security tester's finding): judging is paid for as an answer is."""
+    if code != "content_blocked":
+        return None
+    prompt = input_tokens(body)
+    return {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt, "estimated": True}
+
+
 #: A ``\\uD800``-``\\uDFFF`` escape in a body's bytes (a UTF-16 surrogate, valid JSON only in a pair),
 #: or a surrogate's own bytes in the UTF-8 (``ED A0``-``ED BF``: never valid UTF-8, but Python's JSON
 #: reader passes them through as a surrogate, and the judge's engine answered 500 to it: a security
