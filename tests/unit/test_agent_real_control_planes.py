@@ -54,9 +54,12 @@ async def test_the_agent_moves_to_the_other_control_plane_when_its_own_stops(
 ) -> None:
     caplog.set_level(logging.INFO)
     url = pg_cluster.new_schema()
-    first = make_install(tmp_path / "cp1", store={"url": url})
+    # each its own cluster.name: both were the machine's hostname, which the product logs as an error
+    # (two control planes overwriting one row, one election holder's name), and once in CI the second
+    # answered the agent with term 0 after the first stopped
+    first = make_install(tmp_path / "cp1", store={"url": url}, cluster={"name": "cp-one"})
     second = standby_of(first, tmp_path / "cp2")
-    second.write(store={"url": url})
+    second.write(store={"url": url}, cluster={"name": "cp-two"})
     if rendezvous("node-1", [first.agent_url, second.agent_url])[0] != first.agent_url:
         first, second = second, first  # the agent's home (rendezvous-ranked) is the one stopped below
     cert, key = first.ca.issue_client("node-1").write(tmp_path / "agent", "node-1")
