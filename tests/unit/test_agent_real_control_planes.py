@@ -49,14 +49,21 @@ async def node_seen_at(inst: Install, after: float) -> bool:
     return any(n["id"] == "node-1" and (n["last_seen"] or 0) > after for n in r.json())
 
 
+async def term_of(inst: Install) -> int:
+    """The leadership term ``inst``'s control plane last read (``GET /api/v1/health``), 0 for none."""
+    async with httpx.AsyncClient() as c:
+        r = await c.get(f"{inst.admin}/api/v1/health", timeout=5)
+    r.raise_for_status()
+    return int(r.json().get("term") or 0)
+
+
 async def test_the_agent_moves_to_the_other_control_plane_when_its_own_stops(
     tmp_path: Path, pg_cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     url = pg_cluster.new_schema()
     # each its own cluster.name: both were the machine's hostname, which the product logs as an error
-    # (two control planes overwriting one row, one election holder's name), and once in CI the second
-    # answered the agent with term 0 after the first stopped
+    # (two control planes overwriting one row, one election holder's name)
     first = make_install(tmp_path / "cp1", store={"url": url}, cluster={"name": "cp-one"})
     second = standby_of(first, tmp_path / "cp2")
     second.write(store={"url": url}, cluster={"name": "cp-two"})
@@ -84,8 +91,11 @@ async def test_the_agent_moves_to_the_other_control_plane_when_its_own_stops(
         async with serving(first):
             agent = asyncio.create_task(run_agent(cfg, Paths(tmp_path / "node"), stop=stop))
             try:
-                # Registered through the first; the second reads the same database and knows the node.
+                # Registered through the first; the second reads the same database and knows the node,
+                # and the leader's term (read every second: a reply with an older one is refused by the
+                # agent as from a stale database, a failed cycle; CI's load once delayed that read).
                 await until("node-1 is registered", lambda: node_seen_at(second, 0), within_s=15)
+                await until("the second knows the term", lambda: term_of(second), within_s=10)
             except BaseException:
                 stop.set()
                 raise
