@@ -13,12 +13,11 @@ one more pass: adding 50 models in a burst, and the 100 heartbeats that report t
 ready, cost a handful of passes, not 150.
 
 Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
-give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored; a
-source that failed is retried after :data:`.facts.FACTS_RETRY_S`. The pass itself never does network I/O.
-Then every ``ready`` replica whose node is silent (no heartbeat for ``node_lost_after_s``, or
-already ``lost``) has its engine probed as the gateway would reach it: ``GET
-http://<endpoint>/health`` with the replica's key (:mod:`llmgw.control.reconcile.probe`, on the
-loop: it is I/O only). The pass itself never does network I/O.
+give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored
+(a failed source retried after :data:`.facts.FACTS_RETRY_S`); then every ``ready`` replica whose node
+is silent (no heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine probed as the
+gateway would reach it (:mod:`llmgw.control.reconcile.probe`, on the loop). The pass itself never
+does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order (a *dirty* pass, what the loop runs
 between full ones, reads only what changed and visits only the models that may need work:
@@ -39,17 +38,11 @@ comes every :data:`~.view.RESYNC_S`):
    the very same engine; when the probe fails too, the replica is lost and replaced.
    Before placement, so the capacity they held is free again.
 3. **Stale and failed replicas**: a replica whose profile, source or version changed since it was
-   placed (``spec_hash``) is replaced: a ready one drains (routed no more, stopped once its
-   requests end, as a scale-down's: :mod:`.drainer`) while its replacement is placed, one not yet
-   ready is deleted, so the model's replicas restart onto the new profile; a
-   ``failed`` one is deleted once its backoff has passed
-   (:func:`~llmgw.control.reconcile.restarts.backoff_s`: 10 s doubling to 5 min by crashes so far),
-   and the replica placed in its stead carries ``restarts + 1`` and its error as ``last_error``.
-   Crashes are forgiven once a replica has been ready for
-   ``backoff_reset_s`` (10 min by default): a ready replica's ``restarts`` goes back to 0, and one
-   that failed after being ready that long is replaced as after a first crash. Restarts an
-   operator asks for (``POST /api/v1/replicas/{id}/restart``) are not crashes and are not counted.
-   The counting and the backoff live in :mod:`llmgw.control.reconcile.restarts`.
+   placed (``spec_hash``) is replaced: a ready one drains (as a scale-down's: :mod:`.drainer`) while
+   its replacement is placed, one not yet ready is deleted; a ``failed`` one is deleted once its
+   backoff has passed (10 s doubling to 5 min by crashes so far, forgiven after ``backoff_reset_s``
+   ready; an operator's restart is no crash: :mod:`llmgw.control.reconcile.restarts`), and the
+   replica placed in its stead carries ``restarts + 1`` and its error as ``last_error``.
 4. **Models**, by name: the newest replicas above the wanted count drain, then stop
    (:mod:`.drainer`: autoscaling's scale-down and ``ctl model scale`` alike); place new ones until the wanted count
    (``scaling.min``, or the autoscaler's last decision: :func:`.autoscale.wanted_replicas`) with
@@ -61,19 +54,16 @@ comes every :data:`~.view.RESYNC_S`):
    again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that first
    reached the current verdict.
 
-A profile without ``min_memory_gb`` reserves the estimate from its GGUF (weights + KV + overhead)
-once the header is known, and nothing before (:mod:`llmgw.control.placement.inputs` turns store rows
-into the placer's nodes, reservations and estimated models).
-
-Every write is optimistic (revision checked); a row that changed under the pass is left for the
-next pass, which re-reads everything fresh. A new replica is ``pending`` with a fresh id
+A profile without ``min_memory_gb`` reserves its GGUF's estimate once the header is known, nothing
+before (:mod:`llmgw.control.placement.inputs`). Every write is optimistic (revision checked); a row
+that changed under the pass is left for the next pass. A new replica is ``pending`` with a fresh id
 (``<model>-<6 hex>``) and key until its node reports it.
 
 What it does not guarantee: a node that flaps past ``node_lost_after_s`` while its engines do not
 answer the probe loses its replicas and gets new ones (new ids and keys, so engines restart); an
 engine kept by the probe is watched by nobody but that probe until its agent returns (a crash
 shows as a failed probe, one pass later); replicas are not moved to a better node once placed; a
-profile change restarts every replica of the model at once, not one by one.
+profile or version change replaces every replica of the model at once, not one by one.
 """
 
 from __future__ import annotations
@@ -120,11 +110,9 @@ DEFAULT_INTERVAL_S = 2.0
 COALESCE_S = 0.2
 
 #: The shortest time between the starts of two passes when wakes keep coming (seconds). A pass over
-#: 200 nodes and 50 models is ~0.1-0.2 s of CPU on 2 cores; at most one a second leaves the rest
-#: of the CPU to heartbeats and the gateway while replicas start, and still places a new model
-#: within about a second.
+#: 200 nodes and 50 models is ~0.1-0.2 s of CPU on 2 cores; one a second leaves the rest to
+#: heartbeats and the gateway while replicas start, and still places a new model within a second.
 MIN_GAP_S = 1.0
-
 
 
 def _on(loop: asyncio.AbstractEventLoop) -> bool:
@@ -460,10 +448,8 @@ class Leader:
 
     def _drain(self, model: Model, mine: list[ReplicaRow], wanted: int, now: float,
                result: PassResult, *, raw: Model) -> list[ReplicaRow]:
-        """A model's replicas above its wanted count drain, drained ones are deleted,
-        draining ones are called back when more are wanted (:mod:`.drainer`), never one placed from
-        a spec ``raw`` no longer has (it drains for a replacement); returns the model's replicas as
-        now stored."""
+        """Above the wanted count the newest drain, drained ones go, draining ones are called back when
+        more are wanted (:mod:`.drainer`; not one from a spec ``raw`` no longer has); returns them as stored."""
         active = [r for r in mine if r.draining_since is None]
         leaving = sorted((r for r in mine if r.draining_since is not None), key=lambda r: (r.created_at, r.id))
         current = [r for r in leaving if not r.spec_hash or r.spec_hash in spec_hashes(raw, r.profile)]
@@ -517,9 +503,7 @@ class Leader:
             if not (stale or restarts.due(r, now, self.backoff_reset_s)):
                 kept.append(r)
                 continue
-            if stale and r.state == ReplicaState.READY:
-                # A ready replica drains rather than stopping under its requests: routed no more, stopped
-                # once they end (at most drainer.DRAIN_BOUND_S), while its replacement is placed.
+            if stale and r.state == ReplicaState.READY:  # not stopped under its requests
                 kept.append(self._drain_stale(r, now, carry, result))
                 continue
             if not self.store.delete_replica(r.id, revision=r.revision):
@@ -537,9 +521,10 @@ class Leader:
                 carry.setdefault(r.model, []).append(Carry(crashes + 1, r.err))
         return kept, carry
 
-    def _drain_stale(self, r: ReplicaRow, now: float, carry: dict[str, list[Carry]],
-                     result: PassResult) -> ReplicaRow:
-        """``r`` (ready, its profile, source or version changed) marked draining, once; as now stored."""
+    def _drain_stale(self, r: ReplicaRow, now: float, carry: dict[str, list[Carry]], result: PassResult) -> ReplicaRow:
+        """``r`` (ready, its profile, source or version changed) marked draining, once: routed no more,
+        stopped once its requests end (at most :data:`.drainer.DRAIN_BOUND_S`), while its replacement is
+        placed; returns it as now stored (unchanged when it changed under the pass)."""
         if r.draining_since is not None:
             return r
         drained = self._write(r, now)
