@@ -211,3 +211,32 @@ async def run_ctl(inst: Install, *args: str) -> tuple[int, str]:
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode or 0, out.decode()
+
+
+def ctl_on_admin_app(store: Any, *args: str, token: str = "t" * 32) -> str:
+    """``llmgw ctl ARGS`` (its Typer app, in this process) against a real admin API over ``store``
+    served on a loopback port from a thread of its own; returns its output (exit 0 asserted)."""
+    import threading  # noqa: PLC0415
+
+    from aiohttp import web  # noqa: PLC0415
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from llmgw.cli.main import app as cli  # noqa: PLC0415
+    from llmgw.control.api.admin import build_admin_app  # noqa: PLC0415
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_admin_app(store, token=token, on_change=lambda: None, clock=lambda: 1000.0))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        r = CliRunner().invoke(cli, ["ctl", *args, "--server", f"http://127.0.0.1:{port}", "--token", token])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    assert r.exit_code == 0, r.output
+    return r.output

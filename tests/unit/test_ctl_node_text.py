@@ -4,18 +4,12 @@ carrying ``ESC ]0;…BEL`` (retitle the terminal) or ``ESC [2J`` (clear it) are 
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
-from aiohttp import web
 from rich.console import Console
-from typer.testing import CliRunner
 
 from llmgw.cli.common import plain, table
-from llmgw.cli.main import app as cli
-from llmgw.control.api.admin import build_admin_app
 from llmgw.control.store import Store
 from llmgw.protocol import GPU, EngineStatus, Heartbeat, Inventory, ProvisionState
+from tests.helpers.control import ctl_on_admin_app
 
 TOKEN = "t" * 32
 LIE = "\x1b]0;PWNED\x07\x1b[2J[link=https://evil.example]x[/link]"
@@ -23,23 +17,7 @@ LIE = "\x1b]0;PWNED\x07\x1b[2J[link=https://evil.example]x[/link]"
 
 def _ctl_nodes(store: Store) -> str:
     """``llmgw ctl nodes`` against the real admin API on a loopback port (in a thread)."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_admin_app(store, token=TOKEN, on_change=lambda: None, clock=lambda: 1000.0))
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        r = CliRunner().invoke(cli, ["ctl", "nodes", "--server", f"http://127.0.0.1:{port}", "--token", TOKEN])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-    assert r.exit_code == 0, r.output
-    return r.output
+    return ctl_on_admin_app(store, "nodes", token=TOKEN)
 
 
 def test_ctl_nodes_prints_a_nodes_control_characters_written_out(store: Store) -> None:

@@ -26,6 +26,7 @@ from llmgw.control.placement.explain import would_fit_if
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.store import Store
 from llmgw.protocol import Heartbeat, Inventory
+from tests.helpers.control import ctl_on_admin_app
 from tests.helpers.nodes import LLAMA
 
 GB = 1_000_000_000
@@ -239,33 +240,10 @@ def test_the_agent_logs_an_unmeasured_gpu_with_what_to_check(
 def test_ctl_nodes_prints_the_discovery_problem(tmp_path: Path, store: Store) -> None:
     """``llmgw ctl nodes`` against the real admin API on a loopback port (in a thread): the node's
     problem line follows the table."""
-    import asyncio  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-
-    from aiohttp import web  # noqa: PLC0415
-    from typer.testing import CliRunner  # noqa: PLC0415
-
-    from llmgw.cli.main import app as cli  # noqa: PLC0415
-
     inv = declared(tmp_path, [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 0}])
     store.upsert_node_heartbeat("gpu-a", Heartbeat(inventory=inv, engines=[LLAMA]), 999.0)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_admin_app(store, token=TOKEN, on_change=lambda: None, clock=lambda: 1000.0))
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        r = CliRunner().invoke(cli, ["ctl", "nodes", "--server", f"http://127.0.0.1:{port}", "--token", TOKEN])
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-    assert r.exit_code == 0, r.output
-    assert "gpu-a: GPU 0 (NVIDIA H100 80GB HBM3) reports 0 GB of memory: a GPU discovery problem" in r.output
+    output = ctl_on_admin_app(store, "nodes", token=TOKEN)
+    assert "gpu-a: GPU 0 (NVIDIA H100 80GB HBM3) reports 0 GB of memory: a GPU discovery problem" in output
 
 
 def test_an_unmeasured_card_of_another_product_is_not_the_reason(tmp_path: Path) -> None:

@@ -218,7 +218,7 @@ class ControlPlaneRow:
     last_seen: float
     started_at: float
     version: str
-    node: str = ""
+    node: str = ""  # migration 14
 
 
 @dataclass(frozen=True)
