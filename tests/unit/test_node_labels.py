@@ -161,3 +161,26 @@ def test_an_agent_yaml_that_does_not_parse_gives_no_node(tmp_path: Path, caplog:
     paths.agent_config.write_text(json.dumps({"node_id": "Not A Name"}))
     assert own_node(paths) == ""
     assert "no node of this machine carries the label llmgw.control-plane" in caplog.text
+
+
+async def test_the_own_node_is_known_at_its_first_beat_not_at_the_next_write_of_the_row(
+    store: Store, tmp_path: Path
+) -> None:
+    """init writes the agent.yaml after it started the control plane and starts the agent at once: its
+    first beat must keep the label (it lost it until the next write of the row, ~2 s, and init printed
+    "1 node without the label llmgw.control-plane=true" meanwhile: a new user's run)."""
+    paths = Paths(tmp_path)
+    db = OffLoop()
+    try:
+        members = Membership(store, db, SoloElection(store, "cp-a", db.run), name="cp-a",
+                             agent_url="https://a:7443", version="1", find_node=lambda: own_node(paths))
+        await members.tick()  # no agent.yaml yet
+        assert members.own_nodes() == frozenset()
+        paths.agent_config.parent.mkdir(parents=True, exist_ok=True)
+        paths.agent_config.write_text(agent_yaml(
+            server="https://127.0.0.1:7443", node_id="box-a", etc=paths.etc, label_key=CONTROL_PLANE_LABEL,
+            label_value="true", llama_server=None, servers=[], advertise="127.0.0.1",
+        ))
+        assert members.own_nodes() == {"box-a"}  # no tick in between
+    finally:
+        db.close()

@@ -211,8 +211,12 @@ class Membership:
         return sorted([*rows, me], key=lambda r: r.name)
 
     def own_nodes(self) -> frozenset[str]:
-        """The nodes on the members' own machines, as last read (this one's included): the nodes whose
+        """The nodes on the members' own machines, as last read (this one's included, read again now
+        while it is unknown: init starts the agent right after writing its agent.yaml, and its first
+        beat lost the label until the next write of the row, ~2 s): the nodes whose
         ``llmgw.control-plane`` label the agent API honours (:mod:`llmgw.control.api.nodelabels`)."""
+        if not self.node and self.find_node is not None:
+            self.node = self.find_node()
         return frozenset(m.node for m in self.members() if m.node)
 
     def reply_fields(self) -> tuple[int, str, list[str]]:
