@@ -2,7 +2,8 @@
 ``LLMGW_ROOT`` starts the control plane, the mirror and an agent under llmgw's supervisor; the
 agent runs a real llama-server with the real gemma-3-270m model; the gateway answers over real
 HTTP; a second init only keeps and skips; after ``service stop --engines`` no process is left; and an
-init after that serves again (not "kept" from the stopped engine's stale state).
+init after that, carrying a judge in, serves again (not "kept" from the stopped engine's stale state)
+with the starter's cores shared with the judge, every answer judged.
 """
 
 from __future__ import annotations
@@ -96,17 +97,24 @@ def test_init_serves_an_answer_and_is_idempotent(install: tuple[Path, list[str]]
     psutil.wait_procs(processes_under(root), timeout=15)
     assert processes_under(root) == []
 
-    # Init again after everything was stopped: the store still says the replica was ready, but its
-    # engine is gone; init waits for what runs now and the gateway answers as soon as it returns.
-    third = llmgw(root, *args)
+    # Init again after everything was stopped, carrying a judge in this time: the store still says the
+    # replica was ready, but its engine is gone; init waits for what runs now. The starter gives the
+    # judge its cores (a new user's second run: it held them all and the judge had nowhere to run,
+    # left pending after 90 s), the judge serves, and every answer is judged.
+    starter = next(a for a in args if a.startswith("file:"))
+    third = llmgw(root, *args, "--judge-source", starter, "--judge-format", "prompted", timeout=300)
     assert third.returncode == 0, third.stdout + third.stderr
+    assert "updated gemma-3-270m-q4_k_m: profile cpu reserves 0 of its 1 cores, the rest for the judge" in (
+        third.stdout), third.stdout
     assert "done gemma-3-270m-q4_k_m is serving" in third.stdout, third.stdout
+    assert "judges every prompt and answer" in third.stdout, third.stdout
     r = httpx.post(
         f"{gateway.group(1)}/v1/chat/completions",
         json={"model": "gemma", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
         timeout=120,
     )
-    assert r.status_code == 200, r.text
+    assert r.status_code in (200, 400), r.text  # gemma as a judge: its verdicts mean nothing
+    assert r.headers["x-llmgw-guard-in"] in ("safe", "unsafe"), dict(r.headers)
     stop = llmgw(root, "service", "stop", "--engines", timeout=60)
     assert stop.returncode == 0, stop.stderr
     psutil.wait_procs(processes_under(root), timeout=15)
