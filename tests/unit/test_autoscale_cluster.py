@@ -263,7 +263,11 @@ async def test_scale_down_drains_the_newest_out_of_routing_then_stops_them(
 
         view = await until("two replicas draining", draining, within_s=10, every_s=0.05)
         assert view["wanted"] == 1
-        assert view["decisions"][0]["reason"].startswith("scaled 3 → 1: ")
+        # 3 → 1 in one decision, or 3 → 2 → 1 when the stable window still held part of the three chats
+        # (CI's load, at d65f41f): the two newest drain either way
+        reasons = [d["reason"] for d in view["decisions"]]
+        assert reasons[0].startswith("scaled 3 → 1: ") or (
+            reasons[0].startswith("scaled 2 → 1: ") and any(r.startswith("scaled 3 → 2: ") for r in reasons)), reasons
         async with s.get(inst.admin + "/api/v1/replicas?model=chat", headers=AUTH) as r:
             reps = await r.json()
         assert sorted(x["draining_since"] is not None for x in reps) == [False, True, True]
