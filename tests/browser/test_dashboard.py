@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -150,6 +150,34 @@ def test_cordon_a_node_and_see_changes_arrive_without_a_reload(page: Page, insta
         assert page.evaluate("() => window.__kept") == 1
     finally:
         assert install.api("POST", f"/api/v1/nodes/{NODE}/uncordon").status_code == 200
+
+
+def test_drain_and_restart_ask_first_and_a_no_changes_nothing(page: Page, install: Install) -> None:
+    """A drain of the only node, or a replica's restart, took live traffic down in one click with no
+    warning (a dashboard user's finding: two streams got 502). Both ask first, saying what they cut;
+    answering no leaves everything as it was."""
+    asked: list[str] = []
+
+    def no(dialog: Any) -> None:
+        asked.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", no)
+    _login(page, install)
+    page.goto(f"{install.admin}/ui/nodes/{NODE}")
+    page.get_by_role("button", name="Drain", exact=True).click()
+    assert asked, "no dialog"
+    assert asked[-1].startswith(f"Drain {NODE}? Its replicas stop now, the requests they are answering are cut")
+    assert "schedulable" in page.locator("#node-state").inner_text()
+    page.goto(f"{install.admin}/ui/models/{STARTER}")
+    restart = page.get_by_role("button", name=re.compile(r"^Restart "))
+    restart.first.wait_for(timeout=WAIT_MS)
+    replica = (restart.first.get_attribute("aria-label") or "").removeprefix("Restart ")
+    restart.first.click()
+    assert asked[-1] == f"Restart {replica}? Its engine stops now and the requests it is answering are cut."
+    page.goto(f"{install.admin}/ui/models/{STARTER}")  # no flash, the same replica
+    assert page.locator("p.flash").count() == 0
+    assert page.get_by_role("button", name=f"Restart {replica}").count() == 1
 
 
 def test_guard_and_keys_pages_with_a_usage_plot(page: Page, install: Install) -> None:

@@ -1,5 +1,6 @@
 // llmgw dashboard: the one script of its own. It draws the usage plot and a model's autoscaling
-// plot (uPlot) from the JSON each element names. Everything else is htmx attributes.
+// plot (uPlot) from the JSON each element names, and asks before a form whose data-confirm says what
+// it takes down (a drain, a restart: one click cut live requests). Everything else is htmx attributes.
 (function () {
   "use strict";
   var palette = ["#0550ae", "#a40e26", "#116329", "#7d4e00", "#8250df", "#1b7c83", "#bc4c00", "#57606a"];
@@ -21,6 +22,11 @@
       })
       .catch(function (err) { el.textContent = "The usage plot could not be loaded (" + err + ")."; });
   }
+
+  document.addEventListener("submit", function (e) {
+    var ask = e.target && e.target.dataset ? e.target.dataset.confirm : "";
+    if (ask && !window.confirm(ask)) { e.preventDefault(); }
+  }, true);
 
   document.addEventListener("DOMContentLoaded", function () {
     var els = [document.getElementById("usage-plot"), document.getElementById("autoscale-plot")];
