@@ -20,6 +20,7 @@ def desired_specs(node_id: str, replicas: Sequence[ReplicaRow], models: Mapping[
     The heartbeat's read gives only the models that have a replica on the node (not the whole
     catalog: with 50 models and 100 heartbeats a second that was 5,000 catalog rows parsed a second)."""
     out = []
+    hashes: dict[tuple[str, str], set[str]] = {}  # (model, profile) -> spec_hashes, once per heartbeat
     for r in replicas:
         model = models.get(r.model)
         if model is None:
@@ -41,7 +42,7 @@ def desired_specs(node_id: str, replicas: Sequence[ReplicaRow], models: Mapping[
                 cpu_cores=prof.cpu_cores,
                 key=r.key,
                 env=dict(prof.env),
-                draining=r.draining_since is not None or _outdated(r, model),
+                draining=r.draining_since is not None or _outdated(r, model, hashes),
                 **{"gpu_indexes": list(r.gpu_indexes), **group_fields(r, node_id, prof.engine.value)},
             )
         )
@@ -90,9 +91,13 @@ def role_args(role: Role, engine: str, args: Sequence[str]) -> list[str]:
     return traits.embedding_args(args)
 
 
-def _outdated(r: ReplicaRow, model: Model) -> bool:
+def _outdated(r: ReplicaRow, model: Model, hashes: dict[tuple[str, str], set[str]]) -> bool:
     """Whether ``r`` was placed from a profile, source or version ``model`` no longer has: the leader
     drains it (ready) or replaces it (not yet) at its next pass, under a new id; until then its agent
     keeps what it runs (a beat answered between the change and that pass restarted the engine in place
-    onto the new weights, cutting its streams)."""
-    return bool(r.spec_hash) and r.spec_hash not in spec_hashes(model, r.profile)
+    onto the new weights, cutting its streams). ``hashes``: the current ones by (model, profile), filled in."""
+    if not r.spec_hash:
+        return False
+    if (r.model, r.profile) not in hashes:
+        hashes[r.model, r.profile] = spec_hashes(model, r.profile)
+    return r.spec_hash not in hashes[r.model, r.profile]

@@ -10,7 +10,7 @@ only from a node a control plane names as its own: the node of the ``agent.yaml`
 published in its ``control_planes`` row (:meth:`~llmgw.control.reconcile.membership.Membership.own_nodes`,
 read every few seconds). From any other node it is dropped before the heartbeat is stored, and logged
 once per node per process. Installs made before it keep working: each control plane reads its
-machine's ``agent.yaml`` when it starts.
+machine's ``agent.yaml`` (until it finds one: init writes it after starting the control plane).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from llmgw import jsonbody
 from llmgw.control.gateway.request import (
@@ -54,10 +54,10 @@ def input_tokens(body: dict[str, Any]) -> int:
         for item in items:
             if field == "input" and isinstance(item, str):
                 chars += len(item)
-            elif isinstance(item, int) and not isinstance(item, bool):
+            elif _is_id(item):
                 ids += 1
             elif isinstance(item, list):
-                ids += sum(1 for t in item if isinstance(t, int) and not isinstance(t, bool))
+                ids += sum(1 for t in item if _is_id(t))
                 chars += sum(len(t) for t in item if isinstance(t, str))
     return chars // 4 + ids
 
@@ -69,7 +69,7 @@ def reserved_tokens(body: dict[str, Any]) -> tuple[int, int]:
     :func:`~llmgw.control.gateway.request.upstream_body` left it (the model's ``max_output`` at most;
     0 when neither sets one). OpenAI's limiter counts the same."""
     asked = body.get("max_tokens")
-    completion = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else 0
+    completion = asked if _is_id(asked) and asked > 0 else 0
     need = input_tokens(body)
     return need + completion, need
 
@@ -186,18 +186,18 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if endpoint is EMBEDDINGS and isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
         raise HttpError(400, "invalid_input", f"'input' holds {len(value)} items; at most {MAX_EMBEDDING_INPUTS} "
                         "a request (OpenAI's bound): send the rest in further requests")
-    if endpoint is EMBEDDINGS and isinstance(value, list):
-        _check_input_items(value)
     if endpoint is EMBEDDINGS:
+        if isinstance(value, list):
+            _check_input_items(value)
         dimensions = body.get("dimensions")
-        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
-                                       or dimensions < 1):
+        if dimensions is not None and not (_is_id(dimensions) and dimensions >= 1):
             raise HttpError(400, "invalid_request",
                             f"'dimensions' must be a positive integer, got {json.dumps(dimensions)[:40]}")
     return body
 
 
-def _is_id(v: Any) -> bool:
+def _is_id(v: Any) -> TypeGuard[int]:
+    """Whether ``v`` is a token id: an integer, not a boolean (JSON's true is Python's 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 

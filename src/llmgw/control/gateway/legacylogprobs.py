@@ -19,10 +19,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llmgw.control.gateway.request import COMPLETIONS
 from llmgw.control.gateway.sse import ModelRewriter
 
 #: The path of the endpoint whose answers are reshaped.
-COMPLETIONS_PATH = "/v1/completions"
+COMPLETIONS_PATH = COMPLETIONS.path
+
+
+def reshaped(path: str, echo: str, request: dict[str, Any]) -> bool:
+    """Whether the answer to ``request`` on the engine's ``path`` is reshaped here: a completions one
+    that asked for ``logprobs`` or for its prompt ``echo``ed."""
+    return path == COMPLETIONS_PATH and (bool(echo) or request.get("logprobs") is not None)
 
 
 def legacy_logprobs(logprobs: Any, offset: int = 0) -> dict[str, Any] | None:

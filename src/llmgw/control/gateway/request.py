@@ -403,12 +403,14 @@ def echo_text(body: dict[str, Any]) -> str:
     honours it, so the gateway takes it out of what any engine sees and puts the prompt back itself,
     the same for both (:mod:`.legacylogprobs` for the answer). :func:`check_fields` has refused what
     it cannot echo: token ids, and ``logprobs`` (OpenAI's then cover the prompt's tokens too)."""
-    if body.get("echo") is not True:
-        return ""
+    prompt = _one_prompt(body)
+    return prompt if body.get("echo") is True and isinstance(prompt, str) else ""
+
+
+def _one_prompt(body: dict[str, Any]) -> Any:
+    """``prompt``, or its one item when it is a list of one (what :func:`check_prompts` lets through)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else ""
+    return prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
 
 
 def _check_echo(body: dict[str, Any]) -> None:
@@ -418,10 +420,7 @@ def _check_echo(body: dict[str, Any]) -> None:
         return
     if echo is not True:
         raise _bad(f"'echo' must be true or false, got {json.dumps(echo)[:40]}")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
+    if not isinstance(_one_prompt(body), str):
         raise _bad("'echo' needs a text prompt: this gateway cannot echo token ids; send the prompt as a string")
     if body.get("logprobs") is not None:
         raise _bad("'echo' with 'logprobs' is not supported here (the prompt's tokens would have none): leave "

@@ -66,7 +66,7 @@ from yarl import URL
 
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
 from llmgw.control.gateway.inspect import Inspector, Refusal, current_call
-from llmgw.control.gateway.legacylogprobs import COMPLETIONS_PATH, CompletionsRewriter, reshape_completion
+from llmgw.control.gateway.legacylogprobs import CompletionsRewriter, reshape_completion, reshaped
 from llmgw.control.gateway.prefix import prefix_key
 from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaerrors import replica_error
@@ -488,7 +488,7 @@ async def relay_plain(relay: Relay) -> web.Response:
         answer = json.loads(data)
         same = answer.get("model") == requested  # llama-server's --alias is the catalog name: the bytes stand
         answer["model"] = requested
-        if trace.path == COMPLETIONS_PATH and (relay.echo or request_json.get("logprobs") is not None):
+        if reshaped(trace.path, relay.echo, request_json):
             # llama-server's chat-shaped logprobs in the legacy shape; the prompt echoed
             same = not reshape_completion(answer, echo=relay.echo) and same
     except (ValueError, TypeError, AttributeError) as e:
@@ -559,7 +559,7 @@ async def relay_stream(
             await out.prepare(request)
         t0 = trace.prepared_ns = time.perf_counter_ns()
         try:
-            legacy = trace.path == COMPLETIONS_PATH and (relay.echo or request_json.get("logprobs") is not None)
+            legacy = reshaped(trace.path, relay.echo, request_json)
             rewriter = CompletionsRewriter(requested, echo=relay.echo) if legacy else ModelRewriter(requested)
             refusal = await pump(resp, out, watcher, rewriter, trace)
             closed_cleanly = refusal is None

@@ -132,8 +132,7 @@ class Membership:
         now = self.clock()
         try:
             if now - self._written >= WRITE_EVERY_S:
-                if not self.node and self.find_node is not None:
-                    self.node = self.find_node()
+                self._find_node()
                 row = ControlPlaneRow(self.name, self.agent_url, now, self.started_at, self.version, self.node)
                 await self.db.run(self.store.upsert_control_plane, row)
                 self._written = now
@@ -215,9 +214,13 @@ class Membership:
         while it is unknown: init starts the agent right after writing its agent.yaml, and its first
         beat lost the label until the next write of the row, ~2 s): the nodes whose
         ``llmgw.control-plane`` label the agent API honours (:mod:`llmgw.control.api.nodelabels`)."""
+        self._find_node()
+        return frozenset(m.node for m in self.members() if m.node)
+
+    def _find_node(self) -> None:
+        """:attr:`node` read again (``find_node``) while it is unknown."""
         if not self.node and self.find_node is not None:
             self.node = self.find_node()
-        return frozenset(m.node for m in self.members() if m.node)
 
     def reply_fields(self) -> tuple[int, str, list[str]]:
         """What a heartbeat reply carries: ``(term, leader's agent URL or "", alive members' agent URLs)``."""

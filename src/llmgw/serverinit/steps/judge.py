@@ -20,6 +20,11 @@ def source(opts: InitOptions) -> str:
     return opts.judge_source or plan.GUARD_MODEL_SOURCE
 
 
+def judge_format(opts: InitOptions) -> str:
+    """The judge's format: ``--judge-format``, else ``qwen3guard``."""
+    return opts.judge_format or "qwen3guard"
+
+
 def planned(opts: InitOptions) -> bool:
     """Whether init will try to serve a judge: not with ``--no-guard-model``, nor offline with no
     ``file:`` judge carried in (it might still be in the mirror: then it is served, and the starter
@@ -52,7 +57,7 @@ def run(ctx: InitContext) -> None:
         ctx.say("skip", "the guardrails' judge (--no-guard-model): prompts and answers are not judged")
         return
     src = source(opts)
-    fmt = opts.judge_format or "qwen3guard"
+    fmt = judge_format(opts)
     if opts.offline and sourcecheck.to_download(src).kind != "file" and not in_mirror(ctx, src):
         ctx.say(
             "skip",
@@ -84,7 +89,7 @@ def run(ctx: InitContext) -> None:
 
 def in_mirror(ctx: InitContext, src: str) -> bool:
     """True when the mirror already holds the judge from ``src`` (False when it does not answer)."""
-    fmt = ctx.opts.judge_format or "qwen3guard"
+    fmt = judge_format(ctx.opts)
     try:
         mirror = ctx.mirror()
         st = mirror.status(plan.judge_name(src, fmt), plan.GUARD_MODEL_VERSION)

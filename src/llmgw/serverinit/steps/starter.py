@@ -61,7 +61,7 @@ def _make_room_for_a_judge(ctx: InitContext, name: str, cores: int) -> None:
         return
     alone = sizing.cpu_plan(cpus=ctx.cpus(), judges=0, no_node=opts.no_node).starter
     models = {m.name: m for m in ctx.admin().models()}
-    kept, judging = models.get(name), plan.judge_name(judge.source(opts), opts.judge_format or "qwen3guard")
+    kept, judging = models.get(name), plan.judge_name(judge.source(opts), judge.judge_format(opts))
     if kept is None or alone == cores or judging in models:
         return
     profiles = kept.spec.get("profiles")
