@@ -11,9 +11,9 @@ import json
 import logging
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
+from llmgw.control.gateway.replicaclient import ReplicaResponse
 from llmgw.httperrors import openai_error_json
 from llmgw.routing import Route, Upstream
 
@@ -52,7 +52,7 @@ def client_mistake(data: bytes) -> str:
     return message.strip()[:300]
 
 
-async def replica_error(route: Route, up: Upstream, resp: aiohttp.ClientResponse) -> web.Response:
+async def replica_error(route: Route, up: Upstream, resp: ReplicaResponse) -> web.Response:
     """The response for a replica's 4xx/5xx: passed through (scrubbed), or a 502 when it is ours."""
     data = await resp.read()
     if resp.status in (401, 403):

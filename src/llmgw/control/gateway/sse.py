@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from llmgw.control.gateway.inspect import Refusal
 
 if TYPE_CHECKING:
-    import aiohttp
     from aiohttp import web
 
     from llmgw.control.gateway.inspect import StreamInspector
+    from llmgw.control.gateway.replicaclient import ReplicaResponse
 
 
 class ModelRewriter:
@@ -138,7 +138,7 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 
 async def pump(
-    resp: aiohttp.ClientResponse,
+    resp: ReplicaResponse,
     out: web.StreamResponse,
     watcher: StreamInspector | None,
     rewriter: ModelRewriter,
@@ -163,7 +163,7 @@ async def pump(
         if data.endswith(DONE_EVENT):
             trace.ended_ns = time.perf_counter_ns()
 
-    async for chunk in resp.content.iter_any():
+    async for chunk in resp.iter_any():
         data = counted(rewriter.feed(chunk))
         if not data:
             continue

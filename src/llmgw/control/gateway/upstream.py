@@ -31,9 +31,9 @@ Mechanism, per chat request:
    dead replica mid-request. Mid-stream, after the 200 went out, that 502 is a final
    ``data: {"error": ...}`` event.
 
-Why aiohttp as the client: measured here reading SSE, aiohttp's client costs 36-70 µs of CPU per
-event, httpx 160-270 µs; ``bench/gateway_overhead.py`` repeats it side by
-side: aiohttp ``iter_any`` 91-105 µs vs httpx ``aiter_raw`` 206-228 µs per event, 2 busy cores.
+The client is :mod:`.replicaclient` (asyncio protocols and ``httptools``' parser): aiohttp's
+``ClientSession`` cost ~80 µs of the gateway's CPU per proxied request (a bare proxy: 165 µs with it,
+83 µs with this one; ``wrk -t2 -c16``, 2 cores); httpx cost more still (160-270 µs per SSE event).
 
 The slot, the queue and their metrics cost the request path ~10 µs: ``bench/gateway_overhead.py``,
 5 runs each way alternating with the round-robin code before them (2026-12-03, load 6-7 on 2 cores
@@ -60,15 +60,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
-from yarl import URL
 
 from llmgw.control.gateway.balancer import BUSY, QUEUED, Balancer, Lease, ReplicaLoad, RoutingMetrics
 from llmgw.control.gateway.inspect import Inspector, Refusal, current_call
 from llmgw.control.gateway.legacylogprobs import CompletionsRewriter, reshape_completion, reshaped
 from llmgw.control.gateway.prefix import prefix_key
 from llmgw.control.gateway.queue import Defer, FairQueue
+from llmgw.control.gateway.replicaclient import (
+    ReplicaBroken,
+    ReplicaClient,
+    ReplicaResponse,
+    ReplicaUnreachable,
+    request_head,
+)
 from llmgw.control.gateway.replicaerrors import replica_error
 from llmgw.control.gateway.request import EMBEDDINGS, check_dimensions
 from llmgw.control.gateway.sse import ModelRewriter, StreamTally, pump
@@ -99,22 +104,18 @@ def _give_back(lease: Lease) -> None:
     lease.release(answered=False)
 
 
-@functools.lru_cache(maxsize=4096)
-def _url(endpoint: str, path: str) -> URL:
-    # yarl parsing costs more than the rest of the request setup; endpoints repeat.
-    return URL(f"http://{endpoint}{path}")
-
-
 # A stream's connection is not kept: llama-server (b0.3.36 here) drops a kept-alive connection
 # after a streamed answer in a way the next request on it, or a new one opened meanwhile, fails
 # ("Server disconnected", "Can not write request body"): measured, 10 of 20 sequential streams
 # failed on one client, 3-6 of 20-30 through the gateway (502); with "Connection: close" 20 of 20
 # passed. Plain answers keep their connections (20 of 20 on one connection).
-_STREAM_HEADERS = {"Connection": "close"}
-
-
-def _headers(up: Upstream, trace: Trace) -> dict[str, str]:
-    return {"Authorization": "Bearer " + up.key, "Content-Type": "application/json", "x-request-id": trace.request_id}
+@functools.lru_cache(maxsize=4096)
+def _head(endpoint: str, path: str, key: str, stream: bool) -> bytes:
+    """A POST's head up to its ``x-request-id`` value (endpoints, paths and keys repeat)."""
+    headers = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+    if stream:
+        headers["Connection"] = "close"
+    return request_head("POST", endpoint, path, headers) + b"x-request-id: "
 
 
 @dataclass(slots=True)
@@ -158,7 +159,7 @@ class Trace:
 
 
 class UpstreamPool:
-    """One shared ``aiohttp.ClientSession`` (pooled keep-alive connections) and the choice of replica.
+    """One shared :class:`~.replicaclient.ReplicaClient` (pooled keep-alive connections) and the choice of replica.
 
     Call :meth:`start` on app startup and :meth:`close` on cleanup. ``upstream_timeout_s``: see the
     module docstring. ``balancer``: the slots and the choice (one is made when None; its slot reader
@@ -177,11 +178,7 @@ class UpstreamPool:
         routes: Callable[[str], Route | None] | None = None,
     ) -> None:
         self.routes = routes
-        self._session: aiohttp.ClientSession | None = None
-        self.plain_timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=upstream_timeout_s
-        )
+        self._client: ReplicaClient | None = None
         self.upstream_timeout_s = upstream_timeout_s
         self.balancer = balancer or Balancer()
         if self.balancer.read_slots is None:
@@ -194,35 +191,30 @@ class UpstreamPool:
             metrics.track_queues(self.queue_lengths)
 
     async def start(self) -> None:
-        """Open the shared session (inside the running loop)."""
-        connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
-        # No cookie jar: a replica's Set-Cookie is nothing the gateway keeps or sends to the next
-        # replica, and the jar's per-request filtering cost ~10 µs (profile under wrk, this machine).
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=self.plain_timeout, cookie_jar=aiohttp.DummyCookieJar()
+        """Open the shared client (inside the running loop)."""
+        self._client = ReplicaClient(
+            keepalive_s=KEEPALIVE_S, connect_timeout_s=CONNECT_TIMEOUT_S, limit=MAX_CONNECTIONS
         )
 
     async def close(self) -> None:
-        """Close the session and its pooled connections."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the client's pooled connections."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     async def read_slots(self, up: Upstream) -> int | None:
         """The replica's slots from llama-server's ``GET /props`` (``total_slots``), with its key; None
         when the engine does not answer it (vLLM has no ``/props``) or it cannot be reached."""
-        if self._session is None:
+        if self._client is None:
             return None
         try:
-            async with self._session.get(
-                _url(up.endpoint, "/props"),
-                headers={"Authorization": "Bearer " + up.key},
-                timeout=aiohttp.ClientTimeout(total=PROPS_TIMEOUT_S),
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                props = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            head = request_head("GET", up.endpoint, "/props", {"Authorization": "Bearer " + up.key})
+            resp = await self._client.request(up.endpoint, head, total_s=PROPS_TIMEOUT_S)
+            try:
+                props = json.loads(await resp.read()) if resp.status == 200 else None
+            finally:
+                resp.release()
+        except (ReplicaUnreachable, ReplicaBroken, TimeoutError, ValueError) as e:
             log.info("replica %s: GET /props failed: %r", up.replica_id, e)
             return None
         slots = props.get("total_slots") if isinstance(props, dict) else None
@@ -334,7 +326,7 @@ class UpstreamPool:
         *,
         stream: bool,
         request_json: dict[str, Any] | None = None,
-    ) -> tuple[Lease, aiohttp.ClientResponse]:
+    ) -> tuple[Lease, ReplicaResponse]:
         """Take a slot on one of the route's replicas and POST ``body`` to it; return the slot's
         :class:`~llmgw.control.gateway.balancer.Lease` (``lease.up`` is the replica) and the response
         once its headers arrived. ``request_json``: the parsed body, for the cache-aware key.
@@ -348,11 +340,13 @@ class UpstreamPool:
                 tried accepted the connection; 504 ``upstream_timeout`` / 502 ``upstream_failed`` when
                 the chosen one did not answer.
         """
-        assert self._session is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
+        client = self._client
+        assert client is not None, "UpstreamPool.start() was not awaited"  # noqa: S101
         key = None
         if route.routing == "cache-aware" and len(route.upstreams) > 1 and request_json is not None:
             key = prefix_key(request_json)
-        timeout = self.stream_timeout if stream else self.plain_timeout
+        total_s, read_s = (None, self.upstream_timeout_s) if stream else (self.upstream_timeout_s, None)
+        rid = trace.request_id.encode() + b"\r\n"
         tried: set[str] = set()
         t0 = time.perf_counter_ns()
         try:
@@ -362,13 +356,11 @@ class UpstreamPool:
                 up = lease.up
                 trace.replica = up.replica_id
                 try:
-                    resp = await self._session.post(
-                        _url(up.endpoint, trace.path),
-                        data=body,
-                        headers=_STREAM_HEADERS | _headers(up, trace) if stream else _headers(up, trace),
-                        timeout=timeout,
+                    resp = await client.request(
+                        up.endpoint, _head(up.endpoint, trace.path, up.key, stream) + rid, body,
+                        total_s=total_s, read_s=read_s, keep_alive=not stream,
                     )
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                except ReplicaUnreachable as e:
                     self.balancer.refused(up.replica_id)  # before the slot frees: no waiter takes it
                     lease.release(answered=False)
                     tried.add(up.replica_id)
@@ -378,7 +370,7 @@ class UpstreamPool:
                 except TimeoutError as e:
                     lease.release(answered=False)
                     raise self.timeout_error(route) from e
-                except aiohttp.ClientError as e:
+                except ReplicaBroken as e:
                     self.balancer.refused(up.replica_id)  # broken, likely dead: waiters pass it over
                     lease.release(answered=False)
                     log.warning(
@@ -477,7 +469,7 @@ async def relay_plain(relay: Relay) -> web.Response:
         answered = True
     except TimeoutError as e:
         raise pool.timeout_error(route) from e
-    except aiohttp.ClientError as e:
+    except ReplicaBroken as e:
         pool.balancer.refused(up.replica_id)
         raise pool.broken_error(route) from e
     finally:
@@ -568,12 +560,7 @@ async def relay_stream(
                 await out.write(openai_error_event(refusal.status, refusal.code, refusal.message, extra=refusal.extra))
         except ConnectionResetError:  # the client went away; finally closes the upstream
             return out
-        except (
-            TimeoutError,
-            aiohttp.ClientPayloadError,
-            aiohttp.ServerDisconnectedError,
-            aiohttp.ClientOSError,
-        ) as e:
+        except (TimeoutError, ReplicaBroken) as e:
             timed_out = isinstance(e, TimeoutError)
             err = pool.timeout_error(route) if timed_out else pool.broken_error(route, mid_answer=True)
             if not timed_out:
