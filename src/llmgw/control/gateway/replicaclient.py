@@ -89,6 +89,7 @@ class _Conn(asyncio.Protocol):
         resp.feed(data)
 
     def eof_received(self) -> bool:
+        self.lost = True  # not reused from now on
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -175,6 +176,9 @@ class ReplicaResponse:
     # -- from the connection ----------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
         """Bytes read from the replica."""
+        if self._done:  # bytes after the answer: out of step, the connection is not kept
+            self._keep = False
+            return
         if self._read_s is not None:
             self._last = self._loop.time()
         try:
@@ -339,6 +343,8 @@ class ReplicaClient:
             self._done_with()
             raise
         conn.resp = resp
+        if conn.lost:  # closed by the replica before the request could go (its connection_lost came first)
+            resp.lost(None)
         request = b"".join((head, b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n"))
         assert conn.transport is not None  # noqa: S101 - set by connection_made
         if len(body) < JOIN_BODY_BELOW:
