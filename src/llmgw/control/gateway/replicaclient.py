@@ -134,7 +134,9 @@ class ReplicaResponse:
                  total_s: float | None, read_s: float | None, keep_alive: bool) -> None:
         self.status = 0
         self._client, self._conn, self._loop = client, conn, loop
-        self._parser = httptools.HttpResponseParser(self)
+        # the parser holds this answer's callbacks: a cycle, broken when the answer is done (_finish), so
+        # that refcounting frees both at once (the control plane schedules its full collections)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._chunks: list[bytes] = []
         self._size = 0
         self._headers = self._done = self._sized = self._keep = self._paused = self._finished = self._whole = False
@@ -155,7 +157,8 @@ class ReplicaResponse:
             self._sized = True
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        if self._parser is not None:  # always: called from feed_data
+            self.status = self._parser.get_status_code()
         self._headers = True
         self._wake()
 
@@ -169,7 +172,7 @@ class ReplicaResponse:
 
     def on_message_complete(self) -> None:
         self._done = True
-        self._keep = self._keepable and self._parser.should_keep_alive()
+        self._keep = self._keepable and self._parser is not None and self._parser.should_keep_alive()
         self._stop_timer()
         self._wake()
 
@@ -181,6 +184,8 @@ class ReplicaResponse:
             return
         if self._read_s is not None:
             self._last = self._loop.time()
+        if self._parser is None:
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -293,6 +298,7 @@ class ReplicaResponse:
         if self._finished:
             return
         self._finished = True
+        self._parser = None
         self._stop_timer()
         self._conn.resp = None
         self._client.put_back(self._conn, keep=keep)
