@@ -20,8 +20,9 @@ own venv under ``~/.cache/llmgw/bench``, made on first use; one worker, a master
    gateway, LiteLLM; then ``--pairs`` - 1 more runs of gateway and LiteLLM back to back, and
    ``rps_vs_litellm_ratio``, the median of each pair's ratio (each printed, with the load);
 3. streams: CPU per SSE event of the gateway process relaying ``--events`` events (from
-   ``/proc``-backed psutil counters), and, for the choice of upstream client, CPU per event of an
-   aiohttp vs an httpx (async) client reading the same stream in this process.
+   ``/proc``-backed psutil counters), and, for comparison with the gateway's own client to the
+   replicas (control/gateway/replicaclient.py), CPU per event of an aiohttp vs an httpx (async)
+   client reading the same stream in this process.
 
 Targets: added p50 <= :data:`TARGET_ADDED_MS` and gateway requests/s >= :data:`TARGET_RATIO` x LiteLLM's;
 each is printed as PASS/FAIL and a FAIL exits 1. Figures are printed last, one ``name: value unit`` per
