@@ -40,6 +40,18 @@ import httptools
 READ_HIGH_WATER = 2**16
 #: A body up to this size is sent in one write with its header (one system call); a larger one after it.
 JOIN_BODY_BELOW = 2**16
+#: The most bytes an answer may send in a row that carry no body: its status line and headers (any 1xx
+#: interim answers before them included), chunk framing, trailers. Past it the answer is broken
+#: (:class:`ReplicaBroken`). httptools bounds none of them and gathers a header's value by bytes
+#: concatenation (quadratic in its length: a replica's endless header stalled the loop and took 138 MB in
+#: 6 s). aiohttp's client bounded a head at 128 headers of 8,190 bytes; llama-server's and vLLM's heads
+#: are a few hundred bytes.
+MAX_HEAD_BYTES = 2**16
+#: The largest body :meth:`ReplicaResponse.read` takes whole; past it the answer is broken. The largest
+#: real answers are embeddings: 2,048 inputs of a 4,096-wide model are ~170 MB of JSON (~20 bytes a
+#: float); the gateway takes requests of up to 64 MiB. Before it, a replica sending a Content-Length of
+#: 10**15 filled 525 MB in 6 s, up to the whole ``upstream_timeout_s``. aiohttp's ``read()`` had no bound.
+MAX_BODY_BYTES = 2**28
 
 
 class ReplicaUnreachable(Exception):
@@ -111,10 +123,12 @@ class ReplicaResponse:
     :meth:`read` (whole) or :meth:`iter_any` (as it comes); :meth:`release` or :meth:`close` after."""
 
     __slots__ = (
+        "_began",
         "_chunks",
         "_client",
         "_conn",
         "_done",
+        "_dry",
         "_exc",
         "_finished",
         "_headers",
@@ -141,13 +155,13 @@ class ReplicaResponse:
         # that refcounting frees both at once (the control plane schedules its full collections)
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._chunks: list[bytes] = []
-        self._size = 0
+        self._size = self._dry = 0
         self._headers = self._done = self._sized = self._keep = self._paused = self._finished = self._whole = False
         self._keepable = keep_alive
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._read_s = read_s
-        self._last = loop.time()
+        self._last = self._began = loop.time()
         self._timer: asyncio.TimerHandle | None = None
         if total_s is not None:
             self._timer = loop.call_at(self._last + total_s, self._timed_out)
@@ -159,21 +173,37 @@ class ReplicaResponse:
         if len(name) in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
             self._sized = True
 
+    def on_message_begin(self) -> None:
+        if self._done:  # a second answer after this one's end: out of step (feed closes the connection)
+            raise ReplicaBroken("the replica sent more than one answer")
+
     def on_headers_complete(self) -> None:
         if self._parser is not None:  # always: called from feed_data
             self.status = self._parser.get_status_code()
+        if self.status < 200:  # an interim answer (100 Continue...; 101 is refused by feed): the final one follows
+            if self.status < 100:
+                raise ReplicaBroken(f"the replica answered status {self.status}")
+            return
         self._headers = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
         self._size += len(body)
-        if self._size > READ_HIGH_WATER and not self._paused and not self._whole and self._conn.transport is not None:
-            self._paused = True
-            self._conn.transport.pause_reading()
+        if self._size > READ_HIGH_WATER:
+            if not self._whole:
+                if not self._paused and self._conn.transport is not None:
+                    self._paused = True
+                    self._conn.transport.pause_reading()
+            elif self._size > MAX_BODY_BYTES:
+                self._chunks.clear()
+                self._fail(ReplicaBroken(f"the replica's answer is larger than {MAX_BODY_BYTES} bytes"))
+                self._conn.close()
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self._headers:  # an interim answer's end
+            return
         self._done = True
         self._keep = self._keepable and self._parser is not None and self._parser.should_keep_alive()
         self._stop_timer()
@@ -189,11 +219,20 @@ class ReplicaResponse:
             self._last = self._loop.time()
         if self._parser is None:
             return
+        size = self._size
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._fail(ReplicaBroken(f"the replica's answer is not HTTP/1.1: {e}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            self._fail(ReplicaBroken(f"the replica's answer is not HTTP/1.1: {e!r}"))
             self._conn.close()
+            return
+        if self._size != size:
+            self._dry = 0
+        elif not self._done:
+            self._dry += len(data)
+            if self._dry > MAX_HEAD_BYTES:
+                self._fail(ReplicaBroken(f"the replica sent over {MAX_HEAD_BYTES} bytes of head, framing or trailers"))
+                self._conn.close()
 
     def lost(self, exc: Exception | None) -> None:
         """The connection closed: the end of an answer without a length, else a broken one."""
@@ -223,7 +262,9 @@ class ReplicaResponse:
         """The read timer: time out after ``read_s`` without bytes (not counting a paused reader)."""
         assert self._read_s is not None  # noqa: S101 - only scheduled with one
         now = self._loop.time()
-        due = now + self._read_s if self._paused else self._last + self._read_s
+        # the status line and headers within read_s of the request, however slowly they trickle in
+        last = self._last if self._headers else self._began
+        due = now + self._read_s if self._paused else last + self._read_s
         if due > now:
             self._timer = self._loop.call_at(due, self._check_read)
         else:
