@@ -214,3 +214,30 @@ async def test_the_gateway_answers_502_to_an_endless_answer(answer: Answer, monk
     await runner.cleanup()
     await server.close()
 
+
+@pytest.mark.parametrize("status", [b"302 Found\r\nLocation: http://169.254.169.254/", b"999 X"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_redirect_or_a_status_past_599_is_a_502(status: bytes, stream: bool) -> None:
+    """Before: relayed to the client as it came (a 302 with the replica's body, a 999)."""
+    server, endpoint = await _serve(_writes(b"HTTP/1.1 " + status + b"\r\nContent-Length: 2\r\n\r\n{}"))
+    runner, url = await _gateway(endpoint)
+    got, body = await _post(url, stream=stream)
+    assert got == 502
+    assert json.loads(body)["error"]["code"] == "upstream_invalid"
+    await runner.cleanup()
+    await server.close()
+
+
+async def test_a_stream_line_that_never_ends_ends_the_stream() -> None:
+    """Before: the rewriter held the line whole, joined again with each chunk (quadratic), without end."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    piece = b"10000\r\n" + b"a" * 65536 + b"\r\n"
+    first = b'data: {"a": '
+    server, endpoint = await _serve(_endless(head + b"%x\r\n%s\r\n" % (len(first), first), piece))
+    runner, url = await _gateway(endpoint)
+    async with asyncio.timeout(4):
+        status, body = await _post(url, stream=True)
+    assert status == 200  # the stream had begun: its end is an error event
+    assert b'"code": "upstream_failed"' in body
+    await runner.cleanup()
+    await server.close()

@@ -11,12 +11,20 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmgw.control.gateway.inspect import Refusal
+from llmgw.control.gateway.replicaclient import ReplicaBroken
 
 if TYPE_CHECKING:
     from aiohttp import web
 
     from llmgw.control.gateway.inspect import StreamInspector
     from llmgw.control.gateway.replicaclient import ReplicaResponse
+
+
+#: The longest line of a stream held back for the ``model`` swap; past it the stream is broken
+#: (:class:`~llmgw.control.gateway.replicaclient.ReplicaBroken`). A llama-server or vLLM event is one
+#: token: a few hundred bytes, a few KB with ``top_logprobs``. Unbounded before: a replica's line that
+#: never ended was held whole, and joined again with every chunk (quadratic: the loop stalled).
+MAX_LINE_BYTES = 2**20
 
 
 class ModelRewriter:
@@ -42,6 +50,8 @@ class ModelRewriter:
             chunk = self._held + chunk
         cut = chunk.rfind(b"\n") + 1
         self._held = chunk[cut:]
+        if len(self._held) > MAX_LINE_BYTES:
+            raise ReplicaBroken(f"the replica's stream has a line longer than {MAX_LINE_BYTES} bytes")
         return _MODEL_FIELD.sub(self._repl, chunk[:cut]) if cut else b""
 
     def tail(self) -> bytes:

@@ -463,7 +463,9 @@ async def relay_plain(relay: Relay) -> web.Response:
     t0 = time.perf_counter_ns()
     answered = False
     try:
-        if resp.status >= 400:
+        if resp.status >= 300:
+            if not 400 <= resp.status < 600:  # a redirect (not followed) or no HTTP status: not the client's
+                raise invalid_status(route, resp.status)
             return await replica_error(route, up, resp)
         data = await resp.read()
         answered = True
@@ -526,10 +528,12 @@ async def relay_stream(
     up = lease.up
     closed_cleanly = False
     try:
-        if resp.status >= 400:
+        if resp.status >= 300:
             if prepared is not None:
                 await answer_on_stream(prepared, HttpError(502, "upstream_failed", f"model '{route.model}' failed"))
                 return prepared
+            if not 400 <= resp.status < 600:
+                raise invalid_status(route, resp.status)
             return await replica_error(route, up, resp)
         watcher = inspector.stream(route, request_json) if inspector is not None else None
         headers = {
@@ -581,6 +585,11 @@ async def relay_stream(
         lease.release(answered=answered)
         if answered and trace.tally is not None:
             lease.observe(trace.tally.timings)
+
+
+def invalid_status(route: Route, status: int) -> HttpError:
+    """502 ``upstream_invalid``: the replica's status is no answer (a 3xx, never followed, or past 599)."""
+    return HttpError(502, "upstream_invalid", f"the replica of model '{route.model}' answered status {status}")
 
 
 def _ms(ns: int) -> str:
