@@ -22,6 +22,9 @@ What it does, and no more (the gateway's replicas are llama-server and vLLM on a
   Timeouts raise :class:`TimeoutError`: ``total_s`` for the whole exchange (connect, answer, body),
   ``read_s`` for silence while waiting for the answer or its next chunk (not counted while the
   reader has 64 KiB unread and reading is paused).
+* A replica is not trusted with the gateway's memory (a compromised node runs anything on its port):
+  heads, framing and trailers are bounded by :data:`MAX_HEAD_BYTES`, a body read whole by
+  :data:`MAX_BODY_BYTES`; 1xx answers are skipped; a second answer in the same read closes the connection.
 * :meth:`ReplicaResponse.release` keeps the connection only when the whole answer was read;
   otherwise, and with :meth:`ReplicaResponse.close`, the connection is closed, which tells an engine
   still generating that nobody listens (llama-server then frees the slot).
