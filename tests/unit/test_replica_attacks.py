@@ -199,18 +199,27 @@ async def _post(url: str, stream: bool) -> tuple[int, bytes]:
         return r.status, await r.read()
 
 
-@pytest.mark.parametrize("answer", [
-    _endless(b"HTTP/1.1 200 OK\r\nX-A: ", b"a" * 65536),
-    _endless(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000000\r\n\r\n", b"x" * 65536),
+@pytest.mark.parametrize(("answer", "why"), [
+    (_endless(b"HTTP/1.1 200 OK\r\nX-A: ", b"a" * 65536), "sent over 65536 bytes of head"),
+    (_endless(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000000\r\n\r\n", b"x" * 65536),
+     "answer is larger than 2097152 bytes"),
 ])
-async def test_the_gateway_answers_502_to_an_endless_answer(answer: Answer, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_gateway_answers_502_to_an_endless_answer(
+    answer: Answer, why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client is told what the replica did (it read "closed the connection before answering",
+    which sends an operator looking for a crash)."""
     monkeypatch.setattr(replicaclient, "MAX_BODY_BYTES", 2**21)
     server, endpoint = await _serve(answer)
     runner, url = await _gateway(endpoint)
     async with asyncio.timeout(4):  # before: the gateway's 5 s timeout, a 504, after filling memory
         status, body = await _post(url, stream=False)
     assert status == 502
-    assert json.loads(body)["error"]["code"] == "upstream_failed"
+    error = json.loads(body)["error"]
+    assert error["code"] == "upstream_failed"
+    refused = "the replica of model 'm' sent an answer the gateway refused before answering ("
+    assert error["message"].startswith(refused), error
+    assert why in error["message"], error
     await runner.cleanup()
     await server.close()
 

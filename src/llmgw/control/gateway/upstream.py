@@ -376,7 +376,7 @@ class UpstreamPool:
                     log.warning(
                         "replica %s of %s at %s failed: %r", up.replica_id, route.model, up.endpoint, e
                     )
-                    raise self.broken_error(route) from e
+                    raise self.broken_error(route, cause=e) from e
                 except BaseException:  # cancelled (the client left): the slot goes back
                     lease.release(answered=False)
                     raise
@@ -392,11 +392,14 @@ class UpstreamPool:
         )
 
     @staticmethod
-    def broken_error(route: Route, *, mid_answer: bool = False) -> HttpError:
-        """502 ``upstream_failed``: the replica's connection broke after the request went out
-        (``mid_answer``: after part of a stream was relayed: the replica stopped, was drained or failed)."""
-        when = "in the middle of its answer" if mid_answer else "before answering"
-        message = f"the replica of model '{route.model}' closed the connection {when}; retry"
+    def broken_error(route: Route, *, mid_answer: bool = False, cause: BaseException | None = None) -> HttpError:
+        """502 ``upstream_failed``: the replica's connection broke after the request went out (``mid_answer``:
+        after part of a stream was relayed), or it sent an answer the client refused (``cause``'s words)."""
+        when, why = "in the middle of its answer" if mid_answer else "before answering", str(cause or "")
+        if isinstance(cause, ReplicaBroken) and not why.startswith("the replica closed the connection"):
+            message = f"the replica of model '{route.model}' sent an answer the gateway refused {when} ({why}); retry"
+        else:
+            message = f"the replica of model '{route.model}' closed the connection {when}; retry"
         return HttpError(502, "upstream_failed", message)
 
 
@@ -473,7 +476,7 @@ async def relay_plain(relay: Relay) -> web.Response:
         raise pool.timeout_error(route) from e
     except ReplicaBroken as e:
         pool.balancer.refused(up.replica_id)
-        raise pool.broken_error(route) from e
+        raise pool.broken_error(route, cause=e) from e
     finally:
         resp.release()
         lease.release(answered=answered)
@@ -566,7 +569,7 @@ async def relay_stream(
             return out
         except (TimeoutError, ReplicaBroken) as e:
             timed_out = isinstance(e, TimeoutError)
-            err = pool.timeout_error(route) if timed_out else pool.broken_error(route, mid_answer=True)
+            err = pool.timeout_error(route) if timed_out else pool.broken_error(route, mid_answer=True, cause=e)
             if not timed_out:
                 pool.balancer.refused(up.replica_id)
             log.warning("stream of %s broke: %r", route.model, e)
