@@ -11,8 +11,9 @@ limiter, usage, metrics, access log) 336 µs before, 219 µs after (medians of 3
 
 What it does, and no more (the gateway's replicas are llama-server and vLLM on a trusted network):
 
-* ``POST`` only, the body sent at once (``Content-Length``); no redirects, cookies, proxies, TLS, or
-  compression (no ``Accept-Encoding`` is sent, so the engine answers identity).
+* A request's head as given (``POST`` for the answers, ``GET /props`` for the slots), the body sent at once
+  (``Content-Length``); no redirects, cookies, proxies, TLS, or compression (no ``Accept-Encoding`` is
+  sent, so the engine answers identity).
 * Connections per ``host:port`` are kept after a complete answer the engine lets be kept
   (``should_keep_alive``), reused newest first, and closed after ``keepalive_s`` idle (an engine closing
   its side meanwhile takes them out at once). At most ``limit`` are in use at once; more wait.
@@ -62,7 +63,12 @@ class ReplicaUnreachable(Exception):
 
 
 class ReplicaBroken(Exception):
-    """The replica's connection closed or broke after the request went out, or its answer was not HTTP."""
+    """The replica's connection closed or broke after the request went out, or its answer was not HTTP
+    (too large, out of step: the message says which)."""
+
+
+class ReplicaClosed(ReplicaBroken):
+    """The replica closed the connection (or it was reset) before its answer ended."""
 
 
 def request_head(method: str, endpoint: str, path: str, headers: dict[str, str]) -> bytes:
@@ -119,6 +125,10 @@ class _Conn(asyncio.Protocol):
         self.lost = True
         if self.transport is not None:
             self.transport.close()
+
+    def reusable(self, now: float, keepalive_s: float) -> bool:
+        """Open and idle for less than ``keepalive_s`` seconds at ``now`` (the loop's clock)."""
+        return not self.lost and now - self.idle_since < keepalive_s
 
 
 class ReplicaResponse:
@@ -247,7 +257,7 @@ class ReplicaResponse:
             self._wake()
             return
         when = "in the middle of its answer" if self._headers else "before answering"
-        self._fail(ReplicaBroken(f"the replica closed the connection {when}" + (f": {exc!r}" if exc else "")))
+        self._fail(ReplicaClosed(f"the replica closed the connection {when}" + (f": {exc!r}" if exc else "")))
 
     def _fail(self, exc: BaseException) -> None:
         if self._exc is None and not self._done:
@@ -306,10 +316,7 @@ class ReplicaResponse:
             await self._wait()
         if self._exc is not None:
             raise self._exc
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._size = 0
-        return data
+        return self._take()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive: everything read since the last one, joined."""
@@ -317,15 +324,20 @@ class ReplicaResponse:
             while not self._chunks and not self._done and self._exc is None:
                 await self._wait()
             if self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._size = 0
+                data = self._take()
                 self._resume()
                 yield data
             elif self._exc is not None:
                 raise self._exc
             else:
                 return
+
+    def _take(self) -> bytes:
+        """What was read and not yet taken, joined; the buffer emptied."""
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._size = 0
+        return data
 
     def _resume(self) -> None:
         if self._paused and self._conn.transport is not None:
@@ -416,7 +428,7 @@ class ReplicaClient:
         idle = self._idle.get(endpoint)
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since < self.keepalive_s:
+            if conn.reusable(now, self.keepalive_s):
                 return conn
             conn.close()
         return None
@@ -479,7 +491,7 @@ class ReplicaClient:
         for endpoint, idle in list(self._idle.items()):
             keep = []
             for conn in idle:
-                if not conn.lost and now - conn.idle_since < self.keepalive_s:
+                if conn.reusable(now, self.keepalive_s):
                     keep.append(conn)
                 else:
                     conn.close()

@@ -70,6 +70,7 @@ from llmgw.control.gateway.queue import Defer, FairQueue
 from llmgw.control.gateway.replicaclient import (
     ReplicaBroken,
     ReplicaClient,
+    ReplicaClosed,
     ReplicaResponse,
     ReplicaUnreachable,
     request_head,
@@ -381,6 +382,10 @@ class UpstreamPool:
                     lease.release(answered=False)
                     raise
                 else:
+                    if 300 <= resp.status < 400 or resp.status >= 600:  # a redirect (never followed), or no status
+                        resp.close()
+                        lease.release(answered=False)
+                        raise invalid_status(route, resp.status)
                     return lease, resp
         finally:
             trace.upstream_ns += time.perf_counter_ns() - t0
@@ -395,9 +400,9 @@ class UpstreamPool:
     def broken_error(route: Route, *, mid_answer: bool = False, cause: BaseException | None = None) -> HttpError:
         """502 ``upstream_failed``: the replica's connection broke after the request went out (``mid_answer``:
         after part of a stream was relayed), or it sent an answer the client refused (``cause``'s words)."""
-        when, why = "in the middle of its answer" if mid_answer else "before answering", str(cause or "")
-        if isinstance(cause, ReplicaBroken) and not why.startswith("the replica closed the connection"):
-            message = f"the replica of model '{route.model}' sent an answer the gateway refused {when} ({why}); retry"
+        when = "in the middle of its answer" if mid_answer else "before answering"
+        if isinstance(cause, ReplicaBroken) and not isinstance(cause, ReplicaClosed):
+            message = f"the replica of model '{route.model}' sent an answer the gateway refused {when} ({cause}); retry"
         else:
             message = f"the replica of model '{route.model}' closed the connection {when}; retry"
         return HttpError(502, "upstream_failed", message)
@@ -466,9 +471,7 @@ async def relay_plain(relay: Relay) -> web.Response:
     t0 = time.perf_counter_ns()
     answered = False
     try:
-        if resp.status >= 300:
-            if not 400 <= resp.status < 600:  # a redirect (not followed) or no HTTP status: not the client's
-                raise invalid_status(route, resp.status)
+        if resp.status >= 400:
             return await replica_error(route, up, resp)
         data = await resp.read()
         answered = True
@@ -531,12 +534,10 @@ async def relay_stream(
     up = lease.up
     closed_cleanly = False
     try:
-        if resp.status >= 300:
+        if resp.status >= 400:
             if prepared is not None:
                 await answer_on_stream(prepared, HttpError(502, "upstream_failed", f"model '{route.model}' failed"))
                 return prepared
-            if not 400 <= resp.status < 600:
-                raise invalid_status(route, resp.status)
             return await replica_error(route, up, resp)
         watcher = inspector.stream(route, request_json) if inspector is not None else None
         headers = {
