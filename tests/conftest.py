@@ -16,6 +16,7 @@ machine and FAIL under ``LLMGW_REQUIRE_ASSETS=1``, as the end-to-end tests do.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -76,15 +77,7 @@ def _build_each_cli_once() -> None:
     build = getattr(typer.testing, "_get_command", None)
     if build is None:
         raise RuntimeError("typer.testing._get_command is gone: tests/conftest.py's CLI cache needs adapting")
-    built: dict[int, tuple[object, object]] = {}  # id(app) -> (app, command): the app kept, so its id stays its own
-
-    def once(app: typer.Typer) -> object:
-        got = built.get(id(app))
-        if got is None or got[0] is not app:
-            got = built[id(app)] = (app, build(app))
-        return got[1]
-
-    typer.testing._get_command = once  # type: ignore[attr-defined]
+    typer.testing._get_command = functools.cache(build)  # type: ignore[attr-defined]  # by the app's identity
 
 
 _build_each_cli_once()
@@ -144,10 +137,15 @@ def pg_cluster(pg_cluster_or_reason: Cluster | str) -> Cluster:
     return pg_cluster_or_reason
 
 
+def _sqlite_db(tmp: Path) -> Path:
+    """Where a test's SQLite store lives under its ``tmp_path``."""
+    return tmp / "state" / "llmgw.db"
+
+
 #: The store backends every store test runs on: name -> the URL of a fresh, empty database for a
 #: test, given the test's request (for the fixtures a backend needs) and its ``tmp_path``.
 STORE_BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
-    "sqlite": lambda _req, tmp: default_url("", tmp / "state" / "llmgw.db"),
+    "sqlite": lambda _req, tmp: default_url("", _sqlite_db(tmp)),
     "postgresql": lambda req, _tmp: req.getfixturevalue("pg_cluster").new_schema(),
 }
 
@@ -175,8 +173,7 @@ def store(request: pytest.FixtureRequest, store_url: str, tmp_path: Path) -> Ite
     """A fresh store on each backend of :data:`STORE_BACKENDS`, closed after the test (on SQLite a
     copy of :func:`migrated_sqlite`, at the path ``store_url`` names)."""
     if store_url.startswith("sqlite"):
-        path = tmp_path / "state" / "llmgw.db"
-        assert store_url == default_url("", path), store_url  # STORE_BACKENDS' sqlite path
+        path = _sqlite_db(tmp_path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the store makes it (store/sqlite.py)
         shutil.copyfile(request.getfixturevalue("migrated_sqlite"), path)
         path.chmod(0o600)
