@@ -23,6 +23,7 @@ from llmgw.agent.node.records import ReplicaRecord, live_process
 from llmgw.proctime import since_boot
 from llmgw.protocol import ReplicaSpec
 from llmgw.service.files import PidRecord, alive, read_pid, write_pid
+from tests.helpers.waits import wait_for
 
 STEP_S = 96.0
 
@@ -31,7 +32,11 @@ def test_pid_files_and_engine_records_survive_a_clock_step(tmp_path: Path, monke
     """A pid file and an engine record written before a 96 s step still name their (live) process
     after it; a record of the old kind (no start since boot) is fooled, which is the defect fixed;
     a reused pid (another start) is still told apart."""
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # the record carries the argv the engine was started with, as the runner writes it: the child's
+    # /proc cmdline read right after Popen can still be empty, mid-exec (CI at 3e816c8: argv=[])
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sleeper = subprocess.Popen(argv)
+    wait_for("the sleeper exec'd", lambda: psutil.Process(sleeper.pid).cmdline() == argv, 10, 0.01)
     try:
         pid_file = tmp_path / "x.pid"
         written = write_pid(pid_file, sleeper.pid)
@@ -40,7 +45,7 @@ def test_pid_files_and_engine_records_survive_a_clock_step(tmp_path: Path, monke
         spec = ReplicaSpec(id="r", model="m", version="v", profile="cpu", engine="llamacpp",
                            source_url="http://mirror/m/v/f.gguf", file_name="f.gguf", key="k")
         record = ReplicaRecord(id="r", pid=sleeper.pid, create_time=proc.create_time(), since_boot=since_boot(proc),
-                               argv=proc.cmdline(), host="127.0.0.1", port=1, key="k", spec=spec, started_at=0.0)
+                               argv=argv, host="127.0.0.1", port=1, key="k", spec=spec, started_at=0.0)
         old_kind = PidRecord(written.pid, written.create_time)
         real = linux.boot_time
         monkeypatch.setattr(linux, "boot_time", lambda: real() + STEP_S)
