@@ -14,7 +14,8 @@ engines simulated by their reports). For each N, in order:
 1. ``quiet``: the control plane alone (its CPU with no agent);
 2. ``gateway idle``: two agents only, and a model ``scale-gw`` (2 replicas) on them, reported ready
    at the upstream; the gateway's added latency (gateway minus direct, alternating requests, the way
-   bench/gateway_overhead.py measures it) on this idle cluster;
+   bench/gateway_overhead.py measures it, from a process of its own: bench/gwprobe.py) on this idle
+   cluster;
 3. ``ramp``: the other agents start, ``--ramp-per-s`` a second, each registering at once; a run
    whose agents do not all register says how far it got and prints no figure for N;
 4. ``steady``: ``--settle-s`` (10) then ``--steady-s`` (20) of beats: ``cp_cpu_cores``, the beats per second;
@@ -22,9 +23,12 @@ engines simulated by their reports). For each N, in order:
    other, until every replica is reported ready; ``heartbeat_p99_ms`` over the beats sent meanwhile
    (and ``heartbeat_p99_burst_vs_steady``, its ratio to the p99 of ``--steady-gw-s`` (10) more
    seconds of steady beats with the same gateway trickle on: both under the same load from other
-   work and the same gateway traffic; ``heartbeat_burst_pulse_p99_ms`` and ``..._full_p99_ms``
+   work and the same gateway traffic, over which ``added_p50_steady_ms`` is the gateway's added latency
+   among N beating nodes; ``heartbeat_burst_pulse_p99_ms`` and ``..._full_p99_ms``
    the p99 of the digest-only beats and of the full states apart),
-   and the gateway's added latency measured meanwhile (``gateway_added_p50_ms`` vs ``..._idle``);
+   and the gateway's added latency measured meanwhile (``added_p50_ms`` vs ``gateway_added_idle_p50_ms``;
+   ``added_p50_change_ms`` the difference, ``..._ci_low_ms``/``..._ci_high_ms`` its 95 % bootstrap
+   interval: :func:`added_change_ci`);
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
    docs/operating.md states (``lost_shown_within_s_documented``:
@@ -62,6 +66,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -73,7 +78,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import psutil
 
@@ -106,6 +110,12 @@ on a quiet machine (bench/leader_pass.py), a loaded 2-core one stretches it."""
 LOST_LOG = re.compile(r"node (\S+) lost: no heartbeat for ([\d.]+) s")
 GC_LOG = re.compile(r"gc: a generation (\d) collection paused the control plane (\d+) ms \(([\d.]+) ms of CPU")
 GW_WARMUP = 50
+BOOT_ROUNDS = 200
+GATEWAY_N = 2000
+"""Requests measured on each side, at least (``--gateway-n``): the idle cluster's ~13 s of them. With
+300 (before 2026-12-06) the idle median alone moved by ~2-4 % from run to run, as much as what was
+being compared; the burst measures for as long as it lasts (~107 s, ~15,000 at N = 5,000)."""
+"""Resamples for the interval of the gateway's change during the run (:func:`added_change_ci`)."""
 BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
 
 
@@ -149,25 +159,22 @@ def model_doc(name: str) -> dict[str, object]:
 
 
 async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int) -> tuple[list[float], list[float]]:
-    """Alternating requests, direct then through the gateway, until ``stop`` is set and at least
-    ``n`` pairs were measured (after :data:`GW_WARMUP`); returns (direct ms, gateway ms)."""
-    d_ms: list[float] = []
-    g_ms: list[float] = []
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession() as sd, aiohttp.ClientSession() as sg:
-        i = 0
-        while not stop.is_set() or len(g_ms) < n:
-            for url, session, out in ((direct, sd, d_ms), (gateway, sg, g_ms)):
-                t0 = time.perf_counter()
-                async with session.post(url, data=BODY, headers=headers) as r:
-                    await r.read()
-                    if r.status != 200:
-                        raise SystemExit(f"{url} answered {r.status}: {(await r.text())[:300]}")
-                if i >= GW_WARMUP:
-                    out.append((time.perf_counter() - t0) * 1000)
-            i += 1
-            await asyncio.sleep(0.005)  # a steady trickle, not a load test
-    return d_ms, g_ms
+    """Alternating requests, direct then through the gateway, from a process of its own
+    (bench/gwprobe.py: not from this one's event loop, which the simulated agents keep busy), until
+    ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
+    (direct ms, gateway ms). SystemExit when the probe fails (an answer other than 200)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
+        "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None
+    await stop.wait()
+    proc.stdin.close()
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"the gateway probe (bench/gwprobe.py) failed with status {proc.returncode}")
+    got = json.loads(out)
+    return got["direct"], got["gateway"]
 
 
 async def until(done: Callable[[], Awaitable[bool]], within_s: float, every_s: float) -> bool:
@@ -184,6 +191,23 @@ async def until(done: Callable[[], Awaitable[bool]], within_s: float, every_s: f
 def added(d_ms: list[float], g_ms: list[float]) -> float:
     """What the gateway adds: its median minus the direct median (ms)."""
     return statistics.median(g_ms) - statistics.median(d_ms)
+
+
+def added_change_ci(idle: tuple[list[float], list[float]], run: tuple[list[float], list[float]],
+                    rounds: int = BOOT_ROUNDS) -> tuple[float, float]:
+    """The 95 % interval (ms) of ``added(run) - added(idle)``: each of the four samples (direct and
+    gateway, idle and during the run) resampled with replacement ``rounds`` times (a percentile
+    bootstrap, seeded: the same samples give the same interval). An interval reaching below 0 means
+    this run cannot tell the gateway during the run from the idle one."""
+    rng = random.Random(0)
+
+    def again(xs: list[float]) -> list[float]:
+        return rng.choices(xs, k=len(xs))
+
+    diffs = sorted(
+        added(again(run[0]), again(run[1])) - added(again(idle[0]), again(idle[1])) for _ in range(rounds)
+    )
+    return diffs[int(0.025 * rounds)], diffs[min(rounds - 1, int(0.975 * rounds))]
 
 
 async def replicas(client: httpx.AsyncClient) -> list[dict[str, Any]]:
@@ -483,7 +507,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, 0))
             await asyncio.sleep(args.steady_gw_s)
             stop_gw.set()
-            await gw
+            d_steady, g_steady = await gw
+            f["added_p50_steady_ms"] = added(d_steady, g_steady)
             steady_gw = [b.ms for b in fleet.records.beats.get("steady_gw", [])]
             f["heartbeat_steady_gw_p50_ms"] = pct(steady_gw, 50)
             f["heartbeat_steady_gw_p99_ms"] = pct(steady_gw, 99)
@@ -528,6 +553,17 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["sim_loop_lag_burst_max_ms"] = max(lags.get("burst", [0.0]))
             f["sim_gc_pause_max_ms_burst"] = sim_gc.longest_ms("burst")
             f["load_average_1m_burst"] = os.getloadavg()[0]
+            if args.logs is not None:  # each gateway probe pair: direct ms, gateway ms (idle, then the burst)
+                for phase, (ds, gs) in (("idle", (d_idle, g_idle)), ("steady", (d_steady, g_steady)),
+                                        ("burst", (d_run, g_run))):
+                    (args.logs / f"gateway-{phase}-{n}.tsv").write_text(
+                        "".join(f"{d:.3f}\t{g:.3f}\n" for d, g in zip(ds, gs, strict=False)))
+            f["gateway_added_idle_p50_ms"] = added(d_idle, g_idle)
+            f["added_p50_ms"] = added(d_run, g_run)
+            f["gateway_requests_idle"], f["gateway_requests_burst"] = len(g_idle), len(g_run)
+            f["added_p50_change_ms"] = f["added_p50_ms"] - f["gateway_added_idle_p50_ms"]
+            f["added_p50_change_ci_low_ms"], f["added_p50_change_ci_high_ms"] = added_change_ci(
+                (d_idle, g_idle), (d_run, g_run))
             if args.stop_after == "burst":
                 return
             # Kill a batch.
@@ -562,8 +598,6 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             for ph, kept in fleet.records.errors.items():
                 if ph != "restart":
                     print(f"N = {n}, {ph}: {errs[ph]} failed exchanges, e.g. {kept[0]}")
-            f["gateway_added_idle_p50_ms"] = added(d_idle, g_idle)
-            f["added_p50_ms"] = added(d_run, g_run)
             f["load_average_1m"] = os.getloadavg()[0]
     finally:
         sim_gc.close()
@@ -612,7 +646,8 @@ def main() -> None:
     ap.add_argument("--keepalive-s", type=float, default=KEEPALIVE_S,
                     help=f"agents' idle connection lifetime (default {KEEPALIVE_S:g} s, the real agent's)")
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
-    ap.add_argument("--gateway-n", type=int, default=300, help="gateway requests measured per side")
+    ap.add_argument("--gateway-n", type=int, default=GATEWAY_N,
+                    help=f"gateway requests measured per side, at least (default {GATEWAY_N})")
     ap.add_argument("--stop-after", choices=["burst"], help="end the run after this phase (a quick look)")
     ap.add_argument("--logs", type=Path, help="copy each control plane's server.log into this directory")
     args = ap.parse_args()

@@ -37,6 +37,8 @@ def test_scale_bench_at_20_agents() -> None:
     assert figures["reconnected"] == 16, out  # every agent still alive
     assert figures["heartbeat_errors_outside_restart"] == 0, out
     for name in ("heartbeat_p99_ms", "cp_cpu_cores", "cp_rss_mib", "added_p50_ms", "gateway_added_idle_p50_ms",
-                 "reconnect_p99_ms", "reconnect_peak_per_s", "cp_cpu_cores_per_1000_nodes"):
+                 "reconnect_p99_ms", "reconnect_peak_per_s", "cp_cpu_cores_per_1000_nodes", "added_p50_steady_ms",
+                 "added_p50_change_ms", "added_p50_change_ci_low_ms", "added_p50_change_ci_high_ms"):
         assert figures[name] == figures[name], f"{name} is NaN:\n{out}"  # measured, not missing
+    assert figures["added_p50_change_ci_low_ms"] <= figures["added_p50_change_ci_high_ms"], out
     assert "load_average_1m_20" in done.stdout
