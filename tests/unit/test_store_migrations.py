@@ -19,8 +19,8 @@ DATA = Path(__file__).parents[1] / "data"
 
 
 def _shape(engine: sa.Engine) -> dict[str, dict[str, tuple[Any, ...]]]:
-    """table -> column -> (type affinity, nullable, primary key, has a server default), as the
-    database reports them."""
+    """table -> column -> (type affinity, nullable, primary key, has a server default), and
+    ``"<table> indexes"`` -> index name -> (columns, unique), as the database reports them."""
     insp = sa.inspect(engine)
     out: dict[str, dict[str, tuple[Any, ...]]] = {}
     for table in insp.get_table_names():
@@ -29,6 +29,9 @@ def _shape(engine: sa.Engine) -> dict[str, dict[str, tuple[Any, ...]]]:
             c["name"]: (c["type"]._type_affinity.__name__, bool(c["nullable"]), c["name"] in pk,
                         c.get("default") is not None)
             for c in insp.get_columns(table)
+        }
+        out[f"{table} indexes"] = {  # name -> (columns, unique)
+            i["name"]: (tuple(i["column_names"]), bool(i["unique"])) for i in insp.get_indexes(table)
         }
     return out
 

@@ -1,7 +1,8 @@
 """The store's schema and its migrations: SQLAlchemy Core tables, dialect-neutral.
 
 The same tables and the same ordered :data:`MIGRATIONS` serve every SQL backend (SQLite and
-PostgreSQL): nothing here names a dialect. ``schema_migrations`` records the versions applied,
+PostgreSQL): nothing here names a dialect but the one partial index, whose predicate SQLAlchemy
+takes per dialect (:data:`GROUPED`, the same text for both). ``schema_migrations`` records the versions applied,
 so opening twice applies nothing twice; a migration is appended, never edited or reordered once
 released ("migrations, never delete the file").
 
@@ -29,7 +30,7 @@ leadership and membership of an HA cluster, :mod:`llmgw.control.reconcile.electi
 the gateway's keys, usage and cluster-wide rate counts; ``api_keys.priority``: migration 9),
 ``gateway_load``, ``autoscale_decisions``, ``autoscale_history`` and ``replicas.draining_since``
 (migration 10: autoscaling; ``gateway_load.arrived``: migration 13), ``changes`` (migration 12:
-the leader's dirty marks),
+the leader's dirty marks; the partial index ``ix_replicas_grouped``: migration 15),
 ``schema_migrations``.
 """
 
@@ -77,6 +78,11 @@ nodes_t = sa.Table(
     sa.Column("digest", sa.String(64), nullable=False, server_default=""),
 )
 
+#: The rows of ``replicas`` that are a group's (``members`` not empty), as SQL both dialects read the
+#: same: the predicate of the partial index ``ix_replicas_grouped`` (migration 15), and the query
+#: that finds a node's group replicas repeats it word for word so the planner may use the index.
+GROUPED = "members != '[]'"
+
 replicas_t = sa.Table(
     "replicas",
     metadata,
@@ -98,6 +104,9 @@ replicas_t = sa.Table(
     sa.Column("spec_hash", sa.String(64), nullable=False, server_default=""),  # migration 2
     sa.Column("members", sa.Text, nullable=False, server_default="[]"),  # migration 8: a group's nodes
     sa.Column("draining_since", sa.Float, nullable=True),  # migration 10: routed no more since; None: serving
+    # migration 15: the replicas spread over several nodes (a few), for the node's own list
+    # (sqlbeats.select_replicas): without it every heartbeat read scanned every replica.
+    sa.Index("ix_replicas_grouped", "id", sqlite_where=sa.text(GROUPED), postgresql_where=sa.text(GROUPED)),
 )
 
 gguf_facts_t = sa.Table(
@@ -512,6 +521,14 @@ def _migration_14(conn: Connection) -> None:
     _add_column(conn, "control_planes", sa.Column("node", sa.String(253), nullable=False, server_default=""))
 
 
+def _migration_15(conn: Connection) -> None:
+    """``ix_replicas_grouped``: a partial index of the replicas spread over several nodes (:data:`GROUPED`),
+    so that a node's list of replicas (every heartbeat's read) finds its group replicas without
+    reading every row: at 20,000 replicas that scan was 3.0 of a pulse read's 3.8 ms (SQLite,
+    2026-12-06). The same statement on SQLite and PostgreSQL (both have partial indexes)."""
+    conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_replicas_grouped ON replicas (id) WHERE {GROUPED}")
+
+
 #: Ordered ``(version, apply)`` pairs. Append new ones; never edit or reorder an applied one.
 MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (1, _migration_1),
@@ -528,6 +545,7 @@ MIGRATIONS: list[tuple[int, Callable[[Connection], None]]] = [
     (12, _migration_12),
     (13, _migration_13),
     (14, _migration_14),
+    (15, _migration_15),
 ]
 
 

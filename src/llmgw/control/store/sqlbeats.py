@@ -28,7 +28,15 @@ from llmgw.control.store.rows import (
     PulseRead,
     ReplicaRow,
 )
-from llmgw.control.store.schema import log_requests_t, models_t, node_certs_t, nodes_t, replicas_t, revoked_certs_t
+from llmgw.control.store.schema import (
+    GROUPED,
+    log_requests_t,
+    models_t,
+    node_certs_t,
+    nodes_t,
+    replicas_t,
+    revoked_certs_t,
+)
 from llmgw.control.store.sqlchanges import mark as mark_changes
 from llmgw.control.store.sqlpart import SqlPart
 from llmgw.errors import Conflict, Revoked
@@ -170,18 +178,24 @@ def touch_node(conn: Connection, node_id: str, digest: str, now: float) -> bool:
 
 def select_replicas(conn: Connection, *, model: str | None = None, node: str | None = None) -> list[ReplicaRow]:
     """:meth:`~llmgw.control.store.sql.SqlStore.list_replicas` on ``conn``."""
-    q = sa.select(replicas_t).order_by(replicas_t.c.created_at, replicas_t.c.id)
+    if node is None:
+        q = sa.select(replicas_t).order_by(replicas_t.c.created_at, replicas_t.c.id)
+        if model is not None:
+            q = q.where(replicas_t.c.model == model)
+        return [replica_row(r) for r in conn.execute(q)]
+    # A group replica uses every member's node: its head is ``node``, its workers are in ``members``
+    # (compact JSON, so the LIKE finds the exact key; checked again below). Two halves, each on an
+    # index (``node``; the partial ``ix_replicas_grouped``, whose predicate is repeated as is): one
+    # WHERE with OR scanned every replica (3.0 ms a heartbeat at 20,000 replicas, 2026-12-06).
+    c = replicas_t.c
+    mine = sa.select(replicas_t).where(c.node == node)
+    member = f'%"node":{json.dumps(node)}%'
+    grouped = sa.select(replicas_t).where(sa.text(GROUPED), c.node != node, c.members.like(member))
     if model is not None:
-        q = q.where(replicas_t.c.model == model)
-    if node is not None:
-        # A group replica uses every member's node: its head is ``node``, its workers are in
-        # ``members`` (compact JSON, so the LIKE finds the exact key; checked again below).
-        member = f'%"node":{json.dumps(node)}%'
-        q = q.where(sa.or_(replicas_t.c.node == node, replicas_t.c.members.like(member)))
-    rows = conn.execute(q).all()
-    out = [replica_row(r) for r in rows]
-    if node is not None:
-        out = [r for r in out if r.node == node or any(m.node == node for m in r.members)]
+        mine, grouped = mine.where(c.model == model), grouped.where(c.model == model)
+    out = [replica_row(r) for r in conn.execute(sa.union_all(mine, grouped))]
+    out = [r for r in out if r.node == node or any(m.node == node for m in r.members)]
+    out.sort(key=lambda r: (r.created_at, r.id))
     return out
 
 
