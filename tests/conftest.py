@@ -31,7 +31,7 @@ from _pytest.config import Config
 from llmgw.control.store import Store, default_url, open_store
 from llmgw.tlsconf import CA
 from tests.helpers import lanes
-from tests.helpers.postgres import Cluster, ClusterUnavailable, start_cluster
+from tests.helpers.postgres import Cluster, ClusterUnavailable, remove_template, start_cluster
 
 #: Each test's CPU seconds, with LLMGW_TEST_CPU=<file> (:mod:`tests.helpers.cputime`).
 pytest_plugins = ("tests.helpers.cputime",)
@@ -117,16 +117,27 @@ def skip_or_fail(msg: str) -> NoReturn:
 
 
 @pytest.fixture(scope="session")
-def pg_cluster_or_reason() -> Iterator[Cluster | str]:
+def pg_cluster_or_reason(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                         ) -> Iterator[Cluster | str]:
     """The session's throwaway PostgreSQL cluster, or why it could not start (asked once per session,
-    not once per test); stopped and removed at the end of the session."""
+    not once per test); stopped and removed at the end of the session. An xdist worker's is a copy
+    of a template made once per run in the run's base temp (the workers' base temps are in it), which
+    :func:`pytest_sessionfinish` removes when the run ends (:func:`tests.helpers.postgres.start_cluster`)."""
+    shared = tmp_path_factory.getbasetemp().parent if hasattr(request.config, "workerinput") else None
     try:
-        cluster = start_cluster()
+        cluster = start_cluster(shared)
     except ClusterUnavailable as e:
         yield f"PostgreSQL could not start: {e}"
         return
     yield cluster
     cluster.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """At the end of an xdist run (in the controller, after every worker has ended), remove the
+    PostgreSQL template the workers copied, if one was made (:func:`pg_cluster_or_reason`)."""
+    if session.config.pluginmanager.hasplugin("dsession"):  # xdist's controller: there were workers
+        remove_template(session.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
 
 
 @pytest.fixture
