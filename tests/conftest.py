@@ -179,15 +179,28 @@ def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def migrated_postgresql(pg_cluster_or_reason: Cluster | str) -> str:
+    """SQL that makes a schema as ``open_store`` made and migrated it, once per session (a worker's):
+    :func:`store` makes each test's schema with it (:meth:`Cluster.refill_schema`) rather than
+    migrating an empty one, as :func:`migrated_sqlite` does for SQLite."""
+    if isinstance(pg_cluster_or_reason, str):
+        skip_or_fail(pg_cluster_or_reason)
+    return pg_cluster_or_reason.migrated_dump(lambda url: open_store(url).close())
+
+
 @pytest.fixture
 def store(request: pytest.FixtureRequest, store_url: str, tmp_path: Path) -> Iterator[Store]:
     """A fresh store on each backend of :data:`STORE_BACKENDS`, closed after the test (on SQLite a
-    copy of :func:`migrated_sqlite`, at the path ``store_url`` names)."""
+    copy of :func:`migrated_sqlite`, at the path ``store_url`` names; on PostgreSQL a schema made by
+    :func:`migrated_postgresql`'s dump)."""
     if store_url.startswith("sqlite"):
         path = _sqlite_db(tmp_path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as the store makes it (store/sqlite.py)
         shutil.copyfile(request.getfixturevalue("migrated_sqlite"), path)
         path.chmod(0o600)
+    else:
+        request.getfixturevalue("pg_cluster").refill_schema(store_url, request.getfixturevalue("migrated_postgresql"))
     s = open_store(store_url)
     yield s
     s.close()
