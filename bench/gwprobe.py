@@ -5,7 +5,8 @@
 Alternating POSTs, one straight to an upstream and one through the gateway to it, a steady
 trickle (:data:`PAUSE_S` between pairs, not a load test), until standard input reaches its end
 *and* at least ``--n`` pairs were measured after ``--warmup``; then one JSON line on standard
-output: ``{"direct": [ms, ...], "gateway": [ms, ...]}``. Exits 1 naming the URL and status of an
+output: ``{"direct": [ms, ...], "gateway": [ms, ...], "at": [unix s, ...]}`` (``at``: when each
+measured pair started, for a caller that splits the run into windows). Exits 1 naming the URL and status of an
 answer other than 200.
 
 Why a process of its own: in bench/scale.py the probe had shared the simulator's event loop with
@@ -28,8 +29,11 @@ PAUSE_S = 0.005
 """Seconds between two pairs (bench/scale.py's trickle)."""
 
 
-async def probe(direct: str, gateway: str, body: bytes, n: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Pairs until standard input ends and ``n`` were measured; (direct ms, gateway ms)."""
+async def probe(
+    direct: str, gateway: str, body: bytes, n: int, warmup: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Pairs until standard input ends and ``n`` were measured; (direct ms, gateway ms, unix s each
+    pair started)."""
     loop = asyncio.get_running_loop()
     stdin_done = asyncio.Event()
 
@@ -40,10 +44,12 @@ async def probe(direct: str, gateway: str, body: bytes, n: int, warmup: int) -> 
     loop.run_in_executor(None, wait_stdin)
     d_ms: list[float] = []
     g_ms: list[float] = []
+    at: list[float] = []
     headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as sd, aiohttp.ClientSession() as sg:
         i = 0
         while not stdin_done.is_set() or len(g_ms) < n:
+            started = time.time()
             for url, session, out in ((direct, sd, d_ms), (gateway, sg, g_ms)):
                 t0 = time.perf_counter()
                 async with session.post(url, data=body, headers=headers) as r:
@@ -52,9 +58,11 @@ async def probe(direct: str, gateway: str, body: bytes, n: int, warmup: int) -> 
                         raise SystemExit(f"{url} answered {r.status}: {(await r.text())[:300]}")
                 if i >= warmup:
                     out.append((time.perf_counter() - t0) * 1000)
+            if i >= warmup:
+                at.append(started)
             i += 1
             await asyncio.sleep(PAUSE_S)
-    return d_ms, g_ms
+    return d_ms, g_ms, at
 
 
 def main() -> None:
@@ -65,8 +73,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50, help="pairs not measured first")
     ap.add_argument("--body", default='{"model": "scale-gw", "messages": [{"role": "user", "content": "Say ok."}]}')
     args = ap.parse_args()
-    d_ms, g_ms = asyncio.run(probe(args.direct, args.gateway, args.body.encode(), args.n, args.warmup))
-    print(json.dumps({"direct": d_ms, "gateway": g_ms}), flush=True)
+    d_ms, g_ms, at = asyncio.run(probe(args.direct, args.gateway, args.body.encode(), args.n, args.warmup))
+    print(json.dumps({"direct": d_ms, "gateway": g_ms, "at": at}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ engines simulated by their reports). For each N, in order:
    and the gateway's added latency measured meanwhile (``added_p50_ms`` vs ``gateway_added_idle_p50_ms``;
    ``added_p50_change_ms`` the difference, ``..._ci_low_ms``/``..._ci_high_ms`` its 95 % bootstrap
    interval: :func:`added_change_ci`);
+   then ``ab`` (``--ab-windows`` 12 of ``--ab-window-s`` 4 s): the gateway probed while the beats
+   flow and while every agent holds its next one, in alternating windows (:func:`ab_phase`):
+   ``ab_change_ms`` is what the control plane's heartbeat work adds to the gateway, with the drift
+   of minutes between the idle figure and the burst's taken out;
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
    docs/operating.md states (``lost_shown_within_s_documented``:
@@ -111,6 +115,10 @@ LOST_LOG = re.compile(r"node (\S+) lost: no heartbeat for ([\d.]+) s")
 GC_LOG = re.compile(r"gc: a generation (\d) collection paused the control plane (\d+) ms \(([\d.]+) ms of CPU")
 GW_WARMUP = 50
 BOOT_ROUNDS = 200
+AB_WINDOWS = 12
+AB_WINDOW_S = 4.0
+AB_SETTLE_S = 0.5
+"""Seconds at the start of an ``ab`` window whose pairs are left out (the change of state settling)."""
 GATEWAY_N = 2000
 """Requests measured on each side, at least (``--gateway-n``): the idle cluster's ~13 s of them. With
 300 (before 2026-12-06) the idle median alone moved by ~2-4 % from run to run, as much as what was
@@ -163,6 +171,14 @@ async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int
     (bench/gwprobe.py: not from this one's event loop, which the simulated agents keep busy), until
     ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
     (direct ms, gateway ms). SystemExit when the probe fails (an answer other than 200)."""
+    d_ms, g_ms, _ = await gateway_probe(direct, gateway, stop, n)
+    return d_ms, g_ms
+
+
+async def gateway_probe(
+    direct: str, gateway: str, stop: asyncio.Event, n: int
+) -> tuple[list[float], list[float], list[float]]:
+    """:func:`gateway_latency`, with the unix time each measured pair started."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
         "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -174,7 +190,49 @@ async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int
     if proc.returncode != 0:
         raise SystemExit(f"the gateway probe (bench/gwprobe.py) failed with status {proc.returncode}")
     got = json.loads(out)
-    return got["direct"], got["gateway"]
+    return got["direct"], got["gateway"], got["at"]
+
+
+async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window_s: float) -> dict[str, float]:
+    """The gateway with the control plane at work and idle, in alternating windows of ``window_s``
+    seconds (``windows`` in all, beats flowing first): in a held window every agent holds its next
+    beat (:attr:`scale_fleet.Fleet.flowing`), so the control plane, with the same N nodes and
+    replicas, has no heartbeat to handle. The windows interleave because the gateway's added latency
+    drifts by more than the effect over tens of seconds of one steady state (0.686 -> 0.605 ms in
+    30 s, N = 5,000, 2026-12-06): an idle figure taken minutes earlier compares two moments as much
+    as two loads. Pairs in the first :data:`AB_SETTLE_S` of a window are left out. Returns
+    ``ab_added_p50_flowing_ms``, ``..._held_ms``, ``ab_change_ms`` (flowing minus held) with its
+    95 % bootstrap interval, and the pairs on each side."""
+    stop = asyncio.Event()
+    probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
+    await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
+    spans: list[tuple[float, float, bool]] = []
+    try:
+        for k in range(windows):
+            flowing = k % 2 == 0
+            if flowing:
+                fleet.flowing.set()
+            else:
+                fleet.flowing.clear()
+            t0 = time.time()
+            await asyncio.sleep(window_s)
+            spans.append((t0 + AB_SETTLE_S, time.time(), flowing))
+    finally:
+        fleet.flowing.set()
+        stop.set()
+    d_ms, g_ms, at = await probe
+    sides: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    for d, g, t in zip(d_ms, g_ms, at, strict=False):
+        for start, end, flowing in spans:
+            if start <= t < end:
+                sides[flowing][0].append(d)
+                sides[flowing][1].append(g)
+    held, flowing_ = sides[False], sides[True]
+    f = {"ab_added_p50_flowing_ms": added(*flowing_), "ab_added_p50_held_ms": added(*held)}
+    f["ab_change_ms"] = f["ab_added_p50_flowing_ms"] - f["ab_added_p50_held_ms"]
+    f["ab_change_ci_low_ms"], f["ab_change_ci_high_ms"] = added_change_ci(held, flowing_)
+    f["ab_pairs_flowing"], f["ab_pairs_held"] = float(len(flowing_[1])), float(len(held[1]))
+    return f
 
 
 async def until(done: Callable[[], Awaitable[bool]], within_s: float, every_s: float) -> bool:
@@ -564,6 +622,10 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["added_p50_change_ms"] = f["added_p50_ms"] - f["gateway_added_idle_p50_ms"]
             f["added_p50_change_ci_low_ms"], f["added_p50_change_ci_high_ms"] = added_change_ci(
                 (d_idle, g_idle), (d_run, g_run))
+            if args.ab_windows:  # the gateway with the beats flowing and held, interleaved
+                enter("ab", fleet, cps)
+                say(n, "ab")
+                f.update(await ab_phase(fleet, direct, gateway, args.ab_windows, args.ab_window_s))
             if args.stop_after == "burst":
                 return
             # Kill a batch.
@@ -648,6 +710,11 @@ def main() -> None:
     ap.add_argument("--ha", action="store_true", help="three control planes on one PostgreSQL")
     ap.add_argument("--gateway-n", type=int, default=GATEWAY_N,
                     help=f"gateway requests measured per side, at least (default {GATEWAY_N})")
+    ap.add_argument("--ab-windows", type=int, default=AB_WINDOWS,
+                    help=f"after the burst, windows of beats flowing and held for the gateway's A/B "
+                    f"(default {AB_WINDOWS}; 0: none)")
+    ap.add_argument("--ab-window-s", type=float, default=AB_WINDOW_S,
+                    help=f"each A/B window (default {AB_WINDOW_S:g} s)")
     ap.add_argument("--stop-after", choices=["burst"], help="end the run after this phase (a quick look)")
     ap.add_argument("--logs", type=Path, help="copy each control plane's server.log into this directory")
     args = ap.parse_args()

@@ -180,6 +180,10 @@ class Fleet:
         self.agents: list[SimAgent] = []
         self.records = Records()
         self.stop = asyncio.Event()
+        self.flowing = asyncio.Event()
+        """Cleared: every agent holds its next beat until it is set again (bench/scale.py's ``ab``
+        phase: the control plane left idle for a window, the same cluster otherwise)."""
+        self.flowing.set()
         self.jitter = True
         self.keepalive_s = KEEPALIVE_S
         """How long an agent keeps an idle connection (s): the real agent's."""
@@ -275,6 +279,7 @@ class Fleet:
         connector = aiohttp.TCPConnector(ssl=agent.ctx, keepalive_timeout=self.keepalive_s)
         async with aiohttp.ClientSession(connector=connector) as s:
             while not self.stop.is_set():
+                await self.flowing.wait()
                 t = time.monotonic()
                 if rec.restarted_at:
                     rec.attempts.append(t)

@@ -25,7 +25,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 def test_scale_bench_at_20_agents() -> None:
     argv = [sys.executable, str(BENCH), "--agents", "20", "--models", "6", "--kill", "4",
             "--lost-after-s", "6", "--outage-s", "3", "--gateway-n", "40", "--ramp-per-s", "50",
-            "--settle-s", "2", "--steady-s", "3", "--steady-gw-s", "2", "--lost-slack-s", "10"]
+            "--settle-s", "2", "--steady-s", "3", "--steady-gw-s", "2", "--lost-slack-s", "10",
+            "--ab-windows", "4", "--ab-window-s", "1.5"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
@@ -38,7 +39,10 @@ def test_scale_bench_at_20_agents() -> None:
     assert figures["heartbeat_errors_outside_restart"] == 0, out
     for name in ("heartbeat_p99_ms", "cp_cpu_cores", "cp_rss_mib", "added_p50_ms", "gateway_added_idle_p50_ms",
                  "reconnect_p99_ms", "reconnect_peak_per_s", "cp_cpu_cores_per_1000_nodes", "added_p50_steady_ms",
-                 "added_p50_change_ms", "added_p50_change_ci_low_ms", "added_p50_change_ci_high_ms"):
+                 "added_p50_change_ms", "added_p50_change_ci_low_ms", "added_p50_change_ci_high_ms",
+                 "ab_added_p50_flowing_ms", "ab_added_p50_held_ms", "ab_change_ms"):
         assert figures[name] == figures[name], f"{name} is NaN:\n{out}"  # measured, not missing
     assert figures["added_p50_change_ci_low_ms"] <= figures["added_p50_change_ci_high_ms"], out
+    assert figures["ab_pairs_flowing"] > 0, out
+    assert figures["ab_pairs_held"] > 0, out
     assert "load_average_1m_20" in done.stdout
