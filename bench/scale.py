@@ -28,9 +28,9 @@ engines simulated by their reports). For each N, in order:
    the p99 of the digest-only beats and of the full states apart),
    and the gateway's added latency measured meanwhile (``added_p50_ms`` vs ``gateway_added_idle_p50_ms``;
    ``added_p50_change_ms`` the difference, ``..._ci_low_ms``/``..._ci_high_ms`` its 95 % bootstrap
-   interval: :func:`added_change_ci`);
+   interval: :func:`scale_gateway.added_change_ci`);
    then ``ab`` (``--ab-windows`` 12 of ``--ab-window-s`` 4 s): the gateway probed while the beats
-   flow and while every agent holds its next one, in alternating windows (:func:`ab_phase`):
+   flow and while every agent holds its next one, in alternating windows (:func:`scale_gateway.ab_phase`):
    ``ab_change_ms`` is what the control plane's heartbeat work adds to the gateway, with the drift
    of minutes between the idle figure and the burst's taken out;
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
@@ -68,9 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import random
 import re
 import shutil
 import statistics
@@ -91,13 +89,22 @@ sys.path.insert(0, str(HERE))
 from gateway_overhead import _spawn  # noqa: E402
 from scale_cp import ControlPlane, installs  # noqa: E402
 from scale_fleet import Fleet, SimAgent, SimGc, issue_certs, loop_lag  # noqa: E402
+from scale_gateway import (  # noqa: E402
+    AB_WINDOW_S,
+    AB_WINDOWS,
+    GATEWAY_N,
+    GW_MODEL,
+    ab_phase,
+    added,
+    added_change_ci,
+    gateway_latency,
+)
 from tests.helpers.control import TOKEN  # noqa: E402
 
 from llmgw.control.api.cadence import interval_for, lost_after_for  # noqa: E402
 from llmgw.control.reconcile.leader import DEFAULT_INTERVAL_S  # noqa: E402
 from llmgw.protocol import KEEPALIVE_S  # noqa: E402
 
-GW_MODEL = "scale-gw"
 QUIET_S = 3.0
 SETTLE_S = 10.0
 STEADY_S = 20.0
@@ -113,18 +120,6 @@ bound (s), as docs/operating.md states it: a whole dirty pass at 500 nodes takes
 on a quiet machine (bench/leader_pass.py), a loaded 2-core one stretches it."""
 LOST_LOG = re.compile(r"node (\S+) lost: no heartbeat for ([\d.]+) s")
 GC_LOG = re.compile(r"gc: a generation (\d) collection paused the control plane (\d+) ms \(([\d.]+) ms of CPU")
-GW_WARMUP = 50
-BOOT_ROUNDS = 200
-AB_WINDOWS = 12
-AB_WINDOW_S = 4.0
-AB_SETTLE_S = 0.5
-"""Seconds at the start of an ``ab`` window whose pairs are left out (the change of state settling)."""
-GATEWAY_N = 2000
-"""Requests measured on each side, at least (``--gateway-n``): the idle cluster's ~13 s of them. With
-300 (before 2026-12-06) the idle median alone moved by ~2-4 % from run to run, as much as what was
-being compared; the burst measures for as long as it lasts (~107 s, ~15,000 at N = 5,000)."""
-"""Resamples for the interval of the gateway's change during the run (:func:`added_change_ci`)."""
-BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
 
 
 @dataclass
@@ -166,75 +161,6 @@ def model_doc(name: str) -> dict[str, object]:
     }
 
 
-async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int) -> tuple[list[float], list[float]]:
-    """Alternating requests, direct then through the gateway, from a process of its own
-    (bench/gwprobe.py: not from this one's event loop, which the simulated agents keep busy), until
-    ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
-    (direct ms, gateway ms). SystemExit when the probe fails (an answer other than 200)."""
-    d_ms, g_ms, _ = await gateway_probe(direct, gateway, stop, n)
-    return d_ms, g_ms
-
-
-async def gateway_probe(
-    direct: str, gateway: str, stop: asyncio.Event, n: int
-) -> tuple[list[float], list[float], list[float]]:
-    """:func:`gateway_latency`, with the unix time each measured pair started."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
-        "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )
-    assert proc.stdin is not None
-    await stop.wait()
-    proc.stdin.close()
-    out, _ = await proc.communicate()
-    if proc.returncode != 0:
-        raise SystemExit(f"the gateway probe (bench/gwprobe.py) failed with status {proc.returncode}")
-    got = json.loads(out)
-    return got["direct"], got["gateway"], got["at"]
-
-
-async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window_s: float) -> dict[str, float]:
-    """The gateway with the control plane at work and idle, in alternating windows of ``window_s``
-    seconds (``windows`` in all, beats flowing first): in a held window every agent holds its next
-    beat (:attr:`scale_fleet.Fleet.flowing`), so the control plane, with the same N nodes and
-    replicas, has no heartbeat to handle. The windows interleave because the gateway's added latency
-    drifts by more than the effect over tens of seconds of one steady state (0.686 -> 0.605 ms in
-    30 s, N = 5,000, 2026-12-06): an idle figure taken minutes earlier compares two moments as much
-    as two loads. Pairs in the first :data:`AB_SETTLE_S` of a window are left out. Returns
-    ``ab_added_p50_flowing_ms``, ``..._held_ms``, ``ab_change_ms`` (flowing minus held) with its
-    95 % bootstrap interval, and the pairs on each side."""
-    stop = asyncio.Event()
-    probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
-    await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
-    spans: list[tuple[float, float, bool]] = []
-    try:
-        for k in range(windows):
-            flowing = k % 2 == 0
-            if flowing:
-                fleet.flowing.set()
-            else:
-                fleet.flowing.clear()
-            t0 = time.time()
-            await asyncio.sleep(window_s)
-            spans.append((t0 + AB_SETTLE_S, time.time(), flowing))
-    finally:
-        fleet.flowing.set()
-        stop.set()
-    d_ms, g_ms, at = await probe
-    sides: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
-    for d, g, t in zip(d_ms, g_ms, at, strict=False):
-        for start, end, flowing in spans:
-            if start <= t < end:
-                sides[flowing][0].append(d)
-                sides[flowing][1].append(g)
-    held, flowing_ = sides[False], sides[True]
-    f = {"ab_added_p50_flowing_ms": added(*flowing_), "ab_added_p50_held_ms": added(*held)}
-    f["ab_change_ms"] = f["ab_added_p50_flowing_ms"] - f["ab_added_p50_held_ms"]
-    f["ab_change_ci_low_ms"], f["ab_change_ci_high_ms"] = added_change_ci(held, flowing_)
-    f["ab_pairs_flowing"], f["ab_pairs_held"] = float(len(flowing_[1])), float(len(held[1]))
-    return f
-
-
 async def until(done: Callable[[], Awaitable[bool]], within_s: float, every_s: float) -> bool:
     """Poll ``done`` every ``every_s`` until it is true (True) or ``within_s`` passed (False)."""
     deadline = time.monotonic() + within_s
@@ -244,28 +170,6 @@ async def until(done: Callable[[], Awaitable[bool]], within_s: float, every_s: f
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(every_s)
-
-
-def added(d_ms: list[float], g_ms: list[float]) -> float:
-    """What the gateway adds: its median minus the direct median (ms)."""
-    return statistics.median(g_ms) - statistics.median(d_ms)
-
-
-def added_change_ci(idle: tuple[list[float], list[float]], run: tuple[list[float], list[float]],
-                    rounds: int = BOOT_ROUNDS) -> tuple[float, float]:
-    """The 95 % interval (ms) of ``added(run) - added(idle)``: each of the four samples (direct and
-    gateway, idle and during the run) resampled with replacement ``rounds`` times (a percentile
-    bootstrap, seeded: the same samples give the same interval). An interval reaching below 0 means
-    this run cannot tell the gateway during the run from the idle one."""
-    rng = random.Random(0)
-
-    def again(xs: list[float]) -> list[float]:
-        return rng.choices(xs, k=len(xs))
-
-    diffs = sorted(
-        added(again(run[0]), again(run[1])) - added(again(idle[0]), again(idle[1])) for _ in range(rounds)
-    )
-    return diffs[int(0.025 * rounds)], diffs[min(rounds - 1, int(0.975 * rounds))]
 
 
 async def replicas(client: httpx.AsyncClient) -> list[dict[str, Any]]:

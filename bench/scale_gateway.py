@@ -1,0 +1,126 @@
+"""bench/scale.py's gateway figures: the probe (bench/gwprobe.py, a process of its own) started and
+read back, the change between two samples with its bootstrap interval, and the ``ab`` phase (the
+gateway with the beats flowing and held, in alternating windows). Apart from scale.py, which runs
+the phases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from scale_fleet import Fleet
+
+HERE = Path(__file__).resolve().parent
+GW_MODEL = "scale-gw"
+"""The model whose two replicas the gateway is measured through (at the instant upstream)."""
+GW_WARMUP = 50
+"""Pairs the probe sends before it measures."""
+BOOT_ROUNDS = 200
+"""Resamples for the interval of the gateway's change during the run (:func:`added_change_ci`)."""
+AB_WINDOWS = 12
+"""Windows of the ``ab`` phase (``--ab-windows``), beats flowing and held in turn."""
+AB_WINDOW_S = 4.0
+"""Seconds of each ``ab`` window (``--ab-window-s``)."""
+AB_SETTLE_S = 0.5
+"""Seconds at the start of an ``ab`` window whose pairs are left out (the change of state settling)."""
+GATEWAY_N = 2000
+"""Requests measured on each side, at least (``--gateway-n``): the idle cluster's ~13 s of them. With
+300 (before 2026-12-06) the idle median alone moved by ~2-4 % from run to run, as much as what was
+being compared; the burst measures for as long as it lasts (~107 s, ~15,000 at N = 5,000)."""
+BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
+
+
+async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int) -> tuple[list[float], list[float]]:
+    """Alternating requests, direct then through the gateway, from a process of its own
+    (bench/gwprobe.py: not from this one's event loop, which the simulated agents keep busy), until
+    ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
+    (direct ms, gateway ms). SystemExit when the probe fails (an answer other than 200)."""
+    d_ms, g_ms, _ = await gateway_probe(direct, gateway, stop, n)
+    return d_ms, g_ms
+
+
+async def gateway_probe(
+    direct: str, gateway: str, stop: asyncio.Event, n: int
+) -> tuple[list[float], list[float], list[float]]:
+    """:func:`gateway_latency`, with the unix time each measured pair started."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
+        "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None
+    await stop.wait()
+    proc.stdin.close()
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"the gateway probe (bench/gwprobe.py) failed with status {proc.returncode}")
+    got = json.loads(out)
+    return got["direct"], got["gateway"], got["at"]
+
+
+async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window_s: float) -> dict[str, float]:
+    """The gateway with the control plane at work and idle, in alternating windows of ``window_s``
+    seconds (``windows`` in all, beats flowing first): in a held window every agent holds its next
+    beat (:attr:`scale_fleet.Fleet.flowing`), so the control plane, with the same N nodes and
+    replicas, has no heartbeat to handle. The windows interleave because the gateway's added latency
+    drifts by more than the effect over tens of seconds of one steady state (0.686 -> 0.605 ms in
+    30 s, N = 5,000, 2026-12-06): an idle figure taken minutes earlier compares two moments as much
+    as two loads. Pairs in the first :data:`AB_SETTLE_S` of a window are left out. Returns
+    ``ab_added_p50_flowing_ms``, ``..._held_ms``, ``ab_change_ms`` (flowing minus held) with its
+    95 % bootstrap interval, and the pairs on each side."""
+    stop = asyncio.Event()
+    probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
+    await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
+    spans: list[tuple[float, float, bool]] = []
+    try:
+        for k in range(windows):
+            flowing = k % 2 == 0
+            if flowing:
+                fleet.flowing.set()
+            else:
+                fleet.flowing.clear()
+            t0 = time.time()
+            await asyncio.sleep(window_s)
+            spans.append((t0 + AB_SETTLE_S, time.time(), flowing))
+    finally:
+        fleet.flowing.set()
+        stop.set()
+    d_ms, g_ms, at = await probe
+    sides: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    for d, g, t in zip(d_ms, g_ms, at, strict=False):
+        for start, end, flowing in spans:
+            if start <= t < end:
+                sides[flowing][0].append(d)
+                sides[flowing][1].append(g)
+    held, flowing_ = sides[False], sides[True]
+    f = {"ab_added_p50_flowing_ms": added(*flowing_), "ab_added_p50_held_ms": added(*held)}
+    f["ab_change_ms"] = f["ab_added_p50_flowing_ms"] - f["ab_added_p50_held_ms"]
+    f["ab_change_ci_low_ms"], f["ab_change_ci_high_ms"] = added_change_ci(held, flowing_)
+    f["ab_pairs_flowing"], f["ab_pairs_held"] = float(len(flowing_[1])), float(len(held[1]))
+    return f
+
+
+def added(d_ms: list[float], g_ms: list[float]) -> float:
+    """What the gateway adds: its median minus the direct median (ms)."""
+    return statistics.median(g_ms) - statistics.median(d_ms)
+
+
+def added_change_ci(idle: tuple[list[float], list[float]], run: tuple[list[float], list[float]],
+                    rounds: int = BOOT_ROUNDS) -> tuple[float, float]:
+    """The 95 % interval (ms) of ``added(run) - added(idle)``: each of the four samples (direct and
+    gateway, idle and during the run) resampled with replacement ``rounds`` times (a percentile
+    bootstrap, seeded: the same samples give the same interval). An interval reaching below 0 means
+    this run cannot tell the gateway during the run from the idle one."""
+    rng = random.Random(0)
+
+    def again(xs: list[float]) -> list[float]:
+        return rng.choices(xs, k=len(xs))
+
+    diffs = sorted(
+        added(again(run[0]), again(run[1])) - added(again(idle[0]), again(idle[1])) for _ in range(rounds)
+    )
+    return diffs[int(0.025 * rounds)], diffs[min(rounds - 1, int(0.975 * rounds))]
