@@ -193,10 +193,11 @@ def select_replicas(conn: Connection, *, model: str | None = None, node: str | N
     grouped = sa.select(replicas_t).where(sa.text(GROUPED), c.node != node, c.members.like(member))
     if model is not None:
         mine, grouped = mine.where(c.model == model), grouped.where(c.model == model)
-    out = [replica_row(r) for r in conn.execute(sa.union_all(mine, grouped))]
-    out = [r for r in out if r.node == node or any(m.node == node for m in r.members)]
-    out.sort(key=lambda r: (r.created_at, r.id))
-    return out
+    # Ordered by the database, as the list of every replica is: ids compare by its collation, which
+    # a sort here (by code point) would not follow on PostgreSQL, and the desired list's digest is in order.
+    both = sa.union_all(mine, grouped).order_by(sa.literal_column("created_at"), sa.literal_column("id"))
+    out = [replica_row(r) for r in conn.execute(both)]
+    return [r for r in out if r.node == node or any(m.node == node for m in r.members)]
 
 
 def update_replica(conn: Connection, replica: ReplicaRow) -> int:
