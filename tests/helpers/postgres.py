@@ -156,11 +156,12 @@ def start_cluster(shared: Path | None = None) -> Cluster:
             run them as root, or the server did not start (its log's last lines are included).
     """
     as_postgres = _find_tools()
-    cluster = Cluster(_new_root("llmgw-pg-", as_postgres), free_port(), as_postgres)
     if shared is None:
+        cluster = Cluster(_new_root("llmgw-pg-", as_postgres), free_port(), as_postgres)
         _make(cluster)
         return cluster
-    template = _template(shared, as_postgres)
+    template = _template(shared, as_postgres)  # before this worker's directory: a failure leaves none
+    cluster = Cluster(_new_root("llmgw-pg-", as_postgres), free_port(), as_postgres)
     try:
         # as the postgres user (who owns both) when we are root; -a keeps the 0700 modes PostgreSQL checks
         _run(["cp", "-a", str(template), str(cluster.data)], cluster.as_postgres, cluster.root)
@@ -182,6 +183,11 @@ def _find_tools() -> bool:
         )
     global _BIN  # noqa: PLW0603 - found once per session, used by every pg_ctl call
     _BIN = {tool: str(found) for tool, found in tools.items()}
+    # pg_dump of the server's own version: the one beside initdb (Debian's /usr/bin/pg_dump is a
+    # wrapper that runs the newest client installed, whose dump another server may not read)
+    beside = Path(_BIN["initdb"]).parent / "pg_dump"
+    if beside.is_file():
+        _BIN["pg_dump"] = str(beside)
     return os.geteuid() == 0
 
 
