@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
+import os
+import threading
 import time
 
 import aiohttp
@@ -38,10 +39,13 @@ async def probe(
     stdin_done = asyncio.Event()
 
     def wait_stdin() -> None:
-        sys.stdin.buffer.read()  # returns at end of input: the caller's "stop"
+        while os.read(0, 65536):  # returns at end of input: the caller's "stop" (unbuffered: a
+            pass  # buffered read would hold stdin's lock, which a failing probe's shutdown then waits for)
         loop.call_soon_threadsafe(stdin_done.set)
 
-    loop.run_in_executor(None, wait_stdin)
+    # A daemon thread, not the loop's executor: a probe that fails exits at once, not when its
+    # caller closes standard input (asyncio.run would wait for the executor's thread).
+    threading.Thread(target=wait_stdin, daemon=True).start()
     d_ms: list[float] = []
     g_ms: list[float] = []
     at: list[float] = []

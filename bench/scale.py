@@ -90,6 +90,7 @@ from gateway_overhead import _spawn  # noqa: E402
 from scale_cp import ControlPlane, installs  # noqa: E402
 from scale_fleet import Fleet, SimAgent, SimGc, issue_certs, loop_lag  # noqa: E402
 from scale_gateway import (  # noqa: E402
+    AB_SETTLE_S,
     AB_WINDOW_S,
     AB_WINDOWS,
     GATEWAY_N,
@@ -626,6 +627,9 @@ def main() -> None:
     for name, v in (("--agents", min(sizes)), ("--models", args.models), ("--kill", args.kill)):
         if v < 1:
             ap.error(f"{name} must be at least 1, not {v}")
+    if args.ab_windows and (args.ab_windows < 2 or args.ab_window_s <= AB_SETTLE_S):
+        ap.error(f"--ab-windows must be 0 or at least 2 (a flowing and a held window), and --ab-window-s "
+                 f"more than the {AB_SETTLE_S:g} s left out of each, not {args.ab_windows} and {args.ab_window_s:g}")
     if args.kill > min(sizes) - 2:
         ap.error(f"--kill {args.kill} must leave the 2 gateway nodes: at most --agents minus 2")
     runs = []

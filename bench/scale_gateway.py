@@ -53,9 +53,18 @@ async def gateway_probe(
         "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdin is not None
-    await stop.wait()
-    proc.stdin.close()
-    out, _ = await proc.communicate()
+    try:
+        # whichever comes first: the caller's stop, or the probe ending on its own (a failed answer)
+        stopped, exited = asyncio.create_task(stop.wait()), asyncio.create_task(proc.wait())
+        await asyncio.wait({stopped, exited}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        proc.stdin.close()
+        out, _ = await proc.communicate()
+    except BaseException:  # the bench failed or was cancelled meanwhile: no probe left sending
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
     if proc.returncode != 0:
         raise SystemExit(f"the gateway probe (bench/gwprobe.py) failed with status {proc.returncode}")
     got = json.loads(out)
@@ -74,9 +83,9 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
     95 % bootstrap interval, and the pairs on each side."""
     stop = asyncio.Event()
     probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
-    await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
     spans: list[tuple[float, float, bool]] = []
     try:
+        await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
         for k in range(windows):
             flowing = k % 2 == 0
             if flowing:
@@ -105,7 +114,10 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
 
 
 def added(d_ms: list[float], g_ms: list[float]) -> float:
-    """What the gateway adds: its median minus the direct median (ms)."""
+    """What the gateway adds: its median minus the direct median (ms); NaN when a side is empty (a
+    window too short for a pair: the figure is then printed as missing, not the run failed)."""
+    if not d_ms or not g_ms:
+        return float("nan")
     return statistics.median(g_ms) - statistics.median(d_ms)
 
 
@@ -115,6 +127,8 @@ def added_change_ci(idle: tuple[list[float], list[float]], run: tuple[list[float
     gateway, idle and during the run) resampled with replacement ``rounds`` times (a percentile
     bootstrap, seeded: the same samples give the same interval). An interval reaching below 0 means
     this run cannot tell the gateway during the run from the idle one."""
+    if not all((*idle, *run)):
+        return float("nan"), float("nan")
     rng = random.Random(0)
 
     def again(xs: list[float]) -> list[float]:
