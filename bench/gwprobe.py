@@ -1,6 +1,6 @@
 """The gateway's added latency, probed from a process of its own (bench/scale.py runs it).
 
-    python bench/gwprobe.py DIRECT_URL GATEWAY_URL --n N [--warmup 50] [--body JSON]
+    python bench/gwprobe.py DIRECT_URL GATEWAY_URL --body JSON [--n N] [--warmup 50]
 
 Alternating POSTs, one straight to an upstream and one through the gateway to it, a steady
 trickle (:data:`PAUSE_S` between pairs, not a load test), until standard input reaches its end
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("gateway")
     ap.add_argument("--n", type=int, default=300, help="pairs measured at least")
     ap.add_argument("--warmup", type=int, default=50, help="pairs not measured first")
-    ap.add_argument("--body", default='{"model": "scale-gw", "messages": [{"role": "user", "content": "Say ok."}]}')
+    ap.add_argument("--body", required=True, help="the chat request both sides get (JSON)")
     args = ap.parse_args()
     d_ms, g_ms, at = asyncio.run(probe(args.direct, args.gateway, args.body.encode(), args.n, args.warmup))
     print(json.dumps({"direct": d_ms, "gateway": g_ms, "at": at}), flush=True)

@@ -98,7 +98,7 @@ from scale_gateway import (  # noqa: E402
     ab_phase,
     added,
     added_change_ci,
-    gateway_latency,
+    gateway_probe,
 )
 from tests.helpers.control import TOKEN  # noqa: E402
 
@@ -418,7 +418,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             gateway = f"http://127.0.0.1:{inst.ports['gateway']}/v1/chat/completions"
             stop_gw = asyncio.Event()
             stop_gw.set()
-            d_idle, g_idle = await gateway_latency(direct, gateway, stop_gw, args.gateway_n)
+            d_idle, g_idle, _ = await gateway_probe(direct, gateway, stop_gw, args.gateway_n)
             # Ramp.
             enter("ramp", fleet, cps)
             t, c0, s0 = time.monotonic(), cpu(), sum(me.cpu_times()[:2])
@@ -467,10 +467,10 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             # The same beats with the gateway trickle the burst measures too (it shares the loop).
             enter("steady_gw", fleet, cps)
             stop_gw = asyncio.Event()
-            gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, 0))
+            gw = asyncio.create_task(gateway_probe(direct, gateway, stop_gw, 0))
             await asyncio.sleep(args.steady_gw_s)
             stop_gw.set()
-            d_steady, g_steady = await gw
+            d_steady, g_steady, _ = await gw
             f["added_p50_steady_ms"] = added(d_steady, g_steady)
             steady_gw = [b.ms for b in fleet.records.beats.get("steady_gw", [])]
             f["heartbeat_steady_gw_p50_ms"] = pct(steady_gw, 50)
@@ -481,7 +481,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             enter("burst", fleet, cps)
             say(n, "burst")
             stop_gw = asyncio.Event()
-            gw = asyncio.create_task(gateway_latency(direct, gateway, stop_gw, args.gateway_n))
+            gw = asyncio.create_task(gateway_probe(direct, gateway, stop_gw, args.gateway_n))
             c0, t = cpu(), time.monotonic()
             bench_models = {f"bench-{k:03d}" for k in range(args.models)}
             for name in sorted(bench_models):
@@ -493,7 +493,7 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             f["burst_all_ready_s"] = float("nan") if ready_s is None else time.monotonic() - t
             f["cp_cpu_cores_burst"] = cores(c0, time.monotonic() - t)[0]
             stop_gw.set()
-            d_run, g_run = await gw
+            d_run, g_run, _ = await gw
             if ready_s is None:
                 run.failures.append("the burst's replicas were not all ready in time")
             burst = [b.ms for b in fleet.records.beats.get("burst", [])]

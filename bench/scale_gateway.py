@@ -35,29 +35,23 @@ being compared; the burst measures for as long as it lasts (~107 s, ~15,000 at N
 BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
 
 
-async def gateway_latency(direct: str, gateway: str, stop: asyncio.Event, n: int) -> tuple[list[float], list[float]]:
-    """Alternating requests, direct then through the gateway, from a process of its own
-    (bench/gwprobe.py: not from this one's event loop, which the simulated agents keep busy), until
-    ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
-    (direct ms, gateway ms). SystemExit when the probe fails (an answer other than 200)."""
-    d_ms, g_ms, _ = await gateway_probe(direct, gateway, stop, n)
-    return d_ms, g_ms
-
-
 async def gateway_probe(
     direct: str, gateway: str, stop: asyncio.Event, n: int
 ) -> tuple[list[float], list[float], list[float]]:
-    """:func:`gateway_latency`, with the unix time each measured pair started."""
+    """Alternating requests, direct then through the gateway, from a process of its own
+    (bench/gwprobe.py: not from this one's event loop, which the simulated agents keep busy), until
+    ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
+    (direct ms, gateway ms, unix s each measured pair started). SystemExit when the probe fails (an
+    answer other than 200, a refused connection): at once, not at ``stop``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
         "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdin is not None
+    # whichever comes first: the caller's stop, or the probe ending on its own (a failed answer)
+    stopped, exited = asyncio.create_task(stop.wait()), asyncio.create_task(proc.wait())
     try:
-        # whichever comes first: the caller's stop, or the probe ending on its own (a failed answer)
-        stopped, exited = asyncio.create_task(stop.wait()), asyncio.create_task(proc.wait())
         await asyncio.wait({stopped, exited}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
         proc.stdin.close()
         out, _ = await proc.communicate()
     except BaseException:  # the bench failed or was cancelled meanwhile: no probe left sending
@@ -65,6 +59,9 @@ async def gateway_probe(
             proc.kill()
             await proc.wait()
         raise
+    finally:
+        stopped.cancel()
+        exited.cancel()
     if proc.returncode != 0:
         raise SystemExit(f"the gateway probe (bench/gwprobe.py) failed with status {proc.returncode}")
     got = json.loads(out)
