@@ -30,7 +30,8 @@ engines simulated by their reports). For each N, in order:
    ``added_p50_change_ms`` the difference, ``..._ci_low_ms``/``..._ci_high_ms`` its 95 % bootstrap
    interval: :func:`scale_gateway.added_change_ci`);
    then ``ab`` (``--ab-windows`` 12 of ``--ab-window-s`` 4 s): the gateway probed while the beats
-   flow and while every agent holds its next one, in alternating windows (:func:`scale_gateway.ab_phase`):
+   flow and while every agent drops the beat that falls due (no two in a row), in alternating windows
+   (:func:`scale_gateway.ab_phase`; ``ab_beats_per_s_flowing`` and ``..._held`` the beats answered):
    ``ab_change_ms`` is what the control plane's heartbeat work adds to the gateway, with the drift
    of minutes between the idle figure and the burst's taken out;
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
@@ -86,6 +87,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import scale_cp  # noqa: E402
 from gateway_overhead import _spawn  # noqa: E402
 from scale_cp import ControlPlane, installs  # noqa: E402
 from scale_fleet import Fleet, SimAgent, SimGc, issue_certs, loop_lag  # noqa: E402
@@ -621,6 +623,11 @@ def main() -> None:
     ap.add_argument("--ab-window-s", type=float, default=AB_WINDOW_S,
                     help=f"each A/B window (default {AB_WINDOW_S:g} s)")
     ap.add_argument("--stop-after", choices=["burst"], help="end the run after this phase (a quick look)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the control plane on the first CPU alone, this process and its other children "
+                    "(the simulated agents, the upstream, the gateway probe) on the others: what the "
+                    "control plane's own work costs the gateway, apart from what simulating the fleet "
+                    "on the same machine takes from it")
     ap.add_argument("--logs", type=Path, help="copy each control plane's server.log into this directory")
     args = ap.parse_args()
     sizes = args.agents or [500]
@@ -632,6 +639,12 @@ def main() -> None:
                  f"more than the {AB_SETTLE_S:g} s left out of each, not {args.ab_windows} and {args.ab_window_s:g}")
     if args.kill > min(sizes) - 2:
         ap.error(f"--kill {args.kill} must leave the 2 gateway nodes: at most --agents minus 2")
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            ap.error(f"--pin needs at least 2 CPUs, this process may use {len(cpus)}")
+        scale_cp.CP_CPUS = {cpus[0]}
+        os.sched_setaffinity(0, set(cpus[1:]))
     runs = []
     for n in sizes:
         print(f"N = {n}: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}", flush=True)

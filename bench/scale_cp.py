@@ -25,8 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.helpers.control import Install, make_install
 from tests.helpers.postgres import Cluster, start_cluster
 
+#: The CPUs each control plane is confined to (``--pin``: the first one), None: wherever the
+#: scheduler puts it. Set by bench/scale.py before it starts one.
+CP_CPUS: set[int] | None = None
+
 START_S = 60.0
 """How long a control plane may take to answer ``/api/v1/health`` (s; ~6 s here under load)."""
+
+
+def _pin() -> None:
+    """In the child, before it execs: confine it (and every thread it starts) to :data:`CP_CPUS`."""
+    assert CP_CPUS is not None
+    os.sched_setaffinity(0, CP_CPUS)
 
 
 class ControlPlane:
@@ -53,6 +63,7 @@ class ControlPlane:
         self.proc = subprocess.Popen(  # noqa: ASYNC220 - its start is not what is measured
             [sys.executable, "-m", "llmgw", "server", "run"],
             env={**os.environ, "LLMGW_ROOT": str(self.inst.root)}, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=_pin if CP_CPUS is not None else None,  # noqa: PLW1509 - one call, before exec
         )
         log.close()
         self.ps = psutil.Process(self.proc.pid)

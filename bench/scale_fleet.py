@@ -155,6 +155,8 @@ class SimAgent:
     :attr:`last_ok` does not count)."""
     alive: bool = True
     task: asyncio.Task[None] | None = None
+    skipped: bool = False
+    """Its last beat fell due while the fleet was held and was dropped (:attr:`Fleet.flowing`)."""
 
 
 class Fleet:
@@ -181,8 +183,16 @@ class Fleet:
         self.records = Records()
         self.stop = asyncio.Event()
         self.flowing = asyncio.Event()
-        """Cleared: every agent holds its next beat until it is set again (bench/scale.py's ``ab``
-        phase: the control plane left idle for a window, the same cluster otherwise)."""
+        """Cleared: a beat that falls due is dropped, not sent later (bench/scale.py's ``ab`` phase:
+        the control plane left idle for a window, the same cluster otherwise). Dropped, because
+        beats held and sent when the window ends came at once on top of the next window's own: the
+        windows with beats flowing carried about twice the steady rate, from a burst. An agent
+        drops no two beats in a row (it sends the second even while held), so no node goes three
+        intervals silent and is seen lost (:func:`llmgw.control.api.cadence.lost_after_for`)."""
+        self.dropped = 0
+        """Beats dropped while held (:attr:`flowing` cleared)."""
+        self.sent_held = 0
+        """Beats sent while held (an agent's second in a row that fell due then)."""
         self.flowing.set()
         self.jitter = True
         self.keepalive_s = KEEPALIVE_S
@@ -279,7 +289,16 @@ class Fleet:
         connector = aiohttp.TCPConnector(ssl=agent.ctx, keepalive_timeout=self.keepalive_s)
         async with aiohttp.ClientSession(connector=connector) as s:
             while not self.stop.is_set():
-                await self.flowing.wait()
+                if not self.flowing.is_set():
+                    if not agent.skipped:
+                        agent.skipped = True
+                        self.dropped += 1
+                        wait = beat_wait_s(2.0, agent.interval_s, random.uniform(*JITTER))
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self.stop.wait(), max(wait, 0.1))
+                        continue
+                    self.sent_held += 1
+                agent.skipped = False
                 t = time.monotonic()
                 if rec.restarted_at:
                     rec.attempts.append(t)

@@ -75,12 +75,17 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
     replicas, has no heartbeat to handle. The windows interleave because the gateway's added latency
     drifts by more than the effect over tens of seconds of one steady state (0.686 -> 0.605 ms in
     30 s, N = 5,000, 2026-12-06): an idle figure taken minutes earlier compares two moments as much
-    as two loads. Pairs in the first :data:`AB_SETTLE_S` of a window are left out. Returns
-    ``ab_added_p50_flowing_ms``, ``..._held_ms``, ``ab_change_ms`` (flowing minus held) with its
-    95 % bootstrap interval, and the pairs on each side."""
+    as two loads. Pairs in the first :data:`AB_SETTLE_S` of a window are left out. A beat that falls
+    due in a held window is dropped, so a flowing window carries the steady rate, no more
+    (:attr:`scale_fleet.Fleet.flowing`). Returns ``ab_added_p50_flowing_ms``, ``..._held_ms``,
+    ``ab_change_ms`` (flowing minus held) with its 95 % bootstrap interval, the pairs on each side,
+    and the beats per second the control plane answered on each (``ab_beats_per_s_flowing``,
+    ``..._held``) with the beats dropped and sent while held."""
     stop = asyncio.Event()
     probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
     spans: list[tuple[float, float, bool]] = []
+    beat_spans: list[tuple[float, float, bool]] = []  # monotonic, as the fleet's beats are timed
+    dropped, sent_held = fleet.dropped, fleet.sent_held
     try:
         await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
         for k in range(windows):
@@ -89,9 +94,10 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
                 fleet.flowing.set()
             else:
                 fleet.flowing.clear()
-            t0 = time.time()
+            t0, m0 = time.time(), time.monotonic()
             await asyncio.sleep(window_s)
             spans.append((t0 + AB_SETTLE_S, time.time(), flowing))
+            beat_spans.append((m0, time.monotonic(), flowing))
     finally:
         fleet.flowing.set()
         stop.set()
@@ -107,6 +113,13 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
     f["ab_change_ms"] = f["ab_added_p50_flowing_ms"] - f["ab_added_p50_held_ms"]
     f["ab_change_ci_low_ms"], f["ab_change_ci_high_ms"] = added_change_ci(held, flowing_)
     f["ab_pairs_flowing"], f["ab_pairs_held"] = float(len(flowing_[1])), float(len(held[1]))
+    beats = fleet.records.beats.get(fleet.records.phase, [])
+    for side, name in ((True, "flowing"), (False, "held")):
+        wall = sum(end - start for start, end, on in beat_spans if on is side)
+        n = sum(1 for b in beats for start, end, on in beat_spans if on is side and start <= b.at < end)
+        f[f"ab_beats_per_s_{name}"] = n / wall if wall else float("nan")
+    f["ab_beats_dropped"] = float(fleet.dropped - dropped)
+    f["ab_beats_sent_held"] = float(fleet.sent_held - sent_held)
     return f
 
 

@@ -45,4 +45,7 @@ def test_scale_bench_at_20_agents() -> None:
     assert figures["added_p50_change_ci_low_ms"] <= figures["added_p50_change_ci_high_ms"], out
     assert figures["ab_pairs_flowing"] > 0, out
     assert figures["ab_pairs_held"] > 0, out
+    # a held window drops the beats that fall due: fewer answered than while they flow, and none twice in a row
+    assert figures["ab_beats_dropped"] > 0, out
+    assert figures["ab_beats_per_s_held"] < figures["ab_beats_per_s_flowing"], out
     assert "load_average_1m_20" in done.stdout
