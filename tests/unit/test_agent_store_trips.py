@@ -1,5 +1,6 @@
 """One heartbeat, two store trips: one read transaction and one write transaction; a pulse (the
-state's digest instead of the state) the same two, its write one ``UPDATE`` of ``last_seen``.
+state's digest instead of the state) one trip (the heartbeats' batch reads and writes it on its
+thread), the same two transactions, its write one ``UPDATE`` of ``last_seen``.
 
 A real store (each backend of ``tests/conftest.py``'s ``store_url``) counts the transactions it
 opens (``SqlStore._tx`` reads, ``SqlStore._wtx`` writes), and the agent API's off-loop pool counts
@@ -242,7 +243,7 @@ async def test_a_pulse_is_one_read_and_one_liveness_write(agent: Agent) -> None:
     assert not reply.send_full
     assert reply.digest == first.digest
     assert (reply.desired, reply.desired_unchanged) == ([], True)
-    assert agent.counts() == (2, 1, 1)
+    assert agent.counts() == (1, 1, 1)  # one hand-off: read and written on the heartbeats' batch thread
     writes = [s for s in sent if s.startswith(("UPDATE", "INSERT", "DELETE"))]
     assert len(writes) == 1, writes  # the liveness write, nothing else
     assert writes[0].startswith("UPDATE NODES SET REVISION=(NODES.REVISION + "), writes

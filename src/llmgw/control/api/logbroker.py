@@ -153,6 +153,10 @@ class LogBroker:
             return []
         return self.store.take_log_requests(node, now=now)
 
+    def stored_waiting(self, node: str) -> bool:
+        """Whether :meth:`wants_stored` would say yes for ``node`` now (without giving the answer)."""
+        return self.store is not None and node in self._queued
+
     def wants_stored(self, node: str) -> bool:
         """Whether ``node``'s next heartbeat should take the log requests queued in the store (store
         mode, and :meth:`watch` or this control plane saw some for it since the last take); the
