@@ -429,7 +429,7 @@ def orphan_run(
 ) -> tuple[OrphanLoad, float, float, float, Member]:
     """Run the load, orphan the primary (its Patroni SIGKILLed, its PostgreSQL left running), wait for
     another member's promotion, watch ``watch_s`` more seconds, or less once ``settled(load,
-    promoted)`` says what the caller waits for has been seen (asked every 0.5 s); returns the stopped
+    promoted)`` says what the caller waits for has been seen (asked every 0.1 s); returns the stopped
     load, the kill's, the promotion's and the watch's end's monotonic times, and the new primary. The
     orphan still runs afterwards (``ha.stop()`` ends it).
 
@@ -447,7 +447,7 @@ def orphan_run(
         new = ha.patroni.wait_primary(60, not_=p)
         promoted = time.monotonic()
         while time.monotonic() < promoted + watch_s and not (settled is not None and settled(load, promoted)):
-            time.sleep(0.5)
+            time.sleep(0.1)
         ended = time.monotonic()
         assert p.postmaster_pid() is not None, f"the orphan {p.name}'s PostgreSQL died: it was meant to live on"
     finally:

@@ -318,7 +318,7 @@ class PatroniCluster:
                 "sync_standby" in roles
             ) and all(s.get("state") == "streaming" for s in st if s.get("role") != "leader")
 
-        wait_for(f"{len(self.members)} Patroni members: one primary, the others streaming", healthy, within_s, 0.5)
+        wait_for(f"{len(self.members)} Patroni members: one primary, the others streaming", healthy, within_s, 0.2)
 
     def store_url(self, database: str = DATABASE) -> str:
         """The control planes' SQLAlchemy URL: every member, libpq tries them in order and keeps the
