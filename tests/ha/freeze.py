@@ -18,13 +18,18 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from llmgw.control.reconcile.election import APP_LEADER, LOCK_KEY
+from llmgw.control.reconcile.election import APP_LEADER, LOCK_KEY, OP_TIMEOUT_S
 from tests.ha.load import agreed_leader, cluster_views
 from tests.helpers.hacluster import DATABASE, HACluster
 from tests.helpers.waits import wait_for
 
 #: The control planes' lease (``cluster.lease_s``, the default the helpers' installs keep), seconds.
 LEASE_S = 5.0
+#: Seconds the old leader is watched after ``SIGCONT`` for a claim to its old term: its next renewal
+#: (``cluster.renew_s``, 1 s) answered or timed out (the election's ``OP_TIMEOUT_S``, 2 s), whichever
+#: statement it was in when frozen; its watchdog (every 0.1 s) has stopped it by then anyway, its last
+#: renewal being older than the lease. 5 s until 2026-12-06.
+AFTER_S = 1.0 + OP_TIMEOUT_S
 
 
 @dataclass
@@ -94,7 +99,7 @@ def _health(cluster: HACluster, name: str) -> dict[str, object] | None:
 
 
 def freeze_lock_holder(
-    cluster: HACluster, *, within_s: float = 20, after_s: float = 5, whole_control_plane: bool = False
+    cluster: HACluster, *, within_s: float = 20, after_s: float = AFTER_S, whole_control_plane: bool = False
 ) -> Freeze:
     """Freeze the lock holder's backend until a new term is agreed on (``within_s`` at most), then
     ``SIGCONT`` it and watch ``after_s`` seconds more (module docstring). With

@@ -10,10 +10,12 @@ takes a higher term within 2 s of the lease's end (database clock: the old ``ren
 the new ``since``), every control plane names it within lease + 2 s of the freeze (the old leader's
 health and the views sampled on threads of their own, so the figures are not those of a slow poll),
 no view names the old term's leader once its lease has ended, and after ``SIGCONT`` the old term
-never leads again, its writes are refused and the frozen backend exits (it was terminated). The
-second test freezes the leading control plane's process instead (its backend idle and alive: the
-server's view of a leader cut off by the network). The two share one cluster: about 47 s for both on
-2 cores, its start included (load 3-4; 2026-12-03).
+never leads again (watched 3 s: its next renewal answered or timed out), its writes are refused and
+the frozen backend exits (it was terminated). The second test freezes the leading control plane's
+process instead (its backend idle and alive: the server's view of a leader cut off by the network).
+The two share one cluster: about 38 s for both on 2 cores, its start included (37-38 s at load
+3.7-6.5, 2026-12-06; 41-44 s with the 5 s watch after ``SIGCONT`` that tests/ha/freeze.py's
+``AFTER_S`` replaced; 47 s at load 3-4, 2026-12-03).
 """
 
 from __future__ import annotations
