@@ -1,12 +1,13 @@
 """A manual scale-down drains: ``llmgw ctl model scale m 1`` on a model of two replicas (not
-autoscaled) while a stream is in flight on each. The newest replica is routed no more at once, its
+autoscaled) while a stream is in flight on the newest. The newest replica is routed no more at once, its
 stream still ends with ``data: [DONE]``, and it stops only after that.
 
 Real processes throughout: a control plane (``serve``), an agent (``run_agent``), two llama-server
 replicas of gemma-3-270m (one slot each, ``routing: round-robin`` so that the two streams go one to
 each), the real gateway, and ``llmgw ctl`` as a child process. The answers are long by
 construction: ``logit_bias`` bans gemma's end tokens (1 ``<eos>``, 106 ``<end_of_turn>``), so each
-stream runs to its ``max_tokens``.
+stream runs to its ``max_tokens``; the one on the oldest replica is only there so that the other
+lands on the newest, and is left after its first token.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
                     body += chunk
                     if b'"content"' in body:
                         first_chunk[n].set()
+                        if replica == oldest:  # it only keeps the other stream off the oldest: left at once
+                            break  # (the engine stops within a second: 5 CPU-s of tokens nobody reads)
                 ended[replica] = time.monotonic()
                 return r.status, replica, body
 
@@ -105,8 +108,9 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
     assert sorted(rep for _, rep, _ in results) == sorted([oldest, newest])
     for status, rep, body in results:
         assert status == 200, (rep, body[-300:])
-        assert body.rstrip().endswith(b"data: [DONE]"), (rep, body[-300:])
         assert b'"error"' not in body, (rep, body[-300:])
+        if rep == newest:  # the drained replica's stream ran to its end
+            assert body.rstrip().endswith(b"data: [DONE]"), (rep, body[-300:])
     # the drain began while the newest replica's stream was still in flight, and the replica was
     # listed (draining) until that stream had ended
     assert drain_seen < ended[newest], "the stream ended before the drain began: make the answers longer"
