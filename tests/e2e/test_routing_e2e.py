@@ -254,7 +254,9 @@ def test_a_replica_killed_while_requests_wait(world: World, assets: Assets) -> N
         world.settle()
         assert bal.loads()["rep-x"].slots == SLOTS
 
-        def body(tag: str, i: int, max_tokens: int = 48) -> dict[str, Any]:
+        def body(tag: str, i: int, max_tokens: int = 32) -> dict[str, Any]:
+            # 32 tokens keep every slot busy well past the kill (~0.1-0.5 s after they start; 2 s or
+            # more of decoding on a loaded machine); 48 cost 6 x 16 tokens more on the surviving three
             return _chat("four", [f"{tag} {i}: tell a long story."], max_tokens=max_tokens)
 
         with concurrent.futures.ThreadPoolExecutor(16) as ex:
