@@ -85,3 +85,30 @@ def test_a_failure_during_this_run_is_final(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match=r"m failed to start on node vm: llama-server exited 1"):
         serve.wait_serving(init.ctx, "m")
     assert restarted == []
+
+
+def test_after_a_profile_change_only_the_replacement_serves(tmp_path: Path) -> None:
+    """A judge carried in on a later run changes the starter's profile (its cores): the old replica,
+    ready, then draining, was taken for "serving" and the first chat after init met only the new
+    one starting (503 model_unavailable, tests/e2e/test_init.py under load). Serving is what the
+    gateway routes to: ready, not draining, and made after the change."""
+    init, out = make_init(tmp_path, {})
+    changed = init.ctx.replaced_at["m"] = init.ctx.started_at + 10
+    old = {"id": "m-old", "model": "m", "node": "vm", "state": "ready", "profile": "cpu", "created_at": changed - 60}
+    new = {"id": "m-new", "model": "m", "node": "vm", "state": "starting", "profile": "cpu", "created_at": changed + 1}
+    answers = [
+        [old],  # before the leader drained it: still ready, not yet draining
+        [{**old, "draining_since": changed + 0.5}, new],
+        [{**old, "draining_since": changed + 0.5}, {**new, "state": "ready"}],
+    ]
+    seen: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/api/v1/replicas"
+        seen.append(1)
+        return httpx.Response(200, json=answers[min(len(seen), len(answers)) - 1])
+
+    init.ctx.admin_transport = httpx.MockTransport(handler)
+    serve.wait_serving(init.ctx, "m")
+    assert len(seen) == 3  # neither the old one nor the new one starting was taken for serving
+    assert "done m is serving (profile cpu)" in out.getvalue()

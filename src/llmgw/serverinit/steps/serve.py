@@ -180,8 +180,13 @@ def wait_serving(ctx: InitContext, name: str) -> None:
                     )
             return False
         unplaced = None
+        since = ctx.replaced_at.get(name)
         for r in reps:
-            if r.state == "ready":
+            # What the gateway routes to (ready, not draining), and after a profile change this run
+            # made, the replacement: the old replica, still ready until the leader drained it, was
+            # taken for "serving" and the first request after init met only the new one starting
+            # (503 model_unavailable, tests/e2e/test_init.py at load ~12).
+            if r.state == "ready" and r.draining_since is None and (since is None or (r.created_at or 0.0) >= since):
                 ctx.say("kept" if was_first else "done", f"{name} is serving (profile {r.profile})")
                 return True
         if any(restart_old_failure(r) for r in reps):
