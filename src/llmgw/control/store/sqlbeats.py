@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from llmgw.catalog import Model
 from llmgw.control.store.base import ISSUE_SLACK_S, REMOVAL_PREFIX, report_updates
 from llmgw.control.store.codec import heartbeat_values, node_row, replica_row, replica_values
 from llmgw.control.store.rows import (
@@ -70,30 +71,33 @@ class SqlBeats(SqlPart):
 
     def read_heartbeat(self, node_id: str, serial: str, issued_at: float | None) -> HeartbeatRead:
         """One read transaction: the verdict on the certificate, the node, its replicas and their models."""
-        with self._tx() as conn:
-            refused = refusal(conn, node_id, serial, issued_at) if serial else None
-            if refused is not None:
-                return HeartbeatRead(refused)
-            row = conn.execute(_NODE, {"node": node_id}).first()
-            replicas = select_replicas(conn, node=node_id)
-            names = sorted({r.model for r in replicas})
-            rows = conn.execute(_MODELS, {"names": names}).all() if names else []
-        models = {m.name: m.model for m in (self._model_row(r) for r in rows) if m is not None}
+        refused, row, replicas, models = self._read_beat(node_id, serial, issued_at, _NODE)
+        if refused is not None:
+            return HeartbeatRead(refused)
         return HeartbeatRead(None, node_row(row) if row else None, replicas, models)
 
     def read_pulse(self, node_id: str, serial: str, issued_at: float | None) -> PulseRead:
         """One read transaction, as :meth:`read_heartbeat` but with the node's liveness columns only."""
+        refused, row, replicas, models = self._read_beat(node_id, serial, issued_at, _LIVENESS)
+        if refused is not None:
+            return PulseRead(refused)
+        before = NodeLiveness(row.id, row.state, row.instance, row.last_seen, row.digest) if row else None
+        return PulseRead(None, before, replicas, models)
+
+    def _read_beat(
+        self, node_id: str, serial: str, issued_at: float | None, node_q: sa.Select[Any]
+    ) -> tuple[tuple[str, float] | None, sa.Row[Any] | None, list[ReplicaRow], dict[str, Model]]:
+        """A beat's read transaction: ``(refusal, the node's row by node_q, its replicas, their
+        models by name)``; with a refusal, nothing else is read."""
         with self._tx() as conn:
             refused = refusal(conn, node_id, serial, issued_at) if serial else None
             if refused is not None:
-                return PulseRead(refused)
-            row = conn.execute(_LIVENESS, {"node": node_id}).first()
+                return refused, None, [], {}
+            row = conn.execute(node_q, {"node": node_id}).first()
             replicas = select_replicas(conn, node=node_id)
             names = sorted({r.model for r in replicas})
             rows = conn.execute(_MODELS, {"names": names}).all() if names else []
-        models = {m.name: m.model for m in (self._model_row(r) for r in rows) if m is not None}
-        before = NodeLiveness(row.id, row.state, row.instance, row.last_seen, row.digest) if row else None
-        return PulseRead(None, before, replicas, models)
+        return None, row, replicas, {m.name: m.model for m in (self._model_row(r) for r in rows) if m is not None}
 
     def count_nodes(self) -> int:
         """How many nodes are stored (any state): what the heartbeat interval is sized by."""
