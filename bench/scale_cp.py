@@ -33,12 +33,6 @@ START_S = 60.0
 """How long a control plane may take to answer ``/api/v1/health`` (s; ~6 s here under load)."""
 
 
-def _pin() -> None:
-    """In the child, before it execs: confine it (and every thread it starts) to :data:`CP_CPUS`."""
-    assert CP_CPUS is not None
-    os.sched_setaffinity(0, CP_CPUS)
-
-
 class ControlPlane:
     """``llmgw server run`` over ``inst`` as a child process (its output to ``server.log`` in its root)."""
 
@@ -60,10 +54,12 @@ class ControlPlane:
             with contextlib.suppress(psutil.Error):
                 self._cpu_before += sum(self.ps.cpu_times()[:2])
         log = (self.inst.root / "server.log").open("ab")
+        # --pin: taskset confines the process and every thread it starts (a preexec_fn could deadlock
+        # in a child forked from this threaded process)
+        pin = ["taskset", "-c", ",".join(map(str, sorted(CP_CPUS)))] if CP_CPUS is not None else []
         self.proc = subprocess.Popen(  # noqa: ASYNC220 - its start is not what is measured
-            [sys.executable, "-m", "llmgw", "server", "run"],
+            [*pin, sys.executable, "-m", "llmgw", "server", "run"],
             env={**os.environ, "LLMGW_ROOT": str(self.inst.root)}, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=_pin if CP_CPUS is not None else None,  # noqa: PLW1509 - one call, before exec
         )
         log.close()
         self.ps = psutil.Process(self.proc.pid)

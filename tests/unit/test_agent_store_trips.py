@@ -323,3 +323,48 @@ async def test_desired_changes_reach_pulses_and_old_agents_get_the_whole_list(ag
     for _ in range(2):
         reply = await post(agent, old)
         assert (reply.desired_unchanged, [s.id for s in reply.desired]) == (False, [row.id])
+
+
+async def _status(agent: Agent, body: Heartbeat | Pulse) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.post(
+        agent.url + "/agent/v1/heartbeat", data=body.model_dump_json(), ssl=agent.ctx
+    ) as r:
+        return r.status, await r.text()
+
+
+async def test_a_second_agents_pulse_is_refused_409(agent: Agent) -> None:
+    """A pulse from another instance of the node's agent while the first holds the id: 409, as a full beat."""
+    first = await beat(agent, hb().model_copy(update={"instance": "A"}))
+    assert (await _status(agent, Pulse(digest=first.digest, instance="A")))[0] == 200
+    status, text = await _status(agent, Pulse(digest=first.digest, instance="B"))
+    assert status == 409, text
+    assert "node_id_in_use" in text, text
+
+
+async def test_one_pulses_failing_read_fails_it_alone_not_its_batch(agent: Agent) -> None:
+    """A pulse is read inside the heartbeats' batch (beat_batch): a read that raises for one node (a
+    bad row, a bug) answers that pulse 500 and no other beat of the batch (a reviewer's finding: a
+    full beat batched with it got 500 too)."""
+    first = await beat(agent, hb())
+    real = agent.store.read_pulse
+    calls: list[int] = []
+
+    def flaky(*a: object, **k: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:  # a slow batch, so that the next two beats make one batch together
+            import time  # noqa: PLC0415
+
+            time.sleep(0.4)
+            return real(*a, **k)  # type: ignore[arg-type]
+        raise RuntimeError("this node's row does not parse")
+
+    agent.store.read_pulse = flaky  # type: ignore[method-assign]
+    try:
+        slow = asyncio.ensure_future(_status(agent, Pulse(digest=first.digest)))
+        await asyncio.sleep(0.15)
+        bad = asyncio.ensure_future(_status(agent, Pulse(digest=first.digest)))
+        full = asyncio.ensure_future(_status(agent, hb()))
+        got = await asyncio.gather(slow, bad, full)
+    finally:
+        agent.store.read_pulse = real  # type: ignore[method-assign]
+    assert [g[0] for g in got] == [200, 500, 200], got

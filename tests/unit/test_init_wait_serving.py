@@ -87,20 +87,8 @@ def test_a_failure_during_this_run_is_final(tmp_path: Path) -> None:
     assert restarted == []
 
 
-def test_after_a_profile_change_only_the_replacement_serves(tmp_path: Path) -> None:
-    """A judge carried in on a later run changes the starter's profile (its cores): the old replica,
-    ready, then draining, was taken for "serving" and the first chat after init met only the new
-    one starting (503 model_unavailable, tests/e2e/test_init.py under load). Serving is what the
-    gateway routes to: ready, not draining, and made after the change."""
-    init, out = make_init(tmp_path, {})
-    changed = init.ctx.replaced_at["m"] = init.ctx.started_at + 10
-    old = {"id": "m-old", "model": "m", "node": "vm", "state": "ready", "profile": "cpu", "created_at": changed - 60}
-    new = {"id": "m-new", "model": "m", "node": "vm", "state": "starting", "profile": "cpu", "created_at": changed + 1}
-    answers = [
-        [old],  # before the leader drained it: still ready, not yet draining
-        [{**old, "draining_since": changed + 0.5}, new],
-        [{**old, "draining_since": changed + 0.5}, {**new, "state": "ready"}],
-    ]
+def _scripted(init: ServerInit, answers: list[list[dict[str, Any]]]) -> list[int]:
+    """Answer the replicas view with ``answers`` in turn (the last one from then on); returns the calls."""
     seen: list[int] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -109,6 +97,38 @@ def test_after_a_profile_change_only_the_replacement_serves(tmp_path: Path) -> N
         return httpx.Response(200, json=answers[min(len(seen), len(answers)) - 1])
 
     init.ctx.admin_transport = httpx.MockTransport(handler)
+    return seen
+
+
+def test_after_a_profile_change_only_the_replacement_serves(tmp_path: Path) -> None:
+    """A judge carried in on a later run changes the starter's profile (its cores): the old replica,
+    ready, then draining, was taken for "serving" and the first chat after init met only the new
+    one starting (503 model_unavailable, tests/e2e/test_init.py under load). Serving is what the
+    gateway routes to: ready and not draining; the replica on the changed profile only once it
+    stayed so for REPLACED_SETTLE_S."""
+    init, out = make_init(tmp_path, {})
+    init.ctx.replaced["m"] = {"m-old"}
+    old = {"id": "m-old", "model": "m", "node": "vm", "state": "ready", "profile": "cpu"}
+    new = {"id": "m-new", "model": "m", "node": "vm", "state": "starting", "profile": "cpu"}
+    seen = _scripted(init, [
+        [old],  # before the leader drained it: still ready, not yet draining
+        [{**old, "draining_since": 1.0}, new],
+        [{**old, "draining_since": 1.0}, {**new, "state": "ready"}],
+    ])
     serve.wait_serving(init.ctx, "m")
     assert len(seen) == 3  # neither the old one nor the new one starting was taken for serving
     assert "done m is serving (profile cpu)" in out.getvalue()
+
+
+def test_a_replica_the_change_does_not_replace_serves_after_the_settle(tmp_path: Path) -> None:
+    """The changed profile's replica that the leader does not replace (its spec unchanged, e.g. the
+    replica runs another profile's spec) is not waited on for ever: it serves once it stayed ready
+    and not draining for REPLACED_SETTLE_S."""
+    init, out = make_init(tmp_path, {})
+    init.ctx.replaced["m"] = {"m-1"}
+    seen = _scripted(init, [[{"id": "m-1", "model": "m", "node": "vm", "state": "ready", "profile": "cpu"}]])
+    t0 = init.ctx.clock.now()
+    serve.wait_serving(init.ctx, "m")
+    assert init.ctx.clock.now() - t0 >= serve.REPLACED_SETTLE_S
+    assert len(seen) >= 2
+    assert "m is serving (profile cpu)" in out.getvalue()

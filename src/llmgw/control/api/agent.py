@@ -70,7 +70,7 @@ from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.nodelabels import honoured
 from llmgw.control.store import NodeRow, Store
-from llmgw.control.store.offloop import Batcher, OffLoop
+from llmgw.control.store.offloop import UNREACHABLE, Batcher, OffLoop
 from llmgw.control.store.rows import BeatResult, BeatWrite, NodeLiveness
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
@@ -96,6 +96,12 @@ _Report = TypeVar("_Report")
 #: The shortest heartbeat interval the control plane asks agents for (seconds; it grows with the
 #: cluster: :mod:`llmgw.control.api.cadence`).
 HEARTBEAT_INTERVAL_S = MIN_INTERVAL_S
+
+MAX_BATCHED_PULSES = 32
+"""A pulse goes into the heartbeats' batch whole (read there too, :func:`beat_batch`) only while
+fewer than this wait for the next batch; past it (a reconnect storm, a slow database) it is read on
+the readers' threads as a full beat is: a batch's reads run one after another under one deadline
+(:data:`~llmgw.control.store.offloop.STORE_DEADLINE_S`), ~0.6 ms each on SQLite at 5,000 nodes."""
 
 MAX_ISSUED = 100_000
 """Certificates whose ``notBefore`` the agent API keeps parsed (one per node; cleared past this)."""
@@ -345,6 +351,9 @@ class PulseDone:
     now: float
     clash: str = ""
     wrote: BeatResult | None = None
+    error: Exception | None = None
+    """This pulse's own read or judgement failed (a bad row, a bug): raised for it alone, not for
+    the batch (a database that cannot be reached fails the whole batch, as it would each beat)."""
 
 
 def beat_batch(
@@ -365,12 +374,18 @@ def beat_batch(
             writes.append(item)
             at.append(i)
             continue
-        seen = read_side(store, item.node_id, item.serial, item.issued_at, pulse=True)
-        now = clock()
-        done = PulseDone(seen, now)
-        before = seen.before
-        if seen.refused is None:
-            done = PulseDone(seen, now, id_in_use(before, item.beat, now, hold_s=item.hold_s))
+        try:
+            seen = read_side(store, item.node_id, item.serial, item.issued_at, pulse=True)
+            now = clock()
+            done = PulseDone(seen, now)
+            before = seen.before
+            if seen.refused is None:
+                done = PulseDone(seen, now, id_in_use(before, item.beat, now, hold_s=item.hold_s))
+        except UNREACHABLE:
+            raise
+        except Exception as e:  # handed to this pulse's handler, which raises it
+            out[i] = pulses[i] = PulseDone(HeartbeatSeen(None, None, []), clock(), error=e)
+            continue
         out[i] = pulses[i] = done
         if seen.refused is None and not done.clash and before is not None and before.state == "ready" \
                 and before.digest and before.digest == item.beat.digest:
@@ -393,6 +408,8 @@ async def plain_pulse(request: web.Request, node_id: str, beat: Pulse, serial: s
     done = await ctx.beats.submit(job)
     if not isinstance(done, PulseDone):  # beat_batch answers each item in kind
         raise TypeError(f"the heartbeats' batch answered a pulse with a {type(done).__name__}")
+    if done.error is not None:
+        raise done.error
     seen, wrote = done.seen, done.wrote
     if seen.refused is not None:
         raise revoked_error(node_id, serial, seen.refused[1])
@@ -431,6 +448,7 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
     issued_at = ctx.issued[serial]
     if (
         isinstance(beat, Pulse)
+        and ctx.beats.pending < MAX_BATCHED_PULSES
         and not (serial and (node_id, serial) not in ctx.seen)
         and not (ctx.logs is not None and ctx.logs.stored_waiting(node_id))
     ):

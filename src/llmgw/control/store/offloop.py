@@ -151,7 +151,8 @@ STORE_DEADLINE_S = 5.0
 ROUTES_MIN_GAP_S = 0.25
 
 #: The driver's errors that mean "the database cannot be reached", not "this call is wrong".
-_UNREACHABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+UNREACHABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+_UNREACHABLE = UNREACHABLE
 
 
 _CHECK = (
@@ -303,6 +304,11 @@ class Batcher(Generic[ItemT, ResultT]):
         self.write = write
         self._pending: list[tuple[ItemT, asyncio.Future[ResultT]]] = []
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        """Items waiting for the next batch (the one being written not counted)."""
+        return len(self._pending)
 
     async def submit(self, item: ItemT) -> ResultT:
         """Queue ``item``; its result once its batch is written (the batch's exception, if it raised)."""

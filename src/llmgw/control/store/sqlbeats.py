@@ -46,7 +46,7 @@ from llmgw.protocol import LogRequest
 # The statements every beat runs, built once with bound parameters: built per call, making the
 # expressions and their cache keys was a fifth of a pulse's read (cProfile, 5,000 nodes, 2026-12-06).
 _REFUSAL = sa.select(revoked_certs_t).where(
-    revoked_certs_t.c.serial.in_([sa.bindparam("serial"), sa.bindparam("removal")])
+    revoked_certs_t.c.serial.in_([sa.bindparam("serial", type_=sa.String), sa.bindparam("removal", type_=sa.String)])
 )
 _DENIED = sa.select(revoked_certs_t).where(revoked_certs_t.c.serial.in_(sa.bindparam("serials", expanding=True)))
 _LIVENESS = sa.select(

@@ -65,9 +65,9 @@ class InitContext:
     # before it failed before anything this run changed, so its failure is not final.
     started_at: float = field(default_factory=time.time, init=False)
     user: UserChoice | None = field(default=None, init=False)
-    # Models whose profiles this run changed, and when (the store's clock): their replicas made
-    # before then are being replaced, so only a newer one serves them (steps/serve.py wait_serving).
-    replaced_at: dict[str, float] = field(default_factory=dict, init=False)
+    # Models whose profile this run changed: the ids of their replicas on that profile then, which
+    # the leader replaces (steps/serve.py wait_serving does not take them for serving at once).
+    replaced: dict[str, set[str]] = field(default_factory=dict, init=False)
     # HA (steps/ha.py): the addresses the mirror's management API answers besides loopback, and
     # the host its URL names when it listens on every interface.
     mirror_allow: list[str] = field(default_factory=list, init=False)

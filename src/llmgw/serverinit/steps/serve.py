@@ -122,6 +122,13 @@ def copy_into_store(ctx: InitContext, source: str, name: str, version: str) -> N
         chown_tree(p.mirror_store, user)
 
 
+#: Seconds a replica on a profile this run changed must stay ready and not draining before init
+#: takes it for serving: the leader's pass after an admin write starts within its MIN_GAP_S (1 s) and
+#: marks an outdated replica draining (llmgw.control.reconcile.leader); its periodic pass is every
+#: 2 s (DEFAULT_INTERVAL_S).
+REPLACED_SETTLE_S = 5.0
+
+
 def wait_serving(ctx: InitContext, name: str) -> None:
     """Wait for a ready replica of ``name``; believe placement's "nowhere" after the grace.
 
@@ -132,6 +139,7 @@ def wait_serving(ctx: InitContext, name: str) -> None:
     client = ctx.admin(PROBE_TIMEOUT_S)
     unplaced: float | None = None
     retried: set[str] = set()
+    seen_ready: dict[str, float] = {}  # a replica on a changed profile: when it was first seen ready
     first = True  # "kept" only when it was serving before this run looked
 
     def restart_old_failure(r: ReplicaView) -> bool:
@@ -180,15 +188,20 @@ def wait_serving(ctx: InitContext, name: str) -> None:
                     )
             return False
         unplaced = None
-        since = ctx.replaced_at.get(name)
+        old = ctx.replaced.get(name, set())
         for r in reps:
-            # What the gateway routes to (ready, not draining), and after a profile change this run
-            # made, the replacement: the old replica, still ready until the leader drained it, was
-            # taken for "serving" and the first request after init met only the new one starting
-            # (503 model_unavailable, tests/e2e/test_init.py at load ~12).
-            if r.state == "ready" and r.draining_since is None and (since is None or (r.created_at or 0.0) >= since):
-                ctx.say("kept" if was_first else "done", f"{name} is serving (profile {r.profile})")
-                return True
+            # What the gateway routes to (ready, not draining). A replica on a profile this run changed
+            # counts once it has stayed so for REPLACED_SETTLE_S: until the leader drained it, the old
+            # one was taken for "serving" and the first request after init met only its replacement
+            # starting (503 model_unavailable, tests/e2e/test_init.py at load ~12); one the change
+            # does not replace (its own profile's spec unchanged) serves after that wait.
+            if r.state != "ready" or r.draining_since is not None:
+                continue
+            if r.id in old and ctx.clock.now() - seen_ready.setdefault(r.id, ctx.clock.now()) < REPLACED_SETTLE_S:
+                ctx.note(f"{name}: replica {r.id} is ready; waiting to see whether the profile change replaces it")
+                continue
+            ctx.say("kept" if was_first else "done", f"{name} is serving (profile {r.profile})")
+            return True
         if any(restart_old_failure(r) for r in reps):
             return False
         for r in reps:

@@ -4,7 +4,6 @@ leaves it beside the judges), and a wait until a replica is ready (:mod:`.serve`
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from llmgw import sourcecheck
@@ -70,6 +69,6 @@ def _make_room_for_a_judge(ctx: InitContext, name: str, cores: int) -> None:
     cpu = next((p for p in profiles if isinstance(p, dict) and p.get("name") == "cpu"), None)
     if cpu is None or cpu.get("cpu_cores") != alone:
         return
-    ctx.replaced_at[name] = time.time()
+    ctx.replaced[name] = {r.id for r in ctx.admin().replicas(name) if r.profile == "cpu"}
     ctx.admin().set_profiles(name, [{**p, "cpu_cores": cores} if p is cpu else p for p in profiles])
     ctx.say("updated", f"{name}: profile cpu reserves {cores} of its {alone} cores, the rest for the judge")
