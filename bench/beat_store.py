@@ -5,7 +5,7 @@ fills it (N nodes, 4 ready replicas each: 20,000 replicas at N = 5,000), every n
 a stored digest. Then, for random nodes, in this one process (no event loop, no TLS: the store's
 part alone):
 
-* ``read``: :func:`llmgw.control.api.agent.read_side` for a pulse (the certificate's verdict, the
+* ``read``: :func:`llmgw.control.api.beatside.read_side` for a pulse (the certificate's verdict, the
   node's liveness, its replicas and their models, the reply's desired list and digest);
 * ``write``: :meth:`~llmgw.control.store.base.Store.write_heartbeats` of one pulse (a batch of one:
   the revocation check and the conditional ``last_seen`` update, one transaction).
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from leader_pass import Cluster  # noqa: E402
 
-from llmgw.control.api.agent import read_side  # noqa: E402
+from llmgw.control.api.beatside import read_side  # noqa: E402
 from llmgw.control.store import SqlStore  # noqa: E402
 from llmgw.control.store.rows import BeatWrite  # noqa: E402
 

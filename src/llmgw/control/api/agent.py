@@ -56,7 +56,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from aiohttp import web
@@ -64,14 +64,23 @@ from pydantic import TypeAdapter, ValidationError
 
 from llmgw import jsonbody, tlsconf
 from llmgw.config import ServerConfig
+from llmgw.control.api.beatside import (
+    MAX_BATCHED_PULSES,
+    HeartbeatSeen,
+    PulseDone,
+    PulseJob,
+    beat_batch,
+    hold_for,
+    id_in_use,
+    read_side,
+)
 from llmgw.control.api.cadence import MIN_INTERVAL_S, Cadence
-from llmgw.control.api.desired import desired_specs
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.nodelabels import honoured
-from llmgw.control.store import NodeRow, Store
-from llmgw.control.store.offloop import UNREACHABLE, Batcher, OffLoop
-from llmgw.control.store.rows import BeatResult, BeatWrite, NodeLiveness
+from llmgw.control.store import Store
+from llmgw.control.store.offloop import Batcher, OffLoop
+from llmgw.control.store.rows import BeatResult, BeatWrite
 from llmgw.errors import HttpError, Revoked, StoreUnavailable
 from llmgw.httperrors import error_middleware
 from llmgw.names import NAME_RE, NAME_RULE
@@ -82,8 +91,6 @@ from llmgw.protocol import (
     LogReply,
     LogRequest,
     Pulse,
-    ReplicaSpec,
-    desired_digest,
     state_digest,
 )
 
@@ -96,12 +103,6 @@ _Report = TypeVar("_Report")
 #: The shortest heartbeat interval the control plane asks agents for (seconds; it grows with the
 #: cluster: :mod:`llmgw.control.api.cadence`).
 HEARTBEAT_INTERVAL_S = MIN_INTERVAL_S
-
-MAX_BATCHED_PULSES = 32
-"""A pulse goes into the heartbeats' batch whole (read there too, :func:`beat_batch`) only while
-fewer than this wait for the next batch; past it (a reconnect storm, a slow database) it is read on
-the readers' threads as a full beat is: a batch's reads run one after another under one deadline
-(:data:`~llmgw.control.store.offloop.STORE_DEADLINE_S`), ~0.6 ms each on SQLite at 5,000 nodes."""
 
 MAX_ISSUED = 100_000
 """Certificates whose ``notBefore`` the agent API keeps parsed (one per node; cleared past this)."""
@@ -188,30 +189,6 @@ def revoked_message(node_id: str, serial: str, revoked_at: float) -> str:
     )
 
 
-def hold_for(node_lost_after_s: float, interval_s: float) -> float:
-    """How long (s) a node id stays held by the agent instance that last reported it: three
-    heartbeat intervals, at most half of ``node_lost_after_s``. Long enough that a second live
-    agent (beating every interval) never gets in; short enough that a restarted agent (a new
-    instance) is back within seconds and well before the node would be marked lost."""
-    return min(3 * interval_s, node_lost_after_s / 2)
-
-
-def id_in_use(before: NodeRow | NodeLiveness | None, hb: Heartbeat | Pulse, now: float, *, hold_s: float) -> str:
-    """Why this heartbeat is refused (empty: it is not): another agent instance presenting the
-    same node id reported within ``hold_s`` seconds (two machines with one hostname, or a copied
-    certificate). Heartbeats without an instance (older agents) are never refused."""
-    if before is None or not before.instance or not hb.instance or before.instance == hb.instance:
-        return ""
-    if before.state != "ready" or now - before.last_seen > hold_s:
-        return ""
-    return (
-        f"node id '{before.id}' is in use by another agent (instance {before.instance}, last heartbeat "
-        f"{now - before.last_seen:.1f} s ago); two machines cannot share one node id. Give this machine "
-        f"its own: set node_id in agent.yaml and issue a certificate for it with 'llmgw server init', "
-        f"or stop the other agent"
-    )
-
-
 def node_of(request: web.Request) -> str | None:
     """The CN of the session's client certificate, or None (no certificate, or no transport)."""
     return tlsconf.peer_common_name(
@@ -295,108 +272,6 @@ def parse_beat(body: object) -> Heartbeat | Pulse:
 async def read_heartbeat(request: web.Request) -> Heartbeat | Pulse:
     """The body as a Heartbeat or a Pulse (:func:`parse_beat`); raises the 400/413 naming what is wrong."""
     return parse_beat(await jsonbody.read_json(request))
-
-
-@dataclass(frozen=True)
-class HeartbeatSeen:
-    """What :func:`read_side` gives the handler: the refusal (``(node, revoked_at)``) or None, the
-    node's row before this beat (its liveness columns for a pulse), the replicas its agent must
-    run and their :func:`~llmgw.protocol.desired_digest`."""
-
-    refused: tuple[str, float] | None
-    before: NodeRow | NodeLiveness | None
-    desired: list[ReplicaSpec]
-    desired_digest: str = ""
-
-
-def read_side(
-    store: Store, node_id: str, serial: str, issued_at: float | None, *, pulse: bool = False
-) -> HeartbeatSeen:
-    """On a store thread: a beat's one read (:meth:`~llmgw.control.store.base.Store.read_heartbeat`,
-    or :meth:`~llmgw.control.store.base.Store.read_pulse`) and the reply's replicas built from it
-    (:func:`desired_specs`) with their digest, off the event loop."""
-    got = store.read_pulse(node_id, serial, issued_at) if pulse else store.read_heartbeat(node_id, serial, issued_at)
-    if got.refused is not None:
-        return HeartbeatSeen(got.refused, None, [])
-    desired = desired_specs(node_id, got.replicas, got.models)
-    return HeartbeatSeen(None, got.before, desired, desired_digest(desired))
-
-
-@dataclass(frozen=True)
-class PulseJob:
-    """A pulse that notes no certificate and takes no stored log requests, handed whole to the
-    heartbeats' batch (:func:`beat_batch`): its read happens on the batch's store thread.
-
-    Attributes:
-        node_id, serial, issued_at: as :func:`read_side` takes them.
-        beat: the pulse.
-        hold_s: how long the node id stays held by its agent (:func:`hold_for`, :func:`id_in_use`).
-    """
-
-    node_id: str
-    serial: str
-    issued_at: float | None
-    beat: Pulse
-    hold_s: float
-
-
-@dataclass(frozen=True)
-class PulseDone:
-    """What :func:`beat_batch` gives back for a :class:`PulseJob`: the read (:class:`HeartbeatSeen`),
-    the time it was judged at, the refusal of a second agent (``clash``, the 409's message) and what
-    the write said (``wrote``; None when nothing was written: refused, a clash, or a digest the
-    agent must back with its full state)."""
-
-    seen: HeartbeatSeen
-    now: float
-    clash: str = ""
-    wrote: BeatResult | None = None
-    error: Exception | None = None
-    """This pulse's own read or judgement failed (a bad row, a bug): raised for it alone, not for
-    the batch (a database that cannot be reached fails the whole batch, as it would each beat)."""
-
-
-def beat_batch(
-    store: Store, clock: Callable[[], float], items: list[BeatWrite | PulseJob]
-) -> list[BeatResult | PulseDone]:
-    """The heartbeats' batch (``AgentContext.beats``), on one store thread: each :class:`PulseJob`'s
-    read (:func:`read_side`) and judgement (refused, a second agent, a digest that is not the stored
-    one), then one write transaction (:meth:`~llmgw.control.store.base.Store.write_heartbeats`) for
-    the full beats' writes and the pulses to record. A pulse is so one hand-off from the event loop
-    to a store thread, not two (a read, then the batch): the hand-offs were a fifth of the loop's
-    time for a pulse (py-spy, 2,000 nodes, 2026-12-06)."""
-    out: list[BeatResult | PulseDone | None] = [None] * len(items)
-    pulses: dict[int, PulseDone] = {}
-    writes: list[BeatWrite] = []
-    at: list[int] = []
-    for i, item in enumerate(items):
-        if isinstance(item, BeatWrite):
-            writes.append(item)
-            at.append(i)
-            continue
-        try:
-            seen = read_side(store, item.node_id, item.serial, item.issued_at, pulse=True)
-            now = clock()
-            done = PulseDone(seen, now)
-            before = seen.before
-            if seen.refused is None:
-                done = PulseDone(seen, now, id_in_use(before, item.beat, now, hold_s=item.hold_s))
-        except UNREACHABLE:
-            raise
-        except Exception as e:  # handed to this pulse's handler, which raises it
-            out[i] = pulses[i] = PulseDone(HeartbeatSeen(None, None, []), clock(), error=e)
-            continue
-        out[i] = pulses[i] = done
-        if seen.refused is None and not done.clash and before is not None and before.state == "ready" \
-                and before.digest and before.digest == item.beat.digest:
-            writes.append(BeatWrite(item.node_id, None, now, item.serial, item.issued_at, digest=item.beat.digest))
-            at.append(i)
-    for i, wrote in zip(at, store.write_heartbeats(writes) if writes else [], strict=True):
-        out[i] = replace(pulses[i], wrote=wrote) if i in pulses else wrote
-    answered = [r for r in out if r is not None]
-    if len(answered) != len(items):  # every full beat is written and every pulse judged above
-        raise RuntimeError(f"the heartbeats' batch answered {len(answered)} of {len(items)} beats")
-    return answered
 
 
 async def plain_pulse(request: web.Request, node_id: str, beat: Pulse, serial: str, issued_at: float | None
