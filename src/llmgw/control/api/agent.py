@@ -73,6 +73,7 @@ from llmgw.control.api.beatside import (
     hold_for,
     id_in_use,
     read_side,
+    recordable,
 )
 from llmgw.control.api.cadence import MIN_INTERVAL_S, Cadence
 from llmgw.control.api.enginemetrics import EngineMetrics
@@ -212,6 +213,21 @@ def revoked_error(node_id: str, serial: str, revoked_at: float) -> HttpError:
     return HttpError(403, "certificate_revoked", revoked_message(node_id, serial, revoked_at))
 
 
+def raise_refused(node_id: str, wrote: BeatResult) -> None:
+    """Raise what the heartbeat's write refused it for: 403 for a certificate revoked meanwhile
+    (checked again in the write transaction), else the write's own error (a 409 that kept racing)."""
+    if isinstance(wrote.refused, Revoked):
+        raise revoked_error(node_id, wrote.refused.serial, wrote.refused.revoked_at)
+    if wrote.refused is not None:
+        raise wrote.refused
+
+
+def id_in_use_error(node_id: str, beat: Heartbeat | Pulse, clash: str) -> HttpError:
+    """The 409 ``node_id_in_use`` for a second agent instance (:func:`id_in_use`'s ``clash``), logged."""
+    log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, beat.instance)
+    return HttpError(409, "node_id_in_use", clash)
+
+
 def check_serial(
     ctx: AgentContext, node_id: str, serial: str, issued_at: float | None
 ) -> tuple[str, float] | None:
@@ -289,12 +305,9 @@ async def plain_pulse(request: web.Request, node_id: str, beat: Pulse, serial: s
     if seen.refused is not None:
         raise revoked_error(node_id, serial, seen.refused[1])
     if done.clash:
-        log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, beat.instance)
-        raise HttpError(409, "node_id_in_use", done.clash)
-    if wrote is not None and isinstance(wrote.refused, Revoked):
-        raise revoked_error(node_id, wrote.refused.serial, wrote.refused.revoked_at)
-    if wrote is not None and wrote.refused is not None:
-        raise wrote.refused
+        raise id_in_use_error(node_id, beat, done.clash)
+    if wrote is not None:
+        raise_refused(node_id, wrote)
     if wrote is None or wrote.stale:  # lost, or another full beat moved its digest: its full state, please
         return await send(request, reply_for(ctx, node_id, seen, beat.desired_digest, send_full=True))
     logs = (ctx.logs.take(node_id) if ctx.logs is not None else []) + wrote.logs
@@ -321,10 +334,11 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
             ctx.issued.clear()
         ctx.issued[serial] = tlsconf.issued_at(peercert_of(request))
     issued_at = ctx.issued[serial]
+    note = bool(serial) and (node_id, serial) not in ctx.seen  # remember the serial in this beat's write
     if (
         isinstance(beat, Pulse)
+        and not note
         and ctx.beats.pending < MAX_BATCHED_PULSES
-        and not (serial and (node_id, serial) not in ctx.seen)
         and not (ctx.logs is not None and ctx.logs.stored_waiting(node_id))
     ):
         return await plain_pulse(request, node_id, beat, serial, issued_at)
@@ -338,28 +352,23 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
     before = seen.before
     clash = id_in_use(before, beat, now, hold_s=hold_for(ctx.cadence.lost_after_s, ctx.cadence.interval_s))
     if clash:
-        log.warning("node %s: refused a heartbeat from a second agent (instance %s)", node_id, beat.instance)
-        raise HttpError(409, "node_id_in_use", clash)
+        raise id_in_use_error(node_id, beat, clash)
     if isinstance(beat, Pulse):
         hb, digest = None, beat.digest
         kept = digest
-        if before is None or before.state != "ready" or not before.digest or before.digest != digest:
+        if not recordable(before, digest):
             return await send(request, reply_for(ctx, node_id, seen, beat.desired_digest, send_full=True))
     else:
         hb, digest = honoured(node_id, beat, ctx.own_nodes, ctx.warned), state_digest(beat)  # as the agent sent it
         # stored other than sent (a label dropped): no digest kept, so the agent's next pulse gets send_full
         # and its next full beat is judged again (a control plane's own node seen before its row named it)
         kept = digest if hb is beat else ""
-    note = bool(serial) and (node_id, serial) not in ctx.seen
     wants_logs = ctx.logs is not None and ctx.logs.wants_stored(node_id)
     wrote = await ctx.beats.submit(BeatWrite(node_id, hb, now, serial, issued_at, note=note, logs=wants_logs,
                                              digest=kept))
     if not isinstance(wrote, BeatResult):
         raise TypeError(f"the heartbeats' batch answered a heartbeat with a {type(wrote).__name__}")
-    if isinstance(wrote.refused, Revoked):
-        raise revoked_error(node_id, wrote.refused.serial, wrote.refused.revoked_at)
-    if wrote.refused is not None:
-        raise wrote.refused
+    raise_refused(node_id, wrote)
     if note:
         ctx.seen.add((node_id, serial))
     if wrote.stale:  # lost, or another full beat moved its digest, between the read and the write

@@ -48,6 +48,13 @@ def id_in_use(before: NodeRow | NodeLiveness | None, hb: Heartbeat | Pulse, now:
     )
 
 
+def recordable(before: NodeRow | NodeLiveness | None, digest: str) -> bool:
+    """Whether a pulse with ``digest`` may be recorded as it is: its node is ``ready`` with that
+    digest stored. Otherwise nothing is written and the agent is asked for its full state
+    (``send_full``: a new node, a lost update, an agent that lies, a node marked lost)."""
+    return before is not None and before.state == "ready" and bool(before.digest) and before.digest == digest
+
+
 @dataclass(frozen=True)
 class HeartbeatSeen:
     """What :func:`read_side` gives the handler: the refusal (``(node, revoked_at)``) or None, the
@@ -94,12 +101,11 @@ class PulseJob:
 @dataclass(frozen=True)
 class PulseDone:
     """What :func:`beat_batch` gives back for a :class:`PulseJob`: the read (:class:`HeartbeatSeen`),
-    the time it was judged at, the refusal of a second agent (``clash``, the 409's message) and what
+    the refusal of a second agent (``clash``, the 409's message) and what
     the write said (``wrote``; None when nothing was written: refused, a clash, or a digest the
     agent must back with its full state)."""
 
     seen: HeartbeatSeen
-    now: float
     clash: str = ""
     wrote: BeatResult | None = None
     error: Exception | None = None
@@ -116,35 +122,29 @@ def beat_batch(
     the full beats' writes and the pulses to record. A pulse is so one hand-off from the event loop
     to a store thread, not two (a read, then the batch): the hand-offs were a fifth of the loop's
     time for a pulse (py-spy, 2,000 nodes, 2026-12-06)."""
-    out: list[BeatResult | PulseDone | None] = [None] * len(items)
-    pulses: dict[int, PulseDone] = {}
+    out: list[BeatResult | PulseDone] = []  # a full beat's place holds its write until the write's result
     writes: list[BeatWrite] = []
     at: list[int] = []
     for i, item in enumerate(items):
         if isinstance(item, BeatWrite):
+            out.append(BeatResult(None))
             writes.append(item)
             at.append(i)
             continue
+        now = clock()
         try:
             seen = read_side(store, item.node_id, item.serial, item.issued_at, pulse=True)
-            now = clock()
-            done = PulseDone(seen, now)
-            before = seen.before
-            if seen.refused is None:
-                done = PulseDone(seen, now, id_in_use(before, item.beat, now, hold_s=item.hold_s))
+            clash = "" if seen.refused is not None else id_in_use(seen.before, item.beat, now, hold_s=item.hold_s)
         except UNREACHABLE:
             raise
         except Exception as e:  # handed to this pulse's handler, which raises it
-            out[i] = pulses[i] = PulseDone(HeartbeatSeen(None, None, []), clock(), error=e)
+            out.append(PulseDone(HeartbeatSeen(None, None, []), error=e))
             continue
-        out[i] = pulses[i] = done
-        if seen.refused is None and not done.clash and before is not None and before.state == "ready" \
-                and before.digest and before.digest == item.beat.digest:
+        out.append(PulseDone(seen, clash))
+        if seen.refused is None and not clash and recordable(seen.before, item.beat.digest):
             writes.append(BeatWrite(item.node_id, None, now, item.serial, item.issued_at, digest=item.beat.digest))
             at.append(i)
     for i, wrote in zip(at, store.write_heartbeats(writes) if writes else [], strict=True):
-        out[i] = replace(pulses[i], wrote=wrote) if i in pulses else wrote
-    answered = [r for r in out if r is not None]
-    if len(answered) != len(items):  # every full beat is written and every pulse judged above
-        raise RuntimeError(f"the heartbeats' batch answered {len(answered)} of {len(items)} beats")
-    return answered
+        done = out[i]
+        out[i] = replace(done, wrote=wrote) if isinstance(done, PulseDone) else wrote
+    return out

@@ -152,7 +152,6 @@ ROUTES_MIN_GAP_S = 0.25
 
 #: The driver's errors that mean "the database cannot be reached", not "this call is wrong".
 UNREACHABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
-_UNREACHABLE = UNREACHABLE
 
 
 _CHECK = (
@@ -249,7 +248,7 @@ class OffLoop:
                 except Exception:
                     log.exception("could not end an overdue store call")
             raise StoreUnavailable(f"{self.database} did not answer within {self.deadline_s:g} s; {_CHECK}") from None
-        except _UNREACHABLE as e:
+        except UNREACHABLE as e:
             text = str(e.orig if isinstance(e, sa.exc.DBAPIError) else e).strip()
             first = text.splitlines()
             if "read-only" in text:  # libpq's target_session_attrs=read-write found only standbys
