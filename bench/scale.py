@@ -367,7 +367,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
     f = run.figures
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
-    insts, pg = installs(root, ha=args.ha, rate=args.rate, lost_after_s=args.lost_after_s)
+    insts, pg = installs(root, ha=args.ha, rate=args.rate, lost_after_s=args.lost_after_s,
+                         agent_api_process=args.agent_api == "process")
     inst = insts[0]
     t = time.perf_counter()
     names = [f"sim-{i:05d}" for i in range(n)]
@@ -628,6 +629,10 @@ def main() -> None:
                     "(the simulated agents, the upstream, the gateway probe) on the others: what the "
                     "control plane's own work costs the gateway, apart from what simulating the fleet "
                     "on the same machine takes from it")
+    ap.add_argument("--agent-api", choices=["process", "inline"], default="process",
+                    help="cluster.agent_api_process: the agent API in a process of the control plane's own "
+                    "(default, as docs/operating.md advises at this scale) or on the gateway's event loop "
+                    "('inline', for comparison); the control plane's CPU and memory count both processes")
     ap.add_argument("--logs", type=Path, help="copy each control plane's server.log into this directory")
     args = ap.parse_args()
     sizes = args.agents or [500]

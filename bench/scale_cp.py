@@ -3,7 +3,8 @@
 One on SQLite (the default), or three on one throwaway PostgreSQL (``--ha``: the tests' cluster,
 tests/helpers/postgres.py, and one CA and server certificate for all three, as
 ``server add-control-plane`` makes them). :class:`ControlPlane` starts and stops one process and
-reads its CPU (user + system seconds, psutil) and its largest resident set (sampled each second).
+reads its CPU (user + system seconds, psutil) and its largest resident set (sampled each second), its
+agent API process's (``cluster.agent_api_process``, the default here: ``--agent-api``) counted in both.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ class ControlPlane:
         Raises:
             SystemExit: it exited or did not answer within :data:`START_S` (its log's tail printed)."""
         if self.ps is not None:
-            with contextlib.suppress(psutil.Error):
-                self._cpu_before += sum(self.ps.cpu_times()[:2])
+            self._cpu_before = self.cpu()
         log = (self.inst.root / "server.log").open("ab")
         # --pin: taskset confines the process and every thread it starts (a preexec_fn could deadlock
         # in a child forked from this threaded process)
@@ -74,19 +74,32 @@ class ControlPlane:
                     raise SystemExit(f"the control plane under {self.inst.root} did not start")
                 await asyncio.sleep(0.1)
 
-    def cpu(self) -> float:
-        """CPU seconds (user + system) of this control plane since the first start."""
+    def processes(self) -> list[psutil.Process]:
+        """The control plane's process and its children (the agent API process,
+        ``cluster.agent_api_process``): what its CPU and memory count."""
         assert self.ps is not None
         with contextlib.suppress(psutil.Error):
-            return self._cpu_before + sum(self.ps.cpu_times()[:2])
-        return self._cpu_before
+            return [self.ps, *self.ps.children()]
+        return []
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) of this control plane since the first start, its agent API
+        process's included (one started again after a death is counted from its start)."""
+        used = 0.0
+        for p in self.processes():
+            with contextlib.suppress(psutil.Error):
+                used += sum(p.cpu_times()[:2])
+        return self._cpu_before + used
 
     async def sample_rss(self) -> None:
         """Keep :attr:`rss_max` and :attr:`rss_phase_max` (bytes) up to date, every second, until cancelled."""
         while True:
             if self.ps is not None:
-                with contextlib.suppress(psutil.Error):
-                    rss = self.ps.memory_info().rss
+                rss = 0
+                for p in self.processes():
+                    with contextlib.suppress(psutil.Error):
+                        rss += p.memory_info().rss
+                if rss:
                     self.rss_max = max(self.rss_max, rss)
                     self.rss_phase_max[self.phase] = max(self.rss_phase_max.get(self.phase, 0), rss)
             await asyncio.sleep(1.0)
@@ -104,12 +117,16 @@ class ControlPlane:
         self.proc.wait()
 
 
-def installs(root: Path, *, ha: bool, rate: float, lost_after_s: float) -> tuple[list[Install], Cluster | None]:
+def installs(
+    root: Path, *, ha: bool, rate: float, lost_after_s: float, agent_api_process: bool = True
+) -> tuple[list[Install], Cluster | None]:
     """One install on SQLite, or (``ha``) three on a new PostgreSQL cluster sharing the first's CA
-    and server certificate; each with ``cluster.max_heartbeats_per_s`` ``rate`` and
-    ``node_lost_after_s`` ``lost_after_s``. Returns the installs and the PostgreSQL cluster (to stop)."""
+    and server certificate; each with ``cluster.max_heartbeats_per_s`` ``rate``,
+    ``cluster.agent_api_process`` and ``node_lost_after_s`` ``lost_after_s``. Returns the installs
+    and the PostgreSQL cluster (to stop)."""
+    cluster: dict[str, Any] = {"max_heartbeats_per_s": rate, "agent_api_process": agent_api_process}
     if not ha:
-        return [make_install(root, cluster={"max_heartbeats_per_s": rate}, node_lost_after_s=lost_after_s)], None
+        return [make_install(root, cluster=cluster, node_lost_after_s=lost_after_s)], None
     pg = start_cluster()
     url = pg.new_database()
     out: list[Install] = []
@@ -117,7 +134,7 @@ def installs(root: Path, *, ha: bool, rate: float, lost_after_s: float) -> tuple
         inst = make_install(root / f"cp{i}")
         over: dict[str, Any] = {
             "store": {"url": url},
-            "cluster": {"name": f"cp{i}", "max_heartbeats_per_s": rate},
+            "cluster": {"name": f"cp{i}", **cluster},
             "node_lost_after_s": lost_after_s,
         }
         if out:

@@ -168,12 +168,17 @@ async def start_site(site: web.TCPSite, *, what: str, host: str, port: int, fix:
     try:
         await site.start()
     except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(
-                f"{what}: port {port} is already in use by another program; stop it "
-                f"(e.g. 'ss -ltnp sport = :{port}') or {fix}"
-            ) from e
-        raise PortInUseError(f"{what}: cannot listen on {host}:{port}: {e.strerror or e}") from e
+        raise bind_error(e, what=what, host=host, port=port, fix=fix) from e
+
+
+def bind_error(e: OSError, *, what: str, host: str, port: int, fix: str) -> PortInUseError:
+    """The :class:`PortInUseError` for failing to bind ``host:port`` with ``e`` (see :func:`start_site`)."""
+    if e.errno == errno.EADDRINUSE:
+        return PortInUseError(
+            f"{what}: port {port} is already in use by another program; stop it "
+            f"(e.g. 'ss -ltnp sport = :{port}') or {fix}"
+        )
+    return PortInUseError(f"{what}: cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 def routing_code(e: web.HTTPException) -> str:

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 from aiohttp import web
 
-from llmgw.control.server import SHUTDOWN_TIMEOUT_S, _start
+from llmgw.control.listeners import SHUTDOWN_TIMEOUT_S
+from llmgw.control.server import _start
 from tests.helpers.net import free_port
 
 

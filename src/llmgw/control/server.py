@@ -63,6 +63,7 @@ from aiohttp import web
 from llmgw import __version__, tlsconf
 from llmgw.adminclient import connect_host
 from llmgw.config import ServerConfig, load_server_config, parse_listen
+from llmgw.control.agentproc import AgentProcess
 from llmgw.control.api.admin import build_admin_app
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.api.cadence import Cadence
@@ -82,6 +83,7 @@ from llmgw.control.gateway.limits import Limiter
 from llmgw.control.gateway.load import LOAD, LOAD_KICK, LoadCounter, LoadReporter
 from llmgw.control.gateway.table import StoreRouter
 from llmgw.control.gcpauses import GcPauses
+from llmgw.control.listeners import CANCEL_ON_DISCONNECT, bind_sockets, new_runner
 from llmgw.control.openfiles import MIN_OPEN_FILES, raise_open_files_limit
 from llmgw.control.reconcile.autoscale import Autoscaler
 from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection, SoloElection, while_leading
@@ -98,10 +100,9 @@ from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
 from llmgw.errors import ConfigError, PortInUseError
 from llmgw.guard.config import closed_judges
-from llmgw.httperrors import SERVER_LOG, start_site
+from llmgw.httperrors import start_site
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
 from llmgw.paths import Paths
-from llmgw.protocol import KEEPALIVE_S
 
 if TYPE_CHECKING:
     from llmgw.control.gateway.balancer import ReplicaLoad
@@ -110,15 +111,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 3.0
-"""Seconds aiohttp gives a listener's last requests when it closes, after the gateway's drain
-(admin log streams, heartbeats). aiohttp waits this long for a handler to finish, then cancels it and
-waits as long again (``RequestHandler.shutdown``; its timer rounds up to a whole second): 6.0 s
-measured for a handler that would have run 60 s (tests/unit/test_listener_shutdown.py). The
-listeners close together, so a stop takes at most ``gateway.drain_s`` (≤ 50) + 2 × 3 + 1 s, inside
-the unit's ``TimeoutStopSec=60s``."""
-
-_CANCEL_ON_DISCONNECT = web.AppKey("llmgw_cancel_on_disconnect", bool)
 
 
 class Wakes:
@@ -151,6 +143,13 @@ class Wakes:
         to place on: the leader's next pass."""
         self.wake_leader()
 
+    def relayed(self, node: str, came: bool) -> None:
+        """A heartbeat the agent API process answered changed something (:mod:`llmgw.control.agentproc`):
+        :meth:`heartbeat`, and :meth:`node_came` when the node registered or came back."""
+        self.heartbeat(node, True)
+        if came:
+            self.node_came(node)
+
     def wake_leader(self) -> None:
         """The leader's next pass now (nothing while this control plane does not lead)."""
         for leader in self.leaders:
@@ -169,21 +168,12 @@ async def _start(
     config_path: Path,
     ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, tuple[str, int]]:
-    """Bind ``app`` on ``listen``; a taken port is a PortInUseError naming ``setting``. The agent
-    API keeps idle connections as long as the agents do (``KEEPALIVE_S``: an agent's beat reuses its
-    mTLS connection in a large cluster instead of a new handshake); the others aiohttp's 75 s."""
+    """Bind ``app`` on ``listen`` (its runner: :func:`~llmgw.control.listeners.new_runner`); a taken
+    port is a PortInUseError naming ``setting``."""
     host, port = parse_listen(listen)
     if ssl_context is not None:
         tlsconf.small_read_buffers()  # 58 KiB instead of 297 KiB per kept connection (one per node)
-    # The gateway asks to have a handler cancelled when its client disconnects (_CANCEL_ON_DISCONNECT).
-    runner = web.AppRunner(
-        app,
-        access_log=None,
-        logger=SERVER_LOG,  # a request aiohttp cannot parse: one line, no traceback
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        handler_cancellation=app.get(_CANCEL_ON_DISCONNECT, False),
-        keepalive_timeout=KEEPALIVE_S if setting == "agent_listen" else 75.0,
-    )
+    runner = new_runner(app, setting)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
     try:
@@ -229,7 +219,7 @@ def _gateway_app(
     )
     # A client that goes away cancels its handler, which closes the upstream request and frees the
     # engine's slot (an abandoned non-streamed request would otherwise generate to its end).
-    app[_CANCEL_ON_DISCONNECT] = True
+    app[CANCEL_ON_DISCONNECT] = True
     if inspector is not None:
 
         async def _close_judges(_: web.Application) -> None:
@@ -378,7 +368,10 @@ async def serve(
     guard = _guard(config, router)
     # PostgreSQL: the agents beat to any control plane, so log reads cross them through the store;
     # SQLite: one control plane, reads stay in memory (no store call for them at all).
-    logs = LogBroker(store=store, db=db) if url.startswith("postgresql") else LogBroker()
+    # The agent API in a process of its own (cluster.agent_api_process) reaches this one's log reads
+    # through the store too.
+    apart = config.cluster.agent_api_process
+    logs = LogBroker(store=store, db=db) if url.startswith("postgresql") or apart else LogBroker()
     drain = Drain()
     # Keys from the store and the keys file, limits, usage: memory on the request path, synced with
     # the store every 0.5 s (control/gateway/accounting.py).
@@ -440,6 +433,7 @@ async def serve(
     ui_api = AdminApi(lambda: _admin_base(bound), token)
     ui_throttle = LoginThrottle()  # one for both listeners: no second guessing budget on ui.listen
     bound: dict[str, tuple[str, int]] = {}
+    agent_proc: AgentProcess | None = None
     switch_was = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # restored below: a test may serve in its own process
     try:
@@ -454,8 +448,16 @@ async def serve(
         token_file = str(config.admin_token_path(config_path))
         mount_ui(admin, build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=False,
                                      token_file=token_file, throttle=ui_throttle))
-        apps += [
-            (
+        if apart:  # bound here, served by the process started before the admin API below
+            host, port = parse_listen(config.agent_listen)
+            socks = await bind_sockets(host, port, what=f"agent_listen {config.agent_listen}",
+                                       fix=f"change agent_listen in {config_path}")
+            agent_proc = AgentProcess(config_path, url, socks, on_changed=wakes.relayed, engines=engines,
+                                      cadence=cadence, cluster=members.reply_fields, own_nodes=members.own_nodes)
+            at = socks[0].getsockname()
+            bound["agent_listen"] = (str(at[0]), int(at[1]))
+        else:
+            apps.append((
                 "agent_listen",
                 config.agent_listen,
                 build_agent_app(
@@ -464,14 +466,8 @@ async def serve(
                     own_nodes=members.own_nodes,
                 ),
                 tls,
-            ),
-            (
-                "gateway.listen",
-                config.gateway.listen,
-                gateway,
-                None,
-            ),
-        ]
+            ))
+        apps.append(("gateway.listen", config.gateway.listen, gateway, None))
         if config.ui.listen:  # the dashboard alone, over TLS with the server certificate
             ui = build_ui_app(ui_api, ui_tokens, ttl_s=config.ui.session_ttl_s, secure=True, token_file=token_file,
                               throttle=ui_throttle)
@@ -489,6 +485,8 @@ async def serve(
                 loop.add_signal_handler(sig, stop.set)
                 signals.append(sig)
         for setting, listen, app, ctx in apps:
+            if setting == "admin_listen" and agent_proc is not None:
+                await agent_proc.start()
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
             bound[setting] = addr
@@ -507,7 +505,7 @@ async def serve(
         await members.tick()  # the first heartbeat replies name this control plane
         await asyncio.gather(
             election.run(stop), members.run(stop), while_leading(election, lead, stop), logs.watch(stop),
-            reporter.run(stop), pauses.run(stop),
+            reporter.run(stop), pauses.run(stop), *([agent_proc.run(stop)] if agent_proc is not None else []),
         )
     finally:
         sys.setswitchinterval(switch_was)
@@ -515,8 +513,12 @@ async def serve(
         for sig in signals:
             loop.remove_signal_handler(sig)
         if stop.is_set() and len(runners) == len(apps):
+            if agent_proc is not None:
+                agent_proc.stop_accepting()
             await _drain(runners, drain, config.gateway.drain_s)
-        await asyncio.gather(*(runner.cleanup() for runner in reversed(runners)))  # together: SHUTDOWN_TIMEOUT_S
+        # together: SHUTDOWN_TIMEOUT_S
+        await asyncio.gather(*(runner.cleanup() for runner in reversed(runners)),
+                             *([agent_proc.close()] if agent_proc is not None else []))
         if counting is not None:
             counted.set()
             await counting  # the last sync writes what the last requests used

@@ -57,7 +57,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
@@ -76,7 +76,6 @@ from llmgw.control.api.beatside import (
     recordable,
 )
 from llmgw.control.api.cadence import MIN_INTERVAL_S, Cadence
-from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.api.logbroker import LogBroker
 from llmgw.control.api.nodelabels import honoured
 from llmgw.control.store import Store
@@ -100,6 +99,15 @@ log = logging.getLogger(__name__)
 _PAGES = TypeAdapter(list[EngineMetricsText])
 _LOG_REPLY = TypeAdapter(LogReply)
 _Report = TypeVar("_Report")
+
+class PagesSink(Protocol):
+    """Where ``POST /agent/v1/metrics`` puts a node's engine pages: the control plane's
+    :class:`~llmgw.control.api.enginemetrics.EngineMetrics`, or (the agent API in a process of its
+    own) the channel to it (:class:`llmgw.control.agentworker.RelayedPages`)."""
+
+    def put(self, node: str, pages: list[EngineMetricsText]) -> None:
+        """Keep (or pass on) ``node``'s latest pages."""
+
 
 #: The shortest heartbeat interval the control plane asks agents for (seconds; it grows with the
 #: cluster: :mod:`llmgw.control.api.cadence`).
@@ -147,7 +155,7 @@ class AgentContext:
     on_heartbeat: Callable[[str, bool], None] | None = None
     on_node: Callable[[str], None] | None = None
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None
-    engines: EngineMetrics | None = None
+    engines: PagesSink | None = None
     seen: set[tuple[str, str]] = field(default_factory=set)
     issued: dict[str, float | None] = field(default_factory=dict)
     own_nodes: Callable[[], frozenset[str]] | None = None
@@ -477,7 +485,7 @@ def build_agent_app(
     db: OffLoop | None = None,
     on_node: Callable[[str], None] | None = None,
     cluster: Callable[[], tuple[int, str, list[str]]] | None = None,
-    engines: EngineMetrics | None = None,
+    engines: PagesSink | None = None,
     own_nodes: Callable[[], frozenset[str]] | None = None,
 ) -> web.Application:
     """The agent API app (serve it with :func:`agent_ssl_context`): an :class:`AgentContext` from

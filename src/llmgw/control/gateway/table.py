@@ -223,12 +223,16 @@ class StoreRouter:
         return snap.routes.get(real)
 
     async def resolve_settled(self, name: str) -> Route | None:
-        """:meth:`resolve`; when the route has no ready replica, again once the refreshes already
-        requested have run (``settled``, at most :data:`SETTLE_WAIT_S`): a replica whose ready
-        heartbeat was answered is routed to, whether or not its refresh had finished."""
+        """:meth:`resolve`; when the route has no ready replica, again once a refresh requested now
+        (``on_stale``) and those requested before have run (``settled``, at most
+        :data:`SETTLE_WAIT_S`): a replica whose ready heartbeat was answered is routed to, whether
+        or not its refresh had been requested yet (the agent API in a process of its own asks for
+        it over a channel, which may come after the client's request: :mod:`llmgw.control.agentproc`)."""
         route = self.resolve(name)
         if route is None or route.upstreams or self.settled is None:
             return route
+        if self.on_stale is not None:
+            self.on_stale()
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(self.settled())), SETTLE_WAIT_S)
         except TimeoutError:

@@ -1,0 +1,194 @@
+"""The agent API in a process of its own (``cluster.agent_api_process: true``, issue 23: heartbeats
+off the gateway's event loop): the control plane (``serve`` in-process, or ``llmgw server run``)
+starts ``python -m llmgw.control.agentworker`` on the sockets it bound, relays what that process
+reports and starts it again when it dies. Real processes, real mTLS with certificates from the
+install's CA, real HTTP; the node is the test's client (no engine runs: the wiring is what is tested).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+
+from llmgw.control.server import serve
+from llmgw.errors import PortInUseError
+from llmgw.protocol import HeartbeatReply, LogReply, ReplicaState, ReplicaStatus
+from tests.helpers.control import (
+    TOKEN,
+    Install,
+    Served,
+    heartbeat,
+    make_install,
+    server_run,
+    serving,
+    wait_admin_health,
+)
+from tests.helpers.waits import until
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MODEL = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
+PAGE = (Path(__file__).parents[1] / "data" / "llama-server-metrics.txt").read_text()
+
+
+def workers(pid: int | None = None) -> list[psutil.Process]:
+    """The agent API processes started by ``pid`` (this one by default)."""
+    return [c for c in psutil.Process(pid).children()
+            if "llmgw.control.agentworker" in " ".join(c.cmdline())]
+
+
+@pytest.fixture
+def install(tmp_path: Path) -> Install:
+    return make_install(tmp_path, cluster={"agent_api_process": True})
+
+
+@pytest.fixture
+async def served(install: Install) -> AsyncIterator[Served]:
+    async with serving(install, stop_s=20) as got:
+        yield got
+
+
+async def beat(s: aiohttp.ClientSession, inst: Install, ctx: Any, body: str | None = None) -> HeartbeatReply:
+    async with s.post(inst.agent_url + "/agent/v1/heartbeat", data=body or heartbeat(), ssl=ctx) as r:
+        assert r.status == 200, await r.text()
+        return HeartbeatReply.model_validate_json(await r.read())
+
+
+async def test_a_heartbeat_answered_by_the_agent_api_process_reaches_the_leader_and_the_gateway(
+    install: Install, served: Served
+) -> None:
+    """The reply names this control plane (the election's view crosses the channel); the node that
+    registered wakes the leader (a replica placed at once); its ready report is routed to at once
+    (the refresh the process asks for, or the gateway's own when it finds no ready replica)."""
+    [worker] = workers()
+    assert worker.pid != os.getpid()
+    ctx = install.agent_ctx("node-1")
+    async with aiohttp.ClientSession() as s:
+        first = await beat(s, install, ctx)
+        assert first.node_id == "node-1"
+        reply = await until("a reply names this control plane's term and agent URL",
+                            lambda: _named(s, install, ctx), within_s=5)
+        assert reply.term >= 1
+        async with s.post(install.admin + "/api/v1/models", json=MODEL, headers=AUTH) as r:
+            assert r.status == 201, await r.text()
+
+        async def placed() -> Any:
+            return (await beat(s, install, ctx)).desired or None
+
+        [spec] = await until("the leader placed the model's replica on node-1", placed, within_s=10)
+        ready = ReplicaStatus(id=spec.id, state=ReplicaState.READY, endpoint="127.0.0.1:9")
+        await beat(s, install, ctx, heartbeat(ready))
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}
+        async with s.post(f"http://127.0.0.1:{install.ports['gateway']}/v1/chat/completions", json=body) as r:
+            # routed to the replica (nothing listens on port 9: the gateway says the engine failed,
+            # not that the model has no ready replica)
+            text = await r.text()
+            assert r.status == 502, text
+            assert "no_ready_replica" not in text
+
+
+async def _named(s: aiohttp.ClientSession, inst: Install, ctx: Any) -> HeartbeatReply | None:
+    reply = await beat(s, inst, ctx)
+    return reply if reply.term and reply.leader == inst.agent_url and inst.agent_url in reply.control_planes else None
+
+
+async def test_engine_pages_and_log_reads_cross_the_process(install: Install, served: Served) -> None:
+    """Engine pages posted to the agent API process show on the control plane's GET /metrics; a log
+    read asked on the admin API reaches the node through the store and is answered."""
+    ctx = install.agent_ctx("node-1")
+    async with aiohttp.ClientSession() as s:
+        await beat(s, install, ctx)
+        pages = [{"replica": "r-x", "model": "chat", "text": PAGE}]
+        async with s.post(install.agent_url + "/agent/v1/metrics", json=pages, ssl=ctx) as r:
+            assert r.status == 200, await r.text()
+
+        async def relayed() -> bool:
+            async with s.get(install.admin + "/metrics") as r:
+                return 'llamacpp:tokens_predicted_total{model="chat",node="node-1",replica="r-x"}' in await r.text()
+
+        await until("the relayed engine page on GET /metrics", relayed, within_s=5)
+        async with s.post(install.admin + "/api/v1/models", json=MODEL, headers=AUTH) as r:
+            assert r.status == 201
+
+        async def placed() -> Any:
+            return (await beat(s, install, ctx)).desired or None
+
+        [spec] = await until("a replica placed on node-1", placed, within_s=10)
+
+        async def read() -> tuple[int, Any]:
+            async with s.get(f"{install.admin}/api/v1/replicas/{spec.id}/logs", headers=AUTH) as r:
+                return r.status, await r.json()
+
+        reading = asyncio.create_task(read())
+
+        async def carried() -> Any:
+            return (await beat(s, install, ctx)).log_requests or None
+
+        [req] = await until("a reply carries the log request", carried, within_s=8)
+        answer = LogReply(id=req.id, replica_id=spec.id, text="engine line 1\n", offset=14)
+        async with s.post(install.agent_url + "/agent/v1/logs", data=answer.model_dump_json(), ssl=ctx) as r:
+            assert r.status == 200, await r.text()
+        status, body = await asyncio.wait_for(reading, 5)
+    assert status == 200, body
+    assert body["text"] == "engine line 1\n"
+
+
+async def test_a_killed_agent_api_process_is_started_again_and_beats_go_on(install: Install, served: Served) -> None:
+    """SIGKILL: the sockets stay bound by the control plane, a new process serves them within seconds,
+    and the node's next beat (a new connection) is answered."""
+    [first] = workers()
+    ctx = install.agent_ctx("node-1")
+    async with aiohttp.ClientSession() as s:
+        await beat(s, install, ctx)
+    first.send_signal(signal.SIGKILL)
+    first.wait(5)
+
+    async def another() -> Any:
+        return [w for w in workers() if w.pid != first.pid] or None
+
+    await until("a new agent API process", another, within_s=10)
+    async with aiohttp.ClientSession() as s:
+        reply = await beat(s, install, ctx)
+    assert reply.node_id == "node-1"
+
+
+async def test_stopping_the_control_plane_stops_the_process(install: Install) -> None:
+    async with serving(install, stop_s=20):
+        [worker] = workers()
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    assert workers() == []
+
+
+def test_a_control_plane_killed_takes_its_agent_api_process_with_it(install: Install) -> None:
+    """``llmgw server run`` killed with SIGKILL (no shutdown of its own): the process sees its channel
+    close and exits."""
+    with server_run(install) as proc:
+        wait_admin_health(install, proc)
+        [worker] = workers(proc.pid)
+        with socket.create_connection(("127.0.0.1", install.ports["agent"]), timeout=5):
+            pass  # the agent API is served before the admin API answers
+        proc.kill()
+        proc.wait()
+        started = time.monotonic()
+        worker.wait(10)
+    assert time.monotonic() - started < 10
+
+
+async def test_a_taken_agent_port_is_named(install: Install) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", install.ports["agent"]))
+        taken.listen()
+        with pytest.raises(PortInUseError) as e:
+            await serve(install.config, install.paths, stop=asyncio.Event())
+    assert "agent_listen" in str(e.value)
+    assert f"port {install.ports['agent']} is already in use" in str(e.value)
+    assert workers() == []
