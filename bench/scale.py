@@ -33,7 +33,10 @@ engines simulated by their reports). For each N, in order:
    flow and while every agent drops the beat that falls due (no two in a row), in alternating windows
    (:func:`scale_gateway.ab_phase`; ``ab_beats_per_s_flowing`` and ``..._held`` the beats answered):
    ``ab_change_ms`` is what the control plane's heartbeat work adds to the gateway, with the drift
-   of minutes between the idle figure and the burst's taken out;
+   of minutes between the idle figure and the burst's taken out; ``ab_gateway_process_cores_*`` and
+   ``ab_agent_api_process_cores_*`` the CPU of the control plane's own process (the gateway's) and
+   of its agent API process on each side (``--agent-api``: ``process``, the default, runs the agent
+   API in a process of its own, ``cluster.agent_api_process``; ``inline`` in the gateway's);
 6. ``kill``: ``--kill`` agents that host bench replicas stop at once; ``lost_detect_s`` (the worst,
    from each node's last answered beat to the admin API showing it ``lost``) against the bound
    docs/operating.md states (``lost_shown_within_s_documented``:
@@ -88,6 +91,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import scale_cp  # noqa: E402
+import scale_gateway  # noqa: E402
 from gateway_overhead import _spawn  # noqa: E402
 from scale_cp import ControlPlane, installs  # noqa: E402
 from scale_fleet import Fleet, SimAgent, SimGc, issue_certs, loop_lag  # noqa: E402
@@ -375,6 +379,9 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
     certs = issue_certs(inst.ca, names, root / "agents")
     f["pki_s"] = time.perf_counter() - t
     up, up_port = _spawn(["--role", "upstream", "--events", "1"], root / "upstream-port")
+    if scale_gateway.PATH_CPUS is not None:  # --pin-path: the upstream on the gateway's path's CPU
+        for thread in psutil.Process(up.pid).threads():
+            os.sched_setaffinity(thread.id, scale_gateway.PATH_CPUS)
     cps = [ControlPlane(i) for i in insts]
 
     def cpu() -> list[float]:
@@ -533,7 +540,8 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             if args.ab_windows:  # the gateway with the beats flowing and held, interleaved
                 enter("ab", fleet, cps)
                 say(n, "ab")
-                f.update(await ab_phase(fleet, direct, gateway, args.ab_windows, args.ab_window_s))
+                cpu = {"gateway_process": cps[0].own_cpu, "agent_api_process": cps[0].children_cpu}
+                f.update(await ab_phase(fleet, direct, gateway, args.ab_windows, args.ab_window_s, cpu))
             if args.stop_after == "burst":
                 return
             # Kill a batch.
@@ -626,9 +634,15 @@ def main() -> None:
     ap.add_argument("--stop-after", choices=["burst"], help="end the run after this phase (a quick look)")
     ap.add_argument("--pin", action="store_true",
                     help="the control plane on the first CPU alone, this process and its other children "
-                    "(the simulated agents, the upstream, the gateway probe) on the others: what the "
-                    "control plane's own work costs the gateway, apart from what simulating the fleet "
-                    "on the same machine takes from it")
+                    "(the simulated agents, the upstream, the gateway probe) and the control plane's agent "
+                    "API process (--agent-api process) on the others: what the control plane's own work "
+                    "costs the gateway, apart from what simulating the fleet on the same machine takes from "
+                    "it (as a control plane host with more cores than this machine's two would schedule it)")
+    ap.add_argument("--pin-path", action="store_true",
+                    help="the gateway's path on the first CPU (the control plane's own process, the "
+                    "upstream, the gateway probe), everything else on the others (this process: the "
+                    "simulated agents; the agent API process): whether the beats touch the gateway's "
+                    "path other than by taking CPU from it, as on a host whose cores are not all busy")
     ap.add_argument("--agent-api", choices=["process", "inline"], default="process",
                     help="cluster.agent_api_process: the agent API in a process of the control plane's own "
                     "(default, as docs/operating.md advises at this scale) or on the gateway's event loop "
@@ -644,11 +658,21 @@ def main() -> None:
                  f"more than the {AB_SETTLE_S:g} s left out of each, not {args.ab_windows} and {args.ab_window_s:g}")
     if args.kill > min(sizes) - 2:
         ap.error(f"--kill {args.kill} must leave the 2 gateway nodes: at most --agents minus 2")
+    if args.pin and args.pin_path:
+        ap.error("--pin and --pin-path: one or the other")
+    if args.pin_path:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            ap.error(f"--pin-path needs at least 2 CPUs, this process may use {len(cpus)}")
+        scale_cp.CP_CPUS = scale_gateway.PATH_CPUS = {cpus[0]}
+        scale_cp.AGENT_API_CPUS = set(cpus[1:])
+        os.sched_setaffinity(0, set(cpus[1:]))
     if args.pin:
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
             ap.error(f"--pin needs at least 2 CPUs, this process may use {len(cpus)}")
         scale_cp.CP_CPUS = {cpus[0]}
+        scale_cp.AGENT_API_CPUS = set(cpus[1:])
         os.sched_setaffinity(0, set(cpus[1:]))
     runs = []
     for n in sizes:

@@ -29,6 +29,9 @@ from tests.helpers.postgres import Cluster, start_cluster
 #: The CPUs each control plane is confined to (``--pin``: the first one), None: wherever the
 #: scheduler puts it. Set by bench/scale.py before it starts one.
 CP_CPUS: set[int] | None = None
+#: The CPUs its agent API process (``cluster.agent_api_process``) is moved to once it runs (``--pin``:
+#: the others, beside the simulated fleet), None: it stays where the control plane is.
+AGENT_API_CPUS: set[int] | None = None
 
 START_S = 60.0
 """How long a control plane may take to answer ``/api/v1/health`` (s; ~6 s here under load)."""
@@ -68,11 +71,22 @@ class ControlPlane:
             while True:
                 with contextlib.suppress(httpx.TransportError):
                     if (await client.get("/api/v1/health")).status_code == 200:
+                        self._move_agent_api()
                         return
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     print((self.inst.root / "server.log").read_text()[-3000:])
                     raise SystemExit(f"the control plane under {self.inst.root} did not start")
                 await asyncio.sleep(0.1)
+
+    def _move_agent_api(self) -> None:
+        """``--pin``: every thread of the agent API process to :data:`AGENT_API_CPUS` (threads it
+        starts later inherit it)."""
+        if AGENT_API_CPUS is None or self.ps is None:
+            return
+        for child in self.ps.children():
+            with contextlib.suppress(psutil.Error, OSError):
+                for thread in child.threads():
+                    os.sched_setaffinity(thread.id, AGENT_API_CPUS)
 
     def processes(self) -> list[psutil.Process]:
         """The control plane's process and its children (the agent API process,
@@ -90,6 +104,21 @@ class ControlPlane:
             with contextlib.suppress(psutil.Error):
                 used += sum(p.cpu_times()[:2])
         return self._cpu_before + used
+
+    def own_cpu(self) -> float:
+        """CPU seconds of the control plane's own process (the gateway's), now."""
+        assert self.ps is not None
+        return self._times(self.ps)
+
+    def children_cpu(self) -> float:
+        """CPU seconds of its children (the agent API process), now; 0 without one."""
+        return sum(self._times(p) for p in self.processes()[1:])
+
+    @staticmethod
+    def _times(p: psutil.Process) -> float:
+        with contextlib.suppress(psutil.Error):
+            return sum(p.cpu_times()[:2])
+        return 0.0
 
     async def sample_rss(self) -> None:
         """Keep :attr:`rss_max` and :attr:`rss_phase_max` (bytes) up to date, every second, until cancelled."""

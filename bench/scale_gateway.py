@@ -11,6 +11,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scale_fleet import Fleet
@@ -32,6 +33,9 @@ GATEWAY_N = 2000
 """Requests measured on each side, at least (``--gateway-n``): the idle cluster's ~13 s of them. With
 300 (before 2026-12-06) the idle median alone moved by ~2-4 % from run to run, as much as what was
 being compared; the burst measures for as long as it lasts (~107 s, ~15,000 at N = 5,000)."""
+#: The CPUs the probe runs on (``--pin-path``: the gateway's path on a CPU of its own), None: any.
+PATH_CPUS: set[int] | None = None
+
 BODY = json.dumps({"model": GW_MODEL, "messages": [{"role": "user", "content": "Say ok."}]}).encode()
 
 
@@ -43,8 +47,9 @@ async def gateway_probe(
     ``stop`` is set and at least ``n`` pairs were measured (after :data:`GW_WARMUP`); returns
     (direct ms, gateway ms, unix s each measured pair started). SystemExit when the probe fails (an
     answer other than 200, a refused connection): at once, not at ``stop``."""
+    pin = ["taskset", "-c", ",".join(map(str, sorted(PATH_CPUS)))] if PATH_CPUS is not None else []
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
+        *pin, sys.executable, str(HERE / "gwprobe.py"), direct, gateway, "--n", str(n), "--warmup", str(GW_WARMUP),
         "--body", BODY.decode(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdin is not None
@@ -68,7 +73,10 @@ async def gateway_probe(
     return got["direct"], got["gateway"], got["at"]
 
 
-async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window_s: float) -> dict[str, float]:
+async def ab_phase(
+    fleet: Fleet, direct: str, gateway: str, windows: int, window_s: float,
+    cpu: dict[str, Callable[[], float]] | None = None,
+) -> dict[str, float]:
     """The gateway with the control plane at work and idle, in alternating windows of ``window_s``
     seconds (``windows`` in all, beats flowing first): in a held window every agent holds its next
     beat (:attr:`scale_fleet.Fleet.flowing`), so the control plane, with the same N nodes and
@@ -80,12 +88,16 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
     (:attr:`scale_fleet.Fleet.flowing`). Returns ``ab_added_p50_flowing_ms``, ``..._held_ms``,
     ``ab_change_ms`` (flowing minus held) with its 95 % bootstrap interval, the pairs on each side,
     and the beats per second the control plane answered on each (``ab_beats_per_s_flowing``,
-    ``..._held``) with the beats dropped and sent while held."""
+    ``..._held``) with the beats dropped and sent while held. ``cpu`` names CPU-second counters
+    (``{"gateway_process": ...}``) whose rate over each side's windows (their first
+    :data:`AB_SETTLE_S` left out) is given as ``ab_<name>_cores_flowing`` and ``..._held``: which
+    process's work the beats add to."""
     stop = asyncio.Event()
     probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
     spans: list[tuple[float, float, bool]] = []
     beat_spans: list[tuple[float, float, bool]] = []  # monotonic, as the fleet's beats are timed
     dropped, sent_held = fleet.dropped, fleet.sent_held
+    used = {name: {True: [0.0, 0.0], False: [0.0, 0.0]} for name in cpu or {}}  # [CPU s, wall s] per side
     try:
         await asyncio.sleep(GW_WARMUP * 0.01)  # the probe's warm-up pairs
         for k in range(windows):
@@ -95,7 +107,12 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
             else:
                 fleet.flowing.clear()
             t0, m0 = time.time(), time.monotonic()
-            await asyncio.sleep(window_s)
+            await asyncio.sleep(AB_SETTLE_S)
+            c0, m1 = {name: read() for name, read in (cpu or {}).items()}, time.monotonic()
+            await asyncio.sleep(window_s - AB_SETTLE_S)
+            for name, read in (cpu or {}).items():
+                used[name][flowing][0] += read() - c0[name]
+                used[name][flowing][1] += time.monotonic() - m1
             spans.append((t0 + AB_SETTLE_S, time.time(), flowing))
             beat_spans.append((m0, time.monotonic(), flowing))
     finally:
@@ -118,6 +135,10 @@ async def ab_phase(fleet: Fleet, direct: str, gateway: str, windows: int, window
         wall = sum(end - start for start, end, on in beat_spans if on is side)
         n = sum(1 for b in beats for start, end, on in beat_spans if on is side and start <= b.at < end)
         f[f"ab_beats_per_s_{name}"] = n / wall if wall else float("nan")
+    for name, sides_used in used.items():
+        for side, label in ((True, "flowing"), (False, "held")):
+            spent, wall = sides_used[side]
+            f[f"ab_{name}_cores_{label}"] = spent / wall if wall else float("nan")
     f["ab_beats_dropped"] = float(fleet.dropped - dropped)
     f["ab_beats_sent_held"] = float(fleet.sent_held - sent_held)
     return f

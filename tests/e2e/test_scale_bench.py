@@ -48,4 +48,8 @@ def test_scale_bench_at_20_agents() -> None:
     # a held window drops the beats that fall due: fewer answered than while they flow, and none twice in a row
     assert figures["ab_beats_dropped"] > 0, out
     assert figures["ab_beats_per_s_held"] < figures["ab_beats_per_s_flowing"], out
+    # the agent API in its own process (the bench's default): it answers the beats; the control
+    # plane's process is measured apart from it
+    assert figures["ab_agent_api_process_cores_flowing"] > 0, out
+    assert figures["ab_gateway_process_cores_flowing"] > 0, out
     assert "load_average_1m_20" in done.stdout

@@ -42,6 +42,7 @@ from llmgw.control.agentlink import Link
 from llmgw.control.api.agent import build_agent_app
 from llmgw.control.api.cadence import Cadence
 from llmgw.control.api.logbroker import LogBroker
+from llmgw.control.gcpauses import GcPauses
 from llmgw.control.listeners import new_runner
 from llmgw.control.openfiles import raise_open_files_limit
 from llmgw.control.startcheck import agent_api_tls
@@ -137,6 +138,9 @@ async def serve(config_path: Path, listen_fds: list[int], link_fd: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as in the control plane: the store threads hand off often
+    # The connections kept per node live here: the control plane's schedule of full collections,
+    # their survivors frozen (llmgw.control.gcpauses; docs/operating.md "Memory and pauses per node").
+    pauses = GcPauses(freeze=True)
     runner = new_runner(app, "agent_listen")
     await runner.setup()
     sites = [web.SockSite(runner, socket.socket(fileno=fd), ssl_context=tls) for fd in listen_fds]
@@ -144,6 +148,7 @@ async def serve(config_path: Path, listen_fds: list[int], link_fd: int) -> int:
         for site in sites:
             await site.start()
         gc.freeze()  # what startup made lives as long as the process (as in the control plane)
+        pauses.install()
         link.send("ready")
 
         async def follow() -> None:
@@ -153,9 +158,10 @@ async def serve(config_path: Path, listen_fds: list[int], link_fd: int) -> int:
             stop.set()
 
         following = asyncio.create_task(follow())
-        await asyncio.gather(logs.watch(stop), stop.wait())
+        await asyncio.gather(logs.watch(stop), pauses.run(stop), stop.wait())
         following.cancel()
     finally:
+        pauses.remove()
         for site in sites:
             with contextlib.suppress(Exception):
                 await site.stop()
