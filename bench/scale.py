@@ -101,6 +101,7 @@ from scale_gateway import (  # noqa: E402
     AB_WINDOWS,
     GATEWAY_N,
     GW_MODEL,
+    Burner,
     ab_phase,
     added,
     added_change_ci,
@@ -540,8 +541,16 @@ async def run_n(run: Run, args: argparse.Namespace) -> None:
             if args.ab_windows:  # the gateway with the beats flowing and held, interleaved
                 enter("ab", fleet, cps)
                 say(n, "ab")
-                cpu = {"gateway_process": cps[0].own_cpu, "agent_api_process": cps[0].children_cpu}
-                f.update(await ab_phase(fleet, direct, gateway, args.ab_windows, args.ab_window_s, cpu))
+                cpu = {"gateway_process": cps[0].own_cpu, "agent_api_process": cps[0].children_cpu,
+                       "simulator": lambda: sum(me.cpu_times()[:2])}
+                burner = Burner(args.ab_burn_cores, scale_cp.AGENT_API_CPUS) if args.ab_burn_cores else None
+                if burner is not None:
+                    cpu["burner"] = lambda: sum(psutil.Process(burner.proc.pid).cpu_times()[:2])
+                try:
+                    f.update(await ab_phase(fleet, direct, gateway, args.ab_windows, args.ab_window_s, cpu, burner))
+                finally:
+                    if burner is not None:
+                        burner.close()
             if args.stop_after == "burst":
                 return
             # Kill a batch.
@@ -631,6 +640,10 @@ def main() -> None:
                     f"(default {AB_WINDOWS}; 0: none)")
     ap.add_argument("--ab-window-s", type=float, default=AB_WINDOW_S,
                     help=f"each A/B window (default {AB_WINDOW_S:g} s)")
+    ap.add_argument("--ab-burn-cores", type=float, default=0.0,
+                    help="the ab phase's control: a process keeping this many cores busy in the held "
+                    "windows (on the agent API's CPUs with --pin-path), the CPU the beats take without a "
+                    "beat; ab_change then compares the beats with that load alone (default 0: none)")
     ap.add_argument("--stop-after", choices=["burst"], help="end the run after this phase (a quick look)")
     ap.add_argument("--pin", action="store_true",
                     help="the control plane on the first CPU alone, this process and its other children "

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -73,9 +75,42 @@ async def gateway_probe(
     return got["direct"], got["gateway"], got["at"]
 
 
+class Burner:
+    """A process that keeps ``cores`` of a CPU busy (1 ms spins, sleeps between) while :meth:`on`,
+    stopped (SIGSTOP) while :meth:`off`: the ``ab`` phase's control, the same CPU load as the beats
+    put on the machine without a beat (``--ab-burn-cores``). Confined to ``cpus`` when given."""
+
+    SPIN = (
+        "import sys, time\n"
+        "duty = float(sys.argv[1]); spin = 0.001; rest = spin * (1 - duty) / duty\n"
+        "while True:\n"
+        "    end = time.perf_counter() + spin\n"
+        "    while time.perf_counter() < end: pass\n"
+        "    time.sleep(rest)\n"
+    )
+
+    def __init__(self, cores: float, cpus: set[int] | None = None) -> None:
+        pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
+        self.proc = subprocess.Popen([*pin, sys.executable, "-c", self.SPIN, str(cores)])
+        self.off()
+
+    def on(self) -> None:
+        """Burn."""
+        self.proc.send_signal(signal.SIGCONT)
+
+    def off(self) -> None:
+        """Stop burning."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        """Kill it."""
+        self.proc.kill()
+        self.proc.wait()
+
+
 async def ab_phase(
     fleet: Fleet, direct: str, gateway: str, windows: int, window_s: float,
-    cpu: dict[str, Callable[[], float]] | None = None,
+    cpu: dict[str, Callable[[], float]] | None = None, burner: Burner | None = None,
 ) -> dict[str, float]:
     """The gateway with the control plane at work and idle, in alternating windows of ``window_s``
     seconds (``windows`` in all, beats flowing first): in a held window every agent holds its next
@@ -91,7 +126,8 @@ async def ab_phase(
     ``..._held``) with the beats dropped and sent while held. ``cpu`` names CPU-second counters
     (``{"gateway_process": ...}``) whose rate over each side's windows (their first
     :data:`AB_SETTLE_S` left out) is given as ``ab_<name>_cores_flowing`` and ``..._held``: which
-    process's work the beats add to."""
+    process's work the beats add to. ``burner``: on in the held windows (the control: the CPU the
+    beats take, without beats)."""
     stop = asyncio.Event()
     probe = asyncio.create_task(gateway_probe(direct, gateway, stop, 0))
     spans: list[tuple[float, float, bool]] = []
@@ -104,8 +140,12 @@ async def ab_phase(
             flowing = k % 2 == 0
             if flowing:
                 fleet.flowing.set()
+                if burner is not None:
+                    burner.off()
             else:
                 fleet.flowing.clear()
+                if burner is not None:
+                    burner.on()
             t0, m0 = time.time(), time.monotonic()
             await asyncio.sleep(AB_SETTLE_S)
             c0, m1 = {name: read() for name, read in (cpu or {}).items()}, time.monotonic()
@@ -117,6 +157,8 @@ async def ab_phase(
             beat_spans.append((m0, time.monotonic(), flowing))
     finally:
         fleet.flowing.set()
+        if burner is not None:
+            burner.off()
         stop.set()
     d_ms, g_ms, at = await probe
     sides: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}

@@ -171,7 +171,7 @@ class ClusterConfig(_Strict):
             the control plane (:mod:`llmgw.control.agentproc`), so that heartbeats take none of the
             gateway's event loop: for large clusters (thousands of nodes; bench/scale.py measured the
             gateway's added latency while 5,000 nodes beat with and without it, docs/operating.md).
-            Default off: one process, ~50 MiB less.
+            Default off: one process, ~75 MiB less.
     """
 
     name: str = ""
