@@ -20,7 +20,12 @@ import aiohttp
 import psutil
 import pytest
 
+from llmgw.control.agentproc import AgentProcess
+from llmgw.control.api.cadence import Cadence
+from llmgw.control.api.enginemetrics import EngineMetrics
+from llmgw.control.listeners import bind_sockets
 from llmgw.control.server import serve
+from llmgw.control.store import default_url
 from llmgw.errors import PortInUseError
 from llmgw.protocol import HeartbeatReply, LogReply, ReplicaState, ReplicaStatus
 from tests.helpers.control import (
@@ -192,3 +197,35 @@ async def test_a_taken_agent_port_is_named(install: Install) -> None:
     assert "agent_listen" in str(e.value)
     assert f"port {install.ports['agent']} is already in use" in str(e.value)
     assert workers() == []
+
+
+async def test_the_process_names_the_view_it_is_sent_and_reports_a_node_that_came(install: Install) -> None:
+    """:class:`AgentProcess` alone (no control plane around it): the replies carry the view its
+    ``cluster`` callable gives, and a node's registration comes back as ``changed`` with ``came``
+    (the control plane wakes its leader on it), not left to the leader's timed pass."""
+    socks = await bind_sockets("127.0.0.1", install.ports["agent"], what="agent_listen", fix="-")
+    came: list[tuple[str, bool]] = []
+    proc = AgentProcess(
+        install.config, default_url("", install.paths.database), socks,
+        on_changed=lambda node, new: came.append((node, new)), engines=EngineMetrics(), cadence=Cadence(),
+        cluster=lambda: (7, "https://cp-a:7443", ["https://cp-a:7443", "https://cp-b:7443"]), own_nodes=frozenset,
+    )
+    await proc.start()
+    stop = asyncio.Event()
+    running = asyncio.create_task(proc.run(stop))
+    try:
+        async with aiohttp.ClientSession() as s:
+            reply = await beat(s, install, install.agent_ctx("node-1"))
+        assert (reply.term, reply.leader) == (7, "https://cp-a:7443")
+        assert reply.control_planes == ["https://cp-a:7443", "https://cp-b:7443"]
+
+        async def reported() -> bool:
+            return ("node-1", True) in came
+
+        await until("the registration reported over the channel", reported, within_s=5)
+    finally:
+        stop.set()
+        await running
+        await proc.close()
+    assert proc.proc is not None
+    assert proc.proc.returncode == 0
