@@ -11,6 +11,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -229,3 +231,28 @@ async def test_the_process_names_the_view_it_is_sent_and_reports_a_node_that_cam
         await proc.close()
     assert proc.proc is not None
     assert proc.proc.returncode == 0
+
+
+def test_a_stop_while_the_agent_api_process_starts_is_a_clean_stop(install: Install) -> None:
+    """SIGTERM to every process of the unit (systemd's ``systemctl stop``) while the agent API process
+    is still importing: it dies of the signal, and the control plane, told to stop by the same signal,
+    exits 0 without an error (it exited 1 with "the agent API process ... exited with -15 before
+    serving ..."; a unit stopped during its start was left failed)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "server", "run"], env={**os.environ, "LLMGW_ROOT": str(install.root)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not workers(proc.pid):  # the control plane started it; it has not served yet
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            assert time.monotonic() < deadline, "no agent API process in 30 s"
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "Error" not in out, out

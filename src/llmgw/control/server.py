@@ -98,7 +98,7 @@ from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
 from llmgw.control.ui.mount import mount_ui, ui_site
 from llmgw.control.ui.throttle import LoginThrottle
-from llmgw.errors import ConfigError, PortInUseError
+from llmgw.errors import ConfigError, PortInUseError, ServiceError
 from llmgw.guard.config import closed_judges
 from llmgw.httperrors import start_site
 from llmgw.mirror.client import MIRROR_TOKEN, read_token
@@ -486,7 +486,15 @@ async def serve(
                 signals.append(sig)
         for setting, listen, app, ctx in apps:
             if setting == "admin_listen" and agent_proc is not None:
-                await agent_proc.start()
+                try:
+                    await agent_proc.start()
+                except ServiceError:
+                    # SIGTERM to the unit's every process (systemctl stop) while it started: the process
+                    # died of it before serving, and this one was told to stop by the same signal
+                    if not stop.is_set():
+                        raise
+                    log.info("stopped while the agent API process started")
+                    return
             runner, addr = await _start(app, listen, setting, config_path, ctx)
             runners.append(runner)
             bound[setting] = addr
