@@ -22,13 +22,14 @@ import aiohttp
 import psutil
 import pytest
 
+from llmgw.control import agentproc, agentworker
 from llmgw.control.agentproc import AgentProcess
 from llmgw.control.api.cadence import Cadence
 from llmgw.control.api.enginemetrics import EngineMetrics
 from llmgw.control.listeners import bind_sockets
 from llmgw.control.server import serve
 from llmgw.control.store import default_url
-from llmgw.errors import PortInUseError
+from llmgw.errors import PortInUseError, ServiceError
 from llmgw.protocol import HeartbeatReply, LogReply, ReplicaState, ReplicaStatus
 from tests.helpers.control import (
     TOKEN,
@@ -256,3 +257,64 @@ def test_a_stop_while_the_agent_api_process_starts_is_a_clean_stop(install: Inst
             proc.communicate()
     assert proc.returncode == 0, out
     assert "Error" not in out, out
+
+
+def test_the_agent_api_process_that_cannot_start_says_why_in_one_line(
+    install: Install, caplog: pytest.LogCaptureFixture
+) -> None:
+    """server.yaml's TLS key broken after the control plane read it: the process logs the error's
+    message (which says what to do) in one line and exits 1, instead of a 40-line chained traceback
+    at every start again (every 1-30 s)."""
+    (install.paths.pki / "server-key.pem").write_text("not a key\n")
+    ours, theirs = socket.socketpair()
+    with ours, socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        ours.sendall(b'{"k":"init","url":"sqlite:///' + str(install.root / "db.sqlite").encode() + b'"}\n')
+        code = agentworker.main(["--config", str(install.config), "--listen-fd", str(listening.fileno()),
+                                 "--link-fd", str(theirs.detach())])
+    assert code == 1
+    [record] = [r for r in caplog.records if r.name == agentworker.__name__ and r.levelname == "ERROR"]
+    assert "tls.key" in record.getMessage()
+    assert "llmgw server init" in record.getMessage()
+    assert record.exc_info is None
+
+
+def fake_python(tmp_path: Path, body: str) -> str:
+    """An executable that stands in for the interpreter :class:`AgentProcess` runs: ``body`` in Python."""
+    path = tmp_path / "fake-python"
+    path.write_text(f"#!{sys.executable}\nimport os, signal, sys, time\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+async def _start_fails(tmp_path: Path, body: str) -> str:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        proc = AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
+                            on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
+                            cluster=lambda: (0, "", []), own_nodes=frozenset, python=fake_python(tmp_path, body))
+        with pytest.raises(ServiceError) as e:
+            await proc.start()
+        await proc.close()
+    return str(e.value)
+
+
+async def test_an_agent_api_process_that_never_serves_is_named_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One that hangs: 'did not serve ... within' and killed at once (it was said to have 'exited with
+    -9', the kill that came STOP_S later, as if it had crashed); one killed by a signal (the OOM
+    killer) is named by the signal, not a bare -9."""
+    monkeypatch.setattr(agentproc, "START_S", 0.5)
+    started = time.monotonic()
+    hung = await _start_fails(tmp_path, "time.sleep(60)")
+    assert "did not serve" in hung, hung
+    assert "within 0.5 s" in hung, hung
+    assert time.monotonic() - started < agentproc.STOP_S
+    killed = await _start_fails(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    assert "was killed by SIGKILL" in killed, killed
+    failed = await _start_fails(tmp_path, "sys.exit(3)")
+    assert "exited with 3" in failed, failed
+    assert "log lines above say why" in failed, failed

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -125,15 +126,25 @@ class AgentProcess:
         link = self._link = await Link.open(parent)
         self._view = self._read_view()
         link.send("init", url=self.store_url, **self._view)
+        timed_out = False
         try:
             first = await asyncio.wait_for(link.recv(), START_S)
         except TimeoutError:
-            first = None
+            first, timed_out = None, True
         if first is None or first.get("k") != "ready":
+            if timed_out:  # hung (never told to stop): waiting STOP_S more for it would change nothing
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
             await self._end(proc)
+            if timed_out:
+                raise ServiceError(
+                    f"the agent API process (pid {proc.pid}) did not serve {self._where()} within "
+                    f"{START_S:g} s and was killed; its log lines above say how far it got"
+                )
+            why = ("its log lines above say why" if (proc.returncode or 0) >= 0 else
+                   "by another program or the kernel's OOM killer ('journalctl -k' shows the latter)")
             raise ServiceError(
-                f"the agent API process (pid {proc.pid}) exited with {proc.returncode} before serving "
-                f"{self._where()}; its log lines above say why"
+                f"the agent API process (pid {proc.pid}) {_how(proc)} before serving {self._where()}; {why}"
             )
         log.info("agent API served by process %d on %s", proc.pid, self._where())
 
@@ -155,8 +166,8 @@ class AgentProcess:
                     return
                 if self.proc is not None:
                     await self._end(self.proc)
-                    log.error("the agent API process %d exited with %s; starting another in %.0f s",
-                              self.proc.pid, self.proc.returncode, backoff)
+                    log.error("the agent API process %d %s; starting another in %.0f s",
+                              self.proc.pid, _how(self.proc), backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), backoff)
                 if stop.is_set():
@@ -225,3 +236,12 @@ class AgentProcess:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+def _how(proc: asyncio.subprocess.Process) -> str:
+    """How ``proc`` ended, in words: ``exited with 1``, ``was killed by SIGKILL``."""
+    code = proc.returncode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with {code}"

@@ -49,6 +49,7 @@ from llmgw.control.startcheck import agent_api_tls
 from llmgw.control.store import SqlStore, open_store
 from llmgw.control.store.offloop import STORE_DEADLINE_S, SWITCH_INTERVAL_S, OffLoop
 from llmgw.control.store.postgres import HOLD_MAX_S
+from llmgw.errors import LlmgwError
 from llmgw.protocol import EngineMetricsText
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,14 @@ async def serve(config_path: Path, listen_fds: list[int], link_fd: int) -> int:
             (the control plane checked them first; they changed since).
     """
     link = await Link.open(socket.socket(fileno=link_fd))
+    try:
+        return await _serve(config_path, listen_fds, link)
+    finally:
+        link.close()  # also when it failed to start (closed again at a stop: harmless)
+
+
+async def _serve(config_path: Path, listen_fds: list[int], link: Link) -> int:
+    """:func:`serve` once the channel is open."""
     init = await link.recv()
     if init is None or init.get("k") != "init":
         log.error("the agent API process got no 'init' from the control plane; exiting")
@@ -182,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-fd", type=int, required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s agent-api %(name)s: %(message)s")
-    return asyncio.run(serve(args.config, args.listen_fd, args.link_fd))
+    try:
+        return asyncio.run(serve(args.config, args.listen_fd, args.link_fd))
+    except LlmgwError as e:
+        # one line that says what to do (not a chained traceback at every start again, 1-30 s apart);
+        # the control plane names this process's pid and exit code after it
+        log.error("the agent API process cannot start: %s", e)  # noqa: TRY400 (the message is the news)
+        return 1
 
 
 if __name__ == "__main__":
