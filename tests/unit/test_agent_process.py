@@ -318,3 +318,30 @@ async def test_an_agent_api_process_that_never_serves_is_named_so(
     failed = await _start_fails(tmp_path, "sys.exit(3)")
     assert "exited with 3" in failed, failed
     assert "log lines above say why" in failed, failed
+
+
+async def test_a_process_that_dies_right_after_serving_is_started_again_ever_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that serves, then dies at once (the OOM killer as the agents reconnect, a crash on
+    the first beats), is started again after ever longer waits up to RESPAWN_MAX_S, as one that
+    fails before serving is: a 'ready' reset the wait to RESPAWN_MIN_S, so the control plane
+    started one every ~1 s for ever (each start ~1 s of CPU for its imports, on the gateway's machine)."""
+    monkeypatch.setattr(agentproc, "RESPAWN_MIN_S", 0.05)
+    monkeypatch.setattr(agentproc, "RESPAWN_MAX_S", 0.4)
+    python = fake_python(tmp_path, 'os.write(int(sys.argv[sys.argv.index("--link-fd") + 1]), b\'{"k":"ready"}\\n\')')
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        proc = AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
+                            on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
+                            cluster=lambda: (0, "", []), own_nodes=frozenset, python=python)
+        await proc.start()
+        stop = asyncio.Event()
+        running = asyncio.create_task(proc.run(stop))
+        await asyncio.sleep(2.5)
+        stop.set()
+        await running
+        await proc.close()
+    # waits 0.05, 0.1, 0.2, then 0.4 s each: about 8 starts in 2.5 s (it was one every ~0.1 s: 20-25)
+    assert proc.starts <= 10, proc.starts

@@ -28,6 +28,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,9 @@ START_S = 30.0
 
 RESPAWN_MIN_S = 1.0
 RESPAWN_MAX_S = 30.0
-"""A process that exited is started again after 1 s, then 2, 4... up to 30 s while it keeps failing."""
+"""A process that exited is started again after 1 s, then 2, 4... up to 30 s while it keeps failing:
+failing to start, or dying within 30 s of serving (the OOM killer as the agents reconnect); one that
+served longer than that is started again after 1 s."""
 
 STOP_S = 2 * SHUTDOWN_TIMEOUT_S + 2.0
 """How long a stopping process may take (its listener's shutdown, :data:`SHUTDOWN_TIMEOUT_S` twice at
@@ -93,6 +96,7 @@ class AgentProcess:
         self.on_changed, self.engines, self.cadence = on_changed, engines, cadence
         self.cluster, self.own_nodes, self.python = cluster, own_nodes, python
         self.proc: asyncio.subprocess.Process | None = None
+        self.served_at = 0.0  # when the running process said 'ready' (monotonic s)
         self.starts = 0
         self._link: Link | None = None
         self._view: dict[str, Any] = {}
@@ -146,6 +150,7 @@ class AgentProcess:
             raise ServiceError(
                 f"the agent API process (pid {proc.pid}) {_how(proc)} before serving {self._where()}; {why}"
             )
+        self.served_at = time.monotonic()
         log.info("agent API served by process %d on %s", proc.pid, self._where())
 
     def _where(self) -> str:
@@ -164,6 +169,8 @@ class AgentProcess:
                 if stop.is_set() or self._stopping:
                     relay.cancel()
                     return
+                if time.monotonic() - self.served_at >= RESPAWN_MAX_S:
+                    backoff = RESPAWN_MIN_S  # it served a while: not failing over and over
                 if self.proc is not None:
                     await self._end(self.proc)
                     log.error("the agent API process %d %s; starting another in %.0f s",
@@ -172,13 +179,11 @@ class AgentProcess:
                     await asyncio.wait_for(stop.wait(), backoff)
                 if stop.is_set():
                     return
+                backoff = min(backoff * 2, RESPAWN_MAX_S)  # back to the least once one serves a while
                 try:
                     await self.start()
                 except (ServiceError, OSError) as e:
                     log.error("%s", e)  # noqa: TRY400 (the message says what to read)
-                    backoff = min(backoff * 2, RESPAWN_MAX_S)
-                else:
-                    backoff = RESPAWN_MIN_S
         finally:
             pushing.cancel()
             stopped.cancel()
