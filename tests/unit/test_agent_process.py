@@ -345,3 +345,30 @@ async def test_a_process_that_dies_right_after_serving_is_started_again_ever_lat
         await proc.close()
     # waits 0.05, 0.1, 0.2, then 0.4 s each: about 8 starts in 2.5 s (it was one every ~0.1 s: 20-25)
     assert proc.starts <= 10, proc.starts
+
+
+async def test_a_process_closed_while_waiting_to_start_another_starts_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` (serve's cleanup after another task failed: ``stop`` is not set) while ``run`` waits
+    to start the next process: ``run`` ends at the end of its wait. It went on to start one on the
+    sockets ``close`` had closed (ValueError from the spawn; a new process on whatever those fd
+    numbers had become, had they been reused)."""
+    monkeypatch.setattr(agentproc, "RESPAWN_MIN_S", 0.3)
+    python = fake_python(tmp_path, 'os.write(int(sys.argv[sys.argv.index("--link-fd") + 1]), b\'{"k":"ready"}\\n\')')
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        proc = AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
+                            on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
+                            cluster=lambda: (0, "", []), own_nodes=frozenset, python=python)
+        await proc.start()
+        running = asyncio.create_task(proc.run(asyncio.Event()))
+
+        async def gone() -> bool:
+            return proc.proc is not None and proc.proc.returncode is not None
+
+        await until("the first process gone", gone, every_s=0.01)
+        await proc.close()
+        await asyncio.wait_for(running, 2)
+    assert proc.starts == 1

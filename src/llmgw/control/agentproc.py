@@ -177,7 +177,7 @@ class AgentProcess:
                               self.proc.pid, _how(self.proc), backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), backoff)
-                if stop.is_set():
+                if stop.is_set() or self._stopping:  # _stopping: closed meanwhile, the sockets with it
                     return
                 backoff = min(backoff * 2, RESPAWN_MAX_S)  # back to the least once one serves a while
                 try:
