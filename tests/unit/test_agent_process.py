@@ -372,3 +372,29 @@ async def test_a_process_closed_while_waiting_to_start_another_starts_none(
         await proc.close()
         await asyncio.wait_for(running, 2)
     assert proc.starts == 1
+
+
+async def test_each_process_started_again_leaves_no_socket_behind(install: Install, served: Served) -> None:
+    """The channel's end of a process that died is closed when the next one starts: it was dropped
+    unclosed, and serve's gc.freeze() (and GcPauses freezing each full collection's survivors, the
+    live channel among them) kept it from ever being collected: one Unix socket more per start."""
+
+    def unix_fds() -> int:
+        return len(psutil.Process().net_connections(kind="unix"))
+
+    before = unix_fds()
+    for _ in range(2):
+        [old] = workers()
+        old.send_signal(signal.SIGKILL)
+
+        async def another(old: psutil.Process = old) -> Any:
+            try:  # the old one, a zombie until reaped, has no command line to read
+                return [w for w in workers() if w.pid != old.pid] or None
+            except psutil.ZombieProcess:
+                return None
+
+        await until("a new agent API process", another, within_s=10)
+        ctx = install.agent_ctx("node-1")
+        async with aiohttp.ClientSession() as s:
+            await beat(s, install, ctx)  # it serves (its 'ready' came)
+    assert unix_fds() == before

@@ -118,6 +118,8 @@ class AgentProcess:
             ServiceError: it exited first (its own log says why: server.yaml or the store changed
                 since the control plane read them) or did not answer within :data:`START_S`.
         """
+        if self._link is not None:  # the last process's: dropped unclosed, a cycle gc.freeze() keeps for ever
+            self._link.close()
         parent, child = socket.socketpair()
         fds = [s.fileno() for s in self.socks]
         argv = [self.python, "-m", "llmgw.control.agentworker", "--config", str(self.config_path),
