@@ -14,16 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import aiohttp
 import httpx
+import psutil
 import yaml
 
-from llmgw import tlsconf
+from llmgw import protocol, tlsconf
 from llmgw.control.server import serve
 from llmgw.paths import Paths
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaStatus
 from tests.helpers.net import free_port
 
 TOKEN = "admin-token-for-tests"
+#: The admin API's header with :data:`TOKEN`.
+ADMIN_AUTH = {"Authorization": f"Bearer {TOKEN}"}
+#: A chat model for the admin API whose weights are never fetched (no engine runs it).
+CHAT_MODEL = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
 GB = 1_000_000_000
 FAKE_ENGINE = """#!/bin/sh
 case "$1" in
@@ -240,3 +246,31 @@ def ctl_on_admin_app(store: Any, *args: str, token: str = "t" * 32) -> str:
         loop.close()
     assert r.exit_code == 0, r.output
     return r.output
+
+
+async def beat_reply(
+    s: aiohttp.ClientSession, inst: Install, ctx: Any, body: str | None = None
+) -> protocol.HeartbeatReply:
+    """One heartbeat to ``inst``'s agent API over mTLS (``ctx``: :meth:`Install.agent_ctx`), ``body``
+    or :func:`heartbeat`'s; its reply (the test fails on another status than 200)."""
+    async with s.post(inst.agent_url + "/agent/v1/heartbeat", data=body or heartbeat(), ssl=ctx) as r:
+        assert r.status == 200, await r.text()
+        return protocol.HeartbeatReply.model_validate_json(await r.read())
+
+
+def agent_api_processes(pid: int | None = None) -> list[psutil.Process]:
+    """The agent API processes (``cluster.agent_api_process``) started by ``pid`` (this process by default)."""
+    return [c for c in psutil.Process(pid).children() if "llmgw.control.agentworker" in " ".join(c.cmdline())]
+
+
+async def ready_and_routed(s: aiohttp.ClientSession, inst: Install, ctx: Any, replica_id: str, model: str) -> None:
+    """Report ``replica_id`` ready at an endpoint nothing listens on (127.0.0.1:9) through ``inst``'s
+    agent API, then ask ``inst``'s gateway for ``model``: it must route to the replica at once (502,
+    the engine failed), not answer that the model has no ready replica."""
+    ready = ReplicaStatus(id=replica_id, state=protocol.ReplicaState.READY, endpoint="127.0.0.1:9")
+    await beat_reply(s, inst, ctx, heartbeat(ready))
+    chat = {"model": model, "messages": [{"role": "user", "content": "hello"}]}
+    async with s.post(f"http://127.0.0.1:{inst.ports['gateway']}/v1/chat/completions", json=chat) as r:
+        text = await r.text()
+        assert r.status == 502, text
+        assert "no_ready_replica" not in text

@@ -14,7 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +31,26 @@ from llmgw.control.listeners import bind_sockets
 from llmgw.control.server import serve
 from llmgw.control.store import default_url
 from llmgw.errors import PortInUseError, ServiceError
-from llmgw.protocol import HeartbeatReply, LogReply, ReplicaState, ReplicaStatus
+from llmgw.protocol import HeartbeatReply, LogReply
 from tests.helpers.control import (
-    TOKEN,
+    ADMIN_AUTH,
+    CHAT_MODEL,
     Install,
     Served,
-    heartbeat,
+    agent_api_processes,
+    beat_reply,
     make_install,
+    ready_and_routed,
     server_run,
     serving,
     wait_admin_health,
 )
 from tests.helpers.waits import until
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-MODEL = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
+AUTH, MODEL = ADMIN_AUTH, CHAT_MODEL
 PAGE = (Path(__file__).parents[1] / "data" / "llama-server-metrics.txt").read_text()
 
 
-def workers(pid: int | None = None) -> list[psutil.Process]:
-    """The agent API processes started by ``pid`` (this one by default)."""
-    return [c for c in psutil.Process(pid).children()
-            if "llmgw.control.agentworker" in " ".join(c.cmdline())]
 
 
 @pytest.fixture
@@ -65,10 +64,6 @@ async def served(install: Install) -> AsyncIterator[Served]:
         yield got
 
 
-async def beat(s: aiohttp.ClientSession, inst: Install, ctx: Any, body: str | None = None) -> HeartbeatReply:
-    async with s.post(inst.agent_url + "/agent/v1/heartbeat", data=body or heartbeat(), ssl=ctx) as r:
-        assert r.status == 200, await r.text()
-        return HeartbeatReply.model_validate_json(await r.read())
 
 
 async def test_a_heartbeat_answered_by_the_agent_api_process_reaches_the_leader_and_the_gateway(
@@ -77,11 +72,11 @@ async def test_a_heartbeat_answered_by_the_agent_api_process_reaches_the_leader_
     """The reply names this control plane (the election's view crosses the channel); the node that
     registered wakes the leader (a replica placed at once); its ready report is routed to at once
     (the refresh the process asks for, or the gateway's own when it finds no ready replica)."""
-    [worker] = workers()
+    [worker] = agent_api_processes()
     assert worker.pid != os.getpid()
     ctx = install.agent_ctx("node-1")
     async with aiohttp.ClientSession() as s:
-        first = await beat(s, install, ctx)
+        first = await beat_reply(s, install, ctx)
         assert first.node_id == "node-1"
         reply = await until("a reply names this control plane's term and agent URL",
                             lambda: _named(s, install, ctx), within_s=5)
@@ -90,22 +85,14 @@ async def test_a_heartbeat_answered_by_the_agent_api_process_reaches_the_leader_
             assert r.status == 201, await r.text()
 
         async def placed() -> Any:
-            return (await beat(s, install, ctx)).desired or None
+            return (await beat_reply(s, install, ctx)).desired or None
 
         [spec] = await until("the leader placed the model's replica on node-1", placed, within_s=10)
-        ready = ReplicaStatus(id=spec.id, state=ReplicaState.READY, endpoint="127.0.0.1:9")
-        await beat(s, install, ctx, heartbeat(ready))
-        body = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}
-        async with s.post(f"http://127.0.0.1:{install.ports['gateway']}/v1/chat/completions", json=body) as r:
-            # routed to the replica (nothing listens on port 9: the gateway says the engine failed,
-            # not that the model has no ready replica)
-            text = await r.text()
-            assert r.status == 502, text
-            assert "no_ready_replica" not in text
+        await ready_and_routed(s, install, ctx, spec.id, "chat")
 
 
 async def _named(s: aiohttp.ClientSession, inst: Install, ctx: Any) -> HeartbeatReply | None:
-    reply = await beat(s, inst, ctx)
+    reply = await beat_reply(s, inst, ctx)
     return reply if reply.term and reply.leader == inst.agent_url and inst.agent_url in reply.control_planes else None
 
 
@@ -114,7 +101,7 @@ async def test_engine_pages_and_log_reads_cross_the_process(install: Install, se
     read asked on the admin API reaches the node through the store and is answered."""
     ctx = install.agent_ctx("node-1")
     async with aiohttp.ClientSession() as s:
-        await beat(s, install, ctx)
+        await beat_reply(s, install, ctx)
         pages = [{"replica": "r-x", "model": "chat", "text": PAGE}]
         async with s.post(install.agent_url + "/agent/v1/metrics", json=pages, ssl=ctx) as r:
             assert r.status == 200, await r.text()
@@ -128,7 +115,7 @@ async def test_engine_pages_and_log_reads_cross_the_process(install: Install, se
             assert r.status == 201
 
         async def placed() -> Any:
-            return (await beat(s, install, ctx)).desired or None
+            return (await beat_reply(s, install, ctx)).desired or None
 
         [spec] = await until("a replica placed on node-1", placed, within_s=10)
 
@@ -139,7 +126,7 @@ async def test_engine_pages_and_log_reads_cross_the_process(install: Install, se
         reading = asyncio.create_task(read())
 
         async def carried() -> Any:
-            return (await beat(s, install, ctx)).log_requests or None
+            return (await beat_reply(s, install, ctx)).log_requests or None
 
         [req] = await until("a reply carries the log request", carried, within_s=8)
         answer = LogReply(id=req.id, replica_id=spec.id, text="engine line 1\n", offset=14)
@@ -153,27 +140,27 @@ async def test_engine_pages_and_log_reads_cross_the_process(install: Install, se
 async def test_a_killed_agent_api_process_is_started_again_and_beats_go_on(install: Install, served: Served) -> None:
     """SIGKILL: the sockets stay bound by the control plane, a new process serves them within seconds,
     and the node's next beat (a new connection) is answered."""
-    [first] = workers()
+    [first] = agent_api_processes()
     ctx = install.agent_ctx("node-1")
     async with aiohttp.ClientSession() as s:
-        await beat(s, install, ctx)
+        await beat_reply(s, install, ctx)
     first.send_signal(signal.SIGKILL)
     first.wait(5)
 
     async def another() -> Any:
-        return [w for w in workers() if w.pid != first.pid] or None
+        return [w for w in agent_api_processes() if w.pid != first.pid] or None
 
     await until("a new agent API process", another, within_s=10)
     async with aiohttp.ClientSession() as s:
-        reply = await beat(s, install, ctx)
+        reply = await beat_reply(s, install, ctx)
     assert reply.node_id == "node-1"
 
 
 async def test_stopping_the_control_plane_stops_the_process(install: Install) -> None:
     async with serving(install, stop_s=20):
-        [worker] = workers()
+        [worker] = agent_api_processes()
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
-    assert workers() == []
+    assert agent_api_processes() == []
 
 
 def test_a_control_plane_killed_takes_its_agent_api_process_with_it(install: Install) -> None:
@@ -181,7 +168,7 @@ def test_a_control_plane_killed_takes_its_agent_api_process_with_it(install: Ins
     close and exits."""
     with server_run(install) as proc:
         wait_admin_health(install, proc)
-        [worker] = workers(proc.pid)
+        [worker] = agent_api_processes(proc.pid)
         with socket.create_connection(("127.0.0.1", install.ports["agent"]), timeout=5):
             pass  # the agent API is served before the admin API answers
         proc.kill()
@@ -199,7 +186,7 @@ async def test_a_taken_agent_port_is_named(install: Install) -> None:
             await serve(install.config, install.paths, stop=asyncio.Event())
     assert "agent_listen" in str(e.value)
     assert f"port {install.ports['agent']} is already in use" in str(e.value)
-    assert workers() == []
+    assert agent_api_processes() == []
 
 
 async def test_the_process_names_the_view_it_is_sent_and_reports_a_node_that_came(install: Install) -> None:
@@ -218,7 +205,7 @@ async def test_the_process_names_the_view_it_is_sent_and_reports_a_node_that_cam
     running = asyncio.create_task(proc.run(stop))
     try:
         async with aiohttp.ClientSession() as s:
-            reply = await beat(s, install, install.agent_ctx("node-1"))
+            reply = await beat_reply(s, install, install.agent_ctx("node-1"))
         assert (reply.term, reply.leader) == (7, "https://cp-a:7443")
         assert reply.control_planes == ["https://cp-a:7443", "https://cp-b:7443"]
 
@@ -245,7 +232,7 @@ def test_a_stop_while_the_agent_api_process_starts_is_a_clean_stop(install: Inst
     )
     try:
         deadline = time.monotonic() + 30
-        while not workers(proc.pid):  # the control plane started it; it has not served yet
+        while not agent_api_processes(proc.pid):  # the control plane started it; it has not served yet
             assert proc.poll() is None, proc.communicate()[0].decode()
             assert time.monotonic() < deadline, "no agent API process in 30 s"
             time.sleep(0.005)
@@ -288,13 +275,23 @@ def fake_python(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
-async def _start_fails(tmp_path: Path, body: str) -> str:
+@contextmanager
+def fake_process(tmp_path: Path, body: str) -> Iterator[AgentProcess]:
+    """An :class:`AgentProcess` on a loopback socket of its own that runs :func:`fake_python`'s ``body``."""
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        proc = AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
-                            on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
-                            cluster=lambda: (0, "", []), own_nodes=frozenset, python=fake_python(tmp_path, body))
+        yield AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
+                           on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
+                           cluster=lambda: (0, "", []), own_nodes=frozenset, python=fake_python(tmp_path, body))
+
+
+#: A stand-in for the agent API process that says ``ready`` and exits.
+READY_THEN_EXIT = 'os.write(int(sys.argv[sys.argv.index("--link-fd") + 1]), b\'{"k":"ready"}\\n\')'
+
+
+async def _start_fails(tmp_path: Path, body: str) -> str:
+    with fake_process(tmp_path, body) as proc:
         with pytest.raises(ServiceError) as e:
             await proc.start()
         await proc.close()
@@ -329,13 +326,7 @@ async def test_a_process_that_dies_right_after_serving_is_started_again_ever_lat
     started one every ~1 s for ever (each start ~1 s of CPU for its imports, on the gateway's machine)."""
     monkeypatch.setattr(agentproc, "RESPAWN_MIN_S", 0.05)
     monkeypatch.setattr(agentproc, "RESPAWN_MAX_S", 0.4)
-    python = fake_python(tmp_path, 'os.write(int(sys.argv[sys.argv.index("--link-fd") + 1]), b\'{"k":"ready"}\\n\')')
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        proc = AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
-                            on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
-                            cluster=lambda: (0, "", []), own_nodes=frozenset, python=python)
+    with fake_process(tmp_path, READY_THEN_EXIT) as proc:
         await proc.start()
         stop = asyncio.Event()
         running = asyncio.create_task(proc.run(stop))
@@ -355,13 +346,7 @@ async def test_a_process_closed_while_waiting_to_start_another_starts_none(
     sockets ``close`` had closed (ValueError from the spawn; a new process on whatever those fd
     numbers had become, had they been reused)."""
     monkeypatch.setattr(agentproc, "RESPAWN_MIN_S", 0.3)
-    python = fake_python(tmp_path, 'os.write(int(sys.argv[sys.argv.index("--link-fd") + 1]), b\'{"k":"ready"}\\n\')')
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        proc = AgentProcess(tmp_path / "server.yaml", "sqlite://", [socket.socket(fileno=os.dup(listening.fileno()))],
-                            on_changed=lambda _n, _c: None, engines=EngineMetrics(), cadence=Cadence(),
-                            cluster=lambda: (0, "", []), own_nodes=frozenset, python=python)
+    with fake_process(tmp_path, READY_THEN_EXIT) as proc:
         await proc.start()
         running = asyncio.create_task(proc.run(asyncio.Event()))
 
@@ -384,17 +369,17 @@ async def test_each_process_started_again_leaves_no_socket_behind(install: Insta
 
     before = unix_fds()
     for _ in range(2):
-        [old] = workers()
+        [old] = agent_api_processes()
         old.send_signal(signal.SIGKILL)
 
         async def another(old: psutil.Process = old) -> Any:
             try:  # the old one, a zombie until reaped, has no command line to read
-                return [w for w in workers() if w.pid != old.pid] or None
+                return [w for w in agent_api_processes() if w.pid != old.pid] or None
             except psutil.ZombieProcess:
                 return None
 
         await until("a new agent API process", another, within_s=10)
         ctx = install.agent_ctx("node-1")
         async with aiohttp.ClientSession() as s:
-            await beat(s, install, ctx)  # it serves (its 'ready' came)
+            await beat_reply(s, install, ctx)  # it serves (its 'ready' came)
     assert unix_fds() == before

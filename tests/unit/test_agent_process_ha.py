@@ -19,18 +19,26 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil
 import yaml
 
 from llmgw.control.agentproc import PUSH_S
 from llmgw.control.reconcile.election import TAKEOVER_GRACE_S
 from llmgw.protocol import HeartbeatReply, LogReply, ReplicaState, ReplicaStatus
-from tests.helpers.control import TOKEN, Install, heartbeat, pg_install, serving
+from tests.helpers.control import (
+    ADMIN_AUTH,
+    CHAT_MODEL,
+    Install,
+    agent_api_processes,
+    beat_reply,
+    heartbeat,
+    pg_install,
+    ready_and_routed,
+    serving,
+)
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-MODEL = {"name": "chat", "source": "http://m/chat.gguf", "profiles": [{"name": "cpu"}]}
+AUTH, MODEL = ADMIN_AUTH, CHAT_MODEL
 LEASE_S, RENEW_S = 2.0, 0.2  # pg_install's cluster.lease_s and renew_s
 FAILOVER_S = LEASE_S + TAKEOVER_GRACE_S + RENEW_S + PUSH_S + 1.5
 """The leader stopped: its lease ends at most LEASE_S later (a clean stop closes its session, and the
@@ -39,9 +47,6 @@ TAKEOVER_GRACE_S after that at its next look (RENEW_S), and its agent API proces
 within PUSH_S; 1.5 s of slack for a busy 2-core machine (a beat's round trip included)."""
 
 
-def workers() -> list[psutil.Process]:
-    """The agent API processes this process started (one per control plane served)."""
-    return [c for c in psutil.Process().children() if "llmgw.control.agentworker" in " ".join(c.cmdline())]
 
 
 def ha_install(root: Path, name: str, url: str, tls_of: Install | None = None) -> Install:
@@ -74,15 +79,10 @@ async def two_control_planes(
         await a_stack.enter_async_context(serving(a, stop_s=20))
         await until("A leads", lambda: leads(s, a), within_s=15)
         await outer.enter_async_context(serving(b, stop_s=20))
-        assert len(workers()) == 2  # one agent API process per control plane
+        assert len(agent_api_processes()) == 2  # one agent API process per control plane
         yield a, b, a_stack
 
 
-async def beat(s: aiohttp.ClientSession, inst: Install, ctx: Any, body: str | None = None) -> HeartbeatReply:
-    """One heartbeat of node-1 to ``inst``'s agent API; its reply."""
-    async with s.post(inst.agent_url + "/agent/v1/heartbeat", data=body or heartbeat(), ssl=ctx) as r:
-        assert r.status == 200, await r.text()
-        return HeartbeatReply.model_validate_json(await r.read())
 
 
 async def test_replies_from_the_followers_process_name_the_leader_and_then_the_follower_once_it_stops(
@@ -94,7 +94,7 @@ async def test_replies_from_the_followers_process_name_the_leader_and_then_the_f
         assert term >= 1
 
         async def names_a() -> HeartbeatReply | None:
-            reply = await beat(s, b, ctx)
+            reply = await beat_reply(s, b, ctx)
             return reply if sorted(reply.control_planes) == sorted([a.agent_url, b.agent_url]) else None
 
         # (a) B's process answers with the leader A, A's term and both members (B reads the members
@@ -106,10 +106,10 @@ async def test_replies_from_the_followers_process_name_the_leader_and_then_the_f
         # (b) A stops: B leads a higher term, and its process's replies say so within FAILOVER_S.
         await a_stack.aclose()
         stopped = time.monotonic()
-        assert len(workers()) == 1  # A's agent API process ended with it
+        assert len(agent_api_processes()) == 1  # A's agent API process ended with it
 
         async def names_b() -> HeartbeatReply | None:
-            reply = await beat(s, b, ctx)
+            reply = await beat_reply(s, b, ctx)
             return reply if reply.leader == b.agent_url else None
 
         reply = await until("B's replies name B as the leader", names_b, within_s=FAILOVER_S)
@@ -125,24 +125,17 @@ async def test_a_node_beating_to_the_followers_process_is_placed_routed_and_its_
 ) -> None:
     async with aiohttp.ClientSession() as s, two_control_planes(tmp_path, pg_cluster, s) as (a, b, _):
         ctx = a.agent_ctx("node-1")
-        assert (await beat(s, b, ctx)).node_id == "node-1"  # registered through B's process
+        assert (await beat_reply(s, b, ctx)).node_id == "node-1"  # registered through B's process
         async with s.post(b.admin + "/api/v1/models", json=MODEL, headers=AUTH) as r:
             assert r.status == 201, await r.text()
 
         async def placed() -> Any:
-            return (await beat(s, b, ctx)).desired or None
+            return (await beat_reply(s, b, ctx)).desired or None
 
         # (c) The leader A places the replica; B's process hands it to the node.
         [spec] = await until("the leader's placement reaches node-1 through B's process", placed, within_s=15)
         assert spec.model == "chat"
-        ready = ReplicaStatus(id=spec.id, state=ReplicaState.READY, endpoint="127.0.0.1:9")
-        await beat(s, b, ctx, heartbeat(ready))
-        chat = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}
-        async with s.post(f"http://127.0.0.1:{b.ports['gateway']}/v1/chat/completions", json=chat) as r:
-            # routed to the replica: nothing listens on port 9, so the engine failed (502), not 503
-            text = await r.text()
-            assert r.status == 502, text
-            assert "no_ready_replica" not in text
+        await ready_and_routed(s, b, ctx, spec.id, "chat")  # B's gateway routes to it at once
 
         # (d) A log read asked on the leader's admin API: the request reaches the node in a reply of
         # B's process (through the store), the answer posted there reaches A's waiting read.
@@ -152,8 +145,10 @@ async def test_a_node_beating_to_the_followers_process_is_placed_routed_and_its_
 
         reading = asyncio.create_task(read())
 
+        ready = ReplicaStatus(id=spec.id, state=ReplicaState.READY, endpoint="127.0.0.1:9")
+
         async def carried() -> Any:
-            return (await beat(s, b, ctx, heartbeat(ready))).log_requests or None
+            return (await beat_reply(s, b, ctx, heartbeat(ready))).log_requests or None
 
         [req] = await until("a reply of B's process carries A's log request", carried, within_s=8)
         assert (req.replica_id, req.lines) == (spec.id, 2)
