@@ -383,3 +383,21 @@ async def test_each_process_started_again_leaves_no_socket_behind(install: Insta
         async with aiohttp.ClientSession() as s:
             await beat_reply(s, install, ctx)  # it serves (its 'ready' came)
     assert unix_fds() == before
+
+
+async def test_a_node_count_sent_before_ready_is_taken_not_a_failed_start(tmp_path: Path) -> None:
+    """A process started again on a large cluster counts the nodes as it starts (its cadence's first
+    count moves the lost threshold) and says so before 'ready': ``start`` takes that message and
+    goes on. It took any first message but 'ready' for a failed start, killed the process and, at the
+    restart phase of bench/scale.py at 5,000 nodes, stopped the control plane: "was killed by SIGKILL
+    before serving"."""
+    link = 'int(sys.argv[sys.argv.index("--link-fd") + 1])'
+    body = f'os.write({link}, b\'{{"k":"nodes","n":5000}}\\n\'); os.write({link}, b\'{{"k":"ready"}}\\n\')'
+    with fake_process(tmp_path, body + f"\nos.read({link}, 65536)") as proc:  # until 'stop' comes
+        await proc.start()
+        try:
+            assert proc.cadence.nodes == 5000
+            assert proc.proc is not None
+            assert proc.proc.returncode is None  # serving, not killed
+        finally:
+            await proc.close()

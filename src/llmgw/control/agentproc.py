@@ -133,11 +133,16 @@ class AgentProcess:
         self._view = self._read_view()
         link.send("init", url=self.store_url, **self._view)
         timed_out = False
-        try:
-            first = await asyncio.wait_for(link.recv(), START_S)
-        except TimeoutError:
-            first, timed_out = None, True
-        if first is None or first.get("k") != "ready":
+        deadline = time.monotonic() + START_S
+        while True:  # messages before 'ready' are taken (a restart's cadence counts the nodes as it starts)
+            try:
+                first = await asyncio.wait_for(link.recv(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                first, timed_out = None, True
+            if first is None or first.get("k") == "ready":
+                break
+            self._take(first)
+        if first is None:
             if timed_out:  # hung (never told to stop): waiting STOP_S more for it would change nothing
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
@@ -194,18 +199,22 @@ class AgentProcess:
         """The process's messages, until its channel ends."""
         link = self._link
         while link is not None and (msg := await link.recv()) is not None:
-            kind = msg.get("k")
-            if kind == "changed":
-                self.on_changed(str(msg.get("node", "")), bool(msg.get("came")))
-            elif kind == "nodes":
-                self.cadence.set_nodes(int(msg.get("n", 0)))
-            elif kind == "metrics":
-                try:
-                    pages = [EngineMetricsText.model_validate(p) for p in msg.get("pages") or []]
-                except ValidationError as e:
-                    log.warning("engine pages relayed for node %s do not validate: %s", msg.get("node"), e)
-                    continue
-                self.engines.put(str(msg.get("node", "")), pages)
+            self._take(msg)
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        """Act on one message of the process (see the module docstring); others are ignored."""
+        kind = msg.get("k")
+        if kind == "changed":
+            self.on_changed(str(msg.get("node", "")), bool(msg.get("came")))
+        elif kind == "nodes":
+            self.cadence.set_nodes(int(msg.get("n", 0)))
+        elif kind == "metrics":
+            try:
+                pages = [EngineMetricsText.model_validate(p) for p in msg.get("pages") or []]
+            except ValidationError as e:
+                log.warning("engine pages relayed for node %s do not validate: %s", msg.get("node"), e)
+                return
+            self.engines.put(str(msg.get("node", "")), pages)
 
     async def _push(self, stop: asyncio.Event) -> None:
         """Send the election's view whenever it changed, every :data:`PUSH_S`."""
