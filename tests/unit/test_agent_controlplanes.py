@@ -306,6 +306,16 @@ async def test_a_reply_with_a_lower_term_is_not_applied(
     assert "older than term 5 seen before: it is on a stale database; its reply is not applied" in stale[0]
     assert run.agent.failed_cycles >= 1  # no usable answer: a stale term is a failure, backed off
 
+    # A control plane that has just started answers term 0 until it reads the election: not applied
+    # either, and said at INFO, not as a stale database (an operator saw that after each restart
+    # with the agent API in a process of its own).
+    a.term = 0
+    n = len(a.beats())
+    await until("one more beat at a", lambda: _n(a, n + 1), within_s=10)
+    assert set(run.agent.state.runners) == {"r-1"}
+    assert not [w for w in warnings(caplog) if "answered with term 0" in w]
+    assert any(f"control plane {a.url} does not know the cluster's term yet" in m for m in _messages(caplog))
+
     # A newer term (a new leader wrote it) is applied: r-1 stops, r-2 starts.
     a.term = 6
     await until("r-2 replaces r-1", lambda: _only_runner(run, "r-2"), within_s=10)

@@ -70,7 +70,7 @@ from llmgw.agent.loop import tlsdiag
 from llmgw.agent.loop.controlplanes import BACKOFF_S, JITTER, ControlPlanes, Terms, backoff_s, beat_wait_s
 from llmgw.agent.loop.identity import agent_tls
 from llmgw.agent.loop.metrics import push_loop
-from llmgw.agent.loop.wire import REQUEST_TIMEOUT, STALE_TERM, cached_weights, post_heartbeat, reason
+from llmgw.agent.loop.wire import NO_TERM_YET, REQUEST_TIMEOUT, STALE_TERM, cached_weights, post_heartbeat, reason
 from llmgw.agent.node import logs
 from llmgw.agent.node.cache import NodeCache, link_local_connector
 from llmgw.agent.node.discovery import discover_inventory
@@ -292,6 +292,8 @@ class Agent:
                 if e.code == STALE_TERM and self._stale_logged.get(url) != str(e):
                     self._stale_logged[url] = str(e)
                     log.warning("%s", e)
+                elif e.code == NO_TERM_YET:
+                    log.info("%s", e)
                 if e.status >= 500 or e.status < 300:  # 5xx, a stale term, a 2xx that is no heartbeat reply
                     failures.append((url, e))
                     self.control_planes.failed(url)
@@ -341,6 +343,13 @@ class Agent:
                 reply = await self._post(url, "/agent/v1/register", beat)
         st.acked = "" if reply.send_full else reply.digest
         if not self.terms.accept(reply.term):
+            if reply.term == 0:
+                raise ApiError(
+                    f"control plane {url} does not know the cluster's term yet (term 0: it has just "
+                    "started); its reply is not applied",
+                    status=200,
+                    code=NO_TERM_YET,
+                )
             raise ApiError(
                 f"control plane {url} answered with term {reply.term}, older than term "
                 f"{self.terms.highest} seen before: it is on a stale database; its reply is not applied",

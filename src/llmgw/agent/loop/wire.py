@@ -22,6 +22,12 @@ STALE_TERM = "stale_term"
 this agent has seen: the control plane is on a stale or orphaned database; its reply is not applied
 and the agent rotates."""
 
+NO_TERM_YET = "no_term_yet"
+"""The :class:`~llmgw.errors.ApiError` code (status 200) of a reply with term 0 after the agent saw a
+term: the control plane has not read the election since it started (its agent API answers from the
+first moment, its view of the term follows within a second); not applied, as a stale term, but
+logged at INFO: nothing is wrong with its database."""
+
 
 def reason(e: LlmgwError) -> str:
     """A failure in a few words for a switch line: the text after the URL's "does not answer: "."""
