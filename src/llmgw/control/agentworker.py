@@ -46,9 +46,8 @@ from llmgw.control.gcpauses import GcPauses
 from llmgw.control.listeners import new_runner
 from llmgw.control.openfiles import raise_open_files_limit
 from llmgw.control.startcheck import agent_api_tls
-from llmgw.control.store import SqlStore, open_store
-from llmgw.control.store.offloop import STORE_DEADLINE_S, SWITCH_INTERVAL_S, OffLoop
-from llmgw.control.store.postgres import HOLD_MAX_S
+from llmgw.control.store import api_pool, open_store
+from llmgw.control.store.offloop import SWITCH_INTERVAL_S
 from llmgw.errors import LlmgwError
 from llmgw.protocol import EngineMetricsText
 
@@ -115,11 +114,7 @@ async def _serve(config_path: Path, listen_fds: list[int], link: Link) -> int:
     tls = agent_api_tls(config)
     tlsconf.small_read_buffers()
     store = open_store(str(init["url"]))
-    where = store.where if isinstance(store, SqlStore) else "the database"
-    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where,
-                 abort=store.abort_thread if isinstance(store, SqlStore) else None)
-    if isinstance(store, SqlStore):
-        store.bound_holds(HOLD_MAX_S)
+    db = api_pool(store)
     view = View(init)
     logs = LogBroker(store=store, db=db)  # the control plane's reads reach this process through the store
     cadence: Cadence

@@ -48,7 +48,7 @@ def new_runner(app: web.Application, setting: str) -> web.AppRunner:
 async def bind_sockets(host: str, port: int, *, what: str, fix: str) -> list[socket.socket]:
     """Bind and listen on ``host:port`` the way aiohttp's ``TCPSite`` would (asyncio's
     ``create_server``: every address ``host`` names, both families for ``""``, ``SO_REUSEADDR``), and
-    return the listening sockets, served by nobody yet: connections wait in the backlog until a
+    return the listening sockets (a backlog of 1,024), served by nobody yet: connections wait in the backlog until a
     process serves them (``web.SockSite``). The caller closes them.
 
     Raises:
@@ -66,5 +66,5 @@ async def bind_sockets(host: str, port: int, *, what: str, fix: str) -> list[soc
     finally:
         server.close()
     for sock in socks:
-        sock.listen(1024)
+        sock.listen(1024)  # aiohttp's 128 is short for thousands of agents reconnecting at once (capped by somaxconn)
     return socks

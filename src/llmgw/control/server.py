@@ -90,9 +90,8 @@ from llmgw.control.reconcile.election import OP_TIMEOUT_S, Election, PgElection,
 from llmgw.control.reconcile.leader import Leader
 from llmgw.control.reconcile.membership import Membership, default_agent_url
 from llmgw.control.startcheck import agent_api_tls, read_admin_token, read_gateway_keys, ui_tls
-from llmgw.control.store import SqlStore, Store, default_url, open_store
-from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, STORE_DEADLINE_S, SWITCH_INTERVAL_S, Coalescer, OffLoop
-from llmgw.control.store.postgres import HOLD_MAX_S
+from llmgw.control.store import Store, api_pool, default_url, open_store
+from llmgw.control.store.offloop import ROUTES_MIN_GAP_S, SWITCH_INTERVAL_S, Coalescer, OffLoop
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.app import build_ui_app
 from llmgw.control.ui.auth import Tokens
@@ -350,13 +349,7 @@ async def serve(
     stop = stop or asyncio.Event()
     url = default_url(config.store.url, paths.database)
     store = open_store(url)
-    where = store.where if isinstance(store, SqlStore) else "the database"
-    # the APIs' and the routing table's calls; one past its deadline is ended (its connection shut
-    # down), and any call holding a connection past HOLD_MAX_S is (the leader's, which have no deadline)
-    db = OffLoop(deadline_s=STORE_DEADLINE_S, database=where,
-                 abort=store.abort_thread if isinstance(store, SqlStore) else None)
-    if isinstance(store, SqlStore):
-        store.bound_holds(HOLD_MAX_S)
+    db = api_pool(store)  # the APIs' and the routing table's calls, each under a deadline
     work = OffLoop(workers=2)  # the leader's passes: long, no deadline (fenced writes)
     router = StoreRouter(store)
     routes = Coalescer(functools.partial(router.refresh_in, db.run), name="routing table refresh",

@@ -49,6 +49,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmgw.control.store.base import Store
+from llmgw.control.store.offloop import STORE_DEADLINE_S, OffLoop
+from llmgw.control.store.postgres import HOLD_MAX_S
 from llmgw.control.store.rows import BrokenModel, ModelRow, NodeRow, ReplicaRow, ReportResult
 from llmgw.control.store.sql import SqlStore
 
@@ -60,6 +62,7 @@ __all__ = [
     "ReportResult",
     "SqlStore",
     "Store",
+    "api_pool",
     "default_url",
     "open_store",
 ]
@@ -78,3 +81,17 @@ def open_store(url: str) -> Store:
         StoreError: ``url`` is not a database URL, or the database cannot be opened or migrated.
     """
     return SqlStore.open(url)
+
+
+def api_pool(store: Store) -> OffLoop:
+    """The off-loop pool the APIs and the routing table call ``store`` through: a call past
+    :data:`~llmgw.control.store.offloop.STORE_DEADLINE_S` is ended (its connection shut down) and
+    answered 503, and on a :class:`SqlStore` any call holding a connection past
+    :data:`~llmgw.control.store.postgres.HOLD_MAX_S` is (the leader's, which have no deadline). The
+    control plane and its agent API process (``cluster.agent_api_process``) each make one."""
+    sql = store if isinstance(store, SqlStore) else None
+    pool = OffLoop(deadline_s=STORE_DEADLINE_S, database=sql.where if sql else "the database",
+                   abort=sql.abort_thread if sql else None)
+    if sql is not None:
+        sql.bound_holds(HOLD_MAX_S)
+    return pool
