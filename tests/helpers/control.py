@@ -4,6 +4,7 @@ free ports and server.yaml under one ``LLMGW_ROOT``, and ``serve`` running it in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -259,8 +260,14 @@ async def beat_reply(
 
 
 def agent_api_processes(pid: int | None = None) -> list[psutil.Process]:
-    """The agent API processes (``cluster.agent_api_process``) started by ``pid`` (this process by default)."""
-    return [c for c in psutil.Process(pid).children() if "llmgw.control.agentworker" in " ".join(c.cmdline())]
+    """The agent API processes (``cluster.agent_api_process``) started by ``pid`` (this process by default);
+    a child that exits meanwhile, or is a zombie not yet reaped (another test's), is none of them."""
+    found = []
+    for child in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.Error):  # ZombieProcess, NoSuchProcess: CI saw the first
+            if "llmgw.control.agentworker" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
 
 
 async def ready_and_routed(s: aiohttp.ClientSession, inst: Install, ctx: Any, replica_id: str, model: str) -> None:
