@@ -16,6 +16,7 @@ import ipaddress
 import os
 import pwd
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -311,11 +312,28 @@ class VllmEngine(_Strict):
     binary: Path | None = None
 
 
+#: The environment variable that sets ``engines.max_threads`` where agent.yaml does not: one line in
+#: the agent's environment for every agent a machine runs (``scripts/test`` sets it to 1).
+MAX_THREADS_ENV = "LLMGW_ENGINE_MAX_THREADS"
+
+
 class EnginesConfig(_Strict):
-    """``engines``: per-engine settings."""
+    """``engines``: per-engine settings.
+
+    ``max_threads``: the most compute threads an engine started by this agent runs (llama-server's
+    ``--threads``/``--threads-batch``, a group worker's rpc-server ``--threads``), where its profile
+    does not set them; unset, as many as the replica's cores (the cores it is pinned to, its
+    profile's ``cpu_cores``, else the node's). For a node whose cores other work shares, unpinned: the
+    threads of one llama.cpp step wait for each other, and while another process holds a core the
+    waits dominate. Measured on 2 cores (2026-12-06, three 64-token answers of gemma-3-270m): 2
+    threads 5.3-5.7 CPU-s in 2.7-2.9 s idle, 12-28 CPU-s in 12-28 s beside two busy loops; 1 thread
+    3.7 CPU-s in 3.7 s idle, 3.9 CPU-s in 6.0-6.3 s beside them. Where unset here,
+    :data:`MAX_THREADS_ENV` in the agent's environment sets it (:meth:`AgentConfig.engine_max_threads`).
+    """
 
     llamacpp: LlamacppEngine = Field(default_factory=LlamacppEngine)
     vllm: VllmEngine = Field(default_factory=VllmEngine)
+    max_threads: Annotated[int, Field(ge=1)] | None = None
 
 
 class DiscoveryConfig(_Strict):
@@ -350,6 +368,24 @@ class AgentConfig(_Strict):
     advertise_address: str = "127.0.0.1"
     heartbeat_interval_s: Annotated[float, Field(gt=0)] = 2.0
     cache_max_gb: Annotated[float, Field(gt=0)] | None = None
+
+    def engine_max_threads(self, environ: Mapping[str, str]) -> int | None:
+        """``engines.max_threads``, else :data:`MAX_THREADS_ENV` in ``environ``, else None (no cap).
+
+        Raises:
+            ConfigError: the variable is set but not a whole number of at least 1.
+        """
+        if self.engines.max_threads is not None:
+            return self.engines.max_threads
+        raw = environ.get(MAX_THREADS_ENV, "").strip()
+        if not raw:
+            return None
+        if not raw.isdigit() or int(raw) < 1:
+            raise ConfigError(
+                f"{MAX_THREADS_ENV}={raw!r}: the most threads an engine runs must be a whole number of at least 1; "
+                f"set it so (e.g. {MAX_THREADS_ENV}=1) or unset it"
+            )
+        return int(raw)
 
     @field_validator("server")
     @classmethod

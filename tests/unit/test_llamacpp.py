@@ -62,6 +62,7 @@ def argv_for(
     server: LlamaServer = SERVER,
     key_file: Path | None = None,
     threads: int | None = None,
+    max_threads: int | None = None,
 ) -> list[str]:
     return build_argv(
         server,
@@ -74,6 +75,7 @@ def argv_for(
         key=s.key,
         key_file=key_file,
         threads=threads,
+        max_threads=max_threads,
     )
 
 
@@ -151,6 +153,26 @@ def test_every_sizing_flag_is_explicit_exactly_once(profile: list[str]) -> None:
 def test_pinned_cores_set_threads() -> None:
     argv = argv_for(spec(cpu_cores=2), threads=1)
     assert value_of(argv, "--threads") == value_of(argv, "--threads-batch") == "1"
+
+
+@pytest.mark.parametrize(
+    ("profile", "cpu_cores", "threads", "max_threads", "want"),
+    [
+        ([], 0, None, 1, "1"),  # the node's 8 cores, capped
+        ([], 2, None, 1, "1"),  # 2 reserved, capped
+        ([], 0, 4, 2, "2"),  # pinned to 4, capped
+        ([], 2, None, 4, "2"),  # a cap above the cores changes nothing
+        (["-t", "3"], 0, None, 1, "3"),  # the profile's own --threads wins
+    ],
+)
+def test_max_threads_caps_the_threads_the_agent_chooses(
+    profile: list[str], cpu_cores: int, threads: int | None, max_threads: int, want: str
+) -> None:
+    """``engines.max_threads`` bounds the threads the agent picks (node, reservation, pinning), not a profile's."""
+    argv = argv_for(spec(args=profile, cpu_cores=cpu_cores), threads=threads, max_threads=max_threads)
+    assert value_of(argv, "-t", "--threads") == want
+    if not profile:
+        assert value_of(argv, "--threads-batch") == want
 
 
 def test_argv_reserved_cores() -> None:

@@ -322,6 +322,7 @@ def build_argv(
     key: str = "",
     key_file: Path | None = None,
     threads: int | None = None,
+    max_threads: int | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     """The llama-server argv of one replica (``extra``: the agent's own flags for this launch, a
@@ -329,7 +330,8 @@ def build_argv(
 
     ``[binary, -m, model, *profile args, --host, --port, --threads t, --threads-batch t, key, *defaults]``
     where ``t`` is ``threads`` (the cores the replica is pinned to), else ``spec.cpu_cores``, else
-    (0) the node's logical cores. The key goes by
+    (0) the node's logical cores, and at most ``max_threads`` when given (the agent's
+    ``engines.max_threads``). The key goes by
     ``--api-key-file`` when ``key_file`` is given and the build knows it (argv is readable by every
     user in ``/proc``), else ``--api-key``. Defaults (``--ctx-size 4096``, ``--parallel 4``, ``--cache-ram 1024``,
     ``--alias <model>``, ``--no-webui``, ``--metrics``, ``--fit off`` (:data:`FIT_OFF`), ``--device none``
@@ -341,6 +343,8 @@ def build_argv(
     profile, _ = drop_owned(spec.args)
     if threads is None:
         threads = spec.cpu_cores if spec.cpu_cores > 0 else max(node_cores, 1)
+    if max_threads is not None:
+        threads = min(threads, max_threads)
     argv = [str(server.binary), "-m", str(model_path), *profile, *extra, "--host", host, "--port", str(port)]
     if not sets(profile, "threads"):
         argv += ["--threads", str(threads)]
@@ -417,7 +421,8 @@ class LlamaCppEngine(Engine[LlamaServer]):
         return build_argv(
             build, launch.spec, model_path=launch.model_path, host=launch.host, port=launch.port,
             node_cores=launch.node_cores, node_has_gpus=launch.node_has_gpus,
-            key=launch.spec.key, key_file=launch.key_file, threads=launch.threads, extra=launch.extra_args,
+            key=launch.spec.key, key_file=launch.key_file, threads=launch.threads, max_threads=launch.max_threads,
+            extra=launch.extra_args,
         )  # fmt: skip
 
     def port_taken(self, tail: str) -> bool:

@@ -174,6 +174,8 @@ class RpcGroup(GroupPart):
         private_dir(host.dir)
         host.set_state(ReplicaState.STARTING)
         threads = host.spec.cpu_cores or max(env.cores, 1)
+        if env.max_threads is not None:
+            threads = min(threads, env.max_threads)
         self._worker = RpcWorker(rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
         with host.engine_log(f"starting rpc-server for the head {head}") as logf:
             endpoint = await self._worker.start(logf, engine_environment(env.base_env, host.spec.gpu_indexes), host.dir)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -174,6 +175,7 @@ class Agent:
             session=plain,
             on_change=self.changed.set,
             tls=(cfg.tls.ca, cfg.tls.cert, cfg.tls.key),
+            max_threads=cfg.engine_max_threads(os.environ),
         )
         self._last_discovery = time.monotonic()
         lc = cfg.engines.llamacpp

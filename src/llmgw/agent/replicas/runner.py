@@ -117,6 +117,8 @@ class RunnerEnv:
         agent_state: ``<agent_state>``; replicas live under ``replicas/<id>``.
         advertise_address: where engines bind and the gateway dials them.
         cores: the node's logical cores (``--threads`` when a spec reserves none).
+        max_threads: ``engines.max_threads`` (:meth:`llmgw.config.AgentConfig.engine_max_threads`): the
+            most compute threads an engine runs, or None.
         has_gpus: whether the node has GPUs (a CPU replica then gets ``--device none``).
         cache: the node's model cache.
         session: a plain-HTTP aiohttp session for the mirror and the engines' ``/health``.
@@ -163,6 +165,7 @@ class RunnerEnv:
     log_keep: int = logs.KEEP
     pin: bool = True
     tls: tuple[Path, Path, Path] | None = None
+    max_threads: int | None = None
 
     def installed(self, engine: str) -> Installed[Any]:
         """What this node has of ``engine`` (a registered name): its build or why none, and its
@@ -403,6 +406,7 @@ class ReplicaRunner:
             node_cores=env.cores,
             node_has_gpus=env.has_gpus,
             threads=len(self.cpus) or None,
+            max_threads=env.max_threads,
             extra_args=tuple(extra or ()),
         )
         argv = engine.argv(build, launch)

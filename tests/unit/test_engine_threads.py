@@ -1,0 +1,66 @@
+"""``engines.max_threads`` and ``LLMGW_ENGINE_MAX_THREADS``: the most compute threads an engine the agent
+starts runs (llmgw.config.EnginesConfig; the argv's cap is in tests/unit/test_llamacpp.py).
+
+The agent is built for real (its inventory declared, a stand-in llama-server that only prints its version:
+no engine is started here).
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from llmgw.agent.loop.loop import Agent
+from llmgw.config import MAX_THREADS_ENV, AgentConfig
+from llmgw.errors import ConfigError
+from llmgw.paths import Paths
+
+
+def config(tmp_path: Path, engines: dict[str, object] | None = None) -> AgentConfig:
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("cores: 8\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    return AgentConfig.model_validate({
+        "server": "https://127.0.0.1:7443",
+        "node_id": "node-1",
+        "tls": {"ca": tmp_path / "ca.pem", "cert": tmp_path / "a.pem", "key": tmp_path / "a-key.pem"},
+        "discovery": {"inventory_file": str(inv)},
+        "engines": {"llamacpp": {"binary": str(fake)}, **(engines or {})},
+    })
+
+
+def test_unset_means_no_cap(tmp_path: Path) -> None:
+    assert config(tmp_path).engine_max_threads({}) is None
+    assert config(tmp_path).engine_max_threads({MAX_THREADS_ENV: " "}) is None
+
+
+def test_the_environment_sets_it_where_the_config_does_not(tmp_path: Path) -> None:
+    assert config(tmp_path).engine_max_threads({MAX_THREADS_ENV: "1"}) == 1
+    assert config(tmp_path, {"max_threads": 3}).engine_max_threads({MAX_THREADS_ENV: "1"}) == 3
+
+
+@pytest.mark.parametrize("raw", ["0", "two", "-1", "1.5"])
+def test_a_bad_value_in_the_environment_is_named(tmp_path: Path, raw: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{MAX_THREADS_ENV}='{raw}'.*at least 1"):
+        config(tmp_path).engine_max_threads({MAX_THREADS_ENV: raw})
+
+
+def test_a_bad_value_in_the_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_threads"):
+        config(tmp_path, {"max_threads": 0})
+
+
+async def test_the_agent_hands_the_cap_to_its_runners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the runners launch with (RunnerEnv.max_threads) comes from the environment the agent runs in."""
+    monkeypatch.setenv(MAX_THREADS_ENV, "2")
+    async with aiohttp.ClientSession() as api, aiohttp.ClientSession() as plain:
+        agent = Agent(config(tmp_path), Paths(tmp_path / "root"), api=api, plain=plain)
+        assert agent.env.max_threads == 2
+        assert agent.env.cores == 8  # the node's cores are still reported as they are
+        monkeypatch.delenv(MAX_THREADS_ENV)
+        assert Agent(config(tmp_path), Paths(tmp_path / "root"), api=api, plain=plain).env.max_threads is None
