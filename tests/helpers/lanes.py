@@ -19,26 +19,27 @@ from xdist.scheduler import LoadScopeScheduling
 
 #: Each file of the ``timed`` and ``ha`` tests in CI: (wall seconds, CPU seconds), setup and teardown
 #: included (``LLMGW_TEST_CPU``'s columns, tests/helpers/cputime.py: a cgroup per test, so a file's
-#: CPU counts every process it started; the lanes part on 2026-12-05 16:25, 3 lanes, this machine
-#: otherwise idle, engines started with ``--fit off``). A file not named counts :data:`UNKNOWN`; a
-#: stale figure only unbalances the lanes.
+#: CPU counts every process it started; 3 lanes, this machine otherwise idle: the dates below). A file
+#: not named counts :data:`UNKNOWN`; a stale figure only unbalances the lanes.
 FILE_S = {
-    "tests/ha/test_failover.py": (113, 85),  # 92-98 s alone; setup, call and teardown in scripts/test 2026-12-06 02:22
-    "tests/e2e/test_routing_e2e.py": (78, 57),  # 2026-12-06 02:22
-    "tests/ha/test_orphan.py": (53, 42),  # 2026-12-06 02:22
-    "tests/ha/test_frozen_lock.py": (40, 12),  # 2026-12-06 02:22
-    "tests/unit/test_autoscale_cluster.py": (44, 5),  # 2026-12-06 02:22
-    "tests/e2e/test_service_restart.py": (22, 16),  # 2026-12-06 02:22
-    "tests/unit/test_election.py": (18, 1),
-    "tests/e2e/test_replicas_routing.py": (11, 12),
-    "tests/e2e/test_processes.py": (8, 2),
-    "tests/e2e/test_adoption.py": (8, 6),  # 2026-12-06 02:22
-    "tests/unit/test_gateway_reload.py": (9, 0),
-    "tests/unit/test_key_set.py": (3, 2),
+    # The lanes part of scripts/test twice at 08:19 and 08:27 on 2026-12-06 (engines at one thread,
+    # LLMGW_ENGINE_MAX_THREADS=1; the machine at its usual speed), the two runs averaged.
+    "tests/ha/test_failover.py": (105, 82),
+    "tests/e2e/test_routing_e2e.py": (60, 46),
+    "tests/ha/test_orphan.py": (53, 43),
+    "tests/ha/test_frozen_lock.py": (41, 13),
+    "tests/unit/test_autoscale_cluster.py": (40, 5),
+    "tests/e2e/test_service_restart.py": (24, 17),
+    "tests/unit/test_election.py": (16, 1),
+    "tests/e2e/test_processes.py": (13, 3),
+    "tests/e2e/test_replicas_routing.py": (9, 9),
+    "tests/e2e/test_adoption.py": (7, 5),
+    "tests/unit/test_gateway_reload.py": (7, 0),
+    "tests/ha/test_keys_cutoff.py": (7, 1.5),  # it waits on a cut-off's timers
+    "tests/unit/test_key_set.py": (6, 3),
     "tests/unit/test_gateway_routing.py": (3, 0),
     "tests/unit/test_judge_admission.py": (1, 0),
     "tests/unit/test_fair_queue.py": (1, 0),
-    "tests/ha/test_keys_cutoff.py": (7, 1.5),  # measured alone 2026-12-05 13:05: it waits on a cut-off's timers
     "tests/ha/test_checks.py": (1, 0),  # the checks' own logic, no cluster
 }
 UNKNOWN = (5, 5)
