@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, loopback_url, parse_listen
 from llmgw.errors import ApiError, UnreachableError
+from llmgw.httpverify import verify_context
 from llmgw.paths import Paths
 from llmgw.views import (
     AutoscaleView,
@@ -100,7 +101,7 @@ class AdminClient:
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:
-            with httpx.Client(timeout=self.timeout_s, transport=self.transport) as c:
+            with httpx.Client(timeout=self.timeout_s, transport=self.transport, verify=verify_context()) as c:
                 r = c.request(
                     method, self.base_url + path, json=body,
                     headers={"Authorization": f"Bearer {self.token}"},
@@ -298,7 +299,7 @@ class AdminClient:
     def health_pid(self) -> int | None:
         """The control plane's pid from ``GET /api/v1/health``; None when nothing (or no llmgw) answers."""
         try:
-            with httpx.Client(timeout=2.0, transport=self.transport) as c:
+            with httpx.Client(timeout=2.0, transport=self.transport, verify=verify_context()) as c:
                 r = c.get(self.base_url + "/api/v1/health")
                 pid = r.json().get("pid") if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
@@ -308,7 +309,7 @@ class AdminClient:
     def health(self) -> bool:
         """True when ``GET /api/v1/health`` answers 200 (no token needed)."""
         try:
-            with httpx.Client(timeout=2.0, transport=self.transport) as c:
+            with httpx.Client(timeout=2.0, transport=self.transport, verify=verify_context()) as c:
                 return c.get(self.base_url + "/api/v1/health").status_code == 200
         except httpx.HTTPError:
             return False

@@ -40,6 +40,7 @@ import httpx
 import yaml
 
 from llmgw.errors import ConfigError, ServiceError
+from llmgw.httpverify import verify_context
 from llmgw.names import check_name
 
 PATRONI_VERSION = "4.1.5"
@@ -507,7 +508,7 @@ class PatroniRest:
 
     def _get(self, path: str) -> httpx.Response | None:
         try:
-            return httpx.get(self.url + path, timeout=self.timeout_s)
+            return httpx.get(self.url + path, timeout=self.timeout_s, verify=verify_context())
         except httpx.HTTPError:
             return None
 

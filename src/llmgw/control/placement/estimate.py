@@ -49,6 +49,7 @@ import httpx
 
 from llmgw.errors import EstimateError
 from llmgw.ggufheader import HEADER_LIMIT_BYTES, GgufFacts, parse_header
+from llmgw.httpverify import verify_context
 
 __all__ = ["HEADER_LIMIT_BYTES", "Estimate", "GgufFacts", "estimate", "parse_header", "read_facts"]
 
@@ -139,7 +140,9 @@ def read_facts(source: str, *, transport: httpx.BaseTransport | None = None, tim
         raise EstimateError(f"{source}: only http(s):// and file: sources can be estimated; set min_memory_gb")
     try:
         with (
-            httpx.Client(timeout=timeout_s, transport=transport, follow_redirects=True) as client,
+            httpx.Client(
+                timeout=timeout_s, transport=transport, follow_redirects=True, verify=verify_context()
+            ) as client,
             client.stream("GET", source, headers={"Range": f"bytes=0-{HEADER_LIMIT_BYTES - 1}"}) as resp,
         ):
             if resp.status_code not in (200, 206):
