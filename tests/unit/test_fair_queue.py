@@ -163,7 +163,9 @@ async def test_a_full_queue_refuses_at_once_with_retry_after() -> None:
     t0 = time.monotonic()
     with pytest.raises(HttpError) as refused:  # the key holding every place asks for one more
         await q.acquire("a", 0, slots.take, service_s=3.0, slots=1)
-    assert time.monotonic() - t0 < 0.01
+    # At once: not after the queue's 60 s wait (the bound is the design's, not the machine's speed:
+    # 0.01 s failed at 0.012 s in a CI run on 2 busy cores).
+    assert time.monotonic() - t0 < 1.0
     assert (refused.value.status, refused.value.code) == (429, "model_busy")
     # Room once one waiter left: one service time over one slot.
     assert refused.value.headers == {"Retry-After": "3"}

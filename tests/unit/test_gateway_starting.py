@@ -45,7 +45,7 @@ async def test_past_the_count_refused_at_once_with_retry_after() -> None:
     t0 = time.monotonic()
     with pytest.raises(HttpError) as e:
         await st.hold(COLD)
-    assert time.monotonic() - t0 < 0.05
+    assert time.monotonic() - t0 < 0.5  # at once: not after the 1 s hold (a bound on the design, not the machine)
     assert (e.value.status, e.value.code, e.value.headers) == (503, MODEL_STARTING, {"Retry-After": "5"})
     assert "3 requests already wait for it" in e.value.message
     for w in waiters:
