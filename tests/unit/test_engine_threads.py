@@ -13,10 +13,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw.agent.loop.loop import Agent
+from llmgw.agent.loop.loop import Agent, run_agent
 from llmgw.config import MAX_THREADS_ENV, AgentConfig
 from llmgw.errors import ConfigError
 from llmgw.paths import Paths
+from llmgw.tlsconf import CA
 
 
 def config(tmp_path: Path, engines: dict[str, object] | None = None) -> AgentConfig:
@@ -64,3 +65,15 @@ async def test_the_agent_hands_the_cap_to_its_runners(tmp_path: Path, monkeypatc
         assert agent.env.cores == 8  # the node's cores are still reported as they are
         monkeypatch.delenv(MAX_THREADS_ENV)
         assert Agent(config(tmp_path), Paths(tmp_path / "root"), api=api, plain=plain).env.max_threads is None
+
+
+async def test_a_bad_value_stops_the_agent_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``llmgw agent`` (run_agent) with a bad variable ends with the ConfigError, naming it, before any beat."""
+    ca = CA.create()
+    ca.write(tmp_path)
+    cert, key = ca.issue_client("node-1").write(tmp_path, "a")
+    cfg = config(tmp_path)
+    assert (cfg.tls.cert, cfg.tls.key) == (cert, key)
+    monkeypatch.setenv(MAX_THREADS_ENV, "all")
+    with pytest.raises(ConfigError, match=rf"{MAX_THREADS_ENV}='all'"):
+        await run_agent(cfg, Paths(tmp_path / "root"))

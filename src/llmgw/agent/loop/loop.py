@@ -575,8 +575,8 @@ async def run_agent(cfg: AgentConfig, paths: Paths, *, stop: asyncio.Event | Non
     Raises:
         NodeRemoved: the control plane revoked this node's certificate (its engines are stopped).
         PkiError: the CA, certificate or key in ``cfg.tls`` cannot be loaded.
-        ConfigError: ``discovery.inventory_file`` is set but unusable, or the state directory
-            cannot be made 0700.
+        ConfigError: ``discovery.inventory_file`` is set but unusable, the state directory
+            cannot be made 0700, or ``LLMGW_ENGINE_MAX_THREADS`` is not a whole number of at least 1.
     """
     stop = stop or asyncio.Event()
     ssl_ctx = agent_tls(cfg)
