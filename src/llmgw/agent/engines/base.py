@@ -92,8 +92,8 @@ class Launch:
         key_file: a 0600 file holding ``spec.key`` (keeps the key out of the world-readable argv).
         node_cores: the node's logical cores; node_has_gpus: whether the node has GPUs.
         threads: the cores the replica is pinned to, or None when it is not pinned.
-        max_threads: the agent's ``engines.max_threads`` (at most that many compute threads), or None.
         extra_args: flags the agent adds for this launch (a group head's ``--rpc …``).
+        max_threads: the agent's ``engines.max_threads`` (at most that many compute threads), or None.
     """
 
     spec: ReplicaSpec
@@ -104,8 +104,8 @@ class Launch:
     node_cores: int
     node_has_gpus: bool
     threads: int | None = None
-    max_threads: int | None = None
     extra_args: tuple[str, ...] = ()
+    max_threads: int | None = None
 
 
 def engine_environment(base: Mapping[str, str], gpu_indexes: list[int]) -> dict[str, str]:
