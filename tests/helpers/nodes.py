@@ -77,3 +77,15 @@ def agent_cfg(tmp_path: Path, **extra: object) -> AgentConfig:
             **extra,
         }
     )
+
+
+def declared_node(tmp_path: Path, cores: int = 4) -> tuple[Path, Path]:
+    """``(inventory_file, llama_server)`` under ``tmp_path``: a declared inventory of ``cores`` cores
+    and 8 GB (6 available), and a stand-in llama-server that only prints its version (4242): an agent
+    built on them probes nothing of this machine and starts no engine."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"cores: {cores}\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
+    fake.chmod(0o755)
+    return inv, fake

@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import json
 import ssl
-import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from llmgw.protocol import Heartbeat, HeartbeatReply, ReplicaSpec
 from llmgw.tlsconf import CA, peer_common_name, server_context
+from tests.helpers.nodes import declared_node
 
 WEIGHTS = b"GGUF" + b"\0" * 1000
 
@@ -76,11 +76,7 @@ async def world(tmp_path: Path) -> AsyncIterator[tuple[AgentConfig, ControlPlane
 
     files.router.add_get("/{tail:.*}", weights)
     files_runner, files_port = await start_site(files)
-    inv = tmp_path / "inventory.yaml"
-    inv.write_text("cores: 4\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")
-    fake = tmp_path / "llama-server"
-    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    inv, fake = declared_node(tmp_path)
     cfg = AgentConfig.model_validate(
         {
             "server": f"https://127.0.0.1:{api_port}",

@@ -9,7 +9,6 @@ replica placed on the node fails to start, which is a state change the agent rep
 from __future__ import annotations
 
 import asyncio
-import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from llmgw.paths import Paths
 from llmgw.protocol import desired_digest
 from llmgw.tlsconf import client_context
 from tests.helpers.control import TOKEN, Install, make_install, serving
+from tests.helpers.nodes import declared_node
 from tests.helpers.waits import until
 
 INTERVAL_S = 0.3
@@ -39,11 +39,7 @@ def install(tmp_path: Path) -> Install:
 
 def agent_config(inst: Install, tmp: Path) -> AgentConfig:
     cert, key = inst.ca.issue_client("node-1").write(tmp / "agent", "node-1")
-    inv = tmp / "inventory.yaml"
-    inv.write_text("cores: 4\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")
-    fake = tmp / "llama-server"
-    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    inv, fake = declared_node(tmp)
     return AgentConfig.model_validate({
         "server": inst.agent_url,
         "node_id": "node-1",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import stat
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from llmgw.config import AgentConfig
 from llmgw.paths import Paths
 from tests.helpers.control import TOKEN, Install, make_install, serving
 from tests.helpers.net import free_port
+from tests.helpers.nodes import declared_node
 from tests.helpers.postgres import Cluster
 from tests.helpers.waits import until
 
@@ -70,11 +70,7 @@ async def test_the_agent_moves_to_the_other_control_plane_when_its_own_stops(
     if rendezvous("node-1", [first.agent_url, second.agent_url])[0] != first.agent_url:
         first, second = second, first  # the agent's home (rendezvous-ranked) is the one stopped below
     cert, key = first.ca.issue_client("node-1").write(tmp_path / "agent", "node-1")
-    inv = tmp_path / "inventory.yaml"
-    inv.write_text("cores: 4\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")
-    fake = tmp_path / "llama-server"
-    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    inv, fake = declared_node(tmp_path)
     cfg = AgentConfig.model_validate(
         {
             "server": first.agent_url,

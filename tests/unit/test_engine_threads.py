@@ -7,7 +7,6 @@ no engine is started here).
 
 from __future__ import annotations
 
-import stat
 from pathlib import Path
 
 import aiohttp
@@ -18,14 +17,11 @@ from llmgw.config import MAX_THREADS_ENV, AgentConfig
 from llmgw.errors import ConfigError
 from llmgw.paths import Paths
 from llmgw.tlsconf import CA
+from tests.helpers.nodes import declared_node
 
 
 def config(tmp_path: Path, engines: dict[str, object] | None = None) -> AgentConfig:
-    inv = tmp_path / "inventory.yaml"
-    inv.write_text("cores: 8\nmemory_total_bytes: 8000000000\nmemory_available_bytes: 6000000000\n")
-    fake = tmp_path / "llama-server"
-    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    inv, fake = declared_node(tmp_path, cores=8)
     return AgentConfig.model_validate({
         "server": "https://127.0.0.1:7443",
         "node_id": "node-1",
