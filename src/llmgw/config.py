@@ -15,6 +15,7 @@ import errno
 import ipaddress
 import os
 import pwd
+import re
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
@@ -333,7 +334,7 @@ class EnginesConfig(_Strict):
 
     llamacpp: LlamacppEngine = Field(default_factory=LlamacppEngine)
     vllm: VllmEngine = Field(default_factory=VllmEngine)
-    max_threads: Annotated[int, Field(ge=1)] | None = None
+    max_threads: Annotated[int, Field(ge=1, strict=True)] | None = None  # strict: `true` is not 1
 
 
 class DiscoveryConfig(_Strict):
@@ -380,7 +381,7 @@ class AgentConfig(_Strict):
         raw = environ.get(MAX_THREADS_ENV, "").strip()
         if not raw:
             return None
-        if not raw.isdigit() or int(raw) < 1:
+        if not re.fullmatch(r"[0-9]+", raw) or int(raw) < 1:  # not str.isdigit: it takes '²' and '١'
             raise ConfigError(
                 f"{MAX_THREADS_ENV}={raw!r}: the most threads an engine runs must be a whole number of at least 1; "
                 f"set it so (e.g. {MAX_THREADS_ENV}=1) or unset it"

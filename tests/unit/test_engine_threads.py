@@ -7,15 +7,18 @@ no engine is started here).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from llmgw.agent.loop.loop import Agent, run_agent
 from llmgw.config import MAX_THREADS_ENV, AgentConfig
 from llmgw.errors import ConfigError
 from llmgw.paths import Paths
+from llmgw.service import check
 from llmgw.tlsconf import CA
 from tests.helpers.nodes import declared_node
 
@@ -41,15 +44,16 @@ def test_the_environment_sets_it_where_the_config_does_not(tmp_path: Path) -> No
     assert config(tmp_path, {"max_threads": 3}).engine_max_threads({MAX_THREADS_ENV: "1"}) == 3
 
 
-@pytest.mark.parametrize("raw", ["0", "two", "-1", "1.5"])
+@pytest.mark.parametrize("raw", ["0", "two", "-1", "1.5", "²", "١"])
 def test_a_bad_value_in_the_environment_is_named(tmp_path: Path, raw: str) -> None:
     with pytest.raises(ConfigError, match=rf"{MAX_THREADS_ENV}='{raw}'.*at least 1"):
         config(tmp_path).engine_max_threads({MAX_THREADS_ENV: raw})
 
 
-def test_a_bad_value_in_the_config_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("value", [0, True, "2"])
+def test_a_bad_value_in_the_config_is_refused(tmp_path: Path, value: object) -> None:
     with pytest.raises(ValueError, match="max_threads"):
-        config(tmp_path, {"max_threads": 0})
+        config(tmp_path, {"max_threads": value})
 
 
 async def test_the_agent_hands_the_cap_to_its_runners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,3 +77,22 @@ async def test_a_bad_value_stops_the_agent_at_start(tmp_path: Path, monkeypatch:
     monkeypatch.setenv(MAX_THREADS_ENV, "all")
     with pytest.raises(ConfigError, match=rf"{MAX_THREADS_ENV}='all'"):
         await run_agent(cfg, Paths(tmp_path / "root"))
+
+
+def test_service_restart_s_check_refuses_a_bad_value_before_anything_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``llmgw service restart agent`` runs ``python -m llmgw.service.check agent CONFIG`` in the unit's
+    environment first (llmgw.service.check): a bad variable there fails the check, and the running agent is
+    left alone, as a bad agent.yaml is (a fresh operator's finding: the new agent exited 2 in a loop)."""
+    ca = CA.create()
+    ca.write(tmp_path)
+    ca.issue_client("node-1").write(tmp_path, "a")
+    cfg = config(tmp_path)
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json(exclude_defaults=True))))
+    monkeypatch.setenv(MAX_THREADS_ENV, "two")
+    assert check.main(["agent", str(path)]) == 2
+    assert f"{MAX_THREADS_ENV}='two'" in capsys.readouterr().err
+    monkeypatch.setenv(MAX_THREADS_ENV, "1")
+    assert check.main(["agent", str(path)]) == 0

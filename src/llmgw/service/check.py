@@ -247,7 +247,8 @@ def import_all() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m llmgw.service.check NAME [CONFIG]``: 0 when llmgw's modules import
-    (:func:`import_all`) and the config loads, else 2 with the error."""
+    (:func:`import_all`) and the config loads (the agent's with its environment's
+    ``LLMGW_ENGINE_MAX_THREADS``), else 2 with the error."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2):
         print("usage: python -m llmgw.service.check server|agent|mirror [CONFIG]", file=sys.stderr)
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             from llmgw.agent.loop.identity import agent_tls  # noqa: PLC0415
             from llmgw.config import load_agent_config  # noqa: PLC0415
 
-            agent_tls(load_agent_config(config))
+            cfg = load_agent_config(config)
+            agent_tls(cfg)
+            cfg.engine_max_threads(os.environ)  # LLMGW_ENGINE_MAX_THREADS, as the agent will read it
     except LlmgwError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
