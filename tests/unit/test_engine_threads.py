@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import yaml
 
+from llmgw.agent.engines.base import engine_threads
 from llmgw.agent.loop.loop import Agent, run_agent
 from llmgw.config import MAX_THREADS_ENV, AgentConfig
 from llmgw.errors import ConfigError
@@ -96,3 +97,21 @@ def test_service_restart_s_check_refuses_a_bad_value_before_anything_stops(
     assert f"{MAX_THREADS_ENV}='two'" in capsys.readouterr().err
     monkeypatch.setenv(MAX_THREADS_ENV, "1")
     assert check.main(["agent", str(path)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("pinned", "reserved", "node_cores", "max_threads", "want"),
+    [
+        (None, 0, 8, None, 8),  # the node's cores
+        (None, 0, 0, None, 1),  # at least one
+        (None, 2, 8, None, 2),  # the profile's reservation
+        (3, 2, 8, None, 3),  # the pinned cores first
+        (None, 0, 8, 1, 1),  # capped
+        (3, 2, 8, 2, 2),
+        (None, 2, 8, 4, 2),  # a cap above changes nothing
+    ],
+)
+def test_the_threads_an_engine_gets(pinned: int | None, reserved: int, node_cores: int, max_threads: int | None,
+                                    want: int) -> None:
+    """One rule for llama-server and a group worker's rpc-server (llmgw.agent.engines.base.engine_threads)."""
+    assert engine_threads(pinned=pinned, reserved=reserved, node_cores=node_cores, max_threads=max_threads) == want

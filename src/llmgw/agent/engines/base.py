@@ -108,6 +108,15 @@ class Launch:
     max_threads: int | None = None
 
 
+def engine_threads(*, pinned: int | None, reserved: int, node_cores: int, max_threads: int | None) -> int:
+    """The compute threads the agent gives an engine process (llama-server's ``--threads``, a group
+    worker's rpc-server ``--threads``) where its profile sets none: the cores it is ``pinned`` to, else
+    the cores its profile ``reserved`` (``cpu_cores``, when above 0), else the node's (at least 1), and
+    at most ``max_threads`` (agent.yaml's ``engines.max_threads``) when that is set."""
+    threads = pinned or (reserved if reserved > 0 else max(node_cores, 1))
+    return threads if max_threads is None else min(threads, max_threads)
+
+
 def engine_environment(base: Mapping[str, str], gpu_indexes: list[int]) -> dict[str, str]:
     """Every engine's environment: ``base`` without llama.cpp's flag variables and secrets.
 

@@ -39,7 +39,7 @@ import aiohttp
 
 from llmgw import catalog
 from llmgw.agent.engines import llamacpp_group
-from llmgw.agent.engines.base import Engine, GroupPart, Launch
+from llmgw.agent.engines.base import Engine, GroupPart, Launch, engine_threads
 from llmgw.config import AgentConfig
 from llmgw.protocol import EngineStatus, ProvisionState, ReplicaSpec
 
@@ -341,10 +341,7 @@ def build_argv(
     yields to the profile's. Agent-owned flags in the profile are dropped (see :data:`AGENT_OWNED`).
     """
     profile, _ = drop_owned(spec.args)
-    if threads is None:
-        threads = spec.cpu_cores if spec.cpu_cores > 0 else max(node_cores, 1)
-    if max_threads is not None:
-        threads = min(threads, max_threads)
+    threads = engine_threads(pinned=threads, reserved=spec.cpu_cores, node_cores=node_cores, max_threads=max_threads)
     argv = [str(server.binary), "-m", str(model_path), *profile, *extra, "--host", host, "--port", str(port)]
     if not sets(profile, "threads"):
         argv += ["--threads", str(threads)]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from llmgw.agent.engines.base import Engine, GroupHost, GroupPart, engine_environment
+from llmgw.agent.engines.base import Engine, GroupHost, GroupPart, engine_environment, engine_threads
 from llmgw.agent.engines.exits import describe_exit
 from llmgw.agent.groups import groupnet, isolation
 from llmgw.agent.node.records import private_dir
@@ -173,9 +173,8 @@ class RpcGroup(GroupPart):
         head = next((m.node for m in host.spec.members if m.rank == 0), "")
         private_dir(host.dir)
         host.set_state(ReplicaState.STARTING)
-        threads = host.spec.cpu_cores or max(env.cores, 1)
-        if env.max_threads is not None:
-            threads = min(threads, env.max_threads)
+        threads = engine_threads(pinned=None, reserved=host.spec.cpu_cores, node_cores=env.cores,
+                                 max_threads=env.max_threads)
         self._worker = RpcWorker(rpc_binary(build.binary), head, env.probe_host, env.tls, threads)
         with host.engine_log(f"starting rpc-server for the head {head}") as logf:
             endpoint = await self._worker.start(logf, engine_environment(env.base_env, host.spec.gpu_indexes), host.dir)
