@@ -252,10 +252,12 @@ class Load:
     watch: LeaderWatch
 
     @classmethod
-    def start(cls, cluster: HACluster, model: str) -> Load:
-        """Start all three threads."""
+    def start(cls, cluster: HACluster, model: str, *, write_every_s: float = 0.1, chat_every_s: float = 0.25) -> Load:
+        """Start all three threads: a write every ``write_every_s`` and a chat every ``chat_every_s``
+        seconds (bench/failover.py's defaults; tests/ha/test_failover.py passes lighter ones)."""
         rotation = Rotation(cluster)
-        load = cls(rotation, Writer(rotation), GatewayClient(rotation, model), LeaderWatch(cluster))
+        load = cls(rotation, Writer(rotation, every_s=write_every_s),
+                   GatewayClient(rotation, model, every_s=chat_every_s), LeaderWatch(cluster))
         for t in (load.writer, load.gateway, load.watch):
             t.start()
         return load

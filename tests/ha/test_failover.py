@@ -21,9 +21,11 @@ requests through surviving control planes, and at no moment did two control plan
 
 The leader checks read ``GET /api/v1/cluster`` (the election's admin API, PREAMBLE); every finding is
 collected and the test fails at the end with all of them, so one run reports every broken property.
-About 1.5 minutes on 2 cores (alone beside another engineer's benchmark, 2026-12-06: 92-98 s, the
-call 75 s, at load 2-3; 111-134 s at load 9-10; 114-123 s at load 2-4 while fixed sleeps stood
-between the steps; 142-150 s earlier with 3 other test runs sharing the cores).
+About 1.5 minutes on 2 cores (alone, 2026-12-06: 93-94 s and 77 CPU-s with a write every 0.25 s
+and a chat every 0.5 s, against 103 s and 110 CPU-s at 0.1 and 0.25; earlier, alone beside another
+engineer's benchmark: 92-98 s, the call 75 s, at load 2-3; 111-134 s at load 9-10; 114-123 s at
+load 2-4 while fixed sleeps stood between the steps; 142-150 s with 3 other test runs sharing the
+cores).
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ RENEW_S = 1.0
 #: and the next one a :data:`RENEW_S` later (the leader renews every :data:`RENEW_S`, so its lease never nears its end
 #: meanwhile; a takeover shows in the restarted one's own view at once).
 FOLLOW_WATCH_S = 2 * RENEW_S
+#: Seconds between catalog writes (:class:`tests.ha.load.Writer`): the write outages are measured to
+#: this resolution, against a bound of :data:`WRITE_OUTAGE_MAX_S`. 0.25 rather than the bench's 0.1:
+#: each write is a model the leader reconciles for the rest of the test (~1,000 at 0.1 s), and the
+#: control planes took 30.8 CPU-s over the test at 0.1 against 22.2 at 0.25 (2026-12-06, alone).
+WRITE_EVERY_S = 0.25
+#: Seconds between chats through the gateway (:class:`tests.ha.load.GatewayClient`): ~200 requests over
+#: the test, so the ≥ 99 % bound still fails on a gap of ~1.5 s of refusals. Each one-token answer costs
+#: the engine ~50 ms of CPU (gemma-3-270m's 262k-token output layer), 0.2 of a core at 0.25 s.
+CHAT_EVERY_S = 0.5
+#: Acknowledged writes the test must see at least (a writer that stalled for most of the test would
+#: leave every other write check vacuous): about half of what :data:`WRITE_EVERY_S` gives (~200).
+MIN_ACKED = 100
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +145,7 @@ def _leader(ha: HACluster, within_s: float, not_: str = "") -> tuple[str, int] |
 def test_faults_one_at_a_time(ha: HACluster) -> None:
     """The five faults of the module docstring under load; all findings reported together."""
     f = Findings()
-    load = Load.start(ha, "gemma")
+    load = Load.start(ha, "gemma", write_every_s=WRITE_EVERY_S, chat_every_s=CHAT_EVERY_S)
     terms: list[tuple[str, int]] = []
 
     measured: list[str] = []
@@ -222,7 +236,9 @@ def test_faults_one_at_a_time(ha: HACluster) -> None:
     names = catalog_names(ha.patroni)
     lost = sorted(set(load.writer.acked) - names)
     f.check(not lost, f"{len(lost)} acknowledged writes lost: {lost[:20]}")
-    f.check(len(load.writer.acked) > 200, f"only {len(load.writer.acked)} writes acknowledged")
+    # the writer wrote all along: ~200-300 acknowledged at WRITE_EVERY_S over ~95 s, the database
+    # faults keeping writes out for up to ~20 s each (198 in a run on 2026-12-06)
+    f.check(len(load.writer.acked) > MIN_ACKED, f"only {len(load.writer.acked)} writes acknowledged")
     w = load.writer
     f.check(not w.hung, f"{len(w.hung)} writes had no answer in {w.timeout_s:g} s (expected a fast 503): {w.hung[:5]}")
     gw = load.gateway
