@@ -427,19 +427,20 @@ class OrphanLoad:
 
 def orphan_run(
     ha: HACluster, writers: int = 4, watch_s: float = 35,
-    settled: Callable[[OrphanLoad, float], bool] | None = None,
+    settled: Callable[[OrphanLoad, float], bool] | None = None, every_s: float = 0.25,
 ) -> tuple[OrphanLoad, float, float, float, Member]:
-    """Run the load, orphan the primary (its Patroni SIGKILLed, its PostgreSQL left running), wait for
-    another member's promotion, watch ``watch_s`` more seconds, or less once ``settled(load,
-    promoted)`` says what the caller waits for has been seen (asked every 0.1 s); returns the stopped
-    load, the kill's, the promotion's and the watch's end's monotonic times, and the new primary. The
-    orphan still runs afterwards (``ha.stop()`` ends it).
+    """Run the load (``writers`` per control plane, each writing every ``every_s`` seconds), orphan
+    the primary (its Patroni SIGKILLed, its PostgreSQL left running), wait for another member's
+    promotion, watch ``watch_s`` more seconds, or less once ``settled(load, promoted)`` says what the
+    caller waits for has been seen (asked every 0.1 s); returns the stopped load, the kill's, the
+    promotion's and the watch's end's monotonic times, and the new primary. The orphan still runs
+    afterwards (``ha.stop()`` ends it).
 
     Raises:
         AssertionError: the load not under way within 30 s (:meth:`OrphanLoad.running`), no
             promotion within 60 s, or the orphan's PostgreSQL died meanwhile.
     """
-    load = OrphanLoad.start(ha, writers=writers)
+    load = OrphanLoad.start(ha, writers=writers, every_s=every_s)
     try:
         wait_for("the load under way (every writer acknowledged, every probe answered)", load.running, 30, 0.1)
         p = ha.patroni.primary()

@@ -16,7 +16,8 @@ writes again, within :data:`RECOVER_S` of the promotion, and the longest write o
 control planes (``orphan_write_outage_s`` in bench/failover.py) stays within
 :data:`WRITE_OUTAGE_MAX_S`. No acknowledged write may be lost.
 
-About a minute on 2 cores (52 s alone with the watch ending 16 s after the promotion, 2026-12-05;
+About a minute on 2 cores (52-55 s and 40-45 CPU-s alone with a write every 0.5 s, against 55 s and 67
+CPU-s every 0.25 s, 2026-12-06; 52 s alone with the watch ending 16 s after the promotion, 2026-12-05;
 95 s at load 5-7 with a fixed 25 s watch, 2026-12-03).
 """
 
@@ -43,6 +44,11 @@ RECOVER_S = 12
 #: next connection tries the members (2 s connect timeout each) with the orphan last. Measured 0.4-6.5 s,
 #: once 12.1 s on the CI machine (2026-12-03); the issue's bound is the outage below (≤ 30 s).
 WRITE_RECOVER_S = 20
+#: Seconds between one writer's writes. Once the orphan's commits hang (at the promotion), each writer
+#: is stuck in its next write within this, so every store thread is still held as in the issue; a
+#: write is a model every control plane's routing table then carries to the end of the test (~2,500
+#: at 0.25 s).
+WRITE_EVERY_S = 0.5
 #: The issue's target for the longest write outage with 4 writers per control plane.
 WRITE_OUTAGE_MAX_S = 30
 #: Seconds the test watches after the promotion at most, the orphan alive all along: past
@@ -82,7 +88,8 @@ def _settled(load: OrphanLoad, promoted: float) -> bool:
 
 
 def test_an_orphaned_primary_does_not_stall_busy_control_planes(ha: HACluster) -> None:
-    load, killed, promoted, ended, new = orphan_run(ha, writers=4, watch_s=WATCH_S, settled=_settled)
+    load, killed, promoted, ended, new = orphan_run(ha, writers=4, watch_s=WATCH_S, settled=_settled,
+                                                    every_s=WRITE_EVERY_S)
     findings: list[str] = []
     measured = [f"promoted {promoted - killed:.1f} s after the kill"]
     for name, probe in load.probes.items():
