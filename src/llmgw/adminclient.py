@@ -21,7 +21,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from llmgw.config import load_server_config, loopback_url, parse_listen
-from llmgw.errors import ApiError, UnreachableError
+from llmgw.errors import ApiError, UnreachableError, error_fields
 from llmgw.httpverify import verify_context
 from llmgw.paths import Paths
 from llmgw.views import (
@@ -118,7 +118,6 @@ class AdminClient:
         if r.status_code >= 400:
             # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which an
             # `llmgw ctl` run that gets no error answer never needs.
-            from llmgw.httperrors import error_fields  # noqa: PLC0415
 
             code, message = error_fields(r.text, limit=1000)
             if not code:  # every answer of llmgw's admin API carries one: something else answered

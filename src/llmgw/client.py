@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from llmgw.config import load_server_config, parse_listen
-from llmgw.errors import ApiError, ConfigError, UnreachableError
+from llmgw.errors import ApiError, ConfigError, UnreachableError, error_fields
 from llmgw.paths import Paths
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
@@ -124,7 +124,6 @@ def _unreachable(base_url: str, e: httpx.HTTPError) -> UnreachableError:
 def _api_error(status: int, data: Any, base_url: str) -> ApiError:
     # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which `llmgw chat`
     # never needs until an error answer.
-    from llmgw.httperrors import error_fields  # noqa: PLC0415
 
     code, message = error_fields(data)
     if status == 401:

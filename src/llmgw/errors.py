@@ -53,6 +53,9 @@ Messages name the thing, the bad value, the rule, and the next step.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 
 class LlmgwError(Exception):
     """Base of every llmgw error; ``exit_code`` is what the CLI exits with."""
@@ -247,3 +250,31 @@ class WaitTimeout(LlmgwError):
     """A wait reached its deadline; the message says what was awaited and that init can be rerun."""
 
     exit_code = 5
+
+
+def error_fields(body: Any, *, limit: int = 300) -> tuple[str, str]:
+    """``(code, message)`` of an error answer, as a client reads it back.
+
+    Args:
+        body: the answer's body: its text or bytes (decoded here when it is JSON), or JSON already
+            decoded. Either envelope above (``{"error": {"code", "message", ...}}``), a bare
+            ``{"error": "text"}``, or anything else (a proxy's HTML page, an empty body).
+        limit: characters kept of a body that is not an envelope (the message then).
+
+    Returns:
+        ``code`` (``""`` when the body gives none) and ``message`` (the envelope's, else the body's
+        text cut to ``limit``, else ``""``). Never raises.
+    """
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    data = text
+    if isinstance(text, str):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return "", text.strip()[:limit]
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("code") or ""), str(err.get("message") or "")
+    if isinstance(err, str):
+        return "", err[:limit]
+    return "", ("" if data is None else (text if isinstance(text, str) else json.dumps(data)))[:limit].strip()

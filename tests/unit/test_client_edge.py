@@ -1,4 +1,4 @@
-"""The client edge: the one reading of an error answer (httperrors.error_fields) over the shapes
+"""The client edge: the one reading of an error answer (errors.error_fields) over the shapes
 llmgw's own servers send and what else can stand between (a proxy's page, an empty body); and the
 dashboard's admin API client over real HTTP (an error answer is an ApiError with its code, no answer
 an UnreachableError as in every other client, not an ApiError of status 0)."""
@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from llmgw.control.ui.adminapi import AdminApi
-from llmgw.errors import ApiError, UnreachableError
-from llmgw.httperrors import error_fields, error_json
+from llmgw.errors import ApiError, UnreachableError, error_fields
+from llmgw.httperrors import error_json
 from tests.helpers.net import free_port
 
 

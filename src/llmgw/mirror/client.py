@@ -44,8 +44,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from llmgw.errors import ApiError, ConfigError, UnreachableError
-from llmgw.httperrors import error_fields
+from llmgw.errors import ApiError, ConfigError, UnreachableError, error_fields
 from llmgw.mirror.models import FetchStatus
 from llmgw.paths import Paths
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import aiohttp
 from pydantic import ValidationError
 
-from llmgw.errors import ApiError, LlmgwError, UnreachableError
-from llmgw.httperrors import error_fields
+from llmgw.errors import ApiError, LlmgwError, UnreachableError, error_fields
 from llmgw.protocol import Heartbeat, HeartbeatReply, Pulse
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=2)

@@ -12,8 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from llmgw.errors import ApiError, UnreachableError
-from llmgw.httperrors import error_fields
+from llmgw.errors import ApiError, UnreachableError, error_fields
 
 TIMEOUT_S = 15.0  # the admin API's own slowest answers (a log read through an agent) end at 10 s
 
