@@ -27,7 +27,10 @@ from tests.helpers.control import TOKEN
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 160
+#: Tokens of each stream: the newest replica's must outlast ``ctl``'s start and the leader's drain
+#: (a second or two, more on a loaded machine). At 160 (~6-9 s of decoding) CI's run on a slow machine
+#: (2026-12-06) saw it end 10 ms before the test saw the drain: 240.
+MAX_TOKENS = 240
 
 
 def _body(n: int) -> dict[str, object]:
@@ -52,6 +55,7 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
     url = gateway_chat_url(c)
     seen: list[tuple[float, dict[str, float | None]]] = []  # (monotonic, {replica id: draining_since})
     ended: dict[str, float] = {}
+    ended_at: dict[str, float] = {}  # unix seconds, to compare with the store's draining_since
 
     async def watch(stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -70,7 +74,7 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
                         first_chunk[n].set()
                         if replica == oldest:  # it only keeps the other stream off the oldest: left at once
                             break  # (the engine stops within a second: 5 CPU-s of tokens nobody reads)
-                ended[replica] = time.monotonic()
+                ended[replica], ended_at[replica] = time.monotonic(), time.time()
                 return r.status, replica, body
 
         stop = asyncio.Event()
@@ -111,9 +115,13 @@ async def test_ctl_model_scale_down_drains_a_replica_with_a_stream_in_flight(
         assert b'"error"' not in body, (rep, body[-300:])
         if rep == newest:  # the drained replica's stream ran to its end
             assert body.rstrip().endswith(b"data: [DONE]"), (rep, body[-300:])
-    # the drain began while the newest replica's stream was still in flight, and the replica was
-    # listed (draining) until that stream had ended
-    assert drain_seen < ended[newest], "the stream ended before the drain began: make the answers longer"
+    # the drain began while the newest replica's stream was still in flight (the leader's own time of
+    # it, not when the test's poll first saw it), and the replica was listed (draining) until that
+    # stream had ended
+    since = next((ids[newest] for _t, ids in seen if ids.get(newest) is not None), None)
+    assert since is not None, "no sample of the newest replica draining"
+    assert since < ended_at[newest], (f"the stream ended {since - ended_at[newest]:.2f} s before the drain "
+                                      "began: make the answers longer")
     # the watcher's first sample without it, or (when its last sample came before the stop) the poll's
     gone_at = min([t for t, ids in seen if newest not in ids] or [gone_seen])
     assert gone_at > ended[newest]
