@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from llmgw.config import load_server_config, loopback_url, parse_listen
 from llmgw.errors import ApiError, UnreachableError, error_fields
 from llmgw.httpverify import verify_context
+from llmgw.names import path_segment
 from llmgw.paths import Paths
 from llmgw.views import (
     AutoscaleView,
@@ -116,9 +117,6 @@ class AdminClient:
                 + where
             ) from e
         if r.status_code >= 400:
-            # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which an
-            # `llmgw ctl` run that gets no error answer never needs.
-
             code, message = error_fields(r.text, limit=1000)
             if not code:  # every answer of llmgw's admin API carries one: something else answered
                 message = (f"{message or '(no body)'}; that is not an answer of llmgw's admin API: is "
@@ -154,7 +152,7 @@ class AdminClient:
 
     def node_action(self, node: str, action: str) -> NodeView:
         """``POST /api/v1/nodes/{node}/{action}``; ``action`` is ``cordon``, ``uncordon`` or ``drain``."""
-        path = f"/api/v1/nodes/{quote(node)}/{action}"
+        path = f"/api/v1/nodes/{path_segment(node)}/{action}"
         return _view(NodeView, self.post(path, None), f"POST {path}")
 
     def remove_node(self, node: str, *, force: bool = False) -> NodeRemovalView:
@@ -163,7 +161,7 @@ class AdminClient:
         Raises:
             ApiError: 409 ``node_busy`` when replicas are placed there and ``force`` is False.
         """
-        path = f"/api/v1/nodes/{quote(node)}" + ("?force=true" if force else "")
+        path = f"/api/v1/nodes/{path_segment(node)}" + ("?force=true" if force else "")
         return _view(NodeRemovalView, self.delete(path), f"DELETE {path}")
 
     def revocation(self, serial: str, *, node: str = "", issued_at: float | None = None) -> RevocationView | None:
@@ -171,9 +169,9 @@ class AdminClient:
         (upper-case hex), or None when it is not revoked (404). With ``node`` and ``issued_at``
         (unix seconds, :func:`llmgw.tlsconf.issued_at`), a certificate for a node removed after it
         was issued counts as revoked too, as the agent API refuses it."""
-        path = f"/api/v1/revocations/{quote(serial)}"
+        path = f"/api/v1/revocations/{path_segment(serial)}"
         if node and issued_at is not None:
-            path += f"?node={quote(node)}&issued_at={issued_at:.0f}"
+            path += f"?{urlencode({'node': node, 'issued_at': f'{issued_at:.0f}'})}"
         try:
             return _view(RevocationView, self.get(path), f"GET {path}")
         except ApiError as e:
@@ -187,7 +185,7 @@ class AdminClient:
 
     def model(self, name: str) -> ModelView:
         """``GET /api/v1/models/{name}`` (name or alias). Raises ApiError 404 when there is none."""
-        path = f"/api/v1/models/{quote(name)}"
+        path = f"/api/v1/models/{path_segment(name)}"
         return _view(ModelView, self.get(path), f"GET {path}")
 
     def add_model(self, spec: Any) -> ModelView:
@@ -196,48 +194,48 @@ class AdminClient:
 
     def patch_model(self, name: str, patch: dict[str, Any]) -> ModelView:
         """``PATCH /api/v1/models/{name}`` with a JSON merge patch; the model as saved."""
-        path = f"/api/v1/models/{quote(name)}"
+        path = f"/api/v1/models/{path_segment(name)}"
         return _view(ModelView, self.patch(path, patch), f"PATCH {path}")
 
     def set_profiles(self, name: str, profiles: Any) -> ModelView:
         """``PUT /api/v1/models/{name}/profiles`` (a list of profiles, or ``{profiles: [...]}``)."""
-        path = f"/api/v1/models/{quote(name)}/profiles"
+        path = f"/api/v1/models/{path_segment(name)}/profiles"
         return _view(ModelView, self.put(path, profiles), f"PUT {path}")
 
     def remove_model(self, name: str) -> None:
         """``DELETE /api/v1/models/{name}``: its replicas stop at their nodes' next heartbeat."""
-        self.delete(f"/api/v1/models/{quote(name)}")
+        self.delete(f"/api/v1/models/{path_segment(name)}")
 
     def model_resources(self, name: str) -> dict[str, Any]:
         """``GET /api/v1/models/{name}/resources``: per profile what one replica needs and where it fits."""
-        got: dict[str, Any] = self.get(f"/api/v1/models/{quote(name)}/resources")
+        got: dict[str, Any] = self.get(f"/api/v1/models/{path_segment(name)}/resources")
         return got
 
     def model_autoscale(self, name: str) -> AutoscaleView:
         """``GET /api/v1/models/{name}/autoscale``: wanted, ready, draining, load, last decisions."""
-        path = f"/api/v1/models/{quote(name)}/autoscale"
+        path = f"/api/v1/models/{path_segment(name)}/autoscale"
         return _view(AutoscaleView, self.get(path), f"GET {path}")
 
     def replicas(self, model: str | None = None) -> list[ReplicaView]:
         """``GET /api/v1/replicas`` (``?model=`` for one model's), wanted-but-unplaced ones included
         as ``pending`` on no node."""
-        path = "/api/v1/replicas" + (f"?model={model}" if model else "")
+        path = "/api/v1/replicas" + (f"?{urlencode({'model': model})}" if model else "")
         return [_view(ReplicaView, r, f"GET {path}") for r in self.get(path)]
 
     def replica_logs(self, replica: str, *, lines: int | None = None, offset: int | None = None) -> LogView:
         """``GET /api/v1/replicas/{replica}/logs``: the last ``lines``, or what came after ``offset``."""
         query = {k: v for k, v in (("lines", lines), ("offset", offset)) if v is not None}
-        path = f"/api/v1/replicas/{replica}/logs" + (f"?{urlencode(query)}" if query else "")
+        path = f"/api/v1/replicas/{path_segment(replica)}/logs" + (f"?{urlencode(query)}" if query else "")
         return _view(LogView, self.get(path), f"GET {path}")
 
     def restart_replica(self, replica: str) -> ReplicaView:
         """``POST /api/v1/replicas/{replica}/restart``: the replica that replaces it."""
-        path = f"/api/v1/replicas/{quote(replica)}/restart"
+        path = f"/api/v1/replicas/{path_segment(replica)}/restart"
         return _view(ReplicaView, self.post(path, None), f"POST {path}")
 
     def explain(self, model: str) -> ExplainView:
         """``GET /api/v1/explain-placement?model=``: why the model runs where it does, or nowhere."""
-        path = f"/api/v1/explain-placement?model={model}"
+        path = f"/api/v1/explain-placement?{urlencode({'model': model})}"
         return _view(ExplainView, self.get(path), f"GET {path}")
 
     def cluster(self) -> ClusterView:
@@ -255,22 +253,22 @@ class AdminClient:
 
     def key(self, name: str) -> KeyView:
         """``GET /api/v1/keys/{name}``: one key as the list shows it. ApiError 404 ``key_not_found``."""
-        path = f"/api/v1/keys/{quote(name, safe='')}"
+        path = f"/api/v1/keys/{path_segment(name)}"
         return _view(KeyView, self.get(path), f"GET {path}")
 
     def set_key(self, name: str, patch: dict[str, Any]) -> KeyView:
         """``PATCH /api/v1/keys/{name}`` (a :class:`~llmgw.apikeys.KeyPatch` as JSON): the key as changed."""
-        path = f"/api/v1/keys/{quote(name, safe='')}"
+        path = f"/api/v1/keys/{path_segment(name)}"
         return _view(KeyView, self.patch(path, patch), f"PATCH {path}")
 
     def revoke_key(self, name: str) -> KeyView:
         """``POST /api/v1/keys/{name}/revoke``."""
-        path = f"/api/v1/keys/{quote(name, safe='')}/revoke"
+        path = f"/api/v1/keys/{path_segment(name)}/revoke"
         return _view(KeyView, self.post(path, None), f"POST {path}")
 
     def rotate_key(self, name: str) -> NewKeyView:
         """``POST /api/v1/keys/{name}/rotate``: the key with its new secret."""
-        path = f"/api/v1/keys/{quote(name, safe='')}/rotate"
+        path = f"/api/v1/keys/{path_segment(name)}/rotate"
         return _view(NewKeyView, self.post(path, None), f"POST {path}")
 
     def usage(self, *, key: str | None = None, model: str | None = None, since: str = "7d",
@@ -287,7 +285,7 @@ class AdminClient:
 
     def enable_judge(self, name: str, body: dict[str, str]) -> dict[str, Any]:
         """``POST /api/v1/guard/judges/{name}/enable`` (``repo``/``file``/``format`` for an unknown one)."""
-        got: dict[str, Any] = self.post(f"/api/v1/guard/judges/{quote(name, safe='')}/enable", body)
+        got: dict[str, Any] = self.post(f"/api/v1/guard/judges/{path_segment(name)}/enable", body)
         return got
 
     def guard_test(self, body: dict[str, str]) -> dict[str, Any]:

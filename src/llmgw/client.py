@@ -122,9 +122,6 @@ def _unreachable(base_url: str, e: httpx.HTTPError) -> UnreachableError:
 
 
 def _api_error(status: int, data: Any, base_url: str) -> ApiError:
-    # Imported here: llmgw.httperrors is the server edge too (aiohttp, 0.3 s), which `llmgw chat`
-    # never needs until an error answer.
-
     code, message = error_fields(data)
     if status == 401:
         message += f"; pass --key KEY (a line of the gateway's keys_file) for {base_url}"

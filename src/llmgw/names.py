@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from urllib.parse import quote
 
 from pydantic import AfterValidator
+
+from llmgw.errors import ApiError
 
 #: The label ``server init`` gives the control plane's own node (the starter and the guard judges are
 #: pinned to it). A node cannot claim it: the agent API honours it only from a node a control plane
@@ -104,3 +107,18 @@ def check_labels(labels: dict[str, str]) -> dict[str, str]:
         check_label_key(key)
         check_label_value(value, key)
     return labels
+
+
+def path_segment(value: str) -> str:
+    """``value`` (a name, an id, a serial a user typed) as one URL path segment of an llmgw API, every
+    reserved character quoted (``a/b`` is ``a%2Fb``, ``x?y`` is ``x%3Fy``), so that a name outside
+    the rule reaches the API as that name and is answered "no such ..." rather than routed to another
+    path or a bare 404.
+
+    Raises:
+        ApiError: ``value`` is empty, ``.`` or ``..`` (a client would send another path: the API
+            normalises them): status 404, code ``not_found``, as the API answers an unknown name.
+    """
+    if value in (".", "..") or not value:
+        raise ApiError(f"no such name '{value}'", status=404, code="not_found")
+    return quote(value, safe="")

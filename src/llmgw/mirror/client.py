@@ -46,6 +46,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from llmgw.errors import ApiError, ConfigError, UnreachableError, error_fields
 from llmgw.mirror.models import FetchStatus
+from llmgw.names import path_segment
 from llmgw.paths import Paths
 
 T = TypeVar("T")
@@ -188,7 +189,7 @@ class MirrorClient:
             ApiError: ``status == 404`` when the mirror does not know it.
             UnreachableError: the mirror does not answer.
         """
-        return self._status(self._request("GET", f"/api/v1/status/{model}/{version}"))
+        return self._status(self._request("GET", f"/api/v1/status/{path_segment(model)}/{path_segment(version)}"))
 
     def fetch(self, source: str, model: str, version: str) -> FetchStatus:
         """Ask the mirror to fetch ``source`` as ``model/version`` (joins a fetch already running).
@@ -207,7 +208,7 @@ class MirrorClient:
             ApiError: ``status == 404`` when the mirror does not know it.
             UnreachableError: the mirror does not answer.
         """
-        return self._status(self._request("DELETE", f"/api/v1/files/{model}/{version}"))
+        return self._status(self._request("DELETE", f"/api/v1/files/{path_segment(model)}/{path_segment(version)}"))
 
     def files(self) -> list[FetchStatus]:
         """Every ``model/version`` the mirror knows."""

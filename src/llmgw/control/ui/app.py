@@ -35,6 +35,7 @@ from llmgw.control.ui import auth, pages
 from llmgw.control.ui.adminapi import AdminApi
 from llmgw.control.ui.throttle import GLOBAL, DeviceCookies, LoginThrottle, address_key, retry_after
 from llmgw.errors import ApiError, UnreachableError
+from llmgw.names import path_segment
 from llmgw.views import AutoscaleView, ClusterView, ExplainView, KeyView, ModelView, NodeView, ReplicaView, UsageView
 
 log = logging.getLogger(__name__)
@@ -228,14 +229,6 @@ async def _render(request: web.Request, page: str, title: str, context: dict[str
     return _page(f"{page}.html", **await _base(request, title), live_part=f"{page}_live.html", **context)
 
 
-def _segment(value: str) -> str:
-    """A name or id from the URL, quoted for an admin API path; ``.``/``..`` would make another
-    path (the admin API normalises them), so they are no model, node or replica (404)."""
-    if value in (".", "..") or not value:
-        raise ApiError(f"no such name '{value}'", status=404, code="not_found")
-    return quote(value, safe="")
-
-
 def _api(request: web.Request) -> AdminApi:
     return request.app[API_KEY]
 
@@ -332,10 +325,10 @@ async def model(request: web.Request) -> web.Response:
     and restart, a log tail."""
     name = request.match_info["name"]
     api = _api(request)
-    m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
+    m = ModelView.model_validate(await api.get(f"/api/v1/models/{path_segment(name)}"))
     replicas_j, explain_j, scale_j = await asyncio.gather(
         api.get("/api/v1/replicas", model=m.name), api.get("/api/v1/explain-placement", model=m.name),
-        api.get(f"/api/v1/models/{_segment(m.name)}/autoscale"),
+        api.get(f"/api/v1/models/{path_segment(m.name)}/autoscale"),
     )
     replicas = [ReplicaView.model_validate(r) for r in replicas_j]
     placed = [r for r in replicas if r.node]
@@ -362,12 +355,12 @@ async def scale(request: web.Request) -> web.Response:
     raw = str(form.get("min", "")).strip()
     if not (raw.isascii() and raw.isdigit()):
         await auth.flash(request, f"replicas: '{raw}' is not a whole number of replicas (0 or more)", error=True)
-        raise web.HTTPSeeOther(f"/ui/models/{_segment(name)}")
+        raise web.HTTPSeeOther(f"/ui/models/{path_segment(name)}")
     want = int(raw)
     api = _api(request)
-    m = ModelView.model_validate(await api.get(f"/api/v1/models/{_segment(name)}"))
+    m = ModelView.model_validate(await api.get(f"/api/v1/models/{path_segment(name)}"))
     patch = {"scaling": scale_to(want, cur_min=m.scaling_min, cur_max=m.scaling_max)}
-    await api.call("PATCH", f"/api/v1/models/{_segment(name)}", patch)
+    await api.call("PATCH", f"/api/v1/models/{path_segment(name)}", patch)
     await auth.flash(request, f"{m.name}: {want} replica(s) wanted")
     raise web.HTTPSeeOther(f"/ui/models/{quote(m.name, safe='')}")
 
@@ -376,7 +369,7 @@ async def restart(request: web.Request) -> web.Response:
     """Restart a replica (``POST /api/v1/replicas/{id}/restart``)."""
     await auth.check_csrf(request)
     rid = request.match_info["id"]
-    new = ReplicaView.model_validate(await _api(request).post(f"/api/v1/replicas/{_segment(rid)}/restart"))
+    new = ReplicaView.model_validate(await _api(request).post(f"/api/v1/replicas/{path_segment(rid)}/restart"))
     await auth.flash(request, f"{rid} replaced by {new.id} on {new.node}")
     raise web.HTTPSeeOther(f"/ui/models/{quote(new.model, safe='')}")
 
@@ -385,7 +378,7 @@ async def replica_log(request: web.Request) -> web.Response:
     """The last lines of a replica's engine log, as a fragment (an error is shown in its place)."""
     rid = request.match_info["id"]
     try:
-        got = await _api(request).get(f"/api/v1/replicas/{_segment(rid)}/logs", lines=str(LOG_LINES))
+        got = await _api(request).get(f"/api/v1/replicas/{path_segment(rid)}/logs", lines=str(LOG_LINES))
         text, error = str(got.get("text", "")), ""
     except (ApiError, UnreachableError) as e:
         text, error = "", str(e)
@@ -420,17 +413,17 @@ async def node_action(request: web.Request) -> web.Response:
     nid, action = request.match_info["id"], request.match_info["action"]
     api = _api(request)
     before = await api.get("/api/v1/replicas") if action == "drain" else []
-    await api.post(f"/api/v1/nodes/{_segment(nid)}/{action}")
+    await api.post(f"/api/v1/nodes/{path_segment(nid)}/{action}")
     done = {"cordon": "cordoned", "uncordon": "uncordoned",
             "drain": "drained (cordoned; its replicas stopped, placed again where they fit)"}
     stuck = []
     for model in sorted({r.get("model", "") for r in before if r.get("node") == nid}):
-        profiles = (await api.get(f"/api/v1/models/{_segment(model)}/resources")).get("profiles") or []
+        profiles = (await api.get(f"/api/v1/models/{path_segment(model)}/resources")).get("profiles") or []
         if not any(n.get("fits") for p in profiles for n in p.get("nodes", [])):
             stuck.append(model)
     nowhere = f"; no other node can take the replicas of {', '.join(stuck)} now: see their pages" if stuck else ""
     await auth.flash(request, f"node {nid} {done[action]}{nowhere}", error=bool(stuck))
-    raise web.HTTPSeeOther(f"/ui/nodes/{_segment(nid)}")
+    raise web.HTTPSeeOther(f"/ui/nodes/{path_segment(nid)}")
 
 
 async def guard(request: web.Request) -> web.Response:
@@ -479,7 +472,7 @@ async def usage_json(request: web.Request) -> web.Response:
 async def autoscale_json(request: web.Request) -> web.Response:
     """A model's autoscaling plot (:func:`llmgw.control.ui.pages.autoscale_series`): the last hour."""
     view = AutoscaleView.model_validate(
-        await _api(request).get(f"/api/v1/models/{_segment(request.match_info['name'])}/autoscale")
+        await _api(request).get(f"/api/v1/models/{path_segment(request.match_info['name'])}/autoscale")
     )
     return web.json_response(text=json.dumps(pages.autoscale_series(view)))
 
