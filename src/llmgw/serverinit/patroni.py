@@ -385,12 +385,11 @@ def patroni_yml(plan: HaPlan, me: Member) -> str:
     REST API's listeners: without it pysyncobj binds every interface; ``password`` the plan's
     ``raft``, without which a peer's messages are refused), else ``etcd3: {hosts: …}``. Passwords are SCRAM over TCP
     from anywhere (the members and the control planes are on other machines), trust over the
-    member's own unix socket. The
-    watchdog is off: none in VMs and containers (docs/ha.md §0 says turn ``softdog`` on in production), and
-    on a machine that also runs a control plane it would reboot all of it when Patroni dies, where
-    the supervisor restarts Patroni (which then demotes the orphan in 2-5 s) and the control planes
-    end stuck commits on an orphan themselves (:mod:`llmgw.control.store.postgres`, docs/operating.md
-    "An orphaned primary").
+    member's own unix socket. The watchdog is off: none in VMs and containers (docs/ha.md §0 says turn
+    ``softdog`` on in production), and on a machine that also runs a control plane it would reboot
+    all of it when Patroni dies, where the supervisor restarts Patroni (which then demotes the orphan
+    in 2-5 s) and the control planes end stuck commits on an orphan themselves
+    (:mod:`llmgw.control.store.postgres`, docs/operating.md "An orphaned primary").
     """
     dirs = member_dirs(plan)
     bind = _listen_host(me.host)
