@@ -84,6 +84,7 @@ def test_add_through_a_running_mirror_then_ls_and_rm(tmp_path: pathlib.Path, wei
         code, out = llmgw("rm", "m", "1", "--api", mirror.api, "--force")
         assert code == 1
         assert "404" in out
+        assert "m/1 is not in the mirror; 'llmgw mirror ls' lists what is" in out  # the next step too
 
 
 def test_add_of_a_missing_file_or_another_source_is_refused(

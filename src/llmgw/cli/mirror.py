@@ -261,7 +261,7 @@ def _catalog(p: Paths) -> tuple[list[tuple[str, str]] | None, str]:
 @cli_errors
 def ls(api: Annotated[str | None, API_OPTION] = None) -> None:
     """Every model/version in the mirror: state, file, sha256 (or progress, or the error), and the
-    URL nodes fetch it from (a model's ``source``)."""
+    URL nodes fetch it from (a model's source)."""
     from llmgw.mirror.client import MirrorClient, local_api, local_token
 
     p = paths()

@@ -237,7 +237,7 @@ async def _delete(request: web.Request) -> web.Response:
     except LlmgwError as e:
         return error_json(500, "delete_failed", str(e))
     if last is None:
-        return error_json(404, "not_found", f"{model}/{version} is not in the mirror")
+        return error_json(404, "not_found", f"{model}/{version} is not in the mirror; 'llmgw mirror ls' lists what is")
     return web.json_response(last.model_dump(mode="json"))
 
 
