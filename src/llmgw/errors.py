@@ -257,8 +257,9 @@ def error_fields(body: Any, *, limit: int = 300) -> tuple[str, str]:
 
     Args:
         body: the answer's body: its text or bytes (decoded here when it is JSON), or JSON already
-            decoded. Either envelope above (``{"error": {"code", "message", ...}}``), a bare
-            ``{"error": "text"}``, or anything else (a proxy's HTML page, an empty body).
+            decoded. Either of llmgw's error envelopes (``{"error": {"code", "message", ...}}``:
+            :mod:`llmgw.httperrors`), a bare ``{"error": "text"}``, or anything else (a proxy's HTML
+            page, an empty body).
         limit: characters kept of a body that is not an envelope (the message then).
 
     Returns:

@@ -25,8 +25,8 @@ bind is a :class:`~llmgw.errors.PortInUseError` naming the setting or flag and w
 The client side reads both shapes back with one function, :func:`llmgw.errors.error_fields`: the
 gateway's client, the admin client, the mirror's client, the agent's heartbeat and the dashboard's
 admin API client all turn an error answer into an :class:`~llmgw.errors.ApiError` through it. It
-lives there, not here, so that a client does not import aiohttp (~0.1 s of CPU at every ``server
-init`` and mirror command) for a JSON reading.
+lives there, not here, so that a client that needs no aiohttp (the mirror's, the admin client's)
+does not import it (~0.1 s of CPU) for a JSON reading.
 """
 
 from __future__ import annotations

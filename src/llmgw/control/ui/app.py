@@ -362,7 +362,7 @@ async def scale(request: web.Request) -> web.Response:
     patch = {"scaling": scale_to(want, cur_min=m.scaling_min, cur_max=m.scaling_max)}
     await api.call("PATCH", f"/api/v1/models/{path_segment(name)}", patch)
     await auth.flash(request, f"{m.name}: {want} replica(s) wanted")
-    raise web.HTTPSeeOther(f"/ui/models/{quote(m.name, safe='')}")
+    raise web.HTTPSeeOther(f"/ui/models/{path_segment(m.name)}")
 
 
 async def restart(request: web.Request) -> web.Response:
@@ -371,7 +371,7 @@ async def restart(request: web.Request) -> web.Response:
     rid = request.match_info["id"]
     new = ReplicaView.model_validate(await _api(request).post(f"/api/v1/replicas/{path_segment(rid)}/restart"))
     await auth.flash(request, f"{rid} replaced by {new.id} on {new.node}")
-    raise web.HTTPSeeOther(f"/ui/models/{quote(new.model, safe='')}")
+    raise web.HTTPSeeOther(f"/ui/models/{path_segment(new.model)}")
 
 
 async def replica_log(request: web.Request) -> web.Response:
