@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,7 @@ from llmgw.paths import Paths
 from llmgw.serverinit.secure import lock_down, root_secrets, service_secrets
 from llmgw.service.files import private_dir
 from llmgw.service.manager import CommandResult
-from llmgw.service.users import choose_service_user, ensure_mirror_user, why_user_cannot_run
+from llmgw.service.users import _PROBE, choose_service_user, ensure_mirror_user, why_user_cannot_run
 
 
 def test_a_missing_user_is_made_and_given_the_store(tmp_path: Path) -> None:
@@ -74,6 +78,43 @@ def test_the_probe_runs_as_the_user_for_real(tmp_path: Path) -> None:
     why = why_user_cannot_run("nobody", [locked])
     assert why is not None
     assert f"cannot enter or read {locked}" in why or "cannot run" in why
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a probe as another user needs root; CI runs as root")
+def test_the_probe_names_a_file_on_the_import_path_the_user_cannot_read() -> None:
+    """The probe reads the import path rather than importing the control plane: a package with one
+    file only root may read (as pip under ``umask 077`` leaves them) is named, a compiled cache
+    is not (Python compiles again what it cannot read), and the rest of the path passes."""
+    top = Path(tempfile.mkdtemp(prefix="llmgw-probe-"))  # tmp_path's parents are root's, 0700
+    site = top / "site"
+    (site / "pkg" / "__pycache__").mkdir(parents=True)
+    (site / "pkg" / "__init__.py").write_text("")
+    (site / "pkg" / "__pycache__" / "x.pyc").write_bytes(b"")
+    (site / "pkg" / "__pycache__" / "x.pyc").chmod(0o600)
+    for d in (top, site, site / "pkg"):
+        d.chmod(0o755)
+    nobody = pwd.getpwnam("nobody")
+
+    def probe() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=30, check=False, cwd="/",
+            user=nobody.pw_uid, group=nobody.pw_gid, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site)},
+        )
+
+    try:
+        done = probe()
+        if done.returncode != 0 and "llmgw" in done.stderr:
+            pytest.skip(f"nobody cannot run this venv's Python here: {done.stderr.strip().splitlines()[-1]}")
+        assert (done.returncode, done.stdout.strip()) == (0, "")
+        (site / "pkg" / "data.json").write_text("{}")
+        (site / "pkg" / "data.json").chmod(0o600)
+        done = probe()
+        assert (done.returncode, done.stdout.strip()) == (4, str(site / "pkg" / "data.json"))
+        top.chmod(0o700)  # the entry itself out of reach
+        done = probe()
+        assert (done.returncode, done.stdout.strip()) == (4, str(site))
+    finally:
+        shutil.rmtree(top)
 
 
 def test_private_dir_refuses_someone_elses(tmp_path: Path) -> None:
