@@ -393,7 +393,10 @@ async def test_a_node_count_sent_before_ready_is_taken_not_a_failed_start(tmp_pa
     before serving"."""
     link = 'int(sys.argv[sys.argv.index("--link-fd") + 1])'
     body = f'os.write({link}, b\'{{"k":"nodes","n":5000}}\\n\'); os.write({link}, b\'{{"k":"ready"}}\\n\')'
-    with fake_process(tmp_path, body + f"\nos.read({link}, 65536)") as proc:  # until 'stop' comes
+    # Until 'stop' comes: the 'init' the control plane sends at once must not end it (a bare read
+    # returned with it, and the process exited before the check when the test was starved of CPU).
+    until_stop = f"\nseen = b''\nwhile b'stop' not in seen and (got := os.read({link}, 65536)):\n    seen += got"
+    with fake_process(tmp_path, body + until_stop) as proc:
         await proc.start()
         try:
             assert proc.cadence.nodes == 5000
