@@ -219,6 +219,7 @@ SLOW_FILES_FIRST = (
     "tests/ha/test_orphan.py",
     "tests/ha/test_frozen_lock.py",
     "tests/e2e/test_init_ha.py",
+    "tests/e2e/test_scale_bench.py",
     "tests/e2e/test_init.py",
     "tests/e2e/test_init_rejoin.py",
     "tests/e2e/test_init_llama_server.py",
