@@ -90,7 +90,7 @@ def env() -> Iterator[Env]:
     dead2 = Upstream("r-dead2", f"127.0.0.1:{free_port()}", "key-dead2")
     router = StaticRouter(
         routes={
-            "gemma": Route("gemma", (ua,), created=1700000000),
+            "gemma": Route("gemma", (ua,), created=1700000000, aliases=("g",)),
             "pair": Route("pair", (ua, ub), routing="round-robin"),
             "failover": Route("failover", (dead, ub)),
             "alldead": Route("alldead", (dead, dead2)),
@@ -274,8 +274,8 @@ def test_unknown_model_404_names_known_ones(env: Env) -> None:
     assert err["type"] == "invalid_request_error"
     assert (
         err["message"]
-        == "model 'nope' does not exist; known models: alldead, badkey, capped, down, failover, gemma, nowhere, pair, "
-        "pathy"
+        == "model 'nope' does not exist; known models: alldead, badkey, capped, down, failover, gemma (alias g), "
+        "nowhere, pair, pathy"
     )
     # names are lowercase: a name or alias typed otherwise is pointed at (an operator typed 'TB' for 'tb')
     for typed, meant in (("Gemma", "gemma"), ("G", "g")):

@@ -45,7 +45,7 @@ from llmgw.cli.modelwarn import (
     warn_scaled_past_room,
     warn_unreadable_source,
 )
-from llmgw.errors import ConfigError
+from llmgw.errors import ApiError, ConfigError
 
 if TYPE_CHECKING:
     from llmgw.views import ModelView
@@ -392,6 +392,11 @@ def _yaml_kind(doc: object) -> str:
     return {dict: "mapping", list: "list", str: "string", bool: "boolean"}.get(type(doc), "number")
 
 
+MODEL_YAML_DOC = "model.yaml's fields, with an example: docs/operating.md, 'Adding a model'"
+"""Where a ``ctl model add -f`` that misses a field is pointed (a reviewer's finding: the error named
+the field and nothing to read)."""
+
+
 @model_app.command("add")
 @cli_errors
 def model_add(
@@ -423,7 +428,12 @@ def model_add(
     else:
         raise fail("give -f model.yaml, or at least --name and --source", 2)
     client = _client(server, token)
-    data = client.add_model(spec)
+    try:
+        data = client.add_model(spec)
+    except ApiError as e:  # a field missing from model.yaml: say where its fields are written down
+        if file is None or e.status != 400 or "Field required" not in str(e):
+            raise
+        raise ApiError(f"{e} ({MODEL_YAML_DOC})", status=e.status, code=e.code) from None
     if as_json:
         _print_json(data)
     else:

@@ -17,11 +17,10 @@ A chat request goes, in order (cheap checks first, nothing awaited before the bo
    ``input``), every string valid Unicode (no lone surrogate), else 400 ``invalid_request_error``
    naming the field; a chat request's ``messages``/``tools``/``tool_choice`` shapes are checked with
    the fields (:func:`~llmgw.control.gateway.request.check_chat`).
-3. **model**: ``router.resolve`` (name or alias); unknown → 404 ``model_not_found`` naming the known
-   models; no ready replica → 503 ``model_unavailable`` with ``Route.unavailable`` as the reason.
-   Then the body is cut to what an engine may see (:mod:`llmgw.control.gateway.request`: OpenAI
-   fields only, ``max_tokens`` held to the model's ``max_output``); dropped fields are named in the
-   ``x-llmgw-dropped`` header.
+3. **model**: ``router.resolve`` (name or alias); unknown → 404 ``model_not_found`` naming the known models and
+   their aliases; no ready replica → 503 ``model_unavailable`` with ``Route.unavailable`` as the reason. Then the
+   body is cut to what an engine may see (:mod:`llmgw.control.gateway.request`: OpenAI fields only, ``max_tokens``
+   held to the model's ``max_output``); dropped fields are named in the ``x-llmgw-dropped`` header.
 4. **guard in** (optional :class:`~llmgw.control.gateway.inspect.Inspector`), then the replica
    (:mod:`llmgw.control.gateway.upstream`: a free slot chosen by the model's policy,
    :mod:`llmgw.control.gateway.balancer`; another replica on a refused connection; byte relay for
@@ -265,7 +264,9 @@ class _Gateway:
         return response
 
     def _not_found(self, name: str, caller: Caller) -> web.Response:
-        known = ", ".join(self._visible(caller)) or (
+        aliases = {r.model: r.aliases for r in self.router.chat_models()}  # each named: they are what clients type
+        known = ", ".join(f"{n} (alias {', '.join(sorted(aliases[n]))})" if aliases.get(n) else n
+                          for n in self._visible(caller)) or (
             f"none this key may use (it may use only {', '.join(sorted(caller.models))}; see 'llmgw ctl key ls')"
             if caller.models is not None else "(none yet)")
         lower, model = name.lower(), self._resolve_name(name.lower())  # 'TB' for the alias 'tb' (an operator's finding)
