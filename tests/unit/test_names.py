@@ -147,17 +147,22 @@ def test_ctl_model_add_refuses_bad_names_and_duplicate_keys(admin: Admin, tmp_pa
 
 def test_ctl_model_add_with_a_field_missing_points_at_model_yaml_s_fields(admin: Admin, tmp_path: Path) -> None:
     """A model.yaml without ``source``: the error names the field and where model.yaml's fields are
-    written down (it named the field only: a reviewer's finding); a refusal for another reason does not."""
+    written down (it named the field only: a reviewer's finding); a refusal that is not about the
+    file's fields (a name already taken) does not."""
     f = tmp_path / "m.yaml"
     f.write_text("name: chat\nprofiles: [{name: cpu}]\n")
-    out = CliRunner().invoke(ctl_app, ["model", "add", "-f", str(f), "--server", admin.url, "--token", TOKEN])
+    argv = ["model", "add", "-f", str(f), "--server", admin.url, "--token", TOKEN]
+    out = CliRunner().invoke(ctl_app, argv)
     assert out.exit_code == 1, out.output
     assert "source: Field required" in out.output
     assert "docs/operating.md, 'Adding a model'" in out.output
-    f.write_text("name: chat\nsource: http://m/chat.gguf\nversion: ../up\nprofiles: [{name: cpu}]\n")
-    out = CliRunner().invoke(ctl_app, ["model", "add", "-f", str(f), "--server", admin.url, "--token", TOKEN])
-    assert "docs/operating.md" not in out.output
     assert admin.store.list_models() == []
+    f.write_text("name: chat\nsource: http://m/chat.gguf\nprofiles: [{name: cpu, min_memory_gb: 1}]\n")
+    assert CliRunner().invoke(ctl_app, argv).exit_code == 0
+    out = CliRunner().invoke(ctl_app, argv)
+    assert out.exit_code == 1, out.output
+    assert "already" in out.output
+    assert "docs/operating.md" not in out.output
 
 
 # --- nodes: add-node, agent.yaml, heartbeats, certificates ---------------------------------------

@@ -393,8 +393,8 @@ def _yaml_kind(doc: object) -> str:
 
 
 MODEL_YAML_DOC = "model.yaml's fields, with an example: docs/operating.md, 'Adding a model'"
-"""Where a ``ctl model add -f`` that misses a field is pointed (a reviewer's finding: the error named
-the field and nothing to read)."""
+"""Where a ``ctl model add -f`` whose file the admin API refuses as a model (400 ``invalid_model``: a
+field missing or wrong) is pointed (a reviewer's finding: the error named the field and nothing to read)."""
 
 
 @model_app.command("add")
@@ -430,8 +430,8 @@ def model_add(
     client = _client(server, token)
     try:
         data = client.add_model(spec)
-    except ApiError as e:  # a field missing from model.yaml: say where its fields are written down
-        if file is None or e.status != 400 or "Field required" not in str(e):
+    except ApiError as e:  # model.yaml refused as a model (a field missing or wrong): say where they are written down
+        if file is None or e.code != "invalid_model":
             raise
         raise ApiError(f"{e} ({MODEL_YAML_DOC})", status=e.status, code=e.code) from None
     if as_json:
