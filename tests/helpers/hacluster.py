@@ -66,7 +66,7 @@ DCS_SETTINGS: dict[str, Any] = {
     "retry_timeout": 4,
     "synchronous_mode": True,
     "maximum_lag_on_failover": 1048576,
-    "postgresql": {"use_pg_rewind": True, "parameters": {"wal_log_hints": "on"}},
+    "postgresql": {"use_pg_rewind": True, "parameters": {"wal_log_hints": "on", "wal_retrieve_retry_interval": "1s"}},
 }
 
 

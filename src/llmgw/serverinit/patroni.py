@@ -10,9 +10,8 @@ calls:
 - :class:`HaPlan`: the whole cluster (scope, members, DCS, passwords, where Patroni lives), kept
   in ``/etc/llmgw/ha.yaml`` (0600: it holds the database passwords) and carried to each standby in
   its bundle (:mod:`llmgw.serverinit.standby`).
-- :func:`patroni_yml`: one member's ``patroni.yml`` (docs/ha.md §1.3 with the tuned dynamic settings:
-  ``ttl 20, loop_wait 2, retry_timeout 4``, ``synchronous_mode: true``, ``use_pg_rewind``, TCP
-  keepalives; §1.4 measured 0 lost writes with synchronous mode and 335 without).
+- :func:`patroni_yml`: one member's ``patroni.yml`` (docs/ha.md §1.3 with the tuned dynamic settings: ``ttl 20,
+  loop_wait 2, retry_timeout 4``, ``synchronous_mode: true``, ``use_pg_rewind``, TCP keepalives; §1.4: 0 lost writes).
 - :func:`ensure_venv`: Patroni 4.1.5 from PyPI in its own venv made from ``/usr/bin/python3``
   (docs/ha.md §1.5: with pyenv's Python under /root the postmaster's spawn child cannot exec as
   ``postgres`` and Patroni says "bootstrap in progress" forever).
@@ -86,9 +85,10 @@ PG_PARAMETERS = {
     "wal_log_hints": "on",  # pg_rewind needs it (or checksums)
     "max_connections": 200,  # each control plane's pool takes up to 22 (12 + 10 overflow), plus its leader's lock
     # A client (or a standby) on a crashed machine is noticed in about 5 + 2*3 = 11 s.
-    "tcp_keepalives_idle": 5,
-    "tcp_keepalives_interval": 2,
-    "tcp_keepalives_count": 3,
+    "tcp_keepalives_idle": 5, "tcp_keepalives_interval": 2, "tcp_keepalives_count": 3,
+    # A standby retries streaming after 1 s, not 5: a joining one asks before the leader made its slot, and after a
+    # failover synchronous commits wait for a standby to reconnect. Each member's streaming 1-4 s sooner.
+    "wal_retrieve_retry_interval": "1s",
 }
 """PostgreSQL settings every member shares (``bootstrap.dcs.postgresql.parameters``)."""
 

@@ -165,9 +165,10 @@ def probe_for(paths: Paths, name: str, manager: ServiceManager) -> Callable[[], 
 
 def wait_up(
     manager: ServiceManager, name: str, *, probe: Callable[[], bool] | None,
-    timeout_s: float = UP_TIMEOUT_S, settle_s: float = SETTLE_S, poll_s: float = 0.2, restarts: int = 0,
+    timeout_s: float = UP_TIMEOUT_S, settle_s: float | None = None, poll_s: float = 0.2, restarts: int = 0,
 ) -> None:
-    """Wait until ``name`` is up after a (re)start: ``probe`` true, or (no probe) running for ``settle_s``.
+    """Wait until ``name`` is up after a (re)start: ``probe`` true, or (no probe) running for ``settle_s``
+    (default :data:`SETTLE_S`, read at the call).
 
     ``restarts``: its restart count right after the (re)start; more means it exited since.
 
@@ -176,6 +177,7 @@ def wait_up(
             ``timeout_s`` (the message has its status and last log lines).
     """
     deadline = time.monotonic() + timeout_s
+    settle = SETTLE_S if settle_s is None else settle_s
     first: float | None = None
     while True:
         st = manager.status(name)
@@ -190,7 +192,7 @@ def wait_up(
             first = first if first is not None else time.monotonic()
             if probe is not None and probe():
                 return
-            if probe is None and time.monotonic() - first >= settle_s:
+            if probe is None and time.monotonic() - first >= settle:
                 return
         if time.monotonic() >= deadline:
             what = "answer" if probe is not None else "start"
