@@ -2,7 +2,8 @@
 
 Real processes, as the bench runs them: ``llmgw server run``, the instant upstream, and 20
 simulated agents over mTLS in the bench's own process. A short ``node_lost_after_s`` (6 s) and
-outage (3 s) keep it near a minute; the lost-detection bound gets 10 s of slack (a leader pass on
+outage (1 s: the agents' back-off then brings all back ~3 s after the restart, against ~9 s after a 3 s
+outage, 2026-12-06) keep it under a minute; the lost-detection bound gets 10 s of slack (a leader pass on
 a loaded 2-core CI machine can take seconds). The figures asserted are the bench's own checks (every node
 seen lost within the bound, the killed nodes' replicas ready elsewhere, none placed twice, every
 agent back after the restart); latencies are not bounded here (a loaded CI machine), only present.
@@ -24,7 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
 
 def test_scale_bench_at_20_agents() -> None:
     argv = [sys.executable, str(BENCH), "--agents", "20", "--models", "6", "--kill", "4",
-            "--lost-after-s", "6", "--outage-s", "3", "--gateway-n", "40", "--ramp-per-s", "50",
+            "--lost-after-s", "6", "--outage-s", "1", "--gateway-n", "40", "--ramp-per-s", "50",
             "--settle-s", "2", "--steady-s", "3", "--steady-gw-s", "2", "--lost-slack-s", "10",
             "--ab-windows", "4", "--ab-window-s", "1.5"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
