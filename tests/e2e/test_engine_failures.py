@@ -19,6 +19,7 @@ import aiohttp
 import psutil
 import pytest
 
+from llmgw.agent.engines import llamacpp
 from llmgw.agent.engines.llamacpp import LlamaServer
 from llmgw.agent.node.cache import NodeCache, record_digest
 from llmgw.agent.node.records import load_records
@@ -108,7 +109,13 @@ async def run(env: RunnerEnv, server: LlamaServer, rid: str) -> ReplicaRunner:
     return runner
 
 
-async def test_health_ok_but_stuck_is_not_ready(tmp_path: Path, env: RunnerEnv) -> None:
+async def test_health_ok_but_stuck_is_not_ready(
+    tmp_path: Path, env: RunnerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The deep probe's own 5 s time-out, read at each probe, would hold the first probe 2 s past the
+    # 3 s deadline; a wedged loop never answers, so 0.5 s decides the same, ending ~3.5 s after start.
+    # The deadline keeps its 3 s: the fake server must say 200 on /health within it even under load.
+    monkeypatch.setattr(llamacpp, "READY_PROBE_TIMEOUT_S", 0.5)
     runner = await run(env, script(tmp_path, "stuck", STUCK), "r-stuck")
     assert runner.state == ReplicaState.FAILED
     assert "GET /health answered 200 but its task loop never answered" in runner.err
@@ -131,6 +138,7 @@ async def test_exit_code_and_last_50_lines(tmp_path: Path, env: RunnerEnv) -> No
 
 async def test_sigterm_ignored_means_sigkill_after_grace(tmp_path: Path, env: RunnerEnv) -> None:
     env.engine = script(tmp_path, "deaf", DEAF)
+    env.stop_grace_s = 0.3  # what is checked is the SIGKILL after it, not its length (the fixture's 1 s)
     runner = ReplicaRunner(spec("r-deaf"), env)
     runner.start()
     for _ in range(50):

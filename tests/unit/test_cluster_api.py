@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app as cli_app
 from llmgw.control.api.cluster import parse_patroni, read_patroni
+from llmgw.control.reconcile import membership
 from llmgw.protocol import HeartbeatReply, ReplicaState, ReplicaStatus
 from llmgw.views import ClusterView
 from tests.helpers.control import TOKEN, Install, heartbeat, make_install, serving
@@ -255,8 +256,12 @@ def _libpq(url: str) -> dict[str, Any]:
 
 
 async def test_database_outage_admin_writes_503_fast_gateway_keeps_routing(
-    tmp_path: Path, pg_cluster: Cluster, fake_engine: str
+    tmp_path: Path, pg_cluster: Cluster, fake_engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Health's ``database`` (unreachable, then ok again for "leading again") is the last members read,
+    # each READ_EVERY_S (1 s); read every 0.2 s here, as often as the lease is renewed. The bounds
+    # waited on (8 and 10 s) are far more than either interval.
+    monkeypatch.setattr(membership, "READ_EVERY_S", 0.2)
     url = pg_cluster.new_database()
     dbname = sa.make_url(url).database
     inst = _ha_install(tmp_path / "a", "cp-a", url, [])

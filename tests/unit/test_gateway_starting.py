@@ -162,17 +162,22 @@ async def test_an_old_cannot_be_placed_that_clears_within_the_grace_is_not_refus
     assert await waiter == READY
 
 
-def test_a_held_request_refused_is_counted_under_its_model() -> None:
+def test_a_held_request_refused_is_counted_under_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """A new user's finding: requests held for a model starting from zero that ended in 503
     ``model_unavailable`` were logged and counted under model ``-`` (``ctl usage --model`` missed
-    them). Through the real gateway: the exchange names the model."""
+    them). Through the real gateway: the exchange names the model. The gateway's holder says
+    'cannot start' after 0.3 s here rather than its 3 s (``starting.UNPLACEABLE_S``), which nothing here measures."""
+    import functools  # noqa: PLC0415
+
     import httpx  # noqa: PLC0415
 
+    from llmgw.control.gateway import app as gateway_app  # noqa: PLC0415
     from llmgw.control.gateway.app import build_gateway_app  # noqa: PLC0415
     from llmgw.control.gateway.inspect import Exchange  # noqa: PLC0415
     from llmgw.routing import StaticRouter  # noqa: PLC0415
     from tests.helpers.gateway import ServerThread  # noqa: PLC0415
 
+    monkeypatch.setattr(gateway_app, "Starting", functools.partial(Starting, unplaceable_s=0.3))
     seen: list[Exchange] = []
     router = StaticRouter(routes={"m": Route("m", unavailable="0/1 nodes can run it: too small", unplaceable=True)})
     app = build_gateway_app(router, keys={"sk-t"}, allow_loopback_without_key=False, observe=seen.append,
@@ -181,7 +186,7 @@ def test_a_held_request_refused_is_counted_under_its_model() -> None:
     try:
         url = f"http://127.0.0.1:{servers.serve(app)}/v1/chat/completions"
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        r = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-t"}, timeout=20)  # held ~3 s, then refused
+        r = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-t"}, timeout=20)  # held 0.3 s, then refused
         assert (r.status_code, r.json()["error"]["code"]) == (503, "model_unavailable"), r.text
         deadline = time.monotonic() + 5
         while not seen:

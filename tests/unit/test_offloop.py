@@ -13,6 +13,7 @@ call froze the loop, the heartbeat waited for the gate's timeout, and these test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import threading
@@ -298,9 +299,11 @@ def test_record_heartbeats_writes_a_batch_in_one_call(store: Store) -> None:
 
 class CountingLeader(Leader):
     passes = 0
+    last_at = 0.0  # the ``now`` of the latest pass: its clock read after the wake it answers was cleared
 
     def reconcile_once(self, now: float, *, answering: Collection[str] = (), dirty: bool = False) -> PassResult:
         self.passes += 1
+        self.last_at = now
         return super().reconcile_once(now, answering=answering, dirty=dirty)
 
 
@@ -316,13 +319,20 @@ async def test_a_burst_of_wakes_is_reconciled_by_a_few_passes_not_one_each(store
         for _ in range(50):
             leader.wake()
             await asyncio.sleep(0.01)
+        last_wake = time.time()  # the leader's clock
         # At least one pass (bounded: a starved machine may run it late, and then all 50 wakes are
-        # coalesced into it), then time for the passes the burst's later wakes may still cause.
+        # coalesced into it), then time for the passes the burst's later wakes may still cause: 1.5 s,
+        # or less once a pass has begun after the last wake with none pending (the leader's next pass
+        # is then its 60 s timed one: nothing more to count).
         async def passed() -> bool:
             return leader.passes >= 1
 
+        async def answered() -> bool:
+            return leader.last_at > last_wake and not leader._wake.is_set()
+
         await until("the leader's first pass", passed, within_s=30, every_s=0.05)
-        await asyncio.sleep(1.5)
+        with contextlib.suppress(AssertionError):  # not answered within 1.5 s: count what there is, as before
+            await until("a pass after the last wake", answered, within_s=1.5, every_s=0.02)
         assert 1 <= leader.passes <= 6
     finally:
         stop.set()

@@ -468,10 +468,12 @@ def test_an_embedding_request_its_client_leaves_holds_its_slot_until_the_engine_
     client does, and one slot: the next request reaches it only after the abandoned one is done; one
     left while it waits for the slot never reaches it."""
     seen: list[tuple[str, float, float]] = []
+    arrived: list[str] = []  # as each reaches the engine, a second before it is in ``seen``
 
     async def embed(request: web.Request) -> web.Response:
         body = await request.json()
         t0 = time.monotonic()
+        arrived.append(body["input"])
         await asyncio.sleep(1.0)  # computing, its client there or not
         seen.append((body["input"], t0, time.monotonic()))
         return web.json_response({"object": "list", "model": "emb", "data": [{"object": "embedding", "index": 0,
@@ -498,11 +500,14 @@ def test_an_embedding_request_its_client_leaves_holds_its_slot_until_the_engine_
         # on, it would have been computed for free (nothing charged: no replica had it).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             busy = pool.submit(httpx.post, url, json={"model": "emb", "input": "busy"}, timeout=10)
-            time.sleep(0.2)
+            _wait(lambda: "busy" in arrived)  # it holds the slot
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url, json={"model": "emb", "input": "queued"}, timeout=httpx.Timeout(5, read=0.3))
             assert busy.result().status_code == 200
-        time.sleep(1.5)  # what the engine would have taken for it
+        # Carried on, it would reach the engine as the slot came free, before busy's answer was out:
+        # 0.5 s is the slack the old wait for its end in ``seen`` left (1.5 s less its 1 s computing).
+        time.sleep(0.5)
+        assert arrived == ["left", "next", "busy"]
         assert [s[0] for s in seen] == ["left", "next", "busy"]
     finally:
         servers.close()

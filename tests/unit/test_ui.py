@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -183,12 +184,15 @@ async def test_viewer_is_read_only_and_sessions_expire(tmp_path: Path) -> None:
         r = await c.post(install.agent_url + "/agent/v1/register", data=heartbeat(), ssl=install.agent_ctx("node-1"))
         assert r.status == 200
         page = await _login(c, base, VIEWER)
+        logged_in = time.time()  # the session's login time (its "at", by this same clock) is before this
         assert "viewer" in page
         assert "Cordon" not in (await (await c.get(base + "/ui/nodes/node-1")).text())
         r = await c.post(base + "/ui/nodes/node-1/cordon", data={"csrf": _csrf(page)})
         assert r.status == 403
         assert "read-only" in await r.text()
-        await asyncio.sleep(3.1)  # ui.session_ttl_s: 2
+        # ui.session_ttl_s: 2, counted from the login by the server's time.time(); 0.1 s past it, not a
+        # fixed 3.1 s from here (the cookie, re-issued by each request, carries the login time along).
+        await asyncio.sleep(max(0.0, logged_in + 2 + 0.1 - time.time()))
         r = await c.get(base + "/ui/nodes/node-1", allow_redirects=False)
         assert r.status == 303
         assert r.headers["Location"].startswith("/ui/login?next=")
