@@ -33,8 +33,11 @@ from llmgw.protocol import Heartbeat, HeartbeatReply, LogReply, LogRequest, Repl
 from llmgw.tlsconf import CA, client_context, peer_common_name, server_context
 from tests.helpers.waits import until
 
-INTERVAL_S = 0.3
-"""The agent's heartbeat interval in these tests: well under the first back-off step (1 s)."""
+INTERVAL_S = 0.1
+"""The agent's heartbeat interval in these tests: well under the first back-off step (1 s). The
+tests count beats, so each beat waited for is one interval (and the agent's own 0.1 s between
+beats) of the test's time; a bound on a beat's timing is this interval plus the same slack as at
+0.3 s."""
 
 
 @dataclass
@@ -284,9 +287,13 @@ async def test_all_down_backs_off_then_recovers_when_one_returns(
 
 
 async def test_a_reply_with_a_lower_term_is_not_applied(
-    world: World, start_agent: object, caplog: pytest.LogCaptureFixture
+    world: World, start_agent: object, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
+    # Each unusable reply here is a failed cycle, backed off: up to 1, 2, then 5 s before the beat
+    # the test waits for. The back-off is not what this test measures (test_all_down_… does):
+    # a fifth of the caps, read at each cycle (backoff_s), well inside every wait's 10 s.
+    monkeypatch.setattr("llmgw.agent.loop.controlplanes.BACKOFF_S", tuple(s / 5 for s in BACKOFF_S))
     a, b = ranked(world.cps[:2])
     world.db.desired = [_spec("r-1")]
     run = await start_agent(world.config([a.url, b.url]))  # type: ignore[operator]

@@ -326,9 +326,19 @@ def test_verify_peer_cert(pki: Pki) -> None:
 # --- the forwarder accepts only the head engine's process --------------------------------------
 
 
+def short_allow_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on the forwarder looks for a connection's process among the allowed ones for 0.1 s,
+    not ALLOW_WAIT_S (2 s, for an engine that dials before the runner's thread allows it), before
+    it refuses (read at each connection): each refusal here waited the whole 2 s. A connection
+    from a process allowed before it connected is found at the first look, made however short the
+    wait."""
+    monkeypatch.setattr("llmgw.agent.groups.groupnet.ALLOW_WAIT_S", 0.1)
+
+
 async def test_forwarder_refuses_before_allow_and_other_processes(
-    tunnel: WorkerTunnel, pki: Pki, tmp_path: Path
+    tunnel: WorkerTunnel, pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    short_allow_wait(monkeypatch)  # the only connection let through is this process's, allowed long before
     fwd = _forwarder(pki, {"worker-1": tunnel.endpoint})
     port = int((await fwd.start())["worker-1"].rsplit(":", 1)[1])
     assert await _roundtrip(port) == b""  # nobody allowed yet
@@ -351,7 +361,9 @@ async def test_forwarder_refuses_before_allow_and_other_processes(
     await fwd.close()
 
 
-async def test_forwarder_accepts_the_allowed_child_process(tunnel: WorkerTunnel, pki: Pki, tmp_path: Path) -> None:
+async def test_forwarder_accepts_the_allowed_child_process(
+    tunnel: WorkerTunnel, pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The allowed pid is another process (as llama-server is): its connection goes through."""
     fwd = _forwarder(pki, {"worker-1": tunnel.endpoint})
     port = int((await fwd.start())["worker-1"].rsplit(":", 1)[1])
@@ -361,6 +373,7 @@ async def test_forwarder_accepts_the_allowed_child_process(tunnel: WorkerTunnel,
     fwd.allow(proc.pid)
     out, _ = await proc.communicate()
     assert out.decode().strip() == "b'hello'"
+    short_allow_wait(monkeypatch)  # the child's connection had the whole 2 s; this refusal need not wait them
     assert await _roundtrip(port) == b""  # the test process itself is not allowed
     await fwd.close()
 
@@ -412,17 +425,29 @@ async def test_link_in_namespace_of_a_gone_process() -> None:
         await EngineLink.in_namespace_of(proc.pid, timeout_s=0.2)
 
 
-async def test_an_engine_stopped_while_starting_is_not_left_behind(tmp_path: Path) -> None:
+async def test_an_engine_stopped_while_starting_is_not_left_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A runner stopped while its engine starts (the spec changed, the agent stops) cancels
     start_isolated: the engine must go with it. This cancels while it waits for the engine to
-    listen (the long window); the short one while its namespace is joined is handled the same way
-    but too brief to hit from a test."""
+    listen (the long window: once start_isolated waits for it and the engine runs its own code);
+    the short one while its namespace is joined is handled the same way but too brief to hit from
+    a test."""
     import psutil  # noqa: PLC0415
 
-    slow = tmp_path / "slow.py"
-    slow.write_text("import time\ntime.sleep(60)\n")  # never listens
+    slow, started = tmp_path / "slow.py", tmp_path / "started"
+    slow.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(60)\n")  # never listens
+    waiting = asyncio.Event()
+    wait_listening = EngineLink.wait_listening
+
+    async def spied(link: EngineLink, timeout_s: float, exited: Callable[[], bool] | None = None) -> None:
+        waiting.set()
+        await wait_listening(link, timeout_s, exited)
+
+    monkeypatch.setattr(EngineLink, "wait_listening", spied)
     task = asyncio.create_task(start_isolated(lambda _port: [sys.executable, str(slow)], ready_timeout_s=30))
-    await asyncio.sleep(1.0)
+    await _wait_for(lambda: waiting.is_set() and started.exists(), within_s=20)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
