@@ -5,7 +5,6 @@ real HTTP server for the sources; nothing mocked."""
 
 from __future__ import annotations
 
-import functools
 import pathlib
 from collections.abc import Iterator
 
@@ -14,19 +13,13 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app
-from llmgw.control.reconcile.leader import Leader
 from tests.helpers.control import Install, make_install
 from tests.helpers.gateway import ServerThread
 from tests.unit.test_ctl_model_rm import ThreadedControlPlane
 
 
 @pytest.fixture
-def cp(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Install]:
-    """The control plane, its leader passing every 0.2 s rather than every 2 s (at least 1 s apart):
-    the pass an add wakes learns of the model and the one after it reads the source's header, so
-    each add waited ~3 s of its 5 s (SOURCE_CHECK_S) for a pass; now under 1 s. ``serve`` builds
-    its Leader at each term (this test's control plane is elected once, after the patch)."""
-    monkeypatch.setattr("llmgw.control.server.Leader", functools.partial(Leader, interval_s=0.2, min_gap_s=0.2))
+def cp(tmp_path: pathlib.Path) -> Iterator[Install]:
     inst = make_install(tmp_path)
     with ThreadedControlPlane(inst):
         yield inst

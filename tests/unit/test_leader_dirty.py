@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
 from llmgw.catalog import Model, Profile, Scaling
+from llmgw.control.placement import estimate as est
 from llmgw.control.placement.checks import Reservation
 from llmgw.control.placement.placer import Placer
 from llmgw.control.reconcile.leader import DEFAULT_INTERVAL_S, Leader
 from llmgw.control.reconcile.view import ROLL_PARTS, ROLL_S, Roll, View
 from llmgw.control.store import Store, open_store
+from llmgw.control.store.offloop import OffLoop
 from llmgw.control.store.rows import BeatWrite
 from llmgw.protocol import EngineStatus, Heartbeat, Inventory, ProvisionState, ReplicaState, ReplicaStatus
+from tests.conftest import Assets
 from tests.helpers.nodes import node
+from tests.helpers.waits import until
 
 GB = 1_000_000_000
 LLAMA = EngineStatus(engine="llamacpp", state=ProvisionState.INSTALLED, version="b1")
@@ -259,3 +264,37 @@ async def test_a_leader_cancelled_between_passes_leaves_no_task_behind(store: St
     await asyncio.sleep(0)  # a cancelled waiter ends at the loop's next turn
     left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert left == []
+
+
+async def test_a_new_models_header_is_read_after_the_pass_that_learns_of_it(store: Store, assets: Assets) -> None:
+    """The loop reads the GGUF header of a model its pass just learned of right after that pass, and
+    wakes a pass to count it; before, only the pass after next read it (the read came before each
+    pass, from the view of the last one): ``ctl model add`` waited 2-3 s for its source check, and
+    here, with no timed pass for 60 s, a minute. The header is gemma's own, read from the file
+    (:func:`~llmgw.control.placement.estimate.read_facts`) in the reader's stead."""
+    gemma = est.read_facts(f"file:{assets.model}")
+    reads: list[str] = []
+
+    def read_facts(source: str) -> est.GgufFacts:
+        reads.append(source)
+        return gemma
+
+    db = OffLoop(workers=2)
+    leader = Leader(store, node_lost_after_s=30, db=db, interval_s=60, read_facts=read_facts)
+    stop = asyncio.Event()
+    running = asyncio.create_task(leader.run(stop))
+    try:
+        await until("the first pass", lambda: _async(leader._view is not None), within_s=30, every_s=0.05)
+        source = "http://mirror/unsized.gguf"
+        store.add_model(Model(name="unsized", source=source, profiles=[Profile(name="cpu")]), now=time.time())
+        leader.wake()
+        await until("the new model's header read", lambda: _async(reads == [source]), within_s=10, every_s=0.05)
+        assert store.list_gguf_facts()[source][0]  # stored, no error
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        db.close()
+
+
+async def _async(value: bool) -> bool:
+    return value

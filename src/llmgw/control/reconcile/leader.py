@@ -12,12 +12,12 @@ most one pass starts per :data:`MIN_GAP_S`, and wakes that arrive while a pass r
 one more pass: adding 50 models in a burst, and the 100 heartbeats that report their replicas
 ready, cost a handful of passes, not 150.
 
-Before each pass (:meth:`Leader.run`, off the event loop): GGUF headers of models whose profiles
-give no ``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored
-(a failed source retried after :data:`.facts.FACTS_RETRY_S`); then every ``ready`` replica whose node
-is silent (no heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine probed as the
-gateway would reach it (:mod:`llmgw.control.reconcile.probe`, on the loop). The pass itself never
-does network I/O.
+Before each pass, and after one that learned of a model (a pass follows; ``ctl model add`` waited 2-3 s
+when only the next timed pass read it), off the loop: GGUF headers of models whose profiles give no
+``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored (a failed
+source retried after :data:`.facts.FACTS_RETRY_S`); then every ``ready`` replica whose node is silent (no
+heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine probed as the gateway would reach
+it (:mod:`llmgw.control.reconcile.probe`, on the loop). The pass itself never does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order (a *dirty* pass, what the loop runs
 between full ones, reads only what changed and visits only the models that may need work:
@@ -45,25 +45,24 @@ comes every :data:`~.view.RESYNC_S`):
    replica placed in its stead carries ``restarts + 1`` and its error as ``last_error``.
 4. **Models**, by name: the newest replicas above the wanted count drain, then stop
    (:mod:`.drainer`: autoscaling's scale-down and ``ctl model scale`` alike); place new ones until the wanted count
-   (``scaling.min``, or the autoscaler's last decision: :func:`.autoscale.wanted_replicas`) with
-   one :class:`~llmgw.control.placement.placer.Placer` for the whole pass (each
-   placement sees the reservations of every one before it, of any model, so replicas spread and
-   two never get one GPU); store the :class:`~llmgw.views.ExplainView` for every model,
-   placed or not, so ``explain-placement`` always answers from the last pass. An explanation
-   equal to the one this leader last stored for the model (``evaluated_at`` aside) is not written
-   again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that first
-   reached the current verdict.
+   (``scaling.min``, or the autoscaler's last decision: :func:`.autoscale.wanted_replicas`) with one
+   :class:`~llmgw.control.placement.placer.Placer` for the whole pass (each placement sees the reservations of
+   every one before it, of any model, so replicas spread and two never get one GPU); store the
+   :class:`~llmgw.views.ExplainView` for every model, placed or not, so ``explain-placement`` always answers
+   from the last pass. An explanation equal to the one this leader last stored for the model (``evaluated_at``
+   aside) is not written again: a steady cluster's passes write nothing, and ``evaluated_at`` is the pass that
+   first reached the current verdict.
 
-A profile without ``min_memory_gb`` reserves its GGUF's estimate once the header is known, nothing
-before (:mod:`llmgw.control.placement.inputs`). Every write is optimistic (revision checked); a row
-that changed under the pass is left for the next pass. A new replica is ``pending`` with a fresh id
-(``<model>-<6 hex>``) and key until its node reports it.
+A profile without ``min_memory_gb`` reserves its GGUF's estimate once the header is known, nothing before
+(:mod:`llmgw.control.placement.inputs`). Every write is optimistic (revision checked); a row that changed
+under the pass is left for the next pass. A new replica is ``pending`` with a fresh id (``<model>-<6 hex>``)
+and key until its node reports it.
 
-What it does not guarantee: a node that flaps past ``node_lost_after_s`` while its engines do not
-answer the probe loses its replicas and gets new ones (new ids and keys, so engines restart); an
-engine kept by the probe is watched by nobody but that probe until its agent returns (a crash
-shows as a failed probe, one pass later); replicas are not moved to a better node once placed; a
-profile or version change replaces every replica of the model at once, not one by one.
+What it does not guarantee: a node that flaps past ``node_lost_after_s`` while its engines do not answer the
+probe loses its replicas and gets new ones (new ids and keys, so engines restart); an engine kept by the probe
+is watched by nobody but that probe until its agent returns (a crash shows as a failed probe, one pass later);
+replicas are not moved to a better node once placed; a profile or version change replaces every replica of
+the model at once, not one by one.
 """
 
 from __future__ import annotations
@@ -100,9 +99,8 @@ from llmgw.views import ExplainView
 
 log = logging.getLogger(__name__)
 
-#: Seconds between the starts of passes when nothing wakes the loop (at least :data:`MIN_GAP_S`
-#: between one's end and the next's start); an admin change or a heartbeat that changed something
-#: wakes it at once (events, not timers, decide how fast a model gets placed).
+#: Seconds between the starts of passes when nothing wakes the loop (at least :data:`MIN_GAP_S` between one's
+#: end and the next's start); an admin change or a heartbeat that changed something wakes it at once.
 DEFAULT_INTERVAL_S = 2.0
 
 #: How long a wake waits before its pass starts (seconds), so that a burst of admin writes or
@@ -229,6 +227,8 @@ class Leader:
             try:
                 await run_off(self.db, self.refresh_facts, self.clock())
                 await self.pass_once(self.clock(), dirty=True)
+                if await run_off(self.db, self.refresh_facts, self.clock()):  # a model the pass learned of
+                    self._wake.set()
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
