@@ -22,12 +22,18 @@ def write_config(tmp_path: Path) -> Path:
     cert, key = ca.issue_client("node-1").write(tmp_path, "agent")
     inv = tmp_path / "inventory.json"
     inv.write_text(json.dumps({"cores": 2, "memory_total_bytes": 4, "memory_available_bytes": 2}))
+    # A stand-in llama-server: with no binary configured the agent would fetch llama.cpp's release
+    # from GitHub (it failed at once here, with no DNS; elsewhere it would really try).
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/bin/sh\necho "version: 4242 (feedbee)"\n')
+    fake.chmod(0o755)
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(
         "server: https://127.0.0.1:9\n"  # nothing listens there
         "node_id: node-1\n"
         f"tls: {{ca: {tmp_path}/pki/ca.pem, cert: {cert}, key: {key}}}\n"
         f"discovery: {{inventory_file: {inv}}}\n"
+        f"engines: {{llamacpp: {{binary: {fake}}}}}\n"
         "heartbeat_interval_s: 0.2\n"
     )
     return cfg
