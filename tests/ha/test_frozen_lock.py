@@ -13,8 +13,9 @@ no view names the old term's leader once its lease has ended, and after ``SIGCON
 never leads again (watched 3 s: its next renewal answered or timed out), its writes are refused and
 the frozen backend exits (it was terminated). The second test freezes the leading control plane's
 process instead (its backend idle and alive: the server's view of a leader cut off by the network).
-The two share one cluster: about 38 s for both on 2 cores, its start included (37-38 s at load
-3.7-6.5, 2026-12-06; 41-44 s with the 5 s watch after ``SIGCONT`` that tests/ha/freeze.py's
+The two share one cluster: about 34 s for both on 2 cores, its start included (32-34 s alone with
+the control planes starting while the standbys bootstrap, 39-41 s at load ~4; 37-38 s at load
+3.7-6.5, 2026-12-06, before that overlap; 41-44 s with the 5 s watch after ``SIGCONT`` that tests/ha/freeze.py's
 ``AFTER_S`` replaced; 47 s at load 3-4, 2026-12-03).
 """
 
