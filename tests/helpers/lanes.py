@@ -22,25 +22,25 @@ from xdist.scheduler import LoadScopeScheduling
 #: CPU counts every process it started; 3 lanes, this machine otherwise idle: the dates below). A file
 #: not named counts :data:`UNKNOWN`; a stale figure only unbalances the lanes.
 FILE_S = {
-    # The lanes part of scripts/test at 10:24 on 2026-12-06 (engines at one thread; test_failover and
-    # test_orphan under their lighter load of that day; 137 s in all, the machine a little slow).
-    "tests/ha/test_failover.py": (110, 69),
-    "tests/ha/test_orphan.py": (53, 32),
-    "tests/e2e/test_routing_e2e.py": (50, 42),
-    "tests/ha/test_frozen_lock.py": (43, 16),
-    "tests/unit/test_autoscale_cluster.py": (38, 5),
-    "tests/e2e/test_service_restart.py": (25, 18),
-    "tests/unit/test_election.py": (15, 0.5),
-    "tests/unit/test_gateway_routing.py": (11, 0),
-    "tests/e2e/test_replicas_routing.py": (9, 9),
-    "tests/unit/test_key_set.py": (7, 3.5),
-    "tests/unit/test_gateway_reload.py": (7, 0),
-    "tests/unit/test_judge_admission.py": (6.5, 0),
-    "tests/ha/test_keys_cutoff.py": (6, 0.5),  # it waits on a cut-off's timers
-    "tests/e2e/test_adoption.py": (6, 4),
-    "tests/e2e/test_processes.py": (6, 3),
-    "tests/unit/test_fair_queue.py": (1, 0),
-    "tests/ha/test_checks.py": (1, 0),  # the checks' own logic, no cluster
+    # The lanes part of scripts/test at 15:56 on 2026-12-06 (LLMGW_TEST_CPU; 136 s in all, the machine
+    # slow then: bench/beat_store.py's read 865 µs).
+    "tests/ha/test_failover.py": (100, 70),
+    "tests/e2e/test_routing_e2e.py": (60, 44),
+    "tests/ha/test_orphan.py": (50, 38),
+    "tests/ha/test_frozen_lock.py": (41, 15),
+    "tests/unit/test_autoscale_cluster.py": (37, 5.5),
+    "tests/e2e/test_service_restart.py": (23, 17),
+    "tests/unit/test_election.py": (14, 0.5),
+    "tests/e2e/test_replicas_routing.py": (11, 10),
+    "tests/e2e/test_adoption.py": (11, 5.4),
+    "tests/ha/test_keys_cutoff.py": (6.3, 0.5),  # it waits on a cut-off's timers
+    "tests/unit/test_key_set.py": (4.7, 2.2),
+    "tests/unit/test_gateway_reload.py": (3.8, 0.2),
+    "tests/unit/test_gateway_routing.py": (3.2, 0.1),
+    "tests/e2e/test_processes.py": (3.1, 2.5),
+    "tests/unit/test_judge_admission.py": (1.2, 0),
+    "tests/unit/test_fair_queue.py": (0.2, 0),
+    "tests/ha/test_checks.py": (0.1, 0),  # the checks' own logic, no cluster
 }
 UNKNOWN = (5, 5)
 #: A file whose CPU is at least this share of its wall time keeps a core busy (the HA clusters under
