@@ -128,6 +128,15 @@ def _api_error(status: int, data: Any, base_url: str) -> ApiError:
     return ApiError(f"the gateway answered {status}: {message}", status=status, code=code)
 
 
+def _blocked(guard: dict[str, Any], base_url: str) -> ApiError:
+    """A streamed answer the guardrails held back: the gateway ends the stream with one
+    ``content_filter`` chunk and its ``llmgw_guard`` (``direction``, ``categories``, ``policy``),
+    nothing of the answer sent (llmgw.control.gateway.guard). Said as the plain answer's 400 says it."""
+    cats = ", ".join(str(c) for c in guard.get("categories") or ())
+    message = f"the answer was blocked by policy '{guard.get('policy', '?')}'" + (f" ({cats})" if cats else "")
+    return _api_error(400, {"error": {"code": "content_blocked", "message": message}}, base_url)
+
+
 def _raise_for(resp: httpx.Response, base_url: str) -> None:
     if resp.status_code < 400:
         return
@@ -187,7 +196,8 @@ def stream_chat(
 
     Raises (while iterating):
         UnreachableError: the gateway does not answer, or broke off mid-answer.
-        ApiError: an error status, or an error event in the stream (the server's message).
+        ApiError: an error status, or an error event in the stream (the server's message), or an
+            answer the guardrails blocked (400 ``content_blocked``: a ``content_filter`` ending).
     """
     base_url = normalize_url(base_url)
     body: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": message}], "stream": True}
@@ -209,6 +219,8 @@ def stream_chat(
                 if "error" in event:
                     raise _api_error(502, event, base_url)
                 for choice in event.get("choices") or ():
+                    if choice.get("finish_reason") == "content_filter":
+                        raise _blocked(event.get("llmgw_guard") or {}, base_url)
                     text = (choice.get("delta") or {}).get("content")
                     if text:
                         yield text

@@ -27,6 +27,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from llmgw import client
 from llmgw.apikeys import key_digest
 from llmgw.control.gateway.app import build_gateway_app
 from llmgw.control.gateway.callers import Callers
@@ -34,6 +35,7 @@ from llmgw.control.gateway.guard import GuardInspector, HeldStream
 from llmgw.control.gateway.inspect import Exchange
 from llmgw.control.gateway.keys import GatewayKeys
 from llmgw.control.store.rows import ApiKeyRow
+from llmgw.errors import ApiError
 from llmgw.guard.config import Controversial, Direction, FailMode, GuardConfig, Policy, key_id
 from llmgw.guard.judge import JudgeClient, JudgeRoute
 from llmgw.routing import Route, StaticRouter, Upstream
@@ -205,6 +207,17 @@ def test_blocked_stream_with_the_openai_client(env: Env) -> None:
     )
     assert chunks[-1].choices[0].finish_reason == "content_filter"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+
+
+def test_llmgw_chat_says_a_blocked_stream_was_blocked(env: Env) -> None:
+    """``llmgw chat`` streams (client.stream_chat): a blocked answer printed an empty line and exited 0
+    (a new user's finding). It raises the plain answer's 400 ``content_blocked``, with the policy and
+    categories the stream's last chunk carries."""
+    with pytest.raises(ApiError) as err:
+        list(client.stream_chat(env.url, KEY, "evil", "hi"))
+    assert (err.value.status, err.value.code) == (400, "content_blocked")
+    assert "the answer was blocked by policy 'strict' (Violent)" in str(err.value)
+    assert list(client.stream_chat(env.url, KEY, "chat", "hi"))  # a safe one still streams
 
 
 def test_safe_stream_is_held_then_sent_whole(env: Env) -> None:
