@@ -218,12 +218,12 @@ class _Gateway:
         ))
 
     # -- models --------------------------------------------------------------------------------
-    def _visible(self, caller: Caller) -> list[str]:
-        """The chat models ``caller`` may use, by catalog name."""
-        names = [r.model for r in self.router.chat_models()]
+    def _visible(self, caller: Caller) -> list[Route]:
+        """The chat models ``caller`` may use (one read of the table), sorted by name."""
+        routes = self.router.chat_models()
         if caller.models is None:
-            return names
-        return [n for n in names if self.callers.may_use(caller, n, n, self._resolve_name)]
+            return routes
+        return [r for r in routes if self.callers.may_use(caller, r.model, r.model, self._resolve_name)]
 
     def _resolve_name(self, name: str) -> str | None:
         route = self.router.resolve(name)
@@ -235,8 +235,7 @@ class _Gateway:
         caller = self.authenticate(request, "models")
         if isinstance(caller, web.Response):
             return caller
-        visible = set(self._visible(caller))
-        data = [_model_object(r.model, r.created) for r in self.router.chat_models() if r.model in visible]
+        data = [_model_object(r.model, r.created) for r in self._visible(caller)]
         return self._listed(request, caller, "", web.json_response({"object": "list", "data": data}), started_ns)
 
     async def model(self, request: web.Request) -> web.Response:
@@ -264,9 +263,8 @@ class _Gateway:
         return response
 
     def _not_found(self, name: str, caller: Caller) -> web.Response:
-        aliases = {r.model: r.aliases for r in self.router.chat_models()}  # each named: they are what clients type
-        known = ", ".join(f"{n} (alias {', '.join(sorted(aliases[n]))})" if aliases.get(n) else n
-                          for n in self._visible(caller)) or (
+        known = ", ".join(f"{r.model} (alias {', '.join(sorted(r.aliases))})" if r.aliases else r.model
+                          for r in self._visible(caller)) or (  # the aliases named: they are what clients type
             f"none this key may use (it may use only {', '.join(sorted(caller.models))}; see 'llmgw ctl key ls')"
             if caller.models is not None else "(none yet)")
         lower, model = name.lower(), self._resolve_name(name.lower())  # 'TB' for the alias 'tb' (an operator's finding)
