@@ -12,12 +12,13 @@ most one pass starts per :data:`MIN_GAP_S`, and wakes that arrive while a pass r
 one more pass: adding 50 models in a burst, and the 100 heartbeats that report their replicas
 ready, cost a handful of passes, not 150.
 
-Before each pass, and after one that learned of a model (a pass follows; ``ctl model add`` waited 2-3 s
-when only the next timed pass read it), off the loop: GGUF headers of models whose profiles give no
-``min_memory_gb`` are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored (a failed
-source retried after :data:`.facts.FACTS_RETRY_S`); then every ``ready`` replica whose node is silent (no
-heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine probed as the gateway would reach
-it (:mod:`llmgw.control.reconcile.probe`, on the loop). The pass itself never does network I/O.
+After each pass, off the loop, GGUF headers of the models it saw whose profiles give no ``min_memory_gb``
+are read from the mirror (:mod:`llmgw.control.placement.estimate`) and stored (a failed source retried after
+:data:`.facts.FACTS_RETRY_S`); a header read wakes a pass to count it (read before each pass instead, a new
+model's waited for the pass after next: ``ctl model add`` waited 2-3 s). Before each pass every ``ready``
+replica whose node is silent (no heartbeat for ``node_lost_after_s``, or already ``lost``) has its engine
+probed as the gateway would reach it (:mod:`llmgw.control.reconcile.probe`, on the loop). The pass itself
+never does network I/O.
 
 Each pass (:meth:`Leader.reconcile_once`), in this order (a *dirty* pass, what the loop runs
 between full ones, reads only what changed and visits only the models that may need work:
@@ -225,9 +226,8 @@ class Leader:
             self._wake.clear()
             started = time.monotonic()
             try:
-                await run_off(self.db, self.refresh_facts, self.clock())
                 await self.pass_once(self.clock(), dirty=True)
-                if await run_off(self.db, self.refresh_facts, self.clock()):  # a model the pass learned of
+                if await run_off(self.db, self.refresh_facts, self.clock()):  # a pass counts what was read
                     self._wake.set()
             except Exception:
                 log.exception("reconcile pass failed; the next pass retries")
@@ -249,8 +249,8 @@ class Leader:
         return max(self.min_gap_s, self.interval_s - (time.monotonic() - started))
 
     def refresh_facts(self, now: float) -> list[str]:
-        """Read the GGUF headers that are missing (:func:`.facts.refresh`); returns the sources
-        read. From the view when the next pass is a dirty one (no store trip unless one is read)."""
+        """Read the GGUF headers that are missing (:func:`.facts.refresh`), after a pass; returns the
+        sources read. From the view when the next pass is a dirty one (no store trip unless one is read)."""
         return facts.refresh(self.store, None if self._full_due(now) else self._view, self.read_facts, now)
 
     def _full_due(self, now: float) -> bool:
